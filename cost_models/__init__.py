@@ -1,0 +1,1 @@
+"""Hardware and interconnect descriptions (data, not code). Found via importlib.resources."""

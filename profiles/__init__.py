@@ -1,0 +1,1 @@
+"""Measured op-profile databases, one JSON file per device (written by `autoplan profile`)."""
