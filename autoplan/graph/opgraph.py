@@ -1,0 +1,354 @@
+"""OpGraph: the framework-free operator graph every later stage reads.
+
+An ``OpGraph`` is what ``autoplan.trace`` returns. It holds no torch objects: only names, shapes,
+dtypes and numbers, so it is frozen, hashable in content (``fingerprint``), and round-trips
+through JSON byte for byte.
+
+Vocabulary
+- A *value* is one tensor of the traced program: a graph input, a parameter, a buffer, a
+  constant, or an op output. Views do not own memory: a value's ``base`` names the value that
+  owns its storage (itself for owners), which is how activation liveness de-duplicates.
+- An *op* is one aten call in topological order, with its kind (from the rule registry in
+  ``oprules``), forward/backward FLOPs, bytes moved, the parameters it reads, the module path it
+  came from, and what autograd keeps for backward (``saved`` values plus internal tensors such as
+  dropout masks).
+- A *block* is a repeated module (the N layers of a transformer): its instances are contiguous
+  op ranges with the same structure, so later stages solve one instance and reuse it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field, fields
+from functools import cached_property
+from typing import Any
+
+from autoplan.errors import TraceError
+
+SCHEMA_VERSION = 1
+
+_ITEMSIZE = {
+    "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1,
+    "complex64": 8, "complex128": 16,
+    "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint8": 1, "bool": 1,
+}
+FLOAT_DTYPES = frozenset({"float64", "float32", "float16", "bfloat16", "float8_e4m3fn",
+                          "float8_e5m2"})
+
+
+def dtype_itemsize(dtype: str) -> int:
+    try:
+        return _ITEMSIZE[dtype]
+    except KeyError:
+        raise TraceError(f"unknown dtype {dtype!r}; known: {sorted(_ITEMSIZE)}") from None
+
+
+@dataclass(frozen=True, kw_only=True)
+class TensorMeta:
+    """Shape and dtype of one tensor (dtype as torch names it, without the ``torch.`` prefix)."""
+
+    shape: tuple[int, ...]
+    dtype: str
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+    @property
+    def itemsize(self) -> int:
+        return dtype_itemsize(self.dtype)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.itemsize
+
+    @property
+    def is_float(self) -> bool:
+        return self.dtype in FLOAT_DTYPES
+
+    def to_json(self) -> list:
+        return [list(self.shape), self.dtype]
+
+    @staticmethod
+    def from_json(obj: Any) -> TensorMeta:
+        shape, dtype = obj
+        return TensorMeta(shape=tuple(int(d) for d in shape), dtype=str(dtype))
+
+
+VALUE_KINDS = ("input", "param", "buffer", "constant", "activation")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Value:
+    """One tensor of the program. ``base`` is the value owning its storage (itself if owner)."""
+
+    name: str
+    kind: str                   # one of VALUE_KINDS
+    meta: TensorMeta
+    base: str
+    requires_grad: bool = False
+    fqn: str = ""               # parameters and buffers: the module attribute path
+
+    @property
+    def is_view(self) -> bool:
+        return self.base != self.name
+
+
+@dataclass(frozen=True, kw_only=True)
+class Op:
+    """One aten call. FLOPs are for the traced batch; ``bwd_flops`` is the backward's estimate."""
+
+    name: str
+    target: str                 # e.g. "aten.linear.default"
+    kind: str                   # rule family, see oprules.OP_KINDS
+    inputs: tuple[str, ...]     # tensor value names, in argument order
+    outputs: tuple[str, ...]    # tensor value names produced
+    args: str                   # canonical JSON of the call: tensors as {"v": name}; for profiling
+    fwd_flops: int
+    bwd_flops: int
+    bytes_read: int
+    bytes_written: int
+    params: tuple[str, ...]     # FQNs of the parameters (and buffers) this op reads directly
+    module_path: str            # innermost nn.Module path ("" for the root)
+    module_type: str            # its class, e.g. "torch.nn.modules.linear.Linear"
+    saved: tuple[str, ...] = ()             # values autograd keeps for this op's backward
+    saved_internal: tuple[TensorMeta, ...] = ()  # tensors it keeps that are not graph values
+    differentiable: bool = True
+
+    @property
+    def is_view(self) -> bool:
+        return self.kind == "view"
+
+
+@dataclass(frozen=True, kw_only=True)
+class BlockInstance:
+    path: str                   # module path of this instance, e.g. "layers.7"
+    start: int                  # index of its first op in OpGraph.ops
+    stop: int                   # one past its last op
+
+
+@dataclass(frozen=True, kw_only=True)
+class Block:
+    """A repeated module: instances share ``signature`` (ops, kinds and shapes in order)."""
+
+    name: str                   # container path, e.g. "layers" or "transformer.h"
+    module_type: str
+    signature: str
+    instances: tuple[BlockInstance, ...]
+
+    @property
+    def num_ops(self) -> int:
+        first = self.instances[0]
+        return first.stop - first.start
+
+
+@dataclass(frozen=True, kw_only=True)
+class OpGraph:
+    name: str
+    ops: tuple[Op, ...]
+    values: tuple[Value, ...]
+    inputs: tuple[str, ...]     # user inputs, in call order
+    outputs: tuple[str, ...]
+    blocks: tuple[Block, ...]
+    batch_size: int             # leading dim of the first input at trace time
+    meta: Mapping[str, Any] = field(default_factory=dict)  # provenance (torch version, ...)
+    schema_version: int = SCHEMA_VERSION
+
+    # ---- look-ups -------------------------------------------------------------------------
+    @cached_property
+    def _values_by_name(self) -> dict[str, Value]:
+        return {v.name: v for v in self.values}
+
+    @cached_property
+    def _op_index(self) -> dict[str, int]:
+        return {op.name: i for i, op in enumerate(self.ops)}
+
+    def value(self, name: str) -> Value:
+        try:
+            return self._values_by_name[name]
+        except KeyError:
+            raise KeyError(f"no value {name!r} in graph {self.name!r}") from None
+
+    def op_index(self, name: str) -> int:
+        return self._op_index[name]
+
+    @cached_property
+    def params(self) -> tuple[Value, ...]:
+        return tuple(v for v in self.values if v.kind == "param")
+
+    @cached_property
+    def buffers(self) -> tuple[Value, ...]:
+        return tuple(v for v in self.values if v.kind == "buffer")
+
+    @property
+    def num_params(self) -> int:
+        return sum(p.meta.numel for p in self.params)
+
+    @property
+    def param_bytes(self) -> int:
+        return sum(p.meta.nbytes for p in self.params)
+
+    @property
+    def fwd_flops(self) -> int:
+        return sum(op.fwd_flops for op in self.ops)
+
+    @property
+    def bwd_flops(self) -> int:
+        return sum(op.bwd_flops for op in self.ops)
+
+    def block_of_op(self) -> list[tuple[Block, int] | None]:
+        """For each op index: (block, instance index) when it belongs to a repeated block."""
+        out: list[tuple[Block, int] | None] = [None] * len(self.ops)
+        for block in self.blocks:
+            for k, inst in enumerate(block.instances):
+                for i in range(inst.start, inst.stop):
+                    out[i] = (block, k)
+        return out
+
+    def ops_between(self, start: int, stop: int) -> tuple[Op, ...]:
+        return self.ops[start:stop]
+
+    # ---- serialization --------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "schema_version": self.schema_version,
+            "name": self.name,
+            "batch_size": self.batch_size,
+            "inputs": list(self.inputs),
+            "outputs": list(self.outputs),
+            "meta": dict(self.meta),
+            "values": [_value_to_json(v) for v in self.values],
+            "ops": [_op_to_json(op) for op in self.ops],
+            "blocks": [_block_to_json(b) for b in self.blocks],
+        }
+
+    def to_json(self, *, indent: int | None = None) -> str:
+        return json.dumps(self.to_dict(), indent=indent, sort_keys=True)
+
+    @staticmethod
+    def from_dict(d: Mapping[str, Any]) -> OpGraph:
+        try:
+            version = int(d["schema_version"])
+            if version != SCHEMA_VERSION:
+                raise TraceError(f"OpGraph schema version {version} is not supported "
+                                 f"(this autoplan reads version {SCHEMA_VERSION}); re-trace the model")
+            return OpGraph(
+                name=str(d["name"]),
+                batch_size=int(d["batch_size"]),
+                inputs=tuple(d["inputs"]),
+                outputs=tuple(d["outputs"]),
+                meta=dict(d.get("meta", {})),
+                values=tuple(_value_from_json(v) for v in d["values"]),
+                ops=tuple(_op_from_json(o) for o in d["ops"]),
+                blocks=tuple(_block_from_json(b) for b in d["blocks"]),
+            )
+        except (KeyError, TypeError, ValueError) as e:
+            raise TraceError(f"malformed OpGraph JSON: {type(e).__name__}: {e}") from e
+
+    @staticmethod
+    def from_json(text: str) -> OpGraph:
+        try:
+            d = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise TraceError(f"OpGraph file is not valid JSON: {e}") from e
+        return OpGraph.from_dict(d)
+
+    def fingerprint(self) -> str:
+        """sha256 of the graph's structure (provenance metadata excluded)."""
+        d = self.to_dict()
+        d.pop("meta")
+        blob = json.dumps(d, sort_keys=True, separators=(",", ":")).encode()
+        return hashlib.sha256(blob).hexdigest()
+
+    # ---- summary --------------------------------------------------------------------------
+    def kind_histogram(self) -> dict[str, int]:
+        hist: dict[str, int] = {}
+        for op in self.ops:
+            hist[op.kind] = hist.get(op.kind, 0) + 1
+        return dict(sorted(hist.items()))
+
+    def summary(self) -> str:
+        lines = [
+            f"OpGraph {self.name!r}: {len(self.ops)} ops, {len(self.params)} parameter tensors "
+            f"({self.num_params:,} parameters), traced batch {self.batch_size}",
+            f"  forward {self.fwd_flops / 1e9:,.2f} GFLOP, backward {self.bwd_flops / 1e9:,.2f} GFLOP",
+            "  ops by kind: " + ", ".join(f"{k} {n}" for k, n in self.kind_histogram().items()),
+        ]
+        for b in self.blocks:
+            lines.append(f"  repeated block {b.name!r} ({b.module_type.rsplit('.', 1)[-1]}): "
+                         f"{len(b.instances)} instances x {b.num_ops} ops")
+        if "trace_s" in self.meta:
+            lines.append(f"  traced in {self.meta['trace_s']:.2f} s with torch {self.meta.get('torch', '?')}")
+        return "\n".join(lines)
+
+
+# ---- JSON helpers (explicit field lists: the file format is a contract) ---------------------
+
+def _value_to_json(v: Value) -> dict[str, Any]:
+    d: dict[str, Any] = {"name": v.name, "kind": v.kind, "meta": v.meta.to_json(), "base": v.base}
+    if v.requires_grad:
+        d["requires_grad"] = True
+    if v.fqn:
+        d["fqn"] = v.fqn
+    return d
+
+
+def _value_from_json(d: Mapping[str, Any]) -> Value:
+    kind = str(d["kind"])
+    if kind not in VALUE_KINDS:
+        raise ValueError(f"value kind {kind!r} not in {VALUE_KINDS}")
+    return Value(name=str(d["name"]), kind=kind, meta=TensorMeta.from_json(d["meta"]),
+                 base=str(d["base"]), requires_grad=bool(d.get("requires_grad", False)),
+                 fqn=str(d.get("fqn", "")))
+
+
+_OP_TUPLE_FIELDS = ("inputs", "outputs", "params", "saved")
+
+
+def _op_to_json(op: Op) -> dict[str, Any]:
+    d: dict[str, Any] = {}
+    for f in fields(Op):
+        x = getattr(op, f.name)
+        if f.name == "saved_internal":
+            x = [m.to_json() for m in x]
+        elif isinstance(x, tuple):
+            x = list(x)
+        d[f.name] = x
+    return d
+
+
+def _op_from_json(d: Mapping[str, Any]) -> Op:
+    kw = dict(d)
+    for name in _OP_TUPLE_FIELDS:
+        kw[name] = tuple(str(x) for x in kw.get(name, ()))
+    kw["saved_internal"] = tuple(TensorMeta.from_json(m) for m in kw.get("saved_internal", ()))
+    return Op(**kw)
+
+
+def _block_to_json(b: Block) -> dict[str, Any]:
+    return {"name": b.name, "module_type": b.module_type, "signature": b.signature,
+            "instances": [[i.path, i.start, i.stop] for i in b.instances]}
+
+
+def _block_from_json(d: Mapping[str, Any]) -> Block:
+    return Block(name=str(d["name"]), module_type=str(d["module_type"]),
+                 signature=str(d["signature"]),
+                 instances=tuple(BlockInstance(path=str(p), start=int(s), stop=int(e))
+                                 for p, s, e in d["instances"]))
+
+
+def unique_storage_bytes(graph: OpGraph, names: Iterable[str]) -> int:
+    """Bytes of the distinct storages behind ``names`` (views count their base once)."""
+    seen: set[str] = set()
+    total = 0
+    for n in names:
+        base = graph.value(n).base
+        if base not in seen:
+            seen.add(base)
+            total += graph.value(base).meta.nbytes
+    return total

@@ -1,0 +1,376 @@
+"""Trace a PyTorch model into an ``OpGraph`` with torch.export.
+
+``torch.export`` (not ``fx.symbolic_trace``, which fails on Hugging Face models) gives an
+aten-level training graph whose nodes carry FakeTensor values and ``nn_module_stack``. It runs
+on meta-device models, so a 175B-parameter model traces without memory. We read the graph once,
+apply the op rules (``oprules``), track views to their storage owner (for activation liveness),
+propagate ``requires_grad``, and find the repeated blocks.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import operator
+import os
+import sys
+import time
+import traceback
+from collections.abc import Callable, Mapping, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from autoplan.errors import TraceError
+from autoplan.graph.blocks import find_blocks, outermost_indexed
+from autoplan.graph.opgraph import Op, OpGraph, TensorMeta, Value
+from autoplan.graph.oprules import OpCall, io_bytes, rule_for
+
+_TORCH_DIR = os.path.dirname(torch.__file__)
+
+
+class _WithLoss(nn.Module):
+    """Puts the loss inside the traced program so its ops are costed too."""
+
+    def __init__(self, model: nn.Module, loss_fn: Callable[[Any, torch.Tensor], torch.Tensor],
+                 num_inputs: int):
+        super().__init__()
+        self.model = model
+        self.loss_fn = loss_fn
+        self.num_inputs = num_inputs
+
+    def forward(self, *args):
+        out = self.model(*args[: self.num_inputs])
+        return self.loss_fn(out, args[self.num_inputs])
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _meta_of(t: torch.Tensor) -> TensorMeta:
+    return TensorMeta(shape=tuple(int(d) for d in t.shape), dtype=_dtype_name(t.dtype))
+
+
+def _to_meta_inputs(inputs: Sequence[Any]) -> tuple:
+    return tuple(x.to("meta") if isinstance(x, torch.Tensor) else x for x in inputs)
+
+
+def _on_meta(model: nn.Module) -> bool:
+    return any(p.is_meta for p in model.parameters()) or any(b.is_meta for b in model.buffers())
+
+
+# ---- errors that help -----------------------------------------------------------------------
+
+@contextmanager
+def _module_tracker(model: nn.Module):
+    """Keep the stack of modules whose forward is running, to name where tracing failed."""
+    names = {id(m): n for n, m in model.named_modules()}
+    stack: list[str] = []
+
+    def pre(mod, args):
+        if id(mod) in names:
+            stack.append(names[id(mod)] or "<root>")
+
+    def post(mod, args, out):
+        if id(mod) in names and stack:
+            stack.pop()
+
+    h1 = torch.nn.modules.module.register_module_forward_pre_hook(pre)
+    h2 = torch.nn.modules.module.register_module_forward_hook(post)
+    try:
+        yield stack
+    finally:
+        h1.remove()
+        h2.remove()
+
+
+def _user_frame(exc: BaseException) -> str:
+    """The innermost traceback frame outside torch (the user's model code), as file:line."""
+    best = ""
+    for frame in traceback.extract_tb(exc.__traceback__):
+        if not frame.filename.startswith(_TORCH_DIR) and "autoplan/graph/trace" not in frame.filename:
+            best = f"{frame.filename}:{frame.lineno}: {(frame.line or '').strip()}"
+    return best
+
+
+def _trace_error(exc: BaseException, model_name: str, stack: list[str]) -> TraceError:
+    module = stack[-1] if stack else "<unknown>"
+    where = _user_frame(exc) or "<no frame outside torch>"
+    msg = str(exc).strip().splitlines()
+    original = "\n    ".join(msg[:12]) + ("\n    ..." if len(msg) > 12 else "")
+    return TraceError(
+        f"torch.export could not trace model {model_name!r}.\n"
+        f"  module: {module}\n"
+        f"  source: {where}\n"
+        f"  error:  {type(exc).__name__}: {original}\n"
+        "  what to try: remove data-dependent Python control flow and .item()/.tolist() calls "
+        "from forward (use torch.where / torch.cond), avoid Python-side shape asserts on "
+        "tensor values, pass use_cache=False to Hugging Face models, and check that the "
+        "example inputs have the shapes the model expects.")
+
+
+# ---- argument encoding (JSON, no code) --------------------------------------------------------
+
+def _encode_arg(a: Any, node_value: Callable[[torch.fx.Node], str | None]) -> Any:
+    if isinstance(a, torch.fx.Node):
+        name = node_value(a)
+        return {"v": name} if name is not None else {"node": a.name}
+    if isinstance(a, (list, tuple)):
+        return [_encode_arg(x, node_value) for x in a]
+    if isinstance(a, bool) or a is None or isinstance(a, (int, str)):
+        return a
+    if isinstance(a, float):
+        return a if math.isfinite(a) else {"float": repr(a)}
+    if isinstance(a, torch.dtype):
+        return {"dtype": _dtype_name(a)}
+    if isinstance(a, torch.device):
+        return {"device": a.type}
+    if isinstance(a, (torch.memory_format, torch.layout)):
+        return {"enum": str(a)}
+    return {"repr": type(a).__name__}
+
+
+def _scalars(args: Sequence[Any]) -> tuple[Any, ...]:
+    return tuple(a for a in args if not isinstance(a, torch.fx.Node)
+                 and not (isinstance(a, (list, tuple)) and any(isinstance(x, torch.fx.Node) for x in a)))
+
+
+def _tensor_nodes(args: Sequence[Any], kwargs: Mapping[str, Any]) -> list[torch.fx.Node]:
+    out: list[torch.fx.Node] = []
+
+    def visit(a):
+        if isinstance(a, torch.fx.Node):
+            out.append(a)
+        elif isinstance(a, (list, tuple)):
+            for x in a:
+                visit(x)
+    for a in args:
+        visit(a)
+    for a in kwargs.values():
+        visit(a)
+    return out
+
+
+# ---- the tracer -------------------------------------------------------------------------------
+
+def trace(model: nn.Module, example_inputs: Sequence[Any], *,
+          loss_fn: Callable[[Any, torch.Tensor], torch.Tensor] | None = None,
+          targets: torch.Tensor | None = None, train: bool = True,
+          name: str | None = None) -> OpGraph:
+    """Trace ``model(*example_inputs)`` (plus ``loss_fn(output, targets)`` if given) to an OpGraph.
+
+    Works on real and meta-device models; a meta-device model never allocates its parameters.
+    Raises ``TraceError`` naming the failing module and source line when export fails.
+    """
+    if not isinstance(model, nn.Module):
+        raise TraceError(f"trace() needs an nn.Module, got {type(model).__name__}")
+    inputs = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
+    if not inputs:
+        raise TraceError("trace() needs at least one example input (a tensor of the batch)")
+    if (loss_fn is None) != (targets is None):
+        raise TraceError("pass loss_fn and targets together (or neither)")
+    model_name = name or type(model).__name__
+    root: nn.Module = model
+    prefix = ""
+    if loss_fn is not None:
+        root = _WithLoss(model, loss_fn, len(inputs))
+        inputs = inputs + (targets,)
+        prefix = "model."
+    if _on_meta(model):
+        inputs = _to_meta_inputs(inputs)
+    was_training = model.training
+    model.train(train)
+    t0 = time.perf_counter()
+    try:
+        with _module_tracker(root) as stack:
+            try:
+                ep = torch.export.export(root, inputs)
+            except Exception as e:  # export raises many types; re-raise as one that helps
+                raise _trace_error(e, model_name, stack) from e
+    finally:
+        model.train(was_training)
+    trace_s = time.perf_counter() - t0
+    graph = _to_opgraph(ep, model_name, prefix, model)
+    meta = dict(graph.meta)
+    meta.update({"trace_s": round(trace_s, 3), "torch": torch.__version__,
+                 "model_class": f"{type(model).__module__}.{type(model).__qualname__}",
+                 "train": train})
+    return OpGraph(name=graph.name, ops=graph.ops, values=graph.values, inputs=graph.inputs,
+                   outputs=graph.outputs, blocks=graph.blocks, batch_size=graph.batch_size,
+                   meta=meta)
+
+
+def _strip(path: str, prefix: str) -> str:
+    if prefix and path.startswith(prefix):
+        return path[len(prefix):]
+    if prefix and path + "." == prefix:
+        return ""
+    return path
+
+
+def _to_opgraph(ep: torch.export.ExportedProgram, model_name: str, prefix: str,
+                model: nn.Module) -> OpGraph:
+    from torch.export.graph_signature import InputKind
+
+    requires_grad = {n: p.requires_grad for n, p in model.named_parameters(remove_duplicate=False)}
+    spec_of = {s.arg.name: s for s in ep.graph_signature.input_specs if hasattr(s.arg, "name")}
+    values: dict[str, Value] = {}
+    storage_owner: dict[StorageWeakRef, str] = {}
+    node_value: dict[str, str] = {}          # fx node name -> value name (getitem resolves)
+    ops: list[Op] = []
+    instance_of_op: list[str | None] = []
+    module_types: dict[str, str] = {}
+    user_inputs: list[str] = []
+
+    def add_value(name: str, t: torch.Tensor, kind: str, grad: bool, fqn: str = "") -> None:
+        try:
+            ref = StorageWeakRef(t.untyped_storage())
+            base = storage_owner.setdefault(ref, name)
+        except (RuntimeError, NotImplementedError):
+            base = name
+        if base != name and values[base].meta.nbytes < _meta_of(t).nbytes:
+            base = name  # a view larger than its recorded owner: treat it as its own storage
+        values[name] = Value(name=name, kind=kind, meta=_meta_of(t), base=base,
+                             requires_grad=grad, fqn=fqn)
+
+    def resolve(n: torch.fx.Node) -> str | None:
+        return node_value.get(n.name)
+
+    for node in ep.graph.nodes:
+        val = node.meta.get("val")
+        if node.op == "placeholder":
+            spec = spec_of.get(node.name)
+            if not isinstance(val, torch.Tensor):
+                continue
+            if spec is not None and spec.kind == InputKind.PARAMETER:
+                fqn = _strip(spec.target, prefix)
+                add_value(node.name, val, "param", val.is_floating_point()
+                          and requires_grad.get(fqn, requires_grad.get(spec.target, True)), fqn)
+            elif spec is not None and spec.kind == InputKind.BUFFER:
+                add_value(node.name, val, "buffer", False, _strip(spec.target, prefix))
+            elif spec is not None and spec.kind in (InputKind.CONSTANT_TENSOR,):
+                add_value(node.name, val, "constant", False, str(spec.target))
+            else:
+                add_value(node.name, val, "input", False)
+                user_inputs.append(node.name)
+            node_value[node.name] = node.name
+            continue
+        if node.op == "get_attr":
+            if isinstance(val, torch.Tensor):
+                add_value(node.name, val, "constant", False, str(node.target))
+                node_value[node.name] = node.name
+            continue
+        if node.op != "call_function":
+            continue
+        if node.target is operator.getitem:
+            src, idx = node.args
+            src_outs = getattr(src, "_autoplan_outputs", None)
+            if src_outs is not None and idx < len(src_outs) and src_outs[idx] is not None:
+                node_value[node.name] = src_outs[idx]
+            continue
+        ops.append(_make_op(node, val, values, add_value, resolve, node_value, prefix))
+        stack = node.meta.get("nn_module_stack") or {}
+        paths = [_strip(p, prefix) for p, _t in stack.values()]
+        for (p, t) in stack.values():
+            module_types[_strip(p, prefix)] = t if isinstance(t, str) else getattr(t, "__qualname__", str(t))
+        instance_of_op.append(outermost_indexed([p for p in paths if p]))
+
+    outputs = []
+    for node in ep.graph.nodes:
+        if node.op == "output":
+            for a in _tensor_nodes(node.args, {}):
+                if resolve(a) is not None:
+                    outputs.append(resolve(a))
+    first = values[user_inputs[0]].meta if user_inputs else None
+    batch = first.shape[0] if first is not None and first.shape else 1
+    blocks = find_blocks(ops, instance_of_op, values, module_types)
+    return OpGraph(name=model_name, ops=tuple(ops), values=tuple(values.values()),
+                   inputs=tuple(user_inputs), outputs=tuple(outputs), blocks=blocks,
+                   batch_size=int(batch))
+
+
+def _make_op(node: torch.fx.Node, val: Any, values: dict[str, Value], add_value, resolve,
+             node_value: dict[str, str], prefix: str) -> Op:
+    target = node.target
+    if isinstance(target, torch._ops.OpOverload):
+        packet = target._schema.name.split("::")[-1]
+        target_name = f"aten.{packet}.{target._overloadname}" if target.namespace == "aten" \
+            else f"{target.namespace}.{packet}.{target._overloadname}"
+        alias_returns = any(r.alias_info is not None and not r.alias_info.is_write
+                            for r in target._schema.returns)
+        is_pointwise = torch.Tag.pointwise in target.tags
+    else:
+        packet = getattr(target, "__name__", str(target))
+        target_name = str(packet)
+        alias_returns = False
+        is_pointwise = False
+    rule = rule_for(packet, is_view=alias_returns, is_pointwise=is_pointwise)
+
+    in_nodes = [n for n in _tensor_nodes(node.args, node.kwargs) if resolve(n) is not None]
+    in_names = tuple(resolve(n) for n in in_nodes)
+    in_metas = tuple(values[n].meta for n in in_names)
+    in_grad = tuple(values[n].requires_grad for n in in_names)
+
+    outs = list(val) if isinstance(val, (tuple, list)) else [val]
+    out_names: list[str | None] = []
+    multi = isinstance(val, (tuple, list))
+    getitem_names = {}
+    if multi:
+        for u in node.users:
+            if u.target is operator.getitem:
+                getitem_names[u.args[1]] = u.name
+    differentiable = rule.kind not in ("creation",) and any(in_grad)
+    for i, t in enumerate(outs):
+        if not isinstance(t, torch.Tensor):
+            out_names.append(None)
+            continue
+        vname = getitem_names.get(i, f"{node.name}.{i}") if multi else node.name
+        add_value(vname, t, "activation", differentiable and t.is_floating_point())
+        out_names.append(vname)
+    node._autoplan_outputs = out_names  # read by the getitem nodes that follow
+    if not multi:
+        node_value[node.name] = node.name
+    out_list = tuple(n for n in out_names if n is not None)
+    out_metas = tuple(values[n].meta for n in out_list)
+
+    call = OpCall(name=packet, inputs=in_metas, input_requires_grad=in_grad, outputs=out_metas,
+                  scalars=_scalars(node.args), kwargs={k: v for k, v in node.kwargs.items()
+                                                       if not isinstance(v, torch.fx.Node)})
+    fwd = int(rule.flops(call))
+    bwd = int(rule.bwd_flops(call, fwd)) if differentiable else 0
+    saved = rule.saves(call) if differentiable else None
+    saved_names: tuple[str, ...] = ()
+    internal: tuple[TensorMeta, ...] = ()
+    if saved is not None:
+        saved_names = tuple(in_names[i] for i in saved.inputs if i < len(in_names)) + \
+            tuple(out_list[i] for i in saved.outputs if i < len(out_list))
+        internal = saved.internal
+    read, written = io_bytes(packet, rule.kind, in_metas, out_metas)
+    params = tuple(values[n].fqn for n in in_names if values[n].kind in ("param", "buffer"))
+    stack = node.meta.get("nn_module_stack") or {}
+    if stack:
+        path, mtype = list(stack.values())[-1]
+        path = _strip(path, prefix)
+        mtype = mtype if isinstance(mtype, str) else getattr(mtype, "__qualname__", str(mtype))
+    else:
+        path, mtype = "", ""
+    args_json = json.dumps({"args": _encode_arg(list(node.args), resolve),
+                            "kwargs": _encode_arg_dict(node.kwargs, resolve)},
+                           sort_keys=True, separators=(",", ":"))
+    return Op(name=node.name, target=target_name, kind=rule.kind, inputs=in_names,
+              outputs=out_list, args=args_json, fwd_flops=fwd, bwd_flops=bwd,
+              bytes_read=read, bytes_written=written, params=params, module_path=path,
+              module_type=mtype, saved=saved_names, saved_internal=internal,
+              differentiable=differentiable)
+
+
+def _encode_arg_dict(kwargs: Mapping[str, Any], resolve) -> dict[str, Any]:
+    return {k: _encode_arg(v, resolve) for k, v in sorted(kwargs.items())}
+
+
+if sys.version_info < (3, 10):  # pragma: no cover
+    raise ImportError("autoplan needs Python 3.10 or newer")
