@@ -179,6 +179,12 @@ class OpGraph:
 
     @cached_property
     def params(self) -> tuple[Value, ...]:
+        """Distinct parameters (a tied weight, e.g. an LM head sharing the embedding, once)."""
+        return tuple(v for v in self.values if v.kind == "param" and v.base == v.name)
+
+    @cached_property
+    def param_values(self) -> tuple[Value, ...]:
+        """Every parameter placeholder, tied aliases included (``base`` names the owner)."""
         return tuple(v for v in self.values if v.kind == "param")
 
     @cached_property

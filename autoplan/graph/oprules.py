@@ -261,10 +261,23 @@ RULES: dict[str, OpRule] = {
                           "repeat", "repeat_interleave", "tril", "triu", "pad",
                           "constant_pad_nd", "index", "index_select", "gather", "scatter",
                           "type_as", "flip", "roll")},
+    # products without a contraction
+    "outer": _rule("pointwise", _per_out(1), _bwd_factor(1.0), _save_inputs_for_other),
+    "__and__": _rule("pointwise", _per_out(1), _bwd_factor(0.0)),
+    "__or__": _rule("pointwise", _per_out(1), _bwd_factor(0.0)),
+    "diff": _COPY,
+    # metadata checks and broadcasting views: no data moves
+    **{n: _VIEW for n in ("_assert_tensor_metadata", "_assert_async", "broadcast_tensors",
+                          "sym_size", "sym_numel", "sym_stride", "detach", "alias")},
+    # higher-order ops wrapping a no-grad region (e.g. rotary tables computed under no_grad)
+    "wrap_with_set_grad_enabled": _rule("other", _per_out(1), _bwd_factor(0.0)),
+    "wrap_with_autocast": _rule("other", _per_out(1), _bwd_factor(1.0), _save_float_inputs),
     # tensor factories
     **{n: _CREATION for n in ("ones", "zeros", "full", "empty", "arange", "ones_like",
                               "zeros_like", "full_like", "empty_like", "scalar_tensor", "rand",
-                              "randn", "lift_fresh_copy", "_to_dtype")},
+                              "randn", "lift_fresh_copy", "_to_dtype", "new_ones",
+                              "new_zeros", "new_full", "new_empty", "tril_indices",
+                              "triu_indices")},
 }
 
 # add/sub/neg/... are pointwise without saved tensors; found through torch's pointwise tag.

@@ -1,0 +1,61 @@
+"""Shared CLI helpers: turning a MODEL argument into a traced OpGraph."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from typing import Any
+
+from autoplan.errors import AutoplanError
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", metavar="MODEL",
+                   help="an example name (see `autoplan trace --list`), 'package.module:function' "
+                        "returning an autoplan.models.Example, or an OpGraph JSON file")
+    p.add_argument("--batch-size", type=int, default=1,
+                   help="batch size to trace with (costs scale to the micro-batch; default 1)")
+    p.add_argument("--seq-len", type=int, default=None, help="sequence length (LMs)")
+    p.add_argument("--device", default="meta", choices=("meta", "cpu"),
+                   help="build the model on the meta device (default: nothing is allocated) "
+                        "or really on the CPU")
+    p.add_argument("--layers", type=int, default=None,
+                   help="override the number of layers of an example (e.g. to trace faster)")
+
+
+def build_model_arg(args: argparse.Namespace):
+    """The Example named by ``args.model`` (built per the shared model arguments)."""
+    spec = args.model
+    if ":" in spec and not spec.endswith(".json"):
+        mod_name, _, fn_name = spec.partition(":")
+        try:
+            fn = getattr(importlib.import_module(mod_name), fn_name)
+        except (ImportError, AttributeError) as e:
+            raise AutoplanError(f"cannot load {spec!r}: {e}; give 'package.module:function' "
+                                "importable from the current environment") from e
+        return fn()
+    from autoplan.models import build_example
+    overrides: dict[str, Any] = {}
+    if args.layers is not None:
+        overrides["num_layers"] = args.layers
+    try:
+        return build_example(spec, device=args.device, batch_size=args.batch_size,
+                             seq_len=args.seq_len, **overrides)
+    except ValueError as e:
+        raise AutoplanError(str(e)) from e
+
+
+def graph_from_args(args: argparse.Namespace):
+    """Trace the MODEL argument (or read an OpGraph JSON file)."""
+    from autoplan.graph import OpGraph, trace
+    if args.model.endswith(".json"):
+        with open(args.model) as f:
+            return OpGraph.from_json(f.read())
+    ex = build_model_arg(args)
+    return trace(ex.model, ex.example_inputs, loss_fn=ex.loss_fn, targets=ex.targets,
+                 name=getattr(ex, "name", args.model))
+
+
+def eprint(*a: Any) -> None:
+    print(*a, file=sys.stderr)

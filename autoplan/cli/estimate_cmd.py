@@ -1,0 +1,74 @@
+"""`autoplan estimate MODEL --cluster SPEC ...`: cost one parallel configuration."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from autoplan.cli.common import add_model_args, graph_from_args
+
+
+def add_config_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("parallel configuration")
+    g.add_argument("--dp", type=int, default=None,
+                   help="data-parallel degree (default: devices / (tp * pp))")
+    g.add_argument("--tp", type=int, default=1, help="tensor-parallel degree")
+    g.add_argument("--pp", type=int, default=1, help="pipeline-parallel degree")
+    g.add_argument("--micro-batch-size", "--mbs", type=int, default=1)
+    g.add_argument("--schedule", default="1f1b", choices=("gpipe", "1f1b", "interleaved_1f1b"))
+    g.add_argument("--virtual-stages", type=int, default=1)
+    g.add_argument("--zero", type=int, default=0, choices=(0, 1, 2, 3), help="ZeRO stage")
+    g.add_argument("--sp", action="store_true", help="sequence parallelism (with tp > 1)")
+    g.add_argument("--recompute", default="none", choices=("none", "selective", "full"))
+    g.add_argument("--offload-optimizer", action="store_true")
+    g.add_argument("--precision", default="bf16", choices=("bf16", "fp16", "fp32"))
+    g.add_argument("--optimizer", default="adamw", choices=("adamw", "adam", "sgd"))
+
+
+def config_from_args(args: argparse.Namespace, world_size: int):
+    from autoplan.errors import ConfigError
+    from autoplan.estimate.config import ParallelConfig
+    dp = args.dp
+    if dp is None:
+        dp, rem = divmod(world_size, args.tp * args.pp)
+        if rem or dp < 1:
+            raise ConfigError(f"tp {args.tp} x pp {args.pp} does not divide the cluster's "
+                              f"{world_size} devices; pass --dp or change --tp/--pp")
+    return ParallelConfig(dp=dp, tp=args.tp, pp=args.pp, micro_batch_size=args.micro_batch_size,
+                          schedule=args.schedule, virtual_stages=args.virtual_stages,
+                          zero_stage=args.zero, sequence_parallel=args.sp,
+                          recompute=args.recompute, offload_optimizer=args.offload_optimizer,
+                          precision=args.precision, optimizer=args.optimizer)
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("estimate", help="predict step time and memory of one configuration",
+                       description="Trace MODEL and predict step time, memory per device, MFU "
+                                   "and their breakdowns for one parallel configuration.")
+    add_model_args(p)
+    p.add_argument("--cluster", required=True,
+                   help="preset[:nodes] (e.g. dgx-a100-80gb:4), 'local[:N]', or a cluster file")
+    p.add_argument("--global-batch", type=int, required=True, help="global batch size (samples)")
+    add_config_args(p)
+    p.add_argument("--no-profile", action="store_true",
+                   help="ignore measured profiles; use the roofline only")
+    p.add_argument("--json", action="store_true", help="print the estimate as JSON")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from autoplan.cluster import Cluster
+    from autoplan.estimate.estimator import estimate
+    cluster = Cluster.from_spec(args.cluster)
+    graph = graph_from_args(args)
+    config = config_from_args(args, cluster.world_size)
+    est = estimate(graph, cluster, config=config, global_batch_size=args.global_batch,
+                   profile=None if args.no_profile else "auto")
+    if args.json:
+        print(json.dumps(est.to_dict(), indent=1, sort_keys=True))
+    else:
+        print(f"model {graph.name}: {graph.num_params / 1e9:,.2f} B parameters, "
+              f"{len(graph.ops)} ops; cluster {cluster.name}: {cluster.world_size} x "
+              f"{cluster.device.name}")
+        print(est.report())
+    return 0

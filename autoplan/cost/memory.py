@@ -1,0 +1,148 @@
+"""Memory per device: model states (ZeRO) and the activations backward keeps (with liveness).
+
+Model states (Rajbhandari et al. 2020, "ZeRO", Sec. 3.1/5): with mixed precision and Adam a
+parameter costs 2 (16-bit weight) + 2 (16-bit gradient) + 12 (fp32 master weight, momentum,
+variance) bytes; ZeRO-1 shards the 12 over the data-parallel group, ZeRO-2 also the gradients,
+ZeRO-3 also the weights. In fp32 there is no master copy (4 + 4 + 8 for Adam).
+
+Activations: the tensors each op keeps for backward (``Op.saved``, ``Op.saved_internal``, set
+by the op rules at trace time), counted once per storage (views share their base), scaled from
+the traced batch to the micro-batch, converted to the training precision, and divided by the
+tensor-parallel degree where TP (or sequence parallelism) splits them. Recompute policies:
+``selective`` drops what the attention-score region keeps (it is recomputed), ``full`` keeps
+only each block's input.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from autoplan.cost.analysis import analyze
+from autoplan.errors import ConfigError
+from autoplan.graph.opgraph import OpGraph, TensorMeta
+
+PRECISION_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+
+# bytes per parameter of optimizer state kept by the optimizer (fp32), excluding any master copy
+_OPTIMIZER_STATE_BYTES = {"adamw": 8, "adam": 8, "sgd": 4}
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelStateBytes:
+    params_bytes: float
+    grads_bytes: float
+    optimizer_bytes: float          # on the device (0 when offloaded)
+    offloaded_bytes: float = 0.0    # optimizer state kept in host memory instead
+
+    @property
+    def total_bytes(self) -> float:
+        return self.params_bytes + self.grads_bytes + self.optimizer_bytes
+
+
+def bytes_per_param(precision: str, optimizer: str) -> tuple[int, int, int]:
+    """(weight, gradient, optimizer-state) bytes per parameter for this precision and optimizer."""
+    if precision not in PRECISION_BYTES:
+        raise ConfigError(f"precision must be one of {sorted(PRECISION_BYTES)}, got {precision!r}")
+    if optimizer not in _OPTIMIZER_STATE_BYTES:
+        raise ConfigError(f"optimizer must be one of {sorted(_OPTIMIZER_STATE_BYTES)}, "
+                          f"got {optimizer!r}")
+    w = PRECISION_BYTES[precision]
+    master = 4 if precision != "fp32" else 0      # fp32 master weights under mixed precision
+    return w, w, _OPTIMIZER_STATE_BYTES[optimizer] + master
+
+
+def model_state_bytes(num_params: float, *, dp: int, zero_stage: int, precision: str,
+                      optimizer: str = "adamw", offload_optimizer: bool = False) -> ModelStateBytes:
+    """Per-device bytes of weights, gradients and optimizer state for ``num_params`` parameters
+    held by one data-parallel replica slot (already divided by TP/PP by the caller)."""
+    if zero_stage not in (0, 1, 2, 3):
+        raise ConfigError(f"zero_stage must be 0-3, got {zero_stage!r}")
+    w, g, o = bytes_per_param(precision, optimizer)
+    opt = num_params * o / (dp if zero_stage >= 1 else 1)
+    grads = num_params * g / (dp if zero_stage >= 2 else 1)
+    params = num_params * w / (dp if zero_stage >= 3 else 1)
+    if offload_optimizer:
+        return ModelStateBytes(params_bytes=params, grads_bytes=grads, optimizer_bytes=0.0,
+                               offloaded_bytes=opt)
+    return ModelStateBytes(params_bytes=params, grads_bytes=grads, optimizer_bytes=opt)
+
+
+def _meta_bytes(meta: TensorMeta, precision: str) -> float:
+    """Bytes of a tensor once float tensors are held in the training precision."""
+    if meta.is_float:
+        return meta.numel * PRECISION_BYTES[precision]
+    return float(meta.nbytes)
+
+
+def _shard(state: str, tp: int, sp: bool) -> float:
+    if tp == 1:
+        return 1.0
+    if state == "S" or sp:
+        return 1.0 / tp
+    return 1.0
+
+
+def activation_bytes(graph: OpGraph, start: int, stop: int, *, micro_batch_size: int,
+                     tp: int = 1, sp: bool = False, recompute: str = "none",
+                     precision: str = "bf16") -> float:
+    """Bytes that ops[start:stop] keep for backward for one micro-batch, per device."""
+    a = analyze(graph)
+    batch_scale = micro_batch_size / graph.batch_size
+    ops = graph.ops[start:stop]
+
+    def scaled(name: str, meta: TensorMeta) -> float:
+        b = _meta_bytes(meta, precision) * _shard(a.tp_state.get(name, "R"), tp, sp)
+        return b * batch_scale if name in a.batch_dependent else b
+
+    if recompute == "full":
+        # only the block's inputs stay (its first op's producers outside the range)
+        inputs: set[str] = set()
+        for op in ops:
+            for n in op.inputs:
+                v = graph.value(n)
+                if v.kind == "activation" and a.producer.get(v.base, -1) < start:
+                    inputs.add(v.base)
+        return sum(scaled(n, graph.value(n).meta) for n in sorted(inputs))
+    if recompute not in ("none", "selective"):
+        raise ConfigError(f"recompute must be none, selective or full, got {recompute!r}")
+
+    drop_vals = a.score_values if recompute == "selective" else frozenset()
+    bases: set[str] = set()
+    total = 0.0
+    for k, op in enumerate(ops):
+        if recompute == "selective" and (start + k) in a.score_ops:
+            continue
+        for n in op.saved:
+            v = graph.value(n)
+            base = graph.value(v.base)
+            if base.kind != "activation" or base.name in drop_vals or base.name in bases:
+                continue
+            bases.add(base.name)
+            total += scaled(base.name, base.meta)
+        out_state_name = op.outputs[0] if op.outputs else ""
+        for m in op.saved_internal:
+            b = _meta_bytes(m, precision) * _shard(a.tp_state.get(out_state_name, "R"), tp, sp)
+            total += b * batch_scale if out_state_name in a.batch_dependent else b
+    return total
+
+
+def working_set_bytes(graph: OpGraph, start: int, stop: int, *, micro_batch_size: int,
+                      tp: int = 1, sp: bool = False, precision: str = "bf16") -> float:
+    """Peak extra memory while one recomputed range runs its backward: all it keeps, at once."""
+    return activation_bytes(graph, start, stop, micro_batch_size=micro_batch_size, tp=tp,
+                            sp=sp, recompute="none", precision=precision)
+
+
+def largest_output_bytes(graph: OpGraph, start: int, stop: int, *, micro_batch_size: int,
+                         tp: int = 1, sp: bool = False, precision: str = "bf16") -> float:
+    """Largest single op output in the range: a floor for transient buffers (gradients in flight)."""
+    a = analyze(graph)
+    best = 0.0
+    for op in graph.ops[start:stop]:
+        for n in op.outputs:
+            v = graph.value(n)
+            b = _meta_bytes(v.meta, precision) * _shard(a.tp_state.get(n, "R"), tp, sp)
+            if n in a.batch_dependent:
+                b *= micro_batch_size / graph.batch_size
+            best = max(best, b)
+    return best

@@ -1,0 +1,405 @@
+"""``estimate``: step time and memory of one ParallelConfig on one cluster.
+
+Order of the computation (each step uses only what the previous ones produced):
+1. trace (or take) the OpGraph, validate the config against graph, cluster and batch;
+2. cut the graph into pipeline chunks; per chunk and per micro-batch: compute time of every op
+   (profile or roofline, scaled to the micro-batch and the TP shard), recomputation, the
+   tensor-parallel collectives (exposed: each one blocks the op after it), and the activations
+   kept for backward;
+3. combine chunks into pipeline stages and the schedule: the slowest stage sets the pace,
+   fill/drain adds the bubble ((p-1)/v stage-times), point-to-point sends cross each boundary;
+4. data-parallel gradient sync and ZeRO gathers, hidden behind backward compute only as far as
+   that compute lasts; then the optimizer step (on the device, or on the host when offloaded);
+5. memory per stage: model states (ZeRO), activations times the micro-batches in flight under
+   the schedule, transient buffers, and a workspace margin.
+The pipeline issue replaces step 3's closed form by an event simulator.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from autoplan.cost.analysis import GraphAnalysis, analyze
+from autoplan.cost.compute import ComputeModel
+from autoplan.cost.memory import (PRECISION_BYTES, _meta_bytes, activation_bytes,
+                                  model_state_bytes, working_set_bytes)
+from autoplan.errors import ConfigError
+from autoplan.estimate.config import ParallelConfig
+from autoplan.estimate.partition import Chunk, partition
+from autoplan.estimate.result import Estimate, MemoryBreakdown, StageEstimate, TimeBreakdown
+from autoplan.graph.opgraph import OpGraph
+
+# Bytes an optimizer step reads and writes per parameter (grad, weights, states; Adam keeps
+# fp32 master + two moments under mixed precision). The step is memory-bound.
+_OPT_STEP_BYTES = {"adamw": 28, "adam": 28, "sgd": 20}
+
+
+@dataclass(frozen=True)
+class _ChunkCost:
+    fwd_compute_s: float
+    bwd_compute_s: float
+    recompute_s: float
+    tp_fwd_s: float
+    tp_bwd_s: float
+    activation_bytes: float
+    working_set_bytes: float
+    params: float                 # parameters per device (after TP sharding)
+    boundary_bytes: float         # activation sent to the next chunk per micro-batch
+    num_layers: int
+
+
+def _graph_of(model: Any, example_inputs: Sequence[Any] | None, loss_fn: Any,
+              targets: Any) -> OpGraph:
+    if isinstance(model, OpGraph):
+        return model
+    from autoplan.graph.trace import trace
+    if example_inputs is None:
+        raise ConfigError("estimate() needs example_inputs to trace the model "
+                          "(or pass an OpGraph from autoplan.trace)")
+    return trace(model, example_inputs, loss_fn=loss_fn, targets=targets)
+
+
+def validate(graph: OpGraph, cluster: Any, config: ParallelConfig,
+             global_batch_size: int) -> int:
+    """Check the config against the model, the cluster and the batch; returns micro-batches."""
+    if config.world_size != cluster.world_size:
+        raise ConfigError(
+            f"dp x tp x pp = {config.dp} x {config.tp} x {config.pp} = {config.world_size} "
+            f"but the cluster has {cluster.world_size} devices; choose degrees whose product "
+            f"is {cluster.world_size}")
+    m = config.microbatches(global_batch_size)
+    a = analyze(graph)
+    if config.tp > 1:
+        for h in sorted(a.head_counts):
+            if h % config.tp:
+                raise ConfigError(
+                    f"tp={config.tp} does not divide the model's {h} attention heads; "
+                    f"tensor parallelism splits whole heads: use a tp that divides {h}")
+        for fqn, dim in sorted(a.param_shard_dim.items(), key=lambda kv: kv[0]):
+            if dim is None:
+                continue
+            size = next(p.meta.shape[dim] for p in graph.param_values if p.fqn == fqn)
+            if size % config.tp:
+                raise ConfigError(f"tp={config.tp} does not divide dim {dim} (size {size}) of "
+                                  f"parameter {fqn!r}; use a tp that divides {size}")
+        if config.tp > cluster.devices_per_node:
+            pass  # legal, but slow: the estimate prices the inter-node links
+    if config.schedule == "interleaved_1f1b" and config.pp > 1 and m % config.pp:
+        raise ConfigError(f"interleaved 1F1B needs the micro-batch count ({m}) to be a multiple "
+                          f"of pp ({config.pp}); change the batch or micro_batch_size")
+    if config.micro_batch_size > global_batch_size:
+        raise ConfigError(f"micro_batch_size {config.micro_batch_size} exceeds the global batch "
+                          f"{global_batch_size}")
+    return m
+
+
+def _work_scale(a: GraphAnalysis, graph: OpGraph, i: int, config: ParallelConfig,
+                batch_scale: float) -> float:
+    """Work of op ``i`` relative to its traced work: micro-batch size, then the TP shard
+    (ops between column- and row-parallel linears, or every batch-sized op under SP)."""
+    batch_dep = any(o in a.batch_dependent for o in graph.ops[i].outputs)
+    s = batch_scale if batch_dep else 1.0
+    if config.tp > 1 and (a.op_tp_split[i] or (config.sequence_parallel and batch_dep)):
+        s /= config.tp
+    return s
+
+
+def _tp_comm_s(graph: OpGraph, a: GraphAnalysis, cluster: Any, config: ParallelConfig,
+               start: int, stop: int, batch_scale: float) -> tuple[float, float]:
+    if config.tp == 1:
+        return 0.0, 0.0
+    group = config.tp_group()
+    fwd = bwd = 0.0
+    for c in a.tp_comms:
+        if not start <= c.op_index < stop:
+            continue
+        kind = c.sp_kind if config.sequence_parallel else c.kind
+        if kind == "none":
+            continue
+        v = graph.value(c.value)
+        nbytes = _meta_bytes(v.meta, config.precision)
+        if c.value in a.batch_dependent:
+            nbytes *= batch_scale
+        if not c.full_size:     # loss parallel: three fp32 numbers per token
+            last = v.meta.shape[-1] if v.meta.shape else 1
+            nbytes = 3 * 4 * v.meta.numel / last * batch_scale
+        t = cluster.collective_time_s(kind, nbytes, group)
+        if c.phase == "fwd":
+            fwd += t
+        else:
+            bwd += t
+    return fwd, bwd
+
+
+def _chunk_cost(graph: OpGraph, a: GraphAnalysis, compute: ComputeModel, cluster: Any,
+                config: ParallelConfig, chunk: Chunk, batch_scale: float) -> _ChunkCost:
+    mbs, tp, sp = config.micro_batch_size, config.tp, config.sequence_parallel
+    fwd = bwd = 0.0
+    op_fwd: dict[int, float] = {}
+    for i in range(chunk.start, chunk.stop):
+        c = compute.op_cost(i, _work_scale(a, graph, i, config, batch_scale))
+        op_fwd[i] = c.fwd_s
+        fwd += c.fwd_s
+        bwd += c.bwd_s
+    tp_fwd, tp_bwd = _tp_comm_s(graph, a, cluster, config, chunk.start, chunk.stop, batch_scale)
+
+    # activations: block layers follow the recompute policy, everything else keeps all
+    in_layer = [False] * (chunk.stop - chunk.start)
+    acts = 0.0
+    recompute = 0.0
+    working = 0.0
+    for (s, e) in chunk.layer_ranges:
+        for i in range(s, e):
+            in_layer[i - chunk.start] = True
+        acts += activation_bytes(graph, s, e, micro_batch_size=mbs, tp=tp, sp=sp,
+                                 recompute=config.recompute, precision=config.precision)
+        if config.recompute == "full":
+            recompute += sum(op_fwd[i] for i in range(s, e))
+            recompute += _tp_comm_s(graph, a, cluster, config, s, e, batch_scale)[0]
+            working = max(working, working_set_bytes(graph, s, e, micro_batch_size=mbs, tp=tp,
+                                                     sp=sp, precision=config.precision))
+        elif config.recompute == "selective":
+            recompute += sum(op_fwd[i] for i in range(s, e) if i in a.score_ops)
+    # the ops outside the layers, as maximal contiguous runs
+    run_start = None
+    for k in range(len(in_layer) + 1):
+        outside = k < len(in_layer) and not in_layer[k]
+        if outside and run_start is None:
+            run_start = k
+        elif not outside and run_start is not None:
+            acts += activation_bytes(graph, chunk.start + run_start, chunk.start + k,
+                                     micro_batch_size=mbs, tp=tp, sp=sp, recompute="none",
+                                     precision=config.precision)
+            run_start = None
+
+    # parameters this chunk reads, each storage once (a tied weight on two stages is held by
+    # both, as Megatron-LM does with the embedding and the LM head)
+    params = 0.0
+    seen: set[str] = set()
+    for op in graph.ops[chunk.start:chunk.stop]:
+        for n in op.inputs:
+            v = graph.value(n)
+            if v.kind == "param" and v.base not in seen:
+                seen.add(v.base)
+                dim = a.param_shard_dim.get(v.fqn)
+                params += v.meta.numel / (tp if dim is not None else 1)
+
+    boundary = 0.0
+    for n in _boundary_values(graph, a, chunk.stop):
+        v = graph.value(n)
+        b = _meta_bytes(v.meta, config.precision) * (batch_scale if n in a.batch_dependent else 1)
+        if sp or a.tp_state.get(n) == "S":
+            b /= tp
+        boundary += b
+    return _ChunkCost(fwd_compute_s=fwd, bwd_compute_s=bwd, recompute_s=recompute,
+                      tp_fwd_s=tp_fwd, tp_bwd_s=tp_bwd, activation_bytes=acts,
+                      working_set_bytes=working, params=params, boundary_bytes=boundary,
+                      num_layers=len(chunk.layers))
+
+
+def _boundary_values(graph: OpGraph, a: GraphAnalysis, cut: int) -> list[str]:
+    """Activations produced before op ``cut`` and read at or after it (what a stage sends)."""
+    if cut >= len(graph.ops):
+        return []
+    produced_before = set()
+    for op in graph.ops[:cut]:
+        produced_before.update(op.outputs)
+    crossing = []
+    seen = set()
+    for op in graph.ops[cut:]:
+        for n in op.inputs:
+            v = graph.value(n)
+            if n in produced_before and v.base not in seen and v.meta.is_float:
+                seen.add(v.base)
+                crossing.append(v.base)
+    return crossing
+
+
+def _in_flight(config: ParallelConfig, m: int, stage: int) -> float:
+    """Micro-batches whose activations a pipeline rank holds at its peak."""
+    p, v = config.pp, config.virtual_stages
+    if p == 1:
+        return 1.0
+    if config.schedule == "gpipe":
+        return float(m)
+    if config.schedule == "interleaved_1f1b" and v > 1:
+        chunks = min(m * v, (p - stage - 1) * 2 + (v - 1) * p + 1)
+        return chunks / v            # in units of this rank's whole (all-chunk) activations
+    return float(min(m, p - stage))
+
+
+def estimate(model: Any, cluster: Any, *, config: ParallelConfig, global_batch_size: int,
+             example_inputs: Sequence[Any] | None = None, loss_fn: Any = None,
+             targets: Any = None, profile: Any = "auto",
+             memory_margin_bytes: float | None = None) -> Estimate:
+    """Predict step time, memory per device, and their breakdowns for ``config``.
+
+    ``model`` is an ``nn.Module`` (traced with ``example_inputs``, on meta or real device) or an
+    ``OpGraph``. ``profile``: a ProfileDB, ``None`` (roofline only) or ``"auto"`` (the
+    measured profile of the cluster's device type, when one is installed).
+    """
+    if not isinstance(config, ParallelConfig):
+        raise ConfigError(f"config must be an autoplan.ParallelConfig, got {type(config).__name__}")
+    if not isinstance(global_batch_size, int) or global_batch_size < 1:
+        raise ConfigError(f"global_batch_size must be a positive integer, got {global_batch_size!r}")
+    graph = _graph_of(model, example_inputs, loss_fn, targets)
+    m = validate(graph, cluster, config, global_batch_size)
+    a = analyze(graph)
+    if profile == "auto":
+        from autoplan.cost.profile_db import ProfileDB
+        profile = ProfileDB.find(cluster.device.name)
+    compute = ComputeModel(graph, cluster.device, config.precision, profile)
+    batch_scale = config.micro_batch_size / graph.batch_size
+    p, v = config.pp, config.virtual_stages
+    chunks = partition(graph, p * v)
+    costs = [_chunk_cost(graph, a, compute, cluster, config, c, batch_scale) for c in chunks]
+
+    # --- pipeline schedule (closed form; the pipeline issue brings the simulator) ----------
+    stage_chunks = [[c for c in range(len(chunks)) if c % p == s] for s in range(p)]
+    stage_f = [sum(costs[c].fwd_compute_s + costs[c].tp_fwd_s for c in cs) for cs in stage_chunks]
+    stage_b = [sum(costs[c].bwd_compute_s + costs[c].tp_bwd_s + costs[c].recompute_s
+                   for c in cs) for cs in stage_chunks]
+    bottleneck = max(range(p), key=lambda s: stage_f[s] + stage_b[s])
+    t_mb = stage_f[bottleneck] + stage_b[bottleneck]
+    bubble_s = (p - 1) / v * t_mb if p > 1 else 0.0
+    p2p_s = 0.0
+    if p > 1:
+        per_hop = [cluster.p2p_time_s(costs[c].boundary_bytes,
+                                      config.rank(pp_index=c % p, dp_index=0, tp_index=0),
+                                      config.rank(pp_index=(c + 1) % p, dp_index=0, tp_index=0))
+                   for c in range(len(chunks) - 1)]
+        # sends overlap with compute in the steady state; fill and drain wait on them
+        p2p_s = 2.0 * sum(per_hop)
+    bc = [costs[c] for c in stage_chunks[bottleneck]]
+    compute_s = m * sum(c.fwd_compute_s + c.bwd_compute_s for c in bc)
+    recompute_s = m * sum(c.recompute_s for c in bc)
+    tp_s = m * sum(c.tp_fwd_s + c.tp_bwd_s for c in bc)
+
+    # --- data parallel / ZeRO, optimizer, offload (worst stage) -------------------------------
+    w_bytes = PRECISION_BYTES[config.precision]
+    dp_sync = zero_gather = opt_s = offload_s = 0.0
+    for s in range(p):
+        params = sum(costs[c].params for c in stage_chunks[s])
+        layers = max(1, sum(costs[c].num_layers for c in stage_chunks[s]))
+        bwd_window = stage_b[s]          # backward of the last micro-batch hides the sync
+        sync = gather = 0.0
+        if config.dp > 1:
+            group = config.dp_group(pp_index=s)
+            grad_bytes = params * w_bytes
+            if config.zero_stage == 0:
+                comm = cluster.collective_time_s("all_reduce", grad_bytes, group)
+            else:
+                comm = cluster.collective_time_s("reduce_scatter", grad_bytes, group)
+            sync = max(comm - bwd_window, comm / layers)
+            if config.zero_stage in (1, 2):   # updated shards gathered after the step
+                gather = cluster.collective_time_s("all_gather", params * w_bytes, group)
+            elif config.zero_stage == 3:      # weights gathered per micro-batch, fwd and bwd
+                per_mb = cluster.collective_time_s("all_gather", params * w_bytes, group)
+                hidden = stage_f[s] + stage_b[s]
+                gather = m * max(2 * per_mb - hidden, 2 * per_mb / layers)
+        owned = params / (config.dp if config.zero_stage >= 1 else 1)
+        if config.offload_optimizer:
+            host = cluster.host
+            o = owned / host.cpu_adam_params_per_s
+            moved = owned * (w_bytes + w_bytes)          # grads down, weights up
+            off = moved / host.device_to_host_bandwidth_bytes_per_s
+        else:
+            o = _optimizer_step_s(owned, config, compute, profile)
+            off = 0.0
+        if sync + gather + o + off > dp_sync + zero_gather + opt_s + offload_s:
+            dp_sync, zero_gather, opt_s, offload_s = sync, gather, o, off
+
+    overhead_s = getattr(getattr(profile, "calibration", None), "step_overhead_s", 0.0) or 0.0
+    comm_exposed = {"tp": tp_s, "dp_grad_sync": dp_sync, "zero_param_gather": zero_gather,
+                    "pp_p2p": p2p_s, "offload": offload_s}
+    time = TimeBreakdown(compute_s=compute_s, recompute_s=recompute_s,
+                         comm_exposed_s=comm_exposed, bubble_s=bubble_s, optimizer_s=opt_s,
+                         overhead_s=overhead_s)
+    step_s = time.total_s
+
+    # --- memory per stage -------------------------------------------------------------------
+    device_mem = float(cluster.device.memory_bytes)
+    margin = _margin(cluster, memory_margin_bytes)
+    stages = []
+    for s in range(p):
+        cs = [costs[c] for c in stage_chunks[s]]
+        params = sum(c.params for c in cs)
+        states = model_state_bytes(params, dp=config.dp, zero_stage=config.zero_stage,
+                                   precision=config.precision, optimizer=config.optimizer,
+                                   offload_optimizer=config.offload_optimizer)
+        act_mb = sum(c.activation_bytes for c in cs)
+        in_flight = _in_flight(config, m, s)
+        transient = max(c.working_set_bytes for c in cs)
+        layers = max(1, sum(c.num_layers for c in cs))
+        if config.zero_stage == 3 and config.dp > 1:
+            # two layers' weights gathered at once (prefetch) plus their unsharded gradients
+            transient += 2 * (params / layers) * w_bytes * 2
+        mem = MemoryBreakdown(params_bytes=states.params_bytes, grads_bytes=states.grads_bytes,
+                              optimizer_bytes=states.optimizer_bytes,
+                              activations_bytes=act_mb * in_flight, transient_bytes=transient,
+                              margin_bytes=margin, offloaded_bytes=states.offloaded_bytes)
+        stages.append(StageEstimate(
+            index=s, layers=tuple(l for c in stage_chunks[s] for l in chunks[c].layers),
+            num_ops=sum(chunks[c].stop - chunks[c].start for c in stage_chunks[s]),
+            params_per_device=params, fwd_s=stage_f[s], bwd_s=stage_b[s],
+            activation_bytes_per_microbatch=act_mb, microbatches_in_flight=in_flight,
+            memory=mem))
+    per_device = tuple(stages[r // (config.dp * config.tp)].memory.total_bytes
+                       for r in range(config.world_size))
+    peak = max(per_device)
+
+    model_flops = (graph.fwd_flops + graph.bwd_flops) * global_batch_size / graph.batch_size
+    peak_flops = cluster.device.peak_flops_for(config.precision) * config.world_size
+    mfu = model_flops / (step_s * peak_flops) if step_s > 0 else 0.0
+    tokens = _tokens_per_sample(graph)
+    warnings = []
+    if config.tp > cluster.devices_per_node:
+        warnings.append(f"tp={config.tp} spans nodes ({cluster.devices_per_node} devices per "
+                        "node): tensor-parallel collectives cross the inter-node fabric")
+    if peak > device_mem:
+        warnings.append(f"peak memory {peak / 2**30:.1f} GiB exceeds the device's "
+                        f"{device_mem / 2**30:.1f} GiB")
+    layer_acts = 0.0
+    if chunks[0].layer_ranges:
+        s0, e0 = chunks[0].layer_ranges[0]
+        layer_acts = activation_bytes(graph, s0, e0, micro_batch_size=config.micro_batch_size,
+                                      tp=config.tp, sp=config.sequence_parallel,
+                                      recompute=config.recompute, precision=config.precision)
+    return Estimate(
+        config=config, global_batch_size=global_batch_size, num_microbatches=m,
+        step_time_s=step_s, time=time, peak_memory_bytes=peak, device_memory_bytes=device_mem,
+        stages=tuple(stages), per_device_memory_bytes=per_device,
+        model_flops_per_step=model_flops, mfu=mfu, samples_per_s=global_batch_size / step_s,
+        tokens_per_s=global_batch_size * tokens / step_s if tokens else None,
+        activation_bytes_per_layer=layer_acts, warnings=tuple(warnings))
+
+
+def _optimizer_step_s(params: float, config: ParallelConfig, compute: ComputeModel,
+                      profile: Any) -> float:
+    cal = getattr(profile, "calibration", None)
+    if cal is not None and getattr(cal, "optimizer_s_per_param", 0):
+        return params * cal.optimizer_s_per_param
+    return params * _OPT_STEP_BYTES[config.optimizer] / compute.tput.memory_bytes_per_s
+
+
+def _margin(cluster: Any, margin: float | None) -> float:
+    if margin is not None:
+        if margin < 0:
+            raise ConfigError(f"memory_margin_bytes must be >= 0, got {margin}")
+        return float(margin)
+    if cluster.device.kind == "cpu":
+        return 0.0
+    # CUDA context, NCCL buffers, allocator fragmentation: a fixed reserve plus a fraction
+    return 1.0 * 2**30 + 0.03 * cluster.device.memory_bytes
+
+
+def _tokens_per_sample(graph: OpGraph) -> int | None:
+    """Sequence length when the first input is a (batch, seq) integer tensor of token ids."""
+    if not graph.inputs:
+        return None
+    meta = graph.value(graph.inputs[0]).meta
+    if len(meta.shape) == 2 and not meta.is_float:
+        return meta.shape[1]
+    return None

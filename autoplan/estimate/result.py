@@ -1,0 +1,133 @@
+"""What ``estimate`` returns: step time, memory per device, and their breakdowns."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from autoplan.estimate.config import ParallelConfig
+
+
+@dataclass(frozen=True, kw_only=True)
+class TimeBreakdown:
+    """Seconds per training step on the slowest pipeline stage, by cause.
+
+    ``compute_s`` is forward + backward work, ``recompute_s`` the forward work done again,
+    ``comm_exposed_s`` the communication that is not hidden behind compute (by kind: ``tp``,
+    ``dp_grad_sync``, ``zero_param_gather``, ``pp_p2p``, ``offload``), ``bubble_s`` the pipeline
+    fill and drain, ``optimizer_s`` the optimizer step, ``overhead_s`` fixed per-step costs.
+    """
+
+    compute_s: float
+    recompute_s: float
+    comm_exposed_s: Mapping[str, float]
+    bubble_s: float
+    optimizer_s: float
+    overhead_s: float
+
+    @property
+    def comm_s(self) -> float:
+        return sum(self.comm_exposed_s.values())
+
+    @property
+    def total_s(self) -> float:
+        return (self.compute_s + self.recompute_s + self.comm_s + self.bubble_s
+                + self.optimizer_s + self.overhead_s)
+
+
+@dataclass(frozen=True, kw_only=True)
+class MemoryBreakdown:
+    """Bytes on one device at its peak."""
+
+    params_bytes: float
+    grads_bytes: float
+    optimizer_bytes: float
+    activations_bytes: float       # kept for backward, all micro-batches in flight
+    transient_bytes: float         # recompute working set, gathered FSDP weights, buffers
+    margin_bytes: float            # workspace reserve (allocator, CUDA context, kernels)
+    offloaded_bytes: float = 0.0   # optimizer state held in host memory instead
+
+    @property
+    def total_bytes(self) -> float:
+        return (self.params_bytes + self.grads_bytes + self.optimizer_bytes
+                + self.activations_bytes + self.transient_bytes + self.margin_bytes)
+
+
+@dataclass(frozen=True, kw_only=True)
+class StageEstimate:
+    """One pipeline stage (all its TP and DP ranks are alike)."""
+
+    index: int
+    layers: tuple[str, ...]          # block instances on this stage (module paths)
+    num_ops: int
+    params_per_device: float
+    fwd_s: float                     # per micro-batch, including TP communication
+    bwd_s: float                     # per micro-batch, including recomputation and TP comm
+    activation_bytes_per_microbatch: float
+    microbatches_in_flight: float
+    memory: MemoryBreakdown
+
+
+@dataclass(frozen=True, kw_only=True)
+class Estimate:
+    config: ParallelConfig
+    global_batch_size: int
+    num_microbatches: int
+    step_time_s: float
+    time: TimeBreakdown
+    peak_memory_bytes: float          # the worst device
+    device_memory_bytes: float
+    stages: tuple[StageEstimate, ...]
+    per_device_memory_bytes: tuple[float, ...]   # index = rank
+    model_flops_per_step: float
+    mfu: float
+    samples_per_s: float
+    tokens_per_s: float | None
+    activation_bytes_per_layer: float            # one block instance, one micro-batch
+    warnings: tuple[str, ...] = field(default_factory=tuple)
+
+    @property
+    def fits(self) -> bool:
+        return self.peak_memory_bytes <= self.device_memory_bytes
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["config"] = self.config.to_dict()
+        d["fits"] = self.fits
+        d["per_device_memory_bytes"] = list(self.per_device_memory_bytes)
+        return d
+
+    def report(self) -> str:
+        gib = 1024 ** 3
+        t = self.time
+        lines = [
+            f"config: {self.config.short()}  (global batch {self.global_batch_size}, "
+            f"{self.num_microbatches} micro-batches)",
+            f"step time {self.step_time_s * 1e3:,.1f} ms   MFU {self.mfu * 100:.1f}%   "
+            f"{self.samples_per_s:,.2f} samples/s"
+            + (f"   {self.tokens_per_s:,.0f} tokens/s" if self.tokens_per_s else ""),
+            f"  compute {t.compute_s * 1e3:,.1f} ms, recompute {t.recompute_s * 1e3:,.1f} ms, "
+            f"bubble {t.bubble_s * 1e3:,.1f} ms, optimizer {t.optimizer_s * 1e3:,.1f} ms, "
+            f"overhead {t.overhead_s * 1e3:,.1f} ms",
+            "  exposed communication: " + (", ".join(
+                f"{k} {v * 1e3:,.1f} ms" for k, v in t.comm_exposed_s.items() if v > 0) or "none"),
+            f"peak memory {self.peak_memory_bytes / gib:,.2f} GiB of "
+            f"{self.device_memory_bytes / gib:,.1f} GiB"
+            + ("" if self.fits else "   ** DOES NOT FIT **"),
+        ]
+        for s in self.stages:
+            m = s.memory
+            lines.append(
+                f"  stage {s.index}: {len(s.layers)} layers, params {m.params_bytes / gib:.2f} "
+                f"grads {m.grads_bytes / gib:.2f} optim {m.optimizer_bytes / gib:.2f} "
+                f"activations {m.activations_bytes / gib:.2f} "
+                f"({s.microbatches_in_flight:g} micro-batches in flight) transient "
+                f"{m.transient_bytes / gib:.2f} margin {m.margin_bytes / gib:.2f} "
+                f"= {m.total_bytes / gib:.2f} GiB")
+            if len(self.stages) > 8 and s.index == 3:
+                lines.append(f"  ... {len(self.stages) - 5} more stages ...")
+                break
+        for w in self.warnings:
+            lines.append(f"warning: {w}")
+        return "\n".join(lines)

@@ -1,0 +1,26 @@
+"""Shared test fixtures. Torch is limited to one thread per process for stable, fast tests
+(and because forked distributed ranks deadlock otherwise; see ARCHITECTURE.md)."""
+
+import os
+
+import pytest
+import torch
+
+torch.set_num_threads(int(os.environ.get("AUTOPLAN_TEST_THREADS", "1")))
+
+
+def has_transformers() -> bool:
+    try:
+        import transformers  # noqa: F401
+        return True
+    except ImportError:
+        return False
+
+
+@pytest.fixture(scope="session")
+def gpt3_two_layers():
+    """GPT-3 175B shapes (s=2048, h=12288, a=96) with 2 layers, traced on the meta device."""
+    from autoplan.graph import trace
+    from autoplan.models import build_example
+    ex = build_example("gpt3-175b", device="meta", batch_size=1, num_layers=2)
+    return trace(ex.model, ex.example_inputs, loss_fn=ex.loss_fn, targets=ex.targets)
