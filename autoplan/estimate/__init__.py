@@ -1,1 +1,8 @@
-"""autoplan.estimate"""
+"""Estimating one parallel configuration: step time, memory per device, breakdowns."""
+
+from autoplan.estimate.config import ParallelConfig
+from autoplan.estimate.estimator import estimate
+from autoplan.estimate.result import Estimate, MemoryBreakdown, StageEstimate, TimeBreakdown
+
+__all__ = ["Estimate", "MemoryBreakdown", "ParallelConfig", "StageEstimate", "TimeBreakdown",
+           "estimate"]

@@ -1,0 +1,126 @@
+"""estimate(): any ParallelConfig on any cluster, validated, with breakdowns that add up."""
+
+import pytest
+
+import autoplan
+from autoplan import ConfigError, ParallelConfig, estimate
+from autoplan.cluster import Cluster
+from autoplan.graph import trace
+from autoplan.models import build_example
+
+
+@pytest.fixture(scope="module")
+def gpt3_12_layers():
+    """GPT-3 175B layer shapes with 12 layers (pp up to 12), on the meta device."""
+    ex = build_example("gpt3-175b", device="meta", batch_size=1, num_layers=12)
+    return trace(ex.model, ex.example_inputs, loss_fn=ex.loss_fn, targets=ex.targets)
+
+
+@pytest.fixture(scope="module")
+def a100_x24():
+    return Cluster.preset("dgx-a100-80gb", nodes=24)   # 192 GPUs = dp 2 x tp 8 x pp 12
+
+
+def _est(graph, cluster, **kw):
+    batch = kw.pop("global_batch_size", 192)
+    return estimate(graph, cluster, config=ParallelConfig(**kw), global_batch_size=batch,
+                    profile=None)
+
+
+def test_issue_example_runs_on_meta_model():
+    """The README/issue example: a meta-device GPT, a preset, estimate() from the module."""
+    ex = build_example("gpt3-175b", device="meta", batch_size=1, num_layers=12)
+    cluster = autoplan.Cluster.preset("dgx-a100-80gb", nodes=24)
+    est = autoplan.estimate(ex.model, cluster, example_inputs=ex.example_inputs,
+                            global_batch_size=192,
+                            config=autoplan.ParallelConfig(dp=2, tp=8, pp=12, micro_batch_size=1,
+                                                           schedule="1f1b", zero_stage=1,
+                                                           recompute="full", precision="bf16"))
+    assert est.step_time_s > 0 and 0 < est.mfu < 1
+    assert est.peak_memory_bytes == max(est.per_device_memory_bytes)
+    assert len(est.per_device_memory_bytes) == 192
+    assert est.time.total_s == pytest.approx(est.step_time_s)
+    assert est.tokens_per_s == pytest.approx(est.samples_per_s * 2048)
+
+
+def test_breakdowns_add_up(gpt3_12_layers, a100_x24):
+    est = _est(gpt3_12_layers, a100_x24, dp=2, tp=8, pp=12, schedule="1f1b", zero_stage=1,
+               recompute="full")
+    t = est.time
+    assert t.compute_s > 0 and t.recompute_s > 0 and t.bubble_s > 0
+    assert t.comm_exposed_s["tp"] > 0 and t.comm_exposed_s["pp_p2p"] > 0
+    for s in est.stages:
+        m = s.memory
+        assert m.total_bytes == pytest.approx(m.params_bytes + m.grads_bytes + m.optimizer_bytes
+                                              + m.activations_bytes + m.transient_bytes
+                                              + m.margin_bytes)
+    # 1F1B: stage i holds p - i micro-batches
+    assert [s.microbatches_in_flight for s in est.stages] == list(range(12, 0, -1))
+
+
+def test_policies_move_time_and_memory_the_right_way(gpt3_12_layers, a100_x24):
+    base = dict(dp=2, tp=8, pp=12, sequence_parallel=True)
+    none = _est(gpt3_12_layers, a100_x24, **base, recompute="none")
+    sel = _est(gpt3_12_layers, a100_x24, **base, recompute="selective")
+    full = _est(gpt3_12_layers, a100_x24, **base, recompute="full")
+    assert none.peak_memory_bytes > sel.peak_memory_bytes > full.peak_memory_bytes
+    assert none.step_time_s < sel.step_time_s < full.step_time_s
+    z0 = _est(gpt3_12_layers, a100_x24, **base, zero_stage=0)
+    z3 = _est(gpt3_12_layers, a100_x24, **base, zero_stage=3)
+    assert z3.stages[1].memory.optimizer_bytes == pytest.approx(
+        z0.stages[1].memory.optimizer_bytes / 2)
+    gp = _est(gpt3_12_layers, a100_x24, **base, schedule="gpipe")
+    assert gp.stages[0].microbatches_in_flight == gp.num_microbatches
+    inter = _est(gpt3_12_layers, a100_x24, dp=4, tp=8, pp=6, sequence_parallel=True,
+                 schedule="interleaved_1f1b", virtual_stages=2, global_batch_size=192 * 2)
+    plain = _est(gpt3_12_layers, a100_x24, dp=4, tp=8, pp=6, sequence_parallel=True,
+                 schedule="1f1b", global_batch_size=192 * 2)
+    assert inter.time.bubble_s == pytest.approx(plain.time.bubble_s / 2, rel=0.05)
+
+
+def test_tensor_parallel_splits_layer_weights(gpt3_12_layers):
+    one = Cluster.preset("dgx-a100-80gb", nodes=3)   # 24 GPUs
+    tp1 = _est(gpt3_12_layers, one, dp=2, tp=1, pp=12, global_batch_size=24)
+    tp8 = _est(gpt3_12_layers, Cluster.preset("dgx-a100-80gb", nodes=24), dp=2, tp=8, pp=12,
+               global_batch_size=24)
+    # a middle stage holds one layer: 12h^2 weights split 8 ways, only norms/biases replicated
+    assert tp8.stages[5].params_per_device == pytest.approx(tp1.stages[5].params_per_device / 8,
+                                                             rel=0.01)
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(dp=3, tp=8, pp=12), "devices"),                         # 288 != 192
+    (dict(dp=2, tp=8, pp=12, micro_batch_size=5), "multiple of micro_batch_size"),
+    (dict(dp=1, tp=64, pp=3), "attention heads"),                 # 96 heads, tp 64
+    (dict(dp=16, tp=1, pp=12, num_microbatches=7), "num_microbatches"),
+    (dict(dp=2, tp=1, pp=96), "only 12 layers"),
+])
+def test_invalid_configs_say_why(gpt3_12_layers, a100_x24, kw, match):
+    with pytest.raises(ConfigError, match=match):
+        _est(gpt3_12_layers, a100_x24, **kw)
+
+
+@pytest.mark.parametrize("kw", [
+    dict(dp=0), dict(schedule="zigzag"), dict(zero_stage=4), dict(recompute="some"),
+    dict(precision="fp8"), dict(tp=1, sequence_parallel=True),
+    dict(virtual_stages=2, schedule="1f1b"),
+])
+def test_config_fields_are_validated(kw):
+    with pytest.raises(ConfigError):
+        ParallelConfig(**kw)
+
+
+def test_config_round_trips():
+    c = ParallelConfig(dp=4, tp=2, pp=2, zero_stage=2, recompute="selective")
+    assert ParallelConfig.from_dict(c.to_dict()) == c
+    with pytest.raises(ConfigError, match="unknown"):
+        ParallelConfig.from_dict({"dp": 1, "bogus": 2})
+
+
+def test_memory_bound_model_does_not_fit_without_sharding(gpt3_12_layers):
+    node = Cluster.preset("dgx-a100-80gb", nodes=1)
+    dp = _est(gpt3_12_layers, node, dp=8, global_batch_size=8)
+    assert not dp.fits and any("exceeds" in w for w in dp.warnings)
+    sharded = _est(gpt3_12_layers, node, dp=1, tp=8, global_batch_size=8, zero_stage=0,
+                   sequence_parallel=True, recompute="full")
+    assert sharded.peak_memory_bytes < dp.peak_memory_bytes / 4
