@@ -1,0 +1,290 @@
+"""Describe the machine autoplan runs on, as a cluster dictionary (``Cluster.local`` builds it).
+
+With CUDA: one node of the visible GPUs (NCCL). Device specs come from ``cost_models`` when the
+driver's product name matches an alias there, else from the calibration mapping or conservative
+placeholders; the links come from ``nvidia-smi topo -m`` (NV# = that many NVLinks, PIX/PXB =
+behind the same PCIe switch, PHB/NODE = same CPU socket, SYS = across sockets).
+
+Without CUDA: ``nproc`` CPU rank processes on one node (gloo), each owning ``1/nproc`` of host
+memory and joined to the host by a ``loopback`` link (shared memory / TCP loopback).
+
+CPU rates are placeholders until ``autoplan profile`` measures them: pass ``calibration`` with
+any of ``matmul_flops_per_s``, ``memory_bandwidth_bytes_per_s``, ``launch_s``; missing keys use
+``DEFAULT_CPU_CALIBRATION``, deliberately conservative figures (a few cores of a current server
+CPU), not measurements.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from autoplan.cluster import specs
+from autoplan.errors import ClusterError
+
+DEFAULT_CPU_CALIBRATION: Mapping[str, float] = {
+    "matmul_flops_per_s": 10.0e9,          # conservative placeholder, not a measurement
+    "memory_bandwidth_bytes_per_s": 5.0e9,  # conservative placeholder, not a measurement
+    "launch_s": 10.0e-6,                   # eager PyTorch per-op overhead on CPU, typical order
+}
+ADAM_BYTES_PER_PARAM = 28  # fp32 Adam step: read param, grad, m, v (16 B), write param, m, v (12 B)
+# Estimate: a vectorised CPU Adam is memory bound; one core streams about 1.5 GB/s of it, i.e.
+# about 5e7 parameters/s at ADAM_BYTES_PER_PARAM. Calibrate on the machine for a real figure.
+ADAM_PARAMS_PER_CORE_S = 5.0e7
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+_RELATIONS = ("X", "PIX", "PXB", "PHB", "NODE", "SYS", "SOC")
+
+
+# --------------------------------------------------------------------------- this machine
+def cpu_model_name() -> str:
+    """The CPU model from /proc/cpuinfo (``model name``), else platform's description."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as handle:
+            for line in handle:
+                if line.lower().startswith(("model name", "hardware", "cpu model")):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or platform.machine() or "unknown"
+
+
+def slug(name: str) -> str:
+    """``"Intel(R) Xeon(R) Platinum 8375C CPU @ 2.90GHz"`` -> ``"intel-xeon-platinum-8375c"``."""
+    cleaned = re.sub(r"\((r|tm|c)\)", " ", name.lower())
+    cleaned = cleaned.split("@")[0]
+    words = [w for w in re.split(r"[^a-z0-9]+", cleaned) if w and w not in ("cpu", "processor")]
+    return "-".join(words[:8]) or "unknown"
+
+
+def local_cpu_device_name() -> str:
+    """DeviceSpec name of one CPU rank on this machine, e.g. ``"cpu-intel-xeon-platinum-8375c"``."""
+    return "cpu-" + slug(cpu_model_name())
+
+
+def host_memory_bytes() -> int:
+    try:
+        import psutil  # optional dependency
+
+        return int(psutil.virtual_memory().total)
+    except ImportError:
+        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+
+
+def socket_link_name() -> str:
+    return "xgmi" if "amd" in cpu_model_name().lower() else "upi"
+
+
+def _calibration(calibration: Mapping[str, float] | None) -> dict[str, float]:
+    merged = dict(DEFAULT_CPU_CALIBRATION)
+    for key, value in (calibration or {}).items():
+        if key not in DEFAULT_CPU_CALIBRATION:
+            raise ClusterError(f"calibration key {key!r} unknown; allowed: {', '.join(DEFAULT_CPU_CALIBRATION)}")
+        merged[key] = specs.number(value, key, "calibration", positive=key != "launch_s")
+    return merged
+
+
+def local_cluster_dict(nproc: int | None = None, *, calibration: Mapping[str, float] | None = None) -> dict[str, Any]:
+    if nproc is not None:
+        nproc = specs.integer(nproc, "nproc", "local cluster")
+    cal = _calibration(calibration)
+    try:
+        import torch
+
+        cuda = torch.cuda.is_available()
+    except ImportError:
+        cuda = False
+    if not cuda:
+        return cpu_cluster_dict(nproc or 1, cal, calibrated=calibration is not None)
+    count = torch.cuda.device_count()
+    nproc = count if nproc is None else nproc
+    if nproc > count:
+        raise ClusterError(f"local cluster: nproc {nproc} but only {count} CUDA device(s) are visible; use nproc <= {count}")
+    props = [torch.cuda.get_device_properties(i) for i in range(nproc)]
+    return gpu_cluster_dict([p.name for p in props], [int(p.total_memory) for p in props], _nvidia_smi_topo(),
+                            cal if calibration is not None else None)
+
+
+# --------------------------------------------------------------------------- CPU ranks
+def cpu_cluster_dict(nproc: int, cal: Mapping[str, float], *, calibrated: bool = False,
+                     memory_bytes: int | None = None) -> dict[str, Any]:
+    total = memory_bytes if memory_bytes is not None else host_memory_bytes()
+    rate, bandwidth = cal["matmul_flops_per_s"], cal["memory_bandwidth_bytes_per_s"]
+    origin = ("calibration measured on this machine" if calibrated else
+              "PLACEHOLDER: conservative defaults (autoplan.cluster.local.DEFAULT_CPU_CALIBRATION), "
+              "replaced by `autoplan profile` calibration")
+    names = [f"cpu{i}" for i in range(nproc)]
+    return {
+        "name": "local",
+        "description": f"this machine: {nproc} CPU rank process(es) on {cpu_model_name()}, gloo",
+        "num_nodes": 1,
+        "devices_per_node": nproc,
+        "backend": "gloo",
+        "device": {
+            "name": local_cpu_device_name(), "kind": "cpu",
+            # One matmul rate for every dtype: the calibration measures one.
+            "peak_flops": {"fp32": rate, "bf16": rate, "fp16": rate},
+            "memory_bytes": max(1, total // nproc),
+            "memory_bandwidth_bytes_per_s": bandwidth,
+            "matmul_efficiency": 1.0, "memory_efficiency": 1.0,  # calibrated rates are achieved rates
+            "kernel_launch_s": cal["launch_s"],
+            "source": f"{origin}; memory: host memory / nproc",
+        },
+        "host": {
+            "memory_bytes": total,
+            "device_to_host_bandwidth_bytes_per_s": bandwidth,  # a CPU rank's memory is host memory
+            "cpu_adam_params_per_s": bandwidth / ADAM_BYTES_PER_PARAM,
+            "source": f"host memory from the OS; bandwidth and CPU Adam derived from the memory bandwidth ({origin})",
+        },
+        "node": {"components": {"socket0": "socket"},
+                 "links": [{"a": names, "b": "socket0", "link": "loopback"}]},
+        "fabric": None,
+        "source": "detected on this machine (autoplan.cluster.local)",
+    }
+
+
+# --------------------------------------------------------------------------- GPUs
+def _nvidia_smi_topo() -> str:
+    exe = shutil.which("nvidia-smi")
+    if exe is None:
+        return ""
+    try:
+        done = subprocess.run([exe, "topo", "-m"], capture_output=True, text=True, timeout=20, check=False)
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+    return done.stdout if done.returncode == 0 else ""
+
+
+def parse_nvidia_smi_topo(output: str) -> list[list[str]]:
+    """GPU x GPU relation matrix from ``nvidia-smi topo -m`` ("X", "NV12", "PIX", "SYS", ...)."""
+    rows: list[list[str]] = []
+    count = None
+    for line in _ANSI.sub("", output).splitlines():
+        tokens = line.split()
+        if count is None and tokens and tokens[0] == "GPU0":
+            count = sum(1 for t in tokens if re.fullmatch(r"GPU\d+", t))
+            continue
+        if count is not None and tokens and re.fullmatch(r"GPU\d+", tokens[0]):
+            cells = tokens[1:1 + count]
+            for cell in cells:
+                if cell not in _RELATIONS and not re.fullmatch(r"NV\d+", cell):
+                    raise ClusterError(f"nvidia-smi topo -m: unknown relation {cell!r} in row {tokens[0]}")
+            rows.append(cells)
+    if count is None or len(rows) != count or any(len(r) != count for r in rows):
+        raise ClusterError("nvidia-smi topo -m output has no complete GPU matrix; cannot read the topology")
+    return rows
+
+
+def _family_links(product: str) -> tuple[str, str]:
+    upper = product.upper()
+    if "V100" in upper:
+        return "nvlink2", "pcie3-x16"
+    if any(tag in upper for tag in ("H100", "H200", "H800", "GH200")):
+        return "nvlink4", "pcie5-x16"
+    return "nvlink3", "pcie4-x16"
+
+
+def gpu_node_topology(relations: Sequence[Sequence[str]], *, nvlink: str, pcie: str, socket_link: str) -> dict[str, Any]:
+    """A ``node:`` mapping from a relation matrix (see module docstring)."""
+    n = len(relations)
+    gpus = [f"gpu{i}" for i in range(n)]
+    nv = {(i, j): int(relations[i][j][2:]) for i in range(n) for j in range(i + 1, n)
+          if relations[i][j].startswith("NV")}
+    components: dict[str, str] = {}
+    links: list[dict[str, Any]] = []
+    if n >= 3 and len(nv) == n * (n - 1) // 2 and len(set(nv.values())) == 1:
+        components["nvswitch"] = "nvswitch"  # every pair on the same NV count: a switch
+        links.append({"a": gpus, "b": "nvswitch", "link": nvlink, "lanes": next(iter(nv.values()))})
+    else:
+        links += [{"a": gpus[i], "b": gpus[j], "link": nvlink, "lanes": c} for (i, j), c in nv.items()]
+    switch = list(range(n))   # union-find: PIX/PXB share a PCIe switch
+    socket = list(range(n))   # PIX/PXB/PHB/NODE share a socket
+
+    def find(parent: list[int], i: int) -> int:
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+
+    for i in range(n):
+        for j in range(i + 1, n):
+            rel = relations[i][j]
+            if rel in ("PIX", "PXB"):
+                switch[find(switch, j)] = find(switch, i)
+            if rel in ("PIX", "PXB", "PHB", "NODE"):
+                socket[find(socket, j)] = find(socket, i)
+    socket_ids = {root: k for k, root in enumerate(dict.fromkeys(find(socket, i) for i in range(n)))}
+    for k in socket_ids.values():
+        components[f"socket{k}"] = "socket"
+    switch_members: dict[int, list[int]] = {}
+    for i in range(n):
+        switch_members.setdefault(find(switch, i), []).append(i)
+    for k, members in enumerate(switch_members.values()):
+        sock = f"socket{socket_ids[find(socket, members[0])]}"
+        if len(members) == 1:
+            links.append({"a": gpus[members[0]], "b": sock, "link": pcie})
+        else:
+            components[f"pcie{k}"] = "pcie_switch"
+            links.append({"a": [gpus[i] for i in members], "b": f"pcie{k}", "link": pcie})
+            links.append({"a": f"pcie{k}", "b": sock, "link": pcie})
+    sockets = [f"socket{k}" for k in sorted(socket_ids.values())]
+    links += [{"a": a, "b": b, "link": socket_link} for i, a in enumerate(sockets) for b in sockets[i + 1:]]
+    return {"components": components, "links": links}
+
+
+def gpu_cluster_dict(product_names: Sequence[str], memory_bytes: Sequence[int], topo_output: str,
+                     calibration: Mapping[str, float] | None) -> dict[str, Any]:
+    """Cluster dict for one node of GPUs (driver product names and memory sizes, in rank order)."""
+    n = len(product_names)
+    if n == 0:
+        raise ClusterError("local cluster: no CUDA devices to describe")
+    if len(set(product_names)) > 1:
+        raise ClusterError(f"local cluster: mixed GPU models {sorted(set(product_names))}; autoplan needs identical "
+                           "devices (restrict CUDA_VISIBLE_DEVICES to one model)")
+    product = product_names[0]
+    known = specs.find_device_by_alias(product)
+    if known is not None and calibration is None:
+        device = known.to_dict()
+    else:
+        cal = _calibration(calibration)
+        rate = cal["matmul_flops_per_s"]
+        device = {
+            "name": slug(product), "kind": "gpu", "peak_flops": {"fp32": rate, "bf16": rate, "fp16": rate},
+            "memory_bytes": 0, "memory_bandwidth_bytes_per_s": cal["memory_bandwidth_bytes_per_s"],
+            "matmul_efficiency": 1.0, "memory_efficiency": 1.0, "kernel_launch_s": cal["launch_s"],
+            "source": ("calibration measured on this machine" if calibration is not None else
+                       f"PLACEHOLDER: {product!r} is not in cost_models/devices.yaml; conservative defaults"),
+        }
+    device["memory_bytes"] = min(memory_bytes)  # what the driver reports on this machine
+    nvlink, pcie = _family_links(product)
+    try:
+        relations = [row[:n] for row in parse_nvidia_smi_topo(topo_output)[:n]] if topo_output else None
+    except ClusterError:
+        relations = None
+    if relations is None:  # no nvidia-smi: assume every GPU hangs off one socket, no NVLink
+        relations = [["X" if i == j else "PHB" for j in range(n)] for i in range(n)]
+    host_total = host_memory_bytes()
+    pcie_spec = specs.load_link(pcie)
+    return {
+        "name": "local",
+        "description": f"this machine: {n} x {product}, NCCL",
+        "num_nodes": 1,
+        "devices_per_node": n,
+        "backend": "nccl",
+        "device": device,
+        "host": {
+            "memory_bytes": host_total,
+            "device_to_host_bandwidth_bytes_per_s": pcie_spec.bandwidth_bytes_per_s,
+            "cpu_adam_params_per_s": (os.cpu_count() or 1) * ADAM_PARAMS_PER_CORE_S / n,
+            "source": f"host memory from the OS; device link {pcie} peak (assumes a private x16 link); "
+                      "CPU Adam: estimate, ADAM_PARAMS_PER_CORE_S per core shared by the GPUs",
+        },
+        "node": gpu_node_topology(relations, nvlink=nvlink, pcie=pcie, socket_link=socket_link_name()),
+        "fabric": None,
+        "source": "detected on this machine (torch.cuda device properties, nvidia-smi topo -m)",
+    }
