@@ -1,0 +1,369 @@
+"""ProfileDB: measured op timings of one device, as a schema-versioned JSON file.
+
+A profile database answers "how long does this op take forward and backward on this device",
+for ops measured by ``autoplan profile`` (see ``autoplan.cost.profiler``). It is pure data: no
+torch import, no pickle, no code in the file.
+
+Keys. ``op_key(graph, op)`` names an op by what determines its run time and nothing else: the
+aten target, the shapes/dtypes (and requires_grad flags) of its tensor inputs, and its other
+arguments with every tensor replaced by its ``[shape, dtype]``. Value names, module paths and the
+device the graph was traced on are left out, so the same op at the same shapes in two layers, or
+in two graphs (one traced on CPU, one on the meta device), has one key.
+
+File layout (``save`` writes sorted keys, indent 1, times rounded to 4 significant digits, so
+re-saving the same data gives the same bytes)::
+
+    {"schema_version": 1, "device": "cpu-amd-epyc", "device_kind": "cpu", "threads": 2,
+     "torch_version": "2.13.0", "sources": ["gpt-tiny@4", ...],
+     "calibration": {"matmul_flops_per_s": ..., ...},
+     "entries": {"<op key>": {"fwd_s": ..., "bwd_s": ..., "fwd_cv": ..., "bwd_cv": ...,
+                              "repeats": 15}, ...}}
+
+Where files are found (``ProfileDB.find``): ``$AUTOPLAN_PROFILE_DIR`` (one or more folders,
+``os.pathsep``-separated), then ``~/.cache/autoplan/profiles``, then the profiles shipped in the
+package (``autoplan.profiles``, the repository's ``profiles/`` folder). The file name is
+``<device>.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field, fields
+from importlib import resources
+from pathlib import Path
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any
+
+from autoplan.errors import ProfileError
+
+if TYPE_CHECKING:  # only for annotations: this module never needs the graph code at run time
+    from autoplan.graph.opgraph import Op, OpGraph
+
+SCHEMA_VERSION = 1
+DEVICE_KINDS = ("cpu", "cuda")
+PROFILE_DIR_ENV = "AUTOPLAN_PROFILE_DIR"
+_DEVICE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+
+
+def default_cache_dir() -> Path:
+    """Where ``autoplan profile`` writes by default: ``~/.cache/autoplan/profiles``."""
+    return Path.home() / ".cache" / "autoplan" / "profiles"
+
+
+def check_device_name(device: str) -> str:
+    """A device name is a file name stem: letters, digits, ``.``, ``_``, ``-``."""
+    if not isinstance(device, str) or not _DEVICE_NAME.match(device):
+        raise ProfileError(f"device name {device!r} is not usable as a profile file name; use "
+                           "letters, digits, '.', '_' and '-' only (e.g. 'cpu-amd-epyc')")
+    return device
+
+
+# ---- op keys ----------------------------------------------------------------------------------
+
+def _key_arg(x: Any, meta_of: Callable[[str], list]) -> Any:
+    if isinstance(x, list):
+        return [_key_arg(a, meta_of) for a in x]
+    if isinstance(x, dict):
+        if set(x) == {"v"}:
+            return meta_of(x["v"])
+        if set(x) == {"device"}:
+            return {"device": "*"}  # a graph traced on meta replays on the profiled device
+        if set(x) == {"node"}:
+            return {"node": "*"}    # a non-tensor graph node (e.g. a symbolic size): no name
+        return {k: _key_arg(v, meta_of) for k, v in x.items()}
+    return x
+
+
+def op_key(graph: OpGraph, op: Op) -> str:
+    """Stable key of ``op``: target | inputs [shape, dtype, requires_grad] | args with tensors
+    replaced by their [shape, dtype]. Identical ops in two layers or two graphs share it.
+
+    ``requires_grad`` is part of the key because it decides what the backward computes (the
+    first Linear of a model needs no input gradient; the others do).
+    """
+    def meta_of(name: str) -> list:
+        meta = graph.value(name).meta
+        return [list(meta.shape), meta.dtype]
+
+    inputs = [meta_of(name) + [bool(graph.value(name).requires_grad)] for name in op.inputs]
+    try:
+        call = json.loads(op.args)
+    except json.JSONDecodeError as e:
+        raise ProfileError(f"op {op.name!r} ({op.target}) has malformed args JSON: {e}; "
+                           "re-trace the model with this autoplan version") from e
+    args = _key_arg(call, meta_of)
+    sep = (",", ":")
+    return "|".join((op.target, json.dumps(inputs, separators=sep),
+                     json.dumps(args, sort_keys=True, separators=sep)))
+
+
+# ---- records ----------------------------------------------------------------------------------
+
+def _check_number(owner: str, name: str, x: Any, *, positive: bool) -> None:
+    if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x) \
+            or x < 0 or (positive and x == 0):
+        need = "a positive finite number" if positive else "a finite number >= 0"
+        raise ProfileError(f"{owner}.{name} must be {need}, got {x!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class OpTiming:
+    """Median forward and backward times of one op (``bwd_s`` is 0 for ops without backward);
+    ``*_cv`` are coefficients of variation (std / mean) of the timed samples."""
+
+    fwd_s: float
+    bwd_s: float
+    fwd_cv: float
+    bwd_cv: float
+    repeats: int
+
+    def __post_init__(self) -> None:
+        for f in ("fwd_s", "bwd_s", "fwd_cv", "bwd_cv"):
+            _check_number("OpTiming", f, getattr(self, f), positive=False)
+        if isinstance(self.repeats, bool) or not isinstance(self.repeats, int) or self.repeats < 1:
+            raise ProfileError(f"OpTiming.repeats must be an int >= 1, got {self.repeats!r}")
+
+    @property
+    def total_s(self) -> float:
+        return self.fwd_s + self.bwd_s
+
+
+@dataclass(frozen=True, kw_only=True)
+class Calibration:
+    """Device figures measured by ``profiler.calibrate``; the cost model's fallback for ops that
+    were never profiled."""
+
+    matmul_flops_per_s: float            # achieved by a large GEMM in matmul_dtype
+    memory_bandwidth_bytes_per_s: float  # achieved by a large copy: (read + write bytes) / time
+    launch_s: float                      # fixed per-op overhead: median of a 1-element op
+    optimizer_s_per_param: float         # default torch.optim.AdamW step, per fp32 parameter
+    step_overhead_s: float               # fwd + bwd + step + zero_grad of a 1-parameter model
+    matmul_dtype: str = "float32"
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            if f.name != "matmul_dtype":
+                _check_number("Calibration", f.name, getattr(self, f.name), positive=True)
+
+
+_TIMING_FIELDS = tuple(f.name for f in fields(OpTiming))
+_CALIBRATION_FIELDS = tuple(f.name for f in fields(Calibration))
+
+
+def _round(x: float, digits: int = 4) -> float:
+    return float(f"{x:.{digits}g}")
+
+
+def _timing_to_json(t: OpTiming) -> dict[str, Any]:
+    return {"fwd_s": _round(t.fwd_s), "bwd_s": _round(t.bwd_s), "fwd_cv": round(t.fwd_cv, 3),
+            "bwd_cv": round(t.bwd_cv, 3), "repeats": t.repeats}
+
+
+def _calibration_to_json(c: Calibration) -> dict[str, Any]:
+    return {f: (getattr(c, f) if f == "matmul_dtype" else _round(getattr(c, f)))
+            for f in _CALIBRATION_FIELDS}
+
+
+# ---- the database -----------------------------------------------------------------------------
+
+@dataclass(frozen=True, kw_only=True)
+class ProfileDB:
+    device: str                          # e.g. "cpu-amd-epyc"; the file is <device>.json
+    device_kind: str                     # "cpu" | "cuda"
+    threads: int                         # torch.get_num_threads() when measured
+    torch_version: str
+    calibration: Calibration
+    entries: Mapping[str, OpTiming] = field(default_factory=dict)
+    sources: tuple[str, ...] = ()        # what was profiled, e.g. ("gpt-tiny@4", "mlp@64")
+    schema_version: int = SCHEMA_VERSION
+
+    def __post_init__(self) -> None:
+        check_device_name(self.device)
+        if self.device_kind not in DEVICE_KINDS:
+            raise ProfileError(f"ProfileDB.device_kind must be one of {DEVICE_KINDS}, "
+                               f"got {self.device_kind!r}")
+        if isinstance(self.threads, bool) or not isinstance(self.threads, int) or self.threads < 1:
+            raise ProfileError(f"ProfileDB.threads must be an int >= 1, got {self.threads!r}")
+        for k, t in self.entries.items():
+            if not isinstance(k, str) or not isinstance(t, OpTiming):
+                raise ProfileError(f"ProfileDB.entries must map str -> OpTiming, got "
+                                   f"{type(k).__name__} -> {type(t).__name__}")
+        object.__setattr__(self, "entries", MappingProxyType(dict(sorted(self.entries.items()))))
+        object.__setattr__(self, "sources", tuple(sorted(set(self.sources))))
+
+    # ---- queries ------------------------------------------------------------------------------
+    def lookup(self, graph: OpGraph, op: Op) -> OpTiming | None:
+        """The measured timing of ``op``, or None when this database never saw its key."""
+        return self.entries.get(op_key(graph, op))
+
+    def coverage(self, graph: OpGraph) -> float:
+        """Fraction of ``graph``'s ops that have a measured timing here (1.0 for no ops)."""
+        if not graph.ops:
+            return 1.0
+        return sum(op_key(graph, op) in self.entries for op in graph.ops) / len(graph.ops)
+
+    def compatible_with(self, other: ProfileDB) -> str | None:
+        """Why ``other``'s measurements cannot be mixed with these (None when they can)."""
+        if other.device != self.device or other.device_kind != self.device_kind:
+            return (f"device {other.device!r} ({other.device_kind}) differs from "
+                    f"{self.device!r} ({self.device_kind})")
+        if other.threads != self.threads:
+            return f"measured with {other.threads} threads, not {self.threads}"
+        return None
+
+    def merged(self, other: ProfileDB) -> ProfileDB:
+        """These entries updated with ``other``'s (``other`` wins on shared keys and gives the
+        calibration and torch version: it is taken to be the newer measurement)."""
+        why = self.compatible_with(other)
+        if why is not None:
+            raise ProfileError(f"cannot merge profile databases: {why}. Profile into a separate "
+                               "file (-o PATH) or re-profile everything with the same settings")
+        entries = dict(self.entries)
+        entries.update(other.entries)
+        return ProfileDB(device=self.device, device_kind=self.device_kind, threads=self.threads,
+                         torch_version=other.torch_version, calibration=other.calibration,
+                         entries=entries, sources=self.sources + other.sources)
+
+    # ---- files --------------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "schema_version": self.schema_version,
+            "device": self.device,
+            "device_kind": self.device_kind,
+            "threads": self.threads,
+            "torch_version": self.torch_version,
+            "sources": list(self.sources),
+            "calibration": _calibration_to_json(self.calibration),
+            "entries": {k: _timing_to_json(t) for k, t in self.entries.items()},
+        }
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True, indent=1) + "\n"
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Write the database to ``path`` (parents created; written to a temp file, then moved,
+        so a crash never leaves half a file)."""
+        path = Path(path)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_name(path.name + ".tmp")
+            tmp.write_text(self.to_json(), encoding="utf-8")
+            os.replace(tmp, path)
+        except OSError as e:
+            raise ProfileError(f"cannot write profile database {str(path)!r}: {e}; choose a "
+                               "writable path with -o PATH") from e
+
+    @classmethod
+    def from_dict(cls, d: Any, *, source: str = "<dict>") -> ProfileDB:
+        def bad(what: str) -> ProfileError:
+            return ProfileError(f"profile database {source} is malformed: {what}; re-create it "
+                                "with `autoplan profile` or delete it")
+
+        if not isinstance(d, dict):
+            raise bad(f"the top level is a {type(d).__name__}, not an object")
+        version = d.get("schema_version")
+        if version != SCHEMA_VERSION:
+            raise ProfileError(f"profile database {source} has schema_version {version!r}; this "
+                               f"autoplan reads version {SCHEMA_VERSION}. Re-create it with "
+                               "`autoplan profile`")
+        required = ("device", "device_kind", "threads", "torch_version", "calibration", "entries")
+        missing = [k for k in required if k not in d]
+        if missing:
+            raise bad(f"missing field(s) {missing}")
+        cal = d["calibration"]
+        if not isinstance(cal, dict):
+            raise bad("'calibration' is not an object")
+        unknown = sorted(set(cal) - set(_CALIBRATION_FIELDS))
+        if unknown:
+            raise bad(f"unknown calibration field(s) {unknown}")
+        raw_entries = d["entries"]
+        if not isinstance(raw_entries, dict):
+            raise bad("'entries' is not an object")
+        try:
+            calibration = Calibration(**cal)
+            entries = {}
+            for key, e in raw_entries.items():
+                if not isinstance(e, dict) or sorted(e) != sorted(_TIMING_FIELDS):
+                    raise bad(f"entry {key[:80]!r} needs exactly the fields {_TIMING_FIELDS}, "
+                              f"got {e!r:.200}")
+                entries[key] = OpTiming(**e)
+            sources = d.get("sources", [])
+            if not isinstance(sources, list) or not all(isinstance(s, str) for s in sources):
+                raise bad("'sources' is not a list of strings")
+            return cls(device=d["device"], device_kind=d["device_kind"], threads=d["threads"],
+                       torch_version=str(d["torch_version"]), calibration=calibration,
+                       entries=entries, sources=tuple(sources))
+        except TypeError as e:  # a missing calibration field
+            raise bad(str(e)) from e
+        except ProfileError as e:
+            if source in str(e):
+                raise
+            raise bad(str(e)) from e
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> ProfileDB:
+        """Read a database file; any problem is a ProfileError naming the file."""
+        path = Path(path)
+        try:
+            text = path.read_text(encoding="utf-8")
+        except OSError as e:
+            raise ProfileError(f"cannot read profile database {str(path)!r}: {e}") from e
+        return cls.from_text(text, source=repr(str(path)))
+
+    @classmethod
+    def from_text(cls, text: str, *, source: str = "<text>") -> ProfileDB:
+        try:
+            d = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ProfileError(f"profile database {source} is not valid JSON ({e}); re-create it "
+                               "with `autoplan profile` or delete it") from e
+        return cls.from_dict(d, source=source)
+
+    @classmethod
+    def search_paths(cls, device: str) -> list[Path | Any]:
+        """Candidate files for ``device``, in search order (they need not exist)."""
+        name = f"{check_device_name(device)}.json"
+        out: list[Path | Any] = []
+        for folder in os.environ.get(PROFILE_DIR_ENV, "").split(os.pathsep):
+            if folder:
+                out.append(Path(folder).expanduser() / name)
+        out.append(default_cache_dir() / name)
+        out.append(packaged_profiles() / name)
+        return out
+
+    @classmethod
+    def find(cls, device: str) -> ProfileDB | None:
+        """The first database for ``device`` on the search path, or None if there is none.
+
+        A file that exists but is malformed raises ProfileError (it is never skipped silently).
+        """
+        for candidate in cls.search_paths(device):
+            if candidate.is_file():
+                return cls.from_text(candidate.read_text(encoding="utf-8"),
+                                     source=repr(str(candidate)))
+        return None
+
+
+def packaged_profiles():
+    """The folder of profiles shipped with autoplan (a Traversable; a Path in editable installs)."""
+    return resources.files("autoplan.profiles")
+
+
+def list_packaged_devices() -> list[str]:
+    """Device names that have a shipped profile."""
+    return sorted(p.name[: -len(".json")] for p in packaged_profiles().iterdir()
+                  if p.name.endswith(".json"))
+
+
+def merge_all(dbs: Iterable[ProfileDB]) -> ProfileDB:
+    """Fold databases left to right with ``merged`` (later ones win)."""
+    out: ProfileDB | None = None
+    for db in dbs:
+        out = db if out is None else out.merged(db)
+    if out is None:
+        raise ProfileError("merge_all() needs at least one profile database")
+    return out

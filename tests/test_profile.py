@@ -1,0 +1,236 @@
+"""Measured op profiles: op keys, the ProfileDB file format, replaying ops, calibration, the CLI."""
+
+from __future__ import annotations
+
+import json
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import autoplan
+from autoplan.cost.profile_db import (Calibration, OpTiming, ProfileDB, list_packaged_devices,
+                                      op_key)
+from autoplan.cost.profiler import build_db, calibrate, local_device_name, profile_graph
+from autoplan.errors import ProfileError
+
+
+def _trace(model: nn.Module, x: torch.Tensor, y: torch.Tensor | None = None, loss=None):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return autoplan.trace(model, (x,), loss_fn=loss, targets=y)
+
+
+def _mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(),
+                         nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4))
+
+
+@pytest.fixture(scope="module")
+def mlp_graph():
+    return _trace(_mlp(), torch.randn(8, 16), torch.randint(0, 4, (8,)),
+                  nn.functional.cross_entropy)
+
+
+def _cal(**kw) -> Calibration:
+    base = dict(matmul_flops_per_s=5e10, memory_bandwidth_bytes_per_s=1e10, launch_s=3e-6,
+                optimizer_s_per_param=5e-9, step_overhead_s=4e-4)
+    base.update(kw)
+    return Calibration(**base)
+
+
+def _db(entries=None, threads=2, device="cpu-test-device") -> ProfileDB:
+    entries = entries if entries is not None else {
+        "aten.relu.default|a": OpTiming(fwd_s=1.5e-6, bwd_s=2.25e-6, fwd_cv=0.1, bwd_cv=0.2,
+                                        repeats=15),
+        "aten.linear.default|b": OpTiming(fwd_s=0.001234, bwd_s=0.0, fwd_cv=0.0, bwd_cv=0.0,
+                                          repeats=3),
+    }
+    return ProfileDB(device=device, device_kind="cpu", threads=threads, torch_version="2.x",
+                     calibration=_cal(), entries=entries, sources=("mlp-tiny@32",))
+
+
+# ---- op keys --------------------------------------------------------------------------------
+
+def test_op_key_same_for_identical_ops_in_two_layers(mlp_graph):
+    linears = [op for op in mlp_graph.ops if op.target == "aten.linear.default"]
+    keys = [op_key(mlp_graph, op) for op in linears]
+    # layers 2 and 3 are Linear(32, 32) on a (8, 32) input that requires grad: one key
+    assert keys[1] == keys[2]
+    assert linears[1].inputs != linears[2].inputs          # different value names
+    assert keys[0] != keys[1]                              # other shapes, input without grad
+    assert keys[2] != keys[3]
+    assert keys[1].startswith("aten.linear.default|")
+    # a second trace of the same model gives the same keys (value names are not part of them)
+    again = _trace(_mlp(), torch.randn(8, 16), torch.randint(0, 4, (8,)),
+                   nn.functional.cross_entropy)
+    assert [op_key(again, op) for op in again.ops] == [op_key(mlp_graph, op)
+                                                       for op in mlp_graph.ops]
+
+
+def test_op_key_ignores_the_trace_device(mlp_graph):
+    class Pos(nn.Module):
+        def forward(self, x):
+            return x + torch.arange(x.shape[-1], device=x.device)
+
+    real = _trace(Pos(), torch.randn(2, 5))
+    meta = _trace(Pos(), torch.randn(2, 5, device="meta"))
+    assert [op_key(real, op) for op in real.ops] == [op_key(meta, op) for op in meta.ops]
+
+
+# ---- the database file ----------------------------------------------------------------------
+
+def test_save_load_round_trip_is_stable(tmp_path):
+    db = _db()
+    path = tmp_path / "sub" / "cpu-test-device.json"
+    db.save(path)
+    loaded = ProfileDB.load(path)
+    assert loaded == db
+    assert dict(loaded.entries) == dict(db.entries)
+    first = path.read_bytes()
+    loaded.save(path)
+    assert path.read_bytes() == first                       # byte-stable re-save
+    assert json.loads(first)["schema_version"] == 1
+
+
+@pytest.mark.parametrize("text, expect", [
+    ("{not json", "not valid JSON"),
+    ("[1, 2]", "top level"),
+    ('{"schema_version": 99}', "schema_version 99"),
+    ('{"schema_version": 1, "device": "d"}', "missing field"),
+])
+def test_malformed_file_raises_profile_error(tmp_path, text, expect):
+    path = tmp_path / "bad.json"
+    path.write_text(text)
+    with pytest.raises(ProfileError, match=expect) as info:
+        ProfileDB.load(path)
+    assert str(path) in str(info.value)
+
+
+def test_bad_entry_and_calibration_raise_profile_error(tmp_path):
+    d = _db().to_dict()
+    d["entries"]["x"] = {"fwd_s": -1.0, "bwd_s": 0.0, "fwd_cv": 0.0, "bwd_cv": 0.0, "repeats": 1}
+    path = tmp_path / "neg.json"
+    path.write_text(json.dumps(d))
+    with pytest.raises(ProfileError, match="fwd_s") as info:
+        ProfileDB.load(path)
+    assert str(path) in str(info.value)
+    d = _db().to_dict()
+    del d["calibration"]["launch_s"]
+    path.write_text(json.dumps(d))
+    with pytest.raises(ProfileError, match="launch_s"):
+        ProfileDB.load(path)
+
+
+def test_merged_updates_entries_and_refuses_other_thread_counts():
+    old = _db()
+    newer = _db(entries={"aten.relu.default|a": OpTiming(fwd_s=1e-6, bwd_s=1e-6, fwd_cv=0.0,
+                                                          bwd_cv=0.0, repeats=15),
+                         "aten.gelu.default|c": OpTiming(fwd_s=2e-6, bwd_s=3e-6, fwd_cv=0.0,
+                                                         bwd_cv=0.0, repeats=15)})
+    merged = old.merged(newer)
+    assert set(merged.entries) == {"aten.relu.default|a", "aten.linear.default|b",
+                                   "aten.gelu.default|c"}
+    assert merged.entries["aten.relu.default|a"].fwd_s == 1e-6
+    with pytest.raises(ProfileError, match="threads"):
+        old.merged(_db(threads=4))
+
+
+def test_find_searches_env_dir_then_cache_then_packaged(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("AUTOPLAN_PROFILE_DIR", str(tmp_path / "env"))
+    shipped = list_packaged_devices()
+    assert shipped, "the package ships at least one measured profile (profiles/*.json)"
+    found = ProfileDB.find(shipped[0])
+    assert found is not None and found.device == shipped[0] and found.entries
+    assert ProfileDB.find("no-such-device") is None
+    # a file in $AUTOPLAN_PROFILE_DIR wins over the packaged one
+    _db(device=shipped[0], entries={}).save(tmp_path / "env" / f"{shipped[0]}.json")
+    assert not ProfileDB.find(shipped[0]).entries
+    with pytest.raises(ProfileError, match="file name"):
+        ProfileDB.find("../etc/passwd")
+
+
+def test_packaged_profile_of_this_machine_covers_the_examples():
+    shipped = ProfileDB.find(local_device_name())
+    if shipped is None:
+        pytest.skip(f"no shipped profile for {local_device_name()}")
+    assert shipped.threads >= 1 and shipped.calibration.matmul_flops_per_s > 0
+    assert any(s.startswith("gpt-tiny@") for s in shipped.sources)
+
+
+# ---- measuring --------------------------------------------------------------------------------
+
+def test_profiling_a_tiny_mlp_times_its_matmuls(mlp_graph):
+    prof = profile_graph(mlp_graph, warmup=1, repeats=3)
+    assert not prof.failures
+    assert prof.num_ops == len(mlp_graph.ops) and prof.num_keys < prof.num_ops  # shared keys
+    db = build_db(prof.timings, _cal(), device_name="cpu-test-device")
+    assert db.threads == torch.get_num_threads()
+    assert db.coverage(mlp_graph) == 1.0
+    for op in mlp_graph.ops:
+        t = db.lookup(mlp_graph, op)
+        assert t is not None and t.fwd_s > 0 and t.repeats >= 1
+        if op.kind == "matmul":
+            assert t.bwd_s > 0
+            assert t.fwd_s < 0.5
+    skipped = profile_graph(mlp_graph, warmup=0, repeats=1, skip=prof.timings.keys())
+    assert skipped.skipped == prof.num_keys and not skipped.timings
+
+
+def test_integer_inputs_are_valid_indices():
+    class Tagger(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(50, 8)
+            self.out = nn.Linear(8, 7)
+
+        def forward(self, tokens):
+            h = self.emb(tokens)
+            pos = torch.arange(tokens.shape[1])
+            return self.out(h[:, pos].mean(1))
+
+    g = _trace(Tagger(), torch.randint(0, 50, (4, 6)), torch.randint(0, 7, (4,)),
+               nn.functional.cross_entropy)
+    prof = profile_graph(g, warmup=0, repeats=2)
+    assert not prof.failures, prof.failures
+    targets = {k.split("|")[0] for k in prof.timings}
+    assert {"aten.embedding.default", "aten.cross_entropy_loss.default"} <= targets
+
+
+def test_unreplayable_op_is_counted_not_raised(mlp_graph):
+    import dataclasses
+    bad = dataclasses.replace(mlp_graph.ops[1], target="aten.no_such_op.default")
+    g = dataclasses.replace(mlp_graph, ops=(mlp_graph.ops[0], bad))
+    prof = profile_graph(g, warmup=0, repeats=1)
+    assert len(prof.timings) == 1 and len(prof.failures) == 1
+    assert "no_such_op" in next(iter(prof.failures.values()))
+
+
+def test_calibration_is_positive_and_plausible():
+    cal = calibrate("cpu")
+    assert 1e8 < cal.matmul_flops_per_s < 1e14
+    assert 1e8 < cal.memory_bandwidth_bytes_per_s < 1e13
+    assert 1e-8 < cal.launch_s < 1e-2
+    assert 1e-12 < cal.optimizer_s_per_param < 1e-5
+    assert 1e-6 < cal.step_overhead_s < 0.5
+    assert cal.matmul_dtype == "float32"
+
+
+def test_cli_profiles_an_example_and_merges(tmp_path, capsys):
+    from autoplan.cli.profile_cmd import main
+
+    out = tmp_path / "p.json"
+    _db(device=local_device_name(), threads=torch.get_num_threads()).save(out)
+    assert main(["mlp-tiny@8", "--repeats", "2", "--warmup", "1",
+                 "-o", str(out)]) == 0
+    db = ProfileDB.load(out)
+    assert "aten.relu.default|a" in db.entries                # kept from the existing file
+    assert any(k.startswith("aten.linear.default|") for k in db.entries)
+    assert "mlp-tiny@8" in db.sources
+    text = capsys.readouterr().out
+    assert "failed" in text and "calibration" in text
+    assert main(["no-such-model", "-o", str(out)]) == 2
+    assert main(["mlp-tiny@0", "-o", str(out)]) == 2
