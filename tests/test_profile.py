@@ -36,7 +36,8 @@ def mlp_graph():
 
 def _cal(**kw) -> Calibration:
     base = dict(matmul_flops_per_s=5e10, memory_bandwidth_bytes_per_s=1e10, launch_s=3e-6,
-                optimizer_s_per_param=5e-9, step_overhead_s=4e-4)
+                optimizer_s_per_param=5e-9, optimizer_s_per_tensor=2e-5,
+                step_overhead_s=4e-4)
     base.update(kw)
     return Calibration(**base)
 

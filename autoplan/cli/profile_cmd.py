@@ -186,7 +186,8 @@ def run(args: argparse.Namespace) -> int:
     _say(f"calibration: matmul {cal.matmul_flops_per_s / 1e9:,.1f} GFLOP/s ({cal.matmul_dtype}), "
          f"memory {cal.memory_bandwidth_bytes_per_s / 1e9:,.1f} GB/s, "
          f"launch {cal.launch_s * 1e6:.2f} us, "
-         f"AdamW {cal.optimizer_s_per_param * 1e9:.2f} ns/param, "
+         f"AdamW {cal.optimizer_s_per_param * 1e9:.2f} ns/param + "
+         f"{cal.optimizer_s_per_tensor * 1e6:.1f} us/tensor, "
          f"step overhead {cal.step_overhead_s * 1e6:.1f} us")
     for name, graph in graphs:
         found = [db.lookup(graph, op) for op in graph.ops]

@@ -89,6 +89,19 @@ def _calibration(calibration: Mapping[str, float] | None) -> dict[str, float]:
     return merged
 
 
+def profiled_calibration(device: str) -> dict[str, float] | None:
+    """The calibration of the installed profile for ``device`` (``autoplan profile``), if any."""
+    from autoplan.cost.profile_db import ProfileDB
+
+    db = ProfileDB.find(device)
+    if db is None:
+        return None
+    c = db.calibration
+    return {"matmul_flops_per_s": c.matmul_flops_per_s,
+            "memory_bandwidth_bytes_per_s": c.memory_bandwidth_bytes_per_s,
+            "launch_s": c.launch_s}
+
+
 def local_cluster_dict(nproc: int | None = None, *, calibration: Mapping[str, float] | None = None) -> dict[str, Any]:
     if nproc is not None:
         nproc = specs.integer(nproc, "nproc", "local cluster")
@@ -100,6 +113,9 @@ def local_cluster_dict(nproc: int | None = None, *, calibration: Mapping[str, fl
     except ImportError:
         cuda = False
     if not cuda:
+        if calibration is None:
+            calibration = profiled_calibration(local_cpu_device_name())
+            cal = _calibration(calibration)
         return cpu_cluster_dict(nproc or 1, cal, calibrated=calibration is not None)
     count = torch.cuda.device_count()
     nproc = count if nproc is None else nproc

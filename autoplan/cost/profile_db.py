@@ -141,6 +141,7 @@ class Calibration:
     memory_bandwidth_bytes_per_s: float  # achieved by a large copy: (read + write bytes) / time
     launch_s: float                      # fixed per-op overhead: median of a 1-element op
     optimizer_s_per_param: float         # default torch.optim.AdamW step, per fp32 parameter
+    optimizer_s_per_tensor: float        # its fixed cost per parameter tensor (per-tensor loop)
     step_overhead_s: float               # fwd + bwd + step + zero_grad of a 1-parameter model
     matmul_dtype: str = "float32"
 

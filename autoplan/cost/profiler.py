@@ -533,14 +533,20 @@ def calibrate(device: str | torch.device = "cpu", *, seed: int = 0) -> Calibrati
     launch_s = _measure(clock, lambda: torch.add(x, x), warmup=20, repeats=15,
                               min_time_s=2e-3, max_time_s=0.5).median_s
 
-    tensors, per = (32, 1 << 20) if cuda else (16, 1 << 18)
-    params = [nn.Parameter(torch.randn(per, device=dev)) for _ in range(tensors)]
-    for p in params:
-        p.grad = torch.randn_like(p)
-    opt = torch.optim.AdamW(params, lr=1e-3)
-    # Warm-up steps allocate the optimizer state (first-touch page faults are slow in VMs).
-    opt_s = _measure(clock, opt.step, warmup=2, repeats=7, min_time_s=0.0, max_time_s=0.5).median_s
-    del params, opt
+    # Two AdamW measurements: large tensors (beyond the caches, as real weights are) give the
+    # cost per parameter; many one-element tensors give the fixed cost per tensor.
+    def adamw_step_s(tensors: int, per: int) -> float:
+        params = [nn.Parameter(torch.randn(per, device=dev)) for _ in range(tensors)]
+        for p in params:
+            p.grad = torch.randn_like(p)
+        opt = torch.optim.AdamW(params, lr=1e-3)
+        # warm-up steps allocate the optimizer state (first-touch page faults are slow in VMs)
+        return _measure(clock, opt.step, warmup=2, repeats=5, min_time_s=0.0,
+                        max_time_s=0.5).median_s
+    big_tensors, big = (8, 1 << 24) if cuda else (16, 1 << 20)
+    per_tensor_s = adamw_step_s(64, 1) / 64
+    opt_s = adamw_step_s(big_tensors, big) - big_tensors * per_tensor_s
+    opt_per_param_s = max(opt_s, 0.0) / (big_tensors * big) or 1e-12
 
     w = nn.Parameter(torch.zeros(1, device=dev))
     one = torch.ones(1, device=dev)
@@ -555,7 +561,8 @@ def calibrate(device: str | torch.device = "cpu", *, seed: int = 0) -> Calibrati
 
     return Calibration(matmul_flops_per_s=2.0 * n ** 3 / mm_s,
                        memory_bandwidth_bytes_per_s=copy_bytes / copy_s, launch_s=launch_s,
-                       optimizer_s_per_param=opt_s / (tensors * per), step_overhead_s=step_s,
+                       optimizer_s_per_param=opt_per_param_s,
+                       optimizer_s_per_tensor=per_tensor_s, step_overhead_s=step_s,
                        matmul_dtype=str(mm_dtype).removeprefix("torch."))
 
 

@@ -46,6 +46,7 @@ class _ChunkCost:
     activation_bytes: float
     working_set_bytes: float
     params: float                 # parameters per device (after TP sharding)
+    param_tensors: int            # parameter tensors (an optimizer's per-tensor costs)
     boundary_bytes: float         # activation sent to the next chunk per micro-batch
     num_layers: int
 
@@ -195,7 +196,8 @@ def _chunk_cost(graph: OpGraph, a: GraphAnalysis, compute: ComputeModel, cluster
         boundary += b
     return _ChunkCost(fwd_compute_s=fwd, bwd_compute_s=bwd, recompute_s=recompute,
                       tp_fwd_s=tp_fwd, tp_bwd_s=tp_bwd, activation_bytes=acts,
-                      working_set_bytes=working, params=params, boundary_bytes=boundary,
+                      working_set_bytes=working, params=params, param_tensors=len(seen),
+                      boundary_bytes=boundary,
                       num_layers=len(chunk.layers))
 
 
@@ -282,6 +284,7 @@ def estimate(model: Any, cluster: Any, *, config: ParallelConfig, global_batch_s
     dp_sync = zero_gather = opt_s = offload_s = 0.0
     for s in range(p):
         params = sum(costs[c].params for c in stage_chunks[s])
+        tensors = sum(costs[c].param_tensors for c in stage_chunks[s])
         layers = max(1, sum(costs[c].num_layers for c in stage_chunks[s]))
         bwd_window = stage_b[s]          # backward of the last micro-batch hides the sync
         sync = gather = 0.0
@@ -306,7 +309,7 @@ def estimate(model: Any, cluster: Any, *, config: ParallelConfig, global_batch_s
             moved = owned * (w_bytes + w_bytes)          # grads down, weights up
             off = moved / host.device_to_host_bandwidth_bytes_per_s
         else:
-            o = _optimizer_step_s(owned, config, compute, profile)
+            o = _optimizer_step_s(owned, tensors, config, compute, profile)
             off = 0.0
         if sync + gather + o + off > dp_sync + zero_gather + opt_s + offload_s:
             dp_sync, zero_gather, opt_s, offload_s = sync, gather, o, off
@@ -376,12 +379,14 @@ def estimate(model: Any, cluster: Any, *, config: ParallelConfig, global_batch_s
         activation_bytes_per_layer=layer_acts, warnings=tuple(warnings))
 
 
-def _optimizer_step_s(params: float, config: ParallelConfig, compute: ComputeModel,
-                      profile: Any) -> float:
+def _optimizer_step_s(params: float, tensors: int, config: ParallelConfig,
+                      compute: ComputeModel, profile: Any) -> float:
+    """Measured AdamW rates where calibrated (per parameter + per tensor), else memory-bound."""
     cal = getattr(profile, "calibration", None)
-    if cal is not None and getattr(cal, "optimizer_s_per_param", 0):
-        return params * cal.optimizer_s_per_param
-    return params * _OPT_STEP_BYTES[config.optimizer] / compute.tput.memory_bytes_per_s
+    if cal is not None and config.optimizer in ("adam", "adamw"):
+        return params * cal.optimizer_s_per_param + tensors * cal.optimizer_s_per_tensor
+    return (params * _OPT_STEP_BYTES[config.optimizer] / compute.tput.memory_bytes_per_s
+            + tensors * compute.tput.launch_s)
 
 
 def _margin(cluster: Any, margin: float | None) -> float:
