@@ -85,8 +85,6 @@ def validate(graph: OpGraph, cluster: Any, config: ParallelConfig,
             if size % config.tp:
                 raise ConfigError(f"tp={config.tp} does not divide dim {dim} (size {size}) of "
                                   f"parameter {fqn!r}; use a tp that divides {size}")
-        if config.tp > cluster.devices_per_node:
-            pass  # legal, but slow: the estimate prices the inter-node links
     if config.schedule == "interleaved_1f1b" and config.pp > 1 and m % config.pp:
         raise ConfigError(f"interleaved 1F1B needs the micro-batch count ({m}) to be a multiple "
                           f"of pp ({config.pp}); change the batch or micro_batch_size")
