@@ -20,6 +20,8 @@ from dataclasses import dataclass
 from autoplan.cost.analysis import analyze
 from autoplan.errors import ConfigError
 from autoplan.graph.opgraph import OpGraph, TensorMeta
+from autoplan.plan.placement import REPLICATE, Placement
+from autoplan.plan.sharding import Sharding, megatron_sharding
 
 PRECISION_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 
@@ -74,43 +76,56 @@ def _meta_bytes(meta: TensorMeta, precision: str) -> float:
     return float(meta.nbytes)
 
 
-def _shard(state: str, tp: int, sp: bool) -> float:
-    if tp == 1:
-        return 1.0
-    if state == "S" or sp:
-        return 1.0 / tp
-    return 1.0
+def sharding_for(graph: OpGraph, tp: int, sp: bool, sharding: Sharding | None) -> Sharding:
+    """The given sharding, or Megatron-LM's for (tp, sp) (built once per graph)."""
+    if sharding is not None:
+        return sharding
+    cache = graph.__dict__.setdefault("_autoplan_megatron", {})
+    key = (tp, sp)
+    if key not in cache:
+        cache[key] = megatron_sharding(graph, tp, sp)
+    return cache[key]
+
+
+def _scale(p: Placement, t: int) -> float:
+    return 1.0 / t if p.kind == "S" else 1.0
 
 
 def activation_bytes(graph: OpGraph, start: int, stop: int, *, micro_batch_size: int,
                      tp: int = 1, sp: bool = False, recompute: str = "none",
-                     precision: str = "bf16") -> float:
-    """Bytes that ops[start:stop] keep for backward for one micro-batch, per device."""
-    a = analyze(graph)
-    batch_scale = micro_batch_size / graph.batch_size
-    ops = graph.ops[start:stop]
+                     precision: str = "bf16", sharding: Sharding | None = None) -> float:
+    """Bytes that ops[start:stop] keep for backward for one micro-batch, per device.
 
-    def scaled(name: str, meta: TensorMeta) -> float:
-        b = _meta_bytes(meta, precision) * _shard(a.tp_state.get(name, "R"), tp, sp)
+    ``sharding`` says where each tensor lies on the tp axis (default: Megatron-LM's for
+    ``tp`` and ``sp``); a tensor split over the axis costs 1/t on each rank."""
+    a = analyze(graph)
+    sh = sharding_for(graph, tp, sp, sharding)
+    t = sh.t
+    batch_scale = micro_batch_size / graph.batch_size
+
+    def scaled(name: str, meta: TensorMeta, placement: Placement) -> float:
+        b = _meta_bytes(meta, precision) * _scale(placement, t)
         return b * batch_scale if name in a.batch_dependent else b
 
     if recompute == "full":
-        # only the block's inputs stay (its first op's producers outside the range)
-        inputs: set[str] = set()
-        for op in ops:
-            for n in op.inputs:
+        # only the range's inputs stay: activations it reads that were produced before it
+        inputs: dict[str, Placement] = {}
+        for i in range(start, stop):
+            for n in graph.ops[i].inputs:
                 v = graph.value(n)
                 if v.kind == "activation" and a.producer.get(v.base, -1) < start:
-                    inputs.add(v.base)
-        return sum(scaled(n, graph.value(n).meta) for n in sorted(inputs))
+                    inputs.setdefault(v.base, sh.value_placement.get(v.base, sh.input_placement(
+                        graph, i, n)))
+        return sum(scaled(n, graph.value(n).meta, p) for n, p in sorted(inputs.items()))
     if recompute not in ("none", "selective"):
         raise ConfigError(f"recompute must be none, selective or full, got {recompute!r}")
 
     drop_vals = a.score_values if recompute == "selective" else frozenset()
     bases: set[str] = set()
     total = 0.0
-    for k, op in enumerate(ops):
-        if recompute == "selective" and (start + k) in a.score_ops:
+    for i in range(start, stop):
+        op = graph.ops[i]
+        if recompute == "selective" and i in a.score_ops:
             continue
         for n in op.saved:
             v = graph.value(n)
@@ -118,31 +133,18 @@ def activation_bytes(graph: OpGraph, start: int, stop: int, *, micro_batch_size:
             if base.kind != "activation" or base.name in drop_vals or base.name in bases:
                 continue
             bases.add(base.name)
-            total += scaled(base.name, base.meta)
-        out_state_name = op.outputs[0] if op.outputs else ""
+            where = (sh.input_placement(graph, i, n) if n in op.inputs
+                     else sh.value_placement.get(n, REPLICATE))
+            total += scaled(base.name, base.meta, where)
+        out = op.outputs[0] if op.outputs else ""
         for m in op.saved_internal:
-            b = _meta_bytes(m, precision) * _shard(a.tp_state.get(out_state_name, "R"), tp, sp)
-            total += b * batch_scale if out_state_name in a.batch_dependent else b
+            total += scaled(out, m, sh.value_placement.get(out, REPLICATE))
     return total
 
 
 def working_set_bytes(graph: OpGraph, start: int, stop: int, *, micro_batch_size: int,
-                      tp: int = 1, sp: bool = False, precision: str = "bf16") -> float:
+                      precision: str = "bf16", sharding: Sharding | None = None,
+                      tp: int = 1, sp: bool = False) -> float:
     """Peak extra memory while one recomputed range runs its backward: all it keeps, at once."""
     return activation_bytes(graph, start, stop, micro_batch_size=micro_batch_size, tp=tp,
-                            sp=sp, recompute="none", precision=precision)
-
-
-def largest_output_bytes(graph: OpGraph, start: int, stop: int, *, micro_batch_size: int,
-                         tp: int = 1, sp: bool = False, precision: str = "bf16") -> float:
-    """Largest single op output in the range: a floor for transient buffers (gradients in flight)."""
-    a = analyze(graph)
-    best = 0.0
-    for op in graph.ops[start:stop]:
-        for n in op.outputs:
-            v = graph.value(n)
-            b = _meta_bytes(v.meta, precision) * _shard(a.tp_state.get(n, "R"), tp, sp)
-            if n in a.batch_dependent:
-                b *= micro_batch_size / graph.batch_size
-            best = max(best, b)
-    return best
+                            sp=sp, recompute="none", precision=precision, sharding=sharding)

@@ -24,12 +24,14 @@ from typing import Any
 from autoplan.cost.analysis import GraphAnalysis, analyze
 from autoplan.cost.compute import ComputeModel
 from autoplan.cost.memory import (PRECISION_BYTES, _meta_bytes, activation_bytes,
-                                  model_state_bytes, working_set_bytes)
+                                  model_state_bytes, sharding_for, working_set_bytes)
 from autoplan.errors import ConfigError
 from autoplan.estimate.config import ParallelConfig
 from autoplan.estimate.partition import Chunk, partition
 from autoplan.estimate.result import Estimate, MemoryBreakdown, StageEstimate, TimeBreakdown
 from autoplan.graph.opgraph import OpGraph
+from autoplan.plan.placement import REPLICATE
+from autoplan.plan.sharding import Sharding
 
 # Bytes an optimizer step reads and writes per parameter (grad, weights, states; Adam keeps
 # fp32 master + two moments under mixed precision). The step is memory-bound.
@@ -43,6 +45,7 @@ class _ChunkCost:
     recompute_s: float
     tp_fwd_s: float
     tp_bwd_s: float
+    tp_step_s: float              # once per step: tp-axis gradient all-reduces (replicated weights)
     activation_bytes: float
     working_set_bytes: float
     params: float                 # parameters per device (after TP sharding)
@@ -78,13 +81,6 @@ def validate(graph: OpGraph, cluster: Any, config: ParallelConfig,
                 raise ConfigError(
                     f"tp={config.tp} does not divide the model's {h} attention heads; "
                     f"tensor parallelism splits whole heads: use a tp that divides {h}")
-        for fqn, dim in sorted(a.param_shard_dim.items(), key=lambda kv: kv[0]):
-            if dim is None:
-                continue
-            size = next(p.meta.shape[dim] for p in graph.param_values if p.fqn == fqn)
-            if size % config.tp:
-                raise ConfigError(f"tp={config.tp} does not divide dim {dim} (size {size}) of "
-                                  f"parameter {fqn!r}; use a tp that divides {size}")
     if config.schedule == "interleaved_1f1b" and config.pp > 1 and m % config.pp:
         raise ConfigError(f"interleaved 1F1B needs the micro-batch count ({m}) to be a multiple "
                           f"of pp ({config.pp}); change the batch or micro_batch_size")
@@ -94,55 +90,54 @@ def validate(graph: OpGraph, cluster: Any, config: ParallelConfig,
     return m
 
 
-def _work_scale(a: GraphAnalysis, graph: OpGraph, i: int, config: ParallelConfig,
+def _work_scale(a: GraphAnalysis, graph: OpGraph, sh: Sharding, i: int,
                 batch_scale: float) -> float:
-    """Work of op ``i`` relative to its traced work: micro-batch size, then the TP shard
-    (ops between column- and row-parallel linears, or every batch-sized op under SP)."""
+    """Work of op ``i`` relative to its traced work: the micro-batch, then its tp shard."""
     batch_dep = any(o in a.batch_dependent for o in graph.ops[i].outputs)
-    s = batch_scale if batch_dep else 1.0
-    if config.tp > 1 and (a.op_tp_split[i] or (config.sequence_parallel and batch_dep)):
-        s /= config.tp
-    return s
+    return (batch_scale if batch_dep else 1.0) / sh.work_divisor(i)
 
 
-def _tp_comm_s(graph: OpGraph, a: GraphAnalysis, cluster: Any, config: ParallelConfig,
-               start: int, stop: int, batch_scale: float) -> tuple[float, float]:
-    if config.tp == 1:
-        return 0.0, 0.0
+def _comm_bytes(graph: OpGraph, a: GraphAnalysis, config: ParallelConfig, value: str,
+                scale: float, t: int, batch_scale: float) -> float:
+    v = graph.value(value)
+    nbytes = _meta_bytes(v.meta, config.precision)
+    if value in a.batch_dependent:
+        nbytes *= batch_scale
+    return nbytes * (1.0 / t if scale < 0 else scale)
+
+
+def tp_comm_s(graph: OpGraph, a: GraphAnalysis, sh: Sharding, cluster: Any,
+              config: ParallelConfig, start: int, stop: int,
+              batch_scale: float) -> tuple[float, float, float]:
+    """(forward, backward, per-step) seconds of tp-axis collectives issued by ops[start:stop]:
+    the strategies' own collectives and the reshards between producers and consumers."""
+    if sh.t == 1:
+        return 0.0, 0.0, 0.0
     group = config.tp_group()
-    fwd = bwd = 0.0
-    for c in a.tp_comms:
-        if not start <= c.op_index < stop:
-            continue
-        kind = c.sp_kind if config.sequence_parallel else c.kind
-        if kind == "none":
-            continue
-        v = graph.value(c.value)
-        nbytes = _meta_bytes(v.meta, config.precision)
-        if c.value in a.batch_dependent:
-            nbytes *= batch_scale
-        if not c.full_size:     # loss parallel: three fp32 numbers per token
-            last = v.meta.shape[-1] if v.meta.shape else 1
-            nbytes = 3 * 4 * v.meta.numel / last * batch_scale
-        t = cluster.collective_time_s(kind, nbytes, group)
-        if c.phase == "fwd":
-            fwd += t
-        else:
-            bwd += t
-    return fwd, bwd
+    t = {"fwd": 0.0, "bwd": 0.0, "step": 0.0}
+    for _i, c in sh.comms(start, stop):
+        nbytes = _comm_bytes(graph, a, config, c.value, c.scale, sh.t, batch_scale)
+        t[c.phase] += cluster.collective_time_s(c.kind, nbytes, group)
+    for r in sh.reshards:
+        if start <= r.op_index < stop:
+            nbytes = _comm_bytes(graph, a, config, r.value, r.scale, sh.t, batch_scale)
+            t[r.phase] += cluster.collective_time_s(r.kind, nbytes, group)
+    return t["fwd"], t["bwd"], t["step"]
 
 
-def _chunk_cost(graph: OpGraph, a: GraphAnalysis, compute: ComputeModel, cluster: Any,
-                config: ParallelConfig, chunk: Chunk, batch_scale: float) -> _ChunkCost:
-    mbs, tp, sp = config.micro_batch_size, config.tp, config.sequence_parallel
+def _chunk_cost(graph: OpGraph, a: GraphAnalysis, sh: Sharding, compute: ComputeModel,
+                cluster: Any, config: ParallelConfig, chunk: Chunk,
+                batch_scale: float) -> _ChunkCost:
+    mbs = config.micro_batch_size
     fwd = bwd = 0.0
     op_fwd: dict[int, float] = {}
     for i in range(chunk.start, chunk.stop):
-        c = compute.op_cost(i, _work_scale(a, graph, i, config, batch_scale))
+        c = compute.op_cost(i, _work_scale(a, graph, sh, i, batch_scale))
         op_fwd[i] = c.fwd_s
         fwd += c.fwd_s
         bwd += c.bwd_s
-    tp_fwd, tp_bwd = _tp_comm_s(graph, a, cluster, config, chunk.start, chunk.stop, batch_scale)
+    tp_fwd, tp_bwd, tp_step = tp_comm_s(graph, a, sh, cluster, config, chunk.start, chunk.stop,
+                                        batch_scale)
 
     # activations: block layers follow the recompute policy, everything else keeps all
     in_layer = [False] * (chunk.stop - chunk.start)
@@ -152,13 +147,13 @@ def _chunk_cost(graph: OpGraph, a: GraphAnalysis, compute: ComputeModel, cluster
     for (s, e) in chunk.layer_ranges:
         for i in range(s, e):
             in_layer[i - chunk.start] = True
-        acts += activation_bytes(graph, s, e, micro_batch_size=mbs, tp=tp, sp=sp,
+        acts += activation_bytes(graph, s, e, micro_batch_size=mbs, sharding=sh,
                                  recompute=config.recompute, precision=config.precision)
         if config.recompute == "full":
             recompute += sum(op_fwd[i] for i in range(s, e))
-            recompute += _tp_comm_s(graph, a, cluster, config, s, e, batch_scale)[0]
-            working = max(working, working_set_bytes(graph, s, e, micro_batch_size=mbs, tp=tp,
-                                                     sp=sp, precision=config.precision))
+            recompute += tp_comm_s(graph, a, sh, cluster, config, s, e, batch_scale)[0]
+            working = max(working, working_set_bytes(graph, s, e, micro_batch_size=mbs,
+                                                     sharding=sh, precision=config.precision))
         elif config.recompute == "selective":
             recompute += sum(op_fwd[i] for i in range(s, e) if i in a.score_ops)
     # the ops outside the layers, as maximal contiguous runs
@@ -169,7 +164,7 @@ def _chunk_cost(graph: OpGraph, a: GraphAnalysis, compute: ComputeModel, cluster
             run_start = k
         elif not outside and run_start is not None:
             acts += activation_bytes(graph, chunk.start + run_start, chunk.start + k,
-                                     micro_batch_size=mbs, tp=tp, sp=sp, recompute="none",
+                                     micro_batch_size=mbs, sharding=sh, recompute="none",
                                      precision=config.precision)
             run_start = None
 
@@ -177,23 +172,23 @@ def _chunk_cost(graph: OpGraph, a: GraphAnalysis, compute: ComputeModel, cluster
     # both, as Megatron-LM does with the embedding and the LM head)
     params = 0.0
     seen: set[str] = set()
-    for op in graph.ops[chunk.start:chunk.stop]:
-        for n in op.inputs:
+    for i in range(chunk.start, chunk.stop):
+        for n in graph.ops[i].inputs:
             v = graph.value(n)
             if v.kind == "param" and v.base not in seen:
                 seen.add(v.base)
-                dim = a.param_shard_dim.get(v.fqn)
-                params += v.meta.numel / (tp if dim is not None else 1)
+                split = sh.input_placement(graph, i, n).kind == "S"
+                params += v.meta.numel / (sh.t if split else 1)
 
     boundary = 0.0
     for n in _boundary_values(graph, a, chunk.stop):
         v = graph.value(n)
         b = _meta_bytes(v.meta, config.precision) * (batch_scale if n in a.batch_dependent else 1)
-        if sp or a.tp_state.get(n) == "S":
-            b /= tp
+        if sh.value_placement.get(n, REPLICATE).kind == "S":
+            b /= sh.t
         boundary += b
     return _ChunkCost(fwd_compute_s=fwd, bwd_compute_s=bwd, recompute_s=recompute,
-                      tp_fwd_s=tp_fwd, tp_bwd_s=tp_bwd, activation_bytes=acts,
+                      tp_fwd_s=tp_fwd, tp_bwd_s=tp_bwd, tp_step_s=tp_step, activation_bytes=acts,
                       working_set_bytes=working, params=params, param_tensors=len(seen),
                       boundary_bytes=boundary,
                       num_layers=len(chunk.layers))
@@ -233,12 +228,15 @@ def _in_flight(config: ParallelConfig, m: int, stage: int) -> float:
 def estimate(model: Any, cluster: Any, *, config: ParallelConfig, global_batch_size: int,
              example_inputs: Sequence[Any] | None = None, loss_fn: Any = None,
              targets: Any = None, profile: Any = "auto",
-             memory_margin_bytes: float | None = None) -> Estimate:
+             memory_margin_bytes: float | None = None,
+             sharding: Sharding | None = None) -> Estimate:
     """Predict step time, memory per device, and their breakdowns for ``config``.
 
     ``model`` is an ``nn.Module`` (traced with ``example_inputs``, on meta or real device) or an
     ``OpGraph``. ``profile``: a ProfileDB, ``None`` (roofline only) or ``"auto"`` (the
-    measured profile of the cluster's device type, when one is installed).
+    measured profile of the cluster's device type, when one is installed). ``sharding``: the
+    per-op tensor-parallel strategies (from the planner); by default Megatron-LM's rule for
+    ``config.tp`` and ``config.sequence_parallel``.
     """
     if not isinstance(config, ParallelConfig):
         raise ConfigError(f"config must be an autoplan.ParallelConfig, got {type(config).__name__}")
@@ -254,7 +252,10 @@ def estimate(model: Any, cluster: Any, *, config: ParallelConfig, global_batch_s
     batch_scale = config.micro_batch_size / graph.batch_size
     p, v = config.pp, config.virtual_stages
     chunks = partition(graph, p * v)
-    costs = [_chunk_cost(graph, a, compute, cluster, config, c, batch_scale) for c in chunks]
+    sh = sharding_for(graph, config.tp, config.sequence_parallel, sharding)
+    if sh.t != config.tp:
+        raise ConfigError(f"the sharding is for tp={sh.t} but the config has tp={config.tp}")
+    costs = [_chunk_cost(graph, a, sh, compute, cluster, config, c, batch_scale) for c in chunks]
 
     # --- pipeline schedule (closed form; the pipeline issue brings the simulator) ----------
     stage_chunks = [[c for c in range(len(chunks)) if c % p == s] for s in range(p)]
@@ -285,21 +286,21 @@ def estimate(model: Any, cluster: Any, *, config: ParallelConfig, global_batch_s
         tensors = sum(costs[c].param_tensors for c in stage_chunks[s])
         layers = max(1, sum(costs[c].num_layers for c in stage_chunks[s]))
         bwd_window = stage_b[s]          # backward of the last micro-batch hides the sync
-        sync = gather = 0.0
+        gather = 0.0
+        # gradient sync: tp-axis all-reduces of replicated weights, then the dp group's
+        comm = sum(costs[c].tp_step_s for c in stage_chunks[s])
         if config.dp > 1:
             group = config.dp_group(pp_index=s)
             grad_bytes = params * w_bytes
-            if config.zero_stage == 0:
-                comm = cluster.collective_time_s("all_reduce", grad_bytes, group)
-            else:
-                comm = cluster.collective_time_s("reduce_scatter", grad_bytes, group)
-            sync = max(comm - bwd_window, comm / layers)
+            kind = "all_reduce" if config.zero_stage == 0 else "reduce_scatter"
+            comm += cluster.collective_time_s(kind, grad_bytes, group)
             if config.zero_stage in (1, 2):   # updated shards gathered after the step
                 gather = cluster.collective_time_s("all_gather", params * w_bytes, group)
             elif config.zero_stage == 3:      # weights gathered per micro-batch, fwd and bwd
                 per_mb = cluster.collective_time_s("all_gather", params * w_bytes, group)
                 hidden = stage_f[s] + stage_b[s]
                 gather = m * max(2 * per_mb - hidden, 2 * per_mb / layers)
+        sync = max(comm - bwd_window, comm / layers) if comm > 0 else 0.0
         owned = params / (config.dp if config.zero_stage >= 1 else 1)
         if config.offload_optimizer:
             host = cluster.host
@@ -366,8 +367,8 @@ def estimate(model: Any, cluster: Any, *, config: ParallelConfig, global_batch_s
     if chunks[0].layer_ranges:
         s0, e0 = chunks[0].layer_ranges[0]
         layer_acts = activation_bytes(graph, s0, e0, micro_batch_size=config.micro_batch_size,
-                                      tp=config.tp, sp=config.sequence_parallel,
-                                      recompute=config.recompute, precision=config.precision)
+                                      sharding=sh, recompute=config.recompute,
+                                      precision=config.precision)
     return Estimate(
         config=config, global_batch_size=global_batch_size, num_microbatches=m,
         step_time_s=step_s, time=time, peak_memory_bytes=peak, device_memory_bytes=device_mem,

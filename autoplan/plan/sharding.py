@@ -1,0 +1,186 @@
+"""A sharding: one strategy per op on the tp axis, and everything that follows from it.
+
+``Sharding`` is what the cost model reads (work per rank, collectives, where each tensor lies,
+how each parameter is split) and what the plan file records (strategy and runtime style per
+op/module). Two ways to get one:
+- ``megatron_sharding``: the Megatron-LM rule, by propagation: a linear whose input is whole
+  goes column-parallel, one whose input is split goes row-parallel; embeddings vocab-parallel;
+  the loss vocab-parallel; everything in between keeps the placement it is given. With
+  ``sequence_parallel`` the replicated stretches become sequence-sharded.
+- the ILP (``autoplan.plan.ilp``) picks a strategy per op; ``Sharding.from_choice`` expands it.
+
+Resharding between a producer's output placement and a consumer's required input placement is
+priced as: same -> free; R -> S(d) -> free (a local slice); S(d) -> R -> all-gather;
+S(d) -> S(e) -> all-to-all; and the same again backwards for tensors that carry gradients.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from autoplan.graph.opgraph import OpGraph
+from autoplan.plan.placement import REPLICATE, Placement
+from autoplan.plan.strategies import Comm, OpStrategy, strategies
+
+
+@dataclass(frozen=True)
+class Reshard:
+    """A collective inserted between a producer and a consumer op (on the consumer's side)."""
+
+    op_index: int       # the consuming op
+    value: str
+    phase: str          # "fwd" | "bwd"
+    kind: str           # "all_gather" | "all_to_all"
+    scale: float = 1.0
+
+
+def reshard_kind(src: Placement, dst: Placement) -> tuple[str, float] | None:
+    """The collective that turns ``src`` into ``dst`` (and its byte scale), None when free."""
+    if src == dst or dst.kind == "S" and src.kind == "R":
+        return None
+    if src.kind == "S" and dst.kind == "R":
+        return "all_gather", 1.0
+    if src.kind == "S" and dst.kind == "S":
+        return "all_to_all", -1.0     # -1: bytes one rank sends = the full size / t
+    return "all_reduce", 1.0          # partial -> anything
+
+
+@dataclass(frozen=True)
+class Sharding:
+    t: int
+    op_strategy: tuple[OpStrategy, ...]          # one per graph op
+    value_placement: dict[str, Placement]        # where each op output lies
+    reshards: tuple[Reshard, ...]
+
+    # ---- derived views -------------------------------------------------------------------
+    def work_divisor(self, i: int) -> int:
+        return self.op_strategy[i].work_divisor
+
+    def input_placement(self, graph: OpGraph, i: int, name: str) -> Placement:
+        op = graph.ops[i]
+        s = self.op_strategy[i]
+        for k, n in enumerate(op.inputs):
+            if n == name and k < len(s.inputs):
+                return s.inputs[k]
+        return REPLICATE
+
+    def param_placement(self, graph: OpGraph) -> dict[str, Placement]:
+        """Each parameter's tp placement (the first op that reads it decides; ties agree)."""
+        out: dict[str, Placement] = {}
+        for op, s in zip(graph.ops, self.op_strategy):
+            for k, n in enumerate(op.inputs):
+                v = graph.value(n)
+                if v.kind == "param" and v.fqn not in out:
+                    out[v.fqn] = s.inputs[k] if k < len(s.inputs) else REPLICATE
+        return out
+
+    def comms(self, start: int = 0, stop: int | None = None):
+        """(op index, Comm) for the strategies' own collectives in ops[start:stop]."""
+        stop = len(self.op_strategy) if stop is None else stop
+        for i in range(start, stop):
+            for c in self.op_strategy[i].comms:
+                yield i, c
+
+    def module_styles(self, graph: OpGraph) -> dict[str, str]:
+        """Runtime style per module path (ops without a module style are left out)."""
+        styles: dict[str, str] = {}
+        for op, s in zip(graph.ops, self.op_strategy):
+            if s.style not in ("local",) and op.params:
+                styles.setdefault(op.module_path, s.style)
+        return dict(sorted(styles.items()))
+
+    def is_trivial(self) -> bool:
+        return self.t == 1
+
+    # ---- construction ----------------------------------------------------------------------
+    @staticmethod
+    def build(graph: OpGraph, t: int, chosen: Sequence[OpStrategy]) -> Sharding:
+        placement: dict[str, Placement] = {}
+        reshards: list[Reshard] = []
+        for i, (op, s) in enumerate(zip(graph.ops, chosen)):
+            if not op.outputs:
+                continue              # metadata checks: they take their inputs as they come
+            for k, n in enumerate(op.inputs):
+                v = graph.value(n)
+                if v.kind not in ("activation",):
+                    continue          # inputs, weights, buffers: available in any placement
+                src = placement.get(n, REPLICATE)
+                dst = s.inputs[k] if k < len(s.inputs) else REPLICATE
+                fwd = reshard_kind(src, dst)
+                if fwd is not None:
+                    reshards.append(Reshard(i, n, "fwd", fwd[0], fwd[1]))
+                if v.requires_grad:
+                    bwd = reshard_kind(dst, src)
+                    if bwd is not None:
+                        reshards.append(Reshard(i, n, "bwd", bwd[0], bwd[1]))
+            for k, n in enumerate(op.outputs):
+                placement[n] = s.outputs[k] if k < len(s.outputs) else REPLICATE
+        return Sharding(t=t, op_strategy=tuple(chosen), value_placement=placement,
+                        reshards=tuple(reshards))
+
+
+def replicated(graph: OpGraph) -> Sharding:
+    return Sharding.build(graph, 1, [strategies(graph, op, 1)[0] for op in graph.ops])
+
+
+def _pick(options: list[OpStrategy], want: Sequence[Placement | None]) -> OpStrategy | None:
+    """The strategy that takes the inputs as they are, or with free slicing (R -> S(d)); the one
+    matching most inputs exactly wins (then the earlier). None entries (weights) match any."""
+    best, best_exact = None, -1
+    for s in options:
+        exact, ok = 0, True
+        for k, w in enumerate(want):
+            if w is None:
+                continue
+            need = s.inputs[k] if k < len(s.inputs) else REPLICATE
+            if need == w:
+                exact += 1
+            elif not (w.kind == "R" and need.kind == "S"):
+                ok = False
+                break
+        if ok and exact > best_exact:
+            best, best_exact = s, exact
+    return best
+
+
+def megatron_sharding(graph: OpGraph, t: int, sequence_parallel: bool = False) -> Sharding:
+    """Megatron-LM tensor (and sequence) parallelism, by propagation over the graph."""
+    if t == 1:
+        return replicated(graph)
+    placement: dict[str, Placement] = {}
+    model_split: set[str] = set()      # values split across features/heads (not batch/sequence)
+    chosen: list[OpStrategy] = []
+    for op in graph.ops:
+        options = strategies(graph, op, t)
+        by_name = {s.name: s for s in options}
+        cur = [placement.get(n) if graph.value(n).kind == "activation" else None
+               for n in op.inputs]
+        split = any(n in model_split for n in op.inputs)
+        s: OpStrategy | None = None
+        if op.kind == "matmul" and any(graph.value(n).kind == "param" for n in op.inputs):
+            if split:
+                s = by_name.get("rowwise_sp" if sequence_parallel else "rowwise")
+            else:
+                s = by_name.get("colwise_sp" if sequence_parallel and "colwise_sp" in by_name
+                                else "colwise")
+        elif op.kind == "embedding" and op.params:
+            s = by_name.get("vocab_sp" if sequence_parallel and "vocab_sp" in by_name else "vocab")
+        elif op.kind == "loss" and split:
+            s = by_name.get("vocab")
+        elif op.kind == "norm" and sequence_parallel and not split:
+            s = by_name.get("seq")
+        if s is None:
+            s = _pick(options, cur) or options[0]
+        chosen.append(s)
+        starts_split = s.name in ("colwise", "colwise_sp", "embed_dim")
+        ends_split = s.name in ("rowwise", "rowwise_sp", "vocab", "vocab_sp")
+        for k, n in enumerate(op.outputs):
+            p = s.outputs[k] if k < len(s.outputs) else REPLICATE
+            placement[n] = p
+            if p.kind == "S" and (split or starts_split) and not ends_split:
+                model_split.add(n)
+    return Sharding.build(graph, t, chosen)
+
+
+__all__ = ["Comm", "Reshard", "Sharding", "megatron_sharding", "replicated", "reshard_kind"]
