@@ -1,0 +1,200 @@
+"""The sharding ILP (Alpa-style intra-operator pass), solved with PuLP / CBC.
+
+Math. Nodes ``v`` (a group of ops that share one decision), each with strategies
+``j = 0..k_v-1``; edges ``(u, v)`` where a tensor produced in ``u`` is consumed in ``v``.
+
+Variables
+    x[v, j] in {0, 1}      node v uses strategy j
+    e[u, v, i, j] in [0,1] u uses i and v uses j (one per edge and strategy pair)
+Objective (seconds per training step)
+    min  sum_v sum_j c[v, j] x[v, j]  +  sum_(u,v) sum_(i,j) r[u, v, i, j] e[u, v, i, j]
+    c: compute and the strategy's own collectives; r: resharding between the two placements.
+Constraints
+    one_strategy[v]:       sum_j x[v, j] = 1
+    edge_row[u, v, i]:     sum_j e[u, v, i, j] = x[u, i]
+    edge_col[u, v, j]:     sum_i e[u, v, i, j] = x[v, j]
+    memory:                sum_v sum_j m[v, j] x[v, j] <= budget        (when a budget is given)
+With x integral the two edge families force e = x_u (outer) x_v, so the linearization is exact.
+Nodes with one strategy carry no variable: their terms fold into constants and neighbours' c.
+
+Every solve has a time limit, runs CBC single-threaded (deterministic), checks the status
+(PuLP says "Optimal" even when the time limit stopped CBC: ``sol_status`` tells) and reports
+the objective, the best bound (from CBC's log), the gap and the problem size.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import os
+import re
+import tempfile
+import time
+from dataclasses import dataclass
+
+import pulp
+
+from autoplan.errors import AutoplanError
+
+
+@dataclass(frozen=True)
+class ILPProblem:
+    node_costs: tuple[tuple[float, ...], ...]          # c[v][j]
+    node_memory: tuple[tuple[float, ...], ...]         # m[v][j] (bytes)
+    edges: tuple[tuple[int, int, tuple[tuple[float, ...], ...]], ...]   # (u, v, r[i][j])
+    memory_budget: float | None = None
+
+    @property
+    def num_nodes(self) -> int:
+        return len(self.node_costs)
+
+    def objective(self, choice: tuple[int, ...] | list[int]) -> float:
+        total = sum(self.node_costs[v][j] for v, j in enumerate(choice))
+        for u, v, r in self.edges:
+            total += r[choice[u]][choice[v]]
+        return total
+
+    def memory(self, choice: tuple[int, ...] | list[int]) -> float:
+        return sum(self.node_memory[v][j] for v, j in enumerate(choice))
+
+
+@dataclass(frozen=True)
+class ILPSolution:
+    choice: tuple[int, ...]
+    status: str                  # "optimal" | "feasible" | "infeasible" | "not_solved"
+    objective: float
+    bound: float | None
+    gap: float | None
+    num_variables: int
+    num_constraints: int
+    time_s: float
+
+
+def brute_force(problem: ILPProblem) -> tuple[tuple[int, ...], float] | None:
+    """Enumerate every combination (tests: small problems only). None when nothing fits."""
+    sizes = [len(c) for c in problem.node_costs]
+    if math.prod(sizes) > 2_000_000:
+        raise AutoplanError(f"brute force over {math.prod(sizes):,} combinations is too large")
+    best: tuple[tuple[int, ...], float] | None = None
+    for choice in itertools.product(*[range(k) for k in sizes]):
+        if problem.memory_budget is not None and problem.memory(choice) > problem.memory_budget:
+            continue
+        obj = problem.objective(choice)
+        if best is None or obj < best[1] - 1e-15:
+            best = (choice, obj)
+    return best
+
+
+_BOUND = re.compile(r"best possible\s+(-?[0-9.eE+-]+)", re.IGNORECASE)
+_BOUND2 = re.compile(r"Continuous objective value is\s+(-?[0-9.eE+-]+)")
+
+
+def _add_variables(prob: pulp.LpProblem, problem: ILPProblem, free: list[int]):
+    x = {}
+    for v in free:
+        for j in range(len(problem.node_costs[v])):
+            x[v, j] = pulp.LpVariable(f"x_{v}_{j}", cat=pulp.LpBinary)
+    return x
+
+
+def _add_one_strategy(prob, problem: ILPProblem, free: list[int], x) -> None:
+    for v in free:
+        prob += (pulp.lpSum(x[v, j] for j in range(len(problem.node_costs[v]))) == 1,
+                 f"one_strategy_{v}")
+
+
+def _objective_and_edges(prob, problem: ILPProblem, fixed: dict[int, int], x):
+    """Objective terms; edge variables and their two constraint families."""
+    terms = []
+    const = 0.0
+    for v, costs in enumerate(problem.node_costs):
+        if v in fixed:
+            const += costs[fixed[v]]
+        else:
+            terms += [costs[j] * x[v, j] for j in range(len(costs)) if costs[j]]
+    n_edge_vars = 0
+    for k, (u, v, r) in enumerate(problem.edges):
+        if u in fixed and v in fixed:
+            const += r[fixed[u]][fixed[v]]
+        elif u in fixed:
+            row = r[fixed[u]]
+            terms += [row[j] * x[v, j] for j in range(len(row)) if row[j]]
+        elif v in fixed:
+            terms += [r[i][fixed[v]] * x[u, i] for i in range(len(r)) if r[i][fixed[v]]]
+        elif all(c == 0 for row in r for c in row):
+            continue
+        else:
+            ku, kv = len(r), len(r[0])
+            e = {(i, j): pulp.LpVariable(f"e_{k}_{i}_{j}", lowBound=0, upBound=1)
+                 for i in range(ku) for j in range(kv)}
+            n_edge_vars += len(e)
+            for i in range(ku):
+                prob += (pulp.lpSum(e[i, j] for j in range(kv)) == x[u, i], f"edge_row_{k}_{i}")
+            for j in range(kv):
+                prob += (pulp.lpSum(e[i, j] for i in range(ku)) == x[v, j], f"edge_col_{k}_{j}")
+            terms += [r[i][j] * e[i, j] for i in range(ku) for j in range(kv) if r[i][j]]
+    return terms, const, n_edge_vars
+
+
+def _add_memory(prob, problem: ILPProblem, fixed: dict[int, int], x) -> None:
+    if problem.memory_budget is None:
+        return
+    fixed_mem = sum(problem.node_memory[v][j] for v, j in fixed.items())
+    prob += (pulp.lpSum(problem.node_memory[v][j] * x[v, j] for (v, j) in x
+                        if problem.node_memory[v][j])
+             <= problem.memory_budget - fixed_mem, "memory")
+
+
+def solve(problem: ILPProblem, *, time_limit_s: float = 30.0) -> ILPSolution:
+    t0 = time.perf_counter()
+    fixed = {v: 0 for v, c in enumerate(problem.node_costs) if len(c) == 1}
+    free = [v for v in range(problem.num_nodes) if v not in fixed]
+    if not free:
+        choice = tuple(0 for _ in problem.node_costs)
+        ok = problem.memory_budget is None or problem.memory(choice) <= problem.memory_budget
+        obj = problem.objective(choice)
+        return ILPSolution(choice, "optimal" if ok else "infeasible", obj, obj, 0.0, 0, 0,
+                           time.perf_counter() - t0)
+    # scale to milliseconds: CBC's tolerances are absolute, step times are seconds
+    scale = 1e3
+    scaled = ILPProblem(
+        node_costs=tuple(tuple(c * scale for c in cs) for cs in problem.node_costs),
+        node_memory=problem.node_memory,
+        edges=tuple((u, v, tuple(tuple(c * scale for c in row) for row in r))
+                    for u, v, r in problem.edges),
+        memory_budget=problem.memory_budget)
+    prob = pulp.LpProblem("sharding", pulp.LpMinimize)
+    x = _add_variables(prob, scaled, free)
+    _add_one_strategy(prob, scaled, free, x)
+    terms, const, n_edge = _objective_and_edges(prob, scaled, fixed, x)
+    prob += pulp.lpSum(terms) + const
+    _add_memory(prob, scaled, fixed, x)
+    with tempfile.TemporaryDirectory() as tmp:
+        log = os.path.join(tmp, "cbc.log")
+        solver = pulp.PULP_CBC_CMD(msg=False, timeLimit=max(1, int(math.ceil(time_limit_s))),
+                                   threads=1, logPath=log, options=["randomSeed 1"])
+        prob.solve(solver)
+        log_text = open(log).read() if os.path.exists(log) else ""
+    n_vars = len(prob.variables())
+    n_cons = len(prob.constraints)
+    elapsed = time.perf_counter() - t0
+    sol = prob.sol_status
+    if sol in (pulp.LpSolutionInfeasible, pulp.LpSolutionUnbounded) or prob.status == -1:
+        return ILPSolution(tuple(), "infeasible", math.inf, None, None, n_vars, n_cons, elapsed)
+    if sol == pulp.LpSolutionNoSolutionFound:
+        return ILPSolution(tuple(), "not_solved", math.inf, None, None, n_vars, n_cons, elapsed)
+    choice = []
+    for v in range(problem.num_nodes):
+        if v in fixed:
+            choice.append(0)
+            continue
+        vals = [x[v, j].value() or 0.0 for j in range(len(problem.node_costs[v]))]
+        choice.append(max(range(len(vals)), key=lambda j: vals[j]))
+    choice_t = tuple(choice)
+    objective = problem.objective(choice_t)
+    if sol == pulp.LpSolutionOptimal:
+        return ILPSolution(choice_t, "optimal", objective, objective, 0.0, n_vars, n_cons, elapsed)
+    m = _BOUND.search(log_text) or _BOUND2.search(log_text)
+    bound = float(m.group(1)) / scale if m else None
+    gap = (objective - bound) / objective if bound is not None and objective > 0 else None
+    return ILPSolution(choice_t, "feasible", objective, bound, gap, n_vars, n_cons, elapsed)

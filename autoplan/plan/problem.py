@@ -1,0 +1,276 @@
+"""From an OpGraph to the sharding ILP, and from the ILP's answer back to a ``Sharding``.
+
+Graph reduction, so that a 96-layer model is one layer's problem:
+1. Repeated blocks fold onto their first instance: every op of instance k stands for the op at
+   the same position in instance 0 (``rep``); costs and memory count once per instance, and the
+   edge from one instance's output to the next instance's input is priced with its multiplicity.
+2. Ops that simply follow their producer (views, element-wise ops with one activation input,
+   dropout, copies, reductions) join the producer's node: their placement is a function of the
+   producer's strategy (when they cannot carry it, the node gathers the tensor first and pays).
+What is left is a few nodes per layer (linears, norms, attention products, residual adds, the
+loss), with the strategies of ``strategies.py``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from autoplan.cost.analysis import analyze
+from autoplan.cost.compute import ComputeModel
+from autoplan.cost.memory import _meta_bytes
+from autoplan.graph.opgraph import OpGraph
+from autoplan.plan.ilp import ILPProblem
+from autoplan.plan.placement import REPLICATE, Placement
+from autoplan.plan.sharding import Sharding, reshard_kind
+from autoplan.plan.strategies import OpStrategy, strategies
+
+FOLLOW_KINDS = frozenset({"view", "pointwise", "dropout", "copy", "reduction"})
+
+
+@dataclass(frozen=True)
+class CostContext:
+    """Everything the per-strategy costs depend on (one mesh, micro-batch and policy)."""
+
+    graph: OpGraph
+    t: int
+    compute: ComputeModel
+    collective_s: Callable[[str, float], float]   # (kind, nbytes) -> seconds on the tp group
+    batch_scale: float                            # micro-batch / traced batch
+    microbatches: int
+    precision: str
+    recompute: str                                # none | selective | full
+    state_bytes_per_param: float                  # weights + grads + optimizer on the device
+    activation_multiplier: float                  # micro-batches whose activations are held
+    memory_budget: float | None = None
+
+
+@dataclass
+class _Node:
+    ops: list[int]                                   # rep op indices, leader first
+    mult: int
+    choices: list[list[OpStrategy]] = None           # per strategy j: one per op in ops
+    placement: list[dict[str, Placement]] = None     # per strategy j: value -> placement
+    internal: list[list[tuple[str, Placement, Placement]]] = None  # gathers inside the node
+
+
+@dataclass(frozen=True)
+class Reduction:
+    rep: tuple[int, ...]             # op -> representative op
+    node_of: dict[int, int]          # rep op -> node
+    nodes: tuple[_Node, ...]
+    problem: ILPProblem
+
+
+def representatives(graph: OpGraph) -> tuple[list[int], dict[int, int], list[int]]:
+    """(rep per op, multiplicity per rep op, block-instance id per op: -1 outside blocks)."""
+    rep = list(range(len(graph.ops)))
+    mult = {i: 1 for i in range(len(graph.ops))}
+    inst = [-1] * len(graph.ops)
+    k = 0
+    for block in graph.blocks:
+        first = block.instances[0]
+        for inst_i, b in enumerate(block.instances):
+            for off in range(b.stop - b.start):
+                rep[b.start + off] = first.start + off
+                inst[b.start + off] = k + inst_i
+        for i in range(first.start, first.stop):
+            mult[i] = len(block.instances)
+        k += len(block.instances)
+    return rep, mult, inst
+
+
+def _value_bytes(ctx: CostContext, name: str) -> float:
+    a = analyze(ctx.graph)
+    b = _meta_bytes(ctx.graph.value(name).meta, ctx.precision)
+    return b * ctx.batch_scale if name in a.batch_dependent else b
+
+
+def _reshard_s(ctx: CostContext, name: str, src: Placement, dst: Placement) -> float:
+    """Forward reshard, plus the backward one for tensors that carry gradients."""
+    total = 0.0
+    for a, b, needed in ((src, dst, True), (dst, src, ctx.graph.value(name).requires_grad)):
+        if not needed:
+            continue
+        k = reshard_kind(a, b)
+        if k is not None:
+            kind, scale = k
+            nbytes = _value_bytes(ctx, name) * (1.0 / ctx.t if scale < 0 else scale)
+            total += ctx.collective_s(kind, nbytes)
+    return total
+
+
+def _group(graph: OpGraph, rep: list[int], mult: dict[int, int],
+           inst: list[int]) -> tuple[list[_Node], dict[int, int]]:
+    a = analyze(graph)
+    nodes: list[_Node] = []
+    node_of: dict[int, int] = {}
+    for i in sorted(set(rep)):
+        op = graph.ops[i]
+        if not op.outputs:
+            continue
+        acts = [n for n in op.inputs if graph.value(n).kind == "activation"]
+        if op.kind in FOLLOW_KINDS and len(acts) == 1:
+            p = a.producer.get(acts[0])
+            if p is not None and rep[p] == p and p in node_of and inst[p] == inst[i]:
+                nodes[node_of[p]].ops.append(i)
+                node_of[i] = node_of[p]
+                continue
+        node_of[i] = len(nodes)
+        nodes.append(_Node(ops=[i], mult=mult[i]))
+    return nodes, node_of
+
+
+def _expand(graph: OpGraph, node: _Node, t: int, cache: dict[int, list[OpStrategy]]) -> None:
+    """Per leader strategy: the followers' strategies and the node's value placements."""
+    def opts(i):
+        if i not in cache:
+            cache[i] = strategies(graph, graph.ops[i], t)
+        return cache[i]
+    node.choices, node.placement, node.internal = [], [], []
+    for s in opts(node.ops[0]):
+        chosen = [s]
+        place: dict[str, Placement] = {}
+        internal: list[tuple[str, Placement, Placement]] = []
+        lead = graph.ops[node.ops[0]]
+        for k, n in enumerate(lead.outputs):
+            place[n] = s.outputs[k] if k < len(s.outputs) else REPLICATE
+        for i in node.ops[1:]:
+            op = graph.ops[i]
+            x_slot = next(k for k, n in enumerate(op.inputs)
+                          if graph.value(n).kind == "activation")
+            want = place.get(op.inputs[x_slot], REPLICATE)
+            pick = next((f for f in opts(i) if f.inputs[x_slot] == want), None)
+            if pick is None:            # cannot carry the sharding: gather, run replicated
+                pick = opts(i)[0]
+                internal.append((op.inputs[x_slot], want, REPLICATE))
+            chosen.append(pick)
+            for k, n in enumerate(op.outputs):
+                place[n] = pick.outputs[k] if k < len(pick.outputs) else REPLICATE
+        node.choices.append(chosen)
+        node.placement.append(place)
+        node.internal.append(internal)
+
+
+def _node_cost(ctx: CostContext, node: _Node, j: int) -> tuple[float, float]:
+    """(seconds per step, bytes per device) of strategy j, for all instances it stands for."""
+    graph = ctx.graph
+    a = analyze(graph)
+    per_mb = step = 0.0
+    params = acts = 0.0
+    seen_params: set[str] = set()
+    in_block = node.mult > 1
+    for i, s in zip(node.ops, node.choices[j]):
+        op = graph.ops[i]
+        batch_dep = any(o in a.batch_dependent for o in op.outputs)
+        c = ctx.compute.op_cost(i, (ctx.batch_scale if batch_dep else 1.0) / s.work_divisor)
+        per_mb += c.fwd_s + c.bwd_s
+        if ctx.recompute == "full" and in_block or ctx.recompute == "selective" and i in a.score_ops:
+            per_mb += c.fwd_s
+        for cm in s.comms:
+            nbytes = _value_bytes(ctx, cm.value) * (1.0 / ctx.t if cm.scale < 0 else cm.scale)
+            t = ctx.collective_s(cm.kind, nbytes)
+            if cm.phase == "step":
+                step += t
+            else:
+                per_mb += t
+        for k, n in enumerate(op.inputs):
+            v = graph.value(n)
+            if v.kind == "param" and v.base not in seen_params:
+                seen_params.add(v.base)
+                split = k < len(s.inputs) and s.inputs[k].kind == "S"
+                params += v.meta.numel * ctx.state_bytes_per_param / (ctx.t if split else 1)
+        if ctx.recompute == "full" and in_block:
+            continue
+        if ctx.recompute == "selective" and i in a.score_ops:
+            continue
+        for n in op.saved:
+            v = graph.value(n)
+            base = graph.value(v.base)
+            if base.kind != "activation" or (ctx.recompute == "selective"
+                                             and base.name in a.score_values):
+                continue
+            k = op.inputs.index(n) if n in op.inputs else -1
+            where = s.inputs[k] if 0 <= k < len(s.inputs) else node.placement[j].get(n, REPLICATE)
+            acts += _value_bytes(ctx, base.name) * (1.0 / ctx.t if where.kind == "S" else 1.0)
+    for name, src, dst in node.internal[j]:
+        per_mb += _reshard_s(ctx, name, src, dst)
+    time_s = node.mult * (ctx.microbatches * per_mb + step)
+    mem = node.mult * (params + acts * ctx.activation_multiplier)
+    return time_s, mem
+
+
+def reduce_graph(ctx: CostContext) -> Reduction:
+    graph = ctx.graph
+    a = analyze(graph)
+    rep, mult, inst = representatives(graph)
+    nodes, node_of = _group(graph, rep, mult, inst)
+    cache: dict[int, list[OpStrategy]] = {}
+    for node in nodes:
+        _expand(graph, node, ctx.t, cache)
+    costs = [[0.0] * len(n.choices) for n in nodes]
+    mems = [[0.0] * len(n.choices) for n in nodes]
+    for v, node in enumerate(nodes):
+        for j in range(len(node.choices)):
+            costs[v][j], mems[v][j] = _node_cost(ctx, node, j)
+
+    # edges: every (producer, consumer) pair of the full graph, folded onto representatives
+    counts: dict[tuple[int, int, str, int, int], int] = {}
+    for c, op in enumerate(graph.ops):
+        if not op.outputs:
+            continue
+        rc = rep[c]
+        for k, n in enumerate(op.inputs):
+            if graph.value(n).kind != "activation":
+                continue
+            p = a.producer[n]
+            rp = rep[p]
+            u, v = node_of.get(rp), node_of.get(rc)
+            if u is None or v is None:
+                continue
+            if u == v and inst[p] == inst[c]:
+                continue                      # inside one node: priced by the node
+            x_rep = graph.ops[rp].outputs[graph.ops[p].outputs.index(n)]
+            key = (u, v, x_rep, rc, k)
+            counts[key] = counts.get(key, 0) + 1
+    edge_mats: dict[tuple[int, int], list[list[float]]] = {}
+    for (u, v, x_rep, rc, k), count in sorted(counts.items()):
+        pos = nodes[v].ops.index(rc)
+        ku, kv = len(nodes[u].choices), len(nodes[v].choices)
+        mat = [[0.0] * kv for _ in range(ku)]
+        for i in range(ku):
+            src = nodes[u].placement[i].get(x_rep, REPLICATE)
+            for j in range(kv):
+                s = nodes[v].choices[j][pos]
+                dst = s.inputs[k] if k < len(s.inputs) else REPLICATE
+                if src != dst:
+                    mat[i][j] = count * ctx.microbatches * _reshard_s(ctx, x_rep, src, dst)
+        if u == v:
+            for j in range(kv):
+                costs[v][j] += mat[j][j]
+            continue
+        acc = edge_mats.setdefault((u, v), [[0.0] * kv for _ in range(ku)])
+        for i in range(ku):
+            for j in range(kv):
+                acc[i][j] += mat[i][j]
+    problem = ILPProblem(
+        node_costs=tuple(tuple(c) for c in costs), node_memory=tuple(tuple(m) for m in mems),
+        edges=tuple((u, v, tuple(tuple(r) for r in mat)) for (u, v), mat in sorted(edge_mats.items())),
+        memory_budget=ctx.memory_budget)
+    return Reduction(rep=tuple(rep), node_of=node_of, nodes=tuple(nodes), problem=problem)
+
+
+def sharding_from_choice(graph: OpGraph, t: int, red: Reduction,
+                         choice: tuple[int, ...]) -> Sharding:
+    """Expand the ILP's node choices to one strategy per op of the whole graph."""
+    per_rep: dict[int, OpStrategy] = {}
+    for v, node in enumerate(red.nodes):
+        for i, s in zip(node.ops, node.choices[choice[v]]):
+            per_rep[i] = s
+    chosen = []
+    for i, op in enumerate(graph.ops):
+        s = per_rep.get(red.rep[i])
+        if s is None:
+            s = strategies(graph, op, t)[0]
+        chosen.append(s)
+    return Sharding.build(graph, t, chosen)
