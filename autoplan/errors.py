@@ -25,3 +25,7 @@ class ConfigError(AutoplanError):
 
 class ProfileError(AutoplanError):
     """A profile database is malformed or cannot be written."""
+
+
+class PlanError(AutoplanError):
+    """A plan file is malformed, or does not match the model or cluster it is used with."""

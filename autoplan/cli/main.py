@@ -8,7 +8,8 @@ import sys
 from autoplan import __version__
 from autoplan.errors import AutoplanError
 
-_COMMANDS = ("demo_cmd", "trace_cmd", "cluster_cmd", "profile_cmd", "estimate_cmd")
+_COMMANDS = ("demo_cmd", "trace_cmd", "cluster_cmd", "profile_cmd", "estimate_cmd", "inspect_cmd",
+             "diff_cmd")
 
 
 def build_parser() -> argparse.ArgumentParser:

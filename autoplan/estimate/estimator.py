@@ -118,67 +118,88 @@ def tp_comm_s(graph: OpGraph, a: GraphAnalysis, sh: Sharding, cluster: Any,
     for _i, c in sh.comms(start, stop):
         nbytes = _comm_bytes(graph, a, config, c.value, c.scale, sh.t, batch_scale)
         t[c.phase] += cluster.collective_time_s(c.kind, nbytes, group)
-    for r in sh.reshards:
-        if start <= r.op_index < stop:
-            nbytes = _comm_bytes(graph, a, config, r.value, r.scale, sh.t, batch_scale)
-            t[r.phase] += cluster.collective_time_s(r.kind, nbytes, group)
+    for r in sh.reshards_in(start, stop):
+        nbytes = _comm_bytes(graph, a, config, r.value, r.scale, sh.t, batch_scale)
+        t[r.phase] += cluster.collective_time_s(r.kind, nbytes, group)
     return t["fwd"], t["bwd"], t["step"]
 
 
-def _chunk_cost(graph: OpGraph, a: GraphAnalysis, sh: Sharding, compute: ComputeModel,
-                cluster: Any, config: ParallelConfig, chunk: Chunk,
-                batch_scale: float) -> _ChunkCost:
+@dataclass(frozen=True)
+class _RangeCost:
+    """Costs of one contiguous op range for one micro-batch (a layer, or the ops around them)."""
+
+    fwd_s: float
+    bwd_s: float
+    recompute_s: float
+    tp_fwd_s: float
+    tp_bwd_s: float
+    tp_step_s: float
+    activation_bytes: float
+    working_set_bytes: float
+    params: float
+    param_tensors: int
+
+
+def _range_cost(graph: OpGraph, a: GraphAnalysis, sh: Sharding, compute: ComputeModel,
+                cluster: Any, config: ParallelConfig, start: int, stop: int,
+                batch_scale: float, policy: str) -> _RangeCost:
     mbs = config.micro_batch_size
-    fwd = bwd = 0.0
-    op_fwd: dict[int, float] = {}
-    for i in range(chunk.start, chunk.stop):
+    fwd = bwd = recompute = 0.0
+    for i in range(start, stop):
         c = compute.op_cost(i, _work_scale(a, graph, sh, i, batch_scale))
-        op_fwd[i] = c.fwd_s
         fwd += c.fwd_s
         bwd += c.bwd_s
-    tp_fwd, tp_bwd, tp_step = tp_comm_s(graph, a, sh, cluster, config, chunk.start, chunk.stop,
-                                        batch_scale)
-
-    # activations: block layers follow the recompute policy, everything else keeps all
-    in_layer = [False] * (chunk.stop - chunk.start)
-    acts = 0.0
-    recompute = 0.0
-    working = 0.0
-    for (s, e) in chunk.layer_ranges:
-        for i in range(s, e):
-            in_layer[i - chunk.start] = True
-        acts += activation_bytes(graph, s, e, micro_batch_size=mbs, sharding=sh,
-                                 recompute=config.recompute, precision=config.precision)
-        if config.recompute == "full":
-            recompute += sum(op_fwd[i] for i in range(s, e))
-            recompute += tp_comm_s(graph, a, sh, cluster, config, s, e, batch_scale)[0]
-            working = max(working, working_set_bytes(graph, s, e, micro_batch_size=mbs,
-                                                     sharding=sh, precision=config.precision))
-        elif config.recompute == "selective":
-            recompute += sum(op_fwd[i] for i in range(s, e) if i in a.score_ops)
-    # the ops outside the layers, as maximal contiguous runs
-    run_start = None
-    for k in range(len(in_layer) + 1):
-        outside = k < len(in_layer) and not in_layer[k]
-        if outside and run_start is None:
-            run_start = k
-        elif not outside and run_start is not None:
-            acts += activation_bytes(graph, chunk.start + run_start, chunk.start + k,
-                                     micro_batch_size=mbs, sharding=sh, recompute="none",
-                                     precision=config.precision)
-            run_start = None
-
-    # parameters this chunk reads, each storage once (a tied weight on two stages is held by
+        if policy == "full" or policy == "selective" and i in a.score_ops:
+            recompute += c.fwd_s
+    tp_fwd, tp_bwd, tp_step = tp_comm_s(graph, a, sh, cluster, config, start, stop, batch_scale)
+    if policy == "full":
+        recompute += tp_fwd
+    acts = activation_bytes(graph, start, stop, micro_batch_size=mbs, sharding=sh,
+                            recompute=policy, precision=config.precision)
+    working = (working_set_bytes(graph, start, stop, micro_batch_size=mbs, sharding=sh,
+                                 precision=config.precision) if policy == "full" else 0.0)
+    # parameters the range reads, each storage once (a tied weight on two stages is held by
     # both, as Megatron-LM does with the embedding and the LM head)
     params = 0.0
     seen: set[str] = set()
-    for i in range(chunk.start, chunk.stop):
+    for i in range(start, stop):
         for n in graph.ops[i].inputs:
             v = graph.value(n)
             if v.kind == "param" and v.base not in seen:
                 seen.add(v.base)
                 split = sh.input_placement(graph, i, n).kind == "S"
                 params += v.meta.numel / (sh.t if split else 1)
+    return _RangeCost(fwd, bwd, recompute, tp_fwd, tp_bwd, tp_step, acts, working, params,
+                      len(seen))
+
+
+def _chunk_cost(graph: OpGraph, a: GraphAnalysis, sh: Sharding, compute: ComputeModel,
+                cluster: Any, config: ParallelConfig, chunk: Chunk,
+                batch_scale: float) -> _ChunkCost:
+    """Sum of the chunk's layers (recompute policy applies) and the ops around them (keep all).
+    Layers after the second are alike (same block, same strategies): the second is reused."""
+    ranges: list[tuple[int, int, str]] = []
+    pos = chunk.start
+    for (s, e) in chunk.layer_ranges:
+        if pos < s:
+            ranges.append((pos, s, "none"))
+        ranges.append((s, e, config.recompute))
+        pos = e
+    if pos < chunk.stop:
+        ranges.append((pos, chunk.stop, "none"))
+    parts: list[_RangeCost] = []
+    steady: _RangeCost | None = None
+    layer_no = 0
+    for (s, e, policy) in ranges:
+        is_layer = (s, e) in chunk.layer_ranges
+        if is_layer and layer_no >= 2 and steady is not None:
+            parts.append(steady)
+        else:
+            rc = _range_cost(graph, a, sh, compute, cluster, config, s, e, batch_scale, policy)
+            parts.append(rc)
+            if is_layer and layer_no == 1:
+                steady = rc
+        layer_no += is_layer
 
     boundary = 0.0
     for n in _boundary_values(graph, a, chunk.stop):
@@ -187,11 +208,14 @@ def _chunk_cost(graph: OpGraph, a: GraphAnalysis, sh: Sharding, compute: Compute
         if sh.value_placement.get(n, REPLICATE).kind == "S":
             b /= sh.t
         boundary += b
-    return _ChunkCost(fwd_compute_s=fwd, bwd_compute_s=bwd, recompute_s=recompute,
-                      tp_fwd_s=tp_fwd, tp_bwd_s=tp_bwd, tp_step_s=tp_step, activation_bytes=acts,
-                      working_set_bytes=working, params=params, param_tensors=len(seen),
-                      boundary_bytes=boundary,
-                      num_layers=len(chunk.layers))
+    return _ChunkCost(
+        fwd_compute_s=sum(p.fwd_s for p in parts), bwd_compute_s=sum(p.bwd_s for p in parts),
+        recompute_s=sum(p.recompute_s for p in parts), tp_fwd_s=sum(p.tp_fwd_s for p in parts),
+        tp_bwd_s=sum(p.tp_bwd_s for p in parts), tp_step_s=sum(p.tp_step_s for p in parts),
+        activation_bytes=sum(p.activation_bytes for p in parts),
+        working_set_bytes=max((p.working_set_bytes for p in parts), default=0.0),
+        params=sum(p.params for p in parts), param_tensors=sum(p.param_tensors for p in parts),
+        boundary_bytes=boundary, num_layers=len(chunk.layers))
 
 
 def _boundary_values(graph: OpGraph, a: GraphAnalysis, cut: int) -> list[str]:

@@ -75,6 +75,15 @@ class Sharding:
                     out[v.fqn] = s.inputs[k] if k < len(s.inputs) else REPLICATE
         return out
 
+    def reshards_in(self, start: int, stop: int) -> list[Reshard]:
+        """Reshards whose consuming op lies in ops[start:stop] (indexed once, then bisected)."""
+        import bisect
+        idx = self.__dict__.get("_reshard_index")
+        if idx is None:
+            idx = [r.op_index for r in self.reshards]
+            object.__setattr__(self, "_reshard_index", idx)
+        return list(self.reshards[bisect.bisect_left(idx, start):bisect.bisect_left(idx, stop)])
+
     def comms(self, start: int = 0, stop: int | None = None):
         """(op index, Comm) for the strategies' own collectives in ops[start:stop]."""
         stop = len(self.op_strategy) if stop is None else stop

@@ -1,0 +1,454 @@
+"""Human-readable text for plans: ``autoplan inspect`` (:func:`explain_plan`) and ``autoplan diff``
+(:func:`diff_plans`).
+
+Everything here reads a :class:`~autoplan.plan.planfile.Plan` only (no model, no cluster), so a
+plan file explains itself on any machine.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import fields
+from typing import Any
+
+from autoplan.plan.planfile import Plan
+
+_GRID_NODES = 4            # nodes shown before "...", then the last one
+_GRID_COLUMNS = 16         # devices per node shown in full; more: the first 8 and the last
+_ROWS = 20                 # table rows shown in full; more: the first 12 and the last 4
+_FIRST = 5                 # changed items named in a diff
+_STYLE_ORDER = ("colwise", "rowwise", "sequence_parallel", "vocab_parallel", "loss_parallel",
+                "replicate")
+_TP_DOMAIN = {
+    "nvswitch": "NVSwitch (every GPU pair of a node at full NVLink bandwidth)",
+    "nvlink": "direct NVLink links",
+    "pcie": "PCIe (no NVLink: TP all-reduces are slow)",
+    "node": "the node's internal links",
+    "network": "the inter-node network (TP spans nodes: every layer's all-reduce crosses it)",
+    "none": "nothing (tp = 1: no tensor parallelism)",
+}
+_INDEX = re.compile(r"^(.*?)(\d+)$")
+_DEVICE = re.compile(r"^n(\d+)\.(.+)$")
+
+
+# ================================================================ inspect
+def explain_plan(plan: Plan) -> str:
+    """The text of ``autoplan inspect``: what the plan is, where it runs, what it costs, why."""
+    sections = (_header(plan), _mesh_grid(plan), _chosen(plan), _blocks(plan), _stages(plan),
+                _memory(plan), _time(plan), _alternatives(plan), _solver(plan))
+    return "\n\n".join(s for s in sections if s) + "\n"
+
+
+def _header(plan: Plan) -> str:
+    m, c, t = plan.model, plan.cluster, plan.training
+    return "\n".join([
+        (f"model    {m.name!r}: {m.num_params:,} parameters, {m.num_ops:,} ops "
+        f"(fingerprint {m.fingerprint[:12]})"),
+        (f"cluster  {c.name!r}: {c.num_nodes} node{'s' * (c.num_nodes != 1)} x "
+        f"{c.devices_per_node} {c.device} = {c.world_size:,} devices "
+        f"(fingerprint {c.fingerprint[:12]})"),
+        (f"training global batch {t.global_batch_size:,}, {t.precision}, {t.optimizer}   "
+        f"(autoplan {plan.autoplan_version}, plan schema {plan.schema_version})"),
+    ])
+
+
+def _axis_labels(axes: Sequence[str]) -> list[str]:
+    first = [a[0] for a in axes]
+    return first if len(set(first)) == len(first) else [f"{a}=" for a in axes]
+
+
+def _mesh_grid(plan: Plan) -> str:
+    mesh = plan.mesh
+    labels = _axis_labels(mesh.axes)
+    where: dict[tuple[int, str], str] = {}
+    for rank, dev in enumerate(mesh.rank_to_device):
+        m = _DEVICE.match(dev)
+        node, local = (int(m.group(1)), m.group(2)) if m else (0, dev)
+        where[(node, local)] = ".".join(f"{lab}{c}" for lab, c in
+                                        zip(labels, mesh.coordinates(rank)))
+    nodes = sorted({n for n, _ in where})
+    columns = sorted({d for _, d in where}, key=_natural)
+    shown_nodes: list[int | None] = list(nodes)
+    if len(nodes) > _GRID_NODES + 1:
+        shown_nodes = nodes[:_GRID_NODES] + [None] + nodes[-1:]
+    shown_cols: list[str | None] = list(columns)
+    if len(columns) > _GRID_COLUMNS:
+        shown_cols = columns[:8] + [None] + columns[-1:]
+    width = max([len(v) for v in where.values()] + [len(c) for c in columns] + [3])
+    row_label = max(len(f"n{nodes[-1]}") if nodes else 2, 4)
+    lines = [
+        (f"mesh {' x '.join(mesh.axes)} = {' x '.join(map(str, mesh.shape))} on "
+        f"{len(mesh.rank_to_device):,} devices; a TP group ({plan.config.tp} rank"
+        f"{'s' * (plan.config.tp != 1)}) is joined by {_TP_DOMAIN.get(mesh.tp_domain, mesh.tp_domain)}"),
+        "cell = " + ".".join(f"{lab}<i>" for lab in labels) + ": the index on mesh axes "
+        + ", ".join(mesh.axes) + " of the rank on that device",
+        (" " * (row_label + 4) + "  ".join((c or "...").ljust(width) for c in shown_cols)).rstrip(),
+    ]
+    for n in shown_nodes:
+        if n is None:
+            lines.append(f"  {'...':<{row_label}}  ({len(nodes) - _GRID_NODES - 1:,} more nodes)")
+            continue
+        cells = ["...".ljust(width) if c is None else where.get((n, c), "-").ljust(width)
+                 for c in shown_cols]
+        lines.append(f"  {'n' + str(n):<{row_label}}" + "  " + "  ".join(cells).rstrip())
+    return "\n".join(lines)
+
+
+def _chosen(plan: Plan) -> str:
+    p = plan.predicted
+    tokens = p.get("tokens_per_s")
+    line2 = (f"predicted step time {fmt_s(p['step_time_s'])}   MFU {fmt_pct(p['mfu'])}   "
+             f"{p['samples_per_s']:,.2f} samples/s"
+             + (f"   {tokens:,.0f} tokens/s" if tokens else "")
+             + f"   peak memory {fmt_bytes(p['peak_memory_bytes'])}"
+             + ("" if p["fits"] else "   ** DOES NOT FIT **"))
+    off = [k for k, v in plan.offload.items() if v]
+    return "\n".join([
+        f"chosen   {plan.config.short()}   ({p['num_microbatches']:,} micro-batch"
+        f"{'es' * (p['num_microbatches'] != 1)} per step"
+        + (f", offload {' + '.join(off)} to host" if off else "") + ")",
+        line2,
+    ] + [f"warning: {w}" for w in p.get("warnings", ())])
+
+
+# ---- per-block table --------------------------------------------------------------------------
+def _block_paths(plan: Plan) -> list[str]:
+    paths = set(plan.recompute)
+    for st in plan.predicted.get("stages", ()):
+        paths.update(st["layers"])
+    return sorted(paths, key=_natural)
+
+
+def _style_summary(styles: Mapping[str, str]) -> str:
+    """{"attn.qkv": "colwise", "attn.proj": "rowwise", "mlp.fc": ...} -> "attn+mlp colwise/rowwise"."""
+    if not styles:
+        return "replicated (no module styles)"
+    by_child: dict[str, set[str]] = {}
+    for rel, style in styles.items():
+        by_child.setdefault(rel.split(".", 1)[0] or "(block)", set()).add(style)
+    groups: dict[tuple[str, ...], list[str]] = {}
+    for child in sorted(by_child, key=_natural):
+        key = tuple(sorted(by_child[child], key=_style_key))
+        groups.setdefault(key, []).append(child)
+    return ", ".join(f"{_join_names(children)} {'/'.join(key)}" for key, children in groups.items())
+
+
+def _join_names(names: list[str]) -> str:
+    if len(names) <= 4:
+        return "+".join(names)
+    return f"{'+'.join(names[:3])} and {len(names) - 3} more"
+
+
+def _blocks(plan: Plan) -> str:
+    paths = _block_paths(plan)
+    stage_of = {layer: st["index"] for st in plan.predicted.get("stages", ())
+                for layer in st["layers"]}
+    multi_stage = len(plan.predicted.get("stages", ())) > 1
+    act = plan.predicted.get("activation_bytes_per_layer", 0.0)
+    inner: dict[str, dict[str, str]] = {path: {} for path in paths}
+    rest: dict[str, str] = {}
+    for fqn, style in plan.module_styles.items():      # each module to its innermost block
+        parts = fqn.split(".")
+        for n in range(len(parts), 0, -1):
+            block = ".".join(parts[:n])
+            if block in inner:
+                inner[block][".".join(parts[n:])] = style
+                break
+        else:
+            rest[fqn] = style
+    rows = [(path, (_style_summary(inner[path]), plan.recompute.get(path, "-"),
+                    stage_of.get(path) if multi_stage else None)) for path in paths]
+    lines = [(f"blocks   (module styles, recompute, activations kept per micro-batch"
+             f"{', pipeline stage' if multi_stage else ''})")]
+    table = []
+    for label, (styles, recompute, stage) in _collapse(rows):
+        table.append(f"  {label:<16} {styles}, recompute {recompute}, {fmt_bytes(act)} act"
+                     + (f", stage {stage}" if multi_stage and stage is not None else ""))
+    if not table:
+        table.append("  (no repeated blocks)")
+    lines += _elide(table)
+    if rest:
+        names = sorted(rest, key=_natural)
+        shown = ", ".join(f"{k} {rest[k]}" for k in names[:8])
+        lines.append(f"  other modules: {shown}"
+                     + (f" (+{len(names) - 8} more)" if len(names) > 8 else ""))
+    return "\n".join(lines)
+
+
+def _collapse(rows: list[tuple[str, tuple[Any, ...]]]) -> list[tuple[str, tuple[Any, ...]]]:
+    """Consecutive instances ("layers.3", "layers.4", ...) with one signature -> "layers.3-4"."""
+    out: list[tuple[str, tuple[Any, ...]]] = []
+    run: list[Any] = []                  # [prefix, first, last, signature]
+    for path, sig in rows:
+        m = _INDEX.match(path)
+        if m and run and run[0] == m.group(1) and run[2] + 1 == int(m.group(2)) and run[3] == sig:
+            run[2] += 1
+            continue
+        if run:
+            out.append((_run_label(run), run[3]))
+        run = [m.group(1), int(m.group(2)), int(m.group(2)), sig] if m else []
+        if not m:
+            out.append((path, sig))
+    if run:
+        out.append((_run_label(run), run[3]))
+    return out
+
+
+def _run_label(run: list[Any]) -> str:
+    prefix, first, last, _ = run
+    return f"{prefix}{first}" if first == last else f"{prefix}{first}-{last}"
+
+
+def _stages(plan: Plan) -> str:
+    if not plan.stages:
+        return ""
+    lines = ["pipeline stages"]
+    rows = [f"  stage {st['index']}: {_collapse_names(st['layers'])}; ranks {fmt_ranges(st['ranks'])}"
+            for st in plan.stages]
+    return "\n".join(lines + _elide(rows))
+
+
+# ---- memory, time -------------------------------------------------------------------------------
+_MEMORY_ITEMS = ("params_bytes", "grads_bytes", "optimizer_bytes", "activations_bytes",
+                 "transient_bytes", "margin_bytes")
+
+
+def _stage_total(st: Mapping[str, Any]) -> float:
+    return sum(st["memory"][k] for k in _MEMORY_ITEMS)
+
+
+def _memory(plan: Plan) -> str:
+    p = plan.predicted
+    stages = p.get("stages", ())
+    if not stages:
+        return f"memory   peak {fmt_bytes(p['peak_memory_bytes'])} of {fmt_bytes(p['device_memory_bytes'])}"
+    worst = max(stages, key=_stage_total)
+    mem = worst["memory"]
+    device = p["device_memory_bytes"]
+    which = f" (stage {worst['index']}, the fullest of {len(stages)})" if len(stages) > 1 else ""
+    lines = [f"memory per device{which}"]
+    for key in _MEMORY_ITEMS:
+        mbs = worst["microbatches_in_flight"]
+        extra = (f"   ({mbs:g} micro-batch{'es' * (mbs != 1)} in flight)"
+                 if key == "activations_bytes" else "")
+        lines.append(f"  {key[:-6]:<12} {fmt_bytes(mem[key]):>12}{extra}")
+    total = _stage_total(worst)
+    lines.append(f"  {'= total':<12} {fmt_bytes(total):>12}   of {fmt_bytes(device)} "
+                 f"({fmt_pct(total / device if device else 0.0)}): "
+                 + ("fits" if total <= device else "DOES NOT FIT"))
+    if mem.get("offloaded_bytes"):
+        lines.append(f"  offloaded to host memory: {fmt_bytes(mem['offloaded_bytes'])}")
+    if len(stages) > 1:
+        lines.append("  per stage: " + ", ".join(f"{st['index']}: {fmt_bytes(_stage_total(st))}"
+                                               for st in stages[:8])
+                     + (" ..." if len(stages) > 8 else ""))
+    return "\n".join(lines)
+
+
+def _time(plan: Plan) -> str:
+    t = plan.predicted["time"]
+    step = plan.predicted["step_time_s"]
+    items = [("compute", t["compute_s"]), ("recompute", t["recompute_s"])]
+    items += [(f"comm {k}", v) for k, v in sorted(t["comm_exposed_s"].items()) if v > 0]
+    items += [("bubble", t["bubble_s"]), ("optimizer", t["optimizer_s"]),
+              ("overhead", t["overhead_s"])]
+    lines = ["time per step (slowest stage; comm = exposed communication, not hidden by compute)"]
+    for name, v in items:
+        share = f"{v / step * 100:5.1f}%" if step > 0 else ""
+        lines.append(f"  {name:<22} {fmt_s(v):>10}  {share}")
+    lines.append(f"  {'= step time':<22} {fmt_s(step):>10}")
+    return "\n".join(lines)
+
+
+def _alternatives(plan: Plan) -> str:
+    if not plan.alternatives:
+        return "alternatives: none recorded"
+    chosen = plan.predicted["step_time_s"]
+    names = [a.config.short() for a in plan.alternatives]
+    w = max(len(n) for n in names + ["config"])
+    lines = [f"alternatives ({len(plan.alternatives)}; chosen {fmt_s(chosen)})",
+             (f"  {'#':>2}  {'config':<{w}}  {'step time':>10}  {'vs chosen':>9}  "
+             f"{'peak memory':>11}  fits  why it lost")]
+    for i, (a, name) in enumerate(zip(plan.alternatives, names), 1):
+        lines.append(f"  {i:>2}  {name:<{w}}  {fmt_s(a.step_time_s):>10}  "
+                     f"{fmt_change(chosen, a.step_time_s):>9}  "
+                     f"{fmt_bytes(a.peak_memory_bytes):>11}  {'yes' if a.fits else 'NO ':<4}  "
+                     f"{a.why_lost}")
+    return "\n".join(lines)
+
+
+def _solver(plan: Plan) -> str:
+    s = plan.solver
+    note = {"feasible": " (time limit hit: the solution is not proven optimal)",
+            "infeasible": " (no sharding satisfied the constraints)",
+            "not_solved": " (no ILP was solved for this plan)"}.get(s.status, "")
+    bound = "n/a" if s.bound_s is None else fmt_s(s.bound_s)
+    gap = "n/a" if s.gap is None else f"{s.gap * 100:.2f}%"
+    return "\n".join([
+        f"solver   {s.solver} {s.status}{note}",
+        f"  objective {fmt_s(s.objective_s)} per micro-batch, bound {bound}, gap {gap}",
+        (f"  problem {s.num_variables:,} variables, {s.num_constraints:,} constraints; search "
+        f"{s.ilps_solved:,} ILPs solved, {s.candidates_evaluated:,} candidates evaluated"),
+    ])
+
+
+# ================================================================ diff
+def diff_plans(a: Plan, b: Plan) -> str:
+    """The text of ``autoplan diff A B``: what changed from plan A to plan B, and its effect."""
+    if a.to_json() == b.to_json():
+        return "no differences: the plans are identical\n"
+    lines: list[str] = []
+    ma, mb = a.model, b.model
+    lines.append("model    same" + f" ({ma.name!r}, fingerprint {ma.fingerprint[:12]})"
+                 if ma == mb else
+                 f"model    {ma.name!r} ({ma.fingerprint[:12]}, {ma.num_params:,} parameters) -> "
+                 f"{mb.name!r} ({mb.fingerprint[:12]}, {mb.num_params:,} parameters)")
+    ca, cb = a.cluster, b.cluster
+    if ca == cb:
+        lines.append(f"cluster  same ({ca.name!r}, {ca.world_size:,} devices, fingerprint "
+                     f"{ca.fingerprint[:12]})")
+    else:
+        lines.append(f"cluster  {ca.name!r} {ca.num_nodes}x{ca.devices_per_node} {ca.device} "
+                     f"({ca.fingerprint[:12]}) -> {cb.name!r} {cb.num_nodes}x"
+                     f"{cb.devices_per_node} {cb.device} ({cb.fingerprint[:12]})")
+    training = _field_changes(a.training, b.training)
+    if training:
+        lines.append(f"training {training}")
+    mesh_a = f"{' x '.join(a.mesh.axes)} = {' x '.join(map(str, a.mesh.shape))}"
+    mesh_b = f"{' x '.join(b.mesh.axes)} = {' x '.join(map(str, b.mesh.shape))}"
+    moved = sum(x != y for x, y in zip(a.mesh.rank_to_device, b.mesh.rank_to_device))
+    if a.mesh == b.mesh:
+        lines.append(f"mesh     same ({mesh_a}, TP over {a.mesh.tp_domain})")
+    else:
+        lines.append(f"mesh     {mesh_a} -> {mesh_b}; TP over {a.mesh.tp_domain} -> "
+                     f"{b.mesh.tp_domain}" + (f"; {moved:,} ranks on other devices"
+                                              if moved else ""))
+    lines.append("config   " + (_field_changes(a.config, b.config) or "same")
+                 + f"   [{a.config.short()} -> {b.config.short()}]")
+    lines += _map_changes("module styles", a.module_styles, b.module_styles)
+    lines += _map_changes("op strategies", a.op_strategies, b.op_strategies)
+    place_a = {k: f"tp {v.tp} dp {v.dp}" for k, v in a.param_placements.items()}
+    place_b = {k: f"tp {v.tp} dp {v.dp}" for k, v in b.param_placements.items()}
+    lines += _map_changes("placements", place_a, place_b)
+    lines += _recompute_changes(a.recompute, b.recompute)
+    offload = [f"{k} {a.offload.get(k)} -> {b.offload.get(k)}"
+               for k in sorted(set(a.offload) | set(b.offload)) if a.offload.get(k) != b.offload.get(k)]
+    if offload:
+        lines.append("offload  " + ", ".join(offload))
+    pa, pb = a.predicted, b.predicted
+    lines += [
+        "predicted effect",
+        (f"  step time   {fmt_s(pa['step_time_s'])} -> {fmt_s(pb['step_time_s'])} "
+        f"({fmt_change(pa['step_time_s'], pb['step_time_s'])})"),
+        f"  peak memory {fmt_bytes(pa['peak_memory_bytes'])} -> {fmt_bytes(pb['peak_memory_bytes'])} "
+        f"({fmt_change(pa['peak_memory_bytes'], pb['peak_memory_bytes'])})"
+        + ("" if pb["fits"] else "  ** B DOES NOT FIT **"),
+        f"  MFU         {fmt_pct(pa['mfu'])} -> {fmt_pct(pb['mfu'])}",
+        (f"  throughput  {pa['samples_per_s']:,.2f} -> {pb['samples_per_s']:,.2f} samples/s "
+        f"({fmt_change(pa['samples_per_s'], pb['samples_per_s'])})"),
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def _field_changes(x: Any, y: Any) -> str:
+    return ", ".join(f"{f.name} {getattr(x, f.name)} -> {getattr(y, f.name)}" for f in fields(x)
+                     if getattr(x, f.name) != getattr(y, f.name))
+
+
+def _map_changes(title: str, a: Mapping[str, Any], b: Mapping[str, Any]) -> list[str]:
+    changed = sorted((k for k in a.keys() & b.keys() if a[k] != b[k]), key=_natural)
+    added = sorted(b.keys() - a.keys(), key=_natural)
+    removed = sorted(a.keys() - b.keys(), key=_natural)
+    if not (changed or added or removed):
+        return [f"{title}: same ({len(a):,})"]
+    items = ([f"{k} {a[k]} -> {b[k]}" for k in changed] + [f"+{k} {b[k]}" for k in added]
+             + [f"-{k} {a[k]}" for k in removed])
+    more = len(items) - _FIRST
+    return [(f"{title}: {len(changed):,} changed, {len(added):,} added, {len(removed):,} removed "
+            f"(of {len(a):,} -> {len(b):,})"),
+            *(f"  {s}" for s in items[:_FIRST])] + ([f"  ... {more:,} more"] if more > 0 else [])
+
+
+def _recompute_changes(a: Mapping[str, str], b: Mapping[str, str]) -> list[str]:
+    moves: dict[tuple[str, str], list[str]] = {}
+    for k in sorted(a.keys() | b.keys(), key=_natural):
+        if a.get(k) != b.get(k):
+            moves.setdefault((a.get(k, "-"), b.get(k, "-")), []).append(k)
+    if not moves:
+        return [f"recompute: same ({_summary(a)})"]
+    n = sum(len(v) for v in moves.values())
+    return [f"recompute: {n:,} block{'s' * (n != 1)} changed"] + [
+        f"  {old} -> {new}: {_collapse_names(paths)}" for (old, new), paths in moves.items()]
+
+
+# ================================================================ formatting helpers
+def fmt_s(x: float) -> str:
+    if x == 0:
+        return "0 s"
+    if x >= 100:
+        return f"{x:,.0f} s"
+    if x >= 1:
+        return f"{x:.2f} s"
+    if x >= 1e-3:
+        return f"{x * 1e3:.2f} ms"
+    if x >= 1e-6:
+        return f"{x * 1e6:.1f} us"
+    return f"{x * 1e9:.0f} ns"
+
+
+def fmt_bytes(n: float) -> str:
+    for unit, size in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= size:
+            return f"{n / size:,.2f} {unit}"
+    return f"{n:,.0f} B"
+
+
+def fmt_pct(x: float) -> str:
+    return f"{x * 100:.1f}%" if x * 100 >= 0.1 or x == 0 else f"{x * 100:.2g}%"
+
+
+def fmt_change(a: float, b: float) -> str:
+    if a == 0:
+        return "same" if b == 0 else "new"
+    return f"{(b - a) / a * 100:+.1f}%"
+
+
+def fmt_ranges(values: Iterable[int]) -> str:
+    """[0, 1, 2, 3, 8, 9] -> "0-3,8-9"."""
+    out: list[str] = []
+    for v in sorted(values):
+        if out and "-" in out[-1] and int(out[-1].split("-")[1]) + 1 == v:
+            out[-1] = f"{out[-1].split('-')[0]}-{v}"
+        elif out and "-" not in out[-1] and int(out[-1]) + 1 == v:
+            out[-1] = f"{out[-1]}-{v}"
+        else:
+            out.append(str(v))
+    return ",".join(out) or "none"
+
+
+def _collapse_names(paths: Iterable[str]) -> str:
+    rows = [(p, ()) for p in sorted(paths, key=_natural)]
+    return ", ".join(label for label, _ in _collapse(rows)) or "none"
+
+
+def _summary(m: Mapping[str, str]) -> str:
+    counts: dict[str, int] = {}
+    for v in m.values():
+        counts[v] = counts.get(v, 0) + 1
+    return ", ".join(f"{n} {v}" for v, n in sorted(counts.items())) or "none"
+
+
+def _elide(rows: list[str]) -> list[str]:
+    if len(rows) <= _ROWS:
+        return rows
+    return rows[:12] + [f"  ... {len(rows) - 16:,} more"] + rows[-4:]
+
+
+def _natural(text: str) -> tuple[Any, ...]:
+    """Sort key: "layers.10" after "layers.9", "gpu10" after "gpu2"."""
+    return tuple(int(t) if t.isdigit() else t for t in re.split(r"(\d+)", text))
+
+
+def _style_key(style: str) -> tuple[int, str]:
+    return (_STYLE_ORDER.index(style) if style in _STYLE_ORDER else len(_STYLE_ORDER), style)

@@ -1,0 +1,440 @@
+"""The plan file: the contract between planning and running.
+
+A :class:`Plan` is what the search returns and what the runtime applies. ``plan.json`` is its
+canonical text: ``json.dumps(sort_keys=True, indent=1, ensure_ascii=True)``, floats rounded to
+6 significant digits, no timestamps and no wall times, so the same inputs give a byte-identical
+file. The format is described by ``plan.schema.json`` (JSON Schema 2020-12) next to this module.
+
+Reading is defensive: a file that is truncated, malformed, too large, too deep, or merely from
+another schema version raises :class:`~autoplan.errors.PlanError` naming the JSON path of the
+problem (e.g. ``mesh.shape``) and what to do. Nothing in a plan file is ever executed: it is
+plain JSON read with ``json.loads`` (no pickle, no eval). The reading and every rule of the
+format live in ``planfile_check.py``; this module holds the values, the text, and ``load_plan``.
+
+A plan is tied to one model and one cluster by their fingerprints (``OpGraph.fingerprint()``,
+``Cluster.fingerprint()``); :func:`load_plan` checks both and re-plans on request.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import types
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from autoplan.errors import AutoplanError, PlanError
+from autoplan.estimate.config import ParallelConfig
+from autoplan.plan.placement import Placement
+from autoplan.plan.planfile_check import (
+    MAX_FILE_BYTES,
+    PLAN_SCHEMA_VERSION,
+    SOLVER_STATUSES,
+    TP_DOMAINS,
+    check_plan,
+    fail,
+    parse_json,
+    sub,
+)
+
+__all__ = ["PLAN_SCHEMA_VERSION", "SOLVER_STATUSES", "TP_DOMAINS", "Alternative", "ClusterInfo",
+           "MeshInfo", "ModelInfo", "ParamPlacement", "Plan", "SolverReport", "TrainingInfo",
+           "load_plan", "plan_from_file", "predicted_from_estimate"]
+
+SIG_DIGITS = 6                    # floats are rounded so re-planning gives identical text
+
+
+# ================================================================ the values
+@dataclass(frozen=True, kw_only=True)
+class ModelInfo:
+    name: str
+    fingerprint: str            # OpGraph.fingerprint()
+    num_params: int
+    num_ops: int
+
+    @staticmethod
+    def of(graph: Any, *, name: str | None = None) -> ModelInfo:
+        """From an OpGraph (``name`` defaults to the graph's name)."""
+        return ModelInfo(name=name or graph.name, fingerprint=graph.fingerprint(),
+                         num_params=int(graph.num_params), num_ops=len(graph.ops))
+
+
+@dataclass(frozen=True, kw_only=True)
+class ClusterInfo:
+    name: str
+    fingerprint: str            # Cluster.fingerprint()
+    world_size: int
+    device: str                 # device type name, e.g. "A100-SXM4-80GB"
+    num_nodes: int
+    devices_per_node: int
+
+    @staticmethod
+    def of(cluster: Any) -> ClusterInfo:
+        return ClusterInfo(name=cluster.name, fingerprint=cluster.fingerprint(),
+                           world_size=cluster.world_size, device=cluster.device.name,
+                           num_nodes=cluster.num_nodes, devices_per_node=cluster.devices_per_node)
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainingInfo:
+    global_batch_size: int
+    precision: str
+    optimizer: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class MeshInfo:
+    axes: tuple[str, ...]               # outermost first, e.g. ("pp", "dp", "tp")
+    shape: tuple[int, ...]              # sizes in the same order
+    rank_to_device: tuple[str, ...]     # cluster device of each rank ("n3.gpu5"), index = rank
+    tp_domain: str                      # what joins a TP group, one of TP_DOMAINS
+
+    def __post_init__(self) -> None:
+        for name in ("axes", "shape", "rank_to_device"):
+            if isinstance(getattr(self, name), list):
+                object.__setattr__(self, name, tuple(getattr(self, name)))
+
+    def coordinates(self, rank: int) -> tuple[int, ...]:
+        """Mesh coordinates of ``rank`` (row-major over ``shape``, the last axis fastest)."""
+        out = []
+        for size in reversed(self.shape):
+            rank, c = divmod(rank, size)
+            out.append(c)
+        return tuple(reversed(out))
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParamPlacement:
+    """How one parameter lies on the mesh: its placement on the TP and on the DP axis."""
+
+    tp: str                     # "R" or "S(d)"
+    dp: str                     # "R", or "S(d)" when ZeRO-3 / FSDP shards it
+    shape: tuple[int, ...]      # the full (unsharded) shape
+
+    def __post_init__(self) -> None:
+        if isinstance(self.shape, list):
+            object.__setattr__(self, "shape", tuple(self.shape))
+        for name in ("tp", "dp"):           # canonical text; bad text is reported by Plan
+            try:
+                object.__setattr__(self, name, str(Placement.parse(getattr(self, name))))
+            except AutoplanError:
+                pass
+
+    @property
+    def tp_placement(self) -> Placement:
+        return Placement.parse(self.tp)
+
+    @property
+    def dp_placement(self) -> Placement:
+        return Placement.parse(self.dp)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Alternative:
+    config: ParallelConfig
+    step_time_s: float
+    peak_memory_bytes: float
+    fits: bool
+    why_lost: str               # one line: "12% slower: exposed TP all-reduce across nodes"
+
+    def __post_init__(self) -> None:
+        _round_fields(self, ("step_time_s", "peak_memory_bytes"))
+
+    @staticmethod
+    def of(estimate: Any, why_lost: str) -> Alternative:
+        return Alternative(config=estimate.config, step_time_s=estimate.step_time_s,
+                           peak_memory_bytes=estimate.peak_memory_bytes, fits=estimate.fits,
+                           why_lost=why_lost)
+
+
+@dataclass(frozen=True, kw_only=True)
+class SolverReport:
+    solver: str                 # "CBC"
+    status: str                 # one of SOLVER_STATUSES
+    objective_s: float          # ILP objective of the chosen mesh (seconds per micro-batch)
+    bound_s: float | None       # best bound (== objective when optimal)
+    gap: float | None           # relative gap (0.0 when optimal)
+    num_variables: int
+    num_constraints: int
+    ilps_solved: int            # over the whole search
+    candidates_evaluated: int
+    time_s: float = field(default=0.0, compare=False)   # wall time: never written, 0.0 loaded
+
+    def __post_init__(self) -> None:
+        _round_fields(self, ("objective_s", "bound_s", "gap"))
+
+
+@dataclass(frozen=True, kw_only=True)
+class Plan:
+    autoplan_version: str
+    model: ModelInfo
+    cluster: ClusterInfo
+    training: TrainingInfo
+    mesh: MeshInfo
+    config: ParallelConfig
+    param_placements: Mapping[str, ParamPlacement]   # parameter FQN -> placement
+    op_strategies: Mapping[str, str]        # op name -> strategy ("colwise", "batch", ...)
+    module_styles: Mapping[str, str]        # module FQN -> runtime style ("colwise", ...)
+    recompute: Mapping[str, str]            # block instance path -> "none"|"selective"|"full"
+    offload: Mapping[str, bool]             # {"optimizer": bool, "params": bool}
+    predicted: Mapping[str, Any]            # the chosen Estimate, see predicted_from_estimate
+    alternatives: tuple[Alternative, ...]
+    solver: SolverReport
+    stages: tuple[Mapping[str, Any], ...] = ()   # {"index", "layers": [...], "ranks": [...]}
+    schema_version: int = PLAN_SCHEMA_VERSION
+
+    def __post_init__(self) -> None:
+        for name, typ in (("model", ModelInfo), ("cluster", ClusterInfo),
+                          ("training", TrainingInfo), ("mesh", MeshInfo),
+                          ("config", ParallelConfig), ("solver", SolverReport)):
+            if not isinstance(getattr(self, name), typ):
+                raise PlanError(f"Plan.{name} must be a {typ.__name__}, got "
+                                f"{type(getattr(self, name)).__name__}")
+        for name in ("param_placements", "op_strategies", "module_styles", "recompute",
+                     "offload", "predicted"):
+            if not isinstance(getattr(self, name), Mapping):
+                raise PlanError(f"Plan.{name} must be a mapping, got "
+                                f"{type(getattr(self, name)).__name__}")
+        bad = [k for k, v in self.param_placements.items() if not isinstance(v, ParamPlacement)]
+        if bad:
+            raise PlanError(f"Plan.param_placements[{bad[0]!r}] must be a ParamPlacement")
+        alts = tuple(self.alternatives)
+        if not all(isinstance(a, Alternative) for a in alts):
+            raise PlanError("Plan.alternatives must hold Alternative values")
+        set_ = object.__setattr__
+        set_(self, "alternatives", alts)
+        for name in ("param_placements", "op_strategies", "module_styles", "recompute", "offload"):
+            set_(self, name, types.MappingProxyType(dict(getattr(self, name))))
+        set_(self, "predicted", _freeze(self.predicted, "predicted"))
+        set_(self, "stages", tuple(_freeze(s, f"stages[{i}]") for i, s in enumerate(self.stages)))
+        try:
+            d = self.to_dict()
+        except (TypeError, AttributeError, ValueError) as e:
+            raise PlanError(f"Plan holds a value of the wrong type: {e}") from None
+        check_plan(d)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # copy.deepcopy (and multiprocessing) go through the canonical JSON text: the frozen
+        # mappings inside are not copyable themselves, and the text is the contract anyway
+        return (_plan_from_text, (self.to_json(), self.solver.time_s))
+
+    # ---- JSON --------------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "schema_version": self.schema_version,
+            "autoplan_version": self.autoplan_version,
+            "model": _fields_dict(self.model),
+            "cluster": _fields_dict(self.cluster),
+            "training": _fields_dict(self.training),
+            "mesh": {"axes": list(self.mesh.axes), "shape": list(self.mesh.shape),
+                     "rank_to_device": list(self.mesh.rank_to_device),
+                     "tp_domain": self.mesh.tp_domain},
+            "config": self.config.to_dict(),
+            "param_placements": {k: {"tp": p.tp, "dp": p.dp, "shape": list(p.shape)}
+                                 for k, p in self.param_placements.items()},
+            "op_strategies": dict(self.op_strategies),
+            "module_styles": dict(self.module_styles),
+            "recompute": dict(self.recompute),
+            "offload": dict(self.offload),
+            "predicted": _thaw(self.predicted),
+            "alternatives": [{**_fields_dict(a), "config": a.config.to_dict()}
+                             for a in self.alternatives],
+            "solver": {k: v for k, v in _fields_dict(self.solver).items() if k != "time_s"},
+            "stages": [_thaw(s) for s in self.stages],
+        }
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True, indent=1, ensure_ascii=True,
+                          allow_nan=False) + "\n"
+
+    def save(self, path: str | os.PathLike[str]) -> str:
+        """Write the plan (atomically: a temporary file renamed over ``path``); returns the path."""
+        path = os.fspath(path)
+        tmp = f"{path}.tmp{os.getpid()}"
+        try:
+            with open(tmp, "w", encoding="ascii", newline="\n") as f:
+                f.write(self.to_json())
+            os.replace(tmp, path)
+        except OSError as e:
+            raise PlanError(f"cannot write plan file {path!r}: {e}; check the folder exists "
+                            "and is writable") from None
+        return path
+
+    @staticmethod
+    def from_dict(d: Any) -> Plan:
+        """Validate a parsed plan (PlanError naming the JSON path of any problem) and build it."""
+        try:
+            check_plan(d)
+        except PlanError as e:
+            raise PlanError(f"{e} (plan files are written by autoplan: re-plan, or see the format "
+                            "in autoplan/plan/plan.schema.json)") from None
+        return Plan(
+            schema_version=d["schema_version"], autoplan_version=d["autoplan_version"],
+            model=ModelInfo(**d["model"]), cluster=ClusterInfo(**d["cluster"]),
+            training=TrainingInfo(**d["training"]),
+            mesh=MeshInfo(axes=tuple(d["mesh"]["axes"]), shape=tuple(d["mesh"]["shape"]),
+                          rank_to_device=tuple(d["mesh"]["rank_to_device"]),
+                          tp_domain=d["mesh"]["tp_domain"]),
+            config=ParallelConfig.from_dict(d["config"]),
+            param_placements={k: ParamPlacement(tp=v["tp"], dp=v["dp"], shape=tuple(v["shape"]))
+                              for k, v in d["param_placements"].items()},
+            op_strategies=d["op_strategies"], module_styles=d["module_styles"],
+            recompute=d["recompute"], offload=d["offload"], predicted=d["predicted"],
+            alternatives=tuple(Alternative(**{**a, "config": ParallelConfig.from_dict(a["config"])})
+                               for a in d["alternatives"]),
+            solver=SolverReport(**d["solver"]), stages=tuple(d["stages"]))
+
+    @staticmethod
+    def from_json(text: str | bytes) -> Plan:
+        return Plan.from_dict(parse_json(text))
+
+
+def _plan_from_text(text: str, time_s: float) -> Plan:
+    plan = Plan.from_json(text)
+    object.__setattr__(plan.solver, "time_s", time_s)
+    return plan
+
+
+def predicted_from_estimate(estimate: Any) -> dict[str, Any]:
+    """``Estimate.to_dict()`` minus the per-device memory list (derivable, 1,024+ entries)."""
+    d = estimate.to_dict()
+    d.pop("per_device_memory_bytes", None)
+    return d
+
+
+def plan_from_file(path: str | os.PathLike[str]) -> Plan:
+    """Read and validate a plan file; PlanError (naming the file) on any problem."""
+    path = os.fspath(path)
+    try:
+        size = os.stat(path).st_size
+        if size > MAX_FILE_BYTES:
+            raise PlanError(f"file is {size:,} bytes, over the {MAX_FILE_BYTES:,}-byte limit for "
+                            "plan files; this is not a plan autoplan wrote")
+        with open(path, "rb") as f:
+            data = f.read(MAX_FILE_BYTES + 1)
+        return Plan.from_json(data)
+    except FileNotFoundError:
+        raise PlanError(f"no plan file at {path!r}; write one with autoplan.plan(...).save(path) "
+                        "or `autoplan plan ... -o plan.json`") from None
+    except PlanError as e:
+        raise PlanError(f"plan file {path!r}: {e}") from None
+    except OSError as e:
+        raise PlanError(f"cannot read plan file {path!r}: {e}") from None
+
+
+# ================================================================ load_plan
+def load_plan(path: str | os.PathLike[str], *, model: Any = None, cluster: Any = None,
+              example_inputs: Any = None, graph: Any = None, loss_fn: Any = None,
+              targets: Any = None, replan: bool = False, **plan_kwargs: Any) -> Plan:
+    """Read a plan and check it is for ``model`` / ``graph`` and ``cluster`` (those given).
+
+    ``model`` is an ``nn.Module`` traced with ``example_inputs`` (and ``loss_fn``/``targets``
+    exactly as when planning: they are part of the fingerprint), or an OpGraph. On a mismatch
+    this raises PlanError saying what differs, or with ``replan=True`` plans again with the old
+    plan's training settings (overridable by ``plan_kwargs``) and returns the new plan.
+    """
+    plan = plan_from_file(path)
+    if plan_kwargs and not replan:
+        raise PlanError(f"load_plan got planning options {sorted(plan_kwargs)} without "
+                        "replan=True; they are only used when re-planning")
+    if graph is None and model is not None:
+        graph = _graph_of(model, example_inputs, loss_fn, targets)
+    problems = []
+    if graph is not None and graph.fingerprint() != plan.model.fingerprint:
+        problems.append(_model_mismatch(plan.model, ModelInfo.of(graph)))
+    if cluster is not None and cluster.fingerprint() != plan.cluster.fingerprint:
+        problems.append(_cluster_mismatch(plan.cluster, ClusterInfo.of(cluster)))
+    if not problems:
+        return plan
+    what = "; ".join(problems)
+    if not replan:
+        raise PlanError(f"{what}. Re-plan with autoplan.plan(...) for this model and cluster, "
+                        "or pass replan=True to load_plan")
+    if graph is None or cluster is None:
+        raise PlanError(f"{what}; replan=True needs both the model (model= with example_inputs=, "
+                        "or graph=) and the cluster (cluster=)")
+    from autoplan.plan import search  # lazy: the search pulls in the solver
+    kwargs = {"global_batch_size": plan.training.global_batch_size,
+              "precision": plan.training.precision, "optimizer": plan.training.optimizer,
+              **plan_kwargs}
+    return search.plan(graph, cluster, **kwargs)
+
+
+def _graph_of(model: Any, example_inputs: Any, loss_fn: Any, targets: Any) -> Any:
+    from autoplan.graph import OpGraph, trace
+    if isinstance(model, OpGraph):
+        return model
+    if example_inputs is None:
+        raise PlanError("load_plan(model=...) needs example_inputs= to trace the model (meta "
+                        "tensors are fine), or pass graph= an OpGraph")
+    return trace(model, example_inputs, loss_fn=loss_fn, targets=targets)
+
+
+def _describe_model(m: ModelInfo) -> str:
+    return (f"{m.name!r} (fingerprint {m.fingerprint[:12]}\u2026, {m.num_params:,} "
+            f"parameters, {m.num_ops:,} ops)")
+
+
+def _model_mismatch(planned: ModelInfo, given: ModelInfo) -> str:
+    msg = (f"plan is for model {_describe_model(planned)} but the given model is "
+           f"{_describe_model(given)}")
+    if (planned.num_params, planned.num_ops) == (given.num_params, given.num_ops):
+        msg += (" (same sizes: the traced graphs differ, e.g. in batch size, sequence length, "
+                "dtypes or loss_fn/targets: trace as when planning)")
+    return msg
+
+
+def _cluster_mismatch(planned: ClusterInfo, given: ClusterInfo) -> str:
+    diffs = [f"{label} {a!r} vs {b!r}" if isinstance(a, str) else f"{label} {a:,} vs {b:,}"
+             for label, a, b in (("name", planned.name, given.name),
+                                 ("world size", planned.world_size, given.world_size),
+                                 ("device type", planned.device, given.device),
+                                 ("nodes", planned.num_nodes, given.num_nodes),
+                                 ("devices per node", planned.devices_per_node,
+                                  given.devices_per_node)) if a != b]
+    if not diffs:
+        diffs = ["same name, size and device type but different topology, link or device specs"]
+    return (f"plan is for cluster {planned.name!r} (fingerprint {planned.fingerprint[:12]}\u2026) "
+            f"but the given cluster is {given.name!r} (fingerprint {given.fingerprint[:12]}"
+            f"\u2026): {', '.join(diffs)}")
+
+
+# ---- freezing and rounding --------------------------------------------------------------------
+def _round(x: float) -> float:
+    return float(f"{x:.{SIG_DIGITS}g}") if math.isfinite(x) else x
+
+
+def _round_fields(obj: Any, names: tuple[str, ...]) -> None:
+    for name in names:
+        v = getattr(obj, name)
+        if isinstance(v, float):
+            object.__setattr__(obj, name, _round(v))
+
+
+def _freeze(v: Any, path: str) -> Any:
+    """Deep-immutable copy with floats rounded: mappings -> MappingProxyType, lists -> tuples."""
+    if isinstance(v, Mapping):
+        return types.MappingProxyType({str(k): _freeze(x, sub(path, str(k)))
+                                       for k, x in v.items()})
+    if isinstance(v, (list, tuple)):
+        return tuple(_freeze(x, f"{path}[{i}]") for i, x in enumerate(v))
+    if isinstance(v, float):
+        return _round(v)
+    if v is None or isinstance(v, (bool, int, str)):
+        return v
+    fail(path, f"{type(v).__name__} is not JSON data (use dicts, lists, str, int, float, bool)")
+
+
+def _thaw(v: Any) -> Any:
+    if isinstance(v, Mapping):
+        return {k: _thaw(x) for k, x in v.items()}
+    if isinstance(v, tuple):
+        return [_thaw(x) for x in v]
+    return v
+
+
+def _fields_dict(obj: Any) -> dict[str, Any]:
+    return {f.name: (list(v) if isinstance(v := getattr(obj, f.name), tuple) else v)
+            for f in fields(obj)}

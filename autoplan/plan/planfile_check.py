@@ -1,0 +1,423 @@
+"""Reading a plan file safely and checking every rule of its format (see ``planfile.py``).
+
+The format is defined here once, as the key lists below and the checks of ``check_plan``; the
+dataclasses of ``planfile.py`` and ``plan.schema.json`` mirror it (a test keeps them in step).
+Every problem raises :class:`~autoplan.errors.PlanError` naming its JSON path (``mesh.shape``,
+``param_placements["layers.0.attn.qkv.weight"].tp``), the value seen, and what to do.
+
+Hostile input is refused without executing anything: the text is size-checked before parsing,
+parsed by ``json.loads`` with hooks that reject duplicate keys, NaN/Infinity, overflowing and
+over-long numbers, then depth- and string-length-checked iteratively.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Mapping
+from dataclasses import fields
+from typing import Any
+
+from autoplan.errors import AutoplanError, ConfigError, PlanError
+from autoplan.estimate.config import RECOMPUTE, ParallelConfig
+from autoplan.plan.placement import Placement
+
+PLAN_SCHEMA_VERSION = 1
+MAX_FILE_BYTES = 256 << 20        # refuse larger files before reading them
+MAX_DEPTH = 64                    # JSON nesting (a valid plan needs about 6)
+MAX_STRING_CHARS = 1 << 20        # any one string or key
+MAX_NUMBER_CHARS = 40             # characters of one JSON number
+
+SOLVER_STATUSES = ("optimal", "feasible", "infeasible", "not_solved")
+TP_DOMAINS = ("nvswitch", "nvlink", "pcie", "node", "network", "none")
+
+# The keys of each closed object, in the order the dataclasses declare them.
+PLAN_KEYS = ("autoplan_version", "model", "cluster", "training", "mesh", "config",
+             "param_placements", "op_strategies", "module_styles", "recompute", "offload",
+             "predicted", "alternatives", "solver", "stages", "schema_version")
+MODEL_KEYS = ("name", "fingerprint", "num_params", "num_ops")
+CLUSTER_KEYS = ("name", "fingerprint", "world_size", "device", "num_nodes", "devices_per_node")
+TRAINING_KEYS = ("global_batch_size", "precision", "optimizer")
+MESH_KEYS = ("axes", "shape", "rank_to_device", "tp_domain")
+PLACEMENT_KEYS = ("tp", "dp", "shape")
+OFFLOAD_KEYS = ("optimizer", "params")
+ALTERNATIVE_KEYS = ("config", "step_time_s", "peak_memory_bytes", "fits", "why_lost")
+SOLVER_KEYS = ("solver", "status", "objective_s", "bound_s", "gap", "num_variables",
+               "num_constraints", "ilps_solved", "candidates_evaluated")   # time_s: not written
+STAGE_KEYS = ("index", "layers", "ranks")
+
+_NAME = re.compile(r"^[a-z][a-z0-9_]{0,63}$")        # axis, strategy and style names
+_HEX = re.compile(r"^[0-9a-f]{8,128}$")               # fingerprints
+_DEVICE = re.compile(r"^n([0-9]{1,9})\.([A-Za-z0-9_\-]{1,128})$")   # "n3.gpu5"
+_IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+def parse_json(text: str | bytes) -> Any:
+    if isinstance(text, (bytes, bytearray)):
+        if len(text) > MAX_FILE_BYTES:
+            raise PlanError(f"over the {MAX_FILE_BYTES:,}-byte limit for plan files")
+        try:
+            text = bytes(text).decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise PlanError(f"not UTF-8 text ({e}); a plan file is ASCII JSON") from None
+    if not isinstance(text, str):
+        raise PlanError(f"plan text must be str or bytes, got {type(text).__name__}")
+    if len(text) > MAX_FILE_BYTES:
+        raise PlanError(f"over the {MAX_FILE_BYTES:,}-character limit for plan files")
+    try:
+        obj = json.loads(text, object_pairs_hook=_no_duplicates, parse_constant=_no_constant,
+                         parse_float=_finite_float, parse_int=_bounded_int)
+    except json.JSONDecodeError as e:
+        ended = e.pos >= len(text.rstrip()) - 1 or e.msg.startswith("Unterminated string")
+        hint = ("the text ends early: the file looks truncated (write it again)"
+                if ended else "fix the JSON syntax or write the plan again")
+        raise PlanError(f"not valid JSON: {e.msg} (line {e.lineno}, column {e.colno}); "
+                        f"{hint}") from None
+    except RecursionError:
+        raise PlanError(f"JSON nested too deeply (a plan nests about 6 levels; the limit is "
+                        f"{MAX_DEPTH})") from None
+    except (ValueError, TypeError) as e:   # e.g. hook errors that are not PlanError
+        raise PlanError(f"not a valid plan JSON document: {e}") from None
+    _check_size(obj)
+    return obj
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in pairs:
+        if k in out:
+            raise PlanError(f"duplicate key {_clip(k)!r} in one JSON object; each key may appear "
+                            "once (the file was edited by hand or corrupted)")
+        out[k] = v
+    return out
+
+
+def _no_constant(name: str) -> Any:
+    raise PlanError(f"{name} is not allowed in a plan file (numbers must be finite)")
+
+
+def _finite_float(text: str) -> float:
+    if len(text) > MAX_NUMBER_CHARS:
+        raise PlanError(f"number {text[:20]}... has {len(text)} characters; the limit is "
+                        f"{MAX_NUMBER_CHARS}")
+    value = float(text)
+    if not math.isfinite(value):
+        raise PlanError(f"number {text} overflows to infinity; numbers must be finite")
+    return value
+
+
+def _bounded_int(text: str) -> int:
+    if len(text) > MAX_NUMBER_CHARS:
+        raise PlanError(f"integer {text[:20]}... has {len(text)} digits; the limit is "
+                        f"{MAX_NUMBER_CHARS}")
+    return int(text)
+
+
+def _check_size(obj: Any) -> None:
+    """Depth and string-length limits, iteratively (no recursion on hostile input)."""
+    stack = [(obj, 1)]
+    while stack:
+        v, depth = stack.pop()
+        if depth > MAX_DEPTH:
+            raise PlanError(f"JSON nested deeper than {MAX_DEPTH} levels; a plan nests about 6")
+        if isinstance(v, str):
+            if len(v) > MAX_STRING_CHARS:
+                raise PlanError(f"a string of {len(v):,} characters (limit {MAX_STRING_CHARS:,})")
+        elif isinstance(v, dict):
+            stack.extend((k, depth) for k in v)
+            stack.extend((x, depth + 1) for x in v.values())
+        elif isinstance(v, list):
+            stack.extend((x, depth + 1) for x in v)
+
+
+# ================================================================ validation
+def check_plan(d: Any) -> None:
+    """Every rule of the format, on the JSON form; PlanError names the path of the first problem."""
+    if not isinstance(d, Mapping):
+        raise PlanError(f"a plan file holds one JSON object, got {kind(d)}")
+    version = d.get("schema_version")
+    if version != PLAN_SCHEMA_VERSION:
+        raise PlanError(f"schema_version {_clip(version)!r}: this autoplan reads plan schema "
+                        f"version {PLAN_SCHEMA_VERSION}" + ("" if isinstance(version, int) else
+                        " (missing or not an integer: is this a plan file?)") +
+                        "; re-plan with this autoplan version")
+    _keys(d, "", PLAN_KEYS)
+    _str(d["autoplan_version"], "autoplan_version", limit=64)
+    m = _keys(d["model"], "model", MODEL_KEYS)
+    _str(m["name"], "model.name", limit=1000)
+    _str(m["fingerprint"], "model.fingerprint", pattern=_HEX)
+    _int(m["num_params"], "model.num_params")
+    _int(m["num_ops"], "model.num_ops")
+    c = _keys(d["cluster"], "cluster", CLUSTER_KEYS)
+    _str(c["name"], "cluster.name", limit=1000)
+    _str(c["fingerprint"], "cluster.fingerprint", pattern=_HEX)
+    _str(c["device"], "cluster.device", limit=1000)
+    for k in ("world_size", "num_nodes", "devices_per_node"):
+        _int(c[k], f"cluster.{k}", lo=1)
+    if c["world_size"] != c["num_nodes"] * c["devices_per_node"]:
+        fail("cluster.world_size", f"{c['world_size']} != num_nodes {c['num_nodes']} x "
+              f"devices_per_node {c['devices_per_node']}")
+    t = _keys(d["training"], "training", TRAINING_KEYS)
+    _int(t["global_batch_size"], "training.global_batch_size", lo=1)
+    _str(t["precision"], "training.precision", limit=64)
+    _str(t["optimizer"], "training.optimizer", limit=64)
+    config = _config(d["config"], "config")
+    for k in ("precision", "optimizer"):
+        if t[k] != getattr(config, k):
+            fail(f"training.{k}", f"{t[k]!r} but config.{k} is {getattr(config, k)!r}")
+    try:
+        config.microbatches(t["global_batch_size"])
+    except ConfigError as e:
+        fail("config", f"{e} (training.global_batch_size {t['global_batch_size']})")
+    _check_mesh(d["mesh"], config, c)
+    _check_placements(d["param_placements"])
+    for section in ("op_strategies", "module_styles"):
+        for k, v in _map(d[section], section).items():
+            _str(v, sub(section, k), pattern=_NAME)
+    for k, v in _map(d["recompute"], "recompute").items():
+        _str(v, sub("recompute", k), choices=RECOMPUTE)
+    off = _keys(d["offload"], "offload", OFFLOAD_KEYS)
+    for k in OFFLOAD_KEYS:
+        _bool(off[k], f"offload.{k}")
+    if off["optimizer"] != config.offload_optimizer:
+        fail("offload.optimizer", f"{off['optimizer']} but config.offload_optimizer is "
+              f"{config.offload_optimizer}")
+    _check_spec(d["predicted"], _PREDICTED, "predicted")
+    p = d["predicted"]
+    if p["config"] != d["config"]:
+        fail("predicted.config", "differs from config: the prediction must be of the chosen "
+              "configuration")
+    if p["global_batch_size"] != t["global_batch_size"]:
+        fail("predicted.global_batch_size", f"{p['global_batch_size']} but "
+              f"training.global_batch_size is {t['global_batch_size']}")
+    for i, a in enumerate(_list(d["alternatives"], "alternatives")):
+        path = f"alternatives[{i}]"
+        _keys(a, path, ALTERNATIVE_KEYS)
+        _config(a["config"], f"{path}.config")
+        _num(a["step_time_s"], f"{path}.step_time_s")
+        _num(a["peak_memory_bytes"], f"{path}.peak_memory_bytes")
+        _bool(a["fits"], f"{path}.fits")
+        _str(a["why_lost"], f"{path}.why_lost", limit=1000, one_line=True)
+    s = _keys(d["solver"], "solver", SOLVER_KEYS)
+    _str(s["solver"], "solver.solver", limit=64)
+    _str(s["status"], "solver.status", choices=SOLVER_STATUSES)
+    _num(s["objective_s"], "solver.objective_s")
+    _num(s["bound_s"], "solver.bound_s", none_ok=True)
+    _num(s["gap"], "solver.gap", none_ok=True)
+    for k in ("num_variables", "num_constraints", "ilps_solved", "candidates_evaluated"):
+        _int(s[k], f"solver.{k}")
+    _check_stages(d["stages"], c["world_size"])
+
+
+def _check_mesh(mesh: Any, config: ParallelConfig, cluster: Mapping[str, Any]) -> None:
+    m = _keys(mesh, "mesh", MESH_KEYS)
+    axes = [_str(a, f"mesh.axes[{i}]", pattern=_NAME) for i, a in enumerate(_list(m["axes"],
+                                                                                   "mesh.axes"))]
+    shape = [_int(n, f"mesh.shape[{i}]", lo=1) for i, n in enumerate(_list(m["shape"],
+                                                                            "mesh.shape"))]
+    if len(axes) != len(shape) or not axes or len(set(axes)) != len(axes):
+        fail("mesh.axes", f"{axes} must be distinct, non-empty and match mesh.shape {shape}")
+    devices = _list(m["rank_to_device"], "mesh.rank_to_device")
+    world = math.prod(shape)
+    if not world == len(devices) == cluster["world_size"] == config.world_size:
+        fail("mesh.shape", f"{shape} holds {world} ranks, but mesh.rank_to_device lists "
+              f"{len(devices)}, cluster.world_size is {cluster['world_size']} and config "
+              f"dp x tp x pp is {config.world_size}; they must all be equal")
+    for axis, size in zip(axes, shape):
+        want = {"tp": config.tp, "pp": config.pp, "dp": config.dp}.get(axis)
+        if want is not None and size != want:
+            fail("mesh.shape", f"axis {axis!r} has size {size} but config.{axis} is {want}")
+    for i, dev in enumerate(devices):
+        match = _DEVICE.match(_str(dev, f"mesh.rank_to_device[{i}]", limit=160))
+        if match is None or int(match.group(1)) >= cluster["num_nodes"]:
+            fail(f"mesh.rank_to_device[{i}]", f"{dev!r} is not a device of the cluster; write "
+                  f"'n<node>.<device>' with node < {cluster['num_nodes']}, e.g. 'n0.gpu0'")
+    if len(set(devices)) != len(devices):
+        dup = next(x for x in devices if devices.count(x) > 1)
+        fail("mesh.rank_to_device", f"device {dup!r} is given to more than one rank")
+    _str(m["tp_domain"], "mesh.tp_domain", choices=TP_DOMAINS)
+    if (m["tp_domain"] == "none") != (config.tp == 1):
+        fail("mesh.tp_domain", f"{m['tp_domain']!r} with config.tp {config.tp}: 'none' is for "
+              "tp == 1 exactly")
+
+
+def _check_placements(placements: Any) -> None:
+    for fqn, v in _map(placements, "param_placements").items():
+        path = sub("param_placements", fqn)
+        _keys(v, path, PLACEMENT_KEYS)
+        shape = [_int(n, f"{path}.shape[{i}]") for i, n in enumerate(_list(v["shape"],
+                                                                            f"{path}.shape"))]
+        for axis in ("tp", "dp"):
+            try:
+                pl = Placement.parse(v[axis])
+            except AutoplanError as e:
+                fail(f"{path}.{axis}", str(e))
+            if pl.kind == "P":
+                fail(f"{path}.{axis}", "a parameter cannot be partial (P); use R or S(d)")
+            if pl.is_shard and pl.dim >= len(shape):
+                fail(f"{path}.{axis}", f"{pl} shards dim {pl.dim} but the parameter has shape "
+                      f"{shape} ({len(shape)} dims)")
+
+
+def _check_stages(stages: Any, world: int) -> None:
+    for i, st in enumerate(_list(stages, "stages")):
+        path = f"stages[{i}]"
+        _keys(st, path, STAGE_KEYS)
+        if _int(st["index"], f"{path}.index") != i:
+            fail(f"{path}.index", f"{st['index']} but stages must be listed in order from 0")
+        for j, x in enumerate(_list(st["layers"], f"{path}.layers")):
+            _str(x, f"{path}.layers[{j}]", limit=1000)
+        ranks = [_int(r, f"{path}.ranks[{j}]") for j, r in enumerate(_list(st["ranks"],
+                                                                            f"{path}.ranks"))]
+        if any(r >= world for r in ranks) or len(set(ranks)) != len(ranks):
+            fail(f"{path}.ranks", f"ranks must be distinct and below the world size {world}")
+
+
+# The chosen configuration's Estimate.to_dict() (result.py) without per_device_memory_bytes.
+# "f": finite float >= 0, "f?": or null, "i": int >= 0, "s": string, "b": bool, "c": config.
+_MEMORY = {k: "f" for k in ("params_bytes", "grads_bytes", "optimizer_bytes", "activations_bytes",
+                            "transient_bytes", "margin_bytes", "offloaded_bytes")}
+_STAGE = {"index": "i", "layers": ["s"], "num_ops": "i", "params_per_device": "f", "fwd_s": "f",
+          "bwd_s": "f", "activation_bytes_per_microbatch": "f", "microbatches_in_flight": "f",
+          "memory": _MEMORY}
+_TIME = {"compute_s": "f", "recompute_s": "f", "comm_exposed_s": ("map", "f"), "bubble_s": "f",
+         "optimizer_s": "f", "overhead_s": "f"}
+_PREDICTED = {"config": "c", "global_batch_size": "i", "num_microbatches": "i",
+              "step_time_s": "f", "time": _TIME, "peak_memory_bytes": "f",
+              "device_memory_bytes": "f", "stages": [_STAGE], "model_flops_per_step": "f",
+              "mfu": "f", "samples_per_s": "f", "tokens_per_s": "f?",
+              "activation_bytes_per_layer": "f", "warnings": ["s"], "fits": "b"}
+
+
+def _check_spec(v: Any, spec: Any, path: str) -> None:
+    if isinstance(spec, dict):
+        _keys(v, path, list(spec))
+        for k, item in spec.items():
+            _check_spec(v[k], item, sub(path, k))
+    elif isinstance(spec, list):
+        for i, x in enumerate(_list(v, path)):
+            _check_spec(x, spec[0], f"{path}[{i}]")
+    elif isinstance(spec, tuple):                  # ("map", value spec): free keys
+        for k, x in _map(v, path).items():
+            _check_spec(x, spec[1], sub(path, k))
+    elif spec in ("f", "f?"):
+        _num(v, path, none_ok=spec == "f?")
+    elif spec == "i":
+        _int(v, path)
+    elif spec == "s":
+        _str(v, path)
+    elif spec == "b":
+        _bool(v, path)
+    else:
+        _config(v, path)
+
+
+# ---- small checkers: each returns the value or raises PlanError naming the path -----------
+def fail(path: str, msg: str) -> None:
+    raise PlanError(f"{path or 'top level'}: {msg}")
+
+
+def _keys(d: Any, path: str, known: Any) -> Mapping[str, Any]:
+    if not isinstance(d, Mapping):
+        fail(path, f"expected a JSON object, got {kind(d)}")
+    unknown = [k for k in d if k not in known]
+    if unknown:
+        fail(path, f"unknown key(s) {', '.join(sub(path, _clip(k)) for k in sorted(unknown))}; "
+              f"the keys are {', '.join(known)}")
+    missing = [k for k in known if k not in d]
+    if missing:
+        fail(path, f"missing key(s) {', '.join(sub(path, k) for k in missing)}")
+    return d
+
+
+def _map(d: Any, path: str) -> Mapping[str, Any]:
+    if not isinstance(d, Mapping):
+        fail(path, f"expected a JSON object, got {kind(d)}")
+    for k in d:
+        if not k:
+            fail(path, "an empty key; keys are module, op or parameter names")
+    return d
+
+
+def _list(v: Any, path: str) -> list[Any]:
+    if not isinstance(v, (list, tuple)):
+        fail(path, f"expected a JSON array, got {kind(v)}")
+    return list(v)
+
+
+def _int(v: Any, path: str, *, lo: int = 0) -> int:
+    if isinstance(v, bool) or not isinstance(v, int):
+        fail(path, f"expected an integer, got {kind(v)}")
+    if v < lo:
+        fail(path, f"must be >= {lo}, got {v}")
+    return v
+
+
+def _num(v: Any, path: str, *, none_ok: bool = False) -> float | None:
+    if v is None and none_ok:
+        return None
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        fail(path, f"expected a number{' or null' if none_ok else ''}, got {kind(v)}")
+    if not math.isfinite(v) or v < 0:
+        fail(path, f"must be a finite number >= 0, got {v!r}")
+    return v
+
+
+def _str(v: Any, path: str, *, choices: Any = None, pattern: Any = None,
+         limit: int = MAX_STRING_CHARS, one_line: bool = False) -> str:
+    if not isinstance(v, str):
+        fail(path, f"expected a string, got {kind(v)}")
+    if len(v) > limit:
+        fail(path, f"a string of {len(v):,} characters; the limit is {limit:,}")
+    if choices is not None and v not in choices:
+        fail(path, f"{_clip(v)!r} is not one of {', '.join(choices)}")
+    if pattern is not None and not pattern.match(v):
+        fail(path, f"{_clip(v)!r} does not match {pattern.pattern}")
+    if one_line and ("\n" in v or "\r" in v):
+        fail(path, "must be one line")
+    return v
+
+
+def _bool(v: Any, path: str) -> bool:
+    if not isinstance(v, bool):
+        fail(path, f"expected true or false, got {kind(v)}")
+    return v
+
+
+def _config(v: Any, path: str) -> ParallelConfig:
+    d = dict(_map(v, path))
+    for f in fields(ParallelConfig):          # JSON types first: true is not a ZeRO stage
+        if f.name not in d:
+            continue
+        if f.name == "num_microbatches" and d[f.name] is None:
+            continue
+        typ = type(f.default) if f.default is not None else int
+        if isinstance(d[f.name], bool) != (typ is bool) or not isinstance(d[f.name], typ):
+            want = {bool: "true or false", int: "an integer", str: "a string"}[typ]
+            fail(sub(path, f.name), f"expected {want}, got {kind(d[f.name])}")
+    try:
+        return ParallelConfig.from_dict(d)
+    except (ConfigError, TypeError) as e:
+        fail(path, f"not a valid ParallelConfig: {e}")
+    raise AssertionError("unreachable")
+
+
+def sub(path: str, key: str) -> str:
+    if _IDENT.match(key):
+        return f"{path}.{key}" if path else key
+    return f"{path}[{json.dumps(key)}]"
+
+
+def _clip(v: Any, n: int = 80) -> Any:
+    return v[:n] + "..." if isinstance(v, str) and len(v) > n else v
+
+
+def kind(v: Any) -> str:
+    if isinstance(v, Mapping):
+        return "an object"
+    if isinstance(v, (list, tuple)):
+        return "an array"
+    names = {str: "a string", bool: "a boolean", int: "an integer", float: "a number",
+             type(None): "null"}
+    return f"{names.get(type(v), type(v).__name__)} {_clip(repr(v), 60)}"
