@@ -23,9 +23,9 @@ from autoplan.estimate.result import (
 )
 from autoplan.graph import trace
 from autoplan.models import build_example
-from autoplan.plan import planfile_check as check
-from autoplan.plan.explain import diff_plans, explain_plan, fmt_ranges
-from autoplan.plan.planfile import (
+from autoplan.planner import planfile_check as check
+from autoplan.planner.explain import diff_plans, explain_plan, fmt_ranges
+from autoplan.planner.planfile import (
     PLAN_SCHEMA_VERSION,
     Alternative,
     ClusterInfo,
@@ -161,7 +161,7 @@ def test_mesh_coordinates():
 
 # ================================================================ the schema
 def _schema():
-    return json.loads((resources.files("autoplan.plan") / "plan.schema.json").read_text())
+    return json.loads((resources.files("autoplan.planner") / "plan.schema.json").read_text())
 
 
 def test_written_plans_validate_against_the_shipped_schema(plan, plan_dict):
@@ -356,10 +356,10 @@ def test_load_plan_refuses_another_cluster(plan, tmp_path):
 def test_load_plan_replans_on_request(plan, tiny, monkeypatch, tmp_path):
     path = plan.save(tmp_path / "plan.json")
     calls = []
-    fake = types.ModuleType("autoplan.plan.search")
+    fake = types.ModuleType("autoplan.planner.search")
     fake.plan = lambda graph, cluster, **kw: calls.append((graph, cluster, kw)) or "new plan"
-    monkeypatch.setitem(sys.modules, "autoplan.plan.search", fake)
-    monkeypatch.setattr(sys.modules["autoplan.plan"], "search", fake, raising=False)
+    monkeypatch.setitem(sys.modules, "autoplan.planner.search", fake)
+    monkeypatch.setattr(sys.modules["autoplan.planner"], "search", fake, raising=False)
     h100 = Cluster.preset("dgx-h100", nodes=2)
     with pytest.raises(PlanError, match="without replan=True"):
         load_plan(path, graph=tiny[1], cluster=h100, time_limit_s=5)

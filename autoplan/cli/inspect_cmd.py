@@ -28,12 +28,12 @@ def _add_figure_args(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from autoplan.plan.planfile import plan_from_file
+    from autoplan.planner.planfile import plan_from_file
     plan = plan_from_file(args.plan)
     if args.json:
         sys.stdout.write(plan.to_json())
     else:
-        from autoplan.plan.explain import explain_plan
+        from autoplan.planner.explain import explain_plan
         sys.stdout.write(explain_plan(plan))
     _write_figures(args, plan)
     return 0

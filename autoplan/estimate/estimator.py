@@ -30,8 +30,8 @@ from autoplan.estimate.config import ParallelConfig
 from autoplan.estimate.partition import Chunk, partition
 from autoplan.estimate.result import Estimate, MemoryBreakdown, StageEstimate, TimeBreakdown
 from autoplan.graph.opgraph import OpGraph
-from autoplan.plan.placement import REPLICATE
-from autoplan.plan.sharding import Sharding
+from autoplan.planner.placement import REPLICATE
+from autoplan.planner.sharding import Sharding
 
 # Bytes an optimizer step reads and writes per parameter (grad, weights, states; Adam keeps
 # fp32 master + two moments under mixed precision). The step is memory-bound.

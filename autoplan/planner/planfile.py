@@ -27,8 +27,8 @@ from typing import Any
 
 from autoplan.errors import AutoplanError, PlanError
 from autoplan.estimate.config import ParallelConfig
-from autoplan.plan.placement import Placement
-from autoplan.plan.planfile_check import (
+from autoplan.planner.placement import Placement
+from autoplan.planner.planfile_check import (
     MAX_FILE_BYTES,
     PLAN_SCHEMA_VERSION,
     SOLVER_STATUSES,
@@ -269,7 +269,7 @@ class Plan:
             check_plan(d)
         except PlanError as e:
             raise PlanError(f"{e} (plan files are written by autoplan: re-plan, or see the format "
-                            "in autoplan/plan/plan.schema.json)") from None
+                            "in autoplan/planner/plan.schema.json)") from None
         return Plan(
             schema_version=d["schema_version"], autoplan_version=d["autoplan_version"],
             model=ModelInfo(**d["model"]), cluster=ClusterInfo(**d["cluster"]),
@@ -355,7 +355,7 @@ def load_plan(path: str | os.PathLike[str], *, model: Any = None, cluster: Any =
     if graph is None or cluster is None:
         raise PlanError(f"{what}; replan=True needs both the model (model= with example_inputs=, "
                         "or graph=) and the cluster (cluster=)")
-    from autoplan.plan import search  # lazy: the search pulls in the solver
+    from autoplan.planner import search  # lazy: the search pulls in the solver
     kwargs = {"global_batch_size": plan.training.global_batch_size,
               "precision": plan.training.precision, "optimizer": plan.training.optimizer,
               **plan_kwargs}

@@ -20,10 +20,10 @@ from autoplan.cost.analysis import analyze
 from autoplan.cost.compute import ComputeModel
 from autoplan.cost.memory import _meta_bytes
 from autoplan.graph.opgraph import OpGraph
-from autoplan.plan.ilp import ILPProblem
-from autoplan.plan.placement import REPLICATE, Placement
-from autoplan.plan.sharding import Sharding, reshard_kind
-from autoplan.plan.strategies import OpStrategy, strategies
+from autoplan.planner.ilp import ILPProblem
+from autoplan.planner.placement import REPLICATE, Placement
+from autoplan.planner.sharding import Sharding, reshard_kind
+from autoplan.planner.strategies import OpStrategy, strategies
 
 FOLLOW_KINDS = frozenset({"view", "pointwise", "dropout", "copy", "reduction"})
 

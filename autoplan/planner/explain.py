@@ -1,7 +1,7 @@
 """Human-readable text for plans: ``autoplan inspect`` (:func:`explain_plan`) and ``autoplan diff``
 (:func:`diff_plans`).
 
-Everything here reads a :class:`~autoplan.plan.planfile.Plan` only (no model, no cluster), so a
+Everything here reads a :class:`~autoplan.planner.planfile.Plan` only (no model, no cluster), so a
 plan file explains itself on any machine.
 """
 
@@ -12,7 +12,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import fields
 from typing import Any
 
-from autoplan.plan.planfile import Plan
+from autoplan.planner.planfile import Plan
 
 _GRID_NODES = 4            # nodes shown before "...", then the last one
 _GRID_COLUMNS = 16         # devices per node shown in full; more: the first 8 and the last

@@ -36,8 +36,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from autoplan.graph.opgraph import Op, OpGraph, Value
-from autoplan.plan import dims
-from autoplan.plan.placement import PARTIAL, REPLICATE, Placement, shard
+from autoplan.planner import dims
+from autoplan.planner.placement import PARTIAL, REPLICATE, Placement, shard
 
 # style name -> what the runtime applies to the op's module (PyTorch tensor-parallel API)
 RUNTIME_STYLES = {

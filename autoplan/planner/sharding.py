@@ -7,7 +7,7 @@ op/module). Two ways to get one:
   goes column-parallel, one whose input is split goes row-parallel; embeddings vocab-parallel;
   the loss vocab-parallel; everything in between keeps the placement it is given. With
   ``sequence_parallel`` the replicated stretches become sequence-sharded.
-- the ILP (``autoplan.plan.ilp``) picks a strategy per op; ``Sharding.from_choice`` expands it.
+- the ILP (``autoplan.planner.ilp``) picks a strategy per op; ``Sharding.from_choice`` expands it.
 
 Resharding between a producer's output placement and a consumer's required input placement is
 priced as: same -> free; R -> S(d) -> free (a local slice); S(d) -> R -> all-gather;
@@ -20,8 +20,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from autoplan.graph.opgraph import OpGraph
-from autoplan.plan.placement import REPLICATE, Placement
-from autoplan.plan.strategies import Comm, OpStrategy, strategies
+from autoplan.planner.placement import REPLICATE, Placement
+from autoplan.planner.strategies import Comm, OpStrategy, strategies
 
 
 @dataclass(frozen=True)
