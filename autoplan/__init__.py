@@ -1,12 +1,15 @@
 """autoplan: automatic parallelization planner and compiler for PyTorch training."""
 
-from autoplan.errors import (AutoplanError, ClusterError, ConfigError, ProfileError,
-                             TraceError)
+__version__ = "0.1.0"  # before the imports below: modules read it while autoplan initializes
+
+from autoplan.errors import (AutoplanError, ClusterError, ConfigError, PlanError,
+                             ProfileError, TraceError)
 from autoplan.cluster import Cluster
 from autoplan.estimate import Estimate, ParallelConfig, estimate
 from autoplan.graph import OpGraph, trace
+from autoplan.planner.planfile import Plan, load_plan
+from autoplan.planner.search import NoFeasiblePlanError, plan
 
-__version__ = "0.1.0"
-
-__all__ = ["AutoplanError", "Cluster", "ClusterError", "ConfigError", "Estimate", "OpGraph",
-           "ParallelConfig", "ProfileError", "TraceError", "estimate", "trace", "__version__"]
+__all__ = ["AutoplanError", "Cluster", "ClusterError", "ConfigError", "Estimate",
+           "NoFeasiblePlanError", "OpGraph", "ParallelConfig", "Plan", "PlanError", "ProfileError",
+           "TraceError", "estimate", "load_plan", "plan", "trace", "__version__"]

@@ -8,8 +8,8 @@ import sys
 from autoplan import __version__
 from autoplan.errors import AutoplanError
 
-_COMMANDS = ("demo_cmd", "trace_cmd", "cluster_cmd", "profile_cmd", "estimate_cmd", "inspect_cmd",
-             "diff_cmd")
+_COMMANDS = ("demo_cmd", "trace_cmd", "cluster_cmd", "profile_cmd", "estimate_cmd", "plan_cmd",
+             "inspect_cmd", "diff_cmd")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -17,7 +17,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="autoplan",
         description="Automatic parallelization planner for PyTorch training: trace a model, "
-                    "describe a cluster, profile ops, and estimate parallel configurations.")
+                    "describe a cluster, profile ops, estimate a configuration, search and "
+                    "save the best plan, inspect and compare plans.")
     parser.add_argument("--version", action="version", version=f"autoplan {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in _COMMANDS:

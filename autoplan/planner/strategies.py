@@ -168,7 +168,7 @@ def _linear(graph: OpGraph, op: Op, t: int) -> list[OpStrategy]:
                               grads, "batch"))
     if rank >= 3 and _div(out.shape[1], t):
         res.append(OpStrategy("seq", placements(shard(1), REPLICATE, REPLICATE), (shard(1),), t,
-                              grads, "batch"))
+                              grads, "seq"))
     return res
 
 
@@ -377,7 +377,7 @@ def _generic(graph: OpGraph, op: Op, t: int) -> list[OpStrategy]:
                 m = graph.value(n).meta
                 bd = dims.broadcast_dim(m.shape, out.shape, d)
                 ins.append(shard(bd) if bd is not None else REPLICATE)
-            mapped[d] = OpStrategy(f"S{d}", tuple(ins),
+            mapped[d] = OpStrategy(f"shard{d}", tuple(ins),
                                    tuple(shard(d) if o.shape == out.shape else REPLICATE
                                          for o in outs), t)
         return res + list(mapped.values())
@@ -389,7 +389,7 @@ def _generic(graph: OpGraph, op: Op, t: int) -> list[OpStrategy]:
         od, how = _map_through(graph, op, d, t)
         ins = tuple(shard(d) if i == acts[0] else REPLICATE for i in range(len(op.inputs)))
         if how == "reduce_partial":
-            res.append(OpStrategy(f"S{d}", ins, tuple(REPLICATE for _ in op.outputs), t,
+            res.append(OpStrategy(f"shard{d}", ins, tuple(REPLICATE for _ in op.outputs), t,
                                   (Comm("all_reduce", op.outputs[0], "fwd"),)))
             continue
         if od is None:
@@ -398,7 +398,7 @@ def _generic(graph: OpGraph, op: Op, t: int) -> list[OpStrategy]:
         for o in outs:
             outp.append(shard(od) if od < len(o.shape) and _div(o.shape[od], t) else REPLICATE)
         divisor = t if op.kind not in ("view",) else 1
-        res.append(OpStrategy(f"S{d}", ins, tuple(outp), divisor))
+        res.append(OpStrategy(f"shard{d}", ins, tuple(outp), divisor))
     return res
 
 
@@ -412,7 +412,7 @@ def _concat(graph: OpGraph, op: Op, t: int) -> list[OpStrategy]:
             continue
         ins = tuple(shard(d) if len(graph.value(n).meta.shape) == len(out.shape) else REPLICATE
                     for n in op.inputs)
-        res.append(OpStrategy(f"S{d}", ins, (shard(d),), t))
+        res.append(OpStrategy(f"shard{d}", ins, (shard(d),), t))
     return res
 
 

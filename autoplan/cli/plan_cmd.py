@@ -1,0 +1,71 @@
+"""`autoplan plan MODEL --cluster SPEC --global-batch N -o plan.json`: search and save a plan."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from autoplan.cli.common import add_model_args, graph_from_args
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("plan", help="search the fastest parallel plan that fits and save it",
+                       description="Trace MODEL, search meshes, per-op sharding (ILP), ZeRO, "
+                                   "recomputation, offload and micro-batching against the "
+                                   "cluster, and write the best plan as JSON.")
+    add_model_args(p)
+    p.add_argument("--cluster", required=True,
+                   help="preset[:nodes] (e.g. dgx-h100:4), 'local[:N]', or a cluster file")
+    p.add_argument("--global-batch", type=int, required=True, help="global batch size (samples)")
+    p.add_argument("--precision", default="bf16", choices=("bf16", "fp16", "fp32"))
+    p.add_argument("--optimizer", default="adamw", choices=("adamw", "adam", "sgd"))
+    p.add_argument("-o", "--output", default="plan.json", help="plan file to write (plan.json)")
+    p.add_argument("--top-k", type=int, default=5, help="alternatives kept in the plan")
+    p.add_argument("--max-tp", type=int, default=None, help="largest tensor-parallel degree")
+    p.add_argument("--force", action="append", default=[], metavar="FIELD=VALUE",
+                   help="pin a ParallelConfig field, e.g. --force tp=2 --force zero_stage=3")
+    p.add_argument("--no-profile", action="store_true", help="roofline only, ignore profiles")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress lines")
+    p.set_defaults(func=run)
+
+
+def parse_force(items: list[str]) -> dict:
+    from autoplan.errors import ConfigError
+    out: dict = {}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        if not sep:
+            raise ConfigError(f"--force takes FIELD=VALUE, got {item!r}")
+        low = raw.strip().lower()
+        value: object = raw.strip()
+        if low in ("true", "false"):
+            value = low == "true"
+        elif low.isdigit():
+            value = int(low)
+        out[key.strip()] = value
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    from autoplan.cluster import Cluster
+    from autoplan.planner.explain import explain_plan
+    from autoplan.planner.search import plan
+    cluster = Cluster.from_spec(args.cluster)
+    t0 = time.perf_counter()
+    graph = graph_from_args(args)
+    progress = None if args.quiet else (lambda msg: print(f"  {msg}", file=sys.stderr))
+    if progress:
+        progress(f"traced {graph.name}: {len(graph.ops)} ops in "
+                 f"{time.perf_counter() - t0:.1f} s; searching {cluster.world_size} x "
+                 f"{cluster.device.name}")
+    result = plan(graph, cluster, global_batch_size=args.global_batch,
+                  precision=args.precision, optimizer=args.optimizer,
+                  profile=None if args.no_profile else "auto", name=args.model,
+                  progress=progress, top_k=args.top_k, max_tp=args.max_tp,
+                  force=parse_force(args.force))
+    result.save(args.output)
+    print(explain_plan(result))
+    print(f"\nwrote {args.output} (search {result.solver.time_s:.1f} s, "
+          f"total {time.perf_counter() - t0:.1f} s)")
+    return 0

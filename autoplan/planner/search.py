@@ -1,0 +1,382 @@
+"""``plan``: the search over meshes, per-op sharding, ZeRO, recomputation, offload and batching.
+
+Order of the search (each level uses the cost model of ``estimate``, so the planner and the
+estimator can never disagree about a configuration):
+1. trace the model (or take an OpGraph);
+2. for each mesh shape dp x tp (tensor parallelism inside a node) and each micro-batch size
+   dividing the per-replica batch: solve the sharding ILP for the tp axis (time-optimal; tp 1
+   needs none), then cost every ZeRO stage x recompute policy x optimizer offload with that
+   sharding;
+3. where nothing fits, solve the ILP again with the device memory as a constraint and cost the
+   policies again with that sharding;
+4. add the three baselines (pure data parallel, FSDP only, Megatron-style TP inside a node and
+   DP across) costed by the same model, so the plan is never predicted slower than them;
+5. pick the fastest configuration that fits; keep the next ``top_k`` as alternatives, each with
+   why it lost. If nothing fits, raise ``NoFeasiblePlanError`` with the least memory any
+   configuration needs and what would make one fit.
+The pipeline issue adds pp to step 2's meshes with the stage partition around this search.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from autoplan import __version__
+from autoplan.cost.compute import ComputeModel
+from autoplan.cost.memory import bytes_per_param
+from autoplan.errors import ConfigError, PlanError
+from autoplan.estimate.config import ParallelConfig
+from autoplan.estimate.estimator import estimate, validate
+from autoplan.estimate.result import Estimate
+from autoplan.graph.opgraph import OpGraph
+from autoplan.planner import mesh as meshes
+from autoplan.planner.ilp import ILPSolution, solve
+from autoplan.planner.planfile import (Alternative, ClusterInfo, MeshInfo, ModelInfo,
+                                       ParamPlacement, Plan, SolverReport, TrainingInfo,
+                                       predicted_from_estimate)
+from autoplan.planner.problem import CostContext, reduce_graph, sharding_from_choice
+from autoplan.planner.sharding import Sharding, megatron_sharding, replicated
+
+
+_SP_STYLES = frozenset({"colwise_sp", "rowwise_sp", "vocab_sp", "seq"})
+
+
+class NoFeasiblePlanError(PlanError):
+    """No configuration fits the devices' memory. Carries the figures that say what would."""
+
+    def __init__(self, message: str, *, min_memory_bytes: float, device_memory_bytes: float,
+                 suggestions: tuple[str, ...]):
+        super().__init__(message)
+        self.min_memory_bytes = min_memory_bytes
+        self.device_memory_bytes = device_memory_bytes
+        self.suggestions = suggestions
+
+
+@dataclass(frozen=True, kw_only=True)
+class SearchOptions:
+    """What the search may choose from. ``force`` pins ParallelConfig fields (e.g.
+    ``{"tp": 2, "zero_stage": 3}``); everything else is searched."""
+
+    micro_batch_sizes: tuple[int, ...] | None = None   # default: powers of two up to 64
+    zero_stages: tuple[int, ...] = (0, 1, 2, 3)
+    recompute: tuple[str, ...] = ("none", "selective", "full")
+    offload_optimizer: tuple[bool, ...] = (False, True)
+    max_tp: int | None = None
+    force: dict[str, Any] = field(default_factory=dict)
+    top_k: int = 5
+    ilp_time_limit_s: float = 20.0
+    memory_margin_bytes: float | None = None
+
+
+@dataclass
+class _Candidate:
+    est: Estimate
+    sharding: Sharding
+    ilp: ILPSolution | None
+    label: str                      # "search", "baseline: data parallel", ...
+
+    def key(self) -> tuple:
+        return (self.est.step_time_s, self.est.config.short())
+
+
+@dataclass
+class _Stats:
+    ilps: int = 0
+    evaluated: int = 0
+    t0: float = field(default_factory=time.perf_counter)
+
+
+def _graph(model: Any, example_inputs: Any, loss_fn: Any, targets: Any) -> OpGraph:
+    if isinstance(model, OpGraph):
+        return model
+    from autoplan.graph.trace import trace
+    if example_inputs is None:
+        raise ConfigError("plan() needs example_inputs to trace the model (or an OpGraph)")
+    return trace(model, example_inputs, loss_fn=loss_fn, targets=targets)
+
+
+def _mbs_options(per_replica: int, opts: SearchOptions) -> list[int]:
+    if opts.micro_batch_sizes:
+        return [m for m in opts.micro_batch_sizes if per_replica % m == 0]
+    out, m = [], 1
+    while m <= min(per_replica, 64):
+        if per_replica % m == 0:
+            out.append(m)
+        m *= 2
+    return out or [per_replica]
+
+
+def _forced(opts: SearchOptions, name: str, values: Sequence[Any]) -> list[Any]:
+    if name in opts.force:
+        return [opts.force[name]]
+    return list(values)
+
+
+def _ilp_sharding(graph: OpGraph, cluster: Any, config: ParallelConfig, profile: Any,
+                  m: int, opts: SearchOptions, stats: _Stats,
+                  memory_budget: float | None = None) -> tuple[Sharding, ILPSolution]:
+    t = config.tp
+    group = config.tp_group()
+    compute = ComputeModel(graph, cluster.device, config.precision, profile)
+    w, g, o = bytes_per_param(config.precision, config.optimizer)
+    frugal = memory_budget is not None
+    state = (w + g + o) / (config.dp if frugal else 1)
+    ctx = CostContext(graph=graph, t=t, compute=compute,
+                      collective_s=lambda kind, nbytes: cluster.collective_time_s(kind, nbytes,
+                                                                                  group),
+                      batch_scale=config.micro_batch_size / graph.batch_size, microbatches=m,
+                      precision=config.precision,
+                      recompute="full" if frugal else "none", state_bytes_per_param=state,
+                      activation_multiplier=1.0, memory_budget=memory_budget)
+    red = reduce_graph(ctx)
+    sol = solve(red.problem, time_limit_s=opts.ilp_time_limit_s)
+    stats.ilps += 1
+    if sol.status in ("infeasible", "not_solved"):
+        return megatron_sharding(graph, t, False), sol
+    return sharding_from_choice(graph, t, red, sol.choice), sol
+
+
+def _policies(config: ParallelConfig, opts: SearchOptions, cluster: Any,
+              graph: OpGraph) -> list[ParallelConfig]:
+    from autoplan.cost.analysis import analyze
+    out = []
+    # selective recomputation drops attention scores; a graph without them gains nothing
+    recompute = [r for r in opts.recompute if r != "selective" or analyze(graph).score_ops]
+    zeros = _forced(opts, "zero_stage", opts.zero_stages if config.dp > 1 else (0,))
+    # CPU ranks already keep their optimizer state in host memory: nothing to offload
+    offloads = (False,) if cluster.device.kind == "cpu" else opts.offload_optimizer
+    for z in zeros:
+        for r in _forced(opts, "recompute", recompute):
+            for off in _forced(opts, "offload_optimizer", offloads):
+                out.append(ParallelConfig(**{**config.to_dict(), "zero_stage": z,
+                                             "recompute": r, "offload_optimizer": off}))
+    return out
+
+
+def _evaluate(graph: OpGraph, cluster: Any, configs: list[ParallelConfig], sh: Sharding,
+              sol: ILPSolution | None, gbs: int, profile: Any, opts: SearchOptions,
+              stats: _Stats, label: str) -> list[_Candidate]:
+    out = []
+    sp = sh.t > 1 and any(s.style in _SP_STYLES for s in sh.op_strategy)
+    for c in configs:
+        if c.sequence_parallel != sp:
+            c = ParallelConfig(**{**c.to_dict(), "sequence_parallel": sp})
+        try:
+            est = estimate(graph, cluster, config=c, global_batch_size=gbs, profile=profile,
+                           sharding=sh, memory_margin_bytes=opts.memory_margin_bytes)
+        except ConfigError:
+            continue
+        stats.evaluated += 1
+        out.append(_Candidate(est, sh, sol, label))
+    return out
+
+
+def _megatron_tp(graph: OpGraph, cluster: Any) -> int:
+    from autoplan.cost.analysis import analyze
+    heads = analyze(graph).head_counts
+    best = 1
+    for tp in meshes.divisors(cluster.devices_per_node):
+        if all(h % tp == 0 for h in heads) and cluster.world_size % tp == 0:
+            best = tp
+    return best
+
+
+def _baselines(graph: OpGraph, cluster: Any, gbs: int, base: dict[str, Any], profile: Any,
+               opts: SearchOptions, stats: _Stats) -> list[_Candidate]:
+    """Pure data parallel, FSDP only, Megatron-style: each at its best micro-batch size."""
+    world = cluster.world_size
+    out: list[_Candidate] = []
+    specs = [("baseline: data parallel", dict(dp=world, tp=1, zero_stage=0), None),
+             ("baseline: FSDP", dict(dp=world, tp=1, zero_stage=3), None)]
+    tp = _megatron_tp(graph, cluster)
+    if tp > 1:
+        specs.append(("baseline: Megatron (TP in node, DP across)",
+                      dict(dp=world // tp, tp=tp, zero_stage=0, sequence_parallel=True), tp))
+    for label, fields, mtp in specs:
+        per_replica = gbs // fields["dp"] if gbs % fields["dp"] == 0 else 0
+        if not per_replica:
+            continue
+        sh = (megatron_sharding(graph, mtp, True) if mtp else replicated(graph))
+        configs = [ParallelConfig(**{**base, **fields, "micro_batch_size": mbs, "recompute": r})
+                   for mbs in _mbs_options(per_replica, SearchOptions())
+                   for r in (("none", "selective", "full") if mtp else ("none",))]
+        cands = _evaluate(graph, cluster, configs, sh, None, gbs, profile, opts, stats, label)
+        fitting = [c for c in cands if c.est.fits]
+        pool = fitting or cands
+        if pool:
+            out.append(min(pool, key=_Candidate.key))
+    return out
+
+
+def _why_lost(c: _Candidate, best: _Candidate, force: dict[str, Any]) -> str:
+    if not _honours(c.est.config, force):
+        pinned = ", ".join(f"{k}={v}" for k, v in sorted(force.items()))
+        return f"excluded: the search was pinned to {pinned}"
+    if not c.est.fits:
+        return (f"needs {c.est.peak_memory_bytes / 2**30:.1f} GiB > "
+                f"{c.est.device_memory_bytes / 2**30:.1f} GiB per device")
+    slower = c.est.step_time_s / best.est.step_time_s - 1
+    if slower < 5e-4:
+        return "same predicted step time as the chosen plan (the tie goes to the first in order)"
+    diffs = {
+        "compute": c.est.time.compute_s - best.est.time.compute_s,
+        "recomputation": c.est.time.recompute_s - best.est.time.recompute_s,
+        "optimizer step": c.est.time.optimizer_s - best.est.time.optimizer_s,
+        "pipeline bubble": c.est.time.bubble_s - best.est.time.bubble_s,
+    }
+    for k, v in c.est.time.comm_exposed_s.items():
+        diffs[f"exposed {k} communication"] = v - best.est.time.comm_exposed_s.get(k, 0.0)
+    cause = max(diffs, key=lambda k: diffs[k])
+    label = "" if c.label == "search" else f" ({c.label})"
+    return f"{slower * 100:.1f}% slower: more {cause}{label}"
+
+
+def _infeasible(cands: list[_Candidate], cluster: Any) -> NoFeasiblePlanError:
+    best = min(cands, key=lambda c: c.est.peak_memory_bytes)
+    need, have = best.est.peak_memory_bytes, best.est.device_memory_bytes
+    gib = 2 ** 30
+    tips = [f"more devices: about {cluster.world_size * need / have:.0f} of these "
+            f"(memory per device falls as weights and optimizer state shard wider)"]
+    if best.est.config.micro_batch_size > 1:
+        tips.append("a smaller micro-batch (activations scale with it)")
+    if not best.est.config.offload_optimizer:
+        tips.append("optimizer-state offload to host memory")
+    tips.append(f"a device with more than {need / gib:.0f} GiB of memory (e.g. hgx-h200, 141 GiB)")
+    msg = (f"no configuration fits: the least memory any plan needs is {need / gib:.1f} GiB per "
+           f"device ({best.est.config.short()}), the devices have {have / gib:.1f} GiB. "
+           "What would make it fit: " + "; ".join(tips))
+    return NoFeasiblePlanError(msg, min_memory_bytes=need, device_memory_bytes=have,
+                               suggestions=tuple(tips))
+
+
+def plan(model: Any, cluster: Any, *, global_batch_size: int, example_inputs: Any = None,
+         loss_fn: Any = None, targets: Any = None, precision: str = "bf16",
+         optimizer: str = "adamw", profile: Any = "auto", name: str | None = None,
+         progress: Callable[[str], None] | None = None, **options: Any) -> Plan:
+    """Find the fastest configuration that fits and return it as a ``Plan`` (see module doc).
+
+    ``options`` are ``SearchOptions`` fields (``force={...}``, ``top_k``, ``max_tp``...).
+    """
+    opts = SearchOptions(**options)
+    say = progress or (lambda _msg: None)
+    stats = _Stats()
+    graph = _graph(model, example_inputs, loss_fn, targets)
+    if profile == "auto":
+        from autoplan.cost.profile_db import ProfileDB
+        profile = ProfileDB.find(cluster.device.name)
+    base = {"precision": precision, "optimizer": optimizer}
+    cands: list[_Candidate] = []
+    shapes = meshes.enumerate_meshes(cluster, max_tp=opts.max_tp)
+    shapes = [s for s in shapes if all(getattr(s, k) == v for k, v in opts.force.items()
+                                       if k in ("dp", "tp", "pp"))]
+    if not shapes:
+        raise ConfigError(f"no mesh of {cluster.world_size} devices matches force={opts.force}")
+    for shape in shapes:
+        if global_batch_size % shape.dp:
+            say(f"mesh dp{shape.dp} x tp{shape.tp}: global batch {global_batch_size} does not "
+                "split over dp, skipped")
+            continue
+        per_replica = global_batch_size // shape.dp
+        for mbs in _forced(opts, "micro_batch_size", _mbs_options(per_replica, opts)):
+            cfg = ParallelConfig(dp=shape.dp, tp=shape.tp, micro_batch_size=mbs, **base)
+            try:
+                m = validate(graph, cluster, cfg, global_batch_size)
+            except ConfigError as e:
+                say(f"mesh dp{shape.dp} x tp{shape.tp} mbs {mbs}: {e}")
+                break
+            sh, sol = ((replicated(graph), None) if shape.tp == 1 else
+                       _ilp_sharding(graph, cluster, cfg, profile, m, opts, stats))
+            found = _evaluate(graph, cluster, _policies(cfg, opts, cluster, graph), sh, sol, global_batch_size,
+                              profile, opts, stats, "search")
+            if shape.tp > 1 and not any(c.est.fits for c in found):
+                budget = cluster.device.memory_bytes - (found[0].est.stages[0].memory.margin_bytes
+                                                        if found else 0.0)
+                sh2, sol2 = _ilp_sharding(graph, cluster, cfg, profile, m, opts, stats,
+                                          memory_budget=budget)
+                if sol2.status in ("optimal", "feasible"):
+                    found += _evaluate(graph, cluster, _policies(cfg, opts, cluster, graph), sh2, sol2,
+                                       global_batch_size, profile, opts, stats, "search")
+            cands += found
+            fit = [c for c in found if c.est.fits]
+            best = min(fit, key=_Candidate.key) if fit else None
+            say(f"mesh dp{shape.dp} x tp{shape.tp} mbs {mbs}: "
+                + (f"best {best.est.step_time_s * 1e3:,.1f} ms ({best.est.config.short()})"
+                   if best else "nothing fits")
+                + f"  [{stats.evaluated} configs, {stats.ilps} ILPs, "
+                  f"{time.perf_counter() - stats.t0:.1f} s]")
+    cands += _baselines(graph, cluster, global_batch_size, base, profile, opts, stats)
+    if not cands:
+        raise ConfigError("no configuration could be costed; check the batch size and the "
+                          "cluster size")
+    # forced fields bind the choice; baselines that differ stay as alternatives
+    fitting = sorted((c for c in cands if c.est.fits and _honours(c.est.config, opts.force)),
+                     key=_Candidate.key)
+    if not fitting:
+        raise _infeasible(cands, cluster)
+    best = fitting[0]
+    return _assemble(graph, cluster, best, _alternatives(cands, best, opts.top_k, opts.force),
+                     stats, global_batch_size, name)
+
+
+def _honours(config: ParallelConfig, force: dict[str, Any]) -> bool:
+    return all(getattr(config, k) == v for k, v in force.items())
+
+
+def _alternatives(cands: list[_Candidate], best: _Candidate, k: int,
+                  force: dict[str, Any]) -> list[Alternative]:
+    """The next ``k`` configurations of the search, then every baseline, each with why it lost."""
+    seen = {best.est.config}
+    picked: list[_Candidate] = []
+    for c in sorted((c for c in cands if c.est.fits), key=_Candidate.key):
+        if c.label == "search" and c.est.config not in seen and len(picked) < k:
+            seen.add(c.est.config)
+            picked.append(c)
+    for c in sorted((c for c in cands if c.label != "search"), key=lambda c: c.label):
+        if c is not best:
+            picked.append(c)
+    return [Alternative.of(c.est, _why_lost(c, best, force)) for c in picked]
+
+
+def _assemble(graph: OpGraph, cluster: Any, best: _Candidate, alternatives: list[Alternative],
+              stats: _Stats, gbs: int, name: str | None) -> Plan:
+    cfg = best.est.config
+    sh = best.sharding
+    tp_group = cfg.tp_group()
+    zero3 = cfg.zero_stage == 3 and cfg.dp > 1
+    # every parameter FQN, tied aliases too (they share their owner's storage and placement)
+    used = sh.param_placement(graph)
+    by_base = {v.base: used[v.fqn] for v in graph.param_values if v.fqn in used}
+    placements = {}
+    for v in sorted(graph.param_values, key=lambda v: v.fqn):
+        p = used.get(v.fqn, by_base.get(v.base))
+        placements[v.fqn] = ParamPlacement(tp=str(p) if p is not None else "R",
+                                           dp="S(0)" if zero3 else "R", shape=tuple(v.meta.shape))
+    recompute = {}
+    for block in graph.blocks:
+        for inst in block.instances:
+            recompute[inst.path] = cfg.recompute
+    sol = best.ilp
+    solver = SolverReport(
+        solver="CBC", status=sol.status if sol else "optimal",
+        objective_s=sol.objective if sol else best.est.step_time_s,
+        bound_s=sol.bound if sol else best.est.step_time_s, gap=sol.gap if sol else 0.0,
+        num_variables=sol.num_variables if sol else 0,
+        num_constraints=sol.num_constraints if sol else 0, ilps_solved=stats.ilps,
+        candidates_evaluated=stats.evaluated, time_s=time.perf_counter() - stats.t0)
+    return Plan(
+        autoplan_version=__version__, model=ModelInfo.of(graph, name=name),
+        cluster=ClusterInfo.of(cluster),
+        training=TrainingInfo(global_batch_size=gbs, precision=cfg.precision,
+                              optimizer=cfg.optimizer),
+        mesh=MeshInfo(axes=("dp", "tp"), shape=(cfg.dp, cfg.tp),
+                      rank_to_device=meshes.rank_to_device(cluster, cfg.world_size),
+                      tp_domain=meshes.tp_domain(cluster, tp_group)),
+        config=cfg, param_placements=placements,
+        op_strategies={op.name: s.name for op, s in zip(graph.ops, sh.op_strategy)},
+        module_styles=sh.module_styles(graph), recompute=recompute,
+        offload={"optimizer": cfg.offload_optimizer, "params": False},
+        predicted=predicted_from_estimate(best.est), alternatives=tuple(alternatives),
+        solver=solver)

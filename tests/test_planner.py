@@ -1,0 +1,255 @@
+"""The planner: ILP optimality against brute force, baselines, regimes, plan files, CLI."""
+
+import json
+import random
+
+import pytest
+import torch
+
+import autoplan
+from autoplan import Cluster, NoFeasiblePlanError, ParallelConfig, PlanError, estimate
+from autoplan.cost.compute import ComputeModel
+from autoplan.graph import trace
+from autoplan.models import build_example
+from autoplan.planner.ilp import ILPProblem, brute_force, solve
+from autoplan.planner.problem import CostContext, reduce_graph, sharding_from_choice
+from autoplan.planner.search import plan
+from autoplan.planner.sharding import megatron_sharding, replicated
+
+
+def _graph(name, **kw):
+    batch = kw.pop("batch_size", 1)
+    ex = build_example(name, device="meta", batch_size=batch, **kw)
+    return trace(ex.model, ex.example_inputs, loss_fn=ex.loss_fn, targets=ex.targets, name=name)
+
+
+@pytest.fixture(scope="module")
+def gpt3_175b():
+    return _graph("gpt3-175b")
+
+
+# ---- the ILP is exact ---------------------------------------------------------------------
+
+def _random_problem(seed: int, budget: bool) -> ILPProblem:
+    rng = random.Random(seed)
+    n = 7
+    k = [rng.randint(1, 4) for _ in range(n)]
+    costs = tuple(tuple(rng.uniform(0, 10) for _ in range(k[v])) for v in range(n))
+    mems = tuple(tuple(rng.uniform(0, 5) for _ in range(k[v])) for v in range(n))
+    edges = []
+    for v in range(1, n):
+        for u in rng.sample(range(v), min(v, 2)):
+            edges.append((u, v, tuple(tuple(rng.uniform(0, 4) for _ in range(k[v]))
+                                      for _ in range(k[u]))))
+    cap = sum(min(m) for m in mems) + 3.0 if budget else None
+    return ILPProblem(node_costs=costs, node_memory=mems, edges=tuple(edges), memory_budget=cap)
+
+
+@pytest.mark.parametrize("seed", range(8))
+@pytest.mark.parametrize("budget", [False, True])
+def test_ilp_equals_brute_force_on_random_problems(seed, budget):
+    p = _random_problem(seed, budget)
+    sol = solve(p, time_limit_s=20)
+    best = brute_force(p)
+    assert sol.status == "optimal" and sol.gap == 0.0
+    assert sol.objective == pytest.approx(best[1], rel=1e-6)
+    if budget:
+        assert p.memory(sol.choice) <= p.memory_budget + 1e-6
+
+
+def test_ilp_reports_infeasible_memory():
+    p = _random_problem(0, False)
+    tight = ILPProblem(node_costs=p.node_costs, node_memory=p.node_memory, edges=p.edges,
+                       memory_budget=0.01)
+    assert solve(tight, time_limit_s=10).status == "infeasible"
+
+
+class _FFNBlock(torch.nn.Module):
+    """A pre-norm transformer MLP block with an LM-style loss: norms, column/row linears."""
+
+    def __init__(self, h=64):
+        super().__init__()
+        self.ln = torch.nn.LayerNorm(h)
+        self.fc = torch.nn.Linear(h, 4 * h)
+        self.proj = torch.nn.Linear(4 * h, h)
+        self.head = torch.nn.Linear(h, 128)
+
+    def forward(self, x):
+        x = x + self.proj(torch.nn.functional.gelu(self.fc(self.ln(x))))
+        return self.head(x)
+
+
+def _ffn_graph():
+    x = torch.empty(4, 16, 64, device="meta")
+    y = torch.empty(4, 16, dtype=torch.long, device="meta")
+    with torch.device("meta"):
+        model = _FFNBlock()
+    return trace(model, (x,), loss_fn=lambda out, t: torch.nn.functional.cross_entropy(
+        out.reshape(-1, 128), t.reshape(-1)), targets=y)
+
+
+@pytest.mark.parametrize("which,t", [("mlp-tiny", 2), ("ffn-block", 2), ("ffn-block", 4)])
+def test_ilp_equals_brute_force_on_model_graphs(which, t):
+    """Reduced sharding problems of real traced graphs, small enough to enumerate."""
+    g = _ffn_graph() if which == "ffn-block" else _graph(which, batch_size=8)
+    cluster = Cluster.preset("dgx-a100-80gb", nodes=1)
+    group = tuple(range(t))
+    ctx = CostContext(graph=g, t=t, compute=ComputeModel(g, cluster.device, "bf16", None),
+                      collective_s=lambda kind, b: cluster.collective_time_s(kind, b, group),
+                      batch_scale=1.0, microbatches=4, precision="bf16", recompute="none",
+                      state_bytes_per_param=16.0, activation_multiplier=1.0)
+    red = reduce_graph(ctx)
+    sizes = [len(c) for c in red.problem.node_costs]
+    combos = 1
+    for s in sizes:
+        combos *= s
+    assert 1 < combos <= 2_000_000
+    sol = solve(red.problem, time_limit_s=20)
+    best = brute_force(red.problem)
+    assert sol.objective == pytest.approx(best[1], rel=1e-9)
+    sharding = sharding_from_choice(g, t, red, sol.choice)
+    assert len(sharding.op_strategy) == len(g.ops)
+
+
+def test_graph_reduction_folds_layers(gpt3_175b):
+    cluster = Cluster.preset("dgx-a100-80gb", nodes=1)
+    ctx = CostContext(graph=gpt3_175b, t=8,
+                      compute=ComputeModel(gpt3_175b, cluster.device, "bf16", None),
+                      collective_s=lambda kind, b: cluster.collective_time_s(kind, b, range(8)),
+                      batch_scale=1.0, microbatches=4, precision="bf16", recompute="none",
+                      state_bytes_per_param=16.0, activation_multiplier=1.0)
+    red = reduce_graph(ctx)
+    # 2,698 ops and 96 layers become one layer's problem
+    assert red.problem.num_nodes < 30
+    assert max(n.mult for n in red.nodes) == 96
+
+
+# ---- the search ---------------------------------------------------------------------------
+
+def _best_baselines(graph, cluster, gbs):
+    """Pure DP, FSDP only, Megatron (TP in node + DP across), each at its best fitting mbs."""
+    world = cluster.world_size
+    out = {}
+    specs = {"dp": (dict(dp=world, tp=1, zero_stage=0), replicated(graph)),
+             "fsdp": (dict(dp=world, tp=1, zero_stage=3), replicated(graph))}
+    tp = cluster.devices_per_node
+    specs["megatron"] = (dict(dp=world // tp, tp=tp, zero_stage=0, sequence_parallel=True),
+                         megatron_sharding(graph, tp, True))
+    for label, (fields, sh) in specs.items():
+        best = None
+        per_replica = gbs // fields["dp"]
+        for mbs in (1, 2, 4, 8):
+            if per_replica % mbs:
+                continue
+            for r in ("none", "selective", "full"):
+                e = estimate(graph, cluster, config=ParallelConfig(**fields, micro_batch_size=mbs,
+                                                                   recompute=r),
+                             global_batch_size=gbs, profile=None, sharding=sh)
+                if e.fits and (best is None or e.step_time_s < best):
+                    best = e.step_time_s
+        out[label] = best
+    return out
+
+
+def test_plan_is_never_slower_than_the_baselines(gpt3_175b):
+    cluster = Cluster.preset("dgx-a100-80gb", nodes=16)
+    p = plan(gpt3_175b, cluster, global_batch_size=256, profile=None)
+    for label, t in _best_baselines(gpt3_175b, cluster, 256).items():
+        if t is not None:
+            assert p.predicted["step_time_s"] <= t * (1 + 1e-6), label
+    # multi-node: tensor parallelism stays inside a node, on NVSwitch
+    assert p.config.tp <= cluster.devices_per_node
+    if p.config.tp > 1:
+        assert p.mesh.tp_domain == "nvswitch"
+    assert p.solver.status in ("optimal", "feasible") and p.solver.ilps_solved > 0
+
+
+def test_small_model_gets_data_parallelism():
+    g = _graph("gpt2-small")
+    p = plan(g, Cluster.preset("dgx-a100-80gb", nodes=1), global_batch_size=64, profile=None)
+    assert p.config.tp == 1 and p.config.dp == 8
+
+
+def test_memory_bound_model_gets_sharded():
+    g = _graph("gpt3-13b")          # 13B x 16 bytes of model state: no single A100 holds it
+    p = plan(g, Cluster.preset("dgx-a100-80gb", nodes=1), global_batch_size=16, profile=None)
+    assert p.config.zero_stage >= 1 or p.config.tp > 1
+    assert p.predicted["fits"]
+
+
+def test_tight_memory_chooses_recompute_or_offload():
+    g = _graph("gpt3-6.7b")
+    cluster = Cluster.preset("dgx-a100-40gb", nodes=1)
+    p = plan(g, cluster, global_batch_size=64, profile=None, force={"tp": 1})
+    assert p.predicted["fits"]
+    assert p.config.recompute != "none" or p.config.offload_optimizer
+    # the same plan without either would not fit
+    plain = ParallelConfig(**{**p.config.to_dict(), "recompute": "none",
+                              "offload_optimizer": False})
+    assert not estimate(g, cluster, config=plain, global_batch_size=64, profile=None).fits
+
+
+def test_nothing_fits_says_what_would(gpt3_175b):
+    with pytest.raises(NoFeasiblePlanError) as info:
+        plan(gpt3_175b, Cluster.preset("dgx-a100-80gb", nodes=1), global_batch_size=8,
+             profile=None)
+    err = info.value
+    assert err.min_memory_bytes > err.device_memory_bytes
+    msg = str(err)
+    assert "least memory any plan needs" in msg and "more devices" in msg
+    assert any("GiB of memory" in s for s in err.suggestions)
+
+
+# ---- plan files ---------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tiny_plan():
+    g = _graph("gpt-tiny", batch_size=1)
+    return g, plan(g, Cluster.local(4), global_batch_size=16, profile=None)
+
+
+def test_same_inputs_give_byte_identical_plans(tiny_plan, tmp_path):
+    g, p = tiny_plan
+    again = plan(g, Cluster.local(4), global_batch_size=16, profile=None)
+    assert again.to_json() == p.to_json()
+    path = tmp_path / "p.json"
+    p.save(path)
+    assert path.read_text() == p.to_json()
+    loaded = autoplan.load_plan(path, graph=g, cluster=Cluster.local(4))
+    assert loaded == p
+    json.loads(path.read_text())["config"]   # plain JSON
+
+
+def test_load_plan_refuses_other_model_or_cluster(tiny_plan, tmp_path):
+    g, p = tiny_plan
+    path = tmp_path / "p.json"
+    p.save(path)
+    with pytest.raises(PlanError, match="model"):
+        autoplan.load_plan(path, graph=_graph("llama-tiny"))
+    with pytest.raises(PlanError, match="cluster"):
+        autoplan.load_plan(path, cluster=Cluster.local(2))
+    replanned = autoplan.load_plan(path, graph=g, cluster=Cluster.local(2), replan=True,
+                                   profile=None)
+    assert replanned.cluster.world_size == 2
+
+
+def test_plan_records_what_the_runtime_needs(tiny_plan):
+    g, p = tiny_plan
+    assert set(p.op_strategies) == {op.name for op in g.ops}
+    assert {pp for pp in p.param_placements} == {v.fqn for v in g.param_values}
+    assert len(p.mesh.rank_to_device) == 4
+    assert set(p.recompute) == {i.path for b in g.blocks for i in b.instances}
+    assert p.alternatives and all(a.why_lost for a in p.alternatives)
+
+
+def test_cli_plan_inspect_diff(tmp_path, capsys):
+    from autoplan.cli.main import main
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    assert main(["plan", "mlp-tiny", "--cluster", "local:2", "--global-batch", "8", "-o", str(a),
+                 "-q", "--no-profile"]) == 0
+    assert main(["plan", "mlp-tiny", "--cluster", "local:2", "--global-batch", "8", "-o", str(b),
+                 "-q", "--no-profile", "--force", "tp=2"]) == 0
+    assert main(["inspect", str(a)]) == 0
+    assert main(["diff", str(a), str(b)]) == 0
+    out = capsys.readouterr().out
+    assert "solver" in out and "step time" in out
