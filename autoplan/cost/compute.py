@@ -53,6 +53,18 @@ class Throughput:
             launch_s=device.kernel_launch_s, device_kind=device.kind)
 
 
+def compute_model(graph: OpGraph, device: Any, precision: str, profile: Any = None) -> ComputeModel:
+    """The ComputeModel for (graph, device, precision, profile), built once and kept on the
+    graph: the planner costs hundreds of configurations of one graph."""
+    cache = graph.__dict__.setdefault("_autoplan_compute", {})
+    key = (device.name, precision, id(profile))
+    model = cache.get(key)
+    if model is None or model.profile is not profile:
+        model = ComputeModel(graph, device, precision, profile)
+        cache[key] = model
+    return model
+
+
 class ComputeModel:
     """Op times for one (device, precision), optionally backed by a measured ProfileDB."""
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from autoplan.cost.analysis import GraphAnalysis, analyze
-from autoplan.cost.compute import ComputeModel
+from autoplan.cost.compute import ComputeModel, compute_model
 from autoplan.cost.memory import (PRECISION_BYTES, _meta_bytes, activation_bytes,
                                   model_state_bytes, sharding_for, working_set_bytes)
 from autoplan.errors import ConfigError
@@ -272,7 +272,7 @@ def estimate(model: Any, cluster: Any, *, config: ParallelConfig, global_batch_s
     if profile == "auto":
         from autoplan.cost.profile_db import ProfileDB
         profile = ProfileDB.find(cluster.device.name)
-    compute = ComputeModel(graph, cluster.device, config.precision, profile)
+    compute = compute_model(graph, cluster.device, config.precision, profile)
     batch_scale = config.micro_batch_size / graph.batch_size
     p, v = config.pp, config.virtual_stages
     chunks = partition(graph, p * v)

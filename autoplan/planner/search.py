@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from autoplan import __version__
-from autoplan.cost.compute import ComputeModel
+from autoplan.cost.compute import ComputeModel, compute_model
 from autoplan.cost.memory import bytes_per_param
 from autoplan.errors import ConfigError, PlanError
 from autoplan.estimate.config import ParallelConfig
@@ -120,7 +120,7 @@ def _ilp_sharding(graph: OpGraph, cluster: Any, config: ParallelConfig, profile:
                   memory_budget: float | None = None) -> tuple[Sharding, ILPSolution]:
     t = config.tp
     group = config.tp_group()
-    compute = ComputeModel(graph, cluster.device, config.precision, profile)
+    compute = compute_model(graph, cluster.device, config.precision, profile)
     w, g, o = bytes_per_param(config.precision, config.optimizer)
     frugal = memory_budget is not None
     state = (w + g + o) / (config.dp if frugal else 1)
@@ -307,6 +307,8 @@ def plan(model: Any, cluster: Any, *, global_batch_size: int, example_inputs: An
                    if best else "nothing fits")
                 + f"  [{stats.evaluated} configs, {stats.ilps} ILPs, "
                   f"{time.perf_counter() - stats.t0:.1f} s]")
+            if best is None:
+                break       # larger micro-batches only need more memory
     cands += _baselines(graph, cluster, global_batch_size, base, profile, opts, stats)
     if not cands:
         raise ConfigError("no configuration could be costed; check the batch size and the "
