@@ -157,3 +157,36 @@ def test_malformed_graph_json():
 
 def test_public_api():
     assert autoplan.trace is trace
+
+
+@pytest.mark.parametrize("name,layers", [("gpt-tiny", 5), ("llama-tiny", 4), ("hf-gpt2-tiny", 4),
+                                         ("hf-llama-tiny", 3), ("hf-bert-tiny", 3)])
+def test_stamped_trace_equals_full_trace(name, layers):
+    """Tracing two layers and stamping the rest gives the graph a full trace gives."""
+    if name.startswith("hf-") and not has_transformers():
+        pytest.skip("transformers not installed")
+    from autoplan.cost.memory import activation_bytes
+    ex = build_example(name, device="meta", batch_size=2, num_layers=layers)
+    kw = dict(loss_fn=ex.loss_fn, targets=ex.targets)
+    fast = trace(ex.model, ex.example_inputs, **kw)
+    full = trace(ex.model, ex.example_inputs, fold_repeats=False, **kw)
+    assert fast.meta["stamped"]["layers"] == layers and "stamped" not in full.meta
+    assert [op.target for op in fast.ops] == [op.target for op in full.ops]
+    assert [op.fwd_flops for op in fast.ops] == [op.fwd_flops for op in full.ops]
+    assert [op.module_path for op in fast.ops] == [op.module_path for op in full.ops]
+    assert sorted((v.fqn, v.meta) for v in fast.param_values) == \
+        sorted((v.fqn, v.meta) for v in full.param_values)
+    assert [(b.name, [(i.path, i.start, i.stop) for i in b.instances]) for b in fast.blocks] == \
+        [(b.name, [(i.path, i.start, i.stop) for i in b.instances]) for b in full.blocks]
+    for rc in ("none", "selective", "full"):
+        assert activation_bytes(fast, 0, len(fast.ops), micro_batch_size=2, recompute=rc) == \
+            activation_bytes(full, 0, len(full.ops), micro_batch_size=2, recompute=rc)
+    _check_graph(fast, ex.model)
+
+
+def test_stamping_falls_back_when_layers_cannot_be_cut():
+    """DLRM's tables are identical modules, but the model needs all of them: full trace."""
+    ex = build_example("dlrm-tiny", device="meta", batch_size=2)
+    g = trace(ex.model, ex.example_inputs, loss_fn=ex.loss_fn, targets=ex.targets)
+    assert "stamped" not in g.meta
+    _check_graph(g, ex.model)

@@ -10,6 +10,7 @@ propagate ``requires_grad``, and find the repeated blocks.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import operator
 import os
@@ -160,12 +161,40 @@ def _tensor_nodes(args: Sequence[Any], kwargs: Mapping[str, Any]) -> list[torch.
 def trace(model: nn.Module, example_inputs: Sequence[Any], *,
           loss_fn: Callable[[Any, torch.Tensor], torch.Tensor] | None = None,
           targets: torch.Tensor | None = None, train: bool = True,
-          name: str | None = None) -> OpGraph:
+          name: str | None = None, fold_repeats: bool = True) -> OpGraph:
     """Trace ``model(*example_inputs)`` (plus ``loss_fn(output, targets)`` if given) to an OpGraph.
 
     Works on real and meta-device models; a meta-device model never allocates its parameters.
+    With ``fold_repeats`` a model whose layers sit in a list of identical modules is traced
+    through two layers and the others are stamped from them (``stamp.py``; same graph, a
+    fraction of the time); anything unusual falls back to tracing every layer.
     Raises ``TraceError`` naming the failing module and source line when export fails.
     """
+    if fold_repeats and isinstance(model, nn.Module):
+        from autoplan.graph import stamp
+        found = stamp.repeated_list(model)
+        if found is not None:
+            container, _mod, n = found
+            t0 = time.perf_counter()
+            quiet = logging.getLogger("torch._subclasses.fake_tensor")
+            level = quiet.level
+            quiet.setLevel(logging.CRITICAL)     # a failed cut is expected to log errors
+            try:
+                with stamp.cut_to_two(model, container):
+                    short = trace(model, example_inputs, loss_fn=loss_fn, targets=targets,
+                                  train=train, name=name, fold_repeats=False)
+            except TraceError:
+                short = None
+            finally:
+                quiet.setLevel(level)
+            full = stamp.stamp(short, container, n) if short is not None else None
+            expected = sum(p.numel() for p in model.parameters())
+            if full is not None and full.num_params == expected:
+                meta = dict(full.meta)
+                meta["trace_s"] = round(time.perf_counter() - t0, 3)
+                return OpGraph(name=full.name, ops=full.ops, values=full.values,
+                               inputs=full.inputs, outputs=full.outputs, blocks=full.blocks,
+                               batch_size=full.batch_size, meta=meta)
     if not isinstance(model, nn.Module):
         raise TraceError(f"trace() needs an nn.Module, got {type(model).__name__}")
     inputs = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
