@@ -1,8 +1,9 @@
 """`autoplan demo`: the main job on built-in defaults.
 
 Traces a small GPT, estimates it on this machine and on a DGX A100 node, then traces GPT-3 175B
-on the meta device (nothing allocated) and estimates the Megatron-LM configuration for it on
-1,536 A100s (192 DGX nodes: dp 16 x tp 8 x pp 12, as in Narayanan et al. 2021).
+on the meta device (nothing allocated), estimates the Megatron-LM configuration for it on
+1,536 A100s (192 DGX nodes: dp 16 x tp 8 x pp 12, as in Narayanan et al. 2021), and searches
+the best plan for it on 1,024 A100s (128 nodes; pipeline parallelism joins the search later).
 """
 
 from __future__ import annotations
@@ -60,4 +61,15 @@ def run(args: argparse.Namespace) -> int:
     print(f"\n-- on {cluster.world_size} x {cluster.device.name} ({cluster.num_nodes} nodes), "
           "global batch 1536:")
     print(est.report())
+
+    from autoplan.planner.explain import explain_plan
+    from autoplan.planner.search import plan
+    cluster = Cluster.preset("dgx-a100-80gb", nodes=128)
+    print(f"\n== 3. the best plan for GPT-3 175B on {cluster.world_size} x {cluster.device.name}, "
+          "global batch 1536 ==")
+    t0 = time.perf_counter()
+    best = plan(graph, cluster, global_batch_size=1536, name="gpt3-175b",
+                progress=lambda msg: print(f"  {msg}"))
+    print(f"searched in {time.perf_counter() - t0:.1f} s\n")
+    print(explain_plan(best))
     return 0

@@ -1,0 +1,66 @@
+"""Planning time and ILP sizes: trace + search, on this machine, for the issue's targets.
+
+    python benchmarks/search_time.py            # all cases
+    python benchmarks/search_time.py llama3-8b  # one
+
+Targets (issue 3): Llama-3-8B shapes on 64 H100 (8 nodes) <= 10 s; GPT-3 175B shapes on
+1,024 A100 (128 DGX nodes, no pipeline yet) <= 60 s. Each case runs in a fresh process.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+CASES = {
+    "llama3-8b": ("llama3-8b", "dgx-h100", 8, 512),
+    "gpt3-175b": ("gpt3-175b", "dgx-a100-80gb", 128, 1536),
+}
+
+
+def one(key: str) -> dict:
+    import torch
+
+    from autoplan import Cluster, plan
+    from autoplan.graph import trace
+    from autoplan.models import build_example
+    torch.set_num_threads(1)
+    model, preset, nodes, gbs = CASES[key]
+    t0 = time.perf_counter()
+    ex = build_example(model, device="meta", batch_size=1)
+    graph = trace(ex.model, ex.example_inputs, loss_fn=ex.loss_fn, targets=ex.targets, name=model)
+    t1 = time.perf_counter()
+    cluster = Cluster.preset(preset, nodes=nodes)
+    p = plan(graph, cluster, global_batch_size=gbs, profile=None, name=model)
+    t2 = time.perf_counter()
+    return {"case": key, "world": cluster.world_size, "ops": len(graph.ops),
+            "trace_s": t1 - t0, "search_s": t2 - t1, "total_s": t2 - t0,
+            "ilps": p.solver.ilps_solved, "candidates": p.solver.candidates_evaluated,
+            "vars": p.solver.num_variables, "constraints": p.solver.num_constraints,
+            "status": p.solver.status, "config": p.config.short(),
+            "step_s": p.predicted["step_time_s"], "mfu": p.predicted["mfu"]}
+
+
+def main(argv: list[str]) -> int:
+    if argv[:1] == ["--one"]:
+        print(json.dumps(one(argv[1])))
+        return 0
+    for key in argv or list(CASES):
+        out = subprocess.run([sys.executable, __file__, "--one", key], capture_output=True,
+                             text=True)
+        if out.returncode:
+            print(f"{key}: FAILED {out.stderr.strip().splitlines()[-1:]}")
+            continue
+        r = json.loads(out.stdout.strip().splitlines()[-1])
+        print(f"{r['case']} on {r['world']} devices: trace {r['trace_s']:.1f} s + search "
+              f"{r['search_s']:.1f} s = {r['total_s']:.1f} s; {r['ilps']} ILPs (the chosen plan's: "
+              f"{r['vars']} variables, {r['constraints']} constraints, {r['status']}), "
+              f"{r['candidates']} configurations costed")
+        print(f"    plan: {r['config']}  step {r['step_s']:.2f} s  MFU {r['mfu'] * 100:.1f}%")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
