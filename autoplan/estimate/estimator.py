@@ -30,6 +30,7 @@ from autoplan.estimate.config import ParallelConfig
 from autoplan.estimate.partition import Chunk, partition
 from autoplan.estimate.result import Estimate, MemoryBreakdown, StageEstimate, TimeBreakdown
 from autoplan.graph.opgraph import OpGraph
+from autoplan.graph.trace import as_graph
 from autoplan.planner.placement import REPLICATE
 from autoplan.planner.sharding import Sharding
 
@@ -52,17 +53,6 @@ class _ChunkCost:
     param_tensors: int            # parameter tensors (an optimizer's per-tensor costs)
     boundary_bytes: float         # activation sent to the next chunk per micro-batch
     num_layers: int
-
-
-def _graph_of(model: Any, example_inputs: Sequence[Any] | None, loss_fn: Any,
-              targets: Any) -> OpGraph:
-    if isinstance(model, OpGraph):
-        return model
-    from autoplan.graph.trace import trace
-    if example_inputs is None:
-        raise ConfigError("estimate() needs example_inputs to trace the model "
-                          "(or pass an OpGraph from autoplan.trace)")
-    return trace(model, example_inputs, loss_fn=loss_fn, targets=targets)
 
 
 def validate(graph: OpGraph, cluster: Any, config: ParallelConfig,
@@ -266,7 +256,8 @@ def estimate(model: Any, cluster: Any, *, config: ParallelConfig, global_batch_s
         raise ConfigError(f"config must be an autoplan.ParallelConfig, got {type(config).__name__}")
     if not isinstance(global_batch_size, int) or global_batch_size < 1:
         raise ConfigError(f"global_batch_size must be a positive integer, got {global_batch_size!r}")
-    graph = _graph_of(model, example_inputs, loss_fn, targets)
+    graph = as_graph(model, example_inputs, loss_fn=loss_fn, targets=targets, who="estimate()",
+                     error=ConfigError)
     m = validate(graph, cluster, config, global_batch_size)
     a = analyze(graph)
     if profile == "auto":

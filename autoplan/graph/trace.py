@@ -233,6 +233,18 @@ def trace(model: nn.Module, example_inputs: Sequence[Any], *,
                    meta=meta)
 
 
+def as_graph(model: Any, example_inputs: Sequence[Any] | None, *, loss_fn: Any = None,
+             targets: Any = None, who: str = "this function",
+             error: type[Exception] = TraceError) -> OpGraph:
+    """``model`` itself when it is an OpGraph, else its trace; ``error`` when there are no inputs."""
+    if isinstance(model, OpGraph):
+        return model
+    if example_inputs is None:
+        raise error(f"{who} needs example_inputs to trace the model (meta tensors are fine), "
+                    "or an OpGraph from autoplan.trace")
+    return trace(model, example_inputs, loss_fn=loss_fn, targets=targets)
+
+
 def _strip(path: str, prefix: str) -> str:
     if prefix and path.startswith(prefix):
         return path[len(prefix):]

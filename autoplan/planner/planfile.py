@@ -340,7 +340,9 @@ def load_plan(path: str | os.PathLike[str], *, model: Any = None, cluster: Any =
         raise PlanError(f"load_plan got planning options {sorted(plan_kwargs)} without "
                         "replan=True; they are only used when re-planning")
     if graph is None and model is not None:
-        graph = _graph_of(model, example_inputs, loss_fn, targets)
+        from autoplan.graph.trace import as_graph
+        graph = as_graph(model, example_inputs, loss_fn=loss_fn, targets=targets,
+                         who="load_plan(model=...)", error=PlanError)
     problems = []
     if graph is not None and graph.fingerprint() != plan.model.fingerprint:
         problems.append(_model_mismatch(plan.model, ModelInfo.of(graph)))
@@ -360,16 +362,6 @@ def load_plan(path: str | os.PathLike[str], *, model: Any = None, cluster: Any =
               "precision": plan.training.precision, "optimizer": plan.training.optimizer,
               **plan_kwargs}
     return search.plan(graph, cluster, **kwargs)
-
-
-def _graph_of(model: Any, example_inputs: Any, loss_fn: Any, targets: Any) -> Any:
-    from autoplan.graph import OpGraph, trace
-    if isinstance(model, OpGraph):
-        return model
-    if example_inputs is None:
-        raise PlanError("load_plan(model=...) needs example_inputs= to trace the model (meta "
-                        "tensors are fine), or pass graph= an OpGraph")
-    return trace(model, example_inputs, loss_fn=loss_fn, targets=targets)
 
 
 def _describe_model(m: ModelInfo) -> str:

@@ -32,6 +32,7 @@ from autoplan.estimate.config import ParallelConfig
 from autoplan.estimate.estimator import estimate, validate
 from autoplan.estimate.result import Estimate
 from autoplan.graph.opgraph import OpGraph
+from autoplan.graph.trace import as_graph
 from autoplan.planner import mesh as meshes
 from autoplan.planner.ilp import ILPSolution, solve
 from autoplan.planner.planfile import (Alternative, ClusterInfo, MeshInfo, ModelInfo,
@@ -87,15 +88,6 @@ class _Stats:
     ilps: int = 0
     evaluated: int = 0
     t0: float = field(default_factory=time.perf_counter)
-
-
-def _graph(model: Any, example_inputs: Any, loss_fn: Any, targets: Any) -> OpGraph:
-    if isinstance(model, OpGraph):
-        return model
-    from autoplan.graph.trace import trace
-    if example_inputs is None:
-        raise ConfigError("plan() needs example_inputs to trace the model (or an OpGraph)")
-    return trace(model, example_inputs, loss_fn=loss_fn, targets=targets)
 
 
 def _mbs_options(per_replica: int, opts: SearchOptions) -> list[int]:
@@ -263,7 +255,8 @@ def plan(model: Any, cluster: Any, *, global_batch_size: int, example_inputs: An
     opts = SearchOptions(**options)
     say = progress or (lambda _msg: None)
     stats = _Stats()
-    graph = _graph(model, example_inputs, loss_fn, targets)
+    graph = as_graph(model, example_inputs, loss_fn=loss_fn, targets=targets, who="plan()",
+                     error=ConfigError)
     if profile == "auto":
         from autoplan.cost.profile_db import ProfileDB
         profile = ProfileDB.find(cluster.device.name)
