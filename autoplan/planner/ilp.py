@@ -30,6 +30,7 @@ import os
 import re
 import tempfile
 import time
+import warnings
 from dataclasses import dataclass
 
 import pulp
@@ -146,6 +147,13 @@ def _add_memory(prob, problem: ILPProblem, fixed: dict[int, int], x) -> None:
 
 
 def solve(problem: ILPProblem, *, time_limit_s: float = 30.0) -> ILPSolution:
+    # PuLP 3.x announces its 4.0 API on every variable; the 2.7-3.x API used here is stable
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return _solve(problem, time_limit_s)
+
+
+def _solve(problem: ILPProblem, time_limit_s: float) -> ILPSolution:
     t0 = time.perf_counter()
     fixed = {v: 0 for v, c in enumerate(problem.node_costs) if len(c) == 1}
     free = [v for v in range(problem.num_nodes) if v not in fixed]
