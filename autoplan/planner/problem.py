@@ -27,6 +27,11 @@ from autoplan.planner.strategies import OpStrategy, strategies
 
 FOLLOW_KINDS = frozenset({"view", "pointwise", "dropout", "copy", "reduction"})
 
+# The runtime reshards tensors where a module with parameters takes its input (the layouts of
+# its ParallelStyle); ops between modules run on local shards as they come. A plan that needs a
+# reshard in front of a parameter-free op could not run, so that choice costs this much.
+UNRUNNABLE_S = 1.0e6
+
 
 @dataclass(frozen=True)
 class CostContext:
@@ -194,7 +199,7 @@ def _node_cost(ctx: CostContext, node: _Node, j: int) -> tuple[float, float]:
             where = s.inputs[k] if 0 <= k < len(s.inputs) else node.placement[j].get(n, REPLICATE)
             acts += _value_bytes(ctx, base.name) * (1.0 / ctx.t if where.kind == "S" else 1.0)
     for name, src, dst in node.internal[j]:
-        per_mb += _reshard_s(ctx, name, src, dst)
+        per_mb += UNRUNNABLE_S      # a follower (no parameters) cannot gather its input
     time_s = node.mult * (ctx.microbatches * per_mb + step)
     mem = node.mult * (params + acts * ctx.activation_multiplier)
     return time_s, mem
@@ -244,7 +249,9 @@ def reduce_graph(ctx: CostContext) -> Reduction:
                 s = nodes[v].choices[j][pos]
                 dst = s.inputs[k] if k < len(s.inputs) else REPLICATE
                 if src != dst:
-                    mat[i][j] = count * ctx.microbatches * _reshard_s(ctx, x_rep, src, dst)
+                    cost = (_reshard_s(ctx, x_rep, src, dst) if graph.ops[rc].params
+                            else UNRUNNABLE_S)
+                    mat[i][j] = count * ctx.microbatches * cost
         if u == v:
             for j in range(kv):
                 costs[v][j] += mat[j][j]

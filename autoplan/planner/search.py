@@ -39,7 +39,7 @@ from autoplan.planner.planfile import (Alternative, ClusterInfo, MeshInfo, Model
                                        ParamPlacement, Plan, SolverReport, TrainingInfo,
                                        predicted_from_estimate)
 from autoplan.planner.problem import CostContext, reduce_graph, sharding_from_choice
-from autoplan.planner.sharding import Sharding, megatron_sharding, replicated
+from autoplan.planner.sharding import Sharding, megatron_sharding, replicated, replicated_on
 
 
 _SP_STYLES = frozenset({"colwise_sp", "rowwise_sp", "vocab_sp", "seq"})
@@ -127,8 +127,11 @@ def _ilp_sharding(graph: OpGraph, cluster: Any, config: ParallelConfig, profile:
     sol = solve(red.problem, time_limit_s=opts.ilp_time_limit_s)
     stats.ilps += 1
     if sol.status in ("infeasible", "not_solved"):
-        return megatron_sharding(graph, t, False), sol
-    return sharding_from_choice(graph, t, red, sol.choice), sol
+        return replicated_on(graph, t), sol
+    sh = sharding_from_choice(graph, t, red, sol.choice)
+    if not sh.runnable(graph):      # only when every choice needed a reshard between modules
+        return replicated_on(graph, t), sol
+    return sh, sol
 
 
 def _policies(config: ParallelConfig, opts: SearchOptions, cluster: Any,

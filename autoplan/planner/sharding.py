@@ -102,6 +102,11 @@ class Sharding:
     def is_trivial(self) -> bool:
         return self.t == 1
 
+    def runnable(self, graph: OpGraph) -> bool:
+        """True when every reshard sits in front of an op with parameters (a module whose
+        ParallelStyle layouts the runtime sets); ops between modules take shards as they are."""
+        return all(graph.ops[r.op_index].params for r in self.reshards)
+
     # ---- construction ----------------------------------------------------------------------
     @staticmethod
     def build(graph: OpGraph, t: int, chosen: Sequence[OpStrategy]) -> Sharding:
@@ -131,6 +136,11 @@ class Sharding:
 
 def replicated(graph: OpGraph) -> Sharding:
     return Sharding.build(graph, 1, [strategies(graph, op, 1)[0] for op in graph.ops])
+
+
+def replicated_on(graph: OpGraph, t: int) -> Sharding:
+    """Every op replicated on a t-way axis (each rank of the group does all the work)."""
+    return Sharding.build(graph, t, [strategies(graph, op, t)[0] for op in graph.ops])
 
 
 def _pick(options: list[OpStrategy], want: Sequence[Placement | None]) -> OpStrategy | None:
