@@ -23,7 +23,7 @@ from autoplan.graph.opgraph import OpGraph
 from autoplan.planner.ilp import ILPProblem
 from autoplan.planner.placement import REPLICATE, Placement
 from autoplan.planner.sharding import Sharding, reshard_kind
-from autoplan.planner.strategies import OpStrategy, strategies
+from autoplan.planner.strategies import RUNNABLE_STYLES, OpStrategy, strategies
 
 FOLLOW_KINDS = frozenset({"view", "pointwise", "dropout", "copy", "reduction"})
 
@@ -130,7 +130,10 @@ def _expand(graph: OpGraph, node: _Node, t: int, cache: dict[int, list[OpStrateg
     """Per leader strategy: the followers' strategies and the node's value placements."""
     def opts(i):
         if i not in cache:
-            cache[i] = strategies(graph, graph.ops[i], t)
+            # between modules the runtime inserts no collective: such strategies are out
+            cache[i] = [s for s in strategies(graph, graph.ops[i], t)
+                        if s.style in RUNNABLE_STYLES
+                        and not (s.style == "local" and s.comms and not graph.ops[i].params)]
         return cache[i]
     node.choices, node.placement, node.internal = [], [], []
     for s in opts(node.ops[0]):

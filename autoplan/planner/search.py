@@ -69,6 +69,7 @@ class SearchOptions:
     force: dict[str, Any] = field(default_factory=dict)
     top_k: int = 5
     ilp_time_limit_s: float = 20.0
+    sharding: str = "ilp"        # "ilp", or "megatron" (Megatron-LM's rule, for comparisons)
     memory_margin_bytes: float | None = None
 
 
@@ -256,6 +257,8 @@ def plan(model: Any, cluster: Any, *, global_batch_size: int, example_inputs: An
     ``options`` are ``SearchOptions`` fields (``force={...}``, ``top_k``, ``max_tp``...).
     """
     opts = SearchOptions(**options)
+    if opts.sharding not in ("ilp", "megatron"):
+        raise ConfigError(f"sharding must be 'ilp' or 'megatron', got {opts.sharding!r}")
     say = progress or (lambda _msg: None)
     stats = _Stats()
     graph = as_graph(model, example_inputs, loss_fn=loss_fn, targets=targets, who="plan()",
@@ -283,11 +286,16 @@ def plan(model: Any, cluster: Any, *, global_batch_size: int, example_inputs: An
             except ConfigError as e:
                 say(f"mesh dp{shape.dp} x tp{shape.tp} mbs {mbs}: {e}")
                 break
-            sh, sol = ((replicated(graph), None) if shape.tp == 1 else
-                       _ilp_sharding(graph, cluster, cfg, profile, m, opts, stats))
+            if shape.tp == 1:
+                sh, sol = replicated(graph), None
+            elif opts.sharding == "megatron":
+                sh, sol = megatron_sharding(graph, shape.tp,
+                                            bool(opts.force.get("sequence_parallel"))), None
+            else:
+                sh, sol = _ilp_sharding(graph, cluster, cfg, profile, m, opts, stats)
             found = _evaluate(graph, cluster, _policies(cfg, opts, cluster, graph), sh, sol, global_batch_size,
                               profile, opts, stats, "search")
-            if shape.tp > 1 and not any(c.est.fits for c in found):
+            if shape.tp > 1 and opts.sharding == "ilp" and not any(c.est.fits for c in found):
                 budget = cluster.device.memory_bytes - (found[0].est.stages[0].memory.margin_bytes
                                                         if found else 0.0)
                 sh2, sol2 = _ilp_sharding(graph, cluster, cfg, profile, m, opts, stats,

@@ -199,7 +199,35 @@ def megatron_sharding(graph: OpGraph, t: int, sequence_parallel: bool = False) -
             placement[n] = p
             if p.kind == "S" and (split or starts_split) and not ends_split:
                 model_split.add(n)
-    return Sharding.build(graph, t, chosen)
+    return _repair(graph, t, chosen)
+
+
+def _repair(graph: OpGraph, t: int, chosen: list[OpStrategy]) -> Sharding:
+    """Move reshards off parameter-free ops (the runtime reshards only at module inputs): when
+    such an op needs a placement its producer module could emit directly, switch the module to
+    the strategy that emits it (e.g. a position embedding sharded on the sequence for SP)."""
+    sh = Sharding.build(graph, t, chosen)
+    for _round in range(4):
+        producer = {n: i for i, op in enumerate(graph.ops) for n in op.outputs}
+        changed = False
+        for r in sh.reshards:
+            if graph.ops[r.op_index].params:
+                continue
+            p = producer.get(r.value)
+            if p is None or not graph.ops[p].params:
+                continue
+            want = sh.input_placement(graph, r.op_index, r.value)
+            pos = graph.ops[p].outputs.index(r.value)
+            for alt in strategies(graph, graph.ops[p], t):
+                # a module may reshard its own input, so only its output has to match
+                if pos < len(alt.outputs) and alt.outputs[pos] == want:
+                    chosen[p] = alt
+                    changed = True
+                    break
+        if not changed:
+            break
+        sh = Sharding.build(graph, t, chosen)
+    return sh
 
 
 __all__ = ["Comm", "Reshard", "Sharding", "megatron_sharding", "replicated", "reshard_kind"]

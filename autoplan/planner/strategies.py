@@ -52,8 +52,20 @@ RUNTIME_STYLES = {
     "seq": "SequenceParallel()",
     "batch": "inputs split on the batch dim over the tp axis (data-parallel within the group)",
     "loss_parallel": "torch.distributed.tensor.parallel.loss_parallel()",
+    "loss_batch": "loss on batch shards, averaged over the tp group (not runnable yet)",
+    "out_channel": "convolution output channels split (not runnable yet)",
+    "in_channel": "convolution input channels split, output all-reduced (not runnable yet)",
+    "channel": "batch-norm channels split (not runnable yet)",
     "local": "no module: runs on local shards",
 }
+
+
+# Styles the runtime (autoplan.runtime) realizes today; the search only picks strategies with
+# one of these. Channel splits of convolutions and batch norms are costed (estimate accepts
+# them) but wait for a runtime style before the planner may choose them.
+RUNNABLE_STYLES = frozenset({"replicate", "colwise", "colwise_sp", "rowwise", "rowwise_sp",
+                             "vocab", "vocab_sp", "embed_dim", "seq", "batch", "loss_parallel",
+                             "local"})
 
 
 @dataclass(frozen=True)
@@ -288,7 +300,7 @@ def _loss(graph: OpGraph, op: Op, t: int) -> list[OpStrategy]:
     if _div(logits.shape[0], t) and all(graph.value(n).meta.shape[:1] == logits.shape[:1]
                                         for n in op.inputs):
         res.append(OpStrategy("batch", tuple(shard(0) for _ in op.inputs), (REPLICATE,), t,
-                              (Comm("all_reduce", out, "fwd"),), "batch"))
+                              (Comm("all_reduce", out, "fwd"),), "loss_batch"))
     if op.target.startswith("aten.cross_entropy_loss") and len(logits.shape) == 2 \
             and _div(logits.shape[1], t):
         # loss parallel: per token, the max, the sum of exponentials and the target logit

@@ -1,0 +1,113 @@
+"""Gradient synchronization and optimizer placements the plan can ask for.
+
+- ``DataParallelGrads``: with tensor parallelism and ZeRO-0/1, weights are DTensors on the tp
+  mesh; their local gradient shards are averaged over the dp group after backward.
+- ``TensorShardedOptimizer``: ZeRO-1 by whole tensors: each dp rank keeps optimizer state for
+  the tensors it owns, steps them, and broadcasts the updated tensors to its dp peers.
+- ``HostOffloadOptimizer``: optimizer state (and the fp32 master copy the step updates) kept in
+  host memory; gradients go down, updated weights come back; bytes moved are counted.
+All work on local shards (``DTensor.to_local()``), so they compose with tensor parallelism.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+class DataParallelGrads:
+    def __init__(self, model: torch.nn.Module, group: Any, dp: int):
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.group = group
+        self.dp = dp
+
+    def all_reduce(self) -> None:
+        for p in self.params:
+            if p.grad is None:
+                continue
+            g = _local(p.grad)
+            dist.all_reduce(g, group=self.group)
+            g.div_(self.dp)
+
+
+class TensorShardedOptimizer:
+    """ZeRO-1 over a dp group, partitioned by whole parameter tensors (balanced by size)."""
+
+    def __init__(self, params: Sequence[torch.nn.Parameter],
+                 factory: Callable[[Any], torch.optim.Optimizer], group: Any):
+        self.params = list(params)
+        self.group = group
+        n = dist.get_world_size(group)
+        me = dist.get_rank(group)
+        loads = [0] * n
+        order = sorted(range(len(self.params)), key=lambda i: (-_local(self.params[i]).numel(), i))
+        owner = [0] * len(self.params)
+        for i in order:
+            k = min(range(n), key=lambda r: (loads[r], r))
+            owner[i] = k
+            loads[k] += _local(self.params[i]).numel()
+        self.owner = owner
+        mine = [p for p, o in zip(self.params, owner) if o == me]
+        self.inner = factory(mine) if mine else None
+        self.src = [dist.get_global_rank(group, o) for o in owner]
+
+    def step(self) -> None:
+        if self.inner is not None:
+            self.inner.step()
+        with torch.no_grad():
+            for p, src in zip(self.params, self.src):
+                dist.broadcast(_local(p).data, src=src, group=self.group)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for p in self.params:
+            p.grad = None
+
+    @property
+    def param_groups(self):
+        return self.inner.param_groups if self.inner is not None else []
+
+
+class HostOffloadOptimizer:
+    """Runs the optimizer ``factory`` builds on fp32 host copies of the weights: its state and
+    the master weights live in host memory; gradients go down, updated weights come back."""
+
+    def __init__(self, params: Sequence[torch.nn.Parameter],
+                 factory: Callable[[Any], torch.optim.Optimizer]):
+        self.params = list(params)
+        self.host = [_local(p).detach().to("cpu", torch.float32, copy=True).requires_grad_(True)
+                     for p in self.params]
+        self.inner = factory(self.host)
+        self.bytes_moved = 0
+
+    def step(self) -> None:
+        with torch.no_grad():
+            for p, h in zip(self.params, self.host):
+                if p.grad is None:
+                    h.grad = None
+                    continue
+                g = _local(p.grad)
+                h.grad = g.to("cpu", torch.float32, copy=True)
+                self.bytes_moved += g.numel() * g.element_size()
+            self.inner.step()
+            for p, h in zip(self.params, self.host):
+                local = _local(p)
+                local.copy_(h.to(local.device, local.dtype))
+                self.bytes_moved += local.numel() * local.element_size()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for p in self.params:
+            p.grad = None
+        for h in self.host:
+            h.grad = None
+
+    @property
+    def param_groups(self):
+        return self.inner.param_groups

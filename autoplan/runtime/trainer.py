@@ -1,0 +1,245 @@
+"""``autoplan.compile``: a plan becomes a training step on torch.distributed.
+
+``compile`` runs on every rank of a ``torchrun`` job (or alone for a one-process plan). Before
+any collective it traces the model and checks the plan against it and the cluster (fingerprints,
+world size), so a wrong plan fails fast on every rank with the same message. Then it builds the
+device mesh, applies the plan (``parallelize.py``) and returns a ``Trainer`` whose ``step``
+computes what single-device training computes: the rank's data-parallel slice of the global
+batch, in micro-batches (gradient accumulation), losses averaged the same way.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+from functools import partial
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from autoplan.errors import PlanError
+from autoplan.planner.planfile import Plan, load_plan
+from autoplan.runtime import parallelize as par
+from autoplan.runtime.layouts import module_layouts, sharding_from_plan, uses_loss_parallel
+from autoplan.runtime.optim import (DataParallelGrads, HostOffloadOptimizer,
+                                    TensorShardedOptimizer)
+
+COLLECTIVE_TIMEOUT_S = int(os.environ.get("AUTOPLAN_COLLECTIVE_TIMEOUT_S", "120"))
+
+
+def init_distributed(backend: str) -> tuple[int, int]:
+    """(rank, world size); starts the process group from torchrun's environment when needed.
+    Collectives time out (``AUTOPLAN_COLLECTIVE_TIMEOUT_S``, default 120 s) so that a dead rank
+    fails the job instead of hanging it."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        dist.init_process_group(backend=backend,
+                                timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+@dataclass
+class Trainer:
+    model: nn.Module
+    optimizer: Any
+    loss_fn: Callable[[Any, Any], torch.Tensor] | None
+    plan: Plan
+    rank: int
+    dp_index: int
+    dp_group: Any
+    grad_sync: DataParallelGrads | None
+    loss_parallel: bool
+    device: torch.device
+    autocast_dtype: torch.dtype | None
+
+    @property
+    def config(self):
+        return self.plan.config
+
+    def _slices(self, batch: Sequence[torch.Tensor]) -> list[list[torch.Tensor]]:
+        cfg = self.config
+        rows = batch[0].shape[0]
+        if rows != self.plan.training.global_batch_size:
+            raise PlanError(f"step() got a batch of {rows} samples; the plan is for a global "
+                            f"batch of {self.plan.training.global_batch_size}")
+        per = rows // cfg.dp
+        lo = self.dp_index * per
+        mbs = cfg.micro_batch_size
+        return [[t[lo + k * mbs: lo + (k + 1) * mbs].to(self.device) for t in batch]
+                for k in range(per // mbs)]
+
+    def step(self, batch: Sequence[torch.Tensor]) -> float:
+        """Forward, backward and optimizer step on the global ``batch`` (inputs..., targets);
+        returns the loss averaged over the global batch (the same on every rank)."""
+        if isinstance(batch, torch.Tensor):
+            batch = (batch,)
+        chunks = self._slices(list(batch))
+        total = torch.zeros((), dtype=torch.float64)
+        no_sync = getattr(self.model, "no_sync", None)
+        for k, chunk in enumerate(chunks):
+            last = k == len(chunks) - 1
+            ctx = no_sync() if (no_sync is not None and not last) else contextlib.nullcontext()
+            with ctx, self._loss_context():
+                loss = self._loss(chunk)
+                (loss / len(chunks)).backward()   # loss parallel needs backward inside too
+            total += float(_local(loss).detach())
+        if self.grad_sync is not None:
+            self.grad_sync.all_reduce()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        mean = total / len(chunks)
+        if self.dp_group is not None and self.config.dp > 1:
+            t = mean.to(torch.float64).reshape(1)
+            dist.all_reduce(t, group=self.dp_group)
+            mean = t[0] / self.config.dp
+        return float(mean)
+
+    def _loss(self, chunk: list[torch.Tensor]) -> torch.Tensor:
+        inputs, targets = (chunk[:-1], chunk[-1]) if self.loss_fn is not None else (chunk, None)
+        amp = (torch.autocast(self.device.type, dtype=self.autocast_dtype)
+               if self.autocast_dtype is not None else contextlib.nullcontext())
+        with amp:
+            out = self.model(*inputs)
+            if self.loss_fn is None:
+                return out
+            return self.loss_fn(out, targets)
+
+    def _loss_context(self):
+        if self.loss_parallel:
+            from torch.distributed.tensor.parallel import loss_parallel
+            return loss_parallel()
+        return contextlib.nullcontext()
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def _logits_module(graph, sharding) -> str | None:
+    """The module whose output feeds a loss-parallel cross entropy (through views)."""
+    from autoplan.cost.analysis import analyze
+    a = analyze(graph)
+    for i, s in enumerate(sharding.op_strategy):
+        if s.style != "loss_parallel":
+            continue
+        name = graph.ops[i].inputs[0]
+        while name in a.producer:
+            op = graph.ops[a.producer[name]]
+            if op.params:
+                return op.module_path
+            acts = [n for n in op.inputs if graph.value(n).kind == "activation"]
+            if not acts:
+                return None
+            name = acts[0]
+    return None
+
+
+def compile(model: nn.Module, cluster: Any = "local", *, example_inputs: Sequence[Any],
+            optimizer: Callable[[Any], Any], global_batch_size: int,
+            loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
+            example_targets: Any = None, plan: Plan | str | os.PathLike | None = None,
+            precision: str = "fp32", seed: int = 0, **plan_kwargs: Any) -> Trainer:
+    """Build the sharded training program of ``plan`` (or plan now when None) on this rank.
+
+    ``model`` may live on the meta device: it is materialized shard by shard. ``optimizer`` is
+    a factory ``params -> torch.optim.Optimizer``. Every rank computes the same plan when none is
+    given (planning is deterministic), so no broadcast is needed.
+    """
+    from autoplan.cluster import Cluster
+    from autoplan.graph.trace import trace
+    from autoplan.planner.search import plan as make_plan
+
+    world_env = int(os.environ.get("WORLD_SIZE", "1"))
+    if isinstance(cluster, str):
+        cluster = Cluster.local(world_env) if cluster == "local" else Cluster.from_spec(cluster)
+    graph = trace(model, example_inputs,
+                  loss_fn=loss_fn if example_targets is not None else None,
+                  targets=example_targets)
+    if plan is None:
+        plan = make_plan(graph, cluster, global_batch_size=global_batch_size,
+                         precision=precision, **plan_kwargs)
+    elif not isinstance(plan, Plan):
+        plan = load_plan(plan, graph=graph, cluster=cluster)
+    else:
+        from autoplan.planner.planfile import ClusterInfo, ModelInfo
+        if plan.model.fingerprint != ModelInfo.of(graph).fingerprint or \
+                plan.cluster.fingerprint != ClusterInfo.of(cluster).fingerprint:
+            raise PlanError("the plan was made for another model or cluster; load it with "
+                            "autoplan.load_plan(path, graph=..., cluster=...) to see what differs")
+    if plan.training.global_batch_size != global_batch_size:
+        raise PlanError(f"the plan is for a global batch of {plan.training.global_batch_size}, "
+                        f"compile() got {global_batch_size}")
+    if plan.config.world_size != world_env and dist.is_initialized() is False:
+        raise PlanError(f"the plan needs {plan.config.world_size} processes but this job has "
+                        f"{world_env}; launch with torchrun --nproc-per-node "
+                        f"{plan.config.world_size} (or `autoplan run`)")
+    rank, world = init_distributed(cluster.backend)
+    if world != plan.config.world_size:
+        raise PlanError(f"the plan needs {plan.config.world_size} ranks, the job has {world}")
+    cfg = plan.config
+    device = (torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+              if cluster.device.kind == "gpu" and torch.cuda.is_available()
+              else torch.device("cpu"))
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    on_meta = any(p.is_meta for p in model.parameters())
+    if not on_meta:
+        model.to(device)
+
+    dp_group = tp_mesh = dp_mesh = None
+    if world > 1:
+        from torch.distributed.device_mesh import init_device_mesh
+        mesh = init_device_mesh(device.type, (cfg.dp, cfg.tp), mesh_dim_names=("dp", "tp"))
+        dp_mesh, tp_mesh = mesh["dp"], mesh["tp"]
+        dp_group = dp_mesh.get_group()
+    sharding = sharding_from_plan(graph, dict(plan.op_strategies), cfg.tp)
+    lp = uses_loss_parallel(sharding)
+    # 1. tensor parallelism
+    if cfg.tp > 1:
+        logits = _logits_module(graph, sharding) if lp else None
+        par.apply_tensor_parallel(model, module_layouts(graph, sharding), tp_mesh,
+                                  {logits} if logits else set())
+    # 2. activation recomputation
+    par.apply_recompute(model, dict(plan.recompute))
+    # 3. data parallelism / ZeRO
+    layers = [p for p, pol in plan.recompute.items()]
+    grad_sync = None
+    use_fsdp = cfg.dp > 1 and cfg.zero_stage >= 2
+    if use_fsdp:
+        mp = None
+        if cfg.precision != "fp32":
+            from torch.distributed.fsdp import MixedPrecisionPolicy
+            mp = MixedPrecisionPolicy(param_dtype=_dtype(cfg.precision), reduce_dtype=torch.float32)
+        par.apply_fsdp(model, layers, dp_mesh, reshard=cfg.zero_stage == 3, mp_policy=mp)
+    # 4. materialize a meta model, shard by shard
+    par.materialize(model, device, seed)
+    if cfg.dp > 1 and not use_fsdp:
+        if cfg.tp == 1:
+            from torch.nn.parallel import DistributedDataParallel as DDP
+            model = DDP(model, process_group=dp_group)
+        else:
+            grad_sync = DataParallelGrads(model, dp_group, cfg.dp)
+    params = [p for p in model.parameters() if p.requires_grad]
+    factory = optimizer
+    if cfg.offload_optimizer:
+        factory = partial(HostOffloadOptimizer, factory=optimizer)
+    if cfg.dp > 1 and cfg.zero_stage == 1:
+        opt = TensorShardedOptimizer(params, factory, dp_group)
+    else:
+        opt = factory(params)
+    autocast = _dtype(cfg.precision) if cfg.precision != "fp32" and not use_fsdp else None
+    return Trainer(model=model, optimizer=opt, loss_fn=loss_fn, plan=plan, rank=rank,
+                   dp_index=rank // cfg.tp, dp_group=dp_group, grad_sync=grad_sync,
+                   loss_parallel=lp, device=device, autocast_dtype=autocast)
+
+
+def _dtype(precision: str) -> torch.dtype:
+    return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[precision]
