@@ -1,75 +1,91 @@
 """`autoplan demo`: the main job on built-in defaults.
 
-Traces a small GPT, estimates it on this machine and on a DGX A100 node, then traces GPT-3 175B
-on the meta device (nothing allocated), estimates the Megatron-LM configuration for it on
-1,536 A100s (192 DGX nodes: dp 16 x tp 8 x pp 12, as in Narayanan et al. 2021), and searches
-the best plan for it on 1,024 A100s (128 nodes; pipeline parallelism joins the search later).
+1. plans a small GPT (gpt-small-cpu) for this machine as 4 CPU ranks on gloo and prints the plan;
+2. trains it with that plan under torchrun for a few steps: the loss per step, then the measured
+   step time next to the predicted one;
+3. traces GPT-3 175B on the meta device (nothing allocated) and plans it for 1,024 A100s
+   (128 DGX nodes), printing the plan: mesh, sharding, memory, time, alternatives, solver.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import subprocess
+import sys
+import tempfile
 import time
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("demo", help="trace and estimate example models on preset clusters",
-                       description=__doc__)
+    p = sub.add_parser("demo", help="plan and train a small GPT here, then plan GPT-3 175B",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--ranks", type=int, default=4, help="CPU ranks for the small GPT (4)")
+    p.add_argument("--steps", type=int, default=10, help="training steps (10)")
     p.add_argument("--quick", action="store_true",
                    help="trace GPT-3 175B with 8 layers instead of 96 (same per-layer costs)")
+    p.add_argument("--out", default=None, help="folder for the plan files (a temp folder)")
     p.set_defaults(func=run)
 
 
+def _headline(text: str) -> None:
+    print(f"\n{'=' * 100}\n{text}\n{'=' * 100}", flush=True)
+
+
 def run(args: argparse.Namespace) -> int:
+    from autoplan.cli.run_cmd import torchrun_command
     from autoplan.cluster import Cluster
-    from autoplan.estimate.config import ParallelConfig
-    from autoplan.estimate.estimator import estimate
     from autoplan.graph import trace
     from autoplan.models import build_example
-
-    print("== 1. a small GPT (gpt-small-cpu) ==")
-    ex = build_example("gpt-small-cpu", device="meta", batch_size=4)
-    graph = trace(ex.model, ex.example_inputs, loss_fn=ex.loss_fn, targets=ex.targets,
-                  name="gpt-small-cpu")
-    print(graph.summary())
-    local = Cluster.local()
-    est = estimate(graph, local, global_batch_size=4,
-                   config=ParallelConfig(micro_batch_size=4, precision="fp32"))
-    print(f"\n-- on this machine ({local.device.name}), fp32, batch 4:")
-    print(est.report())
-    node = Cluster.preset("dgx-a100-80gb", nodes=1)
-    est = estimate(graph, node, global_batch_size=64,
-                   config=ParallelConfig(dp=8, micro_batch_size=8, precision="bf16"))
-    print(f"\n-- on one DGX A100 node, data parallel x8, bf16, global batch 64:")
-    print(est.report())
-
-    layers = 8 if args.quick else 96
-    print(f"\n== 2. GPT-3 175B on the meta device ({layers} layers traced) ==")
-    t0 = time.perf_counter()
-    ex = build_example("gpt3-175b", device="meta", batch_size=1, num_layers=layers)
-    graph = trace(ex.model, ex.example_inputs, loss_fn=ex.loss_fn, targets=ex.targets,
-                  name="gpt3-175b")
-    print(graph.summary())
-    print(f"built and traced in {time.perf_counter() - t0:.1f} s")
-    cluster = Cluster.preset("dgx-a100-80gb", nodes=192)
-    config = ParallelConfig(dp=16, tp=8, pp=min(12, layers), micro_batch_size=1,
-                            schedule="1f1b", zero_stage=1, sequence_parallel=True,
-                            recompute="full", precision="bf16")
-    if layers != 96:
-        config = ParallelConfig(**{**config.to_dict(), "dp": 16 * 12 // config.pp})
-    est = estimate(graph, cluster, global_batch_size=1536, config=config)
-    print(f"\n-- on {cluster.world_size} x {cluster.device.name} ({cluster.num_nodes} nodes), "
-          "global batch 1536:")
-    print(est.report())
-
     from autoplan.planner.explain import explain_plan
     from autoplan.planner.search import plan
-    cluster = Cluster.preset("dgx-a100-80gb", nodes=128)
-    print(f"\n== 3. the best plan for GPT-3 175B on {cluster.world_size} x {cluster.device.name}, "
-          "global batch 1536 ==")
+
+    out = args.out or tempfile.mkdtemp(prefix="autoplan-demo-")
+    os.makedirs(out, exist_ok=True)
+    t_start = time.perf_counter()
+
+    _headline(f"1. plan a small GPT (gpt-small-cpu) for this machine: {args.ranks} CPU ranks, gloo")
+    small = build_example("gpt-small-cpu", batch_size=1, seed=0)
+    graph = trace(small.model, small.example_inputs, loss_fn=small.loss_fn,
+                  targets=small.targets, name="gpt-small-cpu")
+    local = Cluster.local(args.ranks)
+    gbs = 4 * args.ranks
+    small_plan = plan(graph, local, global_batch_size=gbs, precision="fp32",
+                      name="gpt-small-cpu")
+    path = os.path.join(out, "gpt-small-cpu.plan.json")
+    small_plan.save(path)
+    print(explain_plan(small_plan))
+    print(f"\nwrote {path}", flush=True)
+
+    _headline(f"2. train it with the plan: torchrun, {args.ranks} processes, {args.steps} steps, "
+              f"global batch {gbs}")
+    cmd = torchrun_command(path, "gpt-small-cpu", nproc=args.ranks, steps=args.steps, lr=1e-3,
+                           master_port=_free_port())
+    print("$ " + " ".join(cmd[2:]), flush=True)
+    code = subprocess.call(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    if code:
+        print(f"training failed (exit {code})", file=sys.stderr)
+        return code
+
+    layers = 8 if args.quick else 96
+    _headline(f"3. GPT-3 175B on the meta device ({layers} layers traced), planned for 1,024 A100")
     t0 = time.perf_counter()
-    best = plan(graph, cluster, global_batch_size=1536, name="gpt3-175b",
-                progress=lambda msg: print(f"  {msg}"))
-    print(f"searched in {time.perf_counter() - t0:.1f} s\n")
-    print(explain_plan(best))
+    big = build_example("gpt3-175b", device="meta", batch_size=1, num_layers=layers)
+    big_graph = trace(big.model, big.example_inputs, loss_fn=big.loss_fn, targets=big.targets,
+                      name="gpt3-175b")
+    print(big_graph.summary())
+    cluster = Cluster.preset("dgx-a100-80gb", nodes=128)
+    big_plan = plan(big_graph, cluster, global_batch_size=1536, name="gpt3-175b")
+    big_path = os.path.join(out, "gpt3-175b.plan.json")
+    big_plan.save(big_path)
+    print(f"traced and planned in {time.perf_counter() - t0:.1f} s\n")
+    print(explain_plan(big_plan))
+    print(f"\nwrote {big_path}; demo finished in {time.perf_counter() - t_start:.0f} s")
     return 0
+
+
+def _free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -89,17 +89,18 @@ def _calibration(calibration: Mapping[str, float] | None) -> dict[str, float]:
     return merged
 
 
-def profiled_calibration(device: str) -> dict[str, float] | None:
-    """The calibration of the installed profile for ``device`` (``autoplan profile``), if any."""
+def profiled_calibration(device: str) -> tuple[dict[str, float], int] | None:
+    """The calibration of the installed profile for ``device`` (``autoplan profile``) and the
+    thread count it was measured with, if there is one."""
     from autoplan.cost.profile_db import ProfileDB
 
     db = ProfileDB.find(device)
     if db is None:
         return None
     c = db.calibration
-    return {"matmul_flops_per_s": c.matmul_flops_per_s,
-            "memory_bandwidth_bytes_per_s": c.memory_bandwidth_bytes_per_s,
-            "launch_s": c.launch_s}
+    return ({"matmul_flops_per_s": c.matmul_flops_per_s,
+             "memory_bandwidth_bytes_per_s": c.memory_bandwidth_bytes_per_s,
+             "launch_s": c.launch_s}, int(db.threads))
 
 
 def local_cluster_dict(nproc: int | None = None, *, calibration: Mapping[str, float] | None = None) -> dict[str, Any]:
@@ -113,10 +114,14 @@ def local_cluster_dict(nproc: int | None = None, *, calibration: Mapping[str, fl
     except ImportError:
         cuda = False
     if not cuda:
+        threads = 1
         if calibration is None:
-            calibration = profiled_calibration(local_cpu_device_name())
+            found = profiled_calibration(local_cpu_device_name())
+            if found is not None:
+                calibration, threads = found
             cal = _calibration(calibration)
-        return cpu_cluster_dict(nproc or 1, cal, calibrated=calibration is not None)
+        return cpu_cluster_dict(nproc or 1, cal, calibrated=calibration is not None,
+                                measured_threads=threads)
     count = torch.cuda.device_count()
     nproc = count if nproc is None else nproc
     if nproc > count:
@@ -128,8 +133,11 @@ def local_cluster_dict(nproc: int | None = None, *, calibration: Mapping[str, fl
 
 # --------------------------------------------------------------------------- CPU ranks
 def cpu_cluster_dict(nproc: int, cal: Mapping[str, float], *, calibrated: bool = False,
-                     memory_bytes: int | None = None) -> dict[str, Any]:
+                     memory_bytes: int | None = None, measured_threads: int = 1) -> dict[str, Any]:
     total = memory_bytes if memory_bytes is not None else host_memory_bytes()
+    # rank processes that outnumber the cores share them: each gets this much of the machine
+    # the calibration measured (with ``measured_threads`` threads)
+    share = min(1.0, (os.cpu_count() or 1) / (nproc * max(1, measured_threads)))
     rate, bandwidth = cal["matmul_flops_per_s"], cal["memory_bandwidth_bytes_per_s"]
     origin = ("calibration measured on this machine" if calibrated else
               "PLACEHOLDER: conservative defaults (autoplan.cluster.local.DEFAULT_CPU_CALIBRATION), "
@@ -149,6 +157,7 @@ def cpu_cluster_dict(nproc: int, cal: Mapping[str, float], *, calibrated: bool =
             "memory_bandwidth_bytes_per_s": bandwidth,
             "matmul_efficiency": 1.0, "memory_efficiency": 1.0,  # calibrated rates are achieved rates
             "kernel_launch_s": cal["launch_s"],
+            "compute_share": share,
             "source": f"{origin}; memory: host memory / nproc",
         },
         "host": {

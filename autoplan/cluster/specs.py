@@ -130,6 +130,9 @@ class DeviceSpec:
     memory_efficiency: float
     kernel_launch_s: float
     source: str
+    # fraction of the measured machine one device gets: CPU rank processes that outnumber the
+    # cores share them (a profile measured on the whole machine runs this much slower per rank)
+    compute_share: float = 1.0
 
     def __post_init__(self) -> None:
         where = f"device {self.name!r}"
@@ -149,6 +152,7 @@ class DeviceSpec:
         number(self.memory_efficiency, "memory_efficiency", where, at_most=1.0)
         number(self.kernel_launch_s, "kernel_launch_s", where, positive=False)
         text(self.source, "source", where)
+        number(self.compute_share, "compute_share", where, at_most=1.0)
 
     def peak_flops_for(self, precision: str) -> float:
         """Dense peak FLOP/s for a training precision ("bf16", "fp16", "fp32"; "tf32" explicit).
@@ -171,7 +175,8 @@ class DeviceSpec:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], *, where: str = "device") -> DeviceSpec:
         allowed = tuple(f.name for f in fields(cls)) + ("aliases", "notes")
-        check_keys(data, allowed, where, required=tuple(f.name for f in fields(cls)))
+        check_keys(data, allowed, where,
+                   required=tuple(f.name for f in fields(cls) if f.name != "compute_share"))
         peak = data["peak_flops"]
         check_keys(peak, PRECISIONS, f"{where}.peak_flops")
         return cls(
@@ -184,6 +189,8 @@ class DeviceSpec:
             memory_efficiency=number(data["memory_efficiency"], "memory_efficiency", where, at_most=1.0),
             kernel_launch_s=number(data["kernel_launch_s"], "kernel_launch_s", where, positive=False),
             source=text(data["source"], "source", where),
+            compute_share=number(data.get("compute_share", 1.0), "compute_share", where,
+                                 at_most=1.0),
         )
 
 

@@ -76,6 +76,8 @@ class ComputeModel:
         calibration = getattr(profile, "calibration", None)
         self.tput = Throughput.from_device(device, precision, calibration)
         self.profile = profile
+        # devices that share a machine's cores run its measured times this much slower
+        self.slowdown = 1.0 / getattr(device, "compute_share", 1.0)
         self._cache: dict[int, OpCost] = {}
 
     def _byte_scale(self, op: Op) -> float:
@@ -115,6 +117,8 @@ class ComputeModel:
         if c is None:
             op = self.graph.ops[index]
             c = self._measured(op) or self._roofline(op)
+            if self.slowdown != 1.0:
+                c = OpCost(fwd_s=c.fwd_s * self.slowdown, bwd_s=c.bwd_s * self.slowdown)
             self._cache[index] = c
         return c
 

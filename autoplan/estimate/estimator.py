@@ -398,7 +398,8 @@ def _optimizer_step_s(params: float, tensors: int, config: ParallelConfig,
     """Measured AdamW rates where calibrated (per parameter + per tensor), else memory-bound."""
     cal = getattr(profile, "calibration", None)
     if cal is not None and config.optimizer in ("adam", "adamw"):
-        return params * cal.optimizer_s_per_param + tensors * cal.optimizer_s_per_tensor
+        return (params * cal.optimizer_s_per_param
+                + tensors * cal.optimizer_s_per_tensor) * compute.slowdown
     return (params * _OPT_STEP_BYTES[config.optimizer] / compute.tput.memory_bytes_per_s
             + tensors * compute.tput.launch_s)
 

@@ -265,9 +265,10 @@ class OpGraph:
         return OpGraph.from_dict(d)
 
     def fingerprint(self) -> str:
-        """sha256 of the graph's structure (provenance metadata excluded)."""
+        """sha256 of the graph's structure (its name and provenance metadata excluded)."""
         d = self.to_dict()
         d.pop("meta")
+        d.pop("name")
         blob = json.dumps(d, sort_keys=True, separators=(",", ":")).encode()
         return hashlib.sha256(blob).hexdigest()
 

@@ -343,14 +343,9 @@ def load_plan(path: str | os.PathLike[str], *, model: Any = None, cluster: Any =
         from autoplan.graph.trace import as_graph
         graph = as_graph(model, example_inputs, loss_fn=loss_fn, targets=targets,
                          who="load_plan(model=...)", error=PlanError)
-    problems = []
-    if graph is not None and graph.fingerprint() != plan.model.fingerprint:
-        problems.append(_model_mismatch(plan.model, ModelInfo.of(graph)))
-    if cluster is not None and cluster.fingerprint() != plan.cluster.fingerprint:
-        problems.append(_cluster_mismatch(plan.cluster, ClusterInfo.of(cluster)))
-    if not problems:
+    what = plan_mismatch(plan, graph=graph, cluster=cluster)
+    if not what:
         return plan
-    what = "; ".join(problems)
     if not replan:
         raise PlanError(f"{what}. Re-plan with autoplan.plan(...) for this model and cluster, "
                         "or pass replan=True to load_plan")
@@ -362,6 +357,16 @@ def load_plan(path: str | os.PathLike[str], *, model: Any = None, cluster: Any =
               "precision": plan.training.precision, "optimizer": plan.training.optimizer,
               **plan_kwargs}
     return search.plan(graph, cluster, **kwargs)
+
+
+def plan_mismatch(plan: Plan, *, graph: Any = None, cluster: Any = None) -> str:
+    """What differs between the plan and the given graph / cluster ("" when nothing)."""
+    problems = []
+    if graph is not None and graph.fingerprint() != plan.model.fingerprint:
+        problems.append(_model_mismatch(plan.model, ModelInfo.of(graph)))
+    if cluster is not None and cluster.fingerprint() != plan.cluster.fingerprint:
+        problems.append(_cluster_mismatch(plan.cluster, ClusterInfo.of(cluster)))
+    return "; ".join(problems)
 
 
 def _describe_model(m: ModelInfo) -> str:

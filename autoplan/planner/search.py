@@ -341,7 +341,8 @@ def _alternatives(cands: list[_Candidate], best: _Candidate, k: int,
             seen.add(c.est.config)
             picked.append(c)
     for c in sorted((c for c in cands if c.label != "search"), key=lambda c: c.label):
-        if c is not best:
+        if c.est.config not in seen:
+            seen.add(c.est.config)
             picked.append(c)
     return [Alternative.of(c.est, _why_lost(c, best, force)) for c in picked]
 

@@ -169,11 +169,11 @@ def compile(model: nn.Module, cluster: Any = "local", *, example_inputs: Sequenc
     elif not isinstance(plan, Plan):
         plan = load_plan(plan, graph=graph, cluster=cluster)
     else:
-        from autoplan.planner.planfile import ClusterInfo, ModelInfo
-        if plan.model.fingerprint != ModelInfo.of(graph).fingerprint or \
-                plan.cluster.fingerprint != ClusterInfo.of(cluster).fingerprint:
-            raise PlanError("the plan was made for another model or cluster; load it with "
-                            "autoplan.load_plan(path, graph=..., cluster=...) to see what differs")
+        from autoplan.planner.planfile import plan_mismatch
+        what = plan_mismatch(plan, graph=graph, cluster=cluster)
+        if what:
+            raise PlanError(f"{what}. Re-plan with autoplan.plan(...) for this model and "
+                            "cluster (or compile(..., plan=None) to plan now)")
     if plan.training.global_batch_size != global_batch_size:
         raise PlanError(f"the plan is for a global batch of {plan.training.global_batch_size}, "
                         f"compile() got {global_batch_size}")

@@ -1,0 +1,65 @@
+"""`autoplan run plan.json --model MODEL --nproc-per-node N`: train a plan under torchrun.
+
+On one machine this launches ``torchrun`` itself. On several nodes run the printed torchrun
+command on every node (``--print-command``), with ``--nnodes``, ``--node-rank`` and the
+rendezvous address of node 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import subprocess
+import sys
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("run", help="train a plan under torchrun (launched for you)",
+                       description=__doc__)
+    p.add_argument("plan", help="plan.json written by `autoplan plan`")
+    p.add_argument("--model", required=True, help="the example model the plan was made for")
+    p.add_argument("--nproc-per-node", type=int, default=None,
+                   help="ranks per node (default: the plan's world size / --nnodes)")
+    p.add_argument("--nnodes", type=int, default=1)
+    p.add_argument("--node-rank", type=int, default=0)
+    p.add_argument("--master-addr", default="127.0.0.1")
+    p.add_argument("--master-port", type=int, default=29511)
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--meta", action="store_true",
+                   help="build the model on the meta device; each rank allocates its shards")
+    p.add_argument("--print-command", action="store_true",
+                   help="print the torchrun command instead of running it")
+    p.set_defaults(func=run)
+
+
+def torchrun_command(plan_path: str, model: str, *, nproc: int, nnodes: int = 1,
+                     node_rank: int = 0, master_addr: str = "127.0.0.1",
+                     master_port: int = 29511, steps: int = 10, lr: float = 3e-3,
+                     meta: bool = False, extra: list[str] | None = None) -> list[str]:
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
+           f"--nnodes={nnodes}", f"--node-rank={node_rank}", f"--master-addr={master_addr}",
+           f"--master-port={master_port}", "-m", "autoplan.runtime.worker", "--plan", plan_path,
+           "--model", model, "--steps", str(steps), "--lr", str(lr)]
+    if meta:
+        cmd.append("--meta")
+    return cmd + (extra or [])
+
+
+def run(args: argparse.Namespace) -> int:
+    from autoplan.errors import PlanError
+    from autoplan.planner.planfile import plan_from_file
+    plan = plan_from_file(args.plan)
+    world = plan.config.world_size
+    nproc = args.nproc_per_node or world // args.nnodes
+    if nproc * args.nnodes != world:
+        raise PlanError(f"the plan needs {world} ranks but --nnodes {args.nnodes} x "
+                        f"--nproc-per-node {nproc} = {nproc * args.nnodes}; fix the launch")
+    cmd = torchrun_command(args.plan, args.model, nproc=nproc, nnodes=args.nnodes,
+                           node_rank=args.node_rank, master_addr=args.master_addr,
+                           master_port=args.master_port, steps=args.steps, lr=args.lr,
+                           meta=args.meta)
+    if args.print_command:
+        print(shlex.join(cmd))
+        return 0
+    return subprocess.call(cmd)

@@ -1,0 +1,20 @@
+"""The README's main job end to end: `autoplan demo` (4 CPU ranks under a real torchrun)."""
+
+import subprocess
+import sys
+import time
+
+
+def test_demo_plans_trains_and_plans_gpt3(tmp_path):
+    t0 = time.perf_counter()
+    out = subprocess.run([sys.executable, "-m", "autoplan.cli.main", "demo", "--out",
+                          str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    text = out.stdout
+    losses = [float(line.split()[3]) for line in text.splitlines() if line.startswith("step ")]
+    assert len(losses) == 10 and losses[-1] < losses[0]          # the loss goes down
+    assert "measured step time" in text and "predicted" in text
+    assert "gpt3-175b" in text and "solver" in text
+    assert (tmp_path / "gpt-small-cpu.plan.json").exists()
+    assert (tmp_path / "gpt3-175b.plan.json").exists()
+    assert time.perf_counter() - t0 < 180
