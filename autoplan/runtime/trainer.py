@@ -209,7 +209,10 @@ def compile(model: nn.Module, cluster: Any = "local", *, example_inputs: Sequenc
                                   {logits} if logits else set())
     # 2. activation recomputation
     par.apply_recompute(model, dict(plan.recompute))
-    # 3. data parallelism / ZeRO
+    # 3. data parallelism / ZeRO (batch norms first see the whole batch's statistics)
+    if cfg.dp > 1:
+        from autoplan.runtime.syncbn import convert_batch_norms
+        convert_batch_norms(model, dp_group)
     layers = [p for p, pol in plan.recompute.items()]
     grad_sync = None
     use_fsdp = cfg.dp > 1 and cfg.zero_stage >= 2
