@@ -115,3 +115,58 @@ def test_plan_run_equals_single_device(name, world, force, sharding, family):
             continue
         err = ((got - ref).norm() / ref.norm().clamp_min(1e-12)).item()
         assert err <= 1e-5, f"{k}: relative error {err:.2e} ({family})"
+
+
+# ---- the run does what the plan said -------------------------------------------------------
+
+def _count_rank(rank, world, name, plan_json):
+    from autoplan.runtime.comm_counter import CommCounter
+    from autoplan.runtime.trainer import compile
+    ex = build_example(name, batch_size=GLOBAL_BATCH, seed=0)
+    small = build_example(name, batch_size=1, seed=0)
+    trainer = compile(ex.model, "local", example_inputs=small.example_inputs,
+                      example_targets=small.targets, loss_fn=ex.loss_fn, optimizer=_optimizer,
+                      global_batch_size=GLOBAL_BATCH, plan=Plan.from_json(plan_json))
+    batch = tuple(ex.example_inputs) + (ex.targets,)
+    trainer.step(batch)                       # warm-up: DDP's first step differs
+    with CommCounter() as counter:
+        trainer.step(batch)
+    return counter.counts
+
+
+COUNT_CASES = [
+    ("gpt-tiny", 2, dict(tp=1, zero_stage=0), "ilp"),
+    ("gpt-tiny", 2, dict(tp=1, zero_stage=1), "ilp"),
+    ("gpt-tiny", 4, dict(tp=1, zero_stage=3), "ilp"),
+    ("mlp-tiny", 2, dict(tp=2), "megatron"),
+    ("gpt-tiny", 4, dict(dp=2, tp=2, zero_stage=2, sequence_parallel=True), "megatron"),
+]
+
+
+@pytest.mark.parametrize("name,world,force,sharding", COUNT_CASES,
+                         ids=[f"{c[0]}-{c[1]}ranks-{c[2]}" for c in COUNT_CASES])
+def test_collectives_match_the_plan(name, world, force, sharding):
+    """Calls and bytes per collective kind, counted at run time, within 10% of the plan's
+    prediction (kinds carrying under 1% of the bytes are noise: buffer broadcasts)."""
+    from autoplan.estimate.collectives import expected_collectives
+    from autoplan.estimate.partition import partition
+    from autoplan.runtime.layouts import sharding_from_plan
+    plan = _plan(name, world, force, sharding)
+    small = build_example(name, batch_size=1, seed=0)
+    g = trace(small.model, small.example_inputs, loss_fn=small.loss_fn, targets=small.targets)
+    sh = sharding_from_plan(g, dict(plan.op_strategies), plan.config.tp)
+    chunk = partition(g, 1)[0]
+    expected = expected_collectives(g, plan.config, sh, global_batch_size=GLOBAL_BATCH,
+                                    layer_ranges=list(chunk.layer_ranges),
+                                    fsdp_units=len(plan.recompute) + 1, observable=True)
+    counted = run_ranks(_count_rank, world, name, plan.to_json())[0]
+    total = sum(e.bytes for e in expected.values())
+    for kind, e in expected.items():
+        if e.bytes < 0.01 * total:
+            continue
+        calls, nbytes = counted.get(kind, (0, 0.0))
+        assert nbytes == pytest.approx(e.bytes, rel=0.10), (kind, counted, expected)
+        if e.calls is not None:
+            assert calls == pytest.approx(e.calls, rel=0.10), (kind, counted, expected)
+    for kind, (calls, nbytes) in counted.items():      # nothing big the plan did not predict
+        assert kind in expected or nbytes < 0.01 * total, (kind, counted, expected)

@@ -1,0 +1,82 @@
+"""The collectives one training step of a plan issues, by kind: calls and bytes.
+
+Derived from the same sharding and configuration the cost model prices, so a run can be held to
+the plan (``autoplan.runtime.comm_counter`` counts what really happens). Bytes follow
+``Cluster.collective_time_s``'s convention. Calls are given where the plan fixes them; data
+parallel gradient all-reduces under DDP come in buckets whose number DDP decides (None).
+``observable=False`` leaves out what a dispatch-mode counter cannot see: collectives DTensor
+issues inside its own op handlers (the loss-parallel cross entropy's per-token reductions).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from autoplan.cost.analysis import analyze
+from autoplan.estimate.config import ParallelConfig
+from autoplan.estimate.estimator import _comm_bytes
+from autoplan.graph.opgraph import OpGraph
+from autoplan.planner.sharding import Sharding
+
+
+@dataclass(frozen=True)
+class Expected:
+    calls: int | None
+    bytes: float
+
+
+def expected_collectives(graph: OpGraph, config: ParallelConfig, sh: Sharding, *,
+                         global_batch_size: int, layer_ranges: list[tuple[int, int]],
+                         fsdp_units: int, observable: bool = False) -> dict[str, Expected]:
+    a = analyze(graph)
+    m = config.microbatches(global_batch_size)
+    bs = config.micro_batch_size / graph.batch_size
+    calls: dict[str, int | None] = {}
+    nbytes: dict[str, float] = {}
+
+    def add(kind: str, n: int | None, b: float) -> None:
+        c = calls.get(kind, 0)
+        calls[kind] = None if (c is None or n is None) else c + n
+        nbytes[kind] = nbytes.get(kind, 0.0) + b
+
+    in_layer = set()
+    for s, e in layer_ranges:
+        in_layer.update(range(s, e))
+    recomputed = config.recompute == "full"
+    if sh.t > 1:
+        events = [(i, c.kind, c.value, c.scale, c.phase) for i, c in sh.comms()]
+        events += [(r.op_index, r.kind, r.value, r.scale, r.phase) for r in sh.reshards]
+        for i, kind, value, scale, phase in events:
+            if kind == "none":
+                continue
+            if observable and sh.op_strategy[i].style == "loss_parallel":
+                continue
+            b = _comm_bytes(graph, a, config, value, scale, sh.t, bs)
+            times = 1 if phase == "step" else m
+            if phase == "fwd" and recomputed and i in in_layer:
+                times *= 2            # the recomputed forward issues its collectives again
+            add(kind, times, times * b)
+
+    if config.dp > 1:
+        params, tensors = 0.0, 0
+        seen: set[str] = set()
+        placements = sh.param_placement(graph)
+        for v in graph.param_values:
+            if v.base in seen or not v.requires_grad:
+                continue
+            seen.add(v.base)
+            tensors += 1
+            split = placements.get(v.fqn)
+            params += v.meta.numel / (sh.t if split is not None and split.kind == "S" else 1)
+        grad_bytes = 4.0 * params                   # fp32 master weights and gradients
+        gather_bytes = (4.0 if config.precision == "fp32" else 2.0) * params
+        if config.zero_stage >= 2:
+            gathers = 2 if config.zero_stage == 3 else 1
+            add("all_gather", gathers * fsdp_units * m, gathers * m * gather_bytes)
+            add("reduce_scatter", fsdp_units * m, m * grad_bytes)
+        else:
+            add("all_reduce", None if config.tp == 1 else tensors, grad_bytes)
+            if config.zero_stage == 1:
+                add("broadcast", tensors, 4.0 * params)
+        add("all_reduce", 1, 8.0)                   # the step's loss, averaged for reporting
+    return {k: Expected(calls[k], nbytes[k]) for k in sorted(nbytes)}
