@@ -190,3 +190,13 @@ def test_stamping_falls_back_when_layers_cannot_be_cut():
     g = trace(ex.model, ex.example_inputs, loss_fn=ex.loss_fn, targets=ex.targets)
     assert "stamped" not in g.meta
     _check_graph(g, ex.model)
+
+
+def test_fingerprint_is_the_same_on_meta_and_cpu():
+    """Plan on a laptop (meta), run on real devices: the graph must be recognised."""
+    fp = []
+    for device in ("meta", "cpu"):
+        ex = build_example("gpt-tiny", device=device, batch_size=2)
+        fp.append(trace(ex.model, ex.example_inputs, loss_fn=ex.loss_fn,
+                        targets=ex.targets).fingerprint())
+    assert fp[0] == fp[1]

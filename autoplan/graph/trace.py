@@ -129,7 +129,8 @@ def _encode_arg(a: Any, node_value: Callable[[torch.fx.Node], str | None]) -> An
     if isinstance(a, torch.dtype):
         return {"dtype": _dtype_name(a)}
     if isinstance(a, torch.device):
-        return {"device": a.type}
+        # the graph is the same program on any device: a plan made on meta runs on GPUs
+        return {"device": "*"}
     if isinstance(a, (torch.memory_format, torch.layout)):
         return {"enum": str(a)}
     return {"repr": type(a).__name__}
