@@ -9,7 +9,9 @@ from autoplan.estimate import Estimate, ParallelConfig, estimate
 from autoplan.graph import OpGraph, trace
 from autoplan.planner.planfile import Plan, load_plan
 from autoplan.planner.search import NoFeasiblePlanError, plan
+from autoplan.runtime.trainer import Trainer, compile  # noqa: A004 (autoplan.compile is the API)
 
 __all__ = ["AutoplanError", "Cluster", "ClusterError", "ConfigError", "Estimate",
            "NoFeasiblePlanError", "OpGraph", "ParallelConfig", "Plan", "PlanError", "ProfileError",
-           "TraceError", "estimate", "load_plan", "plan", "trace", "__version__"]
+           "TraceError", "Trainer", "compile", "estimate", "load_plan", "plan", "trace",
+           "__version__"]
