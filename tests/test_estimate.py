@@ -124,3 +124,13 @@ def test_memory_bound_model_does_not_fit_without_sharding(gpt3_12_layers):
     sharded = _est(gpt3_12_layers, node, dp=1, tp=8, global_batch_size=8, zero_stage=0,
                    sequence_parallel=True, recompute="full")
     assert sharded.peak_memory_bytes < dp.peak_memory_bytes / 4
+
+
+def test_parameter_offload_trades_host_traffic_for_device_memory(gpt3_12_layers, a100_x24):
+    on = _est(gpt3_12_layers, a100_x24, dp=2, tp=8, pp=12, zero_stage=3)
+    off = _est(gpt3_12_layers, a100_x24, dp=2, tp=8, pp=12, zero_stage=3, offload_params=True)
+    assert off.peak_memory_bytes < on.peak_memory_bytes
+    assert off.stages[1].memory.params_bytes == 0 and off.stages[1].memory.offloaded_bytes > 0
+    assert off.time.comm_exposed_s["offload"] > 0 and off.step_time_s > on.step_time_s
+    with pytest.raises(ConfigError, match="zero_stage=3"):
+        ParallelConfig(dp=2, zero_stage=1, offload_params=True)

@@ -48,3 +48,8 @@ def test_activations_scale_with_micro_batch(gpt3_two_layers):
     one = activation_bytes(g, layer.start, layer.stop, micro_batch_size=1)
     four = activation_bytes(g, layer.start, layer.stop, micro_batch_size=4)
     assert four == pytest.approx(4 * one, rel=0.01)
+
+
+def test_parameter_offload_keeps_weights_and_gradients_on_the_host():
+    s = model_state_bytes(1e9, dp=8, zero_stage=3, precision="bf16", offload_params=True)
+    assert s.total_bytes == 0 and s.offloaded_bytes == pytest.approx(16e9 / 8)

@@ -83,6 +83,8 @@ CASES = [
     ("gpt-tiny", 2, dict(tp=2, recompute="selective"), "megatron", "selective recompute x TP"),
     ("gpt-tiny", 2, dict(tp=1, zero_stage=0, offload_optimizer=True), "ilp",
      "optimizer offload"),
+    ("gpt-tiny", 2, dict(tp=1, zero_stage=3, offload_params=True), "ilp",
+     "parameter offload (FSDP2 CPU offload)"),
     ("llama-tiny", 2, dict(tp=2, sequence_parallel=True), "megatron", "TP + SP (GQA, RoPE)"),
     ("hf-gpt2-tiny", 2, dict(tp=1, zero_stage=3), "ilp", "HF GPT-2, ZeRO-3"),
     # batch norm over a split batch: statistics all-reduced over the dp group (one micro-batch

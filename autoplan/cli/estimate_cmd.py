@@ -21,6 +21,8 @@ def add_config_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--sp", action="store_true", help="sequence parallelism (with tp > 1)")
     g.add_argument("--recompute", default="none", choices=("none", "selective", "full"))
     g.add_argument("--offload-optimizer", action="store_true")
+    g.add_argument("--offload-params", action="store_true",
+                   help="weights and gradients in host memory (needs --zero 3)")
     g.add_argument("--precision", default="bf16", choices=("bf16", "fp16", "fp32"))
     g.add_argument("--optimizer", default="adamw", choices=("adamw", "adam", "sgd"))
 
@@ -38,6 +40,7 @@ def config_from_args(args: argparse.Namespace, world_size: int):
                           schedule=args.schedule, virtual_stages=args.virtual_stages,
                           zero_stage=args.zero, sequence_parallel=args.sp,
                           recompute=args.recompute, offload_optimizer=args.offload_optimizer,
+                          offload_params=args.offload_params,
                           precision=args.precision, optimizer=args.optimizer)
 
 

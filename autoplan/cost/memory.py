@@ -54,7 +54,8 @@ def bytes_per_param(precision: str, optimizer: str) -> tuple[int, int, int]:
 
 
 def model_state_bytes(num_params: float, *, dp: int, zero_stage: int, precision: str,
-                      optimizer: str = "adamw", offload_optimizer: bool = False) -> ModelStateBytes:
+                      optimizer: str = "adamw", offload_optimizer: bool = False,
+                      offload_params: bool = False) -> ModelStateBytes:
     """Per-device bytes of weights, gradients and optimizer state for ``num_params`` parameters
     held by one data-parallel replica slot (already divided by TP/PP by the caller)."""
     if zero_stage not in (0, 1, 2, 3):
@@ -63,6 +64,9 @@ def model_state_bytes(num_params: float, *, dp: int, zero_stage: int, precision:
     opt = num_params * o / (dp if zero_stage >= 1 else 1)
     grads = num_params * g / (dp if zero_stage >= 2 else 1)
     params = num_params * w / (dp if zero_stage >= 3 else 1)
+    if offload_params:        # FSDP CPU offload: sharded weights, grads and state on the host
+        return ModelStateBytes(params_bytes=0.0, grads_bytes=0.0, optimizer_bytes=0.0,
+                               offloaded_bytes=params + grads + opt)
     if offload_optimizer:
         return ModelStateBytes(params_bytes=params, grads_bytes=grads, optimizer_bytes=0.0,
                                offloaded_bytes=opt)

@@ -38,6 +38,7 @@ class ParallelConfig:
     sequence_parallel: bool = False
     recompute: str = "none"
     offload_optimizer: bool = False
+    offload_params: bool = False          # weights and gradients in host memory (ZeRO-3 only)
     precision: str = "bf16"
     optimizer: str = "adamw"
 
@@ -59,6 +60,9 @@ class ParallelConfig:
         if self.virtual_stages > 1 and self.schedule != "interleaved_1f1b":
             raise ConfigError(f"virtual_stages={self.virtual_stages} needs "
                               f"schedule='interleaved_1f1b' (got {self.schedule!r})")
+        if self.offload_params and self.zero_stage != 3:
+            raise ConfigError("offload_params=True needs zero_stage=3: the weights are offloaded "
+                              "as FSDP shards and gathered to the device layer by layer")
         if self.sequence_parallel and self.tp == 1:
             raise ConfigError("sequence_parallel=True needs tp > 1 (it shards the "
                               "activations that tensor parallelism leaves replicated)")
@@ -118,6 +122,8 @@ class ParallelConfig:
             s += f" recompute={self.recompute}"
         if self.offload_optimizer:
             s += " offload-opt"
+        if self.offload_params:
+            s += " offload-params"
         return s + f" {self.precision}"
 
 

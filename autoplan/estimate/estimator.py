@@ -317,7 +317,14 @@ def estimate(model: Any, cluster: Any, *, config: ParallelConfig, global_batch_s
                 gather = m * max(2 * per_mb - hidden, 2 * per_mb / layers)
         sync = max(comm - bwd_window, comm / layers) if comm > 0 else 0.0
         owned = params / (config.dp if config.zero_stage >= 1 else 1)
-        if config.offload_optimizer:
+        if config.offload_params:
+            # weight shards go up for the forward and again for the backward gather of every
+            # micro-batch, gradient shards come down; the optimizer steps on the host
+            host = cluster.host
+            o = owned / host.cpu_adam_params_per_s
+            moved = m * owned * (2 * w_bytes + w_bytes)
+            off = moved / host.device_to_host_bandwidth_bytes_per_s
+        elif config.offload_optimizer:
             host = cluster.host
             o = owned / host.cpu_adam_params_per_s
             moved = owned * (w_bytes + w_bytes)          # grads down, weights up
@@ -345,7 +352,8 @@ def estimate(model: Any, cluster: Any, *, config: ParallelConfig, global_batch_s
         params = sum(c.params for c in cs)
         states = model_state_bytes(params, dp=config.dp, zero_stage=config.zero_stage,
                                    precision=config.precision, optimizer=config.optimizer,
-                                   offload_optimizer=config.offload_optimizer)
+                                   offload_optimizer=config.offload_optimizer,
+                                   offload_params=config.offload_params)
         act_mb = sum(c.activation_bytes for c in cs)
         in_flight = _in_flight(config, m, s)
         transient = max(c.working_set_bytes for c in cs)

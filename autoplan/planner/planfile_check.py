@@ -183,6 +183,9 @@ def check_plan(d: Any) -> None:
     if off["optimizer"] != config.offload_optimizer:
         fail("offload.optimizer", f"{off['optimizer']} but config.offload_optimizer is "
               f"{config.offload_optimizer}")
+    if off["params"] != config.offload_params:
+        fail("offload.params", f"{off['params']} but config.offload_params is "
+              f"{config.offload_params}")
     _check_spec(d["predicted"], _PREDICTED, "predicted")
     p = d["predicted"]
     if p["config"] != d["config"]:

@@ -147,8 +147,14 @@ def _policies(config: ParallelConfig, opts: SearchOptions, cluster: Any,
     for z in zeros:
         for r in _forced(opts, "recompute", recompute):
             for off in _forced(opts, "offload_optimizer", offloads):
-                out.append(ParallelConfig(**{**config.to_dict(), "zero_stage": z,
-                                             "recompute": r, "offload_optimizer": off}))
+                params_off = _forced(opts, "offload_params",
+                                     (False, True) if z == 3 and True in offloads else (False,))
+                for off_p in params_off:
+                    if off_p and z != 3:
+                        continue   # parameter offload is FSDP's (ZeRO-3)
+                    out.append(ParallelConfig(**{**config.to_dict(), "zero_stage": z,
+                                                 "recompute": r, "offload_optimizer": off,
+                                                 "offload_params": off_p}))
     return out
 
 
@@ -384,6 +390,6 @@ def _assemble(graph: OpGraph, cluster: Any, best: _Candidate, alternatives: list
         config=cfg, param_placements=placements,
         op_strategies={op.name: s.name for op, s in zip(graph.ops, sh.op_strategy)},
         module_styles=sh.module_styles(graph), recompute=recompute,
-        offload={"optimizer": cfg.offload_optimizer, "params": False},
+        offload={"optimizer": cfg.offload_optimizer, "params": cfg.offload_params},
         predicted=predicted_from_estimate(best.est), alternatives=tuple(alternatives),
         solver=solver)

@@ -221,7 +221,8 @@ def compile(model: nn.Module, cluster: Any = "local", *, example_inputs: Sequenc
         if cfg.precision != "fp32":
             from torch.distributed.fsdp import MixedPrecisionPolicy
             mp = MixedPrecisionPolicy(param_dtype=_dtype(cfg.precision), reduce_dtype=torch.float32)
-        par.apply_fsdp(model, layers, dp_mesh, reshard=cfg.zero_stage == 3, mp_policy=mp)
+        par.apply_fsdp(model, layers, dp_mesh, reshard=cfg.zero_stage == 3, mp_policy=mp,
+                       offload=cfg.offload_params)
     # 4. materialize a meta model, shard by shard
     par.materialize(model, device, seed)
     if cfg.dp > 1 and not use_fsdp:
@@ -232,7 +233,7 @@ def compile(model: nn.Module, cluster: Any = "local", *, example_inputs: Sequenc
             grad_sync = DataParallelGrads(model, dp_group, cfg.dp)
     params = [p for p in model.parameters() if p.requires_grad]
     factory = optimizer
-    if cfg.offload_optimizer:
+    if cfg.offload_optimizer and not cfg.offload_params:   # FSDP's offload carries the state
         factory = partial(HostOffloadOptimizer, factory=optimizer)
     if cfg.dp > 1 and cfg.zero_stage == 1:
         opt = TensorShardedOptimizer(params, factory, dp_group)
