@@ -194,10 +194,11 @@ def test_nothing_fits_says_what_would(gpt3_175b):
         plan(gpt3_175b, Cluster.preset("dgx-a100-80gb", nodes=1), global_batch_size=8,
              profile=None)
     err = info.value
-    assert err.min_memory_bytes > err.device_memory_bytes
+    assert (err.min_memory_bytes > err.device_memory_bytes
+            or err.min_host_memory_bytes > err.host_memory_bytes)
     msg = str(err)
     assert "least memory any plan needs" in msg and "more devices" in msg
-    assert any("GiB of memory" in s for s in err.suggestions)
+    assert any("memory" in s for s in err.suggestions)
 
 
 # ---- plan files ---------------------------------------------------------------------------

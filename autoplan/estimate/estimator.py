@@ -386,6 +386,11 @@ def estimate(model: Any, cluster: Any, *, config: ParallelConfig, global_batch_s
     if peak > device_mem:
         warnings.append(f"peak memory {peak / 2**30:.1f} GiB exceeds the device's "
                         f"{device_mem / 2**30:.1f} GiB")
+    host_share = cluster.host.memory_bytes / cluster.devices_per_node
+    offloaded = max((s.memory.offloaded_bytes for s in stages), default=0.0)
+    if offloaded > host_share:
+        warnings.append(f"{offloaded / 2**30:.1f} GiB offloaded per device exceeds its share of "
+                        f"host memory ({host_share / 2**30:.1f} GiB)")
     layer_acts = 0.0
     if chunks[0].layer_ranges:
         s0, e0 = chunks[0].layer_ranges[0]
@@ -395,6 +400,7 @@ def estimate(model: Any, cluster: Any, *, config: ParallelConfig, global_batch_s
     return Estimate(
         config=config, global_batch_size=global_batch_size, num_microbatches=m,
         step_time_s=step_s, time=time, peak_memory_bytes=peak, device_memory_bytes=device_mem,
+        host_memory_per_device_bytes=cluster.host.memory_bytes / cluster.devices_per_node,
         stages=tuple(stages), per_device_memory_bytes=per_device,
         model_flops_per_step=model_flops, mfu=mfu, samples_per_s=global_batch_size / step_s,
         tokens_per_s=global_batch_size * tokens / step_s if tokens else None,

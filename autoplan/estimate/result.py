@@ -86,10 +86,17 @@ class Estimate:
     tokens_per_s: float | None
     activation_bytes_per_layer: float            # one block instance, one micro-batch
     warnings: tuple[str, ...] = field(default_factory=tuple)
+    host_memory_per_device_bytes: float = float("inf")   # a device's share of its node's DRAM
+
+    @property
+    def peak_offloaded_bytes(self) -> float:
+        return max((s.memory.offloaded_bytes for s in self.stages), default=0.0)
 
     @property
     def fits(self) -> bool:
-        return self.peak_memory_bytes <= self.device_memory_bytes
+        """Device memory holds the peak, and host memory holds what was offloaded to it."""
+        return (self.peak_memory_bytes <= self.device_memory_bytes
+                and self.peak_offloaded_bytes <= self.host_memory_per_device_bytes)
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)

@@ -290,7 +290,8 @@ _PREDICTED = {"config": "c", "global_batch_size": "i", "num_microbatches": "i",
               "step_time_s": "f", "time": _TIME, "peak_memory_bytes": "f",
               "device_memory_bytes": "f", "stages": [_STAGE], "model_flops_per_step": "f",
               "mfu": "f", "samples_per_s": "f", "tokens_per_s": "f?",
-              "activation_bytes_per_layer": "f", "warnings": ["s"], "fits": "b"}
+              "activation_bytes_per_layer": "f", "warnings": ["s"], "fits": "b",
+              "host_memory_per_device_bytes": "f"}
 
 
 def _check_spec(v: Any, spec: Any, path: str) -> None:

@@ -49,10 +49,13 @@ class NoFeasiblePlanError(PlanError):
     """No configuration fits the devices' memory. Carries the figures that say what would."""
 
     def __init__(self, message: str, *, min_memory_bytes: float, device_memory_bytes: float,
-                 suggestions: tuple[str, ...]):
+                 min_host_memory_bytes: float = 0.0, host_memory_bytes: float = float("inf"),
+                 suggestions: tuple[str, ...] = ()):
         super().__init__(message)
         self.min_memory_bytes = min_memory_bytes
         self.device_memory_bytes = device_memory_bytes
+        self.min_host_memory_bytes = min_host_memory_bytes
+        self.host_memory_bytes = host_memory_bytes
         self.suggestions = suggestions
 
 
@@ -237,20 +240,35 @@ def _why_lost(c: _Candidate, best: _Candidate, force: dict[str, Any]) -> str:
 
 
 def _infeasible(cands: list[_Candidate], cluster: Any) -> NoFeasiblePlanError:
-    best = min(cands, key=lambda c: c.est.peak_memory_bytes)
+    """The configuration closest to fitting (device and host memory), and what would help."""
+    def shortfall(c: _Candidate) -> float:
+        return max(c.est.peak_memory_bytes / c.est.device_memory_bytes,
+                   c.est.peak_offloaded_bytes / c.est.host_memory_per_device_bytes)
+    best = min(cands, key=lambda c: (shortfall(c), c.est.config.short()))
     need, have = best.est.peak_memory_bytes, best.est.device_memory_bytes
+    host_need, host_have = best.est.peak_offloaded_bytes, best.est.host_memory_per_device_bytes
     gib = 2 ** 30
-    tips = [f"more devices: about {cluster.world_size * need / have:.0f} of these "
+    ratio = shortfall(best)
+    tips = [f"more devices: about {cluster.world_size * ratio:.0f} of these "
             f"(memory per device falls as weights and optimizer state shard wider)"]
     if best.est.config.micro_batch_size > 1:
         tips.append("a smaller micro-batch (activations scale with it)")
-    if not best.est.config.offload_optimizer:
+    if need > have and not best.est.config.offload_optimizer:
         tips.append("optimizer-state offload to host memory")
-    tips.append(f"a device with more than {need / gib:.0f} GiB of memory (e.g. hgx-h200, 141 GiB)")
-    msg = (f"no configuration fits: the least memory any plan needs is {need / gib:.1f} GiB per "
-           f"device ({best.est.config.short()}), the devices have {have / gib:.1f} GiB. "
-           "What would make it fit: " + "; ".join(tips))
+    if need > have:
+        tips.append(f"a device with more than {need / gib:.0f} GiB of memory "
+                    "(e.g. hgx-h200, 141 GiB)")
+    if host_need > host_have:
+        tips.append(f"nodes with more host memory: {host_need / gib:.0f} GiB per device is "
+                    f"offloaded, a device's share is {host_have / gib:.0f} GiB")
+    msg = (f"no configuration fits: the least memory any plan needs is {need / gib:.1f} GiB "
+           f"per device" + (f" plus {host_need / gib:.1f} GiB of host memory"
+                             if host_need else "")
+           + f" ({best.est.config.short()}); the devices have {have / gib:.1f} GiB"
+           + (f" and {host_have / gib:.1f} GiB of host memory each" if host_need else "")
+           + ". What would make it fit: " + "; ".join(tips))
     return NoFeasiblePlanError(msg, min_memory_bytes=need, device_memory_bytes=have,
+                               min_host_memory_bytes=host_need, host_memory_bytes=host_have,
                                suggestions=tuple(tips))
 
 
