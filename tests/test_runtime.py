@@ -41,16 +41,20 @@ def _reference(name):
     return losses, {k: v.detach().clone() for k, v in ex.model.state_dict().items()}
 
 
-def _rank(rank, world, name, plan_json):
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
+def _compiled(name, plan_json):
+    """(trainer, global batch) for ``name`` under the plan, on this rank."""
     from autoplan.runtime.trainer import compile
     ex = build_example(name, batch_size=GLOBAL_BATCH, seed=0)
     small = build_example(name, batch_size=1, seed=0)
     trainer = compile(ex.model, "local", example_inputs=small.example_inputs,
                       example_targets=small.targets, loss_fn=ex.loss_fn, optimizer=_optimizer,
                       global_batch_size=GLOBAL_BATCH, plan=Plan.from_json(plan_json))
-    batch = tuple(ex.example_inputs) + (ex.targets,)
+    return trainer, tuple(ex.example_inputs) + (ex.targets,)
+
+
+def _rank(rank, world, name, plan_json):
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    trainer, batch = _compiled(name, plan_json)
     losses = [trainer.step(batch) for _ in range(STEPS)]
     sd = get_model_state_dict(trainer.model,
                               options=StateDictOptions(full_state_dict=True, cpu_offload=True))
@@ -123,13 +127,7 @@ def test_plan_run_equals_single_device(name, world, force, sharding, family):
 
 def _count_rank(rank, world, name, plan_json):
     from autoplan.runtime.comm_counter import CommCounter
-    from autoplan.runtime.trainer import compile
-    ex = build_example(name, batch_size=GLOBAL_BATCH, seed=0)
-    small = build_example(name, batch_size=1, seed=0)
-    trainer = compile(ex.model, "local", example_inputs=small.example_inputs,
-                      example_targets=small.targets, loss_fn=ex.loss_fn, optimizer=_optimizer,
-                      global_batch_size=GLOBAL_BATCH, plan=Plan.from_json(plan_json))
-    batch = tuple(ex.example_inputs) + (ex.targets,)
+    trainer, batch = _compiled(name, plan_json)
     trainer.step(batch)                       # warm-up: DDP's first step differs
     with CommCounter() as counter:
         trainer.step(batch)
