@@ -97,6 +97,7 @@ CASES = [
     ("resnet-tiny", 4, dict(tp=1, zero_stage=3, micro_batch_size=2), "ilp", "CNN ZeRO-3"),
     ("dlrm-tiny", 2, dict(tp=1, zero_stage=0), "ilp", "DLRM data parallel"),
     ("dlrm-tiny", 2, dict(tp=2), "ilp", "DLRM ILP tables"),
+    ("dlrm-tiny", 2, dict(tp=2), "megatron", "DLRM row-sharded embedding tables"),
 ]
 
 
