@@ -6,13 +6,13 @@ Order of the computation (each step uses only what the previous ones produced):
    (profile or roofline, scaled to the micro-batch and the TP shard), recomputation, the
    tensor-parallel collectives (exposed: each one blocks the op after it), and the activations
    kept for backward;
-3. combine chunks into pipeline stages and the schedule: the slowest stage sets the pace,
-   fill/drain adds the bubble ((p-1)/v stage-times), point-to-point sends cross each boundary;
+3. combine chunks into pipeline stages and simulate the schedule (``pipeline_sim``): the
+   makespan, the bubble (fill and drain) and the waits on point-to-point sends, and the
+   activations each rank holds at its peak;
 4. data-parallel gradient sync and ZeRO gathers, hidden behind backward compute only as far as
    that compute lasts; then the optimizer step (on the device, or on the host when offloaded);
 5. memory per stage: model states (ZeRO), activations times the micro-batches in flight under
    the schedule, transient buffers, and a workspace margin.
-The pipeline issue replaces step 3's closed form by an event simulator.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from autoplan.cost.memory import (PRECISION_BYTES, _meta_bytes, activation_bytes
 from autoplan.errors import ConfigError
 from autoplan.estimate.config import ParallelConfig
 from autoplan.estimate.partition import Chunk, partition
+from autoplan.estimate.pipeline_sim import simulate
 from autoplan.estimate.result import Estimate, MemoryBreakdown, StageEstimate, TimeBreakdown
 from autoplan.graph.opgraph import OpGraph
 from autoplan.graph.trace import as_graph
@@ -272,22 +273,28 @@ def estimate(model: Any, cluster: Any, *, config: ParallelConfig, global_batch_s
         raise ConfigError(f"the sharding is for tp={sh.t} but the config has tp={config.tp}")
     costs = [_chunk_cost(graph, a, sh, compute, cluster, config, c, batch_scale) for c in chunks]
 
-    # --- pipeline schedule (closed form; the pipeline issue brings the simulator) ----------
+    # --- pipeline schedule: simulated (pipeline_sim) ------------------------------------------
     stage_chunks = [[c for c in range(len(chunks)) if c % p == s] for s in range(p)]
     stage_f = [sum(costs[c].fwd_compute_s + costs[c].tp_fwd_s for c in cs) for cs in stage_chunks]
     stage_b = [sum(costs[c].bwd_compute_s + costs[c].tp_bwd_s + costs[c].recompute_s
                    for c in cs) for cs in stage_chunks]
     bottleneck = max(range(p), key=lambda s: stage_f[s] + stage_b[s])
-    t_mb = stage_f[bottleneck] + stage_b[bottleneck]
-    bubble_s = (p - 1) / v * t_mb if p > 1 else 0.0
-    p2p_s = 0.0
+    sim = None
+    bubble_s = p2p_s = 0.0
     if p > 1:
-        per_hop = [cluster.p2p_time_s(costs[c].boundary_bytes,
-                                      config.rank(pp_index=c % p, dp_index=0, tp_index=0),
-                                      config.rank(pp_index=(c + 1) % p, dp_index=0, tp_index=0))
-                   for c in range(len(chunks) - 1)]
-        # sends overlap with compute in the steady state; fill and drain wait on them
-        p2p_s = 2.0 * sum(per_hop)
+        fwd = [c.fwd_compute_s + c.tp_fwd_s for c in costs]
+        bwd = [c.bwd_compute_s + c.tp_bwd_s + c.recompute_s for c in costs]
+        sends = [cluster.p2p_time_s(costs[c].boundary_bytes,
+                                    config.rank(pp_index=c % p, dp_index=0, tp_index=0),
+                                    config.rank(pp_index=(c + 1) % p, dp_index=0, tp_index=0))
+                 for c in range(len(chunks) - 1)]
+        kw = dict(schedule=config.schedule, p=p, v=v, m=m, fwd_s=fwd, bwd_s=bwd,
+                  activation_bytes=[c.activation_bytes for c in costs])
+        sim = simulate(send_s=sends, **kw)
+        free_sends = simulate(**kw).makespan_s
+        bottleneck = max(range(p), key=lambda r: sim.busy_s[r])
+        bubble_s = free_sends - sim.busy_s[bottleneck]     # fill and drain
+        p2p_s = sim.makespan_s - free_sends                 # waiting on point-to-point sends
     bc = [costs[c] for c in stage_chunks[bottleneck]]
     compute_s = m * sum(c.fwd_compute_s + c.bwd_compute_s for c in bc)
     recompute_s = m * sum(c.recompute_s for c in bc)
@@ -355,7 +362,10 @@ def estimate(model: Any, cluster: Any, *, config: ParallelConfig, global_batch_s
                                    offload_optimizer=config.offload_optimizer,
                                    offload_params=config.offload_params)
         act_mb = sum(c.activation_bytes for c in cs)
-        in_flight = _in_flight(config, m, s)
+        if sim is not None and act_mb > 0:   # the simulated peak of the schedule
+            in_flight = sim.peak_activation_bytes[s] / act_mb
+        else:
+            in_flight = _in_flight(config, m, s)
         transient = max(c.working_set_bytes for c in cs)
         layers = max(1, sum(c.num_layers for c in cs))
         if config.zero_stage == 3 and config.dp > 1:

@@ -1,0 +1,68 @@
+"""The pipeline simulator reproduces the schedules' published bubble and memory figures."""
+
+import pytest
+
+from autoplan.errors import ConfigError
+from autoplan.estimate.pipeline_sim import simulate
+
+
+def _uniform(schedule, p, v, m, f=1.0, b=2.0, send=0.0):
+    n = p * v
+    return simulate(schedule=schedule, p=p, v=v, m=m, fwd_s=[f / v] * n, bwd_s=[b / v] * n,
+                    send_s=[send] * (n - 1), activation_bytes=[1.0 / v] * n)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("p,m", [(2, 1), (2, 8), (4, 4), (4, 16), (8, 3), (8, 32)])
+def test_bubble_fraction_is_p_minus_1_over_m_plus_p_minus_1(schedule, p, m):
+    r = _uniform(schedule, p, 1, m)
+    assert r.bubble_fraction() == pytest.approx((p - 1) / (m + p - 1), abs=1e-12)
+    assert r.makespan_s == pytest.approx((m + p - 1) * 3.0)
+
+
+@pytest.mark.parametrize("p,v,m", [(2, 2, 4), (4, 2, 8), (4, 4, 16), (8, 3, 16)])
+def test_interleaving_divides_the_bubble_by_v(p, v, m):
+    plain = _uniform("1f1b", p, 1, m)
+    inter = _uniform("interleaved_1f1b", p, v, m)
+    bubble = lambda r: r.makespan_s - m * 3.0          # noqa: E731
+    assert bubble(inter) == pytest.approx(bubble(plain) / v, abs=1e-9)
+
+
+def test_activations_in_flight_per_schedule():
+    p, m = 4, 8
+    assert _uniform("gpipe", p, 1, m).peak_activation_bytes == (8.0,) * 4
+    # 1F1B: rank r holds p - r micro-batches
+    assert _uniform("1f1b", p, 1, m).peak_activation_bytes == (4.0, 3.0, 2.0, 1.0)
+    # interleaved (Megatron-LM): (2(p-r-1) + (v-1)p + 1) chunks of 1/v of the stage
+    inter = _uniform("interleaved_1f1b", p, 2, m).peak_activation_bytes
+    assert inter == tuple((2 * (p - r - 1) + (2 - 1) * p + 1) / 2 for r in range(p))
+
+
+def test_sends_and_slow_stages_stretch_the_step():
+    fast = _uniform("1f1b", 4, 1, 8)
+    slow_link = _uniform("1f1b", 4, 1, 8, send=0.5)
+    assert slow_link.makespan_s > fast.makespan_s
+    # one stage twice as slow sets the pace: about m times its extra time
+    r = simulate(schedule="1f1b", p=4, v=1, m=8, fwd_s=[1, 1, 2, 1], bwd_s=[2, 2, 4, 2])
+    assert r.makespan_s >= 8 * 6.0
+    assert max(range(4), key=lambda k: r.busy_s[k]) == 2
+
+
+def test_every_action_runs_once_in_dependency_order():
+    r = _uniform("interleaved_1f1b", 4, 2, 8, send=0.1)
+    seen = {(e.kind, e.microbatch, e.chunk): e for e in r.events}
+    assert len(seen) == len(r.events) == 2 * 8 * 8
+    for (kind, mb, c), e in seen.items():
+        if kind == "F" and c > 0:
+            assert e.start_s >= seen[("F", mb, c - 1)].end_s + 0.1 - 1e-12
+        if kind == "B" and c < 7:
+            assert e.start_s >= seen[("B", mb, c + 1)].end_s + 0.1 - 1e-12
+
+
+def test_bad_inputs_raise():
+    with pytest.raises(ConfigError, match="multiple"):
+        _uniform("interleaved_1f1b", 4, 2, 6)
+    with pytest.raises(ConfigError, match="unknown"):
+        _uniform("zigzag", 2, 1, 2)
+    with pytest.raises(ConfigError, match="chunks"):
+        simulate(schedule="1f1b", p=2, v=1, m=2, fwd_s=[1.0], bwd_s=[1.0, 1.0])
