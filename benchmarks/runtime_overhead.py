@@ -32,7 +32,7 @@ def _plan(family: str, world: int):
              if family == "fsdp" else dict(dp=2, tp=2, zero_stage=3, sequence_parallel=False,
                                            micro_batch_size=GLOBAL_BATCH // 2))
     return plan(g, Cluster.local(world), global_batch_size=GLOBAL_BATCH, precision="fp32",
-                force=force, sharding="megatron")
+                force=force, sharding="megatron", max_pp=1)
 
 
 def _by_hand(family: str, dp: int, tp: int):

@@ -269,3 +269,23 @@ def test_ilp_shardings_are_runnable(name):
     sh, sol = _ilp_sharding(g, cluster, cfg, None, 1, SearchOptions(), _Stats())
     assert sol.status == "optimal"
     assert sh.runnable(g)
+
+
+@pytest.fixture(scope="module")
+def gpt3_24_layers():
+    return _graph("gpt3-175b", num_layers=24)      # ~45B parameters: more than a node holds
+
+
+def test_slow_ethernet_gets_a_pipeline_heavy_plan(gpt3_24_layers):
+    """Nodes joined by 25 Gb/s Ethernet: stages across nodes (point-to-point sends) beat
+    data-parallel gradient and ZeRO traffic over the slow links (pipeline search is opt-in)."""
+    eth = plan(gpt3_24_layers, Cluster.preset("eth-a100-80gb", nodes=8), global_batch_size=256,
+               profile=None, max_pp=8)
+    assert eth.config.pp >= 4 and eth.config.tp <= 8
+    assert eth.mesh.axes == ("pp", "dp", "tp") and len(eth.stages) == eth.config.pp
+    assert sorted(r for s in eth.stages for r in s["ranks"]) == list(range(64))
+    assert sum(len(s["layers"]) for s in eth.stages) == 24
+    # on InfiniBand the same model needs no pipeline
+    ib = plan(gpt3_24_layers, Cluster.preset("dgx-a100-80gb", nodes=8), global_batch_size=256,
+              profile=None, max_pp=8)
+    assert ib.config.pp < eth.config.pp

@@ -65,7 +65,7 @@ def _plan(name, world, force, sharding="ilp"):
     small = build_example(name, batch_size=1, seed=0)
     g = trace(small.model, small.example_inputs, loss_fn=small.loss_fn, targets=small.targets)
     return make_plan(g, Cluster.local(world), global_batch_size=GLOBAL_BATCH, precision="fp32",
-                     profile=None, force=force, sharding=sharding)
+                     profile=None, force=force, sharding=sharding, max_pp=1)
 
 
 CASES = [

@@ -20,7 +20,7 @@ def _plan_for(name, world, **force):
     small = build_example(name, batch_size=1, seed=0, device="meta")
     g = trace(small.model, small.example_inputs, loss_fn=small.loss_fn, targets=small.targets)
     return make_plan(g, Cluster.local(world), global_batch_size=GB, precision="fp32",
-                     profile=None, force=force)
+                     profile=None, force=force, max_pp=1)
 
 
 def _compile(name, plan_json, device="cpu", **kw):
@@ -123,6 +123,6 @@ def test_mixed_precision_plans_train(force):
     small = build_example("gpt-tiny", batch_size=1, seed=0)
     g = trace(small.model, small.example_inputs, loss_fn=small.loss_fn, targets=small.targets)
     plan = make_plan(g, Cluster.local(2), global_batch_size=GB, precision="bf16", profile=None,
-                     force=force, sharding="megatron")
+                     force=force, sharding="megatron", max_pp=1)
     losses = run_ranks(_bf16, 2, plan.to_json())[0]
     assert all(math.isfinite(x) for x in losses) and losses[-1] < losses[0]

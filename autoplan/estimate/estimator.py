@@ -209,6 +209,25 @@ def _chunk_cost(graph: OpGraph, a: GraphAnalysis, sh: Sharding, compute: Compute
         boundary_bytes=boundary, num_layers=len(chunk.layers))
 
 
+def _cached_chunk_cost(graph: OpGraph, a: GraphAnalysis, sh: Sharding, compute: ComputeModel,
+                       cluster: Any, config: ParallelConfig, chunk: Chunk,
+                       batch_scale: float) -> _ChunkCost:
+    """A chunk's costs depend on the sharding, micro-batch, recompute policy and precision, not
+    on ZeRO, offload or the schedule: the planner reuses them across those (kept on the graph,
+    keyed by the objects' identities, which live as long as the search holds them)."""
+    cache = graph.__dict__.setdefault("_autoplan_chunk_costs", {})
+    key = (id(sh), id(compute), id(cluster), chunk.start, chunk.stop, config.micro_batch_size,
+           config.recompute, config.precision, config.tp, config.dp)
+    hit = cache.get(key)
+    if hit is not None and hit[0] is sh and hit[1] is compute and hit[2] is cluster:
+        return hit[3]
+    cost = _chunk_cost(graph, a, sh, compute, cluster, config, chunk, batch_scale)
+    if len(cache) > 4096:
+        cache.clear()
+    cache[key] = (sh, compute, cluster, cost)
+    return cost
+
+
 def _boundary_values(graph: OpGraph, a: GraphAnalysis, cut: int) -> list[str]:
     """Activations produced before op ``cut`` and read at or after it (what a stage sends)."""
     if cut >= len(graph.ops):
@@ -244,14 +263,16 @@ def estimate(model: Any, cluster: Any, *, config: ParallelConfig, global_batch_s
              example_inputs: Sequence[Any] | None = None, loss_fn: Any = None,
              targets: Any = None, profile: Any = "auto",
              memory_margin_bytes: float | None = None,
-             sharding: Sharding | None = None) -> Estimate:
+             sharding: Sharding | None = None, simulate_pipeline: bool = True) -> Estimate:
     """Predict step time, memory per device, and their breakdowns for ``config``.
 
     ``model`` is an ``nn.Module`` (traced with ``example_inputs``, on meta or real device) or an
     ``OpGraph``. ``profile``: a ProfileDB, ``None`` (roofline only) or ``"auto"`` (the
     measured profile of the cluster's device type, when one is installed). ``sharding``: the
     per-op tensor-parallel strategies (from the planner); by default Megatron-LM's rule for
-    ``config.tp`` and ``config.sequence_parallel``.
+    ``config.tp`` and ``config.sequence_parallel``. ``simulate_pipeline=False`` uses the closed
+    form for pipelined configs (bubble (p-1)/v stage-times, the schedule's in-flight formulas):
+    the planner screens with it and simulates the finalists.
     """
     if not isinstance(config, ParallelConfig):
         raise ConfigError(f"config must be an autoplan.ParallelConfig, got {type(config).__name__}")
@@ -271,7 +292,8 @@ def estimate(model: Any, cluster: Any, *, config: ParallelConfig, global_batch_s
     sh = sharding_for(graph, config.tp, config.sequence_parallel, sharding)
     if sh.t != config.tp:
         raise ConfigError(f"the sharding is for tp={sh.t} but the config has tp={config.tp}")
-    costs = [_chunk_cost(graph, a, sh, compute, cluster, config, c, batch_scale) for c in chunks]
+    costs = [_cached_chunk_cost(graph, a, sh, compute, cluster, config, c, batch_scale)
+             for c in chunks]
 
     # --- pipeline schedule: simulated (pipeline_sim) ------------------------------------------
     stage_chunks = [[c for c in range(len(chunks)) if c % p == s] for s in range(p)]
@@ -281,7 +303,15 @@ def estimate(model: Any, cluster: Any, *, config: ParallelConfig, global_batch_s
     bottleneck = max(range(p), key=lambda s: stage_f[s] + stage_b[s])
     sim = None
     bubble_s = p2p_s = 0.0
-    if p > 1:
+    if p > 1 and not simulate_pipeline:
+        t_mb = stage_f[bottleneck] + stage_b[bottleneck]
+        bubble_s = (p - 1) / v * t_mb
+        p2p_s = 2.0 * sum(cluster.p2p_time_s(costs[c].boundary_bytes,
+                                             config.rank(pp_index=c % p, dp_index=0, tp_index=0),
+                                             config.rank(pp_index=(c + 1) % p, dp_index=0,
+                                                         tp_index=0))
+                          for c in range(len(chunks) - 1))
+    elif p > 1:
         fwd = [c.fwd_compute_s + c.tp_fwd_s for c in costs]
         bwd = [c.bwd_compute_s + c.tp_bwd_s + c.recompute_s for c in costs]
         sends = [cluster.p2p_time_s(costs[c].boundary_bytes,

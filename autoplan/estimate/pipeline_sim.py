@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 
 from autoplan.errors import ConfigError
 
@@ -104,7 +105,16 @@ def simulate(*, schedule: str, p: int, v: int, m: int, fwd_s: Sequence[float],
              bwd_s: Sequence[float], send_s: Sequence[float] = (),
              activation_bytes: Sequence[float] = ()) -> PipelineResult:
     """Run the schedule; ``fwd_s``/``bwd_s``/``activation_bytes`` per chunk (p*v), ``send_s`` per
-    boundary (chunk c to c+1, p*v-1 entries; default free)."""
+    boundary (chunk c to c+1, p*v-1 entries; default free). Results are memoized: the planner
+    simulates the same stages under many ZeRO / offload variants."""
+    return _simulate(schedule, p, v, m, tuple(fwd_s), tuple(bwd_s), tuple(send_s),
+                     tuple(activation_bytes))
+
+
+@lru_cache(maxsize=512)
+def _simulate(schedule: str, p: int, v: int, m: int, fwd_s: tuple[float, ...],
+              bwd_s: tuple[float, ...], send_s: tuple[float, ...],
+              activation_bytes: tuple[float, ...]) -> PipelineResult:
     n = p * v
     if len(fwd_s) != n or len(bwd_s) != n:
         raise ConfigError(f"need forward and backward times for {n} chunks, got "

@@ -31,9 +31,10 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def enumerate_meshes(cluster: Any, *, max_tp: int | None = None,
-                     allow_cross_node_tp: bool = False) -> list[MeshShape]:
-    """dp x tp shapes covering the cluster, tp inside a node (tp divides the node's devices)."""
+def enumerate_meshes(cluster: Any, *, max_tp: int | None = None, max_pp: int | None = None,
+                     num_layers: int = 1, allow_cross_node_tp: bool = False) -> list[MeshShape]:
+    """pp x dp x tp shapes covering the cluster: tp inside a node (tp divides the node's
+    devices), pp at most the number of layers (stages are contiguous layer ranges)."""
     world = cluster.world_size
     per_node = cluster.devices_per_node
     out = []
@@ -43,7 +44,10 @@ def enumerate_meshes(cluster: Any, *, max_tp: int | None = None,
         inside = per_node % tp == 0
         if not inside and not (allow_cross_node_tp and tp % per_node == 0):
             continue
-        out.append(MeshShape(dp=world // tp, tp=tp))
+        for pp in divisors(world // tp):
+            if pp > max(1, num_layers) or (max_pp is not None and pp > max_pp):
+                continue
+            out.append(MeshShape(dp=world // (tp * pp), tp=tp, pp=pp))
     return out
 
 

@@ -69,6 +69,9 @@ class SearchOptions:
     recompute: tuple[str, ...] = ("none", "selective", "full")
     offload_optimizer: tuple[bool, ...] = (False, True)
     max_tp: int | None = None
+    # pipeline stages join the search when max_pp > 1 (opt-in for now: the runtime does not run
+    # pipelined plans yet, and the pipelined search is still being made fast)
+    max_pp: int | None = 1
     force: dict[str, Any] = field(default_factory=dict)
     top_k: int = 5
     ilp_time_limit_s: float = 20.0
@@ -138,15 +141,37 @@ def _ilp_sharding(graph: OpGraph, cluster: Any, config: ParallelConfig, profile:
     return sh, sol
 
 
+def _schedules(config: ParallelConfig, m: int, layers: int,
+               opts: SearchOptions) -> list[tuple[str, int]]:
+    """Pipeline schedules (and virtual stages) worth costing for this mesh and batch."""
+    if config.pp == 1:
+        return [("1f1b", 1)]
+    out = [("1f1b", 1), ("gpipe", 1)]
+    for v in (2, 4):
+        if config.pp * v <= layers and m % config.pp == 0:
+            out.append(("interleaved_1f1b", v))
+    if "schedule" in opts.force:
+        out = [s for s in out if s[0] == opts.force["schedule"]]
+    if "virtual_stages" in opts.force:
+        out = [s for s in out if s[1] == opts.force["virtual_stages"]]
+    return out
+
+
 def _policies(config: ParallelConfig, opts: SearchOptions, cluster: Any,
-              graph: OpGraph) -> list[ParallelConfig]:
+              graph: OpGraph, schedules: list[tuple[str, int]] = (("1f1b", 1),)
+              ) -> list[ParallelConfig]:
     from autoplan.cost.analysis import analyze
     out = []
     # selective recomputation drops attention scores; a graph without them gains nothing
     recompute = [r for r in opts.recompute if r != "selective" or analyze(graph).score_ops]
-    zeros = _forced(opts, "zero_stage", opts.zero_stages if config.dp > 1 else (0,))
-    # CPU ranks already keep their optimizer state in host memory: nothing to offload
-    offloads = (False,) if cluster.device.kind == "cpu" else opts.offload_optimizer
+    # with pipeline stages, ZeRO-2/3 would reduce-scatter and gather every micro-batch
+    zero_options = opts.zero_stages if config.pp == 1 else tuple(
+        z for z in opts.zero_stages if z <= 1)
+    zeros = _forced(opts, "zero_stage", zero_options if config.dp > 1 else (0,))
+    # CPU ranks already keep their optimizer state in host memory: nothing to offload; pipeline
+    # stages already split the model state, so offload is searched without them
+    offloads = (False,) if cluster.device.kind == "cpu" or config.pp > 1 \
+        else opts.offload_optimizer
     for z in zeros:
         for r in _forced(opts, "recompute", recompute):
             for off in _forced(opts, "offload_optimizer", offloads):
@@ -155,15 +180,17 @@ def _policies(config: ParallelConfig, opts: SearchOptions, cluster: Any,
                 for off_p in params_off:
                     if off_p and z != 3:
                         continue   # parameter offload is FSDP's (ZeRO-3)
-                    out.append(ParallelConfig(**{**config.to_dict(), "zero_stage": z,
-                                                 "recompute": r, "offload_optimizer": off,
-                                                 "offload_params": off_p}))
+                    for sched, v in schedules:
+                        out.append(ParallelConfig(**{
+                            **config.to_dict(), "zero_stage": z, "recompute": r,
+                            "offload_optimizer": off, "offload_params": off_p,
+                            "schedule": sched, "virtual_stages": v}))
     return out
 
 
 def _evaluate(graph: OpGraph, cluster: Any, configs: list[ParallelConfig], sh: Sharding,
               sol: ILPSolution | None, gbs: int, profile: Any, opts: SearchOptions,
-              stats: _Stats, label: str) -> list[_Candidate]:
+              stats: _Stats, label: str, simulate: bool = False) -> list[_Candidate]:
     out = []
     sp = sh.t > 1 and any(s.style in _SP_STYLES for s in sh.op_strategy)
     for c in configs:
@@ -171,7 +198,8 @@ def _evaluate(graph: OpGraph, cluster: Any, configs: list[ParallelConfig], sh: S
             c = ParallelConfig(**{**c.to_dict(), "sequence_parallel": sp})
         try:
             est = estimate(graph, cluster, config=c, global_batch_size=gbs, profile=profile,
-                           sharding=sh, memory_margin_bytes=opts.memory_margin_bytes)
+                           sharding=sh, memory_margin_bytes=opts.memory_margin_bytes,
+                           simulate_pipeline=simulate)
         except ConfigError:
             continue
         stats.evaluated += 1
@@ -292,32 +320,47 @@ def plan(model: Any, cluster: Any, *, global_batch_size: int, example_inputs: An
         profile = ProfileDB.find(cluster.device.name)
     base = {"precision": precision, "optimizer": optimizer}
     cands: list[_Candidate] = []
-    shapes = meshes.enumerate_meshes(cluster, max_tp=opts.max_tp)
+    from autoplan.estimate.partition import main_block
+    block = main_block(graph)
+    layers = len(block.instances) if block else 1
+    shapes = meshes.enumerate_meshes(cluster, max_tp=opts.max_tp, max_pp=opts.max_pp,
+                                     num_layers=layers)
     shapes = [s for s in shapes if all(getattr(s, k) == v for k, v in opts.force.items()
                                        if k in ("dp", "tp", "pp"))]
     if not shapes:
         raise ConfigError(f"no mesh of {cluster.world_size} devices matches force={opts.force}")
+    ilp_cache: dict[tuple[int, int], tuple[Sharding, ILPSolution | None]] = {}
     for shape in shapes:
+        name = f"mesh pp{shape.pp} x dp{shape.dp} x tp{shape.tp}"
         if global_batch_size % shape.dp:
-            say(f"mesh dp{shape.dp} x tp{shape.tp}: global batch {global_batch_size} does not "
-                "split over dp, skipped")
+            say(f"{name}: global batch {global_batch_size} does not split over dp, skipped")
             continue
         per_replica = global_batch_size // shape.dp
         for mbs in _forced(opts, "micro_batch_size", _mbs_options(per_replica, opts)):
-            cfg = ParallelConfig(dp=shape.dp, tp=shape.tp, micro_batch_size=mbs, **base)
+            cfg = ParallelConfig(pp=shape.pp, dp=shape.dp, tp=shape.tp, micro_batch_size=mbs,
+                                 **base)
             try:
                 m = validate(graph, cluster, cfg, global_batch_size)
             except ConfigError as e:
-                say(f"mesh dp{shape.dp} x tp{shape.tp} mbs {mbs}: {e}")
+                say(f"{name} mbs {mbs}: {e}")
                 break
-            if shape.tp == 1:
-                sh, sol = replicated(graph), None
-            elif opts.sharding == "megatron":
-                sh, sol = megatron_sharding(graph, shape.tp,
-                                            bool(opts.force.get("sequence_parallel"))), None
-            else:
-                sh, sol = _ilp_sharding(graph, cluster, cfg, profile, m, opts, stats)
-            found = _evaluate(graph, cluster, _policies(cfg, opts, cluster, graph), sh, sol, global_batch_size,
+            if shape.pp > 1 and "micro_batch_size" not in opts.force and (
+                    m < shape.pp or mbs > 4):
+                break                 # few micro-batches per stage: mostly bubble
+            # the tp-axis problem depends on the micro-batch, not on pp or dp (only the per-step
+            # gradient all-reduces of replicated weights weigh with m: the first m seen is used)
+            key = (shape.tp, mbs)
+            if key not in ilp_cache:
+                if shape.tp == 1:
+                    ilp_cache[key] = (replicated(graph), None)
+                elif opts.sharding == "megatron":
+                    ilp_cache[key] = (megatron_sharding(
+                        graph, shape.tp, bool(opts.force.get("sequence_parallel"))), None)
+                else:
+                    ilp_cache[key] = _ilp_sharding(graph, cluster, cfg, profile, m, opts, stats)
+            sh, sol = ilp_cache[key]
+            policies = _policies(cfg, opts, cluster, graph, _schedules(cfg, m, layers, opts))
+            found = _evaluate(graph, cluster, policies, sh, sol, global_batch_size,
                               profile, opts, stats, "search")
             if shape.tp > 1 and opts.sharding == "ilp" and not any(c.est.fits for c in found):
                 budget = cluster.device.memory_bytes - (found[0].est.stages[0].memory.margin_bytes
@@ -325,12 +368,12 @@ def plan(model: Any, cluster: Any, *, global_batch_size: int, example_inputs: An
                 sh2, sol2 = _ilp_sharding(graph, cluster, cfg, profile, m, opts, stats,
                                           memory_budget=budget)
                 if sol2.status in ("optimal", "feasible"):
-                    found += _evaluate(graph, cluster, _policies(cfg, opts, cluster, graph), sh2, sol2,
+                    found += _evaluate(graph, cluster, policies, sh2, sol2,
                                        global_batch_size, profile, opts, stats, "search")
             cands += found
             fit = [c for c in found if c.est.fits]
             best = min(fit, key=_Candidate.key) if fit else None
-            say(f"mesh dp{shape.dp} x tp{shape.tp} mbs {mbs}: "
+            say(f"{name} mbs {mbs}: "
                 + (f"best {best.est.step_time_s * 1e3:,.1f} ms ({best.est.config.short()})"
                    if best else "nothing fits")
                 + f"  [{stats.evaluated} configs, {stats.ilps} ILPs, "
@@ -341,6 +384,7 @@ def plan(model: Any, cluster: Any, *, global_batch_size: int, example_inputs: An
     if not cands:
         raise ConfigError("no configuration could be costed; check the batch size and the "
                           "cluster size")
+    cands = _refine_pipelined(graph, cluster, cands, global_batch_size, profile, opts, stats)
     # forced fields bind the choice; baselines that differ stay as alternatives
     fitting = sorted((c for c in cands if c.est.fits and _honours(c.est.config, opts.force)),
                      key=_Candidate.key)
@@ -349,6 +393,28 @@ def plan(model: Any, cluster: Any, *, global_batch_size: int, example_inputs: An
     best = fitting[0]
     return _assemble(graph, cluster, best, _alternatives(cands, best, opts.top_k, opts.force),
                      stats, global_batch_size, name)
+
+
+def _refine_pipelined(graph: OpGraph, cluster: Any, cands: list[_Candidate], gbs: int,
+                      profile: Any, opts: SearchOptions, stats: _Stats,
+                      finalists: int = 8) -> list[_Candidate]:
+    """Pipelined candidates were screened with the closed form; simulate the best few (and the
+    best of each schedule) so that the plan's figures are the simulator's."""
+    piped = sorted((c for c in cands if c.est.config.pp > 1 and c.est.fits), key=_Candidate.key)
+    if not piped:
+        return cands
+    chosen = piped[:finalists]
+    for sched in {c.est.config.schedule for c in piped}:
+        chosen.append(next(c for c in piped if c.est.config.schedule == sched))
+    keep = [c for c in cands if c.est.config.pp == 1]
+    seen = set()
+    for c in chosen:
+        if id(c) in seen:
+            continue
+        seen.add(id(c))
+        keep += _evaluate(graph, cluster, [c.est.config], c.sharding, c.ilp, gbs, profile,
+                          opts, stats, c.label, simulate=True)
+    return keep
 
 
 def _honours(config: ParallelConfig, force: dict[str, Any]) -> bool:
@@ -402,7 +468,8 @@ def _assemble(graph: OpGraph, cluster: Any, best: _Candidate, alternatives: list
         cluster=ClusterInfo.of(cluster),
         training=TrainingInfo(global_batch_size=gbs, precision=cfg.precision,
                               optimizer=cfg.optimizer),
-        mesh=MeshInfo(axes=("dp", "tp"), shape=(cfg.dp, cfg.tp),
+        mesh=MeshInfo(axes=("pp", "dp", "tp") if cfg.pp > 1 else ("dp", "tp"),
+                      shape=(cfg.pp, cfg.dp, cfg.tp) if cfg.pp > 1 else (cfg.dp, cfg.tp),
                       rank_to_device=meshes.rank_to_device(cluster, cfg.world_size),
                       tp_domain=meshes.tp_domain(cluster, tp_group)),
         config=cfg, param_placements=placements,
@@ -410,4 +477,14 @@ def _assemble(graph: OpGraph, cluster: Any, best: _Candidate, alternatives: list
         module_styles=sh.module_styles(graph), recompute=recompute,
         offload={"optimizer": cfg.offload_optimizer, "params": cfg.offload_params},
         predicted=predicted_from_estimate(best.est), alternatives=tuple(alternatives),
-        solver=solver)
+        solver=solver, stages=_stages(best.est, cfg))
+
+
+def _stages(est: Estimate, cfg: ParallelConfig) -> tuple[dict[str, Any], ...]:
+    """Pipeline stages: their layers and ranks (empty without pipeline parallelism)."""
+    if cfg.pp == 1:
+        return ()
+    return tuple({"index": s.index, "layers": list(s.layers),
+                  "ranks": [cfg.rank(pp_index=s.index, dp_index=d, tp_index=t)
+                            for d in range(cfg.dp) for t in range(cfg.tp)]}
+                 for s in est.stages)

@@ -163,9 +163,9 @@ def compile(model: nn.Module, cluster: Any = "local", *, example_inputs: Sequenc
     graph = trace(model, example_inputs,
                   loss_fn=loss_fn if example_targets is not None else None,
                   targets=example_targets)
-    if plan is None:
+    if plan is None:   # the runtime runs dp x tp plans; pipeline stages come later
         plan = make_plan(graph, cluster, global_batch_size=global_batch_size,
-                         precision=precision, **plan_kwargs)
+                         precision=precision, **{"max_pp": 1, **plan_kwargs})
     elif not isinstance(plan, Plan):
         plan = load_plan(plan, graph=graph, cluster=cluster)
     else:
@@ -185,6 +185,10 @@ def compile(model: nn.Module, cluster: Any = "local", *, example_inputs: Sequenc
     if world != plan.config.world_size:
         raise PlanError(f"the plan needs {plan.config.world_size} ranks, the job has {world}")
     cfg = plan.config
+    if cfg.pp > 1:
+        raise PlanError(f"this plan has {cfg.pp} pipeline stages; the runtime does not run "
+                        "pipeline-parallel plans yet: re-plan with max_pp=1 "
+                        "(`autoplan plan --max-pp 1`)")
     device = (torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
               if cluster.device.kind == "gpu" and torch.cuda.is_available()
               else torch.device("cpu"))
