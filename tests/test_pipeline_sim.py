@@ -66,3 +66,21 @@ def test_bad_inputs_raise():
         _uniform("zigzag", 2, 1, 2)
     with pytest.raises(ConfigError, match="chunks"):
         simulate(schedule="1f1b", p=2, v=1, m=2, fwd_s=[1.0], bwd_s=[1.0, 1.0])
+
+
+def test_inspect_draws_timeline_and_memory(tmp_path):
+    pytest.importorskip("matplotlib")
+    from autoplan import Cluster, plan
+    from autoplan.cli.main import main
+    from autoplan.graph import trace
+    from autoplan.models import build_example
+    ex = build_example("gpt3-175b", device="meta", num_layers=8)
+    g = trace(ex.model, ex.example_inputs, loss_fn=ex.loss_fn, targets=ex.targets)
+    p = plan(g, Cluster.preset("eth-a100-80gb", nodes=4), global_batch_size=64, profile=None,
+             max_pp=4, force={"pp": 4})
+    path = tmp_path / "p.json"
+    p.save(path)
+    t, m = tmp_path / "t.png", tmp_path / "m.png"
+    assert main(["inspect", str(path), "--timeline", str(t), "--memory", str(m)]) == 0
+    for f in (t, m):
+        assert f.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and f.stat().st_size > 5000

@@ -21,10 +21,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _add_figure_args(p: argparse.ArgumentParser) -> None:
-    """Options that draw the plan to image files (e.g. a pipeline timeline, memory over time).
-
-    None yet: the pipeline simulator adds them here and draws them in :func:`_write_figures`.
-    """
+    """Options that draw the plan to image files (matplotlib)."""
+    p.add_argument("--timeline", metavar="PNG",
+                   help="draw the per-rank pipeline timeline (Gantt chart) to this file")
+    p.add_argument("--memory", metavar="PNG",
+                   help="draw memory per pipeline rank over one step to this file")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -40,4 +41,10 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _write_figures(args: argparse.Namespace, plan) -> None:
-    """Write the figures asked for by the options of :func:`_add_figure_args` (none yet)."""
+    from autoplan.planner import figures
+    if args.timeline:
+        figures.draw_timeline(plan, args.timeline)
+        print(f"wrote {args.timeline}")
+    if args.memory:
+        figures.draw_memory(plan, args.memory)
+        print(f"wrote {args.memory}")
