@@ -84,3 +84,16 @@ def test_inspect_draws_timeline_and_memory(tmp_path):
     assert main(["inspect", str(path), "--timeline", str(t), "--memory", str(m)]) == 0
     for f in (t, m):
         assert f.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and f.stat().st_size > 5000
+
+
+def test_stage_partition_balances_embedding_and_head():
+    from autoplan.estimate.partition import balanced_counts
+    # no extras: an even split
+    assert balanced_counts(12, 4, 1.0, 0.0, 0.0) == [3, 3, 3, 3]
+    # a head worth two layers: the last stage takes fewer layers
+    counts = balanced_counts(16, 4, 1.0, 0.0, 2.0)
+    assert sum(counts) == 16 and counts[-1] < counts[0]
+    loads = [c * 1.0 for c in counts]
+    loads[-1] += 2.0
+    assert max(loads) == 5.0
+    assert balanced_counts(5, 1, 1.0, 3.0, 3.0) == [5]

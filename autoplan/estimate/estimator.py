@@ -209,6 +209,26 @@ def _chunk_cost(graph: OpGraph, a: GraphAnalysis, sh: Sharding, compute: Compute
         boundary_bytes=boundary, num_layers=len(chunk.layers))
 
 
+def _stage_weights(graph: OpGraph, a: GraphAnalysis, sh: Sharding, compute: ComputeModel,
+                   cluster: Any, config: ParallelConfig,
+                   batch_scale: float) -> tuple[float, float, float] | None:
+    """Seconds per micro-batch of the ops before the layers, of one layer, and after them."""
+    from autoplan.estimate.partition import main_block
+    block = main_block(graph)
+    if block is None:
+        return None
+    first, last = block.instances[0], block.instances[-1]
+    inst = block.instances[1] if len(block.instances) > 1 else first
+
+    def secs(start: int, stop: int, policy: str) -> float:
+        if start >= stop:
+            return 0.0
+        r = _range_cost(graph, a, sh, compute, cluster, config, start, stop, batch_scale, policy)
+        return r.fwd_s + r.bwd_s + r.recompute_s + r.tp_fwd_s + r.tp_bwd_s
+    return (secs(0, first.start, "none"), secs(inst.start, inst.stop, config.recompute),
+            secs(last.stop, len(graph.ops), "none"))
+
+
 def _cached_chunk_cost(graph: OpGraph, a: GraphAnalysis, sh: Sharding, compute: ComputeModel,
                        cluster: Any, config: ParallelConfig, chunk: Chunk,
                        batch_scale: float) -> _ChunkCost:
@@ -288,10 +308,11 @@ def estimate(model: Any, cluster: Any, *, config: ParallelConfig, global_batch_s
     compute = compute_model(graph, cluster.device, config.precision, profile)
     batch_scale = config.micro_batch_size / graph.batch_size
     p, v = config.pp, config.virtual_stages
-    chunks = partition(graph, p * v)
     sh = sharding_for(graph, config.tp, config.sequence_parallel, sharding)
     if sh.t != config.tp:
         raise ConfigError(f"the sharding is for tp={sh.t} but the config has tp={config.tp}")
+    chunks = partition(graph, p * v, _stage_weights(graph, a, sh, compute, cluster, config,
+                                                    batch_scale) if p * v > 1 else None)
     costs = [_cached_chunk_cost(graph, a, sh, compute, cluster, config, c, batch_scale)
              for c in chunks]
 

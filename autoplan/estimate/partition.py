@@ -36,7 +36,36 @@ def even_split(n: int, parts: int) -> list[int]:
     return [base + (1 if i < extra else 0) for i in range(parts)]
 
 
-def partition(graph: OpGraph, num_chunks: int) -> tuple[Chunk, ...]:
+def balanced_counts(n_layers: int, parts: int, layer_s: float, first_extra_s: float,
+                    last_extra_s: float) -> list[int]:
+    """Layers per chunk minimizing the slowest chunk when the first chunk also runs the
+    embeddings (``first_extra_s``) and the last the head and loss (``last_extra_s``); the middle
+    chunks differ by at most one layer. Exhaustive over the first and last counts (O(L^2))."""
+    if parts == 1:
+        return [n_layers]
+    best: tuple[float, float, list[int]] | None = None
+    for first in range(1, n_layers - parts + 2):
+        for last in range(1, n_layers - first - (parts - 2) + 1):
+            rest = n_layers - first - last
+            middle = parts - 2
+            if middle == 0 and rest:
+                continue
+            if middle and rest < middle:
+                continue
+            counts = [first] + (even_split(rest, middle) if middle else []) + [last]
+            loads = [c * layer_s for c in counts]
+            loads[0] += first_extra_s
+            loads[-1] += last_extra_s
+            key = (max(loads), sum(x * x for x in loads))   # then the most even loads
+            if best is None or key < best[:2]:
+                best = (key[0], key[1], counts)
+    return best[2] if best else even_split(n_layers, parts)
+
+
+def partition(graph: OpGraph, num_chunks: int,
+              weights: tuple[float, float, float] | None = None) -> tuple[Chunk, ...]:
+    """Chunks of whole layers; with ``weights`` = (seconds of the ops before the layers, of one
+    layer, of the ops after them) the split balances the chunks' times, else it is even."""
     block = main_block(graph)
     if num_chunks == 1:
         layers = block.instances if block else ()
@@ -49,10 +78,15 @@ def partition(graph: OpGraph, num_chunks: int) -> tuple[Chunk, ...]:
         raise ConfigError(f"pipeline needs {num_chunks} chunks (pp x virtual_stages) but the "
                           f"model has only {n} layers in {block.name!r}; lower pp or "
                           "virtual_stages")
+    if weights is not None:
+        before, layer, after = weights
+        counts = balanced_counts(n, num_chunks, layer, before, after)
+    else:
+        counts = even_split(n, num_chunks)
     chunks = []
     first = 0
     start = 0
-    for c, count in enumerate(even_split(n, num_chunks)):
+    for c, count in enumerate(counts):
         insts = block.instances[first:first + count]
         first += count
         stop = len(graph.ops) if c == num_chunks - 1 else insts[-1].stop
