@@ -237,7 +237,7 @@ def _cached_chunk_cost(graph: OpGraph, a: GraphAnalysis, sh: Sharding, compute: 
     keyed by the objects' identities, which live as long as the search holds them)."""
     cache = graph.__dict__.setdefault("_autoplan_chunk_costs", {})
     key = (id(sh), id(compute), id(cluster), chunk.start, chunk.stop, config.micro_batch_size,
-           config.recompute, config.precision, config.tp, config.dp)
+           config.recompute, config.precision, config.tp)
     hit = cache.get(key)
     if hit is not None and hit[0] is sh and hit[1] is compute and hit[2] is cluster:
         return hit[3]
@@ -249,7 +249,15 @@ def _cached_chunk_cost(graph: OpGraph, a: GraphAnalysis, sh: Sharding, compute: 
 
 
 def _boundary_values(graph: OpGraph, a: GraphAnalysis, cut: int) -> list[str]:
-    """Activations produced before op ``cut`` and read at or after it (what a stage sends)."""
+    """Activations produced before op ``cut`` and read at or after it (what a stage sends);
+    computed once per cut and kept on the graph."""
+    cache = graph.__dict__.setdefault("_autoplan_boundaries", {})
+    if cut not in cache:
+        cache[cut] = _crossing(graph, cut)
+    return cache[cut]
+
+
+def _crossing(graph: OpGraph, cut: int) -> list[str]:
     if cut >= len(graph.ops):
         return []
     produced_before = set()

@@ -44,8 +44,10 @@ def balanced_counts(n_layers: int, parts: int, layer_s: float, first_extra_s: fl
     if parts == 1:
         return [n_layers]
     best: tuple[float, float, list[int]] | None = None
-    for first in range(1, n_layers - parts + 2):
-        for last in range(1, n_layers - first - (parts - 2) + 1):
+    # extra work only shrinks the first and last chunks: never beyond an even share
+    cap = -(-n_layers // parts)
+    for first in range(1, min(cap, n_layers - parts + 1) + 1):
+        for last in range(1, min(cap, n_layers - first - (parts - 2)) + 1):
             rest = n_layers - first - last
             middle = parts - 2
             if middle == 0 and rest:
