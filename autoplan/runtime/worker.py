@@ -65,6 +65,7 @@ def main(argv: list[str] | None = None) -> int:
                 json.dump({"losses": losses, "times_s": times, "measured_s": measured,
                            "predicted_s": predicted}, f)
     if dist.is_initialized():
+        dist.barrier()              # nobody tears the group down while a peer still uses it
         dist.destroy_process_group()
     return 0
 
