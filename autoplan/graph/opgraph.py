@@ -207,18 +207,6 @@ class OpGraph:
     def bwd_flops(self) -> int:
         return sum(op.bwd_flops for op in self.ops)
 
-    def block_of_op(self) -> list[tuple[Block, int] | None]:
-        """For each op index: (block, instance index) when it belongs to a repeated block."""
-        out: list[tuple[Block, int] | None] = [None] * len(self.ops)
-        for block in self.blocks:
-            for k, inst in enumerate(block.instances):
-                for i in range(inst.start, inst.stop):
-                    out[i] = (block, k)
-        return out
-
-    def ops_between(self, start: int, stop: int) -> tuple[Op, ...]:
-        return self.ops[start:stop]
-
     # ---- serialization --------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
         return {

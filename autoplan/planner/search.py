@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from autoplan import __version__
-from autoplan.cost.compute import ComputeModel, compute_model
+from autoplan.cost.compute import compute_model
 from autoplan.cost.memory import bytes_per_param
 from autoplan.errors import ConfigError, PlanError
 from autoplan.estimate.config import ParallelConfig

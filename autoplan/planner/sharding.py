@@ -99,9 +99,6 @@ class Sharding:
                 styles.setdefault(op.module_path, s.style)
         return dict(sorted(styles.items()))
 
-    def is_trivial(self) -> bool:
-        return self.t == 1
-
     def runnable(self, graph: OpGraph) -> bool:
         """True when every reshard sits in front of an op with parameters (a module whose
         ParallelStyle layouts the runtime sets); ops between modules take shards as they are."""

@@ -31,13 +31,12 @@ Alpa, Zheng et al. 2022, for the general per-op space):
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from autoplan.graph.opgraph import Op, OpGraph, Value
 from autoplan.planner import dims
-from autoplan.planner.placement import PARTIAL, REPLICATE, Placement, shard
+from autoplan.planner.placement import REPLICATE, Placement, shard
 
 # style name -> what the runtime applies to the op's module (PyTorch tensor-parallel API)
 RUNTIME_STYLES = {
@@ -451,8 +450,4 @@ def strategies(graph: OpGraph, op: Op, t: int) -> list[OpStrategy]:
     return _generic(graph, op, t)
 
 
-def output_placement_for(strategy: OpStrategy, index: int) -> Placement:
-    return strategy.outputs[index] if index < len(strategy.outputs) else REPLICATE
-
-
-__all__ = ["Comm", "OpStrategy", "PARTIAL", "RUNTIME_STYLES", "call_args", "strategies"]
+__all__ = ["Comm", "OpStrategy", "RUNNABLE_STYLES", "RUNTIME_STYLES", "call_args", "strategies"]

@@ -39,7 +39,6 @@ class ModuleLayout:
     arrives: Placement        # the input as the producer left it (local tensor of this placement)
     wants: Placement          # the input as the strategy needs it
     leaves: Placement         # the output
-    input_rank: int
 
 
 def sharding_from_plan(graph: OpGraph, op_strategies: dict[str, str], t: int) -> Sharding:
@@ -104,8 +103,7 @@ def module_layouts(graph: OpGraph, sh: Sharding) -> dict[str, ModuleLayout]:
                 raise PlanError(f"module {fqn!r}: its ops are split on dim {wants.dim}, which "
                                 "no runtime style expresses; re-plan")
         out[fqn] = ModuleLayout(fqn=fqn, style=style, arrives=arrives, wants=wants,
-                                leaves=s.outputs[0] if s.outputs else REPLICATE,
-                                input_rank=len(graph.value(x).meta.shape))
+                                leaves=s.outputs[0] if s.outputs else REPLICATE)
     return out
 
 
