@@ -235,3 +235,19 @@ def test_cli_profiles_an_example_and_merges(tmp_path, capsys):
     assert "failed" in text and "calibration" in text
     assert main(["no-such-model", "-o", str(out)]) == 2
     assert main(["mlp-tiny@0", "-o", str(out)]) == 2
+
+
+def test_host_allocator_tuning_is_applied_once_and_can_be_opted_out(monkeypatch):
+    import platform
+    import sys
+
+    from autoplan.cost import host_allocator as ha
+    monkeypatch.setattr(ha, "_applied", None)
+    monkeypatch.setenv("AUTOPLAN_HOST_MALLOC", "default")
+    assert ha.keep_freed_host_memory() is False
+    monkeypatch.setattr(ha, "_applied", None)
+    monkeypatch.delenv("AUTOPLAN_HOST_MALLOC")
+    applied = ha.keep_freed_host_memory()
+    glibc = sys.platform.startswith("linux") and platform.libc_ver()[0] == "glibc"
+    assert applied is glibc
+    assert ha.keep_freed_host_memory() is applied                      # cached

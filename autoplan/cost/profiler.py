@@ -44,6 +44,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
+from autoplan.cost.host_allocator import keep_freed_host_memory
 from autoplan.cost.profile_db import Calibration, OpTiming, ProfileDB, op_key
 from autoplan.errors import ProfileError
 from autoplan.graph.opgraph import Op, OpGraph, TensorMeta
@@ -436,6 +437,8 @@ def profile_graph(graph: OpGraph, *, device: str | torch.device = "cpu", warmup:
         raise ProfileError(f"need min_time_s >= 0 and max_op_time_s > 0, got {min_time_s}, "
                            f"{max_op_time_s}")
     dev = _check_device(device)
+    if dev.type == "cpu":
+        keep_freed_host_memory()
     clock = _Clock(dev)
     t0 = time.perf_counter()
     keyed = distinct_ops(graph)
@@ -508,6 +511,8 @@ def calibrate(device: str | torch.device = "cpu", *, seed: int = 0) -> Calibrati
     ``torch.optim.AdamW`` (foreach on CUDA; torch's default on CPU is the per-tensor loop).
     """
     dev = _check_device(device)
+    if dev.type == "cpu":
+        keep_freed_host_memory()
     clock = _Clock(dev)
     cuda = dev.type == "cuda"
     torch.manual_seed(seed)

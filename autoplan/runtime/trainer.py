@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from autoplan.cost.host_allocator import keep_freed_host_memory
 from autoplan.errors import PlanError
 from autoplan.planner.planfile import Plan, load_plan
 from autoplan.runtime import parallelize as par
@@ -181,6 +182,8 @@ def compile(model: nn.Module, cluster: Any = "local", *, example_inputs: Sequenc
         raise PlanError(f"the plan needs {plan.config.world_size} processes but this job has "
                         f"{world_env}; launch with torchrun --nproc-per-node "
                         f"{plan.config.world_size} (or `autoplan run`)")
+    if cluster.device.kind == "cpu":
+        keep_freed_host_memory()   # gradients and activations stay mapped between steps
     rank, world = init_distributed(cluster.backend)
     if world != plan.config.world_size:
         raise PlanError(f"the plan needs {plan.config.world_size} ranks, the job has {world}")
