@@ -8,6 +8,7 @@ and return plain Python values (lists, floats, dicts of lists).
 from __future__ import annotations
 
 import multiprocessing as mp
+import queue as queue_module
 import os
 import socket
 import traceback
@@ -46,7 +47,13 @@ def run_ranks(fn, world: int, *args, timeout_s: float = 180.0) -> list:
     errors = []
     try:
         for _ in range(world):
-            rank, status, value = queue.get(timeout=timeout_s)
+            # once a rank failed, its peers are likely stuck in a collective: do not wait long
+            try:
+                rank, status, value = queue.get(timeout=10.0 if errors else timeout_s)
+            except queue_module.Empty:
+                missing = sorted(set(range(world)) - set(results))
+                errors.append(f"ranks {missing}: no result within the time limit (hung?)")
+                break
             if status == "ok":
                 results[rank] = value
             else:

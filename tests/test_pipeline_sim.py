@@ -59,6 +59,28 @@ def test_every_action_runs_once_in_dependency_order():
             assert e.start_s >= seen[("B", mb, c + 1)].end_s + 0.1 - 1e-12
 
 
+@pytest.mark.parametrize("p,v,m", [(2, 1, 4), (4, 1, 8), (8, 1, 16), (4, 2, 8), (2, 2, 4)])
+def test_zero_bubble_fills_the_bubble_with_weight_gradients(p, v, m):
+    """ZB-H1 (Qi et al. 2024) with T_F = T_B = T_W: the 1F1B bubble (p-1)(F+B+W) shrinks to
+    (p-1)(F+B-W); interleaving shrinks it further; every W runs after its own B."""
+    n = p * v
+    f, b = 1.0 / v, 2.0 / v                     # b = B + W, W = b / 2 = F
+    zb = simulate(schedule="zero_bubble", p=p, v=v, m=m, fwd_s=[f] * n, bwd_s=[b] * n)
+    base = "1f1b" if v == 1 else "interleaved_1f1b"
+    one = simulate(schedule=base, p=p, v=v, m=m, fwd_s=[f] * n, bwd_s=[b] * n)
+    work = m * v * (f + b)
+    if v == 1:
+        assert zb.makespan_s == pytest.approx(work + (p - 1) * (f + b / 2 - b / 2))
+        assert one.makespan_s == pytest.approx(work + (p - 1) * (f + b))
+    assert zb.makespan_s < one.makespan_s
+    end = {(e.kind, e.microbatch, e.chunk): e.end_s for e in zb.events}
+    start = {(e.kind, e.microbatch, e.chunk): e.start_s for e in zb.events}
+    assert sum(1 for e in zb.events if e.kind == "W") == m * n
+    for (kind, mb, c), t in start.items():
+        if kind == "W":
+            assert t >= end[("B", mb, c)] - 1e-12
+
+
 def test_bad_inputs_raise():
     with pytest.raises(ConfigError, match="multiple"):
         _uniform("interleaved_1f1b", 4, 2, 6)

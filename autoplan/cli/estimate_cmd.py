@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
+from autoplan.estimate.config import SCHEDULES
 from autoplan.cli.common import add_model_args, graph_from_args
 
 
@@ -15,7 +16,7 @@ def add_config_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tp", type=int, default=1, help="tensor-parallel degree")
     g.add_argument("--pp", type=int, default=1, help="pipeline-parallel degree")
     g.add_argument("--micro-batch-size", "--mbs", type=int, default=1)
-    g.add_argument("--schedule", default="1f1b", choices=("gpipe", "1f1b", "interleaved_1f1b"))
+    g.add_argument("--schedule", default="1f1b", choices=SCHEDULES)
     g.add_argument("--virtual-stages", type=int, default=1)
     g.add_argument("--zero", type=int, default=0, choices=(0, 1, 2, 3), help="ZeRO stage")
     g.add_argument("--sp", action="store_true", help="sequence parallelism (with tp > 1)")

@@ -12,7 +12,8 @@ from typing import Any
 
 from autoplan.errors import ConfigError
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
+MULTI_CHUNK_SCHEDULES = ("interleaved_1f1b", "zero_bubble")   # may take virtual_stages > 1
 RECOMPUTE = ("none", "selective", "full")
 PRECISIONS = ("bf16", "fp16", "fp32")
 OPTIMIZERS = ("adamw", "adam", "sgd")
@@ -24,7 +25,10 @@ class ParallelConfig:
 
     ``num_microbatches`` may be left ``None``: it is derived from the global batch as
     ``global_batch_size / (dp * micro_batch_size)``. ``virtual_stages`` is the number of model
-    chunks per pipeline rank (only with ``interleaved_1f1b``).
+    chunks per pipeline rank (with ``interleaved_1f1b`` or ``zero_bubble``). ``zero_bubble``
+    splits each backward into its input-gradient and weight-gradient halves and runs the latter
+    in the bubbles (Qi et al. 2024, ZB-H1 over interleaved chunks; torch's
+    ``ScheduleInterleavedZeroBubble``).
     """
 
     dp: int = 1
@@ -57,9 +61,9 @@ class ParallelConfig:
         _one_of("optimizer", self.optimizer, OPTIMIZERS)
         if self.zero_stage not in (0, 1, 2, 3):
             raise ConfigError(f"zero_stage must be 0, 1, 2 or 3, got {self.zero_stage!r}")
-        if self.virtual_stages > 1 and self.schedule != "interleaved_1f1b":
-            raise ConfigError(f"virtual_stages={self.virtual_stages} needs "
-                              f"schedule='interleaved_1f1b' (got {self.schedule!r})")
+        if self.virtual_stages > 1 and self.schedule not in MULTI_CHUNK_SCHEDULES:
+            raise ConfigError(f"virtual_stages={self.virtual_stages} needs schedule "
+                              f"'interleaved_1f1b' or 'zero_bubble' (got {self.schedule!r})")
         if self.offload_params and self.zero_stage != 3:
             raise ConfigError("offload_params=True needs zero_stage=3: the weights are offloaded "
                               "as FSDP shards and gathered to the device layer by layer")

@@ -26,9 +26,9 @@ from autoplan.cost.compute import ComputeModel, compute_model
 from autoplan.cost.memory import (PRECISION_BYTES, _meta_bytes, activation_bytes,
                                   model_state_bytes, sharding_for, working_set_bytes)
 from autoplan.errors import ConfigError
-from autoplan.estimate.config import ParallelConfig
+from autoplan.estimate.config import MULTI_CHUNK_SCHEDULES, ParallelConfig
 from autoplan.estimate.partition import Chunk, partition
-from autoplan.estimate.pipeline_sim import simulate
+from autoplan.estimate.pipeline_sim import W_FRACTION, W_KEEPS, simulate
 from autoplan.estimate.result import Estimate, MemoryBreakdown, StageEstimate, TimeBreakdown
 from autoplan.graph.opgraph import OpGraph
 from autoplan.graph.trace import as_graph
@@ -72,9 +72,11 @@ def validate(graph: OpGraph, cluster: Any, config: ParallelConfig,
                 raise ConfigError(
                     f"tp={config.tp} does not divide the model's {h} attention heads; "
                     f"tensor parallelism splits whole heads: use a tp that divides {h}")
-    if config.schedule == "interleaved_1f1b" and config.pp > 1 and m % config.pp:
-        raise ConfigError(f"interleaved 1F1B needs the micro-batch count ({m}) to be a multiple "
-                          f"of pp ({config.pp}); change the batch or micro_batch_size")
+    if (config.pp > 1 and m % config.pp and (config.schedule == "interleaved_1f1b" or (
+            config.schedule == "zero_bubble" and config.virtual_stages > 1))):
+        raise ConfigError(f"{config.schedule} over {config.virtual_stages} chunks per rank needs "
+                          f"the micro-batch count ({m}) to be a multiple of pp ({config.pp}); "
+                          "change the batch or micro_batch_size")
     if config.micro_batch_size > global_batch_size:
         raise ConfigError(f"micro_batch_size {config.micro_batch_size} exceeds the global batch "
                           f"{global_batch_size}")
@@ -281,10 +283,13 @@ def _in_flight(config: ParallelConfig, m: int, stage: int) -> float:
         return 1.0
     if config.schedule == "gpipe":
         return float(m)
-    if config.schedule == "interleaved_1f1b" and v > 1:
+    extra = 0.0
+    if config.schedule == "zero_bubble":   # deferred W's keep half their chunk's activations
+        extra = W_KEEPS * min(m * v, p * v) / v
+    if config.schedule in MULTI_CHUNK_SCHEDULES and v > 1:
         chunks = min(m * v, (p - stage - 1) * 2 + (v - 1) * p + 1)
-        return chunks / v            # in units of this rank's whole (all-chunk) activations
-    return float(min(m, p - stage))
+        return chunks / v + extra    # in units of this rank's whole (all-chunk) activations
+    return float(min(m, p - stage)) + extra
 
 
 def estimate(model: Any, cluster: Any, *, config: ParallelConfig, global_batch_size: int,
@@ -334,6 +339,8 @@ def estimate(model: Any, cluster: Any, *, config: ParallelConfig, global_batch_s
     bubble_s = p2p_s = 0.0
     if p > 1 and not simulate_pipeline:
         t_mb = stage_f[bottleneck] + stage_b[bottleneck]
+        if config.schedule == "zero_bubble":   # W's fill all but F + B - W of a stage time
+            t_mb = stage_f[bottleneck] + stage_b[bottleneck] * max(0.0, 1 - 2 * W_FRACTION)
         bubble_s = (p - 1) / v * t_mb
         p2p_s = 2.0 * sum(cluster.p2p_time_s(costs[c].boundary_bytes,
                                              config.rank(pp_index=c % p, dp_index=0, tp_index=0),
@@ -439,7 +446,7 @@ def estimate(model: Any, cluster: Any, *, config: ParallelConfig, global_batch_s
             num_ops=sum(chunks[c].stop - chunks[c].start for c in stage_chunks[s]),
             params_per_device=params, fwd_s=stage_f[s], bwd_s=stage_b[s],
             activation_bytes_per_microbatch=act_mb, microbatches_in_flight=in_flight,
-            memory=mem))
+            memory=mem, chunks=tuple(chunks[c].layers for c in stage_chunks[s])))
     per_device = tuple(stages[r // (config.dp * config.tp)].memory.total_bytes
                        for r in range(config.world_size))
     peak = max(per_device)

@@ -16,6 +16,12 @@ Schedules (action orders per rank):
   forward / one backward, then the remaining backwards;
 - ``interleaved_1f1b`` (Narayanan et al. 2021, Sec. 2.2): the same over ``v`` chunks per rank,
   micro-batches taken in groups of ``p`` per chunk, ``2(p - r - 1) + (v - 1) p`` warm-up steps.
+- ``zero_bubble`` (Qi et al. 2024, "Zero Bubble Pipeline Parallelism", ZB-H1 on interleaved
+  chunks): the interleaved order, each backward split into B (input gradient, which the
+  previous chunk waits for) and W (weight gradient, which nobody waits for). A rank runs its
+  deferred W's whenever the next F or B would otherwise wait and a W fits in the gap, and the
+  rest at the end; at most ``p * v`` W's wait at once (their activations stay alive).
+  ``w_fraction`` of each backward is W (1/2 for matmul layers: dX and dW cost the same).
 On uniform chunks with free sends this reproduces the bubble fraction (p-1)/(m+p-1) of GPipe
 and 1F1B exactly, and the interleaved schedule's bubble time divided by v
 (tests/test_pipeline_sim.py).
@@ -30,10 +36,14 @@ from functools import lru_cache
 from autoplan.errors import ConfigError
 
 
+W_FRACTION = 0.5    # zero_bubble: the weight-gradient share of a backward
+W_KEEPS = 0.5       # zero_bubble: the share of a chunk's activations alive until its W
+
+
 @dataclass(frozen=True)
 class Event:
     rank: int
-    kind: str          # "F" | "B"
+    kind: str          # "F" | "B" | "W" (zero_bubble: B is the input gradient, W the weights')
     microbatch: int
     chunk: int
     start_s: float
@@ -63,7 +73,7 @@ def _orders(schedule: str, p: int, v: int, m: int) -> list[list[tuple[str, int, 
             for c in reversed(range(r, p * v, p)):
                 orders[r] += [("B", mb, c) for mb in range(m)]
         return orders
-    if schedule == "1f1b" and v == 1:
+    if schedule in ("1f1b", "zero_bubble") and v == 1:
         for r in range(p):
             warm = min(p - r - 1, m)
             fwd = [("F", mb, r) for mb in range(m)]
@@ -74,7 +84,7 @@ def _orders(schedule: str, p: int, v: int, m: int) -> list[list[tuple[str, int, 
             seq += bwd[m - warm:]
             orders[r] = seq
         return orders
-    if schedule in ("interleaved_1f1b", "1f1b"):
+    if schedule in ("interleaved_1f1b", "1f1b", "zero_bubble"):
         if m % p:
             raise ConfigError(f"interleaved 1F1B needs the micro-batches ({m}) to be a multiple "
                               f"of the pipeline ranks ({p})")
@@ -97,8 +107,8 @@ def _orders(schedule: str, p: int, v: int, m: int) -> list[list[tuple[str, int, 
             seq += [bwd_action(r, k) for k in range(total - warm, total)]
             orders[r] = seq
         return orders
-    raise ConfigError(f"unknown pipeline schedule {schedule!r}; use gpipe, 1f1b or "
-                      "interleaved_1f1b")
+    raise ConfigError(f"unknown pipeline schedule {schedule!r}; use gpipe, 1f1b, "
+                      "interleaved_1f1b or zero_bubble")
 
 
 def simulate(*, schedule: str, p: int, v: int, m: int, fwd_s: Sequence[float],
@@ -122,10 +132,24 @@ def _simulate(schedule: str, p: int, v: int, m: int, fwd_s: tuple[float, ...],
     send = list(send_s) or [0.0] * (n - 1)
     acts = list(activation_bytes) or [0.0] * n
     orders = _orders(schedule, p, v, m)
+    split = schedule == "zero_bubble"
+    w_share = W_FRACTION if split else 0.0
+    max_deferred = p * v
     done: dict[tuple[str, int, int], float] = {}
     pos = [0] * p
     free = [0.0] * p
+    deferred: list[list[tuple[int, int]]] = [[] for _ in range(p)]   # W's not yet run
     events: list[Event] = []
+
+    def run(r: int, kind: str, mb: int, c: int, start: float, dur: float) -> None:
+        done[(kind, mb, c)] = start + dur
+        free[r] = start + dur
+        events.append(Event(r, kind, mb, c, start, start + dur))
+
+    def run_w(r: int) -> None:
+        mb, c = deferred[r].pop(0)
+        run(r, "W", mb, c, free[r], bwd_s[c] * w_share)
+
     remaining = sum(len(o) for o in orders)
     while remaining:
         progressed = False
@@ -141,14 +165,23 @@ def _simulate(schedule: str, p: int, v: int, m: int, fwd_s: tuple[float, ...],
                 if dep is not None and dep not in done:
                     break
                 ready = done[dep] + hop if dep is not None else 0.0
-                start = max(free[r], ready)
-                end = start + (fwd_s[c] if kind == "F" else bwd_s[c])
-                done[(kind, mb, c)] = end
-                free[r] = end
-                events.append(Event(r, kind, mb, c, start, end))
+                # fill the wait with deferred weight gradients that fit in it
+                while deferred[r] and free[r] + bwd_s[deferred[r][0][1]] * w_share <= ready:
+                    run_w(r)
+                if kind == "F":
+                    run(r, "F", mb, c, max(free[r], ready), fwd_s[c])
+                else:
+                    run(r, "B", mb, c, max(free[r], ready), bwd_s[c] * (1.0 - w_share))
+                    if split:
+                        deferred[r].append((mb, c))
+                        if len(deferred[r]) > max_deferred:
+                            run_w(r)
                 pos[r] += 1
                 remaining -= 1
                 progressed = True
+            if pos[r] == len(orders[r]):
+                while deferred[r]:
+                    run_w(r)
         if not progressed:
             raise ConfigError(f"schedule {schedule!r} deadlocked (p={p}, v={v}, m={m})")
     busy = [0.0] * p
@@ -157,8 +190,12 @@ def _simulate(schedule: str, p: int, v: int, m: int, fwd_s: tuple[float, ...],
         busy[e.rank] += e.end_s - e.start_s
         if e.kind == "F":
             deltas[e.rank].append((e.end_s, acts[e.chunk]))     # kept until its backward
-        else:
+        elif not split:
             deltas[e.rank].append((e.end_s, -acts[e.chunk]))
+        else:      # B frees what only the input gradient needs, W the layer inputs
+            deltas[e.rank].append((e.end_s, -acts[e.chunk] * (1.0 - W_KEEPS)))
+            if e.kind == "W":
+                deltas[e.rank][-1] = (e.end_s, -acts[e.chunk] * W_KEEPS)
     timelines, peaks = [], []
     for r in range(p):
         level, peak, line = 0.0, 0.0, [(0.0, 0.0)]

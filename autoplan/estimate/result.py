@@ -67,6 +67,7 @@ class StageEstimate:
     activation_bytes_per_microbatch: float
     microbatches_in_flight: float
     memory: MemoryBreakdown
+    chunks: tuple[tuple[str, ...], ...] = ()   # layers per model chunk (virtual stage) here
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -182,7 +182,7 @@ class Plan:
     predicted: Mapping[str, Any]            # the chosen Estimate, see predicted_from_estimate
     alternatives: tuple[Alternative, ...]
     solver: SolverReport
-    stages: tuple[Mapping[str, Any], ...] = ()   # {"index", "layers": [...], "ranks": [...]}
+    stages: tuple[Mapping[str, Any], ...] = ()   # {"index", "layers", "chunks", "ranks"}
     schema_version: int = PLAN_SCHEMA_VERSION
 
     def __post_init__(self) -> None:
@@ -301,6 +301,8 @@ def predicted_from_estimate(estimate: Any) -> dict[str, Any]:
     """``Estimate.to_dict()`` minus the per-device memory list (derivable, 1,024+ entries)."""
     d = estimate.to_dict()
     d.pop("per_device_memory_bytes", None)
+    for st in d["stages"]:
+        st.pop("chunks", None)             # Plan.stages lists them
     return d
 
 

@@ -45,7 +45,7 @@ OFFLOAD_KEYS = ("optimizer", "params")
 ALTERNATIVE_KEYS = ("config", "step_time_s", "peak_memory_bytes", "fits", "why_lost")
 SOLVER_KEYS = ("solver", "status", "objective_s", "bound_s", "gap", "num_variables",
                "num_constraints", "ilps_solved", "candidates_evaluated")   # time_s: not written
-STAGE_KEYS = ("index", "layers", "ranks")
+STAGE_KEYS = ("index", "layers", "chunks", "ranks")
 
 _NAME = re.compile(r"^[a-z][a-z0-9_]{0,63}$")        # axis, strategy and style names
 _HEX = re.compile(r"^[0-9a-f]{8,128}$")               # fingerprints
@@ -271,6 +271,12 @@ def _check_stages(stages: Any, world: int) -> None:
             fail(f"{path}.index", f"{st['index']} but stages must be listed in order from 0")
         for j, x in enumerate(_list(st["layers"], f"{path}.layers")):
             _str(x, f"{path}.layers[{j}]", limit=1000)
+        flat = []
+        for j, chunk in enumerate(_list(st["chunks"], f"{path}.chunks")):
+            for k, x in enumerate(_list(chunk, f"{path}.chunks[{j}]")):
+                flat.append(_str(x, f"{path}.chunks[{j}][{k}]", limit=1000))
+        if flat != list(st["layers"]):
+            fail(f"{path}.chunks", "the chunks' layers, in order, must be the stage's layers")
         ranks = [_int(r, f"{path}.ranks[{j}]") for j, r in enumerate(_list(st["ranks"],
                                                                             f"{path}.ranks"))]
         if any(r >= world for r in ranks) or len(set(ranks)) != len(ranks):

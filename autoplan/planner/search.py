@@ -146,10 +146,10 @@ def _schedules(config: ParallelConfig, m: int, layers: int,
     """Pipeline schedules (and virtual stages) worth costing for this mesh and batch."""
     if config.pp == 1:
         return [("1f1b", 1)]
-    out = [("1f1b", 1), ("gpipe", 1)]
+    out = [("1f1b", 1), ("gpipe", 1), ("zero_bubble", 1)]
     for v in (2, 4):
         if config.pp * v <= layers and m % config.pp == 0:
-            out.append(("interleaved_1f1b", v))
+            out += [("interleaved_1f1b", v), ("zero_bubble", v)]
     if "schedule" in opts.force:
         out = [s for s in out if s[0] == opts.force["schedule"]]
     if "virtual_stages" in opts.force:
@@ -331,9 +331,9 @@ def plan(model: Any, cluster: Any, *, global_batch_size: int, example_inputs: An
         raise ConfigError(f"no mesh of {cluster.world_size} devices matches force={opts.force}")
     ilp_cache: dict[tuple[int, int], tuple[Sharding, ILPSolution | None]] = {}
     for shape in shapes:
-        name = f"mesh pp{shape.pp} x dp{shape.dp} x tp{shape.tp}"
+        where = f"mesh pp{shape.pp} x dp{shape.dp} x tp{shape.tp}"
         if global_batch_size % shape.dp:
-            say(f"{name}: global batch {global_batch_size} does not split over dp, skipped")
+            say(f"{where}: global batch {global_batch_size} does not split over dp, skipped")
             continue
         per_replica = global_batch_size // shape.dp
         for mbs in _forced(opts, "micro_batch_size", _mbs_options(per_replica, opts)):
@@ -342,7 +342,7 @@ def plan(model: Any, cluster: Any, *, global_batch_size: int, example_inputs: An
             try:
                 m = validate(graph, cluster, cfg, global_batch_size)
             except ConfigError as e:
-                say(f"{name} mbs {mbs}: {e}")
+                say(f"{where} mbs {mbs}: {e}")
                 break
             if shape.pp > 1 and "micro_batch_size" not in opts.force and (
                     m < shape.pp or mbs > 4):
@@ -373,7 +373,7 @@ def plan(model: Any, cluster: Any, *, global_batch_size: int, example_inputs: An
             cands += found
             fit = [c for c in found if c.est.fits]
             best = min(fit, key=_Candidate.key) if fit else None
-            say(f"{name} mbs {mbs}: "
+            say(f"{where} mbs {mbs}: "
                 + (f"best {best.est.step_time_s * 1e3:,.1f} ms ({best.est.config.short()})"
                    if best else "nothing fits")
                 + f"  [{stats.evaluated} configs, {stats.ilps} ILPs, "
@@ -485,6 +485,7 @@ def _stages(est: Estimate, cfg: ParallelConfig) -> tuple[dict[str, Any], ...]:
     if cfg.pp == 1:
         return ()
     return tuple({"index": s.index, "layers": list(s.layers),
+                  "chunks": [list(c) for c in s.chunks],
                   "ranks": [cfg.rank(pp_index=s.index, dp_index=d, tp_index=t)
                             for d in range(cfg.dp) for t in range(cfg.tp)]}
                  for s in est.stages)

@@ -102,6 +102,14 @@ class Trainer:
             mean = t[0] / self.config.dp
         return float(mean)
 
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Parameters and buffers as full tensors (gathered over dp and tp), on the CPU, on
+        every rank."""
+        from torch.distributed.checkpoint.state_dict import (StateDictOptions,
+                                                             get_model_state_dict)
+        sd = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True))
+        return {k: v.detach().cpu() for k, v in sd.items()}
+
     def _loss(self, chunk: list[torch.Tensor]) -> torch.Tensor:
         inputs, targets = (chunk[:-1], chunk[-1]) if self.loss_fn is not None else (chunk, None)
         amp = (torch.autocast(self.device.type, dtype=self.autocast_dtype)
@@ -147,7 +155,7 @@ def compile(model: nn.Module, cluster: Any = "local", *, example_inputs: Sequenc
             optimizer: Callable[[Any], Any], global_batch_size: int,
             loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
             example_targets: Any = None, plan: Plan | str | os.PathLike | None = None,
-            precision: str = "fp32", seed: int = 0, **plan_kwargs: Any) -> Trainer:
+            precision: str = "fp32", seed: int = 0, **plan_kwargs: Any) -> Any:
     """Build the sharded training program of ``plan`` (or plan now when None) on this rank.
 
     ``model`` may live on the meta device: it is materialized shard by shard. ``optimizer`` is
@@ -164,9 +172,9 @@ def compile(model: nn.Module, cluster: Any = "local", *, example_inputs: Sequenc
     graph = trace(model, example_inputs,
                   loss_fn=loss_fn if example_targets is not None else None,
                   targets=example_targets)
-    if plan is None:   # the runtime runs dp x tp plans; pipeline stages come later
+    if plan is None:
         plan = make_plan(graph, cluster, global_batch_size=global_batch_size,
-                         precision=precision, **{"max_pp": 1, **plan_kwargs})
+                         precision=precision, **plan_kwargs)
     elif not isinstance(plan, Plan):
         plan = load_plan(plan, graph=graph, cluster=cluster)
     else:
@@ -188,10 +196,6 @@ def compile(model: nn.Module, cluster: Any = "local", *, example_inputs: Sequenc
     if world != plan.config.world_size:
         raise PlanError(f"the plan needs {plan.config.world_size} ranks, the job has {world}")
     cfg = plan.config
-    if cfg.pp > 1:
-        raise PlanError(f"this plan has {cfg.pp} pipeline stages; the runtime does not run "
-                        "pipeline-parallel plans yet: re-plan with max_pp=1 "
-                        "(`autoplan plan --max-pp 1`)")
     device = (torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
               if cluster.device.kind == "gpu" and torch.cuda.is_available()
               else torch.device("cpu"))
@@ -201,6 +205,15 @@ def compile(model: nn.Module, cluster: Any = "local", *, example_inputs: Sequenc
     if not on_meta:
         model.to(device)
 
+    if cfg.pp > 1:
+        from autoplan.runtime.pipeline import compile_pipelined
+        sharding = sharding_from_plan(graph, dict(plan.op_strategies), cfg.tp)
+        lp = uses_loss_parallel(sharding)
+        return compile_pipelined(
+            model, graph, plan, device=device, optimizer=optimizer, loss_fn=loss_fn, seed=seed,
+            rank=rank, sharding=sharding, loss_parallel=lp,
+            logits_module=_logits_module(graph, sharding) if lp and cfg.tp > 1 else None,
+            precision_dtype=_dtype(cfg.precision) if cfg.precision != "fp32" else None)
     dp_group = tp_mesh = dp_mesh = None
     if world > 1:
         from torch.distributed.device_mesh import init_device_mesh
