@@ -90,6 +90,7 @@ def make_plan(graph, cluster, config, *, alternatives=(), recompute="none", styl
                             num_constraints=300, ilps_solved=6, candidates_evaluated=14,
                             time_s=1.25),
         stages=tuple({"index": st.index, "layers": list(st.layers),
+                      "chunks": [list(c) for c in st.chunks],
                       "ranks": list(range(st.index * config.dp * config.tp,
                                           (st.index + 1) * config.dp * config.tp))}
                      for st in est.stages) if config.pp > 1 else ())
@@ -195,7 +196,7 @@ def test_format_keys_match_the_dataclasses_and_the_schema():
     # predicted = Estimate.to_dict() without the per-device list: keep the spec in step
     assert set(check._PREDICTED) == (set(names(Estimate)) | {"fits"}) - {"per_device_memory_bytes"}
     assert set(check._TIME) == set(names(TimeBreakdown))
-    assert set(check._STAGE) == set(names(StageEstimate))
+    assert set(check._STAGE) == set(names(StageEstimate)) - {"chunks"}   # in Plan.stages
     assert set(check._MEMORY) == set(names(MemoryBreakdown))
     assert set(schema["properties"]["predicted"]["properties"]) == set(check._PREDICTED)
 
@@ -255,7 +256,8 @@ MALFORMED = [
      'module_styles["layers.0.attn.qkv"]'),
     ("recompute", _set(["recompute", "layers.0"], "some"), 'recompute["layers.0"]'),
     ("offload", _set(["offload", "optimizer"], True), "offload.optimizer"),
-    ("stage ranks", _set(["stages"], [{"index": 0, "layers": [], "ranks": [99]}]),
+    ("stage ranks", _set(["stages"], [{"index": 0, "layers": [], "chunks": [[]],
+                                       "ranks": [99]}]),
      "stages[0].ranks"),
     ("fingerprint", _set(["model", "fingerprint"], "not hex"), "model.fingerprint"),
     ("huge string", _set(["autoplan_version"], "x" * ((1 << 20) + 1)), "characters"),

@@ -271,6 +271,36 @@ def test_ilp_shardings_are_runnable(name):
     assert sh.runnable(g)
 
 
+def test_a_weight_read_by_two_ops_gets_one_placement():
+    """GPT's LM head is tied to the token embedding: one tensor, so the ILP may not lay it out
+    two ways (the runtime could not run that)."""
+    from autoplan.planner.search import SearchOptions, _ilp_sharding, _Stats
+    g = _graph("gpt-tiny", batch_size=4)
+    tied = [n for n, v in ((n, g.value(n)) for op in g.ops for n in op.inputs)
+            if v.kind == "param" and sum(n in op.inputs for op in g.ops) > 1]
+    assert tied, "gpt-tiny ties lm_head to tok_embeddings"
+    for mbs in (1, 4):
+        cfg = ParallelConfig(dp=1, tp=2, micro_batch_size=mbs, precision="fp32")
+        sh, _ = _ilp_sharding(g, Cluster.local(2), cfg, None, 1, SearchOptions(), _Stats())
+        seen = {str(s.inputs[k]) for op, s in zip(g.ops, sh.op_strategy)
+                for k, n in enumerate(op.inputs) if n == tied[0] and k < len(s.inputs)}
+        assert len(seen) == 1, (mbs, seen)
+
+
+def test_dgx_a100_gets_tensor_parallel_in_node_and_pipeline_across_nodes(gpt3_175b):
+    """GPT-3 175B on 1,024 A100 (128 DGX nodes, HDR InfiniBand), global batch 1,536: Megatron's
+    regime. ZeRO-3 over 512 ranks would regather 175 GB of weights for every micro-batch."""
+    p = plan(gpt3_175b, Cluster.preset("dgx-a100-80gb", nodes=128), global_batch_size=1536,
+             profile=None, name="gpt3-175b")
+    assert p.model.name == "gpt3-175b"
+    assert 1 < p.config.tp <= 8 and p.mesh.tp_domain == "nvswitch"
+    assert p.config.pp > 1 and len(p.stages) == p.config.pp
+    node = {r: r // 8 for r in range(1024)}
+    first, second = p.stages[0]["ranks"], p.stages[1]["ranks"]
+    assert not {node[r] for r in first} & {node[r] for r in second}   # stages on other nodes
+    assert p.predicted["fits"]
+
+
 @pytest.fixture(scope="module")
 def gpt3_24_layers():
     return _graph("gpt3-175b", num_layers=24)      # ~45B parameters: more than a node holds
@@ -278,7 +308,7 @@ def gpt3_24_layers():
 
 def test_slow_ethernet_gets_a_pipeline_heavy_plan(gpt3_24_layers):
     """Nodes joined by 25 Gb/s Ethernet: stages across nodes (point-to-point sends) beat
-    data-parallel gradient and ZeRO traffic over the slow links (pipeline search is opt-in)."""
+    data-parallel gradient and ZeRO traffic over the slow links."""
     eth = plan(gpt3_24_layers, Cluster.preset("eth-a100-80gb", nodes=8), global_batch_size=256,
                profile=None, max_pp=8)
     assert eth.config.pp >= 4 and eth.config.tp <= 8

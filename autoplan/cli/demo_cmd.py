@@ -51,7 +51,7 @@ def run(args: argparse.Namespace) -> int:
     local = Cluster.local(args.ranks)
     gbs = 4 * args.ranks
     small_plan = plan(graph, local, global_batch_size=gbs, precision="fp32",
-                      name="gpt-small-cpu", max_pp=1)   # the runtime runs dp x tp plans
+                      name="gpt-small-cpu")
     path = os.path.join(out, "gpt-small-cpu.plan.json")
     small_plan.save(path)
     print(explain_plan(small_plan))

@@ -23,9 +23,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("-o", "--output", default="plan.json", help="plan file to write (plan.json)")
     p.add_argument("--top-k", type=int, default=5, help="alternatives kept in the plan")
     p.add_argument("--max-tp", type=int, default=None, help="largest tensor-parallel degree")
-    p.add_argument("--max-pp", type=int, default=1,
-                   help="largest pipeline degree (default 1: none; `autoplan run` runs only "
-                        "plans without pipeline stages for now)")
+    p.add_argument("--max-pp", type=int, default=None,
+                   help="largest pipeline degree (default: up to the number of layers; 1 turns "
+                        "pipeline parallelism off)")
     p.add_argument("--force", action="append", default=[], metavar="FIELD=VALUE",
                    help="pin a ParallelConfig field, e.g. --force tp=2 --force zero_stage=3")
     p.add_argument("--no-profile", action="store_true", help="roofline only, ignore profiles")

@@ -377,18 +377,28 @@ def estimate(model: Any, cluster: Any, *, config: ParallelConfig, global_batch_s
         gather = 0.0
         # gradient sync: tp-axis all-reduces of replicated weights, then the dp group's
         comm = sum(costs[c].tp_step_s for c in stage_chunks[s])
+        fsdp_sync = 0.0
         if config.dp > 1:
             group = config.dp_group(pp_index=s)
             grad_bytes = params * w_bytes
-            kind = "all_reduce" if config.zero_stage == 0 else "reduce_scatter"
-            comm += cluster.collective_time_s(kind, grad_bytes, group)
+            if config.zero_stage == 3:
+                # FSDP: per layer, an all-gather before its forward, and again before its
+                # backward followed by a reduce-scatter of its gradients, every micro-batch
+                # (the runtime does not skip gradient sync between micro-batches)
+                layer_bytes = params * w_bytes / layers
+                ag = cluster.collective_time_s("all_gather", layer_bytes, group)
+                rs = cluster.collective_time_s("reduce_scatter", layer_bytes, group)
+                fwd_x = overlap_exposed_s(layers * ag, stage_f[s], ag)
+                bwd_x = overlap_exposed_s(layers * (ag + rs), stage_b[s], ag + rs)
+                gather = m * (fwd_x + bwd_x * ag / (ag + rs))
+                fsdp_sync = m * bwd_x * rs / (ag + rs)
+            else:
+                kind = "all_reduce" if config.zero_stage == 0 else "reduce_scatter"
+                comm += cluster.collective_time_s(kind, grad_bytes, group)
             if config.zero_stage in (1, 2):   # updated shards gathered after the step
                 gather = cluster.collective_time_s("all_gather", params * w_bytes, group)
-            elif config.zero_stage == 3:      # weights gathered per micro-batch, fwd and bwd
-                per_mb = cluster.collective_time_s("all_gather", params * w_bytes, group)
-                hidden = stage_f[s] + stage_b[s]
-                gather = m * max(2 * per_mb - hidden, 2 * per_mb / layers)
-        sync = max(comm - bwd_window, comm / layers) if comm > 0 else 0.0
+        sync = overlap_exposed_s(comm, bwd_window, comm / layers) if comm > 0 else 0.0
+        sync += fsdp_sync
         owned = params / (config.dp if config.zero_stage >= 1 else 1)
         if config.offload_params:
             # weight shards go up for the forward and again for the backward gather of every
@@ -492,6 +502,21 @@ def _optimizer_step_s(params: float, tensors: int, config: ParallelConfig,
                 + tensors * cal.optimizer_s_per_tensor) * compute.slowdown
     return (params * _OPT_STEP_BYTES[config.optimizer] / compute.tput.memory_bytes_per_s
             + tensors * compute.tput.launch_s)
+
+
+# Communication overlapped with compute still slows it: NCCL's kernels run on the SMs and share
+# HBM bandwidth with the GEMMs they hide behind. ESTIMATE, like the efficiencies in devices.yaml:
+# a share of the overlapped communication time is charged to the compute stream.
+OVERLAP_INTERFERENCE = 0.15
+
+
+def overlap_exposed_s(comm_s: float, window_s: float, first_s: float) -> float:
+    """Seconds ``comm_s`` of communication adds to a phase of ``window_s`` seconds of compute
+    it overlaps: what does not fit in the window (at least ``first_s``, the part that must come
+    before any compute, e.g. the first layer's gather) plus the interference of the rest."""
+    if comm_s <= 0:
+        return 0.0
+    return max(comm_s - window_s, first_s) + OVERLAP_INTERFERENCE * min(comm_s, window_s)
 
 
 def _margin(cluster: Any, margin: float | None) -> float:

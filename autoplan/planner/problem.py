@@ -263,11 +263,49 @@ def reduce_graph(ctx: CostContext) -> Reduction:
         for i in range(ku):
             for j in range(kv):
                 acc[i][j] += mat[i][j]
+    _tie_shared_weights(graph, nodes, edge_mats, costs)
     problem = ILPProblem(
         node_costs=tuple(tuple(c) for c in costs), node_memory=tuple(tuple(m) for m in mems),
         edges=tuple((u, v, tuple(tuple(r) for r in mat)) for (u, v), mat in sorted(edge_mats.items())),
         memory_budget=ctx.memory_budget)
     return Reduction(rep=tuple(rep), node_of=node_of, nodes=tuple(nodes), problem=problem)
+
+
+def _tie_shared_weights(graph: OpGraph, nodes: list[_Node],
+                        edge_mats: dict[tuple[int, int], list[list[float]]],
+                        costs: list[list[float]]) -> None:
+    """A weight read by several ops (an LM head tied to the embedding) is one tensor with one
+    placement: strategy pairs that would lay it out differently cannot run."""
+    readers: dict[str, list[tuple[int, int, int]]] = {}      # weight -> [(node, pos, slot)]
+    for v, node in enumerate(nodes):
+        for pos, i in enumerate(node.ops):
+            for k, n in enumerate(graph.ops[i].inputs):
+                val = graph.value(n)
+                if val.kind == "param":
+                    readers.setdefault(val.base or n, []).append((v, pos, k))
+
+    def where(v: int, j: int, pos: int, k: int) -> Placement:
+        s = nodes[v].choices[j][pos]
+        return s.inputs[k] if k < len(s.inputs) else REPLICATE
+    for _weight, occ in sorted(readers.items()):
+        (u, pu, ku), rest = occ[0], occ[1:]
+        for v, pv, kv in rest:
+            nu, nv = len(nodes[u].choices), len(nodes[v].choices)
+            if u == v:
+                for j in range(nu):
+                    if where(u, j, pu, ku) != where(v, j, pv, kv):
+                        costs[u][j] += UNRUNNABLE_S
+                continue
+            a, b = (u, v) if (u, v) in edge_mats or (v, u) not in edge_mats else (v, u)
+            acc = edge_mats.setdefault((a, b), [[0.0] * len(nodes[b].choices)
+                                                for _ in range(len(nodes[a].choices))])
+            for i in range(nu):
+                for j in range(nv):
+                    if where(u, i, pu, ku) != where(v, j, pv, kv):
+                        if (a, b) == (u, v):
+                            acc[i][j] += UNRUNNABLE_S
+                        else:
+                            acc[j][i] += UNRUNNABLE_S
 
 
 def sharding_from_choice(graph: OpGraph, t: int, red: Reduction,

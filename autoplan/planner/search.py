@@ -69,9 +69,7 @@ class SearchOptions:
     recompute: tuple[str, ...] = ("none", "selective", "full")
     offload_optimizer: tuple[bool, ...] = (False, True)
     max_tp: int | None = None
-    # pipeline stages join the search when max_pp > 1 (opt-in for now: the runtime does not run
-    # pipelined plans yet, and the pipelined search is still being made fast)
-    max_pp: int | None = 1
+    max_pp: int | None = None    # pipeline degrees up to this (None: up to the layer count)
     force: dict[str, Any] = field(default_factory=dict)
     top_k: int = 5
     ilp_time_limit_s: float = 20.0

@@ -178,6 +178,7 @@ class PipelineTrainer:
     grad_syncs: list[Any]
     loss_context: Callable[[], Any]
     device: torch.device
+    steps_done: int = 0
 
     @property
     def config(self):
@@ -208,7 +209,18 @@ class PipelineTrainer:
         if n_chunks - 1 in self.chunks:
             kw.update(target=target, losses=losses)
         with self.loss_context():
-            self.schedule.step(*args, **kw)
+            try:
+                self.schedule.step(*args, **kw)
+            except (TypeError, AttributeError) as e:
+                if self.steps_done:
+                    raise
+                raise PlanError(
+                    f"the model does not run as pipeline stages ({type(e).__name__}: {e}). A "
+                    "stage is the model with the other stages' layers removed and, off the "
+                    "first/last stage, the modules before/after the layers set to None; its "
+                    "forward must pass activations through those (see autoplan/models/gpt.py). "
+                    "Re-plan with max_pp=1 (`autoplan plan --max-pp 1`)") from e
+        self.steps_done += 1
         for sync in self.grad_syncs:
             sync.all_reduce()
         self.optimizer.step()
