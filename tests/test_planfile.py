@@ -409,10 +409,12 @@ def test_explain_plan_elides_large_meshes_and_collapses_blocks(tiny):
 def test_explain_pipeline_plan(tiny, a100_x2):
     piped = make_plan(tiny[1], a100_x2, ParallelConfig(dp=4, tp=2, pp=2, micro_batch_size=2))
     text = explain_plan(piped)
-    for fact in ("pp x dp x tp = 2 x 4 x 2", "p1.d3.t1", "pipeline stages",
-                 "stage 1: layers.1; ranks 8-15", "per stage: 0:", "stage 0, the fullest of 2",
+    for fact in ("pp x dp x tp = 2 x 4 x 2", "p1.d3.t1", "pipeline stages   1f1b",
+                 "micro-batches; bubble", "fwd/mb", "per stage: 0:", "stage 0, the fullest of 2",
                  ", stage 1"):
         assert fact in text, fact
+    row = next(line for line in text.splitlines() if line.strip().startswith("1 "))
+    assert "8-15" in row and row.endswith("layers.1") and "n" in row   # ranks, devices, layers
     assert Plan.from_json(piped.to_json()) == piped
 
 
@@ -427,6 +429,15 @@ def test_diff_plans_names_changes_and_effect(plan, tiny, a100_x2):
     pa, pb = plan.predicted["step_time_s"], other.predicted["step_time_s"]
     assert f"({(pb - pa) / pa * 100:+.1f}%)" in text
     assert diff_plans(plan, plan).startswith("no differences")
+
+
+def test_diff_covers_stage_changes(plan, tiny, a100_x2):
+    piped = make_plan(tiny[1], a100_x2, ParallelConfig(dp=4, tp=2, pp=2, micro_batch_size=2))
+    text = diff_plans(plan, piped)
+    for fact in ("stages   1 -> 2; 1 of 2 layers on another stage", "stage 0 -> 1: layers.1",
+                 "bubble"):
+        assert fact in text, fact
+    assert "stages" not in diff_plans(plan, make_plan(tiny[1], a100_x2, ParallelConfig(dp=16)))
 
 
 def test_cli_inspect_and_diff(plan, tiny, a100_x2, tmp_path, capsys):

@@ -203,9 +203,29 @@ def _run_label(run: list[Any]) -> str:
 def _stages(plan: Plan) -> str:
     if not plan.stages:
         return ""
-    lines = ["pipeline stages"]
-    rows = [f"  stage {st['index']}: {_collapse_names(st['layers'])}; ranks {fmt_ranges(st['ranks'])}"
-            for st in plan.stages]
+    cfg, p = plan.config, plan.predicted
+    step, bubble = p["step_time_s"], p["time"]["bubble_s"]
+    sched = cfg.schedule + (f" x{cfg.virtual_stages} chunks per rank"
+                            if cfg.virtual_stages > 1 else "")
+    lines = [f"pipeline stages   {sched}, {p['num_microbatches']} micro-batches; bubble "
+             f"{fmt_s(bubble)} ({fmt_pct(bubble / step if step else 0.0)} of the step)",
+             f"  {'stage':<6} {'ranks':<12} {'devices':<20} {'fwd/mb':>10} {'bwd/mb':>10} "
+             f"{'memory':>11}  layers"]
+    predicted = {st["index"]: st for st in p.get("stages", ())}
+    devices = plan.mesh.rank_to_device
+    rows = []
+    for st in plan.stages:
+        est = predicted.get(st["index"], {})
+        chunks = st.get("chunks") or [st["layers"]]
+        layers = " + ".join(_collapse_names(c) for c in chunks)
+        nodes = sorted({devices[r].split(".")[0] for r in st["ranks"] if r < len(devices)},
+                       key=lambda n: (len(n), n))
+        where = (nodes[0] if len(nodes) == 1 else f"{nodes[0]}..{nodes[-1]} ({len(nodes)} nodes)"
+                 if nodes else "")
+        mem = fmt_bytes(_stage_total(est)) if est else ""
+        rows.append(f"  {st['index']:<6} {fmt_ranges(st['ranks']):<12} {where:<20} "
+                    f"{fmt_s(est.get('fwd_s', 0.0)):>10} {fmt_s(est.get('bwd_s', 0.0)):>10} "
+                    f"{mem:>11}  {layers}")
     return "\n".join(lines + _elide(rows))
 
 
@@ -332,6 +352,7 @@ def diff_plans(a: Plan, b: Plan) -> str:
     place_b = {k: f"tp {v.tp} dp {v.dp}" for k, v in b.param_placements.items()}
     lines += _map_changes("placements", place_a, place_b)
     lines += _recompute_changes(a.recompute, b.recompute)
+    lines += _stage_changes(a, b)
     offload = [f"{k} {a.offload.get(k)} -> {b.offload.get(k)}"
                for k in sorted(set(a.offload) | set(b.offload)) if a.offload.get(k) != b.offload.get(k)]
     if offload:
@@ -345,10 +366,35 @@ def diff_plans(a: Plan, b: Plan) -> str:
         f"({fmt_change(pa['peak_memory_bytes'], pb['peak_memory_bytes'])})"
         + ("" if pb["fits"] else "  ** B DOES NOT FIT **"),
         f"  MFU         {fmt_pct(pa['mfu'])} -> {fmt_pct(pb['mfu'])}",
+        f"  bubble      {fmt_s(pa['time']['bubble_s'])} -> {fmt_s(pb['time']['bubble_s'])}",
         (f"  throughput  {pa['samples_per_s']:,.2f} -> {pb['samples_per_s']:,.2f} samples/s "
         f"({fmt_change(pa['samples_per_s'], pb['samples_per_s'])})"),
     ]
     return "\n".join(lines) + "\n"
+
+
+def _stage_of(plan: Plan) -> dict[str, int]:
+    """Layer -> pipeline stage (0 for every layer of a plan without stages)."""
+    if not plan.stages:
+        return {path: 0 for path in plan.recompute}
+    return {layer: st["index"] for st in plan.stages for layer in st["layers"]}
+
+
+def _stage_changes(a: Plan, b: Plan) -> list[str]:
+    if not a.stages and not b.stages:
+        return []
+    na, nb = max(1, len(a.stages)), max(1, len(b.stages))
+    sa, sb = _stage_of(a), _stage_of(b)
+    moved: dict[tuple[int, int], list[str]] = {}
+    for layer in sa:
+        if layer in sb and sa[layer] != sb[layer]:
+            moved.setdefault((sa[layer], sb[layer]), []).append(layer)
+    head = (f"stages   {na} -> {nb}" if na != nb else f"stages   same count ({na})")
+    count = sum(len(v) for v in moved.values())
+    lines = [head + f"; {count} of {len(sa)} layers on another stage"]
+    rows = [f"  stage {x} -> {y}: {_collapse_names(layers)}"
+            for (x, y), layers in sorted(moved.items())]
+    return lines + _elide(rows)
 
 
 def _field_changes(x: Any, y: Any) -> str:
