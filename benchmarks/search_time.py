@@ -3,9 +3,9 @@
     python benchmarks/search_time.py            # all cases
     python benchmarks/search_time.py llama3-8b  # one
 
-Targets (issue 3): Llama-3-8B shapes on 64 H100 (8 nodes) <= 10 s; GPT-3 175B shapes on
-1,024 A100 (128 DGX nodes, no pipeline) <= 60 s. With pipeline stages (issue 5): GPT-3 175B on
-1,024 A100 <= 60 s, Llama-3-70B on 256 H100 <= 20 s. Each case runs in a fresh process.
+Targets: Llama-3-8B shapes on 64 H100 (8 nodes) <= 10 s; GPT-3 175B shapes on 1,024 A100
+(128 DGX nodes) <= 60 s without and with pipeline stages; Llama-3-70B on 256 H100 (joint
+search with pipeline stages) <= 20 s. Each case runs in a fresh process.
 """
 
 from __future__ import annotations
@@ -15,12 +15,12 @@ import subprocess
 import sys
 import time
 
-CASES = {   # name: (model, preset, nodes, global batch, largest pipeline degree)
-    "llama3-8b": ("llama3-8b", "dgx-h100", 8, 512, 1),
-    "gpt3-175b": ("gpt3-175b", "dgx-a100-80gb", 128, 1536, 1),
-    # with pipeline stages in the search (opt-in, issue 5 work in progress)
-    "gpt3-175b+pp": ("gpt3-175b", "dgx-a100-80gb", 128, 1536, 64),
-    "llama3-70b+pp": ("llama3-70b", "dgx-h100", 32, 1024, 64),
+CASES = {   # name: (model, preset, nodes, global batch, largest pipeline degree; None: default)
+    "llama3-8b": ("llama3-8b", "dgx-h100", 8, 512, None),
+    "gpt3-175b-no-pp": ("gpt3-175b", "dgx-a100-80gb", 128, 1536, 1),
+    # the full joint search (pipeline degrees up to the layer count, every schedule)
+    "gpt3-175b": ("gpt3-175b", "dgx-a100-80gb", 128, 1536, None),
+    "llama3-70b": ("llama3-70b", "dgx-h100", 32, 1024, None),
 }
 
 
