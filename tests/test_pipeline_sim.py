@@ -90,7 +90,8 @@ def test_bad_inputs_raise():
         simulate(schedule="1f1b", p=2, v=1, m=2, fwd_s=[1.0], bwd_s=[1.0, 1.0])
 
 
-def test_inspect_draws_timeline_and_memory(tmp_path):
+@pytest.mark.parametrize("schedule", ["1f1b", "zero_bubble"])
+def test_inspect_draws_timeline_and_memory(tmp_path, schedule):
     pytest.importorskip("matplotlib")
     from autoplan import Cluster, plan
     from autoplan.cli.main import main
@@ -99,7 +100,7 @@ def test_inspect_draws_timeline_and_memory(tmp_path):
     ex = build_example("gpt3-175b", device="meta", num_layers=8)
     g = trace(ex.model, ex.example_inputs, loss_fn=ex.loss_fn, targets=ex.targets)
     p = plan(g, Cluster.preset("eth-a100-80gb", nodes=4), global_batch_size=64, profile=None,
-             max_pp=4, force={"pp": 4})
+             max_pp=4, force={"pp": 4, "schedule": schedule})
     path = tmp_path / "p.json"
     p.save(path)
     t, m = tmp_path / "t.png", tmp_path / "m.png"

@@ -41,12 +41,13 @@ def _pyplot():
 
 
 def draw_timeline(plan: Any, path: str) -> None:
-    """One row per pipeline rank; forward blocks blue, backward orange, labelled by micro-batch."""
+    """One row per pipeline rank; forward blocks blue, backward orange (zero bubble: input
+    gradients orange, weight gradients green), labelled by micro-batch."""
     plt = _pyplot()
     sim = simulate_plan(plan)
     p = plan.config.pp
     fig, ax = plt.subplots(figsize=(12, 0.6 * p + 1.6))
-    colors = {"F": "#4C72B0", "B": "#DD8452"}
+    colors = {"F": "#4C72B0", "B": "#DD8452", "W": "#55A868"}
     for e in sim.events:
         ax.barh(p - 1 - e.rank, e.end_s - e.start_s, left=e.start_s, height=0.8,
                 color=colors[e.kind], edgecolor="white", linewidth=0.5)
@@ -56,9 +57,11 @@ def draw_timeline(plan: Any, path: str) -> None:
     ax.set_yticks(range(p), [f"stage {p - 1 - r}" for r in range(p)])
     ax.set_xlabel("time per step (s)")
     bubble = sim.bubble_fraction()
-    ax.set_title(f"{plan.config.short()}: {plan.config.schedule if p > 1 else 'no pipeline'}, "
+    ax.set_title(f"{plan.config.short()}\n{plan.config.schedule if p > 1 else 'no pipeline'}, "
                  f"{len({e.microbatch for e in sim.events})} micro-batches, bubble "
-                 f"{bubble * 100:.1f}%  (blue forward, orange backward)")
+                 f"{bubble * 100:.1f}%  (blue forward, orange backward"
+                 + (", green weight gradients)" if any(e.kind == "W" for e in sim.events)
+                    else ")"))
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
