@@ -22,18 +22,13 @@ from autoplan.graph import trace
 from autoplan.models import build_example
 from autoplan.planner.planfile import Plan
 from tests.distributed import run_ranks
+from tests.test_runtime import GLOBAL_BATCH, STEPS, _optimizer, _reference
 
 NAME = "gpt-tiny"
 OVERRIDES = dict(num_layers=4, num_heads=2)
-GLOBAL_BATCH = 8
-STEPS = 3
 SCHEDULES = [dict(schedule="gpipe"), dict(schedule="1f1b"),
              dict(schedule="interleaved_1f1b", virtual_stages=2),
              dict(schedule="zero_bubble", virtual_stages=2)]
-
-
-def _optimizer(params):
-    return torch.optim.AdamW(params, lr=1e-3, eps=1e-6)
 
 
 def _example(batch):
@@ -42,16 +37,7 @@ def _example(batch):
 
 @pytest.fixture(scope="module")
 def reference():
-    ex = _example(GLOBAL_BATCH)
-    opt = _optimizer(ex.model.parameters())
-    losses = []
-    for _ in range(STEPS):
-        loss = ex.loss_fn(ex.model(*ex.example_inputs), ex.targets)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses, {k: v.detach().clone() for k, v in ex.model.state_dict().items()}
+    return _reference(NAME, **OVERRIDES)
 
 
 @pytest.fixture(scope="module")

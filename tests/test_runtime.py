@@ -28,8 +28,9 @@ def _optimizer(params):
     return torch.optim.AdamW(params, lr=1e-3, eps=1e-6)
 
 
-def _reference(name):
-    ex = build_example(name, batch_size=GLOBAL_BATCH, seed=0)
+def _reference(name, **overrides):
+    """Losses and final state of single-process training (STEPS AdamW steps)."""
+    ex = build_example(name, batch_size=GLOBAL_BATCH, seed=0, **overrides)
     opt = _optimizer(ex.model.parameters())
     losses = []
     for _ in range(STEPS):

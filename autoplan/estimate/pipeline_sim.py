@@ -190,12 +190,9 @@ def _simulate(schedule: str, p: int, v: int, m: int, fwd_s: tuple[float, ...],
         busy[e.rank] += e.end_s - e.start_s
         if e.kind == "F":
             deltas[e.rank].append((e.end_s, acts[e.chunk]))     # kept until its backward
-        elif not split:
-            deltas[e.rank].append((e.end_s, -acts[e.chunk]))
-        else:      # B frees what only the input gradient needs, W the layer inputs
-            deltas[e.rank].append((e.end_s, -acts[e.chunk] * (1.0 - W_KEEPS)))
-            if e.kind == "W":
-                deltas[e.rank][-1] = (e.end_s, -acts[e.chunk] * W_KEEPS)
+        else:      # zero bubble: B frees what only the input gradient needs, W the rest
+            freed = 1.0 if not split else W_KEEPS if e.kind == "W" else 1.0 - W_KEEPS
+            deltas[e.rank].append((e.end_s, -acts[e.chunk] * freed))
     timelines, peaks = [], []
     for r in range(p):
         level, peak, line = 0.0, 0.0, [(0.0, 0.0)]

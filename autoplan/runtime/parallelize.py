@@ -157,6 +157,14 @@ def apply_fsdp(model: nn.Module, layer_paths: list[str], dp_mesh, *, reshard: bo
     fully_shard(model, **kw)
 
 
+def full_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
+    """Parameters and buffers of ``module`` as full tensors (gathered over dp and tp), on the
+    CPU, on every rank."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    sd = get_model_state_dict(module, options=StateDictOptions(full_state_dict=True))
+    return {k: v.detach().cpu() for k, v in sd.items()}
+
+
 def materialize(model: nn.Module, device: torch.device, seed: int) -> None:
     """Allocate a meta-device model's (local) parameters and initialize them."""
     if not any(p.is_meta for p in model.parameters()):

@@ -34,6 +34,7 @@ from torch.distributed.tensor import DTensor
 from autoplan.errors import PlanError
 from autoplan.estimate.partition import main_block
 from autoplan.graph.opgraph import OpGraph
+from autoplan.runtime.optim import _local
 
 SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B",
              "interleaved_1f1b": "ScheduleInterleaved1F1B",
@@ -102,10 +103,6 @@ def cut_chunk(model: nn.Module, graph: OpGraph, spec: ChunkSpec) -> nn.Module:
     return chunk
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
 class TiedGrads:
     """Sums the gradients of one weight held by several chunks on different pipeline ranks."""
 
@@ -129,7 +126,7 @@ def tie_across_chunks(chunks: dict[int, nn.Module], groups: list[list[str]], cfg
     Parameter within a rank, a gradient all-reduce between pipeline ranks. Every rank learns
     the holders (an all-gather) and creates the same process groups in the same order."""
     pairs = []
-    me = divmod(rank % (cfg.dp * cfg.tp), cfg.tp)          # (dp index, tp index)
+    me = (_dp_index(cfg, rank), rank % cfg.tp)
     for names in groups:
         mine = [(c, f) for c in sorted(chunks) for f in names if _has_param(chunks[c], f)]
         everyone: list[Any] = [None] * dist.get_world_size()
@@ -151,6 +148,10 @@ def tie_across_chunks(chunks: dict[int, nn.Module], groups: list[list[str]], cfg
                     c0, f0 = mine[0]
                     pairs.append((chunks[c0].get_parameter(f0), group))
     return TiedGrads(pairs)
+
+
+def _dp_index(cfg: Any, rank: int) -> int:
+    return (rank % (cfg.dp * cfg.tp)) // cfg.tp
 
 
 def _has_param(module: nn.Module, fqn: str) -> bool:
@@ -237,13 +238,10 @@ class PipelineTrainer:
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """This rank's parameters and buffers, full tensors (gathered over dp and tp)."""
-        from torch.distributed.checkpoint.state_dict import (StateDictOptions,
-                                                             get_model_state_dict)
+        from autoplan.runtime.parallelize import full_state_dict
         out: dict[str, torch.Tensor] = {}
         for c in sorted(self.chunks):
-            sd = get_model_state_dict(self.chunks[c],
-                                      options=StateDictOptions(full_state_dict=True))
-            out.update({k: v.detach().cpu() for k, v in sd.items()})
+            out.update(full_state_dict(self.chunks[c]))
         return out
 
 
@@ -345,10 +343,10 @@ def compile_pipelined(model: nn.Module, graph: OpGraph, plan: Any, *, device: to
                 stack.enter_context(torch.autocast(device.type, dtype=autocast))
             yield
 
-    last_rank = cfg.rank(pp_index=(n - 1) % cfg.pp, dp_index=(rank % (cfg.dp * cfg.tp)) // cfg.tp,
-                         tp_index=rank % cfg.tp)
+    dp_index = _dp_index(cfg, rank)
+    last_rank = cfg.rank(pp_index=(n - 1) % cfg.pp, dp_index=dp_index, tp_index=rank % cfg.tp)
     return PipelineTrainer(chunks=chunks, schedule=schedule, optimizer=opt, plan=plan, rank=rank,
-                           pp_index=pp_index, dp_index=(rank % (cfg.dp * cfg.tp)) // cfg.tp,
+                           pp_index=pp_index, dp_index=dp_index,
                            dp_group=dp_mesh.get_group() if cfg.dp > 1 else None,
                            pp_group=pp_group, last_stage_rank=last_rank, grad_syncs=grad_syncs,
                            loss_context=loss_context, device=device)

@@ -105,10 +105,7 @@ class Trainer:
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Parameters and buffers as full tensors (gathered over dp and tp), on the CPU, on
         every rank."""
-        from torch.distributed.checkpoint.state_dict import (StateDictOptions,
-                                                             get_model_state_dict)
-        sd = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True))
-        return {k: v.detach().cpu() for k, v in sd.items()}
+        return par.full_state_dict(self.model)
 
     def _loss(self, chunk: list[torch.Tensor]) -> torch.Tensor:
         inputs, targets = (chunk[:-1], chunk[-1]) if self.loss_fn is not None else (chunk, None)
