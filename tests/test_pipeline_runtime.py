@@ -70,9 +70,12 @@ def _rank(rank, world, plan_jsons):
     return out
 
 
+# the planner's own split and recomputation, pinned here: layers 1 / 3, stage 0 recomputes
+UNEVEN = dict(schedule="1f1b", chunk_layers=(1, 3), stage_recompute=("full", "none"))
+
 FAMILIES = [
     # (world, forced degrees, schedules, label)
-    (2, dict(pp=2), SCHEDULES, "pp2"),
+    (2, dict(pp=2), SCHEDULES + [UNEVEN], "pp2"),
     (4, dict(pp=2, dp=2, zero_stage=0), SCHEDULES, "pp2 x dp2"),
     (4, dict(pp=2, dp=2, zero_stage=3), SCHEDULES[1:2], "pp2 x dp2 FSDP2"),
     (4, dict(pp=2, tp=2), SCHEDULES, "pp2 x tp2"),
@@ -105,6 +108,53 @@ def test_pipelined_plan_equals_single_device(world, degrees, schedules, label, g
             got = seen[k].reshape(ref.shape)
             err = ((got - ref).norm() / ref.norm().clamp_min(1e-12)).item()
             assert err <= 1e-5, f"{k}: relative error {err:.2e} ({label}, {p.config.short()})"
+
+
+def _mixed_data():
+    torch.manual_seed(1)
+    return torch.randn(GLOBAL_BATCH, 32), torch.randn(GLOBAL_BATCH, 32)
+
+
+def _mixed_model():
+    from tests.test_stage_partition import MixedStack
+    torch.manual_seed(0)
+    return MixedStack(32)
+
+
+def _mixed_rank(rank, world, plan_json):
+    from autoplan.runtime.trainer import compile
+    x, y = _mixed_data()
+    trainer = compile(_mixed_model(), "local", example_inputs=(x[:1],), example_targets=y[:1],
+                      loss_fn=torch.nn.functional.mse_loss, optimizer=_optimizer,
+                      global_batch_size=GLOBAL_BATCH, plan=Plan.from_json(plan_json))
+    losses = [trainer.step((x, y)) for _ in range(STEPS)]
+    return losses, {k: v.tolist() for k, v in trainer.full_state_dict().items()}
+
+
+def test_layers_of_different_kinds_pipeline_like_one_device():
+    """A layer container holding two kinds of layers and a one-off layer: the planner's split
+    (by each layer's own cost) runs on 2 pipeline ranks and equals single-process training."""
+    x, y = _mixed_data()
+    model = _mixed_model()
+    opt = _optimizer(model.parameters())
+    ref_losses = []
+    for _ in range(STEPS):
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        ref_losses.append(loss.item())
+    g = trace(_mixed_model(), (x[:1],), loss_fn=torch.nn.functional.mse_loss, targets=y[:1])
+    p = make_plan(g, Cluster.local(2), global_batch_size=GLOBAL_BATCH, precision="fp32",
+                  profile=None, force=dict(pp=2, schedule="1f1b"))
+    layers = [l for s in p.stages for l in s["layers"]]
+    assert layers == [f"layers.{i}" for i in range(8)], p.stages
+    for losses, params in run_ranks(_mixed_rank, 2, p.to_json(), timeout_s=120.0):
+        assert losses == pytest.approx(ref_losses, rel=1e-5)
+        for k, v in params.items():
+            ref = model.state_dict()[k]
+            got = torch.tensor(v, dtype=ref.dtype).reshape(ref.shape)
+            assert torch.allclose(got, ref, rtol=1e-5, atol=1e-7), k
 
 
 def test_stage_modules_keep_fqns_and_drop_the_rest(graph):

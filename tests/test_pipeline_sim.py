@@ -109,14 +109,47 @@ def test_inspect_draws_timeline_and_memory(tmp_path, schedule):
         assert f.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and f.stat().st_size > 5000
 
 
-def test_stage_partition_balances_embedding_and_head():
-    from autoplan.estimate.partition import balanced_counts
-    # no extras: an even split
-    assert balanced_counts(12, 4, 1.0, 0.0, 0.0) == [3, 3, 3, 3]
-    # a head worth two layers: the last stage takes fewer layers
-    counts = balanced_counts(16, 4, 1.0, 0.0, 2.0)
-    assert sum(counts) == 16 and counts[-1] < counts[0]
-    loads = [c * 1.0 for c in counts]
-    loads[-1] += 2.0
-    assert max(loads) == 5.0
-    assert balanced_counts(5, 1, 1.0, 3.0, 3.0) == [5]
+# ------------------------------------------------------------ collectives on their own stream
+def test_gradient_sync_streams_behind_the_last_backward():
+    """A chunk's gradient sync goes layer by layer behind its last backward: with 4 layers only
+    the last layer's share (sync / 4) is left after the rank's compute ends."""
+    kw = dict(schedule="1f1b", p=2, v=1, m=4, fwd_s=[1.0, 1.0], bwd_s=[1.0, 1.0])
+    base = simulate(**kw)
+    r = simulate(sync_s=[0.5, 0.5], layers=[4, 4], **kw)
+    assert r.makespan_s == pytest.approx(base.makespan_s + 0.5 / 4)
+    assert [e.kind for e in r.comm_events] == ["sync", "sync"]
+    assert r.comm_busy_s == pytest.approx((0.5, 0.5))
+    # a sync longer than the backward it hides behind is exposed beyond it
+    slow = simulate(sync_s=[3.0, 3.0], layers=[4, 4], **kw)
+    assert slow.makespan_s == pytest.approx(base.makespan_s - 1.0 + 0.25 + 3.0)
+
+
+def test_interleaving_hides_the_earlier_chunks_syncs():
+    """With 2 chunks per rank the first chunk finishes its backwards earlier: its sync overlaps
+    the other chunk's, so less is exposed than when the same sync waits for the end."""
+    kw = dict(schedule="interleaved_1f1b", p=2, v=2, m=4, fwd_s=[0.5] * 4, bwd_s=[0.5] * 4)
+    base = simulate(**kw).makespan_s
+    split = simulate(sync_s=[1.0] * 4, layers=[2] * 4, **kw).makespan_s - base
+    whole = simulate(**{**kw, "schedule": "1f1b", "v": 1, "fwd_s": [1.0] * 2,
+                        "bwd_s": [1.0] * 2})
+    one = simulate(sync_s=[2.0] * 2, layers=[4] * 2, **{**kw, "schedule": "1f1b", "v": 1,
+                                                          "fwd_s": [1.0] * 2,
+                                                          "bwd_s": [1.0] * 2})
+    assert split < one.makespan_s - whole.makespan_s
+
+
+def test_fsdp_gathers_are_prefetched_and_queue_behind_reductions():
+    kw = dict(schedule="1f1b", p=2, v=1, m=4, fwd_s=[1.0, 1.0], bwd_s=[2.0, 2.0])
+    base = simulate(**kw).makespan_s
+    # small collectives: hidden but for the first gather's first layer and the last reduce's
+    cheap = simulate(fsdp_s=[(0.4, 0.4, 0.4)] * 2, layers=[4, 4], **kw)
+    assert base < cheap.makespan_s <= base + 0.4 / 4 + 0.4 / 4 + 1e-9
+    kinds = {e.kind for e in cheap.comm_events}
+    assert kinds == {"gather", "reduce"}
+    # gathers and reductions of 8 micro-batch actions at 3 s each: the stream is the bottleneck
+    slow = simulate(fsdp_s=[(3.0, 3.0, 3.0)] * 2, layers=[4, 4], **kw)
+    assert slow.makespan_s >= max(slow.comm_busy_s) >= 4 * 9.0 - 1e-9
+    for r in range(2):              # one stream per rank: its collectives never overlap
+        ev = [e for e in slow.comm_events if e.rank == r]
+        ev.sort(key=lambda e: e.start_s)
+        assert all(a.end_s <= b.start_s + 1e-9 for a, b in zip(ev, ev[1:]))

@@ -27,7 +27,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="largest pipeline degree (default: up to the number of layers; 1 turns "
                         "pipeline parallelism off)")
     p.add_argument("--force", action="append", default=[], metavar="FIELD=VALUE",
-                   help="pin a ParallelConfig field, e.g. --force tp=2 --force zero_stage=3")
+                   help="pin a ParallelConfig field, e.g. --force tp=2 --force zero_stage=3; "
+                        "lists comma-separated: --force chunk_layers=10,12,12,14 "
+                        "--force stage_recompute=full,none")
     p.add_argument("--no-profile", action="store_true", help="roofline only, ignore profiles")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress lines")
     p.set_defaults(func=run)
@@ -46,6 +48,9 @@ def parse_force(items: list[str]) -> dict:
             value = low == "true"
         elif low.isdigit():
             value = int(low)
+        elif key.strip() in ("chunk_layers", "stage_recompute"):
+            parts = [x.strip() for x in raw.split(",") if x.strip()]
+            value = tuple(int(x) if x.isdigit() else x for x in parts)
         out[key.strip()] = value
     return out
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from autoplan.cost.analysis import analyze
 from autoplan.estimate.config import ParallelConfig
-from autoplan.estimate.estimator import _comm_bytes
+from autoplan.estimate.chunk_cost import comm_bytes
 from autoplan.graph.opgraph import OpGraph
 from autoplan.planner.sharding import Sharding
 
@@ -51,7 +51,7 @@ def expected_collectives(graph: OpGraph, config: ParallelConfig, sh: Sharding, *
                 continue
             if observable and sh.op_strategy[i].style == "loss_parallel":
                 continue
-            b = _comm_bytes(graph, a, config, value, scale, sh.t, bs)
+            b = comm_bytes(graph, a, config, value, scale, sh.t, bs)
             times = 1 if phase == "step" else m
             if phase == "fwd" and recomputed and i in in_layer:
                 times *= 2            # the recomputed forward issues its collectives again

@@ -29,6 +29,11 @@ class ParallelConfig:
     splits each backward into its input-gradient and weight-gradient halves and runs the latter
     in the bubbles (Qi et al. 2024, ZB-H1 over interleaved chunks; torch's
     ``ScheduleInterleavedZeroBubble``).
+
+    ``chunk_layers`` (pipelines only): how many layers each of the ``pp * virtual_stages``
+    chunks holds, in model order; ``None`` balances them. ``stage_recompute``: one recompute
+    policy per pipeline stage where stages differ (the first stages hold the most micro-batches
+    in flight); ``recompute`` then names the most memory-saving of them.
     """
 
     dp: int = 1
@@ -43,6 +48,8 @@ class ParallelConfig:
     recompute: str = "none"
     offload_optimizer: bool = False
     offload_params: bool = False          # weights and gradients in host memory (ZeRO-3 only)
+    chunk_layers: tuple[int, ...] | None = None
+    stage_recompute: tuple[str, ...] | None = None
     precision: str = "bf16"
     optimizer: str = "adamw"
 
@@ -67,9 +74,36 @@ class ParallelConfig:
         if self.offload_params and self.zero_stage != 3:
             raise ConfigError("offload_params=True needs zero_stage=3: the weights are offloaded "
                               "as FSDP shards and gathered to the device layer by layer")
+        self._check_layout()
         if self.sequence_parallel and self.tp == 1:
             raise ConfigError("sequence_parallel=True needs tp > 1 (it shards the "
                               "activations that tensor parallelism leaves replicated)")
+
+    def _check_layout(self) -> None:
+        for name in ("chunk_layers", "stage_recompute"):
+            v = getattr(self, name)
+            if v is not None:
+                if isinstance(v, (str, bytes)) or not hasattr(v, "__iter__"):
+                    raise ConfigError(f"{name} must be a list or None, got {v!r}")
+                object.__setattr__(self, name, tuple(v))
+        n = self.pp * self.virtual_stages
+        if self.chunk_layers is not None:
+            if len(self.chunk_layers) != n or any(
+                    not isinstance(c, int) or isinstance(c, bool) or c < 1
+                    for c in self.chunk_layers):
+                raise ConfigError(f"chunk_layers must list a positive layer count for each of the "
+                                  f"pp x virtual_stages = {n} chunks, got {list(self.chunk_layers)}")
+        if self.stage_recompute is not None:
+            if len(self.stage_recompute) != self.pp:
+                raise ConfigError(f"stage_recompute must name one policy per pipeline stage "
+                                  f"({self.pp}), got {list(self.stage_recompute)}")
+            for r in self.stage_recompute:
+                _one_of("stage_recompute", r, RECOMPUTE)
+            strongest = max(self.stage_recompute, key=RECOMPUTE.index)
+            if self.recompute != strongest:
+                raise ConfigError(f"with stage_recompute, recompute must be the most "
+                                  f"memory-saving stage policy ({strongest!r}), got "
+                                  f"{self.recompute!r}")
 
     @property
     def world_size(self) -> int:
@@ -104,7 +138,8 @@ class ParallelConfig:
                      for d in range(self.dp))
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """JSON-ready fields (the layout tuples as lists)."""
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items()}
 
     @staticmethod
     def from_dict(d: dict[str, Any]) -> ParallelConfig:
@@ -122,7 +157,15 @@ class ParallelConfig:
             s += f" zero{self.zero_stage}"
         if self.sequence_parallel:
             s += " sp"
-        if self.recompute != "none":
+        if self.stage_recompute is not None:
+            runs: list[list] = []
+            for r in self.stage_recompute:
+                if runs and runs[-1][0] == r:
+                    runs[-1][1] += 1
+                else:
+                    runs.append([r, 1])
+            s += " recompute=" + "/".join(r if k == 1 else f"{r}*{k}" for r, k in runs)
+        elif self.recompute != "none":
             s += f" recompute={self.recompute}"
         if self.offload_optimizer:
             s += " offload-opt"

@@ -2,10 +2,11 @@
 
 Order of the computation (each step uses only what the previous ones produced):
 1. trace (or take) the OpGraph, validate the config against graph, cluster and batch;
-2. cut the graph into pipeline chunks; per chunk and per micro-batch: compute time of every op
-   (profile or roofline, scaled to the micro-batch and the TP shard), recomputation, the
-   tensor-parallel collectives (exposed: each one blocks the op after it), and the activations
-   kept for backward;
+2. cut the graph into pipeline chunks (``layout``: the config's ``chunk_layers``, or the split
+   balancing the chunks' times); per chunk and per micro-batch (``chunk_cost``): compute time
+   of every op (profile or roofline, scaled to the micro-batch and the TP shard), its stage's
+   recomputation, the tensor-parallel collectives (exposed: each one blocks the op after it),
+   and the activations kept for backward;
 3. combine chunks into pipeline stages and simulate the schedule (``pipeline_sim``): the
    makespan, the bubble (fill and drain) and the waits on point-to-point sends, and the
    activations each rank holds at its peak;
@@ -18,42 +19,26 @@ Order of the computation (each step uses only what the previous ones produced):
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
-from autoplan.cost.analysis import GraphAnalysis, analyze
+from autoplan.cost.analysis import analyze
 from autoplan.cost.compute import ComputeModel, compute_model
-from autoplan.cost.memory import (PRECISION_BYTES, _meta_bytes, activation_bytes,
-                                  model_state_bytes, sharding_for, working_set_bytes)
+from autoplan.cost.memory import (PRECISION_BYTES, activation_bytes, model_state_bytes,
+                                  sharding_for)
 from autoplan.errors import ConfigError
-from autoplan.estimate.config import MULTI_CHUNK_SCHEDULES, ParallelConfig
-from autoplan.estimate.partition import Chunk, partition
-from autoplan.estimate.pipeline_sim import W_FRACTION, W_KEEPS, simulate
+from autoplan.estimate.chunk_cost import CostInputs, RangeCost, chunk_cost
+from autoplan.estimate.config import ParallelConfig
+from autoplan.estimate.layout import chunk_policy, chunks_for, in_flight
+from autoplan.estimate.partition import pipeline_units
+from autoplan.estimate.pipeline_sim import W_FRACTION, simulate
 from autoplan.estimate.result import Estimate, MemoryBreakdown, StageEstimate, TimeBreakdown
 from autoplan.graph.opgraph import OpGraph
 from autoplan.graph.trace import as_graph
-from autoplan.planner.placement import REPLICATE
 from autoplan.planner.sharding import Sharding
 
 # Bytes an optimizer step reads and writes per parameter (grad, weights, states; Adam keeps
 # fp32 master + two moments under mixed precision). The step is memory-bound.
 _OPT_STEP_BYTES = {"adamw": 28, "adam": 28, "sgd": 20}
-
-
-@dataclass(frozen=True)
-class _ChunkCost:
-    fwd_compute_s: float
-    bwd_compute_s: float
-    recompute_s: float
-    tp_fwd_s: float
-    tp_bwd_s: float
-    tp_step_s: float              # once per step: tp-axis gradient all-reduces (replicated weights)
-    activation_bytes: float
-    working_set_bytes: float
-    params: float                 # parameters per device (after TP sharding)
-    param_tensors: int            # parameter tensors (an optimizer's per-tensor costs)
-    boundary_bytes: float         # activation sent to the next chunk per micro-batch
-    num_layers: int
 
 
 def validate(graph: OpGraph, cluster: Any, config: ParallelConfig,
@@ -80,216 +65,12 @@ def validate(graph: OpGraph, cluster: Any, config: ParallelConfig,
     if config.micro_batch_size > global_batch_size:
         raise ConfigError(f"micro_batch_size {config.micro_batch_size} exceeds the global batch "
                           f"{global_batch_size}")
+    if config.chunk_layers is not None:
+        units = len(pipeline_units(graph))
+        if sum(config.chunk_layers) != units:
+            raise ConfigError(f"chunk_layers {list(config.chunk_layers)} add up to "
+                              f"{sum(config.chunk_layers)} layers, the model has {units}")
     return m
-
-
-def _work_scale(a: GraphAnalysis, graph: OpGraph, sh: Sharding, i: int,
-                batch_scale: float) -> float:
-    """Work of op ``i`` relative to its traced work: the micro-batch, then its tp shard."""
-    batch_dep = any(o in a.batch_dependent for o in graph.ops[i].outputs)
-    return (batch_scale if batch_dep else 1.0) / sh.work_divisor(i)
-
-
-def _comm_bytes(graph: OpGraph, a: GraphAnalysis, config: ParallelConfig, value: str,
-                scale: float, t: int, batch_scale: float) -> float:
-    v = graph.value(value)
-    nbytes = _meta_bytes(v.meta, config.precision)
-    if value in a.batch_dependent:
-        nbytes *= batch_scale
-    return nbytes * (1.0 / t if scale < 0 else scale)
-
-
-def tp_comm_s(graph: OpGraph, a: GraphAnalysis, sh: Sharding, cluster: Any,
-              config: ParallelConfig, start: int, stop: int,
-              batch_scale: float) -> tuple[float, float, float]:
-    """(forward, backward, per-step) seconds of tp-axis collectives issued by ops[start:stop]:
-    the strategies' own collectives and the reshards between producers and consumers."""
-    if sh.t == 1:
-        return 0.0, 0.0, 0.0
-    group = config.tp_group()
-    t = {"fwd": 0.0, "bwd": 0.0, "step": 0.0}
-    for _i, c in sh.comms(start, stop):
-        nbytes = _comm_bytes(graph, a, config, c.value, c.scale, sh.t, batch_scale)
-        t[c.phase] += cluster.collective_time_s(c.kind, nbytes, group)
-    for r in sh.reshards_in(start, stop):
-        nbytes = _comm_bytes(graph, a, config, r.value, r.scale, sh.t, batch_scale)
-        t[r.phase] += cluster.collective_time_s(r.kind, nbytes, group)
-    return t["fwd"], t["bwd"], t["step"]
-
-
-@dataclass(frozen=True)
-class _RangeCost:
-    """Costs of one contiguous op range for one micro-batch (a layer, or the ops around them)."""
-
-    fwd_s: float
-    bwd_s: float
-    recompute_s: float
-    tp_fwd_s: float
-    tp_bwd_s: float
-    tp_step_s: float
-    activation_bytes: float
-    working_set_bytes: float
-    params: float
-    param_tensors: int
-
-
-def _range_cost(graph: OpGraph, a: GraphAnalysis, sh: Sharding, compute: ComputeModel,
-                cluster: Any, config: ParallelConfig, start: int, stop: int,
-                batch_scale: float, policy: str) -> _RangeCost:
-    mbs = config.micro_batch_size
-    fwd = bwd = recompute = 0.0
-    for i in range(start, stop):
-        c = compute.op_cost(i, _work_scale(a, graph, sh, i, batch_scale))
-        fwd += c.fwd_s
-        bwd += c.bwd_s
-        if policy == "full" or policy == "selective" and i in a.score_ops:
-            recompute += c.fwd_s
-    tp_fwd, tp_bwd, tp_step = tp_comm_s(graph, a, sh, cluster, config, start, stop, batch_scale)
-    if policy == "full":
-        recompute += tp_fwd
-    acts = activation_bytes(graph, start, stop, micro_batch_size=mbs, sharding=sh,
-                            recompute=policy, precision=config.precision)
-    working = (working_set_bytes(graph, start, stop, micro_batch_size=mbs, sharding=sh,
-                                 precision=config.precision) if policy == "full" else 0.0)
-    # parameters the range reads, each storage once (a tied weight on two stages is held by
-    # both, as Megatron-LM does with the embedding and the LM head)
-    params = 0.0
-    seen: set[str] = set()
-    for i in range(start, stop):
-        for n in graph.ops[i].inputs:
-            v = graph.value(n)
-            if v.kind == "param" and v.base not in seen:
-                seen.add(v.base)
-                split = sh.input_placement(graph, i, n).kind == "S"
-                params += v.meta.numel / (sh.t if split else 1)
-    return _RangeCost(fwd, bwd, recompute, tp_fwd, tp_bwd, tp_step, acts, working, params,
-                      len(seen))
-
-
-def _chunk_cost(graph: OpGraph, a: GraphAnalysis, sh: Sharding, compute: ComputeModel,
-                cluster: Any, config: ParallelConfig, chunk: Chunk,
-                batch_scale: float) -> _ChunkCost:
-    """Sum of the chunk's layers (recompute policy applies) and the ops around them (keep all).
-    Layers after the second are alike (same block, same strategies): the second is reused."""
-    ranges: list[tuple[int, int, str]] = []
-    pos = chunk.start
-    for (s, e) in chunk.layer_ranges:
-        if pos < s:
-            ranges.append((pos, s, "none"))
-        ranges.append((s, e, config.recompute))
-        pos = e
-    if pos < chunk.stop:
-        ranges.append((pos, chunk.stop, "none"))
-    parts: list[_RangeCost] = []
-    steady: _RangeCost | None = None
-    layer_no = 0
-    for (s, e, policy) in ranges:
-        is_layer = (s, e) in chunk.layer_ranges
-        if is_layer and layer_no >= 2 and steady is not None:
-            parts.append(steady)
-        else:
-            rc = _range_cost(graph, a, sh, compute, cluster, config, s, e, batch_scale, policy)
-            parts.append(rc)
-            if is_layer and layer_no == 1:
-                steady = rc
-        layer_no += is_layer
-
-    boundary = 0.0
-    for n in _boundary_values(graph, a, chunk.stop):
-        v = graph.value(n)
-        b = _meta_bytes(v.meta, config.precision) * (batch_scale if n in a.batch_dependent else 1)
-        if sh.value_placement.get(n, REPLICATE).kind == "S":
-            b /= sh.t
-        boundary += b
-    return _ChunkCost(
-        fwd_compute_s=sum(p.fwd_s for p in parts), bwd_compute_s=sum(p.bwd_s for p in parts),
-        recompute_s=sum(p.recompute_s for p in parts), tp_fwd_s=sum(p.tp_fwd_s for p in parts),
-        tp_bwd_s=sum(p.tp_bwd_s for p in parts), tp_step_s=sum(p.tp_step_s for p in parts),
-        activation_bytes=sum(p.activation_bytes for p in parts),
-        working_set_bytes=max((p.working_set_bytes for p in parts), default=0.0),
-        params=sum(p.params for p in parts), param_tensors=sum(p.param_tensors for p in parts),
-        boundary_bytes=boundary, num_layers=len(chunk.layers))
-
-
-def _stage_weights(graph: OpGraph, a: GraphAnalysis, sh: Sharding, compute: ComputeModel,
-                   cluster: Any, config: ParallelConfig,
-                   batch_scale: float) -> tuple[float, float, float] | None:
-    """Seconds per micro-batch of the ops before the layers, of one layer, and after them."""
-    from autoplan.estimate.partition import main_block
-    block = main_block(graph)
-    if block is None:
-        return None
-    first, last = block.instances[0], block.instances[-1]
-    inst = block.instances[1] if len(block.instances) > 1 else first
-
-    def secs(start: int, stop: int, policy: str) -> float:
-        if start >= stop:
-            return 0.0
-        r = _range_cost(graph, a, sh, compute, cluster, config, start, stop, batch_scale, policy)
-        return r.fwd_s + r.bwd_s + r.recompute_s + r.tp_fwd_s + r.tp_bwd_s
-    return (secs(0, first.start, "none"), secs(inst.start, inst.stop, config.recompute),
-            secs(last.stop, len(graph.ops), "none"))
-
-
-def _cached_chunk_cost(graph: OpGraph, a: GraphAnalysis, sh: Sharding, compute: ComputeModel,
-                       cluster: Any, config: ParallelConfig, chunk: Chunk,
-                       batch_scale: float) -> _ChunkCost:
-    """A chunk's costs depend on the sharding, micro-batch, recompute policy and precision, not
-    on ZeRO, offload or the schedule: the planner reuses them across those (kept on the graph,
-    keyed by the objects' identities, which live as long as the search holds them)."""
-    cache = graph.__dict__.setdefault("_autoplan_chunk_costs", {})
-    key = (id(sh), id(compute), id(cluster), chunk.start, chunk.stop, config.micro_batch_size,
-           config.recompute, config.precision, config.tp)
-    hit = cache.get(key)
-    if hit is not None and hit[0] is sh and hit[1] is compute and hit[2] is cluster:
-        return hit[3]
-    cost = _chunk_cost(graph, a, sh, compute, cluster, config, chunk, batch_scale)
-    if len(cache) > 4096:
-        cache.clear()
-    cache[key] = (sh, compute, cluster, cost)
-    return cost
-
-
-def _boundary_values(graph: OpGraph, a: GraphAnalysis, cut: int) -> list[str]:
-    """Activations produced before op ``cut`` and read at or after it (what a stage sends);
-    computed once per cut and kept on the graph."""
-    cache = graph.__dict__.setdefault("_autoplan_boundaries", {})
-    if cut not in cache:
-        cache[cut] = _crossing(graph, cut)
-    return cache[cut]
-
-
-def _crossing(graph: OpGraph, cut: int) -> list[str]:
-    if cut >= len(graph.ops):
-        return []
-    produced_before = set()
-    for op in graph.ops[:cut]:
-        produced_before.update(op.outputs)
-    crossing = []
-    seen = set()
-    for op in graph.ops[cut:]:
-        for n in op.inputs:
-            v = graph.value(n)
-            if n in produced_before and v.base not in seen and v.meta.is_float:
-                seen.add(v.base)
-                crossing.append(v.base)
-    return crossing
-
-
-def _in_flight(config: ParallelConfig, m: int, stage: int) -> float:
-    """Micro-batches whose activations a pipeline rank holds at its peak."""
-    p, v = config.pp, config.virtual_stages
-    if p == 1:
-        return 1.0
-    if config.schedule == "gpipe":
-        return float(m)
-    extra = 0.0
-    if config.schedule == "zero_bubble":   # deferred W's keep half their chunk's activations
-        extra = W_KEEPS * min(m * v, p * v) / v
-    if config.schedule in MULTI_CHUNK_SCHEDULES and v > 1:
-        chunks = min(m * v, (p - stage - 1) * 2 + (v - 1) * p + 1)
-        return chunks / v + extra    # in units of this rank's whole (all-chunk) activations
-    return float(min(m, p - stage)) + extra
 
 
 def estimate(model: Any, cluster: Any, *, config: ParallelConfig, global_batch_size: int,
@@ -319,23 +100,22 @@ def estimate(model: Any, cluster: Any, *, config: ParallelConfig, global_batch_s
         from autoplan.cost.profile_db import ProfileDB
         profile = ProfileDB.find(cluster.device.name)
     compute = compute_model(graph, cluster.device, config.precision, profile)
-    batch_scale = config.micro_batch_size / graph.batch_size
     p, v = config.pp, config.virtual_stages
     sh = sharding_for(graph, config.tp, config.sequence_parallel, sharding)
     if sh.t != config.tp:
         raise ConfigError(f"the sharding is for tp={sh.t} but the config has tp={config.tp}")
-    chunks = partition(graph, p * v, _stage_weights(graph, a, sh, compute, cluster, config,
-                                                    batch_scale) if p * v > 1 else None)
-    costs = [_cached_chunk_cost(graph, a, sh, compute, cluster, config, c, batch_scale)
-             for c in chunks]
+    ci = CostInputs(graph=graph, analysis=a, sharding=sh, compute=compute, cluster=cluster,
+                    config=config)
+    chunks = chunks_for(ci)
+    costs = [chunk_cost(ci, ch, chunk_policy(config, c)) for c, ch in enumerate(chunks)]
 
     # --- pipeline schedule: simulated (pipeline_sim) ------------------------------------------
     stage_chunks = [[c for c in range(len(chunks)) if c % p == s] for s in range(p)]
-    stage_f = [sum(costs[c].fwd_compute_s + costs[c].tp_fwd_s for c in cs) for cs in stage_chunks]
-    stage_b = [sum(costs[c].bwd_compute_s + costs[c].tp_bwd_s + costs[c].recompute_s
-                   for c in cs) for cs in stage_chunks]
+    stage_f = [sum(costs[c].fwd_total_s for c in cs) for cs in stage_chunks]
+    stage_b = [sum(costs[c].bwd_total_s for c in cs) for cs in stage_chunks]
     bottleneck = max(range(p), key=lambda s: stage_f[s] + stage_b[s])
     sim = None
+    simulated_comm: tuple[float, float] | None = None    # (gradient syncs, gathers) exposed
     bubble_s = p2p_s = 0.0
     if p > 1 and not simulate_pipeline:
         t_mb = stage_f[bottleneck] + stage_b[bottleneck]
@@ -348,21 +128,25 @@ def estimate(model: Any, cluster: Any, *, config: ParallelConfig, global_batch_s
                                                          tp_index=0))
                           for c in range(len(chunks) - 1))
     elif p > 1:
-        fwd = [c.fwd_compute_s + c.tp_fwd_s for c in costs]
-        bwd = [c.bwd_compute_s + c.tp_bwd_s + c.recompute_s for c in costs]
+        fwd = [c.fwd_total_s for c in costs]
+        bwd = [c.bwd_total_s for c in costs]
         sends = [cluster.p2p_time_s(costs[c].boundary_bytes,
                                     config.rank(pp_index=c % p, dp_index=0, tp_index=0),
                                     config.rank(pp_index=(c + 1) % p, dp_index=0, tp_index=0))
                  for c in range(len(chunks) - 1)]
         kw = dict(schedule=config.schedule, p=p, v=v, m=m, fwd_s=fwd, bwd_s=bwd,
                   activation_bytes=[c.activation_bytes for c in costs])
-        sim = simulate(send_s=sends, **kw)
+        no_collectives = simulate(send_s=sends, **kw)
         free_sends = simulate(**kw).makespan_s
+        sync_s, fsdp_s = _chunk_collectives(config, cluster, costs)
+        sim = simulate(send_s=sends, sync_s=sync_s, fsdp_s=fsdp_s,
+                       layers=[max(1, c.num_layers) for c in costs], **kw)
         bottleneck = max(range(p), key=lambda r: sim.busy_s[r])
         bubble_s = free_sends - sim.busy_s[bottleneck]     # fill and drain
-        p2p_s = sim.makespan_s - free_sends                 # waiting on point-to-point sends
+        p2p_s = no_collectives.makespan_s - free_sends      # waiting on point-to-point sends
+        simulated_comm = _exposed_collectives(sim, no_collectives.makespan_s)
     bc = [costs[c] for c in stage_chunks[bottleneck]]
-    compute_s = m * sum(c.fwd_compute_s + c.bwd_compute_s for c in bc)
+    compute_s = m * sum(c.fwd_s + c.bwd_s for c in bc)
     recompute_s = m * sum(c.recompute_s for c in bc)
     tp_s = m * sum(c.tp_fwd_s + c.tp_bwd_s for c in bc)
 
@@ -399,6 +183,9 @@ def estimate(model: Any, cluster: Any, *, config: ParallelConfig, global_batch_s
                 gather = cluster.collective_time_s("all_gather", params * w_bytes, group)
         sync = overlap_exposed_s(comm, bwd_window, comm / layers) if comm > 0 else 0.0
         sync += fsdp_sync
+        if simulated_comm is not None:   # the simulator ran them: only the post-step gather
+            sync = 0.0
+            gather = gather if config.zero_stage in (1, 2) else 0.0
         owned = params / (config.dp if config.zero_stage >= 1 else 1)
         if config.offload_params:
             # weight shards go up for the forward and again for the backward gather of every
@@ -417,6 +204,10 @@ def estimate(model: Any, cluster: Any, *, config: ParallelConfig, global_batch_s
             off = 0.0
         if sync + gather + o + off > dp_sync + zero_gather + opt_s + offload_s:
             dp_sync, zero_gather, opt_s, offload_s = sync, gather, o, off
+
+    if simulated_comm is not None:
+        dp_sync += simulated_comm[0]
+        zero_gather += simulated_comm[1]
 
     overhead_s = getattr(getattr(profile, "calibration", None), "step_overhead_s", 0.0) or 0.0
     comm_exposed = {"tp": tp_s, "dp_grad_sync": dp_sync, "zero_param_gather": zero_gather,
@@ -439,9 +230,9 @@ def estimate(model: Any, cluster: Any, *, config: ParallelConfig, global_batch_s
                                    offload_params=config.offload_params)
         act_mb = sum(c.activation_bytes for c in cs)
         if sim is not None and act_mb > 0:   # the simulated peak of the schedule
-            in_flight = sim.peak_activation_bytes[s] / act_mb
+            flight = sim.peak_activation_bytes[s] / act_mb
         else:
-            in_flight = _in_flight(config, m, s)
+            flight = in_flight(config, m, s)
         transient = max(c.working_set_bytes for c in cs)
         layers = max(1, sum(c.num_layers for c in cs))
         if config.zero_stage == 3 and config.dp > 1:
@@ -449,13 +240,13 @@ def estimate(model: Any, cluster: Any, *, config: ParallelConfig, global_batch_s
             transient += 2 * (params / layers) * w_bytes * 2
         mem = MemoryBreakdown(params_bytes=states.params_bytes, grads_bytes=states.grads_bytes,
                               optimizer_bytes=states.optimizer_bytes,
-                              activations_bytes=act_mb * in_flight, transient_bytes=transient,
+                              activations_bytes=act_mb * flight, transient_bytes=transient,
                               margin_bytes=margin, offloaded_bytes=states.offloaded_bytes)
         stages.append(StageEstimate(
             index=s, layers=tuple(l for c in stage_chunks[s] for l in chunks[c].layers),
             num_ops=sum(chunks[c].stop - chunks[c].start for c in stage_chunks[s]),
             params_per_device=params, fwd_s=stage_f[s], bwd_s=stage_b[s],
-            activation_bytes_per_microbatch=act_mb, microbatches_in_flight=in_flight,
+            activation_bytes_per_microbatch=act_mb, microbatches_in_flight=flight,
             memory=mem, chunks=tuple(chunks[c].layers for c in stage_chunks[s])))
     per_device = tuple(stages[r // (config.dp * config.tp)].memory.total_bytes
                        for r in range(config.world_size))
@@ -481,7 +272,7 @@ def estimate(model: Any, cluster: Any, *, config: ParallelConfig, global_batch_s
     if chunks[0].layer_ranges:
         s0, e0 = chunks[0].layer_ranges[0]
         layer_acts = activation_bytes(graph, s0, e0, micro_batch_size=config.micro_batch_size,
-                                      sharding=sh, recompute=config.recompute,
+                                      sharding=sh, recompute=chunk_policy(config, 0),
                                       precision=config.precision)
     return Estimate(
         config=config, global_batch_size=global_batch_size, num_microbatches=m,
@@ -491,6 +282,45 @@ def estimate(model: Any, cluster: Any, *, config: ParallelConfig, global_batch_s
         model_flops_per_step=model_flops, mfu=mfu, samples_per_s=global_batch_size / step_s,
         tokens_per_s=global_batch_size * tokens / step_s if tokens else None,
         activation_bytes_per_layer=layer_acts, warnings=tuple(warnings))
+
+
+def _chunk_collectives(config: ParallelConfig, cluster: Any, costs: Sequence[RangeCost]
+                       ) -> tuple[list[float], list[tuple[float, float, float]]]:
+    """Per chunk, for the simulator: the per-step gradient sync (tp-axis all-reduces of
+    replicated weights, then the dp group's all-reduce or reduce-scatter) and, under FSDP, the
+    per-micro-batch (gather before forward, gather before backward, reduce-scatter after)."""
+    w_bytes = PRECISION_BYTES[config.precision]
+    sync, fsdp = [], []
+    for c, cost in enumerate(costs):
+        group = config.dp_group(pp_index=c % config.pp)
+        s = cost.tp_step_s
+        f = (0.0, 0.0, 0.0)
+        if config.dp > 1 and config.zero_stage == 3:
+            layers = max(1, cost.num_layers)
+            layer_bytes = cost.params * w_bytes / layers
+            ag = layers * cluster.collective_time_s("all_gather", layer_bytes, group)
+            f = (ag, ag, layers * cluster.collective_time_s("reduce_scatter", layer_bytes, group))
+        elif config.dp > 1:
+            kind = "all_reduce" if config.zero_stage == 0 else "reduce_scatter"
+            s += cluster.collective_time_s(kind, cost.params * w_bytes, group)
+        sync.append(s)
+        fsdp.append(f)
+    return sync, fsdp
+
+
+def _exposed_collectives(sim: Any, without_s: float) -> tuple[float, float]:
+    """(gradient syncs, gathers): what the simulated collectives added to the step, plus the
+    interference of the overlapped rest, split by their time on the busiest stream."""
+    if not sim.comm_events:
+        return 0.0, 0.0
+    exposed = max(0.0, sim.makespan_s - without_s)
+    busiest = max(range(len(sim.comm_busy_s)), key=lambda r: sim.comm_busy_s[r])
+    total = sim.comm_busy_s[busiest]
+    added = exposed + OVERLAP_INTERFERENCE * max(0.0, total - exposed)
+    gathers = sum(e.end_s - e.start_s for e in sim.comm_events
+                  if e.rank == busiest and e.kind == "gather")
+    share = gathers / total if total > 0 else 0.0
+    return added * (1 - share), added * share
 
 
 def _optimizer_step_s(params: float, tensors: int, config: ParallelConfig,

@@ -1,18 +1,44 @@
-"""Split an OpGraph into pipeline chunks (contiguous op ranges).
+"""Pipeline chunks: the model's layers (the children of its layer container) split into
+contiguous runs, and the search for the split.
 
-For ``estimate`` the layers of the main repeated block are divided as evenly as possible over
-``pp * virtual_stages`` chunks (earlier chunks take the remainder); what comes before the first
-layer (embeddings) goes with the first chunk and what follows the last (head, loss) with the
-last, as Megatron-LM does. Chunk ``c`` runs on pipeline rank ``c % pp``. The pipeline issue's
-search replaces the even split by a dynamic program over these same boundaries.
+A *unit* is one child of the container that holds the repeated layers (``layers.7``,
+``transformer.h.3``), whether or not it is structurally like its neighbours: a stage holds
+whole units, so the runtime can cut the model by deleting the other children of the container.
+What comes before the first unit (embeddings) goes with the first chunk and what follows the
+last (final norm, head, loss) with the last, as Megatron-LM does. Chunk ``c`` runs on pipeline
+rank ``c % pp``.
+
+``min_max_split`` is the stage partition (Alpa's and DAPPLE's dynamic program, in its min-max
+form): choose where to cut and each chunk's recomputation policy so that the slowest chunk is
+as fast as possible while every chunk fits its memory budget. Feasibility of a bound ``T`` is
+decided exactly by a greedy that gives each chunk, from the last backwards, the longest run of
+units it can hold within ``T`` and its budget (a shorter suffix is never harder to split, so
+the greedy is optimal); the least feasible ``T`` is found by bisection. Working from the end
+gives the later chunks the longer runs, which is what memory wants: under 1F1B the first stage
+keeps ``pp`` micro-batches of activations in flight, the last one.
 """
 
 from __future__ import annotations
 
+import re
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from autoplan.errors import ConfigError
 from autoplan.graph.opgraph import Block, OpGraph
+
+_CHILD = re.compile(r"^(\d+)(?:\.|$)")
+
+
+@dataclass(frozen=True)
+class Unit:
+    """One child of the layer container: ops ``[start, stop)``. ``like`` is the range of a unit
+    with the same structure whose costs stand for this one's (its own range if none)."""
+
+    path: str
+    start: int
+    stop: int
+    like: tuple[int, int]
 
 
 @dataclass(frozen=True)
@@ -22,6 +48,7 @@ class Chunk:
     stop: int
     layers: tuple[str, ...]
     layer_ranges: tuple[tuple[int, int], ...]
+    units: tuple[Unit, ...] = ()
 
 
 def main_block(graph: OpGraph) -> Block | None:
@@ -31,71 +58,224 @@ def main_block(graph: OpGraph) -> Block | None:
     return max(graph.blocks, key=lambda b: (len(b.instances) * b.num_ops, -b.instances[0].start))
 
 
+def pipeline_units(graph: OpGraph) -> tuple[Unit, ...]:
+    """The children of the main block's container, in order (kept on the graph). Falls back to
+    the main block's instances when the container's children do not own contiguous op ranges."""
+    cache = graph.__dict__.get("_autoplan_units")
+    if cache is not None:
+        return cache
+    block = main_block(graph)
+    units: tuple[Unit, ...] = ()
+    if block is not None:
+        units = _container_units(graph, block) or _block_units(graph, block)
+    graph.__dict__["_autoplan_units"] = units
+    return units
+
+
+def _representatives(graph: OpGraph) -> dict[str, tuple[int, int]]:
+    """Per block instance path: the range costed for it (a block's second instance stands for
+    all but the first, whose inputs may need a reshard the others do not)."""
+    rep: dict[str, tuple[int, int]] = {}
+    for b in graph.blocks:
+        steady = b.instances[1] if len(b.instances) > 1 else b.instances[0]
+        for k, inst in enumerate(b.instances):
+            rep[inst.path] = (inst.start, inst.stop) if k == 0 else (steady.start, steady.stop)
+    return rep
+
+
+def _block_units(graph: OpGraph, block: Block) -> tuple[Unit, ...]:
+    rep = _representatives(graph)
+    return tuple(Unit(i.path, i.start, i.stop, rep[i.path]) for i in block.instances)
+
+
+def _container_units(graph: OpGraph, block: Block) -> tuple[Unit, ...]:
+    container = block.instances[0].path.rpartition(".")[0]
+    prefix = container + "." if container else ""
+    spans: dict[str, list[int]] = {}
+    owner: list[str | None] = []
+    for i, op in enumerate(graph.ops):
+        path = op.module_path
+        child = None
+        if path.startswith(prefix):
+            m = _CHILD.match(path[len(prefix):])
+            if m:
+                child = prefix + m.group(1)
+        owner.append(child)
+        if child is not None:
+            spans.setdefault(child, [i, i + 1])[1] = i + 1
+    rep = _representatives(graph)
+    units = []
+    for path, (start, stop) in sorted(spans.items(), key=lambda kv: kv[1][0]):
+        if any(owner[j] != path for j in range(start, stop)):
+            return ()
+        units.append(Unit(path, start, stop, rep.get(path, (start, stop))))
+    return tuple(units)
+
+
 def even_split(n: int, parts: int) -> list[int]:
     base, extra = divmod(n, parts)
     return [base + (1 if i < extra else 0) for i in range(parts)]
 
 
-def balanced_counts(n_layers: int, parts: int, layer_s: float, first_extra_s: float,
-                    last_extra_s: float) -> list[int]:
-    """Layers per chunk minimizing the slowest chunk when the first chunk also runs the
-    embeddings (``first_extra_s``) and the last the head and loss (``last_extra_s``); the middle
-    chunks differ by at most one layer. Exhaustive over the first and last counts (O(L^2))."""
-    if parts == 1:
-        return [n_layers]
-    best: tuple[float, float, list[int]] | None = None
-    # extra work only shrinks the first and last chunks: never beyond an even share
-    cap = -(-n_layers // parts)
-    for first in range(1, min(cap, n_layers - parts + 1) + 1):
-        for last in range(1, min(cap, n_layers - first - (parts - 2)) + 1):
-            rest = n_layers - first - last
-            middle = parts - 2
-            if middle == 0 and rest:
-                continue
-            if middle and rest < middle:
-                continue
-            counts = [first] + (even_split(rest, middle) if middle else []) + [last]
-            loads = [c * layer_s for c in counts]
-            loads[0] += first_extra_s
-            loads[-1] += last_extra_s
-            key = (max(loads), sum(x * x for x in loads))   # then the most even loads
-            if best is None or key < best[:2]:
-                best = (key[0], key[1], counts)
-    return best[2] if best else even_split(n_layers, parts)
+def chunks_from_counts(graph: OpGraph, counts: Sequence[int]) -> tuple[Chunk, ...]:
+    """Chunks holding ``counts[c]`` consecutive units each (all ops when there are no units)."""
+    units = pipeline_units(graph)
+    if not units:
+        if len(counts) == 1:
+            return (Chunk(0, 0, len(graph.ops), (), ()),)
+        return _split_by_flops(graph, len(counts))
+    if sum(counts) != len(units) or min(counts) < 1:
+        raise ConfigError(f"chunk_layers {list(counts)} must be positive and add up to the "
+                          f"model's {len(units)} layers")
+    chunks = []
+    first = start = 0
+    for c, count in enumerate(counts):
+        run = units[first:first + count]
+        first += count
+        stop = len(graph.ops) if c == len(counts) - 1 else run[-1].stop
+        chunks.append(Chunk(c, start, stop, tuple(u.path for u in run),
+                            tuple((u.start, u.stop) for u in run), run))
+        start = stop
+    return tuple(chunks)
 
 
 def partition(graph: OpGraph, num_chunks: int,
-              weights: tuple[float, float, float] | None = None) -> tuple[Chunk, ...]:
-    """Chunks of whole layers; with ``weights`` = (seconds of the ops before the layers, of one
-    layer, of the ops after them) the split balances the chunks' times, else it is even."""
-    block = main_block(graph)
-    if num_chunks == 1:
-        layers = block.instances if block else ()
-        return (Chunk(0, 0, len(graph.ops), tuple(i.path for i in layers),
-                      tuple((i.start, i.stop) for i in layers)),)
-    if block is None:
-        return _split_by_flops(graph, num_chunks)
-    n = len(block.instances)
-    if num_chunks > n:
+              unit_s: Sequence[float] | None = None, before_s: float = 0.0,
+              after_s: float = 0.0) -> tuple[Chunk, ...]:
+    """``num_chunks`` chunks of whole units; with ``unit_s`` (seconds per unit) and the seconds
+    of the ops before and after the units, the slowest chunk is as fast as it can be, else the
+    split is even."""
+    units = pipeline_units(graph)
+    n = len(units)
+    if num_chunks > 1 and units and num_chunks > n:
         raise ConfigError(f"pipeline needs {num_chunks} chunks (pp x virtual_stages) but the "
-                          f"model has only {n} layers in {block.name!r}; lower pp or "
-                          "virtual_stages")
-    if weights is not None:
-        before, layer, after = weights
-        counts = balanced_counts(n, num_chunks, layer, before, after)
-    else:
-        counts = even_split(n, num_chunks)
-    chunks = []
-    first = 0
-    start = 0
-    for c, count in enumerate(counts):
-        insts = block.instances[first:first + count]
-        first += count
-        stop = len(graph.ops) if c == num_chunks - 1 else insts[-1].stop
-        chunks.append(Chunk(c, start, stop, tuple(i.path for i in insts),
-                            tuple((i.start, i.stop) for i in insts)))
-        start = stop
-    return tuple(chunks)
+                          f"model has only {n} layers; lower pp or virtual_stages")
+    if not units or num_chunks == 1:
+        return chunks_from_counts(graph, [n] if units else [1] * num_chunks)
+    if unit_s is None:
+        return chunks_from_counts(graph, even_split(n, num_chunks))
+    costs = [{"-": UnitChoice(time_s=t)} for t in unit_s]
+    split = min_max_split(costs, num_chunks, first=UnitChoice(time_s=before_s),
+                          last=UnitChoice(time_s=after_s))
+    return chunks_from_counts(graph, split.counts if split else even_split(n, num_chunks))
+
+
+# ------------------------------------------------------------------ the min-max split
+@dataclass(frozen=True)
+class UnitChoice:
+    """One unit under one policy, per micro-batch: seconds, activation bytes kept for backward
+    and model-state bytes (weights, gradients, optimizer state on one device)."""
+
+    time_s: float
+    activation_bytes: float = 0.0
+    state_bytes: float = 0.0
+
+
+@dataclass(frozen=True)
+class Split:
+    counts: tuple[int, ...]           # units per chunk
+    policies: tuple[str, ...]         # policy per chunk
+    max_chunk_s: float
+
+
+def min_max_split(costs: Sequence[Mapping[str, UnitChoice]], parts: int, *,
+                  first: UnitChoice = UnitChoice(time_s=0.0),
+                  last: UnitChoice = UnitChoice(time_s=0.0),
+                  in_flight: Sequence[float] | None = None,
+                  budget_bytes: Sequence[float] | None = None,
+                  allowed: Sequence[Sequence[str]] | None = None,
+                  rel_tol: float = 1e-4) -> Split | None:
+    """Cut ``costs`` (per unit: policy -> UnitChoice, policies listed cheapest first) into
+    ``parts`` contiguous chunks, choosing each chunk's policy (among ``allowed[c]``, default
+    all), to minimize the slowest chunk. Chunk ``c`` holds ``in_flight[c]`` micro-batches of activations and must fit
+    ``budget_bytes[c]``; ``first``/``last`` are the fixed ops the first/last chunk also run.
+    None when no split fits."""
+    n = len(costs)
+    if parts < 1 or n < parts:
+        return None
+    policies = list(costs[0])
+    flight = list(in_flight) if in_flight is not None else [1.0] * parts
+    budget = list(budget_bytes) if budget_bytes is not None else [float("inf")] * parts
+    options = ([[p for p in policies if p in set(a)] for a in allowed] if allowed is not None
+               else [policies] * parts)
+    # prefix sums per policy: time, activations, state
+    pre: dict[str, tuple[list[float], list[float], list[float]]] = {}
+    for p in policies:
+        t, a, s = [0.0], [0.0], [0.0]
+        for u in costs:
+            c = u[p]
+            t.append(t[-1] + c.time_s)
+            a.append(a[-1] + c.activation_bytes)
+            s.append(s[-1] + c.state_bytes)
+        pre[p] = (t, a, s)
+
+    def cost(c: int, i: int, j: int, p: str) -> tuple[float, float]:
+        t, a, s = pre[p]
+        secs = t[j] - t[i]
+        acts = a[j] - a[i]
+        state = s[j] - s[i]
+        for extra, on in ((first, c == 0), (last, c == parts - 1)):
+            if on:
+                secs += extra.time_s
+                acts += extra.activation_bytes
+                state += extra.state_bytes
+        return secs, state + flight[c] * acts
+
+    def fits(c: int, i: int, j: int, p: str, bound: float) -> bool:
+        secs, mem = cost(c, i, j, p)
+        return secs <= bound and mem <= budget[c]
+
+    def longest(c: int, j: int, bound: float) -> tuple[int, str] | None:
+        """Chunk c ending at unit j: the smallest start (most units) any policy allows."""
+        lo_limit = c            # leave one unit for each earlier chunk
+        best: tuple[int, str] | None = None
+        for p in options[c]:
+            if not fits(c, j - 1, j, p, bound):
+                continue
+            lo, hi = lo_limit, j - 1         # fits(hi) holds; find the smallest fitting start
+            while lo < hi:
+                mid = (lo + hi) // 2
+                if fits(c, mid, j, p, bound):
+                    hi = mid
+                else:
+                    lo = mid + 1
+            if best is None or lo < best[0]:
+                best = (lo, p)
+        return best
+
+    def greedy(bound: float) -> list[tuple[int, int, str]] | None:
+        out = []
+        j = n
+        for c in range(parts - 1, -1, -1):
+            got = longest(c, j, bound)
+            if got is None:
+                return None
+            i, p = got
+            if c == 0 and i > 0:
+                return None
+            out.append((i, j, p))
+            j = i
+        return out[::-1]
+
+    hi = max(pre[p][0][n] for p in policies) + first.time_s + last.time_s + 1e-12
+    if greedy(hi) is None:
+        return None
+    lo = 0.0
+    while hi - lo > rel_tol * hi:
+        mid = (lo + hi) / 2
+        if greedy(mid) is None:
+            lo = mid
+        else:
+            hi = mid
+    runs = greedy(hi)
+    assert runs is not None
+    # each chunk then takes its cheapest policy that still fits the bound and its memory
+    chosen = []
+    for c, (i, j, p) in enumerate(runs):
+        chosen.append(next((q for q in options[c] if fits(c, i, j, q, hi)), p))
+    secs = max(cost(c, i, j, p)[0] for c, ((i, j, _), p) in enumerate(zip(runs, chosen)))
+    return Split(counts=tuple(j - i for i, j, _ in runs), policies=tuple(chosen),
+                 max_chunk_s=secs)
 
 
 def _split_by_flops(graph: OpGraph, num_chunks: int) -> tuple[Chunk, ...]:

@@ -25,6 +25,19 @@ Schedules (action orders per rank):
 On uniform chunks with free sends this reproduces the bubble fraction (p-1)/(m+p-1) of GPipe
 and 1F1B exactly, and the interleaved schedule's bubble time divided by v
 (tests/test_pipeline_sim.py).
+
+Data-parallel collectives run on a second stream per rank (one FIFO, as NCCL's stream is),
+overlapping compute:
+- ``sync_s[c]``: chunk c's gradient reduction (DDP all-reduce, ZeRO reduce-scatter), once per
+  step, streamed layer by layer behind the chunk's last backward (its last W under zero bubble):
+  it starts after the first of its ``layers[c]`` layers and ends no earlier than one layer's
+  share after that backward;
+- ``fsdp_s[c] = (gather_fwd, gather_bwd, reduce_bwd)`` per micro-batch (FSDP / ZeRO-3): the
+  chunk's weights are gathered before each forward and backward, prefetched when the previous
+  action on the rank starts; an action starts once its first layer's share has arrived and ends
+  no earlier than one layer after its gather; the gradients are reduce-scattered behind the
+  backward. Gathers queue behind earlier reductions on the same stream.
+The step ends when every stream has drained.
 """
 
 from __future__ import annotations
@@ -51,12 +64,24 @@ class Event:
 
 
 @dataclass(frozen=True)
+class CommEvent:
+    rank: int
+    kind: str          # "sync" (per-step gradient reduction) | "gather" | "reduce" (FSDP)
+    microbatch: int    # -1 for per-step syncs
+    chunk: int
+    start_s: float
+    end_s: float
+
+
+@dataclass(frozen=True)
 class PipelineResult:
     makespan_s: float
     events: tuple[Event, ...]
     busy_s: tuple[float, ...]                  # per rank: time spent computing
     peak_activation_bytes: tuple[float, ...]   # per rank
     memory_timeline: tuple[tuple[tuple[float, float], ...], ...]   # per rank: (time, bytes)
+    comm_events: tuple[CommEvent, ...] = ()
+    comm_busy_s: tuple[float, ...] = ()        # per rank: time its collective stream is busy
 
     def bubble_fraction(self, rank: int | None = None) -> float:
         r = max(range(len(self.busy_s)), key=lambda i: self.busy_s[i]) if rank is None else rank
@@ -113,22 +138,31 @@ def _orders(schedule: str, p: int, v: int, m: int) -> list[list[tuple[str, int, 
 
 def simulate(*, schedule: str, p: int, v: int, m: int, fwd_s: Sequence[float],
              bwd_s: Sequence[float], send_s: Sequence[float] = (),
-             activation_bytes: Sequence[float] = ()) -> PipelineResult:
+             activation_bytes: Sequence[float] = (), sync_s: Sequence[float] = (),
+             fsdp_s: Sequence[tuple[float, float, float]] = (),
+             layers: Sequence[int] = ()) -> PipelineResult:
     """Run the schedule; ``fwd_s``/``bwd_s``/``activation_bytes`` per chunk (p*v), ``send_s`` per
-    boundary (chunk c to c+1, p*v-1 entries; default free). Results are memoized: the planner
-    simulates the same stages under many ZeRO / offload variants."""
+    boundary (chunk c to c+1, p*v-1 entries; default free); ``sync_s``, ``fsdp_s`` and
+    ``layers`` per chunk for the collectives (module doc; default none). Results are memoized:
+    the planner simulates the same stages under many ZeRO / offload variants."""
     return _simulate(schedule, p, v, m, tuple(fwd_s), tuple(bwd_s), tuple(send_s),
-                     tuple(activation_bytes))
+                     tuple(activation_bytes), tuple(sync_s), tuple(tuple(f) for f in fsdp_s),
+                     tuple(layers))
 
 
 @lru_cache(maxsize=512)
 def _simulate(schedule: str, p: int, v: int, m: int, fwd_s: tuple[float, ...],
               bwd_s: tuple[float, ...], send_s: tuple[float, ...],
-              activation_bytes: tuple[float, ...]) -> PipelineResult:
+              activation_bytes: tuple[float, ...], sync_s: tuple[float, ...] = (),
+              fsdp_s: tuple[tuple[float, float, float], ...] = (),
+              layers: tuple[int, ...] = ()) -> PipelineResult:
     n = p * v
     if len(fwd_s) != n or len(bwd_s) != n:
         raise ConfigError(f"need forward and backward times for {n} chunks, got "
                           f"{len(fwd_s)} and {len(bwd_s)}")
+    for name, seq in (("sync_s", sync_s), ("fsdp_s", fsdp_s), ("layers", layers)):
+        if seq and len(seq) != n:
+            raise ConfigError(f"{name} needs one entry per chunk ({n}), got {len(seq)}")
     send = list(send_s) or [0.0] * (n - 1)
     acts = list(activation_bytes) or [0.0] * n
     orders = _orders(schedule, p, v, m)
@@ -140,11 +174,24 @@ def _simulate(schedule: str, p: int, v: int, m: int, fwd_s: tuple[float, ...],
     free = [0.0] * p
     deferred: list[list[tuple[int, int]]] = [[] for _ in range(p)]   # W's not yet run
     events: list[Event] = []
+    comm = _CommStreams(p, layers or (1,) * n, fsdp_s)
+    # backward pieces left per chunk before its per-step gradient sync may go
+    pieces_left = [m * (2 if split else 1)] * n
+
+    last_start = [0.0] * p             # when the rank's previous action started (prefetch point)
 
     def run(r: int, kind: str, mb: int, c: int, start: float, dur: float) -> None:
-        done[(kind, mb, c)] = start + dur
-        free[r] = start + dur
-        events.append(Event(r, kind, mb, c, start, start + dur))
+        start, end = comm.before(r, kind, c, start, dur)
+        last_start[r] = start
+        done[(kind, mb, c)] = end
+        free[r] = end
+        events.append(Event(r, kind, mb, c, start, end))
+        if kind != "F":
+            comm.after(r, kind, mb, c, start, end, split)
+            pieces_left[c] -= 1
+            if sync_s and pieces_left[c] == 0:
+                comm.flush(r)
+                comm.stream(r, "sync", -1, c, sync_s[c], start, end)
 
     def run_w(r: int) -> None:
         mb, c = deferred[r].pop(0)
@@ -165,6 +212,7 @@ def _simulate(schedule: str, p: int, v: int, m: int, fwd_s: tuple[float, ...],
                 if dep is not None and dep not in done:
                     break
                 ready = done[dep] + hop if dep is not None else 0.0
+                comm.prefetch(r, kind, c, last_start[r])
                 # fill the wait with deferred weight gradients that fit in it
                 while deferred[r] and free[r] + bwd_s[deferred[r][0][1]] * w_share <= ready:
                     run_w(r)
@@ -202,7 +250,77 @@ def _simulate(schedule: str, p: int, v: int, m: int, fwd_s: tuple[float, ...],
             line.append((t, level))
         timelines.append(tuple(line))
         peaks.append(peak)
-    makespan = max(e.end_s for e in events) if events else 0.0
+    for r in range(p):
+        comm.flush(r)
+    makespan = max([e.end_s for e in events] + [e.end_s for e in comm.events], default=0.0)
     events.sort(key=lambda e: (e.rank, e.start_s))
+    comm_busy = comm.busy
     return PipelineResult(makespan_s=makespan, events=tuple(events), busy_s=tuple(busy),
-                          peak_activation_bytes=tuple(peaks), memory_timeline=tuple(timelines))
+                          peak_activation_bytes=tuple(peaks), memory_timeline=tuple(timelines),
+                          comm_events=tuple(sorted(comm.events,
+                                                   key=lambda e: (e.rank, e.start_s))),
+                          comm_busy_s=tuple(comm_busy))
+
+
+class _CommStreams:
+    """Per rank, one FIFO stream of collectives overlapping that rank's compute."""
+
+    def __init__(self, p: int, layers: tuple[int, ...], fsdp_s: tuple):
+        self.free = [0.0] * p
+        self.busy = [0.0] * p
+        self.layers = layers
+        self.fsdp = fsdp_s
+        self.events: list[CommEvent] = []
+        self.gathered: dict[tuple[int, str, int], tuple[float, float]] = {}   # issued gathers
+        # reduce-scatters wait until the next action's gather is issued (FSDP prefetches the
+        # next module's weights before reducing the current one's gradients)
+        self.pending: list[list[tuple]] = [[] for _ in range(p)]
+
+    def stream(self, r: int, kind: str, mb: int, c: int, secs: float, after_start: float,
+               after_end: float) -> None:
+        """Queue ``secs`` of communication streamed behind compute [after_start, after_end)
+        of chunk ``c``: it starts after the first layer and ends one layer after it."""
+        share = 1.0 / max(1, self.layers[c])
+        start = max(self.free[r], after_start + (after_end - after_start) * share)
+        end = max(start + secs, after_end + secs * share)
+        self.free[r] = end
+        self.busy[r] += secs
+        self.events.append(CommEvent(r, kind, mb, c, start, end))
+
+    def flush(self, r: int) -> None:
+        for item in self.pending[r]:
+            self.stream(r, *item)
+        self.pending[r].clear()
+
+    def prefetch(self, r: int, kind: str, c: int, now: float) -> None:
+        """Issue the gather the next action (``kind`` on chunk ``c``) needs, at ``now`` (when
+        the action before it started) or when the stream frees up."""
+        if not self.fsdp or kind == "W":
+            return
+        secs = self.fsdp[c][0 if kind == "F" else 1]
+        key = (r, kind, c)
+        if secs > 0 and key not in self.gathered:
+            start = max(self.free[r], now)
+            self.free[r] = start + secs
+            self.busy[r] += secs
+            self.gathered[key] = (start, start + secs)
+            self.events.append(CommEvent(r, "gather", -1, c, start, start + secs))
+        self.flush(r)
+
+    def before(self, r: int, kind: str, c: int, start: float,
+               dur: float) -> tuple[float, float]:
+        """The action's start and end once its gather (if any) is taken into account."""
+        g = self.gathered.pop((r, kind, c), None)
+        if g is None:
+            return start, start + dur
+        share = 1.0 / max(1, self.layers[c])
+        g_start, g_end = g
+        start = max(start, g_start + (g_end - g_start) * share)
+        return start, max(start + dur, g_end + dur * share)
+
+    def after(self, r: int, kind: str, mb: int, c: int, start: float, end: float,
+              split: bool) -> None:
+        """FSDP: reduce-scatter the gradients behind the backward that produces them."""
+        if not self.fsdp or self.fsdp[c][2] <= 0 or (split and kind == "B"):
+            return
+        self.pending[r].append(("reduce", mb, c, self.fsdp[c][2], start, end))

@@ -157,13 +157,17 @@ def _blocks(plan: Plan) -> str:
                 break
         else:
             rest[fqn] = style
+    # stages recomputing differently keep different activations: there, a stage's average
+    per_stage = {st["index"]: st["activation_bytes_per_microbatch"] / max(1, len(st["layers"]))
+                 for st in plan.predicted.get("stages", ())} if plan.config.stage_recompute else {}
     rows = [(path, (_style_summary(inner[path]), plan.recompute.get(path, "-"),
                     stage_of.get(path) if multi_stage else None)) for path in paths]
     lines = [(f"blocks   (module styles, recompute, activations kept per micro-batch"
              f"{', pipeline stage' if multi_stage else ''})")]
     table = []
     for label, (styles, recompute, stage) in _collapse(rows):
-        table.append(f"  {label:<16} {styles}, recompute {recompute}, {fmt_bytes(act)} act"
+        kept = (f"~{fmt_bytes(per_stage[stage])}" if stage in per_stage else fmt_bytes(act))
+        table.append(f"  {label:<16} {styles}, recompute {recompute}, {kept} act"
                      + (f", stage {stage}" if multi_stage and stage is not None else ""))
     if not table:
         table.append("  (no repeated blocks)")
@@ -210,7 +214,7 @@ def _stages(plan: Plan) -> str:
     lines = [f"pipeline stages   {sched}, {p['num_microbatches']} micro-batches; bubble "
              f"{fmt_s(bubble)} ({fmt_pct(bubble / step if step else 0.0)} of the step)",
              f"  {'stage':<6} {'ranks':<12} {'devices':<20} {'fwd/mb':>10} {'bwd/mb':>10} "
-             f"{'memory':>11}  layers"]
+             f"{'memory':>11}  {'recompute':<10} layers"]
     predicted = {st["index"]: st for st in p.get("stages", ())}
     devices = plan.mesh.rank_to_device
     rows = []
@@ -223,9 +227,10 @@ def _stages(plan: Plan) -> str:
         where = (nodes[0] if len(nodes) == 1 else f"{nodes[0]}..{nodes[-1]} ({len(nodes)} nodes)"
                  if nodes else "")
         mem = fmt_bytes(_stage_total(est)) if est else ""
+        policy = (cfg.stage_recompute[st["index"]] if cfg.stage_recompute else cfg.recompute)
         rows.append(f"  {st['index']:<6} {fmt_ranges(st['ranks']):<12} {where:<20} "
                     f"{fmt_s(est.get('fwd_s', 0.0)):>10} {fmt_s(est.get('bwd_s', 0.0)):>10} "
-                    f"{mem:>11}  {layers}")
+                    f"{mem:>11}  {policy:<10} {layers}")
     return "\n".join(lines + _elide(rows))
 
 

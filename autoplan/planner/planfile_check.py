@@ -395,12 +395,23 @@ def _bool(v: Any, path: str) -> bool:
     return v
 
 
+_NULLABLE = ("num_microbatches", "chunk_layers", "stage_recompute")
+_LISTS = {"chunk_layers": int, "stage_recompute": str}
+
+
 def _config(v: Any, path: str) -> ParallelConfig:
     d = dict(_map(v, path))
     for f in fields(ParallelConfig):          # JSON types first: true is not a ZeRO stage
         if f.name not in d:
             continue
-        if f.name == "num_microbatches" and d[f.name] is None:
+        if f.name in _NULLABLE and d[f.name] is None:
+            continue
+        if f.name in _LISTS:
+            item = _LISTS[f.name]
+            if not isinstance(d[f.name], (list, tuple)) or any(
+                    isinstance(x, bool) or not isinstance(x, item) for x in d[f.name]):
+                fail(sub(path, f.name), f"expected null or an array of "
+                     f"{'integers' if item is int else 'strings'}, got {kind(d[f.name])}")
             continue
         typ = type(f.default) if f.default is not None else int
         if isinstance(d[f.name], bool) != (typ is bool) or not isinstance(d[f.name], typ):

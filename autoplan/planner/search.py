@@ -1,27 +1,31 @@
-"""``plan``: the search over meshes, per-op sharding, ZeRO, recomputation, offload and batching.
+"""``plan``: the search over meshes, per-op sharding, pipeline stages, ZeRO, recomputation,
+offload and batching.
 
 Order of the search (each level uses the cost model of ``estimate``, so the planner and the
 estimator can never disagree about a configuration):
 1. trace the model (or take an OpGraph);
-2. for each mesh shape dp x tp (tensor parallelism inside a node) and each micro-batch size
+2. for each mesh shape pp x dp x tp (tensor parallelism inside a node) and each micro-batch size
    dividing the per-replica batch: solve the sharding ILP for the tp axis (time-optimal; tp 1
-   needs none), then cost every ZeRO stage x recompute policy x optimizer offload with that
-   sharding;
+   needs none; every stage's tp sub-mesh has the same shape, so the solution serves them all),
+   then cost every ZeRO stage x recompute policy x optimizer offload x pipeline schedule with
+   that sharding. Pipelined configs get their stage split and each stage's recompute policy
+   from the min-max dynamic program of ``layout.search_layout`` (each stage's memory under its
+   schedule is a constraint) and are screened with the schedule's closed form;
 3. where nothing fits, solve the ILP again with the device memory as a constraint and cost the
    policies again with that sharding;
 4. add the three baselines (pure data parallel, FSDP only, Megatron-style TP inside a node and
    DP across) costed by the same model, so the plan is never predicted slower than them;
-5. pick the fastest configuration that fits; keep the next ``top_k`` as alternatives, each with
+5. simulate the best pipelined candidates (and the best of each schedule) event by event;
+6. pick the fastest configuration that fits; keep the next ``top_k`` as alternatives, each with
    why it lost. If nothing fits, raise ``NoFeasiblePlanError`` with the least memory any
    configuration needs and what would make one fit.
-The pipeline issue adds pp to step 2's meshes with the stage partition around this search.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from autoplan import __version__
@@ -92,6 +96,7 @@ class _Candidate:
 class _Stats:
     ilps: int = 0
     evaluated: int = 0
+    rejected: str = ""            # why the last config could not be costed (ConfigError)
     t0: float = field(default_factory=time.perf_counter)
 
 
@@ -155,13 +160,23 @@ def _schedules(config: ParallelConfig, m: int, layers: int,
     return out
 
 
+def _recompute_options(opts: SearchOptions, graph: OpGraph) -> list[str]:
+    from autoplan.cost.analysis import analyze
+    # selective recomputation drops attention scores; a graph without them gains nothing
+    recompute = [r for r in opts.recompute if r != "selective" or analyze(graph).score_ops]
+    return _forced(opts, "recompute", recompute)
+
+
 def _policies(config: ParallelConfig, opts: SearchOptions, cluster: Any,
               graph: OpGraph, schedules: list[tuple[str, int]] = (("1f1b", 1),)
               ) -> list[ParallelConfig]:
-    from autoplan.cost.analysis import analyze
+    """Configs to cost for one mesh and micro-batch. Pipelined ones carry the cheapest allowed
+    recompute policy as a placeholder: ``_evaluate`` chooses the stage split and each stage's
+    policy (``layout.search_layout``)."""
     out = []
-    # selective recomputation drops attention scores; a graph without them gains nothing
-    recompute = [r for r in opts.recompute if r != "selective" or analyze(graph).score_ops]
+    recompute = _recompute_options(opts, graph)
+    if config.pp > 1:
+        recompute = recompute[:1]
     # with pipeline stages, ZeRO-2/3 would reduce-scatter and gather every micro-batch
     zero_options = opts.zero_stages if config.pp == 1 else tuple(
         z for z in opts.zero_stages if z <= 1)
@@ -171,7 +186,7 @@ def _policies(config: ParallelConfig, opts: SearchOptions, cluster: Any,
     offloads = (False,) if cluster.device.kind == "cpu" or config.pp > 1 \
         else opts.offload_optimizer
     for z in zeros:
-        for r in _forced(opts, "recompute", recompute):
+        for r in recompute:
             for off in _forced(opts, "offload_optimizer", offloads):
                 params_off = _forced(opts, "offload_params",
                                      (False, True) if z == 3 and True in offloads else (False,))
@@ -195,14 +210,48 @@ def _evaluate(graph: OpGraph, cluster: Any, configs: list[ParallelConfig], sh: S
         if c.sequence_parallel != sp:
             c = ParallelConfig(**{**c.to_dict(), "sequence_parallel": sp})
         try:
+            if c.pp > 1 and c.chunk_layers is None:
+                c = _with_stage_layout(graph, cluster, c, sh, gbs, profile, opts)
             est = estimate(graph, cluster, config=c, global_batch_size=gbs, profile=profile,
                            sharding=sh, memory_margin_bytes=opts.memory_margin_bytes,
                            simulate_pipeline=simulate)
-        except ConfigError:
+        except ConfigError as e:
+            stats.rejected = str(e)
             continue
         stats.evaluated += 1
         out.append(_Candidate(est, sh, sol, label))
     return out
+
+
+def _with_stage_layout(graph: OpGraph, cluster: Any, config: ParallelConfig, sh: Sharding,
+                       gbs: int, profile: Any, opts: SearchOptions) -> ParallelConfig:
+    """The pipelined config with its stage split and per-stage recomputation chosen to fit the
+    device (``layout.search_layout``); when nothing fits, the most memory-saving policy on a
+    time-balanced split (so the infeasibility report has a candidate)."""
+    from autoplan.cost.analysis import analyze
+    from autoplan.estimate.chunk_cost import CostInputs
+    from autoplan.estimate.estimator import _margin
+    from autoplan.estimate.config import RECOMPUTE
+    from autoplan.estimate.layout import chunks_for, search_layout, with_layout
+    m = config.microbatches(gbs)
+    policies = _recompute_options(opts, graph)
+    ci = CostInputs(graph=graph, analysis=analyze(graph), sharding=sh,
+                    compute=compute_model(graph, cluster.device, config.precision, profile),
+                    cluster=cluster, config=config)
+    pinned = {k: tuple(opts.force[k]) for k in ("chunk_layers", "stage_recompute")
+              if k in opts.force}
+    if pinned:                                  # the user's split and/or per-stage policies
+        stage = pinned.get("stage_recompute", (config.recompute,) * config.pp)
+        counts = pinned.get("chunk_layers") or tuple(
+            len(c.layers) for c in chunks_for(replace(ci, config=replace(
+                config, recompute=max(stage, key=RECOMPUTE.index)))))
+        return with_layout(config, counts, stage, canonical="stage_recompute" not in pinned)
+    budget = cluster.device.memory_bytes - _margin(cluster, opts.memory_margin_bytes)
+    found = search_layout(ci, m, policies, budget)
+    if found is not None:
+        return found
+    return ParallelConfig(**{**config.to_dict(),
+                             "recompute": max(policies, key=RECOMPUTE.index)})
 
 
 def _megatron_tp(graph: OpGraph, cluster: Any) -> int:
@@ -386,6 +435,9 @@ def plan(model: Any, cluster: Any, *, global_batch_size: int, example_inputs: An
     # forced fields bind the choice; baselines that differ stay as alternatives
     fitting = sorted((c for c in cands if c.est.fits and _honours(c.est.config, opts.force)),
                      key=_Candidate.key)
+    if opts.force and not any(_honours(c.est.config, opts.force) for c in cands):
+        raise ConfigError(f"no configuration with force={opts.force} could be costed"
+                          + (f": {stats.rejected}" if stats.rejected else ""))
     if not fitting:
         raise _infeasible(cands, cluster)
     best = fitting[0]
@@ -453,6 +505,11 @@ def _assemble(graph: OpGraph, cluster: Any, best: _Candidate, alternatives: list
     for block in graph.blocks:
         for inst in block.instances:
             recompute[inst.path] = cfg.recompute
+    for stage in best.est.stages:          # pipelines: every layer, at its stage's policy
+        for layer in stage.layers:
+            recompute[layer] = (cfg.stage_recompute[stage.index] if cfg.stage_recompute
+                                else cfg.recompute)
+    recompute = dict(sorted(recompute.items(), key=lambda kv: _layer_order(kv[0])))
     sol = best.ilp
     solver = SolverReport(
         solver="CBC", status=sol.status if sol else "optimal",
@@ -476,6 +533,11 @@ def _assemble(graph: OpGraph, cluster: Any, best: _Candidate, alternatives: list
         offload={"optimizer": cfg.offload_optimizer, "params": cfg.offload_params},
         predicted=predicted_from_estimate(best.est), alternatives=tuple(alternatives),
         solver=solver, stages=_stages(best.est, cfg))
+
+
+def _layer_order(path: str) -> tuple:
+    """Sort key of a module path: numeric parts as numbers (layers.2 before layers.10)."""
+    return tuple((0, int(p), "") if p.isdigit() else (1, 0, p) for p in path.split("."))
 
 
 def _stages(est: Estimate, cfg: ParallelConfig) -> tuple[dict[str, Any], ...]:

@@ -32,7 +32,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from autoplan.errors import PlanError
-from autoplan.estimate.partition import main_block
+from autoplan.estimate.partition import pipeline_units
 from autoplan.graph.opgraph import OpGraph
 from autoplan.runtime.optim import _local
 
@@ -68,12 +68,12 @@ def chunk_specs(plan: Any) -> list[ChunkSpec]:
 
 
 def _outer_modules(graph: OpGraph) -> tuple[set[str], set[str], str]:
-    """Module paths used before the repeated layers, after them, and the layers' container."""
-    block = main_block(graph)
-    if block is None:
+    """Module paths used before the layers, after them, and the layers' container."""
+    units = pipeline_units(graph)
+    if not units:
         raise PlanError("pipeline stages need a model with a repeated layer block (e.g. "
                         "transformer layers); re-plan with max_pp=1")
-    first, last = block.instances[0], block.instances[-1]
+    first, last = units[0], units[-1]
     container = first.path.rpartition(".")[0]
     before = {op.module_path for op in graph.ops[:first.start] if op.module_path}
     after = {op.module_path for op in graph.ops[last.stop:] if op.module_path}

@@ -1,0 +1,228 @@
+"""Per-micro-batch costs of op ranges, layers and pipeline chunks under one sharding.
+
+A range's cost: compute time of every op (profile or roofline, scaled to the micro-batch and
+the op's tensor-parallel shard), the recomputation its policy adds to the backward, the
+tensor-parallel collectives it issues (exposed: each one blocks the op after it), the
+activations it keeps for backward, and the parameters it reads. Layers of one block cost the
+same, so a unit's cost is that of the range standing for it (``Unit.like``), computed once per
+(sharding, micro-batch, policy) and kept on the graph.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from autoplan.cost.analysis import GraphAnalysis
+from autoplan.cost.compute import ComputeModel
+from autoplan.cost.memory import _meta_bytes, activation_bytes, working_set_bytes
+from autoplan.estimate.config import ParallelConfig
+from autoplan.estimate.partition import Chunk
+from autoplan.graph.opgraph import OpGraph
+from autoplan.planner.placement import REPLICATE
+from autoplan.planner.sharding import Sharding
+
+
+@dataclass(frozen=True)
+class CostInputs:
+    """What every range cost reads: one model, sharding, device model and configuration."""
+
+    graph: OpGraph
+    analysis: GraphAnalysis
+    sharding: Sharding
+    compute: ComputeModel
+    cluster: Any
+    config: ParallelConfig
+
+    @property
+    def batch_scale(self) -> float:
+        return self.config.micro_batch_size / self.graph.batch_size
+
+
+@dataclass(frozen=True)
+class RangeCost:
+    """Costs of one contiguous op range for one micro-batch (a layer, a chunk, ...)."""
+
+    fwd_s: float
+    bwd_s: float
+    recompute_s: float
+    tp_fwd_s: float
+    tp_bwd_s: float
+    tp_step_s: float              # once per step: tp-axis gradient all-reduces (replicated weights)
+    activation_bytes: float
+    working_set_bytes: float
+    params: float                 # parameters per device (after TP sharding)
+    param_tensors: int            # parameter tensors (an optimizer's per-tensor costs)
+    num_layers: int = 0
+    boundary_bytes: float = 0.0   # chunks: activation sent to the next chunk per micro-batch
+
+    @property
+    def fwd_total_s(self) -> float:
+        return self.fwd_s + self.tp_fwd_s
+
+    @property
+    def bwd_total_s(self) -> float:
+        return self.bwd_s + self.tp_bwd_s + self.recompute_s
+
+    @property
+    def time_s(self) -> float:
+        return self.fwd_total_s + self.bwd_total_s
+
+
+def _work_scale(a: GraphAnalysis, graph: OpGraph, sh: Sharding, i: int,
+                batch_scale: float) -> float:
+    """Work of op ``i`` relative to its traced work: the micro-batch, then its tp shard."""
+    batch_dep = any(o in a.batch_dependent for o in graph.ops[i].outputs)
+    return (batch_scale if batch_dep else 1.0) / sh.work_divisor(i)
+
+
+def comm_bytes(graph: OpGraph, a: GraphAnalysis, config: ParallelConfig, value: str,
+               scale: float, t: int, batch_scale: float) -> float:
+    """Bytes of one collective on ``value`` (``scale`` < 0: one tp shard of it)."""
+    v = graph.value(value)
+    nbytes = _meta_bytes(v.meta, config.precision)
+    if value in a.batch_dependent:
+        nbytes *= batch_scale
+    return nbytes * (1.0 / t if scale < 0 else scale)
+
+
+def tp_comm_s(ci: CostInputs, start: int, stop: int) -> tuple[float, float, float]:
+    """(forward, backward, per-step) seconds of tp-axis collectives issued by ops[start:stop]:
+    the strategies' own collectives and the reshards between producers and consumers."""
+    sh, graph, a, config = ci.sharding, ci.graph, ci.analysis, ci.config
+    if sh.t == 1:
+        return 0.0, 0.0, 0.0
+    group = config.tp_group()
+    t = {"fwd": 0.0, "bwd": 0.0, "step": 0.0}
+    for _i, c in sh.comms(start, stop):
+        nbytes = comm_bytes(graph, a, config, c.value, c.scale, sh.t, ci.batch_scale)
+        t[c.phase] += ci.cluster.collective_time_s(c.kind, nbytes, group)
+    for r in sh.reshards_in(start, stop):
+        nbytes = comm_bytes(graph, a, config, r.value, r.scale, sh.t, ci.batch_scale)
+        t[r.phase] += ci.cluster.collective_time_s(r.kind, nbytes, group)
+    return t["fwd"], t["bwd"], t["step"]
+
+
+def range_cost(ci: CostInputs, start: int, stop: int, policy: str) -> RangeCost:
+    """Costs of ops[start:stop] under recompute ``policy`` (cached on the graph)."""
+    cache = ci.graph.__dict__.setdefault("_autoplan_range_costs", {})
+    cfg = ci.config
+    key = (id(ci.sharding), id(ci.compute), id(ci.cluster), start, stop, policy,
+           cfg.micro_batch_size, cfg.precision, cfg.tp)
+    hit = cache.get(key)
+    if (hit is not None and hit[0] is ci.sharding and hit[1] is ci.compute
+            and hit[2] is ci.cluster):
+        return hit[3]
+    cost = _range_cost(ci, start, stop, policy)
+    if len(cache) > 16384:
+        cache.clear()
+    cache[key] = (ci.sharding, ci.compute, ci.cluster, cost)
+    return cost
+
+
+def _range_cost(ci: CostInputs, start: int, stop: int, policy: str) -> RangeCost:
+    graph, a, sh, config = ci.graph, ci.analysis, ci.sharding, ci.config
+    mbs = config.micro_batch_size
+    fwd = bwd = recompute = 0.0
+    for i in range(start, stop):
+        c = ci.compute.op_cost(i, _work_scale(a, graph, sh, i, ci.batch_scale))
+        fwd += c.fwd_s
+        bwd += c.bwd_s
+        if policy == "full" or policy == "selective" and i in a.score_ops:
+            recompute += c.fwd_s
+    tp_fwd, tp_bwd, tp_step = tp_comm_s(ci, start, stop)
+    if policy == "full":
+        recompute += tp_fwd
+    acts = activation_bytes(graph, start, stop, micro_batch_size=mbs, sharding=sh,
+                            recompute=policy, precision=config.precision)
+    working = (working_set_bytes(graph, start, stop, micro_batch_size=mbs, sharding=sh,
+                                 precision=config.precision) if policy == "full" else 0.0)
+    # parameters the range reads, each storage once (a tied weight on two stages is held by
+    # both, as Megatron-LM does with the embedding and the LM head)
+    params = 0.0
+    seen: set[str] = set()
+    for i in range(start, stop):
+        for n in graph.ops[i].inputs:
+            v = graph.value(n)
+            if v.kind == "param" and v.base not in seen:
+                seen.add(v.base)
+                split = sh.input_placement(graph, i, n).kind == "S"
+                params += v.meta.numel / (sh.t if split else 1)
+    return RangeCost(fwd, bwd, recompute, tp_fwd, tp_bwd, tp_step, acts, working, params,
+                     len(seen))
+
+
+def chunk_parts(chunk: Chunk) -> list[tuple[int, int, bool]]:
+    """The chunk's op ranges in order: (start, stop, is_layer); the ops between and around its
+    layers keep their activations (no recomputation)."""
+    parts: list[tuple[int, int, bool]] = []
+    pos = chunk.start
+    for (s, e) in chunk.layer_ranges:
+        if pos < s:
+            parts.append((pos, s, False))
+        parts.append((s, e, True))
+        pos = e
+    if pos < chunk.stop:
+        parts.append((pos, chunk.stop, False))
+    return parts
+
+
+def chunk_cost(ci: CostInputs, chunk: Chunk, policy: str) -> RangeCost:
+    """Sum of the chunk's layers (under ``policy``) and the ops around them."""
+    like = {(u.start, u.stop): u.like for u in chunk.units}
+    parts = [range_cost(ci, *like.get((s, e), (s, e)), policy) if is_layer
+             else range_cost(ci, s, e, "none")
+             for s, e, is_layer in chunk_parts(chunk)]
+    return RangeCost(
+        fwd_s=sum(p.fwd_s for p in parts), bwd_s=sum(p.bwd_s for p in parts),
+        recompute_s=sum(p.recompute_s for p in parts), tp_fwd_s=sum(p.tp_fwd_s for p in parts),
+        tp_bwd_s=sum(p.tp_bwd_s for p in parts), tp_step_s=sum(p.tp_step_s for p in parts),
+        activation_bytes=sum(p.activation_bytes for p in parts),
+        working_set_bytes=max((p.working_set_bytes for p in parts), default=0.0),
+        params=sum(p.params for p in parts), param_tensors=sum(p.param_tensors for p in parts),
+        num_layers=len(chunk.layers), boundary_bytes=boundary_bytes(ci, chunk.stop))
+
+
+def boundary_bytes(ci: CostInputs, cut: int) -> float:
+    """Bytes of the activations produced before op ``cut`` and read at or after it (what a stage
+    sends to the next per micro-batch)."""
+    total = 0.0
+    for n in _boundary_values(ci.graph, cut):
+        v = ci.graph.value(n)
+        b = _meta_bytes(v.meta, ci.config.precision) * (
+            ci.batch_scale if n in ci.analysis.batch_dependent else 1)
+        if ci.sharding.value_placement.get(n, REPLICATE).kind == "S":
+            b /= ci.sharding.t
+        total += b
+    return total
+
+
+def _boundary_values(graph: OpGraph, cut: int) -> list[str]:
+    """Values crossing op ``cut``, computed once per cut and kept on the graph."""
+    cache = graph.__dict__.setdefault("_autoplan_boundaries", {})
+    if cut not in cache:
+        cache[cut] = _crossing(graph, cut)
+    return cache[cut]
+
+
+def _crossing(graph: OpGraph, cut: int) -> list[str]:
+    if cut >= len(graph.ops):
+        return []
+    produced_before = set()
+    for op in graph.ops[:cut]:
+        produced_before.update(op.outputs)
+    crossing = []
+    seen = set()
+    for op in graph.ops[cut:]:
+        for n in op.inputs:
+            v = graph.value(n)
+            if n in produced_before and v.base not in seen and v.meta.is_float:
+                seen.add(v.base)
+                crossing.append(v.base)
+    return crossing
+
+
+def unit_costs(ci: CostInputs, units: Sequence[Any], policy: str) -> list[RangeCost]:
+    """Per unit (``partition.Unit``), its cost under ``policy``."""
+    return [range_cost(ci, *u.like, policy) for u in units]

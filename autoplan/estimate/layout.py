@@ -1,0 +1,154 @@
+"""Which layers each pipeline chunk holds and how each stage recomputes.
+
+Two entry points, both over ``partition.pipeline_units``:
+- ``chunks_for``: the chunks of a config: its ``chunk_layers`` when given, else the split that
+  makes the slowest chunk fastest under the config's recompute policy (what ``estimate`` does
+  for a hand-written config);
+- ``search_layout``: what the planner does per mesh, micro-batch, ZeRO stage and schedule: the
+  min-max split (``partition.min_max_split``) with each chunk's memory as a constraint and the
+  recomputation policy chosen per stage. Each stage's memory follows the schedule: under 1F1B
+  stage ``s`` of ``p`` keeps ``p - s`` micro-batches in flight, interleaving adds the extra
+  warm-up of its chunks, GPipe keeps all ``m``; so early stages may recompute (or take fewer
+  layers) where later ones need not.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import replace
+
+from autoplan.cost.memory import model_state_bytes
+from autoplan.estimate.chunk_cost import CostInputs, range_cost, unit_costs
+from autoplan.estimate.config import MULTI_CHUNK_SCHEDULES, RECOMPUTE, ParallelConfig
+from autoplan.estimate.partition import (Chunk, Split, UnitChoice, chunks_from_counts,
+                                         min_max_split, partition, pipeline_units)
+from autoplan.estimate.pipeline_sim import W_KEEPS
+
+
+def in_flight(config: ParallelConfig, m: int, stage: int) -> float:
+    """Micro-batches whose activations pipeline rank ``stage`` holds at its peak (in units of
+    the rank's activations per micro-batch, all its chunks together)."""
+    p, v = config.pp, config.virtual_stages
+    if p == 1:
+        return 1.0
+    if config.schedule == "gpipe":
+        return float(m)
+    extra = 0.0
+    if config.schedule == "zero_bubble":   # deferred W's keep half their chunk's activations
+        extra = W_KEEPS * min(m * v, p * v) / v
+    if config.schedule in MULTI_CHUNK_SCHEDULES and v > 1:
+        chunks = min(m * v, (p - stage - 1) * 2 + (v - 1) * p + 1)
+        return chunks / v + extra
+    return float(min(m, p - stage)) + extra
+
+
+def chunk_policy(config: ParallelConfig, chunk: int) -> str:
+    """The recompute policy of chunk ``chunk`` (its stage's, or the config's)."""
+    if config.stage_recompute is not None:
+        return config.stage_recompute[chunk % config.pp]
+    return config.recompute
+
+
+def chunks_for(ci: CostInputs) -> tuple[Chunk, ...]:
+    config = ci.config
+    n = config.pp * config.virtual_stages
+    if config.chunk_layers is not None:
+        return chunks_from_counts(ci.graph, config.chunk_layers)
+    units = pipeline_units(ci.graph)
+    if n == 1 or not units:
+        return partition(ci.graph, n)
+    times = [c.time_s for c in unit_costs(ci, units, config.recompute)]
+    before, after = _outside(ci)
+    return partition(ci.graph, n, times, before.time_s, after.time_s)
+
+
+def _outside(ci: CostInputs) -> tuple[UnitChoice, UnitChoice]:
+    """The ops before the first unit and after the last, as fixed extras of the end chunks."""
+    units = pipeline_units(ci.graph)
+    out = []
+    for start, stop in ((0, units[0].start), (units[-1].stop, len(ci.graph.ops))):
+        if start >= stop:
+            out.append(UnitChoice(time_s=0.0))
+            continue
+        rc = range_cost(ci, start, stop, "none")
+        out.append(UnitChoice(time_s=rc.time_s, activation_bytes=rc.activation_bytes,
+                              state_bytes=rc.params * _state_bytes_per_param(ci.config)))
+    return out[0], out[1]
+
+
+def _state_bytes_per_param(config: ParallelConfig) -> float:
+    return model_state_bytes(1.0, dp=config.dp, zero_stage=config.zero_stage,
+                             precision=config.precision, optimizer=config.optimizer,
+                             offload_optimizer=config.offload_optimizer,
+                             offload_params=config.offload_params).total_bytes
+
+
+def search_layout(ci: CostInputs, m: int, policies: Sequence[str],
+                  budget_bytes: float) -> ParallelConfig | None:
+    """The config with its stage split and per-stage recomputation chosen (module doc), or
+    None when no split fits ``budget_bytes`` per device (weights, gradients, optimizer state,
+    activations and transient buffers; the margin already taken off)."""
+    config = ci.config
+    p, v = config.pp, config.virtual_stages
+    n = p * v
+    units = pipeline_units(ci.graph)
+    if not units or len(units) < n:
+        return None
+    order = [r for r in RECOMPUTE if r in policies]      # cheapest in time first
+    per_param = _state_bytes_per_param(config)
+    by_policy = {r: unit_costs(ci, units, r) for r in order}
+    costs = [{r: UnitChoice(time_s=by_policy[r][k].time_s,
+                            activation_bytes=by_policy[r][k].activation_bytes,
+                            state_bytes=by_policy[r][k].params * per_param) for r in order}
+             for k in range(len(units))]
+    transient = max(c.working_set_bytes for r in order for c in by_policy[r])
+    if config.zero_stage == 3 and config.dp > 1:   # two layers gathered, with their gradients
+        transient += 4 * max(c.params for c in by_policy[order[0]]) * _weight_bytes(config)
+    first, last = _outside(ci)
+    flight = [in_flight(config, m, c % p) for c in range(n)]
+    # a rank's chunks share its memory: each gets an equal share of what the embeddings (first
+    # chunk) and the head (last chunk) leave on that rank, plus its own fixed part
+    fixed = [0.0] * n
+    for c, extra in ((0, first), (n - 1, last)):
+        fixed[c] += extra.state_bytes + flight[c] * extra.activation_bytes
+    budget = [(budget_bytes - transient - sum(fixed[c % p::p])) / v + fixed[c]
+              for c in range(n)]
+    split = min_max_split(costs, n, first=first, last=last, in_flight=flight,
+                          budget_bytes=budget)
+    if split is None:
+        return None
+    stage = _per_stage(split, p)
+    if v > 1 and any(split.policies[c] != stage[c % p] for c in range(n)):
+        # a stage recomputes one way on all its chunks: split again with that fixed
+        split = min_max_split(costs, n, first=first, last=last, in_flight=flight,
+                              budget_bytes=budget, allowed=[[stage[c % p]] for c in range(n)])
+        if split is None:
+            return None
+        stage = _per_stage(split, p)
+    return with_layout(config, split.counts, stage)
+
+
+def _per_stage(split: Split, p: int) -> list[str]:
+    """Per pipeline rank: the most memory-saving policy among its chunks."""
+    rank = {r: k for k, r in enumerate(RECOMPUTE)}
+    out = []
+    for s in range(p):
+        mine = split.policies[s::p]
+        out.append(max(mine, key=lambda r: rank[r]))
+    return out
+
+
+def with_layout(config: ParallelConfig, counts: Sequence[int],
+                stage_policies: Sequence[str], canonical: bool = True) -> ParallelConfig:
+    """``config`` with its split and per-stage policies; ``canonical`` writes one policy for
+    all stages as ``recompute`` alone."""
+    rank = {r: k for k, r in enumerate(RECOMPUTE)}
+    strongest = max(stage_policies, key=lambda r: rank[r])
+    uniform = canonical and len(set(stage_policies)) == 1
+    return replace(config, chunk_layers=tuple(counts), recompute=strongest,
+                   stage_recompute=None if uniform else tuple(stage_policies))
+
+
+def _weight_bytes(config: ParallelConfig) -> int:
+    from autoplan.cost.memory import PRECISION_BYTES
+    return PRECISION_BYTES[config.precision]
