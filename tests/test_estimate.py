@@ -134,3 +134,24 @@ def test_parameter_offload_trades_host_traffic_for_device_memory(gpt3_12_layers,
     assert off.time.comm_exposed_s["offload"] > 0 and off.step_time_s > on.step_time_s
     with pytest.raises(ConfigError, match="zero_stage=3"):
         ParallelConfig(dp=2, zero_stage=1, offload_params=True)
+
+
+def test_pipelined_collectives_come_from_the_simulated_streams(gpt3_12_layers, a100_x24):
+    """With pipeline stages the data-parallel collectives run in the simulator on each rank's
+    own stream: gradient syncs hide behind the last backwards, so only part is exposed (also
+    when the rank's chunks are interleaved); FSDP's gathers show up as their own item."""
+    base = dict(dp=24, pp=2, tp=4, micro_batch_size=1, zero_stage=1)
+    one = estimate(gpt3_12_layers, a100_x24, config=ParallelConfig(**base), global_batch_size=96, profile=None)
+    two = estimate(gpt3_12_layers, a100_x24, config=ParallelConfig(
+        **base, schedule="interleaved_1f1b", virtual_stages=2), global_batch_size=96, profile=None)
+    cfg = one.config
+    whole = max(a100_x24.collective_time_s("reduce_scatter", st.params_per_device * 2,
+                                           cfg.dp_group(pp_index=st.index)) for st in one.stages)
+    for est in (one, two):
+        assert 0 < est.time.comm_exposed_s["dp_grad_sync"] < 0.5 * whole
+    fsdp = estimate(gpt3_12_layers, a100_x24,
+                    config=ParallelConfig(**{**base, "zero_stage": 3}), global_batch_size=96, profile=None)
+    assert fsdp.time.comm_exposed_s["zero_param_gather"] > 0
+    screened = estimate(gpt3_12_layers, a100_x24, config=ParallelConfig(**base),
+                        global_batch_size=96, simulate_pipeline=False, profile=None)
+    assert screened.step_time_s == pytest.approx(one.step_time_s, rel=0.15)

@@ -454,3 +454,14 @@ def test_cli_inspect_and_diff(plan, tiny, a100_x2, tmp_path, capsys):
     err = capsys.readouterr().err
     assert "autoplan inspect: error" in err and "truncated" in err and "bad.json" in err
     assert PLAN_SCHEMA_VERSION == 1
+
+
+def test_schema_enums_match_the_code():
+    """The schema's closed lists are the code's: a new schedule or policy must reach both."""
+    from autoplan.estimate.config import OPTIMIZERS, PRECISIONS, RECOMPUTE, SCHEDULES
+    props = _schema()["$defs"]["parallel_config"]["properties"]
+    assert props["schedule"]["enum"] == list(SCHEDULES)
+    assert props["recompute"]["enum"] == list(RECOMPUTE)
+    assert props["stage_recompute"]["items"]["enum"] == list(RECOMPUTE)
+    assert props["precision"]["enum"] == list(PRECISIONS)
+    assert props["optimizer"]["enum"] == list(OPTIMIZERS)
