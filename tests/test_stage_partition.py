@@ -204,3 +204,14 @@ def test_plan_pins_a_split_and_records_per_layer_recompute():
     assert {k: v for k, v in p.recompute.items() if k.startswith("layers.")} == {
         **{f"layers.{i}": "full" for i in range(3)},
         **{f"layers.{i}": "none" for i in range(3, 8)}}
+
+
+def test_estimate_cli_takes_a_split_and_stage_policies(capsys):
+    from autoplan.cli.main import main
+    args = ["estimate", "gpt-tiny", "--cluster", "local:2", "--global-batch", "8", "--pp", "2",
+            "--no-profile", "--precision", "fp32"]
+    assert main(args + ["--chunk-layers", "1,1", "--stage-recompute", "full,none"]) == 0
+    out = capsys.readouterr().out
+    assert "recompute=full/none" in out
+    assert main(args + ["--chunk-layers", "1,x"]) == 1
+    assert "comma-separated" in capsys.readouterr().err

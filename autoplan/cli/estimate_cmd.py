@@ -20,7 +20,13 @@ def add_config_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--virtual-stages", type=int, default=1)
     g.add_argument("--zero", type=int, default=0, choices=(0, 1, 2, 3), help="ZeRO stage")
     g.add_argument("--sp", action="store_true", help="sequence parallelism (with tp > 1)")
-    g.add_argument("--recompute", default="none", choices=("none", "selective", "full"))
+    g.add_argument("--recompute", default=None, choices=("none", "selective", "full"))
+    g.add_argument("--stage-recompute", default=None, metavar="P,P,...",
+                   help="one recompute policy per pipeline stage, e.g. full,none "
+                        "(--recompute then defaults to the most memory-saving of them)")
+    g.add_argument("--chunk-layers", default=None, metavar="N,N,...",
+                   help="layers per pipeline chunk (pp x virtual-stages counts), e.g. 10,14; "
+                        "default: balanced")
     g.add_argument("--offload-optimizer", action="store_true")
     g.add_argument("--offload-params", action="store_true",
                    help="weights and gradients in host memory (needs --zero 3)")
@@ -37,12 +43,27 @@ def config_from_args(args: argparse.Namespace, world_size: int):
         if rem or dp < 1:
             raise ConfigError(f"tp {args.tp} x pp {args.pp} does not divide the cluster's "
                               f"{world_size} devices; pass --dp or change --tp/--pp")
+    from autoplan.estimate.config import RECOMPUTE
+    stage = _csv(args.stage_recompute, str, "--stage-recompute")
+    chunks = _csv(args.chunk_layers, int, "--chunk-layers")
+    recompute = args.recompute or (max(stage, key=RECOMPUTE.index) if stage else "none")
     return ParallelConfig(dp=dp, tp=args.tp, pp=args.pp, micro_batch_size=args.micro_batch_size,
                           schedule=args.schedule, virtual_stages=args.virtual_stages,
                           zero_stage=args.zero, sequence_parallel=args.sp,
-                          recompute=args.recompute, offload_optimizer=args.offload_optimizer,
+                          recompute=recompute, stage_recompute=stage, chunk_layers=chunks,
+                          offload_optimizer=args.offload_optimizer,
                           offload_params=args.offload_params,
                           precision=args.precision, optimizer=args.optimizer)
+
+
+def _csv(raw: str | None, kind: type, flag: str) -> tuple | None:
+    from autoplan.errors import ConfigError
+    if raw is None:
+        return None
+    try:
+        return tuple(kind(x.strip()) for x in raw.split(",") if x.strip())
+    except ValueError:
+        raise ConfigError(f"{flag} takes a comma-separated list, got {raw!r}") from None
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
