@@ -1,4 +1,4 @@
-"""Shared CLI helpers: turning a MODEL argument into a traced OpGraph."""
+"""Shared CLI helpers: turning a MODEL argument into a traced OpGraph; comma-separated lists."""
 
 from __future__ import annotations
 
@@ -8,6 +8,17 @@ import sys
 from typing import Any
 
 from autoplan.errors import AutoplanError
+
+
+def comma_list(raw: str | None, kind: type, flag: str) -> tuple | None:
+    """``"10,14"`` -> ``(10, 14)`` with ``kind`` applied to each item; None stays None."""
+    from autoplan.errors import ConfigError
+    if raw is None:
+        return None
+    try:
+        return tuple(kind(x.strip()) for x in raw.split(",") if x.strip())
+    except ValueError:
+        raise ConfigError(f"{flag} takes a comma-separated list, got {raw!r}") from None
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:

@@ -6,7 +6,7 @@ import argparse
 import json
 
 from autoplan.estimate.config import SCHEDULES
-from autoplan.cli.common import add_model_args, graph_from_args
+from autoplan.cli.common import add_model_args, comma_list, graph_from_args
 
 
 def add_config_args(p: argparse.ArgumentParser) -> None:
@@ -43,10 +43,10 @@ def config_from_args(args: argparse.Namespace, world_size: int):
         if rem or dp < 1:
             raise ConfigError(f"tp {args.tp} x pp {args.pp} does not divide the cluster's "
                               f"{world_size} devices; pass --dp or change --tp/--pp")
-    from autoplan.estimate.config import RECOMPUTE
-    stage = _csv(args.stage_recompute, str, "--stage-recompute")
-    chunks = _csv(args.chunk_layers, int, "--chunk-layers")
-    recompute = args.recompute or (max(stage, key=RECOMPUTE.index) if stage else "none")
+    from autoplan.estimate.config import strongest_recompute
+    stage = comma_list(args.stage_recompute, str, "--stage-recompute")
+    chunks = comma_list(args.chunk_layers, int, "--chunk-layers")
+    recompute = args.recompute or (strongest_recompute(stage) if stage else "none")
     return ParallelConfig(dp=dp, tp=args.tp, pp=args.pp, micro_batch_size=args.micro_batch_size,
                           schedule=args.schedule, virtual_stages=args.virtual_stages,
                           zero_stage=args.zero, sequence_parallel=args.sp,
@@ -54,16 +54,6 @@ def config_from_args(args: argparse.Namespace, world_size: int):
                           offload_optimizer=args.offload_optimizer,
                           offload_params=args.offload_params,
                           precision=args.precision, optimizer=args.optimizer)
-
-
-def _csv(raw: str | None, kind: type, flag: str) -> tuple | None:
-    from autoplan.errors import ConfigError
-    if raw is None:
-        return None
-    try:
-        return tuple(kind(x.strip()) for x in raw.split(",") if x.strip())
-    except ValueError:
-        raise ConfigError(f"{flag} takes a comma-separated list, got {raw!r}") from None
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:

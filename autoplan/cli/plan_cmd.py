@@ -6,7 +6,7 @@ import argparse
 import sys
 import time
 
-from autoplan.cli.common import add_model_args, graph_from_args
+from autoplan.cli.common import add_model_args, comma_list, graph_from_args
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -35,6 +35,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
+_LIST_FIELDS = {"chunk_layers": int, "stage_recompute": str}
+
+
 def parse_force(items: list[str]) -> dict:
     from autoplan.errors import ConfigError
     out: dict = {}
@@ -42,16 +45,16 @@ def parse_force(items: list[str]) -> dict:
         key, sep, raw = item.partition("=")
         if not sep:
             raise ConfigError(f"--force takes FIELD=VALUE, got {item!r}")
+        key = key.strip()
         low = raw.strip().lower()
         value: object = raw.strip()
-        if low in ("true", "false"):
+        if key in _LIST_FIELDS:
+            value = comma_list(raw, _LIST_FIELDS[key], f"--force {key}")
+        elif low in ("true", "false"):
             value = low == "true"
         elif low.isdigit():
             value = int(low)
-        elif key.strip() in ("chunk_layers", "stage_recompute"):
-            parts = [x.strip() for x in raw.split(",") if x.strip()]
-            value = tuple(int(x) if x.isdigit() else x for x in parts)
-        out[key.strip()] = value
+        out[key] = value
     return out
 
 

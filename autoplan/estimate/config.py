@@ -7,6 +7,7 @@ Rank layout (recorded, and assumed by the cost model): tensor-parallel ranks are
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
@@ -17,6 +18,11 @@ MULTI_CHUNK_SCHEDULES = ("interleaved_1f1b", "zero_bubble")   # may take virtual
 RECOMPUTE = ("none", "selective", "full")
 PRECISIONS = ("bf16", "fp16", "fp32")
 OPTIMIZERS = ("adamw", "adam", "sgd")
+
+
+def strongest_recompute(policies: Sequence[str]) -> str:
+    """The most memory-saving of ``policies`` (``RECOMPUTE`` runs from least to most)."""
+    return max(policies, key=RECOMPUTE.index)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -92,18 +98,25 @@ class ParallelConfig:
                     not isinstance(c, int) or isinstance(c, bool) or c < 1
                     for c in self.chunk_layers):
                 raise ConfigError(f"chunk_layers must list a positive layer count for each of the "
-                                  f"pp x virtual_stages = {n} chunks, got {list(self.chunk_layers)}")
+                                  f"pp x virtual_stages = {n} chunks, got "
+                                  f"{list(self.chunk_layers)}")
         if self.stage_recompute is not None:
             if len(self.stage_recompute) != self.pp:
                 raise ConfigError(f"stage_recompute must name one policy per pipeline stage "
                                   f"({self.pp}), got {list(self.stage_recompute)}")
             for r in self.stage_recompute:
                 _one_of("stage_recompute", r, RECOMPUTE)
-            strongest = max(self.stage_recompute, key=RECOMPUTE.index)
+            strongest = strongest_recompute(self.stage_recompute)
             if self.recompute != strongest:
                 raise ConfigError(f"with stage_recompute, recompute must be the most "
                                   f"memory-saving stage policy ({strongest!r}), got "
                                   f"{self.recompute!r}")
+
+    def stage_policy(self, stage: int) -> str:
+        """The recompute policy of pipeline stage ``stage`` (its own, or the config's)."""
+        if self.stage_recompute is not None:
+            return self.stage_recompute[stage % self.pp]
+        return self.recompute
 
     @property
     def world_size(self) -> int:

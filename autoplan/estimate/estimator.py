@@ -28,7 +28,7 @@ from autoplan.cost.memory import (PRECISION_BYTES, activation_bytes, model_state
 from autoplan.errors import ConfigError
 from autoplan.estimate.chunk_cost import CostInputs, RangeCost, chunk_cost
 from autoplan.estimate.config import ParallelConfig
-from autoplan.estimate.layout import chunk_policy, chunks_for, in_flight
+from autoplan.estimate.layout import chunks_for, in_flight
 from autoplan.estimate.partition import pipeline_units
 from autoplan.estimate.pipeline_sim import W_FRACTION, simulate
 from autoplan.estimate.result import Estimate, MemoryBreakdown, StageEstimate, TimeBreakdown
@@ -107,7 +107,7 @@ def estimate(model: Any, cluster: Any, *, config: ParallelConfig, global_batch_s
     ci = CostInputs(graph=graph, analysis=a, sharding=sh, compute=compute, cluster=cluster,
                     config=config)
     chunks = chunks_for(ci)
-    costs = [chunk_cost(ci, ch, chunk_policy(config, c)) for c, ch in enumerate(chunks)]
+    costs = [chunk_cost(ci, ch, config.stage_policy(c)) for c, ch in enumerate(chunks)]
 
     # --- pipeline schedule: simulated (pipeline_sim) ------------------------------------------
     stage_chunks = [[c for c in range(len(chunks)) if c % p == s] for s in range(p)]
@@ -139,8 +139,10 @@ def estimate(model: Any, cluster: Any, *, config: ParallelConfig, global_batch_s
         no_collectives = simulate(send_s=sends, **kw)
         free_sends = simulate(**kw).makespan_s
         sync_s, fsdp_s = _chunk_collectives(config, cluster, costs)
-        sim = simulate(send_s=sends, sync_s=sync_s, fsdp_s=fsdp_s,
-                       layers=[max(1, c.num_layers) for c in costs], **kw)
+        sim = no_collectives
+        if any(sync_s) or any(map(any, fsdp_s)):
+            sim = simulate(send_s=sends, sync_s=sync_s, fsdp_s=fsdp_s,
+                           layers=[max(1, c.num_layers) for c in costs], **kw)
         bottleneck = max(range(p), key=lambda r: sim.busy_s[r])
         bubble_s = free_sends - sim.busy_s[bottleneck]     # fill and drain
         p2p_s = no_collectives.makespan_s - free_sends      # waiting on point-to-point sends
@@ -157,35 +159,21 @@ def estimate(model: Any, cluster: Any, *, config: ParallelConfig, global_batch_s
         params = sum(costs[c].params for c in stage_chunks[s])
         tensors = sum(costs[c].param_tensors for c in stage_chunks[s])
         layers = max(1, sum(costs[c].num_layers for c in stage_chunks[s]))
-        bwd_window = stage_b[s]          # backward of the last micro-batch hides the sync
-        gather = 0.0
-        # gradient sync: tp-axis all-reduces of replicated weights, then the dp group's
-        comm = sum(costs[c].tp_step_s for c in stage_chunks[s])
-        fsdp_sync = 0.0
-        if config.dp > 1:
-            group = config.dp_group(pp_index=s)
-            grad_bytes = params * w_bytes
-            if config.zero_stage == 3:
-                # FSDP: per layer, an all-gather before its forward, and again before its
-                # backward followed by a reduce-scatter of its gradients, every micro-batch
-                # (the runtime does not skip gradient sync between micro-batches)
-                layer_bytes = params * w_bytes / layers
-                ag = cluster.collective_time_s("all_gather", layer_bytes, group)
-                rs = cluster.collective_time_s("reduce_scatter", layer_bytes, group)
+        group = config.dp_group(pp_index=s)
+        grad_sync, ag, rs = _dp_collectives(config, cluster, params, layers, group)
+        gather = sync = 0.0
+        if config.dp > 1 and config.zero_stage in (1, 2):   # updated shards, after the step
+            gather = cluster.collective_time_s("all_gather", params * w_bytes, group)
+        if simulated_comm is None:       # else the simulator ran the syncs and FSDP's traffic
+            # gradient sync: tp-axis all-reduces of replicated weights, then the dp group's,
+            # hidden behind the last micro-batch's backward as far as it lasts
+            comm = sum(costs[c].tp_step_s for c in stage_chunks[s]) + grad_sync
+            sync = overlap_exposed_s(comm, stage_b[s], comm / layers) if comm > 0 else 0.0
+            if ag + rs > 0:              # FSDP, each phase's traffic behind its compute
                 fwd_x = overlap_exposed_s(layers * ag, stage_f[s], ag)
                 bwd_x = overlap_exposed_s(layers * (ag + rs), stage_b[s], ag + rs)
                 gather = m * (fwd_x + bwd_x * ag / (ag + rs))
-                fsdp_sync = m * bwd_x * rs / (ag + rs)
-            else:
-                kind = "all_reduce" if config.zero_stage == 0 else "reduce_scatter"
-                comm += cluster.collective_time_s(kind, grad_bytes, group)
-            if config.zero_stage in (1, 2):   # updated shards gathered after the step
-                gather = cluster.collective_time_s("all_gather", params * w_bytes, group)
-        sync = overlap_exposed_s(comm, bwd_window, comm / layers) if comm > 0 else 0.0
-        sync += fsdp_sync
-        if simulated_comm is not None:   # the simulator ran them: only the post-step gather
-            sync = 0.0
-            gather = gather if config.zero_stage in (1, 2) else 0.0
+                sync += m * bwd_x * rs / (ag + rs)
         owned = params / (config.dp if config.zero_stage >= 1 else 1)
         if config.offload_params:
             # weight shards go up for the forward and again for the backward gather of every
@@ -272,7 +260,7 @@ def estimate(model: Any, cluster: Any, *, config: ParallelConfig, global_batch_s
     if chunks[0].layer_ranges:
         s0, e0 = chunks[0].layer_ranges[0]
         layer_acts = activation_bytes(graph, s0, e0, micro_batch_size=config.micro_batch_size,
-                                      sharding=sh, recompute=chunk_policy(config, 0),
+                                      sharding=sh, recompute=config.stage_policy(0),
                                       precision=config.precision)
     return Estimate(
         config=config, global_batch_size=global_batch_size, num_microbatches=m,
@@ -284,27 +272,36 @@ def estimate(model: Any, cluster: Any, *, config: ParallelConfig, global_batch_s
         activation_bytes_per_layer=layer_acts, warnings=tuple(warnings))
 
 
+def _dp_collectives(config: ParallelConfig, cluster: Any, params: float, layers: int,
+                    group: tuple[int, ...]) -> tuple[float, float, float]:
+    """Seconds of the dp group's collectives for ``params`` parameters in ``layers`` layers:
+    (per-step gradient reduction, per-layer gather, per-layer reduce-scatter). FSDP (ZeRO-3)
+    gathers each layer before its forward and again before its backward, then reduce-scatters
+    its gradients, every micro-batch (the runtime does not skip gradient sync between
+    micro-batches); ZeRO-0 all-reduces the gradients once a step, ZeRO-1/2 reduce-scatter them."""
+    if config.dp == 1:
+        return 0.0, 0.0, 0.0
+    w_bytes = PRECISION_BYTES[config.precision]
+    if config.zero_stage == 3:
+        layer_bytes = params * w_bytes / layers
+        return (0.0, cluster.collective_time_s("all_gather", layer_bytes, group),
+                cluster.collective_time_s("reduce_scatter", layer_bytes, group))
+    kind = "all_reduce" if config.zero_stage == 0 else "reduce_scatter"
+    return cluster.collective_time_s(kind, params * w_bytes, group), 0.0, 0.0
+
+
 def _chunk_collectives(config: ParallelConfig, cluster: Any, costs: Sequence[RangeCost]
                        ) -> tuple[list[float], list[tuple[float, float, float]]]:
     """Per chunk, for the simulator: the per-step gradient sync (tp-axis all-reduces of
-    replicated weights, then the dp group's all-reduce or reduce-scatter) and, under FSDP, the
-    per-micro-batch (gather before forward, gather before backward, reduce-scatter after)."""
-    w_bytes = PRECISION_BYTES[config.precision]
+    replicated weights, then the dp group's) and, under FSDP, the per-micro-batch (gather
+    before forward, gather before backward, reduce-scatter after)."""
     sync, fsdp = [], []
     for c, cost in enumerate(costs):
-        group = config.dp_group(pp_index=c % config.pp)
-        s = cost.tp_step_s
-        f = (0.0, 0.0, 0.0)
-        if config.dp > 1 and config.zero_stage == 3:
-            layers = max(1, cost.num_layers)
-            layer_bytes = cost.params * w_bytes / layers
-            ag = layers * cluster.collective_time_s("all_gather", layer_bytes, group)
-            f = (ag, ag, layers * cluster.collective_time_s("reduce_scatter", layer_bytes, group))
-        elif config.dp > 1:
-            kind = "all_reduce" if config.zero_stage == 0 else "reduce_scatter"
-            s += cluster.collective_time_s(kind, cost.params * w_bytes, group)
-        sync.append(s)
-        fsdp.append(f)
+        layers = max(1, cost.num_layers)
+        grad_sync, ag, rs = _dp_collectives(config, cluster, cost.params, layers,
+                                            config.dp_group(pp_index=c % config.pp))
+        sync.append(cost.tp_step_s + grad_sync)
+        fsdp.append((layers * ag, layers * ag, layers * rs))
     return sync, fsdp
 
 

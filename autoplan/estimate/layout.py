@@ -17,9 +17,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import replace
 
-from autoplan.cost.memory import model_state_bytes
+from autoplan.cost.memory import PRECISION_BYTES, model_state_bytes
 from autoplan.estimate.chunk_cost import CostInputs, range_cost, unit_costs
-from autoplan.estimate.config import MULTI_CHUNK_SCHEDULES, RECOMPUTE, ParallelConfig
+from autoplan.estimate.config import (MULTI_CHUNK_SCHEDULES, RECOMPUTE, ParallelConfig,
+                                      strongest_recompute)
 from autoplan.estimate.partition import (Chunk, Split, UnitChoice, chunks_from_counts,
                                          min_max_split, partition, pipeline_units)
 from autoplan.estimate.pipeline_sim import W_KEEPS
@@ -40,13 +41,6 @@ def in_flight(config: ParallelConfig, m: int, stage: int) -> float:
         chunks = min(m * v, (p - stage - 1) * 2 + (v - 1) * p + 1)
         return chunks / v + extra
     return float(min(m, p - stage)) + extra
-
-
-def chunk_policy(config: ParallelConfig, chunk: int) -> str:
-    """The recompute policy of chunk ``chunk`` (its stage's, or the config's)."""
-    if config.stage_recompute is not None:
-        return config.stage_recompute[chunk % config.pp]
-    return config.recompute
 
 
 def chunks_for(ci: CostInputs) -> tuple[Chunk, ...]:
@@ -103,7 +97,8 @@ def search_layout(ci: CostInputs, m: int, policies: Sequence[str],
              for k in range(len(units))]
     transient = max(c.working_set_bytes for r in order for c in by_policy[r])
     if config.zero_stage == 3 and config.dp > 1:   # two layers gathered, with their gradients
-        transient += 4 * max(c.params for c in by_policy[order[0]]) * _weight_bytes(config)
+        widest = max(c.params for c in by_policy[order[0]])
+        transient += 4 * widest * PRECISION_BYTES[config.precision]
     first, last = _outside(ci)
     flight = [in_flight(config, m, c % p) for c in range(n)]
     # a rank's chunks share its memory: each gets an equal share of what the embeddings (first
@@ -130,25 +125,15 @@ def search_layout(ci: CostInputs, m: int, policies: Sequence[str],
 
 def _per_stage(split: Split, p: int) -> list[str]:
     """Per pipeline rank: the most memory-saving policy among its chunks."""
-    rank = {r: k for k, r in enumerate(RECOMPUTE)}
-    out = []
-    for s in range(p):
-        mine = split.policies[s::p]
-        out.append(max(mine, key=lambda r: rank[r]))
-    return out
+    return [strongest_recompute(split.policies[s::p]) for s in range(p)]
 
 
 def with_layout(config: ParallelConfig, counts: Sequence[int],
                 stage_policies: Sequence[str], canonical: bool = True) -> ParallelConfig:
     """``config`` with its split and per-stage policies; ``canonical`` writes one policy for
     all stages as ``recompute`` alone."""
-    rank = {r: k for k, r in enumerate(RECOMPUTE)}
-    strongest = max(stage_policies, key=lambda r: rank[r])
     uniform = canonical and len(set(stage_policies)) == 1
-    return replace(config, chunk_layers=tuple(counts), recompute=strongest,
+    return replace(config, chunk_layers=tuple(counts),
+                   recompute=strongest_recompute(stage_policies),
                    stage_recompute=None if uniform else tuple(stage_policies))
 
-
-def _weight_bytes(config: ParallelConfig) -> int:
-    from autoplan.cost.memory import PRECISION_BYTES
-    return PRECISION_BYTES[config.precision]

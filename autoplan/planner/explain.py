@@ -227,7 +227,7 @@ def _stages(plan: Plan) -> str:
         where = (nodes[0] if len(nodes) == 1 else f"{nodes[0]}..{nodes[-1]} ({len(nodes)} nodes)"
                  if nodes else "")
         mem = fmt_bytes(_stage_total(est)) if est else ""
-        policy = (cfg.stage_recompute[st["index"]] if cfg.stage_recompute else cfg.recompute)
+        policy = cfg.stage_policy(st["index"])
         rows.append(f"  {st['index']:<6} {fmt_ranges(st['ranks']):<12} {where:<20} "
                     f"{fmt_s(est.get('fwd_s', 0.0)):>10} {fmt_s(est.get('bwd_s', 0.0)):>10} "
                     f"{mem:>11}  {policy:<10} {layers}")

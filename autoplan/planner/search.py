@@ -231,7 +231,7 @@ def _with_stage_layout(graph: OpGraph, cluster: Any, config: ParallelConfig, sh:
     from autoplan.cost.analysis import analyze
     from autoplan.estimate.chunk_cost import CostInputs
     from autoplan.estimate.estimator import _margin
-    from autoplan.estimate.config import RECOMPUTE
+    from autoplan.estimate.config import strongest_recompute
     from autoplan.estimate.layout import chunks_for, search_layout, with_layout
     m = config.microbatches(gbs)
     policies = _recompute_options(opts, graph)
@@ -244,14 +244,13 @@ def _with_stage_layout(graph: OpGraph, cluster: Any, config: ParallelConfig, sh:
         stage = pinned.get("stage_recompute", (config.recompute,) * config.pp)
         counts = pinned.get("chunk_layers") or tuple(
             len(c.layers) for c in chunks_for(replace(ci, config=replace(
-                config, recompute=max(stage, key=RECOMPUTE.index)))))
+                config, recompute=strongest_recompute(stage)))))
         return with_layout(config, counts, stage, canonical="stage_recompute" not in pinned)
     budget = cluster.device.memory_bytes - _margin(cluster, opts.memory_margin_bytes)
     found = search_layout(ci, m, policies, budget)
     if found is not None:
         return found
-    return ParallelConfig(**{**config.to_dict(),
-                             "recompute": max(policies, key=RECOMPUTE.index)})
+    return replace(config, recompute=strongest_recompute(policies))
 
 
 def _megatron_tp(graph: OpGraph, cluster: Any) -> int:
@@ -507,8 +506,7 @@ def _assemble(graph: OpGraph, cluster: Any, best: _Candidate, alternatives: list
             recompute[inst.path] = cfg.recompute
     for stage in best.est.stages:          # pipelines: every layer, at its stage's policy
         for layer in stage.layers:
-            recompute[layer] = (cfg.stage_recompute[stage.index] if cfg.stage_recompute
-                                else cfg.recompute)
+            recompute[layer] = cfg.stage_policy(stage.index)
     recompute = dict(sorted(recompute.items(), key=lambda kv: _layer_order(kv[0])))
     sol = best.ilp
     solver = SolverReport(
