@@ -211,24 +211,20 @@ def test_oversubscription_slows_groups_that_span_leaves():
     assert over.fingerprint() != base.fingerprint()
 
 
-def test_1024_gpu_cluster_is_fast():
-    start = time.perf_counter()
+def test_1024_gpu_cluster_prices_groups_from_a_cache():
+    """Pricing a collective over 1,024 GPUs is computed once per group, then looked up (the
+    timings are in benchmarks/search_time.py; tests assert no wall-clock time)."""
     big = Cluster.preset("dgx-a100-80gb", nodes=128)
-    build_s = time.perf_counter() - start
-    assert big.world_size == 1024 and build_s < 1.0
+    assert big.world_size == 1024
     world = list(range(1024))
-    start = time.perf_counter()
     first = big.collective_time_s("all_reduce", GIB, world)
-    first_s = time.perf_counter() - start
-    start = time.perf_counter()
+    cached = len(big._group_cache)
     for _ in range(200):
-        big.collective_time_s("all_reduce", GIB, world)
-    cached_s = (time.perf_counter() - start) / 200
-    assert first > 0 and first_s < 0.1 and cached_s < 2e-3
-    start = time.perf_counter()
+        assert big.collective_time_s("all_reduce", GIB, world) == first
+    assert first > 0 and len(big._group_cache) == cached   # no new group was computed
     for tp in range(8):  # strided data-parallel groups, one per TP rank
         big.collective_time_s("all_reduce", GIB, range(tp, 1024, 8))
-    assert time.perf_counter() - start < 0.2
+    assert len(big._group_cache) == cached + 8
 
 
 # --------------------------------------------------------------------------- serialisation
