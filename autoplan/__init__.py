@@ -1,4 +1,8 @@
-"""autoplan: automatic parallelization planner and compiler for PyTorch training."""
+"""autoplan: automatic parallelization planner and compiler for PyTorch training.
+
+Planning (``trace``, ``estimate``, ``plan``, ``load_plan``) never imports the runtime;
+``compile`` and ``Trainer`` load it (and ``torch.distributed``) on first use.
+"""
 
 __version__ = "0.1.0"  # before the imports below: modules read it while autoplan initializes
 
@@ -7,11 +11,18 @@ from autoplan.errors import (AutoplanError, ClusterError, ConfigError, PlanError
 from autoplan.cluster import Cluster
 from autoplan.estimate import Estimate, ParallelConfig, estimate
 from autoplan.graph import OpGraph, trace
-from autoplan.planner.planfile import Plan, load_plan
+from autoplan.planner.loading import load_plan
+from autoplan.planner.planfile import Plan
 from autoplan.planner.search import NoFeasiblePlanError, plan
-from autoplan.runtime.trainer import Trainer, compile  # noqa: A004 (autoplan.compile is the API)
 
 __all__ = ["AutoplanError", "Cluster", "ClusterError", "ConfigError", "Estimate",
            "NoFeasiblePlanError", "OpGraph", "ParallelConfig", "Plan", "PlanError", "ProfileError",
            "TraceError", "Trainer", "compile", "estimate", "load_plan", "plan", "trace",
            "__version__"]
+
+
+def __getattr__(name: str):
+    if name in ("compile", "Trainer"):
+        from autoplan.runtime import trainer
+        return getattr(trainer, name)
+    raise AttributeError(f"module 'autoplan' has no attribute {name!r}")

@@ -7,7 +7,6 @@ import copy
 import json
 import math
 import pickle
-import time
 
 import networkx as nx
 import pytest

@@ -4,8 +4,6 @@ model/cluster checks, and the inspect/diff text and commands."""
 import copy
 import dataclasses
 import json
-import sys
-import types
 from importlib import resources
 
 import pytest
@@ -25,6 +23,8 @@ from autoplan.graph import trace
 from autoplan.models import build_example
 from autoplan.planner import planfile_check as check
 from autoplan.planner.explain import diff_plans, explain_plan, fmt_ranges
+from autoplan.planner import loading
+from autoplan.planner.loading import load_plan
 from autoplan.planner.planfile import (
     PLAN_SCHEMA_VERSION,
     Alternative,
@@ -35,7 +35,6 @@ from autoplan.planner.planfile import (
     Plan,
     SolverReport,
     TrainingInfo,
-    load_plan,
     plan_from_file,
     predicted_from_estimate,
 )
@@ -358,10 +357,8 @@ def test_load_plan_refuses_another_cluster(plan, tmp_path):
 def test_load_plan_replans_on_request(plan, tiny, monkeypatch, tmp_path):
     path = plan.save(tmp_path / "plan.json")
     calls = []
-    fake = types.ModuleType("autoplan.planner.search")
-    fake.plan = lambda graph, cluster, **kw: calls.append((graph, cluster, kw)) or "new plan"
-    monkeypatch.setitem(sys.modules, "autoplan.planner.search", fake)
-    monkeypatch.setattr(sys.modules["autoplan.planner"], "search", fake, raising=False)
+    monkeypatch.setattr(loading.search, "plan",
+                        lambda graph, cluster, **kw: calls.append((graph, cluster, kw)) or "new plan")
     h100 = Cluster.preset("dgx-h100", nodes=2)
     with pytest.raises(PlanError, match="without replan=True"):
         load_plan(path, graph=tiny[1], cluster=h100, time_limit_s=5)

@@ -14,7 +14,7 @@ from autoplan.models import build_example
 from autoplan.planner.ilp import ILPProblem, brute_force, solve
 from autoplan.planner.problem import CostContext, reduce_graph, sharding_from_choice
 from autoplan.planner.search import plan
-from autoplan.planner.sharding import megatron_sharding, replicated
+from autoplan.sharding.sharding import megatron_sharding, replicated
 
 
 def _graph(name, **kw):

@@ -20,8 +20,8 @@ from dataclasses import dataclass
 from autoplan.cost.analysis import analyze
 from autoplan.errors import ConfigError
 from autoplan.graph.opgraph import OpGraph, TensorMeta
-from autoplan.planner.placement import REPLICATE, Placement
-from autoplan.planner.sharding import Sharding, megatron_sharding
+from autoplan.sharding.placement import REPLICATE, Placement
+from autoplan.sharding.sharding import Sharding, megatron_sharding
 
 PRECISION_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 

@@ -20,8 +20,8 @@ from autoplan.cost.memory import _meta_bytes, activation_bytes, working_set_byte
 from autoplan.estimate.config import ParallelConfig
 from autoplan.estimate.partition import Chunk
 from autoplan.graph.opgraph import OpGraph
-from autoplan.planner.placement import REPLICATE
-from autoplan.planner.sharding import Sharding
+from autoplan.sharding.placement import REPLICATE
+from autoplan.sharding.sharding import Sharding
 
 
 @dataclass(frozen=True)

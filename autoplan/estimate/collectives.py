@@ -16,7 +16,7 @@ from autoplan.cost.analysis import analyze
 from autoplan.estimate.config import ParallelConfig
 from autoplan.estimate.chunk_cost import comm_bytes
 from autoplan.graph.opgraph import OpGraph
-from autoplan.planner.sharding import Sharding
+from autoplan.sharding.sharding import Sharding
 
 
 @dataclass(frozen=True)

@@ -34,7 +34,7 @@ from autoplan.estimate.pipeline_sim import W_FRACTION, simulate
 from autoplan.estimate.result import Estimate, MemoryBreakdown, StageEstimate, TimeBreakdown
 from autoplan.graph.opgraph import OpGraph
 from autoplan.graph.trace import as_graph
-from autoplan.planner.sharding import Sharding
+from autoplan.sharding.sharding import Sharding
 
 # Bytes an optimizer step reads and writes per parameter (grad, weights, states; Adam keeps
 # fp32 master + two moments under mixed precision). The step is memory-bound.

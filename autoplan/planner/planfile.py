@@ -27,7 +27,7 @@ from typing import Any
 
 from autoplan.errors import AutoplanError, PlanError
 from autoplan.estimate.config import ParallelConfig
-from autoplan.planner.placement import Placement
+from autoplan.sharding.placement import Placement
 from autoplan.planner.planfile_check import (
     MAX_FILE_BYTES,
     PLAN_SCHEMA_VERSION,
@@ -41,7 +41,7 @@ from autoplan.planner.planfile_check import (
 
 __all__ = ["PLAN_SCHEMA_VERSION", "SOLVER_STATUSES", "TP_DOMAINS", "Alternative", "ClusterInfo",
            "MeshInfo", "ModelInfo", "ParamPlacement", "Plan", "SolverReport", "TrainingInfo",
-           "load_plan", "plan_from_file", "predicted_from_estimate"]
+           "plan_from_file", "plan_mismatch", "predicted_from_estimate"]
 
 SIG_DIGITS = 6                    # floats are rounded so re-planning gives identical text
 
@@ -324,41 +324,6 @@ def plan_from_file(path: str | os.PathLike[str]) -> Plan:
         raise PlanError(f"plan file {path!r}: {e}") from None
     except OSError as e:
         raise PlanError(f"cannot read plan file {path!r}: {e}") from None
-
-
-# ================================================================ load_plan
-def load_plan(path: str | os.PathLike[str], *, model: Any = None, cluster: Any = None,
-              example_inputs: Any = None, graph: Any = None, loss_fn: Any = None,
-              targets: Any = None, replan: bool = False, **plan_kwargs: Any) -> Plan:
-    """Read a plan and check it is for ``model`` / ``graph`` and ``cluster`` (those given).
-
-    ``model`` is an ``nn.Module`` traced with ``example_inputs`` (and ``loss_fn``/``targets``
-    exactly as when planning: they are part of the fingerprint), or an OpGraph. On a mismatch
-    this raises PlanError saying what differs, or with ``replan=True`` plans again with the old
-    plan's training settings (overridable by ``plan_kwargs``) and returns the new plan.
-    """
-    plan = plan_from_file(path)
-    if plan_kwargs and not replan:
-        raise PlanError(f"load_plan got planning options {sorted(plan_kwargs)} without "
-                        "replan=True; they are only used when re-planning")
-    if graph is None and model is not None:
-        from autoplan.graph.trace import as_graph
-        graph = as_graph(model, example_inputs, loss_fn=loss_fn, targets=targets,
-                         who="load_plan(model=...)", error=PlanError)
-    what = plan_mismatch(plan, graph=graph, cluster=cluster)
-    if not what:
-        return plan
-    if not replan:
-        raise PlanError(f"{what}. Re-plan with autoplan.plan(...) for this model and cluster, "
-                        "or pass replan=True to load_plan")
-    if graph is None or cluster is None:
-        raise PlanError(f"{what}; replan=True needs both the model (model= with example_inputs=, "
-                        "or graph=) and the cluster (cluster=)")
-    from autoplan.planner import search  # lazy: the search pulls in the solver
-    kwargs = {"global_batch_size": plan.training.global_batch_size,
-              "precision": plan.training.precision, "optimizer": plan.training.optimizer,
-              **plan_kwargs}
-    return search.plan(graph, cluster, **kwargs)
 
 
 def plan_mismatch(plan: Plan, *, graph: Any = None, cluster: Any = None) -> str:

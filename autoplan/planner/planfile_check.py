@@ -21,7 +21,7 @@ from typing import Any
 
 from autoplan.errors import AutoplanError, ConfigError, PlanError
 from autoplan.estimate.config import RECOMPUTE, ParallelConfig
-from autoplan.planner.placement import Placement
+from autoplan.sharding.placement import Placement
 
 PLAN_SCHEMA_VERSION = 1
 MAX_FILE_BYTES = 256 << 20        # refuse larger files before reading them

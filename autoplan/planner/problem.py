@@ -21,9 +21,9 @@ from autoplan.cost.compute import ComputeModel
 from autoplan.cost.memory import _meta_bytes
 from autoplan.graph.opgraph import OpGraph
 from autoplan.planner.ilp import ILPProblem
-from autoplan.planner.placement import REPLICATE, Placement
-from autoplan.planner.sharding import Sharding, reshard_kind
-from autoplan.planner.strategies import RUNNABLE_STYLES, OpStrategy, strategies
+from autoplan.sharding.placement import REPLICATE, Placement
+from autoplan.sharding.sharding import Sharding, reshard_kind
+from autoplan.sharding.strategies import RUNNABLE_STYLES, OpStrategy, strategies
 
 FOLLOW_KINDS = frozenset({"view", "pointwise", "dropout", "copy", "reduction"})
 

@@ -43,7 +43,7 @@ from autoplan.planner.planfile import (Alternative, ClusterInfo, MeshInfo, Model
                                        ParamPlacement, Plan, SolverReport, TrainingInfo,
                                        predicted_from_estimate)
 from autoplan.planner.problem import CostContext, reduce_graph, sharding_from_choice
-from autoplan.planner.sharding import Sharding, megatron_sharding, replicated, replicated_on
+from autoplan.sharding.sharding import Sharding, megatron_sharding, replicated, replicated_on
 
 
 _SP_STYLES = frozenset({"colwise_sp", "rowwise_sp", "vocab_sp", "seq"})

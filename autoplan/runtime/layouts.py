@@ -5,7 +5,7 @@ give a ``Sharding``; for every module that owns parameters we read off
 - the placement its input arrives in (where the producing op left it),
 - the placement its strategy wants the input in,
 - the placement its output leaves in,
-and the runtime style. ``RUNTIME_STYLES`` in ``autoplan.planner.strategies`` is the one list of
+and the runtime style. ``RUNTIME_STYLES`` in ``autoplan.sharding.strategies`` is the one list of
 styles; ``parallelize.py`` maps each to a PyTorch ``ParallelStyle``.
 """
 
@@ -18,9 +18,9 @@ from torch.distributed.tensor import Partial as DPartial
 
 from autoplan.errors import PlanError
 from autoplan.graph.opgraph import OpGraph
-from autoplan.planner.placement import REPLICATE, Placement
-from autoplan.planner.sharding import Sharding
-from autoplan.planner.strategies import RUNNABLE_STYLES, strategies
+from autoplan.sharding.placement import REPLICATE, Placement
+from autoplan.sharding.sharding import Sharding
+from autoplan.sharding.strategies import RUNNABLE_STYLES, strategies
 
 
 def to_dtensor(p: Placement):

@@ -26,7 +26,7 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
                                                SequenceParallel, parallelize_module)
 
 from autoplan.errors import PlanError
-from autoplan.planner.placement import Placement
+from autoplan.sharding.placement import Placement
 from autoplan.runtime.layouts import ModuleLayout, to_dtensor
 
 

@@ -24,7 +24,8 @@ from torch import nn
 
 from autoplan.cost.host_allocator import keep_freed_host_memory
 from autoplan.errors import PlanError
-from autoplan.planner.planfile import Plan, load_plan
+from autoplan.planner.loading import load_plan
+from autoplan.planner.planfile import Plan
 from autoplan.runtime import parallelize as par
 from autoplan.runtime.layouts import module_layouts, sharding_from_plan, uses_loss_parallel
 from autoplan.runtime.optim import (DataParallelGrads, HostOffloadOptimizer,

@@ -20,8 +20,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from autoplan.graph.opgraph import OpGraph
-from autoplan.planner.placement import REPLICATE, Placement
-from autoplan.planner.strategies import Comm, OpStrategy, strategies
+from autoplan.sharding.placement import REPLICATE, Placement
+from autoplan.sharding.strategies import Comm, OpStrategy, strategies
 
 
 @dataclass(frozen=True)

@@ -35,8 +35,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from autoplan.graph.opgraph import Op, OpGraph, Value
-from autoplan.planner import dims
-from autoplan.planner.placement import REPLICATE, Placement, shard
+from autoplan.sharding import dims
+from autoplan.sharding.placement import REPLICATE, Placement, shard
 
 # style name -> what the runtime applies to the op's module (PyTorch tensor-parallel API)
 RUNTIME_STYLES = {

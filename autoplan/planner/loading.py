@@ -1,0 +1,44 @@
+"""``load_plan``: read a plan file, check it against the model and the cluster, and re-plan
+on request. It sits above both the plan file and the search (it may call either)."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from autoplan.errors import PlanError
+from autoplan.planner import planfile, search
+from autoplan.planner.planfile import Plan
+
+
+def load_plan(path: str | os.PathLike[str], *, model: Any = None, cluster: Any = None,
+              example_inputs: Any = None, graph: Any = None, loss_fn: Any = None,
+              targets: Any = None, replan: bool = False, **plan_kwargs: Any) -> Plan:
+    """Read a plan and check it is for ``model`` / ``graph`` and ``cluster`` (those given).
+
+    ``model`` is an ``nn.Module`` traced with ``example_inputs`` (and ``loss_fn``/``targets``
+    exactly as when planning: they are part of the fingerprint), or an OpGraph. On a mismatch
+    this raises PlanError saying what differs, or with ``replan=True`` plans again with the old
+    plan's training settings (overridable by ``plan_kwargs``) and returns the new plan.
+    """
+    plan = planfile.plan_from_file(path)
+    if plan_kwargs and not replan:
+        raise PlanError(f"load_plan got planning options {sorted(plan_kwargs)} without "
+                        "replan=True; they are only used when re-planning")
+    if graph is None and model is not None:
+        from autoplan.graph.trace import as_graph
+        graph = as_graph(model, example_inputs, loss_fn=loss_fn, targets=targets,
+                         who="load_plan(model=...)", error=PlanError)
+    what = planfile.plan_mismatch(plan, graph=graph, cluster=cluster)
+    if not what:
+        return plan
+    if not replan:
+        raise PlanError(f"{what}. Re-plan with autoplan.plan(...) for this model and cluster, "
+                        "or pass replan=True to load_plan")
+    if graph is None or cluster is None:
+        raise PlanError(f"{what}; replan=True needs both the model (model= with example_inputs=, "
+                        "or graph=) and the cluster (cluster=)")
+    kwargs = {"global_batch_size": plan.training.global_batch_size,
+              "precision": plan.training.precision, "optimizer": plan.training.optimizer,
+              **plan_kwargs}
+    return search.plan(graph, cluster, **kwargs)
