@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from autoplan.cost.analysis import analyze
+from autoplan.graph.analysis import analyze
 from autoplan.errors import ConfigError
 from autoplan.graph.opgraph import OpGraph, TensorMeta
 from autoplan.sharding.placement import REPLICATE, Placement

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from autoplan.cost.analysis import GraphAnalysis
+from autoplan.graph.analysis import GraphAnalysis
 from autoplan.cost.compute import ComputeModel
 from autoplan.cost.memory import _meta_bytes, activation_bytes, working_set_bytes
 from autoplan.estimate.config import ParallelConfig

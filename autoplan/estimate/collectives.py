@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from autoplan.cost.analysis import analyze
+from autoplan.graph.analysis import analyze
 from autoplan.estimate.config import ParallelConfig
 from autoplan.estimate.chunk_cost import comm_bytes
 from autoplan.graph.opgraph import OpGraph

@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from autoplan.cost.analysis import analyze
+from autoplan.graph.analysis import analyze
 from autoplan.cost.compute import ComputeModel, compute_model
 from autoplan.cost.memory import (PRECISION_BYTES, activation_bytes, model_state_bytes,
                                   sharding_for)

@@ -196,6 +196,19 @@ def trace(model: nn.Module, example_inputs: Sequence[Any], *,
                 return OpGraph(name=full.name, ops=full.ops, values=full.values,
                                inputs=full.inputs, outputs=full.outputs, blocks=full.blocks,
                                batch_size=full.batch_size, meta=meta)
+    ep, graph, _prefix = export_program(model, example_inputs, loss_fn=loss_fn,
+                                        targets=targets, train=train, name=name)
+    return graph
+
+
+def export_program(model: nn.Module, example_inputs: Sequence[Any], *,
+                   loss_fn: Callable[[Any, torch.Tensor], torch.Tensor] | None = None,
+                   targets: torch.Tensor | None = None, train: bool = True,
+                   name: str | None = None) -> tuple[Any, OpGraph, str]:
+    """Export ``model(*example_inputs)`` (plus the loss) with torch.export and read it into an
+    OpGraph with one op per call node (every layer traced, nothing stamped). Returns the
+    ExportedProgram, the graph (op names are the program's node names) and the prefix its
+    parameter names carry (``"model."`` when the loss is included, else ``""``)."""
     if not isinstance(model, nn.Module):
         raise TraceError(f"trace() needs an nn.Module, got {type(model).__name__}")
     inputs = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
@@ -229,9 +242,10 @@ def trace(model: nn.Module, example_inputs: Sequence[Any], *,
     meta.update({"trace_s": round(trace_s, 3), "torch": torch.__version__,
                  "model_class": f"{type(model).__module__}.{type(model).__qualname__}",
                  "train": train})
-    return OpGraph(name=graph.name, ops=graph.ops, values=graph.values, inputs=graph.inputs,
-                   outputs=graph.outputs, blocks=graph.blocks, batch_size=graph.batch_size,
-                   meta=meta)
+    graph = OpGraph(name=graph.name, ops=graph.ops, values=graph.values, inputs=graph.inputs,
+                    outputs=graph.outputs, blocks=graph.blocks, batch_size=graph.batch_size,
+                    meta=meta)
+    return ep, graph, prefix
 
 
 def as_graph(model: Any, example_inputs: Sequence[Any] | None, *, loss_fn: Any = None,

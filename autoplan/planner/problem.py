@@ -16,21 +16,20 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from autoplan.cost.analysis import analyze
+from autoplan.graph.analysis import analyze
 from autoplan.cost.compute import ComputeModel
 from autoplan.cost.memory import _meta_bytes
 from autoplan.graph.opgraph import OpGraph
 from autoplan.planner.ilp import ILPProblem
 from autoplan.sharding.placement import REPLICATE, Placement
-from autoplan.sharding.sharding import Sharding, reshard_kind
-from autoplan.sharding.strategies import RUNNABLE_STYLES, OpStrategy, strategies
+from autoplan.sharding.sharding import Sharding, mutates_input, reshard_kind
+from autoplan.sharding.strategies import OpStrategy, strategies
 
 FOLLOW_KINDS = frozenset({"view", "pointwise", "dropout", "copy", "reduction"})
 
-# The runtime reshards tensors where a module with parameters takes its input (the layouts of
-# its ParallelStyle); ops between modules run on local shards as they come. A plan that needs a
-# reshard in front of a parameter-free op could not run, so that choice costs this much.
-UNRUNNABLE_S = 1.0e6
+# Choices that cannot run cost this much: an in-place op whose input would be resharded first
+# (the write would land on a copy), a tied weight laid out two ways.
+INFEASIBLE_S = 1.0e6
 
 
 @dataclass(frozen=True)
@@ -49,6 +48,10 @@ class CostContext:
     activation_multiplier: float                  # micro-batches whose activations are held
     memory_budget: float | None = None
 
+    @property
+    def micro_batch(self) -> int:
+        return max(1, round(self.batch_scale * self.graph.batch_size))
+
 
 @dataclass
 class _Node:
@@ -56,7 +59,7 @@ class _Node:
     mult: int
     choices: list[list[OpStrategy]] = None           # per strategy j: one per op in ops
     placement: list[dict[str, Placement]] = None     # per strategy j: value -> placement
-    internal: list[list[tuple[str, Placement, Placement]]] = None  # gathers inside the node
+    internal: list[list[tuple[int, str, Placement, Placement]]] = None  # gathers inside it
 
 
 @dataclass(frozen=True)
@@ -126,14 +129,12 @@ def _group(graph: OpGraph, rep: list[int], mult: dict[int, int],
     return nodes, node_of
 
 
-def _expand(graph: OpGraph, node: _Node, t: int, cache: dict[int, list[OpStrategy]]) -> None:
+def _expand(graph: OpGraph, node: _Node, t: int, cache: dict[int, list[OpStrategy]],
+            micro_batch: int | None = None) -> None:
     """Per leader strategy: the followers' strategies and the node's value placements."""
     def opts(i):
         if i not in cache:
-            # between modules the runtime inserts no collective: such strategies are out
-            cache[i] = [s for s in strategies(graph, graph.ops[i], t)
-                        if s.style in RUNNABLE_STYLES
-                        and not (s.style == "local" and s.comms and not graph.ops[i].params)]
+            cache[i] = strategies(graph, graph.ops[i], t, micro_batch=micro_batch)
         return cache[i]
     node.choices, node.placement, node.internal = [], [], []
     for s in opts(node.ops[0]):
@@ -151,7 +152,7 @@ def _expand(graph: OpGraph, node: _Node, t: int, cache: dict[int, list[OpStrateg
             pick = next((f for f in opts(i) if f.inputs[x_slot] == want), None)
             if pick is None:            # cannot carry the sharding: gather, run replicated
                 pick = opts(i)[0]
-                internal.append((op.inputs[x_slot], want, REPLICATE))
+                internal.append((i, op.inputs[x_slot], want, REPLICATE))
             chosen.append(pick)
             for k, n in enumerate(op.outputs):
                 place[n] = pick.outputs[k] if k < len(pick.outputs) else REPLICATE
@@ -201,8 +202,9 @@ def _node_cost(ctx: CostContext, node: _Node, j: int) -> tuple[float, float]:
             k = op.inputs.index(n) if n in op.inputs else -1
             where = s.inputs[k] if 0 <= k < len(s.inputs) else node.placement[j].get(n, REPLICATE)
             acts += _value_bytes(ctx, base.name) * (1.0 / ctx.t if where.kind == "S" else 1.0)
-    for name, src, dst in node.internal[j]:
-        per_mb += UNRUNNABLE_S      # a follower (no parameters) cannot gather its input
+    for i, name, src, dst in node.internal[j]:
+        per_mb += (INFEASIBLE_S if mutates_input(graph.ops[i].target)
+                   else _reshard_s(ctx, name, src, dst))
     time_s = node.mult * (ctx.microbatches * per_mb + step)
     mem = node.mult * (params + acts * ctx.activation_multiplier)
     return time_s, mem
@@ -215,7 +217,7 @@ def reduce_graph(ctx: CostContext) -> Reduction:
     nodes, node_of = _group(graph, rep, mult, inst)
     cache: dict[int, list[OpStrategy]] = {}
     for node in nodes:
-        _expand(graph, node, ctx.t, cache)
+        _expand(graph, node, ctx.t, cache, ctx.micro_batch)
     costs = [[0.0] * len(n.choices) for n in nodes]
     mems = [[0.0] * len(n.choices) for n in nodes]
     for v, node in enumerate(nodes):
@@ -252,8 +254,8 @@ def reduce_graph(ctx: CostContext) -> Reduction:
                 s = nodes[v].choices[j][pos]
                 dst = s.inputs[k] if k < len(s.inputs) else REPLICATE
                 if src != dst:
-                    cost = (_reshard_s(ctx, x_rep, src, dst) if graph.ops[rc].params
-                            else UNRUNNABLE_S)
+                    cost = (INFEASIBLE_S if k == 0 and mutates_input(graph.ops[rc].target)
+                            else _reshard_s(ctx, x_rep, src, dst))
                     mat[i][j] = count * ctx.microbatches * cost
         if u == v:
             for j in range(kv):
@@ -294,7 +296,7 @@ def _tie_shared_weights(graph: OpGraph, nodes: list[_Node],
             if u == v:
                 for j in range(nu):
                     if where(u, j, pu, ku) != where(v, j, pv, kv):
-                        costs[u][j] += UNRUNNABLE_S
+                        costs[u][j] += INFEASIBLE_S
                 continue
             a, b = (u, v) if (u, v) in edge_mats or (v, u) not in edge_mats else (v, u)
             acc = edge_mats.setdefault((a, b), [[0.0] * len(nodes[b].choices)
@@ -303,9 +305,9 @@ def _tie_shared_weights(graph: OpGraph, nodes: list[_Node],
                 for j in range(nv):
                     if where(u, i, pu, ku) != where(v, j, pv, kv):
                         if (a, b) == (u, v):
-                            acc[i][j] += UNRUNNABLE_S
+                            acc[i][j] += INFEASIBLE_S
                         else:
-                            acc[j][i] += UNRUNNABLE_S
+                            acc[j][i] += INFEASIBLE_S
 
 
 def sharding_from_choice(graph: OpGraph, t: int, red: Reduction,

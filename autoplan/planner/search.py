@@ -138,10 +138,7 @@ def _ilp_sharding(graph: OpGraph, cluster: Any, config: ParallelConfig, profile:
     stats.ilps += 1
     if sol.status in ("infeasible", "not_solved"):
         return replicated_on(graph, t), sol
-    sh = sharding_from_choice(graph, t, red, sol.choice)
-    if not sh.runnable(graph):      # only when every choice needed a reshard between modules
-        return replicated_on(graph, t), sol
-    return sh, sol
+    return sharding_from_choice(graph, t, red, sol.choice), sol
 
 
 def _schedules(config: ParallelConfig, m: int, layers: int,
@@ -161,7 +158,7 @@ def _schedules(config: ParallelConfig, m: int, layers: int,
 
 
 def _recompute_options(opts: SearchOptions, graph: OpGraph) -> list[str]:
-    from autoplan.cost.analysis import analyze
+    from autoplan.graph.analysis import analyze
     # selective recomputation drops attention scores; a graph without them gains nothing
     recompute = [r for r in opts.recompute if r != "selective" or analyze(graph).score_ops]
     return _forced(opts, "recompute", recompute)
@@ -228,7 +225,7 @@ def _with_stage_layout(graph: OpGraph, cluster: Any, config: ParallelConfig, sh:
     """The pipelined config with its stage split and per-stage recomputation chosen to fit the
     device (``layout.search_layout``); when nothing fits, the most memory-saving policy on a
     time-balanced split (so the infeasibility report has a candidate)."""
-    from autoplan.cost.analysis import analyze
+    from autoplan.graph.analysis import analyze
     from autoplan.estimate.chunk_cost import CostInputs
     from autoplan.estimate.estimator import _margin
     from autoplan.estimate.config import strongest_recompute
@@ -254,7 +251,7 @@ def _with_stage_layout(graph: OpGraph, cluster: Any, config: ParallelConfig, sh:
 
 
 def _megatron_tp(graph: OpGraph, cluster: Any) -> int:
-    from autoplan.cost.analysis import analyze
+    from autoplan.graph.analysis import analyze
     heads = analyze(graph).head_counts
     best = 1
     for tp in meshes.divisors(cluster.devices_per_node):

@@ -24,8 +24,10 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 class DataParallelGrads:
-    def __init__(self, model: torch.nn.Module, group: Any, dp: int):
-        self.params = [p for p in model.parameters() if p.requires_grad]
+    """Averages the gradients of ``params`` over a data-parallel group after backward."""
+
+    def __init__(self, params: Sequence[torch.nn.Parameter], group: Any, dp: int):
+        self.params = [p for p in params if p.requires_grad]
         self.group = group
         self.dp = dp
 
@@ -36,6 +38,32 @@ class DataParallelGrads:
             g = _local(p.grad)
             dist.all_reduce(g, group=self.group)
             g.div_(self.dp)
+
+
+class TensorParallelGrads:
+    """Sums, over the tensor-parallel group, the gradients of weights that are replicated there
+    but read by split computations (each rank holds a partial sum), once per step, in one
+    flattened all-reduce per dtype."""
+
+    def __init__(self, model: torch.nn.Module, fqns: Sequence[str], group: Any):
+        by_name = dict(model.named_parameters())
+        clean = {k.replace("_checkpoint_wrapped_module.", ""): v for k, v in by_name.items()}
+        missing = [f for f in fqns if f not in clean]
+        if missing:
+            raise RuntimeError(f"tensor-parallel gradient sync: no parameters {missing[:3]}")
+        self.params = [clean[f] for f in fqns]
+        self.group = group
+
+    def all_reduce(self) -> None:
+        grads = [_local(p.grad) for p in self.params if p.grad is not None]
+        for dtype in sorted({g.dtype for g in grads}, key=str):
+            same = [g for g in grads if g.dtype == dtype]
+            flat = torch.cat([g.reshape(-1) for g in same])
+            dist.all_reduce(flat, group=self.group)
+            offset = 0
+            for g in same:
+                g.copy_(flat[offset:offset + g.numel()].view_as(g))
+                offset += g.numel()
 
 
 class TensorShardedOptimizer:

@@ -3,9 +3,19 @@
 ``compile`` runs on every rank of a ``torchrun`` job (or alone for a one-process plan). Before
 any collective it traces the model and checks the plan against it and the cluster (fingerprints,
 world size), so a wrong plan fails fast on every rank with the same message. Then it builds the
-device mesh, applies the plan (``parallelize.py``) and returns a ``Trainer`` whose ``step``
-computes what single-device training computes: the rank's data-parallel slice of the global
-batch, in micro-batches (gradient accumulation), losses averaged the same way.
+device mesh and this rank's program (``emit``: the traced graph running the plan's per-op
+strategies on local tensors), and returns a ``Trainer`` whose ``step`` computes what
+single-device training computes: the rank's data-parallel slice of the global batch, in
+micro-batches (gradient accumulation), losses averaged the same way.
+
+Order, and why (the order torchtitan uses):
+1. the rank program first: it shards the weights over the tensor-parallel axis, which every
+   later step must see;
+2. activation recomputation per layer next: it must sit inside FSDP's units, so that FSDP's
+   all-gathers bracket the recomputation too;
+3. data parallelism last: FSDP2 ``fully_shard`` per layer then the root (ZeRO-2/3), or DDP
+   (ZeRO-0/1); weights replicated over the tensor-parallel axis whose gradients are partial
+   there are all-reduced over it once per step.
 """
 
 from __future__ import annotations
@@ -13,9 +23,9 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
-from functools import partial
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -27,8 +37,7 @@ from autoplan.errors import PlanError
 from autoplan.planner.loading import load_plan
 from autoplan.planner.planfile import Plan
 from autoplan.runtime import parallelize as par
-from autoplan.runtime.layouts import module_layouts, sharding_from_plan, uses_loss_parallel
-from autoplan.runtime.optim import (DataParallelGrads, HostOffloadOptimizer,
+from autoplan.runtime.optim import (HostOffloadOptimizer, TensorParallelGrads,
                                     TensorShardedOptimizer)
 
 COLLECTIVE_TIMEOUT_S = int(os.environ.get("AUTOPLAN_COLLECTIVE_TIMEOUT_S", "120"))
@@ -49,15 +58,17 @@ def init_distributed(backend: str) -> tuple[int, int]:
 
 @dataclass
 class Trainer:
-    model: nn.Module
+    """A compiled plan on this rank: ``step(batch)`` trains one global batch."""
+
+    model: nn.Module                  # the rank program (maybe DDP-wrapped), FQNs as the user's
     optimizer: Any
     loss_fn: Callable[[Any, Any], torch.Tensor] | None
     plan: Plan
     rank: int
     dp_index: int
     dp_group: Any
-    grad_sync: DataParallelGrads | None
-    loss_parallel: bool
+    tp_grads: TensorParallelGrads | None
+    loss_in_program: bool             # the program computes the loss itself
     device: torch.device
     autocast_dtype: torch.dtype | None
 
@@ -88,12 +99,12 @@ class Trainer:
         for k, chunk in enumerate(chunks):
             last = k == len(chunks) - 1
             ctx = no_sync() if (no_sync is not None and not last) else contextlib.nullcontext()
-            with ctx, self._loss_context():
+            with ctx:
                 loss = self._loss(chunk)
-                (loss / len(chunks)).backward()   # loss parallel needs backward inside too
-            total += float(_local(loss).detach())
-        if self.grad_sync is not None:
-            self.grad_sync.all_reduce()
+                (loss / len(chunks)).backward()
+            total += float(loss.detach())
+        if self.tp_grads is not None:
+            self.tp_grads.all_reduce()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         mean = total / len(chunks)
@@ -109,44 +120,15 @@ class Trainer:
         return par.full_state_dict(self.model)
 
     def _loss(self, chunk: list[torch.Tensor]) -> torch.Tensor:
-        inputs, targets = (chunk[:-1], chunk[-1]) if self.loss_fn is not None else (chunk, None)
         amp = (torch.autocast(self.device.type, dtype=self.autocast_dtype)
                if self.autocast_dtype is not None else contextlib.nullcontext())
         with amp:
-            out = self.model(*inputs)
+            if self.loss_in_program:
+                return self.model(*chunk)
             if self.loss_fn is None:
-                return out
-            return self.loss_fn(out, targets)
-
-    def _loss_context(self):
-        if self.loss_parallel:
-            from torch.distributed.tensor.parallel import loss_parallel
-            return loss_parallel()
-        return contextlib.nullcontext()
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    from torch.distributed.tensor import DTensor
-    return t.full_tensor() if isinstance(t, DTensor) else t
-
-
-def _logits_module(graph, sharding) -> str | None:
-    """The module whose output feeds a loss-parallel cross entropy (through views)."""
-    from autoplan.cost.analysis import analyze
-    a = analyze(graph)
-    for i, s in enumerate(sharding.op_strategy):
-        if s.style != "loss_parallel":
-            continue
-        name = graph.ops[i].inputs[0]
-        while name in a.producer:
-            op = graph.ops[a.producer[name]]
-            if op.params:
-                return op.module_path
-            acts = [n for n in op.inputs if graph.value(n).kind == "activation"]
-            if not acts:
-                return None
-            name = acts[0]
-    return None
+                return self.model(*chunk)
+            out = self.model(*chunk[:-1])
+            return self.loss_fn(out, chunk[-1])
 
 
 def compile(model: nn.Module, cluster: Any = "local", *, example_inputs: Sequence[Any],
@@ -156,9 +138,10 @@ def compile(model: nn.Module, cluster: Any = "local", *, example_inputs: Sequenc
             precision: str = "fp32", seed: int = 0, **plan_kwargs: Any) -> Any:
     """Build the sharded training program of ``plan`` (or plan now when None) on this rank.
 
-    ``model`` may live on the meta device: it is materialized shard by shard. ``optimizer`` is
-    a factory ``params -> torch.optim.Optimizer``. Every rank computes the same plan when none is
-    given (planning is deterministic), so no broadcast is needed.
+    ``model`` may live on the meta device: it is materialized module by module, each rank
+    keeping only its shards. ``optimizer`` is a factory ``params -> torch.optim.Optimizer``.
+    Every rank computes the same plan when none is given (planning is deterministic), so no
+    broadcast is needed. After ``compile`` the user's model holds this rank's shards.
     """
     from autoplan.cluster import Cluster
     from autoplan.graph.trace import trace
@@ -199,57 +182,49 @@ def compile(model: nn.Module, cluster: Any = "local", *, example_inputs: Sequenc
               else torch.device("cpu"))
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    on_meta = any(p.is_meta for p in model.parameters())
-    if not on_meta:
+    if not any(p.is_meta for p in model.parameters()):
         model.to(device)
+    precision_dtype = _dtype(cfg.precision) if cfg.precision != "fp32" else None
 
     if cfg.pp > 1:
         from autoplan.runtime.pipeline import compile_pipelined
-        sharding = sharding_from_plan(graph, dict(plan.op_strategies), cfg.tp)
-        lp = uses_loss_parallel(sharding)
         return compile_pipelined(
             model, graph, plan, device=device, optimizer=optimizer, loss_fn=loss_fn, seed=seed,
-            rank=rank, sharding=sharding, loss_parallel=lp,
-            logits_module=_logits_module(graph, sharding) if lp and cfg.tp > 1 else None,
-            precision_dtype=_dtype(cfg.precision) if cfg.precision != "fp32" else None)
-    dp_group = tp_mesh = dp_mesh = None
+            rank=rank, example_inputs=example_inputs, example_targets=example_targets,
+            precision_dtype=precision_dtype)
+    tp_index, dp_index = rank % cfg.tp, rank // cfg.tp
+    dp_group = tp_group = dp_mesh = None
     if world > 1:
         from torch.distributed.device_mesh import init_device_mesh
         mesh = init_device_mesh(device.type, (cfg.dp, cfg.tp), mesh_dim_names=("dp", "tp"))
-        dp_mesh, tp_mesh = mesh["dp"], mesh["tp"]
-        dp_group = dp_mesh.get_group()
-    sharding = sharding_from_plan(graph, dict(plan.op_strategies), cfg.tp)
-    lp = uses_loss_parallel(sharding)
-    # 1. tensor parallelism
-    if cfg.tp > 1:
-        logits = _logits_module(graph, sharding) if lp else None
-        par.apply_tensor_parallel(model, module_layouts(graph, sharding), tp_mesh,
-                                  {logits} if logits else set())
-    # 2. activation recomputation
-    par.apply_recompute(model, dict(plan.recompute))
-    # 3. data parallelism / ZeRO (batch norms first see the whole batch's statistics)
-    if cfg.dp > 1:
-        from autoplan.runtime.syncbn import convert_batch_norms
-        convert_batch_norms(model, dp_group)
-    layers = [p for p, pol in plan.recompute.items()]
-    grad_sync = None
+        dp_mesh = mesh["dp"]
+        dp_group, tp_group = dp_mesh.get_group(), mesh["tp"].get_group()
+    # 1. the rank program: the traced graph with the plan's per-op strategies on local tensors
+    from autoplan.runtime.emit import connect, emit
+    rp = emit(model, plan, graph, example_inputs=example_inputs,
+              example_targets=example_targets, loss_fn=loss_fn, t=cfg.tp, tp_rank=tp_index,
+              device=device, seed=seed)
+    connect(rp.program.comm_slot, tp=(tp_group, cfg.tp, tp_index),
+            dp=(dp_group, cfg.dp, dp_index))
+    program = rp.module
+    # 2. activation recomputation per layer
+    par.apply_recompute(program, {p: pol for p, pol in plan.recompute.items()
+                                  if p in set(rp.layers)})
+    # 3. data parallelism / ZeRO over the dp group
     use_fsdp = cfg.dp > 1 and cfg.zero_stage >= 2
     if use_fsdp:
         mp = None
-        if cfg.precision != "fp32":
+        if precision_dtype is not None:
             from torch.distributed.fsdp import MixedPrecisionPolicy
-            mp = MixedPrecisionPolicy(param_dtype=_dtype(cfg.precision), reduce_dtype=torch.float32)
-        par.apply_fsdp(model, layers, dp_mesh, reshard=cfg.zero_stage == 3, mp_policy=mp,
+            mp = MixedPrecisionPolicy(param_dtype=precision_dtype, reduce_dtype=torch.float32)
+        par.apply_fsdp(program, rp.layers, dp_mesh, reshard=cfg.zero_stage == 3, mp_policy=mp,
                        offload=cfg.offload_params)
-    # 4. materialize a meta model, shard by shard
-    par.materialize(model, device, seed)
+    tp_grads = (TensorParallelGrads(program, rp.program.step_params, tp_group)
+                if cfg.tp > 1 and rp.program.step_params else None)
     if cfg.dp > 1 and not use_fsdp:
-        if cfg.tp == 1:
-            from torch.nn.parallel import DistributedDataParallel as DDP
-            model = DDP(model, process_group=dp_group)
-        else:
-            grad_sync = DataParallelGrads(model, dp_group, cfg.dp)
-    params = [p for p in model.parameters() if p.requires_grad]
+        from torch.nn.parallel import DistributedDataParallel as DDP
+        program = DDP(program, process_group=dp_group)
+    params = [p for p in program.parameters() if p.requires_grad]
     factory = optimizer
     if cfg.offload_optimizer and not cfg.offload_params:   # FSDP's offload carries the state
         factory = partial(HostOffloadOptimizer, factory=optimizer)
@@ -257,10 +232,10 @@ def compile(model: nn.Module, cluster: Any = "local", *, example_inputs: Sequenc
         opt = TensorShardedOptimizer(params, factory, dp_group)
     else:
         opt = factory(params)
-    autocast = _dtype(cfg.precision) if cfg.precision != "fp32" and not use_fsdp else None
-    return Trainer(model=model, optimizer=opt, loss_fn=loss_fn, plan=plan, rank=rank,
-                   dp_index=rank // cfg.tp, dp_group=dp_group, grad_sync=grad_sync,
-                   loss_parallel=lp, device=device, autocast_dtype=autocast)
+    autocast = precision_dtype if not use_fsdp else None
+    return Trainer(model=program, optimizer=opt, loss_fn=loss_fn, plan=plan, rank=rank,
+                   dp_index=dp_index, dp_group=dp_group, tp_grads=tp_grads,
+                   loss_in_program=rp.with_loss, device=device, autocast_dtype=autocast)
 
 
 def _dtype(precision: str) -> torch.dtype:

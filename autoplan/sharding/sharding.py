@@ -1,27 +1,33 @@
-"""A sharding: one strategy per op on the tp axis, and everything that follows from it.
+"""A sharding: one strategy per op on one mesh axis, and everything that follows from it.
 
 ``Sharding`` is what the cost model reads (work per rank, collectives, where each tensor lies,
-how each parameter is split) and what the plan file records (strategy and runtime style per
-op/module). Two ways to get one:
+how each parameter is stored) and what the runtime executes op by op. Two ways to get one:
 - ``megatron_sharding``: the Megatron-LM rule, by propagation: a linear whose input is whole
   goes column-parallel, one whose input is split goes row-parallel; embeddings vocab-parallel;
   the loss vocab-parallel; everything in between keeps the placement it is given. With
-  ``sequence_parallel`` the replicated stretches become sequence-sharded.
-- the ILP (``autoplan.planner.ilp``) picks a strategy per op; ``Sharding.from_choice`` expands it.
+  ``sequence_parallel`` the replicated stretches become sequence-sharded;
+- the ILP (``autoplan.planner``) picks a strategy per op; ``Sharding.build`` expands it.
 
-Resharding between a producer's output placement and a consumer's required input placement is
-priced as: same -> free; R -> S(d) -> free (a local slice); S(d) -> R -> all-gather;
-S(d) -> S(e) -> all-to-all; and the same again backwards for tensors that carry gradients.
+Resharding between where a value lies and where a consumer needs it (``reshard_kind``):
+same -> free; R -> S(d) -> free (a local slice); S -> R -> all-gather; S -> another split ->
+all-to-all; P -> R -> all-reduce; P -> S -> reduce-scatter; and the reverse for the gradient of
+values that carry one. Parameters and buffers are stored in the placement their first reader
+needs; a later reader that needs another one reshards them the same way.
 """
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from autoplan.graph.analysis import analyze
 from autoplan.graph.opgraph import OpGraph
 from autoplan.sharding.placement import REPLICATE, Placement
-from autoplan.sharding.strategies import Comm, OpStrategy, strategies
+from autoplan.sharding.strategies import strategies
+from autoplan.sharding.strategy import Comm, OpStrategy
+
+STATE_KINDS = ("param", "buffer")
 
 
 @dataclass(frozen=True)
@@ -31,19 +37,28 @@ class Reshard:
     op_index: int       # the consuming op
     value: str
     phase: str          # "fwd" | "bwd"
-    kind: str           # "all_gather" | "all_to_all"
+    kind: str           # "all_gather" | "all_to_all" | "all_reduce" | "reduce_scatter"
     scale: float = 1.0
 
 
 def reshard_kind(src: Placement, dst: Placement) -> tuple[str, float] | None:
     """The collective that turns ``src`` into ``dst`` (and its byte scale), None when free."""
-    if src == dst or dst.kind == "S" and src.kind == "R":
+    if src == dst or (dst.kind == "S" and src.kind == "R"):
         return None
     if src.kind == "S" and dst.kind == "R":
         return "all_gather", 1.0
     if src.kind == "S" and dst.kind == "S":
         return "all_to_all", -1.0     # -1: bytes one rank sends = the full size / t
-    return "all_reduce", 1.0          # partial -> anything
+    if src.kind == "P" and dst.kind == "S":
+        return "reduce_scatter", 1.0
+    return "all_reduce", 1.0          # partial -> whole
+
+
+def mutates_input(op_target: str) -> bool:
+    """aten's in-place ops end in ``_`` and write their first input."""
+    parts = op_target.split(".")
+    name = parts[1] if len(parts) > 2 else parts[-1]
+    return name.endswith("_") and not name.startswith("_")
 
 
 @dataclass(frozen=True)
@@ -52,6 +67,7 @@ class Sharding:
     op_strategy: tuple[OpStrategy, ...]          # one per graph op
     value_placement: dict[str, Placement]        # where each op output lies
     reshards: tuple[Reshard, ...]
+    state: dict[str, Placement]                  # parameter/buffer FQN -> stored placement
 
     # ---- derived views -------------------------------------------------------------------
     def work_divisor(self, i: int) -> int:
@@ -66,18 +82,25 @@ class Sharding:
         return REPLICATE
 
     def param_placement(self, graph: OpGraph) -> dict[str, Placement]:
-        """Each parameter's tp placement (the first op that reads it decides; ties agree)."""
-        out: dict[str, Placement] = {}
-        for op, s in zip(graph.ops, self.op_strategy):
-            for k, n in enumerate(op.inputs):
-                v = graph.value(n)
-                if v.kind == "param" and v.fqn not in out:
-                    out[v.fqn] = s.inputs[k] if k < len(s.inputs) else REPLICATE
+        """Each parameter's stored placement (FQN -> placement; tied aliases as their owner)."""
+        out = {}
+        for v in graph.param_values:
+            owner = graph.value(v.base).fqn
+            if owner in self.state:
+                out[v.fqn] = self.state[owner]
         return out
+
+    def placement_of(self, graph: OpGraph, name: str) -> Placement:
+        """Where value ``name`` lies: op outputs as placed, state as stored, inputs whole."""
+        if name in self.value_placement:
+            return self.value_placement[name]
+        v = graph.value(name)
+        if v.kind in STATE_KINDS:
+            return self.state.get(graph.value(v.base).fqn, REPLICATE)
+        return REPLICATE
 
     def reshards_in(self, start: int, stop: int) -> list[Reshard]:
         """Reshards whose consuming op lies in ops[start:stop] (indexed once, then bisected)."""
-        import bisect
         idx = self.__dict__.get("_reshard_index")
         if idx is None:
             idx = [r.op_index for r in self.reshards]
@@ -92,32 +115,31 @@ class Sharding:
                 yield i, c
 
     def module_styles(self, graph: OpGraph) -> dict[str, str]:
-        """Runtime style per module path (ops without a module style are left out)."""
+        """Style per module path that owns parameters (the first op reading one decides)."""
         styles: dict[str, str] = {}
         for op, s in zip(graph.ops, self.op_strategy):
-            if s.style not in ("local",) and op.params:
+            if s.style not in ("local",) and op.params and op.module_path:
                 styles.setdefault(op.module_path, s.style)
         return dict(sorted(styles.items()))
-
-    def runnable(self, graph: OpGraph) -> bool:
-        """True when every reshard sits in front of an op with parameters (a module whose
-        ParallelStyle layouts the runtime sets); ops between modules take shards as they are."""
-        return all(graph.ops[r.op_index].params for r in self.reshards)
 
     # ---- construction ----------------------------------------------------------------------
     @staticmethod
     def build(graph: OpGraph, t: int, chosen: Sequence[OpStrategy]) -> Sharding:
         placement: dict[str, Placement] = {}
+        state: dict[str, Placement] = {}
         reshards: list[Reshard] = []
         for i, (op, s) in enumerate(zip(graph.ops, chosen)):
             if not op.outputs:
                 continue              # metadata checks: they take their inputs as they come
             for k, n in enumerate(op.inputs):
                 v = graph.value(n)
-                if v.kind not in ("activation",):
-                    continue          # inputs, weights, buffers: available in any placement
-                src = placement.get(n, REPLICATE)
                 dst = s.inputs[k] if k < len(s.inputs) else REPLICATE
+                if v.kind in STATE_KINDS:
+                    src = state.setdefault(graph.value(v.base).fqn, dst)
+                elif v.kind == "activation":
+                    src = placement.get(n, REPLICATE)
+                else:
+                    continue          # inputs and constants: whole on every rank, sliced free
                 fwd = reshard_kind(src, dst)
                 if fwd is not None:
                     reshards.append(Reshard(i, n, "fwd", fwd[0], fwd[1]))
@@ -127,8 +149,36 @@ class Sharding:
                         reshards.append(Reshard(i, n, "bwd", bwd[0], bwd[1]))
             for k, n in enumerate(op.outputs):
                 placement[n] = s.outputs[k] if k < len(s.outputs) else REPLICATE
+        chosen = _mixed_weight_grads(graph, list(chosen))
         return Sharding(t=t, op_strategy=tuple(chosen), value_placement=placement,
-                        reshards=tuple(reshards))
+                        reshards=tuple(reshards), state=state)
+
+
+def _mixed_weight_grads(graph: OpGraph, chosen: list[OpStrategy]) -> list[OpStrategy]:
+    """A replicated weight whose gradient is partial on some readers and whole on others
+    cannot be all-reduced once per step (the whole parts would be summed ``t`` times): those
+    readers all-reduce their part in backward instead."""
+    step_readers: dict[str, set[int]] = {}
+    readers: dict[str, set[int]] = {}
+    for i, (op, s) in enumerate(zip(graph.ops, chosen)):
+        for n in op.inputs:
+            v = graph.value(n)
+            if v.kind == "param" and v.requires_grad:
+                readers.setdefault(v.base, set()).add(i)
+        for c in s.comms:
+            if c.phase == "step":
+                step_readers.setdefault(graph.value(c.value).base, set()).add(i)
+    for base, steps in step_readers.items():
+        if steps == readers.get(base, steps):
+            continue
+        for i in steps:
+            s = chosen[i]
+            comms = tuple(Comm(c.kind, c.value, "bwd", c.scale)
+                          if c.phase == "step" and graph.value(c.value).base == base else c
+                          for c in s.comms)
+            chosen[i] = OpStrategy(s.name, s.inputs, s.outputs, s.work_divisor, comms, s.style,
+                                   s.kernel, s.local_inputs, s.local_outputs)
+    return chosen
 
 
 def replicated(graph: OpGraph) -> Sharding:
@@ -160,6 +210,10 @@ def _pick(options: list[OpStrategy], want: Sequence[Placement | None]) -> OpStra
     return best
 
 
+_STARTS_SPLIT = ("colwise", "colwise_sp", "embed_dim")
+_ENDS_SPLIT = ("rowwise", "rowwise_sp", "vocab", "vocab_sp")
+
+
 def megatron_sharding(graph: OpGraph, t: int, sequence_parallel: bool = False) -> Sharding:
     """Megatron-LM tensor (and sequence) parallelism, by propagation over the graph."""
     if t == 1:
@@ -167,6 +221,7 @@ def megatron_sharding(graph: OpGraph, t: int, sequence_parallel: bool = False) -
     placement: dict[str, Placement] = {}
     model_split: set[str] = set()      # values split across features/heads (not batch/sequence)
     chosen: list[OpStrategy] = []
+    tokens = analyze(graph).batch_dependent
     for op in graph.ops:
         options = strategies(graph, op, t)
         by_name = {s.name: s for s in options}
@@ -178,9 +233,9 @@ def megatron_sharding(graph: OpGraph, t: int, sequence_parallel: bool = False) -
             if split:
                 s = by_name.get("rowwise_sp" if sequence_parallel else "rowwise")
             else:
-                s = by_name.get("colwise_sp" if sequence_parallel and "colwise_sp" in by_name
-                                else "colwise")
-        elif op.kind == "embedding" and op.params:
+                s = _colwise(by_name, sequence_parallel)
+        elif op.kind == "embedding" and op.params and len(op.inputs) > 1 \
+                and op.inputs[1] in tokens:      # word embeddings; position tables stay whole
             s = by_name.get("vocab_sp" if sequence_parallel and "vocab_sp" in by_name else "vocab")
         elif op.kind == "loss" and split:
             s = by_name.get("vocab")
@@ -189,8 +244,8 @@ def megatron_sharding(graph: OpGraph, t: int, sequence_parallel: bool = False) -
         if s is None:
             s = _pick(options, cur) or options[0]
         chosen.append(s)
-        starts_split = s.name in ("colwise", "colwise_sp", "embed_dim")
-        ends_split = s.name in ("rowwise", "rowwise_sp", "vocab", "vocab_sp")
+        starts_split = s.name.split("_blocks")[0] in _STARTS_SPLIT
+        ends_split = s.name in _ENDS_SPLIT
         for k, n in enumerate(op.outputs):
             p = s.outputs[k] if k < len(s.outputs) else REPLICATE
             placement[n] = p
@@ -199,10 +254,17 @@ def megatron_sharding(graph: OpGraph, t: int, sequence_parallel: bool = False) -
     return _repair(graph, t, chosen)
 
 
+def _colwise(by_name: dict[str, OpStrategy], sequence_parallel: bool) -> OpStrategy | None:
+    """Column-parallel, in blocks when the output is cut into blocks later (fused q/k/v)."""
+    base = "colwise_sp" if sequence_parallel and "colwise_sp" in by_name else "colwise"
+    blocked = sorted(n for n in by_name if n.startswith(base + "_blocks"))
+    return by_name.get(blocked[0]) if blocked else by_name.get(base)
+
+
 def _repair(graph: OpGraph, t: int, chosen: list[OpStrategy]) -> Sharding:
-    """Move reshards off parameter-free ops (the runtime reshards only at module inputs): when
-    such an op needs a placement its producer module could emit directly, switch the module to
-    the strategy that emits it (e.g. a position embedding sharded on the sequence for SP)."""
+    """Where a parameter-free op needs a placement its producer module could emit directly,
+    switch the module to the strategy that emits it (e.g. a position embedding sharded on the
+    sequence for SP), saving the reshard."""
     sh = Sharding.build(graph, t, chosen)
     for _round in range(4):
         producer = {n: i for i, op in enumerate(graph.ops) for n in op.outputs}
@@ -215,16 +277,18 @@ def _repair(graph: OpGraph, t: int, chosen: list[OpStrategy]) -> Sharding:
                 continue
             want = sh.input_placement(graph, r.op_index, r.value)
             pos = graph.ops[p].outputs.index(r.value)
-            for alt in strategies(graph, graph.ops[p], t):
-                # a module may reshard its own input, so only its output has to match
-                if pos < len(alt.outputs) and alt.outputs[pos] == want:
-                    chosen[p] = alt
-                    changed = True
-                    break
+            # a module may reshard its own input, so only its output has to match; the one
+            # with the fewest collectives per micro-batch wins
+            fits = [alt for alt in strategies(graph, graph.ops[p], t)
+                    if pos < len(alt.outputs) and alt.outputs[pos] == want]
+            if fits:
+                chosen[p] = min(fits, key=lambda s: sum(c.phase != "step" for c in s.comms))
+                changed = True
         if not changed:
             break
         sh = Sharding.build(graph, t, chosen)
     return sh
 
 
-__all__ = ["Comm", "Reshard", "Sharding", "megatron_sharding", "replicated", "reshard_kind"]
+__all__ = ["Comm", "Reshard", "Sharding", "megatron_sharding", "mutates_input", "replicated",
+           "replicated_on", "reshard_kind"]

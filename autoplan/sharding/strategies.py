@@ -1,115 +1,53 @@
-"""Sharding strategies per op on the model-parallel ("tp") mesh axis: the one source of truth.
+"""Sharding strategies per op on one ``t``-way mesh axis: the rule registry, the one source of
+truth for what the planner may choose and the runtime runs.
 
-A strategy says, for one op on a ``t``-way axis: the placement each tensor input must have
-(parameters included: that is how weights get sharded), the placement of each output, how much
-of the op's work each rank does (1/``work_divisor``), the collectives the op itself issues, and
-the runtime ``style`` that realizes it on the op's module (the runtime maps each style name to a
-PyTorch ``ParallelStyle``; see ``RUNTIME_STYLES``). The data-parallel axis is not here: it
-always splits the batch; ZeRO/FSDP decide how it shards weights.
+``strategies(graph, op, t)`` lists an op's strategies (``strategy.OpStrategy``), the first always
+``replicate``. An op no rule knows is only replicated (with the one-time warning the tracer gave
+for it), never guessed. Families (Megatron-LM, Shoeybi et al. 2019; sequence parallelism,
+Korthikanti et al. 2022; Alpa, Zheng et al. 2022, for the general per-op space):
 
-Families (Megatron-LM, Shoeybi et al. 2019; sequence parallelism, Korthikanti et al. 2022;
-Alpa, Zheng et al. 2022, for the general per-op space):
-- linear / matmul with a weight: ``replicate``; ``colwise`` (weight rows split, output features
-  split; backward all-reduces the input gradient); ``colwise_sp`` (input arrives sequence-sharded
-  and is all-gathered; backward reduce-scatters); ``rowwise`` (input features split, output
-  all-reduced); ``rowwise_sp`` (output reduce-scattered to sequence shards); ``batch`` / ``seq``
-  (activations split on batch or sequence, weight replicated: its gradient is all-reduced once
-  per step);
-- product of two activations (attention scores, attention @ V): split a shared batch-like dim
-  (``heads`` for dim 1), or the rows of the first / columns of the second operand;
-- scaled-dot-product attention: ``heads`` or ``batch``;
-- embedding: ``vocab`` (rows split, output all-reduced), ``vocab_sp`` (reduce-scattered),
-  ``embed_dim`` (columns split), ``batch``;
-- norms: ``seq`` (sequence parallel) or ``batch`` over tokens; batch norm: ``channel``;
-- convolution: ``batch``, ``out_channel``, ``in_channel``;
-- loss: ``batch`` or ``vocab`` (loss parallel: a few floats per token all-reduced);
-- every other op: ``replicate`` plus the shardings that pass straight through it (pointwise ops
-  keep any dim; views, permutes and slices move the sharded dim; reductions over the sharded dim
-  end in an all-reduce).
+- product with a weight (linear, HF ``Conv1D``'s addmm, ``x @ W``): ``colwise`` (weight rows
+  split, output features split; also in blocks for fused projections), ``colwise_sp`` (input
+  arrives sequence-split and is gathered), ``rowwise`` (input features split, partial output
+  reduced), ``rowwise_sp`` (reduce-scattered to sequence shards), ``batch`` / ``seq``
+  (activations split, weight replicated);
+- product of two activations (bmm, matmul): a shared batch-like dim (``heads`` for dim 1), the
+  rows of the first or the columns of the second operand, or the contracted dim (partial);
+- experts' grouped product (``grouped_mm``): expert weights split on their output or input
+  features;
+- scaled-dot-product attention: ``heads`` or ``batch`` (a mask follows where it has that dim);
+- embedding: ``vocab`` (rows split, a partial sum reduced), ``vocab_sp``, ``embed_dim``
+  (columns split), ``batch``, ``seq``;
+- norms: split over any token dim (``seq``, ``batch``), weights replicated; batch norm:
+  ``channel``, or ``batch`` with synchronized statistics;
+- convolution: ``batch``, ``out_channel``, ``in_channel`` (partial output reduced);
+- losses: ``batch`` (or any element-wise dim: sum and count all-reduced), ``vocab`` (loss
+  parallel cross entropy);
+- element-wise ops, views, copies, reductions: ``passthrough``.
 """
 
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass
-from typing import Any
-
 from autoplan.graph.opgraph import Op, OpGraph, Value
-from autoplan.sharding import dims
-from autoplan.sharding.placement import REPLICATE, Placement, shard
+from autoplan.sharding import passthrough
+from autoplan.sharding.blocks import block_counts
+from autoplan.sharding.placement import PARTIAL, REPLICATE, Placement, local_size, shard
+from autoplan.sharding.strategy import (KERNELS, Comm, OpStrategy, bias_slot, call_args, make,
+                                        opname, replicate)
 
-# style name -> what the runtime applies to the op's module (PyTorch tensor-parallel API)
-RUNTIME_STYLES = {
-    "replicate": "no sharding on the tp axis (module replicated)",
-    "colwise": "ColwiseParallel()",
-    "colwise_sp": "ColwiseParallel(input_layouts=Shard(1))",
-    "rowwise": "RowwiseParallel()",
-    "rowwise_sp": "RowwiseParallel(output_layouts=Shard(1))",
-    "vocab": "RowwiseParallel(input_layouts=Replicate()) on nn.Embedding",
-    "vocab_sp": "RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)) on nn.Embedding",
-    "embed_dim": "ColwiseParallel(input_layouts=Replicate()) on nn.Embedding",
-    "seq": "SequenceParallel()",
-    "batch": "inputs split on the batch dim over the tp axis (data-parallel within the group)",
-    "loss_parallel": "torch.distributed.tensor.parallel.loss_parallel()",
-    "loss_batch": "loss on batch shards, averaged over the tp group (not runnable yet)",
-    "out_channel": "convolution output channels split (not runnable yet)",
-    "in_channel": "convolution input channels split, output all-reduced (not runnable yet)",
-    "channel": "batch-norm channels split (not runnable yet)",
-    "local": "no module: runs on local shards",
-}
-
-
-# Styles the runtime (autoplan.runtime) realizes today; the search only picks strategies with
-# one of these. Channel splits of convolutions and batch norms are costed (estimate accepts
-# them) but wait for a runtime style before the planner may choose them.
-RUNNABLE_STYLES = frozenset({"replicate", "colwise", "colwise_sp", "rowwise", "rowwise_sp",
-                             "vocab", "vocab_sp", "embed_dim", "seq", "batch", "loss_parallel",
-                             "local"})
-
-
-@dataclass(frozen=True)
-class Comm:
-    """One collective an op issues on the tp group. ``value`` is the tensor whose full (logical)
-    size sets the bytes, times ``scale``. ``phase``: fwd / bwd per micro-batch, or step."""
-
-    kind: str
-    value: str
-    phase: str
-    scale: float = 1.0
-
-
-@dataclass(frozen=True)
-class OpStrategy:
-    name: str
-    inputs: tuple[Placement, ...]       # one per op.inputs entry (parameters included)
-    outputs: tuple[Placement, ...]      # one per op.outputs entry
-    work_divisor: int
-    comms: tuple[Comm, ...] = ()
-    style: str = "local"
-
-
-def call_args(op: Op) -> tuple[list[Any], dict[str, Any]]:
-    d = json.loads(op.args)
-    return d["args"], d["kwargs"]
-
-
-def _opname(op: Op) -> str:
-    """The overload packet ("linear" for "aten.linear.default"; higher-order ops as named)."""
-    parts = op.target.split(".")
-    return parts[1] if len(parts) > 2 else parts[-1]
+GROUPED_MM = frozenset({"grouped_mm_fallback", "_grouped_mm", "grouped_mm"})
+SPLIT_LOSSES = frozenset({"cross_entropy_loss", "nll_loss", "mse_loss", "l1_loss",
+                          "smooth_l1_loss", "huber_loss", "binary_cross_entropy_with_logits",
+                          "binary_cross_entropy"})
+ELEMENTWISE_LOSSES = SPLIT_LOSSES - {"cross_entropy_loss", "nll_loss"}
 
 
 def _is_act(v: Value) -> bool:
     return v.kind in ("activation", "input")
 
 
-def _div(size: int, t: int) -> bool:
-    return size >= t and size % t == 0
-
-
-def _replicate(op: Op) -> OpStrategy:
-    return OpStrategy("replicate", tuple(REPLICATE for _ in op.inputs),
-                      tuple(REPLICATE for _ in op.outputs), 1, (), "replicate")
+def _div(size: int, t: int, blocks: int = 1) -> bool:
+    return size >= t * blocks and size % (t * blocks) == 0
 
 
 def _weight(graph: OpGraph, op: Op) -> int | None:
@@ -120,325 +58,336 @@ def _weight(graph: OpGraph, op: Op) -> int | None:
     return None
 
 
-def _param_grads(graph: OpGraph, op: Op) -> tuple[Comm, ...]:
-    """Replicated weights used on split activations: their gradients are all-reduced per step."""
-    return tuple(Comm("all_reduce", n, "step") for n in op.inputs
-                 if graph.value(n).kind == "param" and graph.value(n).requires_grad)
+def _blocks(graph: OpGraph):
+    counts = block_counts(graph)
+    return lambda value, d: counts.get((value, d), ())
 
+
+def _seq_dim(shape: tuple[int, ...]) -> int:
+    """The token dim sequence parallelism splits: the sequence of (b, s, h), the rows of
+    (tokens, h)."""
+    return 1 if len(shape) >= 3 else 0
+
+
+# ---- products with a weight ------------------------------------------------------------------
 
 def _linear(graph: OpGraph, op: Op, t: int) -> list[OpStrategy]:
     w = _weight(graph, op)
     acts = [i for i, n in enumerate(op.inputs) if _is_act(graph.value(n))]
     if w is None or not acts:
-        return _generic(graph, op, t)
+        return []
     x = acts[0]
-    xv, wv = graph.value(op.inputs[x]), graph.value(op.inputs[w])
-    out = graph.value(op.outputs[0]).meta
-    rank = len(out.shape)
-    # linear keeps (out, in); x @ W keeps (in, out)
-    out_dim, in_dim = (0, 1) if op.target.startswith("aten.linear") else (1, 0)
-    n_out, n_in = wv.meta.shape[out_dim], wv.meta.shape[in_dim]
-    res = [_replicate(op)]
+    b = bias_slot(graph, op)
+    if b in (x, w):
+        b = None
+    xm, wm = graph.value(op.inputs[x]).meta, graph.value(op.inputs[w]).meta
+    out = graph.value(op.outputs[0]).meta.shape
+    rank = len(out)
+    # linear keeps (out, in); addmm / x @ W keep (in, out)
+    out_dim, in_dim = (0, 1) if opname(op) == "linear" else (1, 0)
+    if len(wm.shape) != 2 or len(xm.shape) < 1:
+        return []
 
-    def placements(x_p, w_p, bias_p):
-        ps = []
-        for i, n in enumerate(op.inputs):
-            if i == x:
-                ps.append(x_p)
-            elif i == w:
-                ps.append(w_p)
-            else:
-                ps.append(bias_p)
-        return tuple(ps)
-    x_name = op.inputs[x]
-    y = op.outputs[0]
-    if _div(n_out, t):
-        res.append(OpStrategy("colwise", placements(REPLICATE, shard(out_dim), shard(0)),
-                              (shard(rank - 1),), t,
-                              (Comm("all_reduce", x_name, "bwd"),) if xv.requires_grad else (),
-                              "colwise"))
-        if rank >= 3 and _div(xv.meta.shape[1], t):
-            res.append(OpStrategy("colwise_sp", placements(shard(1), shard(out_dim), shard(0)),
-                                  (shard(rank - 1),), t,
-                                  (Comm("all_gather", x_name, "fwd"),)
-                                  + ((Comm("reduce_scatter", x_name, "bwd"),)
-                                     if xv.requires_grad else ()), "colwise_sp"))
-    if _div(n_in, t):
-        res.append(OpStrategy("rowwise", placements(shard(len(xv.meta.shape) - 1), shard(in_dim),
-                                                    REPLICATE),
-                              (REPLICATE,), t, (Comm("all_reduce", y, "fwd"),), "rowwise"))
-        if rank >= 3 and _div(out.shape[1], t):
-            res.append(OpStrategy("rowwise_sp", placements(shard(len(xv.meta.shape) - 1),
-                                                           shard(in_dim), REPLICATE),
-                                  (shard(1),), t,
-                                  (Comm("reduce_scatter", y, "fwd"), Comm("all_gather", y, "bwd")),
-                                  "rowwise_sp"))
-    grads = _param_grads(graph, op)
-    if _div(out.shape[0], t) and rank >= 2:
-        res.append(OpStrategy("batch", placements(shard(0), REPLICATE, REPLICATE), (shard(0),), t,
-                              grads, "batch"))
-    if rank >= 3 and _div(out.shape[1], t):
-        res.append(OpStrategy("seq", placements(shard(1), REPLICATE, REPLICATE), (shard(1),), t,
-                              grads, "seq"))
+    def ps(x_p: Placement, w_p: Placement, b_p: Placement) -> tuple[Placement, ...]:
+        return tuple(x_p if i == x else w_p if i == w else b_p if i == b else REPLICATE
+                     for i in range(len(op.inputs)))
+    res = []
+    sp = _seq_dim(xm.shape)
+    can_sp = len(xm.shape) >= 2 and _div(xm.shape[sp], t) and len(xm.shape) == rank
+    for k in (1,) + _blocks(graph)(op.outputs[0], rank - 1):
+        if not _div(wm.shape[out_dim], t, k):
+            continue
+        sfx = "" if k == 1 else f"_blocks{k}"
+        col_in = ps(REPLICATE, shard(out_dim, k), shard(0, k))
+        res.append(make(graph, op, "colwise" + sfx, col_in, (shard(rank - 1, k),), t,
+                        style="colwise"))
+        if can_sp:
+            res.append(make(graph, op, "colwise_sp" + sfx, ps(shard(sp), shard(out_dim, k),
+                                                               shard(0, k)),
+                            (shard(rank - 1, k),), t, style="colwise_sp", local_inputs=col_in))
+    if _div(wm.shape[in_dim], t) and _div(xm.shape[-1], t):
+        row_in = ps(shard(len(xm.shape) - 1), shard(in_dim), REPLICATE)
+        kernel = "bias_after_reduce" if b is not None else ""
+        res.append(make(graph, op, "rowwise", row_in, (REPLICATE,), t, style="rowwise",
+                        kernel=kernel, local_outputs=(PARTIAL,)))
+        if len(xm.shape) == rank and rank >= 2 and _div(out[sp], t):
+            res.append(make(graph, op, "rowwise_sp", row_in, (shard(sp),), t,
+                            style="rowwise_sp", kernel=kernel, local_outputs=(PARTIAL,)))
+    if rank >= 2 and len(xm.shape) == rank and _div(out[0], t):
+        res.append(make(graph, op, "batch", ps(shard(0), REPLICATE, REPLICATE), (shard(0),), t,
+                        style="batch"))
+    if rank >= 3 and len(xm.shape) == rank and _div(out[1], t):
+        res.append(make(graph, op, "seq", ps(shard(1), REPLICATE, REPLICATE), (shard(1),), t,
+                        style="seq"))
+    return res
+
+
+def _grouped_mm(graph: OpGraph, op: Op, t: int) -> list[OpStrategy]:
+    """Experts' grouped product: input (tokens, in) sorted by expert, weight (experts, in,
+    out), offsets (experts,)."""
+    if len(op.inputs) != 3:
+        return []
+    xm, wm = (graph.value(n).meta for n in op.inputs[:2])
+    if len(xm.shape) != 2 or len(wm.shape) != 3:
+        return []
+    res = []
+    if _div(wm.shape[2], t):
+        res.append(make(graph, op, "colwise", (REPLICATE, shard(2), REPLICATE), (shard(1),), t,
+                        style="colwise"))
+    if _div(wm.shape[1], t):
+        res.append(make(graph, op, "rowwise", (shard(1), shard(1), REPLICATE), (REPLICATE,), t,
+                        style="rowwise", local_outputs=(PARTIAL,)))
     return res
 
 
 def _act_matmul(graph: OpGraph, op: Op, t: int) -> list[OpStrategy]:
-    """Product of two activations (batched): split a shared leading dim, rows, or columns."""
-    a, b = (graph.value(n).meta for n in op.inputs[:2])
-    out = graph.value(op.outputs[0]).meta
-    res = [_replicate(op)]
-    r = len(out.shape)
-    if len(a.shape) != r or len(b.shape) != r or r < 2:
-        return res
+    """Product of two activations (batched, broadcasting over the leading dims)."""
+    name = opname(op)
+    if name not in ("bmm", "matmul", "mm") or len(op.inputs) != 2:
+        return []
+    a, b = (graph.value(n).meta.shape for n in op.inputs)
+    out = graph.value(op.outputs[0]).meta.shape
+    r = len(out)
+    if len(a) < 2 or len(b) < 2 or r < 2:
+        return []
+    res = []
     for d in range(r - 2):
-        if a.shape[d] == b.shape[d] and _div(out.shape[d], t):
-            res.append(OpStrategy("heads" if d == 1 else ("batch" if d == 0 else f"dim{d}"),
-                                  (shard(d), shard(d)), (shard(d),), t))
-    if _div(out.shape[r - 2], t):
-        res.append(OpStrategy("rows", (shard(r - 2), REPLICATE), (shard(r - 2),), t))
-    if _div(out.shape[r - 1], t):
-        res.append(OpStrategy("cols", (REPLICATE, shard(r - 1)), (shard(r - 1),), t))
+        pa, pb = (_batch_dim(s, out, d) for s in (a, b))
+        if (pa is None and pb is None) or not _div(out[d], t):
+            continue
+        ins = (shard(pa) if pa is not None else REPLICATE,
+               shard(pb) if pb is not None else REPLICATE)
+        res.append(make(graph, op, "heads" if d == 1 else ("batch" if d == 0 else f"dim{d}"),
+                        ins, (shard(d),), t))
+    if _div(out[r - 2], t):
+        res.append(make(graph, op, "rows", (shard(len(a) - 2), REPLICATE), (shard(r - 2),), t))
+    if _div(out[r - 1], t):
+        res.append(make(graph, op, "cols", (REPLICATE, shard(len(b) - 1)), (shard(r - 1),), t))
+    if _div(a[-1], t):
+        res.append(make(graph, op, "contract", (shard(len(a) - 1), shard(len(b) - 2)),
+                        (REPLICATE,), t, local_outputs=(PARTIAL,)))
     return res
 
 
+def _batch_dim(shape: tuple[int, ...], out: tuple[int, ...], d: int) -> int | None:
+    """The operand dim aligned with output batch dim ``d`` (None: broadcast over it)."""
+    k = d - (len(out) - len(shape))
+    if k < 0 or k >= len(shape) - 2 or shape[k] == 1:
+        return None
+    return k
+
+
+# ---- attention, embedding, norms, convolution ------------------------------------------------
+
 def _attention(graph: OpGraph, op: Op, t: int) -> list[OpStrategy]:
-    q = graph.value(op.inputs[0]).meta
-    res = [_replicate(op)]
+    """scaled_dot_product_attention(q, k, v, attn_mask?): batch or heads; a mask follows where
+    it has that dim and broadcasts (stays whole) where it has size 1."""
+    if len(op.inputs) < 3:
+        return []
+    q = graph.value(op.inputs[0]).meta.shape
+    if len(q) != 4:
+        return []
+    res = []
     for d, name in ((0, "batch"), (1, "heads")):
-        if len(q.shape) == 4 and _div(q.shape[d], t) and all(
-                graph.value(n).meta.shape[d] == q.shape[d] for n in op.inputs[:3]):
-            ins = tuple(shard(d) if i < 3 else REPLICATE for i in range(len(op.inputs)))
-            res.append(OpStrategy(name, ins, tuple(shard(d) for _ in op.outputs), t))
+        if not _div(q[d], t) or any(graph.value(n).meta.shape[d] != q[d]
+                                    for n in op.inputs[1:3]):
+            continue
+        ins = []
+        for i, n in enumerate(op.inputs):
+            m = graph.value(n).meta.shape
+            if i < 3:
+                ins.append(shard(d))
+                continue
+            k = d - (4 - len(m))
+            ins.append(shard(k) if 0 <= k < len(m) and m[k] == q[d] else REPLICATE)
+        res.append(make(graph, op, name, tuple(ins), tuple(shard(d) for _ in op.outputs), t,
+                        style=name))
     return res
 
 
 def _embedding(graph: OpGraph, op: Op, t: int) -> list[OpStrategy]:
     w = next((i for i, n in enumerate(op.inputs) if graph.value(n).kind == "param"), None)
-    if w is None:
-        return _generic(graph, op, t)
-    wv = graph.value(op.inputs[w])
-    out = graph.value(op.outputs[0]).meta
-    y = op.outputs[0]
-    rank = len(out.shape)
+    if w is None or w != 0 or len(op.inputs) < 2:
+        return []
+    wm = graph.value(op.inputs[0]).meta.shape
+    idx = graph.value(op.inputs[1]).meta.shape
+    out = graph.value(op.outputs[0]).meta.shape
+    rank = len(out)
+    name = opname(op)
+    bag = name != "embedding"
+    if bag:
+        args, kwargs = call_args(op)
+        mode = args[4] if len(args) > 4 else kwargs.get("mode", 0)
+        if mode != 0 or len(op.inputs) > 3:      # sum bags only, no per-sample weights
+            return []
 
-    def ps(w_p, idx_p):
-        return tuple(w_p if i == w else idx_p for i in range(len(op.inputs)))
-    res = [_replicate(op)]
-    if _div(wv.meta.shape[0], t):
-        res.append(OpStrategy("vocab", ps(shard(0), REPLICATE), (REPLICATE,), t,
-                              (Comm("all_reduce", y, "fwd"),), "vocab"))
-        if rank >= 3 and _div(out.shape[1], t):
-            res.append(OpStrategy("vocab_sp", ps(shard(0), REPLICATE), (shard(1),), t,
-                                  (Comm("reduce_scatter", y, "fwd"), Comm("all_gather", y, "bwd")),
-                                  "vocab_sp"))
-    if _div(wv.meta.shape[1], t):
-        res.append(OpStrategy("embed_dim", ps(shard(1), REPLICATE), (shard(rank - 1),), t, (),
-                              "embed_dim"))
-    if _div(out.shape[0], t):
-        res.append(OpStrategy("batch", ps(REPLICATE, shard(0)), (shard(0),), t,
-                              _param_grads(graph, op), "batch"))
+    def ps(w_p: Placement, idx_p: Placement) -> tuple[Placement, ...]:
+        return tuple(w_p if i == 0 else idx_p if i == 1 else REPLICATE
+                     for i in range(len(op.inputs)))
+    outs = len(op.outputs)
+    res = []
+    if _div(wm[0], t):
+        res.append(make(graph, op, "vocab", ps(shard(0), REPLICATE), (REPLICATE,) * outs, t,
+                        style="vocab", kernel="vocab_embedding",
+                        local_outputs=(PARTIAL,) + (REPLICATE,) * (outs - 1)))
+        sp = _seq_dim(out)
+        if not bag and rank >= 2 and _div(out[sp], t):
+            res.append(make(graph, op, "vocab_sp", ps(shard(0), REPLICATE), (shard(sp),), t,
+                            style="vocab_sp", kernel="vocab_embedding",
+                            local_outputs=(PARTIAL,)))
+    if _div(wm[1], t):
+        res.append(make(graph, op, "embed_dim", ps(shard(1), REPLICATE),
+                        (shard(rank - 1),) + (REPLICATE,) * (outs - 1), t, style="embed_dim"))
+    if not bag:
+        for d, label in ((0, "batch"), (1, "seq")):
+            if d < len(idx) and d < rank - 1 and _div(out[d], t):
+                res.append(make(graph, op, label, ps(REPLICATE, shard(d)), (shard(d),), t,
+                                style=label))
     return res
 
 
 def _norm(graph: OpGraph, op: Op, t: int) -> list[OpStrategy]:
-    x = graph.value(op.inputs[0]).meta
-    out_meta = graph.value(op.outputs[0]).meta
-    res = [_replicate(op)]
-    grads = _param_grads(graph, op)
-    channel_norm = op.target.startswith("aten.batch_norm")
-    token_dims = [0, 1] if len(x.shape) >= 3 and not channel_norm else [0]
+    name = opname(op)
+    x = graph.value(op.inputs[0]).meta.shape
+    args, kwargs = call_args(op)
+    if name in ("layer_norm", "rms_norm"):
+        normalized = args[1] if len(args) > 1 else kwargs.get("normalized_shape", [])
+        token_dims = range(len(x) - len(normalized))
+    elif name == "batch_norm":
+        return _batch_norm(graph, op, t, x)
+    else:                                       # group norm: statistics over channel groups
+        token_dims = range(1)
+    res = []
     for d in token_dims:
-        if not _div(x.shape[d], t):
+        if not _div(x[d], t):
             continue
         ins = tuple(shard(d) if _is_act(graph.value(n)) else REPLICATE for n in op.inputs)
-        outs = tuple(shard(d) if graph.value(n).meta.shape == out_meta.shape else REPLICATE
+        outs = tuple(shard(d) if graph.value(n).meta.shape == x else REPLICATE
                      for n in op.outputs)
-        comms = grads
-        if channel_norm:   # batch statistics over a split batch: synchronized (SyncBatchNorm)
-            comms = comms + (Comm("all_reduce", op.outputs[0], "fwd", 2.0 / max(x.numel / x.shape[1], 1)),)
-        res.append(OpStrategy("seq" if d == 1 else "batch", ins, outs, t, comms,
-                              "seq" if d == 1 else "batch"))
-    if channel_norm and len(x.shape) >= 2 and _div(x.shape[1], t):
-        ins = tuple(shard(1) if _is_act(graph.value(n)) else
-                    (shard(0) if len(graph.value(n).meta.shape) == 1 else REPLICATE)
-                    for n in op.inputs)
-        outs = tuple(shard(1) if graph.value(n).meta.shape == out_meta.shape else shard(0)
-                     for n in op.outputs)
-        res.append(OpStrategy("channel", ins, outs, t, (), "channel"))
+        label = "seq" if d == 1 else "batch" if d == 0 else f"shard{d}"
+        res.append(make(graph, op, label, ins, outs, t, style=label))
     return res
+
+
+def _batch_norm(graph: OpGraph, op: Op, t: int, x: tuple[int, ...]) -> list[OpStrategy]:
+    """aten.batch_norm(x, weight, bias, running_mean, running_var, training, ...)."""
+    res = []
+    if len(x) >= 2 and _div(x[1], t):
+        ins = tuple(shard(1) if _is_act(graph.value(n)) else shard(0) for n in op.inputs)
+        outs = tuple(shard(1) if graph.value(n).meta.shape == x else shard(0)
+                     for n in op.outputs)
+        res.append(make(graph, op, "channel", ins, outs, t, style="channel"))
+    if _div(x[0], t):
+        ins = tuple(shard(0) if _is_act(graph.value(n)) else REPLICATE for n in op.inputs)
+        outs = tuple(shard(0) if graph.value(n).meta.shape == x else REPLICATE
+                     for n in op.outputs)
+        per_channel = 2.0 * x[1] / max(1, _numel(x)) if len(x) > 1 else 1.0
+        stats = (Comm("all_reduce", op.outputs[0], "fwd", per_channel),
+                 Comm("all_reduce", op.outputs[0], "bwd", per_channel))
+        res.append(make(graph, op, "batch", ins, outs, t, style="batch",
+                        kernel="sync_batch_norm", local_outputs=outs, extra=stats))
+    return res
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
 
 
 def _conv(graph: OpGraph, op: Op, t: int) -> list[OpStrategy]:
-    x, w = (graph.value(n).meta for n in op.inputs[:2])
-    out = graph.value(op.outputs[0]).meta
+    """conv{1,2,3}d(x, w, b, stride, padding, dilation, groups) / convolution(..., transposed,
+    output_padding, groups)."""
+    if len(op.inputs) < 2:
+        return []
+    x, w = (graph.value(n).meta.shape for n in op.inputs[:2])
+    out = graph.value(op.outputs[0]).meta.shape
     args, kwargs = call_args(op)
-    groups = kwargs.get("groups", args[-1] if args and isinstance(args[-1], int) else 1)
-    res = [_replicate(op)]
+    name = opname(op)
+    if name in ("convolution", "_convolution"):
+        transposed = args[6] if len(args) > 6 else kwargs.get("transposed", False)
+        groups = args[8] if len(args) > 8 else kwargs.get("groups", 1)
+    else:
+        transposed = False
+        groups = args[6] if len(args) > 6 else kwargs.get("groups", 1)
+    b = 2 if len(op.inputs) > 2 else None
     extra = len(op.inputs) - 2
-    xn = op.inputs[0]
-    if _div(out.shape[0], t):
-        res.append(OpStrategy("batch", (shard(0), REPLICATE) + (REPLICATE,) * extra, (shard(0),),
-                              t, _param_grads(graph, op), "batch"))
-    if groups == 1 and _div(w.shape[0], t):
-        res.append(OpStrategy("out_channel", (REPLICATE, shard(0)) + (shard(0),) * extra,
-                              (shard(1),), t,
-                              (Comm("all_reduce", xn, "bwd"),)
-                              if graph.value(xn).requires_grad else (), "out_channel"))
-    if groups == 1 and _div(w.shape[1], t):
-        res.append(OpStrategy("in_channel", (shard(1), shard(1)) + (REPLICATE,) * extra,
-                              (REPLICATE,), t, (Comm("all_reduce", op.outputs[0], "fwd"),),
-                              "in_channel"))
+    res = []
+    if _div(out[0], t):
+        res.append(make(graph, op, "batch", (shard(0), REPLICATE) + (REPLICATE,) * extra,
+                        (shard(0),), t, style="batch"))
+    if groups != 1 or transposed:
+        return res
+    if _div(w[0], t):
+        res.append(make(graph, op, "out_channel", (REPLICATE, shard(0)) + (shard(0),) * extra,
+                        (shard(1),), t, style="out_channel"))
+    if _div(w[1], t) and _div(x[1], t):
+        res.append(make(graph, op, "in_channel", (shard(1), shard(1)) + (REPLICATE,) * extra,
+                        (REPLICATE,), t, style="in_channel",
+                        kernel="bias_after_reduce" if b is not None else "",
+                        local_outputs=(PARTIAL,)))
     return res
 
+
+# ---- losses ------------------------------------------------------------------------------------
 
 def _loss(graph: OpGraph, op: Op, t: int) -> list[OpStrategy]:
-    logits = graph.value(op.inputs[0]).meta
-    res = [_replicate(op)]
-    out = op.outputs[0]
-    if _div(logits.shape[0], t) and all(graph.value(n).meta.shape[:1] == logits.shape[:1]
-                                        for n in op.inputs):
-        res.append(OpStrategy("batch", tuple(shard(0) for _ in op.inputs), (REPLICATE,), t,
-                              (Comm("all_reduce", out, "fwd"),), "loss_batch"))
-    if op.target.startswith("aten.cross_entropy_loss") and len(logits.shape) == 2 \
-            and _div(logits.shape[1], t):
-        # loss parallel: per token, the max, the sum of exponentials and the target logit
-        scale = 3.0 / logits.shape[1]
-        res.append(OpStrategy("vocab", (shard(1),) + (REPLICATE,) * (len(op.inputs) - 1),
-                              (REPLICATE,), t,
-                              (Comm("all_reduce", op.inputs[0], "fwd", scale),), "loss_parallel"))
-    return res
-
-
-# ---- ops that pass a sharding through: pointwise, views, reductions -----------------------------
-
-def _map_through(graph: OpGraph, op: Op, d: int, t: int) -> tuple[int | None, str]:
-    """Output dim a sharded dim ``d`` of the op's first input lands on (None: cannot)."""
-    x = graph.value(op.inputs[0]).meta
-    out = graph.value(op.outputs[0]).meta
-    name = _opname(op)
+    name = opname(op)
+    if name not in SPLIT_LOSSES:
+        return []
     args, kwargs = call_args(op)
-    rank = len(x.shape)
-    if name in ("view", "reshape", "_unsafe_view", "unsqueeze", "squeeze", "flatten",
-                "unflatten", "expand", "expand_as", "view_as", "_reshape_alias"):
-        if name.startswith("expand"):
-            return (d + len(out.shape) - rank if x.shape[d] == out.shape[d + len(out.shape) - rank]
-                    else None), "view"
-        return dims.reshape_dim(x.shape, out.shape, d, t), "view"
-    if name in ("transpose", "swapaxes"):
-        return dims.transpose_dim(rank, args[1], args[2], d), "view"
-    if name == "t":
-        return dims.transpose_dim(rank, 0, 1, d) if rank == 2 else d, "view"
-    if name == "permute":
-        return dims.permute_dim(args[1], d), "view"
-    if name in ("split", "split_with_sizes", "chunk", "slice", "narrow", "select", "unbind"):
-        axis = args[2] if len(args) > 2 else kwargs.get("dim", 0)
-        axis = axis % rank
-        if d == axis:
-            return None, "view"
-        if name in ("select", "unbind"):
-            return (d - 1 if d > axis else d), "view"
-        return d, "view"
-    if name == "repeat_interleave":   # grouped-query attention: kv heads repeated in place
-        return (d if x.shape[d] % t == 0 else None), "view"
-    if name in ("softmax", "_softmax", "log_softmax", "_log_softmax", "cumsum", "flip", "roll"):
-        axis = args[1] if len(args) > 1 else kwargs.get("dim", -1)
-        if isinstance(axis, list):
-            axis = axis[0] if axis else 0
-        return (None if d == axis % rank else d), "pointwise"
-    if name in ("sum", "mean", "amax", "amin", "var", "std", "norm", "logsumexp", "max", "min",
-                "argmax", "prod", "var_mean"):
-        dims_arg = args[1] if len(args) > 1 else kwargs.get("dim")
-        if isinstance(dims_arg, int):
-            dims_arg = [dims_arg]
-        keep = (args[2] if len(args) > 2 and isinstance(args[2], bool) else
-                kwargs.get("keepdim", False))
-        r = dims.reduced_dim(rank, dims_arg or [], keep, d)
-        return r, ("reduce_partial" if r is None else "pointwise")
-    if x.shape == out.shape or len(op.outputs) == 1 and out.shape == x.shape:
-        return d, "pointwise"
-    if len(out.shape) == rank and all(a == b or b == 1 or a == 1 for a, b in zip(x.shape, out.shape)):
-        return (d if out.shape[d] == x.shape[d] else None), "pointwise"
-    return None, "none"
-
-
-def _generic(graph: OpGraph, op: Op, t: int) -> list[OpStrategy]:
-    """Replicate, plus every input sharding the op carries through to its output."""
-    res = [_replicate(op)]
-    if not op.outputs or not op.inputs:
-        return res
-    outs = [graph.value(n).meta for n in op.outputs]
-    acts = [i for i, n in enumerate(op.inputs) if _is_act(graph.value(n))]
-    if not acts:
-        return res
-    if op.kind == "pointwise" or op.kind == "dropout" or (op.kind == "copy" and len(acts) > 1):
-        # element-wise over a broadcast output: any output dim; inputs follow by broadcasting
-        out = outs[0]
-        if _opname(op) in ("cat", "stack"):
-            return res + _concat(graph, op, t)
-        mapped = {}
-        for d in range(len(out.shape)):
-            if not _div(out.shape[d], t):
-                continue
-            if _opname(op) in ("softmax", "_softmax", "log_softmax", "_log_softmax"):
-                if _map_through(graph, op, d, t)[0] is None:
-                    continue
-            ins = []
-            for n in op.inputs:
-                m = graph.value(n).meta
-                bd = dims.broadcast_dim(m.shape, out.shape, d)
-                ins.append(shard(bd) if bd is not None else REPLICATE)
-            mapped[d] = OpStrategy(f"shard{d}", tuple(ins),
-                                   tuple(shard(d) if o.shape == out.shape else REPLICATE
-                                         for o in outs), t)
-        return res + list(mapped.values())
-    # single-activation-input shape changers and reductions
-    x = graph.value(op.inputs[acts[0]]).meta
-    for d in range(len(x.shape)):
-        if not _div(x.shape[d], t):
-            continue
-        od, how = _map_through(graph, op, d, t)
-        ins = tuple(shard(d) if i == acts[0] else REPLICATE for i in range(len(op.inputs)))
-        if how == "reduce_partial":
-            res.append(OpStrategy(f"shard{d}", ins, tuple(REPLICATE for _ in op.outputs), t,
-                                  (Comm("all_reduce", op.outputs[0], "fwd"),)))
-            continue
-        if od is None:
-            continue
-        outp = []
-        for o in outs:
-            outp.append(shard(od) if od < len(o.shape) and _div(o.shape[od], t) else REPLICATE)
-        divisor = t if op.kind not in ("view",) else 1
-        res.append(OpStrategy(f"shard{d}", ins, tuple(outp), divisor))
-    return res
-
-
-def _concat(graph: OpGraph, op: Op, t: int) -> list[OpStrategy]:
-    args, kwargs = call_args(op)
-    out = graph.value(op.outputs[0]).meta
-    axis = (args[1] if len(args) > 1 else kwargs.get("dim", 0)) % len(out.shape)
+    x = graph.value(op.inputs[0]).meta.shape
+    out = graph.value(op.outputs[0]).meta.shape
+    reduced = len(out) == 0
     res = []
-    for d in range(len(out.shape)):
-        if d == axis or not _div(out.shape[d], t):
+    tensors = [graph.value(n).meta.shape for n in op.inputs]
+    if name in ELEMENTWISE_LOSSES:
+        dims_ok = range(len(x)) if all(s == x for s in tensors[:2]) and len(tensors) <= 2 \
+            else ()
+    else:                   # (N, C, ...) logits with (N, ...) targets: split the samples
+        weight = args[2] if len(args) > 2 else kwargs.get("weight")
+        dims_ok = range(1) if weight is None and len(op.inputs) == 2 and x and \
+            tensors[1][:1] == x[:1] else ()
+    for d in dims_ok:
+        if not _div(x[d], t):
             continue
-        ins = tuple(shard(d) if len(graph.value(n).meta.shape) == len(out.shape) else REPLICATE
-                    for n in op.inputs)
-        res.append(OpStrategy(f"shard{d}", ins, (shard(d),), t))
+        ins = tuple(shard(d) for _ in op.inputs)
+        label = "batch" if d == 0 else f"shard{d}"
+        if reduced:
+            res.append(make(graph, op, label, ins, (REPLICATE,), t, style="loss_batch",
+                            kernel="split_loss",
+                            extra=(Comm("all_reduce", op.outputs[0], "fwd", 2.0),)))
+        elif out == x or (name not in ELEMENTWISE_LOSSES and out == x[:1]):
+            res.append(make(graph, op, label, ins, (shard(d),), t, style="loss_batch"))
+    smoothing = args[5] if len(args) > 5 else kwargs.get("label_smoothing", 0.0)
+    weight = args[2] if len(args) > 2 else kwargs.get("weight")
+    if name == "cross_entropy_loss" and len(x) == 2 and _div(x[1], t) and weight is None \
+            and not smoothing and len(op.inputs) == 2 and len(tensors[1]) == 1:
+        # loss parallel: per row, the max, the sum of exponentials and the target logit
+        scale = 3.0 / x[1]
+        res.append(make(graph, op, "vocab", (shard(1), REPLICATE),
+                        (REPLICATE,) if reduced else (REPLICATE,), t, style="loss_parallel",
+                        kernel="vocab_cross_entropy",
+                        extra=(Comm("all_reduce", op.inputs[0], "fwd", scale),)))
     return res
 
 
-def strategies(graph: OpGraph, op: Op, t: int) -> list[OpStrategy]:
-    """All strategies of ``op`` on a ``t``-way axis; the first is always ``replicate``."""
-    if t == 1 or not op.outputs:
-        return [_replicate(op)]
-    if op.kind == "creation":
-        return [_replicate(op)]
+# ---- dispatch ----------------------------------------------------------------------------------
+
+def _shaped(graph: OpGraph, op: Op, t: int) -> list[OpStrategy]:
+    """Every strategy whose input and output placements split evenly."""
+    name = opname(op)
+    if op.kind == "creation" or not op.outputs:
+        return []
+    if name in GROUPED_MM:
+        return _grouped_mm(graph, op, t)
     if op.kind == "matmul":
         if _weight(graph, op) is not None:
             return _linear(graph, op, t)
         return _act_matmul(graph, op, t)
     if op.kind == "attention":
-        return _attention(graph, op, t)
+        return _attention(graph, op, t) if name == "scaled_dot_product_attention" else []
     if op.kind == "embedding":
         return _embedding(graph, op, t)
     if op.kind == "norm":
@@ -447,7 +396,44 @@ def strategies(graph: OpGraph, op: Op, t: int) -> list[OpStrategy]:
         return _conv(graph, op, t)
     if op.kind == "loss":
         return _loss(graph, op, t)
-    return _generic(graph, op, t)
+    if name in ("cat", "stack"):
+        return passthrough.concat(graph, op, t)
+    if passthrough.is_elementwise(graph, op):
+        return passthrough.elementwise(graph, op, t, _blocks(graph))
+    acts = [i for i, n in enumerate(op.inputs) if _is_act(graph.value(n))]
+    if passthrough.has_rule(op) and len(acts) == 1:
+        return passthrough.unary(graph, op, acts[0], t, _blocks(graph))
+    return []
 
 
-__all__ = ["Comm", "OpStrategy", "RUNNABLE_STYLES", "RUNTIME_STYLES", "call_args", "strategies"]
+def strategies(graph: OpGraph, op: Op, t: int, *, micro_batch: int | None = None
+               ) -> list[OpStrategy]:
+    """All strategies of ``op`` on a ``t``-way axis; the first is always ``replicate``.
+
+    With ``micro_batch``, a strategy that splits a dim growing with the batch must split it
+    evenly at that micro-batch size too (the graph was traced at ``graph.batch_size``)."""
+    if t == 1 or not op.outputs:
+        return [replicate(op)]
+    found = _shaped(graph, op, t)
+    if micro_batch is not None and micro_batch != graph.batch_size:
+        found = [s for s in found if _even_at(graph, op, s, t, micro_batch)]
+    return [replicate(op)] + found
+
+
+def _even_at(graph: OpGraph, op: Op, s: OpStrategy, t: int, micro_batch: int) -> bool:
+    """Whether every split of ``s`` stays even when dims that are multiples of the traced batch
+    scale to ``micro_batch``."""
+    from autoplan.graph.analysis import analyze
+    dependent = analyze(graph).batch_dependent
+    B = graph.batch_size
+    for names, ps in ((op.inputs, s.inputs), (op.outputs, s.outputs)):
+        for n, p in zip(names, ps):
+            if p.kind != "S" or n not in dependent:
+                continue
+            size = graph.value(n).meta.shape[p.dim]
+            if size % B == 0 and local_size(size // B * micro_batch, p, t) is None:
+                return False
+    return True
+
+
+__all__ = ["Comm", "KERNELS", "OpStrategy", "call_args", "strategies"]

@@ -1,6 +1,6 @@
 """Structural facts about an OpGraph that several cost functions need, computed once per graph.
 
-- which op produces each value, and which ops consume it;
+- which op produces each value, and which ops consume it (in order);
 - which values depend on the batch (descend from a user input): only those grow with the
   micro-batch size; masks built from constants do not;
 - the head counts of attention (tensor parallelism splits whole heads);
@@ -18,6 +18,7 @@ from autoplan.graph.opgraph import OpGraph
 @dataclass(frozen=True)
 class GraphAnalysis:
     producer: dict[str, int]                 # value -> index of the op producing it
+    consumers: dict[str, tuple[int, ...]]    # value -> indices of the ops reading it, in order
     batch_dependent: frozenset[str]          # values that scale with the batch
     head_counts: frozenset[int]              # head counts seen where heads are split from features
     score_values: frozenset[str]             # values inside attention-score regions
@@ -35,9 +36,12 @@ def analyze(graph: OpGraph) -> GraphAnalysis:
 
 def _analyze(graph: OpGraph) -> GraphAnalysis:
     producer: dict[str, int] = {}
+    readers: dict[str, list[int]] = {}
     for i, op in enumerate(graph.ops):
         for out in op.outputs:
             producer[out] = i
+        for n in dict.fromkeys(op.inputs):
+            readers.setdefault(n, []).append(i)
 
     batch_dep: set[str] = set(graph.inputs)
     for op in graph.ops:
@@ -57,7 +61,9 @@ def _analyze(graph: OpGraph) -> GraphAnalysis:
             heads.add(b[-2])
 
     score_values, score_ops = _score_regions(graph, producer)
-    return GraphAnalysis(producer=producer, batch_dependent=frozenset(batch_dep),
+    return GraphAnalysis(producer=producer,
+                         consumers={n: tuple(r) for n, r in readers.items()},
+                         batch_dependent=frozenset(batch_dep),
                          head_counts=frozenset(heads), score_values=frozenset(score_values),
                          score_ops=frozenset(score_ops))
 

@@ -1,0 +1,217 @@
+"""The local kernels ``autoplan.sharding.strategy.KERNELS`` names, on one rank's tensors.
+
+Each takes the op (an aten overload), its arguments with local tensors, and the axis ``comm``;
+it returns what the strategy's ``local_outputs`` say (a partial sum where they say ``P``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from autoplan.runtime import tp_comm
+
+REDUCTION = {"none": 0, "mean": 1, "sum": 2}
+
+
+def _schema_index(op: Any, name: str) -> int | None:
+    for i, a in enumerate(op._schema.arguments):
+        if a.name == name:
+            return i
+    return None
+
+
+def _get(op: Any, args: list, kwargs: dict, name: str, default: Any = None) -> Any:
+    i = _schema_index(op, name)
+    if name in kwargs:
+        return kwargs[name]
+    if i is not None and i < len(args):
+        return args[i]
+    return default
+
+
+def _set(op: Any, args: list, kwargs: dict, name: str, value: Any) -> tuple[list, dict]:
+    args, kwargs = list(args), dict(kwargs)
+    i = _schema_index(op, name)
+    if name in kwargs or i is None or i >= len(args):
+        kwargs[name] = value
+    else:
+        args[i] = value
+    return args, kwargs
+
+
+# ---- vocabulary-parallel embedding ---------------------------------------------------------------
+
+def vocab_embedding(op: Any, args: list, kwargs: dict, comm) -> Any:
+    """Lookup of this rank's rows of a row-split table; ids of other ranks give zeros (the sum
+    over ranks is the whole lookup). Bags sum their rows the same way."""
+    weight, ids = args[0], args[1]
+    rows = weight.shape[0]
+    start = comm.rank * rows
+    outside = (ids < start) | (ids >= start + rows)
+    local_ids = (ids - start).masked_fill(outside, 0)
+    args = [weight, local_ids] + list(args[2:])
+    pad = _get(op, args, kwargs, "padding_idx", None)
+    if pad is not None and pad >= 0:
+        args, kwargs = _set(op, args, kwargs, "padding_idx",
+                            pad - start if start <= pad < start + rows else -1)
+    if op._schema.name.endswith("embedding"):
+        out = op(*args, **kwargs)
+        return out.masked_fill(outside.unsqueeze(-1), 0.0)
+    # a bag (sum mode): weigh the outside rows by zero
+    keep = (~outside).to(weight.dtype)
+    args, kwargs = _set(op, args, kwargs, "per_sample_weights", keep)
+    return op(*args, **kwargs)
+
+
+# ---- vocabulary-parallel cross entropy -----------------------------------------------------------
+
+class _VocabCrossEntropy(torch.autograd.Function):
+    """Per-row cross entropy of logits split over the vocabulary (Megatron-LM's
+    ``vocab_parallel_cross_entropy``): the row max, the sum of exponentials and the target's
+    logit are all-reduced; the gradient is local."""
+
+    @staticmethod
+    def forward(ctx, logits, target, comm, ignore_index):
+        v = logits.shape[-1]
+        start = comm.rank * v
+        x = logits.float()
+        row_max = comm.all_reduce(x.max(dim=-1).values, dist.ReduceOp.MAX)
+        z = x - row_max.unsqueeze(-1)
+        exp = z.exp()
+        sum_exp = comm.all_reduce(exp.sum(dim=-1))
+        outside = (target < start) | (target >= start + v)
+        local_t = (target - start).masked_fill(outside, 0)
+        picked = z.gather(-1, local_t.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
+        picked = comm.all_reduce(picked)
+        loss = sum_exp.log() - picked
+        ignored = target == ignore_index
+        loss = loss.masked_fill(ignored, 0.0)
+        softmax = exp / sum_exp.unsqueeze(-1)
+        ctx.save_for_backward(softmax, local_t, outside, ignored)
+        ctx.dtype = logits.dtype
+        return loss
+
+    @staticmethod
+    def backward(ctx, g):
+        softmax, local_t, outside, ignored = ctx.saved_tensors
+        grad = softmax.clone()
+        hit = torch.zeros_like(grad).scatter_(-1, local_t.unsqueeze(-1), 1.0)
+        grad -= hit * (~outside).unsqueeze(-1).to(grad.dtype)
+        grad *= (g.masked_fill(ignored, 0.0)).unsqueeze(-1)
+        return grad.to(ctx.dtype), None, None, None
+
+
+def vocab_cross_entropy(op: Any, args: list, kwargs: dict, comm) -> Any:
+    logits, target = args[0], args[1]
+    reduction = _get(op, args, kwargs, "reduction", 1)
+    ignore = _get(op, args, kwargs, "ignore_index", -100)
+    rows = _VocabCrossEntropy.apply(logits, target, comm, ignore)
+    if reduction == 0:
+        return rows.to(logits.dtype)
+    total = rows.sum()
+    if reduction == 2:
+        return total.to(logits.dtype)
+    return (total / (target != ignore).sum()).to(logits.dtype)
+
+
+# ---- a loss over a split batch (or any element-wise dim) -----------------------------------------
+
+def split_loss(op: Any, args: list, kwargs: dict, comm) -> Any:
+    """Sum of the loss over this rank's shard, then sum and count all-reduced and divided (the
+    mean over the whole batch, ignored targets excluded, as one device computes it)."""
+    reduction = _get(op, args, kwargs, "reduction", 1)
+    args, kwargs = _set(op, args, kwargs, "reduction", 2)
+    local_sum = op(*args, **kwargs)
+    total = tp_comm.reduce(local_sum, comm)
+    if reduction == 2:
+        return total
+    name = op._schema.name
+    if "cross_entropy" in name or "nll_loss" in name:
+        ignore = _get(op, args, kwargs, "ignore_index", -100)
+        count = (args[1] != ignore).sum().to(total.dtype)
+    else:
+        count = torch.tensor(float(args[0].numel()), dtype=total.dtype, device=total.device)
+    count = comm.all_reduce(count)
+    return total / count
+
+
+# ---- batch norm with statistics over a group ------------------------------------------------------
+
+def batch_norm_over(group_comm) -> Callable[..., Any]:
+    """A batch norm whose per-channel sum, sum of squares and count are all-reduced over
+    ``group_comm`` (every rank normalizes with the whole micro-batch's statistics, and the
+    running statistics stay identical across ranks)."""
+
+    def run(op: Any, args: list, kwargs: dict, comm) -> Any:
+        x, weight, bias, running_mean, running_var = (list(args) + [None] * 5)[:5]
+        training = _get(op, args, kwargs, "training", True)
+        momentum = _get(op, args, kwargs, "momentum", 0.1)
+        eps = _get(op, args, kwargs, "eps", 1e-5)
+        if not training:
+            return op(*args, **kwargs)
+        dims = [0] + list(range(2, x.dim()))
+        c = x.shape[1]
+        count = torch.full((1,), x.numel() / c, dtype=x.dtype, device=x.device)
+        stats = torch.cat([x.sum(dims), (x * x).sum(dims), count])
+        stats = _AllReduceSum.apply(stats, group_comm)
+        n = stats[2 * c]
+        mean = stats[:c] / n
+        var = stats[c:2 * c] / n - mean * mean
+        if running_mean is not None:
+            with torch.no_grad():
+                m = momentum if momentum is not None else 0.1
+                running_mean.mul_(1 - m).add_(mean.detach() * m)
+                running_var.mul_(1 - m).add_(var.detach() * (n / (n - 1)) * m)
+        shape = [1, c] + [1] * (x.dim() - 2)
+        y = (x - mean.reshape(shape)) * torch.rsqrt(var.reshape(shape) + eps)
+        if weight is not None:
+            y = y * weight.reshape(shape)
+        if bias is not None:
+            y = y + bias.reshape(shape)
+        return y
+    return run
+
+
+class _AllReduceSum(torch.autograd.Function):
+    """Sum over the group whose gradient is summed too (every rank's statistics feed every
+    rank's output)."""
+
+    @staticmethod
+    def forward(ctx, x, comm):
+        ctx.comm = comm
+        return comm.all_reduce(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return ctx.comm.all_reduce(g), None
+
+
+# ---- partial sums ------------------------------------------------------------------------------------
+
+def mean_partial(op: Any, args: list, kwargs: dict, comm) -> Any:
+    """A mean over a split dim: this rank's mean times its share, a partial sum."""
+    return op(*args, **kwargs) / comm.size
+
+
+def without_bias(op: Any, args: list, kwargs: dict) -> tuple[Any, Any]:
+    """The op's output without its bias, and the bias (added after the reduction)."""
+    name = op._schema.name.split("::")[-1]
+    args = list(args)
+    if name in ("addmm", "baddbmm"):
+        bias = args[0]
+        a, b = args[1], args[2]
+        return (torch.matmul(a, b) if name == "addmm" else torch.bmm(a, b)), bias
+    bias = args[2]
+    args[2] = None
+    return op(*args, **kwargs), bias
+
+
+def add_bias(y: torch.Tensor, bias: torch.Tensor, op: Any) -> torch.Tensor:
+    name = op._schema.name.split("::")[-1]
+    if "conv" in name:
+        return y + bias.reshape([1, -1] + [1] * (y.dim() - 2))
+    return y + bias

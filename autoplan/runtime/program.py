@@ -1,0 +1,454 @@
+"""The rank program: the traced graph, rewritten op by op to run the plan on local tensors.
+
+The planner chose one strategy per op of the traced graph; the runtime runs exactly that graph
+with exactly those strategies, whatever modules and functional code produced it (HF ``Conv1D``,
+raw parameters, ``nn.MultiheadAttention``, routers, experts). For one rank of a ``t``-way
+tensor-parallel axis, ``build_program``:
+
+1. exports the model (with its loss) at the micro-batch shape (``torch.export``) and maps the
+   plan's strategies onto its ops by position (the planning graph has the same ops in the same
+   order; a mismatch is refused);
+2. shards every parameter and buffer to the placement its first reader needs, and puts the
+   local shard back on the user's module (so the user's model holds this rank's weights);
+3. copies the graph node by node: each input moved from where its producer left it to where
+   the op needs it, the input-side collective of the strategy, the op itself (or its local
+   kernel) with shape arguments rewritten to local sizes (``view(b, s, 16, 64)`` becomes
+   ``view(b, s, 8, 64)`` on 2 ranks), and the output-side collective (``tp_comm``);
+4. checks the result on fake tensors: every op's local output must have the shape its
+   placement says, else the plan is refused before any collective runs.
+
+The collectives read their process group from ``program.comm_slot`` at call time, so the same
+program is checked with ``ShapeComm`` and then run with the real group.
+"""
+
+from __future__ import annotations
+
+import functools
+import operator
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import fx, nn
+
+from autoplan.errors import PlanError
+from autoplan.graph.opgraph import Op, OpGraph
+from autoplan.runtime import kernels, tp_comm
+from autoplan.sharding.placement import REPLICATE, Placement, local_shape
+from autoplan.sharding.sharding import STATE_KINDS, Sharding, mutates_input
+from autoplan.sharding.strategy import OpStrategy, input_action, opname, output_action
+
+SHAPE_ARG = {"view": 1, "_unsafe_view": 1, "reshape": 1, "expand": 1}
+
+
+@dataclass
+class CommSlot:
+    """Where the program's collectives find their groups (swapped for shape checks): the
+    tensor-parallel axis, and for batch norm's statistics the data-parallel group (``dp``) and
+    the data x tensor-parallel group (``dp_tp``, when batch norm also splits the batch over
+    the tensor-parallel axis). None where the group has one rank."""
+
+    comm: Any
+    dp: Any = None
+    dp_tp: Any = None
+
+
+@dataclass
+class Program:
+    graph_module: fx.GraphModule
+    comm_slot: CommSlot
+    step_params: list[str]                  # FQNs whose gradients are all-reduced per step
+    state: dict[str, Placement]             # FQN -> stored placement on the axis
+    op_of_node: dict[str, int] = field(default_factory=dict)   # new node -> op index
+
+
+# ---- calls the program makes (module-level so fx code can name them; placements as text) -----
+
+@functools.lru_cache(maxsize=None)
+def _p(text: str) -> Placement:
+    return Placement.parse(text)
+
+
+def _c_gather(x, slot, p):
+    return tp_comm.gather(x, slot.comm, _p(p))
+
+
+def _c_gather_sp(x, slot, p):
+    return tp_comm.gather_sp(x, slot.comm, _p(p))
+
+
+def _c_scatter(x, slot, p):
+    return tp_comm.scatter(x, slot.comm, _p(p))
+
+
+def _c_reduce(x, slot):
+    return tp_comm.reduce(x, slot.comm)
+
+
+def _c_reduce_scatter(x, slot, p):
+    return tp_comm.reduce_scatter(x, slot.comm, _p(p))
+
+
+def _c_reduce_grad(x, slot):
+    return tp_comm.reduce_grad(x, slot.comm)
+
+
+def _c_reshard(x, slot, src, dst):
+    return tp_comm.reshard(x, slot.comm, _p(src), _p(dst))
+
+
+def _k_vocab_embedding(target, args, kwargs, slot):
+    return kernels.vocab_embedding(target, args, kwargs, slot.comm)
+
+
+def _k_vocab_cross_entropy(target, args, kwargs, slot):
+    return kernels.vocab_cross_entropy(target, args, kwargs, slot.comm)
+
+
+def _k_split_loss(target, args, kwargs, slot):
+    return kernels.split_loss(target, args, kwargs, slot.comm)
+
+
+def _k_sync_batch_norm(target, args, kwargs, slot):
+    """Batch norm split over the batch on the tp axis: statistics over tp (and dp)."""
+    group = slot.dp_tp if slot.dp_tp is not None else slot.comm
+    return kernels.batch_norm_over(group)(target, args, kwargs, slot.comm)
+
+
+def _k_dp_batch_norm(target, args, kwargs, slot):
+    """Batch norm whose batch is split over data-parallel ranks only: statistics over dp."""
+    if slot.dp is None:
+        return target(*args, **kwargs)
+    return kernels.batch_norm_over(slot.dp)(target, args, kwargs, slot.comm)
+
+
+def _k_mean_partial(target, args, kwargs, slot):
+    return kernels.mean_partial(target, args, kwargs, slot.comm)
+
+
+def _k_without_bias(target, args, kwargs):
+    return kernels.without_bias(target, args, kwargs)
+
+
+def _k_add_bias(y, bias, target):
+    return kernels.add_bias(y, bias, target)
+
+
+KERNEL_CALLS: dict[str, Callable] = {
+    "vocab_embedding": _k_vocab_embedding, "vocab_cross_entropy": _k_vocab_cross_entropy,
+    "split_loss": _k_split_loss, "sync_batch_norm": _k_sync_batch_norm,
+    "mean_partial": _k_mean_partial,
+}
+
+
+def transition(g: fx.Graph, x: fx.Node, src: Placement, dst: Placement, slot: fx.Node
+               ) -> fx.Node:
+    """Nodes that move a local tensor from ``src`` to ``dst`` (values are never partial)."""
+    if src == dst:
+        return x
+    if src.kind == "R" and dst.kind == "S":
+        return g.call_function(_c_scatter, (x, slot, str(dst)))
+    if src.kind == "S" and dst.kind == "R":
+        return g.call_function(_c_gather, (x, slot, str(src)))
+    if src.kind == "S" and dst.kind == "S":
+        return g.call_function(_c_reshard, (x, slot, str(src), str(dst)))
+    if src.kind == "P" and dst.kind == "R":
+        return g.call_function(_c_reduce, (x, slot))
+    if src.kind == "P" and dst.kind == "S":
+        return g.call_function(_c_reduce_scatter, (x, slot, str(dst)))
+    raise PlanError(f"no collective turns {src} into {dst}")
+
+
+# ---- argument walking (the order trace.py reads tensor inputs in) ------------------------------
+
+def _map_tensors(args: Any, kwargs: dict, fn: Callable[[fx.Node], Any]) -> tuple[Any, dict]:
+    def walk(a):
+        if isinstance(a, fx.Node):
+            return fn(a)
+        if isinstance(a, (list, tuple)):
+            return type(a)(walk(x) for x in a)
+        return a
+    new_args = walk(list(args))
+    new_kwargs = {k: walk(v) for k, v in kwargs.items()}
+    return new_args, new_kwargs
+
+
+def _map_devices(a: Any, device: torch.device) -> Any:
+    if isinstance(a, torch.device):
+        return device
+    if isinstance(a, (list, tuple)):
+        return type(a)(_map_devices(x, device) for x in a)
+    if isinstance(a, dict):
+        return {k: _map_devices(v, device) for k, v in a.items()}
+    return a
+
+
+# ---- the builder ---------------------------------------------------------------------------------
+
+class _Builder:
+    def __init__(self, ep: Any, graph: OpGraph, sh: Sharding, *, prefix: str, t: int,
+                 device: torch.device, state_tensor: Callable[[str, str, Placement], Any]):
+        self.ep, self.eg, self.sh, self.prefix, self.t = ep, graph, sh, prefix, t
+        self.device = device
+        self.state_tensor = state_tensor
+        self.g = fx.Graph()
+        self.env: dict[str, fx.Node] = {}          # value name -> local node
+        self.attrs: dict[str, Any] = {}
+        self.step_params: set[str] = set()
+        self.op_of_node: dict[str, int] = {}
+        self.slot = CommSlot(comm=None)
+        self.attrs["_autoplan_comm"] = self.slot
+        self.slot_node = self.g.get_attr("_autoplan_comm")
+        self.expected: dict[str, tuple[int, ...]] = {}
+
+    # -- helpers --
+    def fqn(self, target: str) -> str:
+        return target[len(self.prefix):] if self.prefix and target.startswith(self.prefix) \
+            else target
+
+    def placement(self, name: str) -> Placement:
+        return self.sh.placement_of(self.eg, name)
+
+    def emit(self, fn, args, i: int, expect: tuple[int, ...] | None = None) -> fx.Node:
+        n = self.g.call_function(fn, tuple(args))
+        self.op_of_node[n.name] = i
+        if expect is not None:
+            self.expected[n.name] = expect
+        return n
+
+    # -- nodes --
+    def build(self) -> fx.Graph:
+        from torch.export.graph_signature import InputKind
+        specs = {s.arg.name: s for s in self.ep.graph_signature.input_specs
+                 if hasattr(s.arg, "name")}
+        for node in self.ep.graph.nodes:
+            if node.op == "placeholder":
+                spec = specs.get(node.name)
+                kind = spec.kind if spec is not None else None
+                if kind in (InputKind.PARAMETER, InputKind.BUFFER):
+                    self._state(node, self.fqn(spec.target), "param" if kind ==
+                                InputKind.PARAMETER else "buffer")
+                elif kind == InputKind.CONSTANT_TENSOR:
+                    key = f"_autoplan_const_{len(self.attrs)}"
+                    self.attrs[key] = self.ep.constants[spec.target]
+                    self.env[node.name] = self.g.get_attr(key)
+                elif kind == InputKind.USER_INPUT:
+                    self.env[node.name] = self.g.placeholder(node.name)
+                else:
+                    raise PlanError(f"the exported program has an input of kind {kind} "
+                                    f"({node.name}) that autoplan cannot run")
+            elif node.op == "get_attr":
+                key = f"_autoplan_attr_{node.target}"
+                self.attrs[key] = _attr(self.ep.graph_module, node.target)
+                self.env[node.name] = self.g.get_attr(key)
+            elif node.op == "call_function":
+                if node.target is operator.getitem:
+                    continue
+                self._call(node)
+            elif node.op == "output":
+                self._output(node)
+        return self.g
+
+    def _state(self, node: fx.Node, fqn: str, kind: str) -> None:
+        p = self.placement(node.name)
+        self.attrs[fqn] = self.state_tensor(fqn, kind, p)
+        self.env[node.name] = self.g.get_attr(fqn)
+
+    def _call(self, node: fx.Node) -> None:
+        i = self.eg.op_index(node.name)
+        op = self.eg.ops[i]
+        s = self.sh.op_strategy[i]
+        if not op.outputs:
+            if "assert" in opname(op) or "constrain" in opname(op):
+                return          # metadata checks on the global shapes: not for local tensors
+        inputs = self._inputs(node, op, s, i)
+        it = iter(inputs)
+
+        def take(a: fx.Node):
+            if a.name in self.env and a.name in self.eg._values_by_name:
+                return next(it)
+            return self.env.get(a.name, a)
+        args, kwargs = _map_tensors(node.args, dict(node.kwargs), take)
+        args = _map_devices(args, self.device)
+        kwargs = _map_devices(kwargs, self.device)
+        local_outs = [local_shape(self.eg.value(n).meta.shape, s.local_output(k), self.t)
+                      for k, n in enumerate(op.outputs)]
+        if any(shape is None for shape in local_outs):
+            raise PlanError(f"op {op.name} ({op.target}): strategy {s.name} splits an output "
+                            "unevenly; re-plan")
+        args = _local_shape_args(op, self.eg, args, local_outs)
+        bias = None
+        if s.kernel == "bias_after_reduce":
+            out = self.emit(_k_without_bias, (node.target, args, kwargs), i)
+            bias = inputs[_bias_index(self.eg, op)]
+        elif s.kernel:
+            out = self.emit(KERNEL_CALLS[s.kernel], (node.target, args, kwargs, self.slot_node), i)
+        elif opname(op) == "batch_norm":
+            out = self.emit(_k_dp_batch_norm, (node.target, args, kwargs, self.slot_node), i)
+        else:
+            out = self.g.call_function(node.target, tuple(args), kwargs)
+            self.op_of_node[out.name] = i
+        if bias is not None:
+            out = self.g.call_function(operator.getitem, (out, 0))
+            bias_node = self.g.call_function(operator.getitem, (out.args[0], 1))
+        for k, vn in enumerate(op.outputs):
+            y = out if len(op.outputs) == 1 and not _multi(node) else \
+                self.g.call_function(operator.getitem, (out, _out_index(node, vn)))
+            if local_outs[k] is not None:
+                self.expected[y.name] = local_outs[k]
+            action = output_action(self.eg, op, s, k)
+            if action == "reduce":
+                y = self.emit(_c_reduce, (y, self.slot_node), i)
+            elif action == "reduce_scatter":
+                y = self.emit(_c_reduce_scatter, (y, self.slot_node, str(s.outputs[k])), i)
+            elif action == "gather":
+                y = self.emit(_c_gather, (y, self.slot_node, str(s.local_output(k))), i)
+            if bias is not None and k == 0:
+                y = self.emit(_k_add_bias, (y, bias_node, node.target), i)
+            self.env[vn] = y
+
+    def _inputs(self, node: fx.Node, op: Op, s: OpStrategy, i: int) -> list[fx.Node]:
+        out = []
+        mutated = mutates_input(op.target)
+        bwd_params = {c.value for c in s.comms if c.phase == "bwd" and c.kind == "all_reduce"}
+        for k, vn in enumerate(op.inputs):
+            v = self.eg.value(vn)
+            x = self.env[vn]
+            src = self.placement(vn)
+            want = s.inputs[k]
+            if src != want:
+                if mutated and k == 0:
+                    raise PlanError(f"op {op.name} ({op.target}) writes its input {vn} in "
+                                    f"place, but the plan moves that input from {src} to "
+                                    f"{want} first (the write would land on a copy); re-plan")
+                x = transition(self.g, x, src, want, self.slot_node)
+                self.op_of_node[x.name] = i
+            action = input_action(self.eg, op, s, k)
+            if action == "step" and vn in bwd_params:
+                action = "reduce_grad"          # a weight with mixed partial/whole gradients
+            if action == "gather":
+                x = self.emit(_c_gather, (x, self.slot_node, str(want)), i)
+            elif action == "gather_sp":
+                x = self.emit(_c_gather_sp, (x, self.slot_node, str(want)), i)
+            elif action == "reduce_grad":
+                x = self.emit(_c_reduce_grad, (x, self.slot_node), i)
+            elif action == "step":
+                self.step_params.add(self.eg.value(v.base).fqn)
+            out.append(x)
+        return out
+
+    def _output(self, node: fx.Node) -> None:
+        def whole(a: fx.Node):
+            vn = a.name
+            if vn not in self.env:
+                return self.env.get(vn, a)
+            return transition(self.g, self.env[vn], self.placement(vn), REPLICATE,
+                              self.slot_node)
+        args, _ = _map_tensors(node.args, {}, whole)
+        outs = args[0]
+        if isinstance(outs, (list, tuple)) and len(outs) == 1:
+            outs = outs[0]
+        self.g.output(outs)
+
+
+def _attr(root: nn.Module, target: str) -> Any:
+    obj: Any = root
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _multi(node: fx.Node) -> bool:
+    return isinstance(node.meta.get("val"), (tuple, list))
+
+
+def _out_index(node: fx.Node, value_name: str) -> int:
+    for u in node.users:
+        if u.target is operator.getitem and u.name == value_name:
+            return int(u.args[1])
+    raise PlanError(f"op {node.name}: no output {value_name}")
+
+
+def _bias_index(graph: OpGraph, op: Op) -> int:
+    from autoplan.sharding.strategy import bias_slot
+    b = bias_slot(graph, op)
+    if b is None:
+        raise PlanError(f"op {op.name}: a bias-after-reduce strategy on an op without a bias")
+    return b
+
+
+def _local_shape_args(op: Op, graph: OpGraph, args: list, local_outs: list) -> list:
+    """Shape arguments written with global sizes, rewritten to this rank's sizes."""
+    name = opname(op)
+    glob = [graph.value(n).meta.shape for n in op.outputs]
+    if all(tuple(a) == tuple(b) for a, b in zip(glob, local_outs)):
+        return args
+    args = list(args)
+    if name in SHAPE_ARG:
+        args[SHAPE_ARG[name]] = list(local_outs[0])
+        return args
+    x = graph.value(op.inputs[0]).meta.shape
+    if name == "split":
+        axis = (args[2] if len(args) > 2 else 0) % len(x)
+        args[1] = local_outs[0][axis]
+    elif name == "split_with_sizes":
+        axis = (args[2] if len(args) > 2 else 0) % len(x)
+        args[1] = [o[axis] for o in local_outs]
+    elif name == "unflatten":
+        axis = args[1] % len(x)
+        args[2] = list(local_outs[0][axis:axis + len(args[2])])
+    return args
+
+
+# ---- entry point -----------------------------------------------------------------------------
+
+def build_program(ep: Any, graph: OpGraph, sharding: Sharding, *, prefix: str, t: int,
+                  device: torch.device,
+                  state_tensor: Callable[[str, str, Placement], Any]) -> Program:
+    """The rank program of ``sharding`` over ``graph`` (an OpGraph of ``ep``). ``state_tensor``
+    (fqn, "param"|"buffer", placement) returns this rank's local tensor of a parameter or
+    buffer (already sharded)."""
+    b = _Builder(ep, graph, sharding, prefix=prefix, t=t, device=device,
+                 state_tensor=state_tensor)
+    g = b.build()
+    gm = fx.GraphModule(b.attrs, g, class_name="RankProgram")
+    gm._autoplan_expected = b.expected
+    return Program(graph_module=gm, comm_slot=b.slot, step_params=sorted(b.step_params),
+                   state=dict(sharding.state), op_of_node=b.op_of_node)
+
+
+def check_shapes(program: Program, example_inputs: tuple, t: int) -> None:
+    """Run the program on fake tensors with shape-only collectives: every op must produce the
+    local shape its placement says (else PlanError naming the op)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    gm = program.graph_module
+    expected = gm._autoplan_expected
+    real = program.comm_slot.comm
+    program.comm_slot.comm = tp_comm.ShapeComm(size=t)
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+
+    class Check(fx.Interpreter):
+        def run_node(self, n):
+            try:
+                out = super().run_node(n)
+            except PlanError:
+                raise
+            except Exception as e:
+                raise PlanError(f"the rank program fails at {n.format_node()}: "
+                                f"{type(e).__name__}: {str(e).splitlines()[0][:300]}") from e
+            want = expected.get(n.name)
+            if want is not None and isinstance(out, torch.Tensor) and tuple(out.shape) != want:
+                raise PlanError(f"the rank program computes shape {tuple(out.shape)} at "
+                                f"{n.format_node()}, the plan says {want}")
+            return out
+    try:
+        with mode, torch.no_grad():
+            fake = [mode.from_tensor(x) if isinstance(x, torch.Tensor) else x
+                    for x in example_inputs]
+            Check(gm).run(*fake)
+    finally:
+        program.comm_slot.comm = real
+
+
+__all__ = ["CommSlot", "Program", "build_program", "check_shapes", "STATE_KINDS"]

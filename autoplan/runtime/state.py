@@ -1,0 +1,85 @@
+"""Parameters and buffers of one rank: sharded to their stored placement, put back on the
+user's modules.
+
+A model built on the meta device is materialized one module at a time (``to_empty`` on the
+module alone, then its own ``reset_parameters``), each rank drawing the same values in the same
+order, and sliced at once: a rank never holds more than one module's whole weights. Tied
+weights (several names, one tensor) stay one tensor.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from autoplan.errors import PlanError
+from autoplan.runtime.tp_comm import local_piece
+from autoplan.sharding.placement import Placement, local_shape
+
+
+class LocalState:
+    """Hands out this rank's shard of every parameter and buffer, once per tensor."""
+
+    def __init__(self, model: nn.Module, *, t: int, rank: int, device: torch.device,
+                 seed: int):
+        self.model = model
+        self.t, self.rank, self.device, self.seed = t, rank, device, seed
+        self.done: dict[str, Any] = {}                      # FQN (every alias) -> local
+        self.aliases: dict[int, list[str]] = {}
+        for name, p in model.named_parameters(remove_duplicate=False):
+            self.aliases.setdefault(id(p), []).append(name)
+        for name, b in model.named_buffers(remove_duplicate=False):
+            self.aliases.setdefault(id(b), []).append(name)
+        self.materialized: set[int] = set()
+        torch.manual_seed(seed)          # the same replicated weights on every rank
+
+    def __call__(self, fqn: str, kind: str, p: Placement) -> Any:
+        if fqn in self.done:
+            return self.done[fqn]
+        owner, _, attr = fqn.rpartition(".")
+        module = self.model.get_submodule(owner) if owner else self.model
+        full = getattr(module, attr)
+        names = self.aliases.get(id(full), [fqn])
+        if full.is_meta:
+            self._materialize(module)
+            full = getattr(module, attr)
+        if local_shape(tuple(full.shape), p, self.t) is None:
+            raise PlanError(f"{kind} {fqn} of shape {tuple(full.shape)} cannot be split {p} "
+                            f"over {self.t} ranks; re-plan")
+        with torch.no_grad():
+            data = local_piece(full.detach().to(self.device), p, self.t, self.rank)
+            data = data.clone() if data is full else data
+        local: Any
+        if kind == "param":
+            local = nn.Parameter(data, requires_grad=full.requires_grad)
+        else:
+            local = data
+        for name in names:
+            self._put(name, local, kind)
+            self.done[name] = local
+        return local
+
+    def _put(self, fqn: str, value: Any, kind: str) -> None:
+        owner, _, attr = fqn.rpartition(".")
+        module = self.model.get_submodule(owner) if owner else self.model
+        if kind == "param":
+            module._parameters[attr] = value
+        else:
+            module._buffers[attr] = value
+
+    def _materialize(self, module: nn.Module) -> None:
+        """Allocate and initialize one meta module's own tensors (not its children's)."""
+        if id(module) in self.materialized:
+            return
+        self.materialized.add(id(module))
+        module.to_empty(device=self.device, recurse=False)
+        reset = getattr(module, "reset_parameters", None)
+        with torch.no_grad():
+            if callable(reset):
+                reset()
+            else:
+                for t in list(module._parameters.values()) + list(module._buffers.values()):
+                    if t is not None and t.is_floating_point():
+                        t.normal_(0.0, 0.02)

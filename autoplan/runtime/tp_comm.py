@@ -1,0 +1,212 @@
+"""Collectives on one mesh axis as differentiable functions of local tensors.
+
+The rank program (``program.py``) runs every op on local tensors; between them it calls these.
+Each is one placement change with its exact backward (a value's gradient has the value's
+placement; ``strategy.derive_comms`` says which function goes where):
+
+- ``gather(x, p)``            S -> R: all-gather; backward keeps this rank's slice;
+- ``gather_sp(x, p)``         S -> R into a split op: all-gather; backward reduce-scatters
+                              (the op's input gradient is partial: Megatron's sequence parallel);
+- ``scatter(x, p)``           R -> S: this rank's slice; backward all-gathers;
+- ``reduce(x)``               P -> R: all-reduce; backward passes the gradient on (Megatron's g);
+- ``reduce_scatter(x, p)``    P -> S: reduce-scatter; backward all-gathers;
+- ``reduce_grad(x)``          R into a split op: identity; backward all-reduces (Megatron's f);
+- ``reshard(x, src, dst)``    S -> another split: all-to-all (gather + slice where the backend
+                              has none); backward the reverse.
+
+Block splits (``S(d)[k]``) are handled by laying the tensor out rank-major first. Collectives go
+through an ``AxisComm``; ``ShapeComm`` stands in for it when the program is only checked for
+shapes (no process group, fake tensors).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from autoplan.sharding.placement import Placement
+
+
+@dataclass(frozen=True)
+class AxisComm:
+    """A process group over one mesh axis and this rank's index in it."""
+
+    group: Any
+    size: int
+    rank: int
+
+    # rank-major layout: [t, ...] with rank r's piece at index r, contiguous
+    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.empty((self.size,) + tuple(x.shape), dtype=x.dtype, device=x.device)
+        dist.all_gather_into_tensor(out.view(-1), x.contiguous().view(-1), group=self.group)
+        return out
+
+    def reduce_scatter(self, y: torch.Tensor) -> torch.Tensor:
+        out = torch.empty(tuple(y.shape[1:]), dtype=y.dtype, device=y.device)
+        dist.reduce_scatter_tensor(out.view(-1), y.contiguous().view(-1), group=self.group)
+        return out
+
+    def all_reduce(self, x: torch.Tensor, op: Any = None) -> torch.Tensor:
+        x = x.contiguous().clone()
+        dist.all_reduce(x, op=op or dist.ReduceOp.SUM, group=self.group)
+        return x
+
+    def all_to_all(self, y: torch.Tensor) -> torch.Tensor:
+        out = torch.empty_like(y)
+        dist.all_to_all_single(out, y.contiguous(), group=self.group)
+        return out
+
+
+@dataclass(frozen=True)
+class ShapeComm:
+    """Shape-correct stand-ins for the collectives (no communication): for checking a program
+    on fake tensors before any process group exists."""
+
+    size: int
+    rank: int = 0
+
+    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
+        return x.unsqueeze(0).expand((self.size,) + tuple(x.shape)).contiguous()
+
+    def reduce_scatter(self, y: torch.Tensor) -> torch.Tensor:
+        return y[0].clone()
+
+    def all_reduce(self, x: torch.Tensor, op: Any = None) -> torch.Tensor:
+        return x.clone()
+
+    def all_to_all(self, y: torch.Tensor) -> torch.Tensor:
+        return y.clone()
+
+
+# ---- layouts ---------------------------------------------------------------------------------
+
+def rank_major(full: torch.Tensor, p: Placement, t: int) -> torch.Tensor:
+    """[t, ...local] from the whole tensor: piece r is what rank r holds under ``p``."""
+    d, k = p.dim, p.blocks
+    shape = list(full.shape)
+    m = shape[d] // (k * t)
+    y = full.reshape(shape[:d] + [k, t, m] + shape[d + 1:])
+    y = y.movedim(d + 1, 0)
+    return y.reshape([t] + shape[:d] + [k * m] + shape[d + 1:])
+
+
+def from_rank_major(y: torch.Tensor, p: Placement, t: int) -> torch.Tensor:
+    """The whole tensor from its rank-major pieces (inverse of ``rank_major``)."""
+    d, k = p.dim, p.blocks
+    local = list(y.shape[1:])
+    m = local[d] // k
+    z = y.reshape([t] + local[:d] + [k, m] + local[d + 1:])
+    z = z.movedim(0, d + 1)
+    return z.reshape(local[:d] + [k * t * m] + local[d + 1:])
+
+
+def local_piece(full: torch.Tensor, p: Placement, t: int, rank: int) -> torch.Tensor:
+    """This rank's piece of a whole tensor under ``p`` (a copy, contiguous)."""
+    if p.kind != "S" or t == 1:
+        return full
+    return rank_major(full, p, t)[rank].contiguous()
+
+
+# ---- autograd functions ------------------------------------------------------------------------
+
+def _gather(comm, x: torch.Tensor, p: Placement) -> torch.Tensor:
+    return from_rank_major(comm.all_gather(x), p, comm.size)
+
+
+def _reduce_scatter(comm, x: torch.Tensor, p: Placement) -> torch.Tensor:
+    return comm.reduce_scatter(rank_major(x, p, comm.size))
+
+
+class _Gather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, comm, p, partial_grad):
+        ctx.comm, ctx.p, ctx.partial_grad = comm, p, partial_grad
+        return _gather(comm, x, p)
+
+    @staticmethod
+    def backward(ctx, g):
+        if ctx.partial_grad:
+            return _reduce_scatter(ctx.comm, g, ctx.p), None, None, None
+        return local_piece(g, ctx.p, ctx.comm.size, ctx.comm.rank), None, None, None
+
+
+class _Scatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, comm, p):
+        ctx.comm, ctx.p = comm, p
+        return local_piece(x, p, comm.size, comm.rank)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _gather(ctx.comm, g, ctx.p), None, None
+
+
+class _Reduce(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, comm):
+        return comm.all_reduce(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, None
+
+
+class _ReduceScatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, comm, p):
+        ctx.comm, ctx.p = comm, p
+        return _reduce_scatter(comm, x, p)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _gather(ctx.comm, g, ctx.p), None, None
+
+
+class _ReduceGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, comm):
+        ctx.comm = comm
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return ctx.comm.all_reduce(g), None
+
+
+def gather(x: torch.Tensor, comm, p: Placement) -> torch.Tensor:
+    return _Gather.apply(x, comm, p, False)
+
+
+def gather_sp(x: torch.Tensor, comm, p: Placement) -> torch.Tensor:
+    return _Gather.apply(x, comm, p, True)
+
+
+def scatter(x: torch.Tensor, comm, p: Placement) -> torch.Tensor:
+    return _Scatter.apply(x, comm, p)
+
+
+def reduce(x: torch.Tensor, comm) -> torch.Tensor:
+    return _Reduce.apply(x, comm)
+
+
+def reduce_scatter(x: torch.Tensor, comm, p: Placement) -> torch.Tensor:
+    return _ReduceScatter.apply(x, comm, p)
+
+
+def reduce_grad(x: torch.Tensor, comm) -> torch.Tensor:
+    return _ReduceGrad.apply(x, comm)
+
+
+def reshard(x: torch.Tensor, comm, src: Placement, dst: Placement) -> torch.Tensor:
+    """S(src) -> S(dst): a gather then this rank's slice, each with its exact backward (the
+    collective priced as an all-to-all moves the same data one way)."""
+    return scatter(gather(x, comm, src), comm, dst)
+
+
+def no_grad_gather(x: torch.Tensor, comm, p: Placement) -> torch.Tensor:
+    """A whole tensor from its pieces, outside autograd (state dicts, checks)."""
+    with torch.no_grad():
+        return _gather(comm, x, p)
