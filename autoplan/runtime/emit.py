@@ -69,10 +69,21 @@ def strategies_by_position(plan_graph: OpGraph, op_strategies: dict[str, str],
     return Sharding.build(graph, t, chosen)
 
 
-def emit(model: nn.Module, plan: Any, plan_graph: OpGraph, *, example_inputs: Sequence[Any],
-         example_targets: Any, loss_fn: Callable | None, t: int, tp_rank: int,
-         device: torch.device, seed: int) -> RankProgram:
-    """This rank's program of ``plan`` (tensor-parallel degree ``t``, index ``tp_rank``)."""
+@dataclass
+class Exported:
+    """The model exported at the micro-batch, with the plan's strategies on its ops."""
+
+    ep: Any
+    graph: OpGraph
+    prefix: str
+    sharding: Sharding
+    inputs: tuple                     # the example micro-batch: inputs (and targets)
+    with_loss: bool
+
+
+def export_for_plan(model: nn.Module, plan: Any, plan_graph: OpGraph, *,
+                    example_inputs: Sequence[Any], example_targets: Any,
+                    loss_fn: Callable | None, t: int) -> Exported:
     mbs = plan.config.micro_batch_size
     inputs = micro_batch(example_inputs, mbs)
     with_loss = loss_fn is not None and example_targets is not None
@@ -80,14 +91,32 @@ def emit(model: nn.Module, plan: Any, plan_graph: OpGraph, *, example_inputs: Se
     ep, graph, prefix = export_program(model, inputs, loss_fn=loss_fn if with_loss else None,
                                        targets=targets)
     sh = strategies_by_position(plan_graph, dict(plan.op_strategies), graph, t)
-    state = LocalState(model, t=t, rank=tp_rank, device=device, seed=seed)
-    program = build_program(ep, graph, sh, prefix=prefix, t=t, device=device,
-                             state_tensor=state)
-    check_shapes(program, inputs + ((targets,) if with_loss else ()), t)
-    ranges = layer_ranges(graph)
-    module = split_layers(program.graph_module, program.op_of_node, ranges)
-    return RankProgram(module=module, program=program, graph=graph, sharding=sh,
-                       layers=[p for p, _, _ in ranges], with_loss=with_loss)
+    return Exported(ep=ep, graph=graph, prefix=prefix, sharding=sh,
+                    inputs=inputs + ((targets,) if with_loss else ()), with_loss=with_loss)
+
+
+def lower(model: nn.Module, ex: Exported, *, t: int, tp_rank: int, device: torch.device,
+          seed: int, keep: Callable[[str], bool] | None = None) -> Program:
+    """The checked rank program. ``keep(fqn)`` False: that weight is not this rank's (another
+    pipeline rank holds it) and stays an unallocated placeholder."""
+    state = LocalState(model, t=t, rank=tp_rank, device=device, seed=seed, keep=keep)
+    program = build_program(ex.ep, ex.graph, ex.sharding, prefix=ex.prefix, t=t, device=device,
+                            state_tensor=state)
+    check_shapes(program, ex.inputs, t, device)
+    return program
+
+
+def emit(model: nn.Module, plan: Any, plan_graph: OpGraph, *, example_inputs: Sequence[Any],
+         example_targets: Any, loss_fn: Callable | None, t: int, tp_rank: int,
+         device: torch.device, seed: int) -> RankProgram:
+    """This rank's program of ``plan`` (tensor-parallel degree ``t``, index ``tp_rank``)."""
+    ex = export_for_plan(model, plan, plan_graph, example_inputs=example_inputs,
+                         example_targets=example_targets, loss_fn=loss_fn, t=t)
+    program = lower(model, ex, t=t, tp_rank=tp_rank, device=device, seed=seed)
+    ranges = layer_ranges(ex.graph)
+    module = split_layers(program.graph_module, ranges)
+    return RankProgram(module=module, program=program, graph=ex.graph, sharding=ex.sharding,
+                       layers=[p for p, _, _ in ranges], with_loss=ex.with_loss)
 
 
 def connect(slot: Any, *, tp: tuple[Any, int, int], dp: tuple[Any, int, int],

@@ -45,13 +45,15 @@ class TensorParallelGrads:
     but read by split computations (each rank holds a partial sum), once per step, in one
     flattened all-reduce per dtype."""
 
-    def __init__(self, model: torch.nn.Module, fqns: Sequence[str], group: Any):
-        by_name = dict(model.named_parameters())
-        clean = {k.replace("_checkpoint_wrapped_module.", ""): v for k, v in by_name.items()}
+    def __init__(self, modules: Sequence[torch.nn.Module], fqns: Sequence[str], group: Any):
+        clean = {}
+        for m in modules:
+            for k, v in m.named_parameters(remove_duplicate=False):
+                clean.setdefault(k.replace("_checkpoint_wrapped_module.", ""), v)
         missing = [f for f in fqns if f not in clean]
         if missing:
             raise RuntimeError(f"tensor-parallel gradient sync: no parameters {missing[:3]}")
-        self.params = [clean[f] for f in fqns]
+        self.params = list({id(clean[f]): clean[f] for f in fqns}.values())   # tied: once
         self.group = group
 
     def all_reduce(self) -> None:

@@ -1,27 +1,25 @@
-"""Pipelined plans on ``torch.distributed.pipelining``.
+"""Pipelined plans on ``torch.distributed.pipelining``, with chunks cut from the rank program.
 
-Stage modules are cut from the user's model by hand, the way torchtitan does (the tracer
-frontend of ``torch.distributed.pipelining`` flattens modules into graphs, and tensor
-parallelism needs the modules): each model chunk of the plan is a deep copy of the model
-keeping only its own repeated layers, with what runs before the layers (embeddings) on the first
-chunk and what runs after them (final norm, head) on the last; the others are set to ``None``.
-FQNs are unchanged (``layers.5.attn...`` stays ``layers.5.attn...``), so the plan's per-module
-layouts apply as they are. The model's forward must pass activations through a missing (None)
-module and iterate its layer container, as autoplan's GPT and Llama examples do.
+The rank program (the traced graph running the plan's tensor-parallel strategies on local
+tensors, ``program.py``) is cut into the plan's ``pp * v`` chunks by op ranges
+(``segments.split_chunks``): a chunk's ops are its layers, with what runs before the first
+layer (embeddings) on the first chunk and what runs after the last one (final norm, head, loss)
+on the last. A chunk takes every value later chunks still need and returns the next such set,
+passing through what it does not produce (masks, rotary tables, the targets), so any model the
+tracer reads pipelines, whatever its forward looks like. Parameter names stay the user's.
 
-Chunk ``c`` of ``pp * v`` runs on pipeline rank ``c % pp`` (looped placement, Megatron-LM's
-interleaving), each on a ``PipelineStage`` whose group is the pp axis of the device mesh. Per
-chunk, in order: tensor parallelism, recomputation, then FSDP2 (ZeRO-2/3) or a data-parallel
-all-reduce after the schedule (ZeRO-0/1). Weights tied across chunks (an LM head tied to the
-embedding) have their gradients summed between the ranks holding them. The schedule averages
-the micro-batch gradients (``scale_grads``); the loss of the last chunk is broadcast to every
-rank.
+Chunk ``c`` runs on pipeline rank ``c % pp`` (looped placement, Megatron-LM's interleaving),
+each on a ``PipelineStage`` whose group is the pp axis of the device mesh. The last chunk
+computes the loss itself (the schedule's ``loss_fn`` passes it on). Per chunk, in order:
+recomputation per layer, then FSDP2 (ZeRO-2/3) or a data-parallel all-reduce after the schedule
+(ZeRO-0/1). Weights read by chunks on different ranks (an LM head tied to the embedding) have
+their gradients summed between those ranks. The schedule averages the micro-batch gradients
+(``scale_grads``); the loss of the last chunk is broadcast to every rank.
 """
 
 from __future__ import annotations
 
 import contextlib
-import copy
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -29,10 +27,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from autoplan.errors import PlanError
-from autoplan.estimate.partition import pipeline_units
 from autoplan.graph.opgraph import OpGraph
 from autoplan.runtime.optim import _local
 
@@ -67,99 +63,70 @@ def chunk_specs(plan: Any) -> list[ChunkSpec]:
                       last=c == n - 1) for c in range(n)]
 
 
-def _outer_modules(graph: OpGraph) -> tuple[set[str], set[str], str]:
-    """Module paths used before the layers, after them, and the layers' container."""
-    units = pipeline_units(graph)
-    if not units:
-        raise PlanError("pipeline stages need a model with a repeated layer block (e.g. "
-                        "transformer layers); re-plan with max_pp=1")
-    first, last = units[0], units[-1]
-    container = first.path.rpartition(".")[0]
-    before = {op.module_path for op in graph.ops[:first.start] if op.module_path}
-    after = {op.module_path for op in graph.ops[last.stop:] if op.module_path}
-    return before, after, container
-
-
-def _drop(model: nn.Module, path: str) -> None:
-    parent_name, _, attr = path.rpartition(".")
-    parent = model.get_submodule(parent_name) if parent_name else model
-    if getattr(parent, attr, None) is not None:
-        setattr(parent, attr, None)
-
-
-def cut_chunk(model: nn.Module, graph: OpGraph, spec: ChunkSpec) -> nn.Module:
-    """A copy of ``model`` holding only chunk ``spec`` (see the module docstring)."""
-    before, after, container = _outer_modules(graph)
-    chunk = copy.deepcopy(model)
-    layers = chunk.get_submodule(container) if container else chunk
-    keep = {p.rpartition(".")[2] for p in spec.layers}
-    for key in list(layers._modules):
-        if key not in keep:
-            del layers._modules[key]          # FQNs of the kept layers stay as they are
-    for path in sorted(before - after) if not spec.first else ():
-        _drop(chunk, path)
-    for path in sorted(after - before) if not spec.last else ():
-        _drop(chunk, path)
-    return chunk
+def chunk_cuts(graph: OpGraph, specs: Sequence[ChunkSpec]) -> list[int]:
+    """Op indices where the chunks start (and the op count at the end)."""
+    from autoplan.runtime.segments import layer_ranges
+    start = {path: s for path, s, _ in layer_ranges(graph)}
+    cuts = [0]
+    for spec in specs[1:]:
+        if not spec.layers or spec.layers[0] not in start:
+            raise PlanError(f"pipeline chunk {spec.index} starts at layer "
+                            f"{spec.layers[:1]}, which the model does not have; re-plan")
+        cuts.append(start[spec.layers[0]])
+    cuts.append(len(graph.ops))
+    if cuts != sorted(cuts):
+        raise PlanError(f"the plan's pipeline chunks are not in layer order ({cuts}); re-plan")
+    return cuts
 
 
 class TiedGrads:
-    """Sums the gradients of one weight held by several chunks on different pipeline ranks."""
+    """Sums the gradients of one weight held by chunks on several pipeline ranks."""
 
     def __init__(self, pairs: list[tuple[nn.Parameter, Any]]):
         self.pairs = pairs                     # (this rank's copy, group of the holders)
 
     def all_reduce(self) -> None:
         for p, group in self.pairs:
-            if p.grad is None:
-                continue
-            g = p.grad
-            if isinstance(g, DTensor) and g.placements != p.placements:
-                # e.g. an embedding's gradient comes out replicated: lay it out as the weight
-                g = p.grad = g.redistribute(p.device_mesh, p.placements)
-            dist.all_reduce(_local(g), group=group)
+            if p.grad is not None:
+                dist.all_reduce(_local(p.grad), group=group)
 
 
-def tie_across_chunks(chunks: dict[int, nn.Module], groups: list[list[str]], cfg: Any,
-                      rank: int) -> TiedGrads:
-    """Weights shared in the full model (``groups`` of FQNs) that chunks hold separately: one
-    Parameter within a rank, a gradient all-reduce between pipeline ranks. Every rank learns
-    the holders (an all-gather) and creates the same process groups in the same order."""
+def tie_across_ranks(held: list[list[str]], mine: dict[int, nn.Module], cfg: Any,
+                     pp_index: int, dp_index: int, tp_index: int,
+                     canonical: dict[str, str]) -> TiedGrads:
+    """A gradient all-reduce between the pipeline ranks whose chunks read the same weight
+    (under any of its names: ``canonical`` maps each name to its storage owner's). Every rank
+    knows every chunk's weights, so all create the same groups in the same order."""
+    holders: dict[str, set[int]] = {}
+    names_of: dict[str, set[str]] = {}
+    for c, names in enumerate(held):
+        for f in names:
+            key = canonical.get(f, f)
+            holders.setdefault(key, set()).add(c % cfg.pp)
+            names_of.setdefault(key, set()).add(f)
     pairs = []
-    me = (_dp_index(cfg, rank), rank % cfg.tp)
-    for names in groups:
-        mine = [(c, f) for c in sorted(chunks) for f in names if _has_param(chunks[c], f)]
-        everyone: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, [c % cfg.pp for c, _ in mine])
-        holders = sorted({s for got in everyone for s in got})
-        if len(mine) > 1:                      # one rank holds several copies: one Parameter
-            c0, f0 = mine[0]
-            keep = chunks[c0].get_parameter(f0)
-            for c, f in mine[1:]:
-                mod_name, _, attr = f.rpartition(".")
-                setattr(chunks[c].get_submodule(mod_name), attr, keep)
-        if len(holders) < 2:
+    for fqn in sorted(holders):
+        ranks_pp = sorted(holders[fqn])
+        if len(ranks_pp) < 2:
             continue
         for d in range(cfg.dp):
             for t in range(cfg.tp):
-                ranks = [cfg.rank(pp_index=s, dp_index=d, tp_index=t) for s in holders]
-                group = dist.new_group(ranks=ranks)
-                if (d, t) == me and mine:
-                    c0, f0 = mine[0]
-                    pairs.append((chunks[c0].get_parameter(f0), group))
+                group = dist.new_group(ranks=[cfg.rank(pp_index=s, dp_index=d, tp_index=t)
+                                              for s in ranks_pp])
+                if (d, t) == (dp_index, tp_index) and pp_index in ranks_pp:
+                    param = next((p for f in sorted(names_of[fqn])
+                                  if (p := _param(mine, f)) is not None), None)
+                    if param is not None:
+                        pairs.append((param, group))
     return TiedGrads(pairs)
 
 
-def _dp_index(cfg: Any, rank: int) -> int:
-    return (rank % (cfg.dp * cfg.tp)) // cfg.tp
-
-
-def _has_param(module: nn.Module, fqn: str) -> bool:
-    try:
-        module.get_parameter(fqn)
-        return True
-    except AttributeError:
-        return False
+def _param(chunks: dict[int, nn.Module], fqn: str) -> nn.Parameter | None:
+    for c in sorted(chunks):
+        for name, p in chunks[c].named_parameters(remove_duplicate=False):
+            if name.replace("_checkpoint_wrapped_module.", "") == fqn:
+                return p
+    return None
 
 
 @dataclass
@@ -177,9 +144,8 @@ class PipelineTrainer:
     pp_group: Any
     last_stage_rank: int                 # global rank holding the last chunk in this pp group
     grad_syncs: list[Any]
-    loss_context: Callable[[], Any]
+    autocast_dtype: torch.dtype | None
     device: torch.device
-    steps_done: int = 0
 
     @property
     def config(self):
@@ -202,26 +168,16 @@ class PipelineTrainer:
         per = rows // self.config.dp
         lo = self.dp_index * per
         mine = [t[lo:lo + per].to(self.device) for t in batch]
-        inputs, target = mine[:-1], mine[-1]
         n_chunks = self.config.pp * self.config.virtual_stages
-        args = inputs if 0 in self.chunks else []
+        args = mine if 0 in self.chunks else []     # the targets ride to the loss
         losses: list[torch.Tensor] = []
         kw: dict[str, Any] = {"return_outputs": False}
         if n_chunks - 1 in self.chunks:
-            kw.update(target=target, losses=losses)
-        with self.loss_context():
-            try:
-                self.schedule.step(*args, **kw)
-            except (TypeError, AttributeError) as e:
-                if self.steps_done:
-                    raise
-                raise PlanError(
-                    f"the model does not run as pipeline stages ({type(e).__name__}: {e}). A "
-                    "stage is the model with the other stages' layers removed and, off the "
-                    "first/last stage, the modules before/after the layers set to None; its "
-                    "forward must pass activations through those (see autoplan/models/gpt.py). "
-                    "Re-plan with max_pp=1 (`autoplan plan --max-pp 1`)") from e
-        self.steps_done += 1
+            kw.update(target=mine[-1], losses=losses)
+        amp = (torch.autocast(self.device.type, dtype=self.autocast_dtype)
+               if self.autocast_dtype is not None else contextlib.nullcontext())
+        with amp:
+            self.schedule.step(*args, **kw)
         for sync in self.grad_syncs:
             sync.all_reduce()
         self.optimizer.step()
@@ -245,64 +201,83 @@ class PipelineTrainer:
         return out
 
 
-def build_schedule(stages: list[Any], cfg: Any, n_microbatches: int,
-                   loss_fn: Callable[..., torch.Tensor]) -> Any:
+def _loss_passes_through(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """The last chunk computes the loss itself; the schedule's loss function hands it on."""
+    return output
+
+
+def build_schedule(stages: list[Any], cfg: Any, n_microbatches: int) -> Any:
     from torch.distributed.pipelining import schedules
     cls = getattr(schedules, SCHEDULES[cfg.schedule])
     if cfg.schedule in ("gpipe", "1f1b"):
         if len(stages) != 1:
             raise PlanError(f"schedule {cfg.schedule!r} runs one chunk per rank, the plan has "
                             f"{len(stages)}; re-plan")
-        return cls(stages[0], n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=True)
-    return cls(stages, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=True)
-
-
-def _present(module: nn.Module, fqn: str) -> bool:
-    try:
-        return module.get_submodule(fqn) is not None
-    except AttributeError:
-        return False
+        return cls(stages[0], n_microbatches=n_microbatches, loss_fn=_loss_passes_through,
+                   scale_grads=True)
+    return cls(stages, n_microbatches=n_microbatches, loss_fn=_loss_passes_through,
+               scale_grads=True)
 
 
 def compile_pipelined(model: nn.Module, graph: OpGraph, plan: Any, *, device: torch.device,
                       optimizer: Callable[[Any], Any], loss_fn: Callable[..., torch.Tensor],
-                      seed: int, rank: int, sharding: Any, logits_module: str | None,
-                      loss_parallel: bool, precision_dtype: torch.dtype | None
+                      seed: int, rank: int, example_inputs: Sequence[Any],
+                      example_targets: Any, precision_dtype: torch.dtype | None
                       ) -> PipelineTrainer:
     """This rank's chunks of a pipelined plan, parallelized, on a torch pipelining schedule."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.pipelining import PipelineStage
 
     from autoplan.runtime import parallelize as par
-    from autoplan.runtime.layouts import module_layouts
+    from autoplan.runtime.emit import connect, export_for_plan, lower
     from autoplan.runtime.optim import (DataParallelGrads, HostOffloadOptimizer,
-                                        TensorShardedOptimizer)
+                                        TensorParallelGrads, TensorShardedOptimizer)
+    from autoplan.runtime.segments import layer_ranges, split_chunks, split_layers
 
     cfg = plan.config
-    if loss_fn is None:
-        raise PlanError("a pipelined plan needs loss_fn (and example_targets): the last stage "
+    if loss_fn is None or example_targets is None:
+        raise PlanError("a pipelined plan needs loss_fn and example_targets: the last stage "
                         "computes the loss")
     mesh = init_device_mesh(device.type, (cfg.pp, cfg.dp, cfg.tp),
                             mesh_dim_names=("pp", "dp", "tp"))
     pp_mesh, dp_mesh, tp_mesh = mesh["pp"], mesh["dp"], mesh["tp"]
     pp_index = rank // (cfg.dp * cfg.tp)
+    dp_index = (rank % (cfg.dp * cfg.tp)) // cfg.tp
+    tp_index = rank % cfg.tp
     specs = chunk_specs(plan)
     n = len(specs)
-    tied = par.tied_groups(model)
-    chunks = {s.index: cut_chunk(model, graph, s) for s in specs if s.index % cfg.pp == pp_index}
-    layouts = module_layouts(graph, sharding)
+    mine_idx = [s.index for s in specs if s.index % cfg.pp == pp_index]
+    ex = export_for_plan(model, plan, graph, example_inputs=example_inputs,
+                         example_targets=example_targets, loss_fn=loss_fn, t=cfg.tp)
+    if not ex.with_loss:
+        raise PlanError("a pipelined plan needs the loss in the traced program: pass loss_fn "
+                        "and example_targets")
+    cuts = chunk_cuts(ex.graph, specs)
+    used: set[str] = set()
+    for c in mine_idx:
+        for op in ex.graph.ops[cuts[c]:cuts[c + 1]]:
+            used.update(op.params)
+    program = lower(model, ex, t=cfg.tp, tp_rank=tp_index, device=device, seed=seed,
+                    keep=lambda fqn: fqn in used)
+    # every rank creates every stage's group, in the same order (new_group is collective)
+    stage_groups = [dist.new_group(ranks=[cfg.rank(pp_index=s, dp_index=d, tp_index=t)
+                                          for d in range(cfg.dp) for t in range(cfg.tp)])
+                    for s in range(cfg.pp)][pp_index]
+    connect(program.comm_slot, tp=(tp_mesh.get_group(), cfg.tp, tp_index),
+            dp=(dp_mesh.get_group(), cfg.dp, dp_index),
+            dp_tp=(stage_groups, cfg.dp * cfg.tp, dp_index * cfg.tp + tp_index))
+    pieces = split_chunks(program.graph_module, cuts)
+    held = [p.held for p in pieces]
+    ranges = layer_ranges(ex.graph)
     use_fsdp = cfg.dp > 1 and cfg.zero_stage >= 2
+    chunks: dict[int, nn.Module] = {}
     grad_syncs: list[Any] = []
-    for c, chunk in chunks.items():
-        if cfg.tp > 1:
-            mine = {f: lay for f, lay in layouts.items() if _present(chunk, f)}
-            keep = {logits_module} if logits_module and _present(chunk, logits_module) else set()
-            par.apply_tensor_parallel(chunk, mine, tp_mesh, keep)
-        layers = [p for p in specs[c].layers]
-        par.apply_recompute(chunk, {p: pol for p, pol in plan.recompute.items() if p in layers})
-        if cfg.dp > 1:
-            from autoplan.runtime.syncbn import convert_batch_norms
-            convert_batch_norms(chunk, dp_mesh.get_group())
+    for c in mine_idx:
+        inside = [r for r in ranges if cuts[c] <= r[1] < cuts[c + 1]]
+        chunk = split_layers(pieces[c].module, inside)
+        layers = [p for p, _, _ in inside]
+        par.apply_recompute(chunk, {p: pol for p, pol in plan.recompute.items()
+                                    if p in set(layers)})
         if use_fsdp:
             mp = None
             if precision_dtype is not None:
@@ -312,16 +287,28 @@ def compile_pipelined(model: nn.Module, graph: OpGraph, plan: Any, *, device: to
             # ZeRO-3 gathers the weights again for every micro-batch, as the estimate prices
             par.apply_fsdp(chunk, layers, dp_mesh, reshard=cfg.zero_stage == 3, mp_policy=mp,
                            offload=cfg.offload_params)
-        par.materialize(chunk, device, seed)
-        if cfg.dp > 1 and not use_fsdp:
-            grad_syncs.append(DataParallelGrads(chunk, dp_mesh.get_group(), cfg.dp))
-    grad_syncs.insert(0, tie_across_chunks(chunks, tied, cfg, rank))
+        chunks[c] = chunk
+    canonical = {v.fqn: ex.graph.value(v.base).fqn for v in ex.graph.param_values}
+    grad_syncs.append(tie_across_ranks(held, chunks, cfg, pp_index, dp_index, tp_index,
+                                       canonical))
+    params = list({id(p): p for c in sorted(chunks) for p in chunks[c].parameters()
+                   if p.requires_grad}.values())
+    if cfg.tp > 1:
+        mine_names = {f for c in mine_idx for f in held[c]}
+        step = [f for f in program.step_params if f in mine_names]
+        if step:
+            grad_syncs.insert(0, TensorParallelGrads([chunks[c] for c in sorted(chunks)], step,
+                                                     tp_mesh.get_group()))
+    if cfg.dp > 1 and not use_fsdp:
+        grad_syncs.append(DataParallelGrads(params, dp_mesh.get_group(), cfg.dp))
     pp_group = pp_mesh.get_group()
-    stages = [PipelineStage(chunks[c], c, n, device, group=pp_group) for c in sorted(chunks)]
+    # declared shapes: no shape-inference forward on uninitialized buffers (a loss would read
+    # garbage targets)
+    stages = [PipelineStage(chunks[c], c, n, device, input_args=_metas(pieces[c].inputs),
+                            output_args=_metas(pieces[c].outputs), group=pp_group)
+              for c in sorted(chunks)]
     per_replica = plan.training.global_batch_size // cfg.dp
-    schedule = build_schedule(stages, cfg, per_replica // cfg.micro_batch_size, loss_fn)
-    params = [p for c in sorted(chunks) for p in chunks[c].parameters() if p.requires_grad]
-    params = list({id(p): p for p in params}.values())
+    schedule = build_schedule(stages, cfg, per_replica // cfg.micro_batch_size)
     factory = optimizer
     if cfg.offload_optimizer and not cfg.offload_params:
         from functools import partial
@@ -330,23 +317,22 @@ def compile_pipelined(model: nn.Module, graph: OpGraph, plan: Any, *, device: to
         opt = TensorShardedOptimizer(params, factory, dp_mesh.get_group())
     else:
         opt = factory(params)
-
-    autocast = precision_dtype if precision_dtype is not None and not use_fsdp else None
-
-    @contextlib.contextmanager
-    def loss_context():
-        with contextlib.ExitStack() as stack:
-            if loss_parallel:
-                from torch.distributed.tensor.parallel import loss_parallel as lp
-                stack.enter_context(lp())
-            if autocast is not None:
-                stack.enter_context(torch.autocast(device.type, dtype=autocast))
-            yield
-
-    dp_index = _dp_index(cfg, rank)
-    last_rank = cfg.rank(pp_index=(n - 1) % cfg.pp, dp_index=dp_index, tp_index=rank % cfg.tp)
+    last_rank = cfg.rank(pp_index=(n - 1) % cfg.pp, dp_index=dp_index, tp_index=tp_index)
     return PipelineTrainer(chunks=chunks, schedule=schedule, optimizer=opt, plan=plan, rank=rank,
                            pp_index=pp_index, dp_index=dp_index,
                            dp_group=dp_mesh.get_group() if cfg.dp > 1 else None,
                            pp_group=pp_group, last_stage_rank=last_rank, grad_syncs=grad_syncs,
-                           loss_context=loss_context, device=device)
+                           autocast_dtype=precision_dtype if not use_fsdp else None,
+                           device=device)
+
+
+
+def _metas(nodes: Sequence[Any]) -> tuple[torch.Tensor, ...]:
+    """Meta tensors standing for what program nodes carry (recorded by the shape check)."""
+    from autoplan.runtime.program import VAL
+    out = []
+    for n in nodes:
+        shape, dtype, grad = n.meta[VAL]
+        t = torch.empty(shape, dtype=dtype, device="meta")
+        out.append(t.requires_grad_(grad and t.is_floating_point()))
+    return tuple(out)

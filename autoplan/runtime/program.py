@@ -26,7 +26,7 @@ from __future__ import annotations
 import functools
 import operator
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -60,7 +60,11 @@ class Program:
     comm_slot: CommSlot
     step_params: list[str]                  # FQNs whose gradients are all-reduced per step
     state: dict[str, Placement]             # FQN -> stored placement on the axis
-    op_of_node: dict[str, int] = field(default_factory=dict)   # new node -> op index
+
+
+OP = "autoplan_op"          # node.meta key: the index of the graph op a node belongs to
+SHAPE = "autoplan_shape"    # node.meta key: the local shape the op's placement gives
+VAL = "autoplan_val"        # node.meta key: (shape, dtype, requires_grad) seen by the check
 
 
 # ---- calls the program makes (module-level so fx code can name them; placements as text) -----
@@ -196,11 +200,9 @@ class _Builder:
         self.env: dict[str, fx.Node] = {}          # value name -> local node
         self.attrs: dict[str, Any] = {}
         self.step_params: set[str] = set()
-        self.op_of_node: dict[str, int] = {}
         self.slot = CommSlot(comm=None)
         self.attrs["_autoplan_comm"] = self.slot
         self.slot_node = self.g.get_attr("_autoplan_comm")
-        self.expected: dict[str, tuple[int, ...]] = {}
 
     # -- helpers --
     def fqn(self, target: str) -> str:
@@ -210,11 +212,9 @@ class _Builder:
     def placement(self, name: str) -> Placement:
         return self.sh.placement_of(self.eg, name)
 
-    def emit(self, fn, args, i: int, expect: tuple[int, ...] | None = None) -> fx.Node:
+    def emit(self, fn, args, i: int) -> fx.Node:
         n = self.g.call_function(fn, tuple(args))
-        self.op_of_node[n.name] = i
-        if expect is not None:
-            self.expected[n.name] = expect
+        n.meta[OP] = i
         return n
 
     # -- nodes --
@@ -288,15 +288,14 @@ class _Builder:
             out = self.emit(_k_dp_batch_norm, (node.target, args, kwargs, self.slot_node), i)
         else:
             out = self.g.call_function(node.target, tuple(args), kwargs)
-            self.op_of_node[out.name] = i
+            out.meta[OP] = i
         if bias is not None:
-            out = self.g.call_function(operator.getitem, (out, 0))
-            bias_node = self.g.call_function(operator.getitem, (out.args[0], 1))
+            out = self.emit(operator.getitem, (out, 0), i)
+            bias_node = self.emit(operator.getitem, (out.args[0], 1), i)
         for k, vn in enumerate(op.outputs):
             y = out if len(op.outputs) == 1 and not _multi(node) else \
-                self.g.call_function(operator.getitem, (out, _out_index(node, vn)))
-            if local_outs[k] is not None:
-                self.expected[y.name] = local_outs[k]
+                self.emit(operator.getitem, (out, _out_index(node, vn)), i)
+            y.meta[SHAPE] = local_outs[k]
             action = output_action(self.eg, op, s, k)
             if action == "reduce":
                 y = self.emit(_c_reduce, (y, self.slot_node), i)
@@ -323,7 +322,7 @@ class _Builder:
                                     f"place, but the plan moves that input from {src} to "
                                     f"{want} first (the write would land on a copy); re-plan")
                 x = transition(self.g, x, src, want, self.slot_node)
-                self.op_of_node[x.name] = i
+                x.meta[OP] = i
             action = input_action(self.eg, op, s, k)
             if action == "step" and vn in bwd_params:
                 action = "reduce_grad"          # a weight with mixed partial/whole gradients
@@ -334,7 +333,7 @@ class _Builder:
             elif action == "reduce_grad":
                 x = self.emit(_c_reduce_grad, (x, self.slot_node), i)
             elif action == "step":
-                self.step_params.add(self.eg.value(v.base).fqn)
+                self.step_params.add(v.fqn)
             out.append(x)
         return out
 
@@ -413,22 +412,32 @@ def build_program(ep: Any, graph: OpGraph, sharding: Sharding, *, prefix: str, t
                  state_tensor=state_tensor)
     g = b.build()
     gm = fx.GraphModule(b.attrs, g, class_name="RankProgram")
-    gm._autoplan_expected = b.expected
     return Program(graph_module=gm, comm_slot=b.slot, step_params=sorted(b.step_params),
-                   state=dict(sharding.state), op_of_node=b.op_of_node)
+                   state=dict(sharding.state))
 
 
-def check_shapes(program: Program, example_inputs: tuple, t: int) -> None:
+def check_shapes(program: Program, example_inputs: tuple, t: int,
+                 device: torch.device | None = None) -> None:
     """Run the program on fake tensors with shape-only collectives: every op must produce the
-    local shape its placement says (else PlanError naming the op)."""
+    local shape its placement says (else PlanError naming the op). Each node keeps what it
+    produced (``node.meta[VAL]``: pipeline stages declare their inputs and outputs with it)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     gm = program.graph_module
-    expected = gm._autoplan_expected
+    device = device or next((x.device for x in example_inputs if isinstance(x, torch.Tensor)),
+                            torch.device("cpu"))
     real = program.comm_slot.comm
     program.comm_slot.comm = tp_comm.ShapeComm(size=t)
     mode = FakeTensorMode(allow_non_fake_inputs=True)
 
     class Check(fx.Interpreter):
+        def fetch_attr(self, target):
+            obj = super().fetch_attr(target)
+            if isinstance(obj, torch.Tensor) and obj.is_meta and device.type != "meta":
+                # another pipeline rank's weight: its shape and dtype, on this rank's device
+                return torch.empty(obj.shape, dtype=obj.dtype, device=device,
+                                   requires_grad=obj.requires_grad)
+            return obj
+
         def run_node(self, n):
             try:
                 out = super().run_node(n)
@@ -437,13 +446,15 @@ def check_shapes(program: Program, example_inputs: tuple, t: int) -> None:
             except Exception as e:
                 raise PlanError(f"the rank program fails at {n.format_node()}: "
                                 f"{type(e).__name__}: {str(e).splitlines()[0][:300]}") from e
-            want = expected.get(n.name)
+            if isinstance(out, torch.Tensor):
+                n.meta[VAL] = (tuple(out.shape), out.dtype, out.requires_grad)
+            want = n.meta.get(SHAPE)
             if want is not None and isinstance(out, torch.Tensor) and tuple(out.shape) != want:
                 raise PlanError(f"the rank program computes shape {tuple(out.shape)} at "
                                 f"{n.format_node()}, the plan says {want}")
             return out
     try:
-        with mode, torch.no_grad():
+        with mode:
             fake = [mode.from_tensor(x) if isinstance(x, torch.Tensor) else x
                     for x in example_inputs]
             Check(gm).run(*fake)

@@ -1,56 +1,128 @@
-"""Cut the rank program into one module per layer, at the layer's own path.
+"""Cut the rank program into modules: one per layer, and one per pipeline chunk.
 
 FSDP2 shards and gathers per module, activation checkpointing wraps a module, and pipeline
-stages hold whole layers: all need the layers as modules. The rank program is one flat graph;
-``split_layers`` moves the nodes of each layer (a pipeline unit: a child of the model's layer
-container, ``layers.7``) into a ``GraphModule`` of its own, installed at the layer's path, that
-owns the layer's parameters under their own names, so every FQN stays what the user's model
-calls it (``layers.7.attn.q_proj.weight``). The root graph calls the layers in order; what a
-layer reads from outside (activations, a weight tied to another module) comes in as arguments.
+stages hold whole layers: all need modules. The rank program is one flat graph whose nodes know
+the op they belong to (``node.meta["autoplan_op"]``).
+
+- ``split_layers`` moves the nodes of each layer (a pipeline unit: a child of the model's layer
+  container, ``layers.7``) into a ``GraphModule`` of its own, installed at the layer's path,
+  owning the layer's parameters under their own names, so every FQN stays what the user's model
+  calls it (``layers.7.attn.q_proj.weight``). The root calls the layers in order; what a layer
+  reads from outside (activations, a weight tied to another module) comes in as arguments.
+- ``split_chunks`` cuts the program into consecutive op ranges (pipeline chunks): chunk ``c``
+  takes every value that later chunks still need (its ``boundary``) and returns the next
+  boundary, passing through what it does not produce (masks, rotary tables, the targets for the
+  loss on the last chunk).
 """
 
 from __future__ import annotations
 
 import operator
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from torch import fx, nn
 
 from autoplan.errors import PlanError
+from autoplan.runtime.program import OP
 
 
-def _segment_of_nodes(gm: fx.GraphModule, op_of_node: dict[str, int],
-                      ranges: Sequence[tuple[str, int, int]]) -> dict[str, int]:
-    seg: dict[str, int] = {}
-    for node in gm.graph.nodes:
-        i = op_of_node.get(node.name)
-        if i is None and node.op == "call_function" and node.target is operator.getitem:
-            src = node.args[0]
-            if isinstance(src, fx.Node) and src.name in seg:
-                seg[node.name] = seg[src.name]
-            continue
+def op_of(node: fx.Node, seen: dict[fx.Node, int | None]) -> int | None:
+    """The graph op a node belongs to (a getitem follows its source)."""
+    if OP in node.meta:
+        return node.meta[OP]
+    if node.op == "call_function" and node.target is operator.getitem:
+        src = node.args[0]
+        if isinstance(src, fx.Node):
+            return seen.get(src)
+    return None
+
+
+def _owner(nodes: Sequence[fx.Node], ranges: Sequence[tuple[int, int]]) -> dict[fx.Node, int]:
+    seen: dict[fx.Node, int | None] = {}
+    group: dict[fx.Node, int] = {}
+    for n in nodes:
+        i = op_of(n, seen)
+        seen[n] = i
         if i is None:
             continue
-        for k, (_path, start, stop) in enumerate(ranges):
+        for k, (start, stop) in enumerate(ranges):
             if start <= i < stop:
-                seg[node.name] = k
+                group[n] = k
                 break
-    return seg
+    return group
 
 
-def split_layers(gm: fx.GraphModule, op_of_node: dict[str, int],
-                 ranges: Sequence[tuple[str, int, int]]) -> fx.GraphModule:
+def _attrs(gm: fx.GraphModule) -> dict[str, Any]:
+    out = {}
+    for n in gm.graph.nodes:
+        if n.op == "get_attr":
+            obj: Any = gm
+            for part in n.target.split("."):
+                obj = getattr(obj, part)
+            out[n.target] = obj
+    return out
+
+
+def extract(members: Sequence[fx.Node], attrs: dict[str, Any], *,
+            own: Callable[[str], str | None], inputs: Sequence[fx.Node] | None = None,
+            outputs: Sequence[fx.Node] | None = None, class_name: str = "LayerProgram"
+            ) -> tuple[fx.GraphModule, list[fx.Node], list[fx.Node]]:
+    """A GraphModule of ``members`` (in order). Attributes ``own`` maps to a name live in it;
+    other outside nodes become arguments (``inputs`` fixes them and their order). It returns
+    ``outputs`` (default: the members read outside). Returns (module, inputs, outputs)."""
+    inside = set(members)
+    g = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    args: list[fx.Node] = list(inputs) if inputs is not None else []
+    fixed = inputs is not None
+    for k, a in enumerate(args):
+        env[a] = g.placeholder(f"in_{k}")
+    mine: dict[str, Any] = {}
+
+    def arg(a: fx.Node) -> fx.Node:
+        if a in env:
+            return env[a]
+        if a.op == "get_attr":
+            name = own(a.target)
+            if name is not None:
+                mine[name] = attrs[a.target]
+                env[a] = g.get_attr(name)
+                return env[a]
+        if fixed:
+            raise PlanError(f"pipeline chunk reads {a.name}, which its inputs do not carry")
+        args.append(a)
+        env[a] = g.placeholder(f"in_{len(args) - 1}")
+        return env[a]
+    for n in members:
+        for a in n.all_input_nodes:
+            if a not in inside:
+                arg(a)
+    for n in members:
+        env[n] = g.node_copy(n, arg)
+    if outputs is None:
+        outputs = [n for n in members if any(u not in inside for u in n.users)]
+    if not outputs:
+        raise PlanError(f"{class_name}: a part of the model whose results nothing reads")
+    g.output(tuple(arg(n) for n in outputs) if len(outputs) != 1 or inputs is None
+             else arg(outputs[0]))
+    g.lint()
+    return fx.GraphModule(mine, g, class_name=class_name), args, list(outputs)
+
+
+def split_layers(gm: fx.GraphModule, ranges: Sequence[tuple[str, int, int]]
+                 ) -> fx.GraphModule:
     """A root GraphModule calling one GraphModule per ``(path, start, stop)`` op range."""
     if not ranges:
         return gm
-    seg = _segment_of_nodes(gm, op_of_node, ranges)
     nodes = list(gm.graph.nodes)
+    group = _owner(nodes, [(s, e) for _, s, e in ranges])
     members: list[list[fx.Node]] = [[] for _ in ranges]
     for n in nodes:
-        if n.name in seg:
-            members[seg[n.name]].append(n)
-    attrs = dict(_attrs(gm))
+        if n in group:
+            members[group[n]].append(n)
+    attrs = _attrs(gm)
     root = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     root_attrs: dict[str, Any] = {}
@@ -62,7 +134,7 @@ def split_layers(gm: fx.GraphModule, op_of_node: dict[str, int],
             env[a] = root.get_attr(a.target)
         return env[a]
     for n in nodes:
-        k = seg.get(n.name)
+        k = group.get(n)
         if k is None:
             if n.op != "get_attr":
                 env[n] = root.node_copy(n, get)
@@ -71,63 +143,67 @@ def split_layers(gm: fx.GraphModule, op_of_node: dict[str, int],
             continue
         done.add(k)
         path = ranges[k][0]
-        module, inputs, outputs = _segment(members[k], path, attrs)
+        prefix = path + "."
+
+        def own(target: str, prefix: str = prefix) -> str | None:
+            if target.startswith(prefix):
+                return target[len(prefix):]
+            return target if target.startswith("_autoplan_") else None
+        module, inputs, outputs = extract(members[k], attrs, own=own)
         root_attrs[path] = module
         call = root.call_module(path, tuple(get(x) for x in inputs))
         for j, out in enumerate(outputs):
             env[out] = root.call_function(operator.getitem, (call, j))
     root.lint()
-    out = fx.GraphModule(root_attrs, root, class_name="RankProgram")
-    out._autoplan_expected = getattr(gm, "_autoplan_expected", {})
-    return out
+    return fx.GraphModule(root_attrs, root, class_name=type(gm).__name__)
 
 
-def _attrs(gm: fx.GraphModule):
-    for n in gm.graph.nodes:
-        if n.op == "get_attr":
-            obj: Any = gm
-            for part in n.target.split("."):
-                obj = getattr(obj, part)
-            yield n.target, obj
+@dataclass(frozen=True)
+class Chunk:
+    module: fx.GraphModule
+    held: list[str]                 # FQNs of the attributes it holds
+    inputs: list[fx.Node]           # program nodes it takes, in order
+    outputs: list[fx.Node]          # program nodes it returns, in order
 
 
-def _segment(members: list[fx.Node], path: str, attrs: dict[str, Any]
-             ) -> tuple[fx.GraphModule, list[fx.Node], list[fx.Node]]:
-    """The layer's GraphModule, the root nodes it reads (in order) and the nodes it returns."""
-    inside = set(members)
-    g = fx.Graph()
-    env: dict[fx.Node, fx.Node] = {}
-    inputs: list[fx.Node] = []
-    own: dict[str, Any] = {}
-    prefix = path + "."
-
-    def arg(a: fx.Node) -> fx.Node:
-        if a in env:
-            return env[a]
-        if a.op == "get_attr" and (a.target.startswith(prefix)
-                                   or a.target.startswith("_autoplan_")):
-            # the layer's own weights (and shared helpers: comm slot, constants) live in it
-            rel = a.target[len(prefix):] if a.target.startswith(prefix) else a.target
-            own[rel] = attrs[a.target]
-            env[a] = g.get_attr(rel)
-            return env[a]
-        inputs.append(a)
-        env[a] = g.placeholder(f"in_{len(inputs)}")
-        return env[a]
-    # placeholders first, in order of first use
-    for n in members:
+def split_chunks(gm: fx.GraphModule, cuts: Sequence[int]) -> list[Chunk]:
+    """One GraphModule per op range ``[cuts[c], cuts[c + 1])``; chunk 0 takes the program's
+    inputs, chunk c > 0 the values chunk c - 1 returns."""
+    nodes = list(gm.graph.nodes)
+    ranges = list(zip(cuts[:-1], cuts[1:]))
+    group = _owner(nodes, ranges)
+    placeholders = [n for n in nodes if n.op == "placeholder"]
+    out_node = next(n for n in nodes if n.op == "output")
+    n_chunks = len(ranges)
+    members: list[list[fx.Node]] = [[] for _ in ranges]
+    for n in nodes:
+        if n in group:
+            members[group[n]].append(n)
+    # boundary after chunk c: values made in chunks <= c (or program inputs) read after it
+    last_use: dict[fx.Node, int] = {}
+    for n in nodes:
+        k = n_chunks if n is out_node else group.get(n)
+        if k is None:
+            continue
         for a in n.all_input_nodes:
-            if a not in inside:
-                arg(a)
-    for n in members:
-        env[n] = g.node_copy(n, arg)
-    outputs = [n for n in members if any(u not in inside for u in n.users)]
-    if not outputs:
-        raise PlanError(f"layer {path!r} produces nothing the rest of the model reads")
-    g.output(tuple(env[n] for n in outputs))
-    g.lint()
-    module = fx.GraphModule(own, g, class_name="LayerProgram")
-    return module, inputs, outputs
+            if a.op != "get_attr":
+                last_use[a] = max(last_use.get(a, -1), k)
+    made = {n: group.get(n, -1) for n in nodes}
+    attrs = _attrs(gm)
+    out = []
+    boundary = placeholders
+    for c in range(n_chunks):
+        if c == n_chunks - 1:
+            results = list(out_node.all_input_nodes)
+        else:
+            results = [n for n in nodes if n.op != "get_attr" and made[n] <= c
+                       and last_use.get(n, -1) > c and (n.op == "placeholder" or n in group)]
+        module, _, _ = extract(members[c], attrs, own=lambda t: t, inputs=boundary,
+                               outputs=results, class_name=f"PipelineChunk{c}")
+        held = [n.target for n in module.graph.nodes if n.op == "get_attr"]
+        out.append(Chunk(module, held, list(boundary), list(results)))
+        boundary = results
+    return out
 
 
 def layer_ranges(graph: Any) -> list[tuple[str, int, int]]:

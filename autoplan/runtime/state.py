@@ -23,8 +23,9 @@ class LocalState:
     """Hands out this rank's shard of every parameter and buffer, once per tensor."""
 
     def __init__(self, model: nn.Module, *, t: int, rank: int, device: torch.device,
-                 seed: int):
+                 seed: int, keep: Any = None):
         self.model = model
+        self.keep = keep
         self.t, self.rank, self.device, self.seed = t, rank, device, seed
         self.done: dict[str, Any] = {}                      # FQN (every alias) -> local
         self.aliases: dict[int, list[str]] = {}
@@ -42,6 +43,10 @@ class LocalState:
         module = self.model.get_submodule(owner) if owner else self.model
         full = getattr(module, attr)
         names = self.aliases.get(id(full), [fqn])
+        if self.keep is not None and not self.keep(fqn):
+            shape = local_shape(tuple(full.shape), p, self.t) or tuple(full.shape)
+            other = torch.empty(shape, dtype=full.dtype, device="meta")   # another rank's
+            return other.requires_grad_(kind == "param" and full.requires_grad)
         if full.is_meta:
             self._materialize(module)
             full = getattr(module, attr)

@@ -219,7 +219,7 @@ def compile(model: nn.Module, cluster: Any = "local", *, example_inputs: Sequenc
             mp = MixedPrecisionPolicy(param_dtype=precision_dtype, reduce_dtype=torch.float32)
         par.apply_fsdp(program, rp.layers, dp_mesh, reshard=cfg.zero_stage == 3, mp_policy=mp,
                        offload=cfg.offload_params)
-    tp_grads = (TensorParallelGrads(program, rp.program.step_params, tp_group)
+    tp_grads = (TensorParallelGrads([program], rp.program.step_params, tp_group)
                 if cfg.tp > 1 and rp.program.step_params else None)
     if cfg.dp > 1 and not use_fsdp:
         from torch.nn.parallel import DistributedDataParallel as DDP
