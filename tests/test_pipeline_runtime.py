@@ -157,17 +157,30 @@ def test_layers_of_different_kinds_pipeline_like_one_device():
             assert torch.allclose(got, ref, rtol=1e-5, atol=1e-7), k
 
 
-def test_stage_modules_keep_fqns_and_drop_the_rest(graph):
-    from autoplan.runtime.pipeline import ChunkSpec, cut_chunk
-    model = _example(1).model
-    first = cut_chunk(model, graph, ChunkSpec(0, ("layers.0", "layers.1"), True, False))
-    last = cut_chunk(model, graph, ChunkSpec(1, ("layers.2", "layers.3"), False, True))
-    assert first.lm_head is None and first.norm is None and first.tok_embeddings is not None
-    assert last.tok_embeddings is None and last.pos_embeddings is None
-    assert {n.split(".")[1] for n, _ in first.named_parameters() if n.startswith("layers.")} \
-        == {"0", "1"}
-    assert "layers.3.mlp.fc.weight" in dict(last.named_parameters())
-    # the stages compose to the full model
-    tokens = _example(2).example_inputs[0]
+def test_chunks_of_the_rank_program_keep_fqns_and_compose_to_the_model():
+    """Pipeline chunks are op ranges of the rank program: each holds only its weights, under
+    the user's names (a tied LM head on both ends), and run one after the other they compute
+    the model's loss."""
+    from autoplan.graph.trace import export_program
+    from autoplan.runtime.program import build_program, check_shapes
+    from autoplan.runtime.segments import layer_ranges, split_chunks
+    from autoplan.runtime.state import LocalState
+    from autoplan.sharding.sharding import replicated
+    ex = _example(2)
+    cpu = torch.device("cpu")
+    ep, g, prefix = export_program(ex.model, ex.example_inputs, loss_fn=ex.loss_fn,
+                                   targets=ex.targets)
+    prog = build_program(ep, g, replicated(g), prefix=prefix, t=1, device=cpu,
+                         state_tensor=LocalState(ex.model, t=1, rank=0, device=cpu, seed=0))
+    check_shapes(prog, tuple(ex.example_inputs) + (ex.targets,), 1)
+    ranges = layer_ranges(g)
+    first, last = split_chunks(prog.graph_module, [0, ranges[2][1], len(g.ops)])
+    names0 = {n for n, _ in first.module.named_parameters()}
+    names1 = {n for n, _ in last.module.named_parameters()}
+    assert {n.split(".")[1] for n in names0 if n.startswith("layers.")} == {"0", "1"}
+    assert {n.split(".")[1] for n in names1 if n.startswith("layers.")} == {"2", "3"}
+    assert "pos_embeddings.weight" in names0 and "pos_embeddings.weight" not in names1
+    assert "norm.weight" in names1 and "norm.weight" not in names0
     with torch.no_grad():
-        torch.testing.assert_close(last(first(tokens)), model(tokens))
+        loss = last.module(*first.module(*ex.example_inputs, ex.targets))
+        torch.testing.assert_close(loss, ex.loss_fn(ex.model(*ex.example_inputs), ex.targets))

@@ -54,11 +54,9 @@ def _compiled(name, plan_json):
 
 
 def _rank(rank, world, name, plan_json):
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
     trainer, batch = _compiled(name, plan_json)
     losses = [trainer.step(batch) for _ in range(STEPS)]
-    sd = get_model_state_dict(trainer.model,
-                              options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    sd = trainer.full_state_dict()                  # collective: every rank calls it
     return losses, ({k: v.tolist() for k, v in sd.items()} if rank == 0 else None)
 
 
@@ -152,15 +150,15 @@ def test_collectives_match_the_plan(name, world, force, sharding):
     prediction (kinds carrying under 1% of the bytes are noise: buffer broadcasts)."""
     from autoplan.estimate.collectives import expected_collectives
     from autoplan.estimate.partition import partition
-    from autoplan.runtime.layouts import sharding_from_plan
+    from autoplan.runtime.emit import strategies_by_position
     plan = _plan(name, world, force, sharding)
     small = build_example(name, batch_size=1, seed=0)
     g = trace(small.model, small.example_inputs, loss_fn=small.loss_fn, targets=small.targets)
-    sh = sharding_from_plan(g, dict(plan.op_strategies), plan.config.tp)
+    sh = strategies_by_position(g, dict(plan.op_strategies), g, plan.config.tp)
     chunk = partition(g, 1)[0]
     expected = expected_collectives(g, plan.config, sh, global_batch_size=GLOBAL_BATCH,
                                     layer_ranges=list(chunk.layer_ranges),
-                                    fsdp_units=len(plan.recompute) + 1, observable=True)
+                                    fsdp_units=len(plan.recompute) + 1)
     counted = run_ranks(_count_rank, world, name, plan.to_json())[0]
     total = sum(e.bytes for e in expected.values())
     for kind, e in expected.items():

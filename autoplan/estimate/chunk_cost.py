@@ -97,6 +97,8 @@ def tp_comm_s(ci: CostInputs, start: int, stop: int) -> tuple[float, float, floa
     t = {"fwd": 0.0, "bwd": 0.0, "step": 0.0}
     for _i, c in sh.comms(start, stop):
         nbytes = comm_bytes(graph, a, config, c.value, c.scale, sh.t, ci.batch_scale)
+        if c.phase == "step" and config.zero_stage >= 2:
+            nbytes /= config.dp           # the gradient is already ZeRO-sharded over dp
         t[c.phase] += ci.cluster.collective_time_s(c.kind, nbytes, group)
     for r in sh.reshards_in(start, stop):
         nbytes = comm_bytes(graph, a, config, r.value, r.scale, sh.t, ci.batch_scale)

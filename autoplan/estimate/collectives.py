@@ -4,8 +4,8 @@ Derived from the same sharding and configuration the cost model prices, so a run
 the plan (``autoplan.runtime.comm_counter`` counts what really happens). Bytes follow
 ``Cluster.collective_time_s``'s convention. Calls are given where the plan fixes them; data
 parallel gradient all-reduces under DDP come in buckets whose number DDP decides (None).
-``observable=False`` leaves out what a dispatch-mode counter cannot see: collectives DTensor
-issues inside its own op handlers (the loss-parallel cross entropy's per-token reductions).
+Tensor-parallel gradient all-reduces of replicated weights (phase "step") go in one flattened
+call per step, over the ZeRO-2/3 gradient shard when gradients are sharded.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ class Expected:
 
 def expected_collectives(graph: OpGraph, config: ParallelConfig, sh: Sharding, *,
                          global_batch_size: int, layer_ranges: list[tuple[int, int]],
-                         fsdp_units: int, observable: bool = False) -> dict[str, Expected]:
+                         fsdp_units: int) -> dict[str, Expected]:
     a = analyze(graph)
     m = config.microbatches(global_batch_size)
     bs = config.micro_batch_size / graph.batch_size
@@ -46,16 +46,18 @@ def expected_collectives(graph: OpGraph, config: ParallelConfig, sh: Sharding, *
     if sh.t > 1:
         events = [(i, c.kind, c.value, c.scale, c.phase) for i, c in sh.comms()]
         events += [(r.op_index, r.kind, r.value, r.scale, r.phase) for r in sh.reshards]
+        step_bytes = 0.0
         for i, kind, value, scale, phase in events:
-            if kind == "none":
-                continue
-            if observable and sh.op_strategy[i].style == "loss_parallel":
-                continue
             b = comm_bytes(graph, a, config, value, scale, sh.t, bs)
-            times = 1 if phase == "step" else m
+            if phase == "step":       # one flattened all-reduce per step, of ZeRO's grad shard
+                step_bytes += b / (config.dp if config.zero_stage >= 2 else 1)
+                continue
+            times = m
             if phase == "fwd" and recomputed and i in in_layer:
                 times *= 2            # the recomputed forward issues its collectives again
             add(kind, times, times * b)
+        if step_bytes:
+            add("all_reduce", 1, step_bytes)
 
     if config.dp > 1:
         params, tensors = 0.0, 0
@@ -75,7 +77,7 @@ def expected_collectives(graph: OpGraph, config: ParallelConfig, sh: Sharding, *
             add("all_gather", gathers * fsdp_units * m, gathers * m * gather_bytes)
             add("reduce_scatter", fsdp_units * m, m * grad_bytes)
         else:
-            add("all_reduce", None if config.tp == 1 else tensors, grad_bytes)
+            add("all_reduce", None, grad_bytes)        # DDP's buckets
             if config.zero_stage == 1:
                 add("broadcast", tensors, 4.0 * params)
         add("all_reduce", 1, 8.0)                   # the step's loss, averaged for reporting

@@ -23,8 +23,8 @@ from autoplan.graph.opgraph import OpGraph
 from autoplan.graph.trace import export_program
 from autoplan.runtime.program import Program, build_program, check_shapes
 from autoplan.runtime.segments import layer_ranges, split_layers
-from autoplan.runtime.state import LocalState
-from autoplan.sharding.sharding import Sharding
+from autoplan.runtime.state import LocalState, register_aliases, tied_names
+from autoplan.sharding.sharding import Sharding, _pick
 from autoplan.sharding.strategies import strategies
 
 
@@ -36,36 +36,62 @@ class RankProgram:
     sharding: Sharding
     layers: list[str]                 # layer paths (modules of the program)
     with_loss: bool
+    aliases: dict[str, tuple[str, ...]]   # tied weights: every name of each
 
 
 def micro_batch(tensors: Sequence[Any], rows: int) -> tuple:
-    """The first ``rows`` samples of each batch-first tensor."""
-    return tuple(t[:rows] if isinstance(t, torch.Tensor) and t.dim() > 0 else t
-                 for t in tensors)
+    """Example tensors of ``rows`` samples: the first ``rows`` of each batch-first tensor,
+    repeated when it has fewer (only shapes and dtypes matter to the export)."""
+    out = []
+    for t in tensors:
+        if isinstance(t, torch.Tensor) and t.dim() > 0:
+            if t.shape[0] < rows:
+                t = t.repeat((-(-rows // t.shape[0]),) + (1,) * (t.dim() - 1))
+            t = t[:rows]
+        out.append(t)
+    return tuple(out)
 
 
 def strategies_by_position(plan_graph: OpGraph, op_strategies: dict[str, str],
                            graph: OpGraph, t: int) -> Sharding:
-    """The plan's per-op strategy names, carried to ``graph`` (same ops, maybe another batch)."""
-    if len(plan_graph.ops) != len(graph.ops):
-        raise PlanError(f"the model exported at the micro-batch has {len(graph.ops)} ops, the "
-                        f"planning graph {len(plan_graph.ops)}: its forward depends on the "
+    """The plan's per-op strategy names, carried to ``graph`` (the same model exported at
+    another batch size). Ops are matched in order by their aten target; a model whose forward
+    adds or drops an op at another batch size (a squeeze that only batch 1 needs) gets, for
+    each unmatched op, the strategy that takes its inputs as they come."""
+    import difflib
+    a = [op.target for op in plan_graph.ops]
+    b = [op.target for op in graph.ops]
+    pairs: dict[int, int] = {}
+    for blk in difflib.SequenceMatcher(a=a, b=b, autojunk=False).get_matching_blocks():
+        for k in range(blk.size):
+            pairs[blk.b + k] = blk.a + k
+    matched = len(pairs)
+    if matched < 0.9 * max(len(a), len(b)):
+        raise PlanError(f"the model exported at the micro-batch has {len(b)} ops, the planning "
+                        f"graph {len(a)}, and only {matched} line up: its forward depends on the "
                         "batch size; plan with example inputs of the micro-batch size")
     chosen = []
-    for a, b in zip(plan_graph.ops, graph.ops):
-        if a.target != b.target:
-            raise PlanError(f"op {a.name} is {a.target} in the planning graph but {b.target} "
-                            "when exported at the micro-batch; plan with example inputs of the "
-                            "micro-batch size")
-        name = op_strategies.get(a.name)
-        if name is None:
-            raise PlanError(f"the plan has no strategy for op {a.name!r}: it was made for "
-                            "another graph; re-plan")
-        options = {s.name: s for s in strategies(graph, b, t)}
-        if name not in options:
-            raise PlanError(f"op {a.name} ({a.target}) has no strategy {name!r} on a {t}-way "
-                            f"axis at the micro-batch (it has {sorted(options)}); re-plan")
-        chosen.append(options[name])
+    placement: dict[str, Any] = {}
+    for j, op in enumerate(graph.ops):
+        options = {s.name: s for s in strategies(graph, op, t)}
+        if j in pairs:
+            src = plan_graph.ops[pairs[j]]
+            name = op_strategies.get(src.name)
+            if name is None:
+                raise PlanError(f"the plan has no strategy for op {src.name!r}: it was made "
+                                "for another graph; re-plan")
+            if name not in options:
+                raise PlanError(f"op {src.name} ({src.target}) has no strategy {name!r} on a "
+                                f"{t}-way axis at the micro-batch (it has {sorted(options)}); "
+                                "re-plan")
+            s = options[name]
+        else:
+            cur = [placement.get(n) if graph.value(n).kind == "activation" else None
+                   for n in op.inputs]
+            s = _pick(list(options.values()), cur) or next(iter(options.values()))
+        chosen.append(s)
+        for k, n in enumerate(op.outputs):
+            placement[n] = s.outputs[k]
     return Sharding.build(graph, t, chosen)
 
 
@@ -112,11 +138,14 @@ def emit(model: nn.Module, plan: Any, plan_graph: OpGraph, *, example_inputs: Se
     """This rank's program of ``plan`` (tensor-parallel degree ``t``, index ``tp_rank``)."""
     ex = export_for_plan(model, plan, plan_graph, example_inputs=example_inputs,
                          example_targets=example_targets, loss_fn=loss_fn, t=t)
+    aliases = tied_names(model)
     program = lower(model, ex, t=t, tp_rank=tp_rank, device=device, seed=seed)
     ranges = layer_ranges(ex.graph)
     module = split_layers(program.graph_module, ranges)
+    register_aliases(module, aliases)
     return RankProgram(module=module, program=program, graph=ex.graph, sharding=ex.sharding,
-                       layers=[p for p, _, _ in ranges], with_loss=ex.with_loss)
+                       layers=[p for p, _, _ in ranges], with_loss=ex.with_loss,
+                       aliases=aliases)
 
 
 def connect(slot: Any, *, tp: tuple[Any, int, int], dp: tuple[Any, int, int],

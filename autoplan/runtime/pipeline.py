@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -146,6 +146,9 @@ class PipelineTrainer:
     grad_syncs: list[Any]
     autocast_dtype: torch.dtype | None
     device: torch.device
+    tp_comm: Any = None
+    placements: dict[str, Any] = field(default_factory=dict)
+    aliases: dict[str, tuple[str, ...]] = field(default_factory=dict)
 
     @property
     def config(self):
@@ -195,10 +198,11 @@ class PipelineTrainer:
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """This rank's parameters and buffers, full tensors (gathered over dp and tp)."""
         from autoplan.runtime.parallelize import full_state_dict
+        from autoplan.runtime.state import gather_tensor_parallel
         out: dict[str, torch.Tensor] = {}
         for c in sorted(self.chunks):
             out.update(full_state_dict(self.chunks[c]))
-        return out
+        return gather_tensor_parallel(out, self.placements, self.aliases, self.tp_comm)
 
 
 def _loss_passes_through(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -233,6 +237,7 @@ def compile_pipelined(model: nn.Module, graph: OpGraph, plan: Any, *, device: to
     from autoplan.runtime.optim import (DataParallelGrads, HostOffloadOptimizer,
                                         TensorParallelGrads, TensorShardedOptimizer)
     from autoplan.runtime.segments import layer_ranges, split_chunks, split_layers
+    from autoplan.runtime.state import register_aliases, tied_names
 
     cfg = plan.config
     if loss_fn is None or example_targets is None:
@@ -257,6 +262,7 @@ def compile_pipelined(model: nn.Module, graph: OpGraph, plan: Any, *, device: to
     for c in mine_idx:
         for op in ex.graph.ops[cuts[c]:cuts[c + 1]]:
             used.update(op.params)
+    aliases = tied_names(model)
     program = lower(model, ex, t=cfg.tp, tp_rank=tp_index, device=device, seed=seed,
                     keep=lambda fqn: fqn in used)
     # every rank creates every stage's group, in the same order (new_group is collective)
@@ -275,6 +281,7 @@ def compile_pipelined(model: nn.Module, graph: OpGraph, plan: Any, *, device: to
     for c in mine_idx:
         inside = [r for r in ranges if cuts[c] <= r[1] < cuts[c + 1]]
         chunk = split_layers(pieces[c].module, inside)
+        register_aliases(chunk, aliases)
         layers = [p for p, _, _ in inside]
         par.apply_recompute(chunk, {p: pol for p, pol in plan.recompute.items()
                                     if p in set(layers)})
@@ -323,7 +330,8 @@ def compile_pipelined(model: nn.Module, graph: OpGraph, plan: Any, *, device: to
                            dp_group=dp_mesh.get_group() if cfg.dp > 1 else None,
                            pp_group=pp_group, last_stage_rank=last_rank, grad_syncs=grad_syncs,
                            autocast_dtype=precision_dtype if not use_fsdp else None,
-                           device=device)
+                           device=device, tp_comm=program.comm_slot.comm,
+                           placements=program.state, aliases=aliases)
 
 
 

@@ -423,7 +423,8 @@ def check_shapes(program: Program, example_inputs: tuple, t: int,
     produced (``node.meta[VAL]``: pipeline stages declare their inputs and outputs with it)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     gm = program.graph_module
-    device = device or next((x.device for x in example_inputs if isinstance(x, torch.Tensor)),
+    device = device or next((x.device for x in example_inputs
+                             if isinstance(x, torch.Tensor) and not x.is_meta),
                             torch.device("cpu"))
     real = program.comm_slot.comm
     program.comm_slot.comm = tp_comm.ShapeComm(size=t)
@@ -432,11 +433,14 @@ def check_shapes(program: Program, example_inputs: tuple, t: int,
     class Check(fx.Interpreter):
         def fetch_attr(self, target):
             obj = super().fetch_attr(target)
-            if isinstance(obj, torch.Tensor) and obj.is_meta and device.type != "meta":
+            if not isinstance(obj, torch.Tensor):
+                return obj
+            if obj.is_meta and device.type != "meta":
                 # another pipeline rank's weight: its shape and dtype, on this rank's device
                 return torch.empty(obj.shape, dtype=obj.dtype, device=device,
                                    requires_grad=obj.requires_grad)
-            return obj
+            # a fake copy: in-place ops (batch norm's counters) must not touch the real one
+            return mode.from_tensor(obj)
 
         def run_node(self, n):
             try:
@@ -455,7 +459,8 @@ def check_shapes(program: Program, example_inputs: tuple, t: int,
             return out
     try:
         with mode:
-            fake = [mode.from_tensor(x) if isinstance(x, torch.Tensor) else x
+            fake = [(torch.empty(x.shape, dtype=x.dtype, device=device) if x.is_meta
+                     else mode.from_tensor(x)) if isinstance(x, torch.Tensor) else x
                     for x in example_inputs]
             Check(gm).run(*fake)
     finally:

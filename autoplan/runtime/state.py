@@ -88,3 +88,64 @@ class LocalState:
                 for t in list(module._parameters.values()) + list(module._buffers.values()):
                     if t is not None and t.is_floating_point():
                         t.normal_(0.0, 0.02)
+
+
+def tied_names(model: nn.Module) -> dict[str, tuple[str, ...]]:
+    """Every name of a parameter or buffer that has several (name -> all its names)."""
+    by_id: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        by_id.setdefault(id(p), []).append(name)
+    for name, b in model.named_buffers(remove_duplicate=False):
+        by_id.setdefault(id(b), []).append(name)
+    return {n: tuple(names) for names in by_id.values() if len(names) > 1 for n in names}
+
+
+def register_aliases(module: nn.Module, aliases: dict[str, tuple[str, ...]]) -> None:
+    """Give each tied tensor ``module`` holds all the names the user's model gives it (state
+    dicts then list both an LM head and the embedding it is tied to)."""
+    for name, group in aliases.items():
+        tensor = _lookup(module, name)
+        if tensor is None:
+            continue
+        for other in group:
+            if other == name or _lookup(module, other) is not None:
+                continue
+            owner, _, attr = other.rpartition(".")
+            parent = module
+            for part in owner.split(".") if owner else []:
+                child = parent._modules.get(part)
+                if child is None:
+                    child = nn.Module()
+                    parent.add_module(part, child)
+                parent = child
+            if isinstance(tensor, nn.Parameter):
+                parent.register_parameter(attr, tensor)
+            else:
+                parent.register_buffer(attr, tensor)
+
+
+def _lookup(module: nn.Module, name: str) -> torch.Tensor | None:
+    owner, _, attr = name.rpartition(".")
+    try:
+        m = module.get_submodule(owner) if owner else module
+    except AttributeError:
+        return None
+    t = m._parameters.get(attr)
+    return t if t is not None else m._buffers.get(attr)
+
+
+def gather_tensor_parallel(sd: dict[str, torch.Tensor], placements: dict[str, Placement],
+                           aliases: dict[str, tuple[str, ...]], comm: Any) -> dict[str, torch.Tensor]:
+    """The state dict with every tensor split over the tensor-parallel axis gathered whole
+    (a collective over that axis: every rank of it must call it, in the same order)."""
+    from autoplan.runtime.tp_comm import no_grad_gather
+    out = {}
+    for name in sorted(sd):
+        t = sd[name]
+        p = placements.get(name)
+        if p is None:
+            p = next((placements[a] for a in aliases.get(name, ()) if a in placements), None)
+        if p is not None and p.kind == "S" and comm is not None and comm.size > 1:
+            t = no_grad_gather(t.contiguous(), comm, p)
+        out[name] = t
+    return out

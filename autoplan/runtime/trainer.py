@@ -24,7 +24,7 @@ import contextlib
 import datetime
 import os
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
@@ -71,6 +71,9 @@ class Trainer:
     loss_in_program: bool             # the program computes the loss itself
     device: torch.device
     autocast_dtype: torch.dtype | None
+    tp_comm: Any = None                        # the tensor-parallel axis (for state dicts)
+    placements: dict[str, Any] = field(default_factory=dict)    # FQN -> tp placement
+    aliases: dict[str, tuple[str, ...]] = field(default_factory=dict)
 
     @property
     def config(self):
@@ -116,8 +119,10 @@ class Trainer:
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Parameters and buffers as full tensors (gathered over dp and tp), on the CPU, on
-        every rank."""
-        return par.full_state_dict(self.model)
+        every rank (a collective: every rank calls it)."""
+        from autoplan.runtime.state import gather_tensor_parallel
+        return gather_tensor_parallel(par.full_state_dict(self.model), self.placements,
+                                      self.aliases, self.tp_comm)
 
     def _loss(self, chunk: list[torch.Tensor]) -> torch.Tensor:
         amp = (torch.autocast(self.device.type, dtype=self.autocast_dtype)
@@ -235,7 +240,9 @@ def compile(model: nn.Module, cluster: Any = "local", *, example_inputs: Sequenc
     autocast = precision_dtype if not use_fsdp else None
     return Trainer(model=program, optimizer=opt, loss_fn=loss_fn, plan=plan, rank=rank,
                    dp_index=dp_index, dp_group=dp_group, tp_grads=tp_grads,
-                   loss_in_program=rp.with_loss, device=device, autocast_dtype=autocast)
+                   loss_in_program=rp.with_loss, device=device, autocast_dtype=autocast,
+                   tp_comm=rp.program.comm_slot.comm, placements=rp.program.state,
+                   aliases=rp.aliases)
 
 
 def _dtype(precision: str) -> torch.dtype:
