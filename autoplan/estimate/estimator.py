@@ -50,13 +50,6 @@ def validate(graph: OpGraph, cluster: Any, config: ParallelConfig,
             f"but the cluster has {cluster.world_size} devices; choose degrees whose product "
             f"is {cluster.world_size}")
     m = config.microbatches(global_batch_size)
-    a = analyze(graph)
-    if config.tp > 1:
-        for h in sorted(a.head_counts):
-            if h % config.tp:
-                raise ConfigError(
-                    f"tp={config.tp} does not divide the model's {h} attention heads; "
-                    f"tensor parallelism splits whole heads: use a tp that divides {h}")
     if (config.pp > 1 and m % config.pp and (config.schedule == "interleaved_1f1b" or (
             config.schedule == "zero_bubble" and config.virtual_stages > 1))):
         raise ConfigError(f"{config.schedule} over {config.virtual_stages} chunks per rank needs "

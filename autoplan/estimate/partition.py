@@ -59,17 +59,37 @@ def main_block(graph: OpGraph) -> Block | None:
 
 
 def pipeline_units(graph: OpGraph) -> tuple[Unit, ...]:
-    """The children of the main block's container, in order (kept on the graph). Falls back to
-    the main block's instances when the container's children do not own contiguous op ranges."""
+    """The children of every layer container (one per repeated block: an encoder-decoder has
+    two), in op order (kept on the graph). Falls back to the main block's container, then to
+    its instances, when children do not own contiguous, disjoint op ranges."""
     cache = graph.__dict__.get("_autoplan_units")
     if cache is not None:
         return cache
     block = main_block(graph)
     units: tuple[Unit, ...] = ()
     if block is not None:
-        units = _container_units(graph, block) or _block_units(graph, block)
+        units = (_all_container_units(graph) or _container_units(graph, block)
+                 or _block_units(graph, block))
     graph.__dict__["_autoplan_units"] = units
     return units
+
+
+def _all_container_units(graph: OpGraph) -> tuple[Unit, ...]:
+    containers: dict[str, Block] = {}
+    for b in graph.blocks:
+        containers.setdefault(b.instances[0].path.rpartition(".")[0], b)
+    if len(containers) < 2:
+        return ()
+    units: list[Unit] = []
+    for b in containers.values():
+        found = _container_units(graph, b)
+        if not found:
+            return ()
+        units.extend(found)
+    units.sort(key=lambda u: u.start)
+    if any(a.stop > b.start for a, b in zip(units, units[1:])):
+        return ()                        # nested or interleaved containers
+    return tuple(units)
 
 
 def _representatives(graph: OpGraph) -> dict[str, tuple[int, int]]:

@@ -26,6 +26,7 @@ from autoplan.models.hf import HF_CONFIGS, HFModelConfig, build_hf_model
 from autoplan.models.llama import LLAMA_CONFIGS, Llama
 from autoplan.models.mlp import MLP, MLP_CONFIGS, MLPConfig
 from autoplan.models.resnet import RESNET_CONFIGS, ResNet, ResNetConfig
+from autoplan.models.zoo import ZOO_CONFIGS, ZooConfig, build_zoo, inputs_kind
 
 LossFn = Callable[[Any, Any], torch.Tensor]
 
@@ -115,6 +116,26 @@ def _dlrm_inputs(config: DLRMConfig, batch: int, seq_len: int | None, gen: _Inpu
     return (dense, sparse), clicks.float()
 
 
+def _zoo_inputs(config: ZooConfig, batch: int, seq_len: int | None, gen: _Inputs):
+    kind = inputs_kind(config)
+    if kind == "tokens":
+        stream = gen.randint(config.vocab, (batch, seq_len + 1))
+        return (stream[:, :-1].contiguous(),), stream[:, 1:].contiguous()
+    if kind == "seq2seq":
+        src = gen.randint(config.vocab, (batch, seq_len))
+        tgt = gen.randint(config.vocab, (batch, seq_len + 1))
+        return (src, tgt[:, :-1].contiguous()), tgt[:, 1:].contiguous()
+    if kind == "image":
+        shape = (batch, config.channels, config.image_size, config.image_size)
+        return (gen.randn(shape),), gen.randint(config.classes, (batch,))
+    return (gen.randn((batch, seq_len, config.hidden)),), gen.randn((batch, seq_len,
+                                                                     config.hidden))
+
+
+_ZOO_LOSS = {"tokens": lm_loss, "seq2seq": lm_loss, "image": classification_loss,
+             "features": hidden_state_loss}
+
+
 @dataclass(frozen=True, kw_only=True)
 class _Entry:
     family: str
@@ -155,6 +176,12 @@ def _entries() -> dict[str, _Entry]:
                                make_inputs=_encoder_inputs if is_bert else _token_inputs,
                                loss_fn=hidden_state_loss if is_bert else lm_loss,
                                max_seq_len=lambda c: c.max_positions)
+    for name, cfg in ZOO_CONFIGS.items():
+        kind = inputs_kind(cfg)
+        entries[name] = _Entry(family=f"zoo-{cfg.architecture}", config=cfg, build=build_zoo,
+                               make_inputs=_zoo_inputs, loss_fn=_ZOO_LOSS[kind],
+                               max_seq_len=(_no_seq if kind == "image"
+                                            else lambda c: c.max_positions))
     return entries
 
 

@@ -71,27 +71,41 @@ def strategies_by_position(plan_graph: OpGraph, op_strategies: dict[str, str],
                         f"graph {len(a)}, and only {matched} line up: its forward depends on the "
                         "batch size; plan with example inputs of the micro-batch size")
     chosen = []
+    adapted: list[str] = []
     placement: dict[str, Any] = {}
     for j, op in enumerate(graph.ops):
         options = {s.name: s for s in strategies(graph, op, t)}
+        s = None
         if j in pairs:
             src = plan_graph.ops[pairs[j]]
             name = op_strategies.get(src.name)
             if name is None:
                 raise PlanError(f"the plan has no strategy for op {src.name!r}: it was made "
                                 "for another graph; re-plan")
-            if name not in options:
+            s = options.get(name)
+            if s is None and op.params:
                 raise PlanError(f"op {src.name} ({src.target}) has no strategy {name!r} on a "
                                 f"{t}-way axis at the micro-batch (it has {sorted(options)}); "
-                                "re-plan")
-            s = options[name]
-        else:
+                                "re-plan with example inputs of the micro-batch size")
+            if s is None:
+                adapted.append(src.name)
+        if s is None:
+            # an op only this batch size has, or a view whose dims differ at it (a size-1
+            # batch dim cannot be split): it takes its inputs as they come, resharding where
+            # the next op needs it
             cur = [placement.get(n) if graph.value(n).kind == "activation" else None
                    for n in op.inputs]
             s = _pick(list(options.values()), cur) or next(iter(options.values()))
         chosen.append(s)
         for k, n in enumerate(op.outputs):
             placement[n] = s.outputs[k]
+    if adapted:
+        import warnings
+        warnings.warn(f"{len(adapted)} parameter-free ops of the plan ({', '.join(adapted[:5])}"
+                      f"{', ...' if len(adapted) > 5 else ''}) have other shapes at the "
+                      "micro-batch than when planned; they take their inputs as they come. "
+                      "Plan with example inputs of the micro-batch size for the exact plan",
+                      stacklevel=2)
     return Sharding.build(graph, t, chosen)
 
 

@@ -22,6 +22,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch import fx, nn
 
 from autoplan.errors import PlanError
@@ -67,8 +68,8 @@ def _attrs(gm: fx.GraphModule) -> dict[str, Any]:
 
 def extract(members: Sequence[fx.Node], attrs: dict[str, Any], *,
             own: Callable[[str], str | None], inputs: Sequence[fx.Node] | None = None,
-            outputs: Sequence[fx.Node] | None = None, class_name: str = "LayerProgram"
-            ) -> tuple[fx.GraphModule, list[fx.Node], list[fx.Node]]:
+            outputs: Sequence[fx.Node] | None = None, class_name: str = "LayerProgram",
+            contiguous: bool = False) -> tuple[fx.GraphModule, list[fx.Node], list[fx.Node]]:
     """A GraphModule of ``members`` (in order). Attributes ``own`` maps to a name live in it;
     other outside nodes become arguments (``inputs`` fixes them and their order). It returns
     ``outputs`` (default: the members read outside). Returns (module, inputs, outputs)."""
@@ -105,8 +106,10 @@ def extract(members: Sequence[fx.Node], attrs: dict[str, Any], *,
         outputs = [n for n in members if any(u not in inside for u in n.users)]
     if not outputs:
         raise PlanError(f"{class_name}: a part of the model whose results nothing reads")
-    g.output(tuple(arg(n) for n in outputs) if len(outputs) != 1 or inputs is None
-             else arg(outputs[0]))
+    results = [arg(n) for n in outputs]
+    if contiguous:      # sent to another rank: point-to-point sends need contiguous tensors
+        results = [g.call_function(torch.ops.aten.contiguous.default, (r,)) for r in results]
+    g.output(tuple(results) if len(results) != 1 or inputs is None else results[0])
     g.lint()
     return fx.GraphModule(mine, g, class_name=class_name), args, list(outputs)
 
@@ -199,7 +202,8 @@ def split_chunks(gm: fx.GraphModule, cuts: Sequence[int]) -> list[Chunk]:
             results = [n for n in nodes if n.op != "get_attr" and made[n] <= c
                        and last_use.get(n, -1) > c and (n.op == "placeholder" or n in group)]
         module, _, _ = extract(members[c], attrs, own=lambda t: t, inputs=boundary,
-                               outputs=results, class_name=f"PipelineChunk{c}")
+                               outputs=results, class_name=f"PipelineChunk{c}",
+                               contiguous=c < n_chunks - 1)
         held = [n.target for n in module.graph.nodes if n.op == "get_attr"]
         out.append(Chunk(module, held, list(boundary), list(results)))
         boundary = results

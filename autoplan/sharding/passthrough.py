@@ -145,6 +145,11 @@ def unary_map(graph: OpGraph, op: Op, slot: int, p: Placement, t: int
     if name in SUMS | MEANS | OTHER_REDUCTIONS:
         at = 2 if name in ("norm", "linalg_vector_norm") else 1   # (x, p/ord, dim, keepdim)
         dims_arg = _arg(args, kwargs, at, "dim")
+        if not (dims_arg is None or isinstance(dims_arg, int) or (
+                isinstance(dims_arg, list) and all(isinstance(x, int) for x in dims_arg))):
+            return None          # not a reduction over dims (max(a, b), a dtype argument)
+        if op.target.split(".")[-1] in ("other", "binary"):
+            return None
         keep = _arg(args, kwargs, at + 1, "keepdim", False)
         if name in ("var", "std", "var_mean", "std_mean"):      # (x, dim, unbiased, keepdim)
             keep = kwargs.get("keepdim", args[3] if len(args) > 3 else False)

@@ -1,0 +1,272 @@
+"""Models autoplan did not write: Hugging Face architectures built from their configs, and
+models written the way people write them. The test zoo and the planning targets at real size.
+
+Hugging Face models (``transformers``, no weights downloaded): GPT-2, Llama, Mistral, Qwen2,
+Mixtral (mixture of experts), BERT with its masked-LM head, T5 (encoder-decoder, fed
+``decoder_input_ids``) and ViT. Written by hand, as users do: ``torch-encoder``
+(``nn.TransformerEncoder``, whose attention is ``nn.MultiheadAttention``), ``nanogpt`` (one fused
+qkv ``nn.Linear`` split by hidden size, the head count a literal in ``view``), ``rootparam`` (an
+``nn.Parameter`` on the root module used in a matmul) and ``cnn`` (convolutions with batch norm).
+
+Each comes tiny (``*-tiny``: two layers, hidden 64, dropout 0, what the equivalence tests run)
+and, for the planner, at real size where the architecture has a famous one (``hf-llama3-8b``,
+``hf-mixtral-8x7b``, ``hf-t5-large``, ``hf-bert-large``, ``hf-gpt2-xl``, ``hf-vit-l``; build
+those on the meta device).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+HF_CAUSAL = ("gpt2", "llama", "mistral", "qwen2", "mixtral")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ZooConfig:
+    """One zoo model: an architecture, its sizes, and the example input shape."""
+
+    architecture: str
+    hidden: int = 64
+    layers: int = 2
+    heads: int = 4
+    kv_heads: int = 4
+    ffn: int = 128
+    vocab: int = 128
+    seq_len: int = 16
+    max_positions: int = 64
+    experts: int = 4
+    experts_per_token: int = 2
+    image_size: int = 32
+    patch: int = 8
+    channels: int = 3
+    classes: int = 10
+    extra: tuple[tuple[str, Any], ...] = field(default=())    # more config fields, verbatim
+
+
+def _tf() -> Any:
+    try:
+        import transformers
+    except ImportError as exc:  # pragma: no cover - depends on the environment
+        raise ImportError("the Hugging Face zoo models need `transformers`: "
+                          "pip install transformers (or autoplan[hf])") from exc
+    return transformers
+
+
+class HFCall(nn.Module):
+    """Calls a Hugging Face model with positional inputs bound to keyword names, without a
+    cache (``torch.export`` cannot return one), and returns one tensor field of the result."""
+
+    def __init__(self, model: nn.Module, *, inputs: tuple[str, ...], output: str,
+                 cache: bool = True):
+        super().__init__()
+        self.model = model
+        self.input_names = inputs
+        self.output = output
+        self.cache = cache
+
+    def forward(self, *args: torch.Tensor) -> torch.Tensor:
+        kw = dict(zip(self.input_names, args))
+        if self.cache:
+            kw["use_cache"] = False
+        return getattr(self.model(**kw), self.output)
+
+
+def _hf(c: ZooConfig) -> nn.Module:
+    tf = _tf()
+    extra = dict(c.extra)
+    a = c.architecture
+    if a == "gpt2":
+        cfg = tf.GPT2Config(vocab_size=c.vocab, n_embd=c.hidden, n_layer=c.layers, n_head=c.heads,
+                            n_positions=c.max_positions, n_inner=c.ffn, resid_pdrop=0.0,
+                            embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=c.vocab - 1,
+                            eos_token_id=c.vocab - 1, **extra)
+        return HFCall(tf.GPT2LMHeadModel(cfg), inputs=("input_ids",), output="logits")
+    if a in ("llama", "mistral", "qwen2", "mixtral"):
+        common = dict(vocab_size=c.vocab, hidden_size=c.hidden, intermediate_size=c.ffn,
+                      num_hidden_layers=c.layers, num_attention_heads=c.heads,
+                      num_key_value_heads=c.kv_heads, max_position_embeddings=c.max_positions,
+                      bos_token_id=0, eos_token_id=1, pad_token_id=None, **extra)
+        if a == "mixtral":
+            common.update(num_local_experts=c.experts, num_experts_per_tok=c.experts_per_token)
+        cls = {"llama": (tf.LlamaConfig, tf.LlamaForCausalLM),
+               "mistral": (tf.MistralConfig, tf.MistralForCausalLM),
+               "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM),
+               "mixtral": (tf.MixtralConfig, tf.MixtralForCausalLM)}[a]
+        return HFCall(cls[1](cls[0](**common)), inputs=("input_ids",), output="logits")
+    if a == "bert-mlm":
+        cfg = tf.BertConfig(vocab_size=c.vocab, hidden_size=c.hidden, num_hidden_layers=c.layers,
+                            num_attention_heads=c.heads, intermediate_size=c.ffn,
+                            max_position_embeddings=c.max_positions, hidden_dropout_prob=0.0,
+                            attention_probs_dropout_prob=0.0, **extra)
+        return HFCall(tf.BertForMaskedLM(cfg), inputs=("input_ids",), output="logits",
+                      cache=False)
+    if a == "t5":
+        cfg = tf.T5Config(vocab_size=c.vocab, d_model=c.hidden, d_kv=c.hidden // c.heads,
+                          d_ff=c.ffn, num_layers=c.layers, num_heads=c.heads, dropout_rate=0.0,
+                          decoder_start_token_id=0, pad_token_id=0, **extra)
+        return HFCall(tf.T5ForConditionalGeneration(cfg),
+                      inputs=("input_ids", "decoder_input_ids"), output="logits")
+    if a == "vit":
+        cfg = tf.ViTConfig(image_size=c.image_size, patch_size=c.patch, hidden_size=c.hidden,
+                           num_hidden_layers=c.layers, num_attention_heads=c.heads,
+                           intermediate_size=c.ffn, num_labels=c.classes,
+                           num_channels=c.channels, hidden_dropout_prob=0.0,
+                           attention_probs_dropout_prob=0.0, **extra)
+        return HFCall(tf.ViTForImageClassification(cfg), inputs=("pixel_values",),
+                      output="logits", cache=False)
+    raise ValueError(f"unknown zoo architecture {a!r}")
+
+
+# ---- written by hand, the way people write them ----------------------------------------------
+
+class TorchEncoder(nn.Module):
+    """Token embedding, ``nn.TransformerEncoder`` (``nn.MultiheadAttention`` inside) and a
+    token-classification head."""
+
+    def __init__(self, c: ZooConfig):
+        super().__init__()
+        self.embed = nn.Embedding(c.vocab, c.hidden)
+        layer = nn.TransformerEncoderLayer(c.hidden, c.heads, c.ffn, dropout=0.0,
+                                           batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, c.layers, enable_nested_tensor=False)
+        self.head = nn.Linear(c.hidden, c.vocab)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(self.encoder(self.embed(tokens)))
+
+
+class NanoBlock(nn.Module):
+    def __init__(self, c: ZooConfig):
+        super().__init__()
+        self.n_embd = c.hidden
+        self.ln_1 = nn.LayerNorm(c.hidden)
+        self.c_attn = nn.Linear(c.hidden, 3 * c.hidden)
+        self.c_proj = nn.Linear(c.hidden, c.hidden)
+        self.ln_2 = nn.LayerNorm(c.hidden)
+        self.fc = nn.Linear(c.hidden, 4 * c.hidden)
+        self.proj = nn.Linear(4 * c.hidden, c.hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.size()
+        q, k, v = self.c_attn(self.ln_1(x)).split(self.n_embd, dim=2)
+        k = k.view(B, T, 4, C // 4).transpose(1, 2)      # the head count, written as a literal
+        q = q.view(B, T, 4, C // 4).transpose(1, 2)
+        v = v.view(B, T, 4, C // 4).transpose(1, 2)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        y = y.transpose(1, 2).contiguous().view(B, T, C)
+        x = x + self.c_proj(y)
+        return x + self.proj(F.gelu(self.fc(self.ln_2(x))))
+
+
+class NanoGPT(nn.Module):
+    def __init__(self, c: ZooConfig):
+        super().__init__()
+        if c.heads != 4:
+            raise ValueError("nanogpt writes its head count as the literal 4")
+        self.wte = nn.Embedding(c.vocab, c.hidden)
+        self.wpe = nn.Embedding(c.max_positions, c.hidden)
+        self.h = nn.ModuleList(NanoBlock(c) for _ in range(c.layers))
+        self.ln_f = nn.LayerNorm(c.hidden)
+        self.lm_head = nn.Linear(c.hidden, c.vocab, bias=False)
+        self.wte.weight = self.lm_head.weight
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        pos = torch.arange(0, idx.size(1), dtype=torch.long, device=idx.device)
+        x = self.wte(idx) + self.wpe(pos)
+        for block in self.h:
+            x = block(x)
+        return self.lm_head(self.ln_f(x))
+
+
+class RootParam(nn.Module):
+    """Weights held directly by the root module and used in matmuls (``x @ self.w_in``)."""
+
+    def __init__(self, c: ZooConfig):
+        super().__init__()
+        self.w_in = nn.Parameter(torch.randn(c.hidden, c.ffn) * 0.05)
+        self.bias = nn.Parameter(torch.zeros(c.ffn))
+        self.w_out = nn.Parameter(torch.randn(c.ffn, c.hidden) * 0.05)
+        self.norm = nn.LayerNorm(c.hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(x @ self.w_in + self.bias)
+        return self.norm(x + h @ self.w_out)
+
+
+class SmallCNN(nn.Module):
+    def __init__(self, c: ZooConfig):
+        super().__init__()
+        self.features = nn.Sequential(
+            nn.Conv2d(c.channels, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(),
+            nn.Conv2d(16, 32, 3, padding=1), nn.BatchNorm2d(32), nn.ReLU(),
+            nn.AdaptiveAvgPool2d(1), nn.Flatten())
+        self.classifier = nn.Linear(32, c.classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.classifier(self.features(x))
+
+
+_BY_HAND = {"torch-encoder": TorchEncoder, "nanogpt": NanoGPT, "rootparam": RootParam,
+            "cnn": SmallCNN}
+
+
+def build_zoo(c: ZooConfig) -> nn.Module:
+    """The model of ``c`` on the current default device, in train mode."""
+    if c.architecture in _BY_HAND:
+        return _BY_HAND[c.architecture](c)
+    model = _hf(c)
+    inner = model.model
+    if hasattr(inner, "config"):
+        inner.config.use_cache = False
+    return model
+
+
+def inputs_kind(c: ZooConfig) -> str:
+    """What the model eats and its loss: tokens -> next token, (tokens, decoder tokens) ->
+    tokens, an image -> a class, features -> features."""
+    if c.architecture == "t5":
+        return "seq2seq"
+    if c.architecture in ("vit", "cnn"):
+        return "image"
+    if c.architecture == "rootparam":
+        return "features"
+    return "tokens"
+
+
+# ---- named configurations ------------------------------------------------------------------------
+
+_GQA = dict(heads=4, kv_heads=2)
+ZOO_CONFIGS: dict[str, ZooConfig] = {
+    "hf-mistral-tiny": ZooConfig(architecture="mistral", **_GQA),
+    "hf-qwen2-tiny": ZooConfig(architecture="qwen2", **_GQA),
+    "hf-mixtral-tiny": ZooConfig(architecture="mixtral", ffn=64, **_GQA),
+    "hf-llama-gqa-tiny": ZooConfig(architecture="llama", **_GQA),
+    "hf-gpt2-lm-tiny": ZooConfig(architecture="gpt2"),
+    "hf-bert-mlm-tiny": ZooConfig(architecture="bert-mlm"),
+    "hf-t5-tiny": ZooConfig(architecture="t5", layers=3),   # block 0 differs (position bias)
+    "hf-vit-tiny": ZooConfig(architecture="vit"),
+    "torch-encoder-tiny": ZooConfig(architecture="torch-encoder"),
+    "nanogpt-tiny": ZooConfig(architecture="nanogpt"),
+    "rootparam-tiny": ZooConfig(architecture="rootparam"),
+    "cnn-tiny": ZooConfig(architecture="cnn", image_size=16),
+    # real sizes, for planning on the meta device
+    "hf-llama3-8b": ZooConfig(architecture="llama", hidden=4096, layers=32, heads=32,
+                              kv_heads=8, ffn=14336, vocab=128256, seq_len=8192,
+                              max_positions=8192, extra=(("rope_theta", 500000.0),)),
+    "hf-mixtral-8x7b": ZooConfig(architecture="mixtral", hidden=4096, layers=32, heads=32,
+                                 kv_heads=8, ffn=14336, vocab=32000, seq_len=4096,
+                                 max_positions=32768, experts=8, experts_per_token=2),
+    "hf-t5-large": ZooConfig(architecture="t5", hidden=1024, layers=24, heads=16, ffn=4096,
+                             vocab=32128, seq_len=512, max_positions=512),
+    "hf-bert-large": ZooConfig(architecture="bert-mlm", hidden=1024, layers=24, heads=16,
+                               ffn=4096, vocab=30522, seq_len=512, max_positions=512),
+    "hf-gpt2-xl": ZooConfig(architecture="gpt2", hidden=1600, layers=48, heads=25, ffn=6400,
+                            vocab=50257, seq_len=1024, max_positions=1024),
+    "hf-vit-l": ZooConfig(architecture="vit", hidden=1024, layers=24, heads=16, ffn=4096,
+                          image_size=224, patch=16, classes=1000),
+}
