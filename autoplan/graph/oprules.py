@@ -206,6 +206,9 @@ _COPY = _rule("copy", bwd=_bwd_factor(0.0))
 RULES: dict[str, OpRule] = {
     # products
     **{n: _MATMUL for n in ("linear", "matmul", "mm", "bmm", "addmm", "baddbmm", "einsum")},
+    # experts' grouped product: tokens (sorted by expert) x (experts, in, out); the FLOPs are
+    # those of the tokens routed (active experts), not of every expert
+    **{n: _MATMUL for n in ("grouped_mm_fallback", "_grouped_mm", "grouped_mm")},
     **{n: _rule("conv", _conv_flops, _bwd_conv, _save_inputs_for_other)
        for n in ("convolution", "conv1d", "conv2d", "conv3d", "_convolution")},
     "scaled_dot_product_attention": _rule("attention", _sdpa_flops, _bwd_factor(2.5), _save_sdpa),
@@ -257,6 +260,12 @@ RULES: dict[str, OpRule] = {
        for n in ("sum", "mean", "amax", "amin", "max", "min", "norm", "var", "std",
                  "var_mean", "logsumexp", "argmax", "cumsum", "prod")},
     # copies that move data but do no arithmetic
+    # routing: choosing, sorting and counting tokens (integer work, memory-bound)
+    **{n: _rule("copy", _per_out(1), _bwd_factor(1.0), _save_index_inputs)
+       for n in ("topk", "sort", "argsort", "histc", "bincount", "index_put", "index_put_",
+                 "index_add", "index_add_", "scatter_add", "scatter_add_", "masked_scatter",
+                 "one_hot")},
+    "floor_divide": _rule("pointwise", _per_out(1), _bwd_factor(0.0)),
     **{n: _COPY for n in ("contiguous", "clone", "cat", "stack", "to", "_to_copy", "copy",
                           "repeat", "repeat_interleave", "tril", "triu", "pad",
                           "constant_pad_nd", "index", "index_select", "gather", "scatter",

@@ -432,8 +432,8 @@ def plan(model: Any, cluster: Any, *, global_batch_size: int, example_inputs: An
     fitting = sorted((c for c in cands if c.est.fits and _honours(c.est.config, opts.force)),
                      key=_Candidate.key)
     if opts.force and not any(_honours(c.est.config, opts.force) for c in cands):
-        raise ConfigError(f"no configuration with force={opts.force} could be costed"
-                          + (f": {stats.rejected}" if stats.rejected else ""))
+        raise ConfigError(f"no configuration with force={opts.force} could be costed: "
+                          + _why_none_honours(cands, opts.force, stats))
     if not fitting:
         raise _infeasible(cands, cluster)
     best = fitting[0]
@@ -461,6 +461,21 @@ def _refine_pipelined(graph: OpGraph, cluster: Any, cands: list[_Candidate], gbs
         keep += _evaluate(graph, cluster, [c.est.config], c.sharding, c.ilp, gbs, profile,
                           opts, stats, c.label, simulate=True)
     return keep
+
+
+def _why_none_honours(cands: list[_Candidate], force: dict[str, Any], stats: _Stats) -> str:
+    """Which forced field no costed configuration had, and what they had instead."""
+    reasons = []
+    for k, v in sorted(force.items()):
+        seen = sorted({repr(getattr(c.est.config, k)) for c in cands})
+        if repr(v) not in seen:
+            reasons.append(f"{k}={v!r} was never possible (the costed configurations had "
+                           f"{k} in {{{', '.join(seen)}}})"
+                           + ("; sequence parallelism needs an op whose sequence dim splits "
+                              "evenly over tp" if k == "sequence_parallel" else ""))
+    if stats.rejected:
+        reasons.append(f"the last configuration refused: {stats.rejected}")
+    return "; ".join(reasons) or "every forced field was seen, but never all together"
 
 
 def _honours(config: ParallelConfig, force: dict[str, Any]) -> bool:

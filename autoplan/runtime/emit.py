@@ -23,7 +23,8 @@ from autoplan.graph.opgraph import OpGraph
 from autoplan.graph.trace import export_program
 from autoplan.runtime.program import Program, build_program, check_shapes
 from autoplan.runtime.segments import layer_ranges, split_layers
-from autoplan.runtime.state import LocalState, register_aliases, tied_names
+from autoplan.runtime.state import (LocalState, keep_out_of_state_dict,
+                                    non_persistent_buffers, register_aliases, tied_names)
 from autoplan.sharding.sharding import Sharding, _pick
 from autoplan.sharding.strategies import strategies
 
@@ -157,6 +158,7 @@ def emit(model: nn.Module, plan: Any, plan_graph: OpGraph, *, example_inputs: Se
     ranges = layer_ranges(ex.graph)
     module = split_layers(program.graph_module, ranges)
     register_aliases(module, aliases)
+    keep_out_of_state_dict(module, non_persistent_buffers(model))
     return RankProgram(module=module, program=program, graph=ex.graph, sharding=ex.sharding,
                        layers=[p for p, _, _ in ranges], with_loss=ex.with_loss,
                        aliases=aliases)

@@ -237,7 +237,8 @@ def compile_pipelined(model: nn.Module, graph: OpGraph, plan: Any, *, device: to
     from autoplan.runtime.optim import (DataParallelGrads, HostOffloadOptimizer,
                                         TensorParallelGrads, TensorShardedOptimizer)
     from autoplan.runtime.segments import layer_ranges, split_chunks, split_layers
-    from autoplan.runtime.state import register_aliases, tied_names
+    from autoplan.runtime.state import (keep_out_of_state_dict, non_persistent_buffers,
+                                        register_aliases, tied_names)
 
     cfg = plan.config
     if loss_fn is None or example_targets is None:
@@ -263,6 +264,7 @@ def compile_pipelined(model: nn.Module, graph: OpGraph, plan: Any, *, device: to
         for op in ex.graph.ops[cuts[c]:cuts[c + 1]]:
             used.update(op.params)
     aliases = tied_names(model)
+    transient = non_persistent_buffers(model)
     program = lower(model, ex, t=cfg.tp, tp_rank=tp_index, device=device, seed=seed,
                     keep=lambda fqn: fqn in used)
     # every rank creates every stage's group, in the same order (new_group is collective)
@@ -282,6 +284,7 @@ def compile_pipelined(model: nn.Module, graph: OpGraph, plan: Any, *, device: to
         inside = [r for r in ranges if cuts[c] <= r[1] < cuts[c + 1]]
         chunk = split_layers(pieces[c].module, inside)
         register_aliases(chunk, aliases)
+        keep_out_of_state_dict(chunk, transient)
         layers = [p for p, _, _ in inside]
         par.apply_recompute(chunk, {p: pol for p, pol in plan.recompute.items()
                                     if p in set(layers)})

@@ -100,6 +100,24 @@ def tied_names(model: nn.Module) -> dict[str, tuple[str, ...]]:
     return {n: tuple(names) for names in by_id.values() if len(names) > 1 for n in names}
 
 
+def non_persistent_buffers(model: nn.Module) -> set[str]:
+    """FQNs of the buffers the user's model keeps out of its state dict."""
+    return {f"{path}.{b}" if path else b for path, m in model.named_modules()
+            for b in m._non_persistent_buffers_set}
+
+
+def keep_out_of_state_dict(module: nn.Module, names: set[str]) -> None:
+    """Buffers the user's model keeps out of its state dict stay out of the program's too."""
+    for name in names:
+        owner, _, attr = name.rpartition(".")
+        try:
+            m = module.get_submodule(owner) if owner else module
+        except AttributeError:
+            continue
+        if attr in m._buffers:
+            m._non_persistent_buffers_set.add(attr)
+
+
 def register_aliases(module: nn.Module, aliases: dict[str, tuple[str, ...]]) -> None:
     """Give each tied tensor ``module`` holds all the names the user's model gives it (state
     dicts then list both an LM head and the embedding it is tied to)."""
