@@ -40,11 +40,18 @@ def test_registry_lists_every_family():
         "gpt2-large", "gpt2-xl", "gpt3-1.3b", "gpt3-6.7b", "gpt3-13b", "gpt3-175b", "gpt-1t",
         "llama-tiny", "llama3-8b", "llama3-70b", "resnet-tiny", "resnet18", "resnet50",
         "dlrm-tiny", "dlrm", "hf-gpt2-tiny", "hf-llama-tiny", "hf-bert-tiny",
+        "hf-mistral-tiny", "hf-qwen2-tiny", "hf-mixtral-tiny", "hf-bert-mlm-tiny", "hf-t5-tiny",
+        "hf-vit-tiny", "torch-encoder-tiny", "nanogpt-tiny", "rootparam-tiny", "cnn-tiny",
+        "hf-llama3-8b", "hf-mixtral-8x7b", "hf-t5-large", "hf-bert-large", "hf-gpt2-xl",
+        "hf-vit-l",
     }
     assert expected <= set(names)
     assert len(names) == len(set(names))
     families = {example_family(n) for n in names}
-    assert families == {"mlp", "gpt", "llama", "cnn", "dlrm", "hf-gpt2", "hf-llama", "hf-bert"}
+    assert families == {"mlp", "gpt", "llama", "cnn", "dlrm", "hf-gpt2", "hf-llama", "hf-bert",
+                        "zoo-gpt2", "zoo-llama", "zoo-mistral", "zoo-qwen2", "zoo-mixtral",
+                        "zoo-bert-mlm", "zoo-t5", "zoo-vit", "zoo-torch-encoder",
+                        "zoo-nanogpt", "zoo-rootparam", "zoo-cnn"}
 
 
 @pytest.mark.parametrize("name", NATIVE_TINY)

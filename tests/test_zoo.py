@@ -48,8 +48,8 @@ def reference(name):
     return losses, {k: v.detach().clone() for k, v in ex.model.state_dict().items()}
 
 
-def zoo_plan(name, world, force, sharding):
-    small = build_example(name, batch_size=1, seed=0)
+def zoo_plan(name, world, force, sharding, batch_size=1):
+    small = build_example(name, batch_size=batch_size, seed=0)
     g = trace(small.model, small.example_inputs, loss_fn=small.loss_fn, targets=small.targets)
     return make_plan(g, Cluster.local(world), global_batch_size=GLOBAL_BATCH, precision="fp32",
                      profile=None, force=force, sharding=sharding,
