@@ -10,7 +10,7 @@ qkv ``nn.Linear`` split by hidden size, the head count a literal in ``view``), `
 
 Each comes tiny (``*-tiny``: two layers, hidden 64, dropout 0, what the equivalence tests run)
 and, for the planner, at real size where the architecture has a famous one (``hf-llama3-8b``,
-``hf-mixtral-8x7b``, ``hf-t5-large``, ``hf-bert-large``, ``hf-gpt2-xl``, ``hf-vit-l``; build
+``titan-llama3-8b``, ``hf-mixtral-8x7b``, ``hf-t5-large``, ``hf-bert-large``, ``hf-gpt2-xl``, ``hf-vit-l``; build
 those on the meta device).
 """
 
@@ -211,8 +211,83 @@ class SmallCNN(nn.Module):
         return self.classifier(self.features(x))
 
 
+def _freqs_cis(head_dim: int, end: int, theta: float) -> torch.Tensor:
+    freqs = 1.0 / (theta ** (torch.arange(0, head_dim, 2)[: head_dim // 2].float() / head_dim))
+    angles = torch.outer(torch.arange(end).float(), freqs)
+    return torch.polar(torch.ones_like(angles), angles)          # complex64
+
+
+class TitanAttention(nn.Module):
+    """Llama attention as torchtitan writes it: separate wq/wk/wv/wo, rotary embedding with
+    complex numbers, grouped-query heads repeated with expand + reshape."""
+
+    def __init__(self, c: ZooConfig):
+        super().__init__()
+        self.n_heads, self.n_kv = c.heads, c.kv_heads
+        self.head_dim = c.hidden // c.heads
+        self.wq = nn.Linear(c.hidden, c.heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(c.hidden, c.kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(c.hidden, c.kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(c.heads * self.head_dim, c.hidden, bias=False)
+
+    def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
+        bs, seqlen, _ = x.shape
+        xq = self.wq(x).view(bs, seqlen, -1, self.head_dim)
+        xk = self.wk(x).view(bs, seqlen, -1, self.head_dim)
+        xv = self.wv(x).view(bs, seqlen, -1, self.head_dim)
+        xq_ = torch.view_as_complex(xq.float().reshape(*xq.shape[:-1], -1, 2))
+        xk_ = torch.view_as_complex(xk.float().reshape(*xk.shape[:-1], -1, 2))
+        f = freqs_cis[0:seqlen].view(1, seqlen, 1, xq_.shape[-1])
+        xq = torch.view_as_real(xq_ * f).flatten(3).type_as(xq)
+        xk = torch.view_as_real(xk_ * f).flatten(3).type_as(xk)
+        rep = self.n_heads // self.n_kv
+        keys = xk[:, :, :, None, :].expand(bs, seqlen, self.n_kv, rep, self.head_dim)
+        keys = keys.reshape(bs, seqlen, self.n_kv * rep, self.head_dim)
+        values = xv[:, :, :, None, :].expand(bs, seqlen, self.n_kv, rep, self.head_dim)
+        values = values.reshape(bs, seqlen, self.n_kv * rep, self.head_dim)
+        out = F.scaled_dot_product_attention(xq.transpose(1, 2), keys.transpose(1, 2),
+                                             values.transpose(1, 2), is_causal=True)
+        return self.wo(out.transpose(1, 2).contiguous().view(bs, seqlen, -1))
+
+
+class TitanBlock(nn.Module):
+    def __init__(self, c: ZooConfig):
+        super().__init__()
+        self.attention_norm = nn.RMSNorm(c.hidden, eps=1e-5)
+        self.attention = TitanAttention(c)
+        self.ffn_norm = nn.RMSNorm(c.hidden, eps=1e-5)
+        self.w1 = nn.Linear(c.hidden, c.ffn, bias=False)
+        self.w2 = nn.Linear(c.ffn, c.hidden, bias=False)
+        self.w3 = nn.Linear(c.hidden, c.ffn, bias=False)
+
+    def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), freqs_cis)
+        y = self.ffn_norm(h)
+        return h + self.w2(F.silu(self.w1(y)) * self.w3(y))
+
+
+class TitanLlama(nn.Module):
+    """A Llama-3 written the way torchtitan (and meta's autoparallel examples) write it: layers
+    in an ``nn.ModuleDict``, the rotary table a complex buffer, RMSNorm modules."""
+
+    def __init__(self, c: ZooConfig):
+        super().__init__()
+        self.tok_embeddings = nn.Embedding(c.vocab, c.hidden)
+        self.register_buffer("freqs_cis", _freqs_cis(c.hidden // c.heads, c.max_positions,
+                                                     dict(c.extra).get("rope_theta", 10000.0)))
+        self.layers = nn.ModuleDict({str(i): TitanBlock(c) for i in range(c.layers)})
+        self.norm = nn.RMSNorm(c.hidden, eps=1e-5)
+        self.output = nn.Linear(c.hidden, c.vocab, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.tok_embeddings(tokens)
+        for layer in self.layers.values():
+            h = layer(h, self.freqs_cis)
+        return self.output(self.norm(h))
+
+
 _BY_HAND = {"torch-encoder": TorchEncoder, "nanogpt": NanoGPT, "rootparam": RootParam,
-            "cnn": SmallCNN}
+            "cnn": SmallCNN, "titan-llama": TitanLlama}
 
 
 def build_zoo(c: ZooConfig) -> nn.Module:
@@ -254,6 +329,7 @@ ZOO_CONFIGS: dict[str, ZooConfig] = {
     "nanogpt-tiny": ZooConfig(architecture="nanogpt"),
     "rootparam-tiny": ZooConfig(architecture="rootparam"),
     "cnn-tiny": ZooConfig(architecture="cnn", image_size=16),
+    "titan-llama-tiny": ZooConfig(architecture="titan-llama", **_GQA),
     # real sizes, for planning on the meta device
     "hf-llama3-8b": ZooConfig(architecture="llama", hidden=4096, layers=32, heads=32,
                               kv_heads=8, ffn=14336, vocab=128256, seq_len=8192,
@@ -261,6 +337,9 @@ ZOO_CONFIGS: dict[str, ZooConfig] = {
     "hf-mixtral-8x7b": ZooConfig(architecture="mixtral", hidden=4096, layers=32, heads=32,
                                  kv_heads=8, ffn=14336, vocab=32000, seq_len=4096,
                                  max_positions=32768, experts=8, experts_per_token=2),
+    "titan-llama3-8b": ZooConfig(architecture="titan-llama", hidden=4096, layers=32, heads=32,
+                                 kv_heads=8, ffn=14336, vocab=128256, seq_len=8192,
+                                 max_positions=8192, extra=(("rope_theta", 500000.0),)),
     "hf-t5-large": ZooConfig(architecture="t5", hidden=1024, layers=24, heads=16, ffn=4096,
                              vocab=32128, seq_len=512, max_positions=512),
     "hf-bert-large": ZooConfig(architecture="bert-mlm", hidden=1024, layers=24, heads=16,

@@ -40,6 +40,7 @@ from autoplan.sharding.sharding import STATE_KINDS, Sharding, mutates_input
 from autoplan.sharding.strategy import OpStrategy, input_action, opname, output_action
 
 SHAPE_ARG = {"view": 1, "_unsafe_view": 1, "reshape": 1, "expand": 1}
+_VIEWS = {torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default}
 
 
 @dataclass
@@ -287,7 +288,13 @@ class _Builder:
         elif opname(op) == "batch_norm":
             out = self.emit(_k_dp_batch_norm, (node.target, args, kwargs, self.slot_node), i)
         else:
-            out = self.g.call_function(node.target, tuple(args), kwargs)
+            target = node.target
+            if target in _VIEWS and s.split:
+                # a view of the global tensor may need a copy of the local one (a split of a
+                # transposed tensor is not contiguous where the whole one is): reshape views
+                # when it can, copies when it must
+                target = torch.ops.aten.reshape.default
+            out = self.g.call_function(target, tuple(args), kwargs)
             out.meta[OP] = i
         if bias is not None:
             out = self.emit(operator.getitem, (out, 0), i)

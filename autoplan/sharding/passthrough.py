@@ -30,6 +30,7 @@ RESHAPES = frozenset({"view", "reshape", "_unsafe_view", "flatten", "unflatten",
                       "squeeze", "view_as", "_reshape_alias"})
 SAME_SHAPE = frozenset({"contiguous", "clone", "_to_copy", "to", "type_as", "alias", "detach",
                         "lift_fresh_copy", "dropout", "native_dropout", "feature_dropout",
+                        "type_as",
                         "alpha_dropout", "_to_dtype", "_conj", "conj", "positive"})
 SPLITS = frozenset({"split", "split_with_sizes", "chunk", "unbind", "tensor_split"})
 SOFTMAX = frozenset({"softmax", "_softmax", "log_softmax", "_log_softmax", "cumsum", "cumprod",
@@ -40,6 +41,8 @@ OTHER_REDUCTIONS = frozenset({"amax", "amin", "max", "min", "var", "std", "norm"
                               "argmax", "argmin", "prod", "var_mean", "std_mean", "any", "all",
                               "count_nonzero", "linalg_vector_norm"})
 NOT_ELEMENTWISE = frozenset({"outer"})     # tagged or listed as pointwise elsewhere, but not
+LIKE_OTHER = frozenset({"type_as", "expand_as", "view_as"})   # the second tensor gives only
+                                                               # a dtype or a shape
 
 
 def _arg(args: list, kwargs: dict, i: int, name: str, default=None):
@@ -265,3 +268,16 @@ def has_rule(op: Op) -> bool:
                         "movedim", "moveaxis", "slice", "narrow", "index_select", "select",
                         "tril", "triu", "flip", "roll", "constant_pad_nd", "repeat",
                         "repeat_interleave"))
+
+
+def like_other(graph: OpGraph, op: Op, t: int,
+               blocks: Callable[[str, int], tuple[int, ...]]) -> list[OpStrategy]:
+    """``x.type_as(y)``, ``x.expand_as(y)``, ``x.view_as(y)``: where ``x``'s split goes; ``y``
+    (read for its dtype or shape only) lies the same way when it has ``x``'s shape."""
+    x = graph.value(op.inputs[0]).meta.shape
+    res = []
+    for s in unary(graph, op, 0, t, blocks):
+        ins = tuple(s.inputs[0] if i == 0 or graph.value(n).meta.shape == x else q
+                    for i, (n, q) in enumerate(zip(op.inputs, s.inputs)))
+        res.append(make(graph, op, s.name, ins, s.outputs, t, divisor=s.work_divisor))
+    return res

@@ -403,6 +403,8 @@ def _shaped(graph: OpGraph, op: Op, t: int) -> list[OpStrategy]:
     acts = [i for i, n in enumerate(op.inputs) if _is_act(graph.value(n))]
     if passthrough.has_rule(op) and len(acts) == 1:
         return passthrough.unary(graph, op, acts[0], t, _blocks(graph))
+    if name in passthrough.LIKE_OTHER and acts and acts[0] == 0:
+        return passthrough.like_other(graph, op, t, _blocks(graph))
     return []
 
 
