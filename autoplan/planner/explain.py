@@ -307,12 +307,14 @@ def _solver(plan: Plan) -> str:
     s = plan.solver
     note = {"feasible": " (time limit hit: the solution is not proven optimal)",
             "infeasible": " (no sharding satisfied the constraints)",
-            "not_solved": " (no ILP was solved for this plan)"}.get(s.status, "")
+            "not_solved": " (this plan's sharding needs no ILP: tensor parallelism 1 or a "
+                          "baseline; the problem shown is the search's largest)"}.get(s.status, "")
     bound = "n/a" if s.bound_s is None else fmt_s(s.bound_s)
     gap = "n/a" if s.gap is None else f"{s.gap * 100:.2f}%"
     return "\n".join([
         f"solver   {s.solver} {s.status}{note}",
-        f"  objective {fmt_s(s.objective_s)} per micro-batch, bound {bound}, gap {gap}",
+        (f"  objective {fmt_s(s.objective_s)} per step, bound {bound}, gap {gap}"
+         if s.status != "not_solved" else f"  step time {fmt_s(s.objective_s)}"),
         (f"  problem {s.num_variables:,} variables, {s.num_constraints:,} constraints; search "
         f"{s.ilps_solved:,} ILPs solved, {s.candidates_evaluated:,} candidates evaluated"),
     ])

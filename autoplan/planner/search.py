@@ -97,6 +97,7 @@ class _Stats:
     ilps: int = 0
     evaluated: int = 0
     rejected: str = ""            # why the last config could not be costed (ConfigError)
+    largest: tuple[int, int] = (0, 0)     # variables, constraints of the largest ILP solved
     t0: float = field(default_factory=time.perf_counter)
 
 
@@ -136,6 +137,7 @@ def _ilp_sharding(graph: OpGraph, cluster: Any, config: ParallelConfig, profile:
     red = reduce_graph(ctx)
     sol = solve(red.problem, time_limit_s=opts.ilp_time_limit_s)
     stats.ilps += 1
+    stats.largest = max(stats.largest, (sol.num_variables, sol.num_constraints))
     if sol.status in ("infeasible", "not_solved"):
         return replicated_on(graph, t), sol
     return sharding_from_choice(graph, t, red, sol.choice), sol
@@ -250,27 +252,28 @@ def _with_stage_layout(graph: OpGraph, cluster: Any, config: ParallelConfig, sh:
     return replace(config, recompute=strongest_recompute(policies))
 
 
-def _megatron_tp(graph: OpGraph, cluster: Any) -> int:
+def _megatron_tps(graph: OpGraph, cluster: Any, opts: SearchOptions) -> list[int]:
+    """Tensor-parallel degrees for the Megatron baseline: inside a node, dividing the world
+    (and every head count, as Megatron-LM requires)."""
     from autoplan.graph.analysis import analyze
     heads = analyze(graph).head_counts
-    best = 1
-    for tp in meshes.divisors(cluster.devices_per_node):
-        if all(h % tp == 0 for h in heads) and cluster.world_size % tp == 0:
-            best = tp
-    return best
+    return [tp for tp in meshes.divisors(cluster.devices_per_node)
+            if tp > 1 and cluster.world_size % tp == 0 and all(h % tp == 0 for h in heads)
+            and (opts.max_tp is None or tp <= opts.max_tp)]
 
 
 def _baselines(graph: OpGraph, cluster: Any, gbs: int, base: dict[str, Any], profile: Any,
                opts: SearchOptions, stats: _Stats) -> list[_Candidate]:
-    """Pure data parallel, FSDP only, Megatron-style: each at its best micro-batch size."""
+    """Pure data parallel, FSDP only, and Megatron-style (TP with sequence parallelism inside a
+    node, DP across) at every such degree and ZeRO stage: each at its best micro-batch size."""
     world = cluster.world_size
     out: list[_Candidate] = []
     specs = [("baseline: data parallel", dict(dp=world, tp=1, zero_stage=0), None),
              ("baseline: FSDP", dict(dp=world, tp=1, zero_stage=3), None)]
-    tp = _megatron_tp(graph, cluster)
-    if tp > 1:
-        specs.append(("baseline: Megatron (TP in node, DP across)",
-                      dict(dp=world // tp, tp=tp, zero_stage=0, sequence_parallel=True), tp))
+    for tp in _megatron_tps(graph, cluster, opts):
+        for z in ((0, 1, 2, 3) if world // tp > 1 else (0,)):
+            specs.append((f"baseline: Megatron (TP in node, DP across{', ZeRO-%d' % z if z else ''})",
+                          dict(dp=world // tp, tp=tp, zero_stage=z, sequence_parallel=True), tp))
     for label, fields, mtp in specs:
         per_replica = gbs // fields["dp"] if gbs % fields["dp"] == 0 else 0
         if not per_replica:
@@ -521,13 +524,20 @@ def _assemble(graph: OpGraph, cluster: Any, best: _Candidate, alternatives: list
             recompute[layer] = cfg.stage_policy(stage.index)
     recompute = dict(sorted(recompute.items(), key=lambda kv: _layer_order(kv[0])))
     sol = best.ilp
-    solver = SolverReport(
-        solver="CBC", status=sol.status if sol else "optimal",
-        objective_s=sol.objective if sol else best.est.step_time_s,
-        bound_s=sol.bound if sol else best.est.step_time_s, gap=sol.gap if sol else 0.0,
-        num_variables=sol.num_variables if sol else 0,
-        num_constraints=sol.num_constraints if sol else 0, ilps_solved=stats.ilps,
-        candidates_evaluated=stats.evaluated, time_s=time.perf_counter() - stats.t0)
+    if sol is not None:
+        solver = SolverReport(
+            solver="CBC", status=sol.status, objective_s=sol.objective, bound_s=sol.bound,
+            gap=sol.gap, num_variables=sol.num_variables, num_constraints=sol.num_constraints,
+            ilps_solved=stats.ilps, candidates_evaluated=stats.evaluated,
+            time_s=time.perf_counter() - stats.t0)
+    else:
+        # the chosen plan's sharding came from no ILP (tp=1, or a baseline won): report the
+        # search's largest problem, with the status saying none produced this plan
+        solver = SolverReport(
+            solver="CBC", status="not_solved", objective_s=best.est.step_time_s, bound_s=None,
+            gap=None, num_variables=stats.largest[0], num_constraints=stats.largest[1],
+            ilps_solved=stats.ilps, candidates_evaluated=stats.evaluated,
+            time_s=time.perf_counter() - stats.t0)
     return Plan(
         autoplan_version=__version__, model=ModelInfo.of(graph, name=name),
         cluster=ClusterInfo.of(cluster),
