@@ -21,8 +21,8 @@ def comma_list(raw: str | None, kind: type, flag: str) -> tuple | None:
         raise ConfigError(f"{flag} takes a comma-separated list, got {raw!r}") from None
 
 
-def add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model", metavar="MODEL",
+def add_model_args(p: argparse.ArgumentParser, *, optional: bool = False) -> None:
+    p.add_argument("model", metavar="MODEL", nargs="?" if optional else None,
                    help="an example name (see `autoplan trace --list`), 'package.module:function' "
                         "returning an autoplan.models.Example, or an OpGraph JSON file")
     p.add_argument("--batch-size", type=int, default=1,

@@ -11,7 +11,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("trace", help="trace a model into an operator graph",
                        description="Trace MODEL with torch.export into autoplan's operator graph "
                                    "(ops, shapes, FLOPs, bytes, parameters, repeated blocks).")
-    add_model_args(p)
+    add_model_args(p, optional=True)      # --list needs none
     p.add_argument("-o", "--output", help="write the OpGraph as JSON to this file")
     p.add_argument("--ops", type=int, default=0, metavar="N", help="also list the first N ops")
     p.add_argument("--list", action="store_true", help="list the example model names and exit")
@@ -24,6 +24,11 @@ def run(args: argparse.Namespace) -> int:
         for name in list_examples():
             print(f"{name:20s} {example_family(name)}")
         return 0
+    if args.model is None:
+        import sys
+        print("autoplan trace: give a MODEL (an example name: see `autoplan trace --list`)",
+              file=sys.stderr)
+        return 2
     graph = graph_from_args(args)
     print(graph.summary())
     if args.ops:
