@@ -4,8 +4,7 @@ Planning (``trace``, ``estimate``, ``plan``, ``load_plan``) never imports the ru
 ``compile`` and ``Trainer`` load it (and ``torch.distributed``) on first use.
 """
 
-__version__ = "0.1.0"  # before the imports below: modules read it while autoplan initializes
-
+from autoplan.version import __version__
 from autoplan.errors import (AutoplanError, ClusterError, ConfigError, PlanError,
                              ProfileError, TraceError)
 from autoplan.cluster import Cluster

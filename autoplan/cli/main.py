@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from autoplan import __version__
+from autoplan.version import __version__
 from autoplan.errors import AutoplanError
 
 _COMMANDS = ("demo_cmd", "trace_cmd", "cluster_cmd", "profile_cmd", "estimate_cmd", "plan_cmd",

@@ -28,7 +28,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from autoplan import __version__
+from autoplan.version import __version__
 from autoplan.cost.compute import compute_model
 from autoplan.cost.memory import bytes_per_param
 from autoplan.errors import ConfigError, PlanError
