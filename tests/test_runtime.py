@@ -28,10 +28,10 @@ def _optimizer(params):
     return torch.optim.AdamW(params, lr=1e-3, eps=1e-6)
 
 
-def _reference(name, **overrides):
+def _reference(name, optimizer=None, **overrides):
     """Losses and final state of single-process training (STEPS AdamW steps)."""
     ex = build_example(name, batch_size=GLOBAL_BATCH, seed=0, **overrides)
-    opt = _optimizer(ex.model.parameters())
+    opt = (optimizer or _optimizer)(ex.model.parameters())
     losses = []
     for _ in range(STEPS):
         loss = ex.loss_fn(ex.model(*ex.example_inputs), ex.targets)

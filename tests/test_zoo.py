@@ -3,7 +3,7 @@
 The zoo (``autoplan/models/zoo.py``): Hugging Face GPT-2, Llama (GQA), Mistral, Qwen2, Mixtral,
 BERT-MLM, T5 (encoder-decoder) and ViT built from configs, and hand-written models the way
 people write them (``nn.TransformerEncoder``, nanoGPT's fused qkv with a literal head count,
-weights on the root module, a CNN with batch norm). Each runs tensor parallelism (Megatron's
+weights on the root module, a CNN with batch norm, a Llama written the torchtitan way). Each runs tensor parallelism (Megatron's
 rule, with sequence parallelism where there is a sequence) and the ILP's own plan; data
 parallel, ZeRO-3, pipeline and 2-D plans are spread over them, on 2 and 4 gloo ranks.
 
@@ -36,16 +36,8 @@ def _optimizer(params):
 
 
 def reference(name):
-    ex = build_example(name, batch_size=GLOBAL_BATCH, seed=0)
-    opt = _optimizer(ex.model.parameters())
-    losses = []
-    for _ in range(STEPS):
-        loss = ex.loss_fn(ex.model(*ex.example_inputs), ex.targets)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses, {k: v.detach().clone() for k, v in ex.model.state_dict().items()}
+    from tests.test_runtime import _reference
+    return _reference(name, optimizer=_optimizer)
 
 
 def zoo_plan(name, world, force, sharding, batch_size=1):
@@ -126,6 +118,9 @@ CASES = [
     ("cnn-tiny", 2, dict(tp=2), "megatron"),
     ("cnn-tiny", 2, dict(tp=2), "ilp"),
     ("cnn-tiny", 4, dict(dp=2, tp=2), "ilp"),
+    ("titan-llama-tiny", 2, dict(tp=2, sequence_parallel=True), "megatron"),
+    ("titan-llama-tiny", 2, dict(tp=2), "ilp"),
+    ("titan-llama-tiny", 4, dict(pp=2, tp=2), "ilp"),
 ]
 
 

@@ -157,7 +157,7 @@ def batch_norm_over(group_comm) -> Callable[..., Any]:
         c = x.shape[1]
         count = torch.full((1,), x.numel() / c, dtype=x.dtype, device=x.device)
         stats = torch.cat([x.sum(dims), (x * x).sum(dims), count])
-        stats = _AllReduceSum.apply(stats, group_comm)
+        stats = tp_comm.reduce_both(stats, group_comm)
         n = stats[2 * c]
         mean = stats[:c] / n
         var = stats[c:2 * c] / n - mean * mean
@@ -174,20 +174,6 @@ def batch_norm_over(group_comm) -> Callable[..., Any]:
             y = y + bias.reshape(shape)
         return y
     return run
-
-
-class _AllReduceSum(torch.autograd.Function):
-    """Sum over the group whose gradient is summed too (every rank's statistics feed every
-    rank's output)."""
-
-    @staticmethod
-    def forward(ctx, x, comm):
-        ctx.comm = comm
-        return comm.all_reduce(x)
-
-    @staticmethod
-    def backward(ctx, g):
-        return ctx.comm.all_reduce(g), None
 
 
 # ---- partial sums ------------------------------------------------------------------------------------

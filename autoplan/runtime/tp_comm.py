@@ -166,14 +166,16 @@ class _ReduceScatter(torch.autograd.Function):
 
 
 class _ReduceGrad(torch.autograd.Function):
+    """Identity forward (``reduce_both``: an all-reduce), all-reduce backward."""
+
     @staticmethod
-    def forward(ctx, x, comm):
+    def forward(ctx, x, comm, reduce_forward):
         ctx.comm = comm
-        return x.view_as(x)
+        return comm.all_reduce(x) if reduce_forward else x.view_as(x)
 
     @staticmethod
     def backward(ctx, g):
-        return ctx.comm.all_reduce(g), None
+        return ctx.comm.all_reduce(g), None, None
 
 
 def gather(x: torch.Tensor, comm, p: Placement) -> torch.Tensor:
@@ -197,7 +199,13 @@ def reduce_scatter(x: torch.Tensor, comm, p: Placement) -> torch.Tensor:
 
 
 def reduce_grad(x: torch.Tensor, comm) -> torch.Tensor:
-    return _ReduceGrad.apply(x, comm)
+    return _ReduceGrad.apply(x, comm, False)
+
+
+def reduce_both(x: torch.Tensor, comm) -> torch.Tensor:
+    """A sum over the group whose gradient is summed too: every rank's part (a batch norm's
+    statistics) feeds every rank's output."""
+    return _ReduceGrad.apply(x, comm, True)
 
 
 def reshard(x: torch.Tensor, comm, src: Placement, dst: Placement) -> torch.Tensor:
