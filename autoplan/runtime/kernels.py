@@ -201,3 +201,63 @@ def add_bias(y: torch.Tensor, bias: torch.Tensor, op: Any) -> torch.Tensor:
     if "conv" in name:
         return y + bias.reshape([1, -1] + [1] * (y.dim() - 2))
     return y + bias
+
+
+# ---- Megatron's sequence-parallel linear -----------------------------------------------------
+
+def _product(kind: str, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    y = x @ (w.t() if kind == "linear" else w)
+    return y if b is None else y + b
+
+
+class _SequenceParallelProduct(torch.autograd.Function):
+    """``x @ W (+ b)`` on a sequence-split ``x``: gathered for the product, gathered again in
+    backward (only the shard is kept), the input gradient reduce-scattered back to shards."""
+
+    @staticmethod
+    def forward(ctx, x_shard, weight, bias, comm, p, kind):
+        ctx.comm, ctx.p, ctx.kind, ctx.has_bias = comm, p, kind, bias is not None
+        x = tp_comm.from_rank_major(comm.all_gather(x_shard), p, comm.size)
+        if torch.is_autocast_enabled(x.device.type):
+            dtype = torch.get_autocast_dtype(x.device.type)
+            x, weight_c = x.to(dtype), weight.to(dtype)
+            bias_c = bias.to(dtype) if bias is not None else None
+        else:
+            weight_c, bias_c = weight, bias
+        ctx.save_for_backward(x_shard, weight)
+        with torch.autocast(x.device.type, enabled=False):
+            return _product(kind, x, weight_c, bias_c)
+
+    @staticmethod
+    def backward(ctx, g):
+        x_shard, weight = ctx.saved_tensors
+        comm, p = ctx.comm, ctx.p
+        x = tp_comm.from_rank_major(comm.all_gather(x_shard), p, comm.size).to(g.dtype)
+        w = weight.to(g.dtype)
+        grad_x = grad_w = grad_b = None
+        if ctx.needs_input_grad[0]:
+            full = g @ (w if ctx.kind == "linear" else w.t())
+            grad_x = tp_comm.rank_major_reduce_scatter(comm, full, p).to(x_shard.dtype)
+        g2, x2 = g.reshape(-1, g.shape[-1]), x.reshape(-1, x.shape[-1])
+        if ctx.needs_input_grad[1]:
+            grad_w = (g2.t() @ x2 if ctx.kind == "linear" else x2.t() @ g2).to(weight.dtype)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_b = g2.sum(0)
+        return grad_x, grad_w, grad_b, None, None, None
+
+
+def sp_linear(op: Any, args: list, kwargs: dict, comm, p) -> Any:
+    name = op._schema.name.split("::")[-1]
+    if name == "linear":
+        x, w = args[0], args[1]
+        b = args[2] if len(args) > 2 else kwargs.get("bias")
+        kind = "linear"
+    elif name == "addmm":
+        if kwargs.get("beta", 1) != 1 or kwargs.get("alpha", 1) != 1:
+            raise RuntimeError("sequence-parallel addmm with beta/alpha != 1")
+        b, x, w = args[0], args[1], args[2]
+        kind = "xw"
+    else:                                   # mm / matmul with the weight second
+        x, w, b = args[0], args[1], None
+        kind = "xw"
+    return _SequenceParallelProduct.apply(x, w, b, comm, p, kind)

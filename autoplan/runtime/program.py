@@ -132,6 +132,10 @@ def _k_mean_partial(target, args, kwargs, slot):
     return kernels.mean_partial(target, args, kwargs, slot.comm)
 
 
+def _k_sp_linear(target, args, kwargs, slot, p):
+    return kernels.sp_linear(target, args, kwargs, slot.comm, _p(p))
+
+
 def _k_without_bias(target, args, kwargs):
     return kernels.without_bias(target, args, kwargs)
 
@@ -283,6 +287,11 @@ class _Builder:
         if s.kernel == "bias_after_reduce":
             out = self.emit(_k_without_bias, (node.target, args, kwargs), i)
             bias = inputs[_bias_index(self.eg, op)]
+        elif s.kernel == "sp_linear":
+            x_slot = next(k for k, n in enumerate(op.inputs)
+                          if self.eg.value(n).kind in ("activation", "input"))
+            out = self.emit(_k_sp_linear, (node.target, args, kwargs, self.slot_node,
+                                           str(s.inputs[x_slot])), i)
         elif s.kernel:
             out = self.emit(KERNEL_CALLS[s.kernel], (node.target, args, kwargs, self.slot_node), i)
         elif opname(op) == "batch_norm":
@@ -333,6 +342,8 @@ class _Builder:
             action = input_action(self.eg, op, s, k)
             if action == "step" and vn in bwd_params:
                 action = "reduce_grad"          # a weight with mixed partial/whole gradients
+            if s.kernel == "sp_linear" and action in ("gather", "gather_sp"):
+                action = ""                     # the kernel gathers (twice) itself
             if action == "gather":
                 x = self.emit(_c_gather, (x, self.slot_node, str(want)), i)
             elif action == "gather_sp":

@@ -120,6 +120,9 @@ def _reduce_scatter(comm, x: torch.Tensor, p: Placement) -> torch.Tensor:
     return comm.reduce_scatter(rank_major(x, p, comm.size))
 
 
+rank_major_reduce_scatter = _reduce_scatter
+
+
 class _Gather(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, comm, p, partial_grad):

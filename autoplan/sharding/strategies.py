@@ -102,9 +102,14 @@ def _linear(graph: OpGraph, op: Op, t: int) -> list[OpStrategy]:
         res.append(make(graph, op, "colwise" + sfx, col_in, (shard(rank - 1, k),), t,
                         style="colwise"))
         if can_sp:
+            # Megatron's sequence-parallel linear: the input is gathered inside the product
+            # and again in backward, so only its shard is kept for backward
+            regather = ((Comm("all_gather", op.inputs[x], "bwd"),)
+                        if graph.value(op.inputs[w]).requires_grad else ())
             res.append(make(graph, op, "colwise_sp" + sfx, ps(shard(sp), shard(out_dim, k),
                                                                shard(0, k)),
-                            (shard(rank - 1, k),), t, style="colwise_sp", local_inputs=col_in))
+                            (shard(rank - 1, k),), t, style="colwise_sp", local_inputs=col_in,
+                            kernel="sp_linear", extra=regather))
     if _div(wm.shape[in_dim], t) and _div(xm.shape[-1], t):
         row_in = ps(shard(len(xm.shape) - 1), shard(in_dim), REPLICATE)
         kernel = "bias_after_reduce" if b is not None else ""

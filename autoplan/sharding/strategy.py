@@ -44,6 +44,8 @@ KERNELS = {
     "sync_batch_norm": "batch norm with per-channel sum, sum of squares and count all-reduced",
     "bias_after_reduce": "the op without its bias, reduced, then the bias added once",
     "mean_partial": "mean over the rank's shard of a split dim, scaled to a partial sum",
+    "sp_linear": "a product with a weight whose sequence-split input is gathered inside it and "
+                 "again in backward (Megatron's sequence parallelism: only the shard is kept)",
 }
 
 
