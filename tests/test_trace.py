@@ -200,3 +200,17 @@ def test_fingerprint_is_the_same_on_meta_and_cpu():
         fp.append(trace(ex.model, ex.example_inputs, loss_fn=ex.loss_fn,
                         targets=ex.targets).fingerprint())
     assert fp[0] == fp[1]
+
+
+def test_a_graph_traced_on_meta_equals_the_one_traced_on_the_cpu():
+    """SDPA's output is laid out differently on the meta device, so export records a copying
+    ``contiguous`` there and none on the CPU: the graph treats it as the value itself, and a plan
+    made on meta is for the same model as the one run on CPU."""
+    pytest.importorskip("transformers")
+    from autoplan.models import build_example
+    prints = []
+    for device in ("meta", "cpu"):
+        ex = build_example("hf-llama-gqa-tiny", batch_size=1, device=device)
+        g = trace(ex.model, ex.example_inputs, loss_fn=ex.loss_fn, targets=ex.targets)
+        prints.append(g.fingerprint())
+    assert prints[0] == prints[1]

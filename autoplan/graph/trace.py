@@ -32,6 +32,12 @@ from autoplan.graph.oprules import OpCall, io_bytes, rule_for
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
 
+# Ops that change no value, only (maybe) its memory layout, and that export records or not
+# depending on the layout it saw (``contiguous`` after a transpose is a copy on one device and
+# a no-op on another, meta included): the graph treats their output as their input, so a plan
+# made on the meta device fits the model on any device; the runtime still runs them.
+TRANSPARENT = (torch.ops.aten.contiguous.default,)
+
 
 class _WithLoss(nn.Module):
     """Puts the loss inside the traced program so its ops are costed too."""
@@ -327,6 +333,17 @@ def _to_opgraph(ep: torch.export.ExportedProgram, model_name: str, prefix: str,
             src_outs = getattr(src, "_autoplan_outputs", None)
             if src_outs is not None and idx < len(src_outs) and src_outs[idx] is not None:
                 node_value[node.name] = src_outs[idx]
+            continue
+        if node.target in TRANSPARENT and isinstance(node.args[0], torch.fx.Node) \
+                and resolve(node.args[0]) is not None:
+            src = resolve(node.args[0])
+            node_value[node.name] = src                        # the same value
+            if isinstance(val, torch.Tensor):                  # and, where it copied, its storage
+                try:
+                    storage_owner.setdefault(StorageWeakRef(val.untyped_storage()),
+                                             values[src].base)
+                except (RuntimeError, NotImplementedError):
+                    pass
             continue
         ops.append(_make_op(node, val, values, add_value, resolve, node_value, prefix))
         stack = node.meta.get("nn_module_stack") or {}

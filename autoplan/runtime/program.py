@@ -34,6 +34,7 @@ from torch import fx, nn
 
 from autoplan.errors import PlanError
 from autoplan.graph.opgraph import Op, OpGraph
+from autoplan.graph.trace import TRANSPARENT
 from autoplan.runtime import kernels, tp_comm
 from autoplan.sharding.placement import REPLICATE, Placement, local_shape
 from autoplan.sharding.sharding import STATE_KINDS, Sharding, mutates_input
@@ -203,6 +204,7 @@ class _Builder:
         self.state_tensor = state_tensor
         self.g = fx.Graph()
         self.env: dict[str, fx.Node] = {}          # value name -> local node
+        self.alias: dict[str, str] = {}            # transparent node -> its value
         self.attrs: dict[str, Any] = {}
         self.step_params: set[str] = set()
         self.slot = CommSlot(comm=None)
@@ -250,6 +252,13 @@ class _Builder:
             elif node.op == "call_function":
                 if node.target is operator.getitem:
                     continue
+                if node.target in TRANSPARENT and node.name not in self.eg._op_index:
+                    # no op of the graph: the same value, its layout made contiguous again
+                    vn = self.alias.get(node.args[0].name, node.args[0].name)
+                    self.alias[node.name] = vn
+                    self.env[vn] = self.g.call_function(node.target, (self.env[vn],)
+                                                        + tuple(node.args[1:]), node.kwargs)
+                    continue
                 self._call(node)
             elif node.op == "output":
                 self._output(node)
@@ -271,9 +280,10 @@ class _Builder:
         it = iter(inputs)
 
         def take(a: fx.Node):
-            if a.name in self.env and a.name in self.eg._values_by_name:
+            name = self.alias.get(a.name, a.name)
+            if name in self.env and name in self.eg._values_by_name:
                 return next(it)
-            return self.env.get(a.name, a)
+            return self.env.get(name, a)
         args, kwargs = _map_tensors(node.args, dict(node.kwargs), take)
         args = _map_devices(args, self.device)
         kwargs = _map_devices(kwargs, self.device)
@@ -357,7 +367,7 @@ class _Builder:
 
     def _output(self, node: fx.Node) -> None:
         def whole(a: fx.Node):
-            vn = a.name
+            vn = self.alias.get(a.name, a.name)
             if vn not in self.env:
                 return self.env.get(vn, a)
             return transition(self.g, self.env[vn], self.placement(vn), REPLICATE,
