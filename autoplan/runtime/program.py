@@ -205,6 +205,7 @@ class _Builder:
         self.g = fx.Graph()
         self.env: dict[str, fx.Node] = {}          # value name -> local node
         self.alias: dict[str, str] = {}            # transparent node -> its value
+        self.last_op = 0
         self.attrs: dict[str, Any] = {}
         self.step_params: set[str] = set()
         self.slot = CommSlot(comm=None)
@@ -256,8 +257,10 @@ class _Builder:
                     # no op of the graph: the same value, its layout made contiguous again
                     vn = self.alias.get(node.args[0].name, node.args[0].name)
                     self.alias[node.name] = vn
-                    self.env[vn] = self.g.call_function(node.target, (self.env[vn],)
-                                                        + tuple(node.args[1:]), node.kwargs)
+                    x = self.g.call_function(node.target, (self.env[vn],)
+                                             + tuple(node.args[1:]), node.kwargs)
+                    x.meta[OP] = self.last_op          # it runs with the op before it
+                    self.env[vn] = x
                     continue
                 self._call(node)
             elif node.op == "output":
@@ -271,6 +274,7 @@ class _Builder:
 
     def _call(self, node: fx.Node) -> None:
         i = self.eg.op_index(node.name)
+        self.last_op = i
         op = self.eg.ops[i]
         s = self.sh.op_strategy[i]
         if not op.outputs:
