@@ -429,7 +429,8 @@ def plan(model: Any, cluster: Any, *, global_batch_size: int, example_inputs: An
     cands += _baselines(graph, cluster, global_batch_size, base, profile, opts, stats)
     if not cands:
         raise ConfigError("no configuration could be costed; check the batch size and the "
-                          "cluster size")
+                          "cluster size" + (f" (the last one refused: {stats.rejected})"
+                                            if stats.rejected else ""))
     cands = _refine_pipelined(graph, cluster, cands, global_batch_size, profile, opts, stats)
     # forced fields bind the choice; baselines that differ stay as alternatives
     fitting = sorted((c for c in cands if c.est.fits and _honours(c.est.config, opts.force)),

@@ -14,9 +14,6 @@ import torch.distributed as dist
 
 from autoplan.runtime import tp_comm
 
-REDUCTION = {"none": 0, "mean": 1, "sum": 2}
-
-
 def _schema_index(op: Any, name: str) -> int | None:
     for i, a in enumerate(op._schema.arguments):
         if a.name == name:

@@ -37,7 +37,7 @@ from autoplan.graph.opgraph import Op, OpGraph
 from autoplan.graph.trace import TRANSPARENT
 from autoplan.runtime import kernels, tp_comm
 from autoplan.sharding.placement import REPLICATE, Placement, local_shape
-from autoplan.sharding.sharding import STATE_KINDS, Sharding, mutates_input
+from autoplan.sharding.sharding import Sharding, mutates_input
 from autoplan.sharding.strategy import OpStrategy, input_action, opname, output_action
 
 SHAPE_ARG = {"view": 1, "_unsafe_view": 1, "reshape": 1, "expand": 1}
@@ -297,10 +297,11 @@ class _Builder:
             raise PlanError(f"op {op.name} ({op.target}): strategy {s.name} splits an output "
                             "unevenly; re-plan")
         args = _local_shape_args(op, self.eg, args, local_outs)
-        bias = None
-        if s.kernel == "bias_after_reduce":
-            out = self.emit(_k_without_bias, (node.target, args, kwargs), i)
-            bias = inputs[_bias_index(self.eg, op)]
+        bias_node = None
+        if s.kernel == "bias_after_reduce":       # (output without bias, bias): added below
+            pair = self.emit(_k_without_bias, (node.target, args, kwargs), i)
+            out = self.emit(operator.getitem, (pair, 0), i)
+            bias_node = self.emit(operator.getitem, (pair, 1), i)
         elif s.kernel == "sp_linear":
             x_slot = next(k for k, n in enumerate(op.inputs)
                           if self.eg.value(n).kind in ("activation", "input"))
@@ -319,9 +320,6 @@ class _Builder:
                 target = torch.ops.aten.reshape.default
             out = self.g.call_function(target, tuple(args), kwargs)
             out.meta[OP] = i
-        if bias is not None:
-            out = self.emit(operator.getitem, (out, 0), i)
-            bias_node = self.emit(operator.getitem, (out.args[0], 1), i)
         for k, vn in enumerate(op.outputs):
             y = out if len(op.outputs) == 1 and not _multi(node) else \
                 self.emit(operator.getitem, (out, _out_index(node, vn)), i)
@@ -333,7 +331,7 @@ class _Builder:
                 y = self.emit(_c_reduce_scatter, (y, self.slot_node, str(s.outputs[k])), i)
             elif action == "gather":
                 y = self.emit(_c_gather, (y, self.slot_node, str(s.local_output(k))), i)
-            if bias is not None and k == 0:
+            if bias_node is not None and k == 0:
                 y = self.emit(_k_add_bias, (y, bias_node, node.target), i)
             self.env[vn] = y
 
@@ -399,14 +397,6 @@ def _out_index(node: fx.Node, value_name: str) -> int:
         if u.target is operator.getitem and u.name == value_name:
             return int(u.args[1])
     raise PlanError(f"op {node.name}: no output {value_name}")
-
-
-def _bias_index(graph: OpGraph, op: Op) -> int:
-    from autoplan.sharding.strategy import bias_slot
-    b = bias_slot(graph, op)
-    if b is None:
-        raise PlanError(f"op {op.name}: a bias-after-reduce strategy on an op without a bias")
-    return b
 
 
 def _local_shape_args(op: Op, graph: OpGraph, args: list, local_outs: list) -> list:
@@ -499,4 +489,4 @@ def check_shapes(program: Program, example_inputs: tuple, t: int,
         program.comm_slot.comm = real
 
 
-__all__ = ["CommSlot", "Program", "build_program", "check_shapes", "STATE_KINDS"]
+__all__ = ["CommSlot", "Program", "build_program", "check_shapes"]

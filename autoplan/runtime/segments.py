@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch import fx, nn
+from torch import fx
 
 from autoplan.errors import PlanError
 from autoplan.runtime.program import OP
@@ -214,7 +214,3 @@ def layer_ranges(graph: Any) -> list[tuple[str, int, int]]:
     """(path, start, stop) of every pipeline unit (a child of the layer container)."""
     from autoplan.estimate.partition import pipeline_units
     return [(u.path, u.start, u.stop) for u in pipeline_units(graph)]
-
-
-def owned_modules(root: nn.Module, paths: Sequence[str]) -> list[nn.Module]:
-    return [root.get_submodule(p) for p in paths]
