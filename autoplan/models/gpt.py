@@ -31,10 +31,10 @@ dtype (2 bytes), where CUDA's fused dropout keeps 1-byte masks as the formula as
 Tensor parallelism: the fused ``qkv`` output is laid out as (heads, 3, head_dim) along its
 features, as in Megatron-LM, so column-sharding ``qkv`` gives each rank whole heads with their
 own Q, K and V. The forward infers the local head count from the tensor (``view(b, s, -1, ·)``)
-and reads the batch and sequence sizes from the projection output, so it runs unchanged after
-``parallelize_module`` (column ``qkv``/``fc``, row ``proj``), with or without sequence
-parallelism. Pipeline stages may set ``tok_embeddings``/``pos_embeddings``/``norm``/``lm_head``
-to ``None``; the forward then passes activations straight through those steps.
+and reads the batch and sequence sizes from the projection output, so it also runs unchanged
+under PyTorch's own ``parallelize_module`` (column ``qkv``/``fc``, row ``proj``; the overhead
+benchmark compares autoplan with that). ``tok_embeddings``/``pos_embeddings``/``norm``/``lm_head``
+may be ``None``; the forward then passes activations straight through those steps.
 """
 
 from __future__ import annotations

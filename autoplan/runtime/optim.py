@@ -1,12 +1,15 @@
 """Gradient synchronization and optimizer placements the plan can ask for.
 
-- ``DataParallelGrads``: with tensor parallelism and ZeRO-0/1, weights are DTensors on the tp
-  mesh; their local gradient shards are averaged over the dp group after backward.
+- ``DataParallelGrads``: pipeline chunks under ZeRO-0/1: their gradients are averaged over the
+  dp group after the schedule;
+- ``TensorParallelGrads``: weights replicated over the tp axis but read by split computations
+  have partial gradients there: summed once per step;
 - ``TensorShardedOptimizer``: ZeRO-1 by whole tensors: each dp rank keeps optimizer state for
   the tensors it owns, steps them, and broadcasts the updated tensors to its dp peers.
 - ``HostOffloadOptimizer``: optimizer state (and the fp32 master copy the step updates) kept in
   host memory; gradients go down, updated weights come back; bytes moved are counted.
-All work on local shards (``DTensor.to_local()``), so they compose with tensor parallelism.
+All work on local tensors (a weight is this rank's tensor-parallel shard; under FSDP2 a
+``DTensor`` over dp, whose ``to_local()`` they use).
 """
 
 from __future__ import annotations
