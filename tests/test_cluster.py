@@ -341,7 +341,7 @@ def test_malformed_files_and_specs(tmp_path):
         Cluster.preset("dgx-z")
     with pytest.raises(ClusterError, match="nodes"):
         Cluster.preset("dgx-h100", nodes=0)
-    with pytest.raises(ClusterError, match="cannot read"):
+    with pytest.raises(ClusterError, match="no cluster file at"):
         Cluster.from_file(tmp_path / "missing.yaml")
     broken = tmp_path / "broken.yaml"
     broken.write_text("name: [unclosed\n")

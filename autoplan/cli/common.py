@@ -61,8 +61,11 @@ def graph_from_args(args: argparse.Namespace):
     """Trace the MODEL argument (or read an OpGraph JSON file)."""
     from autoplan.graph import OpGraph, trace
     if args.model.endswith(".json"):
-        with open(args.model) as f:
-            return OpGraph.from_json(f.read())
+        from autoplan import safe_io
+        from autoplan.errors import TraceError
+        from autoplan.graph.check import GRAPH_LIMITS
+        return OpGraph.from_json(safe_io.read_text(args.model, what="OpGraph file",
+                                                   error=TraceError, limits=GRAPH_LIMITS))
     ex = build_model_arg(args)
     return trace(ex.model, ex.example_inputs, loss_fn=ex.loss_fn, targets=ex.targets,
                  name=getattr(ex, "name", args.model))

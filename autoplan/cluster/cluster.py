@@ -26,8 +26,6 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from autoplan.cluster import specs
 from autoplan.cluster.collectives import (
     COLLECTIVE_KINDS,
@@ -48,12 +46,19 @@ from autoplan.cluster.topology import (
     parse_node_topology,
 )
 from autoplan.errors import ClusterError
+from autoplan import safe_io
+from autoplan.safe_io import Limits
 
 BACKENDS = ("nccl", "gloo")
 TOP_KEYS = ("schema_version", "name", "description", "preset", "num_nodes", "devices_per_node", "backend",
             "device", "host", "links", "node", "fabric", "source")
 _DESCRIPTIVE_KEYS = ("description", "source", "notes")  # left out of the fingerprint
 _GIB = 1 << 30
+
+
+# a cluster file is a few kilobytes: a large one is a mistake (or an attack), refused early
+FILE_LIMITS = Limits(max_bytes=4 << 20, max_depth=32, max_string_chars=64 << 10,
+                      max_aliases=256, max_nodes=200_000)
 
 
 class Cluster:
@@ -287,7 +292,14 @@ class Cluster:
             device = specs.load_device(device_raw)
         else:
             device = DeviceSpec.from_dict(device_raw, where=f"{where}: device")
-        per_node = integer(data["devices_per_node"], "devices_per_node", where)
+        per_node = integer(data["devices_per_node"], "devices_per_node", where,
+                           maximum=specs.MAX_DEVICES_PER_NODE)
+        num_nodes = integer(data.get("num_nodes", 1), "num_nodes (nodes)", where,
+                            maximum=specs.MAX_NODES)
+        if num_nodes * per_node > specs.MAX_WORLD_SIZE:
+            raise ClusterError(f"{where}: {num_nodes:,} nodes x {per_node} devices is "
+                               f"{num_nodes * per_node:,} devices, over autoplan's limit of "
+                               f"{specs.MAX_WORLD_SIZE:,}")
         names = [f"{device.kind}{i}" for i in range(per_node)]
         node = parse_node_topology(data["node"], device_names=names, known_links=known, where=f"{where}: node")
         fabric = None
@@ -297,7 +309,7 @@ class Cluster:
             if link_name not in links:
                 links[link_name] = specs.load_link(link_name)
         return cls(
-            name=name, num_nodes=integer(data.get("num_nodes", 1), "num_nodes (nodes)", where),
+            name=name, num_nodes=num_nodes,
             devices_per_node=per_node, device=device,
             host=HostSpec.from_dict(data["host"], where=f"{where}: host"),
             backend=data.get("backend", "nccl" if device.kind == "gpu" else "gloo"),
@@ -310,23 +322,17 @@ class Cluster:
     def preset(cls, name: str, nodes: int = 1) -> Cluster:
         """A preset from ``cost_models/clusters.yaml`` with ``nodes`` nodes."""
         entry = specs.preset_entry(name)
-        entry["num_nodes"] = integer(nodes, "nodes", f"preset {name!r}")
+        entry["num_nodes"] = integer(nodes, "nodes", f"preset {name!r}", maximum=specs.MAX_NODES)
         return cls.from_dict({"name": name, **entry}, where=f"preset {name!r}")
 
     @classmethod
     def from_file(cls, path: str | os.PathLike[str]) -> Cluster:
         """Read a YAML (``.yaml``/``.yml``) or JSON cluster file."""
         file = Path(path)
-        try:
-            body = file.read_text(encoding="utf-8")
-        except OSError as err:
-            raise ClusterError(f"cannot read cluster file {str(file)!r}: {err.strerror}; check the path") from None
-        is_json = file.suffix.lower() == ".json"
-        try:
-            data = json.loads(body) if is_json else yaml.safe_load(body)
-        except (json.JSONDecodeError, yaml.YAMLError) as err:
-            kind = "JSON" if is_json else "YAML"
-            raise ClusterError(f"cluster file {str(file)!r} is not valid {kind}: {err}") from None
+        what = f"cluster file {str(file)!r}"
+        body = safe_io.read_text(file, what="cluster file", error=ClusterError, limits=FILE_LIMITS)
+        parse = safe_io.parse_json if file.suffix.lower() == ".json" else safe_io.parse_yaml
+        data = parse(body, what=what, error=ClusterError, limits=FILE_LIMITS)
         if not isinstance(data, Mapping):
             raise ClusterError(f"cluster file {str(file)!r} must hold a mapping at the top level, "
                                f"got {type(data).__name__}")

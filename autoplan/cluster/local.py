@@ -105,7 +105,7 @@ def profiled_calibration(device: str) -> tuple[dict[str, float], int] | None:
 
 def local_cluster_dict(nproc: int | None = None, *, calibration: Mapping[str, float] | None = None) -> dict[str, Any]:
     if nproc is not None:
-        nproc = specs.integer(nproc, "nproc", "local cluster")
+        nproc = specs.integer(nproc, "nproc", "local cluster", maximum=specs.MAX_LOCAL_PROCESSES)
     cal = _calibration(calibration)
     try:
         import torch

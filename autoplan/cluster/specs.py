@@ -66,8 +66,17 @@ def number(value: Any, what: str, where: str, *, positive: bool = True, at_most:
     return float(value)
 
 
-def integer(value: Any, what: str, where: str, *, minimum: int = 1) -> int:
-    """Coerce to int (integral floats such as ``8.0`` or ``4e9`` allowed) with a lower bound."""
+# Cluster sizes autoplan describes (a 131,072-device cluster builds in about 3 s); larger
+# numbers are refused rather than left to exhaust memory.
+MAX_NODES = 16_384
+MAX_DEVICES_PER_NODE = 1_024
+MAX_WORLD_SIZE = 131_072
+MAX_LOCAL_PROCESSES = 1_024
+
+
+def integer(value: Any, what: str, where: str, *, minimum: int = 1,
+            maximum: int | None = None) -> int:
+    """Coerce to int (integral floats such as ``8.0`` or ``4e9`` allowed) within bounds."""
     if isinstance(value, bool):
         raise ClusterError(f"{where}: {what} must be an integer, got {value!r}")
     if isinstance(value, (str, float)):
@@ -79,6 +88,9 @@ def integer(value: Any, what: str, where: str, *, minimum: int = 1) -> int:
         raise ClusterError(f"{where}: {what} must be an integer, got {value!r}")
     if value < minimum:
         raise ClusterError(f"{where}: {what} must be >= {minimum}, got {value}")
+    if maximum is not None and value > maximum:
+        raise ClusterError(f"{where}: {what} must be at most {maximum:,}, got {value:,} "
+                           "(autoplan's documented limit)")
     return value
 
 

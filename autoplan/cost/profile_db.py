@@ -38,6 +38,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
+from autoplan import safe_io
 from autoplan.errors import ProfileError
 
 if TYPE_CHECKING:  # only for annotations: this module never needs the graph code at run time
@@ -101,11 +102,18 @@ def op_key(graph: OpGraph, op: Op) -> str:
                      json.dumps(args, sort_keys=True, separators=sep)))
 
 
+# profiles of large models hold tens of thousands of entries; anything far larger is refused
+FILE_LIMITS = safe_io.Limits(max_bytes=256 << 20, max_depth=16, max_string_chars=1 << 16)
+
+
 # ---- records ----------------------------------------------------------------------------------
 
 def _check_number(owner: str, name: str, x: Any, *, positive: bool) -> None:
-    if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x) \
-            or x < 0 or (positive and x == 0):
+    try:
+        finite = not isinstance(x, bool) and isinstance(x, (int, float)) and math.isfinite(x)
+    except OverflowError:             # an int too large for a float
+        finite = False
+    if not finite or x < 0 or (positive and x == 0):
         need = "a positive finite number" if positive else "a finite number >= 0"
         raise ProfileError(f"{owner}.{name} must be {need}, got {x!r}")
 
@@ -308,20 +316,16 @@ class ProfileDB:
     @classmethod
     def load(cls, path: str | os.PathLike) -> ProfileDB:
         """Read a database file; any problem is a ProfileError naming the file."""
-        path = Path(path)
-        try:
-            text = path.read_text(encoding="utf-8")
-        except OSError as e:
-            raise ProfileError(f"cannot read profile database {str(path)!r}: {e}") from e
+        text = safe_io.read_text(path, what="profile database", error=ProfileError,
+                                 limits=FILE_LIMITS)
         return cls.from_text(text, source=repr(str(path)))
 
     @classmethod
-    def from_text(cls, text: str, *, source: str = "<text>") -> ProfileDB:
-        try:
-            d = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise ProfileError(f"profile database {source} is not valid JSON ({e}); re-create it "
-                               "with `autoplan profile` or delete it") from e
+    def from_text(cls, text: str | bytes, *, source: str = "<text>") -> ProfileDB:
+        """Parse database text with the hardened reader (``autoplan.safe_io``)."""
+        what = f"profile database {source}"
+        text = safe_io.decode(text, what=what, error=ProfileError, limits=FILE_LIMITS)
+        d = safe_io.parse_json(text, what=what, error=ProfileError, limits=FILE_LIMITS)
         return cls.from_dict(d, source=source)
 
     @classmethod
@@ -344,8 +348,7 @@ class ProfileDB:
         """
         for candidate in cls.search_paths(device):
             if candidate.is_file():
-                return cls.from_text(candidate.read_text(encoding="utf-8"),
-                                     source=repr(str(candidate)))
+                return cls.from_text(candidate.read_bytes(), source=repr(str(candidate)))
         return None
 
 

@@ -226,11 +226,17 @@ class OpGraph:
 
     @staticmethod
     def from_dict(d: Mapping[str, Any]) -> OpGraph:
+        """A graph from its JSON document, checked whole first (``graph/check.py``)."""
+        from autoplan.graph.check import check_graph_dict
+        if not isinstance(d, Mapping):
+            raise TraceError(f"malformed OpGraph: the top level is a {type(d).__name__}, not "
+                             "an object")
+        version = d.get("schema_version")
+        if version != SCHEMA_VERSION:
+            raise TraceError(f"OpGraph schema version {version!r} is not supported (this "
+                             f"autoplan reads version {SCHEMA_VERSION}); re-trace the model")
+        check_graph_dict(d)
         try:
-            version = int(d["schema_version"])
-            if version != SCHEMA_VERSION:
-                raise TraceError(f"OpGraph schema version {version} is not supported "
-                                 f"(this autoplan reads version {SCHEMA_VERSION}); re-trace the model")
             return OpGraph(
                 name=str(d["name"]),
                 batch_size=int(d["batch_size"]),
@@ -245,11 +251,12 @@ class OpGraph:
             raise TraceError(f"malformed OpGraph JSON: {type(e).__name__}: {e}") from e
 
     @staticmethod
-    def from_json(text: str) -> OpGraph:
-        try:
-            d = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise TraceError(f"OpGraph file is not valid JSON: {e}") from e
+    def from_json(text: str | bytes) -> OpGraph:
+        """Read graph JSON with the hardened reader (``autoplan.safe_io``), then check it."""
+        from autoplan import safe_io
+        from autoplan.graph.check import GRAPH_LIMITS
+        text = safe_io.decode(text, what="OpGraph file", error=TraceError, limits=GRAPH_LIMITS)
+        d = safe_io.parse_json(text, what="OpGraph file", error=TraceError, limits=GRAPH_LIMITS)
         return OpGraph.from_dict(d)
 
     def fingerprint(self) -> str:

@@ -19,6 +19,7 @@ from collections.abc import Mapping
 from dataclasses import fields
 from typing import Any
 
+from autoplan import safe_io
 from autoplan.errors import AutoplanError, ConfigError, PlanError
 from autoplan.estimate.config import RECOMPUTE, ParallelConfig
 from autoplan.sharding.placement import Placement
@@ -53,82 +54,15 @@ _DEVICE = re.compile(r"^n([0-9]{1,9})\.([A-Za-z0-9_\-]{1,128})$")   # "n3.gpu5"
 _IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
+PLAN_LIMITS = safe_io.Limits(max_bytes=MAX_FILE_BYTES, max_depth=MAX_DEPTH,
+                             max_string_chars=MAX_STRING_CHARS,
+                             max_number_chars=MAX_NUMBER_CHARS)
+
+
 def parse_json(text: str | bytes) -> Any:
-    if isinstance(text, (bytes, bytearray)):
-        if len(text) > MAX_FILE_BYTES:
-            raise PlanError(f"over the {MAX_FILE_BYTES:,}-byte limit for plan files")
-        try:
-            text = bytes(text).decode("utf-8")
-        except UnicodeDecodeError as e:
-            raise PlanError(f"not UTF-8 text ({e}); a plan file is ASCII JSON") from None
-    if not isinstance(text, str):
-        raise PlanError(f"plan text must be str or bytes, got {type(text).__name__}")
-    if len(text) > MAX_FILE_BYTES:
-        raise PlanError(f"over the {MAX_FILE_BYTES:,}-character limit for plan files")
-    try:
-        obj = json.loads(text, object_pairs_hook=_no_duplicates, parse_constant=_no_constant,
-                         parse_float=_finite_float, parse_int=_bounded_int)
-    except json.JSONDecodeError as e:
-        ended = e.pos >= len(text.rstrip()) - 1 or e.msg.startswith("Unterminated string")
-        hint = ("the text ends early: the file looks truncated (write it again)"
-                if ended else "fix the JSON syntax or write the plan again")
-        raise PlanError(f"not valid JSON: {e.msg} (line {e.lineno}, column {e.colno}); "
-                        f"{hint}") from None
-    except RecursionError:
-        raise PlanError(f"JSON nested too deeply (a plan nests about 6 levels; the limit is "
-                        f"{MAX_DEPTH})") from None
-    except (ValueError, TypeError) as e:   # e.g. hook errors that are not PlanError
-        raise PlanError(f"not a valid plan JSON document: {e}") from None
-    _check_size(obj)
-    return obj
-
-
-def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in pairs:
-        if k in out:
-            raise PlanError(f"duplicate key {_clip(k)!r} in one JSON object; each key may appear "
-                            "once (the file was edited by hand or corrupted)")
-        out[k] = v
-    return out
-
-
-def _no_constant(name: str) -> Any:
-    raise PlanError(f"{name} is not allowed in a plan file (numbers must be finite)")
-
-
-def _finite_float(text: str) -> float:
-    if len(text) > MAX_NUMBER_CHARS:
-        raise PlanError(f"number {text[:20]}... has {len(text)} characters; the limit is "
-                        f"{MAX_NUMBER_CHARS}")
-    value = float(text)
-    if not math.isfinite(value):
-        raise PlanError(f"number {text} overflows to infinity; numbers must be finite")
-    return value
-
-
-def _bounded_int(text: str) -> int:
-    if len(text) > MAX_NUMBER_CHARS:
-        raise PlanError(f"integer {text[:20]}... has {len(text)} digits; the limit is "
-                        f"{MAX_NUMBER_CHARS}")
-    return int(text)
-
-
-def _check_size(obj: Any) -> None:
-    """Depth and string-length limits, iteratively (no recursion on hostile input)."""
-    stack = [(obj, 1)]
-    while stack:
-        v, depth = stack.pop()
-        if depth > MAX_DEPTH:
-            raise PlanError(f"JSON nested deeper than {MAX_DEPTH} levels; a plan nests about 6")
-        if isinstance(v, str):
-            if len(v) > MAX_STRING_CHARS:
-                raise PlanError(f"a string of {len(v):,} characters (limit {MAX_STRING_CHARS:,})")
-        elif isinstance(v, dict):
-            stack.extend((k, depth) for k in v)
-            stack.extend((x, depth + 1) for x in v.values())
-        elif isinstance(v, list):
-            stack.extend((x, depth + 1) for x in v)
+    """The plan's JSON through the hardened reader (``autoplan.safe_io``)."""
+    text = safe_io.decode(text, what="plan file", error=PlanError, limits=PLAN_LIMITS)
+    return safe_io.parse_json(text, what="plan file", error=PlanError, limits=PLAN_LIMITS)
 
 
 # ================================================================ validation

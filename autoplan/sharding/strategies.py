@@ -421,10 +421,26 @@ def strategies(graph: OpGraph, op: Op, t: int, *, micro_batch: int | None = None
     evenly at that micro-batch size too (the graph was traced at ``graph.batch_size``)."""
     if t == 1 or not op.outputs:
         return [replicate(op)]
-    found = _shaped(graph, op, t)
+    try:
+        found = _shaped(graph, op, t)
+    except (TypeError, ValueError, IndexError, KeyError, AttributeError, ZeroDivisionError) as e:
+        # arguments no rule expects (a graph read from a hand-edited file): replicated
+        _warn_once(op, e)
+        return [replicate(op)]
     if micro_batch is not None and micro_batch != graph.batch_size:
         found = [s for s in found if _even_at(graph, op, s, t, micro_batch)]
     return [replicate(op)] + found
+
+
+_warned: set[str] = set()
+
+
+def _warn_once(op: Op, e: Exception) -> None:
+    import warnings
+    if op.target not in _warned:
+        _warned.add(op.target)
+        warnings.warn(f"the sharding rules cannot read op {op.name} ({op.target}): "
+                      f"{type(e).__name__}: {e}; it runs replicated", stacklevel=3)
 
 
 def _even_at(graph: OpGraph, op: Op, s: OpStrategy, t: int, micro_batch: int) -> bool:
