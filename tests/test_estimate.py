@@ -154,3 +154,48 @@ def test_pipelined_collectives_come_from_the_simulated_streams(gpt3_12_layers, a
     screened = estimate(gpt3_12_layers, a100_x24, config=ParallelConfig(**base),
                         global_batch_size=96, simulate_pipeline=False, profile=None)
     assert screened.step_time_s == pytest.approx(one.step_time_s, rel=0.15)
+
+
+def test_api_arguments_are_checked_with_errors_that_say_the_fix():
+    """A wrong argument to estimate/plan/trace raises autoplan's typed error, never an
+    AttributeError or TypeError from deep inside."""
+    import torch
+    from torch import nn
+
+    import autoplan
+    from autoplan import Cluster, ConfigError, TraceError
+    g = autoplan.trace(nn.Sequential(nn.Linear(4, 4)), (torch.randn(2, 4),))
+
+    class DataDependent(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.lin(x[x.nonzero()[:, 0]])
+    bad = [
+        (TraceError, "tensor values", lambda: autoplan.trace(DataDependent(), (torch.randn(3, 4),))),
+        (TraceError, "computes nothing", lambda: autoplan.trace(nn.Sequential(),
+                                                                (torch.randn(2, 4),))),
+        (TraceError, "no samples", lambda: autoplan.trace(nn.Linear(4, 4), (torch.randn(0, 4),))),
+        (TraceError, "needs example inputs", lambda: autoplan.trace(nn.Linear(4, 4), None)),
+        (ConfigError, "cluster must be", lambda: autoplan.estimate(
+            g, None, config=ParallelConfig(), global_batch_size=2)),
+        (ConfigError, "profile must be", lambda: autoplan.estimate(
+            g, Cluster.local(1), config=ParallelConfig(), global_batch_size=2, profile="bogus")),
+        (ConfigError, "global_batch_size", lambda: autoplan.estimate(
+            g, Cluster.local(1), config=ParallelConfig(), global_batch_size=None)),
+        (ConfigError, "global_batch_size", lambda: autoplan.plan(g, Cluster.local(1),
+                                                                 global_batch_size="8")),
+        (ConfigError, "the options are", lambda: autoplan.plan(g, Cluster.local(1),
+                                                               global_batch_size=2, bogus=1)),
+        (autoplan.ClusterError, "at most", lambda: Cluster.preset("dgx-h100", nodes=10**9)),
+        (autoplan.ClusterError, "at most", lambda: Cluster.from_spec("dgx-h100:99999999999")),
+        (autoplan.ClusterError, "at most", lambda: Cluster.from_spec("local:100000")),
+        (autoplan.ClusterError, "at most", lambda: Cluster.local(10**7)),
+    ]
+    for error, match, call in bad:
+        with pytest.raises(error, match=match):
+            call()
+    # a spec string is a cluster too
+    assert autoplan.plan(g, "local:1", global_batch_size=2, profile=None).config.dp == 1

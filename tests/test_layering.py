@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 ROOT = pathlib.Path(__file__).resolve().parents[1] / "autoplan"
-LAYER = {"version": 0, "errors": 0, "models": 1, "graph": 1, "sharding": 2, "cluster": 3,
+LAYER = {"version": 0, "errors": 0, "safe_io": 0.5, "models": 1, "graph": 1, "sharding": 2, "cluster": 3,
          "cost": 4, "cost_models": 4, "profiles": 4, "estimate": 5, "planner": 6,
          "runtime": 7, "cli": 8, "__init__": 9}
 # (importing file, imported package): each with its reason
@@ -27,9 +27,11 @@ def _imports():
             if isinstance(node, ast.ImportFrom) and node.module and \
                     node.module.split(".")[0] == "autoplan":
                 parts = node.module.split(".")
-                target = parts[1] if len(parts) > 1 else "__init__"
-                if target != pkg:
-                    yield rel, pkg, target
+                targets = [parts[1]] if len(parts) > 1 else [
+                    a.name if a.name in LAYER else "__init__" for a in node.names]
+                for target in targets:
+                    if target != pkg:
+                        yield rel, pkg, target
 
 
 def test_imports_point_downward():

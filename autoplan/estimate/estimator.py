@@ -26,6 +26,7 @@ from autoplan.cost.compute import ComputeModel, compute_model
 from autoplan.cost.memory import (PRECISION_BYTES, activation_bytes, model_state_bytes,
                                   sharding_for)
 from autoplan.errors import ConfigError
+from autoplan.estimate.arguments import batch_arg, cluster_arg, profile_arg
 from autoplan.estimate.chunk_cost import CostInputs, RangeCost, chunk_cost
 from autoplan.estimate.config import ParallelConfig
 from autoplan.estimate.layout import chunks_for, in_flight
@@ -83,15 +84,13 @@ def estimate(model: Any, cluster: Any, *, config: ParallelConfig, global_batch_s
     """
     if not isinstance(config, ParallelConfig):
         raise ConfigError(f"config must be an autoplan.ParallelConfig, got {type(config).__name__}")
-    if not isinstance(global_batch_size, int) or global_batch_size < 1:
-        raise ConfigError(f"global_batch_size must be a positive integer, got {global_batch_size!r}")
+    global_batch_size = batch_arg(global_batch_size, "estimate()")
+    cluster = cluster_arg(cluster, "estimate()")
     graph = as_graph(model, example_inputs, loss_fn=loss_fn, targets=targets, who="estimate()",
                      error=ConfigError)
     m = validate(graph, cluster, config, global_batch_size)
     a = analyze(graph)
-    if profile == "auto":
-        from autoplan.cost.profile_db import ProfileDB
-        profile = ProfileDB.find(cluster.device.name)
+    profile = profile_arg(profile, cluster, "estimate()")
     compute = compute_model(graph, cluster.device, config.precision, profile)
     p, v = config.pp, config.virtual_stages
     sh = sharding_for(graph, config.tp, config.sequence_parallel, sharding)

@@ -217,6 +217,9 @@ def export_program(model: nn.Module, example_inputs: Sequence[Any], *,
     parameter names carry (``"model."`` when the loss is included, else ``""``)."""
     if not isinstance(model, nn.Module):
         raise TraceError(f"trace() needs an nn.Module, got {type(model).__name__}")
+    if example_inputs is None:
+        raise TraceError("trace() needs example inputs: a tensor (or a tuple of them) shaped "
+                         "like one batch the model takes; meta tensors are fine")
     inputs = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
     if not inputs:
         raise TraceError("trace() needs at least one example input (a tensor of the batch)")
@@ -345,7 +348,19 @@ def _to_opgraph(ep: torch.export.ExportedProgram, model_name: str, prefix: str,
                 except (RuntimeError, NotImplementedError):
                     pass
             continue
-        ops.append(_make_op(node, val, values, add_value, resolve, node_value, prefix))
+        try:
+            ops.append(_make_op(node, val, values, add_value, resolve, node_value, prefix))
+        except TraceError:
+            raise
+        except Exception as e:      # e.g. a shape that depends on tensor values (unbacked)
+            stack = node.meta.get("nn_module_stack") or {}
+            where = list(stack.values())[-1][0] if stack else "<root>"
+            raise TraceError(
+                f"cannot read op {node.name} ({node.target}) in module {_strip(where, prefix)!r}: "
+                f"{type(e).__name__}: {str(e).splitlines()[0][:200]}. autoplan needs every "
+                "tensor's shape at trace time; an output whose size depends on tensor values "
+                "(nonzero, masked_select, unique, boolean indexing) cannot be planned: pad to a "
+                "fixed size or use torch.where") from e
         stack = node.meta.get("nn_module_stack") or {}
         paths = [_strip(p, prefix) for p, _t in stack.values()]
         for (p, t) in stack.values():
@@ -360,6 +375,12 @@ def _to_opgraph(ep: torch.export.ExportedProgram, model_name: str, prefix: str,
                     outputs.append(resolve(a))
     first = values[user_inputs[0]].meta if user_inputs else None
     batch = first.shape[0] if first is not None and first.shape else 1
+    if batch < 1:
+        raise TraceError(f"the first example input of {model_name!r} has shape "
+                         f"{list(first.shape)}: no samples; pass at least one row")
+    if not any(op.fwd_flops or op.bytes_written for op in ops):
+        raise TraceError(f"{model_name!r} computes nothing (no op reads or writes data): an "
+                         "empty nn.Sequential or an identity has nothing to plan")
     blocks = find_blocks(ops, instance_of_op, values, module_types)
     return OpGraph(name=model_name, ops=tuple(ops), values=tuple(values.values()),
                    inputs=tuple(user_inputs), outputs=tuple(outputs), blocks=blocks,

@@ -25,13 +25,14 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from autoplan.version import __version__
 from autoplan.cost.compute import compute_model
 from autoplan.cost.memory import bytes_per_param
 from autoplan.errors import ConfigError, PlanError
+from autoplan.estimate.arguments import batch_arg, cluster_arg, options_error, profile_arg
 from autoplan.estimate.config import ParallelConfig
 from autoplan.estimate.estimator import estimate, validate
 from autoplan.estimate.result import Estimate
@@ -354,16 +355,22 @@ def plan(model: Any, cluster: Any, *, global_batch_size: int, example_inputs: An
 
     ``options`` are ``SearchOptions`` fields (``force={...}``, ``top_k``, ``max_tp``...).
     """
-    opts = SearchOptions(**options)
+    try:
+        opts = SearchOptions(**options)
+    except TypeError as e:
+        raise options_error(e, "plan()", [f.name for f in fields(SearchOptions)]) from None
+    global_batch_size = batch_arg(global_batch_size, "plan()")
+    cluster = cluster_arg(cluster, "plan()")
+    if not isinstance(opts.force, dict):
+        raise ConfigError(f"plan(): force must be a dict of ParallelConfig fields, got "
+                          f"{opts.force!r:.60}")
     if opts.sharding not in ("ilp", "megatron"):
         raise ConfigError(f"sharding must be 'ilp' or 'megatron', got {opts.sharding!r}")
     say = progress or (lambda _msg: None)
     stats = _Stats()
     graph = as_graph(model, example_inputs, loss_fn=loss_fn, targets=targets, who="plan()",
                      error=ConfigError)
-    if profile == "auto":
-        from autoplan.cost.profile_db import ProfileDB
-        profile = ProfileDB.find(cluster.device.name)
+    profile = profile_arg(profile, cluster, "plan()")
     base = {"precision": precision, "optimizer": optimizer}
     cands: list[_Candidate] = []
     from autoplan.estimate.partition import main_block

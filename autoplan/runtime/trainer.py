@@ -152,9 +152,14 @@ def compile(model: nn.Module, cluster: Any = "local", *, example_inputs: Sequenc
     from autoplan.graph.trace import trace
     from autoplan.planner.search import plan as make_plan
 
+    from autoplan.estimate.arguments import batch_arg, cluster_arg
     world_env = int(os.environ.get("WORLD_SIZE", "1"))
-    if isinstance(cluster, str):
-        cluster = Cluster.local(world_env) if cluster == "local" else Cluster.from_spec(cluster)
+    global_batch_size = batch_arg(global_batch_size, "compile()")
+    if not callable(optimizer):
+        raise PlanError("compile(): optimizer must be a factory params -> torch.optim."
+                        "Optimizer, e.g. lambda ps: torch.optim.AdamW(ps, lr=3e-4)")
+    cluster = (Cluster.local(world_env) if cluster == "local"
+               else cluster_arg(cluster, "compile()"))
     graph = trace(model, example_inputs,
                   loss_fn=loss_fn if example_targets is not None else None,
                   targets=example_targets)
