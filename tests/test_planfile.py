@@ -102,6 +102,13 @@ def plan(tiny, a100_x2):
                                    (ParallelConfig(dp=8, tp=2), "9% slower: smaller TP, more DP sync")])
 
 
+@pytest.fixture(scope="module")
+def searched(tiny, a100_x2):
+    """A plan the search made: one that fits its model (load_plan checks that too)."""
+    return autoplan.plan(tiny[1], a100_x2, global_batch_size=GBS, precision="bf16", profile=None,
+                         force={"tp": 4}, max_pp=1)
+
+
 @pytest.fixture()
 def plan_dict(plan):
     return json.loads(plan.to_json())
@@ -318,7 +325,8 @@ def test_plan_built_in_python_is_validated(plan):
 
 
 # ================================================================ load_plan
-def test_load_plan_accepts_the_right_model_and_cluster(plan, tiny, a100_x2, tmp_path):
+def test_load_plan_accepts_the_right_model_and_cluster(searched, tiny, a100_x2, tmp_path):
+    plan = searched
     path = plan.save(tmp_path / "plan.json")
     ex, graph = tiny
     assert load_plan(path, graph=graph, cluster=a100_x2) == plan
@@ -354,7 +362,8 @@ def test_load_plan_refuses_another_cluster(plan, tmp_path):
     assert "world size" not in str(info.value)
 
 
-def test_load_plan_replans_on_request(plan, tiny, monkeypatch, tmp_path):
+def test_load_plan_replans_on_request(searched, tiny, monkeypatch, tmp_path):
+    plan = searched
     path = plan.save(tmp_path / "plan.json")
     calls = []
     monkeypatch.setattr(loading.search, "plan",
@@ -370,6 +379,14 @@ def test_load_plan_replans_on_request(plan, tiny, monkeypatch, tmp_path):
     graph, cluster, kw = calls[0]
     assert graph is tiny[1] and cluster is h100
     assert kw == {"global_batch_size": GBS, "precision": "fp16", "optimizer": "adamw"}
+
+
+def test_load_plan_refuses_a_plan_that_does_not_fit_the_model(plan, tiny, a100_x2, tmp_path):
+    """The hand-made fixture plan has the model's fingerprint but places only two of its
+    parameters: loading it for that model says what is missing."""
+    path = plan.save(tmp_path / "plan.json")
+    with pytest.raises(PlanError, match="has no placement"):
+        load_plan(path, graph=tiny[1], cluster=a100_x2)
 
 
 def a100_cluster():
@@ -462,3 +479,52 @@ def test_schema_enums_match_the_code():
     assert props["stage_recompute"]["items"]["enum"] == list(RECOMPUTE)
     assert props["precision"]["enum"] == list(PRECISIONS)
     assert props["optimizer"]["enum"] == list(OPTIMIZERS)
+
+
+# ================================================================ a plan against its model
+def _wrong_plans():
+    """(label, edit of a tp=2 plan or of a pp=2 plan, what the error says)."""
+    def place(fqn, **kw):
+        return lambda p: dataclasses.replace(p, param_placements={
+            **p.param_placements, fqn: dataclasses.replace(p.param_placements.get(
+                fqn, ParamPlacement(tp="R", dp="R", shape=(4,))), **kw)})
+
+    def drop(fqn):
+        return lambda p: dataclasses.replace(p, param_placements={
+            k: v for k, v in p.param_placements.items() if k != fqn})
+    qkv = "layers.0.attn.qkv.weight"
+    return [
+        ("no such parameter", "tp", place("layers.9.attn.qkv.weight", tp="R"),
+         "no parameter of the model"),
+        ("wrong shape", "tp", place(qkv, shape=(3, 3)), "has shape"),
+        ("missing placement", "tp", drop(qkv), "has no placement"),
+        ("uneven split", "tp", place(qkv, tp="S(1)[5]"), "does not split"),
+        ("placement the ops disagree with", "tp",
+         place("layers.0.mlp.proj.weight", tp="R"), "ops read it as"),
+        ("unknown strategy", "tp", lambda p: dataclasses.replace(
+            p, op_strategies={**p.op_strategies, next(iter(p.op_strategies)): "sideways"}),
+         "has no strategy 'sideways'"),
+        ("style of no module", "tp", lambda p: dataclasses.replace(
+            p, module_styles={**p.module_styles, "layers.7.attn": "colwise"}), "no module"),
+        ("recompute of no layer", "tp", lambda p: dataclasses.replace(
+            p, recompute={**p.recompute, "layers.99": "full"}), "no layer of the model"),
+        ("stage ranks twice", "pp", lambda p: dataclasses.replace(
+            p, stages=tuple({**st, "ranks": [0]} for st in p.stages)), "exactly once"),
+        ("stage layers out of range", "pp", lambda p: dataclasses.replace(
+            p, stages=tuple({**st, "layers": ["layers.5"], "chunks": [["layers.5"]]}
+                            for st in p.stages)), "which the model does not have"),
+    ]
+
+
+@pytest.mark.parametrize("label,family,edit,match", _wrong_plans(),
+                         ids=[w[0] for w in _wrong_plans()])
+def test_a_plan_that_does_not_fit_its_model_is_refused(label, family, edit, match):
+    from autoplan.planner.plan_check import check_plan_against
+    ex = build_example("gpt-tiny", batch_size=1)
+    g = trace(ex.model, ex.example_inputs, loss_fn=ex.loss_fn, targets=ex.targets)
+    force, max_pp = ({"tp": 2}, 1) if family == "tp" else ({"pp": 2}, 2)
+    good = autoplan.plan(g, Cluster.local(2), global_batch_size=4, precision="fp32",
+                         profile=None, force=force, max_pp=max_pp)
+    check_plan_against(good, g)
+    with pytest.raises(PlanError, match=match):
+        check_plan_against(edit(good), g)

@@ -8,6 +8,7 @@ from typing import Any
 
 from autoplan.errors import PlanError
 from autoplan.planner import planfile, search
+from autoplan.planner.plan_check import check_plan_against
 from autoplan.planner.planfile import Plan
 
 
@@ -31,6 +32,8 @@ def load_plan(path: str | os.PathLike[str], *, model: Any = None, cluster: Any =
                          who="load_plan(model=...)", error=PlanError)
     what = planfile.plan_mismatch(plan, graph=graph, cluster=cluster)
     if not what:
+        if graph is not None:
+            check_plan_against(plan, graph)
         return plan
     if not replan:
         raise PlanError(f"{what}. Re-plan with autoplan.plan(...) for this model and cluster, "

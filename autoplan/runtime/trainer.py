@@ -35,6 +35,7 @@ from torch import nn
 from autoplan.cost.host_allocator import keep_freed_host_memory
 from autoplan.errors import PlanError
 from autoplan.planner.loading import load_plan
+from autoplan.planner.plan_check import check_plan_against
 from autoplan.planner.planfile import Plan
 from autoplan.runtime import parallelize as par
 from autoplan.runtime.optim import (HostOffloadOptimizer, TensorParallelGrads,
@@ -174,6 +175,7 @@ def compile(model: nn.Module, cluster: Any = "local", *, example_inputs: Sequenc
         if what:
             raise PlanError(f"{what}. Re-plan with autoplan.plan(...) for this model and "
                             "cluster (or compile(..., plan=None) to plan now)")
+    check_plan_against(plan, graph)          # a hand-edited plan: refused before any collective
     if plan.training.global_batch_size != global_batch_size:
         raise PlanError(f"the plan is for a global batch of {plan.training.global_batch_size}, "
                         f"compile() got {global_batch_size}")
