@@ -51,6 +51,11 @@ def run(args: argparse.Namespace) -> int:
     from autoplan.planner.planfile import plan_from_file
     plan = plan_from_file(args.plan)
     world = plan.config.world_size
+    if args.nnodes != plan.cluster.num_nodes:
+        raise PlanError(f"the plan is for {plan.cluster.num_nodes} nodes of "
+                        f"{plan.cluster.devices_per_node} devices ({plan.cluster.name}); "
+                        f"--nnodes {args.nnodes} does not match: launch on "
+                        f"{plan.cluster.num_nodes} nodes or re-plan for {args.nnodes}")
     nproc = args.nproc_per_node or world // args.nnodes
     if nproc * args.nnodes != world:
         raise PlanError(f"the plan needs {world} ranks but --nnodes {args.nnodes} x "

@@ -255,7 +255,8 @@ def _memory(plan: Plan) -> str:
     lines = [f"memory per device{which}"]
     for key in _MEMORY_ITEMS:
         mbs = worst["microbatches_in_flight"]
-        extra = (f"   ({mbs:g} micro-batch{'es' * (mbs != 1)} in flight)"
+        count = f"{mbs:g}" if float(mbs).is_integer() else f"about {mbs:.1f}"
+        extra = (f"   ({count} micro-batch{'es' * (mbs != 1)} in flight)"
                  if key == "activations_bytes" else "")
         lines.append(f"  {key[:-6]:<12} {fmt_bytes(mem[key]):>12}{extra}")
     total = _stage_total(worst)
@@ -290,12 +291,15 @@ def _alternatives(plan: Plan) -> str:
     if not plan.alternatives:
         return "alternatives: none recorded"
     chosen = plan.predicted["step_time_s"]
-    names = [a.config.short() for a in plan.alternatives]
+    # fitting ones first, fastest first; those that do not fit after, smallest first
+    alternatives = sorted(plan.alternatives, key=lambda a: (not a.fits, a.step_time_s
+                                                           if a.fits else a.peak_memory_bytes))
+    names = [a.config.short() for a in alternatives]
     w = max(len(n) for n in names + ["config"])
     lines = [f"alternatives ({len(plan.alternatives)}; chosen {fmt_s(chosen)})",
              (f"  {'#':>2}  {'config':<{w}}  {'step time':>10}  {'vs chosen':>9}  "
              f"{'peak memory':>11}  fits  why it lost")]
-    for i, (a, name) in enumerate(zip(plan.alternatives, names), 1):
+    for i, (a, name) in enumerate(zip(alternatives, names), 1):
         lines.append(f"  {i:>2}  {name:<{w}}  {fmt_s(a.step_time_s):>10}  "
                      f"{fmt_change(chosen, a.step_time_s):>9}  "
                      f"{fmt_bytes(a.peak_memory_bytes):>11}  {'yes' if a.fits else 'NO ':<4}  "

@@ -2,8 +2,10 @@
 
 Both come from the pipeline simulator run on the plan's predicted stages (per-stage forward and
 backward time per micro-batch, activations kept per micro-batch); a stage's ``v`` chunks share
-its time evenly and sends are drawn as free (their waiting is in the plan's ``pp_p2p`` time).
-matplotlib draws them (``pip install 'autoplan[plot]'``).
+its time evenly and sends are drawn as free. What the step spends outside the drawn schedule
+(waiting on sends, data-parallel sync not hidden, the optimizer step) is one grey block at the
+end, so the timeline ends at the plan's step time. The memory lines reach, per rank, exactly the
+activation memory the plan reports. matplotlib draws them (``pip install 'autoplan[plot]'``).
 """
 
 from __future__ import annotations
@@ -40,9 +42,10 @@ def _pyplot():
     return plt
 
 
-def draw_timeline(plan: Any, path: str) -> None:
+def draw_timeline(plan: Any, path: str) -> float:
     """One row per pipeline rank; forward blocks blue, backward orange (zero bubble: input
-    gradients orange, weight gradients green), labelled by micro-batch."""
+    gradients orange, weight gradients green), labelled by micro-batch. Returns where the
+    timeline ends (seconds)."""
     plt = _pyplot()
     sim = simulate_plan(plan)
     p = plan.config.pp
@@ -54,36 +57,54 @@ def draw_timeline(plan: Any, path: str) -> None:
         if (e.end_s - e.start_s) > sim.makespan_s / 60:
             ax.text((e.start_s + e.end_s) / 2, p - 1 - e.rank, str(e.microbatch), ha="center",
                     va="center", fontsize=7, color="white")
+    step_s = plan.predicted["step_time_s"]
+    rest = step_s - sim.makespan_s
+    if rest > 0:                        # p2p waits, exposed collectives, optimizer: after it
+        for r in range(p):
+            ax.barh(p - 1 - r, rest, left=sim.makespan_s, height=0.8, color="#B0B0B0",
+                    edgecolor="white", linewidth=0.5)
+        ax.text(sim.makespan_s + rest / 2, -0.7, f"not overlapped {rest:.3g} s", ha="center",
+                va="center", fontsize=7)
+    end = max(step_s, sim.makespan_s)
+    ax.set_xlim(0, end)
     ax.set_yticks(range(p), [f"stage {p - 1 - r}" for r in range(p)])
-    ax.set_xlabel("time per step (s)")
+    ax.set_xlabel(f"time per step (s): {step_s:.4g} s")
     bubble = sim.bubble_fraction()
     ax.set_title(f"{plan.config.short()}\n{plan.config.schedule if p > 1 else 'no pipeline'}, "
                  f"{len({e.microbatch for e in sim.events})} micro-batches, bubble "
                  f"{bubble * 100:.1f}%  (blue forward, orange backward"
-                 + (", green weight gradients)" if any(e.kind == "W" for e in sim.events)
-                    else ")"))
+                 + (", green weight gradients" if any(e.kind == "W" for e in sim.events)
+                    else "") + ", grey the rest of the step)")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+    return end
 
 
-def draw_memory(plan: Any, path: str) -> None:
-    """Memory per rank over one step: model states and buffers, plus activations in flight."""
+def draw_memory(plan: Any, path: str) -> list[float]:
+    """Memory per rank over one step: model states and buffers, plus activations in flight.
+    Returns each rank's peak (bytes)."""
     plt = _pyplot()
     sim = simulate_plan(plan)
     gib = 2 ** 30
     fig, ax = plt.subplots(figsize=(12, 4.5))
+    peaks: list[float] = []
     for r, line in enumerate(sim.memory_timeline):
         mem = plan.predicted["stages"][r]["memory"]
         static = sum(mem[k] for k in ("params_bytes", "grads_bytes", "optimizer_bytes",
                                       "transient_bytes", "margin_bytes"))
+        # the plan's activation figure is the peak (its simulation also has sends and
+        # collectives): scale this one's levels to reach it
+        peak = max((level for _, level in line), default=0.0)
+        scale = mem["activations_bytes"] / peak if peak > 0 else 0.0
         xs, ys = [], []
         for (t, level) in line:
             if xs:
                 xs.append(t)
                 ys.append(ys[-1])
             xs.append(t)
-            ys.append((static + level) / gib)
+            ys.append((static + level * scale) / gib)
+        peaks.append(max(ys, default=static / gib) * gib)
         xs.append(sim.makespan_s)
         ys.append(ys[-1])
         ax.plot(xs, ys, label=f"stage {r}")
@@ -96,3 +117,4 @@ def draw_memory(plan: Any, path: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+    return peaks

@@ -149,6 +149,8 @@ class PipelineTrainer:
     tp_comm: Any = None
     placements: dict[str, Any] = field(default_factory=dict)
     aliases: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    health: Any = None
+    steps_done: int = 0
 
     @property
     def config(self):
@@ -159,6 +161,10 @@ class PipelineTrainer:
         return nn.ModuleList(self.chunks[c] for c in sorted(self.chunks))
 
     def step(self, batch: Sequence[torch.Tensor] | torch.Tensor) -> float:
+        from autoplan.runtime.trainer import guarded
+        return guarded(self, self._step, batch)
+
+    def _step(self, batch: Sequence[torch.Tensor] | torch.Tensor) -> float:
         if isinstance(batch, torch.Tensor):
             raise PlanError("a pipelined plan needs (inputs..., targets): the last stage "
                             "computes the loss")
@@ -234,6 +240,7 @@ def compile_pipelined(model: nn.Module, graph: OpGraph, plan: Any, *, device: to
 
     from autoplan.runtime import parallelize as par
     from autoplan.runtime.emit import connect, export_for_plan, lower
+    from autoplan.runtime.health import for_job
     from autoplan.runtime.optim import (DataParallelGrads, HostOffloadOptimizer,
                                         TensorParallelGrads, TensorShardedOptimizer)
     from autoplan.runtime.segments import layer_ranges, split_chunks, split_layers
@@ -334,7 +341,8 @@ def compile_pipelined(model: nn.Module, graph: OpGraph, plan: Any, *, device: to
                            pp_group=pp_group, last_stage_rank=last_rank, grad_syncs=grad_syncs,
                            autocast_dtype=precision_dtype if not use_fsdp else None,
                            device=device, tp_comm=program.comm_slot.comm,
-                           placements=program.state, aliases=aliases)
+                           placements=program.state, aliases=aliases,
+                           health=for_job(rank, dist.get_world_size()))
 
 
 

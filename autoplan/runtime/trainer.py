@@ -33,11 +33,12 @@ import torch.distributed as dist
 from torch import nn
 
 from autoplan.cost.host_allocator import keep_freed_host_memory
-from autoplan.errors import PlanError
+from autoplan.errors import AutoplanError, PlanError
 from autoplan.planner.loading import load_plan
 from autoplan.planner.plan_check import check_plan_against
 from autoplan.planner.planfile import Plan
 from autoplan.runtime import parallelize as par
+from autoplan.runtime.health import for_job
 from autoplan.runtime.optim import (HostOffloadOptimizer, TensorParallelGrads,
                                     TensorShardedOptimizer)
 
@@ -72,6 +73,8 @@ class Trainer:
     loss_in_program: bool             # the program computes the loss itself
     device: torch.device
     autocast_dtype: torch.dtype | None
+    health: Any = None                         # names a dead peer (runtime/health.py)
+    steps_done: int = 0
     tp_comm: Any = None                        # the tensor-parallel axis (for state dicts)
     placements: dict[str, Any] = field(default_factory=dict)    # FQN -> tp placement
     aliases: dict[str, tuple[str, ...]] = field(default_factory=dict)
@@ -94,7 +97,11 @@ class Trainer:
 
     def step(self, batch: Sequence[torch.Tensor]) -> float:
         """Forward, backward and optimizer step on the global ``batch`` (inputs..., targets);
-        returns the loss averaged over the global batch (the same on every rank)."""
+        returns the loss averaged over the global batch (the same on every rank). If a peer
+        rank dies, raises ``RankFailure`` naming it."""
+        return guarded(self, self._step, batch)
+
+    def _step(self, batch: Sequence[torch.Tensor]) -> float:
         if isinstance(batch, torch.Tensor):
             batch = (batch,)
         chunks = self._slices(list(batch))
@@ -135,6 +142,30 @@ class Trainer:
                 return self.model(*chunk)
             out = self.model(*chunk[:-1])
             return self.loss_fn(out, chunk[-1])
+
+
+def guarded(trainer: Any, step: Callable[[Any], float], batch: Any) -> float:
+    """Run one step; a collective that fails because a peer stopped becomes a RankFailure
+    naming that peer (``health.py``)."""
+    status = f"step {trainer.steps_done}"
+    if trainer.health is not None:
+        trainer.health.mark(status)
+    try:
+        loss = step(batch)
+    except AutoplanError:
+        raise
+    except RuntimeError as e:
+        if trainer.health is not None and _peer_failure(e):
+            raise trainer.health.fail(status, e) from e
+        raise
+    trainer.steps_done += 1
+    return loss
+
+
+def _peer_failure(e: BaseException) -> bool:
+    text = str(e).lower()
+    return isinstance(e, getattr(dist, "DistError", ())) or any(
+        w in text for w in ("gloo", "nccl", "connection", "timed out", "peer", "socket"))
 
 
 def compile(model: nn.Module, cluster: Any = "local", *, example_inputs: Sequence[Any],
@@ -249,7 +280,7 @@ def compile(model: nn.Module, cluster: Any = "local", *, example_inputs: Sequenc
                    dp_index=dp_index, dp_group=dp_group, tp_grads=tp_grads,
                    loss_in_program=rp.with_loss, device=device, autocast_dtype=autocast,
                    tp_comm=rp.program.comm_slot.comm, placements=rp.program.state,
-                   aliases=rp.aliases)
+                   aliases=rp.aliases, health=for_job(rank, world))
 
 
 def _dtype(precision: str) -> torch.dtype:
