@@ -15,7 +15,7 @@ import pytest
 
 from autoplan.graph import trace
 from autoplan.models import build_example
-from autoplan.sharding.sharding import mutates_input
+from autoplan.sharding.sharding import Sharding, mutates_input
 from autoplan.sharding.strategies import strategies
 from tests.conftest import has_transformers
 from tests.distributed import run_ranks
@@ -26,10 +26,12 @@ MODELS = ["gpt-tiny", "hf-llama-gqa-tiny", "nanogpt-tiny", "torch-encoder-tiny",
 
 
 def random_strategies(graph, t, seed):
-    """One random strategy per op (an in-place op keeps its written input where it lies)."""
+    """One random strategy per op (an in-place op keeps its written input where it lies), and
+    the parameter placements they imply."""
     rng = random.Random(seed)
     placement = {}
     chosen = {}
+    picked = []
     for op in graph.ops:
         options = strategies(graph, op, t)
         if mutates_input(op.target) and op.inputs:
@@ -38,9 +40,11 @@ def random_strategies(graph, t, seed):
             options = keep or options[:1]
         s = rng.choice(options)
         chosen[op.name] = s.name
+        picked.append(s)
         for k, n in enumerate(op.outputs):
             placement[n] = s.outputs[k]
-    return chosen
+    stored = Sharding.build(graph, t, picked).param_placement(graph)
+    return chosen, {fqn: str(p) for fqn, p in stored.items()}
 
 
 def _rank(rank, world, name, plan_json):
@@ -66,8 +70,10 @@ def test_random_strategies_train_like_one_device(name, seed):
     g = trace(ex.model, ex.example_inputs, loss_fn=ex.loss_fn, targets=ex.targets)
     base = zoo_plan(name, 2, dict(tp=2, micro_batch_size=GLOBAL_BATCH), "megatron",
                     batch_size=GLOBAL_BATCH)
-    chosen = random_strategies(g, 2, seed)
+    chosen, stored = random_strategies(g, 2, seed)
     assert sum(v != "replicate" for v in chosen.values()) > len(chosen) // 4
-    plan = dataclasses.replace(base, op_strategies=chosen)
+    placements = {fqn: dataclasses.replace(pp, tp=stored.get(fqn, "R"))
+                  for fqn, pp in base.param_placements.items()}
+    plan = dataclasses.replace(base, op_strategies=chosen, param_placements=placements)
     results = run_ranks(_rank, 2, name, plan.to_json(), timeout_s=240.0)
     assert_equal_to_one_device(name, results, f"{name} random strategies (seed {seed})")
