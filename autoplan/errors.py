@@ -29,3 +29,7 @@ class ProfileError(AutoplanError):
 
 class PlanError(AutoplanError):
     """A plan file is malformed, or does not match the model or cluster it is used with."""
+
+
+class CheckpointError(AutoplanError):
+    """A checkpoint is missing, incomplete, or does not fit the model or optimizer resuming it."""

@@ -30,6 +30,7 @@ from torch import nn
 
 from autoplan.errors import PlanError
 from autoplan.graph.opgraph import OpGraph
+from autoplan.runtime.checkpoint import Checkpointing
 from autoplan.runtime.optim import _local
 
 SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B",
@@ -130,7 +131,7 @@ def _param(chunks: dict[int, nn.Module], fqn: str) -> nn.Parameter | None:
 
 
 @dataclass
-class PipelineTrainer:
+class PipelineTrainer(Checkpointing):
     """``Trainer`` for pipelined plans: ``step(batch)`` runs the plan's schedule."""
 
     chunks: dict[int, nn.Module]         # chunk index -> this rank's module
@@ -151,6 +152,8 @@ class PipelineTrainer:
     aliases: dict[str, tuple[str, ...]] = field(default_factory=dict)
     health: Any = None
     steps_done: int = 0
+    lr_schedulers: list[Any] = field(default_factory=list)
+    checkpointer: Any = None
 
     @property
     def config(self):
@@ -191,6 +194,8 @@ class PipelineTrainer:
             sync.all_reduce()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        for s in self.lr_schedulers:
+            s.step()
         mean = torch.zeros(1, dtype=torch.float64)
         if losses:
             mean[0] = sum(float(_local(x).detach()) for x in losses) / len(losses)

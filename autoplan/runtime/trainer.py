@@ -38,6 +38,7 @@ from autoplan.planner.loading import load_plan
 from autoplan.planner.plan_check import check_plan_against
 from autoplan.planner.planfile import Plan
 from autoplan.runtime import parallelize as par
+from autoplan.runtime.checkpoint import Checkpointing, optimizer_slots
 from autoplan.runtime.health import for_job
 from autoplan.runtime.optim import (HostOffloadOptimizer, TensorParallelGrads,
                                     TensorShardedOptimizer)
@@ -59,8 +60,9 @@ def init_distributed(backend: str) -> tuple[int, int]:
 
 
 @dataclass
-class Trainer:
-    """A compiled plan on this rank: ``step(batch)`` trains one global batch."""
+class Trainer(Checkpointing):
+    """A compiled plan on this rank: ``step(batch)`` trains one global batch; ``save(dir)``
+    checkpoints it (``checkpoint.py``)."""
 
     model: nn.Module                  # the rank program (maybe DDP-wrapped), FQNs as the user's
     optimizer: Any
@@ -78,6 +80,8 @@ class Trainer:
     tp_comm: Any = None                        # the tensor-parallel axis (for state dicts)
     placements: dict[str, Any] = field(default_factory=dict)    # FQN -> tp placement
     aliases: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    lr_schedulers: list[Any] = field(default_factory=list)
+    checkpointer: Any = None
 
     @property
     def config(self):
@@ -118,6 +122,8 @@ class Trainer:
             self.tp_grads.all_reduce()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        for s in self.lr_schedulers:
+            s.step()
         mean = total / len(chunks)
         if self.dp_group is not None and self.config.dp > 1:
             t = mean.to(torch.float64).reshape(1)
@@ -172,14 +178,37 @@ def compile(model: nn.Module, cluster: Any = "local", *, example_inputs: Sequenc
             optimizer: Callable[[Any], Any], global_batch_size: int,
             loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
             example_targets: Any = None, plan: Plan | str | os.PathLike | None = None,
-            precision: str = "fp32", seed: int = 0, **plan_kwargs: Any) -> Any:
+            precision: str = "fp32", seed: int = 0,
+            lr_scheduler: Callable[[Any], Any] | None = None,
+            resume: str | os.PathLike | None = None, **plan_kwargs: Any) -> Any:
     """Build the sharded training program of ``plan`` (or plan now when None) on this rank.
 
     ``model`` may live on the meta device: it is materialized module by module, each rank
     keeping only its shards. ``optimizer`` is a factory ``params -> torch.optim.Optimizer``.
     Every rank computes the same plan when none is given (planning is deterministic), so no
     broadcast is needed. After ``compile`` the user's model holds this rank's shards.
+
+    ``lr_scheduler`` is a factory ``torch optimizer -> LR scheduler`` (stepped after every
+    optimizer step). ``resume`` names a checkpoint (a root saved by ``trainer.save``, whose
+    latest is taken, or one step directory), saved under this plan or any other: the model,
+    optimizer, step count, RNG and scheduler continue from it.
     """
+    trainer = _compile(model, cluster, example_inputs=example_inputs, optimizer=optimizer,
+                       global_batch_size=global_batch_size, loss_fn=loss_fn,
+                       example_targets=example_targets, plan=plan, precision=precision,
+                       seed=seed, **plan_kwargs)
+    if lr_scheduler is not None:
+        trainer.lr_schedulers = [lr_scheduler(o) for o, _ in optimizer_slots(trainer.optimizer)]
+    if resume is not None:
+        trainer.load(resume)
+    return trainer
+
+
+def _compile(model: nn.Module, cluster: Any, *, example_inputs: Sequence[Any],
+             optimizer: Callable[[Any], Any], global_batch_size: int,
+             loss_fn: Callable[[Any, Any], torch.Tensor] | None, example_targets: Any,
+             plan: Plan | str | os.PathLike | None, precision: str, seed: int,
+             **plan_kwargs: Any) -> Any:
     from autoplan.cluster import Cluster
     from autoplan.graph.trace import trace
     from autoplan.planner.search import plan as make_plan

@@ -1,0 +1,576 @@
+"""Checkpoints: save a training run under one plan, resume it under the same plan or any other.
+
+Layout (``torch.distributed.checkpoint``, DCP): a checkpoint root holds one directory per saved
+step, ``step-00000006/``, and a ``latest`` file naming the newest complete one::
+
+    root/
+      latest                      "step-00000006"
+      step-00000006/
+        .metadata, __0_0.distcp…  DCP: every tensor at its global shape, written in pieces
+        autoplan.json             what was saved: step, samples seen, plan, parameter shapes,
+                                  optimizer class and state layout, LR scheduler (no pickle)
+
+Keys are plan-independent: ``model.<fqn>`` (parameters and persistent buffers, tied weights
+once, under their first name), ``optim.<fqn>.<state>`` (an optimizer's per-parameter state:
+elementwise tensors lie like their parameter, scalars such as Adam's ``step`` whole) and
+``rng.rank<r>``. Each rank writes the pieces it holds (``pieces.py``: tensor-parallel shards,
+FSDP2 slabs, the ZeRO-1 owner's state, one pipeline rank's layers, host-offloaded state);
+replicas are written once. Loading asks for the pieces the new plan puts on each rank and DCP
+reads them from whichever files hold them, so a run saved under one plan resumes under another.
+
+Atomic: DCP writes into ``.step-N.partial/``; only when every rank has finished and the
+metadata is down does rank 0 rename it to ``step-N/`` and then replace ``latest`` (an
+``os.replace``), so a crash mid-save leaves the previous checkpoint the latest. The root must be
+on a file system every rank sees (as DCP's ``FileSystemWriter`` requires).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.tensor import DTensor
+
+from autoplan.errors import CheckpointError
+from autoplan.runtime.pieces import Pieces, layout_of
+
+FORMAT = "autoplan-checkpoint"
+VERSION = 1
+META_FILE = "autoplan.json"
+LATEST = "latest"
+
+
+# ---- what a rank holds -------------------------------------------------------------------------
+
+@dataclass
+class Held:
+    """One state tensor this rank holds, under its checkpoint name."""
+
+    fqn: str
+    tensor: torch.Tensor          # the live tensor (a Parameter, buffer, or FSDP2 DTensor)
+    placement: Any                # its tensor-parallel placement (None: replicated)
+
+
+def program_modules(trainer: Any) -> list[nn.Module]:
+    """The modules holding this rank's parameters (DDP unwrapped; pipeline chunks)."""
+    chunks = getattr(trainer, "chunks", None)
+    if chunks is not None:
+        return [chunks[c] for c in sorted(chunks)]
+    model = trainer.model
+    return [getattr(model, "module", model) if isinstance(
+        model, nn.parallel.DistributedDataParallel) else model]
+
+
+def canonical_name(name: str, aliases: dict[str, tuple[str, ...]]) -> str:
+    return min(aliases.get(name, (name,)))
+
+
+def held_state(trainer: Any) -> dict[str, Held]:
+    """Parameters and persistent buffers of this rank by checkpoint name (tied weights once)."""
+    out: dict[str, Held] = {}
+    for module in program_modules(trainer):
+        for name, t in module.state_dict(keep_vars=True).items():
+            name = name.replace("_checkpoint_wrapped_module.", "")
+            if not isinstance(t, torch.Tensor) or t.is_meta:
+                continue
+            fqn = canonical_name(name, trainer.aliases)
+            p = trainer.placements.get(name)
+            if p is None:
+                p = next((trainer.placements[a] for a in trainer.aliases.get(name, ())
+                          if a in trainer.placements), None)
+            out.setdefault(fqn, Held(fqn, t, p))
+    return out
+
+
+def optimizer_slots(opt: Any) -> list[tuple[torch.optim.Optimizer, dict[int, torch.Tensor]]]:
+    """Each torch optimizer inside ``opt`` with, per tensor it steps (by id), the model
+    parameter that tensor stands for (itself, or the one a host-offloaded copy mirrors)."""
+    from autoplan.runtime.optim import HostOffloadOptimizer, TensorShardedOptimizer
+    if isinstance(opt, TensorShardedOptimizer):
+        return optimizer_slots(opt.inner) if opt.inner is not None else []
+    if isinstance(opt, HostOffloadOptimizer):
+        inner = optimizer_slots(opt.inner)
+        mirror = {id(h): p for h, p in zip(opt.host, opt.params)}
+        return [(o, {k: mirror.get(id(v), v) for k, v in m.items()}) for o, m in inner]
+    if isinstance(opt, torch.optim.Optimizer):
+        return [(opt, {id(p): p for g in opt.param_groups for p in g["params"]})]
+    raise CheckpointError(f"cannot checkpoint an optimizer of type {type(opt).__name__}: "
+                          "compile() takes a factory returning a torch.optim.Optimizer")
+
+
+def _tensors_by_id(opt: torch.optim.Optimizer) -> dict[int, torch.Tensor]:
+    return {id(p): p for g in opt.param_groups for p in g["params"]}
+
+
+def _local_shape(t: torch.Tensor) -> tuple[int, ...]:
+    return tuple(t.to_local().shape if isinstance(t, DTensor) else t.shape)
+
+
+def _state_kind(value: Any, key_tensor: torch.Tensor, fqn: str, key: str,
+                opt: torch.optim.Optimizer) -> dict[str, Any]:
+    if not isinstance(value, torch.Tensor):
+        raise CheckpointError(
+            f"{type(opt).__name__} keeps {key!r} of {fqn} as a {type(value).__name__}, not a "
+            "tensor; checkpoints take optimizers whose state is tensors (Adam, AdamW, SGD, ...)")
+    if value.dim() > 0 and _local_shape(value) == _local_shape(key_tensor):
+        kind = "elementwise"
+    elif value.numel() == 1 and not isinstance(value, DTensor):
+        kind = "scalar"
+    else:
+        raise CheckpointError(
+            f"{type(opt).__name__} keeps {key!r} of {fqn} with shape {tuple(value.shape)}, "
+            f"neither the parameter's {_local_shape(key_tensor)} nor a scalar; its state "
+            "cannot be resharded (use an optimizer with elementwise state: Adam, AdamW, SGD)")
+    return {"kind": kind, "dtype": str(value.dtype).removeprefix("torch."),
+            "shape": list(value.shape),
+            "on_param_device": value.device == key_tensor.device}
+
+
+# ---- save ---------------------------------------------------------------------------------------
+
+class _SavePlanner(DefaultSavePlanner):
+    """DCP's planner, finding a piece of a ``Pieces`` (our state dicts are flat already)."""
+
+    def __init__(self) -> None:
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+
+    def lookup_object(self, index):
+        obj = self.state_dict[index.fqn]
+        if isinstance(obj, Pieces):
+            return obj.__get_tensor_shard__(index)
+        return super().lookup_object(index)
+
+
+class _LoadPlanner(DefaultLoadPlanner):
+    """DCP's planner, reading into the pieces of a ``Pieces``; nothing to initialize (the
+    default's meta-tensor initialization would drop objects it does not know)."""
+
+    def __init__(self) -> None:
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+
+    def set_up_planner(self, state_dict, metadata=None, is_coordinator=False) -> None:
+        self.original_state_dict = state_dict
+        self.state_dict = state_dict
+        self.metadata = metadata
+        self.is_coordinator = is_coordinator
+
+    def lookup_tensor(self, index):
+        obj = self.state_dict[index.fqn]
+        if isinstance(obj, Pieces):
+            return obj.__get_tensor_shard__(index)
+        return super().lookup_tensor(index)
+
+
+def _tp(trainer: Any) -> tuple[int, int]:
+    t = trainer.config.tp
+    return t, trainer.rank % t
+
+
+def _world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _gather_objects(obj: Any) -> list[Any]:
+    _, world = _world()
+    if world == 1:
+        return [obj]
+    out: list[Any] = [None] * world
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def _barrier() -> None:
+    if _world()[1] > 1:
+        dist.barrier()
+
+
+def state_to_save(trainer: Any, *, copy: bool) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(the DCP state dict of this rank, this rank's part of the description). ``copy``:
+    pieces are copied to host memory (an async save writes them while training goes on)."""
+    t, tp_rank = _tp(trainer)
+    held = held_state(trainer)
+    sd: dict[str, Any] = {}
+
+    layouts = {fqn: layout_of(h.tensor, h.placement, t, tp_rank) for fqn, h in held.items()}
+
+    def pieces(tensor: torch.Tensor, fqn: str) -> Pieces:
+        local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+        return layouts[fqn].pieces(local.to("cpu", copy=True) if copy else local)
+
+    model_desc = {}
+    for fqn, h in held.items():
+        sd[f"model.{fqn}"] = pieces(h.tensor, fqn)
+        model_desc[fqn] = {"shape": list(layouts[fqn].global_shape),
+                           "dtype": str(h.tensor.dtype).removeprefix("torch.")}
+    by_id = {id(h.tensor): h for h in held.values()}
+    opt_desc: dict[str, Any] = {}
+    hparams: dict[str, Any] = {}
+    classes = set()
+    for opt, mirror in optimizer_slots(trainer.optimizer):
+        classes.add(type(opt).__name__)
+        for group in opt.param_groups:
+            hp = _jsonable_hparams(group)
+            for key_tensor in group["params"]:
+                h = by_id.get(id(mirror[id(key_tensor)]))
+                if h is None:
+                    continue
+                hparams[h.fqn] = hp
+                state = opt.state.get(key_tensor, {})
+                kinds = {}
+                for key in sorted(state):
+                    value = state[key]
+                    kinds[key] = _state_kind(value, key_tensor, h.fqn, key, opt)
+                    name = f"optim.{h.fqn}.{key}"
+                    if kinds[key]["kind"] == "elementwise":
+                        sd[name] = pieces(value, h.fqn)
+                    else:
+                        sd[name] = value.detach().to("cpu", copy=True)
+                opt_desc[h.fqn] = kinds
+    rank, _ = _world()
+    sd[f"rng.rank{rank}"] = torch.get_rng_state()
+    scheds = getattr(trainer, "lr_schedulers", None) or []
+    desc = {"model": model_desc, "state": opt_desc, "hparams": hparams,
+            "optimizer": sorted(classes),
+            "lr_scheduler": _scheduler_state(scheds[0]) if scheds else None}
+    return sd, desc
+
+
+def _scheduler_state(scheduler: Any) -> dict[str, Any]:
+    state = dict(scheduler.state_dict())
+    try:
+        json.dumps(state)
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"the LR scheduler's state_dict is not plain data ({e}); use a "
+                              "torch.optim.lr_scheduler class") from None
+    return state
+
+
+def _jsonable_hparams(group: dict[str, Any]) -> dict[str, Any]:
+    out = {}
+    for k, v in group.items():
+        if k == "params":
+            continue
+        if isinstance(v, torch.Tensor) and v.numel() == 1:
+            v = v.item()
+        if isinstance(v, (bool, int, float, str)) or v is None:
+            out[k] = v
+        elif isinstance(v, (tuple, list)) and all(isinstance(x, (int, float)) for x in v):
+            out[k] = list(v)
+    return out
+
+
+def _merge(descs: list[dict[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {"model": {}, "state": {}, "hparams": {}, "optimizer": set(),
+                           "lr_scheduler": None}
+    for d in descs:
+        for key in ("model", "state", "hparams"):
+            out[key].update(d[key])
+        out["optimizer"].update(d["optimizer"])
+        if out["lr_scheduler"] is None:
+            out["lr_scheduler"] = d["lr_scheduler"]
+    out["optimizer"] = sorted(out["optimizer"])
+    return out
+
+
+def step_dir(root: Path, step: int) -> Path:
+    return root / f"step-{step:08d}"
+
+
+class Checkpointer:
+    """Saves and finds a trainer's checkpoints under one root (every rank holds one)."""
+
+    def __init__(self, root: str | os.PathLike[str], *, keep_last: int | None = 3):
+        self.root = Path(root)
+        if keep_last is not None and keep_last < 1:
+            raise CheckpointError(f"keep_last must be at least 1 (or None for all), got "
+                                  f"{keep_last}")
+        self.keep_last = keep_last
+        self.pending: Future | None = None
+        self._pool: ThreadPoolExecutor | None = None
+        self._group: Any = None
+
+    def save(self, trainer: Any, *, async_save: bool = False) -> Path:
+        """Save ``trainer`` (a collective: every rank calls it at the same step). Returns the
+        step directory; with ``async_save`` the pieces are copied to host memory now and
+        written in the background (``wait()`` or the next save waits for it)."""
+        self.wait()
+        rank, world = _world()
+        step = trainer.steps_done
+        final = step_dir(self.root, step)
+        partial = self.root / f".{final.name}.partial"
+        if rank == 0:
+            self.root.mkdir(parents=True, exist_ok=True)
+            shutil.rmtree(partial, ignore_errors=True)
+        _barrier()
+        sd, desc = state_to_save(trainer, copy=async_save)
+        descs = _gather_objects(desc)
+        meta = _describe(trainer, _merge(descs), world)
+        if not async_save:
+            dcp.save(sd, storage_writer=FileSystemWriter(partial), planner=_SavePlanner())
+            _barrier()
+            if rank == 0:
+                self._commit(partial, final, meta)
+            _barrier()
+            return final
+        if self._group is None and world > 1:
+            self._group = dist.new_group(backend="gloo")    # not the training collectives'
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="autoplan-ckpt")
+
+        def write() -> Path:
+            dcp.save(sd, storage_writer=FileSystemWriter(partial), planner=_SavePlanner(),
+                     process_group=self._group)
+            if rank == 0:     # DCP's save returns on rank 0 only after every rank has written
+                self._commit(partial, final, meta)
+            return final
+        self.pending = self._pool.submit(write)
+        return final
+
+    def wait(self) -> None:
+        """Wait for an async save to be committed (a collective: every rank calls it)."""
+        if self.pending is None:
+            return
+        fut, self.pending = self.pending, None
+        fut.result()
+        if self._group is not None:
+            dist.barrier(group=self._group)
+
+    def _commit(self, partial: Path, final: Path, meta: dict[str, Any]) -> None:
+        _write_atomic(partial / META_FILE, json.dumps(meta, indent=1, sort_keys=True))
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(partial, final)
+        _write_atomic(self.root / LATEST, final.name + "\n")
+        if self.keep_last is not None:
+            done = sorted(p for p in self.root.glob("step-*") if (p / META_FILE).exists())
+            for old in done[:-self.keep_last]:
+                shutil.rmtree(old, ignore_errors=True)
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _describe(trainer: Any, merged: dict[str, Any], world: int) -> dict[str, Any]:
+    plan = trainer.plan
+    cfg = plan.config
+    return {"format": FORMAT, "version": VERSION, "step": trainer.steps_done,
+            "samples_seen": trainer.steps_done * plan.training.global_batch_size,
+            "world_size": world,
+            "plan": {"model": plan.model.name, "model_fingerprint": plan.model.fingerprint,
+                     "config": cfg.to_dict(),
+                     "global_batch_size": plan.training.global_batch_size},
+            "model": merged["model"], "optimizer": {"classes": merged["optimizer"],
+                                                    "state": merged["state"],
+                                                    "hparams": merged["hparams"]},
+            "lr_scheduler": merged["lr_scheduler"]}
+
+
+# ---- find and describe -------------------------------------------------------------------------
+
+def resolve(path: str | os.PathLike[str]) -> Path:
+    """The step directory ``path`` names: a checkpoint root (its ``latest``) or a step
+    directory itself."""
+    path = Path(path)
+    if (path / META_FILE).exists():
+        return path
+    latest = path / LATEST
+    if latest.exists():
+        name = latest.read_text(encoding="utf-8", errors="replace").strip()
+        step = path / name
+        if name.startswith("step-") and "/" not in name and (step / META_FILE).exists():
+            return step
+        raise CheckpointError(f"{latest} names {name[:60]!r}, which is not a complete "
+                              f"checkpoint in {path}; pass a step directory instead")
+    if path.exists():
+        done = sorted(p for p in path.glob("step-*") if (p / META_FILE).exists())
+        if done:
+            return done[-1]
+        partial = sorted(path.glob(".step-*.partial"))
+        hint = (f" ({partial[-1].name} is a save that never finished)" if partial else "")
+        raise CheckpointError(f"no complete checkpoint in {path}{hint}")
+    raise CheckpointError(f"no checkpoint at {path}: the directory does not exist")
+
+
+def read_meta(step: Path) -> dict[str, Any]:
+    from autoplan.safe_io import parse_json, read_text
+    what = "checkpoint description"
+    meta = parse_json(read_text(step / META_FILE, what=what, error=CheckpointError), what=what,
+                      error=CheckpointError)
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        raise CheckpointError(f"{step / META_FILE} is not an autoplan checkpoint description")
+    if meta.get("version") != VERSION:
+        raise CheckpointError(f"{step} is checkpoint format version {meta.get('version')}; "
+                              f"this autoplan reads version {VERSION}")
+    for key, kind in (("step", int), ("model", dict), ("optimizer", dict),
+                      ("world_size", int)):
+        if not isinstance(meta.get(key), kind):
+            raise CheckpointError(f"{step / META_FILE}: {key!r} missing or not a "
+                                  f"{kind.__name__}")
+    return meta
+
+
+def _model_mismatch(saved: dict[str, Any], live: dict[str, Any]) -> str:
+    missing = sorted(set(saved) - set(live))
+    extra = sorted(set(live) - set(saved))
+    shapes = [f"{k}: saved {saved[k].get('shape')}, this model {live[k]['shape']}"
+              for k in sorted(set(saved) & set(live)) if saved[k].get("shape") != live[k]["shape"]]
+    parts = []
+    if missing:
+        parts.append(f"{len(missing)} saved tensor(s) this model lacks ({', '.join(missing[:3])}"
+                     f"{', ...' if len(missing) > 3 else ''})")
+    if extra:
+        parts.append(f"{len(extra)} tensor(s) of this model not in the checkpoint "
+                     f"({', '.join(extra[:3])}{', ...' if len(extra) > 3 else ''})")
+    if shapes:
+        parts.append(f"{len(shapes)} shape(s) differ ({'; '.join(shapes[:3])})")
+    return "; ".join(parts)
+
+
+# ---- load --------------------------------------------------------------------------------------
+
+_DTYPES = {str(d).removeprefix("torch."): d for d in
+           (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64,
+            torch.int32, torch.uint8, torch.bool)}
+
+
+def load(trainer: Any, path: str | os.PathLike[str], *,
+         lr_schedulers: list[Any] | None = None) -> Path:
+    """Load the checkpoint at ``path`` into ``trainer``, whatever plan saved it (a collective:
+    every rank calls it). Refuses a checkpoint of another model or optimizer, saying what
+    differs."""
+    step = resolve(path)
+    meta = read_meta(step)
+    t, tp_rank = _tp(trainer)
+    held = held_state(trainer)
+    layouts = {fqn: layout_of(h.tensor, h.placement, t, tp_rank) for fqn, h in held.items()}
+    live = {fqn: {"shape": list(layouts[fqn].global_shape),
+                  "dtype": str(h.tensor.dtype).removeprefix("torch.")}
+            for fqn, h in held.items()}
+    everything: dict[str, Any] = {}
+    for part in _gather_objects(live):
+        everything.update(part)
+    what = _model_mismatch(meta["model"], everything)
+    if what:
+        raise CheckpointError(f"checkpoint {step} is of another model: {what}")
+    saved_opt = meta["optimizer"]
+    slots = optimizer_slots(trainer.optimizer)
+    classes = sorted({type(o).__name__ for o, _ in slots})
+    all_classes = sorted({c for part in _gather_objects(classes) for c in part})
+    saved_classes = saved_opt.get("classes") or []
+    saved_state = saved_opt.get("state") or {}
+    if any(saved_state.values()) and all_classes != saved_classes:
+        raise CheckpointError(f"checkpoint {step} holds {'/'.join(saved_classes)} state; this "
+                              f"run's optimizer is {'/'.join(all_classes) or 'none'}. Resume with "
+                              "the optimizer that saved it")
+    sd: dict[str, Any] = {f"model.{fqn}": layouts[fqn].pieces(h.tensor)
+                          for fqn, h in held.items()}
+    by_id = {id(h.tensor): h for h in held.values()}
+    after: list[Any] = []
+    for opt, mirror in slots:
+        for group in opt.param_groups:
+            for key_tensor in group["params"]:
+                h = by_id.get(id(mirror[id(key_tensor)]))
+                if h is None:
+                    continue
+                kinds = saved_state.get(h.fqn) or {}
+                if not isinstance(kinds, dict):
+                    raise CheckpointError(f"{step / META_FILE}: optimizer state of {h.fqn} is "
+                                          "malformed")
+                state: dict[str, torch.Tensor] = {}
+                for key, k in sorted(kinds.items()):
+                    dtype = _DTYPES.get(k.get("dtype"))
+                    if dtype is None:
+                        raise CheckpointError(f"{step / META_FILE}: {h.fqn}.{key} has dtype "
+                                              f"{k.get('dtype')!r}")
+                    if k.get("kind") == "elementwise":
+                        state[key] = torch.zeros_like(key_tensor, dtype=dtype)
+                        sd[f"optim.{h.fqn}.{key}"] = layouts[h.fqn].pieces(state[key])
+                    else:
+                        device = key_tensor.device if k.get("on_param_device") else "cpu"
+                        state[key] = torch.zeros(k.get("shape") or [], dtype=dtype,
+                                                 device=device)
+                        sd[f"optim.{h.fqn}.{key}"] = state[key]
+                if state:
+                    opt.state[key_tensor] = state
+                hp = (saved_opt.get("hparams") or {}).get(h.fqn)
+                if isinstance(hp, dict):
+                    after.append((group, hp))
+    rank, _ = _world()
+    src = rank if rank < meta["world_size"] else 0
+    rng = torch.empty_like(torch.get_rng_state())
+    sd[f"rng.rank{src}"] = rng
+    dcp.load(sd, storage_reader=FileSystemReader(step), planner=_LoadPlanner())
+    for group, hp in after:
+        for k, v in hp.items():
+            if k in group and not isinstance(group[k], torch.Tensor):
+                group[k] = tuple(v) if isinstance(group[k], tuple) else v
+            elif k in group:
+                group[k].fill_(v)
+    _refresh_host_copies(trainer.optimizer)
+    torch.set_rng_state(rng)
+    trainer.steps_done = meta["step"]
+    sched = meta.get("lr_scheduler")
+    if lr_schedulers and isinstance(sched, dict):
+        for s in lr_schedulers:
+            s.load_state_dict(dict(sched))
+    return step
+
+
+def _refresh_host_copies(opt: Any) -> None:
+    """Host-offloaded master weights take the loaded parameters' values."""
+    from autoplan.runtime.optim import HostOffloadOptimizer, TensorShardedOptimizer, _local
+    if isinstance(opt, TensorShardedOptimizer):
+        if opt.inner is not None:
+            _refresh_host_copies(opt.inner)
+        return
+    if isinstance(opt, HostOffloadOptimizer):
+        with torch.no_grad():
+            for p, h in zip(opt.params, opt.host):
+                h.copy_(_local(p).to(h.device, h.dtype))
+
+
+class Checkpointing:
+    """``save`` / ``load`` / ``wait_for_checkpoint`` for the trainers (``trainer.py``,
+    ``pipeline.py``), which hold ``checkpointer`` and ``lr_schedulers``."""
+
+    def save(self, root: str | os.PathLike[str], *, async_save: bool = False,
+             keep_last: int | None = 3) -> Path:
+        """Save model, optimizer, step, RNG and LR scheduler state under ``root`` (a collective:
+        every rank calls it at the same step). Returns ``root/step-NNNNNNNN``; the previous
+        checkpoint stays the latest until this one is complete. ``async_save`` copies the state
+        to host memory and writes it in the background; ``keep_last`` checkpoints are kept."""
+        ck = self.checkpointer
+        if ck is None or ck.root != Path(root) or ck.keep_last != keep_last:
+            if ck is not None:
+                ck.wait()
+            ck = self.checkpointer = Checkpointer(root, keep_last=keep_last)
+        return ck.save(self, async_save=async_save)
+
+    def wait_for_checkpoint(self) -> None:
+        """Block until an async save is complete (a collective)."""
+        if self.checkpointer is not None:
+            self.checkpointer.wait()
+
+    def load(self, path: str | os.PathLike[str]) -> Path:
+        """Resume from the checkpoint at ``path`` (a root: its latest; or a step directory),
+        saved under this plan or any other (a collective)."""
+        return load(self, path, lr_schedulers=self.lr_schedulers)
