@@ -378,6 +378,7 @@ def _describe(trainer: Any, merged: dict[str, Any], world: int) -> dict[str, Any
             "plan": {"model": plan.model.name, "model_fingerprint": plan.model.fingerprint,
                      "config": cfg.to_dict(),
                      "global_batch_size": plan.training.global_batch_size},
+            "aliases": {k: list(v) for k, v in sorted(trainer.aliases.items())},
             "model": merged["model"], "optimizer": {"classes": merged["optimizer"],
                                                     "state": merged["state"],
                                                     "hparams": merged["hparams"]},
@@ -574,3 +575,47 @@ class Checkpointing:
         """Resume from the checkpoint at ``path`` (a root: its latest; or a step directory),
         saved under this plan or any other (a collective)."""
         return load(self, path, lr_schedulers=self.lr_schedulers)
+
+
+# ---- export ------------------------------------------------------------------------------------
+
+def export(path: str | os.PathLike[str], out: str | os.PathLike[str]) -> dict[str, Any]:
+    """Write the checkpoint's model as one plain ``state_dict`` that loads into the
+    unparallelized model (``model.load_state_dict``): safetensors when ``out`` ends in
+    ``.safetensors``, else ``torch.save``. One process, no process group; tied weights under
+    every name. Returns a summary (step, tensors, bytes)."""
+    step = resolve(path)
+    meta = read_meta(step)
+    sd: dict[str, torch.Tensor] = {}
+    for fqn, info in sorted(meta["model"].items()):
+        dtype = _DTYPES.get(info.get("dtype")) if isinstance(info, dict) else None
+        shape = info.get("shape") if isinstance(info, dict) else None
+        if dtype is None or not isinstance(shape, list):
+            raise CheckpointError(f"{step / META_FILE}: model entry {fqn!r} is malformed")
+        sd[f"model.{fqn}"] = torch.empty(shape, dtype=dtype)
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)      # "assuming a single process"
+        dcp.load(sd, storage_reader=FileSystemReader(step), no_dist=True)
+    model = {k.removeprefix("model."): v for k, v in sd.items()}
+    aliases = meta.get("aliases") or {}
+    for fqn in list(model):
+        for other in aliases.get(fqn, []):
+            if isinstance(other, str) and other not in model:
+                model[other] = model[fqn]
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp")
+    if out.suffix == ".safetensors":
+        try:
+            from safetensors.torch import save_file
+        except ImportError:
+            raise CheckpointError("writing .safetensors needs the safetensors package (pip "
+                                  "install safetensors); or export to a .pt file") from None
+        save_file({k: v.contiguous().clone() for k, v in model.items()}, str(tmp),
+                  metadata={"format": "pt", "step": str(meta["step"])})
+    else:
+        torch.save(model, tmp)
+    os.replace(tmp, out)
+    return {"step": meta["step"], "tensors": len(model), "path": str(out),
+            "bytes": sum(v.numel() * v.element_size() for v in sd.values())}

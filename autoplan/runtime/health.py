@@ -27,7 +27,11 @@ class RankFailure(AutoplanError):
 class Health:
     def __init__(self, store: Any, rank: int, world: int):
         self.store, self.rank, self.world = store, rank, world
-        self._set("where", f"{socket.gethostname()} (pid {_pid()})")
+        self._broken = False
+        try:
+            self._set("where", f"{socket.gethostname()} (pid {_pid()})")
+        except Exception:        # noqa: BLE001 (best effort, as mark)
+            self._broken = True
         self.mark("compiled")
         previous = sys.excepthook
 
@@ -53,7 +57,15 @@ class Health:
             return None
 
     def mark(self, status: str) -> None:
-        self._set("status", status)
+        """Record how far this rank got. Best effort: the records only serve to name a dead
+        peer, so a store that cannot take them (a reset connection on a loaded machine) never
+        fails training; the job's own collectives report a real failure."""
+        if self._broken:
+            return
+        try:
+            self._set("status", status)
+        except Exception:        # noqa: BLE001
+            self._broken = True
 
     def fail(self, status: str, error: BaseException) -> RankFailure:
         """The error a survivor raises: which ranks stopped, where, why (as far as known)."""

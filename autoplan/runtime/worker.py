@@ -2,8 +2,12 @@
 
 Builds the example model (seeded, so every rank starts from the same weights; on the meta device
 for models too big for host memory, then materialized shard by shard), compiles the plan and
-trains ``--steps`` steps on one fixed synthetic batch (so the loss visibly falls). Rank 0 prints
-the loss per step, then the measured median step time next to the plan's prediction.
+trains up to step ``--steps`` on one fixed synthetic batch (so the loss visibly falls). Rank 0
+prints the loss per step, then the measured median step time next to the plan's prediction.
+
+With ``--checkpoint-dir`` it saves every ``--checkpoint-every`` steps and after the last one;
+``--resume``, or a restart by ``torchrun --max-restarts`` after a rank died, continues from the
+latest checkpoint there (saved under this plan or another).
 """
 
 from __future__ import annotations
@@ -25,6 +29,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--meta", action="store_true", help="build on meta, materialize shards")
     ap.add_argument("--json", default=None, help="rank 0 writes losses and times here")
+    ap.add_argument("--checkpoint-dir", default=None)
+    ap.add_argument("--checkpoint-every", type=int, default=0)
+    ap.add_argument("--resume", action="store_true")
+    ap.add_argument("--async-checkpoint", action="store_true")
     args = ap.parse_args(argv)
 
     import torch.distributed as dist
@@ -42,19 +50,37 @@ def main(argv: list[str] | None = None) -> int:
     else:
         model = data.model
     small = build_example(args.model, batch_size=1, seed=0, device="meta" if args.meta else "cpu")
+    resume = _resume_from(args)
     trainer = compile(model, "local", example_inputs=small.example_inputs,
                       example_targets=small.targets, loss_fn=data.loss_fn,
                       optimizer=lambda ps: torch.optim.AdamW(ps, lr=args.lr),
-                      global_batch_size=gbs, plan=plan)
+                      global_batch_size=gbs, plan=plan, resume=resume)
+    if resume is not None and trainer.rank == 0:
+        print(f"resumed from {resume} at step {trainer.steps_done}", flush=True)
     batch = tuple(data.example_inputs) + (data.targets,)
     losses, times = [], []
-    for step in range(args.steps):
+    first = trainer.steps_done
+    while trainer.steps_done < args.steps:
         t0 = time.perf_counter()
         loss = trainer.step(batch)
         times.append(time.perf_counter() - t0)
         losses.append(loss)
         if trainer.rank == 0:
-            print(f"step {step:3d}  loss {loss:.4f}  {times[-1] * 1e3:8.1f} ms", flush=True)
+            print(f"step {trainer.steps_done - 1:3d}  loss {loss:.4f}  "
+                  f"{times[-1] * 1e3:8.1f} ms", flush=True)
+        every = args.checkpoint_every
+        if args.checkpoint_dir and ((every and trainer.steps_done % every == 0)
+                                    or trainer.steps_done == args.steps):
+            path = trainer.save(args.checkpoint_dir, async_save=args.async_checkpoint)
+            if trainer.rank == 0:
+                note = " (writing in the background)" if args.async_checkpoint else ""
+                print(f"checkpoint {path}{note}", flush=True)
+    trainer.wait_for_checkpoint()
+    if not times:
+        if trainer.rank == 0:
+            print(f"nothing to do: the checkpoint is at step {first}, --steps is {args.steps}")
+        _finish(dist)
+        return 0
     measured = statistics.median(times[1:] if len(times) > 2 else times)
     predicted = plan.predicted["step_time_s"]
     if trainer.rank == 0:
@@ -62,12 +88,35 @@ def main(argv: list[str] | None = None) -> int:
               f"{predicted * 1e3:.1f} ms, ratio {measured / predicted:.2f}", flush=True)
         if args.json:
             with open(args.json, "w") as f:
-                json.dump({"losses": losses, "times_s": times, "measured_s": measured,
-                           "predicted_s": predicted}, f)
+                json.dump({"first_step": first, "losses": losses, "times_s": times,
+                           "measured_s": measured, "predicted_s": predicted}, f)
+    _finish(dist)
+    return 0
+
+
+def _resume_from(args: argparse.Namespace) -> str | None:
+    """The checkpoint root to resume from: with ``--resume``, or when torchrun restarted the
+    job after a failure, if a complete checkpoint is there."""
+    import os
+
+    from autoplan.errors import CheckpointError
+    from autoplan.runtime.checkpoint import resolve
+    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+    if not args.checkpoint_dir or not (args.resume or restarted):
+        return None
+    try:
+        resolve(args.checkpoint_dir)
+    except CheckpointError as e:
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"starting from scratch: {e}", flush=True)
+        return None
+    return args.checkpoint_dir
+
+
+def _finish(dist) -> None:
     if dist.is_initialized():
         dist.barrier()              # nobody tears the group down while a peer still uses it
         dist.destroy_process_group()
-    return 0
 
 
 if __name__ == "__main__":
