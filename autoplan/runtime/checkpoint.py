@@ -382,7 +382,9 @@ def _describe(trainer: Any, merged: dict[str, Any], world: int) -> dict[str, Any
             "model": merged["model"], "optimizer": {"classes": merged["optimizer"],
                                                     "state": merged["state"],
                                                     "hparams": merged["hparams"]},
-            "lr_scheduler": merged["lr_scheduler"]}
+            "lr_scheduler": merged["lr_scheduler"],
+            "loss_scaler": (trainer.loss_scaler.state_dict()
+                            if getattr(trainer, "loss_scaler", None) is not None else None)}
 
 
 # ---- find and describe -------------------------------------------------------------------------
@@ -533,6 +535,12 @@ def load(trainer: Any, path: str | os.PathLike[str], *,
     if lr_schedulers and isinstance(sched, dict):
         for s in lr_schedulers:
             s.load_state_dict(dict(sched))
+    scaler = getattr(trainer, "loss_scaler", None)
+    if scaler is not None and isinstance(meta.get("loss_scaler"), dict):
+        try:
+            scaler.load_state_dict(meta["loss_scaler"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise CheckpointError(f"{step / META_FILE}: loss_scaler is malformed ({e})") from None
     return step
 
 

@@ -31,6 +31,7 @@ from torch import nn
 from autoplan.errors import PlanError
 from autoplan.graph.opgraph import OpGraph
 from autoplan.runtime.checkpoint import Checkpointing
+from autoplan.runtime.grads import GradientStep, LossScaler, finish_step
 from autoplan.runtime.optim import _local
 
 SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B",
@@ -131,7 +132,7 @@ def _param(chunks: dict[int, nn.Module], fqn: str) -> nn.Parameter | None:
 
 
 @dataclass
-class PipelineTrainer(Checkpointing):
+class PipelineTrainer(Checkpointing, GradientStep):
     """``Trainer`` for pipelined plans: ``step(batch)`` runs the plan's schedule."""
 
     chunks: dict[int, nn.Module]         # chunk index -> this rank's module
@@ -154,6 +155,11 @@ class PipelineTrainer(Checkpointing):
     steps_done: int = 0
     lr_schedulers: list[Any] = field(default_factory=list)
     checkpointer: Any = None
+    max_grad_norm: float | None = None
+    loss_scaler: LossScaler | None = None
+    last_grad_norm: float | None = None
+    shared_elsewhere: frozenset[str] = frozenset()   # tied weights a lower pp rank holds
+    loss_out: Any = None                             # the schedule's loss function
 
     @property
     def config(self):
@@ -188,17 +194,16 @@ class PipelineTrainer(Checkpointing):
             kw.update(target=mine[-1], losses=losses)
         amp = (torch.autocast(self.device.type, dtype=self.autocast_dtype)
                if self.autocast_dtype is not None else contextlib.nullcontext())
+        scale = self.loss_scale
+        self.loss_out.scale = scale
         with amp:
             self.schedule.step(*args, **kw)
         for sync in self.grad_syncs:
             sync.all_reduce()
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        for s in self.lr_schedulers:
-            s.step()
+        finish_step(self)
         mean = torch.zeros(1, dtype=torch.float64)
         if losses:
-            mean[0] = sum(float(_local(x).detach()) for x in losses) / len(losses)
+            mean[0] = sum(float(_local(x).detach()) for x in losses) / len(losses) / scale
         if self.pp_group is not None:
             dist.broadcast(mean, src=self.last_stage_rank, group=self.pp_group)
         if self.dp_group is not None and self.config.dp > 1:
@@ -216,22 +221,27 @@ class PipelineTrainer(Checkpointing):
         return gather_tensor_parallel(out, self.placements, self.aliases, self.tp_comm)
 
 
-def _loss_passes_through(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """The last chunk computes the loss itself; the schedule's loss function hands it on."""
-    return output
+class LossPassesThrough:
+    """The last chunk computes the loss itself; the schedule's loss function hands it on,
+    multiplied by fp16's loss scale (1 otherwise)."""
+
+    def __init__(self) -> None:
+        self.scale = 1.0
+
+    def __call__(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return output * self.scale if self.scale != 1.0 else output
 
 
-def build_schedule(stages: list[Any], cfg: Any, n_microbatches: int) -> Any:
+def build_schedule(stages: list[Any], cfg: Any, n_microbatches: int,
+                   loss_fn: LossPassesThrough) -> Any:
     from torch.distributed.pipelining import schedules
     cls = getattr(schedules, SCHEDULES[cfg.schedule])
     if cfg.schedule in ("gpipe", "1f1b"):
         if len(stages) != 1:
             raise PlanError(f"schedule {cfg.schedule!r} runs one chunk per rank, the plan has "
                             f"{len(stages)}; re-plan")
-        return cls(stages[0], n_microbatches=n_microbatches, loss_fn=_loss_passes_through,
-                   scale_grads=True)
-    return cls(stages, n_microbatches=n_microbatches, loss_fn=_loss_passes_through,
-               scale_grads=True)
+        return cls(stages[0], n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=True)
+    return cls(stages, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=True)
 
 
 def compile_pipelined(model: nn.Module, graph: OpGraph, plan: Any, *, device: torch.device,
@@ -289,7 +299,7 @@ def compile_pipelined(model: nn.Module, graph: OpGraph, plan: Any, *, device: to
     pieces = split_chunks(program.graph_module, cuts)
     held = [p.held for p in pieces]
     ranges = layer_ranges(ex.graph)
-    use_fsdp = cfg.dp > 1 and cfg.zero_stage >= 2
+    use_fsdp = (cfg.dp > 1 and cfg.zero_stage >= 2) or cfg.offload_params   # FSDP2 offload
     chunks: dict[int, nn.Module] = {}
     grad_syncs: list[Any] = []
     for c in mine_idx:
@@ -330,7 +340,8 @@ def compile_pipelined(model: nn.Module, graph: OpGraph, plan: Any, *, device: to
                             output_args=_metas(pieces[c].outputs), group=pp_group)
               for c in sorted(chunks)]
     per_replica = plan.training.global_batch_size // cfg.dp
-    schedule = build_schedule(stages, cfg, per_replica // cfg.micro_batch_size)
+    loss_out = LossPassesThrough()
+    schedule = build_schedule(stages, cfg, per_replica // cfg.micro_batch_size, loss_out)
     factory = optimizer
     if cfg.offload_optimizer and not cfg.offload_params:
         from functools import partial
@@ -347,7 +358,26 @@ def compile_pipelined(model: nn.Module, graph: OpGraph, plan: Any, *, device: to
                            autocast_dtype=precision_dtype if not use_fsdp else None,
                            device=device, tp_comm=program.comm_slot.comm,
                            placements=program.state, aliases=aliases,
-                           health=for_job(rank, dist.get_world_size()))
+                           health=for_job(rank, dist.get_world_size()), loss_out=loss_out,
+                           shared_elsewhere=_shared_elsewhere(held, cfg, pp_index,
+                                                              canonical, aliases))
+
+
+def _shared_elsewhere(held: list[list[str]], cfg: Any, pp_index: int,
+                      canonical: dict[str, str], aliases: dict[str, tuple[str, ...]]
+                      ) -> frozenset[str]:
+    """Checkpoint names of the weights this rank holds that a lower pipeline rank holds too
+    (counted once in the global gradient norm: there)."""
+    from autoplan.runtime.checkpoint import canonical_name
+    first: dict[str, int] = {}
+    mine: set[str] = set()
+    for c, names in enumerate(held):
+        for f in names:
+            key = canonical.get(f, f)
+            first[key] = min(first.get(key, cfg.pp), c % cfg.pp)
+            if c % cfg.pp == pp_index:
+                mine.add(key)
+    return frozenset(canonical_name(k, aliases) for k in mine if first[k] < pp_index)
 
 
 

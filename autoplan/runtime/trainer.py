@@ -39,6 +39,7 @@ from autoplan.planner.plan_check import check_plan_against
 from autoplan.planner.planfile import Plan
 from autoplan.runtime import parallelize as par
 from autoplan.runtime.checkpoint import Checkpointing, optimizer_slots
+from autoplan.runtime.grads import GradientStep, LossScaler, finish_step
 from autoplan.runtime.health import for_job
 from autoplan.runtime.optim import (HostOffloadOptimizer, TensorParallelGrads,
                                     TensorShardedOptimizer)
@@ -46,21 +47,24 @@ from autoplan.runtime.optim import (HostOffloadOptimizer, TensorParallelGrads,
 COLLECTIVE_TIMEOUT_S = int(os.environ.get("AUTOPLAN_COLLECTIVE_TIMEOUT_S", "120"))
 
 
-def init_distributed(backend: str) -> tuple[int, int]:
+def init_distributed(backend: str, *, single: bool = False) -> tuple[int, int]:
     """(rank, world size); starts the process group from torchrun's environment when needed.
     Collectives time out (``AUTOPLAN_COLLECTIVE_TIMEOUT_S``, default 120 s) so that a dead rank
-    fails the job instead of hanging it."""
+    fails the job instead of hanging it. ``single``: start a one-process group when there is no
+    job (FSDP2 needs one)."""
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         dist.init_process_group(backend=backend,
                                 timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
         return dist.get_rank(), dist.get_world_size()
+    if single:        # one process whose plan runs FSDP2 (parameter offload) needs a group
+        dist.init_process_group(backend="gloo", store=dist.HashStore(), rank=0, world_size=1)
     return 0, 1
 
 
 @dataclass
-class Trainer(Checkpointing):
+class Trainer(Checkpointing, GradientStep):
     """A compiled plan on this rank: ``step(batch)`` trains one global batch; ``save(dir)``
     checkpoints it (``checkpoint.py``)."""
 
@@ -82,6 +86,10 @@ class Trainer(Checkpointing):
     aliases: dict[str, tuple[str, ...]] = field(default_factory=dict)
     lr_schedulers: list[Any] = field(default_factory=list)
     checkpointer: Any = None
+    max_grad_norm: float | None = None
+    loss_scaler: LossScaler | None = None
+    last_grad_norm: float | None = None
+    shared_elsewhere: frozenset[str] = frozenset()
 
     @property
     def config(self):
@@ -111,19 +119,17 @@ class Trainer(Checkpointing):
         chunks = self._slices(list(batch))
         total = torch.zeros((), dtype=torch.float64)
         no_sync = getattr(self.model, "no_sync", None)
+        scale = self.loss_scale
         for k, chunk in enumerate(chunks):
             last = k == len(chunks) - 1
             ctx = no_sync() if (no_sync is not None and not last) else contextlib.nullcontext()
             with ctx:
                 loss = self._loss(chunk)
-                (loss / len(chunks)).backward()
+                (loss * (scale / len(chunks)) if scale != 1.0 else loss / len(chunks)).backward()
             total += float(loss.detach())
         if self.tp_grads is not None:
             self.tp_grads.all_reduce()
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        for s in self.lr_schedulers:
-            s.step()
+        finish_step(self)
         mean = total / len(chunks)
         if self.dp_group is not None and self.config.dp > 1:
             t = mean.to(torch.float64).reshape(1)
@@ -180,6 +186,7 @@ def compile(model: nn.Module, cluster: Any = "local", *, example_inputs: Sequenc
             example_targets: Any = None, plan: Plan | str | os.PathLike | None = None,
             precision: str = "fp32", seed: int = 0,
             lr_scheduler: Callable[[Any], Any] | None = None,
+            max_grad_norm: float | None = None, loss_scaler: LossScaler | None = None,
             resume: str | os.PathLike | None = None, **plan_kwargs: Any) -> Any:
     """Build the sharded training program of ``plan`` (or plan now when None) on this rank.
 
@@ -189,7 +196,10 @@ def compile(model: nn.Module, cluster: Any = "local", *, example_inputs: Sequenc
     broadcast is needed. After ``compile`` the user's model holds this rank's shards.
 
     ``lr_scheduler`` is a factory ``torch optimizer -> LR scheduler`` (stepped after every
-    optimizer step). ``resume`` names a checkpoint (a root saved by ``trainer.save``, whose
+    optimizer step). ``max_grad_norm`` clips the gradients by their global norm over the whole
+    model, whatever the sharding (``trainer.last_grad_norm`` is the norm before clipping). fp16
+    plans scale the loss dynamically (``loss_scaler``, default ``LossScaler()``), every rank
+    agreeing on skipped steps. ``resume`` names a checkpoint (a root saved by ``trainer.save``, whose
     latest is taken, or one step directory), saved under this plan or any other: the model,
     optimizer, step count, RNG and scheduler continue from it.
     """
@@ -199,6 +209,13 @@ def compile(model: nn.Module, cluster: Any = "local", *, example_inputs: Sequenc
                        seed=seed, **plan_kwargs)
     if lr_scheduler is not None:
         trainer.lr_schedulers = [lr_scheduler(o) for o, _ in optimizer_slots(trainer.optimizer)]
+    if max_grad_norm is not None:
+        if not (isinstance(max_grad_norm, (int, float)) and max_grad_norm > 0):
+            raise PlanError(f"max_grad_norm must be a positive number, got {max_grad_norm!r}")
+        trainer.max_grad_norm = float(max_grad_norm)
+    if loss_scaler is None and trainer.config.precision == "fp16":
+        loss_scaler = LossScaler()
+    trainer.loss_scaler = loss_scaler
     if resume is not None:
         trainer.load(resume)
     return trainer
@@ -245,7 +262,7 @@ def _compile(model: nn.Module, cluster: Any, *, example_inputs: Sequence[Any],
                         f"{plan.config.world_size} (or `autoplan run`)")
     if cluster.device.kind == "cpu":
         keep_freed_host_memory()   # gradients and activations stay mapped between steps
-    rank, world = init_distributed(cluster.backend)
+    rank, world = init_distributed(cluster.backend, single=plan.config.offload_params)
     if world != plan.config.world_size:
         raise PlanError(f"the plan needs {plan.config.world_size} ranks, the job has {world}")
     cfg = plan.config
@@ -266,7 +283,7 @@ def _compile(model: nn.Module, cluster: Any, *, example_inputs: Sequence[Any],
             precision_dtype=precision_dtype)
     tp_index, dp_index = rank % cfg.tp, rank // cfg.tp
     dp_group = tp_group = dp_mesh = None
-    if world > 1:
+    if world > 1 or cfg.offload_params:
         from torch.distributed.device_mesh import init_device_mesh
         mesh = init_device_mesh(device.type, (cfg.dp, cfg.tp), mesh_dim_names=("dp", "tp"))
         dp_mesh = mesh["dp"]
@@ -282,8 +299,9 @@ def _compile(model: nn.Module, cluster: Any, *, example_inputs: Sequence[Any],
     # 2. activation recomputation per layer
     par.apply_recompute(program, {p: pol for p, pol in plan.recompute.items()
                                   if p in set(rp.layers)})
-    # 3. data parallelism / ZeRO over the dp group
-    use_fsdp = cfg.dp > 1 and cfg.zero_stage >= 2
+    # 3. data parallelism / ZeRO over the dp group; parameter offload is FSDP2's CPU offload,
+    #    also over a dp axis of one rank
+    use_fsdp = (cfg.dp > 1 and cfg.zero_stage >= 2) or cfg.offload_params
     if use_fsdp:
         mp = None
         if precision_dtype is not None:
