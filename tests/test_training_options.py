@@ -179,3 +179,42 @@ def _offload_check_rank(rank, world, plan_json):
     units = sum(isinstance(m, FSDPModule) for m in trainer.model.modules())
     batch = tuple(ex.example_inputs) + (ex.targets,)
     return [trainer.step(batch) for _ in range(STEPS)], units
+
+
+def _pp_count_rank(rank, world, plan_json):
+    from torch.nn.parallel import DistributedDataParallel
+
+    from autoplan.runtime.comm_counter import CommCounter
+    from autoplan.runtime.trainer import compile
+    ex = _example(GLOBAL_BATCH)
+    small = _example(1)
+    trainer = compile(ex.model, "local", example_inputs=small.example_inputs,
+                      example_targets=small.targets, loss_fn=ex.loss_fn, optimizer=_opt,
+                      global_batch_size=GLOBAL_BATCH, plan=Plan.from_json(plan_json))
+    batch = tuple(ex.example_inputs) + (ex.targets,)
+    trainer.step(batch)                        # DDP's first step rebuilds its buckets
+    with CommCounter() as counter:
+        trainer.step(batch)
+    stages = trainer.schedule._stages if hasattr(trainer.schedule, "_stages") else \
+        [trainer.schedule._stage]
+    params = sum(p.numel() for c in trainer.chunks.values() for p in c.parameters())
+    tensors = sum(1 for c in trainer.chunks.values() for _ in c.parameters())
+    tied = sum(p.numel() for sync in trainer.grad_syncs for p, _ in getattr(sync, "pairs", []))
+    return (all(isinstance(s.submod, DistributedDataParallel) for s in stages),
+            counter.counts.get("all_reduce", (0, 0.0)), params, tensors, tied)
+
+
+@pytest.mark.parametrize("schedule,ddp", [("1f1b", True), ("zero_bubble", False)])
+def test_pipeline_data_parallel_gradient_sync_is_bucketed_once_per_step(schedule, ddp):
+    """pp2 x dp2: each chunk's gradients are all-reduced once per step (not per micro-batch)
+    in a few buckets, not one call per tensor: by DDP during the last backward (1F1B), or after
+    the schedule (zero bubble, whose split backward DDP cannot follow; priced so)."""
+    plan = _plan(4, dict(pp=2, dp=2, zero_stage=0, schedule=schedule, micro_batch_size=1),
+                 max_pp=2)
+    for wrapped, (calls, nbytes), params, tensors, tied in run_ranks(_pp_count_rank, 4,
+                                                                     plan.to_json()):
+        assert wrapped == ddp
+        # the gradients once, the tied embedding/head's between the pipeline ranks (one
+        # call), the step's loss (8 bytes, one call)
+        assert nbytes == 4 * params + 4 * tied + 8
+        assert calls <= 5 < tensors

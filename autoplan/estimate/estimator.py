@@ -153,14 +153,17 @@ def estimate(model: Any, cluster: Any, *, config: ParallelConfig, global_batch_s
         layers = max(1, sum(costs[c].num_layers for c in stage_chunks[s]))
         group = config.dp_group(pp_index=s)
         grad_sync, ag, rs = _dp_collectives(config, cluster, params, layers, group)
-        gather = sync = 0.0
+        gather = 0.0
+        # the tp-axis all-reduce of replicated weights' partial gradients runs after backward,
+        # in one flattened call (runtime/optim.py TensorParallelGrads): exposed
+        sync = sum(costs[c].tp_step_s for c in stage_chunks[s])
         if config.dp > 1 and config.zero_stage in (1, 2):   # updated shards, after the step
             gather = cluster.collective_time_s("all_gather", params * w_bytes, group)
         if simulated_comm is None:       # else the simulator ran the syncs and FSDP's traffic
-            # gradient sync: tp-axis all-reduces of replicated weights, then the dp group's,
-            # hidden behind the last micro-batch's backward as far as it lasts
-            comm = sum(costs[c].tp_step_s for c in stage_chunks[s]) + grad_sync
-            sync = overlap_exposed_s(comm, stage_b[s], comm / layers) if comm > 0 else 0.0
+            # the dp group's gradient sync (DDP's buckets) hidden behind the last
+            # micro-batch's backward as far as it lasts
+            comm = grad_sync
+            sync += overlap_exposed_s(comm, stage_b[s], comm / layers) if comm > 0 else 0.0
             if ag + rs > 0:              # FSDP, each phase's traffic behind its compute
                 fwd_x = overlap_exposed_s(layers * ag, stage_f[s], ag)
                 bwd_x = overlap_exposed_s(layers * (ag + rs), stage_b[s], ag + rs)
@@ -284,15 +287,15 @@ def _dp_collectives(config: ParallelConfig, cluster: Any, params: float, layers:
 
 def _chunk_collectives(config: ParallelConfig, cluster: Any, costs: Sequence[RangeCost]
                        ) -> tuple[list[float], list[tuple[float, float, float]]]:
-    """Per chunk, for the simulator: the per-step gradient sync (tp-axis all-reduces of
-    replicated weights, then the dp group's) and, under FSDP, the per-micro-batch (gather
-    before forward, gather before backward, reduce-scatter after)."""
+    """Per chunk, for the simulator: the per-step gradient sync of the dp group and, under
+    FSDP, the per-micro-batch (gather before forward, gather before backward, reduce-scatter
+    after)."""
     sync, fsdp = [], []
     for c, cost in enumerate(costs):
         layers = max(1, cost.num_layers)
         grad_sync, ag, rs = _dp_collectives(config, cluster, cost.params, layers,
                                             config.dp_group(pp_index=c % config.pp))
-        sync.append(cost.tp_step_s + grad_sync)
+        sync.append(grad_sync)          # the tp step all-reduce is priced exposed, per stage
         fsdp.append((layers * ag, layers * ag, layers * rs))
     return sync, fsdp
 

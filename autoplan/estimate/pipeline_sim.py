@@ -28,7 +28,8 @@ and 1F1B exactly, and the interleaved schedule's bubble time divided by v
 
 Data-parallel collectives run on a second stream per rank (one FIFO, as NCCL's stream is),
 overlapping compute:
-- ``sync_s[c]``: chunk c's gradient reduction (DDP all-reduce, ZeRO reduce-scatter), once per
+- ``sync_s[c]``: chunk c's gradient reduction (DDP all-reduce, ZeRO reduce-scatter; under
+  zero bubble after the rank's last weight gradient, as the runtime runs it), once per
   step, streamed layer by layer behind the chunk's last backward (its last W under zero bubble):
   it starts after the first of its ``layers[c]`` layers and ends no earlier than one layer's
   share after that backward;
@@ -189,7 +190,7 @@ def _simulate(schedule: str, p: int, v: int, m: int, fwd_s: tuple[float, ...],
         if kind != "F":
             comm.after(r, kind, mb, c, start, end, split)
             pieces_left[c] -= 1
-            if sync_s and pieces_left[c] == 0:
+            if sync_s and pieces_left[c] == 0 and not split:
                 comm.flush(r)
                 comm.stream(r, "sync", -1, c, sync_s[c], start, end)
 
@@ -232,6 +233,13 @@ def _simulate(schedule: str, p: int, v: int, m: int, fwd_s: tuple[float, ...],
                     run_w(r)
         if not progressed:
             raise ConfigError(f"schedule {schedule!r} deadlocked (p={p}, v={v}, m={m})")
+    if split and sync_s:
+        # zero bubble splits backward in two, which DDP's hooks cannot follow: the runtime
+        # all-reduces the gradients after the schedule, once the rank's last W is done
+        for c in range(n):
+            r = c % p
+            comm.flush(r)
+            comm.stream(r, "sync", -1, c, sync_s[c], free[r], free[r])
     busy = [0.0] * p
     deltas: list[list[tuple[float, float]]] = [[] for _ in range(p)]
     for e in events:

@@ -1,7 +1,7 @@
 """Gradient synchronization and optimizer placements the plan can ask for.
 
-- ``DataParallelGrads``: pipeline chunks under ZeRO-0/1: their gradients are averaged over the
-  dp group after the schedule;
+- ``DataParallelGrads``: pipeline chunks under ZeRO-0/1 with the zero-bubble schedule: their
+  gradients are averaged over the dp group after the schedule, in buckets;
 - ``TensorParallelGrads``: weights replicated over the tp axis but read by split computations
   have partial gradients there: summed once per step;
 - ``TensorShardedOptimizer``: ZeRO-1 by whole tensors: each dp rank keeps optimizer state for
@@ -35,12 +35,35 @@ class DataParallelGrads:
         self.dp = dp
 
     def all_reduce(self) -> None:
-        for p in self.params:
-            if p.grad is None:
-                continue
-            g = _local(p.grad)
-            dist.all_reduce(g, group=self.group)
-            g.div_(self.dp)
+        """Buckets of about ``BUCKET_BYTES`` (DDP's default cap), one flattened all-reduce each."""
+        grads = [_local(p.grad) for p in self.params if p.grad is not None]
+        for bucket in _buckets(grads, BUCKET_BYTES):
+            flat = torch.cat([g.reshape(-1) for g in bucket])
+            dist.all_reduce(flat, group=self.group)
+            flat.div_(self.dp)
+            offset = 0
+            for g in bucket:
+                g.copy_(flat[offset:offset + g.numel()].view_as(g))
+                offset += g.numel()
+
+
+BUCKET_BYTES = 25 * 2 ** 20
+
+
+def _buckets(grads: Sequence[torch.Tensor], cap_bytes: int) -> list[list[torch.Tensor]]:
+    """Consecutive same-dtype, same-device gradients in buckets of at most ``cap_bytes`` (a
+    larger tensor alone)."""
+    out: list[list[torch.Tensor]] = []
+    size = 0
+    for g in grads:
+        b = g.numel() * g.element_size()
+        if (not out or size + b > cap_bytes or out[-1][0].dtype != g.dtype
+                or out[-1][0].device != g.device):
+            out.append([])
+            size = 0
+        out[-1].append(g)
+        size += b
+    return out
 
 
 class TensorParallelGrads:

@@ -331,12 +331,19 @@ def compile_pipelined(model: nn.Module, graph: OpGraph, plan: Any, *, device: to
         if step:
             grad_syncs.insert(0, TensorParallelGrads([chunks[c] for c in sorted(chunks)], step,
                                                      tp_mesh.get_group()))
-    if cfg.dp > 1 and not use_fsdp:
+    # ZeRO-0/1 over dp: each chunk in DDP, whose bucketed all-reduce runs during the chunk's
+    # last backward (torch pipelining syncs a DDP stage on its last micro-batch only), as the
+    # simulator prices it. Zero bubble splits backward into input and weight halves, which
+    # DDP's hooks cannot follow: there the buckets are all-reduced after the schedule, and the
+    # simulator puts that sync after the rank's last weight gradient.
+    ddp = cfg.dp > 1 and not use_fsdp and cfg.schedule != "zero_bubble"
+    if cfg.dp > 1 and not use_fsdp and not ddp:
         grad_syncs.append(DataParallelGrads(params, dp_mesh.get_group(), cfg.dp))
     pp_group = pp_mesh.get_group()
     # declared shapes: no shape-inference forward on uninitialized buffers (a loss would read
     # garbage targets)
-    stages = [PipelineStage(chunks[c], c, n, device, input_args=_metas(pieces[c].inputs),
+    stages = [PipelineStage(_ddp(chunks[c], dp_mesh.get_group()) if ddp else chunks[c], c, n,
+                            device, input_args=_metas(pieces[c].inputs),
                             output_args=_metas(pieces[c].outputs), group=pp_group)
               for c in sorted(chunks)]
     per_replica = plan.training.global_batch_size // cfg.dp
@@ -379,6 +386,11 @@ def _shared_elsewhere(held: list[list[str]], cfg: Any, pp_index: int,
                 mine.add(key)
     return frozenset(canonical_name(k, aliases) for k in mine if first[k] < pp_index)
 
+
+
+def _ddp(chunk: nn.Module, group: Any) -> nn.Module:
+    from torch.nn.parallel import DistributedDataParallel
+    return DistributedDataParallel(chunk, process_group=group)
 
 
 def _metas(nodes: Sequence[Any]) -> tuple[torch.Tensor, ...]:
