@@ -1,4 +1,4 @@
-"""A rank killed with SIGKILL mid-run: `autoplan run --max-restarts 1 --checkpoint-dir D` (a real
+"""A rank killed with SIGKILL mid-run: `autoplan run --max-restarts 2 --checkpoint-dir D` (a real
 torchrun) restarts the job from the last checkpoint, and it finishes with the same final
 parameters as an uninterrupted run (bitwise, compared through `autoplan export`)."""
 
@@ -79,7 +79,9 @@ def test_killed_rank_restarts_from_the_last_checkpoint(tmp_path):
     out_clean, _ = clean.communicate(timeout=600)
     assert clean.returncode == 0, out_clean[-3000:]
 
-    faulty = run(tmp_path / "faulty", "--max-restarts", "1")
+    # two restarts allowed: on a loaded machine a restarted attempt's gloo rendezvous has
+    # timed out once (connection refused between the new workers); the next attempt resumes
+    faulty = run(tmp_path / "faulty", "--max-restarts", "2")
     lines, killed = [], None
     try:
         for line in faulty.stdout:

@@ -79,6 +79,7 @@ class SearchOptions:
     top_k: int = 5
     ilp_time_limit_s: float = 20.0
     sharding: str = "ilp"        # "ilp", or "megatron" (Megatron-LM's rule, for comparisons)
+    fixed_sharding: Any = None   # a Sharding to use on its tp degree (``autoplan verify``)
     memory_margin_bytes: float | None = None
 
 
@@ -404,7 +405,10 @@ def plan(model: Any, cluster: Any, *, global_batch_size: int, example_inputs: An
             # gradient all-reduces of replicated weights weigh with m: the first m seen is used)
             key = (shape.tp, mbs)
             if key not in ilp_cache:
-                if shape.tp == 1:
+                fixed = opts.fixed_sharding
+                if fixed is not None and fixed.t == shape.tp:
+                    ilp_cache[key] = (fixed, None)
+                elif shape.tp == 1:
                     ilp_cache[key] = (replicated(graph), None)
                 elif opts.sharding == "megatron":
                     ilp_cache[key] = (megatron_sharding(
@@ -415,7 +419,8 @@ def plan(model: Any, cluster: Any, *, global_batch_size: int, example_inputs: An
             policies = _policies(cfg, opts, cluster, graph, _schedules(cfg, m, layers, opts))
             found = _evaluate(graph, cluster, policies, sh, sol, global_batch_size,
                               profile, opts, stats, "search")
-            if shape.tp > 1 and opts.sharding == "ilp" and not any(c.est.fits for c in found):
+            if (shape.tp > 1 and opts.sharding == "ilp" and opts.fixed_sharding is None
+                    and not any(c.est.fits for c in found)):
                 budget = cluster.device.memory_bytes - (found[0].est.stages[0].memory.margin_bytes
                                                         if found else 0.0)
                 sh2, sol2 = _ilp_sharding(graph, cluster, cfg, profile, m, opts, stats,
@@ -433,7 +438,8 @@ def plan(model: Any, cluster: Any, *, global_batch_size: int, example_inputs: An
                   f"{time.perf_counter() - stats.t0:.1f} s]")
             if best is None:
                 break       # larger micro-batches only need more memory
-    cands += _baselines(graph, cluster, global_batch_size, base, profile, opts, stats)
+    if opts.fixed_sharding is None:     # a given sharding is the one to plan with
+        cands += _baselines(graph, cluster, global_batch_size, base, profile, opts, stats)
     if not cands:
         raise ConfigError("no configuration could be costed; check the batch size and the "
                           "cluster size" + (f" (the last one refused: {stats.rejected})"

@@ -1,0 +1,126 @@
+"""A plan's family on a smaller model and fewer ranks, for ``autoplan verify``.
+
+A plan for 1,024 GPUs cannot be run on a laptop, but what can go wrong numerically lives in its
+family (which axes exist, ZeRO stage, sequence parallelism, recomputation, schedule, offload)
+and in its per-op strategies, not in the degrees. ``shrunk_force`` keeps the family at degree 2
+per axis within the ranks at hand; ``transfer_sharding`` carries the plan's per-op strategies
+to the same model with fewer layers, op by op (names of the export number each kind of op in
+order, which lines the two graphs up).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from typing import Any
+
+from autoplan.errors import PlanError
+from autoplan.estimate.config import ParallelConfig
+from autoplan.estimate.partition import pipeline_units
+from autoplan.graph.opgraph import OpGraph
+from autoplan.sharding.sharding import Sharding, _pick
+from autoplan.sharding.strategies import strategies
+
+
+def shrunk_force(cfg: ParallelConfig, ranks: int) -> dict[str, Any]:
+    """The plan's family at degree 2 per parallel axis, within ``ranks`` processes (an axis
+    is dropped, data parallelism first, when they do not fit)."""
+    degrees = {"pp": 2 if cfg.pp > 1 else 1, "tp": 2 if cfg.tp > 1 else 1,
+               "dp": 2 if cfg.dp > 1 else 1}
+    for axis in ("dp", "pp", "tp"):
+        if degrees["pp"] * degrees["tp"] * degrees["dp"] <= ranks:
+            break
+        degrees[axis] = 1
+    force: dict[str, Any] = dict(degrees)
+    force["zero_stage"] = cfg.zero_stage if degrees["dp"] > 1 or cfg.offload_params else 0
+    if cfg.offload_params:
+        force["zero_stage"] = 3
+    force.update(offload_optimizer=cfg.offload_optimizer, offload_params=cfg.offload_params,
+                 recompute=cfg.recompute, micro_batch_size=1)
+    if degrees["tp"] > 1:
+        force["sequence_parallel"] = cfg.sequence_parallel
+    if degrees["pp"] > 1:
+        force["schedule"] = cfg.schedule
+        force["virtual_stages"] = min(cfg.virtual_stages, 2)
+    return force
+
+
+def layers_needed(force: Mapping[str, Any]) -> int:
+    """Layers the shrunk model keeps: two per pipeline chunk, at least two."""
+    return max(2, 2 * force.get("pp", 1) * force.get("virtual_stages", 1))
+
+
+_NAME = re.compile(r"^(.*?)(?:_(\d+))?$")
+
+
+def _split_name(name: str) -> tuple[str, int]:
+    m = _NAME.match(name)
+    return m.group(1), int(m.group(2) or 0)
+
+
+def transfer_sharding(op_strategies: Mapping[str, str], full_layers: int, small: OpGraph,
+                      t: int) -> tuple[Sharding, list[str]]:
+    """The plan's strategies (named per op of the full model, ``full_layers`` layers) on
+    ``small``, the same model with fewer layers, over a ``t``-way tensor-parallel axis.
+    Returns the sharding and the ops that could not keep their strategy (they take their inputs
+    as they come).
+
+    Op names number each kind of op in graph order (``addmm``, ``addmm_1``, ...), so the ops
+    before the first layer and in the first layer have the same names in both models; every
+    layer takes the first layer's strategies (a repeated block is solved once). An op after the
+    last layer is numbered ``extra * (its kind per layer)`` higher in the plan, ``extra`` being
+    the layers the plan's graph traced beyond these (all of the plan's extra layers, or none
+    when the planner stamped its layers from a short trace, as it does for deep models)."""
+    units = pipeline_units(small)
+    if not units:
+        raise PlanError("the model has no repeated layers: verify shrinks a model by its layers")
+    if full_layers < len(units):
+        raise PlanError(f"the plan's model has {full_layers} layers, fewer than the shrunk "
+                        f"one's {len(units)}: verify needs the model the plan was made for")
+    first = small.ops[units[0].start:units[0].stop]
+    per_layer: dict[str, int] = {}
+    for op in first:
+        base, _ = _split_name(op.name)
+        per_layer[base] = per_layer.get(base, 0) + 1
+    end = units[-1].stop
+    tail = small.ops[end:]
+
+    def shifted(name: str, extra: int) -> str:
+        base, k = _split_name(name)
+        k += extra * per_layer.get(base, 0)
+        return f"{base}_{k}" if k else base
+    candidates = [full_layers - len(units)] + list(range(full_layers - len(units)))
+    extra = next((e for e in candidates
+                  if all(shifted(op.name, e) in op_strategies for op in tail)), None)
+    if extra is None:
+        raise PlanError("the ops after the last layer do not match the plan's: it was made for "
+                        "another model")
+    source: list[str] = []
+    for i, op in enumerate(small.ops):
+        if i < units[0].start:
+            source.append(op.name)
+        elif i < end:
+            unit = next(u for u in units if u.start <= i < u.stop)
+            if unit.stop - unit.start != len(first):
+                raise PlanError(f"layer {unit.path} differs from the first layer: verify "
+                                "shrinks models whose layers repeat one block")
+            source.append(first[i - unit.start].name)
+        else:
+            source.append(shifted(op.name, extra))
+    chosen, kept_inputs = [], []
+    placement: dict[str, Any] = {}
+    for op, name in zip(small.ops, source):
+        if name not in op_strategies:
+            raise PlanError(f"the plan has no op {name!r} ({op.target}): it was made for "
+                            "another model")
+        options = {s.name: s for s in strategies(small, op, t)}
+        s = options.get(op_strategies[name])
+        if s is None:          # a split the smaller axis or batch does not allow: as inputs come
+            kept_inputs.append(name)
+            cur = [placement.get(n) if small.value(n).kind == "activation" else None
+                   for n in op.inputs]
+            s = _pick(list(options.values()), cur) or next(iter(options.values()))
+        chosen.append(s)
+        for k, n in enumerate(op.outputs):
+            placement[n] = s.outputs[k]
+    return Sharding.build(small, t, chosen), kept_inputs

@@ -1,0 +1,88 @@
+"""`autoplan verify`: a plan made for GPUs, checked on CPU ranks against one device, for an
+example model and for a user's `package.module:function` model written the way people do
+(`nn.MultiheadAttention`, a parameter on the root module, literal sizes)."""
+
+import subprocess
+import sys
+
+import torch
+from torch import nn
+
+from autoplan import Cluster
+from autoplan import plan as make_plan
+from autoplan.graph import trace
+from autoplan.models import Example
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.ln = nn.LayerNorm(32)
+        self.attn = nn.MultiheadAttention(32, 4, batch_first=True)
+        self.ff = nn.Sequential(nn.Linear(32, 128), nn.GELU(), nn.Linear(128, 32))
+
+    def forward(self, x):
+        h = self.ln(x)
+        x = x + self.attn(h, h, h, need_weights=False)[0]
+        return x + self.ff(x)
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(64, 32)
+        self.pos = nn.Parameter(torch.randn(16, 32) * 0.02)       # on the root module
+        self.blocks = nn.ModuleList(Block() for _ in range(6))
+        self.head = nn.Linear(32, 64)
+
+    def forward(self, tokens):
+        x = self.embed(tokens) + self.pos
+        for b in self.blocks:
+            x = b(x)
+        return self.head(x)
+
+
+def user_model() -> Example:
+    """What a user hands to `--model tests.test_verify:user_model`."""
+    model = Net()
+    tokens = torch.randint(0, 64, (2, 16))
+    targets = torch.randint(0, 64, (2, 16))
+
+    def loss_fn(logits, t):
+        return nn.functional.cross_entropy(logits.reshape(-1, 64), t.reshape(-1))
+    return Example(name="user-mha", model=model, example_inputs=(tokens,), targets=targets,
+                   loss_fn=loss_fn, family="user", config=None)
+
+
+def _verify(plan_path, model, *extra):
+    return subprocess.run([sys.executable, "-m", "autoplan.cli.main", "verify", str(plan_path),
+                           "--model", model, *extra], capture_output=True, text=True,
+                          timeout=600)
+
+
+def test_verify_a_gpu_plan_of_an_example_model_on_cpu_ranks(tmp_path):
+    plan_path = tmp_path / "p.json"
+    r = subprocess.run([sys.executable, "-m", "autoplan.cli.main", "plan", "gpt-tiny",
+                        "--cluster", "dgx-h100:1", "--global-batch", "64", "--force", "tp=4",
+                        "--force", "zero_stage=3", "-o", str(plan_path)],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    out = _verify(plan_path, "gpt-tiny")
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "family dp2 tp2" in out.stdout and "zero3" in out.stdout
+    assert "PASS" in out.stdout and "layers.*.attn.qkv.weight" in out.stdout
+    strict = _verify(plan_path, "gpt-tiny", "--tolerance", "1e-30")   # round-off is over it
+    assert strict.returncode == 1 and "FAIL" in strict.stdout, strict.stdout[-2000:]
+
+
+def test_verify_a_users_model_given_as_package_module_function(tmp_path):
+    ex = user_model()
+    g = trace(ex.model, (ex.example_inputs[0][:1],), loss_fn=ex.loss_fn,
+              targets=ex.targets[:1], name="user-mha")
+    plan = make_plan(g, Cluster.preset("dgx-h100", nodes=1), global_batch_size=32,
+                     force=dict(tp=2, pp=2, dp=2, zero_stage=1), max_pp=2)
+    plan_path = tmp_path / "user.json"
+    plan.save(str(plan_path))
+    out = _verify(plan_path, "tests.test_verify:user_model")
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "PASS" in out.stdout and "blocks.*.attn" in out.stdout
