@@ -4,7 +4,7 @@
     python benchmarks/fuzz.py --mutants 500 --format cluster-yaml
 
 Formats: a plan (``plan.json``), a cluster file as YAML and as JSON, a profile database, an
-OpGraph (``autoplan trace -o``). Each mutant is a seed file changed by one of: flipped bytes,
+OpGraph (``autoplan trace -o``), a checkpoint description (``autoplan.json``). Each mutant is a seed file changed by one of: flipped bytes,
 truncation, invalid UTF-8, a duplicated or dropped line, a number swapped for an extreme
 (40-digit, 5,000-digit, 1e38, NaN, Infinity), a value replaced by another type, deep nesting,
 a huge string, a YAML alias bomb or a Python tag. Each is read the way autoplan reads it, and
@@ -32,7 +32,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-FORMATS = ("plan", "cluster-yaml", "cluster-json", "profile", "opgraph")
+FORMATS = ("plan", "cluster-yaml", "cluster-json", "profile", "opgraph", "checkpoint-meta")
 EXTREMES = ["0", "-1", "1e38", "-1e308", "1" * 40, "9" * 5000, "NaN", "Infinity", "-Infinity",
             "0.5", "true", "null", '"x"', "[]", "{}"]
 SENTINEL = os.path.join(tempfile.gettempdir(), "autoplan-fuzz-executed")
@@ -80,7 +80,28 @@ def seeds() -> dict[str, bytes]:
             "cluster-json": json.dumps(Cluster.preset("dgx-h100", nodes=2).to_dict(),
                                        indent=1).encode(),
             "profile": prof.to_json().encode(),
-            "opgraph": g.to_json(indent=1).encode()}
+            "opgraph": g.to_json(indent=1).encode(),
+            "checkpoint-meta": json.dumps(_checkpoint_meta(), indent=1).encode()}
+
+
+def _checkpoint_meta() -> dict:
+    """What ``trainer.save`` writes next to the DCP files (``autoplan.json``)."""
+    return {"format": "autoplan-checkpoint", "version": 1, "step": 3, "samples_seen": 24,
+            "world_size": 2, "aliases": {"head.weight": ["embed.weight", "head.weight"]},
+            "plan": {"model": "fuzz", "model_fingerprint": "ab" * 8, "global_batch_size": 8,
+                     "config": {"dp": 2, "tp": 1}},
+            "model": {"embed.weight": {"shape": [16, 8], "dtype": "float32"},
+                      "ln.bias": {"shape": [8], "dtype": "float32"}},
+            "optimizer": {"classes": ["AdamW"],
+                          "state": {"embed.weight": {
+                              "exp_avg": {"kind": "elementwise", "dtype": "float32",
+                                          "shape": [16, 8], "on_param_device": True},
+                              "step": {"kind": "scalar", "dtype": "float32", "shape": [],
+                                       "on_param_device": False}}},
+                          "hparams": {"embed.weight": {"lr": 0.001, "betas": [0.9, 0.999],
+                                                       "amsgrad": False}}},
+            "lr_scheduler": {"last_epoch": 3, "base_lrs": [0.001]},
+            "loss_scaler": {"scale": 65536.0, "good_steps": 3, "skipped_steps": 0}}
 
 
 # ---- mutations -------------------------------------------------------------------------------------
@@ -202,7 +223,18 @@ def readers() -> dict[str, Callable[[bytes], Any]]:
                                                         precision="fp32"),
                         global_batch_size=1, profile=None).step_time_s
 
+    def checkpoint_meta(data: bytes) -> Any:
+        from pathlib import Path
+
+        from autoplan.runtime.checkpoint import META_FILE, _model_mismatch, read_meta
+        step = Path(tmp) / "step-00000003"
+        step.mkdir(exist_ok=True)
+        (step / META_FILE).write_bytes(data)
+        meta = read_meta(step)
+        return _model_mismatch(meta["model"], {})        # what a resume compares
+
     return {"plan": lambda d: Plan.from_json(d),
+            "checkpoint-meta": checkpoint_meta,
             "cluster-yaml": lambda d: cluster(d, ".yaml"),
             "cluster-json": lambda d: cluster(d, ".json"),
             "profile": lambda d: ProfileDB.from_text(d),

@@ -1,6 +1,6 @@
 """Every file format fails cleanly: 1,000 mutants per format (plan, cluster YAML and JSON,
-profile, OpGraph), each read as autoplan reads it and, when accepted, used. None may raise an
-untyped exception, hang, or run code. The mutations and outcomes are ``benchmarks/fuzz.py``'s,
+profile, OpGraph, checkpoint description), each read as autoplan reads it and, when accepted,
+used. None may raise an untyped exception, hang, or run code. The mutations and outcomes are ``benchmarks/fuzz.py``'s,
 which runs 10,000 per format and prints the counts."""
 
 import importlib.util

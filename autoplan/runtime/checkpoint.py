@@ -397,7 +397,8 @@ def resolve(path: str | os.PathLike[str]) -> Path:
         return path
     latest = path / LATEST
     if latest.exists():
-        name = latest.read_text(encoding="utf-8", errors="replace").strip()
+        with open(latest, "rb") as f:                 # a step name, nothing more
+            name = f.read(256).decode("utf-8", errors="replace").strip()
         step = path / name
         if name.startswith("step-") and "/" not in name and (step / META_FILE).exists():
             return step
@@ -414,6 +415,8 @@ def resolve(path: str | os.PathLike[str]) -> Path:
 
 
 def read_meta(step: Path) -> dict[str, Any]:
+    """The checkpoint's description, read with the hardened reader and checked all through
+    (a hand-edited or damaged file is refused with where it is wrong)."""
     from autoplan.safe_io import parse_json, read_text
     what = "checkpoint description"
     meta = parse_json(read_text(step / META_FILE, what=what, error=CheckpointError), what=what,
@@ -421,14 +424,64 @@ def read_meta(step: Path) -> dict[str, Any]:
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         raise CheckpointError(f"{step / META_FILE} is not an autoplan checkpoint description")
     if meta.get("version") != VERSION:
-        raise CheckpointError(f"{step} is checkpoint format version {meta.get('version')}; "
+        raise CheckpointError(f"{step} is checkpoint format version {meta.get('version')!r}; "
                               f"this autoplan reads version {VERSION}")
-    for key, kind in (("step", int), ("model", dict), ("optimizer", dict),
-                      ("world_size", int)):
-        if not isinstance(meta.get(key), kind):
-            raise CheckpointError(f"{step / META_FILE}: {key!r} missing or not a "
-                                  f"{kind.__name__}")
+    check_meta(meta, str(step / META_FILE))
     return meta
+
+
+def check_meta(meta: dict[str, Any], where: str) -> None:
+    """Every field ``load`` and ``export`` read has the type and range they need."""
+    from autoplan.safe_io import integer, number, text
+    err = CheckpointError
+
+    def obj(v: Any, path: str) -> dict[str, Any]:
+        if not isinstance(v, dict):
+            raise err(f"{where}: {path} must be an object, got {type(v).__name__}")
+        return v
+
+    def shape(v: Any, path: str) -> None:
+        if not isinstance(v, list) or len(v) > 16:
+            raise err(f"{where}: {path} must be a list of at most 16 sizes")
+        for i, n in enumerate(v):
+            integer(n, f"{where}: {path}[{i}]", error=err, hi=2 ** 40)
+
+    def dtype(v: Any, path: str) -> None:
+        if not isinstance(v, str) or v not in _DTYPES:
+            raise err(f"{where}: {path} is {v!r}; one of {sorted(_DTYPES)}")
+    integer(meta.get("step"), f"{where}: step", error=err)
+    integer(meta.get("world_size"), f"{where}: world_size", error=err, lo=1)
+    for fqn, info in obj(meta.get("model"), "model").items():
+        text(fqn, f"{where}: model key", error=err)
+        info = obj(info, f"model.{fqn}")
+        shape(info.get("shape"), f"model.{fqn}.shape")
+        dtype(info.get("dtype"), f"model.{fqn}.dtype")
+    for fqn, names in obj(meta.get("aliases", {}), "aliases").items():
+        if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+            raise err(f"{where}: aliases.{fqn} must be a list of names")
+    opt = obj(meta.get("optimizer"), "optimizer")
+    classes = opt.get("classes", [])
+    if not isinstance(classes, list) or not all(isinstance(c, str) for c in classes):
+        raise err(f"{where}: optimizer.classes must be a list of names")
+    for fqn, kinds in obj(opt.get("state", {}), "optimizer.state").items():
+        for key, k in obj(kinds, f"optimizer.state.{fqn}").items():
+            k = obj(k, f"optimizer.state.{fqn}.{key}")
+            if k.get("kind") not in ("elementwise", "scalar"):
+                raise err(f"{where}: optimizer.state.{fqn}.{key}.kind must be 'elementwise' "
+                          "or 'scalar'")
+            dtype(k.get("dtype"), f"optimizer.state.{fqn}.{key}.dtype")
+            shape(k.get("shape"), f"optimizer.state.{fqn}.{key}.shape")
+    for fqn, hp in obj(opt.get("hparams", {}), "optimizer.hparams").items():
+        for k, v in obj(hp, f"optimizer.hparams.{fqn}").items():
+            if not (v is None or isinstance(v, (bool, int, float, str))
+                    or (isinstance(v, list) and all(isinstance(x, (int, float)) for x in v))):
+                raise err(f"{where}: optimizer.hparams.{fqn}.{k} is not a plain value")
+    if meta.get("lr_scheduler") is not None:
+        obj(meta["lr_scheduler"], "lr_scheduler")
+    if meta.get("loss_scaler") is not None:
+        ls = obj(meta["loss_scaler"], "loss_scaler")
+        number(ls.get("scale"), f"{where}: loss_scaler.scale", error=err, lo=1e-30)
+        integer(ls.get("good_steps"), f"{where}: loss_scaler.good_steps", error=err)
 
 
 def _model_mismatch(saved: dict[str, Any], live: dict[str, Any]) -> str:
