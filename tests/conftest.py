@@ -7,6 +7,9 @@ import pytest
 import torch
 
 torch.set_num_threads(int(os.environ.get("AUTOPLAN_TEST_THREADS", "1")))
+# no first-use calibration of this CPU (its figures would depend on the machine and its load);
+# tests/test_cluster.py checks that path on its own, with a private profile folder
+os.environ.setdefault("AUTOPLAN_AUTO_CALIBRATE", "0")
 
 
 def has_transformers() -> bool:

@@ -504,3 +504,25 @@ def test_describe_and_cli(capsys):
     args = parser.parse_args(["cluster", "show", "dgx-h100:3", "--nodes", "2"])
     with pytest.raises(ClusterError, match="--nodes"):
         cluster_cmd.run(args)
+
+
+def test_a_cpu_without_a_profile_is_calibrated_once_on_first_use(tmp_path, monkeypatch, capsys):
+    """A new machine: the first Cluster.local() measures the CPU (announced), caches it as the
+    profile, and later calls read that profile (the same figures, no second calibration)."""
+    from autoplan.cluster import local
+    monkeypatch.setenv("AUTOPLAN_AUTO_CALIBRATE", "1")
+    monkeypatch.setenv("AUTOPLAN_PROFILE_DIR", str(tmp_path))
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.setattr(local, "local_cpu_device_name", lambda: "cpu-fresh-test-machine")
+    first = Cluster.local(2)
+    err = capsys.readouterr().err
+    assert "calibrating it once" in err and "calibrated in" in err
+    assert (tmp_path / "cpu-fresh-test-machine.json").exists()
+    second = Cluster.local(2)
+    assert "calibrating" not in capsys.readouterr().err
+    assert first.fingerprint() == second.fingerprint()
+    assert "calibration measured on this machine" in second.device.source
+    monkeypatch.setenv("WORLD_SIZE", "2")                 # ranks of a job never calibrate
+    monkeypatch.setattr(local, "local_cpu_device_name", lambda: "cpu-another-machine")
+    Cluster.local(2)
+    assert "calibrating" not in capsys.readouterr().err

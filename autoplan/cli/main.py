@@ -9,7 +9,8 @@ from autoplan.version import __version__
 from autoplan.errors import AutoplanError
 
 _COMMANDS = ("demo_cmd", "trace_cmd", "cluster_cmd", "profile_cmd", "estimate_cmd", "plan_cmd",
-             "inspect_cmd", "diff_cmd", "run_cmd", "export_cmd", "verify_cmd")
+             "inspect_cmd", "diff_cmd", "run_cmd", "export_cmd", "verify_cmd",
+             "calibrate_cmd")
 
 
 def build_parser() -> argparse.ArgumentParser:

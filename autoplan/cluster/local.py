@@ -8,10 +8,14 @@ behind the same PCIe switch, PHB/NODE = same CPU socket, SYS = across sockets).
 Without CUDA: ``nproc`` CPU rank processes on one node (gloo), each owning ``1/nproc`` of host
 memory and joined to the host by a ``loopback`` link (shared memory / TCP loopback).
 
-CPU rates are placeholders until ``autoplan profile`` measures them: pass ``calibration`` with
-any of ``matmul_flops_per_s``, ``memory_bandwidth_bytes_per_s``, ``launch_s``; missing keys use
-``DEFAULT_CPU_CALIBRATION``, deliberately conservative figures (a few cores of a current server
-CPU), not measurements.
+CPU rates come from the installed profile of this CPU (``autoplan profile``). A CPU without one
+is calibrated on first use (``autoplan.cost.profiler.calibrate``: a GEMM, a copy, a tiny op and
+AdamW, about 2 s, announced on stderr) and the result cached as its profile, so later calls and
+the ranks of a job read the same figures. ``AUTOPLAN_AUTO_CALIBRATE=0`` turns that off (the test
+suite does, for figures that do not depend on the machine): the rates are then
+``DEFAULT_CPU_CALIBRATION``, deliberately conservative placeholders (a few cores of a current
+server CPU), not measurements. ``calibration`` (any of ``matmul_flops_per_s``,
+``memory_bandwidth_bytes_per_s``, ``launch_s``) overrides both.
 """
 
 from __future__ import annotations
@@ -103,6 +107,55 @@ def profiled_calibration(device: str) -> tuple[dict[str, float], int] | None:
              "launch_s": c.launch_s}, int(db.threads))
 
 
+def profiled_links(device: str) -> dict[str, dict[str, float]]:
+    """Link figures ``autoplan calibrate`` fitted on this machine (link name -> figures)."""
+    from autoplan.cost.profile_db import ProfileDB
+
+    db = ProfileDB.find(device)
+    return {k: dict(v) for k, v in db.links.items()} if db is not None else {}
+
+
+AUTO_CALIBRATE_ENV = "AUTOPLAN_AUTO_CALIBRATE"
+
+
+def auto_calibration(device: str) -> tuple[dict[str, float], int] | None:
+    """Calibrate this CPU now and cache it as its profile (first use on a machine without one).
+    Not inside a multi-process job (its ranks would measure each other) and not when
+    ``AUTOPLAN_AUTO_CALIBRATE=0``."""
+    import sys
+    import time
+
+    if os.environ.get(AUTO_CALIBRATE_ENV, "1") == "0" or int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        return None
+    import torch
+
+    from autoplan.cost.profile_db import PROFILE_DIR_ENV, ProfileDB, default_cache_dir
+    from autoplan.cost.profiler import build_db, calibrate
+
+    folders = [f for f in os.environ.get(PROFILE_DIR_ENV, "").split(os.pathsep) if f]
+    path = (os.path.join(os.path.expanduser(folders[0]), f"{device}.json") if folders
+            else str(default_cache_dir() / f"{device}.json"))
+    print(f"autoplan: no profile for this CPU ({device}) yet: calibrating it once (about 2 s; "
+          f"{AUTO_CALIBRATE_ENV}=0 skips this)...", file=sys.stderr, flush=True)
+    t0 = time.perf_counter()
+    cal = calibrate("cpu")
+    db = build_db({}, cal, device="cpu", device_name=device, sources=("auto-calibration",))
+    db = ProfileDB.from_text(db.to_json())     # the figures as the saved file gives them back
+    cal = db.calibration
+    try:
+        db.save(path)
+        where = f"saved to {path}"
+    except Exception as e:  # noqa: BLE001 (a read-only home: use the figures, say so)
+        where = f"not saved ({e})"
+    print(f"autoplan: calibrated in {time.perf_counter() - t0:.1f} s: matmul "
+          f"{cal.matmul_flops_per_s / 1e9:.1f} GFLOP/s, memory {cal.memory_bandwidth_bytes_per_s / 1e9:.1f} "
+          f"GB/s, op launch {cal.launch_s * 1e6:.1f} us with {db.threads} thread(s); {where} "
+          "(`autoplan profile` also measures ops)", file=sys.stderr, flush=True)
+    return ({"matmul_flops_per_s": cal.matmul_flops_per_s,
+             "memory_bandwidth_bytes_per_s": cal.memory_bandwidth_bytes_per_s,
+             "launch_s": cal.launch_s}, int(db.threads))
+
+
 def local_cluster_dict(nproc: int | None = None, *, calibration: Mapping[str, float] | None = None) -> dict[str, Any]:
     if nproc is not None:
         nproc = specs.integer(nproc, "nproc", "local cluster", maximum=specs.MAX_LOCAL_PROCESSES)
@@ -117,11 +170,19 @@ def local_cluster_dict(nproc: int | None = None, *, calibration: Mapping[str, fl
         threads = 1
         if calibration is None:
             found = profiled_calibration(local_cpu_device_name())
+            if found is None:
+                found = auto_calibration(local_cpu_device_name())
             if found is not None:
                 calibration, threads = found
             cal = _calibration(calibration)
-        return cpu_cluster_dict(nproc or 1, cal, calibrated=calibration is not None,
-                                measured_threads=threads)
+        d = cpu_cluster_dict(nproc or 1, cal, calibrated=calibration is not None,
+                             measured_threads=threads)
+        fitted = profiled_links(local_cpu_device_name()).get("loopback")
+        if fitted is not None:
+            d["links"] = {"loopback": {**fitted, "efficiency": 1.0,
+                                       "source": "fitted on this machine by `autoplan calibrate` "
+                                                 "(least squares over measured transfers)"}}
+        return d
     count = torch.cuda.device_count()
     nproc = count if nproc is None else nproc
     if nproc > count:

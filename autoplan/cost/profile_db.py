@@ -189,6 +189,8 @@ class ProfileDB:
     entries: Mapping[str, OpTiming] = field(default_factory=dict)
     sources: tuple[str, ...] = ()        # what was profiled, e.g. ("gpt-tiny@4", "mlp@64")
     schema_version: int = SCHEMA_VERSION
+    # links fitted by `autoplan calibrate`: name -> {"bandwidth_bytes_per_s", "latency_s"}
+    links: Mapping[str, Mapping[str, float]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         check_device_name(self.device)
@@ -202,6 +204,18 @@ class ProfileDB:
                 raise ProfileError(f"ProfileDB.entries must map str -> OpTiming, got "
                                    f"{type(k).__name__} -> {type(t).__name__}")
         object.__setattr__(self, "entries", MappingProxyType(dict(sorted(self.entries.items()))))
+        links = {}
+        for name, fig in dict(self.links).items():
+            if not isinstance(name, str) or not isinstance(fig, Mapping) or \
+                    sorted(fig) != ["bandwidth_bytes_per_s", "latency_s"]:
+                raise ProfileError("ProfileDB.links must map a link name to "
+                                   "{bandwidth_bytes_per_s, latency_s}")
+            _check_number("ProfileDB.links", f"{name}.bandwidth_bytes_per_s",
+                          fig["bandwidth_bytes_per_s"], positive=True)
+            _check_number("ProfileDB.links", f"{name}.latency_s", fig["latency_s"],
+                          positive=False)
+            links[name] = MappingProxyType({k: float(v) for k, v in sorted(fig.items())})
+        object.__setattr__(self, "links", MappingProxyType(links))
         object.__setattr__(self, "sources", tuple(sorted(set(self.sources))))
 
     # ---- queries ------------------------------------------------------------------------------
@@ -235,7 +249,8 @@ class ProfileDB:
         entries.update(other.entries)
         return ProfileDB(device=self.device, device_kind=self.device_kind, threads=self.threads,
                          torch_version=other.torch_version, calibration=other.calibration,
-                         entries=entries, sources=self.sources + other.sources)
+                         entries=entries, sources=self.sources + other.sources,
+                         links={**self.links, **other.links})
 
     # ---- files --------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
@@ -248,6 +263,7 @@ class ProfileDB:
             "sources": list(self.sources),
             "calibration": _calibration_to_json(self.calibration),
             "entries": {k: _timing_to_json(t) for k, t in self.entries.items()},
+            **({"links": {k: dict(v) for k, v in self.links.items()}} if self.links else {}),
         }
 
     def to_json(self) -> str:
@@ -303,9 +319,12 @@ class ProfileDB:
             sources = d.get("sources", [])
             if not isinstance(sources, list) or not all(isinstance(s, str) for s in sources):
                 raise bad("'sources' is not a list of strings")
+            links = d.get("links", {})
+            if not isinstance(links, dict):
+                raise bad("'links' is not an object")
             return cls(device=d["device"], device_kind=d["device_kind"], threads=d["threads"],
                        torch_version=str(d["torch_version"]), calibration=calibration,
-                       entries=entries, sources=tuple(sources))
+                       entries=entries, sources=tuple(sources), links=links)
         except TypeError as e:  # a missing calibration field
             raise bad(str(e)) from e
         except ProfileError as e:

@@ -119,7 +119,7 @@ def check_graph_dict(d: Any) -> None:
         _fail("ops", "expected a list")
     for i, op in enumerate(ops):
         _check_op(op, f"ops[{i}]", values, made, seen_ops)
-    blocks = d["blocks"]
+    blocks = d.get("blocks", [])        # optional: a graph with no repeated blocks
     if not isinstance(blocks, list):
         _fail("blocks", "expected a list")
     for i, b in enumerate(blocks):

@@ -245,7 +245,7 @@ class OpGraph:
                 meta=dict(d.get("meta", {})),
                 values=tuple(_value_from_json(v) for v in d["values"]),
                 ops=tuple(_op_from_json(o) for o in d["ops"]),
-                blocks=tuple(_block_from_json(b) for b in d["blocks"]),
+                blocks=tuple(_block_from_json(b) for b in d.get("blocks", [])),
             )
         except (KeyError, TypeError, ValueError) as e:
             raise TraceError(f"malformed OpGraph JSON: {type(e).__name__}: {e}") from e

@@ -33,6 +33,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--checkpoint-every", type=int, default=0)
     ap.add_argument("--resume", action="store_true")
     ap.add_argument("--async-checkpoint", action="store_true")
+    ap.add_argument("--profile-dir", default=None,
+                    help="after the steps, profile --profile-steps more; each rank writes its "
+                         "events to DIR/rank<r>.json (`autoplan calibrate`)")
+    ap.add_argument("--profile-steps", type=int, default=5)
     args = ap.parse_args(argv)
 
     import torch.distributed as dist
@@ -76,6 +80,15 @@ def main(argv: list[str] | None = None) -> int:
                 note = " (writing in the background)" if args.async_checkpoint else ""
                 print(f"checkpoint {path}{note}", flush=True)
     trainer.wait_for_checkpoint()
+    if args.profile_dir:
+        import os
+
+        from autoplan.runtime.step_trace import record_steps
+        rec = record_steps(trainer, batch, args.profile_steps)
+        rec.update(rank=trainer.rank, world=plan.config.world_size)
+        os.makedirs(args.profile_dir, exist_ok=True)
+        with open(os.path.join(args.profile_dir, f"rank{trainer.rank}.json"), "w") as f:
+            json.dump(rec, f)
     if not times:
         if trainer.rank == 0:
             print(f"nothing to do: the checkpoint is at step {first}, --steps is {args.steps}")

@@ -1,0 +1,255 @@
+"""`autoplan calibrate PLAN --model M`: measure a plan here, compare with its prediction phase by
+phase, refit the machine's coefficients, and save them as this machine's profile.
+
+Runs the plan under torchrun on this machine (a plan for `--cluster local:N`), a few warm-up
+steps, then `--steps` steps under torch.profiler on every rank. The measured time is split into
+the estimate's phases (compute by kind, each collective, p2p, optimizer, the rest) and printed
+next to the prediction. Then, by least squares over the measured events: the achieved matmul
+rate (over the matrix products, FLOPs from their shapes), memory bandwidth and per-op launch cost
+(over the memory-bound kernels), the optimizer's cost per parameter, and the loopback link's
+bandwidth and latency (over the transfers, through the cost model's own collective formulas).
+They are written to this CPU's profile (merged with its measured ops), which later `plan`,
+`estimate` and `Cluster.local()` pick up; the plan is then re-estimated with them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from typing import Any
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("calibrate", help="measure a plan here, compare per phase, refit the "
+                       "machine's coefficients into its profile", description=__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("plan", help="a plan for this machine (autoplan plan ... --cluster local:N)")
+    p.add_argument("--model", required=True, help="the example model the plan was made for")
+    p.add_argument("--steps", type=int, default=5, help="profiled steps (5)")
+    p.add_argument("--warmup", type=int, default=3, help="steps before profiling (3)")
+    p.add_argument("-o", "--output", default=None,
+                   help="profile file to write (default: this CPU's profile on the search path)")
+    p.add_argument("--dry-run", action="store_true", help="print the fits, write nothing")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from autoplan.errors import PlanError
+    from autoplan.planner.planfile import plan_from_file
+    if args.steps < 2 or args.warmup < 1:
+        raise PlanError("--steps takes at least 2 (a fit needs a spread), --warmup at least 1")
+    plan = plan_from_file(args.plan)
+    if plan.cluster.name != "local":
+        raise PlanError(f"the plan is for cluster {plan.cluster.name!r}; calibrate measures this "
+                        "machine: plan with --cluster local:N")
+    world = plan.config.world_size
+    with tempfile.TemporaryDirectory(prefix="autoplan-calibrate-") as tmp:
+        from autoplan.cli.demo_cmd import _free_port
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={world}",
+               f"--master-port={_free_port()}", "-m", "autoplan.runtime.worker", "--plan",
+               args.plan, "--model", args.model, "--steps", str(args.warmup),
+               "--profile-dir", tmp, "--profile-steps", str(args.steps),
+               "--json", os.path.join(tmp, "steps.json")]
+        print(f"calibrate: {world} rank(s), {args.warmup} warm-up step(s), then {args.steps} "
+              "profiled", flush=True)
+        code = subprocess.call(cmd, stdout=subprocess.DEVNULL,
+                               env={**os.environ, "PYTHONWARNINGS": "ignore"})
+        records = []
+        for r in range(world):
+            path = os.path.join(tmp, f"rank{r}.json")
+            if not os.path.exists(path):
+                print(f"calibrate: the run failed (exit {code}; no events from rank {r})",
+                      file=sys.stderr)
+                return 2
+            with open(path) as f:
+                records.append(json.load(f))
+        with open(os.path.join(tmp, "steps.json")) as f:
+            unprofiled_s = json.load(f)["measured_s"]
+    return report_and_refit(plan, records, output=args.output, dry_run=args.dry_run,
+                            unprofiled_s=unprofiled_s)
+
+
+def report_and_refit(plan: Any, records: list[dict[str, Any]], *, output: str | None,
+                     dry_run: bool, unprofiled_s: float | None = None) -> int:
+    from autoplan.estimate.attribution import (attribute, main_thread, measured_summary,
+                                               predicted_phases)
+    phases = [attribute(r["events"], r["step_s"]) for r in records]
+    slowest = max(range(len(phases)), key=lambda i: phases[i].step_s)
+    measured = measured_summary(phases[slowest])
+    predicted = predicted_phases(plan.predicted)
+    print(f"\n  phase (rank {slowest}, per step)   predicted    measured   measured/predicted")
+    for k in ("compute", "collectives", "p2p", "optimizer", "other", "step"):
+        p, m = predicted[k], measured[k]
+        ratio = f"{m / p:8.2f}" if p > 0 else "       -"
+        print(f"  {k:<28} {p * 1e3:9.2f} ms {m * 1e3:8.2f} ms   {ratio}")
+    detail = phases[slowest].seconds
+    print("  measured detail: " + ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in detail.items()
+                                            if v > 0))
+    if unprofiled_s:
+        print(f"  (the same steps without the profiler: {unprofiled_s * 1e3:.2f} ms)")
+    fits = refit(plan, records, [main_thread(r["events"]) for r in records])
+    fits["unattributed_per_op_s"] = _per_op(plan, measured["other"] - predicted["other"])
+    _print_fits(fits)
+    if dry_run:
+        return 0
+    path = write_profile(fits, output)
+    print(f"\nwrote {path}: later plans and estimates on this machine use it (plans made "
+          "for local:N before it describe other figures: re-plan them)")
+    _reestimate(plan, unprofiled_s or measured["step"])
+    return 0
+
+
+def _per_op(plan: Any, framework_s: float) -> float:
+    """What the measured step spends outside kernels, transfers and the optimizer (less the
+    predicted bubble) per forward and backward of every op of the rank's stage and
+    micro-batch. Reported, not fitted: on CPU ranks it is mostly the rank's threads waiting for
+    a core (the gloo threads and the other ranks share them), which the cost model does not
+    price yet, not a per-op cost."""
+    stages = plan.predicted.get("stages", [])
+    ops = max((int(st.get("num_ops", 0)) for st in stages), default=0)
+    m = int(plan.predicted.get("num_microbatches", 1) or 1)
+    return max(0.0, framework_s) / (2 * ops * m) if ops else 0.0
+
+
+def refit(plan: Any, records: list[dict[str, Any]], threads: list[int]) -> dict[str, Any]:
+    """The compute, optimizer and loopback-link fits of all ranks' events."""
+    from autoplan.cluster import Cluster
+    from autoplan.cost.refit import refit_compute, refit_link
+    from autoplan.estimate.attribution import collective_kind
+    events = []
+    for rec, thread in zip(records, threads):
+        events += [dict(e, thread=("main" if e["thread"] == thread else e["thread"]))
+                   for e in rec["events"]]
+    compute = refit_compute(events, "main")
+    cfg = plan.config
+    unit_lat = _with_loopback(cfg.world_size, bandwidth=1e30, latency=1.0)
+    unit_bw = _with_loopback(cfg.world_size, bandwidth=1.0, latency=0.0)
+    samples = []
+    for e in events:
+        kind = collective_kind(e["name"])
+        if kind is None or kind == "p2p" or not e.get("shapes"):
+            continue
+        nbytes = 4.0 * sum(_numel(s) for s in e["shapes"][:1])
+        if kind == "all_gather":
+            nbytes *= _group(kind, cfg)           # priced by the gathered output
+        ranks = list(range(_group(kind, cfg)))
+        if len(ranks) < 2:
+            continue
+        samples.append((unit_lat.collective_time_s(kind, nbytes, ranks),
+                        unit_bw.collective_time_s(kind, nbytes, ranks), e["dur_s"]))
+    link = refit_link(samples)
+    params = sum(int(p.get("params_per_device", 0)) for p in plan.predicted.get("stages", [])[:1])
+    opt_s = [attribute_opt(r) for r in records]
+    _ = Cluster
+    return {"compute": compute, "link": link, "optimizer_s": max(opt_s) if opt_s else None,
+            "params_per_device": params}
+
+
+def attribute_opt(record: dict[str, Any]) -> float:
+    from autoplan.estimate.attribution import attribute
+    return attribute(record["events"], record["step_s"]).seconds["optimizer"]
+
+
+def _numel(shape: list[int]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _group(kind: str, cfg: Any) -> int:
+    """The group a collective of this kind most likely ran on: the tensor-parallel axis for
+    gathers and reduce-scatters when there is one, the data-parallel axis otherwise."""
+    if kind in ("all_gather", "reduce_scatter"):
+        return cfg.tp if cfg.tp > 1 else cfg.dp
+    return cfg.dp if cfg.dp > 1 else cfg.tp
+
+
+def _with_loopback(n: int, *, bandwidth: float, latency: float) -> Any:
+    from autoplan.cluster import Cluster
+    from autoplan.cluster.local import local_cluster_dict
+    d = local_cluster_dict(n)
+    d["links"] = {"loopback": {"bandwidth_bytes_per_s": bandwidth, "latency_s": latency,
+                               "efficiency": 1.0, "source": "unit figures for the fit"}}
+    return Cluster.from_dict(d)
+
+
+def _print_fits(fits: dict[str, Any]) -> None:
+    c, link = fits["compute"], fits["link"]
+
+    def show(x: float | None, scale: float, unit: str) -> str:
+        return f"{x / scale:.3g} {unit}" if x is not None else "not fitted (too few sizes)"
+    print("\n  refit (least squares over the measured events):")
+    print(f"    matmul rate        {show(c.matmul_flops_per_s, 1e9, 'GFLOP/s')} "
+          f"({c.points['matmul']} kernels)")
+    print(f"    memory bandwidth   {show(c.memory_bandwidth_bytes_per_s, 1e9, 'GB/s')} "
+          f"({c.points['memory']} kernels)")
+    print(f"    op launch          {show(c.launch_s, 1e-6, 'us')} per kernel")
+    print(f"    not attributed     {fits.get('unattributed_per_op_s', 0.0) * 1e6:.3g} us per op "
+          "and pass (framework, waiting for a core: not priced yet)")
+    if link is not None:
+        print(f"    loopback link      {link.bandwidth_bytes_per_s / 1e9:.3g} GB/s, latency "
+              f"{link.latency_s * 1e6:.3g} us ({link.points} transfers)")
+    else:
+        print("    loopback link      not fitted (no collectives of two or more sizes)")
+
+
+def write_profile(fits: dict[str, Any], output: str | None) -> str:
+    """This CPU's profile with the refit figures (its measured ops kept)."""
+    import dataclasses
+
+    from autoplan.cluster.local import auto_calibration, local_cpu_device_name
+    from autoplan.cost.profile_db import PROFILE_DIR_ENV, ProfileDB, default_cache_dir
+    from autoplan.cost.profiler import build_db, calibrate
+    device = local_cpu_device_name()
+    base = ProfileDB.find(device)
+    if base is None:
+        auto_calibration(device)
+        base = ProfileDB.find(device)
+    if base is None:
+        base = build_db({}, calibrate("cpu"), device="cpu", device_name=device)
+    c = fits["compute"]
+    cal = base.calibration
+    changes: dict[str, float] = {}
+    if c.matmul_flops_per_s:
+        changes["matmul_flops_per_s"] = c.matmul_flops_per_s
+    if c.memory_bandwidth_bytes_per_s:
+        changes["memory_bandwidth_bytes_per_s"] = c.memory_bandwidth_bytes_per_s
+    if c.launch_s:
+        changes["launch_s"] = c.launch_s
+    params = fits["params_per_device"]
+    if fits["optimizer_s"] and params:
+        changes["optimizer_s_per_param"] = max(1e-12, fits["optimizer_s"] / params)
+    links = dict(base.links)
+    if fits["link"] is not None:
+        links["loopback"] = {"bandwidth_bytes_per_s": fits["link"].bandwidth_bytes_per_s,
+                             "latency_s": fits["link"].latency_s}
+    db = dataclasses.replace(base, calibration=dataclasses.replace(cal, **changes),
+                             links=links,
+                             sources=tuple(base.sources) + ("autoplan calibrate",))
+    folders = [f for f in os.environ.get(PROFILE_DIR_ENV, "").split(os.pathsep) if f]
+    path = output or (os.path.join(os.path.expanduser(folders[0]), f"{device}.json")
+                      if folders else str(default_cache_dir() / f"{device}.json"))
+    db.save(path)
+    return path
+
+
+def _reestimate(plan: Any, measured_s: float) -> None:
+    from autoplan.cluster import Cluster
+    from autoplan.estimate import estimate
+    from autoplan.models import build_example
+    from autoplan.graph import trace
+    name = plan.model.name
+    try:
+        ex = build_example(name, batch_size=1)
+    except ValueError:
+        return
+    g = trace(ex.model, ex.example_inputs, loss_fn=ex.loss_fn, targets=ex.targets)
+    est = estimate(g, Cluster.local(plan.config.world_size), config=plan.config,
+                   global_batch_size=plan.training.global_batch_size, profile="auto")
+    print(f"re-estimated with the refit: {est.step_time_s * 1e3:.2f} ms per step, measured "
+          f"{measured_s * 1e3:.2f} ms (measured/predicted {measured_s / est.step_time_s:.2f})")

@@ -1,0 +1,155 @@
+"""Least-squares refits of the cost model's coefficients from measured events (`autoplan
+calibrate`).
+
+- Matrix products: ``t = launch + flops / rate`` over the measured mm/addmm/bmm/baddbmm kernels
+  (FLOPs from their input shapes) gives the achieved rate and the per-op launch cost.
+- Memory-bound kernels: ``t = launch + bytes / bandwidth`` (bytes: the inputs read and an output
+  the size of the largest written) gives the achieved memory bandwidth; the fixed cost of a
+  kernel is the median time of the smallest tenth.
+- Collectives: the cost model prices a collective on a link as ``A * latency + B / bandwidth``
+  (``A`` and ``B`` from its algorithm: steps and bytes moved per rank); least squares on
+  (latency, 1 / bandwidth) over the measured transfers' lower envelope (the fastest tenth of
+  each size: a transfer's time also holds the wait for its slowest peer, which is load
+  imbalance, not the link) gives the link's figures.
+Each fit needs a spread of sizes; with too few points (or a fit that comes out non-physical)
+the coefficient is reported as not fitted and the old one is kept.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+F32 = 4
+
+
+def fit_line(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float] | None:
+    """Least-squares (intercept, slope) of ``y = intercept + slope * x``; the intercept is held
+    at 0 when it comes out negative. None without two distinct x."""
+    n = len(xs)
+    if n < 2 or len(set(xs)) < 2:
+        return None
+    mx, my = sum(xs) / n, sum(ys) / n
+    sxx = sum((x - mx) ** 2 for x in xs)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx
+    intercept = my - slope * mx
+    if intercept < 0:
+        sxx0 = sum(x * x for x in xs)
+        slope, intercept = sum(x * y for x, y in zip(xs, ys)) / sxx0, 0.0
+    return intercept, slope
+
+
+def fit_two(a: Sequence[float], b: Sequence[float], ys: Sequence[float]
+            ) -> tuple[float, float] | None:
+    """Least squares of ``y = p * a + q * b`` (no intercept), both coefficients >= 0."""
+    saa = sum(x * x for x in a)
+    sbb = sum(x * x for x in b)
+    sab = sum(x * y for x, y in zip(a, b))
+    say = sum(x * y for x, y in zip(a, ys))
+    sby = sum(x * y for x, y in zip(b, ys))
+    det = saa * sbb - sab * sab
+    if len(ys) < 2 or det <= 1e-12 * max(saa * sbb, 1e-300):
+        return None
+    p = (say * sbb - sby * sab) / det
+    q = (sby * saa - say * sab) / det
+    if p < 0:                          # latency not seen: bandwidth alone
+        p, q = 0.0, sby / sbb if sbb else 0.0
+    if q <= 0:
+        return None
+    return p, q
+
+
+def _numel(shape: Sequence[int]) -> int:
+    return math.prod(shape) if shape else 1
+
+
+def matmul_flops(name: str, shapes: Sequence[Sequence[int]]) -> float | None:
+    """FLOPs of one matrix-product kernel from its input shapes (None when not one)."""
+    s = [list(x) for x in shapes]
+    try:
+        if name == "aten::mm" and len(s) >= 2:
+            (m, k), (_, n) = s[0], s[1]
+            return 2.0 * m * k * n
+        if name == "aten::addmm" and len(s) >= 3:
+            (m, k), (_, n) = s[1], s[2]
+            return 2.0 * m * k * n
+        if name == "aten::bmm" and len(s) >= 2:
+            (b, m, k), (_, _, n) = s[0], s[1]
+            return 2.0 * b * m * k * n
+        if name == "aten::baddbmm" and len(s) >= 3:
+            (b, m, k), (_, _, n) = s[1], s[2]
+            return 2.0 * b * m * k * n
+    except (TypeError, ValueError):
+        return None
+    return None
+
+
+def op_bytes(shapes: Sequence[Sequence[int]]) -> float:
+    """Bytes a memory-bound kernel moves: its inputs read, an output the size of the largest
+    written (fp32)."""
+    sizes = [_numel(s) for s in shapes if s]
+    return F32 * (sum(sizes) + max(sizes)) if sizes else 0.0
+
+
+@dataclass(frozen=True)
+class ComputeFit:
+    matmul_flops_per_s: float | None
+    memory_bandwidth_bytes_per_s: float | None
+    launch_s: float | None
+    points: Mapping[str, int]
+
+
+def refit_compute(events: Iterable[Mapping[str, Any]], thread: int) -> ComputeFit:
+    """Achieved matmul rate, memory bandwidth and launch cost from the leaf kernels of
+    ``thread`` (``runtime/step_trace.py`` events)."""
+    mm_x, mm_y, mem_x, mem_y = [], [], [], []
+    for e in events:
+        if not e.get("leaf") or e["thread"] != thread:
+            continue
+        f = matmul_flops(e["name"], e.get("shapes", []))
+        if f is not None:
+            mm_x.append(f)
+            mm_y.append(e["dur_s"])
+        elif e.get("shapes"):
+            b = op_bytes(e["shapes"])
+            if b > 0:
+                mem_x.append(b)
+                mem_y.append(e["dur_s"])
+    mm = fit_line(mm_x, mm_y)
+    mem = fit_line(mem_x, mem_y)
+    # the fixed cost of one kernel: the median of the smallest tenth (by bytes), whose moving
+    # time is negligible (a fit's intercept is too sensitive to the large kernels)
+    small = sorted(zip(mem_x, mem_y))[:max(1, len(mem_x) // 10)]
+    launch = sorted(t for _, t in small)[len(small) // 2] if small else None
+    return ComputeFit(matmul_flops_per_s=1.0 / mm[1] if mm and mm[1] > 0 else None,
+                      memory_bandwidth_bytes_per_s=1.0 / mem[1] if mem and mem[1] > 0 else None,
+                      launch_s=launch if launch and launch > 0 else None,
+                      points={"matmul": len(mm_x), "memory": len(mem_x)})
+
+
+@dataclass(frozen=True)
+class LinkFit:
+    latency_s: float
+    bandwidth_bytes_per_s: float
+    points: int
+    sizes: int = 0
+
+
+def refit_link(samples: Sequence[tuple[float, float, float]]) -> LinkFit | None:
+    """``samples``: (A, B, measured seconds) per transfer, the model's time being
+    ``A * latency + B / bandwidth``. None when the samples do not determine the figures."""
+    # a transfer's measured time includes waiting for the slowest peer to arrive; the fastest
+    # tenth of each size is the transfer itself
+    by_size: dict[tuple[float, float], list[float]] = {}
+    for a, b, t in samples:
+        by_size.setdefault((a, b), []).append(t)
+    envelope = [(a, b, sorted(ts)[len(ts) // 10]) for (a, b), ts in by_size.items()]
+    fit = fit_two([a for a, _, _ in envelope], [b for _, b, _ in envelope],
+                  [t for _, _, t in envelope])
+    if fit is None:
+        return None
+    latency, inv_bw = fit
+    return LinkFit(latency_s=latency, bandwidth_bytes_per_s=1.0 / inv_bw, points=len(samples),
+                   sizes=len(envelope))

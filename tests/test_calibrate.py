@@ -1,0 +1,102 @@
+"""`autoplan calibrate`'s mechanics, deterministically: the refits recover known coefficients
+from synthetic measurements, the phases of a recorded trace add up to the step, and a written
+profile is what the next plan on this machine uses. (Its accuracy is a benchmark's business.)"""
+
+import random
+
+import pytest
+
+from autoplan.cost.refit import fit_line, refit_compute, refit_link
+from autoplan.estimate.attribution import PHASES, attribute, collective_kind
+from tests.distributed import run_ranks
+from tests.test_checkpoint import GLOBAL_BATCH, _example, _plan
+
+
+def _kernel(name, shapes, dur, start=0.0):
+    return {"name": name, "thread": 1, "start_s": start, "dur_s": dur, "top": False,
+            "leaf": True, "shapes": shapes}
+
+
+def test_refit_recovers_known_coefficients():
+    rng = random.Random(0)
+    rate, bw, launch = 80e9, 12e9, 3e-6
+    events = []
+    for _ in range(200):
+        m, k, n = (rng.choice([16, 64, 256, 512]) for _ in range(3))
+        events.append(_kernel("aten::mm", [[m, k], [k, n]], launch + 2 * m * k * n / rate))
+        size = rng.choice([1, 8, 4096, 65536, 1 << 20])
+        nbytes = 4 * (size + size)
+        events.append(_kernel("aten::gelu", [[size]], launch + nbytes / bw))
+    fit = refit_compute(events, 1)
+    assert fit.matmul_flops_per_s == pytest.approx(rate, rel=1e-6)
+    assert fit.memory_bandwidth_bytes_per_s == pytest.approx(bw, rel=1e-6)
+    assert fit.launch_s == pytest.approx(launch, rel=1e-2)
+    # a link: A * latency + B / bandwidth, plus waits for a late peer that the lower envelope
+    # of each size leaves out
+    lat, link_bw = 40e-6, 2.5e9
+    samples = []
+    for _ in range(400):
+        a, b = rng.choice([(2, 1e3), (2, 1e5), (4, 1e6), (2, 4e6)])
+        wait = rng.choice([0.0] * 8 + [rng.uniform(0, 5e-3)] * 2)
+        samples.append((a, b, a * lat + b / link_bw + wait))
+    link = refit_link(samples)
+    assert link.latency_s == pytest.approx(lat, rel=1e-6)
+    assert link.bandwidth_bytes_per_s == pytest.approx(link_bw, rel=1e-6)
+    assert fit_line([1.0, 1.0], [2.0, 3.0]) is None            # no spread, no fit
+
+
+def _record(rank, world, plan_json):
+    import torch
+
+    from autoplan.planner.planfile import Plan
+    from autoplan.runtime.step_trace import record_steps
+    from autoplan.runtime.trainer import compile
+    ex = _example(GLOBAL_BATCH)
+    small = _example(1)
+    trainer = compile(ex.model, "local", example_inputs=small.example_inputs,
+                      example_targets=small.targets, loss_fn=ex.loss_fn,
+                      optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3),
+                      global_batch_size=GLOBAL_BATCH, plan=Plan.from_json(plan_json))
+    batch = tuple(ex.example_inputs) + (ex.targets,)
+    trainer.step(batch)
+    return record_steps(trainer, batch, 2)
+
+
+def test_phases_of_a_recorded_trace_add_up_to_the_step():
+    plan = _plan(2, dict(tp=2, sequence_parallel=True))
+    for rec in run_ranks(_record, 2, plan.to_json()):
+        ph = attribute(rec["events"], rec["step_s"])
+        assert set(ph.seconds) == set(PHASES)
+        assert ph.total_s() == pytest.approx(ph.step_s, rel=1e-9)
+        assert ph.step_s == pytest.approx(sum(rec["step_s"]) / 2, rel=0.05)
+        s = ph.seconds
+        assert s["compute.matmul"] > 0 and s["compute.other"] > 0 and s["optimizer"] > 0
+        assert s["comm.all_gather"] + s["comm.reduce_scatter"] + s["comm.all_reduce"] > 0
+        assert all(v >= 0 for v in s.values())
+    assert collective_kind("gloo:all_reduce") == "all_reduce"
+    assert collective_kind("nccl:send") == "p2p" and collective_kind("aten::mm") is None
+
+
+def test_a_written_profile_is_what_the_next_plan_uses(tmp_path, monkeypatch):
+    from autoplan import Cluster
+    from autoplan.cli.calibrate_cmd import write_profile
+    from autoplan.cluster import local
+    from autoplan.cost.refit import ComputeFit, LinkFit
+    monkeypatch.setenv("AUTOPLAN_PROFILE_DIR", str(tmp_path))
+    monkeypatch.setattr(local, "local_cpu_device_name", lambda: "cpu-calibrate-test")
+    before = Cluster.local(2)
+    fits = {"compute": ComputeFit(matmul_flops_per_s=77e9, memory_bandwidth_bytes_per_s=9e9,
+                                  launch_s=2e-6, points={"matmul": 9, "memory": 9}),
+            "link": LinkFit(latency_s=55e-6, bandwidth_bytes_per_s=1.7e9, points=9),
+            "optimizer_s": 0.01, "params_per_device": 1_000_000}
+    path = write_profile(fits, None)
+    assert path == str(tmp_path / "cpu-calibrate-test.json")
+    after = Cluster.local(2)
+    assert after.fingerprint() != before.fingerprint()
+    assert after.links["loopback"].bandwidth_bytes_per_s == pytest.approx(1.7e9)
+    assert after.links["loopback"].latency_s == pytest.approx(55e-6)
+    assert after.device.peak_flops["fp32"] == pytest.approx(77e9)
+    from autoplan.cost.profile_db import ProfileDB
+    db = ProfileDB.find("cpu-calibrate-test")
+    assert db.calibration.optimizer_s_per_param == pytest.approx(1e-8)
+    assert db.calibration.launch_s == pytest.approx(2e-6)
