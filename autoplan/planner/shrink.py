@@ -72,8 +72,8 @@ def transfer_sharding(op_strategies: Mapping[str, str], full_layers: int, small:
     the layers the plan's graph traced beyond these (all of the plan's extra layers, or none
     when the planner stamped its layers from a short trace, as it does for deep models)."""
     units = pipeline_units(small)
-    if not units:
-        raise PlanError("the model has no repeated layers: verify shrinks a model by its layers")
+    if not units:        # nothing to shrink by: the plan's own model, op for op
+        return _by_name(op_strategies, small, t, [op.name for op in small.ops])
     if full_layers < len(units):
         raise PlanError(f"the plan's model has {full_layers} layers, fewer than the shrunk "
                         f"one's {len(units)}: verify needs the model the plan was made for")
@@ -107,6 +107,12 @@ def transfer_sharding(op_strategies: Mapping[str, str], full_layers: int, small:
             source.append(first[i - unit.start].name)
         else:
             source.append(shifted(op.name, extra))
+    return _by_name(op_strategies, small, t, source)
+
+
+def _by_name(op_strategies: Mapping[str, str], small: OpGraph, t: int,
+             source: list[str]) -> tuple[Sharding, list[str]]:
+    """``small``'s ops with the plan's strategies of the ops named ``source``."""
     chosen, kept_inputs = [], []
     placement: dict[str, Any] = {}
     for op, name in zip(small.ops, source):
