@@ -10,7 +10,9 @@ def test_demo_plans_trains_and_plans_gpt3(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     text = out.stdout
     losses = [float(line.split()[3]) for line in text.splitlines() if line.startswith("step ")]
-    assert len(losses) == 10 and losses[-1] < losses[0]          # the loss goes down
+    assert len(losses) == 15 and losses[-1] < losses[0]          # the loss goes down
+    assert "resumed from" in text and "at step 10" in text        # and goes on after a resume
+    assert (tmp_path / "checkpoints" / "latest").exists()
     assert "measured step time" in text and "predicted" in text
     assert "gpt3-175b" in text and "solver" in text
     assert (tmp_path / "gpt-small-cpu.plan.json").exists()

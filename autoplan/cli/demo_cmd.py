@@ -2,7 +2,8 @@
 
 1. plans a small GPT (gpt-small-cpu) for this machine as 4 CPU ranks on gloo and prints the plan;
 2. trains it with that plan under torchrun for a few steps: the loss per step, then the measured
-   step time next to the predicted one;
+   step time next to the predicted one (calibrated: a CPU without a profile is measured on first
+   use); it saves a checkpoint, and new processes resume from it and train on;
 3. traces GPT-3 175B on the meta device (nothing allocated) and plans it for 1,024 A100s
    (128 DGX nodes), printing the plan: mesh, sharding, memory, time, alternatives, solver.
 """
@@ -59,12 +60,25 @@ def run(args: argparse.Namespace) -> int:
 
     _headline(f"2. train it with the plan: torchrun, {args.ranks} processes, {args.steps} steps, "
               f"global batch {gbs}")
+    ckpt = os.path.join(out, "checkpoints")
     cmd = torchrun_command(path, "gpt-small-cpu", nproc=args.ranks, steps=args.steps, lr=1e-3,
-                           master_port=_free_port())
+                           master_port=_free_port(), checkpoint_dir=ckpt,
+                           checkpoint_every=args.steps)
     print("$ " + " ".join(cmd[2:]), flush=True)
     code = subprocess.call(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     if code:
         print(f"training failed (exit {code})", file=sys.stderr)
+        return code
+
+    more = max(1, args.steps // 2)
+    _headline(f"2b. new processes resume from the checkpoint and train {more} more steps")
+    cmd = torchrun_command(path, "gpt-small-cpu", nproc=args.ranks, steps=args.steps + more,
+                           lr=1e-3, master_port=_free_port(), checkpoint_dir=ckpt,
+                           resume=True)
+    print("$ " + " ".join(cmd[2:]), flush=True)
+    code = subprocess.call(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    if code:
+        print(f"resuming failed (exit {code})", file=sys.stderr)
         return code
 
     layers = 8 if args.quick else 96
