@@ -47,6 +47,11 @@ def run(args: argparse.Namespace) -> int:
         raise PlanError(f"the plan is for cluster {plan.cluster.name!r}; calibrate measures this "
                         "machine: plan with --cluster local:N")
     world = plan.config.world_size
+    import torch
+    if torch.cuda.is_available():
+        raise PlanError("calibrate measures CPU ranks so far: on GPUs the kernels run on CUDA "
+                        "streams, which its attribution does not read yet; use `autoplan "
+                        "profile --device cuda` for the device figures")
     with tempfile.TemporaryDirectory(prefix="autoplan-calibrate-") as tmp:
         from autoplan.cli.demo_cmd import _free_port
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={world}",
