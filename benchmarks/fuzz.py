@@ -226,7 +226,7 @@ def readers() -> dict[str, Callable[[bytes], Any]]:
     def checkpoint_meta(data: bytes) -> Any:
         from pathlib import Path
 
-        from autoplan.runtime.checkpoint import META_FILE, _model_mismatch, read_meta
+        from autoplan.runtime.checkpoint_files import META_FILE, _model_mismatch, read_meta
         step = Path(tmp) / "step-00000003"
         step.mkdir(exist_ok=True)
         (step / META_FILE).write_bytes(data)

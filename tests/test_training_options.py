@@ -24,6 +24,17 @@ def _opt(params):
     return torch.optim.AdamW(params, lr=1e-3, eps=1e-6)
 
 
+def _compiled(plan_json, **kw):
+    """(trainer, global batch) of gpt-tiny under the plan, on this rank."""
+    from autoplan.runtime.trainer import compile
+    ex = _example(GLOBAL_BATCH)
+    small = _example(1)
+    trainer = compile(ex.model, "local", example_inputs=small.example_inputs,
+                      example_targets=small.targets, loss_fn=ex.loss_fn, optimizer=_opt,
+                      global_batch_size=GLOBAL_BATCH, plan=Plan.from_json(plan_json), **kw)
+    return trainer, tuple(ex.example_inputs) + (ex.targets,)
+
+
 def _reference_clipped():
     ex = _example(GLOBAL_BATCH)
     opt = _opt(ex.model.parameters())
@@ -40,15 +51,9 @@ def _reference_clipped():
 
 def _rank(rank, world, plan_json, kw):
     from autoplan.runtime.grads import LossScaler
-    from autoplan.runtime.trainer import compile
-    ex = _example(GLOBAL_BATCH)
-    small = _example(1)
     scaler = LossScaler(init_scale=kw["init_scale"]) if "init_scale" in kw else None
-    trainer = compile(ex.model, "local", example_inputs=small.example_inputs,
-                      example_targets=small.targets, loss_fn=ex.loss_fn, optimizer=_opt,
-                      global_batch_size=GLOBAL_BATCH, plan=Plan.from_json(plan_json),
-                      max_grad_norm=kw.get("max_grad_norm"), loss_scaler=scaler)
-    batch = tuple(ex.example_inputs) + (ex.targets,)
+    trainer, batch = _compiled(plan_json, max_grad_norm=kw.get("max_grad_norm"),
+                               loss_scaler=scaler)
     losses, norms, skipped = [], [], []
     for _ in range(kw.get("steps", STEPS)):
         losses.append(trainer.step(batch))
@@ -169,15 +174,8 @@ def test_dp1_parameter_offload_runs_fsdp_cpu_offload():
 
 def _offload_check_rank(rank, world, plan_json):
     from torch.distributed.fsdp import FSDPModule
-
-    from autoplan.runtime.trainer import compile
-    ex = _example(GLOBAL_BATCH)
-    small = _example(1)
-    trainer = compile(ex.model, "local", example_inputs=small.example_inputs,
-                      example_targets=small.targets, loss_fn=ex.loss_fn, optimizer=_opt,
-                      global_batch_size=GLOBAL_BATCH, plan=Plan.from_json(plan_json))
+    trainer, batch = _compiled(plan_json)
     units = sum(isinstance(m, FSDPModule) for m in trainer.model.modules())
-    batch = tuple(ex.example_inputs) + (ex.targets,)
     return [trainer.step(batch) for _ in range(STEPS)], units
 
 
@@ -185,13 +183,7 @@ def _pp_count_rank(rank, world, plan_json):
     from torch.nn.parallel import DistributedDataParallel
 
     from autoplan.runtime.comm_counter import CommCounter
-    from autoplan.runtime.trainer import compile
-    ex = _example(GLOBAL_BATCH)
-    small = _example(1)
-    trainer = compile(ex.model, "local", example_inputs=small.example_inputs,
-                      example_targets=small.targets, loss_fn=ex.loss_fn, optimizer=_opt,
-                      global_batch_size=GLOBAL_BATCH, plan=Plan.from_json(plan_json))
-    batch = tuple(ex.example_inputs) + (ex.targets,)
+    trainer, batch = _compiled(plan_json)
     trainer.step(batch)                        # DDP's first step rebuilds its buckets
     with CommCounter() as counter:
         trainer.step(batch)

@@ -122,7 +122,6 @@ def _per_op(plan: Any, framework_s: float) -> float:
 
 def refit(plan: Any, records: list[dict[str, Any]], threads: list[int]) -> dict[str, Any]:
     """The compute, optimizer and loopback-link fits of all ranks' events."""
-    from autoplan.cluster import Cluster
     from autoplan.cost.refit import refit_compute, refit_link
     from autoplan.estimate.attribution import collective_kind
     events = []
@@ -149,7 +148,6 @@ def refit(plan: Any, records: list[dict[str, Any]], threads: list[int]) -> dict[
     link = refit_link(samples)
     params = sum(int(p.get("params_per_device", 0)) for p in plan.predicted.get("stages", [])[:1])
     opt_s = [attribute_opt(r) for r in records]
-    _ = Cluster
     return {"compute": compute, "link": link, "optimizer_s": max(opt_s) if opt_s else None,
             "params_per_device": params}
 

@@ -20,7 +20,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from autoplan.runtime.checkpoint import export
+    from autoplan.runtime.checkpoint_files import export
     info = export(args.checkpoint, args.output)
     print(f"wrote {info['path']}: {info['tensors']} tensors, {info['bytes'] / 2**20:.1f} MiB, "
           f"model at step {info['step']}")

@@ -127,8 +127,6 @@ def auto_calibration(device: str) -> tuple[dict[str, float], int] | None:
 
     if os.environ.get(AUTO_CALIBRATE_ENV, "1") == "0" or int(os.environ.get("WORLD_SIZE", "1")) > 1:
         return None
-    import torch
-
     from autoplan.cost.profile_db import PROFILE_DIR_ENV, ProfileDB, default_cache_dir
     from autoplan.cost.profiler import build_db, calibrate
 

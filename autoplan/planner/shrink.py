@@ -18,7 +18,7 @@ from autoplan.errors import PlanError
 from autoplan.estimate.config import ParallelConfig
 from autoplan.estimate.partition import pipeline_units
 from autoplan.graph.opgraph import OpGraph
-from autoplan.sharding.sharding import Sharding, _pick
+from autoplan.sharding.sharding import Sharding, as_inputs_come
 from autoplan.sharding.strategies import strategies
 
 
@@ -123,9 +123,7 @@ def _by_name(op_strategies: Mapping[str, str], small: OpGraph, t: int,
         s = options.get(op_strategies[name])
         if s is None:          # a split the smaller axis or batch does not allow: as inputs come
             kept_inputs.append(name)
-            cur = [placement.get(n) if small.value(n).kind == "activation" else None
-                   for n in op.inputs]
-            s = _pick(list(options.values()), cur) or next(iter(options.values()))
+            s = as_inputs_come(small, op, list(options.values()), placement)
         chosen.append(s)
         for k, n in enumerate(op.outputs):
             placement[n] = s.outputs[k]

@@ -25,7 +25,7 @@ from autoplan.runtime.program import Program, build_program, check_shapes
 from autoplan.runtime.segments import layer_ranges, split_layers
 from autoplan.runtime.state import (LocalState, keep_out_of_state_dict,
                                     non_persistent_buffers, register_aliases, tied_names)
-from autoplan.sharding.sharding import Sharding, _pick
+from autoplan.sharding.sharding import Sharding, as_inputs_come
 from autoplan.sharding.strategies import strategies
 
 
@@ -94,9 +94,7 @@ def strategies_by_position(plan_graph: OpGraph, op_strategies: dict[str, str],
             # an op only this batch size has, or a view whose dims differ at it (a size-1
             # batch dim cannot be split): it takes its inputs as they come, resharding where
             # the next op needs it
-            cur = [placement.get(n) if graph.value(n).kind == "activation" else None
-                   for n in op.inputs]
-            s = _pick(list(options.values()), cur) or next(iter(options.values()))
+            s = as_inputs_come(graph, op, list(options.values()), placement)
         chosen.append(s)
         for k, n in enumerate(op.outputs):
             placement[n] = s.outputs[k]

@@ -113,7 +113,7 @@ def _resume_from(args: argparse.Namespace) -> str | None:
     import os
 
     from autoplan.errors import CheckpointError
-    from autoplan.runtime.checkpoint import resolve
+    from autoplan.runtime.checkpoint_files import resolve
     restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
     if not args.checkpoint_dir or not (args.resume or restarted):
         return None

@@ -18,8 +18,9 @@ needs; a later reader that needs another one reshards them the same way.
 from __future__ import annotations
 
 import bisect
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from autoplan.graph.analysis import analyze
 from autoplan.graph.opgraph import OpGraph
@@ -188,6 +189,15 @@ def replicated(graph: OpGraph) -> Sharding:
 def replicated_on(graph: OpGraph, t: int) -> Sharding:
     """Every op replicated on a t-way axis (each rank of the group does all the work)."""
     return Sharding.build(graph, t, [strategies(graph, op, t)[0] for op in graph.ops])
+
+
+def as_inputs_come(graph: OpGraph, op: Any, options: Sequence[OpStrategy],
+                   placement: Mapping[str, Placement]) -> OpStrategy:
+    """The strategy of ``op`` that takes its activations as they are (``placement``: what was
+    chosen for every value so far; weights count as free), for an op whose own choice does not
+    exist here."""
+    cur = [placement.get(n) if graph.value(n).kind == "activation" else None for n in op.inputs]
+    return _pick(list(options), cur) or options[0]
 
 
 def _pick(options: list[OpStrategy], want: Sequence[Placement | None]) -> OpStrategy | None:
