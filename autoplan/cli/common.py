@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from typing import Any
 
@@ -40,6 +41,8 @@ def build_model_arg(args: argparse.Namespace):
     spec = args.model
     if ":" in spec and not spec.endswith(".json"):
         mod_name, _, fn_name = spec.partition(":")
+        if os.getcwd() not in sys.path:       # like `python -m`: modules of the current folder
+            sys.path.insert(0, os.getcwd())
         try:
             fn = getattr(importlib.import_module(mod_name), fn_name)
         except (ImportError, AttributeError) as e:

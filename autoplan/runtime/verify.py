@@ -73,6 +73,9 @@ def _build(spec: str, *, layers: int, batch: int, seq_len: int | None, device: s
     torch.manual_seed(0)
     if ":" in spec:
         mod_name, _, fn_name = spec.partition(":")
+        import os
+        if os.getcwd() not in sys.path:       # like `python -m`: modules of the current folder
+            sys.path.insert(0, os.getcwd())
         try:
             fn = getattr(importlib.import_module(mod_name), fn_name)
         except (ImportError, AttributeError) as e:
