@@ -248,6 +248,7 @@ def run(formats=FORMATS, mutants: int = 1000, seed: int = 0, time_limit_s: float
 
     from autoplan.errors import AutoplanError
     warnings.simplefilter("ignore")
+    os.environ.setdefault("AUTOPLAN_AUTO_CALIBRATE", "0")   # the same local cluster anywhere
     base, read = seeds(), readers()
     old = signal.signal(signal.SIGALRM, _alarm)
     counts: dict[str, collections.Counter] = {}
