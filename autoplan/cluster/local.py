@@ -149,6 +149,11 @@ def auto_calibration(device: str) -> tuple[dict[str, float], int] | None:
           f"{cal.matmul_flops_per_s / 1e9:.1f} GFLOP/s, memory {cal.memory_bandwidth_bytes_per_s / 1e9:.1f} "
           f"GB/s, op launch {cal.launch_s * 1e6:.1f} us with {db.threads} thread(s); {where} "
           "(`autoplan profile` also measures ops)", file=sys.stderr, flush=True)
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
+    if load > (os.cpu_count() or 1) * 0.75:
+        print(f"autoplan: the machine was busy while calibrating (load {load:.1f} on "
+              f"{os.cpu_count()} cores): the figures may be low; re-measure when it is idle "
+              "with `autoplan profile --calibrate-only`", file=sys.stderr, flush=True)
     return ({"matmul_flops_per_s": cal.matmul_flops_per_s,
              "memory_bandwidth_bytes_per_s": cal.memory_bandwidth_bytes_per_s,
              "launch_s": cal.launch_s}, int(db.threads))
