@@ -2,6 +2,7 @@
 (and because forked distributed ranks deadlock otherwise; see ARCHITECTURE.md)."""
 
 import os
+import tempfile
 
 import pytest
 import torch
@@ -10,6 +11,9 @@ torch.set_num_threads(int(os.environ.get("AUTOPLAN_TEST_THREADS", "1")))
 # no first-use calibration of this CPU (its figures would depend on the machine and its load);
 # tests/test_cluster.py checks that path on its own, with a private profile folder
 os.environ.setdefault("AUTOPLAN_AUTO_CALIBRATE", "0")
+# nor the user's profile cache: a profile another process writes there mid-run (a first-use
+# calibration, `autoplan profile`) would change Cluster.local() under the suite
+os.environ.setdefault("AUTOPLAN_PROFILE_CACHE", tempfile.mkdtemp(prefix="autoplan-test-cache-"))
 
 
 def has_transformers() -> bool:

@@ -50,9 +50,14 @@ PROFILE_DIR_ENV = "AUTOPLAN_PROFILE_DIR"
 _DEVICE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 
 
+PROFILE_CACHE_ENV = "AUTOPLAN_PROFILE_CACHE"
+
+
 def default_cache_dir() -> Path:
-    """Where ``autoplan profile`` writes by default: ``~/.cache/autoplan/profiles``."""
-    return Path.home() / ".cache" / "autoplan" / "profiles"
+    """Where ``autoplan profile`` (and first-use calibration) write by default:
+    ``$AUTOPLAN_PROFILE_CACHE``, else ``~/.cache/autoplan/profiles``."""
+    env = os.environ.get(PROFILE_CACHE_ENV)
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "autoplan" / "profiles"
 
 
 def check_device_name(device: str) -> str:
