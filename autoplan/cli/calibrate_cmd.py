@@ -96,7 +96,8 @@ def report_and_refit(plan: Any, records: list[dict[str, Any]], *, output: str | 
                                             if v > 0))
     if unprofiled_s:
         print(f"  (the same steps without the profiler: {unprofiled_s * 1e3:.2f} ms)")
-    fits = refit(plan, records, [main_thread(r["events"]) for r in records])
+    fits = refit(plan, records, [main_thread(r["events"]) for r in records],
+                 optimizer_s=max(p.seconds["optimizer"] for p in phases))
     fits["unattributed_per_op_s"] = _per_op(plan, measured["other"] - predicted["other"])
     _print_fits(fits)
     if dry_run:
@@ -120,7 +121,8 @@ def _per_op(plan: Any, framework_s: float) -> float:
     return max(0.0, framework_s) / (2 * ops * m) if ops else 0.0
 
 
-def refit(plan: Any, records: list[dict[str, Any]], threads: list[int]) -> dict[str, Any]:
+def refit(plan: Any, records: list[dict[str, Any]], threads: list[int], *,
+          optimizer_s: float | None = None) -> dict[str, Any]:
     """The compute, optimizer and loopback-link fits of all ranks' events."""
     from autoplan.cost.refit import refit_compute, refit_link
     from autoplan.estimate.attribution import collective_kind
@@ -147,14 +149,8 @@ def refit(plan: Any, records: list[dict[str, Any]], threads: list[int]) -> dict[
                         unit_bw.collective_time_s(kind, nbytes, ranks), e["dur_s"]))
     link = refit_link(samples)
     params = sum(int(p.get("params_per_device", 0)) for p in plan.predicted.get("stages", [])[:1])
-    opt_s = [attribute_opt(r) for r in records]
-    return {"compute": compute, "link": link, "optimizer_s": max(opt_s) if opt_s else None,
+    return {"compute": compute, "link": link, "optimizer_s": optimizer_s,
             "params_per_device": params}
-
-
-def attribute_opt(record: dict[str, Any]) -> float:
-    from autoplan.estimate.attribution import attribute
-    return attribute(record["events"], record["step_s"]).seconds["optimizer"]
 
 
 def _numel(shape: list[int]) -> int:
