@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import importlib
-import os
 import sys
 from typing import Any
 
@@ -40,15 +38,8 @@ def build_model_arg(args: argparse.Namespace):
     """The Example named by ``args.model`` (built per the shared model arguments)."""
     spec = args.model
     if ":" in spec and not spec.endswith(".json"):
-        mod_name, _, fn_name = spec.partition(":")
-        if os.getcwd() not in sys.path:       # like `python -m`: modules of the current folder
-            sys.path.insert(0, os.getcwd())
-        try:
-            fn = getattr(importlib.import_module(mod_name), fn_name)
-        except (ImportError, AttributeError) as e:
-            raise AutoplanError(f"cannot load {spec!r}: {e}; give 'package.module:function' "
-                                "importable from the current environment") from e
-        return fn()
+        from autoplan.models import load_user_example
+        return load_user_example(spec)
     from autoplan.models import build_example
     overrides: dict[str, Any] = {}
     if args.layers is not None:

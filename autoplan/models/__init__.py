@@ -13,6 +13,7 @@ from autoplan.models.registry import (
     example_param_count,
     get_config,
     list_examples,
+    load_user_example,
     materialize,
 )
 from autoplan.models.resnet import ResNet, ResNetConfig
@@ -37,5 +38,6 @@ __all__ = [
     "example_param_count",
     "get_config",
     "list_examples",
+    "load_user_example",
     "materialize",
 ]

@@ -314,3 +314,21 @@ def materialize(model: nn.Module, *, device: str | torch.device = "cpu",
     torch.manual_seed(seed)
     model.init_weights()
     return model
+
+
+def load_user_example(spec: str) -> Example:
+    """The Example a ``package.module:function`` spec names, built by calling the function.
+    The current folder is importable, as under ``python -m``."""
+    import importlib
+    import sys
+
+    from autoplan.errors import AutoplanError
+    mod_name, _, fn_name = spec.partition(":")
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        fn = getattr(importlib.import_module(mod_name), fn_name)
+    except (ImportError, AttributeError) as e:
+        raise AutoplanError(f"cannot load {spec!r}: {e}; give 'package.module:function' "
+                            "importable from the current environment") from e
+    return fn()

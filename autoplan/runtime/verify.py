@@ -10,7 +10,6 @@ parameter group (layer indices folded to ``*``) the worst relative error, and bo
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import re
 import sys
@@ -72,15 +71,8 @@ def build(spec: str, *, layers: int, batch: int, seq_len: int | None, device: st
 def _build(spec: str, *, layers: int, batch: int, seq_len: int | None, device: str):
     torch.manual_seed(0)
     if ":" in spec:
-        mod_name, _, fn_name = spec.partition(":")
-        import os
-        if os.getcwd() not in sys.path:       # like `python -m`: modules of the current folder
-            sys.path.insert(0, os.getcwd())
-        try:
-            fn = getattr(importlib.import_module(mod_name), fn_name)
-        except (ImportError, AttributeError) as e:
-            raise AutoplanError(f"cannot load {spec!r}: {e}") from e
-        ex = fn()
+        from autoplan.models import load_user_example
+        ex = load_user_example(spec)
         if not truncate_layers(ex.model, layers):
             raise AutoplanError(f"{spec}: no layer stack (an nn.ModuleList of modules of one "
                                 "type) to shrink")
