@@ -31,16 +31,20 @@ def test_refit_recovers_known_coefficients():
     assert fit.matmul_flops_per_s == pytest.approx(rate, rel=1e-6)
     assert fit.memory_bandwidth_bytes_per_s == pytest.approx(bw, rel=1e-6)
     assert fit.launch_s == pytest.approx(launch, rel=1e-2)
-    # a link: A * latency + B / bandwidth, plus waits for a late peer that the lower envelope
-    # of each size leaves out
+    # a link: A * latency + B / bandwidth
     lat, link_bw = 40e-6, 2.5e9
-    samples = []
-    for _ in range(400):
-        a, b = rng.choice([(2, 1e3), (2, 1e5), (4, 1e6), (2, 4e6)])
-        wait = rng.choice([0.0] * 8 + [rng.uniform(0, 5e-3)] * 2)
-        samples.append((a, b, a * lat + b / link_bw + wait))
+    sizes = [(2, 1e3), (2, 1e5), (4, 1e6), (2, 4e6)]
+    samples = [(a, b, a * lat + b / link_bw) for _ in range(50) for a, b in sizes]
     link = refit_link(samples)
     assert link.latency_s == pytest.approx(lat, rel=1e-6)
+    assert link.bandwidth_bytes_per_s == pytest.approx(link_bw, rel=1e-6)
+    # waits for a late peer (mean 10 us per message step) are added to the latency; the
+    # bandwidth is the link's (the lower envelope of each size)
+    jittered = [(a, b, t + a * (20e-6 if i // 4 % 2 else 0.0))
+                for i, (a, b, t) in enumerate(samples)]
+    link = refit_link(jittered)
+    assert link.wait_s == pytest.approx(10e-6, rel=1e-6)
+    assert link.latency_s == pytest.approx(lat + 10e-6, rel=1e-6)
     assert link.bandwidth_bytes_per_s == pytest.approx(link_bw, rel=1e-6)
     assert fit_line([1.0, 1.0], [2.0, 3.0]) is None            # no spread, no fit
 
@@ -88,7 +92,8 @@ def test_a_written_profile_is_what_the_next_plan_uses(tmp_path, monkeypatch):
     fits = {"compute": ComputeFit(matmul_flops_per_s=77e9, memory_bandwidth_bytes_per_s=9e9,
                                   launch_s=2e-6, points={"matmul": 9, "memory": 9}),
             "link": LinkFit(latency_s=55e-6, bandwidth_bytes_per_s=1.7e9, points=9),
-            "optimizer_s": 0.01, "params_per_device": 1_000_000}
+            "optimizer_s": 0.01, "params_per_device": 1_000_000, "threads": 1, "share": 1.0,
+            "framework_s_per_op": 40e-6}
     path = write_profile(fits, None)
     assert path == str(tmp_path / "cpu-calibrate-test.json")
     after = Cluster.local(2)
@@ -100,3 +105,14 @@ def test_a_written_profile_is_what_the_next_plan_uses(tmp_path, monkeypatch):
     db = ProfileDB.find("cpu-calibrate-test")
     assert db.calibration.optimizer_s_per_param == pytest.approx(1e-8)
     assert db.calibration.launch_s == pytest.approx(2e-6)
+    assert db.calibration.framework_s_per_op == pytest.approx(40e-6)
+    assert db.threads == 1
+    # four ranks on two cores: each has half a core for its compute and its transfers, and no
+    # core is left for gloo's threads to hide transfers behind compute
+    monkeypatch.setattr(local.os, "cpu_count", lambda: 2)
+    shared = Cluster.local(4)
+    assert shared.device.compute_share == pytest.approx(0.5)
+    assert shared.device.overlap_interference == 1.0
+    assert shared.links["loopback"].bandwidth_bytes_per_s == pytest.approx(0.85e9)
+    assert shared.links["loopback"].latency_s == pytest.approx(110e-6)
+    assert Cluster.local(1).device.overlap_interference is None

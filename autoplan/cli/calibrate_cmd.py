@@ -15,6 +15,7 @@ They are written to this CPU's profile (merged with its measured ops), which lat
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import subprocess
@@ -30,7 +31,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("plan", help="a plan for this machine (autoplan plan ... --cluster local:N)")
     p.add_argument("--model", required=True, help="the example model the plan was made for")
     p.add_argument("--steps", type=int, default=5, help="profiled steps (5)")
-    p.add_argument("--warmup", type=int, default=3, help="steps before profiling (3)")
+    p.add_argument("--warmup", type=int, default=4, help="steps before profiling (4)")
     p.add_argument("-o", "--output", default=None,
                    help="profile file to write (default: this CPU's profile on the search path)")
     p.add_argument("--dry-run", action="store_true", help="print the fits, write nothing")
@@ -98,23 +99,32 @@ def report_and_refit(plan: Any, records: list[dict[str, Any]], *, output: str | 
         print(f"  (the same steps without the profiler: {unprofiled_s * 1e3:.2f} ms)")
     fits = refit(plan, records, [main_thread(r["events"]) for r in records],
                  optimizer_s=max(p.seconds["optimizer"] for p in phases))
-    fits["unattributed_per_op_s"] = _per_op(plan, measured["other"] - predicted["other"])
-    _print_fits(fits)
+    fits["framework_s_per_op"] = 0.0
     if dry_run:
+        _print_fits(fits)
         return 0
     path = write_profile(fits, output)
+    # the eager framework's time per op (Python, autograd, hooks, DTensor dispatch): what the
+    # unprofiled step spends beyond everything the refit prices (the profiled steps are slower
+    # by the profiler's own cost)
+    step_s = unprofiled_s or measured["step"]
+    priced_s = _estimate_here(plan)
+    if priced_s is not None:
+        fits["framework_s_per_op"] = _per_op(plan, step_s - priced_s) * fits["share"]
+        path = write_profile(fits, output)
+    _print_fits(fits)
     print(f"\nwrote {path}: later plans and estimates on this machine use it (plans made "
           "for local:N before it describe other figures: re-plan them)")
-    _reestimate(plan, unprofiled_s or measured["step"])
+    now_s = _estimate_here(plan)
+    if now_s is not None:
+        print(f"re-estimated with the refit: {now_s * 1e3:.2f} ms per step, measured "
+              f"{step_s * 1e3:.2f} ms (measured/predicted {step_s / now_s:.2f})")
     return 0
 
 
 def _per_op(plan: Any, framework_s: float) -> float:
-    """What the measured step spends outside kernels, transfers and the optimizer (less the
-    predicted bubble) per forward and backward of every op of the rank's stage and
-    micro-batch. Reported, not fitted: on CPU ranks it is mostly the rank's threads waiting for
-    a core (the gloo threads and the other ranks share them), which the cost model does not
-    price yet, not a per-op cost."""
+    """``framework_s`` per forward and backward of every op of the rank's stage and
+    micro-batch (how the estimate prices ``Calibration.framework_s_per_op``)."""
     stages = plan.predicted.get("stages", [])
     ops = max((int(st.get("num_ops", 0)) for st in stages), default=0)
     m = int(plan.predicted.get("num_microbatches", 1) or 1)
@@ -148,9 +158,22 @@ def refit(plan: Any, records: list[dict[str, Any]], threads: list[int], *,
         samples.append((unit_lat.collective_time_s(kind, nbytes, ranks),
                         unit_bw.collective_time_s(kind, nbytes, ranks), e["dur_s"]))
     link = refit_link(samples)
+    # ranks that outnumber the cores ran at a share of a core: the profile keeps whole-core
+    # figures (Cluster.local scales them by the share of the run it describes)
+    rank_threads = max(1, int(records[0].get("threads", 1)))
+    share = min(1.0, (os.cpu_count() or 1) / (cfg.world_size * rank_threads))
+    if link is not None:
+        link = dataclasses.replace(link, bandwidth_bytes_per_s=link.bandwidth_bytes_per_s / share,
+                                   latency_s=link.latency_s * share, wait_s=link.wait_s * share)
+    if share < 1.0:
+        compute = dataclasses.replace(compute, **{
+            k: (getattr(compute, k) / share if k != "launch_s" else getattr(compute, k) * share)
+            for k in ("matmul_flops_per_s", "memory_bandwidth_bytes_per_s", "launch_s")
+            if getattr(compute, k)})
+        optimizer_s = optimizer_s * share if optimizer_s else optimizer_s
     params = sum(int(p.get("params_per_device", 0)) for p in plan.predicted.get("stages", [])[:1])
     return {"compute": compute, "link": link, "optimizer_s": optimizer_s,
-            "params_per_device": params}
+            "params_per_device": params, "threads": rank_threads, "share": share}
 
 
 def _numel(shape: list[int]) -> int:
@@ -188,29 +211,40 @@ def _print_fits(fits: dict[str, Any]) -> None:
     print(f"    memory bandwidth   {show(c.memory_bandwidth_bytes_per_s, 1e9, 'GB/s')} "
           f"({c.points['memory']} kernels)")
     print(f"    op launch          {show(c.launch_s, 1e-6, 'us')} per kernel")
-    print(f"    not attributed     {fits.get('unattributed_per_op_s', 0.0) * 1e6:.3g} us per op "
-          "and pass (framework, waiting for a core: not priced yet)")
+    print(f"    framework          {fits.get('framework_s_per_op', 0.0) * 1e6:.3g} us per op "
+          "and pass (eager time outside the kernels: Python, autograd, hooks)")
+    if fits.get("share", 1.0) < 1.0:
+        print(f"    (the ranks had {fits['share']:.2f} of a core each: the figures above are per "
+              "whole core)")
     if link is not None:
         print(f"    loopback link      {link.bandwidth_bytes_per_s / 1e9:.3g} GB/s, latency "
-              f"{link.latency_s * 1e6:.3g} us ({link.points} transfers)")
+              f"{link.latency_s * 1e6:.3g} us, of which {link.wait_s * 1e6:.3g} us waiting for "
+              f"the latest peer ({link.points} transfers)")
     else:
         print("    loopback link      not fitted (no collectives of two or more sizes)")
 
 
 def write_profile(fits: dict[str, Any], output: str | None) -> str:
     """This CPU's profile with the refit figures (its measured ops kept)."""
-    import dataclasses
 
-    from autoplan.cluster.local import auto_calibration, local_cpu_device_name
+    from autoplan.cluster.local import (auto_calibration, local_cpu_device_name,
+                                        rank_calibration_db)
     from autoplan.cost.profile_db import PROFILE_DIR_ENV, ProfileDB, default_cache_dir
-    from autoplan.cost.profiler import build_db, calibrate
     device = local_cpu_device_name()
     base = ProfileDB.find(device)
     if base is None:
         auto_calibration(device)
         base = ProfileDB.find(device)
     if base is None:
-        base = build_db({}, calibrate("cpu"), device="cpu", device_name=device)
+        base = rank_calibration_db(device)
+    if base.threads != fits["threads"]:
+        # the refit describes ranks of fits["threads"] thread(s); the ops measured with
+        # another count would be scaled wrongly beside it
+        if base.entries:
+            print(f"calibrate: this CPU's profile holds ops measured with {base.threads} "
+                  f"thread(s), the ranks ran {fits['threads']}: they are left out of the new "
+                  "profile (re-measure them with `autoplan profile`)", file=sys.stderr)
+        base = dataclasses.replace(base, threads=fits["threads"], entries={})
     c = fits["compute"]
     cal = base.calibration
     changes: dict[str, float] = {}
@@ -220,6 +254,7 @@ def write_profile(fits: dict[str, Any], output: str | None) -> str:
         changes["memory_bandwidth_bytes_per_s"] = c.memory_bandwidth_bytes_per_s
     if c.launch_s:
         changes["launch_s"] = c.launch_s
+    changes["framework_s_per_op"] = max(0.0, fits.get("framework_s_per_op", 0.0))
     params = fits["params_per_device"]
     if fits["optimizer_s"] and params:
         changes["optimizer_s_per_param"] = max(1e-12, fits["optimizer_s"] / params)
@@ -237,18 +272,18 @@ def write_profile(fits: dict[str, Any], output: str | None) -> str:
     return path
 
 
-def _reestimate(plan: Any, measured_s: float) -> None:
+def _estimate_here(plan: Any) -> float | None:
+    """The plan's step time estimated again with this machine's profile as it is now (None for
+    a model that is not an example name)."""
     from autoplan.cluster import Cluster
     from autoplan.estimate import estimate
-    from autoplan.models import build_example
     from autoplan.graph import trace
-    name = plan.model.name
+    from autoplan.models import build_example
     try:
-        ex = build_example(name, batch_size=1)
+        ex = build_example(plan.model.name, batch_size=1)
     except ValueError:
-        return
+        return None
     g = trace(ex.model, ex.example_inputs, loss_fn=ex.loss_fn, targets=ex.targets)
     est = estimate(g, Cluster.local(plan.config.world_size), config=plan.config,
                    global_batch_size=plan.training.global_batch_size, profile="auto")
-    print(f"re-estimated with the refit: {est.step_time_s * 1e3:.2f} ms per step, measured "
-          f"{measured_s * 1e3:.2f} ms (measured/predicted {measured_s / est.step_time_s:.2f})")
+    return est.step_time_s

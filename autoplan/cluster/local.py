@@ -116,6 +116,27 @@ def profiled_links(device: str) -> dict[str, dict[str, float]]:
 
 
 AUTO_CALIBRATE_ENV = "AUTOPLAN_AUTO_CALIBRATE"
+# the intra-op threads of one CPU rank process (runtime/worker.py sets it; torchrun's
+# OMP_NUM_THREADS default): first-use calibration measures with as many
+RANK_THREADS = 1
+
+
+def rank_calibration_db(device: str) -> Any:
+    """A ProfileDB of this CPU's calibration (no ops), measured with the threads one rank
+    process runs with (``RANK_THREADS``), as a saved file gives it back."""
+    import torch
+
+    from autoplan.cost.profile_db import ProfileDB
+    from autoplan.cost.profiler import build_db, calibrate
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(RANK_THREADS)   # what one rank process gets (runtime/worker.py)
+    try:
+        db = build_db({}, calibrate("cpu"), device="cpu", device_name=device,
+                      sources=("auto-calibration",))
+    finally:
+        torch.set_num_threads(threads)
+    return ProfileDB.from_text(db.to_json())
 
 
 def auto_calibration(device: str) -> tuple[dict[str, float], int] | None:
@@ -127,8 +148,7 @@ def auto_calibration(device: str) -> tuple[dict[str, float], int] | None:
 
     if os.environ.get(AUTO_CALIBRATE_ENV, "1") == "0" or int(os.environ.get("WORLD_SIZE", "1")) > 1:
         return None
-    from autoplan.cost.profile_db import PROFILE_DIR_ENV, ProfileDB, default_cache_dir
-    from autoplan.cost.profiler import build_db, calibrate
+    from autoplan.cost.profile_db import PROFILE_DIR_ENV, default_cache_dir
 
     folders = [f for f in os.environ.get(PROFILE_DIR_ENV, "").split(os.pathsep) if f]
     path = (os.path.join(os.path.expanduser(folders[0]), f"{device}.json") if folders
@@ -136,9 +156,7 @@ def auto_calibration(device: str) -> tuple[dict[str, float], int] | None:
     print(f"autoplan: no profile for this CPU ({device}) yet: calibrating it once (about 2 s; "
           f"{AUTO_CALIBRATE_ENV}=0 skips this)...", file=sys.stderr, flush=True)
     t0 = time.perf_counter()
-    cal = calibrate("cpu")
-    db = build_db({}, cal, device="cpu", device_name=device, sources=("auto-calibration",))
-    db = ProfileDB.from_text(db.to_json())     # the figures as the saved file gives them back
+    db = rank_calibration_db(device)
     cal = db.calibration
     try:
         db.save(path)
@@ -185,7 +203,8 @@ def local_cluster_dict(nproc: int | None = None, *, calibration: Mapping[str, fl
             d["links"] = {"loopback": {**fitted, "efficiency": 1.0,
                                        "source": "fitted on this machine by `autoplan calibrate` "
                                                  "(least squares over measured transfers)"}}
-        return d
+        return share_links(d)
+
     count = torch.cuda.device_count()
     nproc = count if nproc is None else nproc
     if nproc > count:
@@ -196,6 +215,23 @@ def local_cluster_dict(nproc: int | None = None, *, calibration: Mapping[str, fl
 
 
 # --------------------------------------------------------------------------- CPU ranks
+def share_links(d: dict[str, Any]) -> dict[str, Any]:
+    """Rank processes that outnumber the cores move their bytes with a share of a core too
+    (gloo's copies and reductions are CPU work): the loopback link runs ``compute_share`` as
+    fast, with latencies as much longer."""
+    share = float(d["device"].get("compute_share", 1.0))
+    if share >= 1.0:
+        return d
+    links = dict(d.get("links") or {})
+    base = links.get("loopback") or specs.load_link("loopback").to_dict()
+    links["loopback"] = {**{k: v for k, v in base.items() if k != "name"},
+                         "bandwidth_bytes_per_s": base["bandwidth_bytes_per_s"] * share,
+                         "latency_s": base["latency_s"] / share,
+                         "source": f"{base.get('source', '')} (times the ranks' share of the "
+                                   f"cores, {share:.2f})"}
+    return {**d, "links": links}
+
+
 def cpu_cluster_dict(nproc: int, cal: Mapping[str, float], *, calibrated: bool = False,
                      memory_bytes: int | None = None, measured_threads: int = 1) -> dict[str, Any]:
     total = memory_bytes if memory_bytes is not None else host_memory_bytes()
@@ -222,6 +258,9 @@ def cpu_cluster_dict(nproc: int, cal: Mapping[str, float], *, calibrated: bool =
             "matmul_efficiency": 1.0, "memory_efficiency": 1.0,  # calibrated rates are achieved rates
             "kernel_launch_s": cal["launch_s"],
             "compute_share": share,
+            # no core to spare for gloo's threads: overlapped transfers take compute's cores
+            **({"overlap_interference": 1.0} if nproc * RANK_THREADS >= (os.cpu_count() or 1)
+               else {}),
             "source": f"{origin}; memory: host memory / nproc",
         },
         "host": {

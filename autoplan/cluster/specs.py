@@ -145,6 +145,11 @@ class DeviceSpec:
     # fraction of the measured machine one device gets: CPU rank processes that outnumber the
     # cores share them (a profile measured on the whole machine runs this much slower per rank)
     compute_share: float = 1.0
+    # fraction of the communication hidden behind compute that still slows it (None: the cost
+    # model's default for accelerators, whose collectives run on their own engines and share
+    # SMs and memory bandwidth). CPU ranks with no spare core: 1.0, the transfers' copies and
+    # reductions run on the cores the compute needs.
+    overlap_interference: float | None = None
 
     def __post_init__(self) -> None:
         where = f"device {self.name!r}"
@@ -165,6 +170,9 @@ class DeviceSpec:
         number(self.kernel_launch_s, "kernel_launch_s", where, positive=False)
         text(self.source, "source", where)
         number(self.compute_share, "compute_share", where, at_most=1.0)
+        if self.overlap_interference is not None:
+            number(self.overlap_interference, "overlap_interference", where, positive=False,
+                   at_most=1.0)
 
     def peak_flops_for(self, precision: str) -> float:
         """Dense peak FLOP/s for a training precision ("bf16", "fp16", "fp32"; "tf32" explicit).
@@ -182,13 +190,16 @@ class DeviceSpec:
     def to_dict(self) -> dict[str, Any]:
         out = {f.name: getattr(self, f.name) for f in fields(self)}
         out["peak_flops"] = dict(self.peak_flops)
+        if self.overlap_interference is None:
+            del out["overlap_interference"]
         return out
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], *, where: str = "device") -> DeviceSpec:
         allowed = tuple(f.name for f in fields(cls)) + ("aliases", "notes")
         check_keys(data, allowed, where,
-                   required=tuple(f.name for f in fields(cls) if f.name != "compute_share"))
+                   required=tuple(f.name for f in fields(cls)
+                                  if f.name not in ("compute_share", "overlap_interference")))
         peak = data["peak_flops"]
         check_keys(peak, PRECISIONS, f"{where}.peak_flops")
         return cls(
@@ -203,6 +214,9 @@ class DeviceSpec:
             source=text(data["source"], "source", where),
             compute_share=number(data.get("compute_share", 1.0), "compute_share", where,
                                  at_most=1.0),
+            overlap_interference=(None if data.get("overlap_interference") is None else
+                                  number(data["overlap_interference"], "overlap_interference",
+                                         where, positive=False, at_most=1.0)),
         )
 
 

@@ -157,11 +157,15 @@ class Calibration:
     optimizer_s_per_tensor: float        # its fixed cost per parameter tensor (per-tensor loop)
     step_overhead_s: float               # fwd + bwd + step + zero_grad of a 1-parameter model
     matmul_dtype: str = "float32"
+    # eager framework time per op and pass outside its kernel (Python modules, autograd, hooks,
+    # DTensor dispatch), fitted by `autoplan calibrate` from a measured step; 0 until then
+    framework_s_per_op: float = 0.0
 
     def __post_init__(self) -> None:
         for f in fields(self):
             if f.name != "matmul_dtype":
-                _check_number("Calibration", f.name, getattr(self, f.name), positive=True)
+                _check_number("Calibration", f.name, getattr(self, f.name),
+                              positive=f.name != "framework_s_per_op")
 
 
 _TIMING_FIELDS = tuple(f.name for f in fields(OpTiming))
@@ -179,7 +183,7 @@ def _timing_to_json(t: OpTiming) -> dict[str, Any]:
 
 def _calibration_to_json(c: Calibration) -> dict[str, Any]:
     return {f: (getattr(c, f) if f == "matmul_dtype" else _round(getattr(c, f)))
-            for f in _CALIBRATION_FIELDS}
+            for f in _CALIBRATION_FIELDS if f != "framework_s_per_op" or c.framework_s_per_op}
 
 
 # ---- the database -----------------------------------------------------------------------------

@@ -8,9 +8,10 @@ calibrate`).
   kernel is the median time of the smallest tenth.
 - Collectives: the cost model prices a collective on a link as ``A * latency + B / bandwidth``
   (``A`` and ``B`` from its algorithm: steps and bytes moved per rank); least squares on
-  (latency, 1 / bandwidth) over the measured transfers' lower envelope (the fastest tenth of
-  each size: a transfer's time also holds the wait for its slowest peer, which is load
-  imbalance, not the link) gives the link's figures.
+  (latency, 1 / bandwidth) over the transfers' lower envelope (the fastest tenth of each size)
+  gives the link's figures. A blocking transfer's time also holds the wait for its latest peer
+  (the ranks' jitter, a core shared with another rank's threads), which a step pays on every
+  transfer: its mean per message step is added to the latency.
 Each fit needs a spread of sizes; with too few points (or a fit that comes out non-physical)
 the coefficient is reported as not fitted and the old one is kept.
 """
@@ -135,13 +136,14 @@ class LinkFit:
     bandwidth_bytes_per_s: float
     points: int
     sizes: int = 0
+    wait_s: float = 0.0      # of latency_s: the mean wait for the latest peer per message step
 
 
 def refit_link(samples: Sequence[tuple[float, float, float]]) -> LinkFit | None:
     """``samples``: (A, B, measured seconds) per transfer, the model's time being
     ``A * latency + B / bandwidth``. None when the samples do not determine the figures."""
-    # a transfer's measured time includes waiting for the slowest peer to arrive; the fastest
-    # tenth of each size is the transfer itself
+    # the fastest tenth of each size is the transfer itself; the rest of a transfer's time is
+    # the wait for its latest peer
     by_size: dict[tuple[float, float], list[float]] = {}
     for a, b, t in samples:
         by_size.setdefault((a, b), []).append(t)
@@ -151,5 +153,7 @@ def refit_link(samples: Sequence[tuple[float, float, float]]) -> LinkFit | None:
     if fit is None:
         return None
     latency, inv_bw = fit
-    return LinkFit(latency_s=latency, bandwidth_bytes_per_s=1.0 / inv_bw, points=len(samples),
-                   sizes=len(envelope))
+    waits = [(t - a * latency - b * inv_bw) / a for a, b, t in samples if a > 0]
+    wait = max(0.0, sum(waits) / len(waits)) if waits else 0.0
+    return LinkFit(latency_s=latency + wait, bandwidth_bytes_per_s=1.0 / inv_bw,
+                   points=len(samples), sizes=len(envelope), wait_s=wait)

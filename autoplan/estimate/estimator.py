@@ -92,6 +92,7 @@ def estimate(model: Any, cluster: Any, *, config: ParallelConfig, global_batch_s
     a = analyze(graph)
     profile = profile_arg(profile, cluster, "estimate()")
     compute = compute_model(graph, cluster.device, config.precision, profile)
+    interference = overlap_interference(cluster)
     p, v = config.pp, config.virtual_stages
     sh = sharding_for(graph, config.tp, config.sequence_parallel, sharding)
     if sh.t != config.tp:
@@ -138,7 +139,7 @@ def estimate(model: Any, cluster: Any, *, config: ParallelConfig, global_batch_s
         bottleneck = max(range(p), key=lambda r: sim.busy_s[r])
         bubble_s = free_sends - sim.busy_s[bottleneck]     # fill and drain
         p2p_s = no_collectives.makespan_s - free_sends      # waiting on point-to-point sends
-        simulated_comm = _exposed_collectives(sim, no_collectives.makespan_s)
+        simulated_comm = _exposed_collectives(sim, no_collectives.makespan_s, interference)
     bc = [costs[c] for c in stage_chunks[bottleneck]]
     compute_s = m * sum(c.fwd_s + c.bwd_s for c in bc)
     recompute_s = m * sum(c.recompute_s for c in bc)
@@ -163,10 +164,11 @@ def estimate(model: Any, cluster: Any, *, config: ParallelConfig, global_batch_s
             # the dp group's gradient sync (DDP's buckets) hidden behind the last
             # micro-batch's backward as far as it lasts
             comm = grad_sync
-            sync += overlap_exposed_s(comm, stage_b[s], comm / layers) if comm > 0 else 0.0
+            sync += (overlap_exposed_s(comm, stage_b[s], comm / layers, interference)
+                     if comm > 0 else 0.0)
             if ag + rs > 0:              # FSDP, each phase's traffic behind its compute
-                fwd_x = overlap_exposed_s(layers * ag, stage_f[s], ag)
-                bwd_x = overlap_exposed_s(layers * (ag + rs), stage_b[s], ag + rs)
+                fwd_x = overlap_exposed_s(layers * ag, stage_f[s], ag, interference)
+                bwd_x = overlap_exposed_s(layers * (ag + rs), stage_b[s], ag + rs, interference)
                 gather = m * (fwd_x + bwd_x * ag / (ag + rs))
                 sync += m * bwd_x * rs / (ag + rs)
         owned = params / (config.dp if config.zero_stage >= 1 else 1)
@@ -192,7 +194,12 @@ def estimate(model: Any, cluster: Any, *, config: ParallelConfig, global_batch_s
         dp_sync += simulated_comm[0]
         zero_gather += simulated_comm[1]
 
-    overhead_s = getattr(getattr(profile, "calibration", None), "step_overhead_s", 0.0) or 0.0
+    cal = getattr(profile, "calibration", None)
+    overhead_s = getattr(cal, "step_overhead_s", 0.0) or 0.0
+    # eager framework time outside the kernels: per op, forward and backward, every micro-batch
+    ops_bottleneck = sum(chunks[c].stop - chunks[c].start for c in stage_chunks[bottleneck])
+    overhead_s += (getattr(cal, "framework_s_per_op", 0.0) * 2 * ops_bottleneck * m
+                   * compute.slowdown)
     comm_exposed = {"tp": tp_s, "dp_grad_sync": dp_sync, "zero_param_gather": zero_gather,
                     "pp_p2p": p2p_s, "offload": offload_s}
     time = TimeBreakdown(compute_s=compute_s, recompute_s=recompute_s,
@@ -300,7 +307,8 @@ def _chunk_collectives(config: ParallelConfig, cluster: Any, costs: Sequence[Ran
     return sync, fsdp
 
 
-def _exposed_collectives(sim: Any, without_s: float) -> tuple[float, float]:
+def _exposed_collectives(sim: Any, without_s: float, interference: float
+                         ) -> tuple[float, float]:
     """(gradient syncs, gathers): what the simulated collectives added to the step, plus the
     interference of the overlapped rest, split by their time on the busiest stream."""
     if not sim.comm_events:
@@ -308,7 +316,7 @@ def _exposed_collectives(sim: Any, without_s: float) -> tuple[float, float]:
     exposed = max(0.0, sim.makespan_s - without_s)
     busiest = max(range(len(sim.comm_busy_s)), key=lambda r: sim.comm_busy_s[r])
     total = sim.comm_busy_s[busiest]
-    added = exposed + OVERLAP_INTERFERENCE * max(0.0, total - exposed)
+    added = exposed + interference * max(0.0, total - exposed)
     gathers = sum(e.end_s - e.start_s for e in sim.comm_events
                   if e.rank == busiest and e.kind == "gather")
     share = gathers / total if total > 0 else 0.0
@@ -332,13 +340,23 @@ def _optimizer_step_s(params: float, tensors: int, config: ParallelConfig,
 OVERLAP_INTERFERENCE = 0.15
 
 
-def overlap_exposed_s(comm_s: float, window_s: float, first_s: float) -> float:
+def overlap_exposed_s(comm_s: float, window_s: float, first_s: float,
+                      interference: float = OVERLAP_INTERFERENCE) -> float:
     """Seconds ``comm_s`` of communication adds to a phase of ``window_s`` seconds of compute
     it overlaps: what does not fit in the window (at least ``first_s``, the part that must come
     before any compute, e.g. the first layer's gather) plus the interference of the rest."""
     if comm_s <= 0:
         return 0.0
-    return max(comm_s - window_s, first_s) + OVERLAP_INTERFERENCE * min(comm_s, window_s)
+    if interference >= 1.0:          # nothing runs beside it: all of it adds to the phase
+        return comm_s
+    return max(comm_s - window_s, first_s) + interference * min(comm_s, window_s)
+
+
+def overlap_interference(cluster: Any) -> float:
+    """The device's share of overlapped communication charged to compute (see
+    ``DeviceSpec.overlap_interference``), else ``OVERLAP_INTERFERENCE``."""
+    x = getattr(cluster.device, "overlap_interference", None)
+    return OVERLAP_INTERFERENCE if x is None else float(x)
 
 
 def _margin(cluster: Any, margin: float | None) -> float:
