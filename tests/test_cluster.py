@@ -6,9 +6,8 @@ import argparse
 import copy
 import json
 import math
-import pickle
-
 import os
+import pickle
 
 import networkx as nx
 import pytest
