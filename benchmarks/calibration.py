@@ -3,12 +3,13 @@
     python benchmarks/calibration.py              # gpt-small-cpu, 4 families on 2 and 4 ranks
     python benchmarks/calibration.py --model gpt-tiny --steps 6
 
-Uses a private profile folder (nothing of yours is touched): first the plan of the first family
-runs under `autoplan calibrate` (which writes the refit profile), then every family is planned
-again on the calibrated machine and trained with `autoplan run`; each prints its median step
-time next to the prediction. Also prints what the uncalibrated figures (the placeholders a CPU
-without a profile would get) predicted. Goal: measured/predicted within 15 %; ranks that
-outnumber the cores (4 on 2) are priced by their share of the machine.
+Uses private profile folders (nothing of yours is touched). Every family is planned and trained
+with `autoplan run` (median step time next to the prediction) three times:
+- on placeholders (AUTOPLAN_AUTO_CALIBRATE=0, no profile: what a CPU gets with nothing measured);
+- at first use: the first plan calibrates this CPU automatically (a few seconds), as on a new
+  machine; goal within 25 %;
+- after `autoplan calibrate` on the tp2 plan (which refits the profile); goal within 15 %.
+Ranks that outnumber the cores (4 on 2) are priced by their share of the machine.
 """
 
 from __future__ import annotations
@@ -20,9 +21,13 @@ import subprocess
 import sys
 import tempfile
 
-FAMILIES = [(2, ["tp=1", "zero_stage=0"], "dp2"), (2, ["tp=2"], "tp2"),
-            (4, ["tp=1", "zero_stage=3"], "dp4 FSDP (4 ranks on the cores)"),
-            (4, ["tp=2", "dp=2"], "dp2 x tp2")]
+# Each family runs one micro-batch per step (global batch 4 per rank): the same program in all
+# three columns, whatever figures the planner had (with the micro-batch size free, the planner
+# picks the size its figures make cheapest, and the comparison would mix models and programs).
+FAMILIES = [(2, ["tp=1", "zero_stage=0", "micro_batch_size=4"], "dp2"),
+            (2, ["tp=2", "micro_batch_size=8"], "tp2"),
+            (4, ["tp=1", "zero_stage=3", "micro_batch_size=4"], "dp4 FSDP (4 ranks on the cores)"),
+            (4, ["tp=2", "dp=2", "micro_batch_size=8"], "dp2 x tp2")]
 
 
 def _autoplan(*args: str, env: dict[str, str]) -> str:
@@ -53,28 +58,39 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=8)
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="autoplan-calbench-") as tmp:
-        env = {**os.environ, "AUTOPLAN_PROFILE_DIR": os.path.join(tmp, "profiles"),
-               "AUTOPLAN_AUTO_CALIBRATE": "0", "PYTHONWARNINGS": "ignore"}
-        rows = []
-        for world, force, label in FAMILIES:          # the placeholders' predictions
-            path = os.path.join(tmp, f"raw-{world}-{len(rows)}.json")
-            _plan(args.model, world, force, path, env)
-            rows.append(_run(args.model, path, args.steps, env))
-        first = os.path.join(tmp, "calibrate.json")
-        _plan(args.model, FAMILIES[1][0], FAMILIES[1][1], first, env)
-        print(_autoplan("calibrate", first, "--model", args.model, env=env))
-        print(f"{'family':<36} {'uncalibrated':>22} {'calibrated':>34}")
-        print(f"{'':<36} {'measured/predicted':>22} {'measured  predicted  ratio':>34}")
-        worst = 0.0
-        for (world, force, label), raw in zip(FAMILIES, rows):
-            path = os.path.join(tmp, f"cal-{world}-{label[:4]}.json")
-            _plan(args.model, world, force, path, env)
-            measured, predicted = _run(args.model, path, args.steps, env)
+        base = {**os.environ, "PYTHONWARNINGS": "ignore"}
+        raw_env = {**base, "AUTOPLAN_PROFILE_DIR": os.path.join(tmp, "none"),
+                   "AUTOPLAN_AUTO_CALIBRATE": "0"}
+        env = {**base, "AUTOPLAN_PROFILE_DIR": os.path.join(tmp, "profiles"),
+               "AUTOPLAN_AUTO_CALIBRATE": "1"}
+
+        def ratios(env: dict[str, str], tag: str) -> list[tuple[float, float]]:
+            out = []
+            for world, force, label in FAMILIES:
+                path = os.path.join(tmp, f"{tag}-{world}-{len(out)}.json")
+                _plan(args.model, world, force, path, env)
+                out.append(_run(args.model, path, args.steps, env))
+            return out
+
+        raw = ratios(raw_env, "raw")        # the placeholders a CPU without a profile gets
+        first = ratios(env, "first")        # first use: the automatic quick calibration
+        plan = os.path.join(tmp, "calibrate.json")
+        _plan(args.model, FAMILIES[1][0], FAMILIES[1][1], plan, env)
+        print(_autoplan("calibrate", plan, "--model", args.model, env=env))
+        calibrated = ratios(env, "cal")
+        print(f"{'family':<34} {'placeholders':>13} {'first use':>10} {'calibrated':>34}")
+        print(f"{'':<34} {'meas./pred.':>13} {'meas./pred.':>11} "
+              f"{'measured  predicted  meas./pred.':>33}")
+        worst = worst_first = 0.0
+        for (world, force, label), r, f, (measured, predicted) in zip(FAMILIES, raw, first,
+                                                                      calibrated):
             ratio = measured / predicted
             worst = max(worst, abs(ratio - 1))
-            print(f"{label:<36} {raw[0] / raw[1]:>22.2f} {measured:>9.1f} ms {predicted:>7.1f} ms "
-                  f"{ratio:>6.2f}")
-        print(f"worst calibrated error {worst * 100:.0f} % (goal: 15 %)")
+            worst_first = max(worst_first, abs(f[0] / f[1] - 1))
+            print(f"{label:<34} {r[0] / r[1]:>13.2f} {f[0] / f[1]:>11.2f} {measured:>9.1f} ms "
+                  f"{predicted:>7.1f} ms {ratio:>8.2f}")
+        print(f"worst error: first use {worst_first * 100:.0f} % (goal 25 %), calibrated "
+              f"{worst * 100:.0f} % (goal 15 %)")
     return 0
 
 

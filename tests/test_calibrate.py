@@ -116,3 +116,15 @@ def test_a_written_profile_is_what_the_next_plan_uses(tmp_path, monkeypatch):
     assert shared.links["loopback"].bandwidth_bytes_per_s == pytest.approx(0.85e9)
     assert shared.links["loopback"].latency_s == pytest.approx(110e-6)
     assert Cluster.local(1).device.overlap_interference is None
+
+
+def test_first_use_probe_times_the_loopback_link():
+    """Two real rank processes all-reduce over gloo; the fit gives the link physical figures."""
+    from autoplan.cluster.local import probe_loopback, unit_terms
+    link = probe_loopback()
+    assert link is not None
+    assert 1e6 < link["bandwidth_bytes_per_s"] < 1e12
+    assert 0.0 <= link["latency_s"] < 0.1
+    # the cost model's terms: 2 ring steps of two loopback hops each; 2 (n-1)/n of the bytes
+    a, b = unit_terms("all_reduce", 1 << 20, 2)
+    assert a == pytest.approx(4.0, rel=1e-3) and b == pytest.approx(1 << 20, rel=1e-3)

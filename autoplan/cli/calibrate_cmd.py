@@ -110,7 +110,11 @@ def report_and_refit(plan: Any, records: list[dict[str, Any]], *, output: str | 
     step_s = unprofiled_s or measured["step"]
     priced_s = _estimate_here(plan)
     if priced_s is not None:
-        fits["framework_s_per_op"] = _per_op(plan, step_s - priced_s) * fits["share"]
+        # at least what the quick calibration's net of tiny layers measured: the residual also
+        # carries the measurement's noise, and the profiled transfers' waits run long
+        from autoplan.cost.profile_db import ProfileDB
+        floor = ProfileDB.load(path).calibration.framework_s_per_op
+        fits["framework_s_per_op"] = max(floor, _per_op(plan, step_s - priced_s) * fits["share"])
         path = write_profile(fits, output)
     _print_fits(fits)
     print(f"\nwrote {path}: later plans and estimates on this machine use it (plans made "
@@ -134,6 +138,7 @@ def _per_op(plan: Any, framework_s: float) -> float:
 def refit(plan: Any, records: list[dict[str, Any]], threads: list[int], *,
           optimizer_s: float | None = None) -> dict[str, Any]:
     """The compute, optimizer and loopback-link fits of all ranks' events."""
+    from autoplan.cluster.local import unit_terms
     from autoplan.cost.refit import refit_compute, refit_link
     from autoplan.estimate.attribution import collective_kind
     events = []
@@ -142,8 +147,6 @@ def refit(plan: Any, records: list[dict[str, Any]], threads: list[int], *,
                    for e in rec["events"]]
     compute = refit_compute(events, "main")
     cfg = plan.config
-    unit_lat = _with_loopback(cfg.world_size, bandwidth=1e30, latency=1.0)
-    unit_bw = _with_loopback(cfg.world_size, bandwidth=1.0, latency=0.0)
     samples = []
     for e in events:
         kind = collective_kind(e["name"])
@@ -152,11 +155,9 @@ def refit(plan: Any, records: list[dict[str, Any]], threads: list[int], *,
         nbytes = 4.0 * sum(_numel(s) for s in e["shapes"][:1])
         if kind == "all_gather":
             nbytes *= _group(kind, cfg)           # priced by the gathered output
-        ranks = list(range(_group(kind, cfg)))
-        if len(ranks) < 2:
+        if _group(kind, cfg) < 2:
             continue
-        samples.append((unit_lat.collective_time_s(kind, nbytes, ranks),
-                        unit_bw.collective_time_s(kind, nbytes, ranks), e["dur_s"]))
+        samples.append((*unit_terms(kind, nbytes, _group(kind, cfg)), e["dur_s"]))
     link = refit_link(samples)
     # ranks that outnumber the cores ran at a share of a core: the profile keeps whole-core
     # figures (Cluster.local scales them by the share of the run it describes)
@@ -189,15 +190,6 @@ def _group(kind: str, cfg: Any) -> int:
     if kind in ("all_gather", "reduce_scatter"):
         return cfg.tp if cfg.tp > 1 else cfg.dp
     return cfg.dp if cfg.dp > 1 else cfg.tp
-
-
-def _with_loopback(n: int, *, bandwidth: float, latency: float) -> Any:
-    from autoplan.cluster import Cluster
-    from autoplan.cluster.local import local_cluster_dict
-    d = local_cluster_dict(n)
-    d["links"] = {"loopback": {"bandwidth_bytes_per_s": bandwidth, "latency_s": latency,
-                               "efficiency": 1.0, "source": "unit figures for the fit"}}
-    return Cluster.from_dict(d)
 
 
 def _print_fits(fits: dict[str, Any]) -> None:
@@ -254,7 +246,8 @@ def write_profile(fits: dict[str, Any], output: str | None) -> str:
         changes["memory_bandwidth_bytes_per_s"] = c.memory_bandwidth_bytes_per_s
     if c.launch_s:
         changes["launch_s"] = c.launch_s
-    changes["framework_s_per_op"] = max(0.0, fits.get("framework_s_per_op", 0.0))
+    if fits.get("framework_s_per_op"):
+        changes["framework_s_per_op"] = fits["framework_s_per_op"]
     params = fits["params_per_device"]
     if fits["optimizer_s"] and params:
         changes["optimizer_s_per_param"] = max(1e-12, fits["optimizer_s"] / params)
@@ -284,6 +277,13 @@ def _estimate_here(plan: Any) -> float | None:
     except ValueError:
         return None
     g = trace(ex.model, ex.example_inputs, loss_fn=ex.loss_fn, targets=ex.targets)
+    sharding = None
+    if plan.config.tp > 1:          # the plan's own per-op strategies, not the default ones
+        from autoplan.estimate.partition import pipeline_units
+        from autoplan.planner.shrink import transfer_sharding
+        sharding, _ = transfer_sharding(plan.op_strategies, len(pipeline_units(g)), g,
+                                        plan.config.tp)
     est = estimate(g, Cluster.local(plan.config.world_size), config=plan.config,
-                   global_batch_size=plan.training.global_batch_size, profile="auto")
+                   global_batch_size=plan.training.global_batch_size, profile="auto",
+                   sharding=sharding)
     return est.step_time_s

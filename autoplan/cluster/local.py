@@ -9,8 +9,10 @@ Without CUDA: ``nproc`` CPU rank processes on one node (gloo), each owning ``1/n
 memory and joined to the host by a ``loopback`` link (shared memory / TCP loopback).
 
 CPU rates come from the installed profile of this CPU (``autoplan profile``). A CPU without one
-is calibrated on first use (``autoplan.cost.profiler.calibrate``: a GEMM, a copy, a tiny op and
-AdamW, about 2 s, announced on stderr) and the result cached as its profile, so later calls and
+is calibrated on first use (``autoplan.cost.profiler.calibrate`` with the one thread a rank
+runs with: a GEMM, a copy, a tiny op, AdamW and a net of tiny layers for the eager framework's
+per-op time; then ``probe_loopback``: all-reduces between two rank processes for the loopback
+link; about 5 s, announced on stderr) and the result cached as its profile, so later calls and
 the ranks of a job read the same figures. ``AUTOPLAN_AUTO_CALIBRATE=0`` turns that off (the test
 suite does, for figures that do not depend on the machine): the rates are then
 ``DEFAULT_CPU_CALIBRATION``, deliberately conservative placeholders (a few cores of a current
@@ -20,6 +22,7 @@ server CPU), not measurements. ``calibration`` (any of ``matmul_flops_per_s``,
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import shutil
@@ -139,6 +142,58 @@ def rank_calibration_db(device: str) -> Any:
     return ProfileDB.from_text(db.to_json())
 
 
+def unit_terms(kind: str, nbytes: float, world: int) -> tuple[float, float]:
+    """(A, B) of the cost model's time ``A * latency + B / bandwidth`` for one ``kind``
+    collective of ``nbytes`` over ``world`` CPU ranks on the loopback link (for fits)."""
+    ranks = list(range(world))
+    return (_unit_cluster(world, 1e30, 1.0).collective_time_s(kind, nbytes, ranks),
+            _unit_cluster(world, 1.0, 0.0).collective_time_s(kind, nbytes, ranks))
+
+
+@functools.lru_cache(maxsize=16)
+def _unit_cluster(world: int, bandwidth: float, latency: float) -> Any:
+    from autoplan.cluster.cluster import Cluster
+
+    d = cpu_cluster_dict(world, DEFAULT_CPU_CALIBRATION, memory_bytes=world << 30)
+    d["device"]["compute_share"] = 1.0
+    d["links"] = {"loopback": {"bandwidth_bytes_per_s": bandwidth, "latency_s": latency,
+                               "efficiency": 1.0, "source": "unit figures for a fit"}}
+    return Cluster.from_dict(d)
+
+
+def probe_loopback() -> dict[str, float] | None:
+    """The loopback link's figures from timed all-reduces between two rank processes
+    (``python -m autoplan.runtime.link_probe``, a separate program: planning starts no process
+    group), fitted with the cost model's all-reduce formula; None when the probe fails."""
+    import json
+    import sys
+    import tempfile
+
+    from autoplan.cost.refit import refit_link
+
+    with tempfile.TemporaryDirectory(prefix="autoplan-probe-") as tmp:
+        out = os.path.join(tmp, "link.json")
+        try:
+            done = subprocess.run([sys.executable, "-m", "autoplan.runtime.link_probe", out],
+                                  capture_output=True, timeout=120, check=False)
+            if done.returncode != 0 or not os.path.exists(out):
+                return None
+            with open(out, encoding="utf-8") as f:
+                data = json.load(f)
+        except (OSError, ValueError, subprocess.TimeoutExpired):
+            return None
+    terms = {}
+    samples = []
+    for nbytes, seconds in data.get("samples", []):
+        if nbytes not in terms:
+            terms[nbytes] = unit_terms("all_reduce", float(nbytes), 2)
+        samples.append((*terms[nbytes], float(seconds)))
+    fit = refit_link(samples)
+    if fit is None:
+        return None
+    return {"bandwidth_bytes_per_s": fit.bandwidth_bytes_per_s, "latency_s": fit.latency_s}
+
+
 def auto_calibration(device: str) -> tuple[dict[str, float], int] | None:
     """Calibrate this CPU now and cache it as its profile (first use on a machine without one).
     Not inside a multi-process job (its ranks would measure each other) and not when
@@ -153,10 +208,14 @@ def auto_calibration(device: str) -> tuple[dict[str, float], int] | None:
     folders = [f for f in os.environ.get(PROFILE_DIR_ENV, "").split(os.pathsep) if f]
     path = (os.path.join(os.path.expanduser(folders[0]), f"{device}.json") if folders
             else str(default_cache_dir() / f"{device}.json"))
-    print(f"autoplan: no profile for this CPU ({device}) yet: calibrating it once (about 2 s; "
+    print(f"autoplan: no profile for this CPU ({device}) yet: calibrating it once (about 5 s; "
           f"{AUTO_CALIBRATE_ENV}=0 skips this)...", file=sys.stderr, flush=True)
     t0 = time.perf_counter()
     db = rank_calibration_db(device)
+    link = probe_loopback()
+    if link is not None:
+        import dataclasses
+        db = dataclasses.replace(db, links={**db.links, "loopback": link})
     cal = db.calibration
     try:
         db.save(path)
@@ -165,8 +224,10 @@ def auto_calibration(device: str) -> tuple[dict[str, float], int] | None:
         where = f"not saved ({e})"
     print(f"autoplan: calibrated in {time.perf_counter() - t0:.1f} s: matmul "
           f"{cal.matmul_flops_per_s / 1e9:.1f} GFLOP/s, memory {cal.memory_bandwidth_bytes_per_s / 1e9:.1f} "
-          f"GB/s, op launch {cal.launch_s * 1e6:.1f} us with {db.threads} thread(s); {where} "
-          "(`autoplan profile` also measures ops)", file=sys.stderr, flush=True)
+          f"GB/s, op launch {cal.launch_s * 1e6:.1f} us with {db.threads} thread(s)"
+          + (f", loopback {link['bandwidth_bytes_per_s'] / 1e9:.2f} GB/s and "
+             f"{link['latency_s'] * 1e6:.0f} us" if link else "")
+          + f"; {where} (`autoplan profile` also measures ops)", file=sys.stderr, flush=True)
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
     if load > (os.cpu_count() or 1) * 0.75:
         print(f"autoplan: the machine was busy while calibrating (load {load:.1f} on "
@@ -201,8 +262,8 @@ def local_cluster_dict(nproc: int | None = None, *, calibration: Mapping[str, fl
         fitted = profiled_links(local_cpu_device_name()).get("loopback")
         if fitted is not None:
             d["links"] = {"loopback": {**fitted, "efficiency": 1.0,
-                                       "source": "fitted on this machine by `autoplan calibrate` "
-                                                 "(least squares over measured transfers)"}}
+                                       "source": "measured on this machine (first-use probe or `autoplan calibrate`: "
+                                                 "least squares over timed transfers)"}}
         return share_links(d)
 
     count = torch.cuda.device_count()

@@ -563,12 +563,36 @@ def calibrate(device: str | torch.device = "cpu", *, seed: int = 0) -> Calibrati
         tiny_opt.step()
     step_s = _measure(clock, tiny_step, warmup=5, repeats=15, min_time_s=5e-3,
                             max_time_s=0.5).median_s
+    framework_s = _framework_s_per_op(clock, dev, launch_s) if not cuda else 0.0
 
     return Calibration(matmul_flops_per_s=2.0 * n ** 3 / mm_s,
                        memory_bandwidth_bytes_per_s=copy_bytes / copy_s, launch_s=launch_s,
                        optimizer_s_per_param=opt_per_param_s,
                        optimizer_s_per_tensor=per_tensor_s, step_overhead_s=step_s,
-                       matmul_dtype=str(mm_dtype).removeprefix("torch."))
+                       matmul_dtype=str(mm_dtype).removeprefix("torch."),
+                       framework_s_per_op=framework_s)
+
+
+# a small eager network of tiny layers: its forward and backward time is all framework (module
+# calls, dispatch, autograd) and kernel launches; each block traces to this many graph ops
+# (Linear: transpose + addmm; GELU; LayerNorm)
+_FRAMEWORK_BLOCKS, _OPS_PER_BLOCK = 16, 4
+
+
+def _framework_s_per_op(clock: Any, dev: torch.device, launch_s: float) -> float:
+    """Eager time per graph op and pass outside its kernel (``Calibration.framework_s_per_op``),
+    from the forward and backward of a network of tiny layers, less a launch per op."""
+    layers: list[nn.Module] = []
+    for _ in range(_FRAMEWORK_BLOCKS):
+        layers += [nn.Linear(16, 16), nn.GELU(), nn.LayerNorm(16)]
+    net = nn.Sequential(*layers).to(dev)
+    x = torch.randn(4, 16, device=dev)
+
+    def fwd_bwd() -> None:
+        net(x).sum().backward()
+    t = _measure(clock, fwd_bwd, warmup=3, repeats=15, min_time_s=5e-3, max_time_s=0.5).median_s
+    ops = _FRAMEWORK_BLOCKS * _OPS_PER_BLOCK + 1
+    return max(0.0, t / (2 * ops) - launch_s)
 
 
 def build_db(timings: Mapping[str, OpTiming], calibration: Calibration, *,
