@@ -92,8 +92,7 @@ def test_a_written_profile_is_what_the_next_plan_uses(tmp_path, monkeypatch):
     fits = {"compute": ComputeFit(matmul_flops_per_s=77e9, memory_bandwidth_bytes_per_s=9e9,
                                   launch_s=2e-6, points={"matmul": 9, "memory": 9}),
             "link": LinkFit(latency_s=55e-6, bandwidth_bytes_per_s=1.7e9, points=9),
-            "optimizer_s": 0.01, "params_per_device": 1_000_000, "threads": 1, "share": 1.0,
-            "framework_s_per_op": 40e-6}
+            "optimizer_s_per_param": 1e-8, "threads": 1, "framework_s_per_op": 40e-6}
     path = write_profile(fits, None)
     assert path == str(tmp_path / "cpu-calibrate-test.json")
     after = Cluster.local(2)
@@ -128,3 +127,34 @@ def test_first_use_probe_times_the_loopback_link():
     # the cost model's terms: 2 ring steps of two loopback hops each; 2 (n-1)/n of the bytes
     a, b = unit_terms("all_reduce", 1 << 20, 2)
     assert a == pytest.approx(4.0, rel=1e-3) and b == pytest.approx(1 << 20, rel=1e-3)
+
+
+def test_calibrate_command_measures_two_plans_and_writes_the_profile(tmp_path):
+    """`autoplan calibrate dp2.json tp2.json` end to end under torchrun: phases per plan, the
+    joint fit, a profile with the framework time and the link, re-estimates of both plans."""
+    import json
+    import os
+    import subprocess
+    import sys
+    env = {**os.environ, "AUTOPLAN_PROFILE_DIR": str(tmp_path / "profiles"),
+           "AUTOPLAN_AUTO_CALIBRATE": "0", "PYTHONWARNINGS": "ignore"}
+
+    def autoplan(*args):
+        out = subprocess.run([sys.executable, "-m", "autoplan.cli.main", *args], env=env,
+                             capture_output=True, text=True, timeout=600)
+        assert out.returncode == 0, out.stderr[-3000:]
+        return out.stdout
+    plans = []
+    for name, force in (("dp2", ["tp=1", "zero_stage=0"]), ("tp2", ["tp=2"])):
+        plans.append(str(tmp_path / f"{name}.json"))
+        autoplan("plan", "gpt-tiny", "--cluster", "local:2", "--global-batch", "4",
+                 "--precision", "fp32", "--max-pp", "1",
+                 *[x for f in force for x in ("--force", f)], "-o", plans[-1])
+    text = autoplan("calibrate", *plans, "--model", "gpt-tiny", "--steps", "2",
+                    "--warmup", "1")
+    assert text.count("phase (rank") == 2 and "dp2 tp1" in text and "dp1 tp2" in text
+    assert "refit (least squares" in text and text.count("re-estimated with the refit") == 2
+    (profile,) = (tmp_path / "profiles").glob("*.json")
+    data = json.loads(profile.read_text())
+    assert "loopback" in data["links"] and data["threads"] == 1
+    assert data["calibration"]["framework_s_per_op"] >= 0.0

@@ -1,15 +1,25 @@
-"""`autoplan calibrate PLAN --model M`: measure a plan here, compare with its prediction phase by
-phase, refit the machine's coefficients, and save them as this machine's profile.
+"""`autoplan calibrate PLAN [PLAN ...] --model M`: measure plans here, compare with their
+predictions phase by phase, refit the machine's coefficients, and save them as its profile.
 
-Runs the plan under torchrun on this machine (a plan for `--cluster local:N`), a few warm-up
+Runs each plan under torchrun on this machine (plans for `--cluster local:N`), a few warm-up
 steps, then `--steps` steps under torch.profiler on every rank. The measured time is split into
 the estimate's phases (compute by kind, each collective, p2p, optimizer, the rest) and printed
-next to the prediction. Then, by least squares over the measured events: the achieved matmul
-rate (over the matrix products, FLOPs from their shapes), memory bandwidth and per-op launch cost
-(over the memory-bound kernels), the optimizer's cost per parameter, and the loopback link's
-bandwidth and latency (over the transfers, through the cost model's own collective formulas).
-They are written to this CPU's profile (merged with its measured ops), which later `plan`,
-`estimate` and `Cluster.local()` pick up; the plan is then re-estimated with them.
+next to the prediction. Then, over all the plans' events:
+
+- least squares over the kernels: the achieved matmul rate (FLOPs from the shapes), memory
+  bandwidth and per-op launch cost, and the optimizer's cost per parameter;
+- the loopback link's bandwidth and latency over the transfers (lower envelope of each size,
+  through the cost model's own collective formulas);
+- what the unprofiled steps spend beyond all that: the eager framework's time per op and pass
+  (Python, autograd, hooks) and the wait for the latest peer per transfer step. With two or
+  more plans of different make-up (one with many transfers, e.g. tp2, one with few, e.g. dp2)
+  both come from least squares over the plans; with one, the wait comes from the profiled
+  transfers and the framework time from the rest.
+
+Ranks that outnumber the cores ran with a share of a core: the figures are kept per whole core
+(``Cluster.local`` scales them by the share of the run it describes). They are written to this
+CPU's profile, which later `plan`, `estimate` and `Cluster.local()` pick up; the plans are then
+re-estimated with them.
 """
 
 from __future__ import annotations
@@ -23,13 +33,18 @@ import sys
 import tempfile
 from typing import Any
 
+DELTA_LATENCY_S = 1e-4        # the step for the numerical slope of a step in the link latency
+
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("calibrate", help="measure a plan here, compare per phase, refit the "
+    p = sub.add_parser("calibrate", help="measure plans here, compare per phase, refit the "
                        "machine's coefficients into its profile", description=__doc__,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("plan", help="a plan for this machine (autoplan plan ... --cluster local:N)")
-    p.add_argument("--model", required=True, help="the example model the plan was made for")
+    p.add_argument("plans", nargs="+", metavar="plan",
+                   help="plans for this machine (autoplan plan ... --cluster local:N); two of "
+                        "different make-up (e.g. dp2 and tp2) fit the framework time and the "
+                        "transfers' waits apart")
+    p.add_argument("--model", required=True, help="the example model the plans were made for")
     p.add_argument("--steps", type=int, default=5, help="profiled steps (5)")
     p.add_argument("--warmup", type=int, default=4, help="steps before profiling (4)")
     p.add_argument("-o", "--output", default=None,
@@ -38,143 +53,197 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
+@dataclasses.dataclass(frozen=True)
+class Measured:
+    """One plan's run: the plan, every rank's profiled events, the unprofiled step time."""
+
+    plan: Any
+    records: list[dict[str, Any]]
+    unprofiled_s: float | None
+
+    @property
+    def share(self) -> float:
+        """The share of a core each rank had."""
+        threads = max(1, int(self.records[0].get("threads", 1)))
+        return min(1.0, (os.cpu_count() or 1) / (self.plan.config.world_size * threads))
+
+
 def run(args: argparse.Namespace) -> int:
     from autoplan.errors import PlanError
     from autoplan.planner.planfile import plan_from_file
     if args.steps < 2 or args.warmup < 1:
         raise PlanError("--steps takes at least 2 (a fit needs a spread), --warmup at least 1")
-    plan = plan_from_file(args.plan)
-    if plan.cluster.name != "local":
-        raise PlanError(f"the plan is for cluster {plan.cluster.name!r}; calibrate measures this "
-                        "machine: plan with --cluster local:N")
-    world = plan.config.world_size
     import torch
     if torch.cuda.is_available():
         raise PlanError("calibrate measures CPU ranks so far: on GPUs the kernels run on CUDA "
                         "streams, which its attribution does not read yet; use `autoplan "
                         "profile --device cuda` for the device figures")
+    runs = []
+    for path in args.plans:
+        plan = plan_from_file(path)
+        if plan.cluster.name != "local":
+            raise PlanError(f"{path}: the plan is for cluster {plan.cluster.name!r}; calibrate "
+                            "measures this machine: plan with --cluster local:N")
+        measured = _measure(path, plan, args)
+        if measured is None:
+            return 2
+        runs.append(measured)
+    return report_and_refit(runs, output=args.output, dry_run=args.dry_run)
+
+
+def _measure(path: str, plan: Any, args: argparse.Namespace) -> Measured | None:
+    world = plan.config.world_size
     with tempfile.TemporaryDirectory(prefix="autoplan-calibrate-") as tmp:
         from autoplan.cli.demo_cmd import _free_port
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={world}",
                f"--master-port={_free_port()}", "-m", "autoplan.runtime.worker", "--plan",
-               args.plan, "--model", args.model, "--steps", str(args.warmup),
+               path, "--model", args.model, "--steps", str(args.warmup),
                "--profile-dir", tmp, "--profile-steps", str(args.steps),
                "--json", os.path.join(tmp, "steps.json")]
-        print(f"calibrate: {world} rank(s), {args.warmup} warm-up step(s), then {args.steps} "
-              "profiled", flush=True)
+        print(f"calibrate {path}: {world} rank(s), {args.warmup} warm-up step(s), then "
+              f"{args.steps} profiled", flush=True)
         code = subprocess.call(cmd, stdout=subprocess.DEVNULL,
                                env={**os.environ, "PYTHONWARNINGS": "ignore"})
         records = []
         for r in range(world):
-            path = os.path.join(tmp, f"rank{r}.json")
-            if not os.path.exists(path):
+            rank_path = os.path.join(tmp, f"rank{r}.json")
+            if not os.path.exists(rank_path):
                 print(f"calibrate: the run failed (exit {code}; no events from rank {r})",
                       file=sys.stderr)
-                return 2
-            with open(path) as f:
+                return None
+            with open(rank_path) as f:
                 records.append(json.load(f))
         with open(os.path.join(tmp, "steps.json")) as f:
             unprofiled_s = json.load(f)["measured_s"]
-    return report_and_refit(plan, records, output=args.output, dry_run=args.dry_run,
-                            unprofiled_s=unprofiled_s)
+    return Measured(plan, records, unprofiled_s)
 
 
-def report_and_refit(plan: Any, records: list[dict[str, Any]], *, output: str | None,
-                     dry_run: bool, unprofiled_s: float | None = None) -> int:
-    from autoplan.estimate.attribution import (attribute, main_thread, measured_summary,
-                                               predicted_phases)
-    phases = [attribute(r["events"], r["step_s"]) for r in records]
+def _report(m: Measured) -> dict[str, float]:
+    """Print one plan's phases, predicted next to measured; the measured ones."""
+    from autoplan.estimate.attribution import attribute, measured_summary, predicted_phases
+    phases = [attribute(r["events"], r["step_s"]) for r in m.records]
     slowest = max(range(len(phases)), key=lambda i: phases[i].step_s)
     measured = measured_summary(phases[slowest])
-    predicted = predicted_phases(plan.predicted)
-    print(f"\n  phase (rank {slowest}, per step)   predicted    measured   measured/predicted")
+    predicted = predicted_phases(m.plan.predicted)
+    cfg = m.plan.config
+    print(f"\n  dp{cfg.dp} tp{cfg.tp} pp{cfg.pp} zero{cfg.zero_stage} mbs{cfg.micro_batch_size} "
+          f"on {cfg.world_size} rank(s), {m.share:.2f} of a core each")
+    print(f"  phase (rank {slowest}, per step)   predicted    measured   measured/predicted")
     for k in ("compute", "collectives", "p2p", "optimizer", "other", "step"):
-        p, m = predicted[k], measured[k]
-        ratio = f"{m / p:8.2f}" if p > 0 else "       -"
-        print(f"  {k:<28} {p * 1e3:9.2f} ms {m * 1e3:8.2f} ms   {ratio}")
+        p, x = predicted[k], measured[k]
+        ratio = f"{x / p:8.2f}" if p > 0 else "       -"
+        print(f"  {k:<28} {p * 1e3:9.2f} ms {x * 1e3:8.2f} ms   {ratio}")
     detail = phases[slowest].seconds
     print("  measured detail: " + ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in detail.items()
                                             if v > 0))
-    if unprofiled_s:
-        print(f"  (the same steps without the profiler: {unprofiled_s * 1e3:.2f} ms)")
-    fits = refit(plan, records, [main_thread(r["events"]) for r in records],
-                 optimizer_s=max(p.seconds["optimizer"] for p in phases))
-    fits["framework_s_per_op"] = 0.0
+    if m.unprofiled_s:
+        print(f"  (the same steps without the profiler: {m.unprofiled_s * 1e3:.2f} ms)")
+    measured["optimizer_max"] = max(p.seconds["optimizer"] for p in phases)
+    return measured
+
+
+def report_and_refit(runs: list[Measured], *, output: str | None, dry_run: bool) -> int:
+    summaries = [_report(m) for m in runs]
+    fits = refit(runs, [s["optimizer_max"] for s in summaries])
     if dry_run:
         _print_fits(fits)
         return 0
+    steps = [m.unprofiled_s or s["step"] for m, s in zip(runs, summaries)]
+    link, profiled_wait = fits["link"], (fits["link"].wait_s if fits["link"] else 0.0)
+    if link is not None:     # the link itself first; the waits come from the steps below
+        fits["link"] = dataclasses.replace(link, latency_s=link.latency_s - link.wait_s,
+                                           wait_s=0.0)
+    floor = _current_framework_s_per_op()      # the first-use measurement, if any
     path = write_profile(fits, output)
-    # the eager framework's time per op (Python, autograd, hooks, DTensor dispatch): what the
-    # unprofiled step spends beyond everything the refit prices (the profiled steps are slower
-    # by the profiler's own cost)
-    step_s = unprofiled_s or measured["step"]
-    priced_s = _estimate_here(plan)
-    if priced_s is not None:
-        # at least what the quick calibration's net of tiny layers measured: the residual also
-        # carries the measurement's noise, and the profiled transfers' waits run long
-        from autoplan.cost.profile_db import ProfileDB
-        floor = ProfileDB.load(path).calibration.framework_s_per_op
-        fits["framework_s_per_op"] = max(floor, _per_op(plan, step_s - priced_s) * fits["share"])
+    base = [_estimate_here(m.plan) for m in runs]
+    if all(b is not None for b in base):
+        per_op = [_ops_passes(m.plan) / m.share for m in runs]   # priced framework per 1 s/op
+        resid = [s - b for s, b in zip(steps, base)]
+        framework, wait = None, profiled_wait
+        if link is not None and len(runs) >= 2:
+            fits["link"] = dataclasses.replace(fits["link"], latency_s=fits["link"].latency_s
+                                               + DELTA_LATENCY_S)
+            write_profile(fits, output)
+            slope = [(_estimate_here(m.plan) - b) / DELTA_LATENCY_S for m, b in zip(runs, base)]
+            from autoplan.cost.refit import fit_two
+            both = fit_two(per_op, slope, resid)
+            if both is not None:
+                framework, wait = both
+        if framework is None:          # one plan: the profiled waits, the framework the rest
+            if link is not None:
+                fits["link"] = dataclasses.replace(fits["link"], latency_s=link.latency_s)
+                write_profile(fits, output)
+            framework = max(0.0, steps[0] - _estimate_here(runs[0].plan)) / per_op[0]
+            wait = profiled_wait
+        fits["framework_s_per_op"] = max(floor, framework)
+        if link is not None:
+            fits["link"] = dataclasses.replace(link, latency_s=link.latency_s - link.wait_s
+                                               + wait, wait_s=wait)
         path = write_profile(fits, output)
     _print_fits(fits)
     print(f"\nwrote {path}: later plans and estimates on this machine use it (plans made "
           "for local:N before it describe other figures: re-plan them)")
-    now_s = _estimate_here(plan)
-    if now_s is not None:
-        print(f"re-estimated with the refit: {now_s * 1e3:.2f} ms per step, measured "
-              f"{step_s * 1e3:.2f} ms (measured/predicted {step_s / now_s:.2f})")
+    for m, step_s in zip(runs, steps):
+        now_s = _estimate_here(m.plan)
+        if now_s is not None:
+            print(f"re-estimated with the refit: {now_s * 1e3:.2f} ms per step, measured "
+                  f"{step_s * 1e3:.2f} ms (measured/predicted {step_s / now_s:.2f})")
     return 0
 
 
-def _per_op(plan: Any, framework_s: float) -> float:
-    """``framework_s`` per forward and backward of every op of the rank's stage and
-    micro-batch (how the estimate prices ``Calibration.framework_s_per_op``)."""
+def _current_framework_s_per_op() -> float:
+    from autoplan.cluster.local import local_cpu_device_name
+    from autoplan.cost.profile_db import ProfileDB
+    db = ProfileDB.find(local_cpu_device_name())
+    return db.calibration.framework_s_per_op if db is not None else 0.0
+
+
+def _ops_passes(plan: Any) -> float:
+    """Forward and backward passes of every op of the rank's stage and micro-batch (what the
+    estimate multiplies ``Calibration.framework_s_per_op`` by, before the share)."""
     stages = plan.predicted.get("stages", [])
     ops = max((int(st.get("num_ops", 0)) for st in stages), default=0)
     m = int(plan.predicted.get("num_microbatches", 1) or 1)
-    return max(0.0, framework_s) / (2 * ops * m) if ops else 0.0
+    return float(2 * ops * m)
 
 
-def refit(plan: Any, records: list[dict[str, Any]], threads: list[int], *,
-          optimizer_s: float | None = None) -> dict[str, Any]:
-    """The compute, optimizer and loopback-link fits of all ranks' events."""
+def refit(runs: list[Measured], optimizer_s: list[float]) -> dict[str, Any]:
+    """The compute, optimizer and loopback-link fits over all plans' events, per whole core."""
     from autoplan.cluster.local import unit_terms
     from autoplan.cost.refit import refit_compute, refit_link
-    from autoplan.estimate.attribution import collective_kind
-    events = []
-    for rec, thread in zip(records, threads):
-        events += [dict(e, thread=("main" if e["thread"] == thread else e["thread"]))
-                   for e in rec["events"]]
+    from autoplan.estimate.attribution import collective_kind, main_thread
+    events, samples = [], []
+    for m in runs:
+        cfg = m.plan.config
+        for rec in m.records:
+            thread = main_thread(rec["events"])
+            for e in rec["events"]:       # a share of a core ran everything 1/share as long
+                e = dict(e, dur_s=e["dur_s"] * m.share,
+                         thread=("main" if e["thread"] == thread else e["thread"]))
+                events.append(e)
+                kind = collective_kind(e["name"])
+                if kind is None or kind == "p2p" or not e.get("shapes"):
+                    continue
+                group = _group(kind, cfg)
+                if group < 2:
+                    continue
+                nbytes = 4.0 * sum(_numel(s) for s in e["shapes"][:1])
+                if kind == "all_gather":
+                    nbytes *= group                # priced by the gathered output
+                samples.append((*unit_terms(kind, nbytes, group), e["dur_s"]))
     compute = refit_compute(events, "main")
-    cfg = plan.config
-    samples = []
-    for e in events:
-        kind = collective_kind(e["name"])
-        if kind is None or kind == "p2p" or not e.get("shapes"):
-            continue
-        nbytes = 4.0 * sum(_numel(s) for s in e["shapes"][:1])
-        if kind == "all_gather":
-            nbytes *= _group(kind, cfg)           # priced by the gathered output
-        if _group(kind, cfg) < 2:
-            continue
-        samples.append((*unit_terms(kind, nbytes, _group(kind, cfg)), e["dur_s"]))
     link = refit_link(samples)
-    # ranks that outnumber the cores ran at a share of a core: the profile keeps whole-core
-    # figures (Cluster.local scales them by the share of the run it describes)
-    rank_threads = max(1, int(records[0].get("threads", 1)))
-    share = min(1.0, (os.cpu_count() or 1) / (cfg.world_size * rank_threads))
-    if link is not None:
-        link = dataclasses.replace(link, bandwidth_bytes_per_s=link.bandwidth_bytes_per_s / share,
-                                   latency_s=link.latency_s * share, wait_s=link.wait_s * share)
-    if share < 1.0:
-        compute = dataclasses.replace(compute, **{
-            k: (getattr(compute, k) / share if k != "launch_s" else getattr(compute, k) * share)
-            for k in ("matmul_flops_per_s", "memory_bandwidth_bytes_per_s", "launch_s")
-            if getattr(compute, k)})
-        optimizer_s = optimizer_s * share if optimizer_s else optimizer_s
-    params = sum(int(p.get("params_per_device", 0)) for p in plan.predicted.get("stages", [])[:1])
-    return {"compute": compute, "link": link, "optimizer_s": optimizer_s,
-            "params_per_device": params, "threads": rank_threads, "share": share}
+    # the optimizer: its time per parameter, per whole core, over the plans
+    per_param = [o * m.share / p for m, o in zip(runs, optimizer_s)
+                 if (p := _params(m.plan)) and o]
+    threads = max(1, int(runs[0].records[0].get("threads", 1)))
+    return {"compute": compute, "link": link, "threads": threads,
+            "optimizer_s_per_param": sum(per_param) / len(per_param) if per_param else None,
+            "framework_s_per_op": 0.0}
+
+
+def _params(plan: Any) -> int:
+    return sum(int(p.get("params_per_device", 0)) for p in plan.predicted.get("stages", [])[:1])
 
 
 def _numel(shape: list[int]) -> int:
@@ -197,7 +266,7 @@ def _print_fits(fits: dict[str, Any]) -> None:
 
     def show(x: float | None, scale: float, unit: str) -> str:
         return f"{x / scale:.3g} {unit}" if x is not None else "not fitted (too few sizes)"
-    print("\n  refit (least squares over the measured events):")
+    print("\n  refit (least squares over the measured events; per whole core):")
     print(f"    matmul rate        {show(c.matmul_flops_per_s, 1e9, 'GFLOP/s')} "
           f"({c.points['matmul']} kernels)")
     print(f"    memory bandwidth   {show(c.memory_bandwidth_bytes_per_s, 1e9, 'GB/s')} "
@@ -205,9 +274,8 @@ def _print_fits(fits: dict[str, Any]) -> None:
     print(f"    op launch          {show(c.launch_s, 1e-6, 'us')} per kernel")
     print(f"    framework          {fits.get('framework_s_per_op', 0.0) * 1e6:.3g} us per op "
           "and pass (eager time outside the kernels: Python, autograd, hooks)")
-    if fits.get("share", 1.0) < 1.0:
-        print(f"    (the ranks had {fits['share']:.2f} of a core each: the figures above are per "
-              "whole core)")
+    if fits.get("optimizer_s_per_param"):
+        print(f"    optimizer          {fits['optimizer_s_per_param'] * 1e9:.3g} ns per parameter")
     if link is not None:
         print(f"    loopback link      {link.bandwidth_bytes_per_s / 1e9:.3g} GB/s, latency "
               f"{link.latency_s * 1e6:.3g} us, of which {link.wait_s * 1e6:.3g} us waiting for "
@@ -246,11 +314,10 @@ def write_profile(fits: dict[str, Any], output: str | None) -> str:
         changes["memory_bandwidth_bytes_per_s"] = c.memory_bandwidth_bytes_per_s
     if c.launch_s:
         changes["launch_s"] = c.launch_s
-    if fits.get("framework_s_per_op"):
+    if fits.get("framework_s_per_op") is not None:
         changes["framework_s_per_op"] = fits["framework_s_per_op"]
-    params = fits["params_per_device"]
-    if fits["optimizer_s"] and params:
-        changes["optimizer_s_per_param"] = max(1e-12, fits["optimizer_s"] / params)
+    if fits.get("optimizer_s_per_param"):
+        changes["optimizer_s_per_param"] = max(1e-12, fits["optimizer_s_per_param"])
     links = dict(base.links)
     if fits["link"] is not None:
         links["loopback"] = {"bandwidth_bytes_per_s": fits["link"].bandwidth_bytes_per_s,
