@@ -1,0 +1,293 @@
+"""Predicted vs published: autoplan's cost model on training runs anyone can look up.
+
+    python benchmarks/validate.py                       # the table, MAPE and worst row
+    python benchmarks/validate.py --markdown docs/validation.md   # also write the page
+
+Every row rebuilds a published NVIDIA Megatron-LM run with the project's own GPT
+(``autoplan.models``, on the meta device: no memory, no GPU), on the cluster preset of the
+hardware it ran on, with the published tensor / pipeline / data-parallel degrees and global
+batch, and prices it with the planner's search restricted to those degrees (Megatron's own
+tensor-parallel layout, ``sharding="megatron"``). The search fills in what the source leaves
+open (micro-batch size, virtual pipeline stages, recompute where the row does not fix it), the
+way the runs' authors tuned theirs. The row's error is predicted vs published iteration time.
+
+Sources (public, NVIDIA/Megatron-LM on GitHub):
+
+- **2024 weak scaling** (README, "Performance Benchmarking", ``images/model_table.png``, July
+  2024): GPT models 1.7B to 462B on H100 (DGX H100, bf16), sequence 4,096, vocabulary 131,072;
+  per-GPU teraFLOP/s. Megatron counts *model* FLOPs (no recompute), ``72 B s l h^2 (1 + s/6h
+  + V/12lh)`` per iteration (``num_floating_point_operations`` in ``megatron/training/
+  training.py`` at that commit); the iteration time is those FLOPs over (teraFLOP/s x GPUs).
+  The runs overlap data-parallel gradient reduction and parameter gathers, which are Megatron's
+  distributed optimizer (ZeRO-1 here), and tensor-parallel communication (which needs sequence
+  parallelism): both assumed.
+- **2024 strong scaling** (README, ``images/strong_scaling.png``): the 177B model of that table
+  (GPT-3 175B shape, vocabulary 131,072) at a global batch of 1,152 from 96 to 4,608 GPUs,
+  aggregate petaFLOP/s read off the log-log figure at each point (reading error about 2 %; the
+  text gives the ends: MFU 47 % at 96 GPUs, 42 % at 4,608). Assumed: TP 8 x PP 6 as in the
+  weak-scaling row of the same model, data parallel over the rest.
+- **2020 Megatron v1 on DGX A100** (README and ``images/tables.tex`` of September 2020): GPT-2
+  models 1.2B to 8.7B, sequence 1,024, vocabulary 51,200, fp16, with activation checkpointing
+  (the v1 scripts' ``--checkpoint-activations``: full recompute); model-parallel weak scaling
+  on one node at batch 16 and with 128-way data parallelism at batch 2,048; iteration times in
+  milliseconds. Model parallelism was tensor parallelism only (v1 had no pipelines). DGX A100
+  of 2020: the 40 GB part. v1 computed attention unfused (batched matmuls around a fused
+  scale-mask-softmax), priced as such (``attention="math"``); the 2024 runs use fused (flash)
+  attention (``"sdpa"``).
+
+FLOP accounting: the predicted MFU below is model FLOPs (forward + backward, no recompute)
+over peak; where a source counts hardware FLOPs (with recompute), its teraFLOP/s are not
+compared: only iteration times are.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import time
+from collections.abc import Sequence
+
+H100_BF16_PEAK = 989.4e12      # dense, NVIDIA H100 SXM datasheet (1,979 with sparsity)
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    source: str
+    label: str
+    layers: int
+    hidden: int
+    heads: int
+    seq: int
+    vocab: int
+    tp: int
+    pp: int
+    dp: int
+    global_batch: int
+    preset: str
+    precision: str
+    published_s: float          # iteration time, published or derived from published TF/s
+    published_note: str         # what the source printed
+    recompute: str | None = None      # fixed by the source; None: the search picks
+    attention: str = "sdpa"           # "sdpa": fused (flash) attention; "math": unfused
+
+    @property
+    def gpus(self) -> int:
+        return self.tp * self.pp * self.dp
+
+
+def megatron_model_flops(layers: int, hidden: int, seq: int, vocab: int, batch: int) -> float:
+    """Megatron-LM's model FLOPs per iteration for a GPT (4h FFN, no GQA, no SwiGLU):
+    ``72 B s l h^2 (1 + s/6h + V/12lh)``."""
+    return 72.0 * batch * seq * layers * hidden ** 2 * (
+        1 + seq / (6 * hidden) + vocab / (12 * layers * hidden))
+
+
+# (label, heads, hidden, layers, tp, pp, dp, batch, per-GPU TF/s, MFU %): model_table.png
+_WEAK_2024 = [("1.7B", 16, 2048, 24, 1, 1, 48, 192, 408.8, 41),
+              ("7.1B", 32, 4096, 30, 2, 1, 48, 192, 465.9, 47),
+              ("16B", 48, 6144, 32, 4, 1, 48, 192, 489.1, 49),
+              ("32B", 56, 7168, 48, 8, 1, 48, 192, 459.6, 46),
+              ("70B", 64, 8192, 84, 8, 2, 48, 384, 419.7, 42),
+              ("119B", 80, 10240, 92, 8, 4, 48, 768, 420.5, 43),
+              ("177B", 96, 12288, 96, 8, 6, 48, 1152, 432.8, 44),
+              ("314B", 128, 16384, 96, 8, 8, 48, 1536, 474.4, 48),
+              ("462B", 144, 18432, 112, 8, 16, 48, 3072, 459.9, 47)]
+# (GPUs, aggregate petaFLOP/s read off strong_scaling.png)
+_STRONG_2024 = [(96, 45.0), (144, 67.0), (288, 132.7), (576, 265.3), (1152, 520.0),
+                (2304, 1000.0), (3072, 1314.0), (4608, 1904.0)]
+# (label, hidden, heads, layers, model-parallel, GPUs, batch, iteration ms): tables.tex
+_V1_2020 = [("1.2B", 1920, 15, 24, 1, 1, 16, 1076), ("2.0B", 2304, 18, 30, 2, 2, 16, 1026),
+            ("4.2B", 3072, 24, 36, 4, 4, 16, 1162), ("8.7B", 4096, 32, 42, 8, 8, 16, 1343),
+            ("1.2B", 1920, 15, 24, 1, 128, 2048, 1153),
+            ("2.0B", 2304, 18, 30, 2, 256, 2048, 1101),
+            ("4.2B", 3072, 24, 36, 4, 512, 2048, 1242),
+            ("8.7B", 4096, 32, 42, 8, 1024, 2048, 1380)]
+
+
+def rows() -> list[Row]:
+    out = []
+    for label, heads, hidden, layers, tp, pp, dp, batch, tflops, mfu in _WEAK_2024:
+        flops = megatron_model_flops(layers, hidden, 4096, 131072, batch)
+        out.append(Row("Megatron-LM 2024 weak scaling, H100", label, layers, hidden, heads, 4096,
+                       131072, tp, pp, dp, batch, "dgx-h100", "bf16",
+                       flops / (tflops * 1e12 * tp * pp * dp),
+                       f"{tflops} TF/s/GPU, MFU {mfu} %"))
+    for gpus, petaflops in _STRONG_2024:
+        flops = megatron_model_flops(96, 12288, 4096, 131072, 1152)
+        out.append(Row("Megatron-LM 2024 strong scaling, H100", f"177B @{gpus}", 96, 12288, 96,
+                       4096, 131072, 8, 6, gpus // 48, 1152, "dgx-h100", "bf16",
+                       flops / (petaflops * 1e15),
+                       f"{petaflops:g} PF/s aggregate (read off the figure), MFU "
+                       f"{petaflops * 1e15 / (gpus * H100_BF16_PEAK) * 100:.0f} %"))
+    for label, hidden, heads, layers, mp, gpus, batch, ms in _V1_2020:
+        out.append(Row("Megatron-LM v1 2020, DGX A100", f"{label} x{gpus}", layers, hidden,
+                       heads, 1024, 51200, mp, 1, gpus // mp, batch, "dgx-a100-40gb", "fp16",
+                       ms / 1e3, f"{ms} ms", recompute="full", attention="math"))
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class Result:
+    row: Row
+    predicted_s: float
+    peak_memory_bytes: float
+    device_memory_bytes: float
+    config: str
+    mfu: float
+
+    @property
+    def error(self) -> float:
+        return self.predicted_s / self.row.published_s - 1
+
+
+def predict(row: Row, graphs: dict | None = None) -> Result:
+    """The row priced by autoplan: the planner's best configuration at the published degrees."""
+    from autoplan import Cluster, plan, trace
+    from autoplan.models import build_example
+    graphs = {} if graphs is None else graphs
+    key = (row.layers, row.hidden, row.heads, row.seq, row.vocab, row.attention)
+    if key not in graphs:
+        ex = build_example("gpt3-175b", device="meta", batch_size=1, seq_len=row.seq,
+                           num_layers=row.layers, hidden_size=row.hidden, num_heads=row.heads,
+                           vocab_size=row.vocab, max_positions=row.seq, dropout=0.0,
+                           attention=row.attention)
+        graphs[key] = trace(ex.model, ex.example_inputs, loss_fn=ex.loss_fn, targets=ex.targets)
+    cluster = (Cluster.preset(row.preset, row.gpus // 8) if row.gpus >= 8
+               else part_of_a_node(row.preset, row.gpus))
+    force = {"tp": row.tp, "pp": row.pp, "dp": row.dp,
+             "zero_stage": 1 if row.dp > 1 and row.precision == "bf16" else 0,
+             "sequence_parallel": row.tp > 1 and row.precision == "bf16"}
+    if row.recompute is not None:
+        force["recompute"] = row.recompute
+    p = plan(graphs[key], cluster, global_batch_size=row.global_batch, precision=row.precision,
+             profile=None, force=force, sharding="megatron", top_k=1)
+    pred = p.predicted
+    c = p.config
+    config = (f"tp{c.tp} pp{c.pp} dp{c.dp} mbs{c.micro_batch_size}"
+              + (f" v{c.virtual_stages}" if c.virtual_stages > 1 else "")
+              + (f" {c.schedule}" if c.pp > 1 else "")
+              + (f" zero{c.zero_stage}" if c.zero_stage else "")
+              + (" sp" if c.sequence_parallel else "")
+              + (f" rc:{c.recompute}" if c.recompute != "none" else ""))
+    return Result(row, float(pred["step_time_s"]), float(pred["peak_memory_bytes"]),
+                  float(pred["device_memory_bytes"]), config, float(pred["mfu"]))
+
+
+def part_of_a_node(preset: str, gpus: int):
+    """One node of ``preset`` with only its first ``gpus`` GPUs (the v1 rows on 1 to 4 GPUs of
+    a DGX): the preset's node topology without the other GPUs' links."""
+    from autoplan import Cluster
+    from autoplan.cluster import specs
+
+    def keep(x: str) -> bool:
+        return not (x.startswith("gpu") and int(x[3:]) >= gpus)
+    entry = specs.preset_entry(preset)
+    links = []
+    for link in entry["node"]["links"]:
+        a, b = link["a"], link["b"]
+        if isinstance(a, list) and isinstance(b, list):
+            pairs = [(x, y) for x, y in zip(a, b) if keep(x) and keep(y)]
+            link = {**link, "a": [x for x, _ in pairs], "b": [y for _, y in pairs]}
+        elif isinstance(a, list):
+            link = {**link, "a": [x for x in a if keep(x)]}
+        elif not keep(a) or not keep(b):
+            continue
+        if link["a"]:
+            links.append(link)
+    entry["node"] = {**entry["node"], "links": links}
+    entry.update(devices_per_node=gpus, num_nodes=1)
+    return Cluster.from_dict({"name": f"{preset}-{gpus}gpu", **entry})
+
+
+def mape(results: Sequence[Result]) -> float:
+    return sum(abs(r.error) for r in results) / len(results)
+
+
+def table(results: Sequence[Result]) -> list[str]:
+    lines = ["| source | run | GPUs | published | published s/iter | predicted s/iter | error "
+             "| autoplan's configuration | predicted peak memory |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        w = r.row
+        lines.append(f"| {w.source} | {w.label} | {w.gpus:,} | {w.published_note} | "
+                     f"{w.published_s:.3f} | {r.predicted_s:.3f} | {r.error * 100:+.1f} % | "
+                     f"{r.config} | {r.peak_memory_bytes / 2**30:.1f} of "
+                     f"{r.device_memory_bytes / 2**30:.0f} GiB |")
+    return lines
+
+
+def summary(results: Sequence[Result]) -> list[str]:
+    worst = max(results, key=lambda r: abs(r.error))
+    out = [f"MAPE {mape(results) * 100:.1f} % over {len(results)} runs; worst row "
+           f"{worst.row.label} ({worst.row.source}) {worst.error * 100:+.1f} %"]
+    for source in dict.fromkeys(r.row.source for r in results):
+        part = [r for r in results if r.row.source == source]
+        out.append(f"  {source}: MAPE {mape(part) * 100:.1f} % ({len(part)} runs)")
+    return out
+
+
+NOT_CAPTURED = [
+    "- **Overlapped tensor-parallel communication.** The 2024 runs overlap the sequence-parallel "
+    "all-gathers and reduce-scatters with the GEMMs (`--tp-comm-overlap`); autoplan's runtime "
+    "runs them blocking and the estimate prices them exposed. This is most of the error of the "
+    "TP-8 rows without pipelines (32B: 0.28 s of exposed TP traffic in a 1.17 s prediction).",
+    "- **Overlapped parameter gathers.** The 2024 runs gather the distributed optimizer's "
+    "updated shards behind the next forward (`--overlap-param-gather`); autoplan prices the "
+    "ZeRO-1 gather after the step, exposed (32B: 0.16 s).",
+    "- **GEMM efficiency by shape.** One matmul efficiency per device (cost_models/devices.yaml); "
+    "small GEMMs (hidden 2,048 and less) run below it on real hardware, large ones above: the "
+    "smallest models are predicted fast (1.7B: -20 %).",
+    "- **Megatron v1's fused softmax.** v1's attention fuses scale, mask and softmax into one "
+    "kernel; the unfused attention autoplan prices makes three memory passes of the score "
+    "matrix (the smallest v1 model, where attention weighs most: +15 %).",
+    "- **Memory** is checked to fit every run's GPU; none of these sources reports measured "
+    "memory, so the under-estimation bound (2 %) has no row to be checked against here.",
+]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--markdown", default=None, help="write the validation page here")
+    args = ap.parse_args(argv)
+    t0 = time.perf_counter()
+    graphs: dict = {}
+    results = [predict(r, graphs) for r in rows()]
+    print("\n".join(table(results)))
+    print("\n".join(summary(results)))
+    print(f"({time.perf_counter() - t0:.0f} s)")
+    if args.markdown:
+        write_page(args.markdown, results)
+        print(f"wrote {args.markdown}")
+    return 0
+
+
+def write_page(path: str, results: Sequence[Result]) -> None:
+    text = [
+        "# How far autoplan's predictions are from published training runs",
+        "",
+        "Generated by `python benchmarks/validate.py --markdown docs/validation.md`; do not "
+        "edit by hand. `tests/test_validation.py` pins the MAPE so that a change to the cost "
+        "model cannot make it worse unnoticed.",
+        "",
+        f"**{summary(results)[0]}**",
+        "",
+        *(f"- {line.strip()}" for line in summary(results)[1:]),
+        "",
+        *table(results),
+        "",
+        "## Sources, units and what is assumed",
+        "",
+        __doc__.split("Sources (public", 1)[1].split("\n", 1)[1].strip(),
+        "",
+        "## What the model does not capture (yet)",
+        "",
+        *NOT_CAPTURED,
+        "",
+    ]
+    with open(path, "w", encoding="utf-8") as f:
+        f.write("\n".join(text))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
