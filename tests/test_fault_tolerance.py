@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import torch
@@ -65,7 +66,9 @@ def test_killed_rank_restarts_from_the_last_checkpoint(tmp_path):
                      force=dict(tp=1, zero_stage=1), sharding="ilp")
     plan_path = tmp_path / "plan.json"
     plan.save(str(plan_path))
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    # a restarted attempt whose gloo rendezvous hangs exits after 60 s and is restarted
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1",
+           "AUTOPLAN_COLLECTIVE_TIMEOUT_S": "60"}
 
     def run(ckpt: Path, *extra: str) -> subprocess.Popen:
         return subprocess.Popen(
@@ -83,6 +86,10 @@ def test_killed_rank_restarts_from_the_last_checkpoint(tmp_path):
     # timed out once (connection refused between the new workers); the next attempt resumes
     faulty = run(tmp_path / "faulty", "--max-restarts", "2")
     lines, killed = [], None
+    # the job must end on its own; if it hangs, this stops it so the test fails with its log
+    guard = threading.Timer(600, lambda: os.killpg(faulty.pid, signal.SIGKILL))
+    guard.daemon = True
+    guard.start()
     try:
         for line in faulty.stdout:
             lines.append(line)
@@ -93,6 +100,7 @@ def test_killed_rank_restarts_from_the_last_checkpoint(tmp_path):
                 os.kill(killed, signal.SIGKILL)
         faulty.wait(timeout=600)
     finally:
+        guard.cancel()
         if faulty.poll() is None:
             os.killpg(faulty.pid, signal.SIGKILL)
     text = "".join(lines)

@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
@@ -55,12 +56,29 @@ def init_distributed(backend: str, *, single: bool = False) -> tuple[int, int]:
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        dist.init_process_group(backend=backend,
-                                timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+        # gloo's connection setup can wait forever for a peer that never connects (seen when
+        # torchrun restarts a job after a rank died; its listener side drops the timeout): a
+        # rank that cannot join in time exits, so that torchrun restarts or fails the job
+        watchdog = threading.Timer(COLLECTIVE_TIMEOUT_S, _join_timed_out)
+        watchdog.daemon = True
+        watchdog.start()
+        try:
+            dist.init_process_group(backend=backend,
+                                    timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+        finally:
+            watchdog.cancel()
         return dist.get_rank(), dist.get_world_size()
     if single:        # one process whose plan runs FSDP2 (parameter offload) needs a group
         dist.init_process_group(backend="gloo", store=dist.HashStore(), rank=0, world_size=1)
     return 0, 1
+
+
+def _join_timed_out() -> None:
+    import sys
+    print(f"autoplan: rank {os.environ.get('RANK', '?')} could not join the process group in "
+          f"{COLLECTIVE_TIMEOUT_S} s (AUTOPLAN_COLLECTIVE_TIMEOUT_S); exiting so that torchrun "
+          "can restart the job (--max-restarts) or report it", file=sys.stderr, flush=True)
+    os._exit(3)
 
 
 @dataclass
