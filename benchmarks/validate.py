@@ -4,40 +4,41 @@
     python benchmarks/validate.py --markdown docs/validation.md   # also write the page
 
 Every row rebuilds a published NVIDIA Megatron-LM run with the project's own GPT
-(``autoplan.models``, on the meta device: no memory, no GPU), on the cluster preset of the
+(`autoplan.models`, on the meta device: no memory, no GPU), on the cluster preset of the
 hardware it ran on, with the published tensor / pipeline / data-parallel degrees and global
 batch, and prices it with the planner's search restricted to those degrees (Megatron's own
-tensor-parallel layout, ``sharding="megatron"``). The search fills in what the source leaves
+tensor-parallel layout, `sharding="megatron"`). The search fills in what the source leaves
 open (micro-batch size, virtual pipeline stages, recompute where the row does not fix it), the
 way the runs' authors tuned theirs. The row's error is predicted vs published iteration time.
 
 Sources (public, NVIDIA/Megatron-LM on GitHub):
 
-- **2024 weak scaling** (README, "Performance Benchmarking", ``images/model_table.png``, July
+- **2024 weak scaling** (README, "Performance Benchmarking", `images/model_table.png`, July
   2024): GPT models 1.7B to 462B on H100 (DGX H100, bf16), sequence 4,096, vocabulary 131,072;
-  per-GPU teraFLOP/s. Megatron counts *model* FLOPs (no recompute), ``72 B s l h^2 (1 + s/6h
-  + V/12lh)`` per iteration (``num_floating_point_operations`` in ``megatron/training/
-  training.py`` at that commit); the iteration time is those FLOPs over (teraFLOP/s x GPUs).
-  The runs overlap data-parallel gradient reduction and parameter gathers, which are Megatron's
-  distributed optimizer (ZeRO-1 here), and tensor-parallel communication (which needs sequence
-  parallelism): both assumed.
-- **2024 strong scaling** (README, ``images/strong_scaling.png``): the 177B model of that table
+  per-GPU teraFLOP/s. Megatron counts *model* FLOPs (no recompute), `72 B s l h^2 (1 + s/6h
+  + V/12lh)` per iteration (`num_floating_point_operations` in `megatron/training/
+  training.py` at that commit); the iteration time is those FLOPs over (teraFLOP/s x GPUs).
+  The runs overlap data-parallel gradient reduction and parameter gathers, so they used
+  Megatron's distributed optimizer (priced as ZeRO-1), and tensor-parallel communication, which
+  needs sequence parallelism (priced with SP). Those two overlaps themselves are not priced:
+  see "What the model does not capture".
+- **2024 strong scaling** (README, `images/strong_scaling.png`): the 177B model of that table
   (GPT-3 175B shape, vocabulary 131,072) at a global batch of 1,152 from 96 to 4,608 GPUs,
   aggregate petaFLOP/s read off the log-log figure at each point (reading error about 2 %; the
   text gives the ends: MFU 47 % at 96 GPUs, 42 % at 4,608). Assumed: TP 8 x PP 6 as in the
   weak-scaling row of the same model, data parallel over the rest.
-- **2020 Megatron v1 on DGX A100** (README and ``images/tables.tex`` of September 2020): GPT-2
+- **2020 Megatron v1 on DGX A100** (README and `images/tables.tex` of September 2020): GPT-2
   models 1.2B to 8.7B, sequence 1,024, vocabulary 51,200, fp16, with activation checkpointing
-  (the v1 scripts' ``--checkpoint-activations``: full recompute); model-parallel weak scaling
+  (the v1 scripts' `--checkpoint-activations`: full recompute); model-parallel weak scaling
   on one node at batch 16 and with 128-way data parallelism at batch 2,048; iteration times in
   milliseconds. Model parallelism was tensor parallelism only (v1 had no pipelines). DGX A100
   of 2020: the 40 GB part. v1 computed attention unfused (batched matmuls around a fused
-  scale-mask-softmax), priced as such (``attention="math"``); the 2024 runs use fused (flash)
-  attention (``"sdpa"``).
+  scale-mask-softmax), priced as such (`attention="math"`); the 2024 runs use fused (flash)
+  attention (`"sdpa"`).
 
-FLOP accounting: the predicted MFU below is model FLOPs (forward + backward, no recompute)
-over peak; where a source counts hardware FLOPs (with recompute), its teraFLOP/s are not
-compared: only iteration times are.
+FLOP accounting: every MFU quoted here is model FLOPs (forward + backward, no recompute) over
+the dense peak (H100 SXM bf16 989.4 TFLOP/s). The 2020 source counts hardware FLOPs (with the
+recompute); its teraFLOP/s are not compared, only its iteration times.
 """
 
 from __future__ import annotations
@@ -78,7 +79,7 @@ class Row:
 
 def megatron_model_flops(layers: int, hidden: int, seq: int, vocab: int, batch: int) -> float:
     """Megatron-LM's model FLOPs per iteration for a GPT (4h FFN, no GQA, no SwiGLU):
-    ``72 B s l h^2 (1 + s/6h + V/12lh)``."""
+    `72 B s l h^2 (1 + s/6h + V/12lh)`."""
     return 72.0 * batch * seq * layers * hidden ** 2 * (
         1 + seq / (6 * hidden) + vocab / (12 * layers * hidden))
 
@@ -175,7 +176,7 @@ def predict(row: Row, graphs: dict | None = None) -> Result:
 
 
 def part_of_a_node(preset: str, gpus: int):
-    """One node of ``preset`` with only its first ``gpus`` GPUs (the v1 rows on 1 to 4 GPUs of
+    """One node of `preset` with only its first `gpus` GPUs (the v1 rows on 1 to 4 GPUs of
     a DGX): the preset's node topology without the other GPUs' links."""
     from autoplan import Cluster
     from autoplan.cluster import specs

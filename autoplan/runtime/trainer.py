@@ -62,15 +62,38 @@ def init_distributed(backend: str, *, single: bool = False) -> tuple[int, int]:
         watchdog = threading.Timer(COLLECTIVE_TIMEOUT_S, _join_timed_out)
         watchdog.daemon = True
         watchdog.start()
+        timeout = datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S)
         try:
-            dist.init_process_group(backend=backend,
-                                    timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+            store = _attempt_store(timeout)
+            if store is None:
+                dist.init_process_group(backend=backend, timeout=timeout)
+            else:
+                dist.init_process_group(backend=backend, timeout=timeout, store=store,
+                                        rank=int(os.environ["RANK"]),
+                                        world_size=int(os.environ["WORLD_SIZE"]))
         finally:
             watchdog.cancel()
         return dist.get_rank(), dist.get_world_size()
     if single:        # one process whose plan runs FSDP2 (parameter offload) needs a group
         dist.init_process_group(backend="gloo", store=dist.HashStore(), rank=0, world_size=1)
     return 0, 1
+
+
+def _attempt_store(timeout: datetime.timedelta) -> Any:
+    """Under torchrun, the rendezvous store of this attempt: the job's TCP store under a
+    prefix of the restart count. torchrun's static rendezvous keeps one store across restarts,
+    so without it a restarted rank can read the address a dead rank of the last attempt
+    published, and gloo's connection to it is refused until the timeout (every restart of a
+    job failed so). None outside torchrun (the default env:// rendezvous)."""
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if attempt is None or "MASTER_ADDR" not in os.environ:
+        return None
+    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True)
+    rank = int(os.environ["RANK"])
+    tcp = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                        int(os.environ["WORLD_SIZE"]), is_master=not agent and rank == 0,
+                        timeout=timeout, multi_tenant=not agent)
+    return dist.PrefixStore(f"autoplan/attempt_{attempt}", tcp)
 
 
 def _join_timed_out() -> None:
