@@ -12,7 +12,8 @@ from torch import nn
 import autoplan
 from autoplan.cost.profile_db import (Calibration, OpTiming, ProfileDB, list_packaged_devices,
                                       op_key)
-from autoplan.cost.profiler import build_db, calibrate, local_device_name, profile_graph
+from autoplan.cost.calibration import calibrate
+from autoplan.cost.profiler import build_db, local_device_name, profile_graph
 from autoplan.errors import ProfileError
 
 

@@ -141,7 +141,8 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from autoplan.cost.profile_db import default_cache_dir
-    from autoplan.cost.profiler import build_db, calibrate, local_device_name
+    from autoplan.cost.calibration import calibrate
+    from autoplan.cost.profiler import build_db, local_device_name
 
     if not args.models and not args.calibrate_only:
         print("autoplan profile: give at least one MODEL (or --calibrate-only)", file=sys.stderr)

@@ -9,7 +9,7 @@ Without CUDA: ``nproc`` CPU rank processes on one node (gloo), each owning ``1/n
 memory and joined to the host by a ``loopback`` link (shared memory / TCP loopback).
 
 CPU rates come from the installed profile of this CPU (``autoplan profile``). A CPU without one
-is calibrated on first use (``autoplan.cost.profiler.calibrate`` with the one thread a rank
+is calibrated on first use (``autoplan.cost.calibration.calibrate`` with the one thread a rank
 runs with: a GEMM, a copy, a tiny op, AdamW and a net of tiny layers for the eager framework's
 per-op time; then ``probe_loopback``: all-reduces between two rank processes for the loopback
 link; about 5 s, announced on stderr) and the result cached as its profile, so later calls and
@@ -130,7 +130,8 @@ def rank_calibration_db(device: str) -> Any:
     import torch
 
     from autoplan.cost.profile_db import ProfileDB
-    from autoplan.cost.profiler import build_db, calibrate
+    from autoplan.cost.calibration import calibrate
+    from autoplan.cost.profiler import build_db
 
     threads = torch.get_num_threads()
     torch.set_num_threads(RANK_THREADS)   # what one rank process gets (runtime/worker.py)

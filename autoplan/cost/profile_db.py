@@ -147,7 +147,7 @@ class OpTiming:
 
 @dataclass(frozen=True, kw_only=True)
 class Calibration:
-    """Device figures measured by ``profiler.calibrate``; the cost model's fallback for ops that
+    """Device figures measured by ``calibration.calibrate``; the cost model's fallback for ops that
     were never profiled."""
 
     matmul_flops_per_s: float            # achieved by a large GEMM in matmul_dtype

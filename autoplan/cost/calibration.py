@@ -1,0 +1,108 @@
+"""Device figures the cost model falls back on where no op was profiled (``Calibration``):
+a GEMM's rate, a copy's bandwidth, a tiny op's launch cost, AdamW per parameter and per tensor,
+a one-parameter step's fixed cost, and the eager framework's time per op. ``autoplan profile
+--calibrate-only`` and the first use of ``Cluster.local()`` on a CPU without a profile run it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from autoplan.cost.host_allocator import keep_freed_host_memory
+from autoplan.cost.profile_db import Calibration
+from autoplan.cost.profiler import _check_device, _Clock, _measure
+
+
+def calibrate(device: str | torch.device = "cpu", *, seed: int = 0) -> Calibration:
+    """Measure the device figures the cost model falls back on (1-2 s on 2 idle CPU cores).
+
+    Sizes: CPU, a 1024^3 fp32 GEMM, a 128 MiB copy, AdamW over 4M parameters; CUDA, an 8192^3
+    bf16 GEMM, a 1 GiB copy, AdamW over 32M parameters. The optimizer is the default
+    ``torch.optim.AdamW`` (foreach on CUDA; torch's default on CPU is the per-tensor loop).
+    """
+    dev = _check_device(device)
+    if dev.type == "cpu":
+        keep_freed_host_memory()
+    clock = _Clock(dev)
+    cuda = dev.type == "cuda"
+    torch.manual_seed(seed)
+
+    n = 8192 if cuda else 1024
+    mm_dtype = torch.bfloat16 if cuda else torch.float32
+    a = torch.randn(n, n, device=dev, dtype=mm_dtype)
+    b = torch.randn(n, n, device=dev, dtype=mm_dtype)
+    c = torch.empty(n, n, device=dev, dtype=mm_dtype)
+    mm_s = _measure(clock, lambda: torch.mm(a, b, out=c), warmup=2, repeats=7,
+                          min_time_s=0.0, max_time_s=0.5).median_s
+    del a, b, c
+
+    numel = (1 << 28) if cuda else (1 << 25)
+    src = torch.empty(numel, device=dev).fill_(1.0)
+    dst = torch.empty_like(src)
+    copy_s = _measure(clock, lambda: dst.copy_(src), warmup=2, repeats=7,
+                            min_time_s=0.0, max_time_s=0.5).median_s
+    copy_bytes = 2 * src.numel() * src.element_size()
+    del src, dst
+
+    x = torch.ones(1, device=dev)
+    launch_s = _measure(clock, lambda: torch.add(x, x), warmup=20, repeats=15,
+                              min_time_s=2e-3, max_time_s=0.5).median_s
+
+    # Two AdamW measurements: large tensors (beyond the caches, as real weights are) give the
+    # cost per parameter; many one-element tensors give the fixed cost per tensor.
+    def adamw_step_s(tensors: int, per: int) -> float:
+        params = [nn.Parameter(torch.randn(per, device=dev)) for _ in range(tensors)]
+        for p in params:
+            p.grad = torch.randn_like(p)
+        opt = torch.optim.AdamW(params, lr=1e-3)
+        # warm-up steps allocate the optimizer state (first-touch page faults are slow in VMs)
+        return _measure(clock, opt.step, warmup=2, repeats=5, min_time_s=0.0,
+                        max_time_s=0.5).median_s
+    big_tensors, big = (8, 1 << 24) if cuda else (16, 1 << 20)
+    per_tensor_s = adamw_step_s(64, 1) / 64
+    opt_s = adamw_step_s(big_tensors, big) - big_tensors * per_tensor_s
+    opt_per_param_s = max(opt_s, 0.0) / (big_tensors * big) or 1e-12
+
+    w = nn.Parameter(torch.zeros(1, device=dev))
+    one = torch.ones(1, device=dev)
+    tiny_opt = torch.optim.AdamW([w], lr=1e-3)
+
+    def tiny_step() -> None:
+        tiny_opt.zero_grad(set_to_none=True)
+        (w * one).sum().backward()
+        tiny_opt.step()
+    step_s = _measure(clock, tiny_step, warmup=5, repeats=15, min_time_s=5e-3,
+                            max_time_s=0.5).median_s
+    framework_s = _framework_s_per_op(clock, dev, launch_s) if not cuda else 0.0
+
+    return Calibration(matmul_flops_per_s=2.0 * n ** 3 / mm_s,
+                       memory_bandwidth_bytes_per_s=copy_bytes / copy_s, launch_s=launch_s,
+                       optimizer_s_per_param=opt_per_param_s,
+                       optimizer_s_per_tensor=per_tensor_s, step_overhead_s=step_s,
+                       matmul_dtype=str(mm_dtype).removeprefix("torch."),
+                       framework_s_per_op=framework_s)
+
+
+# a small eager network of tiny layers: its forward and backward time is all framework (module
+# calls, dispatch, autograd) and kernel launches; each block traces to this many graph ops
+# (Linear: transpose + addmm; GELU; LayerNorm)
+_FRAMEWORK_BLOCKS, _OPS_PER_BLOCK = 16, 4
+
+
+def _framework_s_per_op(clock: Any, dev: torch.device, launch_s: float) -> float:
+    """Eager time per graph op and pass outside its kernel (``Calibration.framework_s_per_op``),
+    from the forward and backward of a network of tiny layers, less a launch per op."""
+    layers: list[nn.Module] = []
+    for _ in range(_FRAMEWORK_BLOCKS):
+        layers += [nn.Linear(16, 16), nn.GELU(), nn.LayerNorm(16)]
+    net = nn.Sequential(*layers).to(dev)
+    x = torch.randn(4, 16, device=dev)
+
+    def fwd_bwd() -> None:
+        net(x).sum().backward()
+    t = _measure(clock, fwd_bwd, warmup=3, repeats=15, min_time_s=5e-3, max_time_s=0.5).median_s
+    ops = _FRAMEWORK_BLOCKS * _OPS_PER_BLOCK + 1
+    return max(0.0, t / (2 * ops) - launch_s)
