@@ -26,7 +26,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
+import math
 import os
 import subprocess
 import sys
@@ -227,7 +229,7 @@ def refit(runs: list[Measured], optimizer_s: list[float]) -> dict[str, Any]:
                 group = _group(kind, cfg)
                 if group < 2:
                     continue
-                nbytes = 4.0 * sum(_numel(s) for s in e["shapes"][:1])
+                nbytes = 4.0 * sum(math.prod(s) for s in e["shapes"][:1])
                 if kind == "all_gather":
                     nbytes *= group                # priced by the gathered output
                 samples.append((*unit_terms(kind, nbytes, group), e["dur_s"]))
@@ -244,13 +246,6 @@ def refit(runs: list[Measured], optimizer_s: list[float]) -> dict[str, Any]:
 
 def _params(plan: Any) -> int:
     return sum(int(p.get("params_per_device", 0)) for p in plan.predicted.get("stages", [])[:1])
-
-
-def _numel(shape: list[int]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
 
 
 def _group(kind: str, cfg: Any) -> int:
@@ -289,7 +284,7 @@ def write_profile(fits: dict[str, Any], output: str | None) -> str:
 
     from autoplan.cluster.local import (auto_calibration, local_cpu_device_name,
                                         rank_calibration_db)
-    from autoplan.cost.profile_db import PROFILE_DIR_ENV, ProfileDB, default_cache_dir
+    from autoplan.cost.profile_db import ProfileDB
     device = local_cpu_device_name()
     base = ProfileDB.find(device)
     if base is None:
@@ -325,11 +320,22 @@ def write_profile(fits: dict[str, Any], output: str | None) -> str:
     db = dataclasses.replace(base, calibration=dataclasses.replace(cal, **changes),
                              links=links,
                              sources=tuple(base.sources) + ("autoplan calibrate",))
-    folders = [f for f in os.environ.get(PROFILE_DIR_ENV, "").split(os.pathsep) if f]
-    path = output or (os.path.join(os.path.expanduser(folders[0]), f"{device}.json")
-                      if folders else str(default_cache_dir() / f"{device}.json"))
+    path = output or ProfileDB.write_path(device)
     db.save(path)
     return path
+
+
+@functools.lru_cache(maxsize=4)
+def _example_graph(name: str) -> Any:
+    """The traced example model (None for a name that is not one), once per calibration: its
+    plans are re-estimated several times as the fit goes."""
+    from autoplan.graph import trace
+    from autoplan.models import build_example
+    try:
+        ex = build_example(name, batch_size=1)
+    except ValueError:
+        return None
+    return trace(ex.model, ex.example_inputs, loss_fn=ex.loss_fn, targets=ex.targets)
 
 
 def _estimate_here(plan: Any) -> float | None:
@@ -337,13 +343,9 @@ def _estimate_here(plan: Any) -> float | None:
     a model that is not an example name)."""
     from autoplan.cluster import Cluster
     from autoplan.estimate import estimate
-    from autoplan.graph import trace
-    from autoplan.models import build_example
-    try:
-        ex = build_example(plan.model.name, batch_size=1)
-    except ValueError:
+    g = _example_graph(plan.model.name)
+    if g is None:
         return None
-    g = trace(ex.model, ex.example_inputs, loss_fn=ex.loss_fn, targets=ex.targets)
     sharding = None
     if plan.config.tp > 1:          # the plan's own per-op strategies, not the default ones
         from autoplan.estimate.partition import pipeline_units

@@ -204,11 +204,9 @@ def auto_calibration(device: str) -> tuple[dict[str, float], int] | None:
 
     if os.environ.get(AUTO_CALIBRATE_ENV, "1") == "0" or int(os.environ.get("WORLD_SIZE", "1")) > 1:
         return None
-    from autoplan.cost.profile_db import PROFILE_DIR_ENV, default_cache_dir
+    from autoplan.cost.profile_db import ProfileDB
 
-    folders = [f for f in os.environ.get(PROFILE_DIR_ENV, "").split(os.pathsep) if f]
-    path = (os.path.join(os.path.expanduser(folders[0]), f"{device}.json") if folders
-            else str(default_cache_dir() / f"{device}.json"))
+    path = ProfileDB.write_path(device)
     print(f"autoplan: no profile for this CPU ({device}) yet: calibrating it once (about 5 s; "
           f"{AUTO_CALIBRATE_ENV}=0 skips this)...", file=sys.stderr, flush=True)
     t0 = time.perf_counter()

@@ -369,6 +369,12 @@ class ProfileDB:
         return out
 
     @classmethod
+    def write_path(cls, device: str) -> str:
+        """Where a measured profile for ``device`` goes so that ``find`` picks it up first: the
+        first ``AUTOPLAN_PROFILE_DIR`` folder, else the user cache."""
+        return str(cls.search_paths(device)[0])
+
+    @classmethod
     def find(cls, device: str) -> ProfileDB | None:
         """The first database for ``device`` on the search path, or None if there is none.
 
