@@ -210,3 +210,53 @@ def test_pipeline_data_parallel_gradient_sync_is_bucketed_once_per_step(schedule
         # call), the step's loss (8 bytes, one call)
         assert nbytes == 4 * params + 4 * tied + 8
         assert calls <= 5 < tensors
+
+
+def _zero1_overlap_rank(rank, world):
+    import torch.distributed as dist
+
+    from autoplan.runtime.optim import TensorShardedOptimizer, wait_gathers
+    dist.init_process_group("gloo")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
+    opt = TensorShardedOptimizer(list(model.parameters()),
+                                 lambda ps: torch.optim.SGD(ps, lr=0.1), dist.group.WORLD)
+    opt.overlap_with_forward([model], [model[0], model[1]])
+    x = torch.full((3, 4), float(rank + 1))       # different data: different gradients
+    model(x).sum().backward()
+    for p in model.parameters():                  # what DDP would do: average the gradients
+        dist.all_reduce(p.grad)
+        p.grad /= world
+    opt.step()
+    in_flight = len(opt._pending)
+    model(x)                                       # every layer waits for its own weights
+    after_forward = len(opt._pending)
+    wait_gathers(opt)
+    return in_flight, after_forward, [p.detach().flatten().tolist() for p in model.parameters()]
+
+
+def test_zero1_broadcasts_overlap_the_next_forward_and_arrive_before_use():
+    """The updated tensors are in flight after step() and each layer's forward pre-hook waits
+    for its own: after one forward nothing is pending and every rank holds the same weights."""
+    results = run_ranks(_zero1_overlap_rank, 2)
+    for in_flight, after_forward, _ in results:
+        assert in_flight == 4 and after_forward == 0
+    assert results[0][2] == results[1][2]
+
+
+def _refusal_rank(rank, world, plan_json):
+    from autoplan.errors import PlanError
+    try:
+        _compiled(plan_json)
+    except PlanError as e:
+        return str(e)
+    return "ran"
+
+
+def test_a_plan_with_tp_comm_overlap_is_refused_at_run_time():
+    """Priced (the validation prices Megatron-LM's --tp-comm-overlap) but not runnable here:
+    compile() says so on every rank, and never runs the plan without the overlap."""
+    plan = _plan(2, dict(tp=2, sequence_parallel=True, tp_comm_overlap=True))
+    assert plan.config.tp_comm_overlap
+    for message in run_ranks(_refusal_rank, 2, plan.to_json()):
+        assert "tp_comm_overlap" in message and "cannot run" in message

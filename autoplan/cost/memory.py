@@ -24,6 +24,10 @@ from autoplan.sharding.placement import REPLICATE, Placement
 from autoplan.sharding.sharding import Sharding, megatron_sharding
 
 PRECISION_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+# Gradients are reduced in fp32 whatever the training precision: autocast keeps fp32 weights
+# (so fp32 gradients) and FSDP2's MixedPrecisionPolicy reduces in fp32 (runtime/trainer.py), as
+# Megatron-LM does for bf16 (arguments.py forces accumulate_allreduce_grads_in_fp32).
+GRAD_BYTES = 4
 
 # bytes per parameter of optimizer state kept by the optimizer (fp32), excluding any master copy
 _OPTIMIZER_STATE_BYTES = {"adamw": 8, "adam": 8, "sgd": 4}

@@ -16,8 +16,10 @@ from typing import Any
 
 from autoplan.graph.analysis import GraphAnalysis
 from autoplan.cost.compute import ComputeModel
-from autoplan.cost.memory import _meta_bytes, activation_bytes, working_set_bytes
+from autoplan.cost.memory import (GRAD_BYTES, PRECISION_BYTES, _meta_bytes, activation_bytes,
+                                  working_set_bytes)
 from autoplan.estimate.config import ParallelConfig
+from autoplan.estimate.overlap import overlap_exposed_s, overlap_interference
 from autoplan.estimate.partition import Chunk
 from autoplan.graph.opgraph import OpGraph
 from autoplan.sharding.placement import REPLICATE
@@ -56,6 +58,7 @@ class RangeCost:
     param_tensors: int            # parameter tensors (an optimizer's per-tensor costs)
     num_layers: int = 0
     boundary_bytes: float = 0.0   # chunks: activation sent to the next chunk per micro-batch
+    layer_params: float = 0.0     # chunks: of ``params``, those inside its layers
 
     @property
     def fwd_total_s(self) -> float:
@@ -97,6 +100,8 @@ def tp_comm_s(ci: CostInputs, start: int, stop: int) -> tuple[float, float, floa
     t = {"fwd": 0.0, "bwd": 0.0, "step": 0.0}
     for _i, c in sh.comms(start, stop):
         nbytes = comm_bytes(graph, a, config, c.value, c.scale, sh.t, ci.batch_scale)
+        if c.phase == "step":             # a gradient: reduced in fp32
+            nbytes *= GRAD_BYTES / PRECISION_BYTES[config.precision]
         if c.phase == "step" and config.zero_stage >= 2:
             nbytes /= config.dp           # the gradient is already ZeRO-sharded over dp
         t[c.phase] += ci.cluster.collective_time_s(c.kind, nbytes, group)
@@ -111,7 +116,7 @@ def range_cost(ci: CostInputs, start: int, stop: int, policy: str) -> RangeCost:
     cache = ci.graph.__dict__.setdefault("_autoplan_range_costs", {})
     cfg = ci.config
     key = (id(ci.sharding), id(ci.compute), id(ci.cluster), start, stop, policy,
-           cfg.micro_batch_size, cfg.precision, cfg.tp)
+           cfg.micro_batch_size, cfg.precision, cfg.tp, cfg.tp_comm_overlap)
     hit = cache.get(key)
     if (hit is not None and hit[0] is ci.sharding and hit[1] is ci.compute
             and hit[2] is ci.cluster):
@@ -126,14 +131,24 @@ def range_cost(ci: CostInputs, start: int, stop: int, policy: str) -> RangeCost:
 def _range_cost(ci: CostInputs, start: int, stop: int, policy: str) -> RangeCost:
     graph, a, sh, config = ci.graph, ci.analysis, ci.sharding, ci.config
     mbs = config.micro_batch_size
-    fwd = bwd = recompute = 0.0
+    fwd = bwd = recompute = gemm_fwd = gemm_bwd = 0.0
     for i in range(start, stop):
         c = ci.compute.op_cost(i, _work_scale(a, graph, sh, i, ci.batch_scale))
         fwd += c.fwd_s
         bwd += c.bwd_s
+        if graph.ops[i].kind == "matmul":
+            gemm_fwd += c.fwd_s
+            gemm_bwd += c.bwd_s
         if policy == "full" or policy == "selective" and i in a.score_ops:
             recompute += c.fwd_s
     tp_fwd, tp_bwd, tp_step = tp_comm_s(ci, start, stop)
+    if config.tp_comm_overlap:
+        # each collective in t ring steps, every step but the first beside a GEMM chunk
+        # (Megatron-LM's --tp-comm-overlap; Wang et al. 2023, "Overlap Communication with
+        # Dependent Computation via Decomposition")
+        x = overlap_interference(ci.cluster)
+        tp_fwd = overlap_exposed_s(tp_fwd, gemm_fwd, tp_fwd / sh.t, x)
+        tp_bwd = overlap_exposed_s(tp_bwd, gemm_bwd, tp_bwd / sh.t, x)
     if policy == "full":
         recompute += tp_fwd
     acts = activation_bytes(graph, start, stop, micro_batch_size=mbs, sharding=sh,
@@ -173,9 +188,10 @@ def chunk_parts(chunk: Chunk) -> list[tuple[int, int, bool]]:
 def chunk_cost(ci: CostInputs, chunk: Chunk, policy: str) -> RangeCost:
     """Sum of the chunk's layers (under ``policy``) and the ops around them."""
     like = {(u.start, u.stop): u.like for u in chunk.units}
+    spans = chunk_parts(chunk)
     parts = [range_cost(ci, *like.get((s, e), (s, e)), policy) if is_layer
              else range_cost(ci, s, e, "none")
-             for s, e, is_layer in chunk_parts(chunk)]
+             for s, e, is_layer in spans]
     return RangeCost(
         fwd_s=sum(p.fwd_s for p in parts), bwd_s=sum(p.bwd_s for p in parts),
         recompute_s=sum(p.recompute_s for p in parts), tp_fwd_s=sum(p.tp_fwd_s for p in parts),
@@ -183,7 +199,8 @@ def chunk_cost(ci: CostInputs, chunk: Chunk, policy: str) -> RangeCost:
         activation_bytes=sum(p.activation_bytes for p in parts),
         working_set_bytes=max((p.working_set_bytes for p in parts), default=0.0),
         params=sum(p.params for p in parts), param_tensors=sum(p.param_tensors for p in parts),
-        num_layers=len(chunk.layers), boundary_bytes=boundary_bytes(ci, chunk.stop))
+        num_layers=len(chunk.layers), boundary_bytes=boundary_bytes(ci, chunk.stop),
+        layer_params=sum(p.params for p, (_, _, is_layer) in zip(parts, spans) if is_layer))
 
 
 def boundary_bytes(ci: CostInputs, cut: int) -> float:

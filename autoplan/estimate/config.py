@@ -58,6 +58,9 @@ class ParallelConfig:
     stage_recompute: tuple[str, ...] | None = None
     precision: str = "bf16"
     optimizer: str = "adamw"
+    # tensor-parallel collectives pipelined with the GEMMs that consume or produce them
+    # (Megatron-LM's --tp-comm-overlap): priced, never searched, and refused by this runtime
+    tp_comm_overlap: bool = False
 
     def __post_init__(self) -> None:
         for name in ("dp", "tp", "pp", "micro_batch_size", "virtual_stages"):
@@ -84,6 +87,10 @@ class ParallelConfig:
         if self.sequence_parallel and self.tp == 1:
             raise ConfigError("sequence_parallel=True needs tp > 1 (it shards the "
                               "activations that tensor parallelism leaves replicated)")
+        if self.tp_comm_overlap and not (self.tp > 1 and self.sequence_parallel):
+            raise ConfigError("tp_comm_overlap=True needs tp > 1 with sequence_parallel: it "
+                              "pipelines the sequence-parallel all-gathers and reduce-scatters "
+                              "with their GEMMs")
 
     def _check_layout(self) -> None:
         for name in ("chunk_layers", "stage_recompute"):
@@ -151,8 +158,12 @@ class ParallelConfig:
                      for d in range(self.dp))
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-ready fields (the layout tuples as lists)."""
-        return {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items()}
+        """JSON-ready fields (the layout tuples as lists); ``tp_comm_overlap`` only when set,
+        so plans written before it existed read back byte for byte."""
+        out = {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items()}
+        if not self.tp_comm_overlap:
+            del out["tp_comm_overlap"]
+        return out
 
     @staticmethod
     def from_dict(d: dict[str, Any]) -> ParallelConfig:
@@ -184,6 +195,8 @@ class ParallelConfig:
             s += " offload-opt"
         if self.offload_params:
             s += " offload-params"
+        if self.tp_comm_overlap:
+            s += " tp-overlap"
         return s + f" {self.precision}"
 
 

@@ -23,13 +23,15 @@ from typing import Any
 
 from autoplan.graph.analysis import analyze
 from autoplan.cost.compute import ComputeModel, compute_model
-from autoplan.cost.memory import (PRECISION_BYTES, activation_bytes, model_state_bytes,
-                                  sharding_for)
+from autoplan.cost.memory import (GRAD_BYTES, PRECISION_BYTES, activation_bytes,  # noqa: F401
+                                  model_state_bytes, sharding_for)
 from autoplan.errors import ConfigError
 from autoplan.estimate.arguments import batch_arg, cluster_arg, profile_arg
 from autoplan.estimate.chunk_cost import CostInputs, RangeCost, chunk_cost
 from autoplan.estimate.config import ParallelConfig
 from autoplan.estimate.layout import chunks_for, in_flight
+from autoplan.estimate.overlap import (OVERLAP_INTERFERENCE, overlap_exposed_s,  # noqa: F401
+                                      overlap_interference)
 from autoplan.estimate.partition import pipeline_units
 from autoplan.estimate.pipeline_sim import W_FRACTION, simulate
 from autoplan.estimate.result import Estimate, MemoryBreakdown, StageEstimate, TimeBreakdown
@@ -159,7 +161,17 @@ def estimate(model: Any, cluster: Any, *, config: ParallelConfig, global_batch_s
         # in one flattened call (runtime/optim.py TensorParallelGrads): exposed
         sync = sum(costs[c].tp_step_s for c in stage_chunks[s])
         if config.dp > 1 and config.zero_stage in (1, 2):   # updated shards, after the step
-            gather = cluster.collective_time_s("all_gather", params * w_bytes, group)
+            # ZeRO-1 broadcasts the fp32 weights autocast computes from; FSDP2 (ZeRO-2)
+            # gathers them in the training precision
+            gather = cluster.collective_time_s(
+                "all_gather", params * (GRAD_BYTES if config.zero_stage == 1 else w_bytes), group)
+        if config.dp > 1 and config.zero_stage == 1:
+            # the runtime issues them after the step and waits for each before the module that
+            # reads it (Megatron-LM's --overlap-param-gather): hidden behind the next forward
+            # but for what the first modules need (the weights outside layers, one layer)
+            layer_params = sum(costs[c].layer_params for c in stage_chunks[s])
+            first = gather * (params - layer_params + layer_params / layers) / max(params, 1.0)
+            gather = overlap_exposed_s(gather, stage_f[s], first, interference)
         if simulated_comm is None:       # else the simulator ran the syncs and FSDP's traffic
             # the dp group's gradient sync (DDP's buckets) hidden behind the last
             # micro-batch's backward as far as it lasts
@@ -287,9 +299,10 @@ def _dp_collectives(config: ParallelConfig, cluster: Any, params: float, layers:
     if config.zero_stage == 3:
         layer_bytes = params * w_bytes / layers
         return (0.0, cluster.collective_time_s("all_gather", layer_bytes, group),
-                cluster.collective_time_s("reduce_scatter", layer_bytes, group))
+                cluster.collective_time_s("reduce_scatter", layer_bytes * GRAD_BYTES / w_bytes,
+                                          group))
     kind = "all_reduce" if config.zero_stage == 0 else "reduce_scatter"
-    return cluster.collective_time_s(kind, params * w_bytes, group), 0.0, 0.0
+    return cluster.collective_time_s(kind, params * GRAD_BYTES, group), 0.0, 0.0
 
 
 def _chunk_collectives(config: ParallelConfig, cluster: Any, costs: Sequence[RangeCost]
@@ -332,31 +345,6 @@ def _optimizer_step_s(params: float, tensors: int, config: ParallelConfig,
                 + tensors * cal.optimizer_s_per_tensor) * compute.slowdown
     return (params * _OPT_STEP_BYTES[config.optimizer] / compute.tput.memory_bytes_per_s
             + tensors * compute.tput.launch_s)
-
-
-# Communication overlapped with compute still slows it: NCCL's kernels run on the SMs and share
-# HBM bandwidth with the GEMMs they hide behind. ESTIMATE, like the efficiencies in devices.yaml:
-# a share of the overlapped communication time is charged to the compute stream.
-OVERLAP_INTERFERENCE = 0.15
-
-
-def overlap_exposed_s(comm_s: float, window_s: float, first_s: float,
-                      interference: float = OVERLAP_INTERFERENCE) -> float:
-    """Seconds ``comm_s`` of communication adds to a phase of ``window_s`` seconds of compute
-    it overlaps: what does not fit in the window (at least ``first_s``, the part that must come
-    before any compute, e.g. the first layer's gather) plus the interference of the rest."""
-    if comm_s <= 0:
-        return 0.0
-    if interference >= 1.0:          # nothing runs beside it: all of it adds to the phase
-        return comm_s
-    return max(comm_s - window_s, first_s) + interference * min(comm_s, window_s)
-
-
-def overlap_interference(cluster: Any) -> float:
-    """The device's share of overlapped communication charged to compute (see
-    ``DeviceSpec.overlap_interference``), else ``OVERLAP_INTERFERENCE``."""
-    x = getattr(cluster.device, "overlap_interference", None)
-    return OVERLAP_INTERFERENCE if x is None else float(x)
 
 
 def _margin(cluster: Any, margin: float | None) -> float:

@@ -208,8 +208,11 @@ def _evaluate(graph: OpGraph, cluster: Any, configs: list[ParallelConfig], sh: S
     out = []
     sp = sh.t > 1 and any(s.style in _SP_STYLES for s in sh.op_strategy)
     for c in configs:
-        if c.sequence_parallel != sp:
-            c = ParallelConfig(**{**c.to_dict(), "sequence_parallel": sp})
+        # tp_comm_overlap only when asked for (the runtime cannot run it), and where it applies
+        overlap = bool(opts.force.get("tp_comm_overlap")) and sp
+        if c.sequence_parallel != sp or c.tp_comm_overlap != overlap:
+            c = ParallelConfig(**{**c.to_dict(), "sequence_parallel": sp,
+                                  "tp_comm_overlap": overlap})
         try:
             if c.pp > 1 and c.chunk_layers is None:
                 c = _with_stage_layout(graph, cluster, c, sh, gbs, profile, opts)

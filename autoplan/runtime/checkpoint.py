@@ -48,6 +48,7 @@ from autoplan.runtime.checkpoint_files import (_DTYPES, FORMAT, LATEST, META_FIL
                                                VERSION, _model_mismatch, _write_atomic,
                                                export, read_meta, resolve, step_dir)
 from autoplan.runtime.pieces import Pieces, layout_of
+from autoplan.runtime.optim import wait_gathers
 
 
 
@@ -299,6 +300,7 @@ class Checkpointer:
         step directory; with ``async_save`` the pieces are copied to host memory now and
         written in the background (``wait()`` or the next save waits for it)."""
         self.wait()
+        wait_gathers(trainer.optimizer)      # ZeRO-1's weights may still be on their way
         rank, world = _world()
         step = trainer.steps_done
         final = step_dir(self.root, step)
@@ -381,6 +383,7 @@ def load(trainer: Any, path: str | os.PathLike[str], *,
     differs."""
     step = resolve(path)
     meta = read_meta(step)
+    wait_gathers(trainer.optimizer)          # nothing in flight may overwrite what is loaded
     t, tp_rank = _tp(trainer)
     held = held_state(trainer)
     layouts = {fqn: layout_of(h.tensor, h.placement, t, tp_rank) for fqn, h in held.items()}

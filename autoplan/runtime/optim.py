@@ -5,7 +5,9 @@
 - ``TensorParallelGrads``: weights replicated over the tp axis but read by split computations
   have partial gradients there: summed once per step;
 - ``TensorShardedOptimizer``: ZeRO-1 by whole tensors: each dp rank keeps optimizer state for
-  the tensors it owns, steps them, and broadcasts the updated tensors to its dp peers.
+  the tensors it owns, steps them, and broadcasts the updated tensors to its dp peers. The
+  broadcasts run behind the next forward (Megatron-LM's ``--overlap-param-gather``): issued
+  asynchronously after the step, each waited for just before the first module that reads it.
 - ``HostOffloadOptimizer``: optimizer state (and the fp32 master copy the step updates) kept in
   host memory; gradients go down, updated weights come back; bytes moved are counted.
 All work on local tensors (a weight is this rank's tensor-parallel shard; under FSDP2 a
@@ -114,13 +116,50 @@ class TensorShardedOptimizer:
         mine = [p for p, o in zip(self.params, owner) if o == me]
         self.inner = factory(mine) if mine else None
         self.src = [dist.get_global_rank(group, o) for o in owner]
+        self._overlap = False
+        self._pending: dict[int, Any] = {}        # id(param) -> its broadcast in flight
 
     def step(self) -> None:
+        self.wait_gathers()              # a tensor still in flight must not be stepped
         if self.inner is not None:
             self.inner.step()
         with torch.no_grad():
             for p, src in zip(self.params, self.src):
-                dist.broadcast(_local(p).data, src=src, group=self.group)
+                work = dist.broadcast(_local(p).data, src=src, group=self.group, async_op=True)
+                if self._overlap:
+                    self._pending[id(p)] = work
+                else:
+                    work.wait()
+
+    def overlap_with_forward(self, roots: Sequence[torch.nn.Module],
+                             layers: Sequence[torch.nn.Module]) -> None:
+        """Wait for the updated tensors lazily: each of ``layers`` waits for its own before its
+        forward, each of ``roots`` (the program, or a pipeline rank's chunks) for the rest
+        (embeddings, head) before its forward. ``wait_gathers`` finishes them for anything
+        else that reads the weights (a checkpoint, an export)."""
+        in_layer: set[int] = set()
+        for m in layers:
+            mine = [id(p) for p in m.parameters()]
+            in_layer.update(mine)
+            m.register_forward_pre_hook(self._waiter(mine))
+        for root in roots:
+            rest = [id(p) for p in root.parameters() if id(p) not in in_layer]
+            root.register_forward_pre_hook(self._waiter(rest))
+        self._overlap = True
+
+    def _waiter(self, ids: Sequence[int]) -> Callable[..., None]:
+        def wait(*_: Any) -> None:
+            for i in ids:
+                work = self._pending.pop(i, None)
+                if work is not None:
+                    work.wait()
+        return wait
+
+    def wait_gathers(self) -> None:
+        """Finish every broadcast still in flight (they were issued in parameter order)."""
+        for work in self._pending.values():
+            work.wait()
+        self._pending.clear()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for p in self.params:
@@ -129,6 +168,14 @@ class TensorShardedOptimizer:
     @property
     def param_groups(self):
         return self.inner.param_groups if self.inner is not None else []
+
+
+def wait_gathers(opt: Any) -> None:
+    """Before anything but the forward reads the weights: finish ZeRO-1's overlapped
+    parameter broadcasts (a no-op for other optimizers)."""
+    finish = getattr(opt, "wait_gathers", None)
+    if finish is not None:
+        finish()
 
 
 class HostOffloadOptimizer:

@@ -32,7 +32,7 @@ from autoplan.errors import PlanError
 from autoplan.graph.opgraph import OpGraph
 from autoplan.runtime.checkpoint import Checkpointing
 from autoplan.runtime.grads import GradientStep, LossScaler, finish_step
-from autoplan.runtime.optim import _local
+from autoplan.runtime.optim import _local, wait_gathers
 
 SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B",
              "interleaved_1f1b": "ScheduleInterleaved1F1B",
@@ -215,6 +215,7 @@ class PipelineTrainer(Checkpointing, GradientStep):
         """This rank's parameters and buffers, full tensors (gathered over dp and tp)."""
         from autoplan.runtime.parallelize import full_state_dict
         from autoplan.runtime.state import gather_tensor_parallel
+        wait_gathers(self.optimizer)
         out: dict[str, torch.Tensor] = {}
         for c in sorted(self.chunks):
             out.update(full_state_dict(self.chunks[c]))
@@ -301,6 +302,7 @@ def compile_pipelined(model: nn.Module, graph: OpGraph, plan: Any, *, device: to
     ranges = layer_ranges(ex.graph)
     use_fsdp = (cfg.dp > 1 and cfg.zero_stage >= 2) or cfg.offload_params   # FSDP2 offload
     chunks: dict[int, nn.Module] = {}
+    layer_modules: list[nn.Module] = []
     grad_syncs: list[Any] = []
     for c in mine_idx:
         inside = [r for r in ranges if cuts[c] <= r[1] < cuts[c + 1]]
@@ -308,6 +310,7 @@ def compile_pipelined(model: nn.Module, graph: OpGraph, plan: Any, *, device: to
         register_aliases(chunk, aliases)
         keep_out_of_state_dict(chunk, transient)
         layers = [p for p, _, _ in inside]
+        layer_modules += [chunk.get_submodule(p) for p in layers]
         par.apply_recompute(chunk, {p: pol for p, pol in plan.recompute.items()
                                     if p in set(layers)})
         if use_fsdp:
@@ -355,6 +358,7 @@ def compile_pipelined(model: nn.Module, graph: OpGraph, plan: Any, *, device: to
         factory = partial(HostOffloadOptimizer, factory=optimizer)
     if cfg.dp > 1 and cfg.zero_stage == 1:
         opt = TensorShardedOptimizer(params, factory, dp_mesh.get_group())
+        opt.overlap_with_forward([chunks[c] for c in sorted(chunks)], layer_modules)
     else:
         opt = factory(params)
     last_rank = cfg.rank(pp_index=(n - 1) % cfg.pp, dp_index=dp_index, tp_index=tp_index)

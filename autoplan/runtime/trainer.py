@@ -43,7 +43,7 @@ from autoplan.runtime.checkpoint import Checkpointing, optimizer_slots
 from autoplan.runtime.grads import GradientStep, LossScaler, finish_step
 from autoplan.runtime.health import for_job
 from autoplan.runtime.optim import (HostOffloadOptimizer, TensorParallelGrads,
-                                    TensorShardedOptimizer)
+                                    TensorShardedOptimizer, wait_gathers)
 
 COLLECTIVE_TIMEOUT_S = int(os.environ.get("AUTOPLAN_COLLECTIVE_TIMEOUT_S", "120"))
 
@@ -182,6 +182,7 @@ class Trainer(Checkpointing, GradientStep):
         """Parameters and buffers as full tensors (gathered over dp and tp), on the CPU, on
         every rank (a collective: every rank calls it)."""
         from autoplan.runtime.state import gather_tensor_parallel
+        wait_gathers(self.optimizer)
         return gather_tensor_parallel(par.full_state_dict(self.model), self.placements,
                                       self.aliases, self.tp_comm)
 
@@ -294,6 +295,11 @@ def _compile(model: nn.Module, cluster: Any, *, example_inputs: Sequence[Any],
             raise PlanError(f"{what}. Re-plan with autoplan.plan(...) for this model and "
                             "cluster (or compile(..., plan=None) to plan now)")
     check_plan_against(plan, graph)          # a hand-edited plan: refused before any collective
+    if plan.config.tp_comm_overlap:
+        raise PlanError("the plan prices tensor-parallel communication pipelined with its GEMMs "
+                        "(tp_comm_overlap, as Megatron-LM's --tp-comm-overlap), which this "
+                        "runtime cannot run: it needs fused GEMM + collective kernels (CUDA "
+                        "symmetric memory). Re-plan without forcing tp_comm_overlap")
     if plan.training.global_batch_size != global_batch_size:
         raise PlanError(f"the plan is for a global batch of {plan.training.global_batch_size}, "
                         f"compile() got {global_batch_size}")
@@ -361,6 +367,8 @@ def _compile(model: nn.Module, cluster: Any, *, example_inputs: Sequence[Any],
         factory = partial(HostOffloadOptimizer, factory=optimizer)
     if cfg.dp > 1 and cfg.zero_stage == 1:
         opt = TensorShardedOptimizer(params, factory, dp_group)
+        # the updated weights arrive behind the next forward, layer by layer (as priced)
+        opt.overlap_with_forward([rp.module], [rp.module.get_submodule(p) for p in rp.layers])
     else:
         opt = factory(params)
     autocast = precision_dtype if not use_fsdp else None
