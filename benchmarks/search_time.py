@@ -2,6 +2,8 @@
 
     python benchmarks/search_time.py            # all cases
     python benchmarks/search_time.py llama3-8b  # one
+    python benchmarks/search_time.py --sweep    # how it grows: GPT-3 175B on 64 to 16,384
+                                                # A100, and 24 to 192 layers on 1,024 A100
 
 Targets: Llama-3-8B shapes on 64 H100 (8 nodes) <= 10 s; GPT-3 175B shapes on 1,024 A100
 (128 DGX nodes) <= 60 s without and with pipeline stages; Llama-3-70B on 256 H100 (joint
@@ -24,6 +26,11 @@ CASES = {   # name: (model, preset, nodes, global batch, largest pipeline degree
 }
 
 
+# the growth sweep (GPT-3 175B shapes, global batch 1,536): (label, nodes of 8 A100, layers)
+SWEEP = ([(f"{8 * n} GPUs, 96 layers", n, 96) for n in (8, 32, 128, 512, 2048)]
+         + [(f"1,024 GPUs, {layers} layers", 128, layers) for layers in (24, 48, 192)])
+
+
 def one(key: str) -> dict:
     import torch
 
@@ -31,9 +38,15 @@ def one(key: str) -> dict:
     from autoplan.graph import trace
     from autoplan.models import build_example
     torch.set_num_threads(1)
-    model, preset, nodes, gbs, max_pp = CASES[key]
+    if key.startswith("sweep:"):
+        _, nodes, layers = key.split(":")
+        model, preset, nodes, gbs, max_pp = "gpt3-175b", "dgx-a100-80gb", int(nodes), 1536, None
+        sizes = {"num_layers": int(layers)}
+    else:
+        model, preset, nodes, gbs, max_pp = CASES[key]
+        sizes = {}
     t0 = time.perf_counter()
-    ex = build_example(model, device="meta", batch_size=1)
+    ex = build_example(model, device="meta", batch_size=1, **sizes)
     graph = trace(ex.model, ex.example_inputs, loss_fn=ex.loss_fn, targets=ex.targets, name=model)
     t1 = time.perf_counter()
     cluster = Cluster.preset(preset, nodes=nodes)
@@ -51,7 +64,10 @@ def main(argv: list[str]) -> int:
     if argv[:1] == ["--one"]:
         print(json.dumps(one(argv[1])))
         return 0
-    for key in argv or list(CASES):
+    keys = argv or list(CASES)
+    if argv == ["--sweep"]:
+        keys = [f"sweep:{nodes}:{layers}" for _, nodes, layers in SWEEP]
+    for key in keys:
         out = subprocess.run([sys.executable, __file__, "--one", key], capture_output=True,
                              text=True)
         if out.returncode:

@@ -33,7 +33,7 @@ from autoplan.estimate.layout import chunks_for, in_flight
 from autoplan.estimate.overlap import (OVERLAP_INTERFERENCE, overlap_exposed_s,  # noqa: F401
                                       overlap_interference)
 from autoplan.estimate.partition import pipeline_units
-from autoplan.estimate.pipeline_sim import W_FRACTION, simulate
+from autoplan.estimate.pipeline_sim import W_FRACTION, PipelineTotals, pipeline_totals
 from autoplan.estimate.result import Estimate, MemoryBreakdown, StageEstimate, TimeBreakdown
 from autoplan.graph.opgraph import OpGraph
 from autoplan.graph.trace import as_graph
@@ -131,13 +131,13 @@ def estimate(model: Any, cluster: Any, *, config: ParallelConfig, global_batch_s
                  for c in range(len(chunks) - 1)]
         kw = dict(schedule=config.schedule, p=p, v=v, m=m, fwd_s=fwd, bwd_s=bwd,
                   activation_bytes=[c.activation_bytes for c in costs])
-        no_collectives = simulate(send_s=sends, **kw)
-        free_sends = simulate(**kw).makespan_s
+        no_collectives = pipeline_totals(send_s=sends, **kw)
+        free_sends = pipeline_totals(**kw).makespan_s
         sync_s, fsdp_s = _chunk_collectives(config, cluster, costs)
         sim = no_collectives
         if any(sync_s) or any(map(any, fsdp_s)):
-            sim = simulate(send_s=sends, sync_s=sync_s, fsdp_s=fsdp_s,
-                           layers=[max(1, c.num_layers) for c in costs], **kw)
+            sim = pipeline_totals(send_s=sends, sync_s=sync_s, fsdp_s=fsdp_s,
+                                  layers=[max(1, c.num_layers) for c in costs], **kw)
         bottleneck = max(range(p), key=lambda r: sim.busy_s[r])
         bubble_s = free_sends - sim.busy_s[bottleneck]     # fill and drain
         p2p_s = no_collectives.makespan_s - free_sends      # waiting on point-to-point sends
@@ -320,19 +320,17 @@ def _chunk_collectives(config: ParallelConfig, cluster: Any, costs: Sequence[Ran
     return sync, fsdp
 
 
-def _exposed_collectives(sim: Any, without_s: float, interference: float
+def _exposed_collectives(sim: PipelineTotals, without_s: float, interference: float
                          ) -> tuple[float, float]:
     """(gradient syncs, gathers): what the simulated collectives added to the step, plus the
     interference of the overlapped rest, split by their time on the busiest stream."""
-    if not sim.comm_events:
+    if not any(sim.comm_busy_s):
         return 0.0, 0.0
     exposed = max(0.0, sim.makespan_s - without_s)
     busiest = max(range(len(sim.comm_busy_s)), key=lambda r: sim.comm_busy_s[r])
     total = sim.comm_busy_s[busiest]
     added = exposed + interference * max(0.0, total - exposed)
-    gathers = sum(e.end_s - e.start_s for e in sim.comm_events
-                  if e.rank == busiest and e.kind == "gather")
-    share = gathers / total if total > 0 else 0.0
+    share = sim.gather_s[busiest] / total if total > 0 else 0.0
     return added * (1 - share), added * share
 
 

@@ -182,13 +182,24 @@ def _mixed_weight_grads(graph: OpGraph, chosen: list[OpStrategy]) -> list[OpStra
     return chosen
 
 
+def _built_once(graph: OpGraph, key: tuple, build: Any) -> Sharding:
+    """The sharding ``build()`` makes, made once per graph and ``key`` (the planner asks for
+    the same ones for every mesh, micro-batch and baseline; shardings are frozen)."""
+    cache = graph.__dict__.setdefault("_autoplan_shardings", {})
+    sh = cache.get(key)
+    if sh is None:
+        sh = cache[key] = build()
+    return sh
+
+
 def replicated(graph: OpGraph) -> Sharding:
-    return Sharding.build(graph, 1, [strategies(graph, op, 1)[0] for op in graph.ops])
+    return replicated_on(graph, 1)
 
 
 def replicated_on(graph: OpGraph, t: int) -> Sharding:
     """Every op replicated on a t-way axis (each rank of the group does all the work)."""
-    return Sharding.build(graph, t, [strategies(graph, op, t)[0] for op in graph.ops])
+    return _built_once(graph, ("replicated", t), lambda: Sharding.build(
+        graph, t, [strategies(graph, op, t)[0] for op in graph.ops]))
 
 
 def as_inputs_come(graph: OpGraph, op: Any, options: Sequence[OpStrategy],
@@ -228,6 +239,11 @@ def megatron_sharding(graph: OpGraph, t: int, sequence_parallel: bool = False) -
     """Megatron-LM tensor (and sequence) parallelism, by propagation over the graph."""
     if t == 1:
         return replicated(graph)
+    return _built_once(graph, ("megatron", t, bool(sequence_parallel)),
+                       lambda: _megatron_sharding(graph, t, sequence_parallel))
+
+
+def _megatron_sharding(graph: OpGraph, t: int, sequence_parallel: bool) -> Sharding:
     placement: dict[str, Placement] = {}
     model_split: set[str] = set()      # values split across features/heads (not batch/sequence)
     chosen: list[OpStrategy] = []

@@ -421,15 +421,23 @@ def strategies(graph: OpGraph, op: Op, t: int, *, micro_batch: int | None = None
     evenly at that micro-batch size too (the graph was traced at ``graph.batch_size``)."""
     if t == 1 or not op.outputs:
         return [replicate(op)]
-    try:
-        found = _shaped(graph, op, t)
-    except (TypeError, ValueError, IndexError, KeyError, AttributeError, ZeroDivisionError) as e:
-        # arguments no rule expects (a graph read from a hand-edited file): replicated
-        _warn_once(op, e)
-        return [replicate(op)]
+    # the planner asks again for every mesh, micro-batch and baseline: derive them once per
+    # graph (they depend on the op and t only; the values are frozen)
+    cache = graph.__dict__.setdefault("_autoplan_strategies", {})
+    key = (op.name, t)
+    found = cache.get(key)
+    if found is None:
+        try:
+            found = tuple(_shaped(graph, op, t))
+        except (TypeError, ValueError, IndexError, KeyError, AttributeError,
+                ZeroDivisionError) as e:
+            # arguments no rule expects (a graph read from a hand-edited file): replicated
+            _warn_once(op, e)
+            found = ()
+        cache[key] = found
     if micro_batch is not None and micro_batch != graph.batch_size:
-        found = [s for s in found if _even_at(graph, op, s, t, micro_batch)]
-    return [replicate(op)] + found
+        found = tuple(s for s in found if _even_at(graph, op, s, t, micro_batch))
+    return [replicate(op), *found]
 
 
 _warned: set[str] = set()
