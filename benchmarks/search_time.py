@@ -40,7 +40,9 @@ def one(key: str) -> dict:
     torch.set_num_threads(1)
     if key.startswith("sweep:"):
         _, nodes, layers = key.split(":")
-        model, preset, nodes, gbs, max_pp = "gpt3-175b", "dgx-a100-80gb", int(nodes), 1536, None
+        # GPT-3's batch (1,536 x 2,048 tokens), larger where the devices outnumber it
+        model, preset, nodes, max_pp = "gpt3-175b", "dgx-a100-80gb", int(nodes), None
+        gbs = max(1536, 8 * nodes * 3 // 2)
         sizes = {"num_layers": int(layers)}
     else:
         model, preset, nodes, gbs, max_pp = CASES[key]

@@ -160,39 +160,3 @@ def test_fsdp_gathers_are_prefetched_and_queue_behind_reductions():
         ev.sort(key=lambda e: e.start_s)
         assert all(a.end_s <= b.start_s + 1e-9 for a, b in zip(ev, ev[1:]))
 
-
-def test_totals_of_many_microbatches_extend_a_few_exactly():
-    """pipeline_totals simulates a few groups of micro-batches and extends the line (the
-    planner's memory-tight plans run thousands): on random uneven stages, sends, gradient syncs
-    and FSDP traffic, under every schedule, the totals equal a full simulation's."""
-    import random
-
-    from autoplan.estimate.pipeline_sim import PipelineTotals, pipeline_totals
-    rng = random.Random(0)
-    extended = 0
-    for _ in range(60):
-        schedule, v = rng.choice([("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2),
-                                  ("interleaved_1f1b", 4), ("zero_bubble", 1),
-                                  ("zero_bubble", 2)])
-        p = rng.choice([2, 3, 4, 8])
-        n, m = p * v, p * rng.randint(12, 30)
-        fwd = [rng.uniform(0.3, 3) for _ in range(n)]
-        kw = dict(schedule=schedule, p=p, v=v, fwd_s=fwd,
-                  bwd_s=[2 * f * rng.uniform(0.5, 1.5) for f in fwd],
-                  activation_bytes=[rng.uniform(1, 2) for _ in range(n)],
-                  send_s=[rng.uniform(0, 1) for _ in range(n - 1)])
-        if rng.random() < 0.6:
-            kw.update(sync_s=[rng.uniform(0, 30) for _ in range(n)],
-                      layers=[rng.randint(1, 6)] * n)
-        if rng.random() < 0.4 and schedule != "zero_bubble":
-            kw["fsdp_s"] = [tuple(rng.uniform(0, 2) for _ in range(3)) for _ in range(n)]
-        full = PipelineTotals.of(simulate(m=m, **kw))
-        fast = pipeline_totals(m=m, **kw)
-        extended += m > 3 * (2 * p * v + p)
-        for got, want in ((fast.makespan_s, full.makespan_s),
-                          *zip(fast.busy_s, full.busy_s),
-                          *zip(fast.comm_busy_s, full.comm_busy_s),
-                          *zip(fast.gather_s, full.gather_s),
-                          *zip(fast.peak_activation_bytes, full.peak_activation_bytes)):
-            assert got == pytest.approx(want, rel=1e-9, abs=1e-9), (schedule, p, v, m)
-    assert extended >= 20
