@@ -286,6 +286,18 @@ def test_dgx_a100_gets_tensor_parallel_in_node_and_pipeline_across_nodes(gpt3_17
     assert p.predicted["fits"]
 
 
+
+def test_a_force_that_cannot_fit_says_so_and_what_fits_without_it(gpt3_24_layers):
+    """The message is about the forced configurations (not one the force excluded), and names
+    the fastest configuration that fits without the force."""
+    with pytest.raises(NoFeasiblePlanError) as info:
+        plan(gpt3_24_layers, Cluster.preset("dgx-a100-80gb", nodes=2), global_batch_size=64,
+             profile=None, force={"dp": 16, "zero_stage": 0})
+    err = info.value
+    msg = str(err)
+    assert "no configuration with force=" in msg and "dropping force dp=16, zero_stage=0" in msg
+    assert err.min_memory_bytes > err.device_memory_bytes     # the forced plans' own need
+
 @pytest.fixture(scope="module")
 def gpt3_24_layers():
     return _graph("gpt3-175b", num_layers=24)      # ~45B parameters: more than a node holds

@@ -318,18 +318,25 @@ def _why_lost(c: _Candidate, best: _Candidate, force: dict[str, Any]) -> str:
     return f"{slower * 100:.1f}% slower: more {cause}{label}"
 
 
-def _infeasible(cands: list[_Candidate], cluster: Any) -> NoFeasiblePlanError:
-    """The configuration closest to fitting (device and host memory), and what would help."""
+def _infeasible(cands: list[_Candidate], cluster: Any,
+                force: dict[str, Any] | None = None) -> NoFeasiblePlanError:
+    """The configuration closest to fitting (device and host memory), and what would help;
+    with ``force``, among the configurations that honour it (and which one fits without)."""
     def shortfall(c: _Candidate) -> float:
         return max(c.est.peak_memory_bytes / c.est.device_memory_bytes,
                    c.est.peak_offloaded_bytes / c.est.host_memory_per_device_bytes)
+    forced = [c for c in cands if _honours(c.est.config, force or {})]
+    free_fit = min((c for c in cands if c.est.fits and not _honours(c.est.config, force)),
+                   key=_Candidate.key, default=None) if force else None
+    cands = forced or cands
     best = min(cands, key=lambda c: (shortfall(c), c.est.config.short()))
     need, have = best.est.peak_memory_bytes, best.est.device_memory_bytes
     host_need, host_have = best.est.peak_offloaded_bytes, best.est.host_memory_per_device_bytes
     gib = 2 ** 30
     ratio = shortfall(best)
     tips = [f"more devices: about {cluster.world_size * ratio:.0f} of these "
-            f"(memory per device falls as weights and optimizer state shard wider)"]
+            f"(memory per device falls as weights and optimizer state shard wider)"
+            ] if ratio > 1 else []
     if best.est.config.micro_batch_size > 1:
         tips.append("a smaller micro-batch (activations scale with it)")
     if need > have and not best.est.config.offload_optimizer:
@@ -340,7 +347,12 @@ def _infeasible(cands: list[_Candidate], cluster: Any) -> NoFeasiblePlanError:
     if host_need > host_have:
         tips.append(f"nodes with more host memory: {host_need / gib:.0f} GiB per device is "
                     f"offloaded, a device's share is {host_have / gib:.0f} GiB")
-    msg = (f"no configuration fits: the least memory any plan needs is {need / gib:.1f} GiB "
+    if free_fit is not None:
+        pinned = ", ".join(f"{k}={v}" for k, v in sorted(force.items()))
+        tips.insert(0, f"dropping force {pinned}: {free_fit.est.config.short()} fits "
+                       f"({free_fit.est.peak_memory_bytes / gib:.1f} GiB)")
+    what = "no configuration" + (f" with force={force}" if force else "")
+    msg = (f"{what} fits: the least memory any plan needs is {need / gib:.1f} GiB "
            f"per device" + (f" plus {host_need / gib:.1f} GiB of host memory"
                              if host_need else "")
            + f" ({best.est.config.short()}); the devices have {have / gib:.1f} GiB"
@@ -455,7 +467,7 @@ def plan(model: Any, cluster: Any, *, global_batch_size: int, example_inputs: An
         raise ConfigError(f"no configuration with force={opts.force} could be costed: "
                           + _why_none_honours(cands, opts.force, stats))
     if not fitting:
-        raise _infeasible(cands, cluster)
+        raise _infeasible(cands, cluster, opts.force)
     best = fitting[0]
     return _assemble(graph, cluster, best, _alternatives(cands, best, opts.top_k, opts.force),
                      stats, global_batch_size, name)
