@@ -160,3 +160,17 @@ def test_calibrate_command_measures_two_plans_and_writes_the_profile(tmp_path):
     data = json.loads(profile.read_text())
     assert "loopback" in data["links"] and data["threads"] == 1
     assert data["calibration"]["framework_s_per_op"] >= 0.0
+
+
+def test_link_refit_keeps_the_known_bandwidth_when_sizes_do_not_determine_it():
+    """Noise on a busy machine can make larger transfers no slower than smaller ones: the
+    latency is still fitted, with the bandwidth planning already uses, and says so."""
+    from autoplan.cost.refit import refit_link
+    noisy = [(4.0, 1e3, 2.0e-3), (4.0, 1e3, 2.1e-3), (4.0, 1e6, 1.9e-3), (4.0, 1e6, 2.0e-3)]
+    assert refit_link(noisy) is None
+    fit = refit_link(noisy, known_bandwidth_bytes_per_s=1e9)
+    assert fit.bandwidth_kept and fit.bandwidth_bytes_per_s == pytest.approx(1e9)
+    assert 0 < fit.latency_s < 1e-3
+    clean = [(4.0, b, 4 * 1e-4 + b / 2e9) for b in (1e3, 1e6, 4e6) for _ in range(3)]
+    fit = refit_link(clean, known_bandwidth_bytes_per_s=1e9)
+    assert not fit.bandwidth_kept and fit.bandwidth_bytes_per_s == pytest.approx(2e9)

@@ -193,6 +193,17 @@ def report_and_refit(runs: list[Measured], *, output: str | None, dry_run: bool)
     return 0
 
 
+def _current_loopback_bandwidth() -> float:
+    """This machine's loopback bandwidth as planning prices it now (profile or default, per
+    whole core): kept when a run's transfers do not determine it."""
+    from autoplan.cluster import specs
+    from autoplan.cluster.local import local_cpu_device_name, profiled_links
+    fitted = profiled_links(local_cpu_device_name()).get("loopback")
+    if fitted is not None:
+        return float(fitted["bandwidth_bytes_per_s"])
+    return float(specs.load_link("loopback").to_dict()["bandwidth_bytes_per_s"])
+
+
 def _current_framework_s_per_op() -> float:
     from autoplan.cluster.local import local_cpu_device_name
     from autoplan.cost.profile_db import ProfileDB
@@ -234,7 +245,7 @@ def refit(runs: list[Measured], optimizer_s: list[float]) -> dict[str, Any]:
                     nbytes *= group                # priced by the gathered output
                 samples.append((*unit_terms(kind, nbytes, group), e["dur_s"]))
     compute = refit_compute(events, "main")
-    link = refit_link(samples)
+    link = refit_link(samples, _current_loopback_bandwidth())
     # the optimizer: its time per parameter, per whole core, over the plans
     per_param = [o * m.share / p for m, o in zip(runs, optimizer_s)
                  if (p := _params(m.plan)) and o]
@@ -274,9 +285,11 @@ def _print_fits(fits: dict[str, Any]) -> None:
     if link is not None:
         print(f"    loopback link      {link.bandwidth_bytes_per_s / 1e9:.3g} GB/s, latency "
               f"{link.latency_s * 1e6:.3g} us, of which {link.wait_s * 1e6:.3g} us waiting for "
-              f"the latest peer ({link.points} transfers)")
+              f"the latest peer ({link.points} transfers"
+              + ("; their sizes did not determine the bandwidth: the profile's is kept)"
+                 if link.bandwidth_kept else ")"))
     else:
-        print("    loopback link      not fitted (no collectives of two or more sizes)")
+        print("    loopback link      not fitted (no collectives)")
 
 
 def write_profile(fits: dict[str, Any], output: str | None) -> str:

@@ -137,11 +137,15 @@ class LinkFit:
     points: int
     sizes: int = 0
     wait_s: float = 0.0      # of latency_s: the mean wait for the latest peer per message step
+    bandwidth_kept: bool = False     # the transfers did not determine it: the known one kept
 
 
-def refit_link(samples: Sequence[tuple[float, float, float]]) -> LinkFit | None:
+def refit_link(samples: Sequence[tuple[float, float, float]],
+               known_bandwidth_bytes_per_s: float | None = None) -> LinkFit | None:
     """``samples``: (A, B, measured seconds) per transfer, the model's time being
-    ``A * latency + B / bandwidth``. None when the samples do not determine the figures."""
+    ``A * latency + B / bandwidth``. When the sizes do not determine the bandwidth (one size,
+    or noise that makes larger transfers no slower) the latency is fitted alone with
+    ``known_bandwidth_bytes_per_s``; None when that is not given either."""
     # the fastest tenth of each size is the transfer itself; the rest of a transfer's time is
     # the wait for its latest peer
     by_size: dict[tuple[float, float], list[float]] = {}
@@ -150,10 +154,16 @@ def refit_link(samples: Sequence[tuple[float, float, float]]) -> LinkFit | None:
     envelope = [(a, b, sorted(ts)[len(ts) // 10]) for (a, b), ts in by_size.items()]
     fit = fit_two([a for a, _, _ in envelope], [b for _, b, _ in envelope],
                   [t for _, _, t in envelope])
+    kept = False
+    if fit is None and known_bandwidth_bytes_per_s and any(a > 0 for a, _, _ in envelope):
+        inv = 1.0 / known_bandwidth_bytes_per_s
+        fit = (max(0.0, sum(a * (t - b * inv) for a, b, t in envelope)
+                   / sum(a * a for a, _, _ in envelope)), inv)
+        kept = True
     if fit is None:
         return None
     latency, inv_bw = fit
     waits = [(t - a * latency - b * inv_bw) / a for a, b, t in samples if a > 0]
     wait = max(0.0, sum(waits) / len(waits)) if waits else 0.0
     return LinkFit(latency_s=latency + wait, bandwidth_bytes_per_s=1.0 / inv_bw,
-                   points=len(samples), sizes=len(envelope), wait_s=wait)
+                   points=len(samples), sizes=len(envelope), wait_s=wait, bandwidth_kept=kept)
