@@ -245,34 +245,17 @@ def min_max_split(costs: Sequence[Mapping[str, UnitChoice]], parts: int, *,
         secs, mem = cost(c, i, j, p)
         return secs <= bound and mem <= budget[c]
 
-    # what the first / last chunk adds (summed in cost()'s order: exact same floats)
-    extra = [[(first if c == 0 else None), (last if c == parts - 1 else None)]
-             for c in range(parts)]
-
     def longest(c: int, j: int, bound: float) -> tuple[int, str] | None:
-        """Chunk c ending at unit j: the smallest start (most units) any policy allows.
-        (``fits`` inlined: the planner runs this millions of times on deep pipelines.)"""
+        """Chunk c ending at unit j: the smallest start (most units) any policy allows."""
         lo_limit = c            # leave one unit for each earlier chunk
         best: tuple[int, str] | None = None
-        ex = [e for e in extra[c] if e is not None]
-        cap, fl = budget[c], flight[c]
         for p in options[c]:
-            t, a, s = pre[p]
-            tj, aj, sj = t[j], a[j], s[j]
-
-            def ok(i: int) -> bool:
-                secs, acts, state = tj - t[i], aj - a[i], sj - s[i]
-                for e in ex:
-                    secs += e.time_s
-                    acts += e.activation_bytes
-                    state += e.state_bytes
-                return secs <= bound and state + fl * acts <= cap
-            if not ok(j - 1):
+            if not fits(c, j - 1, j, p, bound):
                 continue
-            lo, hi = lo_limit, j - 1         # ok(hi) holds; find the smallest fitting start
+            lo, hi = lo_limit, j - 1         # fits(hi) holds; find the smallest fitting start
             while lo < hi:
                 mid = (lo + hi) // 2
-                if ok(mid):
+                if fits(c, mid, j, p, bound):
                     hi = mid
                 else:
                     lo = mid + 1
