@@ -144,7 +144,7 @@ def test_pipelined_collectives_come_from_the_simulated_streams(gpt3_12_layers, a
     two = estimate(gpt3_12_layers, a100_x24, config=ParallelConfig(
         **base, schedule="interleaved_1f1b", virtual_stages=2), global_batch_size=96, profile=None)
     cfg = one.config
-    from autoplan.estimate.estimator import GRAD_BYTES      # fp32 gradients
+    from autoplan.cost.memory import GRAD_BYTES             # fp32 gradients
     whole = max(a100_x24.collective_time_s("reduce_scatter", st.params_per_device * GRAD_BYTES,
                                            cfg.dp_group(pp_index=st.index)) for st in one.stages)
     for est in (one, two):
@@ -208,12 +208,13 @@ def test_zero1_gather_hides_behind_the_next_forward_as_the_runtime_runs_it(gpt3_
     the next forward (runtime/optim.py): the estimate charges the first modules' share and the
     interference, not the whole gather; ZeRO-2 (FSDP2 without reshard) still pays it."""
     from autoplan.estimate.overlap import OVERLAP_INTERFERENCE
-    from autoplan.estimate.estimator import GRAD_BYTES      # the fp32 weights
+    from autoplan.cost.memory import PRECISION_BYTES        # the fp32 weights
     cfg = dict(dp=24, tp=8, pp=1, micro_batch_size=8)      # a forward longer than the gather
     zero1 = _est(gpt3_12_layers, a100_x24, zero_stage=1, **cfg)
     zero2 = _est(gpt3_12_layers, a100_x24, zero_stage=2, **cfg)
     stage = zero1.stages[0]
-    whole = a100_x24.collective_time_s("all_gather", stage.params_per_device * GRAD_BYTES,
+    whole = a100_x24.collective_time_s("all_gather",
+                                       stage.params_per_device * PRECISION_BYTES["fp32"],
                                        zero1.config.dp_group())
     hidden = zero1.time.comm_exposed_s["zero_param_gather"]
     assert 0 < hidden < 0.5 * whole

@@ -23,15 +23,14 @@ from typing import Any
 
 from autoplan.graph.analysis import analyze
 from autoplan.cost.compute import ComputeModel, compute_model
-from autoplan.cost.memory import (GRAD_BYTES, PRECISION_BYTES, activation_bytes,  # noqa: F401
+from autoplan.cost.memory import (GRAD_BYTES, PRECISION_BYTES, activation_bytes,
                                   model_state_bytes, sharding_for)
 from autoplan.errors import ConfigError
 from autoplan.estimate.arguments import batch_arg, cluster_arg, profile_arg
 from autoplan.estimate.chunk_cost import CostInputs, RangeCost, chunk_cost
 from autoplan.estimate.config import ParallelConfig
 from autoplan.estimate.layout import chunks_for, in_flight
-from autoplan.estimate.overlap import (OVERLAP_INTERFERENCE, overlap_exposed_s,  # noqa: F401
-                                      overlap_interference)
+from autoplan.estimate.overlap import overlap_exposed_s, overlap_interference
 from autoplan.estimate.partition import pipeline_units
 from autoplan.estimate.pipeline_sim import W_FRACTION, PipelineTotals, pipeline_totals
 from autoplan.estimate.result import Estimate, MemoryBreakdown, StageEstimate, TimeBreakdown
@@ -163,8 +162,8 @@ def estimate(model: Any, cluster: Any, *, config: ParallelConfig, global_batch_s
         if config.dp > 1 and config.zero_stage in (1, 2):   # updated shards, after the step
             # ZeRO-1 broadcasts the fp32 weights autocast computes from; FSDP2 (ZeRO-2)
             # gathers them in the training precision
-            gather = cluster.collective_time_s(
-                "all_gather", params * (GRAD_BYTES if config.zero_stage == 1 else w_bytes), group)
+            gathered = PRECISION_BYTES["fp32"] if config.zero_stage == 1 else w_bytes
+            gather = cluster.collective_time_s("all_gather", params * gathered, group)
         if config.dp > 1 and config.zero_stage == 1:
             # the runtime issues them after the step and waits for each before the module that
             # reads it (Megatron-LM's --overlap-param-gather): hidden behind the next forward
