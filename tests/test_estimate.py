@@ -238,3 +238,20 @@ def test_tp_comm_overlap_is_priced_only_when_asked_and_needs_sequence_parallelis
     assert "tp_comm_overlap" not in ParallelConfig(tp=8).to_dict()
     again = ParallelConfig.from_dict(overlapped.config.to_dict())
     assert again.tp_comm_overlap and again == overlapped.config
+
+
+def test_an_estimate_does_not_depend_on_what_was_estimated_before():
+    """Range and chunk costs are cached on the graph; the cache key must hold every config
+    field they read (ZeRO-2 shards the tp step's gradient all-reduce over dp, ZeRO-0 does
+    not), so the same config costs the same after another was estimated on that graph."""
+    def fresh():
+        ex = build_example("gpt3-175b", device="meta", batch_size=1, num_layers=4)
+        return trace(ex.model, ex.example_inputs, loss_fn=ex.loss_fn, targets=ex.targets)
+    cluster = Cluster.preset("dgx-a100-80gb", nodes=2)
+    kw = dict(dp=4, tp=4, pp=1, micro_batch_size=1, sequence_parallel=True)
+    shared = fresh()
+    for z in (0, 2):
+        alone = _est(fresh(), cluster, zero_stage=z, global_batch_size=16, **kw)
+        after = _est(shared, cluster, zero_stage=z, global_batch_size=16, **kw)
+        assert after.step_time_s == alone.step_time_s
+        assert after.time == alone.time

@@ -160,3 +160,26 @@ def test_fsdp_gathers_are_prefetched_and_queue_behind_reductions():
         ev.sort(key=lambda e: e.start_s)
         assert all(a.end_s <= b.start_s + 1e-9 for a, b in zip(ev, ev[1:]))
 
+
+
+@pytest.mark.parametrize("schedule,v", [("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2),
+                                        ("zero_bubble", 1), ("zero_bubble", 2)])
+def test_totals_are_the_full_simulations_totals(schedule, v):
+    """The planner reads ``pipeline_totals`` (no events kept); it must be the same numbers as
+    the full simulation's, with uneven stages, sends, syncs and FSDP traffic."""
+    import random
+
+    from autoplan.estimate.pipeline_sim import PipelineTotals, pipeline_totals
+    rng = random.Random(7)
+    p, m = 4, 8
+    n = p * v
+    kw = dict(schedule=schedule, p=p, v=v, m=m,
+              fwd_s=[rng.uniform(0.5, 1.5) for _ in range(n)],
+              bwd_s=[rng.uniform(1.0, 3.0) for _ in range(n)],
+              send_s=[rng.uniform(0.0, 0.2) for _ in range(n - 1)],
+              activation_bytes=[rng.uniform(1.0, 2.0) for _ in range(n)])
+    for extra in ({}, {"sync_s": [rng.uniform(0.1, 4.0) for _ in range(n)],
+                       "layers": [rng.randint(1, 4) for _ in range(n)]},
+                  {"fsdp_s": [tuple(rng.uniform(0.0, 1.0) for _ in range(3)) for _ in range(n)],
+                   "sync_s": [0.3] * n, "layers": [2] * n}):
+        assert pipeline_totals(**kw, **extra) == PipelineTotals.of(simulate(**kw, **extra))

@@ -111,21 +111,29 @@ def tp_comm_s(ci: CostInputs, start: int, stop: int) -> tuple[float, float, floa
     return t["fwd"], t["bwd"], t["step"]
 
 
-def range_cost(ci: CostInputs, start: int, stop: int, policy: str) -> RangeCost:
-    """Costs of ops[start:stop] under recompute ``policy`` (cached on the graph)."""
-    cache = ci.graph.__dict__.setdefault("_autoplan_range_costs", {})
+def _cached(ci: CostInputs, what: str, where: tuple, make: Any) -> RangeCost:
+    """``make()``, kept on the graph under ``where`` and every input a range's cost reads: the
+    sharding, device model and cluster objects, and the config fields used (ZeRO-2/3 shard the
+    tp step's gradient over dp)."""
+    cache = ci.graph.__dict__.setdefault(what, {})
     cfg = ci.config
-    key = (id(ci.sharding), id(ci.compute), id(ci.cluster), start, stop, policy,
-           cfg.micro_batch_size, cfg.precision, cfg.tp, cfg.tp_comm_overlap)
+    key = (id(ci.sharding), id(ci.compute), id(ci.cluster), where, cfg.micro_batch_size,
+           cfg.precision, cfg.tp, cfg.tp_comm_overlap, cfg.dp if cfg.zero_stage >= 2 else 1)
     hit = cache.get(key)
     if (hit is not None and hit[0] is ci.sharding and hit[1] is ci.compute
             and hit[2] is ci.cluster):
         return hit[3]
-    cost = _range_cost(ci, start, stop, policy)
+    cost = make()
     if len(cache) > 16384:
         cache.clear()
     cache[key] = (ci.sharding, ci.compute, ci.cluster, cost)
     return cost
+
+
+def range_cost(ci: CostInputs, start: int, stop: int, policy: str) -> RangeCost:
+    """Costs of ops[start:stop] under recompute ``policy`` (cached on the graph)."""
+    return _cached(ci, "_autoplan_range_costs", (start, stop, policy),
+                   lambda: _range_cost(ci, start, stop, policy))
 
 
 def _range_cost(ci: CostInputs, start: int, stop: int, policy: str) -> RangeCost:
@@ -186,7 +194,14 @@ def chunk_parts(chunk: Chunk) -> list[tuple[int, int, bool]]:
 
 
 def chunk_cost(ci: CostInputs, chunk: Chunk, policy: str) -> RangeCost:
-    """Sum of the chunk's layers (under ``policy``) and the ops around them."""
+    """Sum of the chunk's layers (under ``policy``) and the ops around them (cached on the
+    graph: configs that differ in ZeRO stage or schedule share their chunks)."""
+    return _cached(ci, "_autoplan_chunk_costs",
+                   (chunk.start, chunk.stop, chunk.layer_ranges, policy),
+                   lambda: _chunk_cost(ci, chunk, policy))
+
+
+def _chunk_cost(ci: CostInputs, chunk: Chunk, policy: str) -> RangeCost:
     like = {(u.start, u.stop): u.like for u in chunk.units}
     spans = chunk_parts(chunk)
     parts = [range_cost(ci, *like.get((s, e), (s, e)), policy) if is_layer

@@ -19,6 +19,7 @@ Order of the computation (each step uses only what the previous ones produced):
 from __future__ import annotations
 
 from collections.abc import Sequence
+from itertools import chain, repeat
 from typing import Any
 
 from autoplan.graph.analysis import analyze
@@ -249,9 +250,10 @@ def estimate(model: Any, cluster: Any, *, config: ParallelConfig, global_batch_s
             params_per_device=params, fwd_s=stage_f[s], bwd_s=stage_b[s],
             activation_bytes_per_microbatch=act_mb, microbatches_in_flight=flight,
             memory=mem, chunks=tuple(chunks[c].layers for c in stage_chunks[s])))
-    per_device = tuple(stages[r // (config.dp * config.tp)].memory.total_bytes
-                       for r in range(config.world_size))
-    peak = max(per_device)
+    # ranks are pp-major: each stage's dp x tp ranks in a row
+    per_device = tuple(chain.from_iterable(repeat(s.memory.total_bytes, config.dp * config.tp)
+                                           for s in stages))
+    peak = max(s.memory.total_bytes for s in stages)
 
     model_flops = (graph.fwd_flops + graph.bwd_flops) * global_batch_size / graph.batch_size
     peak_flops = cluster.device.peak_flops_for(config.precision) * config.world_size

@@ -91,10 +91,17 @@ def search_layout(ci: CostInputs, m: int, policies: Sequence[str],
     order = [r for r in RECOMPUTE if r in policies]      # cheapest in time first
     per_param = _state_bytes_per_param(config)
     by_policy = {r: unit_costs(ci, units, r) for r in order}
-    costs = [{r: UnitChoice(time_s=by_policy[r][k].time_s,
-                            activation_bytes=by_policy[r][k].activation_bytes,
-                            state_bytes=by_policy[r][k].params * per_param) for r in order}
-             for k in range(len(units))]
+    # units of one block share their range costs: one choice table per distinct cost
+    tables: dict[tuple[int, ...], dict[str, UnitChoice]] = {}
+    costs = []
+    for k in range(len(units)):
+        key = tuple(id(by_policy[r][k]) for r in order)
+        if key not in tables:
+            tables[key] = {r: UnitChoice(time_s=by_policy[r][k].time_s,
+                                         activation_bytes=by_policy[r][k].activation_bytes,
+                                         state_bytes=by_policy[r][k].params * per_param)
+                           for r in order}
+        costs.append(tables[key])
     transient = max(c.working_set_bytes for r in order for c in by_policy[r])
     if config.zero_stage == 3 and config.dp > 1:   # two layers gathered, with their gradients
         widest = max(c.params for c in by_policy[order[0]])

@@ -20,6 +20,8 @@ keeps ``pp`` micro-batches of activations in flight, the last one.
 
 from __future__ import annotations
 
+from bisect import bisect_left
+
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -228,20 +230,28 @@ def min_max_split(costs: Sequence[Mapping[str, UnitChoice]], parts: int, *,
             a.append(a[-1] + c.activation_bytes)
             s.append(s[-1] + c.state_bytes)
         pre[p] = (t, a, s)
+    # what the first and last chunk add (for the bisection in longest())
+    extra = [[0.0, 0.0, 0.0] for _ in range(parts)]
+    for e, c in ((first, 0), (last, parts - 1)):
+        extra[c] = [extra[c][0] + e.time_s, extra[c][1] + e.activation_bytes,
+                    extra[c][2] + e.state_bytes]
 
     def cost(c: int, i: int, j: int, p: str) -> tuple[float, float]:
         t, a, s = pre[p]
         secs = t[j] - t[i]
         acts = a[j] - a[i]
         state = s[j] - s[i]
-        for extra, on in ((first, c == 0), (last, c == parts - 1)):
+        for e, on in ((first, c == 0), (last, c == parts - 1)):
             if on:
-                secs += extra.time_s
-                acts += extra.activation_bytes
-                state += extra.state_bytes
+                secs += e.time_s
+                acts += e.activation_bytes
+                state += e.state_bytes
         return secs, state + flight[c] * acts
 
     def fits(c: int, i: int, j: int, p: str, bound: float) -> bool:
+        if 0 < c < parts - 1:              # cost() without the first and last chunk's extras
+            t, a, s = pre[p]
+            return t[j] - t[i] <= bound and s[j] - s[i] + flight[c] * (a[j] - a[i]) <= budget[c]
         secs, mem = cost(c, i, j, p)
         return secs <= bound and mem <= budget[c]
 
@@ -249,18 +259,28 @@ def min_max_split(costs: Sequence[Mapping[str, UnitChoice]], parts: int, *,
         """Chunk c ending at unit j: the smallest start (most units) any policy allows."""
         lo_limit = c            # leave one unit for each earlier chunk
         best: tuple[int, str] | None = None
+        secs, acts, state = extra[c]
+        f, cap = flight[c], budget[c]
         for p in options[c]:
             if not fits(c, j - 1, j, p, bound):
                 continue
-            lo, hi = lo_limit, j - 1         # fits(hi) holds; find the smallest fitting start
-            while lo < hi:
-                mid = (lo + hi) // 2
-                if fits(c, mid, j, p, bound):
-                    hi = mid
-                else:
-                    lo = mid + 1
-            if best is None or lo < best[0]:
-                best = (lo, p)
+            # time and memory grow as the start moves left: bisect the time's prefix sums for
+            # the smallest start within the bound, then the memory's where that overflows, and
+            # step over rounding to the exact test
+            t, a, s = pre[p]
+            i = min(bisect_left(t, t[j] + secs - bound, lo_limit, j), j - 1)
+            if not fits(c, i, j, p, bound):
+                i = max(i, bisect_left(range(n + 1), s[j] + f * a[j] + state + f * acts - cap,
+                                       lo_limit, j, key=lambda k: s[k] + f * a[k]))
+                i = min(i, j - 1)
+            while i > lo_limit and fits(c, i - 1, j, p, bound):
+                i -= 1
+            while not fits(c, i, j, p, bound):
+                i += 1
+            if best is None or i < best[0]:
+                best = (i, p)
+                if i == lo_limit:         # no later policy can start earlier
+                    break
         return best
 
     def greedy(bound: float) -> list[tuple[int, int, str]] | None:
@@ -277,17 +297,25 @@ def min_max_split(costs: Sequence[Mapping[str, UnitChoice]], parts: int, *,
             j = i
         return out[::-1]
 
+    def slowest(runs: list[tuple[int, int, str]]) -> float:
+        return max(cost(c, i, j, p)[0] for c, (i, j, p) in enumerate(runs))
+
     hi = max(pre[p][0][n] for p in policies) + first.time_s + last.time_s + 1e-12
-    if greedy(hi) is None:
+    runs = greedy(hi)
+    if runs is None:
         return None
-    lo = 0.0
+    # bisect the bound between the average chunk (at each unit's fastest policy) and the
+    # slowest chunk of the best split found so far (a split that fits is one at its own bound)
+    hi = slowest(runs)
+    lo = (sum(min(u[p].time_s for p in policies) for u in costs)
+          + first.time_s + last.time_s) / parts
     while hi - lo > rel_tol * hi:
         mid = (lo + hi) / 2
-        if greedy(mid) is None:
+        got = greedy(mid)
+        if got is None:
             lo = mid
         else:
-            hi = mid
-    runs = greedy(hi)
+            runs, hi = got, slowest(got)      # <= mid
     assert runs is not None
     # each chunk then takes its cheapest policy that still fits the bound and its memory
     chosen = []

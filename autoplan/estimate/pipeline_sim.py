@@ -43,6 +43,7 @@ The step ends when every stream has drained.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
@@ -146,17 +147,68 @@ def simulate(*, schedule: str, p: int, v: int, m: int, fwd_s: Sequence[float],
     boundary (chunk c to c+1, p*v-1 entries; default free); ``sync_s``, ``fsdp_s`` and
     ``layers`` per chunk for the collectives (module doc; default none). Results are memoized:
     the planner simulates the same stages under many ZeRO / offload variants."""
-    return _simulate(schedule, p, v, m, tuple(fwd_s), tuple(bwd_s), tuple(send_s),
-                     tuple(activation_bytes), tuple(sync_s), tuple(tuple(f) for f in fsdp_s),
-                     tuple(layers))
+    return _simulate(*_args(schedule, p, v, m, fwd_s, bwd_s, send_s, activation_bytes, sync_s,
+                            fsdp_s, layers))
+
+
+def _args(schedule, p, v, m, fwd_s, bwd_s, send_s, activation_bytes, sync_s, fsdp_s,
+          layers) -> tuple:
+    """The simulation's arguments as hashable tuples (the memo key)."""
+    return (schedule, p, v, m, tuple(fwd_s), tuple(bwd_s), tuple(send_s),
+            tuple(activation_bytes), tuple(sync_s), tuple(tuple(f) for f in fsdp_s),
+            tuple(layers))
 
 
 @lru_cache(maxsize=512)
-def _simulate(schedule: str, p: int, v: int, m: int, fwd_s: tuple[float, ...],
-              bwd_s: tuple[float, ...], send_s: tuple[float, ...],
-              activation_bytes: tuple[float, ...], sync_s: tuple[float, ...] = (),
-              fsdp_s: tuple[tuple[float, float, float], ...] = (),
-              layers: tuple[int, ...] = ()) -> PipelineResult:
+def _simulate(*args) -> PipelineResult:
+    run = _run(*args)
+    p = len(run.events)
+    events = tuple(Event(r, _KINDS[k], mb, c, s, e)
+                   for r in range(p) for k, mb, c, s, e in run.events[r])
+    timelines = []
+    for r in range(p):
+        level, line = 0.0, [(0.0, 0.0)]
+        for t, d in run.deltas[r]:
+            level += d
+            line.append((t, level))
+        timelines.append(tuple(line))
+    return PipelineResult(makespan_s=run.makespan_s, events=events, busy_s=run.busy_s,
+                          peak_activation_bytes=run.peaks, memory_timeline=tuple(timelines),
+                          comm_events=tuple(sorted(run.comm.events,
+                                                   key=lambda e: (e.rank, e.start_s))),
+                          comm_busy_s=tuple(run.comm.busy))
+
+
+_F, _B, _W = 0, 1, 2
+_KINDS = "FBW"
+
+
+@dataclass
+class _Run:
+    """What one run of the schedule leaves: per rank its actions ``(kind, mb, chunk, start,
+    end)`` in order and its activation-memory changes ``(time, bytes)`` sorted, and the
+    collective streams."""
+
+    makespan_s: float
+    events: list[list[tuple[int, int, int, float, float]]]
+    deltas: list[list[tuple[float, float]]]
+    busy_s: tuple[float, ...]
+    peaks: tuple[float, ...]
+    comm: _CommStreams
+
+
+@lru_cache(maxsize=64)
+def _coded_orders(schedule: str, p: int, v: int, m: int) -> tuple[tuple[tuple[int, int, int],
+                                                                        ...], ...]:
+    code = {"F": _F, "B": _B}
+    return tuple(tuple((code[k], mb, c) for k, mb, c in o) for o in _orders(schedule, p, v, m))
+
+
+def _run(schedule: str, p: int, v: int, m: int, fwd_s: tuple[float, ...],
+         bwd_s: tuple[float, ...], send_s: tuple[float, ...],
+         activation_bytes: tuple[float, ...], sync_s: tuple[float, ...] = (),
+         fsdp_s: tuple[tuple[float, float, float], ...] = (),
+         layers: tuple[int, ...] = ()) -> _Run:
     n = p * v
     if len(fwd_s) != n or len(bwd_s) != n:
         raise ConfigError(f"need forward and backward times for {n} chunks, got "
@@ -166,71 +218,98 @@ def _simulate(schedule: str, p: int, v: int, m: int, fwd_s: tuple[float, ...],
             raise ConfigError(f"{name} needs one entry per chunk ({n}), got {len(seq)}")
     send = list(send_s) or [0.0] * (n - 1)
     acts = list(activation_bytes) or [0.0] * n
-    orders = _orders(schedule, p, v, m)
+    orders = _coded_orders(schedule, p, v, m)
     split = schedule == "zero_bubble"
     w_share = W_FRACTION if split else 0.0
+    b_share = 1.0 - w_share
+    w_s = [b * w_share for b in bwd_s]
     max_deferred = p * v
-    done: dict[tuple[str, int, int], float] = {}
+    # when each forward / backward (input gradient under zero bubble) ended, at chunk * m + mb
+    f_done = [-1.0] * (n * m)
+    b_done = [-1.0] * (n * m)
     pos = [0] * p
     free = [0.0] * p
-    deferred: list[list[tuple[int, int]]] = [[] for _ in range(p)]   # W's not yet run
-    events: list[Event] = []
+    busy = [0.0] * p
+    deferred: list[deque[tuple[int, int]]] = [deque() for _ in range(p)]   # W's not yet run
+    events: list[list[tuple[int, int, int, float, float]]] = [[] for _ in range(p)]
+    fsdp = bool(fsdp_s)
     comm = _CommStreams(p, layers or (1,) * n, fsdp_s)
     # backward pieces left per chunk before its per-step gradient sync may go
     pieces_left = [m * (2 if split else 1)] * n
-
+    syncs = bool(sync_s) and not split
     last_start = [0.0] * p             # when the rank's previous action started (prefetch point)
 
-    def run(r: int, kind: str, mb: int, c: int, start: float, dur: float) -> None:
-        start, end = comm.before(r, kind, c, start, dur)
+    def act(r: int, kind: int, mb: int, c: int, start: float, dur: float) -> None:
+        """Run an action on rank ``r`` no earlier than ``start``, with FSDP's gathers and
+        reductions and the chunk's gradient sync around it."""
+        if fsdp:
+            start, end = comm.before(r, _KINDS[kind], c, start, dur)
+        else:
+            end = start + dur
         last_start[r] = start
-        done[(kind, mb, c)] = end
         free[r] = end
-        events.append(Event(r, kind, mb, c, start, end))
-        if kind != "F":
-            comm.after(r, kind, mb, c, start, end, split)
-            pieces_left[c] -= 1
-            if sync_s and pieces_left[c] == 0 and not split:
-                comm.flush(r)
-                comm.stream(r, "sync", -1, c, sync_s[c], start, end)
+        busy[r] += end - start
+        events[r].append((kind, mb, c, start, end))
+        if kind == _F:
+            f_done[c * m + mb] = end
+            return
+        if kind == _B:
+            b_done[c * m + mb] = end
+        if fsdp:
+            comm.after(r, _KINDS[kind], mb, c, start, end, split)
+        pieces_left[c] -= 1
+        if syncs and pieces_left[c] == 0:
+            comm.flush(r)
+            comm.stream(r, "sync", -1, c, sync_s[c], start, end)
 
-    def run_w(r: int) -> None:
-        mb, c = deferred[r].pop(0)
-        run(r, "W", mb, c, free[r], bwd_s[c] * w_share)
-
+    last = n - 1
     remaining = sum(len(o) for o in orders)
     while remaining:
         progressed = False
         for r in range(p):
-            while pos[r] < len(orders[r]):
-                kind, mb, c = orders[r][pos[r]]
-                if kind == "F":
-                    dep = None if c == 0 else ("F", mb, c - 1)
-                    hop = 0.0 if c == 0 else send[c - 1]
+            order = orders[r]
+            waiting = deferred[r]
+            while pos[r] < len(order):
+                kind, mb, c = order[pos[r]]
+                if kind == _F:
+                    if c:
+                        ready = f_done[(c - 1) * m + mb]
+                        if ready < 0.0:
+                            break
+                        ready += send[c - 1]
+                    else:
+                        ready = 0.0
+                    dur = fwd_s[c]
                 else:
-                    dep = ("F", mb, c) if c == n - 1 else ("B", mb, c + 1)
-                    hop = 0.0 if c == n - 1 else send[c]
-                if dep is not None and dep not in done:
-                    break
-                ready = done[dep] + hop if dep is not None else 0.0
-                comm.prefetch(r, kind, c, last_start[r])
+                    if c == last:
+                        ready = f_done[c * m + mb]
+                        if ready < 0.0:
+                            break
+                    else:
+                        ready = b_done[(c + 1) * m + mb]
+                        if ready < 0.0:
+                            break
+                        ready += send[c]
+                    dur = bwd_s[c] * b_share
+                if fsdp:
+                    comm.prefetch(r, _KINDS[kind], c, last_start[r])
                 # fill the wait with deferred weight gradients that fit in it
-                while deferred[r] and free[r] + bwd_s[deferred[r][0][1]] * w_share <= ready:
-                    run_w(r)
-                if kind == "F":
-                    run(r, "F", mb, c, max(free[r], ready), fwd_s[c])
-                else:
-                    run(r, "B", mb, c, max(free[r], ready), bwd_s[c] * (1.0 - w_share))
-                    if split:
-                        deferred[r].append((mb, c))
-                        if len(deferred[r]) > max_deferred:
-                            run_w(r)
+                while waiting and free[r] + w_s[waiting[0][1]] <= ready:
+                    w_mb, w_c = waiting.popleft()
+                    act(r, _W, w_mb, w_c, free[r], w_s[w_c])
+                act(r, kind, mb, c, free[r] if free[r] > ready else ready, dur)
+                if split and kind == _B:
+                    waiting.append((mb, c))
+                    if len(waiting) > max_deferred:
+                        w_mb, w_c = waiting.popleft()
+                        act(r, _W, w_mb, w_c, free[r], w_s[w_c])
                 pos[r] += 1
                 remaining -= 1
                 progressed = True
-            if pos[r] == len(orders[r]):
-                while deferred[r]:
-                    run_w(r)
+            if pos[r] == len(order):
+                while waiting:
+                    w_mb, w_c = waiting.popleft()
+                    act(r, _W, w_mb, w_c, free[r], w_s[w_c])
         if not progressed:
             raise ConfigError(f"schedule {schedule!r} deadlocked (p={p}, v={v}, m={m})")
     if split and sync_s:
@@ -240,34 +319,27 @@ def _simulate(schedule: str, p: int, v: int, m: int, fwd_s: tuple[float, ...],
             r = c % p
             comm.flush(r)
             comm.stream(r, "sync", -1, c, sync_s[c], free[r], free[r])
-    busy = [0.0] * p
-    deltas: list[list[tuple[float, float]]] = [[] for _ in range(p)]
-    for e in events:
-        busy[e.rank] += e.end_s - e.start_s
-        if e.kind == "F":
-            deltas[e.rank].append((e.end_s, acts[e.chunk]))     # kept until its backward
-        else:      # zero bubble: B frees what only the input gradient needs, W the rest
-            freed = 1.0 if not split else W_KEEPS if e.kind == "W" else 1.0 - W_KEEPS
-            deltas[e.rank].append((e.end_s, -acts[e.chunk] * freed))
-    timelines, peaks = [], []
+    # activations: a forward's are kept until its backward; under zero bubble B frees what only
+    # the input gradient needs and W the rest
+    freed = ((-1.0, -1.0 + W_KEEPS, -W_KEEPS) if split else (-1.0, -1.0, -1.0))
+    deltas: list[list[tuple[float, float]]] = []
+    peaks = []
     for r in range(p):
-        level, peak, line = 0.0, 0.0, [(0.0, 0.0)]
-        for t, d in sorted(deltas[r], key=lambda x: (x[0], x[1])):
-            level += d
-            peak = max(peak, level)
-            line.append((t, level))
-        timelines.append(tuple(line))
+        d = [(end, acts[c] if kind == _F else acts[c] * freed[kind])
+             for kind, _, c, _, end in events[r]]
+        d.sort()           # in time; a rank's actions end in order, so this is nearly free
+        level = peak = 0.0
+        for _, x in d:
+            level += x
+            if level > peak:
+                peak = level
+        deltas.append(d)
         peaks.append(peak)
     for r in range(p):
         comm.flush(r)
-    makespan = max([e.end_s for e in events] + [e.end_s for e in comm.events], default=0.0)
-    events.sort(key=lambda e: (e.rank, e.start_s))
-    comm_busy = comm.busy
-    return PipelineResult(makespan_s=makespan, events=tuple(events), busy_s=tuple(busy),
-                          peak_activation_bytes=tuple(peaks), memory_timeline=tuple(timelines),
-                          comm_events=tuple(sorted(comm.events,
-                                                   key=lambda e: (e.rank, e.start_s))),
-                          comm_busy_s=tuple(comm_busy))
+    makespan = max([ev[-1][4] for ev in events if ev] + [e.end_s for e in comm.events],
+                   default=0.0)
+    return _Run(makespan, events, deltas, tuple(busy), tuple(peaks), comm)
 
 
 @dataclass(frozen=True)
@@ -292,14 +364,31 @@ class PipelineTotals:
                               result.peak_activation_bytes)
 
 
-def pipeline_totals(**kw) -> PipelineTotals:
+def pipeline_totals(*, schedule: str, p: int, v: int, m: int, fwd_s: Sequence[float],
+                    bwd_s: Sequence[float], send_s: Sequence[float] = (),
+                    activation_bytes: Sequence[float] = (), sync_s: Sequence[float] = (),
+                    fsdp_s: Sequence[tuple[float, float, float]] = (),
+                    layers: Sequence[int] = ()) -> PipelineTotals:
     """``simulate(**kw)``'s totals (what the estimate reads of a simulation).
 
     Tried and left out: extending a few groups of micro-batches linearly to thousands. Checked
     against full simulations on random stages it was exact for most schedules, but zero bubble's
     deferred weight gradients (and 1F1B on uneven stages with slow gradient syncs) settle late:
     three agreeing steps still missed by up to 15 %."""
-    return PipelineTotals.of(simulate(**kw))
+    return _totals(*_args(schedule, p, v, m, fwd_s, bwd_s, send_s, activation_bytes, sync_s,
+                          fsdp_s, layers))
+
+
+@lru_cache(maxsize=512)
+def _totals(*args) -> PipelineTotals:
+    run = _run(*args)
+    p = len(run.busy_s)
+    gather = [0.0] * p
+    for e in run.comm.events:
+        if e.kind == "gather":
+            gather[e.rank] += e.end_s - e.start_s
+    return PipelineTotals(run.makespan_s, run.busy_s, tuple(run.comm.busy), tuple(gather),
+                          run.peaks)
 
 
 class _CommStreams:

@@ -199,11 +199,11 @@ class OpGraph:
     def param_bytes(self) -> int:
         return sum(p.meta.nbytes for p in self.params)
 
-    @property
+    @cached_property
     def fwd_flops(self) -> int:
         return sum(op.fwd_flops for op in self.ops)
 
-    @property
+    @cached_property
     def bwd_flops(self) -> int:
         return sum(op.bwd_flops for op in self.ops)
 

@@ -24,6 +24,7 @@ from autoplan.planner.ilp import ILPProblem
 from autoplan.sharding.placement import REPLICATE, Placement
 from autoplan.sharding.sharding import Sharding, mutates_input, reshard_kind
 from autoplan.sharding.strategies import OpStrategy, strategies
+from autoplan.sharding.strategy import replicate
 
 FOLLOW_KINDS = frozenset({"view", "pointwise", "dropout", "copy", "reduction"})
 
@@ -321,6 +322,6 @@ def sharding_from_choice(graph: OpGraph, t: int, red: Reduction,
     for i, op in enumerate(graph.ops):
         s = per_rep.get(red.rep[i])
         if s is None:
-            s = strategies(graph, op, t)[0]
+            s = replicate(op)
         chosen.append(s)
     return Sharding.build(graph, t, chosen)

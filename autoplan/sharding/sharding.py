@@ -26,7 +26,7 @@ from autoplan.graph.analysis import analyze
 from autoplan.graph.opgraph import OpGraph
 from autoplan.sharding.placement import REPLICATE, Placement
 from autoplan.sharding.strategies import strategies
-from autoplan.sharding.strategy import Comm, OpStrategy
+from autoplan.sharding.strategy import Comm, OpStrategy, replicate
 
 STATE_KINDS = ("param", "buffer")
 
@@ -199,7 +199,7 @@ def replicated(graph: OpGraph) -> Sharding:
 def replicated_on(graph: OpGraph, t: int) -> Sharding:
     """Every op replicated on a t-way axis (each rank of the group does all the work)."""
     return _built_once(graph, ("replicated", t), lambda: Sharding.build(
-        graph, t, [strategies(graph, op, t)[0] for op in graph.ops]))
+        graph, t, [replicate(op) for op in graph.ops]))
 
 
 def as_inputs_come(graph: OpGraph, op: Any, options: Sequence[OpStrategy],
