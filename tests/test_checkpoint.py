@@ -82,6 +82,7 @@ FAMILIES = [
     (2, dict(tp=2, sequence_parallel=True), "megatron", 1, "TP + SP"),
     (4, dict(dp=2, tp=2, zero_stage=3), "megatron", 1, "FSDP x TP"),
     (4, dict(dp=2, tp=2, zero_stage=1), "megatron", 1, "ZeRO-1 x TP"),
+    (4, dict(tp=1, zero_stage=3, dp_shard=2), "ilp", 1, "HSDP"),
     (2, dict(tp=1, zero_stage=0, offload_optimizer=True), "ilp", 1, "optimizer offload"),
     (2, dict(tp=1, zero_stage=3, offload_params=True), "ilp", 1, "FSDP2 CPU offload"),
     (2, dict(pp=2, schedule="1f1b"), "megatron", 2, "pp2 1F1B"),
@@ -127,6 +128,8 @@ RESHARD = [
     (2, dict(tp=1, zero_stage=1), 2, dict(tp=2, sequence_parallel=True), "dp2 ZeRO-1 -> tp2"),
     (2, dict(tp=1, zero_stage=3), 2, dict(pp=2, schedule="1f1b"), "FSDP -> pp2"),
     (2, dict(pp=2, schedule="1f1b"), 2, dict(tp=1, zero_stage=0), "pp2 -> dp2"),
+    (4, dict(tp=1, zero_stage=3, dp_shard=2), 2, dict(tp=2, sequence_parallel=True),
+     "HSDP 2x2 -> tp2"),
     (4, dict(dp=2, tp=2, zero_stage=3), 2, dict(tp=1, zero_stage=0, offload_optimizer=True),
      "FSDP x TP -> dp2 offload"),
 ]

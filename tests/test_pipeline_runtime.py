@@ -78,6 +78,7 @@ FAMILIES = [
     (2, dict(pp=2), SCHEDULES + [UNEVEN], "pp2"),
     (4, dict(pp=2, dp=2, zero_stage=0), SCHEDULES, "pp2 x dp2"),
     (4, dict(pp=2, dp=2, zero_stage=3), SCHEDULES[1:2], "pp2 x dp2 FSDP2"),
+    (8, dict(pp=2, dp=4, zero_stage=3, dp_shard=2), SCHEDULES[1:2], "pp2 x HSDP 2x2"),
     (4, dict(pp=2, tp=2), SCHEDULES, "pp2 x tp2"),
 ]
 

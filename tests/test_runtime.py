@@ -90,6 +90,9 @@ CASES = [
      "parameter offload (FSDP2 CPU offload)"),
     ("llama-tiny", 2, dict(tp=2, sequence_parallel=True), "megatron", "TP + SP (GQA, RoPE)"),
     ("hf-gpt2-tiny", 2, dict(tp=1, zero_stage=3), "ilp", "HF GPT-2, ZeRO-3"),
+    # HSDP: FSDP2 on a 2-D (dp_replicate, dp_shard) mesh, sharded in pairs, pairs replicated
+    ("gpt-tiny", 4, dict(tp=1, zero_stage=3, dp_shard=2), "ilp", "HSDP (ZeRO-3, 2 x 2)"),
+    ("hf-gpt2-tiny", 4, dict(tp=1, zero_stage=2, dp_shard=2), "ilp", "HF GPT-2, HSDP ZeRO-2"),
     # batch norm over a split batch: statistics all-reduced over the dp group (one micro-batch
     # per step, as one device computes them over the whole batch)
     ("resnet-tiny", 2, dict(tp=1, zero_stage=0, micro_batch_size=4), "ilp", "CNN data parallel"),
@@ -140,6 +143,7 @@ COUNT_CASES = [
     ("gpt-tiny", 4, dict(tp=1, zero_stage=3), "ilp"),
     ("mlp-tiny", 2, dict(tp=2), "megatron"),
     ("gpt-tiny", 4, dict(dp=2, tp=2, zero_stage=2, sequence_parallel=True), "megatron"),
+    ("gpt-tiny", 4, dict(tp=1, zero_stage=3, dp_shard=2), "ilp"),
 ]
 
 

@@ -103,7 +103,7 @@ def tp_comm_s(ci: CostInputs, start: int, stop: int) -> tuple[float, float, floa
         if c.phase == "step":             # a gradient: reduced in fp32
             nbytes *= GRAD_BYTES / PRECISION_BYTES[config.precision]
         if c.phase == "step" and config.zero_stage >= 2:
-            nbytes /= config.dp           # the gradient is already ZeRO-sharded over dp
+            nbytes /= config.shard_degree  # the gradient is already ZeRO-sharded (over dp)
         t[c.phase] += ci.cluster.collective_time_s(c.kind, nbytes, group)
     for r in sh.reshards_in(start, stop):
         nbytes = comm_bytes(graph, a, config, r.value, r.scale, sh.t, ci.batch_scale)
@@ -118,7 +118,8 @@ def _cached(ci: CostInputs, what: str, where: tuple, make: Any) -> RangeCost:
     cache = ci.graph.__dict__.setdefault(what, {})
     cfg = ci.config
     key = (id(ci.sharding), id(ci.compute), id(ci.cluster), where, cfg.micro_batch_size,
-           cfg.precision, cfg.tp, cfg.tp_comm_overlap, cfg.dp if cfg.zero_stage >= 2 else 1)
+           cfg.precision, cfg.tp, cfg.tp_comm_overlap,
+           cfg.shard_degree if cfg.zero_stage >= 2 else 1)
     hit = cache.get(key)
     if (hit is not None and hit[0] is ci.sharding and hit[1] is ci.compute
             and hit[2] is ci.cluster):

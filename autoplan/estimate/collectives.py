@@ -5,7 +5,9 @@ the plan (``autoplan.runtime.comm_counter`` counts what really happens). Bytes f
 ``Cluster.collective_time_s``'s convention. Calls are given where the plan fixes them; data
 parallel gradient all-reduces under DDP come in buckets whose number DDP decides (None).
 Tensor-parallel gradient all-reduces of replicated weights (phase "step") go in one flattened
-call per step, over the ZeRO-2/3 gradient shard when gradients are sharded.
+call per step, over the ZeRO-2/3 gradient shard when gradients are sharded. Under HSDP every
+reduce-scatter (inside a shard group) is followed by an all-reduce of its shard over the
+replicas.
 """
 
 from __future__ import annotations
@@ -50,7 +52,7 @@ def expected_collectives(graph: OpGraph, config: ParallelConfig, sh: Sharding, *
         for i, kind, value, scale, phase in events:
             b = comm_bytes(graph, a, config, value, scale, sh.t, bs)
             if phase == "step":       # one flattened all-reduce per step, of ZeRO's grad shard
-                step_bytes += b / (config.dp if config.zero_stage >= 2 else 1)
+                step_bytes += b / (config.shard_degree if config.zero_stage >= 2 else 1)
                 continue
             times = m
             if phase == "fwd" and recomputed and i in in_layer:
@@ -76,6 +78,8 @@ def expected_collectives(graph: OpGraph, config: ParallelConfig, sh: Sharding, *
             gathers = 2 if config.zero_stage == 3 else 1
             add("all_gather", gathers * fsdp_units * m, gathers * m * gather_bytes)
             add("reduce_scatter", fsdp_units * m, m * grad_bytes)
+            if config.dp_shard is not None:        # HSDP: each shard all-reduced over replicas
+                add("all_reduce", fsdp_units * m, m * grad_bytes / config.dp_shard)
         else:
             add("all_reduce", None, grad_bytes)        # DDP's buckets
             if config.zero_stage == 1:

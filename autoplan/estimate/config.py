@@ -2,7 +2,8 @@
 
 Rank layout (recorded, and assumed by the cost model): tensor-parallel ranks are consecutive
 (fastest varying, so a TP group sits inside a node), then data parallel, then pipeline stages:
-``rank = pp_index * (dp * tp) + dp_index * tp + tp_index`` (the Megatron-LM order).
+``rank = pp_index * (dp * tp) + dp_index * tp + tp_index`` (the Megatron-LM order). Under HSDP
+the dp index is ``replica * dp_shard + shard``: a shard group is consecutive ranks.
 """
 
 from __future__ import annotations
@@ -61,6 +62,10 @@ class ParallelConfig:
     # tensor-parallel collectives pipelined with the GEMMs that consume or produce them
     # (Megatron-LM's --tp-comm-overlap): priced, never searched, and refused by this runtime
     tp_comm_overlap: bool = False
+    # HSDP (hybrid sharding): ZeRO-2/3 shard each parameter over groups of ``dp_shard``
+    # consecutive dp ranks (a node, say) and replicate it over the dp / dp_shard groups;
+    # None shards over all of dp
+    dp_shard: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("dp", "tp", "pp", "micro_batch_size", "virtual_stages"):
@@ -84,6 +89,7 @@ class ParallelConfig:
             raise ConfigError("offload_params=True needs zero_stage=3: the weights are offloaded "
                               "as FSDP shards and gathered to the device layer by layer")
         self._check_layout()
+        self._check_dp_shard()
         if self.sequence_parallel and self.tp == 1:
             raise ConfigError("sequence_parallel=True needs tp > 1 (it shards the "
                               "activations that tensor parallelism leaves replicated)")
@@ -118,6 +124,48 @@ class ParallelConfig:
                 raise ConfigError(f"with stage_recompute, recompute must be the most "
                                   f"memory-saving stage policy ({strongest!r}), got "
                                   f"{self.recompute!r}")
+
+    def _check_dp_shard(self) -> None:
+        s = self.dp_shard
+        if s is None:
+            return
+        if not isinstance(s, int) or isinstance(s, bool) or not 1 < s < self.dp \
+                or self.dp % s:
+            raise ConfigError(f"dp_shard must divide dp={self.dp} and lie strictly between 1 "
+                              f"and dp (None shards over all of dp), got {s!r}")
+        if self.zero_stage not in (2, 3):
+            raise ConfigError(f"dp_shard={s} (HSDP) needs zero_stage 2 or 3: it is FSDP's "
+                              f"sharding inside groups of {s} ranks, replicated across groups")
+
+    @property
+    def shard_degree(self) -> int:
+        """Over how many ranks ZeRO shards the model state: ``dp_shard`` under HSDP, else dp."""
+        return self.dp_shard or self.dp
+
+    def dp_shard_group(self, pp_index: int = 0, tp_index: int = 0,
+                       replica: int = 0) -> tuple[int, ...]:
+        """The ranks one parameter shard group spans (all of dp without HSDP)."""
+        s = self.shard_degree
+        return tuple(self.rank(pp_index=pp_index, dp_index=replica * s + k, tp_index=tp_index)
+                     for k in range(s))
+
+    def dp_replicate_group(self, pp_index: int = 0, tp_index: int = 0,
+                           shard: int = 0) -> tuple[int, ...]:
+        """The ranks holding the same shard under HSDP, one per shard group."""
+        s = self.shard_degree
+        return tuple(self.rank(pp_index=pp_index, dp_index=r * s + shard, tp_index=tp_index)
+                     for r in range(self.dp // s))
+
+    def mesh_axes(self) -> tuple[str, ...]:
+        """The device mesh's axis names, outermost first (the plan file's ``mesh.axes`` and the
+        runtime's DeviceMesh): pp when pipelined, dp (or dp_replicate x dp_shard), tp."""
+        dp = ("dp_replicate", "dp_shard") if self.dp_shard is not None else ("dp",)
+        return (("pp",) if self.pp > 1 else ()) + dp + ("tp",)
+
+    def mesh_shape(self) -> tuple[int, ...]:
+        sizes = {"pp": self.pp, "dp": self.dp, "tp": self.tp, "dp_shard": self.shard_degree,
+                 "dp_replicate": self.dp // self.shard_degree}
+        return tuple(sizes[a] for a in self.mesh_axes())
 
     def stage_policy(self, stage: int) -> str:
         """The recompute policy of pipeline stage ``stage`` (its own, or the config's)."""
@@ -158,11 +206,13 @@ class ParallelConfig:
                      for d in range(self.dp))
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-ready fields (the layout tuples as lists); ``tp_comm_overlap`` only when set,
-        so plans written before it existed read back byte for byte."""
+        """JSON-ready fields (the layout tuples as lists); ``tp_comm_overlap`` and ``dp_shard``
+        only when set, so plans written before they existed read back byte for byte."""
         out = {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items()}
         if not self.tp_comm_overlap:
             del out["tp_comm_overlap"]
+        if self.dp_shard is None:
+            del out["dp_shard"]
         return out
 
     @staticmethod
@@ -179,6 +229,8 @@ class ParallelConfig:
             s += f" {self.schedule}" + (f"x{self.virtual_stages}" if self.virtual_stages > 1 else "")
         if self.zero_stage:
             s += f" zero{self.zero_stage}"
+        if self.dp_shard is not None:
+            s += f" hsdp{self.dp_shard}x{self.dp // self.dp_shard}"
         if self.sequence_parallel:
             s += " sp"
         if self.stage_recompute is not None:

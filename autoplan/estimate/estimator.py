@@ -154,8 +154,7 @@ def estimate(model: Any, cluster: Any, *, config: ParallelConfig, global_batch_s
         params = sum(costs[c].params for c in stage_chunks[s])
         tensors = sum(costs[c].param_tensors for c in stage_chunks[s])
         layers = max(1, sum(costs[c].num_layers for c in stage_chunks[s]))
-        group = config.dp_group(pp_index=s)
-        grad_sync, ag, rs = _dp_collectives(config, cluster, params, layers, group)
+        grad_sync, ag, rs = _dp_collectives(config, cluster, params, layers, s)
         gather = 0.0
         # the tp-axis all-reduce of replicated weights' partial gradients runs after backward,
         # in one flattened call (runtime/optim.py TensorParallelGrads): exposed
@@ -164,7 +163,8 @@ def estimate(model: Any, cluster: Any, *, config: ParallelConfig, global_batch_s
             # ZeRO-1 broadcasts the fp32 weights autocast computes from; FSDP2 (ZeRO-2)
             # gathers them in the training precision
             gathered = PRECISION_BYTES["fp32"] if config.zero_stage == 1 else w_bytes
-            gather = cluster.collective_time_s("all_gather", params * gathered, group)
+            gather = cluster.collective_time_s("all_gather", params * gathered,
+                                               config.dp_shard_group(pp_index=s))
         if config.dp > 1 and config.zero_stage == 1:
             # the runtime issues them after the step and waits for each before the module that
             # reads it (Megatron-LM's --overlap-param-gather): hidden behind the next forward
@@ -183,7 +183,7 @@ def estimate(model: Any, cluster: Any, *, config: ParallelConfig, global_batch_s
                 bwd_x = overlap_exposed_s(layers * (ag + rs), stage_b[s], ag + rs, interference)
                 gather = m * (fwd_x + bwd_x * ag / (ag + rs))
                 sync += m * bwd_x * rs / (ag + rs)
-        owned = params / (config.dp if config.zero_stage >= 1 else 1)
+        owned = params / (config.shard_degree if config.zero_stage >= 1 else 1)
         if config.offload_params:
             # weight shards go up for the forward and again for the backward gather of every
             # micro-batch, gradient shards come down; the optimizer steps on the host
@@ -226,7 +226,7 @@ def estimate(model: Any, cluster: Any, *, config: ParallelConfig, global_batch_s
     for s in range(p):
         cs = [costs[c] for c in stage_chunks[s]]
         params = sum(c.params for c in cs)
-        states = model_state_bytes(params, dp=config.dp, zero_stage=config.zero_stage,
+        states = model_state_bytes(params, dp=config.shard_degree, zero_stage=config.zero_stage,
                                    precision=config.precision, optimizer=config.optimizer,
                                    offload_optimizer=config.offload_optimizer,
                                    offload_params=config.offload_params)
@@ -288,22 +288,33 @@ def estimate(model: Any, cluster: Any, *, config: ParallelConfig, global_batch_s
 
 
 def _dp_collectives(config: ParallelConfig, cluster: Any, params: float, layers: int,
-                    group: tuple[int, ...]) -> tuple[float, float, float]:
-    """Seconds of the dp group's collectives for ``params`` parameters in ``layers`` layers:
-    (per-step gradient reduction, per-layer gather, per-layer reduce-scatter). FSDP (ZeRO-3)
-    gathers each layer before its forward and again before its backward, then reduce-scatters
-    its gradients, every micro-batch (the runtime does not skip gradient sync between
-    micro-batches); ZeRO-0 all-reduces the gradients once a step, ZeRO-1/2 reduce-scatter them."""
+                    pp_index: int) -> tuple[float, float, float]:
+    """Seconds of stage ``pp_index``'s dp collectives for ``params`` parameters in ``layers``
+    layers: (per-step gradient reduction, per-layer gather, per-layer reduce-scatter). FSDP
+    (ZeRO-3) gathers each layer before its forward and again before its backward, then
+    reduce-scatters its gradients, every micro-batch (the runtime does not skip gradient sync
+    between micro-batches); ZeRO-0 all-reduces the gradients once a step, ZeRO-1/2
+    reduce-scatter them. Under HSDP the gathers and reduce-scatters span a shard group and each
+    reduced shard is then all-reduced over the replicas holding it (FSDP2 on a 2-D mesh)."""
     if config.dp == 1:
         return 0.0, 0.0, 0.0
     w_bytes = PRECISION_BYTES[config.precision]
+    shard = config.dp_shard_group(pp_index=pp_index)
+
+    def reduce(nbytes: float) -> float:
+        t = cluster.collective_time_s("reduce_scatter", nbytes, shard)
+        if config.dp_shard is not None:
+            t += cluster.collective_time_s("all_reduce", nbytes / config.dp_shard,
+                                           config.dp_replicate_group(pp_index=pp_index))
+        return t
     if config.zero_stage == 3:
         layer_bytes = params * w_bytes / layers
-        return (0.0, cluster.collective_time_s("all_gather", layer_bytes, group),
-                cluster.collective_time_s("reduce_scatter", layer_bytes * GRAD_BYTES / w_bytes,
-                                          group))
-    kind = "all_reduce" if config.zero_stage == 0 else "reduce_scatter"
-    return cluster.collective_time_s(kind, params * GRAD_BYTES, group), 0.0, 0.0
+        return (0.0, cluster.collective_time_s("all_gather", layer_bytes, shard),
+                reduce(layer_bytes * GRAD_BYTES / w_bytes))
+    if config.zero_stage == 0:
+        return (cluster.collective_time_s("all_reduce", params * GRAD_BYTES,
+                                          config.dp_group(pp_index=pp_index)), 0.0, 0.0)
+    return reduce(params * GRAD_BYTES), 0.0, 0.0
 
 
 def _chunk_collectives(config: ParallelConfig, cluster: Any, costs: Sequence[RangeCost]
@@ -315,7 +326,7 @@ def _chunk_collectives(config: ParallelConfig, cluster: Any, costs: Sequence[Ran
     for c, cost in enumerate(costs):
         layers = max(1, cost.num_layers)
         grad_sync, ag, rs = _dp_collectives(config, cluster, cost.params, layers,
-                                            config.dp_group(pp_index=c % config.pp))
+                                            c % config.pp)
         sync.append(grad_sync)          # the tp step all-reduce is priced exposed, per stage
         fsdp.append((layers * ag, layers * ag, layers * rs))
     return sync, fsdp

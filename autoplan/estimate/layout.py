@@ -71,7 +71,7 @@ def _outside(ci: CostInputs) -> tuple[UnitChoice, UnitChoice]:
 
 
 def _state_bytes_per_param(config: ParallelConfig) -> float:
-    return model_state_bytes(1.0, dp=config.dp, zero_stage=config.zero_stage,
+    return model_state_bytes(1.0, dp=config.shard_degree, zero_stage=config.zero_stage,
                              precision=config.precision, optimizer=config.optimizer,
                              offload_optimizer=config.offload_optimizer,
                              offload_params=config.offload_params).total_bytes

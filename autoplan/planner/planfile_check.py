@@ -161,10 +161,18 @@ def _check_mesh(mesh: Any, config: ParallelConfig, cluster: Mapping[str, Any]) -
         fail("mesh.shape", f"{shape} holds {world} ranks, but mesh.rank_to_device lists "
               f"{len(devices)}, cluster.world_size is {cluster['world_size']} and config "
               f"dp x tp x pp is {config.world_size}; they must all be equal")
+    hsdp = {"dp_replicate", "dp_shard"}
+    if (config.dp_shard is not None) != hsdp.issubset(axes) or (
+            config.dp_shard is None and hsdp & set(axes)):
+        fail("mesh.axes", f"{axes}: an HSDP plan (config.dp_shard) has axes dp_replicate and "
+              f"dp_shard in place of dp, any other plan neither; expected "
+              f"{list(config.mesh_axes())}")
+    want_sizes = {"pp": config.pp, "dp": config.dp, "tp": config.tp,
+                  **dict(zip(config.mesh_axes(), config.mesh_shape()))}
     for axis, size in zip(axes, shape):
-        want = {"tp": config.tp, "pp": config.pp, "dp": config.dp}.get(axis)
+        want = want_sizes.get(axis)
         if want is not None and size != want:
-            fail("mesh.shape", f"axis {axis!r} has size {size} but config.{axis} is {want}")
+            fail("mesh.shape", f"axis {axis!r} has size {size} but the config makes it {want}")
     for i, dev in enumerate(devices):
         match = _DEVICE.match(_str(dev, f"mesh.rank_to_device[{i}]", limit=160))
         if match is None or int(match.group(1)) >= cluster["num_nodes"]:

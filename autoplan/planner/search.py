@@ -194,12 +194,32 @@ def _policies(config: ParallelConfig, opts: SearchOptions, cluster: Any,
                 for off_p in params_off:
                     if off_p and z != 3:
                         continue   # parameter offload is FSDP's (ZeRO-3)
-                    for sched, v in schedules:
-                        out.append(ParallelConfig(**{
-                            **config.to_dict(), "zero_stage": z, "recompute": r,
-                            "offload_optimizer": off, "offload_params": off_p,
-                            "schedule": sched, "virtual_stages": v}))
+                    for shard in _shard_sizes(config, cluster, opts, z):
+                        if shard is not None and off_p and "dp_shard" not in opts.force:
+                            continue     # offloaded weights: no device memory for HSDP to save
+                        for sched, v in schedules:
+                            out.append(ParallelConfig(**{
+                                **config.to_dict(), "zero_stage": z, "recompute": r,
+                                "offload_optimizer": off, "offload_params": off_p,
+                                "schedule": sched, "virtual_stages": v, "dp_shard": shard}))
     return out
+
+
+def _shard_sizes(config: ParallelConfig, cluster: Any, opts: SearchOptions,
+                 zero_stage: int) -> list[int | None]:
+    """HSDP shard-group sizes to cost for ZeRO-2/3 (None: shard over all of dp): groups of
+    whole nodes, up to eight, where they divide dp. A shard group's gathers and reduce-scatters
+    take fewer ring steps than the whole dp group's; the replicas all-reduce one shard."""
+    hsdp = zero_stage in (2, 3) and config.dp > 1
+    if "dp_shard" in opts.force:
+        d = opts.force["dp_shard"]
+        fits = d is None or hsdp and isinstance(d, int) and 1 < d < config.dp and config.dp % d == 0
+        return [d] if fits else []
+    if not hsdp:
+        return [None]
+    node = cluster.devices_per_node
+    return [None, *(d for d in range(2, config.dp) if config.dp % d == 0
+                    and (d * config.tp) % node == 0 and d * config.tp <= 8 * node)]
 
 
 def _evaluate(graph: OpGraph, cluster: Any, configs: list[ParallelConfig], sh: Sharding,
@@ -572,8 +592,7 @@ def _assemble(graph: OpGraph, cluster: Any, best: _Candidate, alternatives: list
         cluster=ClusterInfo.of(cluster),
         training=TrainingInfo(global_batch_size=gbs, precision=cfg.precision,
                               optimizer=cfg.optimizer),
-        mesh=MeshInfo(axes=("pp", "dp", "tp") if cfg.pp > 1 else ("dp", "tp"),
-                      shape=(cfg.pp, cfg.dp, cfg.tp) if cfg.pp > 1 else (cfg.dp, cfg.tp),
+        mesh=MeshInfo(axes=cfg.mesh_axes(), shape=cfg.mesh_shape(),
                       rank_to_device=meshes.rank_to_device(cluster, cfg.world_size),
                       tp_domain=meshes.tp_domain(cluster, tp_group)),
         config=cfg, param_placements=placements,

@@ -24,14 +24,21 @@ from autoplan.sharding.strategies import strategies
 
 def shrunk_force(cfg: ParallelConfig, ranks: int) -> dict[str, Any]:
     """The plan's family at degree 2 per parallel axis, within ``ranks`` processes (an axis
-    is dropped, data parallelism first, when they do not fit)."""
+    is dropped, data parallelism first, when they do not fit); HSDP as 2 x 2 where the ranks
+    allow, else plain sharding over dp."""
     degrees = {"pp": 2 if cfg.pp > 1 else 1, "tp": 2 if cfg.tp > 1 else 1,
                "dp": 2 if cfg.dp > 1 else 1}
     for axis in ("dp", "pp", "tp"):
         if degrees["pp"] * degrees["tp"] * degrees["dp"] <= ranks:
             break
         degrees[axis] = 1
+    hsdp = cfg.dp_shard is not None and degrees["dp"] > 1 and ranks >= 2 * (
+        degrees["pp"] * degrees["tp"] * degrees["dp"])
+    if hsdp:                  # shard groups of 2, replicated twice
+        degrees["dp"] = 4
     force: dict[str, Any] = dict(degrees)
+    if hsdp:
+        force["dp_shard"] = 2
     force["zero_stage"] = cfg.zero_stage if degrees["dp"] > 1 or cfg.offload_params else 0
     if cfg.offload_params:
         force["zero_stage"] = 3

@@ -49,9 +49,23 @@ def layer_modules(model: nn.Module, layer_paths: list[str]) -> list[nn.Module]:
     return [model.get_submodule(p) for p in layer_paths]
 
 
+def plan_mesh(device_type: str, cfg: Any) -> tuple[Any, Any, Any]:
+    """The plan's DeviceMesh (``cfg.mesh_axes()``, the plan file's axes) and, from it, the flat
+    dp mesh (batches, DDP, ZeRO-1) and the mesh FSDP2 shards over: the dp axis, or under HSDP
+    the 2-D (dp_replicate, dp_shard) mesh, on which ``fully_shard`` shards inside a group and
+    replicates across groups. Collective: every rank calls it in the same order."""
+    from torch.distributed.device_mesh import init_device_mesh
+    mesh = init_device_mesh(device_type, cfg.mesh_shape(), mesh_dim_names=cfg.mesh_axes())
+    if cfg.dp_shard is None:
+        return mesh, mesh["dp"], mesh["dp"]
+    fsdp_mesh = mesh["dp_replicate", "dp_shard"]
+    return mesh, fsdp_mesh._flatten("dp"), fsdp_mesh
+
+
 def apply_fsdp(model: nn.Module, layer_paths: list[str], dp_mesh, *, reshard: bool,
                mp_policy: Any = None, offload: bool = False) -> None:
-    """FSDP2: one unit per layer, then the root (ZeRO-3 reshards after forward, ZeRO-2 not)."""
+    """FSDP2: one unit per layer, then the root (ZeRO-3 reshards after forward, ZeRO-2 not);
+    on a 2-D ``dp_mesh`` (replicate, shard) that is HSDP."""
     from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
     kw: dict[str, Any] = {"mesh": dp_mesh, "reshard_after_forward": reshard}
     if mp_policy is not None:

@@ -251,7 +251,6 @@ def compile_pipelined(model: nn.Module, graph: OpGraph, plan: Any, *, device: to
                       example_targets: Any, precision_dtype: torch.dtype | None
                       ) -> PipelineTrainer:
     """This rank's chunks of a pipelined plan, parallelized, on a torch pipelining schedule."""
-    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.pipelining import PipelineStage
 
     from autoplan.runtime import parallelize as par
@@ -267,9 +266,8 @@ def compile_pipelined(model: nn.Module, graph: OpGraph, plan: Any, *, device: to
     if loss_fn is None or example_targets is None:
         raise PlanError("a pipelined plan needs loss_fn and example_targets: the last stage "
                         "computes the loss")
-    mesh = init_device_mesh(device.type, (cfg.pp, cfg.dp, cfg.tp),
-                            mesh_dim_names=("pp", "dp", "tp"))
-    pp_mesh, dp_mesh, tp_mesh = mesh["pp"], mesh["dp"], mesh["tp"]
+    mesh, dp_mesh, fsdp_mesh = par.plan_mesh(device.type, cfg)
+    tp_mesh = mesh["tp"]
     pp_index = rank // (cfg.dp * cfg.tp)
     dp_index = (rank % (cfg.dp * cfg.tp)) // cfg.tp
     tp_index = rank % cfg.tp
@@ -320,8 +318,8 @@ def compile_pipelined(model: nn.Module, graph: OpGraph, plan: Any, *, device: to
                 mp = MixedPrecisionPolicy(param_dtype=precision_dtype,
                                           reduce_dtype=torch.float32)
             # ZeRO-3 gathers the weights again for every micro-batch, as the estimate prices
-            par.apply_fsdp(chunk, layers, dp_mesh, reshard=cfg.zero_stage == 3, mp_policy=mp,
-                           offload=cfg.offload_params)
+            par.apply_fsdp(chunk, layers, fsdp_mesh, reshard=cfg.zero_stage == 3,
+                           mp_policy=mp, offload=cfg.offload_params)
         chunks[c] = chunk
     canonical = {v.fqn: ex.graph.value(v.base).fqn for v in ex.graph.param_values}
     grad_syncs.append(tie_across_ranks(held, chunks, cfg, pp_index, dp_index, tp_index,
@@ -342,7 +340,7 @@ def compile_pipelined(model: nn.Module, graph: OpGraph, plan: Any, *, device: to
     ddp = cfg.dp > 1 and not use_fsdp and cfg.schedule != "zero_bubble"
     if cfg.dp > 1 and not use_fsdp and not ddp:
         grad_syncs.append(DataParallelGrads(params, dp_mesh.get_group(), cfg.dp))
-    pp_group = pp_mesh.get_group()
+    pp_group = mesh["pp"].get_group()
     # declared shapes: no shape-inference forward on uninitialized buffers (a loss would read
     # garbage targets)
     stages = [PipelineStage(_ddp(chunks[c], dp_mesh.get_group()) if ddp else chunks[c], c, n,

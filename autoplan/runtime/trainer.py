@@ -329,11 +329,9 @@ def _compile(model: nn.Module, cluster: Any, *, example_inputs: Sequence[Any],
             rank=rank, example_inputs=example_inputs, example_targets=example_targets,
             precision_dtype=precision_dtype)
     tp_index, dp_index = rank % cfg.tp, rank // cfg.tp
-    dp_group = tp_group = dp_mesh = None
+    dp_group = tp_group = fsdp_mesh = None
     if world > 1 or cfg.offload_params:
-        from torch.distributed.device_mesh import init_device_mesh
-        mesh = init_device_mesh(device.type, (cfg.dp, cfg.tp), mesh_dim_names=("dp", "tp"))
-        dp_mesh = mesh["dp"]
+        mesh, dp_mesh, fsdp_mesh = par.plan_mesh(device.type, cfg)
         dp_group, tp_group = dp_mesh.get_group(), mesh["tp"].get_group()
     # 1. the rank program: the traced graph with the plan's per-op strategies on local tensors
     from autoplan.runtime.emit import connect, emit
@@ -354,8 +352,8 @@ def _compile(model: nn.Module, cluster: Any, *, example_inputs: Sequence[Any],
         if precision_dtype is not None:
             from torch.distributed.fsdp import MixedPrecisionPolicy
             mp = MixedPrecisionPolicy(param_dtype=precision_dtype, reduce_dtype=torch.float32)
-        par.apply_fsdp(program, rp.layers, dp_mesh, reshard=cfg.zero_stage == 3, mp_policy=mp,
-                       offload=cfg.offload_params)
+        par.apply_fsdp(program, rp.layers, fsdp_mesh, reshard=cfg.zero_stage == 3,
+                       mp_policy=mp, offload=cfg.offload_params)
     tp_grads = (TensorParallelGrads([program], rp.program.step_params, tp_group)
                 if cfg.tp > 1 and rp.program.step_params else None)
     if cfg.dp > 1 and not use_fsdp:
