@@ -255,3 +255,20 @@ def test_an_estimate_does_not_depend_on_what_was_estimated_before():
         after = _est(shared, cluster, zero_stage=z, global_batch_size=16, **kw)
         assert after.step_time_s == alone.step_time_s
         assert after.time == alone.time
+
+
+def test_dropout_with_p_zero_costs_nothing():
+    """torch returns the input from dropout(p=0): no kernel, so no time (the activation memory
+    rule already kept no mask for it); p > 0 moves the tensor and its mask."""
+    from autoplan.cost.compute import compute_model
+    cluster = Cluster.preset("dgx-h100", nodes=1)
+    costs = {}
+    for p in (0.0, 0.1):
+        ex = build_example("gpt-tiny", device="meta", batch_size=1, dropout=p)
+        g = trace(ex.model, ex.example_inputs, loss_fn=ex.loss_fn, targets=ex.targets)
+        cm = compute_model(g, cluster.device, "bf16", None)
+        drops = [i for i, op in enumerate(g.ops) if op.kind == "dropout"]
+        assert drops
+        costs[p] = [cm.base_cost(i) for i in drops]
+    assert all(c.fwd_s == 0.0 and c.bwd_s == 0.0 for c in costs[0.0])
+    assert all(c.fwd_s > 0.0 and c.bwd_s > 0.0 for c in costs[0.1])

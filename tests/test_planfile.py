@@ -4,6 +4,7 @@ model/cluster checks, and the inspect/diff text and commands."""
 import copy
 import dataclasses
 import json
+import re
 from importlib import resources
 
 import pytest
@@ -404,8 +405,10 @@ def test_explain_plan_mentions_the_key_facts(plan):
                  "CBC optimal", "gap 0.00%", "120 variables", "6 ILPs solved",
                  "14 candidates"):
         assert fact in text, fact
-    rows = [line for line in text.splitlines() if line.startswith("  n")]
+    rows = [line for line in text.splitlines() if re.match(r"  n\d+ ", line)]
     assert len(rows) == 2 and rows[0].split()[1:3] == ["d0.t0", "d0.t1"]
+    # every parameter's placement on each mesh axis, layers folded
+    assert re.search(r"layers\.\*\.attn\.qkv\.weight +\d+ x \d+ +R +S\(0\)", text), text
 
 
 def test_explain_plan_elides_large_meshes_and_collapses_blocks(tiny):

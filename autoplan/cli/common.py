@@ -20,10 +20,15 @@ def comma_list(raw: str | None, kind: type, flag: str) -> tuple | None:
         raise ConfigError(f"{flag} takes a comma-separated list, got {raw!r}") from None
 
 
-def add_model_args(p: argparse.ArgumentParser, *, optional: bool = False) -> None:
-    p.add_argument("model", metavar="MODEL", nargs="?" if optional else None,
-                   help="an example name (see `autoplan trace --list`), 'package.module:function' "
-                        "returning an autoplan.models.Example, or an OpGraph JSON file")
+def add_model_args(p: argparse.ArgumentParser, *, optional: bool = False,
+                   flag: bool = False) -> None:
+    """MODEL and how to build it; ``flag``: as an optional ``--model`` option."""
+    what = ("an example name (see `autoplan trace --list`), 'package.module:function' "
+            "returning an autoplan.models.Example, or an OpGraph JSON file")
+    if flag:
+        p.add_argument("--model", metavar="MODEL", default=None, help=what)
+    else:
+        p.add_argument("model", metavar="MODEL", nargs="?" if optional else None, help=what)
     p.add_argument("--batch-size", type=int, default=1,
                    help="batch size to trace with (costs scale to the micro-batch; default 1)")
     p.add_argument("--seq-len", type=int, default=None, help="sequence length (LMs)")

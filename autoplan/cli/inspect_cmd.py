@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from autoplan.cli.common import add_model_args, graph_from_args
+
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
@@ -17,6 +19,17 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", action="store_true",
                    help="print the validated plan as canonical JSON instead of the explanation")
     _add_figure_args(p)
+    g = p.add_argument_group(
+        "comparison with Megatron-LM (needs the model)",
+        "With --model (built as for `autoplan plan`), the plan's per-op sharding is set next to "
+        "Megatron-LM's rule for the same tp degree: the parameters and ops placed differently "
+        "and both predicted step times under the plan's configuration.")
+    add_model_args(g, flag=True)
+    g.add_argument("--cluster", default=None,
+                   help="the plan's cluster (preset[:nodes] or a file); default: the plan's "
+                        "preset")
+    g.add_argument("--no-profile", action="store_true",
+                   help="roofline only (the measured profile of the device type otherwise)")
     p.set_defaults(func=run)
 
 
@@ -36,8 +49,31 @@ def run(args: argparse.Namespace) -> int:
     else:
         from autoplan.planner.explain import explain_plan
         sys.stdout.write(explain_plan(plan))
+        if args.model:
+            sys.stdout.write("\n" + _vs_megatron(args, plan))
     _write_figures(args, plan)
     return 0
+
+
+def _vs_megatron(args: argparse.Namespace, plan) -> str:
+    from autoplan.cluster import Cluster
+    from autoplan.errors import AutoplanError, PlanError
+    from autoplan.planner.compare import explain_comparison, vs_megatron
+    graph = graph_from_args(args)
+    if args.cluster:
+        cluster = Cluster.from_spec(args.cluster)
+    else:
+        try:
+            cluster = Cluster.from_spec(f"{plan.cluster.name}:{plan.cluster.num_nodes}")
+        except AutoplanError:
+            raise PlanError(f"the plan's cluster {plan.cluster.name!r} is not a preset: pass "
+                            "the cluster with --cluster") from None
+    if cluster.fingerprint() != plan.cluster.fingerprint:
+        raise PlanError(f"--cluster is not the plan's cluster (fingerprint "
+                        f"{cluster.fingerprint()[:12]}, the plan's "
+                        f"{plan.cluster.fingerprint[:12]})")
+    cmp = vs_megatron(plan, graph, cluster, profile=None if args.no_profile else "auto")
+    return explain_comparison(plan, cmp)
 
 
 def _write_figures(args: argparse.Namespace, plan) -> None:

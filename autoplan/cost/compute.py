@@ -14,6 +14,8 @@ launch overhead scales linearly with the work.
 
 from __future__ import annotations
 
+import json
+
 from dataclasses import dataclass
 from typing import Any
 
@@ -98,7 +100,7 @@ class ComputeModel:
 
     def _roofline(self, op: Op) -> OpCost:
         tp = self.tput
-        if op.kind in _FREE_KINDS:
+        if op.kind in _FREE_KINDS or op.kind == "dropout" and _identity_dropout(op):
             # a view is a few microseconds of dispatch on CPU, nothing on a GPU
             t = tp.launch_s * 0.25 if tp.device_kind == "cpu" else 0.0
             return OpCost(fwd_s=t, bwd_s=0.0)
@@ -135,3 +137,15 @@ class ComputeModel:
             over = max(t - launch, 0.0)
             return min(t, launch) + over * work_scale
         return OpCost(fwd_s=scale(c.fwd_s), bwd_s=scale(c.bwd_s))
+
+
+def _identity_dropout(op: Op) -> bool:
+    """Dropout with p = 0 (or not training) returns its input: torch launches no kernel."""
+    try:
+        call = json.loads(op.args)
+        args, kwargs = call.get("args", []), call.get("kwargs", {})
+        p = args[1] if len(args) > 1 else kwargs.get("p", 0.5)
+        train = args[2] if len(args) > 2 else kwargs.get("train", True)
+        return float(p) == 0.0 or train is False
+    except (ValueError, TypeError, AttributeError, IndexError):
+        return False

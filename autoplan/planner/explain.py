@@ -35,8 +35,9 @@ _DEVICE = re.compile(r"^n(\d+)\.(.+)$")
 # ================================================================ inspect
 def explain_plan(plan: Plan) -> str:
     """The text of ``autoplan inspect``: what the plan is, where it runs, what it costs, why."""
-    sections = (_header(plan), _mesh_grid(plan), _chosen(plan), _blocks(plan), _stages(plan),
-                _memory(plan), _time(plan), _alternatives(plan), _solver(plan))
+    sections = (_header(plan), _mesh_grid(plan), _chosen(plan), _blocks(plan),
+                _placements(plan), _stages(plan), _memory(plan), _time(plan),
+                _alternatives(plan), _solver(plan))
     return "\n\n".join(s for s in sections if s) + "\n"
 
 
@@ -177,6 +178,58 @@ def _blocks(plan: Plan) -> str:
         shown = ", ".join(f"{k} {rest[k]}" for k in names[:8])
         lines.append(f"  other modules: {shown}"
                      + (f" (+{len(names) - 8} more)" if len(names) > 8 else ""))
+    return "\n".join(lines)
+
+
+# ---- per-parameter placements -----------------------------------------------------------------
+_STATE_NOTE = {1: "optimizer state", 2: "gradients and optimizer state"}
+
+
+def axis_placement(plan: Plan, fqn: str, axis: str) -> str:
+    """Where parameter ``fqn`` lies on mesh axis ``axis``: "R" (whole on every rank of the
+    axis) or "S(d)" (dim d split over it). ZeRO-3/FSDP shards over dp, or under HSDP over
+    dp_shard and replicates over dp_replicate; a pipeline axis holds each weight on one stage."""
+    p = plan.param_placements[fqn]
+    return {"tp": p.tp, "dp": p.dp, "dp_shard": p.dp}.get(axis, "R")
+
+
+def generic_name(fqn: str, blocks: Sequence[str]) -> str:
+    """``layers.7.attn.qkv.weight`` -> ``layers.*.attn.qkv.weight`` when layers.7 is a block."""
+    for b in blocks:
+        if fqn.startswith(b + "."):
+            m = _INDEX.match(b)
+            if m:
+                return f"{m.group(1)}*{fqn[len(b):]}"
+    return fqn
+
+
+def _placements(plan: Plan) -> str:
+    axes = [a for a in plan.mesh.axes if a != "pp"]
+    blocks = sorted(_block_paths(plan), key=len, reverse=True)
+    rows: dict[tuple[str, tuple[str, ...], tuple[int, ...]], int] = {}
+    for fqn in sorted(plan.param_placements, key=_natural):
+        sig = tuple(axis_placement(plan, fqn, a) for a in axes)
+        key = (generic_name(fqn, blocks), sig, plan.param_placements[fqn].shape)
+        rows[key] = rows.get(key, 0) + 1
+    if not rows:
+        return ""
+    shapes = {k: " x ".join(map(str, k[2])) or "scalar" for k in rows}
+    wn = max(len(k[0]) for k in rows) + 2
+    ws = max(len(s) for s in shapes.values()) + 2
+    widths = [max(len(a), 4) + 2 for a in axes]
+    lines = [("parameters   (placement on each mesh axis: R whole on every rank, S(d) dim d "
+              "split; * = every layer)"),
+             f"  {'name':<{wn}}{'shape':<{ws}}" + "".join(f"{a:<{w}}" for a, w in
+                                                          zip(axes, widths)).rstrip()]
+    table = [f"  {name:<{wn}}{shapes[(name, sig, shape)]:<{ws}}"
+             + "".join(f"{s:<{w}}" for s, w in zip(sig, widths)).rstrip()
+             for (name, sig, shape) in rows]
+    lines += _elide(table)
+    cfg = plan.config
+    if cfg.dp > 1 and cfg.zero_stage in _STATE_NOTE:
+        over = f"dp_shard ({cfg.dp_shard})" if cfg.dp_shard else f"dp ({cfg.dp})"
+        lines.append(f"  ZeRO-{cfg.zero_stage}: {_STATE_NOTE[cfg.zero_stage]} sharded over "
+                     f"{over}; the weights as above")
     return "\n".join(lines)
 
 

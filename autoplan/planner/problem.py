@@ -14,7 +14,8 @@ loss), with the strategies of ``strategies.py``.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from typing import Any
+from dataclasses import dataclass, replace
 
 from autoplan.graph.analysis import analyze
 from autoplan.cost.compute import ComputeModel
@@ -323,5 +324,22 @@ def sharding_from_choice(graph: OpGraph, t: int, red: Reduction,
         s = per_rep.get(red.rep[i])
         if s is None:
             s = replicate(op)
+        elif red.rep[i] != i:
+            s = _rebind(s, graph, graph.ops[red.rep[i]], op, t)
         chosen.append(s)
     return Sharding.build(graph, t, chosen)
+
+
+def _rebind(s: OpStrategy, graph: OpGraph, rep: Any, op: Any, t: int) -> OpStrategy:
+    """The strategy ``s`` chosen for ``rep`` (the op standing for ``op`` in a folded block),
+    for ``op`` itself: its collectives name ``op``'s own values. (Kept with the
+    representative's names, a layer's tp gradient all-reduces all looked like the first
+    layer's weight, and the sharding priced them as per-micro-batch reductions.)"""
+    if not s.comms:
+        return s
+    names = {**dict(zip(rep.inputs, op.inputs)), **dict(zip(rep.outputs, op.outputs))}
+    if (len(rep.inputs), len(rep.outputs)) == (len(op.inputs), len(op.outputs)) and all(
+            c.value in names for c in s.comms):
+        return replace(s, comms=tuple(replace(c, value=names[c.value]) for c in s.comms))
+    own = {x.name: x for x in strategies(graph, op, t)}
+    return own.get(s.name, s)
