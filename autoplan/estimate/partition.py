@@ -140,7 +140,18 @@ def even_split(n: int, parts: int) -> list[int]:
 
 
 def chunks_from_counts(graph: OpGraph, counts: Sequence[int]) -> tuple[Chunk, ...]:
-    """Chunks holding ``counts[c]`` consecutive units each (all ops when there are no units)."""
+    """Chunks holding ``counts[c]`` consecutive units each (all ops when there are no units);
+    made once per graph and split (chunks are frozen)."""
+    cache = graph.__dict__.setdefault("_autoplan_chunks", {})
+    key = tuple(counts)
+    if key not in cache:
+        if len(cache) > 4096:
+            cache.clear()
+        cache[key] = _chunks_from_counts(graph, key)
+    return cache[key]
+
+
+def _chunks_from_counts(graph: OpGraph, counts: Sequence[int]) -> tuple[Chunk, ...]:
     units = pipeline_units(graph)
     if not units:
         if len(counts) == 1:
@@ -255,6 +266,11 @@ def min_max_split(costs: Sequence[Mapping[str, UnitChoice]], parts: int, *,
         secs, mem = cost(c, i, j, p)
         return secs <= bound and mem <= budget[c]
 
+    # the smallest bound above the last greedy's at which any of its choices would change
+    # (a chunk could take one more unit, or a unit alone starts to fit): every bound below it
+    # takes the same path, so when that path fails, so do they
+    change = [float("inf")]
+
     def longest(c: int, j: int, bound: float) -> tuple[int, str] | None:
         """Chunk c ending at unit j: the smallest start (most units) any policy allows."""
         lo_limit = c            # leave one unit for each earlier chunk
@@ -263,6 +279,9 @@ def min_max_split(costs: Sequence[Mapping[str, UnitChoice]], parts: int, *,
         f, cap = flight[c], budget[c]
         for p in options[c]:
             if not fits(c, j - 1, j, p, bound):
+                alone, mem = cost(c, j - 1, j, p)
+                if mem <= cap:
+                    change[0] = min(change[0], alone)
                 continue
             # time and memory grow as the start moves left: bisect the time's prefix sums for
             # the smallest start within the bound, then the memory's where that overflows, and
@@ -277,6 +296,10 @@ def min_max_split(costs: Sequence[Mapping[str, UnitChoice]], parts: int, *,
                 i -= 1
             while not fits(c, i, j, p, bound):
                 i += 1
+            if i > lo_limit:
+                longer, mem = cost(c, i - 1, j, p)
+                if mem <= cap:
+                    change[0] = min(change[0], longer)
             if best is None or i < best[0]:
                 best = (i, p)
                 if i == lo_limit:         # no later policy can start earlier
@@ -284,6 +307,7 @@ def min_max_split(costs: Sequence[Mapping[str, UnitChoice]], parts: int, *,
         return best
 
     def greedy(bound: float) -> list[tuple[int, int, str]] | None:
+        change[0] = float("inf")
         out = []
         j = n
         for c in range(parts - 1, -1, -1):
@@ -309,13 +333,22 @@ def min_max_split(costs: Sequence[Mapping[str, UnitChoice]], parts: int, *,
     hi = slowest(runs)
     lo = (sum(min(u[p].time_s for p in policies) for u in costs)
           + first.time_s + last.time_s) / parts
+    probe: float | None = None
     while hi - lo > rel_tol * hi:
-        mid = (lo + hi) / 2
+        probing, mid = (True, probe) if probe is not None else (False, (lo + hi) / 2)
+        probe = None
         got = greedy(mid)
-        if got is None:
-            lo = mid
-        else:
+        if got is not None:
             runs, hi = got, slowest(got)      # <= mid
+            if probing:
+                break                         # == mid, and nothing below it fits: optimal
+            continue
+        # nothing below the next change of this path fits
+        lo = max(mid, min(change[0], hi))
+        if lo >= hi:
+            break                             # hi is optimal
+        if not probing:
+            probe = lo                        # try that bound itself, once
     assert runs is not None
     # each chunk then takes its cheapest policy that still fits the bound and its memory
     chosen = []

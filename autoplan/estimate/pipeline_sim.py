@@ -232,7 +232,7 @@ def _run(schedule: str, p: int, v: int, m: int, fwd_s: tuple[float, ...],
     busy = [0.0] * p
     deferred: list[deque[tuple[int, int]]] = [deque() for _ in range(p)]   # W's not yet run
     events: list[list[tuple[int, int, int, float, float]]] = [[] for _ in range(p)]
-    fsdp = bool(fsdp_s)
+    fsdp = any(any(f) for f in fsdp_s)          # all zeros: no FSDP traffic to schedule
     comm = _CommStreams(p, layers or (1,) * n, fsdp_s)
     # backward pieces left per chunk before its per-step gradient sync may go
     pieces_left = [m * (2 if split else 1)] * n

@@ -14,8 +14,7 @@ loss), with the strategies of ``strategies.py``.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from autoplan.graph.analysis import analyze
 from autoplan.cost.compute import ComputeModel
@@ -24,7 +23,7 @@ from autoplan.graph.opgraph import OpGraph
 from autoplan.planner.ilp import ILPProblem
 from autoplan.sharding.placement import REPLICATE, Placement
 from autoplan.sharding.sharding import Sharding, mutates_input, reshard_kind
-from autoplan.sharding.strategies import OpStrategy, strategies
+from autoplan.sharding.strategies import OpStrategy, rebind, strategies
 from autoplan.sharding.strategy import replicate
 
 FOLLOW_KINDS = frozenset({"view", "pointwise", "dropout", "copy", "reduction"})
@@ -325,21 +324,10 @@ def sharding_from_choice(graph: OpGraph, t: int, red: Reduction,
         if s is None:
             s = replicate(op)
         elif red.rep[i] != i:
-            s = _rebind(s, graph, graph.ops[red.rep[i]], op, t)
+            # the representative's strategy, with its collectives on this op's own values (kept
+            # with the representative's names, every layer's tp gradient all-reduce looked
+            # like a reader of the first layer's weight and was priced per micro-batch)
+            s = rebind(s, graph.ops[red.rep[i]], op) or {
+                x.name: x for x in strategies(graph, op, t)}.get(s.name, s)
         chosen.append(s)
     return Sharding.build(graph, t, chosen)
-
-
-def _rebind(s: OpStrategy, graph: OpGraph, rep: Any, op: Any, t: int) -> OpStrategy:
-    """The strategy ``s`` chosen for ``rep`` (the op standing for ``op`` in a folded block),
-    for ``op`` itself: its collectives name ``op``'s own values. (Kept with the
-    representative's names, a layer's tp gradient all-reduces all looked like the first
-    layer's weight, and the sharding priced them as per-micro-batch reductions.)"""
-    if not s.comms:
-        return s
-    names = {**dict(zip(rep.inputs, op.inputs)), **dict(zip(rep.outputs, op.outputs))}
-    if (len(rep.inputs), len(rep.outputs)) == (len(op.inputs), len(op.outputs)) and all(
-            c.value in names for c in s.comms):
-        return replace(s, comms=tuple(replace(c, value=names[c.value]) for c in s.comms))
-    own = {x.name: x for x in strategies(graph, op, t)}
-    return own.get(s.name, s)

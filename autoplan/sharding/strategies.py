@@ -28,6 +28,10 @@ Korthikanti et al. 2022; Alpa, Zheng et al. 2022, for the general per-op space):
 
 from __future__ import annotations
 
+import json
+from dataclasses import replace
+from typing import Any
+
 from autoplan.graph.opgraph import Op, OpGraph, Value
 from autoplan.sharding import passthrough
 from autoplan.sharding.blocks import block_counts
@@ -427,6 +431,8 @@ def strategies(graph: OpGraph, op: Op, t: int, *, micro_batch: int | None = None
     key = (op.name, t)
     found = cache.get(key)
     if found is None:
+        found = _from_first_layer(graph, op, t)
+    if found is None:
         try:
             found = tuple(_shaped(graph, op, t))
         except (TypeError, ValueError, IndexError, KeyError, AttributeError,
@@ -434,10 +440,73 @@ def strategies(graph: OpGraph, op: Op, t: int, *, micro_batch: int | None = None
             # arguments no rule expects (a graph read from a hand-edited file): replicated
             _warn_once(op, e)
             found = ()
-        cache[key] = found
+    cache[key] = found
     if micro_batch is not None and micro_batch != graph.batch_size:
         found = tuple(s for s in found if _even_at(graph, op, s, t, micro_batch))
     return [replicate(op), *found]
+
+
+def rebind(s: OpStrategy, rep: Op, op: Op) -> OpStrategy | None:
+    """Strategy ``s`` of ``rep`` for ``op``, the op at the same place in another instance of a
+    repeated block: the same placements, with its collectives on ``op``'s own values (None when
+    a collective's value is not one of ``rep``'s inputs or outputs)."""
+    if not s.comms:
+        return s
+    if (len(rep.inputs), len(rep.outputs)) != (len(op.inputs), len(op.outputs)):
+        return None
+    names = {**dict(zip(rep.inputs, op.inputs)), **dict(zip(rep.outputs, op.outputs))}
+    if not all(c.value in names for c in s.comms):
+        return None
+    return replace(s, comms=tuple(replace(c, value=names[c.value]) for c in s.comms))
+
+
+def _from_first_layer(graph: OpGraph, op: Op, t: int) -> tuple[OpStrategy, ...] | None:
+    """The strategies of ``op`` from those of its counterpart in the first instance of its
+    repeated block (same targets, shapes, parameters and call arguments: the rules would derive
+    the same), or None where it has none or they differ. A 96-layer model derives one layer."""
+    rep = _first_layer_ops(graph).get(op.name)
+    if rep is None or _call(rep) != _call(op):
+        return None
+    out = []
+    for s in strategies(graph, rep, t)[1:]:
+        r = rebind(s, rep, op)
+        if r is None:
+            return None
+        out.append(r)
+    return tuple(out)
+
+
+def _first_layer_ops(graph: OpGraph) -> dict[str, Op]:
+    """Op name -> its counterpart in the first instance of its block (later instances only)."""
+    table = graph.__dict__.get("_autoplan_first_layer_ops")
+    if table is None:
+        table = {}
+        for block in graph.blocks:
+            first = block.instances[0]
+            for inst in block.instances[1:]:
+                if inst.stop - inst.start != first.stop - first.start:
+                    continue
+                for k in range(inst.stop - inst.start):
+                    table[graph.ops[inst.start + k].name] = graph.ops[first.start + k]
+        graph.__dict__["_autoplan_first_layer_ops"] = table
+    return table
+
+
+def _call(op: Op) -> Any:
+    """The op's call with its tensors as positions (``{"v": name}`` -> its input index)."""
+    where = {n: k for k, n in enumerate(op.inputs)}
+
+    def norm(a: Any) -> Any:
+        if isinstance(a, dict):
+            if set(a) == {"v"}:
+                return ("v", where.get(a["v"], "?"))
+            if set(a) == {"node"}:
+                return ("node",)
+            return {k: norm(v) for k, v in a.items()}
+        if isinstance(a, list):
+            return [norm(x) for x in a]
+        return a
+    return (op.target, norm(json.loads(op.args)))
 
 
 _warned: set[str] = set()
