@@ -126,3 +126,26 @@ def test_mixed_precision_plans_train(force):
                      force=force, sharding="megatron", max_pp=1)
     losses = run_ranks(_bf16, 2, plan.to_json())[0]
     assert all(math.isfinite(x) for x in losses) and losses[-1] < losses[0]
+
+
+def _refused(rank, world, plan_json):
+    try:
+        _compile("gpt-tiny", plan_json)
+    except PlanError as e:
+        return str(e)
+    return "no error"
+
+
+def test_zero_bubble_on_fsdp_stages_is_refused_and_not_planned():
+    """torch 2.13's split backward leaves FSDP2-sharded last stages without gradients (their
+    weights would silently not train; with tied weights the run hung): the planner does not
+    choose the pair, and a plan that forces it is refused on every rank, saying what to do."""
+    small = build_example("gpt-tiny", batch_size=1, seed=0, device="meta")
+    g = trace(small.model, small.example_inputs, loss_fn=small.loss_fn, targets=small.targets)
+    kw = dict(global_batch_size=GB, precision="fp32", profile=None)
+    chosen = make_plan(g, Cluster.local(4), force={"pp": 2, "dp": 2, "zero_stage": 3}, **kw)
+    assert chosen.config.schedule != "zero_bubble"
+    forced = make_plan(g, Cluster.local(4), force={"pp": 2, "dp": 2, "zero_stage": 3,
+                                                   "schedule": "zero_bubble"}, **kw)
+    for msg in run_ranks(_refused, 4, forced.to_json()):
+        assert "cannot" in msg and "zero_stage <= 1" in msg and "schedule=1f1b" in msg

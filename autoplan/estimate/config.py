@@ -16,6 +16,7 @@ from autoplan.errors import ConfigError
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
 MULTI_CHUNK_SCHEDULES = ("interleaved_1f1b", "zero_bubble")   # may take virtual_stages > 1
+SPLIT_BACKWARD = ("zero_bubble",)     # backward split into input and weight gradients
 RECOMPUTE = ("none", "selective", "full")
 PRECISIONS = ("bf16", "fp16", "fp32")
 OPTIMIZERS = ("adamw", "adam", "sgd")
@@ -136,6 +137,12 @@ class ParallelConfig:
         if self.zero_stage not in (2, 3):
             raise ConfigError(f"dp_shard={s} (HSDP) needs zero_stage 2 or 3: it is FSDP's "
                               f"sharding inside groups of {s} ranks, replicated across groups")
+
+    @property
+    def uses_fsdp(self) -> bool:
+        """Whether the runtime shards the model state with FSDP2 (ZeRO-2/3 over dp > 1, or
+        parameter offload, FSDP2's CPU offload even at dp = 1)."""
+        return (self.dp > 1 and self.zero_stage >= 2) or self.offload_params
 
     @property
     def shard_degree(self) -> int:

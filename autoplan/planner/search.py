@@ -33,7 +33,7 @@ from autoplan.cost.compute import compute_model
 from autoplan.cost.memory import bytes_per_param
 from autoplan.errors import ConfigError, PlanError
 from autoplan.estimate.arguments import batch_arg, cluster_arg, options_error, profile_arg
-from autoplan.estimate.config import ParallelConfig
+from autoplan.estimate.config import SPLIT_BACKWARD, ParallelConfig
 from autoplan.estimate.estimator import estimate, validate
 from autoplan.estimate.result import Estimate
 from autoplan.graph.opgraph import OpGraph
@@ -198,6 +198,9 @@ def _policies(config: ParallelConfig, opts: SearchOptions, cluster: Any,
                         if shard is not None and off_p and "dp_shard" not in opts.force:
                             continue     # offloaded weights: no device memory for HSDP to save
                         for sched, v in schedules:
+                            if (sched in SPLIT_BACKWARD and (z >= 2 or off_p)
+                                    and "schedule" not in opts.force):
+                                continue   # the runtime refuses it (runtime/pipeline.py)
                             out.append(ParallelConfig(**{
                                 **config.to_dict(), "zero_stage": z, "recompute": r,
                                 "offload_optimizer": off, "offload_params": off_p,

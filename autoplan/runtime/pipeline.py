@@ -29,6 +29,7 @@ import torch.distributed as dist
 from torch import nn
 
 from autoplan.errors import PlanError
+from autoplan.estimate.config import SPLIT_BACKWARD
 from autoplan.graph.opgraph import OpGraph
 from autoplan.runtime.checkpoint import Checkpointing
 from autoplan.runtime.grads import GradientStep, LossScaler, finish_step
@@ -88,9 +89,12 @@ class TiedGrads:
         self.pairs = pairs                     # (this rank's copy, group of the holders)
 
     def all_reduce(self) -> None:
+        # every holder joins every all-reduce (a copy without a gradient adds zeros and takes
+        # the sum): a collective one rank skipped would leave its peers waiting forever
         for p, group in self.pairs:
-            if p.grad is not None:
-                dist.all_reduce(_local(p.grad), group=group)
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            dist.all_reduce(_local(p.grad), group=group)
 
 
 def tie_across_ranks(held: list[list[str]], mine: dict[int, nn.Module], cfg: Any,
@@ -266,6 +270,14 @@ def compile_pipelined(model: nn.Module, graph: OpGraph, plan: Any, *, device: to
     if loss_fn is None or example_targets is None:
         raise PlanError("a pipelined plan needs loss_fn and example_targets: the last stage "
                         "computes the loss")
+    if cfg.schedule in SPLIT_BACKWARD and cfg.uses_fsdp:
+        raise PlanError(f"this plan runs the {cfg.schedule} schedule on FSDP2-sharded stages "
+                        f"(zero_stage {cfg.zero_stage}" + (", offload_params" if
+                                                           cfg.offload_params else "")
+                        + "), which this runtime cannot: with each backward split in two, "
+                        "FSDP2 leaves the last stage's weights without gradients (torch 2.13). "
+                        "Re-plan with zero_stage <= 1 or another schedule (force "
+                        "schedule=1f1b or interleaved_1f1b)")
     mesh, dp_mesh, fsdp_mesh = par.plan_mesh(device.type, cfg)
     tp_mesh = mesh["tp"]
     pp_index = rank // (cfg.dp * cfg.tp)
