@@ -24,7 +24,7 @@ estimator can never disagree about a configuration):
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
@@ -33,7 +33,7 @@ from autoplan.cost.compute import compute_model
 from autoplan.cost.memory import bytes_per_param
 from autoplan.errors import ConfigError, PlanError
 from autoplan.estimate.arguments import batch_arg, cluster_arg, options_error, profile_arg
-from autoplan.estimate.config import SPLIT_BACKWARD, ParallelConfig
+from autoplan.estimate.config import ParallelConfig
 from autoplan.estimate.estimator import estimate, validate
 from autoplan.estimate.result import Estimate
 from autoplan.graph.opgraph import OpGraph
@@ -44,6 +44,7 @@ from autoplan.planner.planfile import (Alternative, ClusterInfo, MeshInfo, Model
                                        ParamPlacement, Plan, SolverReport, TrainingInfo,
                                        predicted_from_estimate)
 from autoplan.planner.problem import CostContext, reduce_graph, sharding_from_choice
+from autoplan.planner import space
 from autoplan.sharding.sharding import Sharding, megatron_sharding, replicated, replicated_on
 
 
@@ -103,23 +104,6 @@ class _Stats:
     t0: float = field(default_factory=time.perf_counter)
 
 
-def _mbs_options(per_replica: int, opts: SearchOptions) -> list[int]:
-    if opts.micro_batch_sizes:
-        return [m for m in opts.micro_batch_sizes if per_replica % m == 0]
-    out, m = [], 1
-    while m <= min(per_replica, 64):
-        if per_replica % m == 0:
-            out.append(m)
-        m *= 2
-    return out or [per_replica]
-
-
-def _forced(opts: SearchOptions, name: str, values: Sequence[Any]) -> list[Any]:
-    if name in opts.force:
-        return [opts.force[name]]
-    return list(values)
-
-
 def _ilp_sharding(graph: OpGraph, cluster: Any, config: ParallelConfig, profile: Any,
                   m: int, opts: SearchOptions, stats: _Stats,
                   memory_budget: float | None = None) -> tuple[Sharding, ILPSolution]:
@@ -143,86 +127,6 @@ def _ilp_sharding(graph: OpGraph, cluster: Any, config: ParallelConfig, profile:
     if sol.status in ("infeasible", "not_solved"):
         return replicated_on(graph, t), sol
     return sharding_from_choice(graph, t, red, sol.choice), sol
-
-
-def _schedules(config: ParallelConfig, m: int, layers: int,
-               opts: SearchOptions) -> list[tuple[str, int]]:
-    """Pipeline schedules (and virtual stages) worth costing for this mesh and batch."""
-    if config.pp == 1:
-        return [("1f1b", 1)]
-    out = [("1f1b", 1), ("gpipe", 1), ("zero_bubble", 1)]
-    for v in (2, 4):
-        if config.pp * v <= layers and m % config.pp == 0:
-            out += [("interleaved_1f1b", v), ("zero_bubble", v)]
-    if "schedule" in opts.force:
-        out = [s for s in out if s[0] == opts.force["schedule"]]
-    if "virtual_stages" in opts.force:
-        out = [s for s in out if s[1] == opts.force["virtual_stages"]]
-    return out
-
-
-def _recompute_options(opts: SearchOptions, graph: OpGraph) -> list[str]:
-    from autoplan.graph.analysis import analyze
-    # selective recomputation drops attention scores; a graph without them gains nothing
-    recompute = [r for r in opts.recompute if r != "selective" or analyze(graph).score_ops]
-    return _forced(opts, "recompute", recompute)
-
-
-def _policies(config: ParallelConfig, opts: SearchOptions, cluster: Any,
-              graph: OpGraph, schedules: list[tuple[str, int]] = (("1f1b", 1),)
-              ) -> list[ParallelConfig]:
-    """Configs to cost for one mesh and micro-batch. Pipelined ones carry the cheapest allowed
-    recompute policy as a placeholder: ``_evaluate`` chooses the stage split and each stage's
-    policy (``layout.search_layout``)."""
-    out = []
-    recompute = _recompute_options(opts, graph)
-    if config.pp > 1:
-        recompute = recompute[:1]
-    # with pipeline stages, ZeRO-2/3 would reduce-scatter and gather every micro-batch
-    zero_options = opts.zero_stages if config.pp == 1 else tuple(
-        z for z in opts.zero_stages if z <= 1)
-    zeros = _forced(opts, "zero_stage", zero_options if config.dp > 1 else (0,))
-    # CPU ranks already keep their optimizer state in host memory: nothing to offload; pipeline
-    # stages already split the model state, so offload is searched without them
-    offloads = (False,) if cluster.device.kind == "cpu" or config.pp > 1 \
-        else opts.offload_optimizer
-    for z in zeros:
-        for r in recompute:
-            for off in _forced(opts, "offload_optimizer", offloads):
-                params_off = _forced(opts, "offload_params",
-                                     (False, True) if z == 3 and True in offloads else (False,))
-                for off_p in params_off:
-                    if off_p and z != 3:
-                        continue   # parameter offload is FSDP's (ZeRO-3)
-                    for shard in _shard_sizes(config, cluster, opts, z):
-                        if shard is not None and off_p and "dp_shard" not in opts.force:
-                            continue     # offloaded weights: no device memory for HSDP to save
-                        for sched, v in schedules:
-                            if (sched in SPLIT_BACKWARD and (z >= 2 or off_p)
-                                    and "schedule" not in opts.force):
-                                continue   # the runtime refuses it (runtime/pipeline.py)
-                            out.append(ParallelConfig(**{
-                                **config.to_dict(), "zero_stage": z, "recompute": r,
-                                "offload_optimizer": off, "offload_params": off_p,
-                                "schedule": sched, "virtual_stages": v, "dp_shard": shard}))
-    return out
-
-
-def _shard_sizes(config: ParallelConfig, cluster: Any, opts: SearchOptions,
-                 zero_stage: int) -> list[int | None]:
-    """HSDP shard-group sizes to cost for ZeRO-2/3 (None: shard over all of dp): groups of
-    whole nodes, up to eight, where they divide dp. A shard group's gathers and reduce-scatters
-    take fewer ring steps than the whole dp group's; the replicas all-reduce one shard."""
-    hsdp = zero_stage in (2, 3) and config.dp > 1
-    if "dp_shard" in opts.force:
-        d = opts.force["dp_shard"]
-        fits = d is None or hsdp and isinstance(d, int) and 1 < d < config.dp and config.dp % d == 0
-        return [d] if fits else []
-    if not hsdp:
-        return [None]
-    node = cluster.devices_per_node
-    return [None, *(d for d in range(2, config.dp) if config.dp % d == 0
-                    and (d * config.tp) % node == 0 and d * config.tp <= 8 * node)]
 
 
 def _evaluate(graph: OpGraph, cluster: Any, configs: list[ParallelConfig], sh: Sharding,
@@ -261,7 +165,7 @@ def _with_stage_layout(graph: OpGraph, cluster: Any, config: ParallelConfig, sh:
     from autoplan.estimate.config import strongest_recompute
     from autoplan.estimate.layout import chunks_for, search_layout, with_layout
     m = config.microbatches(gbs)
-    policies = _recompute_options(opts, graph)
+    policies = space.recompute_options(opts, graph)
     ci = CostInputs(graph=graph, analysis=analyze(graph), sharding=sh,
                     compute=compute_model(graph, cluster.device, config.precision, profile),
                     cluster=cluster, config=config)
@@ -308,7 +212,7 @@ def _baselines(graph: OpGraph, cluster: Any, gbs: int, base: dict[str, Any], pro
             continue
         sh = (megatron_sharding(graph, mtp, True) if mtp else replicated(graph))
         configs = [ParallelConfig(**{**base, **fields, "micro_batch_size": mbs, "recompute": r})
-                   for mbs in _mbs_options(per_replica, SearchOptions())
+                   for mbs in space.mbs_options(per_replica, SearchOptions())
                    for r in (("none", "selective", "full") if mtp else ("none",))]
         cands = _evaluate(graph, cluster, configs, sh, None, gbs, profile, opts, stats, label)
         fitting = [c for c in cands if c.est.fits]
@@ -428,7 +332,7 @@ def plan(model: Any, cluster: Any, *, global_batch_size: int, example_inputs: An
             say(f"{where}: global batch {global_batch_size} does not split over dp, skipped")
             continue
         per_replica = global_batch_size // shape.dp
-        for mbs in _forced(opts, "micro_batch_size", _mbs_options(per_replica, opts)):
+        for mbs in space.forced(opts, "micro_batch_size", space.mbs_options(per_replica, opts)):
             cfg = ParallelConfig(pp=shape.pp, dp=shape.dp, tp=shape.tp, micro_batch_size=mbs,
                                  **base)
             try:
@@ -454,7 +358,8 @@ def plan(model: Any, cluster: Any, *, global_batch_size: int, example_inputs: An
                 else:
                     ilp_cache[key] = _ilp_sharding(graph, cluster, cfg, profile, m, opts, stats)
             sh, sol = ilp_cache[key]
-            policies = _policies(cfg, opts, cluster, graph, _schedules(cfg, m, layers, opts))
+            policies = space.policies(cfg, opts, cluster, graph,
+                                      space.schedules(cfg, m, layers, opts))
             found = _evaluate(graph, cluster, policies, sh, sol, global_batch_size,
                               profile, opts, stats, "search")
             if (shape.tp > 1 and opts.sharding == "ilp" and opts.fixed_sharding is None

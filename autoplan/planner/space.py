@@ -1,0 +1,115 @@
+"""The search space of one mesh: micro-batch sizes, pipeline schedules, recomputation, and the
+ZeRO / offload / HSDP variants the planner costs (``search.plan`` walks it).
+
+Every field a user forces (``SearchOptions.force``) narrows its own choice to the forced value;
+pairs the runtime refuses are left out unless forced, so that what the planner may choose, the
+runtime can run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from autoplan.estimate.config import SPLIT_BACKWARD, ParallelConfig
+from autoplan.graph.opgraph import OpGraph
+
+if TYPE_CHECKING:
+    from autoplan.planner.search import SearchOptions
+
+
+def mbs_options(per_replica: int, opts: SearchOptions) -> list[int]:
+    if opts.micro_batch_sizes:
+        return [m for m in opts.micro_batch_sizes if per_replica % m == 0]
+    out, m = [], 1
+    while m <= min(per_replica, 64):
+        if per_replica % m == 0:
+            out.append(m)
+        m *= 2
+    return out or [per_replica]
+
+
+def forced(opts: SearchOptions, name: str, values: Sequence[Any]) -> list[Any]:
+    if name in opts.force:
+        return [opts.force[name]]
+    return list(values)
+
+
+def schedules(config: ParallelConfig, m: int, layers: int,
+               opts: SearchOptions) -> list[tuple[str, int]]:
+    """Pipeline schedules (and virtual stages) worth costing for this mesh and batch."""
+    if config.pp == 1:
+        return [("1f1b", 1)]
+    out = [("1f1b", 1), ("gpipe", 1), ("zero_bubble", 1)]
+    for v in (2, 4):
+        if config.pp * v <= layers and m % config.pp == 0:
+            out += [("interleaved_1f1b", v), ("zero_bubble", v)]
+    if "schedule" in opts.force:
+        out = [s for s in out if s[0] == opts.force["schedule"]]
+    if "virtual_stages" in opts.force:
+        out = [s for s in out if s[1] == opts.force["virtual_stages"]]
+    return out
+
+
+def recompute_options(opts: SearchOptions, graph: OpGraph) -> list[str]:
+    from autoplan.graph.analysis import analyze
+    # selective recomputation drops attention scores; a graph without them gains nothing
+    recompute = [r for r in opts.recompute if r != "selective" or analyze(graph).score_ops]
+    return forced(opts, "recompute", recompute)
+
+
+def policies(config: ParallelConfig, opts: SearchOptions, cluster: Any,
+              graph: OpGraph, schedules: list[tuple[str, int]] = (("1f1b", 1),)
+              ) -> list[ParallelConfig]:
+    """Configs to cost for one mesh and micro-batch. Pipelined ones carry the cheapest allowed
+    recompute policy as a placeholder: ``_evaluate`` chooses the stage split and each stage's
+    policy (``layout.search_layout``)."""
+    out = []
+    recompute = recompute_options(opts, graph)
+    if config.pp > 1:
+        recompute = recompute[:1]
+    # with pipeline stages, ZeRO-2/3 would reduce-scatter and gather every micro-batch
+    zero_options = opts.zero_stages if config.pp == 1 else tuple(
+        z for z in opts.zero_stages if z <= 1)
+    zeros = forced(opts, "zero_stage", zero_options if config.dp > 1 else (0,))
+    # CPU ranks already keep their optimizer state in host memory: nothing to offload; pipeline
+    # stages already split the model state, so offload is searched without them
+    offloads = (False,) if cluster.device.kind == "cpu" or config.pp > 1 \
+        else opts.offload_optimizer
+    for z in zeros:
+        for r in recompute:
+            for off in forced(opts, "offload_optimizer", offloads):
+                params_off = forced(opts, "offload_params",
+                                     (False, True) if z == 3 and True in offloads else (False,))
+                for off_p in params_off:
+                    if off_p and z != 3:
+                        continue   # parameter offload is FSDP's (ZeRO-3)
+                    for shard in shard_sizes(config, cluster, opts, z):
+                        if shard is not None and off_p and "dp_shard" not in opts.force:
+                            continue     # offloaded weights: no device memory for HSDP to save
+                        for sched, v in schedules:
+                            if (sched in SPLIT_BACKWARD and (z >= 2 or off_p)
+                                    and "schedule" not in opts.force):
+                                continue   # the runtime refuses it (runtime/pipeline.py)
+                            out.append(ParallelConfig(**{
+                                **config.to_dict(), "zero_stage": z, "recompute": r,
+                                "offload_optimizer": off, "offload_params": off_p,
+                                "schedule": sched, "virtual_stages": v, "dp_shard": shard}))
+    return out
+
+
+def shard_sizes(config: ParallelConfig, cluster: Any, opts: SearchOptions,
+                 zero_stage: int) -> list[int | None]:
+    """HSDP shard-group sizes to cost for ZeRO-2/3 (None: shard over all of dp): groups of
+    whole nodes, up to eight, where they divide dp. A shard group's gathers and reduce-scatters
+    take fewer ring steps than the whole dp group's; the replicas all-reduce one shard."""
+    hsdp = zero_stage in (2, 3) and config.dp > 1
+    if "dp_shard" in opts.force:
+        d = opts.force["dp_shard"]
+        fits = d is None or hsdp and isinstance(d, int) and 1 < d < config.dp and config.dp % d == 0
+        return [d] if fits else []
+    if not hsdp:
+        return [None]
+    node = cluster.devices_per_node
+    return [None, *(d for d in range(2, config.dp) if config.dp % d == 0
+                    and (d * config.tp) % node == 0 and d * config.tp <= 8 * node)]
