@@ -19,7 +19,7 @@ from autoplan.graph.opgraph import OpGraph
 from autoplan.planner.explain import fmt_bytes, fmt_s, generic_name
 from autoplan.planner.planfile import Plan
 from autoplan.sharding.sharding import Sharding, megatron_sharding
-from autoplan.sharding.strategies import strategies
+from autoplan.sharding.strategies import strategies_by_name
 
 
 @dataclass(frozen=True)
@@ -53,7 +53,7 @@ def plan_sharding(plan: Plan, graph: OpGraph) -> Sharding:
     t = plan.config.tp
     chosen = []
     for op in graph.ops:
-        options = {s.name: s for s in strategies(graph, op, t)}
+        options = strategies_by_name(graph, op, t)
         name = plan.op_strategies.get(op.name)
         if name not in options:
             raise PlanError(f"op {op.name!r}: the plan's strategy {name!r} is not one of "

@@ -17,7 +17,7 @@ from autoplan.estimate.partition import pipeline_units
 from autoplan.graph.opgraph import OpGraph
 from autoplan.sharding.placement import Placement, local_shape
 from autoplan.sharding.sharding import Sharding
-from autoplan.sharding.strategies import strategies
+from autoplan.sharding.strategies import strategies_by_name
 
 MAX_REPORTED = 6
 
@@ -83,7 +83,7 @@ def _strategies(plan: Any, graph: OpGraph, t: int, problems: list[str]) -> Shard
     chosen = []
     for op in graph.ops:
         name = plan.op_strategies.get(op.name)
-        options = {s.name: s for s in strategies(graph, op, t)}
+        options = strategies_by_name(graph, op, t)
         if name is None:
             problems.append(f"op {op.name!r} has no strategy")
         elif name not in options:

@@ -23,7 +23,7 @@ from autoplan.graph.opgraph import OpGraph
 from autoplan.planner.ilp import ILPProblem
 from autoplan.sharding.placement import REPLICATE, Placement
 from autoplan.sharding.sharding import Sharding, mutates_input, reshard_kind
-from autoplan.sharding.strategies import OpStrategy, rebind, strategies
+from autoplan.sharding.strategies import OpStrategy, strategies, strategies_by_name
 from autoplan.sharding.strategy import replicate
 
 FOLLOW_KINDS = frozenset({"view", "pointwise", "dropout", "copy", "reduction"})
@@ -324,10 +324,9 @@ def sharding_from_choice(graph: OpGraph, t: int, red: Reduction,
         if s is None:
             s = replicate(op)
         elif red.rep[i] != i:
-            # the representative's strategy, with its collectives on this op's own values (kept
-            # with the representative's names, every layer's tp gradient all-reduce looked
-            # like a reader of the first layer's weight and was priced per micro-batch)
-            s = rebind(s, graph.ops[red.rep[i]], op) or {
-                x.name: x for x in strategies(graph, op, t)}.get(s.name, s)
+            # this op's own strategy of that name: its collectives on its own values (the
+            # representative's would make every layer's tp gradient all-reduce look like a
+            # reader of the first layer's weight, priced per micro-batch)
+            s = strategies_by_name(graph, op, t).get(s.name, s)
         chosen.append(s)
     return Sharding.build(graph, t, chosen)

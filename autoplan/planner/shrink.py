@@ -19,7 +19,7 @@ from autoplan.estimate.config import ParallelConfig
 from autoplan.estimate.partition import pipeline_units
 from autoplan.graph.opgraph import OpGraph
 from autoplan.sharding.sharding import Sharding, as_inputs_come
-from autoplan.sharding.strategies import strategies
+from autoplan.sharding.strategies import strategies_by_name
 
 
 def shrunk_force(cfg: ParallelConfig, ranks: int) -> dict[str, Any]:
@@ -126,7 +126,7 @@ def _by_name(op_strategies: Mapping[str, str], small: OpGraph, t: int,
         if name not in op_strategies:
             raise PlanError(f"the plan has no op {name!r} ({op.target}): it was made for "
                             "another model")
-        options = {s.name: s for s in strategies(small, op, t)}
+        options = strategies_by_name(small, op, t)
         s = options.get(op_strategies[name])
         if s is None:          # a split the smaller axis or batch does not allow: as inputs come
             kept_inputs.append(name)

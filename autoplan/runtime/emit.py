@@ -26,7 +26,7 @@ from autoplan.runtime.segments import layer_ranges, split_layers
 from autoplan.runtime.state import (LocalState, keep_out_of_state_dict,
                                     non_persistent_buffers, register_aliases, tied_names)
 from autoplan.sharding.sharding import Sharding, as_inputs_come
-from autoplan.sharding.strategies import strategies
+from autoplan.sharding.strategies import strategies_by_name
 
 
 @dataclass
@@ -75,7 +75,7 @@ def strategies_by_position(plan_graph: OpGraph, op_strategies: dict[str, str],
     adapted: list[str] = []
     placement: dict[str, Any] = {}
     for j, op in enumerate(graph.ops):
-        options = {s.name: s for s in strategies(graph, op, t)}
+        options = strategies_by_name(graph, op, t)
         s = None
         if j in pairs:
             src = plan_graph.ops[pairs[j]]

@@ -29,7 +29,9 @@ Korthikanti et al. 2022; Alpa, Zheng et al. 2022, for the general per-op space):
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import replace
+from types import MappingProxyType
 from typing import Any
 
 from autoplan.graph.opgraph import Op, OpGraph, Value
@@ -446,7 +448,18 @@ def strategies(graph: OpGraph, op: Op, t: int, *, micro_batch: int | None = None
     return [replicate(op), *found]
 
 
-def rebind(s: OpStrategy, rep: Op, op: Op) -> OpStrategy | None:
+def strategies_by_name(graph: OpGraph, op: Op, t: int) -> Mapping[str, OpStrategy]:
+    """``strategies(graph, op, t)`` by name (made once per graph, op and t; read-only): how a
+    plan file's strategy names turn back into strategies."""
+    cache = graph.__dict__.setdefault("_autoplan_strategies_by_name", {})
+    key = (op.name, t)
+    named = cache.get(key)
+    if named is None:
+        named = cache[key] = MappingProxyType({s.name: s for s in strategies(graph, op, t)})
+    return named
+
+
+def _rebind(s: OpStrategy, rep: Op, op: Op) -> OpStrategy | None:
     """Strategy ``s`` of ``rep`` for ``op``, the op at the same place in another instance of a
     repeated block: the same placements, with its collectives on ``op``'s own values (None when
     a collective's value is not one of ``rep``'s inputs or outputs)."""
@@ -469,7 +482,7 @@ def _from_first_layer(graph: OpGraph, op: Op, t: int) -> tuple[OpStrategy, ...] 
         return None
     out = []
     for s in strategies(graph, rep, t)[1:]:
-        r = rebind(s, rep, op)
+        r = _rebind(s, rep, op)
         if r is None:
             return None
         out.append(r)
