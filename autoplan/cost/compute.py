@@ -15,7 +15,6 @@ launch overhead scales linearly with the work.
 from __future__ import annotations
 
 import json
-
 from dataclasses import dataclass
 from typing import Any
 

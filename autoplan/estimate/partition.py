@@ -20,9 +20,8 @@ keeps ``pp`` micro-batches of activations in flight, the last one.
 
 from __future__ import annotations
 
-from bisect import bisect_left
-
 import re
+from bisect import bisect_left
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 

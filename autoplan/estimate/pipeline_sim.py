@@ -355,13 +355,18 @@ class PipelineTotals:
     @staticmethod
     def of(result: PipelineResult) -> PipelineTotals:
         p = len(result.busy_s)
-        gather = [0.0] * p
-        for e in result.comm_events:
-            if e.kind == "gather":
-                gather[e.rank] += e.end_s - e.start_s
         return PipelineTotals(result.makespan_s, result.busy_s,
-                              result.comm_busy_s or (0.0,) * p, tuple(gather),
-                              result.peak_activation_bytes)
+                              result.comm_busy_s or (0.0,) * p,
+                              _gather_s(p, result.comm_events), result.peak_activation_bytes)
+
+
+def _gather_s(p: int, comm_events: Sequence[CommEvent]) -> tuple[float, ...]:
+    """Per rank, the time its collective stream spends on FSDP's gathers."""
+    gather = [0.0] * p
+    for e in comm_events:
+        if e.kind == "gather":
+            gather[e.rank] += e.end_s - e.start_s
+    return tuple(gather)
 
 
 def pipeline_totals(*, schedule: str, p: int, v: int, m: int, fwd_s: Sequence[float],
@@ -382,13 +387,8 @@ def pipeline_totals(*, schedule: str, p: int, v: int, m: int, fwd_s: Sequence[fl
 @lru_cache(maxsize=512)
 def _totals(*args) -> PipelineTotals:
     run = _run(*args)
-    p = len(run.busy_s)
-    gather = [0.0] * p
-    for e in run.comm.events:
-        if e.kind == "gather":
-            gather[e.rank] += e.end_s - e.start_s
-    return PipelineTotals(run.makespan_s, run.busy_s, tuple(run.comm.busy), tuple(gather),
-                          run.peaks)
+    return PipelineTotals(run.makespan_s, run.busy_s, tuple(run.comm.busy),
+                          _gather_s(len(run.busy_s), run.comm.events), run.peaks)
 
 
 class _CommStreams:

@@ -88,13 +88,14 @@ def policies(config: ParallelConfig, opts: SearchOptions, cluster: Any,
                         if shard is not None and off_p and "dp_shard" not in opts.force:
                             continue     # offloaded weights: no device memory for HSDP to save
                         for sched, v in schedules:
-                            if (sched in SPLIT_BACKWARD and (z >= 2 or off_p)
-                                    and "schedule" not in opts.force):
-                                continue   # the runtime refuses it (runtime/pipeline.py)
-                            out.append(ParallelConfig(**{
+                            c = ParallelConfig(**{
                                 **config.to_dict(), "zero_stage": z, "recompute": r,
                                 "offload_optimizer": off, "offload_params": off_p,
-                                "schedule": sched, "virtual_stages": v, "dp_shard": shard}))
+                                "schedule": sched, "virtual_stages": v, "dp_shard": shard})
+                            if (c.schedule in SPLIT_BACKWARD and c.uses_fsdp
+                                    and "schedule" not in opts.force):
+                                continue   # the runtime refuses it (runtime/pipeline.py)
+                            out.append(c)
     return out
 
 

@@ -310,7 +310,7 @@ def compile_pipelined(model: nn.Module, graph: OpGraph, plan: Any, *, device: to
     pieces = split_chunks(program.graph_module, cuts)
     held = [p.held for p in pieces]
     ranges = layer_ranges(ex.graph)
-    use_fsdp = (cfg.dp > 1 and cfg.zero_stage >= 2) or cfg.offload_params   # FSDP2 offload
+    use_fsdp = cfg.uses_fsdp                       # FSDP2 offload too
     chunks: dict[int, nn.Module] = {}
     layer_modules: list[nn.Module] = []
     grad_syncs: list[Any] = []
@@ -349,7 +349,7 @@ def compile_pipelined(model: nn.Module, graph: OpGraph, plan: Any, *, device: to
     # simulator prices it. Zero bubble splits backward into input and weight halves, which
     # DDP's hooks cannot follow: there the buckets are all-reduced after the schedule, and the
     # simulator puts that sync after the rank's last weight gradient.
-    ddp = cfg.dp > 1 and not use_fsdp and cfg.schedule != "zero_bubble"
+    ddp = cfg.dp > 1 and not use_fsdp and cfg.schedule not in SPLIT_BACKWARD
     if cfg.dp > 1 and not use_fsdp and not ddp:
         grad_syncs.append(DataParallelGrads(params, dp_mesh.get_group(), cfg.dp))
     pp_group = mesh["pp"].get_group()

@@ -346,7 +346,7 @@ def _compile(model: nn.Module, cluster: Any, *, example_inputs: Sequence[Any],
                                   if p in set(rp.layers)})
     # 3. data parallelism / ZeRO over the dp group; parameter offload is FSDP2's CPU offload,
     #    also over a dp axis of one rank
-    use_fsdp = (cfg.dp > 1 and cfg.zero_stage >= 2) or cfg.offload_params
+    use_fsdp = cfg.uses_fsdp
     if use_fsdp:
         mp = None
         if precision_dtype is not None:
