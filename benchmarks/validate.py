@@ -9,7 +9,8 @@ hardware it ran on, with the published tensor / pipeline / data-parallel degrees
 batch, and prices it with the planner's search restricted to those degrees (Megatron's own
 tensor-parallel layout, `sharding="megatron"`). The search fills in what the source leaves
 open (micro-batch size, virtual pipeline stages, recompute where the row does not fix it), the
-way the runs' authors tuned theirs. The row's error is predicted vs published iteration time.
+way the runs' authors tuned theirs, among the schedules Megatron-LM ran (1F1B, interleaved
+1F1B; autoplan's planner would also try zero bubble, ZB-V and DualPipeV). The row's error is predicted vs published iteration time.
 
 Sources (public, NVIDIA/Megatron-LM on GitHub):
 
@@ -169,8 +170,12 @@ def predict(row: Row, graphs: dict | None = None) -> Result:
         force["tp_comm_overlap"] = True
     if row.recompute is not None:
         force["recompute"] = row.recompute
-    p = plan(graphs[key], cluster, global_batch_size=row.global_batch, precision=row.precision,
-             profile=None, force=force, sharding="megatron", top_k=1)
+    # Megatron-LM ran these with its own schedules, 1F1B or interleaved 1F1B: the best of them
+    schedules = ("1f1b", "interleaved_1f1b") if row.pp > 1 else (None,)
+    p = min((plan(graphs[key], cluster, global_batch_size=row.global_batch,
+                  precision=row.precision, profile=None, sharding="megatron", top_k=1,
+                  force={**force, **({"schedule": s} if s else {})}) for s in schedules),
+            key=lambda q: q.predicted["step_time_s"])
     pred = p.predicted
     c = p.config
     config = (f"tp{c.tp} pp{c.pp} dp{c.dp} mbs{c.micro_batch_size}"

@@ -89,6 +89,8 @@ FAMILIES = [
     (2, dict(pp=2, schedule="interleaved_1f1b", virtual_stages=2), "megatron", 2,
      "pp2 interleaved"),
     (4, dict(pp=2, tp=2, schedule="1f1b"), "megatron", 2, "pp2 x tp2"),
+    # the V puts the tied embedding and LM head on rank 0, in two chunks
+    (2, dict(pp=2, schedule="zbv", virtual_stages=2), "megatron", 2, "pp2 ZB-V"),
 ]
 
 
@@ -128,6 +130,8 @@ RESHARD = [
     (2, dict(tp=1, zero_stage=1), 2, dict(tp=2, sequence_parallel=True), "dp2 ZeRO-1 -> tp2"),
     (2, dict(tp=1, zero_stage=3), 2, dict(pp=2, schedule="1f1b"), "FSDP -> pp2"),
     (2, dict(pp=2, schedule="1f1b"), 2, dict(tp=1, zero_stage=0), "pp2 -> dp2"),
+    (2, dict(pp=2, schedule="dualpipev", virtual_stages=2), 2, dict(pp=2, schedule="1f1b"),
+     "pp2 DualPipeV -> pp2 1F1B"),
     (4, dict(tp=1, zero_stage=3, dp_shard=2), 2, dict(tp=2, sequence_parallel=True),
      "HSDP 2x2 -> tp2"),
     (4, dict(dp=2, tp=2, zero_stage=3), 2, dict(tp=1, zero_stage=0, offload_optimizer=True),

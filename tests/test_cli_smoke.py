@@ -1,4 +1,5 @@
-"""The README's main job end to end: `autoplan demo` (4 CPU ranks under a real torchrun)."""
+"""The README's main job end to end: `autoplan demo` (4 CPU ranks under a real torchrun); and
+`autoplan run` building the model its plan was made for."""
 
 import subprocess
 import sys
@@ -17,3 +18,21 @@ def test_demo_plans_trains_and_plans_gpt3(tmp_path):
     assert "gpt3-175b" in text and "solver" in text
     assert (tmp_path / "gpt-small-cpu.plan.json").exists()
     assert (tmp_path / "gpt3-175b.plan.json").exists()
+
+
+def test_run_builds_the_model_the_plan_was_made_for(tmp_path, capsys):
+    """`plan --layers N` and `run --layers N` set the example's own layer field (HF configs
+    call it ``layers``, the project's ``num_layers``), and run hands it to every worker."""
+    from autoplan.cli.main import main
+    from autoplan.models.registry import layer_overrides
+    assert layer_overrides("gpt-tiny", 4) == {"num_layers": 4}
+    assert layer_overrides("hf-gpt2-lm-tiny", 4) == {"layers": 4}
+    assert layer_overrides("hf-gpt2-lm-tiny", None) == {}
+    path = str(tmp_path / "p.json")
+    assert main(["plan", "hf-gpt2-lm-tiny", "--layers", "3", "--cluster", "local:2",
+                 "--global-batch", "4", "-q", "-o", path]) == 0
+    capsys.readouterr()
+    assert main(["run", path, "--model", "hf-gpt2-lm-tiny", "--layers", "3", "--seq-len", "16",
+                 "--print-command"]) == 0
+    cmd = capsys.readouterr().out
+    assert "autoplan.runtime.worker" in cmd and "--layers 3 --seq-len 16" in cmd

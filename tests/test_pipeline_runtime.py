@@ -1,6 +1,7 @@
 """Pipelined plans on gloo equal single-process training.
 
-Plans from the planner, forced to each schedule (GPipe, 1F1B, interleaved 1F1B, zero bubble),
+Plans from the planner, forced to each schedule (GPipe, 1F1B, interleaved 1F1B, zero bubble, and
+the V-shaped ZB-V and DualPipeV, whose first and last chunks share rank 0),
 run by ``autoplan.compile`` on real process groups and stock ``torch.distributed.pipelining``:
 pp2 (2 processes), pp2 x dp2, pp2 x dp2 with FSDP2, and pp2 x tp2 (4 processes). After 3 AdamW
 steps the loss every rank reports and every updated parameter tensor (gathered from the stage
@@ -28,7 +29,8 @@ NAME = "gpt-tiny"
 OVERRIDES = dict(num_layers=4, num_heads=2)
 SCHEDULES = [dict(schedule="gpipe"), dict(schedule="1f1b"),
              dict(schedule="interleaved_1f1b", virtual_stages=2),
-             dict(schedule="zero_bubble", virtual_stages=2)]
+             dict(schedule="zero_bubble", virtual_stages=2),
+             dict(schedule="zbv", virtual_stages=2), dict(schedule="dualpipev", virtual_stages=2)]
 
 
 def _example(batch):

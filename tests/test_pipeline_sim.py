@@ -90,7 +90,7 @@ def test_bad_inputs_raise():
         simulate(schedule="1f1b", p=2, v=1, m=2, fwd_s=[1.0], bwd_s=[1.0, 1.0])
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "zero_bubble"])
+@pytest.mark.parametrize("schedule", ["1f1b", "zero_bubble", "dualpipev"])
 def test_inspect_draws_timeline_and_memory(tmp_path, schedule):
     pytest.importorskip("matplotlib")
     from autoplan import Cluster, plan
@@ -163,7 +163,8 @@ def test_fsdp_gathers_are_prefetched_and_queue_behind_reductions():
 
 
 @pytest.mark.parametrize("schedule,v", [("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2),
-                                        ("zero_bubble", 1), ("zero_bubble", 2)])
+                                        ("zero_bubble", 1), ("zero_bubble", 2), ("zbv", 2),
+                                        ("dualpipev", 2)])
 def test_totals_are_the_full_simulations_totals(schedule, v):
     """The planner reads ``pipeline_totals`` (no events kept); it must be the same numbers as
     the full simulation's, with uneven stages, sends, syncs and FSDP traffic."""
@@ -183,3 +184,86 @@ def test_totals_are_the_full_simulations_totals(schedule, v):
                   {"fsdp_s": [tuple(rng.uniform(0.0, 1.0) for _ in range(3)) for _ in range(n)],
                    "sync_s": [0.3] * n, "layers": [2] * n}):
         assert pipeline_totals(**kw, **extra) == PipelineTotals.of(simulate(**kw, **extra))
+
+
+# ------------------------------------------------------------ V-shaped schedules
+def _torch_order(schedule, p, m, r):
+    """torch's own action list for rank ``r`` (what its runtime executes), as (kind, mb,
+    chunk): overlapped forward-backward pairs run one after the other."""
+    from types import SimpleNamespace
+
+    from torch.distributed.pipelining import schedules as ts
+    cls = {"zbv": ts.ScheduleZBVZeroBubble, "dualpipev": ts.ScheduleDualPipeV}[schedule]
+    kinds = {ts.FORWARD: "F", ts.BACKWARD_INPUT: "B", ts.BACKWARD_WEIGHT: "W",
+             ts.FULL_BACKWARD: "BW"}
+    me = SimpleNamespace(pp_group_size=p, num_stages=2 * p, _n_microbatches=m)
+    out = []
+    for a in cls._calculate_single_rank_operations(me, r):
+        for x in (a.sub_actions or (a,)) if a is not None else ():
+            out.append((kinds[x.computation_type], x.microbatch_index, x.stage_index))
+    return out
+
+
+@pytest.mark.parametrize("schedule", ["zbv", "dualpipev"])
+def test_v_schedules_run_torchs_own_action_order(schedule):
+    """The simulator's order for every rank is the list torch's ScheduleZBVZeroBubble /
+    ScheduleDualPipeV hands its runtime, micro-batch for micro-batch."""
+    pytest.importorskip("torch.distributed.pipelining.schedules")
+    from autoplan.estimate.pipeline_sim import _orders
+    for p in (2, 3, 4, 8):
+        for m in range(1, 3 * p + 2):
+            if schedule == "dualpipev" and m < 2 * p:
+                continue
+            mine = _orders(schedule, p, 2, m)
+            for r in range(p):
+                assert mine[r] == _torch_order(schedule, p, m, r), (p, m, r)
+
+
+@pytest.mark.parametrize("schedule", ["zbv", "dualpipev"])
+@pytest.mark.parametrize("p,m", [(2, 4), (4, 8), (4, 16), (8, 16)])
+def test_v_schedules_keep_zero_bubbles_time_with_1f1bs_memory(schedule, p, m):
+    """With T_F = T_B = T_W (Qi et al. 2024 Sec. 6) the V schedules take interleaved zero
+    bubble's time: a bubble of one chunk forward per extra rank, a sixth of 1F1B's; ZB-V keeps 1F1B's p micro-batches in flight on every rank (the V
+    balances memory), DualPipeV one chunk more; interleaved zero bubble keeps more. Every
+    action runs once, the turn of the V sends nothing, every W follows its B."""
+    n = 2 * p
+    f, b = 0.5, 1.0
+    kw = dict(p=p, m=m, fwd_s=[f] * n, bwd_s=[b] * n, activation_bytes=[0.5] * n,
+              send_s=[0.1] * (n - 1))
+    r = simulate(schedule=schedule, v=2, **kw)
+    one = simulate(schedule="1f1b", v=1, p=p, m=m, fwd_s=[1.0] * p, bwd_s=[2.0] * p,
+                   activation_bytes=[1.0] * p)
+    zb = simulate(schedule="zero_bubble", v=2, **kw)
+    work = m * 3.0
+    assert r.makespan_s < one.makespan_s
+    free = simulate(schedule=schedule, v=2, **{**kw, "send_s": ()})
+    assert free.makespan_s - work == pytest.approx((p - 1) * f)
+    assert free.makespan_s - work == pytest.approx((one.makespan_s - work) / 6)
+    assert free.makespan_s == pytest.approx(
+        simulate(schedule="zero_bubble", v=2, **{**kw, "send_s": ()}).makespan_s)
+    assert max(r.peak_activation_bytes) == pytest.approx(p + (0.5 if schedule == "dualpipev"
+                                                             else 0.0))
+    assert max(r.peak_activation_bytes) < max(zb.peak_activation_bytes)
+    seen = {(e.kind, e.microbatch, e.chunk, e.end_s - e.start_s): e for e in r.events}
+    assert sum(1 for e in r.events if e.kind == "F") == m * n
+    assert sum(1 for e in r.events if e.kind == "B") == m * n
+    assert len(seen) == len(r.events)
+    from autoplan.estimate.config import chunk_ranks
+    ranks = chunk_ranks(schedule, p, 2)
+    assert ranks == tuple(range(p)) + tuple(reversed(range(p)))
+    start = {(e.kind, e.microbatch, e.chunk): e for e in r.events if e.kind == "F"}
+    for (kind, mb, c), e in start.items():
+        if c > 0:
+            gap = 0.0 if ranks[c] == ranks[c - 1] else 0.1
+            assert e.start_s >= start[("F", mb, c - 1)].end_s + gap - 1e-12
+
+
+def test_v_schedules_need_two_chunks_per_rank_and_enough_microbatches():
+    from autoplan.estimate.config import ParallelConfig
+    with pytest.raises(ConfigError, match="virtual_stages=2"):
+        ParallelConfig(pp=2, schedule="zbv", virtual_stages=4)
+    with pytest.raises(ConfigError, match="2 x pp"):
+        _uniform("dualpipev", 4, 2, 6)
+    cfg = ParallelConfig(pp=4, schedule="dualpipev", virtual_stages=2)
+    assert [cfg.rank_chunks(r) for r in range(4)] == [(0, 7), (1, 6), (2, 5), (3, 4)]
+    assert ParallelConfig(pp=4, schedule="zero_bubble", virtual_stages=2).rank_chunks(1) == (1, 5)

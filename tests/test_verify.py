@@ -60,13 +60,16 @@ def _verify(plan_path, model, *extra):
                           timeout=600)
 
 
+def _plan_cli(plan_path, *args):
+    r = subprocess.run([sys.executable, "-m", "autoplan.cli.main", "plan", *args, "-o",
+                        str(plan_path)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+
+
 def test_verify_a_gpu_plan_of_an_example_model_on_cpu_ranks(tmp_path):
     plan_path = tmp_path / "p.json"
-    r = subprocess.run([sys.executable, "-m", "autoplan.cli.main", "plan", "gpt-tiny",
-                        "--cluster", "dgx-h100:1", "--global-batch", "64", "--force", "tp=4",
-                        "--force", "zero_stage=3", "-o", str(plan_path)],
-                       capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr[-2000:]
+    _plan_cli(plan_path, "gpt-tiny", "--cluster", "dgx-h100:1", "--global-batch", "64",
+              "--force", "tp=4", "--force", "zero_stage=3")
     out = _verify(plan_path, "gpt-tiny")
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "family dp2 tp2" in out.stdout and "zero3" in out.stdout
@@ -86,3 +89,17 @@ def test_verify_a_users_model_given_as_package_module_function(tmp_path):
     out = _verify(plan_path, "tests.test_verify:user_model")
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "PASS" in out.stdout and "blocks.*.attn" in out.stdout
+
+
+def test_verify_a_v_schedule_on_a_hugging_face_model_with_a_tied_head(tmp_path):
+    """DualPipeV places GPT-2's embedding and its tied LM head on pipeline rank 0, in two
+    chunks: the shared weight's gradient must be averaged once, not once per chunk (torch's
+    per-stage scaling would divide it twice). Planned for an HF model by its own layer field
+    (``--layers`` sets GPT2Config's), pp2 x tp2 on 4 CPU ranks."""
+    plan_path = tmp_path / "v.json"
+    _plan_cli(plan_path, "hf-gpt2-lm-tiny", "--layers", "4", "--cluster", "local:4",
+              "--global-batch", "8", "--force", "pp=2", "--force", "tp=2", "--force",
+              "schedule=dualpipev", "--precision", "fp32")
+    out = _verify(plan_path, "hf-gpt2-lm-tiny")
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "dualpipev" in out.stdout and "PASS" in out.stdout

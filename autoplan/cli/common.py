@@ -46,12 +46,10 @@ def build_model_arg(args: argparse.Namespace):
         from autoplan.models import load_user_example
         return load_user_example(spec)
     from autoplan.models import build_example
-    overrides: dict[str, Any] = {}
-    if args.layers is not None:
-        overrides["num_layers"] = args.layers
+    from autoplan.models.registry import layer_overrides
     try:
         return build_example(spec, device=args.device, batch_size=args.batch_size,
-                             seq_len=args.seq_len, **overrides)
+                             seq_len=args.seq_len, **layer_overrides(spec, args.layers))
     except ValueError as e:
         raise AutoplanError(str(e)) from e
 

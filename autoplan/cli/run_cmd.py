@@ -18,6 +18,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                        description=__doc__)
     p.add_argument("plan", help="plan.json written by `autoplan plan`")
     p.add_argument("--model", required=True, help="the example model the plan was made for")
+    p.add_argument("--layers", type=int, default=None,
+                   help="the example's layer count, as given to `autoplan plan --layers`")
+    p.add_argument("--seq-len", type=int, default=None,
+                   help="the example's sequence length, as given to `autoplan plan --seq-len`")
     p.add_argument("--nproc-per-node", type=int, default=None,
                    help="ranks per node (default: the plan's world size / --nnodes)")
     p.add_argument("--nnodes", type=int, default=1)
@@ -96,7 +100,9 @@ def run(args: argparse.Namespace) -> int:
                            meta=args.meta, checkpoint_dir=args.checkpoint_dir,
                            checkpoint_every=args.checkpoint_every, resume=args.resume,
                            async_checkpoint=args.async_checkpoint,
-                           max_restarts=args.max_restarts)
+                           max_restarts=args.max_restarts, extra=[
+                               *(["--layers", str(args.layers)] if args.layers else []),
+                               *(["--seq-len", str(args.seq_len)] if args.seq_len else [])])
     if args.print_command:
         print(shlex.join(cmd))
         return 0

@@ -10,13 +10,17 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, fields
+from functools import lru_cache
 from typing import Any
 
 from autoplan.errors import ConfigError
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
-MULTI_CHUNK_SCHEDULES = ("interleaved_1f1b", "zero_bubble")   # may take virtual_stages > 1
-SPLIT_BACKWARD = ("zero_bubble",)     # backward split into input and weight gradients
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble", "zbv", "dualpipev")
+MULTI_CHUNK_SCHEDULES = ("interleaved_1f1b", "zero_bubble", "zbv", "dualpipev")
+# two chunks per rank placed in a V: rank r holds chunks r and 2p - 1 - r, so the first and
+# the last chunk share rank 0 (Qi et al. 2024 Sec. 6; DeepSeek-V3's DualPipe, folded)
+V_SCHEDULES = ("zbv", "dualpipev")
+SPLIT_BACKWARD = ("zero_bubble", "zbv", "dualpipev")   # input and weight gradients apart
 RECOMPUTE = ("none", "selective", "full")
 PRECISIONS = ("bf16", "fp16", "fp32")
 OPTIMIZERS = ("adamw", "adam", "sgd")
@@ -36,7 +40,10 @@ class ParallelConfig:
     chunks per pipeline rank (with ``interleaved_1f1b`` or ``zero_bubble``). ``zero_bubble``
     splits each backward into its input-gradient and weight-gradient halves and runs the latter
     in the bubbles (Qi et al. 2024, ZB-H1 over interleaved chunks; torch's
-    ``ScheduleInterleavedZeroBubble``).
+    ``ScheduleInterleavedZeroBubble``). ``zbv`` (ZB-V, Qi et al. 2024 Sec. 6; torch's
+    ``ScheduleZBVZeroBubble``) and ``dualpipev`` (DeepSeek's DualPipe folded into a V; torch's
+    ``ScheduleDualPipeV``) run two chunks per rank placed in a V (``chunk_ranks``), with the
+    backward split the same way.
 
     ``chunk_layers`` (pipelines only): how many layers each of the ``pp * virtual_stages``
     chunks holds, in model order; ``None`` balances them. ``stage_recompute``: one recompute
@@ -86,6 +93,10 @@ class ParallelConfig:
         if self.virtual_stages > 1 and self.schedule not in MULTI_CHUNK_SCHEDULES:
             raise ConfigError(f"virtual_stages={self.virtual_stages} needs schedule "
                               f"'interleaved_1f1b' or 'zero_bubble' (got {self.schedule!r})")
+        if self.schedule in V_SCHEDULES and self.pp > 1 and self.virtual_stages != 2:
+            raise ConfigError(f"schedule {self.schedule!r} places exactly two chunks per "
+                              f"pipeline rank in a V; set virtual_stages=2 (got "
+                              f"{self.virtual_stages})")
         if self.offload_params and self.zero_stage != 3:
             raise ConfigError("offload_params=True needs zero_stage=3: the weights are offloaded "
                               "as FSDP shards and gathered to the device layer by layer")
@@ -175,10 +186,22 @@ class ParallelConfig:
         return tuple(sizes[a] for a in self.mesh_axes())
 
     def stage_policy(self, stage: int) -> str:
-        """The recompute policy of pipeline stage ``stage`` (its own, or the config's)."""
+        """The recompute policy of pipeline stage (rank) ``stage``: its own, or the config's."""
         if self.stage_recompute is not None:
-            return self.stage_recompute[stage % self.pp]
+            return self.stage_recompute[stage]
         return self.recompute
+
+    def chunk_policy(self, chunk: int) -> str:
+        """The recompute policy of model chunk ``chunk``: its pipeline rank's."""
+        return self.stage_policy(self.chunk_rank(chunk))
+
+    def chunk_rank(self, chunk: int) -> int:
+        """The pipeline rank (pp index) that runs model chunk ``chunk`` of ``pp * v``."""
+        return chunk_ranks(self.schedule, self.pp, self.virtual_stages)[chunk]
+
+    def rank_chunks(self, pp_index: int) -> tuple[int, ...]:
+        """The chunks pipeline rank ``pp_index`` runs, in model order (its local chunks)."""
+        return rank_chunks(self.schedule, self.pp, self.virtual_stages)[pp_index]
 
     @property
     def world_size(self) -> int:
@@ -257,6 +280,26 @@ class ParallelConfig:
         if self.tp_comm_overlap:
             s += " tp-overlap"
         return s + f" {self.precision}"
+
+
+@lru_cache(maxsize=256)
+def chunk_ranks(schedule: str, p: int, v: int) -> tuple[int, ...]:
+    """The pipeline rank of each of the ``p * v`` model chunks, in model order. Looped (chunk
+    ``c`` on rank ``c % p``, Megatron-LM's interleaving) for every schedule but the V-shaped
+    ones, where rank ``r`` holds chunks ``r`` and ``2p - 1 - r``: the activations flow down the
+    ranks and back up, and the last chunk (the loss) sits beside the first."""
+    if schedule in V_SCHEDULES and p > 1:
+        if v != 2:
+            raise ConfigError(f"schedule {schedule!r} needs two chunks per rank, got {v}")
+        return tuple(range(p)) + tuple(reversed(range(p)))
+    return tuple(c % p for c in range(p * v))
+
+
+@lru_cache(maxsize=256)
+def rank_chunks(schedule: str, p: int, v: int) -> tuple[tuple[int, ...], ...]:
+    """Per pipeline rank, the chunks it runs in model order (``chunk_ranks`` inverted)."""
+    ranks = chunk_ranks(schedule, p, v)
+    return tuple(tuple(c for c in range(p * v) if ranks[c] == r) for r in range(p))
 
 
 def _one_of(name: str, value: Any, allowed: tuple[str, ...]) -> None:

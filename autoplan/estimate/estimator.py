@@ -29,7 +29,7 @@ from autoplan.cost.memory import (GRAD_BYTES, PRECISION_BYTES, activation_bytes,
 from autoplan.errors import ConfigError
 from autoplan.estimate.arguments import batch_arg, cluster_arg, profile_arg
 from autoplan.estimate.chunk_cost import CostInputs, RangeCost, chunk_cost
-from autoplan.estimate.config import ParallelConfig
+from autoplan.estimate.config import SPLIT_BACKWARD, ParallelConfig
 from autoplan.estimate.layout import chunks_for, in_flight
 from autoplan.estimate.overlap import overlap_exposed_s, overlap_interference
 from autoplan.estimate.partition import pipeline_units
@@ -58,6 +58,10 @@ def validate(graph: OpGraph, cluster: Any, config: ParallelConfig,
         raise ConfigError(f"{config.schedule} over {config.virtual_stages} chunks per rank needs "
                           f"the micro-batch count ({m}) to be a multiple of pp ({config.pp}); "
                           "change the batch or micro_batch_size")
+    if config.pp > 1 and config.schedule == "dualpipev" and m < 2 * config.pp:
+        raise ConfigError(f"dualpipev needs at least as many micro-batches as chunks "
+                          f"(2 x pp = {2 * config.pp}), got {m}; raise the batch or lower "
+                          "micro_batch_size")
     if config.micro_batch_size > global_batch_size:
         raise ConfigError(f"micro_batch_size {config.micro_batch_size} exceeds the global batch "
                           f"{global_batch_size}")
@@ -102,10 +106,10 @@ def estimate(model: Any, cluster: Any, *, config: ParallelConfig, global_batch_s
     ci = CostInputs(graph=graph, analysis=a, sharding=sh, compute=compute, cluster=cluster,
                     config=config)
     chunks = chunks_for(ci)
-    costs = [chunk_cost(ci, ch, config.stage_policy(c)) for c, ch in enumerate(chunks)]
+    costs = [chunk_cost(ci, ch, config.chunk_policy(c)) for c, ch in enumerate(chunks)]
 
     # --- pipeline schedule: simulated (pipeline_sim) ------------------------------------------
-    stage_chunks = [[c for c in range(len(chunks)) if c % p == s] for s in range(p)]
+    stage_chunks = [list(config.rank_chunks(s)) for s in range(p)]
     stage_f = [sum(costs[c].fwd_total_s for c in cs) for cs in stage_chunks]
     stage_b = [sum(costs[c].bwd_total_s for c in cs) for cs in stage_chunks]
     bottleneck = max(range(p), key=lambda s: stage_f[s] + stage_b[s])
@@ -114,21 +118,14 @@ def estimate(model: Any, cluster: Any, *, config: ParallelConfig, global_batch_s
     bubble_s = p2p_s = 0.0
     if p > 1 and not simulate_pipeline:
         t_mb = stage_f[bottleneck] + stage_b[bottleneck]
-        if config.schedule == "zero_bubble":   # W's fill all but F + B - W of a stage time
+        if config.schedule in SPLIT_BACKWARD:   # W's fill all but F + B - W of a stage time
             t_mb = stage_f[bottleneck] + stage_b[bottleneck] * max(0.0, 1 - 2 * W_FRACTION)
         bubble_s = (p - 1) / v * t_mb
-        p2p_s = 2.0 * sum(cluster.p2p_time_s(costs[c].boundary_bytes,
-                                             config.rank(pp_index=c % p, dp_index=0, tp_index=0),
-                                             config.rank(pp_index=(c + 1) % p, dp_index=0,
-                                                         tp_index=0))
-                          for c in range(len(chunks) - 1))
+        p2p_s = 2.0 * sum(_sends(config, cluster, costs))
     elif p > 1:
         fwd = [c.fwd_total_s for c in costs]
         bwd = [c.bwd_total_s for c in costs]
-        sends = [cluster.p2p_time_s(costs[c].boundary_bytes,
-                                    config.rank(pp_index=c % p, dp_index=0, tp_index=0),
-                                    config.rank(pp_index=(c + 1) % p, dp_index=0, tp_index=0))
-                 for c in range(len(chunks) - 1)]
+        sends = _sends(config, cluster, costs)
         kw = dict(schedule=config.schedule, p=p, v=v, m=m, fwd_s=fwd, bwd_s=bwd,
                   activation_bytes=[c.activation_bytes for c in costs])
         no_collectives = pipeline_totals(send_s=sends, **kw)
@@ -139,8 +136,8 @@ def estimate(model: Any, cluster: Any, *, config: ParallelConfig, global_batch_s
             sim = pipeline_totals(send_s=sends, sync_s=sync_s, fsdp_s=fsdp_s,
                                   layers=[max(1, c.num_layers) for c in costs], **kw)
         bottleneck = max(range(p), key=lambda r: sim.busy_s[r])
-        bubble_s = free_sends - sim.busy_s[bottleneck]     # fill and drain
-        p2p_s = no_collectives.makespan_s - free_sends      # waiting on point-to-point sends
+        bubble_s = max(0.0, free_sends - sim.busy_s[bottleneck])     # fill and drain
+        p2p_s = max(0.0, no_collectives.makespan_s - free_sends)  # waiting on the sends
         simulated_comm = _exposed_collectives(sim, no_collectives.makespan_s, interference)
     bc = [costs[c] for c in stage_chunks[bottleneck]]
     compute_s = m * sum(c.fwd_s + c.bwd_s for c in bc)
@@ -317,6 +314,18 @@ def _dp_collectives(config: ParallelConfig, cluster: Any, params: float, layers:
     return reduce(params * GRAD_BYTES), 0.0, 0.0
 
 
+def _sends(config: ParallelConfig, cluster: Any, costs: Sequence[RangeCost]) -> list[float]:
+    """Per chunk boundary, the point-to-point time of one micro-batch's activations (free
+    between two chunks on one rank: the V schedules' turn)."""
+    out = []
+    for c in range(len(costs) - 1):
+        a, b = config.chunk_rank(c), config.chunk_rank(c + 1)
+        out.append(0.0 if a == b else cluster.p2p_time_s(
+            costs[c].boundary_bytes, config.rank(pp_index=a, dp_index=0, tp_index=0),
+            config.rank(pp_index=b, dp_index=0, tp_index=0)))
+    return out
+
+
 def _chunk_collectives(config: ParallelConfig, cluster: Any, costs: Sequence[RangeCost]
                        ) -> tuple[list[float], list[tuple[float, float, float]]]:
     """Per chunk, for the simulator: the per-step gradient sync of the dp group and, under
@@ -326,7 +335,7 @@ def _chunk_collectives(config: ParallelConfig, cluster: Any, costs: Sequence[Ran
     for c, cost in enumerate(costs):
         layers = max(1, cost.num_layers)
         grad_sync, ag, rs = _dp_collectives(config, cluster, cost.params, layers,
-                                            c % config.pp)
+                                            config.chunk_rank(c))
         sync.append(grad_sync)          # the tp step all-reduce is priced exposed, per stage
         fsdp.append((layers * ag, layers * ag, layers * rs))
     return sync, fsdp

@@ -19,11 +19,11 @@ from dataclasses import replace
 
 from autoplan.cost.memory import PRECISION_BYTES, model_state_bytes
 from autoplan.estimate.chunk_cost import CostInputs, range_cost, unit_costs
-from autoplan.estimate.config import (MULTI_CHUNK_SCHEDULES, RECOMPUTE, ParallelConfig,
-                                      strongest_recompute)
+from autoplan.estimate.config import (MULTI_CHUNK_SCHEDULES, RECOMPUTE, V_SCHEDULES,
+                                      ParallelConfig, strongest_recompute)
 from autoplan.estimate.partition import (Chunk, Split, UnitChoice, chunks_from_counts,
                                          min_max_split, partition, pipeline_units)
-from autoplan.estimate.pipeline_sim import W_KEEPS
+from autoplan.estimate.pipeline_sim import W_KEEPS, order_peak_chunks
 
 
 def in_flight(config: ParallelConfig, m: int, stage: int) -> float:
@@ -34,6 +34,8 @@ def in_flight(config: ParallelConfig, m: int, stage: int) -> float:
         return 1.0
     if config.schedule == "gpipe":
         return float(m)
+    if config.schedule in V_SCHEDULES:     # read off the schedule's own action order
+        return order_peak_chunks(config.schedule, p, v, m)[stage] / v
     extra = 0.0
     if config.schedule == "zero_bubble":   # deferred W's keep half their chunk's activations
         extra = W_KEEPS * min(m * v, p * v) / v
@@ -107,32 +109,35 @@ def search_layout(ci: CostInputs, m: int, policies: Sequence[str],
         widest = max(c.params for c in by_policy[order[0]])
         transient += 4 * widest * PRECISION_BYTES[config.precision]
     first, last = _outside(ci)
-    flight = [in_flight(config, m, c % p) for c in range(n)]
+    rank_of = [config.chunk_rank(c) for c in range(n)]
+    flight = [in_flight(config, m, rank_of[c]) for c in range(n)]
     # a rank's chunks share its memory: each gets an equal share of what the embeddings (first
     # chunk) and the head (last chunk) leave on that rank, plus its own fixed part
     fixed = [0.0] * n
     for c, extra in ((0, first), (n - 1, last)):
         fixed[c] += extra.state_bytes + flight[c] * extra.activation_bytes
-    budget = [(budget_bytes - transient - sum(fixed[c % p::p])) / v + fixed[c]
-              for c in range(n)]
+    budget = [(budget_bytes - transient - sum(fixed[k] for k in config.rank_chunks(rank_of[c])))
+              / v + fixed[c] for c in range(n)]
     split = min_max_split(costs, n, first=first, last=last, in_flight=flight,
                           budget_bytes=budget)
     if split is None:
         return None
-    stage = _per_stage(split, p)
-    if v > 1 and any(split.policies[c] != stage[c % p] for c in range(n)):
+    stage = _per_stage(split, config)
+    if v > 1 and any(split.policies[c] != stage[rank_of[c]] for c in range(n)):
         # a stage recomputes one way on all its chunks: split again with that fixed
         split = min_max_split(costs, n, first=first, last=last, in_flight=flight,
-                              budget_bytes=budget, allowed=[[stage[c % p]] for c in range(n)])
+                              budget_bytes=budget, allowed=[[stage[rank_of[c]]]
+                                                            for c in range(n)])
         if split is None:
             return None
-        stage = _per_stage(split, p)
+        stage = _per_stage(split, config)
     return with_layout(config, split.counts, stage)
 
 
-def _per_stage(split: Split, p: int) -> list[str]:
+def _per_stage(split: Split, config: ParallelConfig) -> list[str]:
     """Per pipeline rank: the most memory-saving policy among its chunks."""
-    return [strongest_recompute(split.policies[s::p]) for s in range(p)]
+    return [strongest_recompute([split.policies[c] for c in config.rank_chunks(s)])
+            for s in range(config.pp)]
 
 
 def with_layout(config: ParallelConfig, counts: Sequence[int],

@@ -6,7 +6,7 @@ A *unit* is one child of the container that holds the repeated layers (``layers.
 whole units, so the runtime can cut the model by deleting the other children of the container.
 What comes before the first unit (embeddings) goes with the first chunk and what follows the
 last (final norm, head, loss) with the last, as Megatron-LM does. Chunk ``c`` runs on pipeline
-rank ``c % pp``.
+rank ``ParallelConfig.chunk_rank(c)``: ``c % pp``, or in a V for the V-shaped schedules.
 
 ``min_max_split`` is the stage partition (Alpa's and DAPPLE's dynamic program, in its min-max
 form): choose where to cut and each chunk's recomputation policy so that the slowest chunk is

@@ -1,6 +1,7 @@
 """An event-driven simulation of a pipeline schedule: per-rank timelines and memory over time.
 
-Inputs: ``p`` pipeline ranks, ``v`` model chunks per rank (chunk ``c`` runs on rank ``c % p``),
+Inputs: ``p`` pipeline ranks, ``v`` model chunks per rank (chunk ``c`` runs on rank
+``chunk_ranks(schedule, p, v)[c]``: ``c % p``, or in a V),
 ``m`` micro-batches, the forward and backward time of each chunk, the time of the
 point-to-point send across each chunk boundary, and the activation bytes each chunk keeps per
 micro-batch. Each rank executes its schedule's action list in order; an action starts when the
@@ -22,6 +23,13 @@ Schedules (action orders per rank):
   deferred W's whenever the next F or B would otherwise wait and a W fits in the gap, and the
   rest at the end; at most ``p * v`` W's wait at once (their activations stay alive).
   ``w_fraction`` of each backward is W (1/2 for matmul layers: dX and dW cost the same).
+- ``zbv`` (Qi et al. 2024 Sec. 6, ZB-V) and ``dualpipev`` (DeepSeek-V3's DualPipe folded into
+  a V): two chunks per rank placed in a V (rank ``r`` holds chunks ``r`` and ``2p - 1 - r``, so
+  the turn between chunks ``p - 1`` and ``p`` needs no send). Their orders place every W
+  explicitly, as torch's ``ScheduleZBVZeroBubble`` and ``ScheduleDualPipeV`` do (test:
+  identical action lists); DualPipeV also runs full backwards (B and W at once, ``BW``), and
+  its overlapped forward-backward pairs run one after the other, as torch runs them without a
+  custom overlap function.
 On uniform chunks with free sends this reproduces the bubble fraction (p-1)/(m+p-1) of GPipe
 and 1F1B exactly, and the interleaved schedule's bubble time divided by v
 (tests/test_pipeline_sim.py).
@@ -49,6 +57,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from autoplan.errors import ConfigError
+from autoplan.estimate.config import SPLIT_BACKWARD, chunk_ranks
 
 
 W_FRACTION = 0.5    # zero_bubble: the weight-gradient share of a backward
@@ -134,8 +143,152 @@ def _orders(schedule: str, p: int, v: int, m: int) -> list[list[tuple[str, int, 
             seq += [bwd_action(r, k) for k in range(total - warm, total)]
             orders[r] = seq
         return orders
+    if schedule == "zbv":
+        return [_zbv(p, m, r) for r in range(p)]
+    if schedule == "dualpipev":
+        if m < 2 * p:
+            raise ConfigError(f"dualpipev needs at least 2 x pp = {2 * p} micro-batches, got {m}")
+        return [_dualpipev(p, m, r) for r in range(p)]
     raise ConfigError(f"unknown pipeline schedule {schedule!r}; use gpipe, 1f1b, "
-                      "interleaved_1f1b or zero_bubble")
+                      "interleaved_1f1b, zero_bubble, zbv or dualpipev")
+
+
+class _VOrder:
+    """One rank's action list under a V schedule: its chunks ``r`` (down) and ``2p - 1 - r``
+    (up), a forward, input-gradient, weight-gradient and full-backward counter per chunk."""
+
+    def __init__(self, p: int, r: int):
+        self.chunk = (r, 2 * p - 1 - r)
+        self.f, self.b, self.w = [0, 0], [0, 0], [0, 0]
+        self.out: list[tuple[str, int, int]] = []
+        self.pending: deque[tuple[int, int]] = deque()   # (mb, chunk) waiting for their W
+
+    def F(self, k: int) -> None:
+        self.out.append(("F", self.f[k], self.chunk[k]))
+        self.f[k] += 1
+
+    def I(self, k: int, queue: bool = False) -> None:   # noqa: E743 (the paper's name)
+        self.out.append(("B", self.b[k], self.chunk[k]))
+        if queue:
+            self.pending.append((self.b[k], self.chunk[k]))
+        self.b[k] += 1
+
+    def W(self, k: int) -> None:
+        self.out.append(("W", self.w[k], self.chunk[k]))
+        self.w[k] += 1
+
+    def FIW(self, k: int) -> None:   # noqa: N802
+        """A forward, then the input and the weight gradient of the oldest one in flight."""
+        self.F(k)
+        self.I(k)
+        self.W(k)
+
+    def full(self, k: int) -> None:
+        self.out.append(("BW", self.b[k], self.chunk[k]))
+        self.b[k] += 1
+
+    def next_w(self) -> None:
+        if self.pending:
+            mb, c = self.pending.popleft()
+            self.out.append(("W", mb, c))
+
+
+def _zbv(p: int, m: int, r: int) -> list[tuple[str, int, int]]:
+    """ZB-V on rank ``r``: ``2(p - r) - 1`` forwards down the V, ``r`` pairs up and down, then
+    ``p - r`` forward / input / weight triples on the way up; the steady state alternates a
+    forward, input and weight gradient on each chunk; the cool-down drains the input gradients
+    and then the weights. Planned for at least ``2p - 1`` micro-batches; the actions of the
+    ones that do not exist are dropped."""
+    o = _VOrder(p, r)
+    n = max(2 * p - 1, m)
+    for _ in range(2 * (p - r) - 1):
+        o.F(0)
+    for _ in range(r):
+        o.F(1)
+        o.F(0)
+    for _ in range(p - r):
+        o.FIW(1)
+    while o.f[1] < o.f[0] or o.f[0] < n:
+        if o.f[0] < n:
+            o.F(0)
+        o.I(0)
+        o.W(0)
+        o.FIW(1)
+    for _ in range(r):
+        o.I(0)
+        o.I(1)
+    for _ in range(p - r):
+        o.I(0)
+        o.W(0)
+    while o.w[1] < o.b[1]:
+        o.W(1)
+    while o.w[0] < o.b[0]:
+        o.W(0)
+    return [a for a in o.out if a[1] < m]
+
+
+def _dualpipev(p: int, m: int, r: int) -> list[tuple[str, int, int]]:
+    """DualPipeV on rank ``r`` (``m >= 2p``): forwards down the V, then both chunks; input
+    gradients (their weights queued) while the up-chunk fills; the main phase pairs a forward
+    of one chunk with a full backward of the other; the tail splits the backwards again from
+    its middle on and drains the queued weight gradients."""
+    o = _VOrder(p, r)
+    for _ in range(2 * (p - r - 1)):
+        o.F(0)
+    for _ in range(r + 1):
+        o.F(0)
+        o.F(1)
+    for _ in range(p - r - 1):
+        o.I(1, queue=True)
+        o.next_w()
+        o.F(1)
+    for _ in range(m - 2 * p + r + 1):
+        o.F(0)
+        o.full(1)
+        o.F(1)
+        o.full(0)
+    for _ in range(p - r - 1):
+        o.full(1)
+        o.F(1)
+        o.full(0)
+    split = False
+
+    def backward(k: int) -> None:
+        if split:
+            o.I(k, queue=True)
+        else:
+            o.full(k)
+    for i in range(r + 1):
+        if i == (r + 1) // 2 and r % 2 == 1:
+            split = True
+        backward(1)
+        if i == (r + 1) // 2 and r % 2 == 0:
+            split = True
+        backward(0)
+    for _ in range(p - r - 1):
+        o.next_w()
+        backward(0)
+    for _ in range(r + 1):
+        o.next_w()
+    return o.out
+
+
+@lru_cache(maxsize=64)
+def order_peak_chunks(schedule: str, p: int, v: int, m: int) -> tuple[float, ...]:
+    """Per rank, the most chunk-activations its action order keeps alive at once (a forward
+    adds one; a backward frees one, or under a split backward its input gradient frees all but
+    ``W_KEEPS`` and the weight gradient the rest). Exact for schedules whose orders place every
+    action (not zero_bubble's greedy weight gradients)."""
+    change = {"F": 1.0, "B": -1.0 + W_KEEPS if schedule in SPLIT_BACKWARD else -1.0,
+              "W": -W_KEEPS, "BW": -1.0}
+    peaks = []
+    for order in _orders(schedule, p, v, m):
+        level = peak = 0.0
+        for kind, _, _ in order:
+            level += change[kind]
+            peak = max(peak, level)
+        peaks.append(peak)
+    return tuple(peaks)
 
 
 def simulate(*, schedule: str, p: int, v: int, m: int, fwd_s: Sequence[float],
@@ -179,8 +332,8 @@ def _simulate(*args) -> PipelineResult:
                           comm_busy_s=tuple(run.comm.busy))
 
 
-_F, _B, _W = 0, 1, 2
-_KINDS = "FBW"
+_F, _B, _W, _BW = 0, 1, 2, 3      # BW: a full backward in a split-backward schedule
+_KINDS = ("F", "B", "W", "B")
 
 
 @dataclass
@@ -200,7 +353,7 @@ class _Run:
 @lru_cache(maxsize=64)
 def _coded_orders(schedule: str, p: int, v: int, m: int) -> tuple[tuple[tuple[int, int, int],
                                                                         ...], ...]:
-    code = {"F": _F, "B": _B}
+    code = {"F": _F, "B": _B, "W": _W, "BW": _BW}
     return tuple(tuple((code[k], mb, c) for k, mb, c in o) for o in _orders(schedule, p, v, m))
 
 
@@ -216,10 +369,14 @@ def _run(schedule: str, p: int, v: int, m: int, fwd_s: tuple[float, ...],
     for name, seq in (("sync_s", sync_s), ("fsdp_s", fsdp_s), ("layers", layers)):
         if seq and len(seq) != n:
             raise ConfigError(f"{name} needs one entry per chunk ({n}), got {len(seq)}")
-    send = list(send_s) or [0.0] * (n - 1)
+    ranks = chunk_ranks(schedule, p, v)
+    # a boundary between two chunks of one rank (the V's turn) sends nothing
+    send = [x if ranks[c] != ranks[c + 1] else 0.0
+            for c, x in enumerate(send_s or [0.0] * (n - 1))]
     acts = list(activation_bytes) or [0.0] * n
     orders = _coded_orders(schedule, p, v, m)
-    split = schedule == "zero_bubble"
+    split = schedule in SPLIT_BACKWARD
+    greedy = schedule == "zero_bubble"   # W's not in the order: run where they fit
     w_share = W_FRACTION if split else 0.0
     b_share = 1.0 - w_share
     w_s = [b * w_share for b in bwd_s]
@@ -253,10 +410,10 @@ def _run(schedule: str, p: int, v: int, m: int, fwd_s: tuple[float, ...],
         if kind == _F:
             f_done[c * m + mb] = end
             return
-        if kind == _B:
+        if kind == _B or kind == _BW:
             b_done[c * m + mb] = end
         if fsdp:
-            comm.after(r, _KINDS[kind], mb, c, start, end, split)
+            comm.after(r, _KINDS[kind], mb, c, start, end, split and kind != _BW)
         pieces_left[c] -= 1
         if syncs and pieces_left[c] == 0:
             comm.flush(r)
@@ -280,6 +437,9 @@ def _run(schedule: str, p: int, v: int, m: int, fwd_s: tuple[float, ...],
                     else:
                         ready = 0.0
                     dur = fwd_s[c]
+                elif kind == _W:           # its input gradient ran earlier on this rank
+                    ready = 0.0
+                    dur = w_s[c]
                 else:
                     if c == last:
                         ready = f_done[c * m + mb]
@@ -290,7 +450,7 @@ def _run(schedule: str, p: int, v: int, m: int, fwd_s: tuple[float, ...],
                         if ready < 0.0:
                             break
                         ready += send[c]
-                    dur = bwd_s[c] * b_share
+                    dur = bwd_s[c] * (b_share if kind == _B else 1.0)
                 if fsdp:
                     comm.prefetch(r, _KINDS[kind], c, last_start[r])
                 # fill the wait with deferred weight gradients that fit in it
@@ -298,7 +458,7 @@ def _run(schedule: str, p: int, v: int, m: int, fwd_s: tuple[float, ...],
                     w_mb, w_c = waiting.popleft()
                     act(r, _W, w_mb, w_c, free[r], w_s[w_c])
                 act(r, kind, mb, c, free[r] if free[r] > ready else ready, dur)
-                if split and kind == _B:
+                if greedy and kind == _B:
                     waiting.append((mb, c))
                     if len(waiting) > max_deferred:
                         w_mb, w_c = waiting.popleft()
@@ -316,12 +476,12 @@ def _run(schedule: str, p: int, v: int, m: int, fwd_s: tuple[float, ...],
         # zero bubble splits backward in two, which DDP's hooks cannot follow: the runtime
         # all-reduces the gradients after the schedule, once the rank's last W is done
         for c in range(n):
-            r = c % p
+            r = ranks[c]
             comm.flush(r)
             comm.stream(r, "sync", -1, c, sync_s[c], free[r], free[r])
     # activations: a forward's are kept until its backward; under zero bubble B frees what only
     # the input gradient needs and W the rest
-    freed = ((-1.0, -1.0 + W_KEEPS, -W_KEEPS) if split else (-1.0, -1.0, -1.0))
+    freed = ((-1.0, -1.0 + W_KEEPS, -W_KEEPS, -1.0) if split else (-1.0, -1.0, -1.0, -1.0))
     deltas: list[list[tuple[float, float]]] = []
     peaks = []
     for r in range(p):

@@ -223,6 +223,19 @@ def get_config(name: str, **overrides: Any) -> Any:
     return dataclasses.replace(config, **values)
 
 
+def layer_overrides(name: str, layers: int | None, strict: bool = True) -> dict[str, int]:
+    """The override that sets example ``name``'s layer count to ``layers`` (its config calls
+    it ``num_layers``, ``layers`` or ``n_layer``); empty for None. ``strict``: a config
+    without a layer count raises ValueError instead of returning nothing."""
+    if layers is None:
+        return {}
+    known = {f.name for f in dataclasses.fields(_entry(name).config)}
+    field = next((f for f in ("num_layers", "layers", "n_layer") if f in known), None)
+    if field is None and strict:
+        raise ValueError(f"example {name!r} has no layer count to set; drop --layers")
+    return {field: layers} if field is not None else {}
+
+
 def _check_fits_in_host_memory(name: str, config: Any, device: torch.device) -> None:
     # Building a 10B-parameter table model on the CPU by mistake gets the process OOM-killed
     # with no message; refuse up front instead. Other devices raise their own OOM errors.

@@ -24,7 +24,7 @@ def simulate_plan(plan: Any) -> PipelineResult:
     m = int(pred["num_microbatches"])
     fwd, bwd, acts = [], [], []
     for c in range(p * v):
-        s = stages[c % p]
+        s = stages[cfg.chunk_rank(c)]
         fwd.append(s["fwd_s"] / v)
         bwd.append(s["bwd_s"] / v)
         acts.append(s["activation_bytes_per_microbatch"] / v)

@@ -123,6 +123,11 @@ def _stages(plan: Any, layers: list[str], problems: list[str]) -> None:
     elif sorted(seen) != sorted(layers):
         problems.append(f"pipeline stages hold {len(seen)} layers, the model has "
                         f"{len(layers)} (each must be held once)")
+    elif any(len(st.get("chunks") or [st["layers"]]) != cfg.virtual_stages
+             for st in plan.stages) or len(plan.stages) != cfg.pp:
+        problems.append(f"the plan lists {len(plan.stages)} pipeline stages of "
+                        f"{sorted({len(st.get('chunks') or [1]) for st in plan.stages})} chunks; "
+                        f"its config has pp={cfg.pp} with {cfg.virtual_stages} chunks each")
     elif [c for st in _chunks_in_pipeline_order(plan) for c in st] != order:
         problems.append("pipeline chunks do not hold the layers in the model's order")
     if sorted(ranks) != list(range(cfg.world_size)):
@@ -137,7 +142,12 @@ def _stages(plan: Any, layers: list[str], problems: list[str]) -> None:
 
 
 def _chunks_in_pipeline_order(plan: Any) -> list[list[str]]:
+    """The plan's chunks in model order: chunk c is on rank ``chunk_rank(c)``, where it is that
+    rank's ``rank_chunks(...).index(c)``-th."""
+    cfg = plan.config
     per_rank = [st.get("chunks") or [st["layers"]] for st in plan.stages]
-    v = max((len(c) for c in per_rank), default=1)
-    return [list(per_rank[c % len(per_rank)][c // len(per_rank)])
-            for c in range(len(per_rank) * v) if c // len(per_rank) < len(per_rank[c % len(per_rank)])]
+    out = []
+    for c in range(cfg.pp * cfg.virtual_stages):
+        r = cfg.chunk_rank(c)
+        out.append(list(per_rank[r][cfg.rank_chunks(r).index(c)]))
+    return out

@@ -404,14 +404,17 @@ def plan(model: Any, cluster: Any, *, global_batch_size: int, example_inputs: An
 def _refine_pipelined(graph: OpGraph, cluster: Any, cands: list[_Candidate], gbs: int,
                       profile: Any, opts: SearchOptions, stats: _Stats,
                       finalists: int = 8) -> list[_Candidate]:
-    """Pipelined candidates were screened with the closed form; simulate the best few (and the
-    best of each schedule) so that the plan's figures are the simulator's."""
+    """Pipelined candidates were screened with the closed form; simulate the best few and the
+    best of each schedule at each micro-batch size, so that the plan's figures are the
+    simulator's and no schedule's optimism in the closed form crowds out another's best."""
     piped = sorted((c for c in cands if c.est.config.pp > 1 and c.est.fits), key=_Candidate.key)
     if not piped:
         return cands
     chosen = piped[:finalists]
-    for sched in {c.est.config.schedule for c in piped}:
-        chosen.append(next(c for c in piped if c.est.config.schedule == sched))
+    best_of: dict[tuple[str, int], _Candidate] = {}
+    for c in piped:
+        best_of.setdefault((c.est.config.schedule, c.est.config.micro_batch_size), c)
+    chosen += best_of.values()
     keep = [c for c in cands if c.est.config.pp == 1]
     seen = set()
     for c in chosen:

@@ -44,6 +44,8 @@ def schedules(config: ParallelConfig, m: int, layers: int,
     for v in (2, 4):
         if config.pp * v <= layers and m % config.pp == 0:
             out += [("interleaved_1f1b", v), ("zero_bubble", v)]
+    if config.pp * 2 <= layers:          # the V schedules: two chunks per rank
+        out += [("zbv", 2)] + ([("dualpipev", 2)] if m >= 2 * config.pp else [])
     if "schedule" in opts.force:
         out = [s for s in out if s[0] == opts.force["schedule"]]
     if "virtual_stages" in opts.force:

@@ -8,8 +8,9 @@ on the last. A chunk takes every value later chunks still need and returns the n
 passing through what it does not produce (masks, rotary tables, the targets), so any model the
 tracer reads pipelines, whatever its forward looks like. Parameter names stay the user's.
 
-Chunk ``c`` runs on pipeline rank ``c % pp`` (looped placement, Megatron-LM's interleaving),
-each on a ``PipelineStage`` whose group is the pp axis of the device mesh. The last chunk
+Chunk ``c`` runs on pipeline rank ``cfg.chunk_rank(c)``: ``c % pp`` (looped placement, Megatron-LM's
+interleaving), or in a V for ``zbv`` and ``dualpipev`` (rank r holds chunks r and 2pp - 1 - r), each
+on a ``PipelineStage`` whose group is the pp axis of the device mesh. The last chunk
 computes the loss itself (the schedule's ``loss_fn`` passes it on). Per chunk, in order:
 recomputation per layer, then FSDP2 (ZeRO-2/3) or a data-parallel all-reduce after the schedule
 (ZeRO-0/1). Weights read by chunks on different ranks (an LM head tied to the embedding) have
@@ -37,7 +38,8 @@ from autoplan.runtime.optim import _local, wait_gathers
 
 SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B",
              "interleaved_1f1b": "ScheduleInterleaved1F1B",
-             "zero_bubble": "ScheduleInterleavedZeroBubble"}
+             "zero_bubble": "ScheduleInterleavedZeroBubble", "zbv": "ScheduleZBVZeroBubble",
+             "dualpipev": "ScheduleDualPipeV"}
 
 
 @dataclass(frozen=True)
@@ -49,7 +51,8 @@ class ChunkSpec:
 
 
 def chunk_specs(plan: Any) -> list[ChunkSpec]:
-    """All ``pp * v`` chunks of the plan in pipeline order (chunk c on rank c % pp)."""
+    """All ``pp * v`` chunks of the plan in pipeline order (chunk c on rank cfg.chunk_rank(c),
+    the plan's stage of that rank listing its chunks in model order)."""
     cfg = plan.config
     p, v = cfg.pp, cfg.virtual_stages
     per_rank = []
@@ -62,8 +65,9 @@ def chunk_specs(plan: Any) -> list[ChunkSpec]:
     if len(per_rank) != p:
         raise PlanError(f"the plan lists {len(per_rank)} pipeline stages for pp={p}; re-plan")
     n = p * v
-    return [ChunkSpec(index=c, layers=tuple(per_rank[c % p][c // p]), first=c == 0,
-                      last=c == n - 1) for c in range(n)]
+    return [ChunkSpec(index=c, layers=tuple(per_rank[r][cfg.rank_chunks(r).index(c)]),
+                      first=c == 0, last=c == n - 1)
+            for c, r in ((c, cfg.chunk_rank(c)) for c in range(n))]
 
 
 def chunk_cuts(graph: OpGraph, specs: Sequence[ChunkSpec]) -> list[int]:
@@ -108,7 +112,7 @@ def tie_across_ranks(held: list[list[str]], mine: dict[int, nn.Module], cfg: Any
     for c, names in enumerate(held):
         for f in names:
             key = canonical.get(f, f)
-            holders.setdefault(key, set()).add(c % cfg.pp)
+            holders.setdefault(key, set()).add(cfg.chunk_rank(c))
             names_of.setdefault(key, set()).add(f)
     pairs = []
     for fqn in sorted(holders):
@@ -164,6 +168,10 @@ class PipelineTrainer(Checkpointing, GradientStep):
     last_grad_norm: float | None = None
     shared_elsewhere: frozenset[str] = frozenset()   # tied weights a lower pp rank holds
     loss_out: Any = None                             # the schedule's loss function
+    # when one weight sits in two of this rank's chunks (V schedules: the LM head tied to the
+    # embedding), torch's per-stage scaling would divide its gradient twice: these are then
+    # averaged over the micro-batches here, once each, and the schedule scales nothing
+    average_here: list[nn.Parameter] = field(default_factory=list)
 
     @property
     def config(self):
@@ -202,6 +210,9 @@ class PipelineTrainer(Checkpointing, GradientStep):
         self.loss_out.scale = scale
         with amp:
             self.schedule.step(*args, **kw)
+        for p in self.average_here:
+            if p.grad is not None:
+                _local(p.grad).div_(per // self.config.micro_batch_size)
         for sync in self.grad_syncs:
             sync.all_reduce()
         finish_step(self)
@@ -238,15 +249,16 @@ class LossPassesThrough:
 
 
 def build_schedule(stages: list[Any], cfg: Any, n_microbatches: int,
-                   loss_fn: LossPassesThrough) -> Any:
+                   loss_fn: LossPassesThrough, scale_grads: bool = True) -> Any:
     from torch.distributed.pipelining import schedules
     cls = getattr(schedules, SCHEDULES[cfg.schedule])
     if cfg.schedule in ("gpipe", "1f1b"):
         if len(stages) != 1:
             raise PlanError(f"schedule {cfg.schedule!r} runs one chunk per rank, the plan has "
                             f"{len(stages)}; re-plan")
-        return cls(stages[0], n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=True)
-    return cls(stages, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=True)
+        return cls(stages[0], n_microbatches=n_microbatches, loss_fn=loss_fn,
+                   scale_grads=scale_grads)
+    return cls(stages, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=scale_grads)
 
 
 def compile_pipelined(model: nn.Module, graph: OpGraph, plan: Any, *, device: torch.device,
@@ -285,7 +297,7 @@ def compile_pipelined(model: nn.Module, graph: OpGraph, plan: Any, *, device: to
     tp_index = rank % cfg.tp
     specs = chunk_specs(plan)
     n = len(specs)
-    mine_idx = [s.index for s in specs if s.index % cfg.pp == pp_index]
+    mine_idx = list(cfg.rank_chunks(pp_index))
     ex = export_for_plan(model, plan, graph, example_inputs=example_inputs,
                          example_targets=example_targets, loss_fn=loss_fn, t=cfg.tp)
     if not ex.with_loss:
@@ -338,6 +350,8 @@ def compile_pipelined(model: nn.Module, graph: OpGraph, plan: Any, *, device: to
                                        canonical))
     params = list({id(p): p for c in sorted(chunks) for p in chunks[c].parameters()
                    if p.requires_grad}.values())
+    in_two_chunks = sum(1 for c in chunks for p in chunks[c].parameters()) > len(
+        {id(p) for c in chunks for p in chunks[c].parameters()})
     if cfg.tp > 1:
         mine_names = {f for c in mine_idx for f in held[c]}
         step = [f for f in program.step_params if f in mine_names]
@@ -361,7 +375,8 @@ def compile_pipelined(model: nn.Module, graph: OpGraph, plan: Any, *, device: to
               for c in sorted(chunks)]
     per_replica = plan.training.global_batch_size // cfg.dp
     loss_out = LossPassesThrough()
-    schedule = build_schedule(stages, cfg, per_replica // cfg.micro_batch_size, loss_out)
+    schedule = build_schedule(stages, cfg, per_replica // cfg.micro_batch_size, loss_out,
+                              scale_grads=not in_two_chunks)
     factory = optimizer
     if cfg.offload_optimizer and not cfg.offload_params:
         from functools import partial
@@ -371,7 +386,7 @@ def compile_pipelined(model: nn.Module, graph: OpGraph, plan: Any, *, device: to
         opt.overlap_with_forward([chunks[c] for c in sorted(chunks)], layer_modules)
     else:
         opt = factory(params)
-    last_rank = cfg.rank(pp_index=(n - 1) % cfg.pp, dp_index=dp_index, tp_index=tp_index)
+    last_rank = cfg.rank(pp_index=cfg.chunk_rank(n - 1), dp_index=dp_index, tp_index=tp_index)
     return PipelineTrainer(chunks=chunks, schedule=schedule, optimizer=opt, plan=plan, rank=rank,
                            pp_index=pp_index, dp_index=dp_index,
                            dp_group=dp_mesh.get_group() if cfg.dp > 1 else None,
@@ -381,7 +396,8 @@ def compile_pipelined(model: nn.Module, graph: OpGraph, plan: Any, *, device: to
                            placements=program.state, aliases=aliases,
                            health=for_job(rank, dist.get_world_size()), loss_out=loss_out,
                            shared_elsewhere=_shared_elsewhere(held, cfg, pp_index,
-                                                              canonical, aliases))
+                                                              canonical, aliases),
+                           average_here=params if in_two_chunks else [])
 
 
 def _shared_elsewhere(held: list[list[str]], cfg: Any, pp_index: int,
@@ -395,8 +411,8 @@ def _shared_elsewhere(held: list[list[str]], cfg: Any, pp_index: int,
     for c, names in enumerate(held):
         for f in names:
             key = canonical.get(f, f)
-            first[key] = min(first.get(key, cfg.pp), c % cfg.pp)
-            if c % cfg.pp == pp_index:
+            first[key] = min(first.get(key, cfg.pp), cfg.chunk_rank(c))
+            if cfg.chunk_rank(c) == pp_index:
                 mine.add(key)
     return frozenset(canonical_name(k, aliases) for k in mine if first[k] < pp_index)
 

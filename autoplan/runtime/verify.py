@@ -80,17 +80,16 @@ def _build(spec: str, *, layers: int, batch: int, seq_len: int | None, device: s
         return dataclasses.replace(ex, example_inputs=tuple(_rows(t, batch)
                                                             for t in ex.example_inputs),
                                    targets=_rows(ex.targets, batch))
-    from autoplan.models import get_config
-    from autoplan.models import build_example
+    from autoplan.models import build_example, get_config
+    from autoplan.models.registry import layer_overrides
     kw: dict[str, Any] = dict(batch_size=batch, seed=0, seq_len=seq_len, device=device)
     known = {f for f in getattr(get_config(spec), "__dataclass_fields__", {})}
-    field = next((f for f in ("num_layers", "layers", "n_layer") if f in known), None)
-    if field is not None:
-        kw[field] = layers
+    shrink = layer_overrides(spec, layers, strict=False)
+    kw.update(shrink)
     if "dropout" in known:
         kw["dropout"] = 0.0
     ex = build_example(spec, **kw)
-    if field is None and not truncate_layers(ex.model, layers):
+    if not shrink and not truncate_layers(ex.model, layers):
         raise AutoplanError(f"{spec}: no layer count to shrink")
     return ex
 

@@ -25,6 +25,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="autoplan.runtime.worker")
     ap.add_argument("--plan", required=True)
     ap.add_argument("--model", required=True, help="example model name")
+    ap.add_argument("--layers", type=int, default=None, help="the example's layer count")
+    ap.add_argument("--seq-len", type=int, default=None, help="the example's sequence length")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--meta", action="store_true", help="build on meta, materialize shards")
@@ -42,18 +44,21 @@ def main(argv: list[str] | None = None) -> int:
     import torch.distributed as dist
 
     from autoplan.models import build_example
+    from autoplan.models.registry import layer_overrides
     from autoplan.planner.planfile import plan_from_file
     from autoplan.runtime.trainer import compile
     torch.set_num_threads(1)
     plan = plan_from_file(args.plan)
     gbs = plan.training.global_batch_size
-    data = build_example(args.model, batch_size=gbs, seed=0, device="cpu")
+    shape = {"seq_len": args.seq_len, **layer_overrides(args.model, args.layers)}
+    data = build_example(args.model, batch_size=gbs, seed=0, device="cpu", **shape)
     if args.meta:
-        ex = build_example(args.model, batch_size=1, device="meta")
+        ex = build_example(args.model, batch_size=1, device="meta", **shape)
         model = ex.model
     else:
         model = data.model
-    small = build_example(args.model, batch_size=1, seed=0, device="meta" if args.meta else "cpu")
+    small = build_example(args.model, batch_size=1, seed=0, device="meta" if args.meta else "cpu",
+                          **shape)
     resume = _resume_from(args)
     trainer = compile(model, "local", example_inputs=small.example_inputs,
                       example_targets=small.targets, loss_fn=data.loss_fn,
