@@ -284,6 +284,15 @@ def test_dgx_a100_gets_tensor_parallel_in_node_and_pipeline_across_nodes(gpt3_17
     first, second = p.stages[0]["ranks"], p.stages[1]["ranks"]
     assert not {node[r] for r in first} & {node[r] for r in second}   # stages on other nodes
     assert p.predicted["fits"]
+    # forcing the plan's own degrees and schedule finds it again: the tp-axis ILP is priced at
+    # one micro-batch count per (tp, micro-batch), whichever mesh asks first (it once took the
+    # first mesh's, so a forced pp=16 got a memory-hungrier sharding and a plan 30 % slower)
+    c = p.config
+    again = plan(gpt3_175b, Cluster.preset("dgx-a100-80gb", nodes=128), global_batch_size=1536,
+                 profile=None, name="gpt3-175b",
+                 force=dict(tp=c.tp, pp=c.pp, schedule=c.schedule))
+    assert again.config == c
+    assert again.predicted["step_time_s"] == p.predicted["step_time_s"]
 
 
 

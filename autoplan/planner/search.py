@@ -104,22 +104,52 @@ class _Stats:
     t0: float = field(default_factory=time.perf_counter)
 
 
+@dataclass(frozen=True)
+class _Frugal:
+    """What the memory-constrained ILP holds per device: the most memory-saving of the
+    configurations it is solved for (their state bytes per parameter and activations in flight,
+    both per pipeline stage, and the strongest recomputation allowed)."""
+
+    budget_bytes: float
+    state_bytes_per_param: float
+    activation_multiplier: float
+    recompute: str
+
+
+def _frugal(configs: list[ParallelConfig], m: int, opts: SearchOptions, graph: OpGraph,
+            budget_bytes: float) -> _Frugal:
+    from autoplan.cost.memory import model_state_bytes
+    from autoplan.estimate.config import strongest_recompute
+    from autoplan.estimate.layout import in_flight
+    state = min(model_state_bytes(1.0, dp=c.shard_degree, zero_stage=c.zero_stage,
+                                  precision=c.precision, optimizer=c.optimizer,
+                                  offload_optimizer=c.offload_optimizer,
+                                  offload_params=c.offload_params).total_bytes / c.pp
+                for c in configs)
+    # a stage holds 1/pp of the layers, its first stage in_flight micro-batches of them
+    flight = min(in_flight(c, m, 0) / c.pp for c in configs)
+    return _Frugal(budget_bytes, state, flight,
+                   strongest_recompute(space.recompute_options(opts, graph)))
+
+
 def _ilp_sharding(graph: OpGraph, cluster: Any, config: ParallelConfig, profile: Any,
                   m: int, opts: SearchOptions, stats: _Stats,
-                  memory_budget: float | None = None) -> tuple[Sharding, ILPSolution]:
+                  frugal: _Frugal | None = None) -> tuple[Sharding, ILPSolution]:
+    """The tp-axis sharding for ``config``'s mesh and micro-batch: the fastest, or under
+    ``frugal`` the fastest whose model state and activations fit its budget."""
     t = config.tp
     group = config.tp_group()
     compute = compute_model(graph, cluster.device, config.precision, profile)
     w, g, o = bytes_per_param(config.precision, config.optimizer)
-    frugal = memory_budget is not None
-    state = (w + g + o) / (config.dp if frugal else 1)
     ctx = CostContext(graph=graph, t=t, compute=compute,
                       collective_s=lambda kind, nbytes: cluster.collective_time_s(kind, nbytes,
                                                                                   group),
                       batch_scale=config.micro_batch_size / graph.batch_size, microbatches=m,
                       precision=config.precision,
-                      recompute="full" if frugal else "none", state_bytes_per_param=state,
-                      activation_multiplier=1.0, memory_budget=memory_budget)
+                      recompute=frugal.recompute if frugal else "none",
+                      state_bytes_per_param=frugal.state_bytes_per_param if frugal else w + g + o,
+                      activation_multiplier=frugal.activation_multiplier if frugal else 1.0,
+                      memory_budget=frugal.budget_bytes if frugal else None)
     red = reduce_graph(ctx)
     sol = solve(red.problem, time_limit_s=opts.ilp_time_limit_s)
     stats.ilps += 1
@@ -344,7 +374,9 @@ def plan(model: Any, cluster: Any, *, global_batch_size: int, example_inputs: An
                     m < shape.pp or mbs > 4):
                 break                 # few micro-batches per stage: mostly bubble
             # the tp-axis problem depends on the micro-batch, not on pp or dp (only the per-step
-            # gradient all-reduces of replicated weights weigh with m: the first m seen is used)
+            # gradient all-reduces of replicated weights weigh with m: priced at the m of the
+            # mesh without pipeline, whichever mesh asks first, so that forcing pp or dp never
+            # changes the sharding a free search finds)
             key = (shape.tp, mbs)
             if key not in ilp_cache:
                 fixed = opts.fixed_sharding
@@ -356,18 +388,21 @@ def plan(model: Any, cluster: Any, *, global_batch_size: int, example_inputs: An
                     ilp_cache[key] = (megatron_sharding(
                         graph, shape.tp, bool(opts.force.get("sequence_parallel"))), None)
                 else:
-                    ilp_cache[key] = _ilp_sharding(graph, cluster, cfg, profile, m, opts, stats)
+                    flat = cluster.world_size // shape.tp * mbs      # dp x mbs without pp
+                    m_ilp = global_batch_size // flat if global_batch_size % flat == 0 else m
+                    ilp_cache[key] = _ilp_sharding(graph, cluster, cfg, profile, m_ilp, opts,
+                                                   stats)
             sh, sol = ilp_cache[key]
             policies = space.policies(cfg, opts, cluster, graph,
                                       space.schedules(cfg, m, layers, opts))
             found = _evaluate(graph, cluster, policies, sh, sol, global_batch_size,
                               profile, opts, stats, "search")
             if (shape.tp > 1 and opts.sharding == "ilp" and opts.fixed_sharding is None
-                    and not any(c.est.fits for c in found)):
+                    and policies and not any(c.est.fits for c in found)):
                 budget = cluster.device.memory_bytes - (found[0].est.stages[0].memory.margin_bytes
                                                         if found else 0.0)
                 sh2, sol2 = _ilp_sharding(graph, cluster, cfg, profile, m, opts, stats,
-                                          memory_budget=budget)
+                                          frugal=_frugal(policies, m, opts, graph, budget))
                 if sol2.status in ("optimal", "feasible"):
                     found += _evaluate(graph, cluster, policies, sh2, sol2,
                                        global_batch_size, profile, opts, stats, "search")
