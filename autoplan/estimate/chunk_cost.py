@@ -80,14 +80,22 @@ def _work_scale(a: GraphAnalysis, graph: OpGraph, sh: Sharding, i: int,
     return (batch_scale if batch_dep else 1.0) / sh.work_divisor(i)
 
 
-def comm_bytes(graph: OpGraph, a: GraphAnalysis, config: ParallelConfig, value: str,
-               scale: float, t: int, batch_scale: float) -> float:
-    """Bytes of one collective on ``value`` (``scale`` < 0: one tp shard of it)."""
+def comm_bytes(graph: OpGraph, a: GraphAnalysis, precision: str, value: str, scale: float,
+               t: int, batch_scale: float, phase: str = "fwd", grad_shard: int = 1) -> float:
+    """Bytes of one tp-axis collective on ``value`` (``scale`` < 0: one tp shard of it), as
+    the estimate, the sharding ILP and the runtime's collective count all take them: an
+    activation at its micro-batch share; a weight's gradient in fp32, as the runtime reduces
+    gradients, and once per step (``phase`` "step") of ZeRO-2/3's ``grad_shard``-way shard."""
     v = graph.value(value)
-    nbytes = _meta_bytes(v.meta, config.precision)
+    nbytes = _meta_bytes(v.meta, precision)
     if value in a.batch_dependent:
         nbytes *= batch_scale
-    return nbytes * (1.0 / t if scale < 0 else scale)
+    nbytes *= 1.0 / t if scale < 0 else scale
+    if phase == "step" or phase == "bwd" and v.kind == "param":
+        nbytes *= GRAD_BYTES / PRECISION_BYTES[precision]
+    if phase == "step":
+        nbytes /= grad_shard
+    return nbytes
 
 
 def tp_comm_s(ci: CostInputs, start: int, stop: int) -> tuple[float, float, float]:
@@ -98,15 +106,15 @@ def tp_comm_s(ci: CostInputs, start: int, stop: int) -> tuple[float, float, floa
         return 0.0, 0.0, 0.0
     group = config.tp_group()
     t = {"fwd": 0.0, "bwd": 0.0, "step": 0.0}
+    # ZeRO-2/3: the gradient is already sharded over dp when the tp step all-reduces it
+    shard = config.shard_degree if config.zero_stage >= 2 else 1
     for _i, c in sh.comms(start, stop):
-        nbytes = comm_bytes(graph, a, config, c.value, c.scale, sh.t, ci.batch_scale)
-        if c.phase == "step":             # a gradient: reduced in fp32
-            nbytes *= GRAD_BYTES / PRECISION_BYTES[config.precision]
-        if c.phase == "step" and config.zero_stage >= 2:
-            nbytes /= config.shard_degree  # the gradient is already ZeRO-sharded (over dp)
+        nbytes = comm_bytes(graph, a, config.precision, c.value, c.scale, sh.t, ci.batch_scale,
+                            c.phase, shard)
         t[c.phase] += ci.cluster.collective_time_s(c.kind, nbytes, group)
     for r in sh.reshards_in(start, stop):
-        nbytes = comm_bytes(graph, a, config, r.value, r.scale, sh.t, ci.batch_scale)
+        nbytes = comm_bytes(graph, a, config.precision, r.value, r.scale, sh.t,
+                            ci.batch_scale, r.phase)
         t[r.phase] += ci.cluster.collective_time_s(r.kind, nbytes, group)
     return t["fwd"], t["bwd"], t["step"]
 

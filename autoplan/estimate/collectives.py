@@ -49,10 +49,11 @@ def expected_collectives(graph: OpGraph, config: ParallelConfig, sh: Sharding, *
         events = [(i, c.kind, c.value, c.scale, c.phase) for i, c in sh.comms()]
         events += [(r.op_index, r.kind, r.value, r.scale, r.phase) for r in sh.reshards]
         step_bytes = 0.0
+        shard = config.shard_degree if config.zero_stage >= 2 else 1
         for i, kind, value, scale, phase in events:
-            b = comm_bytes(graph, a, config, value, scale, sh.t, bs)
+            b = comm_bytes(graph, a, config.precision, value, scale, sh.t, bs, phase, shard)
             if phase == "step":       # one flattened all-reduce per step, of ZeRO's grad shard
-                step_bytes += b / (config.shard_degree if config.zero_stage >= 2 else 1)
+                step_bytes += b
                 continue
             times = m
             if phase == "fwd" and recomputed and i in in_layer:

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from autoplan.graph.analysis import analyze
 from autoplan.cost.compute import ComputeModel
 from autoplan.cost.memory import _meta_bytes
+from autoplan.estimate.chunk_cost import comm_bytes
 from autoplan.graph.opgraph import OpGraph
 from autoplan.planner.ilp import ILPProblem
 from autoplan.sharding.placement import REPLICATE, Placement
@@ -95,6 +96,12 @@ def _value_bytes(ctx: CostContext, name: str) -> float:
     return b * ctx.batch_scale if name in a.batch_dependent else b
 
 
+def _comm_bytes(ctx: CostContext, name: str, scale: float, phase: str) -> float:
+    """Bytes of one collective, as the estimate takes them (``chunk_cost.comm_bytes``)."""
+    return comm_bytes(ctx.graph, analyze(ctx.graph), ctx.precision, name, scale, ctx.t,
+                      ctx.batch_scale, phase)
+
+
 def _reshard_s(ctx: CostContext, name: str, src: Placement, dst: Placement) -> float:
     """Forward reshard, plus the backward one for tensors that carry gradients."""
     total = 0.0
@@ -104,8 +111,7 @@ def _reshard_s(ctx: CostContext, name: str, src: Placement, dst: Placement) -> f
         k = reshard_kind(a, b)
         if k is not None:
             kind, scale = k
-            nbytes = _value_bytes(ctx, name) * (1.0 / ctx.t if scale < 0 else scale)
-            total += ctx.collective_s(kind, nbytes)
+            total += ctx.collective_s(kind, _comm_bytes(ctx, name, scale, "fwd"))
     return total
 
 
@@ -178,8 +184,7 @@ def _node_cost(ctx: CostContext, node: _Node, j: int) -> tuple[float, float]:
         if ctx.recompute == "full" and in_block or ctx.recompute == "selective" and i in a.score_ops:
             per_mb += c.fwd_s
         for cm in s.comms:
-            nbytes = _value_bytes(ctx, cm.value) * (1.0 / ctx.t if cm.scale < 0 else cm.scale)
-            t = ctx.collective_s(cm.kind, nbytes)
+            t = ctx.collective_s(cm.kind, _comm_bytes(ctx, cm.value, cm.scale, cm.phase))
             if cm.phase == "step":
                 step += t
             else:
@@ -266,7 +271,7 @@ def reduce_graph(ctx: CostContext) -> Reduction:
         for i in range(ku):
             for j in range(kv):
                 acc[i][j] += mat[i][j]
-    _tie_shared_weights(graph, nodes, edge_mats, costs)
+    _tie_shared_weights(ctx, nodes, edge_mats, costs)
     problem = ILPProblem(
         node_costs=tuple(tuple(c) for c in costs), node_memory=tuple(tuple(m) for m in mems),
         edges=tuple((u, v, tuple(tuple(r) for r in mat)) for (u, v), mat in sorted(edge_mats.items())),
@@ -274,11 +279,15 @@ def reduce_graph(ctx: CostContext) -> Reduction:
     return Reduction(rep=tuple(rep), node_of=node_of, nodes=tuple(nodes), problem=problem)
 
 
-def _tie_shared_weights(graph: OpGraph, nodes: list[_Node],
+def _tie_shared_weights(ctx: CostContext, nodes: list[_Node],
                         edge_mats: dict[tuple[int, int], list[list[float]]],
                         costs: list[list[float]]) -> None:
     """A weight read by several ops (an LM head tied to the embedding) is one tensor with one
-    placement: strategy pairs that would lay it out differently cannot run."""
+    placement: strategy pairs that would lay it out differently cannot run. And where one
+    reader's gradient is partial (all-reduced once per step) and another's whole, the partial
+    one is all-reduced every micro-batch instead (``sharding._mixed_weight_grads``): the pair
+    pays the difference."""
+    graph = ctx.graph
     readers: dict[str, list[tuple[int, int, int]]] = {}      # weight -> [(node, pos, slot)]
     for v, node in enumerate(nodes):
         for pos, i in enumerate(node.ops):
@@ -290,25 +299,45 @@ def _tie_shared_weights(graph: OpGraph, nodes: list[_Node],
     def where(v: int, j: int, pos: int, k: int) -> Placement:
         s = nodes[v].choices[j][pos]
         return s.inputs[k] if k < len(s.inputs) else REPLICATE
-    for _weight, occ in sorted(readers.items()):
+
+    def step_s(v: int, j: int, pos: int, weight: str) -> float | None:
+        """What reader (v, pos)'s gradient all-reduce of ``weight`` under strategy j adds when
+        it runs every micro-batch instead of once per step (None: its gradient is whole)."""
+        comms = [c for c in nodes[v].choices[j][pos].comms
+                 if c.phase == "step" and graph.value(c.value).base == weight]
+        if not comms:
+            return None
+        return sum(ctx.microbatches * ctx.collective_s(c.kind, _comm_bytes(ctx, c.value,
+                                                                           c.scale, "bwd"))
+                   - ctx.collective_s(c.kind, _comm_bytes(ctx, c.value, c.scale, "step"))
+                   for c in comms)
+
+    def pair_s(u: int, i: int, pu: int, ku: int, v: int, j: int, pv: int, kv: int,
+               weight: str) -> float:
+        if where(u, i, pu, ku) != where(v, j, pv, kv):
+            return INFEASIBLE_S
+        a, b = step_s(u, i, pu, weight), step_s(v, j, pv, weight)
+        if (a is None) == (b is None):
+            return 0.0
+        return a if a is not None else b
+    for weight, occ in sorted(readers.items()):
         (u, pu, ku), rest = occ[0], occ[1:]
         for v, pv, kv in rest:
             nu, nv = len(nodes[u].choices), len(nodes[v].choices)
             if u == v:
                 for j in range(nu):
-                    if where(u, j, pu, ku) != where(v, j, pv, kv):
-                        costs[u][j] += INFEASIBLE_S
+                    costs[u][j] += pair_s(u, j, pu, ku, v, j, pv, kv, weight)
                 continue
             a, b = (u, v) if (u, v) in edge_mats or (v, u) not in edge_mats else (v, u)
             acc = edge_mats.setdefault((a, b), [[0.0] * len(nodes[b].choices)
                                                 for _ in range(len(nodes[a].choices))])
             for i in range(nu):
                 for j in range(nv):
-                    if where(u, i, pu, ku) != where(v, j, pv, kv):
-                        if (a, b) == (u, v):
-                            acc[i][j] += INFEASIBLE_S
-                        else:
-                            acc[j][i] += INFEASIBLE_S
+                    x = pair_s(u, i, pu, ku, v, j, pv, kv, weight)
+                    if (a, b) == (u, v):
+                        acc[i][j] += x
+                    else:
+                        acc[j][i] += x
 
 
 def sharding_from_choice(graph: OpGraph, t: int, red: Reduction,

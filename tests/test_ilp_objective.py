@@ -1,0 +1,96 @@
+"""The sharding ILP prices what ``estimate`` prices (issue 15, item 2, for the terms the sharding
+decides): on random small models, meshes, micro-batch counts and recompute policies, the ILP's
+objective for *any* choice of strategies (not only its optimum) equals the estimate's compute,
+recomputation, exposed tensor-parallel collectives and per-step tensor-parallel gradient
+all-reduces of the sharding those strategies make (one pipeline stage).
+
+Still outside the ILP (so the plan's step time adds them): data-parallel gradient sync and its
+overlap, ZeRO gathers, the optimizer step and host traffic, the framework's per-op overhead,
+and the pipeline's bubble and sends; and the memory constraint is the ILP's own model, checked
+against the estimate only after the solve.
+"""
+
+import random
+
+import pytest
+
+from autoplan import Cluster
+from autoplan.cost.compute import compute_model
+from autoplan.estimate.chunk_cost import CostInputs, chunk_cost
+from autoplan.estimate.config import ParallelConfig
+from autoplan.estimate.layout import chunks_for
+from autoplan.graph import trace
+from autoplan.graph.analysis import analyze
+from autoplan.models import build_example
+from autoplan.planner.ilp import solve
+from autoplan.planner.problem import INFEASIBLE_S, CostContext, reduce_graph, sharding_from_choice
+from tests.conftest import has_transformers
+
+MODELS = ["gpt-tiny", "nanogpt-tiny", "torch-encoder-tiny", "llama-tiny"] + (
+    ["hf-llama-gqa-tiny", "hf-t5-tiny", "hf-mixtral-tiny", "hf-gpt2-lm-tiny"]
+    if has_transformers() else [])
+PRESETS = ["dgx-h100", "dgx-a100-80gb", "pcie-8gpu"]
+
+
+def _case(seed: int):
+    rng = random.Random(seed)
+    name = rng.choice(MODELS)
+    ex = build_example(name, device="meta", batch_size=rng.choice([1, 2]))
+    g = trace(ex.model, ex.example_inputs, loss_fn=ex.loss_fn, targets=ex.targets)
+    heads = analyze(g).head_counts
+    t = rng.choice([d for d in (2, 4, 8) if all(h % d == 0 for h in heads)] or [2])
+    cluster = Cluster.preset(rng.choice(PRESETS), nodes=1)
+    config = ParallelConfig(dp=8 // t, tp=t, micro_batch_size=rng.choice([1, 2, 4]),
+                            precision=rng.choice(["bf16", "fp32"]),
+                            recompute=rng.choice(["none", "selective"]))
+    return rng, name, g, cluster, config, rng.choice([1, 3, 8])
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_the_ilp_objective_is_the_estimates_price_of_its_sharding(seed):
+    rng, name, g, cluster, config, m = _case(seed)
+    compute = compute_model(g, cluster.device, config.precision, None)
+    t = config.tp
+    ctx = CostContext(graph=g, t=t, compute=compute,
+                      collective_s=lambda kind, nbytes: cluster.collective_time_s(
+                          kind, nbytes, config.tp_group()),
+                      batch_scale=config.micro_batch_size / g.batch_size, microbatches=m,
+                      precision=config.precision, recompute=config.recompute,
+                      state_bytes_per_param=16.0, activation_multiplier=1.0)
+    red = reduce_graph(ctx)
+    problem = red.problem
+    def objective(choice):
+        return (sum(problem.node_costs[v][j] for v, j in enumerate(choice))
+                + sum(mat[choice[u]][choice[v]] for u, v, mat in problem.edges))
+    choices = [solve(problem, time_limit_s=30).choice]
+    for _ in range(12):          # random walks from the optimum over choices that can run
+        choice = list(choices[0])
+        for v in rng.sample(range(len(choice)), k=max(1, len(choice) // 2)):
+            was, choice[v] = choice[v], rng.randrange(len(problem.node_costs[v]))
+            if objective(choice) >= INFEASIBLE_S:   # in-place op resharded, tie broken
+                choice[v] = was
+        choices.append(tuple(choice))
+    assert len(set(choices)) > 3, name
+    for choice in choices:
+        sh = sharding_from_choice(g, t, red, choice)
+        ci = CostInputs(graph=g, analysis=analyze(g), sharding=sh, compute=compute,
+                        cluster=cluster, config=config)
+        (chunk,) = chunks_for(ci)
+        c = chunk_cost(ci, chunk, config.recompute)
+        priced = m * (c.fwd_s + c.bwd_s + c.recompute_s + c.tp_fwd_s + c.tp_bwd_s) + c.tp_step_s
+        assert objective(choice) == pytest.approx(priced, rel=_tolerance(g)), (name, t, m,
+                                                                              choice)
+
+
+def _tolerance(g) -> float:
+    """Exact, but for a weight read by three ops or more (T5's embedding, shared by encoder,
+    decoder and LM head): where some readers' gradients are partial and others' whole, every
+    partial one is all-reduced per micro-batch, which the ILP's pairwise terms count once per
+    whole reader (within the issue's 2 %)."""
+    readers: dict[str, set[int]] = {}
+    for i, op in enumerate(g.ops):
+        for n in op.inputs:
+            v = g.value(n)
+            if v.kind == "param" and v.requires_grad:
+                readers.setdefault(v.base, set()).add(i)
+    return 0.02 if any(len(r) > 2 for r in readers.values()) else 1e-9
