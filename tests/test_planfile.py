@@ -116,6 +116,16 @@ def plan_dict(plan):
 
 
 # ================================================================ round trip, canonical text
+def test_a_version_1_plan_still_loads_and_reads_back_byte_for_byte(plan_dict):
+    """Schema 2 added HSDP and the V schedules; a plan written before has neither and loads."""
+    plan_dict["schema_version"] = 1
+    text = json.dumps(plan_dict, sort_keys=True, indent=1)
+    old = Plan.from_json(text)
+    assert old.schema_version == 1 and old.config == Plan.from_json(
+        json.dumps({**plan_dict, "schema_version": 2})).config
+    assert json.loads(old.to_json()) == plan_dict
+
+
 def test_round_trip_and_identical_text(plan, tmp_path):
     text = plan.to_json()
     again = Plan.from_json(text)
@@ -229,8 +239,12 @@ def _delete(path):
 
 QKV = "layers.0.attn.qkv.weight"
 MALFORMED = [
-    ("wrong version", _set(["schema_version"], 2), "reads plan schema version 1"),
-    ("no version", _delete(["schema_version"]), "reads plan schema version 1"),
+    ("newer version", _set(["schema_version"], 3), "written by a newer autoplan"),
+    ("unknown version", _set(["schema_version"], 0), "reads plan schemas 1, 2"),
+    ("no version", _delete(["schema_version"]), "reads plan schemas 1, 2"),
+    ("a version-1 plan with schema 2's schedules",
+     lambda d: (d.__setitem__("schema_version", 1), d["config"].__setitem__("schedule", "zbv")),
+     "schema 2 added"),
     ("unknown top key", _set(["colour"], 1), "unknown key(s) colour"),
     ("unknown nested key", _set(["mesh", "colour"], 1), "mesh.colour"),
     ("unknown deep key", _set(["predicted", "time", "nap_s"], 0.0), "predicted.time.nap_s"),
@@ -470,7 +484,7 @@ def test_cli_inspect_and_diff(plan, tiny, a100_x2, tmp_path, capsys):
     assert main(["inspect", str(tmp_path / "bad.json")]) == 1
     err = capsys.readouterr().err
     assert "autoplan inspect: error" in err and "truncated" in err and "bad.json" in err
-    assert PLAN_SCHEMA_VERSION == 1
+    assert PLAN_SCHEMA_VERSION == 2
 
 
 def test_schema_enums_match_the_code():

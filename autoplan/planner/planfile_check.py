@@ -21,10 +21,13 @@ from typing import Any
 
 from autoplan import safe_io
 from autoplan.errors import AutoplanError, ConfigError, PlanError
-from autoplan.estimate.config import RECOMPUTE, ParallelConfig
+from autoplan.estimate.config import RECOMPUTE, V_SCHEDULES, ParallelConfig
 from autoplan.sharding.placement import Placement
 
-PLAN_SCHEMA_VERSION = 1
+# 2: HSDP (config.dp_shard, mesh axes dp_replicate x dp_shard) and the V-shaped schedules
+# (zbv, dualpipev). A version-1 plan has none of them and reads as it did.
+PLAN_SCHEMA_VERSION = 2
+READABLE_PLAN_SCHEMAS = (1, 2)
 MAX_FILE_BYTES = 256 << 20        # refuse larger files before reading them
 MAX_DEPTH = 64                    # JSON nesting (a valid plan needs about 6)
 MAX_STRING_CHARS = 1 << 20        # any one string or key
@@ -71,10 +74,17 @@ def check_plan(d: Any) -> None:
     if not isinstance(d, Mapping):
         raise PlanError(f"a plan file holds one JSON object, got {kind(d)}")
     version = d.get("schema_version")
-    if version != PLAN_SCHEMA_VERSION:
-        raise PlanError(f"schema_version {_clip(version)!r}: this autoplan reads plan schema "
-                        f"version {PLAN_SCHEMA_VERSION}" + ("" if isinstance(version, int) else
-                        " (missing or not an integer: is this a plan file?)") +
+    if isinstance(version, int) and not isinstance(version, bool) \
+            and version > PLAN_SCHEMA_VERSION:
+        raise PlanError(f"schema_version {version}: this plan was written by a newer autoplan "
+                        f"than this one, which reads plan schemas "
+                        f"{', '.join(map(str, READABLE_PLAN_SCHEMAS))}; upgrade autoplan or "
+                        "re-plan with this version")
+    if version not in READABLE_PLAN_SCHEMAS or isinstance(version, bool):
+        raise PlanError(f"schema_version {_clip(version)!r}: this autoplan reads plan schemas "
+                        f"{', '.join(map(str, READABLE_PLAN_SCHEMAS))}"
+                        + ("" if isinstance(version, int) else
+                           " (missing or not an integer: is this a plan file?)") +
                         "; re-plan with this autoplan version")
     _keys(d, "", PLAN_KEYS)
     _str(d["autoplan_version"], "autoplan_version", limit=64)
@@ -97,6 +107,9 @@ def check_plan(d: Any) -> None:
     _str(t["precision"], "training.precision", limit=64)
     _str(t["optimizer"], "training.optimizer", limit=64)
     config = _config(d["config"], "config")
+    if version == 1 and (config.dp_shard is not None or config.schedule in V_SCHEDULES):
+        fail("schema_version", "1, but the plan uses what schema 2 added (config.dp_shard or "
+             f"schedule {config.schedule!r}): set schema_version 2")
     for k in ("precision", "optimizer"):
         if t[k] != getattr(config, k):
             fail(f"training.{k}", f"{t[k]!r} but config.{k} is {getattr(config, k)!r}")
