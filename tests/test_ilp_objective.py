@@ -2,12 +2,13 @@
 decides): on random small models, meshes, micro-batch counts and recompute policies, the ILP's
 objective for *any* choice of strategies (not only its optimum) equals the estimate's compute,
 recomputation, exposed tensor-parallel collectives and per-step tensor-parallel gradient
-all-reduces of the sharding those strategies make (one pipeline stage).
+all-reduces of the sharding those strategies make (one pipeline stage); and its memory for the
+choice equals the estimate's model state and one micro-batch's kept activations.
 
 Still outside the ILP (so the plan's step time adds them): data-parallel gradient sync and its
 overlap, ZeRO gathers, the optimizer step and host traffic, the framework's per-op overhead,
-and the pipeline's bubble and sends; and the memory constraint is the ILP's own model, checked
-against the estimate only after the solve.
+and the pipeline's bubble and sends; in memory, full recomputation's kept layer inputs, the
+transient working set and the margin.
 """
 
 import random
@@ -80,6 +81,10 @@ def test_the_ilp_objective_is_the_estimates_price_of_its_sharding(seed):
         priced = m * (c.fwd_s + c.bwd_s + c.recompute_s + c.tp_fwd_s + c.tp_bwd_s) + c.tp_step_s
         assert objective(choice) == pytest.approx(priced, rel=_tolerance(g)), (name, t, m,
                                                                               choice)
+        # memory: model state per parameter on this rank plus one micro-batch's activations
+        held = sum(problem.node_memory[v][j] for v, j in enumerate(choice))
+        assert held == pytest.approx(c.params * 16.0 + c.activation_bytes, rel=1e-9), (
+            name, t, choice)
 
 
 def _tolerance(g) -> float:

@@ -55,6 +55,39 @@ class CostContext:
         return max(1, round(self.batch_scale * self.graph.batch_size))
 
 
+def _part_of(graph: OpGraph) -> list[int]:
+    """Per op, its part of the estimate's one chunk (``chunk_cost.chunk_parts``)."""
+    from autoplan.estimate.chunk_cost import chunk_parts
+    from autoplan.estimate.partition import partition
+    out = [0] * len(graph.ops)
+    (chunk,) = partition(graph, 1)
+    for part, (start, stop, _) in enumerate(chunk_parts(chunk)):
+        out[start:stop] = [part] * (stop - start)
+    return out
+
+
+def _first_savers(graph: OpGraph, recompute: str) -> dict[tuple[int, str], int]:
+    """Which op counts each kept activation, as ``cost.memory.activation_bytes`` does over each
+    part of the estimate's one chunk (a layer, or the ops around the layers): the first op of
+    the part that keeps it, per (part, value), skipping what the policy drops."""
+    from autoplan.estimate.chunk_cost import chunk_parts
+    from autoplan.estimate.partition import partition
+    a = analyze(graph)
+    first: dict[tuple[int, str], int] = {}
+    (chunk,) = partition(graph, 1)
+    for part, (start, stop, is_layer) in enumerate(chunk_parts(chunk)):
+        policy = recompute if is_layer else "none"
+        for i in range(start, stop):
+            if policy == "selective" and i in a.score_ops:
+                continue
+            for n in graph.ops[i].saved:
+                base = graph.value(graph.value(n).base)
+                if base.kind == "activation" and not (policy == "selective"
+                                                      and base.name in a.score_values):
+                    first.setdefault((part, base.name), i)
+    return first
+
+
 @dataclass
 class _Node:
     ops: list[int]                                   # rep op indices, leader first
@@ -168,7 +201,8 @@ def _expand(graph: OpGraph, node: _Node, t: int, cache: dict[int, list[OpStrateg
         node.internal.append(internal)
 
 
-def _node_cost(ctx: CostContext, node: _Node, j: int) -> tuple[float, float]:
+def _node_cost(ctx: CostContext, node: _Node, j: int, savers: dict[tuple[int, str], int],
+               part_of: list[int]) -> tuple[float, float]:
     """(seconds per step, bytes per device) of strategy j, for all instances it stands for."""
     graph = ctx.graph
     a = analyze(graph)
@@ -199,15 +233,21 @@ def _node_cost(ctx: CostContext, node: _Node, j: int) -> tuple[float, float]:
             continue
         if ctx.recompute == "selective" and i in a.score_ops:
             continue
+        counted: set[str] = set()
         for n in op.saved:
-            v = graph.value(n)
-            base = graph.value(v.base)
-            if base.kind != "activation" or (ctx.recompute == "selective"
-                                             and base.name in a.score_values):
-                continue
+            base = graph.value(graph.value(n).base)
+            if savers.get((part_of[i], base.name)) != i or base.name in counted:
+                continue           # dropped by the policy, or counted already
+            counted.add(base.name)
             k = op.inputs.index(n) if n in op.inputs else -1
             where = s.inputs[k] if 0 <= k < len(s.inputs) else node.placement[j].get(n, REPLICATE)
             acts += _value_bytes(ctx, base.name) * (1.0 / ctx.t if where.kind == "S" else 1.0)
+        out = op.outputs[0] if op.outputs else ""
+        if op.saved_internal:      # what a kernel keeps beside its outputs (softmax statistics)
+            where = node.placement[j].get(out, REPLICATE)
+            scale = ((ctx.batch_scale if out in a.batch_dependent else 1.0)
+                     * (1.0 / ctx.t if where.kind == "S" else 1.0))
+            acts += sum(_meta_bytes(m, ctx.precision) for m in op.saved_internal) * scale
     for i, name, src, dst in node.internal[j]:
         per_mb += (INFEASIBLE_S if mutates_input(graph.ops[i].target)
                    else _reshard_s(ctx, name, src, dst))
@@ -226,9 +266,11 @@ def reduce_graph(ctx: CostContext) -> Reduction:
         _expand(graph, node, ctx.t, cache, ctx.micro_batch)
     costs = [[0.0] * len(n.choices) for n in nodes]
     mems = [[0.0] * len(n.choices) for n in nodes]
+    savers = _first_savers(graph, ctx.recompute)
+    part_of = _part_of(graph)
     for v, node in enumerate(nodes):
         for j in range(len(node.choices)):
-            costs[v][j], mems[v][j] = _node_cost(ctx, node, j)
+            costs[v][j], mems[v][j] = _node_cost(ctx, node, j, savers, part_of)
 
     # edges: every (producer, consumer) pair of the full graph, folded onto representatives
     counts: dict[tuple[int, int, str, int, int], int] = {}
