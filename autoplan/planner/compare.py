@@ -75,14 +75,9 @@ def vs_megatron(plan: Plan, graph: OpGraph, cluster: Any,
                  sharding=mine)
     b = estimate(graph, cluster, config=cfg, global_batch_size=gbs, profile=profile,
                  sharding=theirs)
-    placed = theirs.param_placement(graph)
-    by_base = {v.base: placed[v.fqn] for v in graph.param_values if v.fqn in placed}
-    params = []
-    for v in sorted(graph.param_values, key=lambda v: v.fqn):
-        p = placed.get(v.fqn, by_base.get(v.base))
-        meg = str(p) if p is not None else "R"
-        if v.fqn in plan.param_placements and plan.param_placements[v.fqn].tp != meg:
-            params.append((v.fqn, plan.param_placements[v.fqn].tp, meg))
+    params = [(fqn, plan.param_placements[fqn].tp, meg)
+              for fqn, meg in theirs.param_placement_text(graph).items()
+              if fqn in plan.param_placements and plan.param_placements[fqn].tp != meg]
     ops = [(op.name, s.name, m.name) for op, s, m in zip(graph.ops, mine.op_strategy,
                                                          theirs.op_strategy) if s.name != m.name]
     return ShardingComparison(

@@ -503,13 +503,9 @@ def _assemble(graph: OpGraph, cluster: Any, best: _Candidate, alternatives: list
     tp_group = cfg.tp_group()
     zero3 = cfg.zero_stage == 3 and cfg.dp > 1
     # every parameter FQN, tied aliases too (they share their owner's storage and placement)
-    used = sh.param_placement(graph)
-    by_base = {v.base: used[v.fqn] for v in graph.param_values if v.fqn in used}
-    placements = {}
-    for v in sorted(graph.param_values, key=lambda v: v.fqn):
-        p = used.get(v.fqn, by_base.get(v.base))
-        placements[v.fqn] = ParamPlacement(tp=str(p) if p is not None else "R",
-                                           dp="S(0)" if zero3 else "R", shape=tuple(v.meta.shape))
+    shapes = {v.fqn: tuple(v.meta.shape) for v in graph.param_values}
+    placements = {fqn: ParamPlacement(tp=tp, dp="S(0)" if zero3 else "R", shape=shapes[fqn])
+                  for fqn, tp in sh.param_placement_text(graph).items()}
     recompute = {}
     for block in graph.blocks:
         for inst in block.instances:

@@ -91,6 +91,17 @@ class Sharding:
                 out[v.fqn] = self.state[owner]
         return out
 
+    def param_placement_text(self, graph: OpGraph) -> dict[str, str]:
+        """Every parameter FQN (tied aliases too, as their storage's) -> its stored placement on
+        the tp axis as the plan file writes it ("R", "S(0)", ...), sorted by FQN."""
+        placed = self.param_placement(graph)
+        by_base = {v.base: placed[v.fqn] for v in graph.param_values if v.fqn in placed}
+        out = {}
+        for v in sorted(graph.param_values, key=lambda v: v.fqn):
+            p = placed.get(v.fqn, by_base.get(v.base))
+            out[v.fqn] = str(p) if p is not None else "R"
+        return out
+
     def placement_of(self, graph: OpGraph, name: str) -> Placement:
         """Where value ``name`` lies: op outputs as placed, state as stored, inputs whole."""
         if name in self.value_placement:
