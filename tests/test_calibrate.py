@@ -159,7 +159,8 @@ def test_calibrate_command_measures_two_plans_and_writes_the_profile(tmp_path):
     (profile,) = (tmp_path / "profiles").glob("*.json")
     data = json.loads(profile.read_text())
     assert "loopback" in data["links"] and data["threads"] == 1
-    assert data["calibration"]["framework_s_per_op"] >= 0.0
+    # written only when the fit leaves some (a busy machine's noise can leave none)
+    assert data["calibration"].get("framework_s_per_op", 0.0) >= 0.0
 
 
 def test_link_refit_keeps_the_known_bandwidth_when_sizes_do_not_determine_it():
