@@ -103,3 +103,20 @@ def test_verify_a_v_schedule_on_a_hugging_face_model_with_a_tied_head(tmp_path):
     out = _verify(plan_path, "hf-gpt2-lm-tiny")
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "dualpipev" in out.stdout and "PASS" in out.stdout
+
+
+def test_run_trains_a_users_model_given_as_package_module_function(tmp_path):
+    """`autoplan run` builds a user's model the way `plan` traced it (its own example inputs;
+    the batch for the steps made of its rows), on every rank with the same weights."""
+    from tests.distributed import free_port
+    plan_path = tmp_path / "user.json"
+    _plan_cli(plan_path, "tests.test_verify:user_model", "--cluster", "local:2",
+              "--global-batch", "8", "--precision", "fp32", "--force", "tp=2")
+    out = subprocess.run([sys.executable, "-m", "autoplan.cli.main", "run", str(plan_path),
+                          "--model", "tests.test_verify:user_model", "--steps", "4",
+                          "--master-port", str(free_port())],
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    losses = [float(line.split()[3]) for line in out.stdout.splitlines()
+              if line.startswith("step ")]
+    assert len(losses) == 4 and losses[-1] < losses[0], out.stdout[-2000:]

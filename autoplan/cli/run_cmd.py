@@ -17,7 +17,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("run", help="train a plan under torchrun (launched for you)",
                        description=__doc__)
     p.add_argument("plan", help="plan.json written by `autoplan plan`")
-    p.add_argument("--model", required=True, help="the example model the plan was made for")
+    p.add_argument("--model", required=True,
+                   help="the model the plan was made for: an example name or "
+                        "'package.module:function' returning an autoplan.models.Example")
     p.add_argument("--layers", type=int, default=None,
                    help="the example's layer count, as given to `autoplan plan --layers`")
     p.add_argument("--seq-len", type=int, default=None,

@@ -68,18 +68,29 @@ def build(spec: str, *, layers: int, batch: int, seq_len: int | None, device: st
     return ex
 
 
+def user_example(spec: str, *, batch: int | None, layers: int | None = None):
+    """A user's ``package.module:function`` model, seeded (every rank builds the same weights),
+    its first ``layers`` layers when given, with ``batch`` rows of inputs and targets (theirs
+    repeated and varied; None: theirs as they are)."""
+    import dataclasses
+
+    from autoplan.models import load_user_example
+    torch.manual_seed(0)
+    ex = load_user_example(spec)
+    if layers is not None and not truncate_layers(ex.model, layers):
+        raise AutoplanError(f"{spec}: no layer stack (an nn.ModuleList of modules of one "
+                            "type) to shrink")
+    if batch is None:
+        return ex
+    return dataclasses.replace(ex, example_inputs=tuple(_rows(t, batch)
+                                                        for t in ex.example_inputs),
+                               targets=_rows(ex.targets, batch))
+
+
 def _build(spec: str, *, layers: int, batch: int, seq_len: int | None, device: str):
     torch.manual_seed(0)
     if ":" in spec:
-        from autoplan.models import load_user_example
-        ex = load_user_example(spec)
-        if not truncate_layers(ex.model, layers):
-            raise AutoplanError(f"{spec}: no layer stack (an nn.ModuleList of modules of one "
-                                "type) to shrink")
-        import dataclasses
-        return dataclasses.replace(ex, example_inputs=tuple(_rows(t, batch)
-                                                            for t in ex.example_inputs),
-                                   targets=_rows(ex.targets, batch))
+        return user_example(spec, batch=batch, layers=layers)
     from autoplan.models import build_example, get_config
     from autoplan.models.registry import layer_overrides
     kw: dict[str, Any] = dict(batch_size=batch, seed=0, seq_len=seq_len, device=device)

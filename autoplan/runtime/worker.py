@@ -24,7 +24,8 @@ import torch
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="autoplan.runtime.worker")
     ap.add_argument("--plan", required=True)
-    ap.add_argument("--model", required=True, help="example model name")
+    ap.add_argument("--model", required=True,
+                    help="an example name or a user's package.module:function")
     ap.add_argument("--layers", type=int, default=None, help="the example's layer count")
     ap.add_argument("--seq-len", type=int, default=None, help="the example's sequence length")
     ap.add_argument("--steps", type=int, default=10)
@@ -46,19 +47,27 @@ def main(argv: list[str] | None = None) -> int:
     from autoplan.models import build_example
     from autoplan.models.registry import layer_overrides
     from autoplan.planner.planfile import plan_from_file
+    from autoplan.runtime.verify import user_example
     from autoplan.runtime.trainer import compile
     torch.set_num_threads(1)
     plan = plan_from_file(args.plan)
     gbs = plan.training.global_batch_size
-    shape = {"seq_len": args.seq_len, **layer_overrides(args.model, args.layers)}
-    data = build_example(args.model, batch_size=gbs, seed=0, device="cpu", **shape)
-    if args.meta:
-        ex = build_example(args.model, batch_size=1, device="meta", **shape)
-        model = ex.model
-    else:
+    if ":" in args.model:            # a user's package.module:function
+        if args.meta or args.seq_len:
+            raise SystemExit(f"autoplan run: --meta and --seq-len take example names; "
+                             f"{args.model} builds its own model and inputs")
+        data = user_example(args.model, batch=gbs, layers=args.layers)
+        small = user_example(args.model, batch=None, layers=args.layers)  # as traced
         model = data.model
-    small = build_example(args.model, batch_size=1, seed=0, device="meta" if args.meta else "cpu",
-                          **shape)
+    else:
+        shape = {"seq_len": args.seq_len, **layer_overrides(args.model, args.layers)}
+        data = build_example(args.model, batch_size=gbs, seed=0, device="cpu", **shape)
+        if args.meta:
+            model = build_example(args.model, batch_size=1, device="meta", **shape).model
+        else:
+            model = data.model
+        small = build_example(args.model, batch_size=1, seed=0,
+                              device="meta" if args.meta else "cpu", **shape)
     resume = _resume_from(args)
     trainer = compile(model, "local", example_inputs=small.example_inputs,
                       example_targets=small.targets, loss_fn=data.loss_fn,
