@@ -128,7 +128,7 @@ def _stages(plan: Any, layers: list[str], problems: list[str]) -> None:
         problems.append(f"the plan lists {len(plan.stages)} pipeline stages of "
                         f"{sorted({len(st.get('chunks') or [1]) for st in plan.stages})} chunks; "
                         f"its config has pp={cfg.pp} with {cfg.virtual_stages} chunks each")
-    elif [c for st in _chunks_in_pipeline_order(plan) for c in st] != order:
+    elif [c for st in chunks_in_model_order(plan) for c in st] != order:
         problems.append("pipeline chunks do not hold the layers in the model's order")
     if sorted(ranks) != list(range(cfg.world_size)):
         problems.append(f"pipeline stages list ranks {_few([str(r) for r in ranks], 8)}: each of "
@@ -141,9 +141,10 @@ def _stages(plan: Any, layers: list[str], problems: list[str]) -> None:
                             f"are {want}")
 
 
-def _chunks_in_pipeline_order(plan: Any) -> list[list[str]]:
-    """The plan's chunks in model order: chunk c is on rank ``chunk_rank(c)``, where it is that
-    rank's ``rank_chunks(...).index(c)``-th."""
+def chunks_in_model_order(plan: Any) -> list[list[str]]:
+    """The layers of each of the plan's ``pp * v`` chunks, in model order: chunk c is on rank
+    ``chunk_rank(c)``, whose stage lists it ``rank_chunks(...).index(c)``-th (the stages must
+    list ``virtual_stages`` chunks each, as ``_stages`` checks)."""
     cfg = plan.config
     per_rank = [st.get("chunks") or [st["layers"]] for st in plan.stages]
     out = []

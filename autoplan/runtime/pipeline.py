@@ -32,6 +32,7 @@ from torch import nn
 from autoplan.errors import PlanError
 from autoplan.estimate.config import SPLIT_BACKWARD
 from autoplan.graph.opgraph import OpGraph
+from autoplan.planner.plan_check import chunks_in_model_order
 from autoplan.runtime.checkpoint import Checkpointing
 from autoplan.runtime.grads import GradientStep, LossScaler, finish_step
 from autoplan.runtime.optim import _local, wait_gathers
@@ -65,9 +66,8 @@ def chunk_specs(plan: Any) -> list[ChunkSpec]:
     if len(per_rank) != p:
         raise PlanError(f"the plan lists {len(per_rank)} pipeline stages for pp={p}; re-plan")
     n = p * v
-    return [ChunkSpec(index=c, layers=tuple(per_rank[r][cfg.rank_chunks(r).index(c)]),
-                      first=c == 0, last=c == n - 1)
-            for c, r in ((c, cfg.chunk_rank(c)) for c in range(n))]
+    return [ChunkSpec(index=c, layers=tuple(layers), first=c == 0, last=c == n - 1)
+            for c, layers in enumerate(chunks_in_model_order(plan))]
 
 
 def chunk_cuts(graph: OpGraph, specs: Sequence[ChunkSpec]) -> list[int]:
