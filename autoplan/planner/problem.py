@@ -55,27 +55,20 @@ class CostContext:
         return max(1, round(self.batch_scale * self.graph.batch_size))
 
 
-def _part_of(graph: OpGraph) -> list[int]:
-    """Per op, its part of the estimate's one chunk (``chunk_cost.chunk_parts``)."""
-    from autoplan.estimate.chunk_cost import chunk_parts
-    from autoplan.estimate.partition import partition
-    out = [0] * len(graph.ops)
-    (chunk,) = partition(graph, 1)
-    for part, (start, stop, _) in enumerate(chunk_parts(chunk)):
-        out[start:stop] = [part] * (stop - start)
-    return out
-
-
-def _first_savers(graph: OpGraph, recompute: str) -> dict[tuple[int, str], int]:
+def _activation_owners(graph: OpGraph, recompute: str
+                       ) -> tuple[dict[tuple[int, str], int], list[int]]:
     """Which op counts each kept activation, as ``cost.memory.activation_bytes`` does over each
-    part of the estimate's one chunk (a layer, or the ops around the layers): the first op of
-    the part that keeps it, per (part, value), skipping what the policy drops."""
+    part of the estimate's one chunk (a layer, or the ops around the layers): per (part, value)
+    the first op of the part that keeps it, skipping what the policy drops; and per op its
+    part."""
     from autoplan.estimate.chunk_cost import chunk_parts
     from autoplan.estimate.partition import partition
     a = analyze(graph)
     first: dict[tuple[int, str], int] = {}
+    part_of = [0] * len(graph.ops)
     (chunk,) = partition(graph, 1)
     for part, (start, stop, is_layer) in enumerate(chunk_parts(chunk)):
+        part_of[start:stop] = [part] * (stop - start)
         policy = recompute if is_layer else "none"
         for i in range(start, stop):
             if policy == "selective" and i in a.score_ops:
@@ -85,7 +78,7 @@ def _first_savers(graph: OpGraph, recompute: str) -> dict[tuple[int, str], int]:
                 if base.kind == "activation" and not (policy == "selective"
                                                       and base.name in a.score_values):
                     first.setdefault((part, base.name), i)
-    return first
+    return first, part_of
 
 
 @dataclass
@@ -266,8 +259,7 @@ def reduce_graph(ctx: CostContext) -> Reduction:
         _expand(graph, node, ctx.t, cache, ctx.micro_batch)
     costs = [[0.0] * len(n.choices) for n in nodes]
     mems = [[0.0] * len(n.choices) for n in nodes]
-    savers = _first_savers(graph, ctx.recompute)
-    part_of = _part_of(graph)
+    savers, part_of = _activation_owners(graph, ctx.recompute)
     for v, node in enumerate(nodes):
         for j in range(len(node.choices)):
             costs[v][j], mems[v][j] = _node_cost(ctx, node, j, savers, part_of)
