@@ -209,12 +209,12 @@ def test_v_schedules_run_torchs_own_action_order(schedule):
     """The simulator's order for every rank is the list torch's ScheduleZBVZeroBubble /
     ScheduleDualPipeV hands its runtime, micro-batch for micro-batch."""
     pytest.importorskip("torch.distributed.pipelining.schedules")
-    from autoplan.estimate.pipeline_sim import _orders
+    from autoplan.estimate.schedule_orders import orders
     for p in (2, 3, 4, 8):
         for m in range(1, 3 * p + 2):
             if schedule == "dualpipev" and m < 2 * p:
                 continue
-            mine = _orders(schedule, p, 2, m)
+            mine = orders(schedule, p, 2, m)
             for r in range(p):
                 assert mine[r] == _torch_order(schedule, p, m, r), (p, m, r)
 

@@ -23,7 +23,7 @@ from autoplan.estimate.config import (MULTI_CHUNK_SCHEDULES, RECOMPUTE, V_SCHEDU
                                       ParallelConfig, strongest_recompute)
 from autoplan.estimate.partition import (Chunk, Split, UnitChoice, chunks_from_counts,
                                          min_max_split, partition, pipeline_units)
-from autoplan.estimate.pipeline_sim import W_KEEPS, order_peak_chunks
+from autoplan.estimate.schedule_orders import W_KEEPS, order_peak_chunks
 
 
 def in_flight(config: ParallelConfig, m: int, stage: int) -> float:
