@@ -91,8 +91,9 @@ class ParallelConfig:
         if self.zero_stage not in (0, 1, 2, 3):
             raise ConfigError(f"zero_stage must be 0, 1, 2 or 3, got {self.zero_stage!r}")
         if self.virtual_stages > 1 and self.schedule not in MULTI_CHUNK_SCHEDULES:
-            raise ConfigError(f"virtual_stages={self.virtual_stages} needs schedule "
-                              f"'interleaved_1f1b' or 'zero_bubble' (got {self.schedule!r})")
+            raise ConfigError(f"virtual_stages={self.virtual_stages} needs a schedule of "
+                              f"several chunks per rank, one of {list(MULTI_CHUNK_SCHEDULES)} "
+                              f"(got {self.schedule!r})")
         if self.schedule in V_SCHEDULES and self.pp > 1 and self.virtual_stages != 2:
             raise ConfigError(f"schedule {self.schedule!r} places exactly two chunks per "
                               f"pipeline rank in a V; set virtual_stages=2 (got "
