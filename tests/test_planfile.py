@@ -239,9 +239,9 @@ def _delete(path):
 
 QKV = "layers.0.attn.qkv.weight"
 MALFORMED = [
-    ("newer version", _set(["schema_version"], 3), "written by a newer autoplan"),
-    ("unknown version", _set(["schema_version"], 0), "reads plan schemas 1, 2"),
-    ("no version", _delete(["schema_version"]), "reads plan schemas 1, 2"),
+    ("newer version", _set(["schema_version"], 4), "written by a newer autoplan"),
+    ("unknown version", _set(["schema_version"], 0), "reads plan schemas 1, 2, 3"),
+    ("no version", _delete(["schema_version"]), "reads plan schemas 1, 2, 3"),
     ("a version-1 plan with schema 2's schedules",
      lambda d: (d.__setitem__("schema_version", 1), d["config"].__setitem__("schedule", "zbv")),
      "schema 2 added"),
@@ -266,7 +266,7 @@ MALFORMED = [
     ("bad config", _set(["config", "zero_stage"], 5), "config: not a valid ParallelConfig"),
     ("config type", _set(["config", "sequence_parallel"], "yes"),
      "config.sequence_parallel: expected true or false, got a string 'yes'"),
-    ("config key", _set(["config", "ep"], 2), "unknown ParallelConfig keys"),
+    ("config key", _set(["config", "colour"], 2), "unknown ParallelConfig keys"),
     ("alternative config", _set(["alternatives", 1, "config", "tp"], 0), "alternatives[1].config"),
     ("batch", _set(["training", "global_batch_size"], 30), "does not divide"),
     ("precision", _set(["training", "precision"], "fp16"), "training.precision"),
@@ -484,7 +484,7 @@ def test_cli_inspect_and_diff(plan, tiny, a100_x2, tmp_path, capsys):
     assert main(["inspect", str(tmp_path / "bad.json")]) == 1
     err = capsys.readouterr().err
     assert "autoplan inspect: error" in err and "truncated" in err and "bad.json" in err
-    assert PLAN_SCHEMA_VERSION == 2
+    assert PLAN_SCHEMA_VERSION == 3
 
 
 def test_schema_enums_match_the_code():

@@ -21,6 +21,7 @@ from autoplan.cost.memory import (GRAD_BYTES, PRECISION_BYTES, _meta_bytes, acti
 from autoplan.estimate.config import ParallelConfig
 from autoplan.estimate.overlap import overlap_exposed_s, overlap_interference
 from autoplan.estimate.partition import Chunk
+from autoplan.graph.experts import find_experts
 from autoplan.graph.opgraph import OpGraph
 from autoplan.sharding.placement import REPLICATE
 from autoplan.sharding.sharding import Sharding
@@ -59,14 +60,17 @@ class RangeCost:
     num_layers: int = 0
     boundary_bytes: float = 0.0   # chunks: activation sent to the next chunk per micro-batch
     layer_params: float = 0.0     # chunks: of ``params``, those inside its layers
+    ep_fwd_s: float = 0.0         # expert parallelism: the routed rows' all-to-all exchanges
+    ep_bwd_s: float = 0.0
+    expert_params: float = 0.0    # of ``params``, expert weights' slabs (their grads: over edp)
 
     @property
     def fwd_total_s(self) -> float:
-        return self.fwd_s + self.tp_fwd_s
+        return self.fwd_s + self.tp_fwd_s + self.ep_fwd_s
 
     @property
     def bwd_total_s(self) -> float:
-        return self.bwd_s + self.tp_bwd_s + self.recompute_s
+        return self.bwd_s + self.tp_bwd_s + self.recompute_s + self.ep_bwd_s
 
     @property
     def time_s(self) -> float:
@@ -119,6 +123,37 @@ def tp_comm_s(ci: CostInputs, start: int, stop: int) -> tuple[float, float, floa
     return t["fwd"], t["bwd"], t["step"]
 
 
+def ep_comm_s(ci: CostInputs, start: int, stop: int) -> tuple[float, float]:
+    """(forward, backward) seconds of the expert-parallel exchanges of ops[start:stop]: per
+    grouped product, its rows all-to-all to their experts' ranks and back (and, in forward, the
+    all-gather of the per-expert row counts); the backward sends the rows' gradients the same
+    two ways. Each rank sends its rows at their tp-local size; balanced routing is assumed
+    (every rank receives as many rows as it sends)."""
+    config = ci.config
+    found = find_experts(ci.graph) if config.ep > 1 else None
+    if found is None:
+        return 0.0, 0.0
+    graph, sh = ci.graph, ci.sharding
+    group = config.ep_group()
+    fwd = bwd = 0.0
+    for i in found.ops:
+        if not start <= i < stop:
+            continue
+        op = graph.ops[i]
+        for n, p in ((op.inputs[0], sh.input_placement(graph, i, op.inputs[0])),
+                     (op.outputs[0], sh.op_strategy[i].local_output(0))):
+            b = _meta_bytes(graph.value(n).meta, config.precision)
+            if n in ci.analysis.batch_dependent:
+                b *= ci.batch_scale
+            a2a = ci.cluster.collective_time_s("all_to_all", b / (sh.t if p.kind == "S"
+                                                                  else 1), group)
+            fwd += a2a
+            bwd += a2a
+        fwd += ci.cluster.collective_time_s("all_gather", 8.0 * found.num_experts * config.ep,
+                                            group)
+    return fwd, bwd
+
+
 def _cached(ci: CostInputs, what: str, where: tuple, make: Any) -> RangeCost:
     """``make()``, kept on the graph under ``where`` and every input a range's cost reads: the
     sharding, device model and cluster objects, and the config fields used (ZeRO-2/3 shard the
@@ -127,7 +162,7 @@ def _cached(ci: CostInputs, what: str, where: tuple, make: Any) -> RangeCost:
     cfg = ci.config
     key = (id(ci.sharding), id(ci.compute), id(ci.cluster), where, cfg.micro_batch_size,
            cfg.precision, cfg.tp, cfg.tp_comm_overlap,
-           cfg.shard_degree if cfg.zero_stage >= 2 else 1)
+           cfg.shard_degree if cfg.zero_stage >= 2 else 1, cfg.ep)
     hit = cache.get(key)
     if (hit is not None and hit[0] is ci.sharding and hit[1] is ci.compute
             and hit[2] is ci.cluster):
@@ -174,17 +209,23 @@ def _range_cost(ci: CostInputs, start: int, stop: int, policy: str) -> RangeCost
                                  precision=config.precision) if policy == "full" else 0.0)
     # parameters the range reads, each storage once (a tied weight on two stages is held by
     # both, as Megatron-LM does with the embedding and the LM head)
-    params = 0.0
+    params = expert = 0.0
     seen: set[str] = set()
+    found = find_experts(graph) if config.ep > 1 else None
     for i in range(start, stop):
         for n in graph.ops[i].inputs:
             v = graph.value(n)
             if v.kind == "param" and v.base not in seen:
                 seen.add(v.base)
                 split = sh.input_placement(graph, i, n).kind == "S"
-                params += v.meta.numel / (sh.t if split else 1)
+                held = v.meta.numel / (sh.t if split else 1)
+                if found is not None and v.base in found.param_values:
+                    held /= config.ep              # this rank's experts only
+                    expert += held
+                params += held
+    ep_fwd, ep_bwd = ep_comm_s(ci, start, stop)
     return RangeCost(fwd, bwd, recompute, tp_fwd, tp_bwd, tp_step, acts, working, params,
-                     len(seen))
+                     len(seen), ep_fwd_s=ep_fwd, ep_bwd_s=ep_bwd, expert_params=expert)
 
 
 def chunk_parts(chunk: Chunk) -> list[tuple[int, int, bool]]:
@@ -224,7 +265,9 @@ def _chunk_cost(ci: CostInputs, chunk: Chunk, policy: str) -> RangeCost:
         working_set_bytes=max((p.working_set_bytes for p in parts), default=0.0),
         params=sum(p.params for p in parts), param_tensors=sum(p.param_tensors for p in parts),
         num_layers=len(chunk.layers), boundary_bytes=boundary_bytes(ci, chunk.stop),
-        layer_params=sum(p.params for p, (_, _, is_layer) in zip(parts, spans) if is_layer))
+        layer_params=sum(p.params for p, (_, _, is_layer) in zip(parts, spans) if is_layer),
+        ep_fwd_s=sum(p.ep_fwd_s for p in parts), ep_bwd_s=sum(p.ep_bwd_s for p in parts),
+        expert_params=sum(p.expert_params for p in parts))
 
 
 def boundary_bytes(ci: CostInputs, cut: int) -> float:

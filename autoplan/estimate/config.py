@@ -3,7 +3,9 @@
 Rank layout (recorded, and assumed by the cost model): tensor-parallel ranks are consecutive
 (fastest varying, so a TP group sits inside a node), then data parallel, then pipeline stages:
 ``rank = pp_index * (dp * tp) + dp_index * tp + tp_index`` (the Megatron-LM order). Under HSDP
-the dp index is ``replica * dp_shard + shard``: a shard group is consecutive ranks.
+the dp index is ``replica * dp_shard + shard``: a shard group is consecutive ranks; under
+expert parallelism it is ``replica * ep + ep_index``: an expert-parallel group is ``ep``
+consecutive dp ranks.
 """
 
 from __future__ import annotations
@@ -74,9 +76,14 @@ class ParallelConfig:
     # consecutive dp ranks (a node, say) and replicate it over the dp / dp_shard groups;
     # None shards over all of dp
     dp_shard: int | None = None
+    # expert parallelism (MoE): each expert weight split on its expert dim over groups of
+    # ``ep`` consecutive dp ranks, every routed token row sent to the rank of its expert and
+    # back (all-to-all); expert weights are replicated over the dp / ep groups (expert data
+    # parallelism, Megatron-Core's layout). 1: experts held whole like any weight
+    ep: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("dp", "tp", "pp", "micro_batch_size", "virtual_stages"):
+        for name in ("dp", "tp", "pp", "micro_batch_size", "virtual_stages", "ep"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ConfigError(f"{name} must be a positive integer, got {v!r}")
@@ -103,6 +110,18 @@ class ParallelConfig:
                               "as FSDP shards and gathered to the device layer by layer")
         self._check_layout()
         self._check_dp_shard()
+        if self.dp % self.ep:
+            raise ConfigError(f"ep={self.ep} must divide dp={self.dp}: expert-parallel groups "
+                              "are made of data-parallel ranks")
+        if self.ep > 1:
+            other = [what for what, on in (("pipeline stages (pp > 1)", self.pp > 1),
+                                           (f"zero_stage={self.zero_stage}", self.zero_stage > 1),
+                                           ("offload_optimizer", self.offload_optimizer),
+                                           ("offload_params", self.offload_params)) if on]
+            if other:
+                raise ConfigError(f"expert parallelism (ep={self.ep}) runs with data and tensor "
+                                  f"parallelism under ZeRO-0 or ZeRO-1, not with "
+                                  f"{', '.join(other)}; use ep=1 or drop them")
         if self.sequence_parallel and self.tp == 1:
             raise ConfigError("sequence_parallel=True needs tp > 1 (it shards the "
                               "activations that tensor parallelism leaves replicated)")
@@ -175,15 +194,31 @@ class ParallelConfig:
         return tuple(self.rank(pp_index=pp_index, dp_index=r * s + shard, tp_index=tp_index)
                      for r in range(self.dp // s))
 
+    def ep_group(self, pp_index: int = 0, tp_index: int = 0,
+                 replica: int = 0) -> tuple[int, ...]:
+        """The ranks one expert-parallel group spans: ``ep`` consecutive dp indices."""
+        return tuple(self.rank(pp_index=pp_index, dp_index=replica * self.ep + k,
+                               tp_index=tp_index) for k in range(self.ep))
+
+    def expert_dp_group(self, pp_index: int = 0, tp_index: int = 0,
+                        ep_index: int = 0) -> tuple[int, ...]:
+        """The ranks holding the same experts (one per expert-parallel group): over them the
+        expert weights' gradients are averaged."""
+        return tuple(self.rank(pp_index=pp_index, dp_index=r * self.ep + ep_index,
+                               tp_index=tp_index) for r in range(self.dp // self.ep))
+
     def mesh_axes(self) -> tuple[str, ...]:
         """The device mesh's axis names, outermost first (the plan file's ``mesh.axes`` and the
-        runtime's DeviceMesh): pp when pipelined, dp (or dp_replicate x dp_shard), tp."""
-        dp = ("dp_replicate", "dp_shard") if self.dp_shard is not None else ("dp",)
+        runtime's DeviceMesh): pp when pipelined, dp (or dp_replicate x dp_shard under HSDP,
+        or edp x ep under expert parallelism), tp."""
+        dp = (("dp_replicate", "dp_shard") if self.dp_shard is not None
+              else ("edp", "ep") if self.ep > 1 else ("dp",))
         return (("pp",) if self.pp > 1 else ()) + dp + ("tp",)
 
     def mesh_shape(self) -> tuple[int, ...]:
         sizes = {"pp": self.pp, "dp": self.dp, "tp": self.tp, "dp_shard": self.shard_degree,
-                 "dp_replicate": self.dp // self.shard_degree}
+                 "dp_replicate": self.dp // self.shard_degree, "ep": self.ep,
+                 "edp": self.dp // self.ep}
         return tuple(sizes[a] for a in self.mesh_axes())
 
     def stage_policy(self, stage: int) -> str:
@@ -237,13 +272,16 @@ class ParallelConfig:
                      for d in range(self.dp))
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-ready fields (the layout tuples as lists); ``tp_comm_overlap`` and ``dp_shard``
-        only when set, so plans written before they existed read back byte for byte."""
+        """JSON-ready fields (the layout tuples as lists); ``tp_comm_overlap``, ``dp_shard``
+        and ``ep`` only when set, so plans written before they existed read back byte for
+        byte."""
         out = {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items()}
         if not self.tp_comm_overlap:
             del out["tp_comm_overlap"]
         if self.dp_shard is None:
             del out["dp_shard"]
+        if self.ep == 1:
+            del out["ep"]
         return out
 
     @staticmethod
@@ -262,6 +300,8 @@ class ParallelConfig:
             s += f" zero{self.zero_stage}"
         if self.dp_shard is not None:
             s += f" hsdp{self.dp_shard}x{self.dp // self.dp_shard}"
+        if self.ep > 1:
+            s += f" ep{self.ep}"
         if self.sequence_parallel:
             s += " sp"
         if self.stage_recompute is not None:

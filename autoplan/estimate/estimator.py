@@ -19,6 +19,7 @@ Order of the computation (each step uses only what the previous ones produced):
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 from itertools import chain, repeat
 from typing import Any
 
@@ -143,6 +144,7 @@ def estimate(model: Any, cluster: Any, *, config: ParallelConfig, global_batch_s
     compute_s = m * sum(c.fwd_s + c.bwd_s for c in bc)
     recompute_s = m * sum(c.recompute_s for c in bc)
     tp_s = m * sum(c.tp_fwd_s + c.tp_bwd_s for c in bc)
+    ep_s = m * sum(c.ep_fwd_s + c.ep_bwd_s for c in bc)
 
     # --- data parallel / ZeRO, optimizer, offload (worst stage) -------------------------------
     w_bytes = PRECISION_BYTES[config.precision]
@@ -151,7 +153,8 @@ def estimate(model: Any, cluster: Any, *, config: ParallelConfig, global_batch_s
         params = sum(costs[c].params for c in stage_chunks[s])
         tensors = sum(costs[c].param_tensors for c in stage_chunks[s])
         layers = max(1, sum(costs[c].num_layers for c in stage_chunks[s]))
-        grad_sync, ag, rs = _dp_collectives(config, cluster, params, layers, s)
+        experts = sum(costs[c].expert_params for c in stage_chunks[s])
+        grad_sync, ag, rs = _dp_collectives(config, cluster, params, layers, s, experts)
         gather = 0.0
         # the tp-axis all-reduce of replicated weights' partial gradients runs after backward,
         # in one flattened call (runtime/optim.py TensorParallelGrads): exposed
@@ -160,8 +163,11 @@ def estimate(model: Any, cluster: Any, *, config: ParallelConfig, global_batch_s
             # ZeRO-1 broadcasts the fp32 weights autocast computes from; FSDP2 (ZeRO-2)
             # gathers them in the training precision
             gathered = PRECISION_BYTES["fp32"] if config.zero_stage == 1 else w_bytes
-            gather = cluster.collective_time_s("all_gather", params * gathered,
+            gather = cluster.collective_time_s("all_gather", (params - experts) * gathered,
                                                config.dp_shard_group(pp_index=s))
+            if experts:
+                gather += cluster.collective_time_s("all_gather", experts * gathered,
+                                                    config.expert_dp_group(pp_index=s))
         if config.dp > 1 and config.zero_stage == 1:
             # the runtime issues them after the step and waits for each before the module that
             # reads it (Megatron-LM's --overlap-param-gather): hidden behind the next forward
@@ -211,6 +217,8 @@ def estimate(model: Any, cluster: Any, *, config: ParallelConfig, global_batch_s
                    * compute.slowdown)
     comm_exposed = {"tp": tp_s, "dp_grad_sync": dp_sync, "zero_param_gather": zero_gather,
                     "pp_p2p": p2p_s, "offload": offload_s}
+    if config.ep > 1:
+        comm_exposed["ep_all_to_all"] = ep_s
     time = TimeBreakdown(compute_s=compute_s, recompute_s=recompute_s,
                          comm_exposed_s=comm_exposed, bubble_s=bubble_s, optimizer_s=opt_s,
                          overhead_s=overhead_s)
@@ -223,10 +231,14 @@ def estimate(model: Any, cluster: Any, *, config: ParallelConfig, global_batch_s
     for s in range(p):
         cs = [costs[c] for c in stage_chunks[s]]
         params = sum(c.params for c in cs)
-        states = model_state_bytes(params, dp=config.shard_degree, zero_stage=config.zero_stage,
-                                   precision=config.precision, optimizer=config.optimizer,
-                                   offload_optimizer=config.offload_optimizer,
-                                   offload_params=config.offload_params)
+        experts = sum(c.expert_params for c in cs)
+        states = _states(config, params - experts, config.shard_degree)
+        if experts:          # expert weights' state: sharded over the ranks holding them
+            e = _states(config, experts, config.dp // config.ep)
+            states = replace(states, params_bytes=states.params_bytes + e.params_bytes,
+                             grads_bytes=states.grads_bytes + e.grads_bytes,
+                             optimizer_bytes=states.optimizer_bytes + e.optimizer_bytes,
+                             offloaded_bytes=states.offloaded_bytes + e.offloaded_bytes)
         act_mb = sum(c.activation_bytes for c in cs)
         if sim is not None and act_mb > 0:   # the simulated peak of the schedule
             flight = sim.peak_activation_bytes[s] / act_mb
@@ -284,17 +296,34 @@ def estimate(model: Any, cluster: Any, *, config: ParallelConfig, global_batch_s
         activation_bytes_per_layer=layer_acts, warnings=tuple(warnings))
 
 
+def _states(config: ParallelConfig, params: float, shard: int) -> Any:
+    return model_state_bytes(params, dp=shard, zero_stage=config.zero_stage,
+                             precision=config.precision, optimizer=config.optimizer,
+                             offload_optimizer=config.offload_optimizer,
+                             offload_params=config.offload_params)
+
+
 def _dp_collectives(config: ParallelConfig, cluster: Any, params: float, layers: int,
-                    pp_index: int) -> tuple[float, float, float]:
+                    pp_index: int, expert_params: float = 0.0) -> tuple[float, float, float]:
     """Seconds of stage ``pp_index``'s dp collectives for ``params`` parameters in ``layers``
     layers: (per-step gradient reduction, per-layer gather, per-layer reduce-scatter). FSDP
     (ZeRO-3) gathers each layer before its forward and again before its backward, then
     reduce-scatters its gradients, every micro-batch (the runtime does not skip gradient sync
     between micro-batches); ZeRO-0 all-reduces the gradients once a step, ZeRO-1/2
     reduce-scatter them. Under HSDP the gathers and reduce-scatters span a shard group and each
-    reduced shard is then all-reduced over the replicas holding it (FSDP2 on a 2-D mesh)."""
+    reduced shard is then all-reduced over the replicas holding it (FSDP2 on a 2-D mesh).
+    Under expert parallelism (ZeRO-0/1), the ``expert_params`` of ``params`` are all-reduced
+    over the ranks holding the same experts (dp / ep of them), the rest over dp."""
     if config.dp == 1:
         return 0.0, 0.0, 0.0
+    if config.ep > 1:
+        edp = config.expert_dp_group(pp_index=pp_index)
+        rest = cluster.collective_time_s("all_reduce" if config.zero_stage == 0
+                                         else "reduce_scatter",
+                                         (params - expert_params) * GRAD_BYTES,
+                                         config.dp_group(pp_index=pp_index))
+        return (rest + cluster.collective_time_s("all_reduce", expert_params * GRAD_BYTES, edp),
+                0.0, 0.0)
     w_bytes = PRECISION_BYTES[config.precision]
     shard = config.dp_shard_group(pp_index=pp_index)
 

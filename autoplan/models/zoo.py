@@ -6,7 +6,9 @@ Mixtral (mixture of experts), BERT with its masked-LM head, T5 (encoder-decoder,
 ``decoder_input_ids``) and ViT. Written by hand, as users do: ``torch-encoder``
 (``nn.TransformerEncoder``, whose attention is ``nn.MultiheadAttention``), ``nanogpt`` (one fused
 qkv ``nn.Linear`` split by hidden size, the head count a literal in ``view``), ``rootparam`` (an
-``nn.Parameter`` on the root module used in a matmul) and ``cnn`` (convolutions with batch norm).
+``nn.Parameter`` on the root module used in a matmul), ``cnn`` (convolutions with batch norm),
+``titan-llama`` (torchtitan's Llama) and ``titan-moe`` (its blocks with a top-k mixture of
+experts on ``torch._grouped_mm``).
 
 Each comes tiny (``*-tiny``: two layers, hidden 64, dropout 0, what the equivalence tests run)
 and, for the planner, at real size where the architecture has a famous one (``hf-llama3-8b``,
@@ -250,19 +252,57 @@ class TitanAttention(nn.Module):
         return self.wo(out.transpose(1, 2).contiguous().view(bs, seqlen, -1))
 
 
+class TopKMoE(nn.Module):
+    """A top-k mixture of experts written in plain PyTorch, the way torchtitan writes it: a
+    linear router, softmax then top-k, the routed rows sorted by expert, the experts' stacked
+    SwiGLU weights applied with ``torch._grouped_mm`` (in bf16, its only dtype), and the rows
+    added back to their tokens (no token dropped)."""
+
+    def __init__(self, c: ZooConfig):
+        super().__init__()
+        self.k, self.n = c.experts_per_token, c.experts
+        self.router = nn.Linear(c.hidden, c.experts, bias=False)
+        self.w1 = nn.Parameter(torch.randn(c.experts, c.hidden, c.ffn) * 0.05)
+        self.w3 = nn.Parameter(torch.randn(c.experts, c.hidden, c.ffn) * 0.05)
+        self.w2 = nn.Parameter(torch.randn(c.experts, c.ffn, c.hidden) * 0.05)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bs, seqlen, dim = x.shape
+        x = x.reshape(-1, dim)
+        weights, chosen = self.router(x).softmax(dim=-1).topk(self.k, dim=-1)
+        flat = chosen.reshape(-1)
+        order = flat.argsort(stable=True)
+        token = order // self.k
+        rows = x[token]
+        counts = torch.histc(flat.float(), bins=self.n, min=0, max=self.n - 1)
+        offs = counts.cumsum(0).to(torch.int32)
+        # torch._grouped_mm multiplies bf16 only: cast in, and back (as torchtitan does)
+        rows = rows.bfloat16()
+        h = (F.silu(torch._grouped_mm(rows, self.w1.bfloat16(), offs=offs))
+             * torch._grouped_mm(rows, self.w3.bfloat16(), offs=offs))
+        y = torch._grouped_mm(h, self.w2.bfloat16(), offs=offs).type_as(x)
+        y = y * weights.reshape(-1)[order].unsqueeze(-1)
+        return torch.zeros_like(x).index_add(0, token, y).reshape(bs, seqlen, dim)
+
+
 class TitanBlock(nn.Module):
     def __init__(self, c: ZooConfig):
         super().__init__()
         self.attention_norm = nn.RMSNorm(c.hidden, eps=1e-5)
         self.attention = TitanAttention(c)
         self.ffn_norm = nn.RMSNorm(c.hidden, eps=1e-5)
-        self.w1 = nn.Linear(c.hidden, c.ffn, bias=False)
-        self.w2 = nn.Linear(c.ffn, c.hidden, bias=False)
-        self.w3 = nn.Linear(c.hidden, c.ffn, bias=False)
+        if c.architecture == "titan-moe":
+            self.moe = TopKMoE(c)
+        else:
+            self.w1 = nn.Linear(c.hidden, c.ffn, bias=False)
+            self.w2 = nn.Linear(c.ffn, c.hidden, bias=False)
+            self.w3 = nn.Linear(c.hidden, c.ffn, bias=False)
 
     def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
         h = x + self.attention(self.attention_norm(x), freqs_cis)
         y = self.ffn_norm(h)
+        if hasattr(self, "moe"):
+            return h + self.moe(y)
         return h + self.w2(F.silu(self.w1(y)) * self.w3(y))
 
 
@@ -287,7 +327,7 @@ class TitanLlama(nn.Module):
 
 
 _BY_HAND = {"torch-encoder": TorchEncoder, "nanogpt": NanoGPT, "rootparam": RootParam,
-            "cnn": SmallCNN, "titan-llama": TitanLlama}
+            "cnn": SmallCNN, "titan-llama": TitanLlama, "titan-moe": TitanLlama}
 
 
 def build_zoo(c: ZooConfig) -> nn.Module:
@@ -330,6 +370,7 @@ ZOO_CONFIGS: dict[str, ZooConfig] = {
     "rootparam-tiny": ZooConfig(architecture="rootparam"),
     "cnn-tiny": ZooConfig(architecture="cnn", image_size=16),
     "titan-llama-tiny": ZooConfig(architecture="titan-llama", **_GQA),
+    "titan-moe-tiny": ZooConfig(architecture="titan-moe", ffn=32, **_GQA),
     # real sizes, for planning on the meta device
     "hf-llama3-8b": ZooConfig(architecture="llama", hidden=4096, layers=32, heads=32,
                               kv_heads=8, ffn=14336, vocab=128256, seq_len=8192,

@@ -26,8 +26,9 @@ from autoplan.sharding.placement import Placement
 
 # 2: HSDP (config.dp_shard, mesh axes dp_replicate x dp_shard) and the V-shaped schedules
 # (zbv, dualpipev). A version-1 plan has none of them and reads as it did.
-PLAN_SCHEMA_VERSION = 2
-READABLE_PLAN_SCHEMAS = (1, 2)
+# 3: expert parallelism (config.ep, mesh axes edp x ep); older plans read as they did.
+PLAN_SCHEMA_VERSION = 3
+READABLE_PLAN_SCHEMAS = (1, 2, 3)
 MAX_FILE_BYTES = 256 << 20        # refuse larger files before reading them
 MAX_DEPTH = 64                    # JSON nesting (a valid plan needs about 6)
 MAX_STRING_CHARS = 1 << 20        # any one string or key
@@ -110,6 +111,9 @@ def check_plan(d: Any) -> None:
     if version == 1 and (config.dp_shard is not None or config.schedule in V_SCHEDULES):
         fail("schema_version", "1, but the plan uses what schema 2 added (config.dp_shard or "
              f"schedule {config.schedule!r}): set schema_version 2")
+    if version < 3 and config.ep > 1:
+        fail("schema_version", f"{version}, but the plan uses what schema 3 added (config.ep): "
+             "set schema_version 3")
     for k in ("precision", "optimizer"):
         if t[k] != getattr(config, k):
             fail(f"training.{k}", f"{t[k]!r} but config.{k} is {getattr(config, k)!r}")
@@ -180,6 +184,10 @@ def _check_mesh(mesh: Any, config: ParallelConfig, cluster: Mapping[str, Any]) -
         fail("mesh.axes", f"{axes}: an HSDP plan (config.dp_shard) has axes dp_replicate and "
               f"dp_shard in place of dp, any other plan neither; expected "
               f"{list(config.mesh_axes())}")
+    experts = {"edp", "ep"}
+    if (config.ep > 1) != experts.issubset(axes) or (config.ep == 1 and experts & set(axes)):
+        fail("mesh.axes", f"{axes}: an expert-parallel plan (config.ep > 1) has axes edp and "
+              f"ep in place of dp, any other plan neither; expected {list(config.mesh_axes())}")
     want_sizes = {"pp": config.pp, "dp": config.dp, "tp": config.tp,
                   **dict(zip(config.mesh_axes(), config.mesh_shape()))}
     for axis, size in zip(axes, shape):

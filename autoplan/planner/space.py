@@ -1,5 +1,5 @@
 """The search space of one mesh: micro-batch sizes, pipeline schedules, recomputation, and the
-ZeRO / offload / HSDP variants the planner costs (``search.plan`` walks it).
+ZeRO / offload / HSDP / expert-parallel variants the planner costs (``search.plan`` walks it).
 
 Every field a user forces (``SearchOptions.force``) narrows its own choice to the forced value;
 pairs the runtime refuses are left out unless forced, so that what the planner may choose, the
@@ -90,15 +90,30 @@ def policies(config: ParallelConfig, opts: SearchOptions, cluster: Any,
                         if shard is not None and off_p and "dp_shard" not in opts.force:
                             continue     # offloaded weights: no device memory for HSDP to save
                         for sched, v in schedules:
-                            c = ParallelConfig(**{
-                                **config.to_dict(), "zero_stage": z, "recompute": r,
-                                "offload_optimizer": off, "offload_params": off_p,
-                                "schedule": sched, "virtual_stages": v, "dp_shard": shard})
-                            if (c.schedule in SPLIT_BACKWARD and c.uses_fsdp
-                                    and "schedule" not in opts.force):
-                                continue   # the runtime refuses it (runtime/pipeline.py)
-                            out.append(c)
+                            for ep in ep_degrees(config, graph, opts, z, off or off_p):
+                                c = ParallelConfig(**{
+                                    **config.to_dict(), "zero_stage": z, "recompute": r,
+                                    "offload_optimizer": off, "offload_params": off_p,
+                                    "schedule": sched, "virtual_stages": v, "dp_shard": shard,
+                                    "ep": ep})
+                                if (c.schedule in SPLIT_BACKWARD and c.uses_fsdp
+                                        and "schedule" not in opts.force):
+                                    continue   # the runtime refuses it (runtime/pipeline.py)
+                                out.append(c)
     return out
+
+
+def ep_degrees(config: ParallelConfig, graph: OpGraph, opts: SearchOptions, zero_stage: int,
+               offload: bool) -> list[int]:
+    """Expert-parallel degrees to cost: for a model with experts, every ``ep`` dividing both
+    dp and the expert count, where the runtime runs it (ZeRO-0/1, no pipeline, no offload)."""
+    from autoplan.graph.experts import find_experts
+    found = find_experts(graph)
+    runs = found is not None and config.pp == 1 and zero_stage <= 1 and not offload
+    allowed = [e for e in found.ep_degrees(config.dp) if config.dp % e == 0] if runs else [1]
+    if "ep" in opts.force:
+        return [opts.force["ep"]] if opts.force["ep"] in allowed else []
+    return allowed
 
 
 def shard_sizes(config: ParallelConfig, cluster: Any, opts: SearchOptions,

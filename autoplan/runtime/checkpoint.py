@@ -174,6 +174,14 @@ def _tp(trainer: Any) -> tuple[int, int]:
     return t, trainer.rank % t
 
 
+def _expert(trainer: Any, fqn: str) -> tuple[int, int] | None:
+    """(ep, this rank's index in its expert-parallel group) for an expert weight, else None."""
+    ep = getattr(trainer.config, "ep", 1)
+    if ep == 1 or fqn not in getattr(trainer, "experts", ()):
+        return None
+    return ep, trainer.dp_index % ep
+
+
 def _world() -> tuple[int, int]:
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
@@ -201,7 +209,8 @@ def state_to_save(trainer: Any, *, copy: bool) -> tuple[dict[str, Any], dict[str
     held = held_state(trainer)
     sd: dict[str, Any] = {}
 
-    layouts = {fqn: layout_of(h.tensor, h.placement, t, tp_rank) for fqn, h in held.items()}
+    layouts = {fqn: layout_of(h.tensor, h.placement, t, tp_rank, _expert(trainer, fqn))
+               for fqn, h in held.items()}
 
     def pieces(tensor: torch.Tensor, fqn: str) -> Pieces:
         local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
@@ -386,7 +395,8 @@ def load(trainer: Any, path: str | os.PathLike[str], *,
     wait_gathers(trainer.optimizer)          # nothing in flight may overwrite what is loaded
     t, tp_rank = _tp(trainer)
     held = held_state(trainer)
-    layouts = {fqn: layout_of(h.tensor, h.placement, t, tp_rank) for fqn, h in held.items()}
+    layouts = {fqn: layout_of(h.tensor, h.placement, t, tp_rank, _expert(trainer, fqn))
+               for fqn, h in held.items()}
     live = {fqn: {"shape": list(layouts[fqn].global_shape),
                   "dtype": str(h.tensor.dtype).removeprefix("torch.")}
             for fqn, h in held.items()}

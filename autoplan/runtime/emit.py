@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from autoplan.errors import PlanError
+from autoplan.graph.experts import find_experts
 from autoplan.graph.opgraph import OpGraph
 from autoplan.graph.trace import export_program
 from autoplan.runtime.program import Program, build_program, check_shapes
@@ -135,24 +136,29 @@ def export_for_plan(model: nn.Module, plan: Any, plan_graph: OpGraph, *,
 
 
 def lower(model: nn.Module, ex: Exported, *, t: int, tp_rank: int, device: torch.device,
-          seed: int, keep: Callable[[str], bool] | None = None) -> Program:
+          seed: int, keep: Callable[[str], bool] | None = None,
+          ep: tuple[int, int] = (1, 0)) -> Program:
     """The checked rank program. ``keep(fqn)`` False: that weight is not this rank's (another
-    pipeline rank holds it) and stays an unallocated placeholder."""
-    state = LocalState(model, t=t, rank=tp_rank, device=device, seed=seed, keep=keep)
+    pipeline rank holds it) and stays an unallocated placeholder. ``ep`` (size, index): the
+    expert-parallel group, whose experts this rank holds."""
+    found = find_experts(ex.graph) if ep[0] > 1 else None
+    state = LocalState(model, t=t, rank=tp_rank, device=device, seed=seed, keep=keep,
+                       experts=found.params if found is not None else (), ep=ep)
     program = build_program(ex.ep, ex.graph, ex.sharding, prefix=ex.prefix, t=t, device=device,
-                            state_tensor=state)
+                            state_tensor=state, ep_size=ep[0])
     check_shapes(program, ex.inputs, t, device)
     return program
 
 
 def emit(model: nn.Module, plan: Any, plan_graph: OpGraph, *, example_inputs: Sequence[Any],
          example_targets: Any, loss_fn: Callable | None, t: int, tp_rank: int,
-         device: torch.device, seed: int) -> RankProgram:
-    """This rank's program of ``plan`` (tensor-parallel degree ``t``, index ``tp_rank``)."""
+         device: torch.device, seed: int, ep: tuple[int, int] = (1, 0)) -> RankProgram:
+    """This rank's program of ``plan`` (tensor-parallel degree ``t``, index ``tp_rank``;
+    expert-parallel group ``ep`` = (size, index))."""
     ex = export_for_plan(model, plan, plan_graph, example_inputs=example_inputs,
                          example_targets=example_targets, loss_fn=loss_fn, t=t)
     aliases = tied_names(model)
-    program = lower(model, ex, t=t, tp_rank=tp_rank, device=device, seed=seed)
+    program = lower(model, ex, t=t, tp_rank=tp_rank, device=device, seed=seed, ep=ep)
     ranges = layer_ranges(ex.graph)
     module = split_layers(program.graph_module, ranges)
     register_aliases(module, aliases)
@@ -163,11 +169,15 @@ def emit(model: nn.Module, plan: Any, plan_graph: OpGraph, *, example_inputs: Se
 
 
 def connect(slot: Any, *, tp: tuple[Any, int, int], dp: tuple[Any, int, int],
-            dp_tp: tuple[Any, int, int] | None = None) -> None:
+            dp_tp: tuple[Any, int, int] | None = None,
+            ep: tuple[Any, int, int] | None = None) -> None:
     """Point the program's collectives at this rank's groups, each ``(group, size, index)``:
-    the tensor-parallel axis, and for batch norm's statistics the data-parallel group and the
-    data x tensor-parallel group (the whole job when not pipelined)."""
+    the tensor-parallel axis, for batch norm's statistics the data-parallel group and the
+    data x tensor-parallel group (the whole job when not pipelined), and the expert-parallel
+    group of the grouped products' token exchanges."""
     from autoplan.runtime.tp_comm import AxisComm
+    if ep is not None and ep[1] > 1:
+        slot.ep = AxisComm(*ep)
     if tp[1] > 1:
         slot.comm = AxisComm(*tp)
     if dp[1] > 1:

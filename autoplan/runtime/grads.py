@@ -62,6 +62,7 @@ def grad_set(trainer: Any, *, shared_elsewhere: set[str] = frozenset()) -> GradS
     cfg = trainer.config
     tp_index = trainer.rank % cfg.tp
     dp_index = trainer.dp_index
+    experts = getattr(trainer, "experts", frozenset())
     params, counted = [], []
     for fqn, h in held_state(trainer).items():
         p = h.tensor
@@ -70,7 +71,9 @@ def grad_set(trainer: Any, *, shared_elsewhere: set[str] = frozenset()) -> GradS
         split_tp = h.placement is not None and h.placement.kind == "S" and cfg.tp > 1
         sharded_dp = isinstance(p, DTensor)
         params.append(p)
-        counted.append((split_tp or tp_index == 0) and (sharded_dp or dp_index == 0)
+        # an expert weight's slab: once per expert-parallel group (the first group counts)
+        first_dp = dp_index < cfg.ep if fqn in experts else dp_index == 0
+        counted.append((split_tp or tp_index == 0) and (sharded_dp or first_dp)
                        and fqn not in shared_elsewhere)
     return GradSet(params, counted)
 

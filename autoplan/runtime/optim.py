@@ -97,25 +97,32 @@ class TensorParallelGrads:
 
 
 class TensorShardedOptimizer:
-    """ZeRO-1 over a dp group, partitioned by whole parameter tensors (balanced by size)."""
+    """ZeRO-1 over a dp group, partitioned by whole parameter tensors (balanced by size).
+    ``groups`` maps some parameters (by id) to another group they are sharded over instead
+    (expert weights: the ranks holding the same experts)."""
 
     def __init__(self, params: Sequence[torch.nn.Parameter],
-                 factory: Callable[[Any], torch.optim.Optimizer], group: Any):
+                 factory: Callable[[Any], torch.optim.Optimizer], group: Any,
+                 groups: dict[int, Any] | None = None):
         self.params = list(params)
         self.group = group
-        n = dist.get_world_size(group)
-        me = dist.get_rank(group)
-        loads = [0] * n
-        order = sorted(range(len(self.params)), key=lambda i: (-_local(self.params[i]).numel(), i))
+        self.groups = [(groups or {}).get(id(p), group) for p in self.params]
         owner = [0] * len(self.params)
-        for i in order:
-            k = min(range(n), key=lambda r: (loads[r], r))
-            owner[i] = k
-            loads[k] += _local(self.params[i]).numel()
+        mine = []
+        for g in list(dict.fromkeys(self.groups)):      # each group's tensors, balanced
+            idx = [i for i, gi in enumerate(self.groups) if gi is g]
+            n = dist.get_world_size(g)
+            loads = [0] * n
+            for i in sorted(idx, key=lambda i: (-_local(self.params[i]).numel(), i)):
+                k = min(range(n), key=lambda r: (loads[r], r))
+                owner[i] = k
+                loads[k] += _local(self.params[i]).numel()
+            me = dist.get_rank(g)
+            mine += [i for i in idx if owner[i] == me]
         self.owner = owner
-        mine = [p for p, o in zip(self.params, owner) if o == me]
+        mine = [self.params[i] for i in sorted(mine)]
         self.inner = factory(mine) if mine else None
-        self.src = [dist.get_global_rank(group, o) for o in owner]
+        self.src = [dist.get_global_rank(g, o) for g, o in zip(self.groups, owner)]
         self._overlap = False
         self._pending: dict[int, Any] = {}        # id(param) -> its broadcast in flight
 
@@ -124,8 +131,8 @@ class TensorShardedOptimizer:
         if self.inner is not None:
             self.inner.step()
         with torch.no_grad():
-            for p, src in zip(self.params, self.src):
-                work = dist.broadcast(_local(p).data, src=src, group=self.group, async_op=True)
+            for p, src, g in zip(self.params, self.src, self.groups):
+                work = dist.broadcast(_local(p).data, src=src, group=g, async_op=True)
                 if self._overlap:
                     self._pending[id(p)] = work
                 else:

@@ -53,9 +53,14 @@ def plan_mesh(device_type: str, cfg: Any) -> tuple[Any, Any, Any]:
     """The plan's DeviceMesh (``cfg.mesh_axes()``, the plan file's axes) and, from it, the flat
     dp mesh (batches, DDP, ZeRO-1) and the mesh FSDP2 shards over: the dp axis, or under HSDP
     the 2-D (dp_replicate, dp_shard) mesh, on which ``fully_shard`` shards inside a group and
-    replicates across groups. Collective: every rank calls it in the same order."""
+    replicates across groups. Under expert parallelism dp is the flattened (edp, ep) pair: the
+    ``ep`` axis exchanges routed tokens, the ``edp`` axis averages the expert weights'
+    gradients. Collective: every rank calls it in the same order."""
     from torch.distributed.device_mesh import init_device_mesh
     mesh = init_device_mesh(device_type, cfg.mesh_shape(), mesh_dim_names=cfg.mesh_axes())
+    if cfg.ep > 1:
+        dp_mesh = mesh["edp", "ep"]._flatten("dp")
+        return mesh, dp_mesh, dp_mesh
     if cfg.dp_shard is None:
         return mesh, mesh["dp"], mesh["dp"]
     fsdp_mesh = mesh["dp_replicate", "dp_shard"]

@@ -134,9 +134,18 @@ class Layout:
         return Pieces(self.global_shape, local.detach(), [list(s) for s in self.segs])
 
 
-def layout_of(tensor: torch.Tensor, p: Placement | None, t: int, tp_rank: int) -> Layout:
+def layout_of(tensor: torch.Tensor, p: Placement | None, t: int, tp_rank: int,
+              expert: tuple[int, int] | None = None) -> Layout:
     """The layout of ``tensor``, this rank's copy: a tensor-parallel shard under ``p``, maybe
-    an FSDP2 ``DTensor`` over it."""
+    an FSDP2 ``DTensor`` over it, or for an expert weight (``expert`` = (ep, index)) the
+    index-th of ``ep`` slabs of its leading (expert) dim."""
+    if expert is not None and expert[0] > 1 and not isinstance(tensor, DTensor):
+        ep, index = expert
+        rows = tensor.shape[0]
+        whole = global_shape_of((rows * ep,) + tuple(tensor.shape[1:]), p, t)
+        segs = tp_segments(whole, p if p is not None else Placement("R"), t, tp_rank)
+        segs = restrict(segs, 0, index * rows, rows)
+        return Layout(whole, tuple(tuple(s) for s in segs))
     slab = None
     if isinstance(tensor, DTensor):
         from torch.distributed.tensor._utils import compute_local_shape_and_global_offset

@@ -35,7 +35,8 @@ from torch import fx, nn
 from autoplan.errors import PlanError
 from autoplan.graph.opgraph import Op, OpGraph
 from autoplan.graph.trace import TRANSPARENT
-from autoplan.runtime import kernels, tp_comm
+from autoplan.graph.experts import find_experts
+from autoplan.runtime import experts, kernels, tp_comm
 from autoplan.sharding.placement import REPLICATE, Placement, local_shape
 from autoplan.sharding.sharding import Sharding, mutates_input
 from autoplan.sharding.strategy import OpStrategy, input_action, opname, output_action
@@ -49,11 +50,14 @@ class CommSlot:
     """Where the program's collectives find their groups (swapped for shape checks): the
     tensor-parallel axis, and for batch norm's statistics the data-parallel group (``dp``) and
     the data x tensor-parallel group (``dp_tp``, when batch norm also splits the batch over
-    the tensor-parallel axis). None where the group has one rank."""
+    the tensor-parallel axis), and the expert-parallel group of a grouped product's all-to-all
+    exchanges (``ep``). None where the group has one rank."""
 
     comm: Any
     dp: Any = None
     dp_tp: Any = None
+    ep: Any = None              # the expert-parallel group (``ep_size`` > 1)
+    ep_size: int = 1
 
 
 @dataclass
@@ -129,6 +133,13 @@ def _k_dp_batch_norm(target, args, kwargs, slot):
     return kernels.batch_norm_over(slot.dp)(target, args, kwargs, slot.comm)
 
 
+def _k_experts(target, args, kwargs, slot):
+    if slot.ep is None:
+        raise PlanError("an expert-parallel grouped product ran without its expert-parallel "
+                        "group: connect() the program first")
+    return experts.expert_grouped_mm(target, args, kwargs, slot.ep)
+
+
 def _k_mean_partial(target, args, kwargs, slot):
     return kernels.mean_partial(target, args, kwargs, slot.comm)
 
@@ -198,8 +209,15 @@ def _map_devices(a: Any, device: torch.device) -> Any:
 
 class _Builder:
     def __init__(self, ep: Any, graph: OpGraph, sh: Sharding, *, prefix: str, t: int,
-                 device: torch.device, state_tensor: Callable[[str, str, Placement], Any]):
+                 device: torch.device, state_tensor: Callable[[str, str, Placement], Any],
+                 ep_size: int = 1):
         self.ep, self.eg, self.sh, self.prefix, self.t = ep, graph, sh, prefix, t
+        self.ep_size = ep_size
+        self.experts = find_experts(graph) if ep_size > 1 else None
+        if ep_size > 1 and self.experts is None:
+            raise PlanError(f"the plan splits experts over ep={ep_size} ranks, but the model "
+                            "has no grouped product of expert weights (grouped_mm) to split; "
+                            "re-plan with ep=1")
         self.device = device
         self.state_tensor = state_tensor
         self.g = fx.Graph()
@@ -208,7 +226,7 @@ class _Builder:
         self.last_op = 0
         self.attrs: dict[str, Any] = {}
         self.step_params: set[str] = set()
-        self.slot = CommSlot(comm=None)
+        self.slot = CommSlot(comm=None, ep_size=ep_size)
         self.attrs["_autoplan_comm"] = self.slot
         self.slot_node = self.g.get_attr("_autoplan_comm")
 
@@ -296,6 +314,10 @@ class _Builder:
         if any(shape is None for shape in local_outs):
             raise PlanError(f"op {op.name} ({op.target}): strategy {s.name} splits an output "
                             "unevenly; re-plan")
+        if self.experts is not None:        # expert weights' views: this rank's experts only
+            local_outs = [(shape[0] // self.ep_size,) + tuple(shape[1:])
+                          if n in self.experts.chain else shape
+                          for shape, n in zip(local_outs, op.outputs)]
         args = _local_shape_args(op, self.eg, args, local_outs)
         bias_node = None
         if s.kernel == "bias_after_reduce":       # (output without bias, bias): added below
@@ -307,6 +329,8 @@ class _Builder:
                           if self.eg.value(n).kind in ("activation", "input"))
             out = self.emit(_k_sp_linear, (node.target, args, kwargs, self.slot_node,
                                            str(s.inputs[x_slot])), i)
+        elif self.experts is not None and i in self.experts.ops:
+            out = self.emit(_k_experts, (node.target, args, kwargs, self.slot_node), i)
         elif s.kernel:
             out = self.emit(KERNEL_CALLS[s.kernel], (node.target, args, kwargs, self.slot_node), i)
         elif opname(op) == "batch_norm":
@@ -426,12 +450,14 @@ def _local_shape_args(op: Op, graph: OpGraph, args: list, local_outs: list) -> l
 
 def build_program(ep: Any, graph: OpGraph, sharding: Sharding, *, prefix: str, t: int,
                   device: torch.device,
-                  state_tensor: Callable[[str, str, Placement], Any]) -> Program:
+                  state_tensor: Callable[[str, str, Placement], Any],
+                  ep_size: int = 1) -> Program:
     """The rank program of ``sharding`` over ``graph`` (an OpGraph of ``ep``). ``state_tensor``
     (fqn, "param"|"buffer", placement) returns this rank's local tensor of a parameter or
-    buffer (already sharded)."""
+    buffer (already sharded, expert weights to this rank's experts). ``ep_size`` > 1: the
+    grouped products run expert-parallel (``runtime/experts.py``)."""
     b = _Builder(ep, graph, sharding, prefix=prefix, t=t, device=device,
-                 state_tensor=state_tensor)
+                 state_tensor=state_tensor, ep_size=ep_size)
     g = b.build()
     gm = fx.GraphModule(b.attrs, g, class_name="RankProgram")
     return Program(graph_module=gm, comm_slot=b.slot, step_params=sorted(b.step_params),
@@ -448,8 +474,10 @@ def check_shapes(program: Program, example_inputs: tuple, t: int,
     device = device or next((x.device for x in example_inputs
                              if isinstance(x, torch.Tensor) and not x.is_meta),
                             torch.device("cpu"))
-    real = program.comm_slot.comm
+    real, real_ep = program.comm_slot.comm, program.comm_slot.ep
     program.comm_slot.comm = tp_comm.ShapeComm(size=t)
+    if program.comm_slot.ep_size > 1:
+        program.comm_slot.ep = tp_comm.ShapeComm(size=program.comm_slot.ep_size)
     mode = FakeTensorMode(allow_non_fake_inputs=True)
 
     class Check(fx.Interpreter):
@@ -486,7 +514,7 @@ def check_shapes(program: Program, example_inputs: tuple, t: int,
                     for x in example_inputs]
             Check(gm).run(*fake)
     finally:
-        program.comm_slot.comm = real
+        program.comm_slot.comm, program.comm_slot.ep = real, real_ep
 
 
 __all__ = ["CommSlot", "Program", "build_program", "check_shapes"]

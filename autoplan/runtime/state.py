@@ -23,9 +23,12 @@ class LocalState:
     """Hands out this rank's shard of every parameter and buffer, once per tensor."""
 
     def __init__(self, model: nn.Module, *, t: int, rank: int, device: torch.device,
-                 seed: int, keep: Any = None):
+                 seed: int, keep: Any = None, experts: tuple[str, ...] = (),
+                 ep: tuple[int, int] = (1, 0)):
         self.model = model
         self.keep = keep
+        # expert weights (FQNs) hold experts ep_index * E/ep ... of their leading dim
+        self.experts, (self.ep, self.ep_index) = frozenset(experts), ep
         self.t, self.rank, self.device, self.seed = t, rank, device, seed
         self.done: dict[str, Any] = {}                      # FQN (every alias) -> local
         self.aliases: dict[int, list[str]] = {}
@@ -44,7 +47,8 @@ class LocalState:
         full = getattr(module, attr)
         names = self.aliases.get(id(full), [fqn])
         if self.keep is not None and not self.keep(fqn):
-            shape = local_shape(tuple(full.shape), p, self.t) or tuple(full.shape)
+            shape = self._experts_of(fqn, local_shape(tuple(full.shape), p, self.t)
+                                     or tuple(full.shape))
             other = torch.empty(shape, dtype=full.dtype, device="meta")   # another rank's
             return other.requires_grad_(kind == "param" and full.requires_grad)
         if full.is_meta:
@@ -55,6 +59,12 @@ class LocalState:
                             f"over {self.t} ranks; re-plan")
         with torch.no_grad():
             data = local_piece(full.detach().to(self.device), p, self.t, self.rank)
+            if fqn in self.experts and self.ep > 1:
+                if p.kind == "S" and p.dim == 0:
+                    raise PlanError(f"expert weight {fqn} is split on its expert dim over the "
+                                    "tensor-parallel axis and over ep; re-plan")
+                n = data.shape[0] // self.ep
+                data = data[self.ep_index * n:(self.ep_index + 1) * n].clone()
             data = data.clone() if data is full else data
         local: Any
         if kind == "param":
@@ -65,6 +75,11 @@ class LocalState:
             self._put(name, local, kind)
             self.done[name] = local
         return local
+
+    def _experts_of(self, fqn: str, shape: tuple[int, ...]) -> tuple[int, ...]:
+        if fqn in self.experts and self.ep > 1:
+            return (shape[0] // self.ep,) + tuple(shape[1:])
+        return shape
 
     def _put(self, fqn: str, value: Any, kind: str) -> None:
         owner, _, attr = fqn.rpartition(".")

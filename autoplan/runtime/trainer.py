@@ -42,8 +42,8 @@ from autoplan.runtime import parallelize as par
 from autoplan.runtime.checkpoint import Checkpointing, optimizer_slots
 from autoplan.runtime.grads import GradientStep, LossScaler, finish_step
 from autoplan.runtime.health import for_job
-from autoplan.runtime.optim import (HostOffloadOptimizer, TensorParallelGrads,
-                                    TensorShardedOptimizer, wait_gathers)
+from autoplan.runtime.optim import (DataParallelGrads, HostOffloadOptimizer,
+                                    TensorParallelGrads, TensorShardedOptimizer, wait_gathers)
 
 COLLECTIVE_TIMEOUT_S = int(os.environ.get("AUTOPLAN_COLLECTIVE_TIMEOUT_S", "120"))
 
@@ -131,6 +131,9 @@ class Trainer(Checkpointing, GradientStep):
     loss_scaler: LossScaler | None = None
     last_grad_norm: float | None = None
     shared_elsewhere: frozenset[str] = frozenset()
+    experts: frozenset[str] = frozenset()     # expert weights split over the ep group
+    ep_comm: Any = None                        # the expert-parallel group (ep > 1)
+    expert_grads: DataParallelGrads | None = None
 
     @property
     def config(self):
@@ -170,6 +173,8 @@ class Trainer(Checkpointing, GradientStep):
             total += float(loss.detach())
         if self.tp_grads is not None:
             self.tp_grads.all_reduce()
+        if self.expert_grads is not None:
+            self.expert_grads.all_reduce()
         finish_step(self)
         mean = total / len(chunks)
         if self.dp_group is not None and self.config.dp > 1:
@@ -183,8 +188,13 @@ class Trainer(Checkpointing, GradientStep):
         every rank (a collective: every rank calls it)."""
         from autoplan.runtime.state import gather_tensor_parallel
         wait_gathers(self.optimizer)
-        return gather_tensor_parallel(par.full_state_dict(self.model), self.placements,
-                                      self.aliases, self.tp_comm)
+        sd = par.full_state_dict(self.model)
+        if self.ep_comm is not None:            # experts: every ep rank's slab, in order
+            from autoplan.runtime.tp_comm import no_grad_gather
+            from autoplan.sharding.placement import shard
+            for name in sorted(self.experts & set(sd)):
+                sd[name] = no_grad_gather(sd[name].contiguous(), self.ep_comm, shard(0))
+        return gather_tensor_parallel(sd, self.placements, self.aliases, self.tp_comm)
 
     def _loss(self, chunk: list[torch.Tensor]) -> torch.Tensor:
         amp = (torch.autocast(self.device.type, dtype=self.autocast_dtype)
@@ -329,17 +339,21 @@ def _compile(model: nn.Module, cluster: Any, *, example_inputs: Sequence[Any],
             rank=rank, example_inputs=example_inputs, example_targets=example_targets,
             precision_dtype=precision_dtype)
     tp_index, dp_index = rank % cfg.tp, rank // cfg.tp
-    dp_group = tp_group = fsdp_mesh = None
+    ep_index = dp_index % cfg.ep
+    dp_group = tp_group = fsdp_mesh = ep_group = edp_group = None
     if world > 1 or cfg.offload_params:
         mesh, dp_mesh, fsdp_mesh = par.plan_mesh(device.type, cfg)
         dp_group, tp_group = dp_mesh.get_group(), mesh["tp"].get_group()
+        if cfg.ep > 1:
+            ep_group, edp_group = mesh["ep"].get_group(), mesh["edp"].get_group()
     # 1. the rank program: the traced graph with the plan's per-op strategies on local tensors
     from autoplan.runtime.emit import connect, emit
     rp = emit(model, plan, graph, example_inputs=example_inputs,
               example_targets=example_targets, loss_fn=loss_fn, t=cfg.tp, tp_rank=tp_index,
-              device=device, seed=seed)
+              device=device, seed=seed, ep=(cfg.ep, ep_index))
     connect(rp.program.comm_slot, tp=(tp_group, cfg.tp, tp_index),
-            dp=(dp_group, cfg.dp, dp_index))
+            dp=(dp_group, cfg.dp, dp_index), ep=(ep_group, cfg.ep, ep_index))
+    experts = _expert_params(rp.module, graph, cfg)
     program = rp.module
     # 2. activation recomputation per layer
     par.apply_recompute(program, {p: pol for p, pol in plan.recompute.items()
@@ -356,15 +370,25 @@ def _compile(model: nn.Module, cluster: Any, *, example_inputs: Sequence[Any],
                        mp_policy=mp, offload=cfg.offload_params)
     tp_grads = (TensorParallelGrads([program], rp.program.step_params, tp_group)
                 if cfg.tp > 1 and rp.program.step_params else None)
+    expert_grads = None
+    if experts:
+        # the experts' gradients hold every ep peer's tokens: averaged over the ranks that
+        # hold the same experts, not by DDP over all of dp
+        expert_grads = DataParallelGrads(list(experts.values()), edp_group, cfg.dp)
     if cfg.dp > 1 and not use_fsdp:
         from torch.nn.parallel import DistributedDataParallel as DDP
+        if experts:
+            ids = {id(p) for p in experts.values()}
+            DDP._set_params_and_buffers_to_ignore_for_model(
+                program, [n for n, p in program.named_parameters() if id(p) in ids])
         program = DDP(program, process_group=dp_group)
     params = [p for p in program.parameters() if p.requires_grad]
     factory = optimizer
     if cfg.offload_optimizer and not cfg.offload_params:   # FSDP's offload carries the state
         factory = partial(HostOffloadOptimizer, factory=optimizer)
     if cfg.dp > 1 and cfg.zero_stage == 1:
-        opt = TensorShardedOptimizer(params, factory, dp_group)
+        opt = TensorShardedOptimizer(params, factory, dp_group,
+                                     groups={id(p): edp_group for p in experts.values()})
         # the updated weights arrive behind the next forward, layer by layer (as priced)
         opt.overlap_with_forward([rp.module], [rp.module.get_submodule(p) for p in rp.layers])
     else:
@@ -374,7 +398,19 @@ def _compile(model: nn.Module, cluster: Any, *, example_inputs: Sequence[Any],
                    dp_index=dp_index, dp_group=dp_group, tp_grads=tp_grads,
                    loss_in_program=rp.with_loss, device=device, autocast_dtype=autocast,
                    tp_comm=rp.program.comm_slot.comm, placements=rp.program.state,
-                   aliases=rp.aliases, health=for_job(rank, world))
+                   aliases=rp.aliases, health=for_job(rank, world),
+                   experts=frozenset(experts), ep_comm=rp.program.comm_slot.ep,
+                   expert_grads=expert_grads)
+
+
+def _expert_params(module: nn.Module, graph: Any, cfg: Any) -> dict[str, nn.Parameter]:
+    """The expert weights this rank holds a slab of (ep > 1), by FQN."""
+    if cfg.ep == 1:
+        return {}
+    from autoplan.graph.experts import find_experts
+    found = find_experts(graph)
+    named = dict(module.named_parameters(remove_duplicate=False))
+    return {f: named[f] for f in found.params if f in named and named[f].requires_grad}
 
 
 def _dtype(precision: str) -> torch.dtype:

@@ -1,0 +1,164 @@
+"""Expert parallelism (MoE): the experts found in a graph, the config, its price, the planner's
+choice and plan file, and the runtime equal to one device on 2 and 4 gloo ranks (HF Mixtral and
+a top-k MoE written in plain PyTorch)."""
+
+import json
+
+import pytest
+import torch
+
+from autoplan import Cluster, ConfigError, ParallelConfig, estimate, plan
+from autoplan.errors import PlanError
+from autoplan.graph import trace
+from autoplan.graph.experts import find_experts
+from autoplan.models import build_example
+from autoplan.planner.planfile import Plan
+from tests.conftest import has_transformers
+from tests.distributed import run_ranks
+from tests.test_runtime import _plan, _rank, _reference
+
+needs_hf = pytest.mark.skipif(not has_transformers(), reason="transformers not installed")
+
+
+def _graph(name, **kw):
+    ex = build_example(name, batch_size=1, **kw)
+    return trace(ex.model, ex.example_inputs, loss_fn=ex.loss_fn, targets=ex.targets)
+
+
+@pytest.fixture(scope="module")
+def mixtral8x7b():
+    if not has_transformers():
+        pytest.skip("transformers not installed")
+    return _graph("hf-mixtral-8x7b", device="meta")
+
+
+@needs_hf
+def test_experts_are_found_through_casts_and_transposes():
+    hf = find_experts(_graph("hf-mixtral-tiny"))
+    assert hf.num_experts == 4 and len(hf.ops) == 4          # gate_up and down, 2 layers
+    assert all(p.endswith(("experts.gate_up_proj", "experts.down_proj")) for p in hf.params)
+    assert hf.ep_degrees(8) == (1, 2, 4)
+    plain = find_experts(_graph("titan-moe-tiny"))
+    assert plain.num_experts == 4 and len(plain.ops) == 6    # w1, w3, w2 (cast to bf16 first)
+    assert sorted(p.rsplit(".", 1)[1] for p in plain.params) == ["w1", "w1", "w2", "w2",
+                                                                 "w3", "w3"]
+    assert find_experts(_graph("titan-llama-tiny")) is None
+
+
+def test_config_rules_groups_and_mesh():
+    c = ParallelConfig(dp=8, tp=2, ep=4, zero_stage=1)
+    assert c.mesh_axes() == ("edp", "ep", "tp") and c.mesh_shape() == (2, 4, 2)
+    assert c.ep_group() == (0, 2, 4, 6) and c.ep_group(replica=1, tp_index=1) == (9, 11, 13, 15)
+    assert c.expert_dp_group(ep_index=3) == (6, 14)
+    assert " ep4" in c.short() and ParallelConfig.from_dict(c.to_dict()) == c
+    assert "ep" not in ParallelConfig(dp=8).to_dict()      # older plans read back byte for byte
+    for bad, why in ((dict(dp=4, ep=3), "divide"), (dict(dp=4, ep=2, zero_stage=3), "zero_stage=3"),
+                     (dict(dp=4, ep=2, pp=2), "pipeline"),
+                     (dict(dp=4, ep=2, offload_optimizer=True), "offload")):
+        with pytest.raises(ConfigError, match=why):
+            ParallelConfig(**bad)
+
+
+def test_the_estimate_shards_expert_state_and_prices_the_exchanges(mixtral8x7b):
+    """Mixtral-8x7B on 2 x 8 H100: ep=8 holds an eighth of the experts per rank; the routed
+    rows cross the ep group twice per grouped product each way; the experts' gradients are
+    all-reduced over the 2 ranks holding the same experts, not over all 16."""
+    cluster = Cluster.preset("dgx-h100", nodes=2)
+    kw = dict(dp=16, zero_stage=1, recompute="full")
+    one = estimate(mixtral8x7b, cluster, config=ParallelConfig(**kw), global_batch_size=32,
+                   profile=None)
+    ep8 = estimate(mixtral8x7b, cluster, config=ParallelConfig(**kw, ep=8),
+                   global_batch_size=32, profile=None)
+    experts = sum(v.meta.numel for v in mixtral8x7b.param_values
+                  if v.name in find_experts(mixtral8x7b).param_values)
+    assert experts > 0.9 * mixtral8x7b.num_params
+    held = one.stages[0].params_per_device - ep8.stages[0].params_per_device
+    assert held == pytest.approx(experts * 7 / 8, rel=1e-9)
+    m1, m8 = one.stages[0].memory, ep8.stages[0].memory
+    ratio = ep8.stages[0].params_per_device / one.stages[0].params_per_device
+    assert m8.params_bytes == pytest.approx(m1.params_bytes * ratio)
+    # ZeRO-1: the experts' optimizer state is sharded over the 2 ranks holding them only
+    rest = one.stages[0].params_per_device - experts
+    per_param = m1.optimizer_bytes * 16 / one.stages[0].params_per_device
+    assert m8.optimizer_bytes == pytest.approx(per_param * (rest / 16 + experts / 8 / 2))
+    assert ep8.time.comm_exposed_s["ep_all_to_all"] > 0
+    assert "ep_all_to_all" not in one.time.comm_exposed_s
+    assert ep8.time.compute_s == pytest.approx(one.time.compute_s)
+
+
+def test_the_planner_costs_ep_and_writes_its_axes(mixtral8x7b, tmp_path):
+    p = plan(mixtral8x7b, Cluster.preset("dgx-h100", nodes=2), global_batch_size=256,
+             profile=None, force={"ep": 8})
+    assert p.config.ep == 8 and p.config.zero_stage <= 1 and p.config.pp == 1
+    assert p.mesh.axes == ("edp", "ep", "tp")
+    assert p.predicted["time"]["comm_exposed_s"]["ep_all_to_all"] > 0
+    back = Plan.from_json(p.to_json())
+    assert back.config == p.config and back.to_json() == p.to_json()
+    old = json.loads(p.to_json())
+    old["schema_version"] = 2
+    with pytest.raises(PlanError, match="schema 3 added"):
+        Plan.from_json(json.dumps(old))
+    with pytest.raises(Exception, match="ep"):
+        plan(_graph("titan-llama-tiny"), Cluster.local(2), global_batch_size=8,
+             profile=None, force={"ep": 2})
+
+
+CASES = [
+    ("hf-mixtral-tiny", 2, dict(tp=1, zero_stage=0, ep=2), "ilp", "HF Mixtral, EP2"),
+    # its experts multiply in bf16 (torch._grouped_mm's dtype): ep = dp keeps each expert's
+    # rows on one rank, as on one device (a weight gradient summed from two ranks' bf16
+    # products differs by bf16 rounding, as under plain data parallelism)
+    ("titan-moe-tiny", 4, dict(tp=1, zero_stage=1, ep=4), "ilp", "plain top-k MoE, EP4 ZeRO-1"),
+    ("hf-mixtral-tiny", 4, dict(tp=1, zero_stage=1, ep=2), "ilp",
+     "HF Mixtral, EP2 x expert-DP2, ZeRO-1"),
+    ("hf-mixtral-tiny", 4, dict(tp=2, zero_stage=0, ep=2), "megatron",
+     "HF Mixtral, EP2 x TP2 inside the experts"),
+]
+
+
+@pytest.mark.parametrize("name,world,force,sharding,family", CASES,
+                         ids=[f"{c[0]}-{c[1]}ranks-{c[4]}" for c in CASES])
+def test_expert_parallel_run_equals_single_device(name, world, force, sharding, family):
+    if name.startswith("hf-") and not has_transformers():
+        pytest.skip("transformers not installed")
+    p = _plan(name, world, force, sharding)
+    assert (p.config.ep, p.config.tp, p.config.zero_stage) == (force["ep"], force["tp"],
+                                                               force["zero_stage"])
+    results = run_ranks(_rank, world, name, p.to_json())
+    ref_losses, ref_params = _reference(name)
+    for losses, _ in results:
+        assert losses == pytest.approx(ref_losses, rel=1e-5)
+    params = results[0][1]
+    assert set(params) == set(ref_params)
+    for k, ref in ref_params.items():
+        got = torch.tensor(params[k], dtype=ref.dtype).reshape(ref.shape)
+        err = ((got - ref).norm() / ref.norm().clamp_min(1e-12)).item()
+        assert err <= 1e-5, f"{k}: relative error {err:.2e} ({family})"
+
+
+@needs_hf
+def test_expert_parallel_checkpoint_resumes_and_reshards(tmp_path):
+    """Save under EP2 (ZeRO-1) on 2 ranks: resuming is the same run bit for bit. Save under
+    EP2 x expert-DP2 on 4 ranks: resuming under tp2 on 2 ranks (experts whole again) gives the
+    same next losses and weights."""
+    from tests.test_checkpoint import _bitwise_same, _plan as ck_plan, _run, _whole
+    kw = dict(name="hf-mixtral-tiny", overrides={"layers": 2})
+    ep2 = ck_plan(2, dict(tp=1, zero_stage=1, ep=2), "ilp", **kw)
+    ckpt = str(tmp_path / "ckpt")
+    full = _run(2, ep2.to_json(), ckpt, steps=4, save_at=2, **kw)
+    same = _run(2, ep2.to_json(), ckpt, steps=2, resume=ckpt, **kw)
+    assert [r[1] for r in same] == [f[1][2:] for f in full]       # bitwise
+    _bitwise_same(_whole(same), _whole(full))
+
+    a = ck_plan(4, dict(tp=1, zero_stage=1, ep=2), "ilp", **kw)
+    b = ck_plan(2, dict(tp=2), "megatron", **kw)
+    assert a.config.ep == 2 and b.config.ep == 1
+    ckpt = str(tmp_path / "ckpt4")
+    full = _run(4, a.to_json(), ckpt, steps=4, save_at=2, **kw)
+    other = _run(2, b.to_json(), ckpt, steps=2, resume=ckpt, **kw)
+    for start, losses, _ in other:
+        assert start == 2 and losses == pytest.approx(full[0][1][2:], rel=1e-6)
+    got, ref = _whole(other), _whole(full)
+    for k in ref:
+        g, r = torch.tensor(got[k]), torch.tensor(ref[k])
+        assert (g - r).norm() <= 1e-5 * max(r.norm(), 1e-12), k
