@@ -43,7 +43,7 @@ def test_registry_lists_every_family():
         "hf-mistral-tiny", "hf-qwen2-tiny", "hf-mixtral-tiny", "hf-bert-mlm-tiny", "hf-t5-tiny",
         "hf-vit-tiny", "torch-encoder-tiny", "nanogpt-tiny", "rootparam-tiny", "cnn-tiny",
         "hf-llama3-8b", "hf-mixtral-8x7b", "hf-t5-large", "hf-bert-large", "hf-gpt2-xl",
-        "hf-vit-l", "titan-llama-tiny", "titan-llama3-8b",
+        "hf-vit-l", "titan-llama-tiny", "titan-llama3-8b", "titan-moe-tiny",
     }
     assert expected <= set(names)
     assert len(names) == len(set(names))
@@ -52,7 +52,7 @@ def test_registry_lists_every_family():
                         "zoo-gpt2", "zoo-llama", "zoo-mistral", "zoo-qwen2", "zoo-mixtral",
                         "zoo-bert-mlm", "zoo-t5", "zoo-vit", "zoo-torch-encoder",
                         "zoo-nanogpt", "zoo-rootparam", "zoo-cnn",
-                        "zoo-titan-llama"}
+                        "zoo-titan-llama", "zoo-titan-moe"}
 
 
 @pytest.mark.parametrize("name", NATIVE_TINY)
