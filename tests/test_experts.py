@@ -15,7 +15,7 @@ from autoplan.models import build_example
 from autoplan.planner.planfile import Plan
 from tests.conftest import has_transformers
 from tests.distributed import run_ranks
-from tests.test_runtime import _plan, _rank, _reference
+from tests.test_runtime import _plan, _rank, assert_equals_one_device
 
 needs_hf = pytest.mark.skipif(not has_transformers(), reason="transformers not installed")
 
@@ -124,16 +124,7 @@ def test_expert_parallel_run_equals_single_device(name, world, force, sharding, 
     p = _plan(name, world, force, sharding)
     assert (p.config.ep, p.config.tp, p.config.zero_stage) == (force["ep"], force["tp"],
                                                                force["zero_stage"])
-    results = run_ranks(_rank, world, name, p.to_json())
-    ref_losses, ref_params = _reference(name)
-    for losses, _ in results:
-        assert losses == pytest.approx(ref_losses, rel=1e-5)
-    params = results[0][1]
-    assert set(params) == set(ref_params)
-    for k, ref in ref_params.items():
-        got = torch.tensor(params[k], dtype=ref.dtype).reshape(ref.shape)
-        err = ((got - ref).norm() / ref.norm().clamp_min(1e-12)).item()
-        assert err <= 1e-5, f"{k}: relative error {err:.2e} ({family})"
+    assert_equals_one_device(run_ranks(_rank, world, name, p.to_json()), name, family)
 
 
 @needs_hf

@@ -111,7 +111,11 @@ def test_plan_run_equals_single_device(name, world, force, sharding, family):
     plan = _plan(name, world, force, sharding)
     for k, v in force.items():
         assert getattr(plan.config, k) == v, (k, plan.config)
-    results = run_ranks(_rank, world, name, plan.to_json())
+    assert_equals_one_device(run_ranks(_rank, world, name, plan.to_json()), name, family)
+
+
+def assert_equals_one_device(results, name, family):
+    """Every rank's losses and rank 0's gathered parameters equal single-process training."""
     ref_losses, ref_params = _reference(name)
     for losses, _ in results:                       # every rank reports the global loss
         assert losses == pytest.approx(ref_losses, rel=1e-5)
