@@ -52,8 +52,8 @@ def test_config_rules_groups_and_mesh():
     assert c.expert_dp_group(ep_index=3) == (6, 14)
     assert " ep4" in c.short() and ParallelConfig.from_dict(c.to_dict()) == c
     assert "ep" not in ParallelConfig(dp=8).to_dict()      # older plans read back byte for byte
+    assert ParallelConfig(dp=4, ep=2, pp=2).mesh_axes() == ("pp", "edp", "ep", "tp")
     for bad, why in ((dict(dp=4, ep=3), "divide"), (dict(dp=4, ep=2, zero_stage=3), "zero_stage=3"),
-                     (dict(dp=4, ep=2, pp=2), "pipeline"),
                      (dict(dp=4, ep=2, offload_optimizer=True), "offload")):
         with pytest.raises(ConfigError, match=why):
             ParallelConfig(**bad)
@@ -86,11 +86,15 @@ def test_the_estimate_shards_expert_state_and_prices_the_exchanges(mixtral8x7b):
     assert ep8.time.compute_s == pytest.approx(one.time.compute_s)
 
 
-def test_the_planner_costs_ep_and_writes_its_axes(mixtral8x7b, tmp_path):
-    p = plan(mixtral8x7b, Cluster.preset("dgx-h100", nodes=2), global_batch_size=256,
-             profile=None, force={"ep": 8})
-    assert p.config.ep == 8 and p.config.zero_stage <= 1 and p.config.pp == 1
-    assert p.mesh.axes == ("edp", "ep", "tp")
+def test_the_planner_chooses_ep_for_mixtral_and_writes_its_axes(mixtral8x7b, tmp_path):
+    """On 2 x 8 H100 the free search picks expert parallelism (over pipelines only) and the
+    plan file records its axes."""
+    cluster = Cluster.preset("dgx-h100", nodes=2)
+    p = plan(mixtral8x7b, cluster, global_batch_size=256, profile=None)
+    no_ep = plan(mixtral8x7b, cluster, global_batch_size=256, profile=None, force={"ep": 1})
+    assert p.config.ep > 1 and p.config.zero_stage <= 1, p.config.short()
+    assert p.predicted["step_time_s"] < no_ep.predicted["step_time_s"]
+    assert p.mesh.axes == (("pp",) if p.config.pp > 1 else ()) + ("edp", "ep", "tp")
     assert p.predicted["time"]["comm_exposed_s"]["ep_all_to_all"] > 0
     back = Plan.from_json(p.to_json())
     assert back.config == p.config and back.to_json() == p.to_json()
@@ -98,9 +102,30 @@ def test_the_planner_costs_ep_and_writes_its_axes(mixtral8x7b, tmp_path):
     old["schema_version"] = 2
     with pytest.raises(PlanError, match="schema 3 added"):
         Plan.from_json(json.dumps(old))
-    with pytest.raises(Exception, match="ep"):
+    with pytest.raises(ConfigError, match="has no experts"):
         plan(_graph("titan-llama-tiny"), Cluster.local(2), global_batch_size=8,
              profile=None, force={"ep": 2})
+    with pytest.raises(ConfigError, match="4 experts do not split"):
+        plan(_graph("titan-moe-tiny"), Cluster.local(3), global_batch_size=9,
+             profile=None, force={"ep": 3})
+
+
+@needs_hf
+def test_rows_stay_with_their_experts_between_grouped_products():
+    """One dispatch and one combine per MoE layer, not a pair per grouped product (Mixtral's
+    gate_up and down; the top-k MoE's w1, w3 and w2 read one dispatch)."""
+    from autoplan.runtime import program as P
+    from autoplan.runtime.emit import emit
+    for name in ("hf-mixtral-tiny", "titan-moe-tiny"):
+        p = _plan(name, 2, dict(tp=1, zero_stage=0, ep=2))
+        ex, small = build_example(name, batch_size=8, seed=0), build_example(name, batch_size=1)
+        rp = emit(ex.model, p, _graph(name), example_inputs=small.example_inputs,
+                  example_targets=small.targets, loss_fn=ex.loss_fn, t=1, tp_rank=0,
+                  device=torch.device("cpu"), seed=0, ep=(2, 0))
+        targets = [n.target for n in rp.program.graph_module.graph.nodes]
+        layers = 2
+        assert targets.count(P._k_dispatch) == layers and targets.count(P._k_combine) == layers
+        assert targets.count(P._k_local_experts) == len(find_experts(_graph(name)).ops)
 
 
 CASES = [
@@ -153,3 +178,26 @@ def test_expert_parallel_checkpoint_resumes_and_reshards(tmp_path):
     for k in ref:
         g, r = torch.tensor(got[k]), torch.tensor(ref[k])
         assert (g - r).norm() <= 1e-5 * max(r.norm(), 1e-12), k
+
+
+@needs_hf
+@pytest.mark.parametrize("force", [dict(schedule="1f1b", zero_stage=1),
+                                   dict(schedule="zero_bubble", zero_stage=0)],
+                         ids=["1F1B ZeRO-1", "zero bubble (split backward)"])
+def test_pipelined_expert_parallel_run_equals_single_device(force):
+    """pp2 x EP2 on 4 ranks: each stage's experts split over its 2 dp ranks."""
+    from tests.test_checkpoint import _plan as ck_plan, _run, _whole
+    from tests.test_runtime import STEPS, _reference
+    kw = dict(name="hf-mixtral-tiny", overrides={"layers": 2})
+    p = ck_plan(4, dict(pp=2, dp=2, ep=2, **force), "ilp", max_pp=2, **kw)
+    assert (p.config.pp, p.config.ep, p.config.schedule) == (2, 2, force["schedule"])
+    assert p.mesh.axes == ("pp", "edp", "ep", "tp")
+    results = _run(4, p.to_json(), None, steps=STEPS, **kw)
+    ref_losses, ref_params = _reference("hf-mixtral-tiny")
+    for _, losses, _ in results:
+        assert losses == pytest.approx(ref_losses, rel=1e-5)
+    got = _whole(results)
+    assert set(got) == set(ref_params)
+    for k, ref in ref_params.items():
+        g = torch.tensor(got[k], dtype=ref.dtype).reshape(ref.shape)
+        assert ((g - ref).norm() / ref.norm().clamp_min(1e-12)).item() <= 1e-5, k

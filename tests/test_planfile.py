@@ -208,7 +208,7 @@ def test_format_keys_match_the_dataclasses_and_the_schema():
         assert names(cls) == keys
         assert set(schema["properties"][prop]["properties"]) == set(keys) - {"time_s"}
     assert names(Alternative) == check.ALTERNATIVE_KEYS
-    assert names(ParamPlacement) == check.PLACEMENT_KEYS
+    assert names(ParamPlacement) == check.PLACEMENT_KEYS + check.PLACEMENT_OPTIONAL_KEYS
     assert set(schema["$defs"]["parallel_config"]["properties"]) == set(names(ParallelConfig))
     # predicted = Estimate.to_dict() without the per-device list: keep the spec in step
     assert set(check._PREDICTED) == (set(names(Estimate)) | {"fits"}) - {"per_device_memory_bytes"}

@@ -32,9 +32,10 @@ def add_model_args(p: argparse.ArgumentParser, *, optional: bool = False,
     p.add_argument("--batch-size", type=int, default=1,
                    help="batch size to trace with (costs scale to the micro-batch; default 1)")
     p.add_argument("--seq-len", type=int, default=None, help="sequence length (LMs)")
-    p.add_argument("--device", default="meta", choices=("meta", "cpu"),
-                   help="build the model on the meta device (default: nothing is allocated) "
-                        "or really on the CPU")
+    p.add_argument("--device", default=None, choices=("meta", "cpu"),
+                   help="build the model on the meta device (the default: nothing is "
+                        "allocated) or really on the CPU (`plan` for a CPU cluster defaults "
+                        "to it where the model fits: some models trace differently per device)")
     p.add_argument("--layers", type=int, default=None,
                    help="override the number of layers of an example (e.g. to trace faster)")
 
@@ -48,7 +49,7 @@ def build_model_arg(args: argparse.Namespace):
     from autoplan.models import build_example
     from autoplan.models.registry import layer_overrides
     try:
-        return build_example(spec, device=args.device, batch_size=args.batch_size,
+        return build_example(spec, device=args.device or "meta", batch_size=args.batch_size,
                              seq_len=args.seq_len, **layer_overrides(spec, args.layers))
     except ValueError as e:
         raise AutoplanError(str(e)) from e

@@ -58,13 +58,28 @@ def parse_force(items: list[str]) -> dict:
     return out
 
 
+def _trace_for(cluster, args: argparse.Namespace):
+    """The model traced where it will run: a CPU cluster's plan is traced on the CPU (HF
+    Mixtral, for one, routes with float counts on the CPU and int counts elsewhere, and a plan
+    holds the graph's fingerprint), unless the model does not fit in host memory or
+    ``--device`` says otherwise."""
+    from autoplan.errors import AutoplanError
+    if args.device is None and cluster.device.kind == "cpu":
+        try:
+            return graph_from_args(argparse.Namespace(**{**vars(args), "device": "cpu"}))
+        except AutoplanError as e:
+            if "memory" not in str(e):
+                raise
+    return graph_from_args(args)
+
+
 def run(args: argparse.Namespace) -> int:
     from autoplan.cluster import Cluster
     from autoplan.planner.explain import explain_plan
     from autoplan.planner.search import plan
     cluster = Cluster.from_spec(args.cluster)
     t0 = time.perf_counter()
-    graph = graph_from_args(args)
+    graph = _trace_for(cluster, args)
     progress = None if args.quiet else (lambda msg: print(f"  {msg}", file=sys.stderr))
     if progress:
         progress(f"traced {graph.name}: {len(graph.ops)} ops in "

@@ -23,6 +23,7 @@ from autoplan.estimate.overlap import overlap_exposed_s, overlap_interference
 from autoplan.estimate.partition import Chunk
 from autoplan.graph.experts import find_experts
 from autoplan.graph.opgraph import OpGraph
+from autoplan.sharding.expert_regions import expert_regions
 from autoplan.sharding.placement import REPLICATE
 from autoplan.sharding.sharding import Sharding
 
@@ -124,33 +125,41 @@ def tp_comm_s(ci: CostInputs, start: int, stop: int) -> tuple[float, float, floa
 
 
 def ep_comm_s(ci: CostInputs, start: int, stop: int) -> tuple[float, float]:
-    """(forward, backward) seconds of the expert-parallel exchanges of ops[start:stop]: per
-    grouped product, its rows all-to-all to their experts' ranks and back (and, in forward, the
-    all-gather of the per-expert row counts); the backward sends the rows' gradients the same
-    two ways. Each rank sends its rows at their tp-local size; balanced routing is assumed
+    """(forward, backward) seconds of the expert-parallel exchanges of ops[start:stop], where
+    ``sharding/expert_regions.py`` puts them (as the runtime runs them): each dispatch sends a
+    value's rows all-to-all to their experts' ranks (after an all-gather of the per-expert row
+    counts), each combine brings a dispatched value's rows home; the backward sends the rows'
+    gradients the same ways. Rows move at their tp-local size; balanced routing is assumed
     (every rank receives as many rows as it sends)."""
     config = ci.config
-    found = find_experts(ci.graph) if config.ep > 1 else None
-    if found is None:
+    regions = expert_regions(ci.graph, ci.sharding) if config.ep > 1 else None
+    if regions is None:
         return 0.0, 0.0
-    graph, sh = ci.graph, ci.sharding
+    graph, sh, a = ci.graph, ci.sharding, ci.analysis
     group = config.ep_group()
-    fwd = bwd = 0.0
-    for i in found.ops:
-        if not start <= i < stop:
-            continue
-        op = graph.ops[i]
-        for n, p in ((op.inputs[0], sh.input_placement(graph, i, op.inputs[0])),
-                     (op.outputs[0], sh.op_strategy[i].local_output(0))):
-            b = _meta_bytes(graph.value(n).meta, config.precision)
-            if n in ci.analysis.batch_dependent:
-                b *= ci.batch_scale
-            a2a = ci.cluster.collective_time_s("all_to_all", b / (sh.t if p.kind == "S"
-                                                                  else 1), group)
-            fwd += a2a
-            bwd += a2a
-        fwd += ci.cluster.collective_time_s("all_gather", 8.0 * found.num_experts * config.ep,
+    experts = find_experts(graph).num_experts
+
+    def a2a(value: str, p: Any) -> float:
+        b = _meta_bytes(graph.value(value).meta, config.precision)
+        if value in a.batch_dependent:
+            b *= ci.batch_scale
+        return ci.cluster.collective_time_s("all_to_all", b / (sh.t if p.kind == "S" else 1),
                                             group)
+    fwd = bwd = 0.0
+    seen = set()
+    for i, x in regions.dispatch:
+        p = sh.op_strategy[i].inputs[0]
+        if start <= i < stop and (x, str(p)) not in seen:
+            seen.add((x, str(p)))
+            t = a2a(x, p)
+            fwd += t + ci.cluster.collective_time_s("all_gather", 8.0 * experts * config.ep,
+                                                    group)
+            bwd += t
+    for v in regions.combine:
+        if start <= a.producer[v] < stop:
+            t = a2a(v, sh.placement_of(graph, v))
+            fwd += t
+            bwd += t
     return fwd, bwd
 
 

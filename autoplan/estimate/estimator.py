@@ -364,7 +364,7 @@ def _chunk_collectives(config: ParallelConfig, cluster: Any, costs: Sequence[Ran
     for c, cost in enumerate(costs):
         layers = max(1, cost.num_layers)
         grad_sync, ag, rs = _dp_collectives(config, cluster, cost.params, layers,
-                                            config.chunk_rank(c))
+                                            config.chunk_rank(c), cost.expert_params)
         sync.append(grad_sync)          # the tp step all-reduce is priced exposed, per stage
         fsdp.append((layers * ag, layers * ag, layers * rs))
     return sync, fsdp

@@ -188,9 +188,10 @@ _STATE_NOTE = {1: "optimizer state", 2: "gradients and optimizer state"}
 def axis_placement(plan: Plan, fqn: str, axis: str) -> str:
     """Where parameter ``fqn`` lies on mesh axis ``axis``: "R" (whole on every rank of the
     axis) or "S(d)" (dim d split over it). ZeRO-3/FSDP shards over dp, or under HSDP over
-    dp_shard and replicates over dp_replicate; a pipeline axis holds each weight on one stage."""
+    dp_shard and replicates over dp_replicate; expert parallelism splits expert weights over
+    ep and replicates them over edp; a pipeline axis holds each weight on one stage."""
     p = plan.param_placements[fqn]
-    return {"tp": p.tp, "dp": p.dp, "dp_shard": p.dp}.get(axis, "R")
+    return {"tp": p.tp, "dp": p.dp, "dp_shard": p.dp, "ep": p.ep}.get(axis, "R")
 
 
 def generic_name(fqn: str, blocks: Sequence[str]) -> str:
@@ -228,6 +229,8 @@ def _placements(plan: Plan) -> str:
     cfg = plan.config
     if cfg.dp > 1 and cfg.zero_stage in _STATE_NOTE:
         over = f"dp_shard ({cfg.dp_shard})" if cfg.dp_shard else f"dp ({cfg.dp})"
+        if cfg.ep > 1:
+            over += f", the expert weights' over edp ({cfg.dp // cfg.ep})"
         lines.append(f"  ZeRO-{cfg.zero_stage}: {_STATE_NOTE[cfg.zero_stage]} sharded over "
                      f"{over}; the weights as above")
     return "\n".join(lines)
@@ -412,8 +415,10 @@ def diff_plans(a: Plan, b: Plan) -> str:
                  + f"   [{a.config.short()} -> {b.config.short()}]")
     lines += _map_changes("module styles", a.module_styles, b.module_styles)
     lines += _map_changes("op strategies", a.op_strategies, b.op_strategies)
-    place_a = {k: f"tp {v.tp} dp {v.dp}" for k, v in a.param_placements.items()}
-    place_b = {k: f"tp {v.tp} dp {v.dp}" for k, v in b.param_placements.items()}
+    def where(v: Any) -> str:
+        return f"tp {v.tp} dp {v.dp}" + (f" ep {v.ep}" if v.ep != "R" else "")
+    place_a = {k: where(v) for k, v in a.param_placements.items()}
+    place_b = {k: where(v) for k, v in b.param_placements.items()}
     lines += _map_changes("placements", place_a, place_b)
     lines += _recompute_changes(a.recompute, b.recompute)
     lines += _stage_changes(a, b)

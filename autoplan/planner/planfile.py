@@ -107,16 +107,18 @@ class MeshInfo:
 
 @dataclass(frozen=True, kw_only=True)
 class ParamPlacement:
-    """How one parameter lies on the mesh: its placement on the TP and on the DP axis."""
+    """How one parameter lies on the mesh: its placement on the TP and on the DP axis (and, for
+    an expert weight under expert parallelism, on the ep axis; written only then)."""
 
     tp: str                     # "R" or "S(d)"
     dp: str                     # "R", or "S(d)" when ZeRO-3 / FSDP shards it
     shape: tuple[int, ...]      # the full (unsharded) shape
+    ep: str = "R"               # "S(0)": an expert weight split over the expert-parallel axis
 
     def __post_init__(self) -> None:
         if isinstance(self.shape, list):
             object.__setattr__(self, "shape", tuple(self.shape))
-        for name in ("tp", "dp"):           # canonical text; bad text is reported by Plan
+        for name in ("tp", "dp", "ep"):           # canonical text; bad text is reported by Plan
             try:
                 object.__setattr__(self, name, str(Placement.parse(getattr(self, name))))
             except AutoplanError:
@@ -232,7 +234,8 @@ class Plan:
                      "rank_to_device": list(self.mesh.rank_to_device),
                      "tp_domain": self.mesh.tp_domain},
             "config": self.config.to_dict(),
-            "param_placements": {k: {"tp": p.tp, "dp": p.dp, "shape": list(p.shape)}
+            "param_placements": {k: {"tp": p.tp, "dp": p.dp, "shape": list(p.shape),
+                                     **({"ep": p.ep} if p.ep != "R" else {})}
                                  for k, p in self.param_placements.items()},
             "op_strategies": dict(self.op_strategies),
             "module_styles": dict(self.module_styles),
@@ -278,7 +281,8 @@ class Plan:
                           rank_to_device=tuple(d["mesh"]["rank_to_device"]),
                           tp_domain=d["mesh"]["tp_domain"]),
             config=ParallelConfig.from_dict(d["config"]),
-            param_placements={k: ParamPlacement(tp=v["tp"], dp=v["dp"], shape=tuple(v["shape"]))
+            param_placements={k: ParamPlacement(tp=v["tp"], dp=v["dp"], shape=tuple(v["shape"]),
+                                                 ep=v.get("ep", "R"))
                               for k, v in d["param_placements"].items()},
             op_strategies=d["op_strategies"], module_styles=d["module_styles"],
             recompute=d["recompute"], offload=d["offload"], predicted=d["predicted"],

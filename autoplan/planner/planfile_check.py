@@ -46,6 +46,7 @@ CLUSTER_KEYS = ("name", "fingerprint", "world_size", "device", "num_nodes", "dev
 TRAINING_KEYS = ("global_batch_size", "precision", "optimizer")
 MESH_KEYS = ("axes", "shape", "rank_to_device", "tp_domain")
 PLACEMENT_KEYS = ("tp", "dp", "shape")
+PLACEMENT_OPTIONAL_KEYS = ("ep",)         # schema 3: expert weights of expert-parallel plans
 OFFLOAD_KEYS = ("optimizer", "params")
 ALTERNATIVE_KEYS = ("config", "step_time_s", "peak_memory_bytes", "fits", "why_lost")
 SOLVER_KEYS = ("solver", "status", "objective_s", "bound_s", "gap", "num_variables",
@@ -211,10 +212,11 @@ def _check_mesh(mesh: Any, config: ParallelConfig, cluster: Mapping[str, Any]) -
 def _check_placements(placements: Any) -> None:
     for fqn, v in _map(placements, "param_placements").items():
         path = sub("param_placements", fqn)
-        _keys(v, path, PLACEMENT_KEYS)
+        _keys({k: x for k, x in v.items() if k not in PLACEMENT_OPTIONAL_KEYS}
+              if isinstance(v, Mapping) else v, path, PLACEMENT_KEYS)
         shape = [_int(n, f"{path}.shape[{i}]") for i, n in enumerate(_list(v["shape"],
                                                                             f"{path}.shape"))]
-        for axis in ("tp", "dp"):
+        for axis in ("tp", "dp") + tuple(k for k in PLACEMENT_OPTIONAL_KEYS if k in v):
             try:
                 pl = Placement.parse(v[axis])
             except AutoplanError as e:

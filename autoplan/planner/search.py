@@ -355,6 +355,16 @@ def plan(model: Any, cluster: Any, *, global_batch_size: int, example_inputs: An
                                        if k in ("dp", "tp", "pp"))]
     if not shapes:
         raise ConfigError(f"no mesh of {cluster.world_size} devices matches force={opts.force}")
+    if opts.force.get("ep", 1) != 1:
+        from autoplan.graph.experts import find_experts
+        found = find_experts(graph)
+        if found is None:
+            raise ConfigError(f"force ep={opts.force['ep']}: the model has no experts to split "
+                              "(expert parallelism needs a grouped product of stacked expert "
+                              "weights, as HF Mixtral and torchtitan-style MoE layers trace)")
+        if found.num_experts % opts.force["ep"]:
+            raise ConfigError(f"force ep={opts.force['ep']}: the model's "
+                              f"{found.num_experts} experts do not split evenly over it")
     ilp_cache: dict[tuple[int, int], tuple[Sharding, ILPSolution | None]] = {}
     for shape in shapes:
         where = f"mesh pp{shape.pp} x dp{shape.dp} x tp{shape.tp}"
@@ -496,6 +506,16 @@ def _alternatives(cands: list[_Candidate], best: _Candidate, k: int,
     return [Alternative.of(c.est, _why_lost(c, best, force)) for c in picked]
 
 
+def _expert_fqns(graph: OpGraph, cfg: Any) -> set[str]:
+    """Every name (tied aliases too) of the expert weights split over ep (ep > 1)."""
+    if cfg.ep == 1:
+        return set()
+    from autoplan.graph.experts import find_experts
+    found = find_experts(graph)
+    values = found.param_values if found is not None else frozenset()
+    return {v.fqn for v in graph.param_values if v.base in values}
+
+
 def _assemble(graph: OpGraph, cluster: Any, best: _Candidate, alternatives: list[Alternative],
               stats: _Stats, gbs: int, name: str | None) -> Plan:
     cfg = best.est.config
@@ -504,7 +524,9 @@ def _assemble(graph: OpGraph, cluster: Any, best: _Candidate, alternatives: list
     zero3 = cfg.zero_stage == 3 and cfg.dp > 1
     # every parameter FQN, tied aliases too (they share their owner's storage and placement)
     shapes = {v.fqn: tuple(v.meta.shape) for v in graph.param_values}
-    placements = {fqn: ParamPlacement(tp=tp, dp="S(0)" if zero3 else "R", shape=shapes[fqn])
+    experts = _expert_fqns(graph, cfg)
+    placements = {fqn: ParamPlacement(tp=tp, dp="S(0)" if zero3 else "R", shape=shapes[fqn],
+                                      ep="S(0)" if fqn in experts else "R")
                   for fqn, tp in sh.param_placement_text(graph).items()}
     recompute = {}
     for block in graph.blocks:

@@ -106,10 +106,10 @@ def policies(config: ParallelConfig, opts: SearchOptions, cluster: Any,
 def ep_degrees(config: ParallelConfig, graph: OpGraph, opts: SearchOptions, zero_stage: int,
                offload: bool) -> list[int]:
     """Expert-parallel degrees to cost: for a model with experts, every ``ep`` dividing both
-    dp and the expert count, where the runtime runs it (ZeRO-0/1, no pipeline, no offload)."""
+    dp and the expert count, where the runtime runs it (ZeRO-0/1, no offload)."""
     from autoplan.graph.experts import find_experts
     found = find_experts(graph)
-    runs = found is not None and config.pp == 1 and zero_stage <= 1 and not offload
+    runs = found is not None and zero_stage <= 1 and not offload
     allowed = [e for e in found.ep_degrees(config.dp) if config.dp % e == 0] if runs else [1]
     if "ep" in opts.force:
         return [opts.force["ep"]] if opts.force["ep"] in allowed else []

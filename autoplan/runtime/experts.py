@@ -6,14 +6,15 @@ experts ``j * E/ep`` to ``(j + 1) * E/ep - 1``) and routes its own tokens. A gro
 (rows sorted by expert, cumulative row offsets per expert) then runs as Megatron-Core's and
 DeepSpeed-MoE's all-to-all dispatcher does:
 
-1. the per-expert row counts are all-gathered over the group (each rank learns what it
-   receives from each peer);
-2. dispatch: ``all_to_all_single`` sends each peer the rows of its experts (a contiguous
-   block, since rows are sorted by expert);
-3. the received rows (peer-major) are put expert-major, the grouped product runs over the
-   local experts with the local offsets, and the rows are put back peer-major;
-4. combine: the reverse ``all_to_all_single`` returns each row to its token's rank, in the
-   order it left.
+1. ``dispatch``: the per-expert row counts are all-gathered over the group (each rank learns
+   what it receives from each peer); ``all_to_all_single`` sends each peer the rows of its
+   experts (a contiguous block, since rows are sorted by expert); the received rows
+   (peer-major) are put expert-major;
+2. ``local_experts``: the grouped product over the local experts with the local offsets; the
+   row-wise ops between an MoE block's grouped products run on these rows too
+   (``sharding/expert_regions.py`` says which);
+3. ``combine``: the rows are put back peer-major and the reverse ``all_to_all_single``
+   returns each to its token's rank, in the order it left.
 
 Both exchanges are ``all_to_all_single_autograd`` (torch's functional collectives, as
 torchtitan's MoE uses), which autograd runs backwards (gradients of the rows go the reverse
@@ -25,6 +26,7 @@ and are averaged over the ranks holding the same experts (``trainer``).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -33,47 +35,67 @@ from autoplan.runtime import tp_comm
 from autoplan.runtime.kernels import _get, _set
 
 
-def _operands(op: Any, args: list, kwargs: dict) -> tuple[torch.Tensor, torch.Tensor, Any]:
-    x, w = args[0], args[1]
-    offs = args[2] if len(args) > 2 else _get(op, args, kwargs, "offs")
-    return x, w, offs
+@dataclass
+class Dispatched:
+    """How one exchange placed the rows: what each peer sent and received, where the received
+    rows went (expert-major order) and the local experts' offsets."""
+
+    send: list[int]
+    recv: list[int]
+    index: torch.Tensor | None             # expert-major position -> received (peer-major) row
+    local_offs: torch.Tensor | None
+    group: Any = None
 
 
-def expert_grouped_mm(op: Any, args: list, kwargs: dict, comm: Any) -> torch.Tensor:
-    """``op(x, w, offs)`` with ``w`` holding this rank's ``E / ep`` experts and ``x`` this
-    rank's rows sorted over all ``E`` experts; returns the rows of ``x`` multiplied by their
-    experts, in ``x``'s order."""
-    x, w, offs = _operands(op, args, kwargs)
-    if comm is None or isinstance(comm, tp_comm.ShapeComm):
-        # shape check on fake tensors: the rows keep their order and count
-        return x @ w[0]
+def _offsets(op: Any, args: list, kwargs: dict) -> Any:
+    return args[2] if len(args) > 2 else _get(op, args, kwargs, "offs")
+
+
+def dispatch(x: torch.Tensor, offs: torch.Tensor, experts: int, comm: Any
+             ) -> tuple[torch.Tensor, Dispatched]:
+    """Send the rows of ``x`` (sorted by expert; ``offs``: cumulative rows per expert over all
+    experts) to the ranks of their experts; returns the rows this rank's ``experts`` local
+    experts received, expert-major, and how to send them back."""
+    if isinstance(comm, tp_comm.ShapeComm):      # shape check on fake tensors
+        return x, Dispatched([], [], None, None)
     e, me = comm.size, comm.rank
-    local = w.shape[0]
     counts = torch.diff(offs.long(), prepend=offs.new_zeros(1).long())      # (E,)
     all_counts = comm.all_gather(counts).cpu()                               # (e, E)
-    counts = counts.cpu()
-    send = counts.view(e, local).sum(1).tolist()                # rows to each peer
-    mine = all_counts[:, me * local:(me + 1) * local]           # (peer, local expert)
+    send = counts.cpu().view(e, experts).sum(1).tolist()          # rows to each peer
+    mine = all_counts[:, me * experts:(me + 1) * experts]       # (peer, local expert)
     recv = mine.sum(1).tolist()
     rows = _exchange(x, recv, send, comm.group)
     # peer-major (peer, expert) blocks -> expert-major (expert, peer)
-    starts = torch.cumsum(mine.reshape(-1), 0) - mine.reshape(-1)
-    order = [torch.arange(int(starts[p * local + k]), int(starts[p * local + k] + mine[p, k]))
-             for k in range(local) for p in range(e)]
-    index = torch.cat(order).to(x.device) if order else torch.zeros(0, dtype=torch.long,
-                                                                     device=x.device)
+    flat = mine.reshape(-1)
+    starts = (torch.cumsum(flat, 0) - flat).tolist()
+    sizes = flat.tolist()
+    order = [torch.arange(starts[p * experts + k], starts[p * experts + k] + sizes[p * experts + k])
+             for k in range(experts) for p in range(e)]
+    index = torch.cat(order).to(x.device)
     local_offs = torch.cumsum(mine.sum(0), 0).to(device=offs.device, dtype=offs.dtype)
+    return rows.index_select(0, index), Dispatched(send, recv, index, local_offs, comm.group)
+
+
+def local_experts(op: Any, args: list, kwargs: dict, d: Dispatched) -> torch.Tensor:
+    """``op(rows, w, offs)`` on dispatched rows, ``w`` holding this rank's experts."""
+    if d.local_offs is None:                     # shape check: rows keep their count
+        return args[0] @ args[1][0]
     args, kwargs = list(args), dict(kwargs)
-    args[0] = rows.index_select(0, index)
     if len(args) > 2:
-        args[2] = local_offs
+        args[2] = d.local_offs
     else:
-        args, kwargs = _set(op, args, kwargs, "offs", local_offs)
-    y = op(*args, **kwargs)
-    back = torch.empty_like(index)
-    back[index] = torch.arange(index.numel(), device=index.device)
-    y = y.index_select(0, back)
-    return _exchange(y, send, recv, comm.group)
+        args, kwargs = _set(op, args, kwargs, "offs", d.local_offs)
+    return op(*args, **kwargs)
+
+
+def combine(y: torch.Tensor, d: Dispatched) -> torch.Tensor:
+    """Rows of ``y`` (expert-major, as ``dispatch`` left them) back to their tokens' ranks, in
+    the order they left."""
+    if d.index is None:
+        return y
+    back = torch.empty_like(d.index)
+    back[d.index] = torch.arange(d.index.numel(), device=d.index.device)
+    return _exchange(y.index_select(0, back), d.send, d.recv, d.group)
 
 
 def _exchange(x: torch.Tensor, out_splits: list[int], in_splits: list[int],
@@ -84,3 +106,33 @@ def _exchange(x: torch.Tensor, out_splits: list[int], in_splits: list[int],
                                                            wait_tensor)
     y = all_to_all_single_autograd(x.contiguous(), out_splits, in_splits, group)
     return wait_tensor(y)
+
+
+def expert_parameters(modules: Any, graph: Any, ep: int) -> dict[str, torch.nn.Parameter]:
+    """The expert weights (by FQN, checkpoint wrappers dropped) whose slab ``modules`` hold,
+    trainable ones only; none when ``ep`` is 1."""
+    if ep == 1:
+        return {}
+    from autoplan.graph.experts import find_experts
+    found = find_experts(graph)
+    names = set(found.params) if found is not None else set()
+    out: dict[str, torch.nn.Parameter] = {}
+    for m in modules:
+        for k, p in m.named_parameters(remove_duplicate=False):
+            k = k.replace("_checkpoint_wrapped_module.", "")
+            if k in names and p.requires_grad:
+                out.setdefault(k, p)
+    return out
+
+
+def gather_slabs(sd: dict[str, torch.Tensor], names: Any, comm: Any) -> dict[str, torch.Tensor]:
+    """``sd`` with each expert weight in ``names`` gathered whole over the expert-parallel
+    group (a collective over it)."""
+    if comm is None:
+        return sd
+    from autoplan.runtime.tp_comm import no_grad_gather
+    from autoplan.sharding.placement import shard
+    out = dict(sd)
+    for name in sorted(set(names) & set(sd)):
+        out[name] = no_grad_gather(sd[name].contiguous(), comm, shard(0))
+    return out

@@ -82,6 +82,16 @@ def apply_fsdp(model: nn.Module, layer_paths: list[str], dp_mesh, *, reshard: bo
     fully_shard(model, **kw)
 
 
+def ddp(module: nn.Module, group: Any, ignore: Any = frozenset()) -> nn.Module:
+    """DDP over the dp ``group``, leaving out the parameters whose ids are in ``ignore``
+    (expert weights: averaged over the ranks holding the same experts instead)."""
+    from torch.nn.parallel import DistributedDataParallel
+    names = [k for k, p in module.named_parameters() if id(p) in ignore]
+    if names:
+        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(module, names)
+    return DistributedDataParallel(module, process_group=group)
+
+
 def full_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
     """Parameters and buffers of ``module`` as full tensors (gathered over dp and tp), on the
     CPU, on every rank."""

@@ -172,6 +172,8 @@ class PipelineTrainer(Checkpointing, GradientStep):
     # embedding), torch's per-stage scaling would divide its gradient twice: these are then
     # averaged over the micro-batches here, once each, and the schedule scales nothing
     average_here: list[nn.Parameter] = field(default_factory=list)
+    experts: frozenset[str] = frozenset()     # expert weights split over the ep group
+    ep_comm: Any = None
 
     @property
     def config(self):
@@ -234,6 +236,8 @@ class PipelineTrainer(Checkpointing, GradientStep):
         out: dict[str, torch.Tensor] = {}
         for c in sorted(self.chunks):
             out.update(full_state_dict(self.chunks[c]))
+        from autoplan.runtime.experts import gather_slabs
+        out = gather_slabs(out, self.experts, self.ep_comm)
         return gather_tensor_parallel(out, self.placements, self.aliases, self.tp_comm)
 
 
@@ -295,6 +299,7 @@ def compile_pipelined(model: nn.Module, graph: OpGraph, plan: Any, *, device: to
     pp_index = rank // (cfg.dp * cfg.tp)
     dp_index = (rank % (cfg.dp * cfg.tp)) // cfg.tp
     tp_index = rank % cfg.tp
+    ep_index = dp_index % cfg.ep
     specs = chunk_specs(plan)
     n = len(specs)
     mine_idx = list(cfg.rank_chunks(pp_index))
@@ -311,14 +316,15 @@ def compile_pipelined(model: nn.Module, graph: OpGraph, plan: Any, *, device: to
     aliases = tied_names(model)
     transient = non_persistent_buffers(model)
     program = lower(model, ex, t=cfg.tp, tp_rank=tp_index, device=device, seed=seed,
-                    keep=lambda fqn: fqn in used)
+                    keep=lambda fqn: fqn in used, ep=(cfg.ep, ep_index))
     # every rank creates every stage's group, in the same order (new_group is collective)
     stage_groups = [dist.new_group(ranks=[cfg.rank(pp_index=s, dp_index=d, tp_index=t)
                                           for d in range(cfg.dp) for t in range(cfg.tp)])
                     for s in range(cfg.pp)][pp_index]
     connect(program.comm_slot, tp=(tp_mesh.get_group(), cfg.tp, tp_index),
             dp=(dp_mesh.get_group(), cfg.dp, dp_index),
-            dp_tp=(stage_groups, cfg.dp * cfg.tp, dp_index * cfg.tp + tp_index))
+            dp_tp=(stage_groups, cfg.dp * cfg.tp, dp_index * cfg.tp + tp_index),
+            ep=(mesh["ep"].get_group() if cfg.ep > 1 else None, cfg.ep, ep_index))
     pieces = split_chunks(program.graph_module, cuts)
     held = [p.held for p in pieces]
     ranges = layer_ranges(ex.graph)
@@ -350,6 +356,11 @@ def compile_pipelined(model: nn.Module, graph: OpGraph, plan: Any, *, device: to
                                        canonical))
     params = list({id(p): p for c in sorted(chunks) for p in chunks[c].parameters()
                    if p.requires_grad}.values())
+    # expert weights: their gradients averaged over the ranks holding the same experts
+    from autoplan.runtime.experts import expert_parameters
+    experts = expert_parameters([chunks[c] for c in sorted(chunks)], ex.graph, cfg.ep)
+    expert_ids = {id(p) for p in experts.values()}
+    edp_group = mesh["edp"].get_group() if cfg.ep > 1 else None
     in_two_chunks = sum(1 for c in chunks for p in chunks[c].parameters()) > len(
         {id(p) for c in chunks for p in chunks[c].parameters()})
     if cfg.tp > 1:
@@ -365,11 +376,15 @@ def compile_pipelined(model: nn.Module, graph: OpGraph, plan: Any, *, device: to
     # simulator puts that sync after the rank's last weight gradient.
     ddp = cfg.dp > 1 and not use_fsdp and cfg.schedule not in SPLIT_BACKWARD
     if cfg.dp > 1 and not use_fsdp and not ddp:
-        grad_syncs.append(DataParallelGrads(params, dp_mesh.get_group(), cfg.dp))
+        grad_syncs.append(DataParallelGrads([p for p in params if id(p) not in expert_ids],
+                                            dp_mesh.get_group(), cfg.dp))
+    if experts:
+        grad_syncs.append(DataParallelGrads(list(experts.values()), edp_group, cfg.dp))
     pp_group = mesh["pp"].get_group()
     # declared shapes: no shape-inference forward on uninitialized buffers (a loss would read
     # garbage targets)
-    stages = [PipelineStage(_ddp(chunks[c], dp_mesh.get_group()) if ddp else chunks[c], c, n,
+    stages = [PipelineStage(par.ddp(chunks[c], dp_mesh.get_group(), expert_ids) if ddp
+                            else chunks[c], c, n,
                             device, input_args=_metas(pieces[c].inputs),
                             output_args=_metas(pieces[c].outputs), group=pp_group)
               for c in sorted(chunks)]
@@ -382,7 +397,8 @@ def compile_pipelined(model: nn.Module, graph: OpGraph, plan: Any, *, device: to
         from functools import partial
         factory = partial(HostOffloadOptimizer, factory=optimizer)
     if cfg.dp > 1 and cfg.zero_stage == 1:
-        opt = TensorShardedOptimizer(params, factory, dp_mesh.get_group())
+        opt = TensorShardedOptimizer(params, factory, dp_mesh.get_group(),
+                                     groups={i: edp_group for i in expert_ids})
         opt.overlap_with_forward([chunks[c] for c in sorted(chunks)], layer_modules)
     else:
         opt = factory(params)
@@ -397,7 +413,8 @@ def compile_pipelined(model: nn.Module, graph: OpGraph, plan: Any, *, device: to
                            health=for_job(rank, dist.get_world_size()), loss_out=loss_out,
                            shared_elsewhere=_shared_elsewhere(held, cfg, pp_index,
                                                               canonical, aliases),
-                           average_here=params if in_two_chunks else [])
+                           average_here=params if in_two_chunks else [],
+                           experts=frozenset(experts), ep_comm=program.comm_slot.ep)
 
 
 def _shared_elsewhere(held: list[list[str]], cfg: Any, pp_index: int,
@@ -416,11 +433,6 @@ def _shared_elsewhere(held: list[list[str]], cfg: Any, pp_index: int,
                 mine.add(key)
     return frozenset(canonical_name(k, aliases) for k in mine if first[k] < pp_index)
 
-
-
-def _ddp(chunk: nn.Module, group: Any) -> nn.Module:
-    from torch.nn.parallel import DistributedDataParallel
-    return DistributedDataParallel(chunk, process_group=group)
 
 
 def _metas(nodes: Sequence[Any]) -> tuple[torch.Tensor, ...]:

@@ -37,6 +37,7 @@ from autoplan.graph.opgraph import Op, OpGraph
 from autoplan.graph.trace import TRANSPARENT
 from autoplan.graph.experts import find_experts
 from autoplan.runtime import experts, kernels, tp_comm
+from autoplan.sharding.expert_regions import expert_regions
 from autoplan.sharding.placement import REPLICATE, Placement, local_shape
 from autoplan.sharding.sharding import Sharding, mutates_input
 from autoplan.sharding.strategy import OpStrategy, input_action, opname, output_action
@@ -133,11 +134,19 @@ def _k_dp_batch_norm(target, args, kwargs, slot):
     return kernels.batch_norm_over(slot.dp)(target, args, kwargs, slot.comm)
 
 
-def _k_experts(target, args, kwargs, slot):
+def _k_dispatch(x, offs, local_experts, slot):
     if slot.ep is None:
         raise PlanError("an expert-parallel grouped product ran without its expert-parallel "
                         "group: connect() the program first")
-    return experts.expert_grouped_mm(target, args, kwargs, slot.ep)
+    return experts.dispatch(x, offs, local_experts, slot.ep)
+
+
+def _k_local_experts(target, args, kwargs, d):
+    return experts.local_experts(target, args, kwargs, d)
+
+
+def _k_combine(y, d):
+    return experts.combine(y, d)
 
 
 def _k_mean_partial(target, args, kwargs, slot):
@@ -218,6 +227,12 @@ class _Builder:
             raise PlanError(f"the plan splits experts over ep={ep_size} ranks, but the model "
                             "has no grouped product of expert weights (grouped_mm) to split; "
                             "re-plan with ep=1")
+        # expert parallelism: values held as dispatched rows, their exchanges' states, and
+        # the dispatches made (one per value and placement)
+        self.regions = expert_regions(graph, sh) if self.experts is not None else None
+        self.held: dict[str, fx.Node] = {}
+        self.held_state: dict[str, fx.Node] = {}
+        self.dispatched: dict[tuple[str, str], tuple[fx.Node, fx.Node]] = {}
         self.device = device
         self.state_tensor = state_tensor
         self.g = fx.Graph()
@@ -298,7 +313,31 @@ class _Builder:
         if not op.outputs:
             if "assert" in opname(op) or "constrain" in opname(op):
                 return          # metadata checks on the global shapes: not for local tensors
+        region = self.regions is not None and i in self.regions.members
+        expert_op = region and i in self.experts.ops
+        to_dispatch = {x for j, x in self.regions.dispatch if j == i} if region else set()
+        swapped = {}
+        if region:              # dispatched inputs are read as the rows the experts hold
+            for k, vn in enumerate(op.inputs):
+                if vn in self.held and not (expert_op and k == 0 and vn in to_dispatch):
+                    swapped[vn] = self.env[vn]
+                    self.env[vn] = self.held[vn]
         inputs = self._inputs(node, op, s, i)
+        state = None
+        if expert_op:
+            x = op.inputs[0]
+            if x in to_dispatch:
+                key = (x, str(s.inputs[0]))
+                if key not in self.dispatched:
+                    pair = self.emit(_k_dispatch, (inputs[0], inputs[2], self.experts.num_experts
+                                                   // self.ep_size, self.slot_node), i)
+                    self.dispatched[key] = (self.emit(operator.getitem, (pair, 0), i),
+                                            self.emit(operator.getitem, (pair, 1), i))
+                inputs[0], state = self.dispatched[key]
+            else:
+                state = self.held_state[x]
+        elif region:
+            state = next(self.held_state[vn] for vn in op.inputs if vn in self.held_state)
         it = iter(inputs)
 
         def take(a: fx.Node):
@@ -329,8 +368,8 @@ class _Builder:
                           if self.eg.value(n).kind in ("activation", "input"))
             out = self.emit(_k_sp_linear, (node.target, args, kwargs, self.slot_node,
                                            str(s.inputs[x_slot])), i)
-        elif self.experts is not None and i in self.experts.ops:
-            out = self.emit(_k_experts, (node.target, args, kwargs, self.slot_node), i)
+        elif expert_op:
+            out = self.emit(_k_local_experts, (node.target, args, kwargs, state), i)
         elif s.kernel:
             out = self.emit(KERNEL_CALLS[s.kernel], (node.target, args, kwargs, self.slot_node), i)
         elif opname(op) == "batch_norm":
@@ -358,6 +397,11 @@ class _Builder:
             if bias_node is not None and k == 0:
                 y = self.emit(_k_add_bias, (y, bias_node, node.target), i)
             self.env[vn] = y
+            if region:          # held dispatched; brought home where read from outside
+                self.held[vn], self.held_state[vn] = y, state
+                if vn in self.regions.combine:
+                    self.env[vn] = self.emit(_k_combine, (y, state), i)
+        self.env.update(swapped)
 
     def _inputs(self, node: fx.Node, op: Op, s: OpStrategy, i: int) -> list[fx.Node]:
         out = []

@@ -188,12 +188,8 @@ class Trainer(Checkpointing, GradientStep):
         every rank (a collective: every rank calls it)."""
         from autoplan.runtime.state import gather_tensor_parallel
         wait_gathers(self.optimizer)
-        sd = par.full_state_dict(self.model)
-        if self.ep_comm is not None:            # experts: every ep rank's slab, in order
-            from autoplan.runtime.tp_comm import no_grad_gather
-            from autoplan.sharding.placement import shard
-            for name in sorted(self.experts & set(sd)):
-                sd[name] = no_grad_gather(sd[name].contiguous(), self.ep_comm, shard(0))
+        from autoplan.runtime.experts import gather_slabs
+        sd = gather_slabs(par.full_state_dict(self.model), self.experts, self.ep_comm)
         return gather_tensor_parallel(sd, self.placements, self.aliases, self.tp_comm)
 
     def _loss(self, chunk: list[torch.Tensor]) -> torch.Tensor:
@@ -353,7 +349,8 @@ def _compile(model: nn.Module, cluster: Any, *, example_inputs: Sequence[Any],
               device=device, seed=seed, ep=(cfg.ep, ep_index))
     connect(rp.program.comm_slot, tp=(tp_group, cfg.tp, tp_index),
             dp=(dp_group, cfg.dp, dp_index), ep=(ep_group, cfg.ep, ep_index))
-    experts = _expert_params(rp.module, graph, cfg)
+    from autoplan.runtime.experts import expert_parameters
+    experts = expert_parameters([rp.module], graph, cfg.ep)
     program = rp.module
     # 2. activation recomputation per layer
     par.apply_recompute(program, {p: pol for p, pol in plan.recompute.items()
@@ -376,12 +373,7 @@ def _compile(model: nn.Module, cluster: Any, *, example_inputs: Sequence[Any],
         # hold the same experts, not by DDP over all of dp
         expert_grads = DataParallelGrads(list(experts.values()), edp_group, cfg.dp)
     if cfg.dp > 1 and not use_fsdp:
-        from torch.nn.parallel import DistributedDataParallel as DDP
-        if experts:
-            ids = {id(p) for p in experts.values()}
-            DDP._set_params_and_buffers_to_ignore_for_model(
-                program, [n for n, p in program.named_parameters() if id(p) in ids])
-        program = DDP(program, process_group=dp_group)
+        program = par.ddp(program, dp_group, {id(p) for p in experts.values()})
     params = [p for p in program.parameters() if p.requires_grad]
     factory = optimizer
     if cfg.offload_optimizer and not cfg.offload_params:   # FSDP's offload carries the state
@@ -401,16 +393,6 @@ def _compile(model: nn.Module, cluster: Any, *, example_inputs: Sequence[Any],
                    aliases=rp.aliases, health=for_job(rank, world),
                    experts=frozenset(experts), ep_comm=rp.program.comm_slot.ep,
                    expert_grads=expert_grads)
-
-
-def _expert_params(module: nn.Module, graph: Any, cfg: Any) -> dict[str, nn.Parameter]:
-    """The expert weights this rank holds a slab of (ep > 1), by FQN."""
-    if cfg.ep == 1:
-        return {}
-    from autoplan.graph.experts import find_experts
-    found = find_experts(graph)
-    named = dict(module.named_parameters(remove_duplicate=False))
-    return {f: named[f] for f in found.params if f in named and named[f].requires_grad}
 
 
 def _dtype(precision: str) -> torch.dtype:
