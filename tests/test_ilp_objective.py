@@ -24,6 +24,7 @@ from autoplan.graph import trace
 from autoplan.graph.analysis import analyze
 from autoplan.models import build_example
 from autoplan.planner.ilp import solve
+from autoplan.estimate.overlap import overlap_interference
 from autoplan.planner.problem import INFEASIBLE_S, CostContext, reduce_graph, sharding_from_choice
 from tests.conftest import has_transformers
 
@@ -57,7 +58,8 @@ def test_the_ilp_objective_is_the_estimates_price_of_its_sharding(seed):
                           kind, nbytes, config.tp_group()),
                       batch_scale=config.micro_batch_size / g.batch_size, microbatches=m,
                       precision=config.precision, recompute=config.recompute,
-                      state_bytes_per_param=16.0, activation_multiplier=1.0)
+                      state_bytes_per_param=16.0, activation_multiplier=1.0,
+                      interference=overlap_interference(cluster))
     red = reduce_graph(ctx)
     problem = red.problem
     def objective(choice):

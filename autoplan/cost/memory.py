@@ -99,6 +99,31 @@ def _scale(p: Placement, t: int) -> float:
     return 1.0 / t if p.kind == "S" else 1.0
 
 
+def shared_inputs(graph: OpGraph) -> frozenset[str]:
+    """Activations made outside every layer and read by two layers or more (an attention mask,
+    rotary tables): one tensor, however many layers keep it for backward. Cached."""
+    cached = graph.__dict__.get("_autoplan_shared_inputs")
+    if cached is not None:
+        return cached
+    layer_of: dict[int, int] = {}
+    for b, block in enumerate(graph.blocks):
+        for k, inst in enumerate(block.instances):
+            for i in range(inst.start, inst.stop):
+                layer_of[i] = (b, k)
+    a = analyze(graph)
+    readers: dict[str, set] = {}
+    for i, op in enumerate(graph.ops):
+        if i not in layer_of:
+            continue
+        for n in op.inputs:
+            base = graph.value(graph.value(n).base)
+            if base.kind == "activation" and a.producer.get(base.name, -1) not in layer_of:
+                readers.setdefault(base.name, set()).add(layer_of[i])
+    out = frozenset(n for n, layers in readers.items() if len(layers) > 1)
+    graph.__dict__["_autoplan_shared_inputs"] = out
+    return out
+
+
 def activation_bytes(graph: OpGraph, start: int, stop: int, *, micro_batch_size: int,
                      tp: int = 1, sp: bool = False, recompute: str = "none",
                      precision: str = "bf16", sharding: Sharding | None = None) -> float:
@@ -106,6 +131,17 @@ def activation_bytes(graph: OpGraph, start: int, stop: int, *, micro_batch_size:
 
     ``sharding`` says where each tensor lies on the tp axis (default: Megatron-LM's for
     ``tp`` and ``sp``); a tensor split over the axis costs 1/t on each rank."""
+    return sum(activation_parts(graph, start, stop, micro_batch_size=micro_batch_size, tp=tp,
+                                sp=sp, recompute=recompute, precision=precision,
+                                sharding=sharding).values())
+
+
+def activation_parts(graph: OpGraph, start: int, stop: int, *, micro_batch_size: int,
+                     tp: int = 1, sp: bool = False, recompute: str = "none",
+                     precision: str = "bf16", sharding: Sharding | None = None
+                     ) -> dict[str, float]:
+    """``activation_bytes`` per kept tensor (by value; a kernel's internal tensors under
+    their op's output name, summed)."""
     a = analyze(graph)
     sh = sharding_for(graph, tp, sp, sharding)
     t = sh.t
@@ -124,13 +160,13 @@ def activation_bytes(graph: OpGraph, start: int, stop: int, *, micro_batch_size:
                 if v.kind == "activation" and a.producer.get(v.base, -1) < start:
                     inputs.setdefault(v.base, sh.value_placement.get(v.base, sh.input_placement(
                         graph, i, n)))
-        return sum(scaled(n, graph.value(n).meta, p) for n, p in sorted(inputs.items()))
+        return {n: scaled(n, graph.value(n).meta, p) for n, p in sorted(inputs.items())}
     if recompute not in ("none", "selective"):
         raise ConfigError(f"recompute must be none, selective or full, got {recompute!r}")
 
     drop_vals = a.score_values if recompute == "selective" else frozenset()
     bases: set[str] = set()
-    total = 0.0
+    total: dict[str, float] = {}
     for i in range(start, stop):
         op = graph.ops[i]
         if recompute == "selective" and i in a.score_ops:
@@ -143,10 +179,11 @@ def activation_bytes(graph: OpGraph, start: int, stop: int, *, micro_batch_size:
             bases.add(base.name)
             where = (sh.input_placement(graph, i, n) if n in op.inputs
                      else sh.value_placement.get(n, REPLICATE))
-            total += scaled(base.name, base.meta, where)
+            total[base.name] = total.get(base.name, 0.0) + scaled(base.name, base.meta, where)
         out = op.outputs[0] if op.outputs else ""
         for m in op.saved_internal:
-            total += scaled(out, m, sh.value_placement.get(out, REPLICATE))
+            total[out] = total.get(out, 0.0) + scaled(out, m,
+                                                      sh.value_placement.get(out, REPLICATE))
     return total
 
 

@@ -16,8 +16,8 @@ from typing import Any
 
 from autoplan.graph.analysis import GraphAnalysis
 from autoplan.cost.compute import ComputeModel
-from autoplan.cost.memory import (GRAD_BYTES, PRECISION_BYTES, _meta_bytes, activation_bytes,
-                                  working_set_bytes)
+from autoplan.cost.memory import (GRAD_BYTES, PRECISION_BYTES, _meta_bytes, activation_parts,
+                                  shared_inputs, working_set_bytes)
 from autoplan.estimate.config import ParallelConfig
 from autoplan.estimate.overlap import overlap_exposed_s, overlap_interference
 from autoplan.estimate.partition import Chunk
@@ -64,6 +64,9 @@ class RangeCost:
     ep_fwd_s: float = 0.0         # expert parallelism: the routed rows' all-to-all exchanges
     ep_bwd_s: float = 0.0
     expert_params: float = 0.0    # of ``params``, expert weights' slabs (their grads: over edp)
+    # of ``activation_bytes``, tensors made outside the layers and kept by several (a mask):
+    # a chunk holds each once (``_chunk_cost``)
+    shared_acts: tuple[tuple[str, float], ...] = ()
 
     @property
     def fwd_total_s(self) -> float:
@@ -113,10 +116,22 @@ def tp_comm_s(ci: CostInputs, start: int, stop: int) -> tuple[float, float, floa
     t = {"fwd": 0.0, "bwd": 0.0, "step": 0.0}
     # ZeRO-2/3: the gradient is already sharded over dp when the tp step all-reduces it
     shard = config.shard_degree if config.zero_stage >= 2 else 1
-    for _i, c in sh.comms(start, stop):
+    ring: dict[int, dict[str, float]] = {}
+    for i, c in sh.comms(start, stop):
         nbytes = comm_bytes(graph, a, config.precision, c.value, c.scale, sh.t, ci.batch_scale,
                             c.phase, shard)
-        t[c.phase] += ci.cluster.collective_time_s(c.kind, nbytes, group)
+        s = ci.cluster.collective_time_s(c.kind, nbytes, group)
+        if sh.op_strategy[i].kernel == "ring_attention":
+            ring.setdefault(i, {"fwd": 0.0, "bwd": 0.0})[c.phase] += s
+        else:
+            t[c.phase] += s
+    for i, parts in ring.items():
+        # ring attention passes each block on while the previous one computes: only what
+        # the attention's own compute does not cover is exposed
+        c = ci.compute.op_cost(i, _work_scale(a, graph, sh, i, ci.batch_scale))
+        x = overlap_interference(ci.cluster)
+        t["fwd"] += overlap_exposed_s(parts["fwd"], c.fwd_s, 0.0, x)
+        t["bwd"] += overlap_exposed_s(parts["bwd"], c.bwd_s, 0.0, x)
     for r in sh.reshards_in(start, stop):
         nbytes = comm_bytes(graph, a, config.precision, r.value, r.scale, sh.t,
                             ci.batch_scale, r.phase)
@@ -212,8 +227,11 @@ def _range_cost(ci: CostInputs, start: int, stop: int, policy: str) -> RangeCost
         tp_bwd = overlap_exposed_s(tp_bwd, gemm_bwd, tp_bwd / sh.t, x)
     if policy == "full":
         recompute += tp_fwd
-    acts = activation_bytes(graph, start, stop, micro_batch_size=mbs, sharding=sh,
+    kept = activation_parts(graph, start, stop, micro_batch_size=mbs, sharding=sh,
                             recompute=policy, precision=config.precision)
+    acts = sum(kept.values())
+    shared = shared_inputs(graph)
+    shared_acts = tuple((n, b) for n, b in sorted(kept.items()) if n in shared)
     working = (working_set_bytes(graph, start, stop, micro_batch_size=mbs, sharding=sh,
                                  precision=config.precision) if policy == "full" else 0.0)
     # parameters the range reads, each storage once (a tied weight on two stages is held by
@@ -234,7 +252,8 @@ def _range_cost(ci: CostInputs, start: int, stop: int, policy: str) -> RangeCost
                 params += held
     ep_fwd, ep_bwd = ep_comm_s(ci, start, stop)
     return RangeCost(fwd, bwd, recompute, tp_fwd, tp_bwd, tp_step, acts, working, params,
-                     len(seen), ep_fwd_s=ep_fwd, ep_bwd_s=ep_bwd, expert_params=expert)
+                     len(seen), ep_fwd_s=ep_fwd, ep_bwd_s=ep_bwd, expert_params=expert,
+                     shared_acts=shared_acts)
 
 
 def chunk_parts(chunk: Chunk) -> list[tuple[int, int, bool]]:
@@ -266,11 +285,17 @@ def _chunk_cost(ci: CostInputs, chunk: Chunk, policy: str) -> RangeCost:
     parts = [range_cost(ci, *like.get((s, e), (s, e)), policy) if is_layer
              else range_cost(ci, s, e, "none")
              for s, e, is_layer in spans]
+    # a tensor several layers keep (a mask made once) is held once: as its first keeper has it
+    shared: dict[str, list[float]] = {}
+    for p in parts:
+        for n, b in p.shared_acts:
+            shared.setdefault(n, []).append(b)
+    twice = sum(sum(bs) - bs[0] for bs in shared.values())
     return RangeCost(
         fwd_s=sum(p.fwd_s for p in parts), bwd_s=sum(p.bwd_s for p in parts),
         recompute_s=sum(p.recompute_s for p in parts), tp_fwd_s=sum(p.tp_fwd_s for p in parts),
         tp_bwd_s=sum(p.tp_bwd_s for p in parts), tp_step_s=sum(p.tp_step_s for p in parts),
-        activation_bytes=sum(p.activation_bytes for p in parts),
+        activation_bytes=sum(p.activation_bytes for p in parts) - twice,
         working_set_bytes=max((p.working_set_bytes for p in parts), default=0.0),
         params=sum(p.params for p in parts), param_tensors=sum(p.param_tensors for p in parts),
         num_layers=len(chunk.layers), boundary_bytes=boundary_bytes(ci, chunk.stop),

@@ -20,6 +20,7 @@ from autoplan.graph.analysis import analyze
 from autoplan.cost.compute import ComputeModel
 from autoplan.cost.memory import _meta_bytes
 from autoplan.estimate.chunk_cost import comm_bytes
+from autoplan.estimate.overlap import OVERLAP_INTERFERENCE, overlap_exposed_s
 from autoplan.graph.opgraph import OpGraph
 from autoplan.planner.ilp import ILPProblem
 from autoplan.sharding.placement import REPLICATE, Placement
@@ -49,6 +50,7 @@ class CostContext:
     state_bytes_per_param: float                  # weights + grads + optimizer on the device
     activation_multiplier: float                  # micro-batches whose activations are held
     memory_budget: float | None = None
+    interference: float = OVERLAP_INTERFERENCE    # overlapped traffic's share charged (estimate)
 
     @property
     def micro_batch(self) -> int:
@@ -59,11 +61,13 @@ def _activation_owners(graph: OpGraph, recompute: str
                        ) -> tuple[dict[tuple[int, str], int], list[int]]:
     """Which op counts each kept activation, as ``cost.memory.activation_bytes`` does over each
     part of the estimate's one chunk (a layer, or the ops around the layers): per (part, value)
-    the first op of the part that keeps it, skipping what the policy drops; and per op its
-    part."""
+    the first op of the part that keeps it, skipping what the policy drops (a tensor several
+    layers keep, made outside them, once for the whole chunk); and per op its part."""
+    from autoplan.cost.memory import shared_inputs
     from autoplan.estimate.chunk_cost import chunk_parts
     from autoplan.estimate.partition import partition
     a = analyze(graph)
+    shared = shared_inputs(graph)        # kept by several layers, held once: one owner
     first: dict[tuple[int, str], int] = {}
     part_of = [0] * len(graph.ops)
     (chunk,) = partition(graph, 1)
@@ -77,7 +81,7 @@ def _activation_owners(graph: OpGraph, recompute: str
                 base = graph.value(graph.value(n).base)
                 if base.kind == "activation" and not (policy == "selective"
                                                       and base.name in a.score_values):
-                    first.setdefault((part, base.name), i)
+                    first.setdefault((-1 if base.name in shared else part, base.name), i)
     return first, part_of
 
 
@@ -200,7 +204,7 @@ def _node_cost(ctx: CostContext, node: _Node, j: int, savers: dict[tuple[int, st
     graph = ctx.graph
     a = analyze(graph)
     per_mb = step = 0.0
-    params = acts = 0.0
+    params = acts = once = 0.0           # once: tensors several layers keep, held once
     seen_params: set[str] = set()
     in_block = node.mult > 1
     for i, s in zip(node.ops, node.choices[j]):
@@ -210,12 +214,18 @@ def _node_cost(ctx: CostContext, node: _Node, j: int, savers: dict[tuple[int, st
         per_mb += c.fwd_s + c.bwd_s
         if ctx.recompute == "full" and in_block or ctx.recompute == "selective" and i in a.score_ops:
             per_mb += c.fwd_s
+        ring = {"fwd": 0.0, "bwd": 0.0}
         for cm in s.comms:
             t = ctx.collective_s(cm.kind, _comm_bytes(ctx, cm.value, cm.scale, cm.phase))
             if cm.phase == "step":
                 step += t
+            elif s.kernel == "ring_attention":
+                ring[cm.phase] += t
             else:
                 per_mb += t
+        if s.kernel == "ring_attention":    # passed on behind the blocks' attention, as priced
+            per_mb += (overlap_exposed_s(ring["fwd"], c.fwd_s, 0.0, ctx.interference)
+                       + overlap_exposed_s(ring["bwd"], c.bwd_s, 0.0, ctx.interference))
         for k, n in enumerate(op.inputs):
             v = graph.value(n)
             if v.kind == "param" and v.base not in seen_params:
@@ -229,12 +239,17 @@ def _node_cost(ctx: CostContext, node: _Node, j: int, savers: dict[tuple[int, st
         counted: set[str] = set()
         for n in op.saved:
             base = graph.value(graph.value(n).base)
-            if savers.get((part_of[i], base.name)) != i or base.name in counted:
+            if i not in (savers.get((part_of[i], base.name)), savers.get((-1, base.name))) \
+                    or base.name in counted:
                 continue           # dropped by the policy, or counted already
             counted.add(base.name)
             k = op.inputs.index(n) if n in op.inputs else -1
             where = s.inputs[k] if 0 <= k < len(s.inputs) else node.placement[j].get(n, REPLICATE)
-            acts += _value_bytes(ctx, base.name) * (1.0 / ctx.t if where.kind == "S" else 1.0)
+            b = _value_bytes(ctx, base.name) * (1.0 / ctx.t if where.kind == "S" else 1.0)
+            if (-1, base.name) in savers:
+                once += b
+            else:
+                acts += b
         out = op.outputs[0] if op.outputs else ""
         if op.saved_internal:      # what a kernel keeps beside its outputs (softmax statistics)
             where = node.placement[j].get(out, REPLICATE)
@@ -245,7 +260,7 @@ def _node_cost(ctx: CostContext, node: _Node, j: int, savers: dict[tuple[int, st
         per_mb += (INFEASIBLE_S if mutates_input(graph.ops[i].target)
                    else _reshard_s(ctx, name, src, dst))
     time_s = node.mult * (ctx.microbatches * per_mb + step)
-    mem = node.mult * (params + acts * ctx.activation_multiplier)
+    mem = node.mult * (params + acts * ctx.activation_multiplier) + once
     return time_s, mem
 
 

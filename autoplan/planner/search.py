@@ -43,9 +43,11 @@ from autoplan.planner.ilp import ILPSolution, solve
 from autoplan.planner.planfile import (Alternative, ClusterInfo, MeshInfo, ModelInfo,
                                        ParamPlacement, Plan, SolverReport, TrainingInfo,
                                        predicted_from_estimate)
+from autoplan.estimate.overlap import overlap_interference
 from autoplan.planner.problem import CostContext, reduce_graph, sharding_from_choice
 from autoplan.planner import space
-from autoplan.sharding.sharding import Sharding, megatron_sharding, replicated, replicated_on
+from autoplan.sharding.sharding import (Sharding, context_sharding, megatron_sharding, replicated,
+                                       replicated_on)
 
 
 _SP_STYLES = frozenset({"colwise_sp", "rowwise_sp", "vocab_sp", "seq"})
@@ -79,7 +81,8 @@ class SearchOptions:
     force: dict[str, Any] = field(default_factory=dict)
     top_k: int = 5
     ilp_time_limit_s: float = 20.0
-    sharding: str = "ilp"        # "ilp", or "megatron" (Megatron-LM's rule, for comparisons)
+    sharding: str = "ilp"        # "ilp", "megatron" (Megatron-LM's rule, for comparisons) or
+                                 # "context" (the sequence split everywhere: ring attention)
     fixed_sharding: Any = None   # a Sharding to use on its tp degree (``autoplan verify``)
     memory_margin_bytes: float | None = None
 
@@ -149,7 +152,8 @@ def _ilp_sharding(graph: OpGraph, cluster: Any, config: ParallelConfig, profile:
                       recompute=frugal.recompute if frugal else "none",
                       state_bytes_per_param=frugal.state_bytes_per_param if frugal else w + g + o,
                       activation_multiplier=frugal.activation_multiplier if frugal else 1.0,
-                      memory_budget=frugal.budget_bytes if frugal else None)
+                      memory_budget=frugal.budget_bytes if frugal else None,
+                      interference=overlap_interference(cluster))
     red = reduce_graph(ctx)
     sol = solve(red.problem, time_limit_s=opts.ilp_time_limit_s)
     stats.ilps += 1
@@ -224,6 +228,15 @@ def _megatron_tps(graph: OpGraph, cluster: Any, opts: SearchOptions) -> list[int
             and (opts.max_tp is None or tp <= opts.max_tp)]
 
 
+def _context_tps(graph: OpGraph, cluster: Any, opts: SearchOptions) -> list[int]:
+    """Context-parallel degrees for its baseline: inside a node, where the model's attention
+    can run as ring attention on that many ranks."""
+    return [cp for cp in meshes.divisors(cluster.devices_per_node)
+            if cp > 1 and cluster.world_size % cp == 0
+            and (opts.max_tp is None or cp <= opts.max_tp)
+            and context_sharding(graph, cp) is not None]
+
+
 def _baselines(graph: OpGraph, cluster: Any, gbs: int, base: dict[str, Any], profile: Any,
                opts: SearchOptions, stats: _Stats) -> list[_Candidate]:
     """Pure data parallel, FSDP only, and Megatron-style (TP with sequence parallelism inside a
@@ -236,11 +249,19 @@ def _baselines(graph: OpGraph, cluster: Any, gbs: int, base: dict[str, Any], pro
         for z in ((0, 1, 2, 3) if world // tp > 1 else (0,)):
             specs.append((f"baseline: Megatron (TP in node, DP across{', ZeRO-%d' % z if z else ''})",
                           dict(dp=world // tp, tp=tp, zero_stage=z, sequence_parallel=True), tp))
+    for cp in _context_tps(graph, cluster, opts):
+        for z in ((1, 3) if world // cp > 1 else (0,)):
+            specs.append((f"baseline: context parallel (sequence split in node, DP across"
+                          f"{', ZeRO-%d' % z if z else ''})",
+                          dict(dp=world // cp, tp=cp, zero_stage=z), ("context", cp)))
     for label, fields, mtp in specs:
         per_replica = gbs // fields["dp"] if gbs % fields["dp"] == 0 else 0
         if not per_replica:
             continue
-        sh = (megatron_sharding(graph, mtp, True) if mtp else replicated(graph))
+        if isinstance(mtp, tuple):
+            sh, mtp = context_sharding(graph, mtp[1]), mtp[1]
+        else:
+            sh = (megatron_sharding(graph, mtp, True) if mtp else replicated(graph))
         configs = [ParallelConfig(**{**base, **fields, "micro_batch_size": mbs, "recompute": r})
                    for mbs in space.mbs_options(per_replica, SearchOptions())
                    for r in (("none", "selective", "full") if mtp else ("none",))]
@@ -337,8 +358,9 @@ def plan(model: Any, cluster: Any, *, global_batch_size: int, example_inputs: An
     if not isinstance(opts.force, dict):
         raise ConfigError(f"plan(): force must be a dict of ParallelConfig fields, got "
                           f"{opts.force!r:.60}")
-    if opts.sharding not in ("ilp", "megatron"):
-        raise ConfigError(f"sharding must be 'ilp' or 'megatron', got {opts.sharding!r}")
+    if opts.sharding not in ("ilp", "megatron", "context"):
+        raise ConfigError(f"sharding must be 'ilp', 'megatron' or 'context', got "
+                          f"{opts.sharding!r}")
     say = progress or (lambda _msg: None)
     stats = _Stats()
     graph = as_graph(model, example_inputs, loss_fn=loss_fn, targets=targets, who="plan()",
@@ -397,6 +419,9 @@ def plan(model: Any, cluster: Any, *, global_batch_size: int, example_inputs: An
                 elif opts.sharding == "megatron":
                     ilp_cache[key] = (megatron_sharding(
                         graph, shape.tp, bool(opts.force.get("sequence_parallel"))), None)
+                elif opts.sharding == "context":
+                    ilp_cache[key] = (context_sharding(graph, shape.tp)
+                                      or replicated_on(graph, shape.tp), None)
                 else:
                     flat = cluster.world_size // shape.tp * mbs      # dp x mbs without pp
                     m_ilp = global_batch_size // flat if global_batch_size % flat == 0 else m

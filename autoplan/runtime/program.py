@@ -36,7 +36,7 @@ from autoplan.errors import PlanError
 from autoplan.graph.opgraph import Op, OpGraph
 from autoplan.graph.trace import TRANSPARENT
 from autoplan.graph.experts import find_experts
-from autoplan.runtime import experts, kernels, tp_comm
+from autoplan.runtime import experts, kernels, ring_attention, tp_comm
 from autoplan.sharding.expert_regions import expert_regions
 from autoplan.sharding.placement import REPLICATE, Placement, local_shape
 from autoplan.sharding.sharding import Sharding, mutates_input
@@ -165,7 +165,12 @@ def _k_add_bias(y, bias, target):
     return kernels.add_bias(y, bias, target)
 
 
+def _k_ring_attention(target, args, kwargs, slot):
+    return ring_attention.ring_attention(target, args, kwargs, slot.comm)
+
+
 KERNEL_CALLS: dict[str, Callable] = {
+    "ring_attention": _k_ring_attention,
     "vocab_embedding": _k_vocab_embedding, "vocab_cross_entropy": _k_vocab_cross_entropy,
     "split_loss": _k_split_loss, "sync_batch_norm": _k_sync_batch_norm,
     "mean_partial": _k_mean_partial,

@@ -291,6 +291,33 @@ def _megatron_sharding(graph: OpGraph, t: int, sequence_parallel: bool) -> Shard
     return _repair(graph, t, chosen)
 
 
+def context_sharding(graph: OpGraph, t: int) -> Sharding:
+    """Context parallelism on the t-way axis: every op that has one takes its sequence split
+    (``seq``: activations split on the sequence, weights whole; attention as ring attention),
+    the rest take their inputs as they come; weights' gradients are summed over the axis once
+    a step, as data parallelism's are. None when the graph has no ring attention to run."""
+    if t == 1:
+        return replicated(graph)
+    return _built_once(graph, ("context", t), lambda: _context_sharding(graph, t))
+
+
+def _context_sharding(graph: OpGraph, t: int) -> Sharding | None:
+    placement: dict[str, Placement] = {}
+    chosen: list[OpStrategy] = []
+    rings = 0
+    for op in graph.ops:
+        options = strategies(graph, op, t)
+        cur = [placement.get(n) if graph.value(n).kind == "activation" else None
+               for n in op.inputs]
+        seq = [o for o in options if o.name == "seq"]
+        s = (_pick(seq, cur) if seq else None) or _pick(options, cur) or options[0]
+        rings += s.kernel == "ring_attention"
+        chosen.append(s)
+        for k, n in enumerate(op.outputs):
+            placement[n] = s.outputs[k] if k < len(s.outputs) else REPLICATE
+    return _repair(graph, t, chosen) if rings else None
+
+
 def _colwise(by_name: dict[str, OpStrategy], sequence_parallel: bool) -> OpStrategy | None:
     """Column-parallel, in blocks when the output is cut into blocks later (fused q/k/v)."""
     base = "colwise_sp" if sequence_parallel and "colwise_sp" in by_name else "colwise"
@@ -327,5 +354,5 @@ def _repair(graph: OpGraph, t: int, chosen: list[OpStrategy]) -> Sharding:
     return sh
 
 
-__all__ = ["Comm", "Reshard", "Sharding", "megatron_sharding", "mutates_input", "replicated",
+__all__ = ["Comm", "Reshard", "Sharding", "context_sharding", "megatron_sharding", "mutates_input", "replicated",
            "replicated_on", "reshard_kind"]

@@ -15,7 +15,9 @@ Korthikanti et al. 2022; Alpa, Zheng et al. 2022, for the general per-op space):
   rows of the first or the columns of the second operand, or the contracted dim (partial);
 - experts' grouped product (``grouped_mm``): expert weights split on their output or input
   features;
-- scaled-dot-product attention: ``heads`` or ``batch`` (a mask follows where it has that dim);
+- scaled-dot-product attention: ``heads`` or ``batch`` (a mask follows where it has that dim),
+  or ``seq``: context parallelism, the sequence split and key/value blocks passed around the
+  ring (kernel ``ring_attention``);
 - embedding: ``vocab`` (rows split, a partial sum reduced), ``vocab_sp``, ``embed_dim``
   (columns split), ``batch``, ``seq``;
 - norms: split over any token dim (``seq``, ``batch``), weights replicated; batch norm:
@@ -213,7 +215,39 @@ def _attention(graph: OpGraph, op: Op, t: int) -> list[OpStrategy]:
             ins.append(shard(k) if 0 <= k < len(m) and m[k] == q[d] else REPLICATE)
         res.append(make(graph, op, name, tuple(ins), tuple(shard(d) for _ in op.outputs), t,
                         style=name))
-    return res
+    ring = _ring_attention(graph, op, t)
+    return res + ([ring] if ring is not None else [])
+
+
+def _ring_attention(graph: OpGraph, op: Op, t: int) -> OpStrategy | None:
+    """Context parallelism: queries, keys and values split on the sequence (dim 2), the
+    key/value blocks circulated around the ring (kernel ``ring_attention``); a mask keeps its
+    rows' split and all its columns. Self-attention lengths, no dropout, no implicit GQA."""
+    shapes = [graph.value(n).meta.shape for n in op.inputs[:3]]
+    if len(op.inputs) > 4 or any(len(s) != 4 for s in shapes) or t == 1:
+        return None
+    s_len = shapes[0][2]
+    if any(s[2] != s_len for s in shapes[1:]) or not _div(s_len, t):
+        return None
+    args, kwargs = call_args(op)
+    dropout = args[4] if len(args) > 4 else kwargs.get("dropout_p", 0.0)
+    if dropout or kwargs.get("enable_gqa") or (len(args) > 3 and not isinstance(args[3], dict)
+                                               and args[3] is not None):
+        return None
+    ins = [shard(2)] * 3
+    if len(op.inputs) == 4:
+        m = graph.value(op.inputs[3]).meta.shape
+        if len(m) < 2 or m[-1] != s_len:
+            return None
+        ins.append(shard(len(m) - 2) if m[-2] == s_len else REPLICATE)
+    k, v = op.inputs[1], op.inputs[2]
+    # every rank receives the other t - 1 key/value blocks (an all-gather's bytes) forward,
+    # again backward, and their gradients travel home (a reduce-scatter's)
+    ring = tuple(Comm(kind, n, phase) for n in (k, v)
+                 for kind, phase in (("all_gather", "fwd"), ("all_gather", "bwd"),
+                                     ("reduce_scatter", "bwd")))
+    return make(graph, op, "seq", tuple(ins), tuple(shard(2) for _ in op.outputs), t,
+                style="context", kernel="ring_attention", extra=ring)
 
 
 def _embedding(graph: OpGraph, op: Op, t: int) -> list[OpStrategy]:

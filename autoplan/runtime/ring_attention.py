@@ -1,0 +1,163 @@
+"""Context parallelism on one rank: attention over a sequence split on the tensor-parallel axis,
+the key/value blocks passed around the ring while each block's attention runs (ring attention:
+Liu et al. 2023; torch's ``context_parallel`` does the same with DTensor).
+
+Rank ``r`` of ``t`` holds rows ``r * S/t ...`` of the queries, keys and values. For ``t`` steps
+it attends its queries to the key/value block it holds (its own first, then the one the rank
+before it held), merges the block's output with the running one by their log-sum-exps, and
+passes the block on to the next rank, the transfer in flight while the block's attention
+computes. With a causal mask, the blocks after its own are skipped (still passed on); with an
+explicit mask, each block takes its columns of the rank's mask rows.
+
+The backward runs the ring again: each block's gradients come from the fused attention backward
+given the merged output and log-sum-exp (the softmax over all blocks), the query's gradient
+adds up here, and the key/value gradients travel with their blocks and come home after one more
+step. Blocks use the fused kernels that return a log-sum-exp: on the CPU
+``_scaled_dot_product_flash_attention_for_cpu`` (with any mask), on CUDA
+``_scaled_dot_product_efficient_attention`` (its ``attn_bias``); memory per rank stays
+``O(S/t)``, no score matrix is kept.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from autoplan.runtime import tp_comm
+from autoplan.runtime.kernels import _get
+
+aten = torch.ops.aten
+
+
+def ring_attention(op: Any, args: list, kwargs: dict, comm: Any) -> torch.Tensor:
+    """``scaled_dot_product_attention`` on this rank's rows of a sequence split ``comm.size``
+    ways (dropout 0, equal query and key lengths, as the ``seq`` strategy requires)."""
+    q, k, v = args[0], args[1], args[2]
+    mask = _get(op, args, kwargs, "attn_mask")
+    causal = bool(_get(op, args, kwargs, "is_causal", False))
+    scale = _get(op, args, kwargs, "scale")
+    if isinstance(comm, tp_comm.ShapeComm):       # shape check on fake tensors
+        return (q @ k.transpose(-2, -1)) @ v
+    if mask is not None and mask.dtype == torch.bool:
+        mask = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(
+            ~mask, torch.finfo(q.dtype).min)
+    return _Ring.apply(q, k, v, mask, causal, scale, comm)
+
+
+def _block(q, k, v, mask, causal, scale):
+    """(output, log-sum-exp (B, H, S) in fp32) of one block."""
+    if q.device.type == "cuda":
+        if mask is not None:
+            mask = mask.expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+        out, lse, _, _ = aten._scaled_dot_product_efficient_attention(
+            q, k, v, mask, True, 0.0, causal, scale=scale)
+        return out, lse[..., :q.shape[2]].float()
+    out, lse = aten._scaled_dot_product_flash_attention_for_cpu(
+        q, k, v, 0.0, causal, attn_mask=mask, scale=scale)
+    return out, lse.float()
+
+
+def _block_backward(dout, q, k, v, out, lse, mask, causal, scale):
+    if q.device.type == "cuda":
+        if mask is not None:
+            mask = mask.expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+        pad = (-q.shape[2]) % 32
+        lse_p = torch.nn.functional.pad(lse, (0, pad)) if pad else lse
+        seed = torch.zeros((), dtype=torch.int64, device=q.device)
+        dq, dk, dv, _ = aten._scaled_dot_product_efficient_attention_backward(
+            dout, q, k, v, mask, out, lse_p.contiguous(), seed, seed, 0.0,
+            [True, True, True, False], causal, scale=scale)
+        return dq, dk, dv
+    return aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        dout, q, k, v, out, lse.to(torch.float32), 0.0, causal, attn_mask=mask, scale=scale)
+
+
+class _Pass:
+    """Tensors handed to the next rank of the ring while this one works (async p2p)."""
+
+    def __init__(self, tensors: tuple[torch.Tensor, ...], comm: Any):
+        t, r = comm.size, comm.rank
+        nxt = dist.get_global_rank(comm.group, (r + 1) % t)
+        prv = dist.get_global_rank(comm.group, (r - 1) % t)
+        self.recv = tuple(torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in tensors)
+        ops = [dist.P2POp(dist.isend, x.contiguous(), nxt, comm.group) for x in tensors]
+        ops += [dist.P2POp(dist.irecv, y, prv, comm.group) for y in self.recv]
+        self.works = dist.batch_isend_irecv(ops)
+
+    def wait(self) -> tuple[torch.Tensor, ...]:
+        for w in self.works:
+            w.wait()
+        return self.recv
+
+
+def _mask_block(mask, causal, r, j, rows):
+    """(mask columns of block j, causal flag, skip) for rank r's queries."""
+    if mask is not None:
+        return mask[..., j * rows:(j + 1) * rows], False, False
+    if causal:
+        return None, j == r, j > r
+    return None, False, False
+
+
+class _Ring(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, mask, causal, scale, comm):
+        t, r, rows = comm.size, comm.rank, q.shape[2]
+        out = torch.zeros(q.shape[:-1] + v.shape[-1:], dtype=torch.float32, device=q.device)
+        lse = torch.full(q.shape[:-1], -math.inf, dtype=torch.float32, device=q.device)
+        kv = (k, v)
+        for i in range(t):
+            j = (r - i) % t
+            pending = _Pass(kv, comm) if i < t - 1 else None
+            m, diag, skip = _mask_block(mask, causal, r, j, rows)
+            if not skip:
+                o_i, lse_i = _block(q, kv[0], kv[1], m, diag, scale)
+                new = torch.logaddexp(lse, lse_i)
+                keep = torch.exp(lse - new).nan_to_num(0.0).unsqueeze(-1)
+                add = torch.exp(lse_i - new).nan_to_num(0.0).unsqueeze(-1)
+                out = out * keep + o_i.float() * add
+                lse = new
+            if pending is not None:
+                kv = pending.wait()
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse, *(() if mask is None else (mask,)))
+        ctx.causal, ctx.scale, ctx.comm, ctx.masked = causal, scale, comm, mask is not None
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse, *rest = ctx.saved_tensors
+        mask = rest[0] if ctx.masked else None
+        comm = ctx.comm
+        t, r, rows = comm.size, comm.rank, q.shape[2]
+        dout = dout.contiguous()
+        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        kv = (k, v)
+        # the block's gradient sums travel one step behind it: received from the rank
+        # before, this rank's part added, passed on while the next block computes; after
+        # the last step they arrive home
+        acc = (torch.zeros(k.shape, dtype=torch.float32, device=k.device),
+               torch.zeros(v.shape, dtype=torch.float32, device=v.device))
+        inflight = None
+        for i in range(t):
+            j = (r - i) % t
+            pending = _Pass(kv, comm) if i < t - 1 else None
+            m, diag, skip = _mask_block(mask, ctx.causal, r, j, rows)
+            grads = None
+            if not skip:
+                gq, gk, gv = _block_backward(dout, q, kv[0], kv[1], out, lse, m, diag,
+                                             ctx.scale)
+                dq += gq.float()
+                grads = (gk.float(), gv.float())
+            if inflight is not None:
+                acc = inflight.wait()
+            if grads is not None:
+                acc = (acc[0] + grads[0], acc[1] + grads[1])
+            inflight = _Pass(acc, comm)
+            if pending is not None:
+                kv = pending.wait()
+        dk, dv = inflight.wait()
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
