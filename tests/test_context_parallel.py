@@ -95,6 +95,8 @@ def test_long_sequences_plan_context_parallel():
     rings = {v for k, v in p.op_strategies.items() if k.startswith("scaled_dot_product")}
     assert rings == {"seq"} and p.config.tp > 1, (rings, p.config.short())
     assert p.predicted["fits"]
+    from autoplan.planner.explain import explain_plan
+    assert "run as ring attention" in explain_plan(p)
     fitting = []
     for tp in (2, 4, 8):
         for z in (1, 3):

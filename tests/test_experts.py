@@ -94,6 +94,9 @@ def test_the_planner_chooses_ep_for_mixtral_and_writes_its_axes(mixtral8x7b, tmp
     no_ep = plan(mixtral8x7b, cluster, global_batch_size=256, profile=None, force={"ep": 1})
     assert p.config.ep > 1 and p.config.zero_stage <= 1, p.config.short()
     assert p.predicted["step_time_s"] < no_ep.predicted["step_time_s"]
+    from autoplan.planner.explain import explain_plan
+    text = explain_plan(p)
+    assert "experts  " in text and "all-to-all" in text
     assert p.mesh.axes == (("pp",) if p.config.pp > 1 else ()) + ("edp", "ep", "tp")
     assert p.predicted["time"]["comm_exposed_s"]["ep_all_to_all"] > 0
     back = Plan.from_json(p.to_json())

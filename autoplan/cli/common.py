@@ -32,6 +32,9 @@ def add_model_args(p: argparse.ArgumentParser, *, optional: bool = False,
     p.add_argument("--batch-size", type=int, default=1,
                    help="batch size to trace with (costs scale to the micro-batch; default 1)")
     p.add_argument("--seq-len", type=int, default=None, help="sequence length (LMs)")
+    p.add_argument("--max-positions", type=int, default=None,
+                   help="position table / rotary cache length of an example (to plan "
+                        "sequences longer than its own, e.g. 131072 with RoPE)")
     p.add_argument("--device", default=None, choices=("meta", "cpu"),
                    help="build the model on the meta device (the default: nothing is "
                         "allocated) or really on the CPU (`plan` for a CPU cluster defaults "
@@ -49,8 +52,10 @@ def build_model_arg(args: argparse.Namespace):
     from autoplan.models import build_example
     from autoplan.models.registry import layer_overrides
     try:
+        extra = ({"max_positions": args.max_positions}
+                 if getattr(args, "max_positions", None) else {})
         return build_example(spec, device=args.device or "meta", batch_size=args.batch_size,
-                             seq_len=args.seq_len, **layer_overrides(spec, args.layers))
+                             seq_len=args.seq_len, **layer_overrides(spec, args.layers), **extra)
     except ValueError as e:
         raise AutoplanError(str(e)) from e
 

@@ -110,7 +110,25 @@ def _chosen(plan: Plan) -> str:
         f"{'es' * (p['num_microbatches'] != 1)} per step"
         + (f", offload {' + '.join(off)} to host" if off else "") + ")",
         line2,
-    ] + [f"warning: {w}" for w in p.get("warnings", ())])
+    ] + _dimensions(plan) + [f"warning: {w}" for w in p.get("warnings", ())])
+
+
+def _dimensions(plan: Plan) -> list[str]:
+    """Lines for the parallel dimensions that ride on other axes: context parallelism (ring
+    attention on the tp axis) and expert parallelism (experts over ep dp ranks)."""
+    cfg = plan.config
+    out = []
+    rings = sum(1 for k, v in plan.op_strategies.items()
+                if k.startswith("scaled_dot_product") and v == "seq")
+    if rings and cfg.tp > 1:
+        out.append(f"context  the sequence split over tp ({cfg.tp} ranks): {rings} attention "
+                   "op(s) run as ring attention (key/value blocks passed around the ring)")
+    if cfg.ep > 1:
+        experts = sum(1 for p in plan.param_placements.values() if p.ep != "R")
+        out.append(f"experts  {experts} expert weight(s) split over ep ({cfg.ep} dp ranks), "
+                   f"replicated over edp ({cfg.dp // cfg.ep}); routed rows exchanged "
+                   "all-to-all, once into and once out of each MoE block")
+    return out
 
 
 # ---- per-block table --------------------------------------------------------------------------
