@@ -204,3 +204,10 @@ def test_pipelined_expert_parallel_run_equals_single_device(force):
     for k, ref in ref_params.items():
         g = torch.tensor(got[k], dtype=ref.dtype).reshape(ref.shape)
         assert ((g - ref).norm() / ref.norm().clamp_min(1e-12)).item() <= 1e-5, k
+
+
+def test_verify_shrinks_an_expert_parallel_plan_to_ep2():
+    from autoplan.planner.shrink import shrunk_force
+    assert shrunk_force(ParallelConfig(dp=16, tp=2, ep=8, zero_stage=1), 4)["ep"] == 2
+    assert shrunk_force(ParallelConfig(dp=16, tp=2, zero_stage=1), 4)["ep"] == 1
+    assert shrunk_force(ParallelConfig(dp=16, tp=2, ep=8), 2)["ep"] == 1     # no dp left
