@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from autoplan.runtime import tp_comm
-from autoplan.runtime.kernels import _get, _set
+from autoplan.runtime.kernels import _set
 
 
 @dataclass
@@ -45,10 +45,6 @@ class Dispatched:
     index: torch.Tensor | None             # expert-major position -> received (peer-major) row
     local_offs: torch.Tensor | None
     group: Any = None
-
-
-def _offsets(op: Any, args: list, kwargs: dict) -> Any:
-    return args[2] if len(args) > 2 else _get(op, args, kwargs, "offs")
 
 
 def dispatch(x: torch.Tensor, offs: torch.Tensor, experts: int, comm: Any

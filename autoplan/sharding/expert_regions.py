@@ -18,13 +18,13 @@ is what runs.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 
 from autoplan.graph.experts import find_experts
 from autoplan.graph.opgraph import OpGraph
 from autoplan.sharding.placement import shard
 from autoplan.sharding.sharding import Sharding
+from autoplan.sharding.strategy import call_args, opname
 
 _S0 = shard(0)
 
@@ -32,11 +32,6 @@ _S0 = shard(0)
 ROW_WISE = frozenset({"silu", "gelu", "relu", "sigmoid", "tanh", "mul", "add", "sub", "div",
                       "neg", "chunk", "split", "split_with_sizes", "to", "_to_copy", "clone",
                       "contiguous", "alias"})
-
-
-def _opname(target: str) -> str:
-    parts = target.split(".")
-    return parts[1] if len(parts) > 2 else parts[-1]
 
 
 @dataclass(frozen=True)
@@ -50,16 +45,16 @@ class ExpertRegions:
 def _row_wise(graph: OpGraph, sh: Sharding, i: int, inside: set[str], rows: dict[str, int]
               ) -> bool:
     op = graph.ops[i]
-    if _opname(op.target) not in ROW_WISE or not op.outputs or not op.inputs:
+    if opname(op) not in ROW_WISE or not op.outputs or not op.inputs:
         return False
     if any(n not in inside for n in op.inputs):
         return False
     n_rows = rows[op.inputs[0]]
     if any(graph.value(n).meta.shape[:1] != (n_rows,) for n in op.inputs + op.outputs):
         return False
-    args = json.loads(op.args)
-    dim = (args["args"][2] if len(args["args"]) > 2 else args["kwargs"].get("dim", 0)) \
-        if _opname(op.target) in ("chunk", "split", "split_with_sizes") else None
+    args, kwargs = call_args(op)
+    dim = (args[2] if len(args) > 2 else kwargs.get("dim", 0)) \
+        if opname(op) in ("chunk", "split", "split_with_sizes") else None
     if isinstance(dim, int) and dim % len(graph.value(op.inputs[0]).meta.shape) == 0:
         return False
     s = sh.op_strategy[i]
