@@ -12,6 +12,7 @@ from autoplan.sharding.sharding import context_sharding, megatron_sharding
 from autoplan.sharding.strategies import strategies_by_name
 from tests.conftest import has_transformers
 from tests.distributed import run_ranks
+from tests.test_experts import _timeline_draws_the_exchanges
 from tests.test_runtime import _rank, assert_equals_one_device
 
 
@@ -83,7 +84,7 @@ def test_the_seq_strategy_is_ring_attention_with_its_traffic():
     assert context_sharding(_graph("mlp-tiny"), 2) is None                    # no attention
 
 
-def test_long_sequences_plan_context_parallel():
+def test_long_sequences_plan_context_parallel(tmp_path):
     """Llama-3-8B at 131,072 tokens on 8 x 8 H100: the search splits the sequence (ring
     attention) on the tensor-parallel axis, with FSDP over the rest, and beats every Megatron-LM
     tensor + sequence parallel configuration that fits (tp 2, 4, 8; ZeRO-1 or 3)."""
@@ -97,6 +98,9 @@ def test_long_sequences_plan_context_parallel():
     assert p.predicted["fits"]
     from autoplan.planner.explain import explain_plan
     assert "run as ring attention" in explain_plan(p)
+    # ring attention's exposed passes have their own key, and the timeline draws them
+    assert p.predicted["time"]["comm_exposed_s"]["cp_ring"] > 0
+    _timeline_draws_the_exchanges(p, "cp_ring", tmp_path)
     fitting = []
     for tp in (2, 4, 8):
         for z in (1, 3):

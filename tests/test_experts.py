@@ -12,6 +12,8 @@ from autoplan.errors import PlanError
 from autoplan.graph import trace
 from autoplan.graph.experts import find_experts
 from autoplan.models import build_example
+from autoplan.planner.compare import plan_sharding
+from autoplan.planner.explain import explain_plan
 from autoplan.planner.planfile import Plan
 from tests.conftest import has_transformers
 from tests.distributed import run_ranks
@@ -30,6 +32,22 @@ def mixtral8x7b():
     if not has_transformers():
         pytest.skip("transformers not installed")
     return _graph("hf-mixtral-8x7b", device="meta")
+
+
+def _timeline_draws_the_exchanges(p, kind, tmp_path):
+    """The timeline picture draws the plan's exposed exchanges inside its blocks: ``kind``'s
+    share of the bottleneck stage's per-micro-batch time."""
+    pytest.importorskip("matplotlib")
+    from autoplan.planner import figures
+    shares = figures.in_block_comm_shares(p)
+    stage = max(p.predicted["stages"], key=lambda s: s["fwd_s"] + s["bwd_s"])
+    m = p.predicted["num_microbatches"]
+    assert 0 < shares[kind] < 1
+    assert shares[kind] * m * (stage["fwd_s"] + stage["bwd_s"]) == pytest.approx(
+        p.predicted["time"]["comm_exposed_s"][kind])
+    path = tmp_path / "timeline.png"
+    assert figures.draw_timeline(p, str(path)) == pytest.approx(p.predicted["step_time_s"])
+    assert path.read_bytes()[:4] == b"\x89PNG"
 
 
 @needs_hf
@@ -86,6 +104,61 @@ def test_the_estimate_shards_expert_state_and_prices_the_exchanges(mixtral8x7b):
     assert ep8.time.compute_s == pytest.approx(one.time.compute_s)
 
 
+def test_full_recompute_keeps_no_expert_weight_as_an_activation(mixtral8x7b):
+    """HF Mixtral transposes its expert weights inside each layer. Under full recomputation a
+    layer keeps only the activations it reads from before it; the transposed weights are
+    views of parameters, not activations (they had been counted: 85 GiB for 8x7B)."""
+    from autoplan.cost.memory import activation_parts
+    from autoplan.estimate.partition import main_block
+    inst = main_block(mixtral8x7b).instances[0]
+    kept = activation_parts(mixtral8x7b, inst.start, inst.stop, micro_batch_size=1,
+                            recompute="full")
+    params = {v.name for v in mixtral8x7b.param_values}
+    assert kept and not params & set(kept)
+    none = activation_parts(mixtral8x7b, inst.start, inst.stop, micro_batch_size=1)
+    assert sum(kept.values()) < 0.1 * sum(none.values())
+
+
+def test_a_capacity_factor_prices_the_busiest_expert_rank(mixtral8x7b, tmp_path):
+    """With routing allowed ``c`` times the balanced share per expert, the busiest ep rank
+    computes, keeps and exchanges ``c`` times the rows of the experts' span; without expert
+    parallelism every rank still computes its own tokens' rows, so nothing changes. The plan
+    records the factor and is priced with it again when re-estimated."""
+    cluster = Cluster.preset("dgx-h100", nodes=2)
+    kw = dict(dp=16, zero_stage=1, recompute="none")
+    est = {(ep, c): estimate(mixtral8x7b, cluster, config=ParallelConfig(**kw, ep=ep),
+                             global_batch_size=32, profile=None, expert_capacity_factor=c)
+           for ep in (1, 8) for c in (1.0, 1.5)}
+    assert est[1, 1.5].step_time_s == est[1, 1.0].step_time_s
+    flat, skewed = est[8, 1.0], est[8, 1.5]
+    # the expert span's work (its grouped products and the SwiGLU between them) grows by half
+    grown = skewed.time.compute_s - flat.time.compute_s
+    assert 0.3 * flat.time.compute_s < grown < 0.5 * flat.time.compute_s
+    a2a = skewed.time.comm_exposed_s["ep_all_to_all"] / flat.time.comm_exposed_s["ep_all_to_all"]
+    assert 1.3 < a2a <= 1.5
+    acts = (skewed.stages[0].memory.activations_bytes, flat.stages[0].memory.activations_bytes)
+    assert acts[1] < acts[0] < 1.5 * acts[1]
+    fits = dict(kw, recompute="full", ep=8)
+    p = plan(mixtral8x7b, cluster, global_batch_size=32, profile=None,
+             expert_capacity_factor=1.5, force=dict(fits, tp=1, pp=1, micro_batch_size=1))
+    assert p.training.expert_capacity_factor == 1.5
+    again = estimate(mixtral8x7b, cluster, config=p.config, global_batch_size=32,
+                     profile=None, expert_capacity_factor=1.5,
+                     sharding=plan_sharding(p, mixtral8x7b))
+    assert p.predicted["step_time_s"] == pytest.approx(again.step_time_s)
+    assert '"expert_capacity_factor": 1.5' in p.to_json()
+    assert Plan.from_json(p.to_json()).to_json() == p.to_json()
+    assert "expert capacity factor 1.5" in explain_plan(p)
+    for bad in (0.5, "many", float("nan")):
+        with pytest.raises(ConfigError, match="expert_capacity_factor must be a number >= 1"):
+            estimate(mixtral8x7b, cluster, config=ParallelConfig(**kw, ep=8),
+                     global_batch_size=32, profile=None, expert_capacity_factor=bad)
+    doc = json.loads(p.to_json())
+    doc["training"]["expert_capacity_factor"] = 0.9
+    with pytest.raises(PlanError, match="expert_capacity_factor"):
+        Plan.from_json(json.dumps(doc))
+
+
 def test_the_planner_chooses_ep_for_mixtral_and_writes_its_axes(mixtral8x7b, tmp_path):
     """On 2 x 8 H100 the free search picks expert parallelism (over pipelines only) and the
     plan file records its axes."""
@@ -99,6 +172,7 @@ def test_the_planner_chooses_ep_for_mixtral_and_writes_its_axes(mixtral8x7b, tmp
     assert "experts  " in text and "all-to-all" in text
     assert p.mesh.axes == (("pp",) if p.config.pp > 1 else ()) + ("edp", "ep", "tp")
     assert p.predicted["time"]["comm_exposed_s"]["ep_all_to_all"] > 0
+    _timeline_draws_the_exchanges(p, "ep_all_to_all", tmp_path)
     back = Plan.from_json(p.to_json())
     assert back.config == p.config and back.to_json() == p.to_json()
     old = json.loads(p.to_json())

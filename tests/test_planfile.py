@@ -202,7 +202,8 @@ def test_format_keys_match_the_dataclasses_and_the_schema():
     assert set(schema["properties"]) == set(check.PLAN_KEYS) == set(schema["required"])
     for cls, keys, prop in ((ModelInfo, check.MODEL_KEYS, "model"),
                             (ClusterInfo, check.CLUSTER_KEYS, "cluster"),
-                            (TrainingInfo, check.TRAINING_KEYS, "training"),
+                            (TrainingInfo, check.TRAINING_KEYS + check.TRAINING_OPTIONAL_KEYS,
+                             "training"),
                             (MeshInfo, check.MESH_KEYS, "mesh"),
                             (SolverReport, check.SOLVER_KEYS + ("time_s",), "solver")):
         assert names(cls) == keys
@@ -393,7 +394,8 @@ def test_load_plan_replans_on_request(searched, tiny, monkeypatch, tmp_path):
     assert load_plan(path, graph=tiny[1], cluster=h100, replan=True, precision="fp16") == "new plan"
     graph, cluster, kw = calls[0]
     assert graph is tiny[1] and cluster is h100
-    assert kw == {"global_batch_size": GBS, "precision": "fp16", "optimizer": "adamw"}
+    assert kw == {"global_batch_size": GBS, "precision": "fp16", "optimizer": "adamw",
+                  "expert_capacity_factor": 1.0}
 
 
 def test_load_plan_refuses_a_plan_that_does_not_fit_the_model(plan, tiny, a100_x2, tmp_path):

@@ -367,5 +367,6 @@ def _estimate_here(plan: Any) -> float | None:
                                         plan.config.tp)
     est = estimate(g, Cluster.local(plan.config.world_size), config=plan.config,
                    global_batch_size=plan.training.global_batch_size, profile="auto",
-                   sharding=sharding)
+                   sharding=sharding,
+                   expert_capacity_factor=plan.training.expert_capacity_factor)
     return est.step_time_s

@@ -43,6 +43,13 @@ def add_model_args(p: argparse.ArgumentParser, *, optional: bool = False,
                    help="override the number of layers of an example (e.g. to trace faster)")
 
 
+def add_capacity_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--expert-capacity-factor", type=float, default=1.0, metavar="C",
+                   help="MoE models: price the busiest expert-parallel rank with up to C times "
+                        "the balanced share of routed tokens, as a router with this capacity "
+                        "factor allows (default 1: balanced routing)")
+
+
 def build_model_arg(args: argparse.Namespace):
     """The Example named by ``args.model`` (built per the shared model arguments)."""
     spec = args.model

@@ -6,7 +6,7 @@ import argparse
 import json
 
 from autoplan.estimate.config import SCHEDULES
-from autoplan.cli.common import add_model_args, comma_list, graph_from_args
+from autoplan.cli.common import add_capacity_arg, add_model_args, comma_list, graph_from_args
 
 
 def add_config_args(p: argparse.ArgumentParser) -> None:
@@ -15,6 +15,8 @@ def add_config_args(p: argparse.ArgumentParser) -> None:
                    help="data-parallel degree (default: devices / (tp * pp))")
     g.add_argument("--tp", type=int, default=1, help="tensor-parallel degree")
     g.add_argument("--pp", type=int, default=1, help="pipeline-parallel degree")
+    g.add_argument("--ep", type=int, default=1,
+                   help="expert-parallel degree (MoE models; divides the data-parallel degree)")
     g.add_argument("--micro-batch-size", "--mbs", type=int, default=1)
     g.add_argument("--schedule", default="1f1b", choices=SCHEDULES)
     g.add_argument("--virtual-stages", type=int, default=1)
@@ -48,7 +50,8 @@ def config_from_args(args: argparse.Namespace, world_size: int):
     chunks = comma_list(args.chunk_layers, int, "--chunk-layers")
     recompute = args.recompute or (strongest_recompute(stage) if stage else "none")
     return ParallelConfig(dp=dp, tp=args.tp, pp=args.pp, micro_batch_size=args.micro_batch_size,
-                          schedule=args.schedule, virtual_stages=args.virtual_stages,
+                          ep=args.ep, schedule=args.schedule,
+                          virtual_stages=args.virtual_stages,
                           zero_stage=args.zero, sequence_parallel=args.sp,
                           recompute=recompute, stage_recompute=stage, chunk_layers=chunks,
                           offload_optimizer=args.offload_optimizer,
@@ -65,6 +68,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="preset[:nodes] (e.g. dgx-a100-80gb:4), 'local[:N]', or a cluster file")
     p.add_argument("--global-batch", type=int, required=True, help="global batch size (samples)")
     add_config_args(p)
+    add_capacity_arg(p)
     p.add_argument("--no-profile", action="store_true",
                    help="ignore measured profiles; use the roofline only")
     p.add_argument("--json", action="store_true", help="print the estimate as JSON")
@@ -78,7 +82,8 @@ def run(args: argparse.Namespace) -> int:
     graph = graph_from_args(args)
     config = config_from_args(args, cluster.world_size)
     est = estimate(graph, cluster, config=config, global_batch_size=args.global_batch,
-                   profile=None if args.no_profile else "auto")
+                   profile=None if args.no_profile else "auto",
+                   expert_capacity_factor=args.expert_capacity_factor)
     if args.json:
         print(json.dumps(est.to_dict(), indent=1, sort_keys=True))
     else:

@@ -6,7 +6,7 @@ import argparse
 import sys
 import time
 
-from autoplan.cli.common import add_model_args, comma_list, graph_from_args
+from autoplan.cli.common import add_capacity_arg, add_model_args, comma_list, graph_from_args
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -30,6 +30,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="pin a ParallelConfig field, e.g. --force tp=2 --force zero_stage=3; "
                         "lists comma-separated: --force chunk_layers=10,12,12,14 "
                         "--force stage_recompute=full,none")
+    add_capacity_arg(p)
     p.add_argument("--no-profile", action="store_true", help="roofline only, ignore profiles")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress lines")
     p.set_defaults(func=run)
@@ -89,7 +90,7 @@ def run(args: argparse.Namespace) -> int:
                   precision=args.precision, optimizer=args.optimizer,
                   profile=None if args.no_profile else "auto", name=args.model,
                   progress=progress, top_k=args.top_k, max_tp=args.max_tp,
-                  max_pp=args.max_pp,
+                  max_pp=args.max_pp, expert_capacity_factor=args.expert_capacity_factor,
                   force=parse_force(args.force))
     result.save(args.output)
     print(explain_plan(result))

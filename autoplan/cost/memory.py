@@ -157,7 +157,10 @@ def activation_parts(graph: OpGraph, start: int, stop: int, *, micro_batch_size:
         for i in range(start, stop):
             for n in graph.ops[i].inputs:
                 v = graph.value(n)
-                if v.kind == "activation" and a.producer.get(v.base, -1) < start:
+                # a view of a weight made inside the range (a transposed expert weight) is
+                # not an activation: its base is the parameter
+                if (v.kind == "activation" and graph.value(v.base).kind == "activation"
+                        and a.producer.get(v.base, -1) < start):
                     inputs.setdefault(v.base, sh.value_placement.get(v.base, sh.input_placement(
                         graph, i, n)))
         return {n: scaled(n, graph.value(n).meta, p) for n, p in sorted(inputs.items())}

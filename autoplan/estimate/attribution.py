@@ -148,8 +148,10 @@ def predicted_phases(predicted: Mapping[str, Any]) -> dict[str, float]:
     comm = t.get("comm_exposed_s", {})
     return {"compute": t.get("compute_s", 0.0) + t.get("recompute_s", 0.0),
             "collectives": (comm.get("tp", 0.0) + comm.get("dp_grad_sync", 0.0)
-                            + comm.get("zero_param_gather", 0.0)),
-            "p2p": comm.get("pp_p2p", 0.0),
+                            + comm.get("zero_param_gather", 0.0)
+                            + comm.get("ep_all_to_all", 0.0)),
+            # ring attention passes its blocks with send/recv, as the pipeline does
+            "p2p": comm.get("pp_p2p", 0.0) + comm.get("cp_ring", 0.0),
             "optimizer": t.get("optimizer_s", 0.0) + comm.get("offload", 0.0),
             "other": t.get("bubble_s", 0.0) + t.get("overhead_s", 0.0),
             "step": predicted.get("step_time_s", 0.0)}

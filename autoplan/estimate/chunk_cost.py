@@ -38,6 +38,9 @@ class CostInputs:
     compute: ComputeModel
     cluster: Any
     config: ParallelConfig
+    # expert parallelism: the busiest rank's routed rows over the balanced share (a router
+    # with capacity factor c sends an expert at most c times its share, Fedus et al. 2021)
+    expert_load: float = 1.0
 
     @property
     def batch_scale(self) -> float:
@@ -64,6 +67,7 @@ class RangeCost:
     ep_fwd_s: float = 0.0         # expert parallelism: the routed rows' all-to-all exchanges
     ep_bwd_s: float = 0.0
     expert_params: float = 0.0    # of ``params``, expert weights' slabs (their grads: over edp)
+    cp_s: float = 0.0             # of ``tp_fwd_s + tp_bwd_s``, ring attention's exposed passes
     # of ``activation_bytes``, tensors made outside the layers and kept by several (a mask):
     # a chunk holds each once (``_chunk_cost``)
     shared_acts: tuple[tuple[str, float], ...] = ()
@@ -106,12 +110,13 @@ def comm_bytes(graph: OpGraph, a: GraphAnalysis, precision: str, value: str, sca
     return nbytes
 
 
-def tp_comm_s(ci: CostInputs, start: int, stop: int) -> tuple[float, float, float]:
-    """(forward, backward, per-step) seconds of tp-axis collectives issued by ops[start:stop]:
-    the strategies' own collectives and the reshards between producers and consumers."""
+def tp_comm_s(ci: CostInputs, start: int, stop: int) -> tuple[float, float, float, float]:
+    """(forward, backward, per-step, ring) seconds of tp-axis collectives issued by
+    ops[start:stop]: the strategies' own collectives and the reshards between producers and
+    consumers; ``ring``: of forward + backward, what ring attention's passes leave exposed."""
     sh, graph, a, config = ci.sharding, ci.graph, ci.analysis, ci.config
     if sh.t == 1:
-        return 0.0, 0.0, 0.0
+        return 0.0, 0.0, 0.0, 0.0
     group = config.tp_group()
     t = {"fwd": 0.0, "bwd": 0.0, "step": 0.0}
     # ZeRO-2/3: the gradient is already sharded over dp when the tp step all-reduces it
@@ -125,18 +130,22 @@ def tp_comm_s(ci: CostInputs, start: int, stop: int) -> tuple[float, float, floa
             ring.setdefault(i, {"fwd": 0.0, "bwd": 0.0})[c.phase] += s
         else:
             t[c.phase] += s
+    ring_s = 0.0
     for i, parts in ring.items():
         # ring attention passes each block on while the previous one computes: only what
         # the attention's own compute does not cover is exposed
         c = ci.compute.op_cost(i, _work_scale(a, graph, sh, i, ci.batch_scale))
         x = overlap_interference(ci.cluster)
-        t["fwd"] += overlap_exposed_s(parts["fwd"], c.fwd_s, 0.0, x)
-        t["bwd"] += overlap_exposed_s(parts["bwd"], c.bwd_s, 0.0, x)
+        exposed = (overlap_exposed_s(parts["fwd"], c.fwd_s, 0.0, x),
+                   overlap_exposed_s(parts["bwd"], c.bwd_s, 0.0, x))
+        t["fwd"] += exposed[0]
+        t["bwd"] += exposed[1]
+        ring_s += sum(exposed)
     for r in sh.reshards_in(start, stop):
         nbytes = comm_bytes(graph, a, config.precision, r.value, r.scale, sh.t,
                             ci.batch_scale, r.phase)
         t[r.phase] += ci.cluster.collective_time_s(r.kind, nbytes, group)
-    return t["fwd"], t["bwd"], t["step"]
+    return t["fwd"], t["bwd"], t["step"], ring_s
 
 
 def ep_comm_s(ci: CostInputs, start: int, stop: int) -> tuple[float, float]:
@@ -144,8 +153,9 @@ def ep_comm_s(ci: CostInputs, start: int, stop: int) -> tuple[float, float]:
     ``sharding/expert_regions.py`` puts them (as the runtime runs them): each dispatch sends a
     value's rows all-to-all to their experts' ranks (after an all-gather of the per-expert row
     counts), each combine brings a dispatched value's rows home; the backward sends the rows'
-    gradients the same ways. Rows move at their tp-local size; balanced routing is assumed
-    (every rank receives as many rows as it sends)."""
+    gradients the same ways. Rows move at their tp-local size, and the busiest rank's at
+    ``expert_load`` times the balanced share (1: every rank receives as many rows as it
+    sends)."""
     config = ci.config
     regions = expert_regions(ci.graph, ci.sharding) if config.ep > 1 else None
     if regions is None:
@@ -158,8 +168,8 @@ def ep_comm_s(ci: CostInputs, start: int, stop: int) -> tuple[float, float]:
         b = _meta_bytes(graph.value(value).meta, config.precision)
         if value in a.batch_dependent:
             b *= ci.batch_scale
-        return ci.cluster.collective_time_s("all_to_all", b / (sh.t if p.kind == "S" else 1),
-                                            group)
+        return ci.cluster.collective_time_s(
+            "all_to_all", ci.expert_load * b / (sh.t if p.kind == "S" else 1), group)
     fwd = bwd = 0.0
     seen = set()
     for i, x in regions.dispatch:
@@ -186,7 +196,7 @@ def _cached(ci: CostInputs, what: str, where: tuple, make: Any) -> RangeCost:
     cfg = ci.config
     key = (id(ci.sharding), id(ci.compute), id(ci.cluster), where, cfg.micro_batch_size,
            cfg.precision, cfg.tp, cfg.tp_comm_overlap,
-           cfg.shard_degree if cfg.zero_stage >= 2 else 1, cfg.ep)
+           cfg.shard_degree if cfg.zero_stage >= 2 else 1, cfg.ep, ci.expert_load)
     hit = cache.get(key)
     if (hit is not None and hit[0] is ci.sharding and hit[1] is ci.compute
             and hit[2] is ci.cluster):
@@ -204,12 +214,22 @@ def range_cost(ci: CostInputs, start: int, stop: int, policy: str) -> RangeCost:
                    lambda: _range_cost(ci, start, stop, policy))
 
 
+def _loaded(ci: CostInputs) -> Any:
+    """Under expert parallelism with unbalanced routing (``expert_load`` > 1), the regions whose
+    work and activations grow with the busiest rank's rows; None otherwise."""
+    if ci.config.ep == 1 or ci.expert_load == 1.0:
+        return None
+    return expert_regions(ci.graph, ci.sharding)
+
+
 def _range_cost(ci: CostInputs, start: int, stop: int, policy: str) -> RangeCost:
     graph, a, sh, config = ci.graph, ci.analysis, ci.sharding, ci.config
     mbs = config.micro_batch_size
     fwd = bwd = recompute = gemm_fwd = gemm_bwd = 0.0
+    loaded = _loaded(ci)
     for i in range(start, stop):
-        c = ci.compute.op_cost(i, _work_scale(a, graph, sh, i, ci.batch_scale))
+        load = ci.expert_load if loaded is not None and i in loaded.members else 1.0
+        c = ci.compute.op_cost(i, load * _work_scale(a, graph, sh, i, ci.batch_scale))
         fwd += c.fwd_s
         bwd += c.bwd_s
         if graph.ops[i].kind == "matmul":
@@ -217,7 +237,8 @@ def _range_cost(ci: CostInputs, start: int, stop: int, policy: str) -> RangeCost
             gemm_bwd += c.bwd_s
         if policy == "full" or policy == "selective" and i in a.score_ops:
             recompute += c.fwd_s
-    tp_fwd, tp_bwd, tp_step = tp_comm_s(ci, start, stop)
+    tp_fwd, tp_bwd, tp_step, ring_s = tp_comm_s(ci, start, stop)
+    ring_share = ring_s / (tp_fwd + tp_bwd) if ring_s > 0 else 0.0
     if config.tp_comm_overlap:
         # each collective in t ring steps, every step but the first beside a GEMM chunk
         # (Megatron-LM's --tp-comm-overlap; Wang et al. 2023, "Overlap Communication with
@@ -225,10 +246,13 @@ def _range_cost(ci: CostInputs, start: int, stop: int, policy: str) -> RangeCost
         x = overlap_interference(ci.cluster)
         tp_fwd = overlap_exposed_s(tp_fwd, gemm_fwd, tp_fwd / sh.t, x)
         tp_bwd = overlap_exposed_s(tp_bwd, gemm_bwd, tp_bwd / sh.t, x)
+    cp_s = ring_share * (tp_fwd + tp_bwd)
     if policy == "full":
         recompute += tp_fwd
     kept = activation_parts(graph, start, stop, micro_batch_size=mbs, sharding=sh,
                             recompute=policy, precision=config.precision)
+    if loaded is not None:           # the busiest rank keeps its extra rows' activations
+        kept = {n: b * (ci.expert_load if n in loaded.inside else 1.0) for n, b in kept.items()}
     acts = sum(kept.values())
     shared = shared_inputs(graph)
     shared_acts = tuple((n, b) for n, b in sorted(kept.items()) if n in shared)
@@ -253,7 +277,7 @@ def _range_cost(ci: CostInputs, start: int, stop: int, policy: str) -> RangeCost
     ep_fwd, ep_bwd = ep_comm_s(ci, start, stop)
     return RangeCost(fwd, bwd, recompute, tp_fwd, tp_bwd, tp_step, acts, working, params,
                      len(seen), ep_fwd_s=ep_fwd, ep_bwd_s=ep_bwd, expert_params=expert,
-                     shared_acts=shared_acts)
+                     cp_s=cp_s, shared_acts=shared_acts)
 
 
 def chunk_parts(chunk: Chunk) -> list[tuple[int, int, bool]]:
@@ -301,7 +325,7 @@ def _chunk_cost(ci: CostInputs, chunk: Chunk, policy: str) -> RangeCost:
         num_layers=len(chunk.layers), boundary_bytes=boundary_bytes(ci, chunk.stop),
         layer_params=sum(p.params for p, (_, _, is_layer) in zip(parts, spans) if is_layer),
         ep_fwd_s=sum(p.ep_fwd_s for p in parts), ep_bwd_s=sum(p.ep_bwd_s for p in parts),
-        expert_params=sum(p.expert_params for p in parts))
+        expert_params=sum(p.expert_params for p in parts), cp_s=sum(p.cp_s for p in parts))
 
 
 def boundary_bytes(ci: CostInputs, cut: int) -> float:

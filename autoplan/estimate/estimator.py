@@ -78,7 +78,8 @@ def estimate(model: Any, cluster: Any, *, config: ParallelConfig, global_batch_s
              example_inputs: Sequence[Any] | None = None, loss_fn: Any = None,
              targets: Any = None, profile: Any = "auto",
              memory_margin_bytes: float | None = None,
-             sharding: Sharding | None = None, simulate_pipeline: bool = True) -> Estimate:
+             sharding: Sharding | None = None, simulate_pipeline: bool = True,
+             expert_capacity_factor: float = 1.0) -> Estimate:
     """Predict step time, memory per device, and their breakdowns for ``config``.
 
     ``model`` is an ``nn.Module`` (traced with ``example_inputs``, on meta or real device) or an
@@ -87,7 +88,10 @@ def estimate(model: Any, cluster: Any, *, config: ParallelConfig, global_batch_s
     per-op tensor-parallel strategies (from the planner); by default Megatron-LM's rule for
     ``config.tp`` and ``config.sequence_parallel``. ``simulate_pipeline=False`` uses the closed
     form for pipelined configs (bubble (p-1)/v stage-times, the schedule's in-flight formulas):
-    the planner screens with it and simulates the finalists.
+    the planner screens with it and simulates the finalists. ``expert_capacity_factor``
+    (MoE, >= 1): the router's capacity factor, read as how far above the balanced share of
+    routed rows the busiest expert-parallel rank may get (its expert compute, activations and
+    all-to-all grow by it); 1 prices perfectly balanced routing.
     """
     if not isinstance(config, ParallelConfig):
         raise ConfigError(f"config must be an autoplan.ParallelConfig, got {type(config).__name__}")
@@ -105,7 +109,7 @@ def estimate(model: Any, cluster: Any, *, config: ParallelConfig, global_batch_s
     if sh.t != config.tp:
         raise ConfigError(f"the sharding is for tp={sh.t} but the config has tp={config.tp}")
     ci = CostInputs(graph=graph, analysis=a, sharding=sh, compute=compute, cluster=cluster,
-                    config=config)
+                    config=config, expert_load=capacity_arg(expert_capacity_factor))
     chunks = chunks_for(ci)
     costs = [chunk_cost(ci, ch, config.chunk_policy(c)) for c, ch in enumerate(chunks)]
 
@@ -145,6 +149,7 @@ def estimate(model: Any, cluster: Any, *, config: ParallelConfig, global_batch_s
     recompute_s = m * sum(c.recompute_s for c in bc)
     tp_s = m * sum(c.tp_fwd_s + c.tp_bwd_s for c in bc)
     ep_s = m * sum(c.ep_fwd_s + c.ep_bwd_s for c in bc)
+    cp_s = m * sum(c.cp_s for c in bc)
 
     # --- data parallel / ZeRO, optimizer, offload (worst stage) -------------------------------
     w_bytes = PRECISION_BYTES[config.precision]
@@ -215,10 +220,12 @@ def estimate(model: Any, cluster: Any, *, config: ParallelConfig, global_batch_s
     ops_bottleneck = sum(chunks[c].stop - chunks[c].start for c in stage_chunks[bottleneck])
     overhead_s += (getattr(cal, "framework_s_per_op", 0.0) * 2 * ops_bottleneck * m
                    * compute.slowdown)
-    comm_exposed = {"tp": tp_s, "dp_grad_sync": dp_sync, "zero_param_gather": zero_gather,
+    comm_exposed = {"tp": tp_s - cp_s, "dp_grad_sync": dp_sync, "zero_param_gather": zero_gather,
                     "pp_p2p": p2p_s, "offload": offload_s}
     if config.ep > 1:
         comm_exposed["ep_all_to_all"] = ep_s
+    if cp_s > 0:                      # context parallelism: ring attention's exposed passes
+        comm_exposed["cp_ring"] = cp_s
     time = TimeBreakdown(compute_s=compute_s, recompute_s=recompute_s,
                          comm_exposed_s=comm_exposed, bubble_s=bubble_s, optimizer_s=opt_s,
                          overhead_s=overhead_s)
@@ -294,6 +301,18 @@ def estimate(model: Any, cluster: Any, *, config: ParallelConfig, global_batch_s
         model_flops_per_step=model_flops, mfu=mfu, samples_per_s=global_batch_size / step_s,
         tokens_per_s=global_batch_size * tokens / step_s if tokens else None,
         activation_bytes_per_layer=layer_acts, warnings=tuple(warnings))
+
+
+def capacity_arg(factor: Any) -> float:
+    """An expert capacity factor, checked: a number >= 1."""
+    try:
+        value = float(factor)
+    except (TypeError, ValueError):
+        value = float("nan")
+    if not value >= 1.0 or value == float("inf"):
+        raise ConfigError(f"expert_capacity_factor must be a number >= 1 (1: balanced routing; "
+                          f"Switch Transformer and Megatron-LM use 1.0 to 2.0), got {factor!r}")
+    return value
 
 
 def _states(config: ParallelConfig, params: float, shard: int) -> Any:

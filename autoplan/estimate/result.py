@@ -15,7 +15,8 @@ class TimeBreakdown:
 
     ``compute_s`` is forward + backward work, ``recompute_s`` the forward work done again,
     ``comm_exposed_s`` the communication that is not hidden behind compute (by kind: ``tp``,
-    ``dp_grad_sync``, ``zero_param_gather``, ``pp_p2p``, ``offload``), ``bubble_s`` the pipeline
+    ``dp_grad_sync``, ``zero_param_gather``, ``pp_p2p``, ``offload``; ``ep_all_to_all`` with
+    expert parallelism, ``cp_ring`` with ring attention), ``bubble_s`` the pipeline
     fill and drain, ``optimizer_s`` the optimizer step, ``overhead_s`` fixed per-step costs.
     """
 

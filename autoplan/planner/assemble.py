@@ -28,7 +28,8 @@ def _expert_fqns(graph: OpGraph, cfg: Any) -> set[str]:
 
 
 def assemble(graph: OpGraph, cluster: Any, best: Any, alternatives: list[Alternative],
-             stats: Any, gbs: int, name: str | None) -> Plan:
+             stats: Any, gbs: int, name: str | None, expert_capacity_factor: float = 1.0
+             ) -> Plan:
     """The plan of candidate ``best`` (``search._Candidate``), with the search's ``stats``."""
     cfg = best.est.config
     sh = best.sharding
@@ -67,7 +68,8 @@ def assemble(graph: OpGraph, cluster: Any, best: Any, alternatives: list[Alterna
         autoplan_version=__version__, model=ModelInfo.of(graph, name=name),
         cluster=ClusterInfo.of(cluster),
         training=TrainingInfo(global_batch_size=gbs, precision=cfg.precision,
-                              optimizer=cfg.optimizer),
+                              optimizer=cfg.optimizer,
+                              expert_capacity_factor=expert_capacity_factor),
         mesh=MeshInfo(axes=cfg.mesh_axes(), shape=cfg.mesh_shape(),
                       rank_to_device=meshes.rank_to_device(cluster, cfg.world_size),
                       tp_domain=meshes.tp_domain(cluster, tp_group)),

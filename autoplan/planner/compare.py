@@ -71,10 +71,11 @@ def vs_megatron(plan: Plan, graph: OpGraph, cluster: Any,
     mine = plan_sharding(plan, graph)
     theirs = megatron_sharding(graph, cfg.tp, cfg.sequence_parallel)
     gbs = plan.training.global_batch_size
+    cf = plan.training.expert_capacity_factor
     a = estimate(graph, cluster, config=cfg, global_batch_size=gbs, profile=profile,
-                 sharding=mine)
+                 sharding=mine, expert_capacity_factor=cf)
     b = estimate(graph, cluster, config=cfg, global_batch_size=gbs, profile=profile,
-                 sharding=theirs)
+                 sharding=theirs, expert_capacity_factor=cf)
     params = [(fqn, plan.param_placements[fqn].tp, meg)
               for fqn, meg in theirs.param_placement_text(graph).items()
               if fqn in plan.param_placements and plan.param_placements[fqn].tp != meg]

@@ -49,7 +49,9 @@ def _header(plan: Plan) -> str:
         (f"cluster  {c.name!r}: {c.num_nodes} node{'s' * (c.num_nodes != 1)} x "
         f"{c.devices_per_node} {c.device} = {c.world_size:,} devices "
         f"(fingerprint {c.fingerprint[:12]})"),
-        (f"training global batch {t.global_batch_size:,}, {t.precision}, {t.optimizer}   "
+        (f"training global batch {t.global_batch_size:,}, {t.precision}, {t.optimizer}"
+        + (f", expert capacity factor {t.expert_capacity_factor:g}"
+           if t.expert_capacity_factor != 1.0 else "") + "   "
         f"(autoplan {plan.autoplan_version}, plan schema {plan.schema_version})"),
     ])
 

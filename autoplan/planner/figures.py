@@ -6,6 +6,11 @@ its time evenly and sends are drawn as free. What the step spends outside the dr
 (waiting on sends, data-parallel sync not hidden, the optimizer step) is one grey block at the
 end, so the timeline ends at the plan's step time. The memory lines reach, per rank, exactly the
 activation memory the plan reports. matplotlib draws them (``pip install 'autoplan[plot]'``).
+
+Communication that runs inside the forward and backward blocks and is not hidden (tensor-
+parallel collectives, ring attention's passes, expert parallelism's all-to-all) is drawn as a
+strip along the bottom of every block: its share of the bottleneck stage's per-micro-batch
+time, by kind, since the plan records these totals for that stage only.
 """
 
 from __future__ import annotations
@@ -42,19 +47,47 @@ def _pyplot():
     return plt
 
 
+# communication inside the compute blocks: comm_exposed_s key -> (legend, colour)
+IN_BLOCK_COMM = {"tp": ("tensor-parallel collectives", "#8172B3"),
+                 "cp_ring": ("ring attention passes (context parallel)", "#C44E52"),
+                 "ep_all_to_all": ("expert all-to-all", "#937860")}
+
+
+def in_block_comm_shares(plan: Any) -> dict[str, float]:
+    """Of a forward or backward block's time, the share of each kind of exposed communication
+    inside it (``IN_BLOCK_COMM``), on the bottleneck stage: its totals per micro-batch over the
+    stage's forward + backward time."""
+    stages = plan.predicted["stages"]
+    m = max(1, int(plan.predicted["num_microbatches"]))
+    per_mb = max(s["fwd_s"] + s["bwd_s"] for s in stages)
+    comm = plan.predicted["time"]["comm_exposed_s"]
+    return {k: comm[k] / m / per_mb for k in IN_BLOCK_COMM
+            if comm.get(k, 0.0) > 0 and per_mb > 0}
+
+
 def draw_timeline(plan: Any, path: str) -> float:
     """One row per pipeline rank; forward blocks blue, backward orange (zero bubble: input
-    gradients orange, weight gradients green), labelled by micro-batch. Returns where the
-    timeline ends (seconds)."""
+    gradients orange, weight gradients green), labelled by micro-batch; the exposed
+    communication inside them as a strip along their bottom. Returns where the timeline ends
+    (seconds)."""
     plt = _pyplot()
+    from matplotlib.patches import Patch
     sim = simulate_plan(plan)
     p = plan.config.pp
-    fig, ax = plt.subplots(figsize=(12, 0.6 * p + 1.6))
+    fig, ax = plt.subplots(figsize=(12, 0.6 * p + 2.0))
     colors = {"F": "#4C72B0", "B": "#DD8452", "W": "#55A868"}
+    shares = in_block_comm_shares(plan)
     for e in sim.events:
-        ax.barh(p - 1 - e.rank, e.end_s - e.start_s, left=e.start_s, height=0.8,
-                color=colors[e.kind], edgecolor="white", linewidth=0.5)
-        if (e.end_s - e.start_s) > sim.makespan_s / 60:
+        y, width = p - 1 - e.rank, e.end_s - e.start_s
+        ax.barh(y, width, left=e.start_s, height=0.8, color=colors[e.kind], edgecolor="white",
+                linewidth=0.5)
+        left = e.start_s
+        # the block's exposed traffic, by kind (a weight gradient sends nothing)
+        for k, share in (shares.items() if e.kind != "W" else ()):
+            ax.barh(y - 0.3, width * share, left=left, height=0.2,
+                    color=IN_BLOCK_COMM[k][1], linewidth=0)
+            left += width * share
+        if width > sim.makespan_s / 60:
             ax.text((e.start_s + e.end_s) / 2, p - 1 - e.rank, str(e.microbatch), ha="center",
                     va="center", fontsize=7, color="white")
     step_s = plan.predicted["step_time_s"]
@@ -72,9 +105,16 @@ def draw_timeline(plan: Any, path: str) -> float:
     bubble = sim.bubble_fraction()
     ax.set_title(f"{plan.config.short()}\n{plan.config.schedule if p > 1 else 'no pipeline'}, "
                  f"{len({e.microbatch for e in sim.events})} micro-batches, bubble "
-                 f"{bubble * 100:.1f}%  (blue forward, orange backward"
-                 + (", green weight gradients" if any(e.kind == "W" for e in sim.events)
-                    else "") + ", grey the rest of the step)")
+                 f"{bubble * 100:.1f}%")
+    legend = [Patch(color=colors["F"], label="forward"),
+              Patch(color=colors["B"], label="backward")]
+    if any(e.kind == "W" for e in sim.events):
+        legend.append(Patch(color=colors["W"], label="weight gradients"))
+    legend += [Patch(color=IN_BLOCK_COMM[k][1], label=f"{IN_BLOCK_COMM[k][0]} {v * 100:.1f}%")
+               for k, v in shares.items()]
+    legend.append(Patch(color="#B0B0B0", label="rest of the step"))
+    ax.legend(handles=legend, loc="upper center", bbox_to_anchor=(0.5, -0.22), ncol=4,
+              fontsize=7, frameon=False)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

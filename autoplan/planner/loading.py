@@ -43,5 +43,5 @@ def load_plan(path: str | os.PathLike[str], *, model: Any = None, cluster: Any =
                         "or graph=) and the cluster (cluster=)")
     kwargs = {"global_batch_size": plan.training.global_batch_size,
               "precision": plan.training.precision, "optimizer": plan.training.optimizer,
-              **plan_kwargs}
+              "expert_capacity_factor": plan.training.expert_capacity_factor, **plan_kwargs}
     return search.plan(graph, cluster, **kwargs)

@@ -82,6 +82,8 @@ class TrainingInfo:
     global_batch_size: int
     precision: str
     optimizer: str
+    # MoE routing imbalance the plan was priced with (estimate()); written when not 1
+    expert_capacity_factor: float = 1.0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -229,7 +231,8 @@ class Plan:
             "autoplan_version": self.autoplan_version,
             "model": _fields_dict(self.model),
             "cluster": _fields_dict(self.cluster),
-            "training": _fields_dict(self.training),
+            "training": {k: v for k, v in _fields_dict(self.training).items()
+                         if k != "expert_capacity_factor" or v != 1.0},
             "mesh": {"axes": list(self.mesh.axes), "shape": list(self.mesh.shape),
                      "rank_to_device": list(self.mesh.rank_to_device),
                      "tp_domain": self.mesh.tp_domain},

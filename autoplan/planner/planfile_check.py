@@ -44,6 +44,7 @@ PLAN_KEYS = ("autoplan_version", "model", "cluster", "training", "mesh", "config
 MODEL_KEYS = ("name", "fingerprint", "num_params", "num_ops")
 CLUSTER_KEYS = ("name", "fingerprint", "world_size", "device", "num_nodes", "devices_per_node")
 TRAINING_KEYS = ("global_batch_size", "precision", "optimizer")
+TRAINING_OPTIONAL_KEYS = ("expert_capacity_factor",)   # MoE plans priced with imbalance
 MESH_KEYS = ("axes", "shape", "rank_to_device", "tp_domain")
 PLACEMENT_KEYS = ("tp", "dp", "shape")
 PLACEMENT_OPTIONAL_KEYS = ("ep",)         # schema 3: expert weights of expert-parallel plans
@@ -104,7 +105,13 @@ def check_plan(d: Any) -> None:
     if c["world_size"] != c["num_nodes"] * c["devices_per_node"]:
         fail("cluster.world_size", f"{c['world_size']} != num_nodes {c['num_nodes']} x "
               f"devices_per_node {c['devices_per_node']}")
-    t = _keys(d["training"], "training", TRAINING_KEYS)
+    t = d["training"]
+    _keys({k: x for k, x in t.items() if k not in TRAINING_OPTIONAL_KEYS}
+          if isinstance(t, Mapping) else t, "training", TRAINING_KEYS)
+    if "expert_capacity_factor" in t and not (
+            _num(t["expert_capacity_factor"], "training.expert_capacity_factor") >= 1.0):
+        fail("training.expert_capacity_factor", f"{t['expert_capacity_factor']!r}: a capacity "
+             "factor is >= 1 (1: balanced routing)")
     _int(t["global_batch_size"], "training.global_batch_size", lo=1)
     _str(t["precision"], "training.precision", limit=64)
     _str(t["optimizer"], "training.optimizer", limit=64)

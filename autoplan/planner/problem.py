@@ -13,7 +13,7 @@ loss), with the strategies of ``strategies.py``.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from autoplan.graph.analysis import analyze
@@ -36,6 +36,101 @@ INFEASIBLE_S = 1.0e6
 
 
 @dataclass(frozen=True)
+class ExpertExchanges:
+    """Expert parallelism's exchanges as the ILP prices them, on the estimate's terms
+    (``chunk_cost.ep_comm_s``): the rows each dispatch sends and each combine brings home,
+    forward and backward, at the tp-local size the strategy gives them. Where they happen is
+    taken from the widest regions (``expert_regions`` of the replicated sharding: the rows stay
+    with their experts through every row-wise op between an MoE block's grouped products);
+    a strategy that breaks a region pays the extra exchange in ``estimate`` only."""
+
+    dispatch: Mapping[int, tuple[str, ...]]   # expert op -> values it sends to the experts
+    # (first reader, other reader, value): a value two products read (w1 and w3) is sent
+    # again when the other reads it placed differently (``ep_comm_s``: once per placement)
+    again: tuple[tuple[int, int, str], ...]
+    combine: frozenset[str]                   # values brought home
+    a2a_s: Callable[[float], float]           # bytes -> seconds of an all-to-all on the ep group
+    counts_s: float                           # each dispatch's all-gather of the row counts
+    load: float = 1.0                         # the busiest rank's rows / the balanced share
+    members: frozenset[int] = frozenset()     # ops on the dispatched rows (their work: x load)
+
+
+def expert_exchanges(graph: OpGraph, a2a_s: Callable[[float], float], counts_s: float,
+                     load: float = 1.0) -> ExpertExchanges | None:
+    from autoplan.sharding.expert_regions import expert_regions
+    from autoplan.sharding.sharding import replicated
+    regions = expert_regions(graph, replicated(graph))
+    if regions is None:
+        return None
+    dispatch: dict[int, tuple[str, ...]] = {}
+    first: dict[str, int] = {}
+    again: list[tuple[int, int, str]] = []
+    for i, x in regions.dispatch:
+        if x in first:
+            again.append((first[x], i, x))
+        else:
+            first[x] = i
+            dispatch[i] = dispatch.get(i, ()) + (x,)
+    return ExpertExchanges(dispatch=dispatch, again=tuple(again), combine=regions.combine,
+                           a2a_s=a2a_s,
+                           counts_s=counts_s, load=load, members=regions.members)
+
+
+def _exchange_s(ctx: CostContext, i: int, s: OpStrategy, placement: Mapping[str, Placement]
+                ) -> float:
+    """Seconds per micro-batch of the expert exchanges op ``i`` issues under strategy ``s``."""
+    ex, op = ctx.experts, ctx.graph.ops[i]
+    total = 0.0
+    for x in ex.dispatch.get(i, ()):
+        total += _a2a_s(ctx, x, _read_as(ctx, i, s, x)) + ex.counts_s
+    for v in op.outputs:
+        if v in ex.combine:
+            total += _a2a_s(ctx, v, placement.get(v, REPLICATE))
+    return total
+
+
+def _a2a_s(ctx: CostContext, name: str, where: Placement) -> float:
+    """One exchange of ``name``'s rows placed ``where``, forward and the gradients back."""
+    ex = ctx.experts
+    b = _value_bytes(ctx, name) * ex.load / (ctx.t if where.kind == "S" else 1)
+    return 2 * ex.a2a_s(b)
+
+
+def _read_as(ctx: CostContext, i: int, s: OpStrategy, x: str) -> Placement:
+    k = ctx.graph.ops[i].inputs.index(x)
+    return s.inputs[k] if k < len(s.inputs) else REPLICATE
+
+
+def _sent_again(ctx: CostContext, nodes: list[_Node], node_of: dict[int, int],
+                edge_mats: dict[tuple[int, int], list[list[float]]],
+                costs: list[list[float]]) -> None:
+    """A value two grouped products read is sent a second time when they read it placed
+    differently: a term on the pair of strategies (inside a node: on its own choices)."""
+    for first, other, x in ctx.experts.again:
+        u, v = node_of.get(first), node_of.get(other)
+        if u is None or v is None:
+            continue
+        pu, pv = nodes[u].ops.index(first), nodes[v].ops.index(other)
+        weight = nodes[v].mult * ctx.microbatches
+
+        def price(a: int, b: int) -> float:
+            src = _read_as(ctx, first, nodes[u].choices[a][pu], x)
+            dst = _read_as(ctx, other, nodes[v].choices[b][pv], x)
+            return weight * (_a2a_s(ctx, x, dst) + ctx.experts.counts_s) if src != dst else 0.0
+        if u == v:
+            for j in range(len(nodes[v].choices)):
+                costs[v][j] += price(j, j)
+            continue
+        flip = (u, v) not in edge_mats and (v, u) in edge_mats     # one edge per pair
+        key = (v, u) if flip else (u, v)
+        ka, kb = len(nodes[key[0]].choices), len(nodes[key[1]].choices)
+        acc = edge_mats.setdefault(key, [[0.0] * kb for _ in range(ka)])
+        for a in range(ka):
+            for b in range(kb):
+                acc[a][b] += price(b, a) if flip else price(a, b)
+
+
+@dataclass(frozen=True)
 class CostContext:
     """Everything the per-strategy costs depend on (one mesh, micro-batch and policy)."""
 
@@ -51,6 +146,7 @@ class CostContext:
     activation_multiplier: float                  # micro-batches whose activations are held
     memory_budget: float | None = None
     interference: float = OVERLAP_INTERFERENCE    # overlapped traffic's share charged (estimate)
+    experts: ExpertExchanges | None = None        # expert parallelism's exchanges (ep > 1)
 
     @property
     def micro_batch(self) -> int:
@@ -210,7 +306,10 @@ def _node_cost(ctx: CostContext, node: _Node, j: int, savers: dict[tuple[int, st
     for i, s in zip(node.ops, node.choices[j]):
         op = graph.ops[i]
         batch_dep = any(o in a.batch_dependent for o in op.outputs)
-        c = ctx.compute.op_cost(i, (ctx.batch_scale if batch_dep else 1.0) / s.work_divisor)
+        load = (ctx.experts.load if ctx.experts is not None and i in ctx.experts.members
+                else 1.0)
+        c = ctx.compute.op_cost(i, load * (ctx.batch_scale if batch_dep else 1.0)
+                                / s.work_divisor)
         per_mb += c.fwd_s + c.bwd_s
         if ctx.recompute == "full" and in_block or ctx.recompute == "selective" and i in a.score_ops:
             per_mb += c.fwd_s
@@ -226,6 +325,8 @@ def _node_cost(ctx: CostContext, node: _Node, j: int, savers: dict[tuple[int, st
         if s.kernel == "ring_attention":    # passed on behind the blocks' attention, as priced
             per_mb += (overlap_exposed_s(ring["fwd"], c.fwd_s, 0.0, ctx.interference)
                        + overlap_exposed_s(ring["bwd"], c.bwd_s, 0.0, ctx.interference))
+        if ctx.experts is not None:
+            per_mb += _exchange_s(ctx, i, s, node.placement[j])
         for k, n in enumerate(op.inputs):
             v = graph.value(n)
             if v.kind == "param" and v.base not in seen_params:
@@ -320,6 +421,8 @@ def reduce_graph(ctx: CostContext) -> Reduction:
         for i in range(ku):
             for j in range(kv):
                 acc[i][j] += mat[i][j]
+    if ctx.experts is not None:
+        _sent_again(ctx, nodes, node_of, edge_mats, costs)
     _tie_shared_weights(ctx, nodes, edge_mats, costs)
     problem = ILPProblem(
         node_costs=tuple(tuple(c) for c in costs), node_memory=tuple(tuple(m) for m in mems),

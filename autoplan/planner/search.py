@@ -33,7 +33,7 @@ from autoplan.cost.memory import bytes_per_param
 from autoplan.errors import ConfigError, PlanError
 from autoplan.estimate.arguments import batch_arg, cluster_arg, options_error, profile_arg
 from autoplan.estimate.config import ParallelConfig
-from autoplan.estimate.estimator import estimate, validate
+from autoplan.estimate.estimator import capacity_arg, estimate, validate
 from autoplan.estimate.result import Estimate
 from autoplan.graph.opgraph import OpGraph
 from autoplan.graph.trace import as_graph
@@ -42,7 +42,8 @@ from autoplan.planner.ilp import ILPSolution, solve
 from autoplan.planner.assemble import assemble
 from autoplan.planner.planfile import Alternative, Plan
 from autoplan.estimate.overlap import overlap_interference
-from autoplan.planner.problem import CostContext, reduce_graph, sharding_from_choice
+from autoplan.planner.problem import (CostContext, ExpertExchanges, expert_exchanges, reduce_graph,
+                                     sharding_from_choice)
 from autoplan.planner import space
 from autoplan.sharding.sharding import (Sharding, context_sharding, megatron_sharding, replicated,
                                        replicated_on)
@@ -83,6 +84,7 @@ class SearchOptions:
                                  # "context" (the sequence split everywhere: ring attention)
     fixed_sharding: Any = None   # a Sharding to use on its tp degree (``autoplan verify``)
     memory_margin_bytes: float | None = None
+    expert_capacity_factor: float = 1.0   # MoE routing imbalance priced (estimate() doc)
 
 
 @dataclass
@@ -133,6 +135,27 @@ def _frugal(configs: list[ParallelConfig], m: int, opts: SearchOptions, graph: O
                    strongest_recompute(space.recompute_options(opts, graph)))
 
 
+def _ilp_microbatches(cluster: Any, shape: Any, mbs: int, gbs: int, m: int) -> int:
+    """The micro-batches the tp-axis problem weighs per-step costs with: those of the mesh
+    without pipeline (dp x mbs over the whole cluster), whichever mesh asks first, so that
+    forcing pp or dp never changes the sharding a free search finds."""
+    flat = cluster.world_size // shape.tp * mbs
+    return gbs // flat if gbs % flat == 0 else m
+
+
+def _exchanges(graph: OpGraph, cluster: Any, config: ParallelConfig, opts: SearchOptions
+               ) -> ExpertExchanges | None:
+    """Expert parallelism's exchanges on ``config``'s ep group, for the ILP (ep > 1)."""
+    if config.ep == 1:
+        return None
+    from autoplan.graph.experts import find_experts
+    group = config.ep_group()
+    counts = 8.0 * find_experts(graph).num_experts * config.ep
+    return expert_exchanges(
+        graph, lambda nbytes: cluster.collective_time_s("all_to_all", nbytes, group),
+        cluster.collective_time_s("all_gather", counts, group), opts.expert_capacity_factor)
+
+
 def _ilp_sharding(graph: OpGraph, cluster: Any, config: ParallelConfig, profile: Any,
                   m: int, opts: SearchOptions, stats: _Stats,
                   frugal: _Frugal | None = None) -> tuple[Sharding, ILPSolution]:
@@ -151,7 +174,8 @@ def _ilp_sharding(graph: OpGraph, cluster: Any, config: ParallelConfig, profile:
                       state_bytes_per_param=frugal.state_bytes_per_param if frugal else w + g + o,
                       activation_multiplier=frugal.activation_multiplier if frugal else 1.0,
                       memory_budget=frugal.budget_bytes if frugal else None,
-                      interference=overlap_interference(cluster))
+                      interference=overlap_interference(cluster),
+                      experts=_exchanges(graph, cluster, config, opts))
     red = reduce_graph(ctx)
     sol = solve(red.problem, time_limit_s=opts.ilp_time_limit_s)
     stats.ilps += 1
@@ -177,7 +201,8 @@ def _evaluate(graph: OpGraph, cluster: Any, configs: list[ParallelConfig], sh: S
                 c = _with_stage_layout(graph, cluster, c, sh, gbs, profile, opts)
             est = estimate(graph, cluster, config=c, global_batch_size=gbs, profile=profile,
                            sharding=sh, memory_margin_bytes=opts.memory_margin_bytes,
-                           simulate_pipeline=simulate)
+                           simulate_pipeline=simulate,
+                           expert_capacity_factor=opts.expert_capacity_factor)
         except ConfigError as e:
             stats.rejected = str(e)
             continue
@@ -200,7 +225,7 @@ def _with_stage_layout(graph: OpGraph, cluster: Any, config: ParallelConfig, sh:
     policies = space.recompute_options(opts, graph)
     ci = CostInputs(graph=graph, analysis=analyze(graph), sharding=sh,
                     compute=compute_model(graph, cluster.device, config.precision, profile),
-                    cluster=cluster, config=config)
+                    cluster=cluster, config=config, expert_load=opts.expert_capacity_factor)
     pinned = {k: tuple(opts.force[k]) for k in ("chunk_layers", "stage_recompute")
               if k in opts.force}
     if pinned:                                  # the user's split and/or per-stage policies
@@ -353,6 +378,7 @@ def plan(model: Any, cluster: Any, *, global_batch_size: int, example_inputs: An
         raise options_error(e, "plan()", [f.name for f in fields(SearchOptions)]) from None
     global_batch_size = batch_arg(global_batch_size, "plan()")
     cluster = cluster_arg(cluster, "plan()")
+    opts = replace(opts, expert_capacity_factor=capacity_arg(opts.expert_capacity_factor))
     if not isinstance(opts.force, dict):
         raise ConfigError(f"plan(): force must be a dict of ParallelConfig fields, got "
                           f"{opts.force!r:.60}")
@@ -421,24 +447,36 @@ def plan(model: Any, cluster: Any, *, global_batch_size: int, example_inputs: An
                     ilp_cache[key] = (context_sharding(graph, shape.tp)
                                       or replicated_on(graph, shape.tp), None)
                 else:
-                    flat = cluster.world_size // shape.tp * mbs      # dp x mbs without pp
-                    m_ilp = global_batch_size // flat if global_batch_size % flat == 0 else m
-                    ilp_cache[key] = _ilp_sharding(graph, cluster, cfg, profile, m_ilp, opts,
-                                                   stats)
-            sh, sol = ilp_cache[key]
+                    ilp_cache[key] = _ilp_sharding(graph, cluster, cfg, profile,
+                                                   _ilp_microbatches(cluster, shape, mbs,
+                                                                     global_batch_size, m),
+                                                   opts, stats)
             policies = space.policies(cfg, opts, cluster, graph,
                                       space.schedules(cfg, m, layers, opts))
-            found = _evaluate(graph, cluster, policies, sh, sol, global_batch_size,
-                              profile, opts, stats, "search")
-            if (shape.tp > 1 and opts.sharding == "ilp" and opts.fixed_sharding is None
-                    and policies and not any(c.est.fits for c in found)):
-                budget = cluster.device.memory_bytes - (found[0].est.stages[0].memory.margin_bytes
-                                                        if found else 0.0)
-                sh2, sol2 = _ilp_sharding(graph, cluster, cfg, profile, m, opts, stats,
-                                          frugal=_frugal(policies, m, opts, graph, budget))
-                if sol2.status in ("optimal", "feasible"):
-                    found += _evaluate(graph, cluster, policies, sh2, sol2,
-                                       global_batch_size, profile, opts, stats, "search")
+            found = []
+            for ep in sorted({c.ep for c in policies}):
+                group = [c for c in policies if c.ep == ep]
+                ecfg = replace(cfg, ep=ep)
+                sh, sol = ilp_cache[key]
+                if ep > 1 and sol is not None:     # the ILP prices the experts' exchanges
+                    if key + (ep,) not in ilp_cache:
+                        ilp_cache[key + (ep,)] = _ilp_sharding(
+                            graph, cluster, ecfg, profile,
+                            _ilp_microbatches(cluster, shape, mbs, global_batch_size, m),
+                            opts, stats)
+                    sh, sol = ilp_cache[key + (ep,)]
+                found_ep = _evaluate(graph, cluster, group, sh, sol, global_batch_size,
+                                     profile, opts, stats, "search")
+                if (shape.tp > 1 and opts.sharding == "ilp" and opts.fixed_sharding is None
+                        and not any(c.est.fits for c in found_ep)):
+                    budget = cluster.device.memory_bytes - (
+                        found_ep[0].est.stages[0].memory.margin_bytes if found_ep else 0.0)
+                    sh2, sol2 = _ilp_sharding(graph, cluster, ecfg, profile, m, opts, stats,
+                                              frugal=_frugal(group, m, opts, graph, budget))
+                    if sol2.status in ("optimal", "feasible"):
+                        found_ep += _evaluate(graph, cluster, group, sh2, sol2,
+                                              global_batch_size, profile, opts, stats, "search")
+                found += found_ep
             cands += found
             fit = [c for c in found if c.est.fits]
             best = min(fit, key=_Candidate.key) if fit else None
@@ -466,7 +504,7 @@ def plan(model: Any, cluster: Any, *, global_batch_size: int, example_inputs: An
         raise _infeasible(cands, cluster, opts.force)
     best = fitting[0]
     return assemble(graph, cluster, best, _alternatives(cands, best, opts.top_k, opts.force),
-                     stats, global_batch_size, name)
+                    stats, global_batch_size, name, opts.expert_capacity_factor)
 
 
 def _refine_pipelined(graph: OpGraph, cluster: Any, cands: list[_Candidate], gbs: int,
