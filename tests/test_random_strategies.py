@@ -19,6 +19,7 @@ from autoplan.sharding.sharding import Sharding, mutates_input
 from autoplan.sharding.strategies import strategies
 from tests.conftest import has_transformers
 from tests.distributed import run_ranks
+from tests.test_runtime import assert_collectives_match
 from tests.test_zoo import GLOBAL_BATCH, assert_equal_to_one_device, zoo_plan
 
 MODELS = ["gpt-tiny", "hf-llama-gqa-tiny", "nanogpt-tiny", "torch-encoder-tiny",
@@ -77,3 +78,41 @@ def test_random_strategies_train_like_one_device(name, seed):
     plan = dataclasses.replace(base, op_strategies=chosen, param_placements=placements)
     results = run_ranks(_rank, 2, name, plan.to_json(), timeout_s=240.0)
     assert_equal_to_one_device(name, results, f"{name} random strategies (seed {seed})")
+
+
+def gathered_strategies(graph, t, seed):
+    """Every product that can take its weight stored split and gathered does
+    (``*_gathered``, FSDP on the tensor-parallel axis); the other ops draw at random."""
+    rng = random.Random(seed)
+    chosen, picked = {}, []
+    for op in graph.ops:
+        options = strategies(graph, op, t)
+        gathered = [s for s in options if s.kernel == "gathered_weight"]
+        s = rng.choice(gathered) if gathered else options[0]
+        chosen[op.name] = s.name
+        picked.append(s)
+    stored = Sharding.build(graph, t, picked).param_placement(graph)
+    return chosen, {fqn: str(p) for fqn, p in stored.items()}
+
+
+@pytest.mark.parametrize("name", ["gpt-tiny", "hf-llama-gqa-tiny", "nanogpt-tiny"])
+def test_weights_stored_split_and_gathered_train_like_one_device(name):
+    """A weight stored split over the tp axis and gathered for a batch- or sequence-split
+    product (gathered again in backward, its gradient reduce-scattered) trains as on one
+    device; nanoGPT's head shares its weight with the embedding, which reads it whole."""
+    if name.startswith("hf-") and not has_transformers():
+        pytest.skip("transformers not installed")
+    ex = build_example(name, batch_size=GLOBAL_BATCH, seed=0)
+    g = trace(ex.model, ex.example_inputs, loss_fn=ex.loss_fn, targets=ex.targets)
+    base = zoo_plan(name, 2, dict(tp=2, micro_batch_size=GLOBAL_BATCH), "megatron",
+                    batch_size=GLOBAL_BATCH)
+    chosen, stored = gathered_strategies(g, 2, 0)
+    assert sum(v.endswith("_gathered") for v in chosen.values()) >= 4, chosen
+    assert sum(p == "S(0)" for p in stored.values()) >= 4, stored
+    placements = {fqn: dataclasses.replace(pp, tp=stored.get(fqn, "R"))
+                  for fqn, pp in base.param_placements.items()}
+    plan = dataclasses.replace(base, op_strategies=chosen, param_placements=placements)
+    results = run_ranks(_rank, 2, name, plan.to_json(), timeout_s=240.0)
+    assert_equal_to_one_device(name, results, f"{name} gathered weights")
+    if name == "gpt-tiny":      # the gathers and reduce-scatters issued are those priced
+        assert_collectives_match(name, 2, plan, g)

@@ -42,11 +42,12 @@ def _reference(name, optimizer=None, **overrides):
     return losses, {k: v.detach().clone() for k, v in ex.model.state_dict().items()}
 
 
-def _compiled(name, plan_json):
-    """(trainer, global batch) for ``name`` under the plan, on this rank."""
+def _compiled(name, plan_json, traced_batch=1):
+    """(trainer, global batch) for ``name`` under the plan (traced at ``traced_batch``
+    samples), on this rank."""
     from autoplan.runtime.trainer import compile
     ex = build_example(name, batch_size=GLOBAL_BATCH, seed=0)
-    small = build_example(name, batch_size=1, seed=0)
+    small = build_example(name, batch_size=traced_batch, seed=0)
     trainer = compile(ex.model, "local", example_inputs=small.example_inputs,
                       example_targets=small.targets, loss_fn=ex.loss_fn, optimizer=_optimizer,
                       global_batch_size=GLOBAL_BATCH, plan=Plan.from_json(plan_json))
@@ -132,9 +133,9 @@ def assert_equals_one_device(results, name, family):
 
 # ---- the run does what the plan said -------------------------------------------------------
 
-def _count_rank(rank, world, name, plan_json):
+def _count_rank(rank, world, name, plan_json, traced_batch=1):
     from autoplan.runtime.comm_counter import CommCounter
-    trainer, batch = _compiled(name, plan_json)
+    trainer, batch = _compiled(name, plan_json, traced_batch)
     trainer.step(batch)                       # warm-up: DDP's first step differs
     with CommCounter() as counter:
         trainer.step(batch)
@@ -156,18 +157,24 @@ COUNT_CASES = [
 def test_collectives_match_the_plan(name, world, force, sharding):
     """Calls and bytes per collective kind, counted at run time, within 10% of the plan's
     prediction (kinds carrying under 1% of the bytes are noise: buffer broadcasts)."""
-    from autoplan.estimate.collectives import expected_collectives
-    from autoplan.estimate.partition import partition
-    from autoplan.runtime.emit import strategies_by_position
     plan = _plan(name, world, force, sharding)
     small = build_example(name, batch_size=1, seed=0)
     g = trace(small.model, small.example_inputs, loss_fn=small.loss_fn, targets=small.targets)
+    assert_collectives_match(name, world, plan, g)
+
+
+def assert_collectives_match(name, world, plan, g):
+    """The collectives one step of ``plan`` issues (counted at run time) are those the
+    estimate prices for it on ``g`` (a graph of the model the plan's strategies name)."""
+    from autoplan.estimate.collectives import expected_collectives
+    from autoplan.estimate.partition import partition
+    from autoplan.runtime.emit import strategies_by_position
     sh = strategies_by_position(g, dict(plan.op_strategies), g, plan.config.tp)
     chunk = partition(g, 1)[0]
     expected = expected_collectives(g, plan.config, sh, global_batch_size=GLOBAL_BATCH,
                                     layer_ranges=list(chunk.layer_ranges),
                                     fsdp_units=len(plan.recompute) + 1)
-    counted = run_ranks(_count_rank, world, name, plan.to_json())[0]
+    counted = run_ranks(_count_rank, world, name, plan.to_json(), g.batch_size)[0]
     total = sum(e.bytes for e in expected.values())
     for kind, e in expected.items():
         if e.bytes < 0.01 * total:

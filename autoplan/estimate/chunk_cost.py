@@ -93,17 +93,19 @@ def _work_scale(a: GraphAnalysis, graph: OpGraph, sh: Sharding, i: int,
 
 
 def comm_bytes(graph: OpGraph, a: GraphAnalysis, precision: str, value: str, scale: float,
-               t: int, batch_scale: float, phase: str = "fwd", grad_shard: int = 1) -> float:
-    """Bytes of one tp-axis collective on ``value`` (``scale`` < 0: one tp shard of it), as
-    the estimate, the sharding ILP and the runtime's collective count all take them: an
+               t: int, batch_scale: float, phase: str = "fwd", grad_shard: int = 1,
+               kind: str = "") -> float:
+    """Bytes of one tp-axis collective ``kind`` on ``value`` (``scale`` < 0: one tp shard of
+    it), as the estimate, the sharding ILP and the runtime's collective count all take them: an
     activation at its micro-batch share; a weight's gradient in fp32, as the runtime reduces
-    gradients, and once per step (``phase`` "step") of ZeRO-2/3's ``grad_shard``-way shard."""
+    gradients, and once per step (``phase`` "step") of ZeRO-2/3's ``grad_shard``-way shard; a
+    weight gathered again in backward (``all_gather``) in the training precision."""
     v = graph.value(value)
     nbytes = _meta_bytes(v.meta, precision)
     if value in a.batch_dependent:
         nbytes *= batch_scale
     nbytes *= 1.0 / t if scale < 0 else scale
-    if phase == "step" or phase == "bwd" and v.kind == "param":
+    if phase == "step" or phase == "bwd" and v.kind == "param" and kind != "all_gather":
         nbytes *= GRAD_BYTES / PRECISION_BYTES[precision]
     if phase == "step":
         nbytes /= grad_shard
@@ -124,7 +126,7 @@ def tp_comm_s(ci: CostInputs, start: int, stop: int) -> tuple[float, float, floa
     ring: dict[int, dict[str, float]] = {}
     for i, c in sh.comms(start, stop):
         nbytes = comm_bytes(graph, a, config.precision, c.value, c.scale, sh.t, ci.batch_scale,
-                            c.phase, shard)
+                            c.phase, shard, c.kind)
         s = ci.cluster.collective_time_s(c.kind, nbytes, group)
         if sh.op_strategy[i].kernel == "ring_attention":
             ring.setdefault(i, {"fwd": 0.0, "bwd": 0.0})[c.phase] += s

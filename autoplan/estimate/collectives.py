@@ -51,7 +51,8 @@ def expected_collectives(graph: OpGraph, config: ParallelConfig, sh: Sharding, *
         step_bytes = 0.0
         shard = config.shard_degree if config.zero_stage >= 2 else 1
         for i, kind, value, scale, phase in events:
-            b = comm_bytes(graph, a, config.precision, value, scale, sh.t, bs, phase, shard)
+            b = comm_bytes(graph, a, config.precision, value, scale, sh.t, bs, phase, shard,
+                           kind)
             if phase == "step":       # one flattened all-reduce per step, of ZeRO's grad shard
                 step_bytes += b
                 continue

@@ -222,10 +222,10 @@ def _value_bytes(ctx: CostContext, name: str) -> float:
     return b * ctx.batch_scale if name in a.batch_dependent else b
 
 
-def _comm_bytes(ctx: CostContext, name: str, scale: float, phase: str) -> float:
+def _comm_bytes(ctx: CostContext, name: str, scale: float, phase: str, kind: str = "") -> float:
     """Bytes of one collective, as the estimate takes them (``chunk_cost.comm_bytes``)."""
     return comm_bytes(ctx.graph, analyze(ctx.graph), ctx.precision, name, scale, ctx.t,
-                      ctx.batch_scale, phase)
+                      ctx.batch_scale, phase, kind=kind)
 
 
 def _reshard_s(ctx: CostContext, name: str, src: Placement, dst: Placement) -> float:
@@ -315,7 +315,8 @@ def _node_cost(ctx: CostContext, node: _Node, j: int, savers: dict[tuple[int, st
             per_mb += c.fwd_s
         ring = {"fwd": 0.0, "bwd": 0.0}
         for cm in s.comms:
-            t = ctx.collective_s(cm.kind, _comm_bytes(ctx, cm.value, cm.scale, cm.phase))
+            t = ctx.collective_s(cm.kind, _comm_bytes(ctx, cm.value, cm.scale, cm.phase,
+                                                      cm.kind))
             if cm.phase == "step":
                 step += t
             elif s.kernel == "ring_attention":

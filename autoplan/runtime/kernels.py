@@ -243,18 +243,62 @@ class _SequenceParallelProduct(torch.autograd.Function):
         return grad_x, grad_w, grad_b, None, None, None
 
 
-def sp_linear(op: Any, args: list, kwargs: dict, comm, p) -> Any:
+def _product_args(op: Any, args: list, kwargs: dict) -> tuple:
+    """(x, weight, bias or None, "linear" | "xw") of a product with a weight."""
     name = op._schema.name.split("::")[-1]
     if name == "linear":
-        x, w = args[0], args[1]
-        b = args[2] if len(args) > 2 else kwargs.get("bias")
-        kind = "linear"
-    elif name == "addmm":
+        return args[0], args[1], args[2] if len(args) > 2 else kwargs.get("bias"), "linear"
+    if name == "addmm":
         if kwargs.get("beta", 1) != 1 or kwargs.get("alpha", 1) != 1:
-            raise RuntimeError("sequence-parallel addmm with beta/alpha != 1")
-        b, x, w = args[0], args[1], args[2]
-        kind = "xw"
-    else:                                   # mm / matmul with the weight second
-        x, w, b = args[0], args[1], None
-        kind = "xw"
+            raise RuntimeError(f"{name} with beta/alpha != 1 on a split product")
+        return args[1], args[2], args[0], "xw"
+    return args[0], args[1], None, "xw"     # mm / matmul with the weight second
+
+
+def sp_linear(op: Any, args: list, kwargs: dict, comm, p) -> Any:
+    x, w, b, kind = _product_args(op, args, kwargs)
     return _SequenceParallelProduct.apply(x, w, b, comm, p, kind)
+
+
+# ---- a weight stored split over the axis, gathered for the product (FSDP on this axis) --------
+
+class _GatheredWeightProduct(torch.autograd.Function):
+    """``x @ W (+ b)`` on rows of ``x`` (a batch or sequence shard) with ``W`` stored split:
+    gathered (in the compute precision) for the product, not kept, gathered again in backward;
+    its gradient, this rank's partial sum over its rows, reduce-scattered to the shards."""
+
+    @staticmethod
+    def forward(ctx, x, w_shard, bias, comm, p, kind):
+        ctx.comm, ctx.p, ctx.kind, ctx.has_bias = comm, p, kind, bias is not None
+        dtype = (torch.get_autocast_dtype(x.device.type)
+                 if torch.is_autocast_enabled(x.device.type) else None)
+        ctx.dtype = dtype
+        w = tp_comm.from_rank_major(comm.all_gather(w_shard if dtype is None
+                                                    else w_shard.to(dtype)), p, comm.size)
+        x_c, bias_c = ((x, bias) if dtype is None else
+                       (x.to(dtype), bias.to(dtype) if bias is not None else None))
+        ctx.save_for_backward(x, w_shard)
+        with torch.autocast(x.device.type, enabled=False):
+            return _product(kind, x_c, w, bias_c)
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w_shard = ctx.saved_tensors
+        comm, p = ctx.comm, ctx.p
+        shard = w_shard if ctx.dtype is None else w_shard.to(ctx.dtype)
+        w = tp_comm.from_rank_major(comm.all_gather(shard), p, comm.size).to(g.dtype)
+        grad_x = grad_w = grad_b = None
+        if ctx.needs_input_grad[0]:
+            grad_x = (g @ (w if ctx.kind == "linear" else w.t())).to(x.dtype)
+        g2, x2 = g.reshape(-1, g.shape[-1]), x.to(g.dtype).reshape(-1, x.shape[-1])
+        if ctx.needs_input_grad[1]:
+            full = (g2.t() @ x2 if ctx.kind == "linear" else x2.t() @ g2).to(w_shard.dtype)
+            grad_w = tp_comm.rank_major_reduce_scatter(comm, full, p)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_b = g2.sum(0)
+        return grad_x, grad_w, grad_b, None, None, None
+
+
+def gathered_weight(op: Any, args: list, kwargs: dict, comm, p) -> Any:
+    x, w, b, kind = _product_args(op, args, kwargs)
+    return _GatheredWeightProduct.apply(x, w, b, comm, p, kind)

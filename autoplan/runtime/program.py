@@ -157,6 +157,10 @@ def _k_sp_linear(target, args, kwargs, slot, p):
     return kernels.sp_linear(target, args, kwargs, slot.comm, _p(p))
 
 
+def _k_gathered_weight(target, args, kwargs, slot, p):
+    return kernels.gathered_weight(target, args, kwargs, slot.comm, _p(p))
+
+
 def _k_without_bias(target, args, kwargs):
     return kernels.without_bias(target, args, kwargs)
 
@@ -373,6 +377,11 @@ class _Builder:
                           if self.eg.value(n).kind in ("activation", "input"))
             out = self.emit(_k_sp_linear, (node.target, args, kwargs, self.slot_node,
                                            str(s.inputs[x_slot])), i)
+        elif s.kernel == "gathered_weight":
+            w_slot = next(k for k in range(len(op.inputs))       # the gathered weight
+                          if s.inputs[k] != s.local_input(k))
+            out = self.emit(_k_gathered_weight, (node.target, args, kwargs, self.slot_node,
+                                                 str(s.inputs[w_slot])), i)
         elif expert_op:
             out = self.emit(_k_local_experts, (node.target, args, kwargs, state), i)
         elif s.kernel:
@@ -427,7 +436,8 @@ class _Builder:
             action = input_action(self.eg, op, s, k)
             if action == "step" and vn in bwd_params:
                 action = "reduce_grad"          # a weight with mixed partial/whole gradients
-            if s.kernel == "sp_linear" and action in ("gather", "gather_sp"):
+            if s.kernel in ("sp_linear", "gathered_weight") and action in ("gather",
+                                                                            "gather_sp"):
                 action = ""                     # the kernel gathers (twice) itself
             if action == "gather":
                 x = self.emit(_c_gather, (x, self.slot_node, str(want)), i)

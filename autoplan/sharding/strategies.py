@@ -10,7 +10,9 @@ Korthikanti et al. 2022; Alpa, Zheng et al. 2022, for the general per-op space):
   split, output features split; also in blocks for fused projections), ``colwise_sp`` (input
   arrives sequence-split and is gathered), ``rowwise`` (input features split, partial output
   reduced), ``rowwise_sp`` (reduce-scattered to sequence shards), ``batch`` / ``seq``
-  (activations split, weight replicated);
+  (activations split, weight replicated), ``batch_gathered`` / ``seq_gathered`` (the weight
+  stored split and gathered for the product, FSDP-style on this axis: kernel
+  ``gathered_weight``);
 - product of two activations (bmm, matmul): a shared batch-like dim (``heads`` for dim 1), the
   rows of the first or the columns of the second operand, or the contracted dim (partial);
 - experts' grouped product (``grouped_mm``): expert weights split on their output or input
@@ -132,6 +134,17 @@ def _linear(graph: OpGraph, op: Op, t: int) -> list[OpStrategy]:
     if rank >= 3 and len(xm.shape) == rank and _div(out[1], t):
         res.append(make(graph, op, "seq", ps(shard(1), REPLICATE, REPLICATE), (shard(1),), t,
                         style="seq"))
+    weight = graph.value(op.inputs[w])
+    if weight.kind == "param" and _div(wm.shape[0], t) and len(xm.shape) == rank:
+        # the weight stored split and gathered for the product (autoparallel's FSDP-style
+        # placement on this axis): its memory / t for a gather per micro-batch, twice
+        regather = ((Comm("all_gather", op.inputs[w], "bwd"),) if weight.requires_grad else ())
+        for d, label in ((0, "batch"), (1, "seq")):
+            if rank >= d + 2 and _div(out[d], t):
+                res.append(make(graph, op, f"{label}_gathered", ps(shard(d), shard(0),
+                                                                    REPLICATE),
+                                (shard(d),), t, style=label, kernel="gathered_weight",
+                                local_inputs=ps(shard(d), REPLICATE, REPLICATE), extra=regather))
     return res
 
 

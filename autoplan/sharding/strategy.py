@@ -46,6 +46,9 @@ KERNELS = {
     "mean_partial": "mean over the rank's shard of a split dim, scaled to a partial sum",
     "sp_linear": "a product with a weight whose sequence-split input is gathered inside it and "
                  "again in backward (Megatron's sequence parallelism: only the shard is kept)",
+    "gathered_weight": "a product on a batch- or sequence-split input with a weight stored "
+                       "split over the ranks: gathered for the product and again in backward, "
+                       "its gradient reduce-scattered back to the shards (FSDP on this axis)",
     "ring_attention": "attention over a sequence split across the ranks: key/value blocks "
                       "passed around the ring while each block's attention runs, outputs "
                       "merged by log-sum-exp (context parallelism)",
