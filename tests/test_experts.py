@@ -71,7 +71,7 @@ def test_config_rules_groups_and_mesh():
     assert " ep4" in c.short() and ParallelConfig.from_dict(c.to_dict()) == c
     assert "ep" not in ParallelConfig(dp=8).to_dict()      # older plans read back byte for byte
     assert ParallelConfig(dp=4, ep=2, pp=2).mesh_axes() == ("pp", "edp", "ep", "tp")
-    for bad, why in ((dict(dp=4, ep=3), "divide"), (dict(dp=4, ep=2, zero_stage=3), "zero_stage=3"),
+    for bad, why in ((dict(dp=4, ep=3), "divide"), (dict(dp=4, ep=2, zero_stage=3, dp_shard=2), "HSDP"),
                      (dict(dp=4, ep=2, offload_optimizer=True), "offload")):
         with pytest.raises(ConfigError, match=why):
             ParallelConfig(**bad)
@@ -102,6 +102,12 @@ def test_the_estimate_shards_expert_state_and_prices_the_exchanges(mixtral8x7b):
     assert ep8.time.comm_exposed_s["ep_all_to_all"] > 0
     assert "ep_all_to_all" not in one.time.comm_exposed_s
     assert ep8.time.compute_s == pytest.approx(one.time.compute_s)
+    # FSDP (ZeRO-3) shards the rest over all 16 ranks and leaves each expert slab whole
+    z3 = estimate(mixtral8x7b, cluster, config=ParallelConfig(**{**kw, "zero_stage": 3}, ep=8),
+                  global_batch_size=32, profile=None)
+    per_param = z3.stages[0].memory.params_bytes
+    assert per_param == pytest.approx(2 * (rest / 16 + experts / 8))       # bf16 weights
+    assert z3.stages[0].memory.optimizer_bytes == pytest.approx(12 * (rest / 16 + experts / 8))
 
 
 def test_full_recompute_keeps_no_expert_weight_as_an_activation(mixtral8x7b):
@@ -165,7 +171,7 @@ def test_the_planner_chooses_ep_for_mixtral_and_writes_its_axes(mixtral8x7b, tmp
     cluster = Cluster.preset("dgx-h100", nodes=2)
     p = plan(mixtral8x7b, cluster, global_batch_size=256, profile=None)
     no_ep = plan(mixtral8x7b, cluster, global_batch_size=256, profile=None, force={"ep": 1})
-    assert p.config.ep > 1 and p.config.zero_stage <= 1, p.config.short()
+    assert p.config.ep > 1, p.config.short()
     assert p.predicted["step_time_s"] < no_ep.predicted["step_time_s"]
     from autoplan.planner.explain import explain_plan
     text = explain_plan(p)
@@ -215,6 +221,9 @@ CASES = [
      "HF Mixtral, EP2 x expert-DP2, ZeRO-1"),
     ("hf-mixtral-tiny", 4, dict(tp=2, zero_stage=0, ep=2), "megatron",
      "HF Mixtral, EP2 x TP2 inside the experts"),
+    # FSDP shards the rest over all 4 ranks; each expert slab stays whole on its 2 holders
+    ("hf-mixtral-tiny", 4, dict(tp=1, zero_stage=3, ep=2), "ilp",
+     "HF Mixtral, EP2 x FSDP (ZeRO-3) over 4"),
 ]
 
 
@@ -232,7 +241,7 @@ def test_expert_parallel_run_equals_single_device(name, world, force, sharding, 
 @needs_hf
 def test_expert_parallel_checkpoint_resumes_and_reshards(tmp_path):
     """Save under EP2 (ZeRO-1) on 2 ranks: resuming is the same run bit for bit. Save under
-    EP2 x expert-DP2 on 4 ranks: resuming under tp2 on 2 ranks (experts whole again) gives the
+    EP2 x FSDP on 4 ranks: resuming under tp2 on 2 ranks (experts whole again) gives the
     same next losses and weights."""
     from tests.test_checkpoint import _bitwise_same, _plan as ck_plan, _run, _whole
     kw = dict(name="hf-mixtral-tiny", overrides={"layers": 2})
@@ -243,7 +252,7 @@ def test_expert_parallel_checkpoint_resumes_and_reshards(tmp_path):
     assert [r[1] for r in same] == [f[1][2:] for f in full]       # bitwise
     _bitwise_same(_whole(same), _whole(full))
 
-    a = ck_plan(4, dict(tp=1, zero_stage=1, ep=2), "ilp", **kw)
+    a = ck_plan(4, dict(tp=1, zero_stage=3, ep=2), "ilp", **kw)
     b = ck_plan(2, dict(tp=2), "megatron", **kw)
     assert a.config.ep == 2 and b.config.ep == 1
     ckpt = str(tmp_path / "ckpt4")
@@ -259,8 +268,9 @@ def test_expert_parallel_checkpoint_resumes_and_reshards(tmp_path):
 
 @needs_hf
 @pytest.mark.parametrize("force", [dict(schedule="1f1b", zero_stage=1),
+                                   dict(schedule="1f1b", zero_stage=3),
                                    dict(schedule="zero_bubble", zero_stage=0)],
-                         ids=["1F1B ZeRO-1", "zero bubble (split backward)"])
+                         ids=["1F1B ZeRO-1", "1F1B FSDP", "zero bubble (split backward)"])
 def test_pipelined_expert_parallel_run_equals_single_device(force):
     """pp2 x EP2 on 4 ranks: each stage's experts split over its 2 dp ranks."""
     from tests.test_checkpoint import _plan as ck_plan, _run, _whole

@@ -30,6 +30,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="pin a ParallelConfig field, e.g. --force tp=2 --force zero_stage=3; "
                         "lists comma-separated: --force chunk_layers=10,12,12,14 "
                         "--force stage_recompute=full,none")
+    p.add_argument("--pin", action="append", default=[], metavar="PATTERN=STRATEGY",
+                   help="fix the strategy of the ops matching 'module.path:op' (fnmatch), the "
+                        "ILP plans the rest around them, e.g. --pin "
+                        "'layers.*.attention.wo:linear=seq_gathered'")
     add_capacity_arg(p)
     p.add_argument("--no-profile", action="store_true", help="roofline only, ignore profiles")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress lines")
@@ -56,6 +60,17 @@ def parse_force(items: list[str]) -> dict:
         elif low.isdigit():
             value = int(low)
         out[key] = value
+    return out
+
+
+def parse_pins(items: list[str]) -> dict:
+    from autoplan.errors import ConfigError
+    out: dict = {}
+    for item in items:
+        pattern, sep, name = item.rpartition("=")
+        if not sep or not pattern.strip() or not name.strip():
+            raise ConfigError(f"--pin takes 'module.path:op=STRATEGY', got {item!r}")
+        out[pattern.strip()] = name.strip()
     return out
 
 
@@ -91,7 +106,7 @@ def run(args: argparse.Namespace) -> int:
                   profile=None if args.no_profile else "auto", name=args.model,
                   progress=progress, top_k=args.top_k, max_tp=args.max_tp,
                   max_pp=args.max_pp, expert_capacity_factor=args.expert_capacity_factor,
-                  force=parse_force(args.force))
+                  force=parse_force(args.force), pin=parse_pins(args.pin))
     result.save(args.output)
     print(explain_plan(result))
     print(f"\nwrote {args.output} (search {result.solver.time_s:.1f} s, "

@@ -22,6 +22,7 @@ from autoplan.cost.memory import _meta_bytes
 from autoplan.estimate.chunk_cost import comm_bytes
 from autoplan.estimate.overlap import OVERLAP_INTERFERENCE, overlap_exposed_s
 from autoplan.graph.opgraph import OpGraph
+from autoplan.errors import ConfigError
 from autoplan.planner.ilp import ILPProblem
 from autoplan.sharding.placement import REPLICATE, Placement
 from autoplan.sharding.sharding import Sharding, mutates_input, reshard_kind
@@ -147,6 +148,7 @@ class CostContext:
     memory_budget: float | None = None
     interference: float = OVERLAP_INTERFERENCE    # overlapped traffic's share charged (estimate)
     experts: ExpertExchanges | None = None        # expert parallelism's exchanges (ep > 1)
+    pinned: Mapping[int, str] | None = None       # op index -> the only strategy it may take
 
     @property
     def micro_batch(self) -> int:
@@ -263,11 +265,17 @@ def _group(graph: OpGraph, rep: list[int], mult: dict[int, int],
 
 
 def _expand(graph: OpGraph, node: _Node, t: int, cache: dict[int, list[OpStrategy]],
-            micro_batch: int | None = None) -> None:
+            micro_batch: int | None = None, pinned: Mapping[int, str] | None = None) -> None:
     """Per leader strategy: the followers' strategies and the node's value placements."""
     def opts(i):
         if i not in cache:
             cache[i] = strategies(graph, graph.ops[i], t, micro_batch=micro_batch)
+            if pinned and i in pinned:
+                cache[i] = [s for s in cache[i] if s.name == pinned[i]]
+                if not cache[i]:
+                    raise ConfigError(f"op {graph.ops[i].name}: its pinned strategy "
+                                      f"{pinned[i]!r} does not split micro-batches of "
+                                      f"{micro_batch} evenly at tp={t}")
         return cache[i]
     node.choices, node.placement, node.internal = [], [], []
     for s in opts(node.ops[0]):
@@ -373,7 +381,7 @@ def reduce_graph(ctx: CostContext) -> Reduction:
     nodes, node_of = _group(graph, rep, mult, inst)
     cache: dict[int, list[OpStrategy]] = {}
     for node in nodes:
-        _expand(graph, node, ctx.t, cache, ctx.micro_batch)
+        _expand(graph, node, ctx.t, cache, ctx.micro_batch, ctx.pinned)
     costs = [[0.0] * len(n.choices) for n in nodes]
     mems = [[0.0] * len(n.choices) for n in nodes]
     savers, part_of = _activation_owners(graph, ctx.recompute)

@@ -44,7 +44,7 @@ from autoplan.planner.planfile import Alternative, Plan
 from autoplan.estimate.overlap import overlap_interference
 from autoplan.planner.problem import (CostContext, ExpertExchanges, expert_exchanges, reduce_graph,
                                      sharding_from_choice)
-from autoplan.planner import space
+from autoplan.planner import pins, space
 from autoplan.sharding.sharding import (Sharding, context_sharding, megatron_sharding, replicated,
                                        replicated_on)
 
@@ -85,6 +85,7 @@ class SearchOptions:
     fixed_sharding: Any = None   # a Sharding to use on its tp degree (``autoplan verify``)
     memory_margin_bytes: float | None = None
     expert_capacity_factor: float = 1.0   # MoE routing imbalance priced (estimate() doc)
+    pin: dict[str, str] = field(default_factory=dict)   # op pattern -> strategy (pins.py)
 
 
 @dataclass
@@ -175,7 +176,8 @@ def _ilp_sharding(graph: OpGraph, cluster: Any, config: ParallelConfig, profile:
                       activation_multiplier=frugal.activation_multiplier if frugal else 1.0,
                       memory_budget=frugal.budget_bytes if frugal else None,
                       interference=overlap_interference(cluster),
-                      experts=_exchanges(graph, cluster, config, opts))
+                      experts=_exchanges(graph, cluster, config, opts),
+                      pinned=pins.resolve(graph, opts.pin) if opts.pin else None)
     red = reduce_graph(ctx)
     sol = solve(red.problem, time_limit_s=opts.ilp_time_limit_s)
     stats.ilps += 1
@@ -385,6 +387,9 @@ def plan(model: Any, cluster: Any, *, global_batch_size: int, example_inputs: An
     if opts.sharding not in ("ilp", "megatron", "context"):
         raise ConfigError(f"sharding must be 'ilp', 'megatron' or 'context', got "
                           f"{opts.sharding!r}")
+    if opts.pin and (opts.sharding != "ilp" or opts.fixed_sharding is not None):
+        raise ConfigError("pin= fixes some ops' strategies for the ILP to plan around: use it "
+                          "with sharding='ilp' and no fixed sharding")
     say = progress or (lambda _msg: None)
     stats = _Stats()
     graph = as_graph(model, example_inputs, loss_fn=loss_fn, targets=targets, who="plan()",
@@ -412,8 +417,14 @@ def plan(model: Any, cluster: Any, *, global_batch_size: int, example_inputs: An
             raise ConfigError(f"force ep={opts.force['ep']}: the model's "
                               f"{found.num_experts} experts do not split evenly over it")
     ilp_cache: dict[tuple[int, int], tuple[Sharding, ILPSolution | None]] = {}
+    pinned = pins.resolve(graph, opts.pin) if opts.pin else {}
     for shape in shapes:
         where = f"mesh pp{shape.pp} x dp{shape.dp} x tp{shape.tp}"
+        why = pinned and (pins.unavailable(graph, pinned, shape.tp) if shape.tp > 1
+                          else "tp=1 shards nothing")
+        if why:
+            say(f"{where}: the pins cannot hold ({why}), skipped")
+            continue
         if global_batch_size % shape.dp:
             say(f"{where}: global batch {global_batch_size} does not split over dp, skipped")
             continue
@@ -447,10 +458,14 @@ def plan(model: Any, cluster: Any, *, global_batch_size: int, example_inputs: An
                     ilp_cache[key] = (context_sharding(graph, shape.tp)
                                       or replicated_on(graph, shape.tp), None)
                 else:
-                    ilp_cache[key] = _ilp_sharding(graph, cluster, cfg, profile,
-                                                   _ilp_microbatches(cluster, shape, mbs,
-                                                                     global_batch_size, m),
-                                                   opts, stats)
+                    try:
+                        ilp_cache[key] = _ilp_sharding(graph, cluster, cfg, profile,
+                                                       _ilp_microbatches(cluster, shape, mbs,
+                                                                         global_batch_size, m),
+                                                       opts, stats)
+                    except ConfigError as e:        # a pin that cannot hold at this size
+                        say(f"{where} mbs {mbs}: {e}")
+                        continue
             policies = space.policies(cfg, opts, cluster, graph,
                                       space.schedules(cfg, m, layers, opts))
             found = []
@@ -487,7 +502,7 @@ def plan(model: Any, cluster: Any, *, global_batch_size: int, example_inputs: An
                   f"{time.perf_counter() - stats.t0:.1f} s]")
             if best is None:
                 break       # larger micro-batches only need more memory
-    if opts.fixed_sharding is None:     # a given sharding is the one to plan with
+    if opts.fixed_sharding is None and not opts.pin:   # a given sharding is the one to use
         cands += _baselines(graph, cluster, global_batch_size, base, profile, opts, stats)
     if not cands:
         raise ConfigError("no configuration could be costed; check the batch size and the "

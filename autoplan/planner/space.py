@@ -90,7 +90,8 @@ def policies(config: ParallelConfig, opts: SearchOptions, cluster: Any,
                         if shard is not None and off_p and "dp_shard" not in opts.force:
                             continue     # offloaded weights: no device memory for HSDP to save
                         for sched, v in schedules:
-                            for ep in ep_degrees(config, graph, opts, z, off or off_p):
+                            for ep in ep_degrees(config, graph, opts, z,
+                                                 off or off_p or shard is not None):
                                 c = ParallelConfig(**{
                                     **config.to_dict(), "zero_stage": z, "recompute": r,
                                     "offload_optimizer": off, "offload_params": off_p,
@@ -104,12 +105,13 @@ def policies(config: ParallelConfig, opts: SearchOptions, cluster: Any,
 
 
 def ep_degrees(config: ParallelConfig, graph: OpGraph, opts: SearchOptions, zero_stage: int,
-               offload: bool) -> list[int]:
+               excluded: bool) -> list[int]:
     """Expert-parallel degrees to cost: for a model with experts, every ``ep`` dividing both
-    dp and the expert count, where the runtime runs it (ZeRO-0/1, no offload)."""
+    dp and the expert count, where the runtime runs it (any ZeRO stage; ``excluded``: with
+    offload or HSDP, which it does not combine with)."""
     from autoplan.graph.experts import find_experts
     found = find_experts(graph)
-    runs = found is not None and zero_stage <= 1 and not offload
+    runs = found is not None and not excluded
     allowed = [e for e in found.ep_degrees(config.dp) if config.dp % e == 0] if runs else [1]
     if "ep" in opts.force:
         return [opts.force["ep"]] if opts.force["ep"] in allowed else []

@@ -77,6 +77,8 @@ def local_experts(op: Any, args: list, kwargs: dict, d: Dispatched) -> torch.Ten
     if d.local_offs is None:                     # shape check: rows keep their count
         return args[0] @ args[1][0]
     args, kwargs = list(args), dict(kwargs)
+    if args[1].dtype != args[0].dtype:       # an expert slab FSDP's mixed precision leaves alone
+        args[1] = args[1].to(args[0].dtype)
     if len(args) > 2:
         args[2] = d.local_offs
     else:

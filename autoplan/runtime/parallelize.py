@@ -68,11 +68,15 @@ def plan_mesh(device_type: str, cfg: Any) -> tuple[Any, Any, Any]:
 
 
 def apply_fsdp(model: nn.Module, layer_paths: list[str], dp_mesh, *, reshard: bool,
-               mp_policy: Any = None, offload: bool = False) -> None:
+               mp_policy: Any = None, offload: bool = False, ignored: Any = ()) -> None:
     """FSDP2: one unit per layer, then the root (ZeRO-3 reshards after forward, ZeRO-2 not);
-    on a 2-D ``dp_mesh`` (replicate, shard) that is HSDP."""
+    on a 2-D ``dp_mesh`` (replicate, shard) that is HSDP. ``ignored`` parameters stay this
+    rank's whole tensors (expert weights: already split over ep, their gradients averaged over
+    the ranks holding the same experts by ``DataParallelGrads``)."""
     from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
     kw: dict[str, Any] = {"mesh": dp_mesh, "reshard_after_forward": reshard}
+    if ignored:
+        kw["ignored_params"] = set(ignored)
     if mp_policy is not None:
         kw["mp_policy"] = mp_policy
     if offload:

@@ -347,9 +347,12 @@ def compile_pipelined(model: nn.Module, graph: OpGraph, plan: Any, *, device: to
                 from torch.distributed.fsdp import MixedPrecisionPolicy
                 mp = MixedPrecisionPolicy(param_dtype=precision_dtype,
                                           reduce_dtype=torch.float32)
-            # ZeRO-3 gathers the weights again for every micro-batch, as the estimate prices
+            # ZeRO-3 gathers the weights again for every micro-batch, as the estimate prices;
+            # expert weights stay whole slabs (averaged over the ranks holding them)
+            from autoplan.runtime.experts import expert_parameters
             par.apply_fsdp(chunk, layers, fsdp_mesh, reshard=cfg.zero_stage == 3,
-                           mp_policy=mp, offload=cfg.offload_params)
+                           mp_policy=mp, offload=cfg.offload_params,
+                           ignored=expert_parameters([chunk], ex.graph, cfg.ep).values())
         chunks[c] = chunk
     canonical = {v.fqn: ex.graph.value(v.base).fqn for v in ex.graph.param_values}
     grad_syncs.append(tie_across_ranks(held, chunks, cfg, pp_index, dp_index, tp_index,

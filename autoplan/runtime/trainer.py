@@ -350,7 +350,7 @@ def _compile(model: nn.Module, cluster: Any, *, example_inputs: Sequence[Any],
     connect(rp.program.comm_slot, tp=(tp_group, cfg.tp, tp_index),
             dp=(dp_group, cfg.dp, dp_index), ep=(ep_group, cfg.ep, ep_index))
     from autoplan.runtime.experts import expert_parameters
-    experts = expert_parameters([rp.module], graph, cfg.ep)
+    experts = expert_parameters([rp.module], graph, cfg.ep)     # before FSDP wraps the rest
     program = rp.module
     # 2. activation recomputation per layer
     par.apply_recompute(program, {p: pol for p, pol in plan.recompute.items()
@@ -364,7 +364,7 @@ def _compile(model: nn.Module, cluster: Any, *, example_inputs: Sequence[Any],
             from torch.distributed.fsdp import MixedPrecisionPolicy
             mp = MixedPrecisionPolicy(param_dtype=precision_dtype, reduce_dtype=torch.float32)
         par.apply_fsdp(program, rp.layers, fsdp_mesh, reshard=cfg.zero_stage == 3,
-                       mp_policy=mp, offload=cfg.offload_params)
+                       mp_policy=mp, offload=cfg.offload_params, ignored=experts.values())
     tp_grads = (TensorParallelGrads([program], rp.program.step_params, tp_group)
                 if cfg.tp > 1 and rp.program.step_params else None)
     expert_grads = None
