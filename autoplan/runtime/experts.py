@@ -76,14 +76,31 @@ def local_experts(op: Any, args: list, kwargs: dict, d: Dispatched) -> torch.Ten
     """``op(rows, w, offs)`` on dispatched rows, ``w`` holding this rank's experts."""
     if d.local_offs is None:                     # shape check: rows keep their count
         return args[0] @ args[1][0]
-    args, kwargs = list(args), dict(kwargs)
-    if args[1].dtype != args[0].dtype:       # an expert slab FSDP's mixed precision leaves alone
-        args[1] = args[1].to(args[0].dtype)
+    args, kwargs = _one_dtype(list(args)), dict(kwargs)
     if len(args) > 2:
         args[2] = d.local_offs
     else:
         args, kwargs = _set(op, args, kwargs, "offs", d.local_offs)
     return op(*args, **kwargs)
+
+
+def grouped_product(op: Any, args: list, kwargs: dict) -> torch.Tensor:
+    """A grouped product on all experts (no expert parallelism), its operands in one dtype."""
+    return op(*_one_dtype(list(args)), **kwargs)
+
+
+def _one_dtype(args: list) -> list:
+    """Rows and weight of a grouped product in one dtype, as autocast makes a plain product's:
+    the autocast dtype where it is on, else the rows'. Autocast does not reach a grouped
+    product (HF's is a custom op), and under mixed precision its operands differ: a traced
+    cast keeps rows in fp32 while FSDP gathers the weight in bf16, or ZeRO-1's fp32 weight
+    meets bf16 rows."""
+    x, w = args[0], args[1]
+    dtype = (torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type)
+             else x.dtype)
+    if x.dtype != dtype or w.dtype != dtype:
+        args[0], args[1] = x.to(dtype), w.to(dtype)
+    return args
 
 
 def combine(y: torch.Tensor, d: Dispatched) -> torch.Tensor:

@@ -410,7 +410,7 @@ def compile_pipelined(model: nn.Module, graph: OpGraph, plan: Any, *, device: to
                            pp_index=pp_index, dp_index=dp_index,
                            dp_group=dp_mesh.get_group() if cfg.dp > 1 else None,
                            pp_group=pp_group, last_stage_rank=last_rank, grad_syncs=grad_syncs,
-                           autocast_dtype=precision_dtype if not use_fsdp else None,
+                           autocast_dtype=precision_dtype,     # as trainer.py: FSDP too
                            device=device, tp_comm=program.comm_slot.comm,
                            placements=program.state, aliases=aliases,
                            health=for_job(rank, dist.get_world_size()), loss_out=loss_out,

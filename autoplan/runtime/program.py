@@ -35,7 +35,7 @@ from torch import fx, nn
 from autoplan.errors import PlanError
 from autoplan.graph.opgraph import Op, OpGraph
 from autoplan.graph.trace import TRANSPARENT
-from autoplan.graph.experts import find_experts
+from autoplan.graph.experts import GROUPED_MM, find_experts
 from autoplan.runtime import experts, kernels, ring_attention, tp_comm
 from autoplan.sharding.expert_regions import expert_regions
 from autoplan.sharding.placement import REPLICATE, Placement, local_shape
@@ -143,6 +143,10 @@ def _k_dispatch(x, offs, local_experts, slot):
 
 def _k_local_experts(target, args, kwargs, d):
     return experts.local_experts(target, args, kwargs, d)
+
+
+def _k_grouped_product(target, args, kwargs):
+    return experts.grouped_product(target, args, kwargs)
 
 
 def _k_combine(y, d):
@@ -384,6 +388,8 @@ class _Builder:
                                                  str(s.inputs[w_slot])), i)
         elif expert_op:
             out = self.emit(_k_local_experts, (node.target, args, kwargs, state), i)
+        elif opname(op) in GROUPED_MM:
+            out = self.emit(_k_grouped_product, (node.target, args, kwargs), i)
         elif s.kernel:
             out = self.emit(KERNEL_CALLS[s.kernel], (node.target, args, kwargs, self.slot_node), i)
         elif opname(op) == "batch_norm":

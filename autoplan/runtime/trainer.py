@@ -385,7 +385,10 @@ def _compile(model: nn.Module, cluster: Any, *, example_inputs: Sequence[Any],
         opt.overlap_with_forward([rp.module], [rp.module.get_submodule(p) for p in rp.layers])
     else:
         opt = factory(params)
-    autocast = precision_dtype if not use_fsdp else None
+    # under FSDP too: its mixed precision casts the weights, but a traced graph keeps the casts
+    # the model made when it was traced in fp32 (HF's RMSNorm upcasts and casts back to the
+    # traced dtype), and only autocast reconciles those with the bf16 weights
+    autocast = precision_dtype
     return Trainer(model=program, optimizer=opt, loss_fn=loss_fn, plan=plan, rank=rank,
                    dp_index=dp_index, dp_group=dp_group, tp_grads=tp_grads,
                    loss_in_program=rp.with_loss, device=device, autocast_dtype=autocast,
