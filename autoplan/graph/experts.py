@@ -19,17 +19,12 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from autoplan.graph.opgraph import Op, OpGraph
+from autoplan.graph.opgraph import Op, OpGraph, opname
 
 GROUPED_MM = frozenset({"grouped_mm_fallback", "_grouped_mm", "grouped_mm"})
 # single-input ops that keep an expert's rows one contiguous block on dim 0
 _KEEP_DIM0 = frozenset({"transpose", "permute", "_to_copy", "to", "contiguous", "clone",
                         "alias", "detach", "view", "reshape", "_unsafe_view", "t"})
-
-
-def _opname(op: Op) -> str:
-    parts = op.target.split(".")
-    return parts[1] if len(parts) > 2 else parts[-1]
 
 
 @dataclass(frozen=True)
@@ -49,7 +44,7 @@ class Experts:
 
 
 def _keeps_dim0(op: Op, graph: OpGraph) -> bool:
-    name = _opname(op)
+    name = opname(op)
     if name not in _KEEP_DIM0 or len(op.inputs) != 1 or len(op.outputs) != 1:
         return False
     x = graph.value(op.inputs[0]).meta.shape
@@ -75,7 +70,7 @@ def find_experts(graph: OpGraph) -> Experts | None:
     producer = {n: i for i, op in enumerate(graph.ops) for n in op.outputs}
     ops, counts, params, chain, pvals = [], set(), [], set(), set()
     for i, op in enumerate(graph.ops):
-        if _opname(op) not in GROUPED_MM or len(op.inputs) < 2:
+        if opname(op) not in GROUPED_MM or len(op.inputs) < 2:
             continue
         path, v = [], op.inputs[1]
         while graph.value(v).kind != "param":

@@ -125,6 +125,12 @@ class Op:
         return self.kind == "view"
 
 
+def opname(op: Op) -> str:
+    """The overload packet ("linear" for "aten.linear.default"; higher-order ops as named)."""
+    parts = op.target.split(".")
+    return parts[1] if len(parts) > 2 else parts[-1]
+
+
 @dataclass(frozen=True, kw_only=True)
 class BlockInstance:
     path: str                   # module path of this instance, e.g. "layers.7"

@@ -176,8 +176,8 @@ def _tp(trainer: Any) -> tuple[int, int]:
 
 def _expert(trainer: Any, fqn: str) -> tuple[int, int] | None:
     """(ep, this rank's index in its expert-parallel group) for an expert weight, else None."""
-    ep = getattr(trainer.config, "ep", 1)
-    if ep == 1 or fqn not in getattr(trainer, "experts", ()):
+    ep = trainer.config.ep
+    if ep == 1 or fqn not in trainer.experts:
         return None
     return ep, trainer.dp_index % ep
 

@@ -62,7 +62,7 @@ def grad_set(trainer: Any, *, shared_elsewhere: set[str] = frozenset()) -> GradS
     cfg = trainer.config
     tp_index = trainer.rank % cfg.tp
     dp_index = trainer.dp_index
-    experts = getattr(trainer, "experts", frozenset())
+    experts = trainer.experts
     params, counted = [], []
     for fqn, h in held_state(trainer).items():
         p = h.tensor

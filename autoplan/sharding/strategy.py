@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from autoplan.errors import AutoplanError
-from autoplan.graph.opgraph import Op, OpGraph
+from autoplan.graph.opgraph import Op, OpGraph, opname  # noqa: F401  (opname: re-exported)
 from autoplan.sharding.placement import REPLICATE, Placement
 
 # kernel name -> what the runtime runs on each rank (autoplan.runtime.kernels implements each)
@@ -94,12 +94,6 @@ class OpStrategy:
 def call_args(op: Op) -> tuple[list[Any], dict[str, Any]]:
     d = json.loads(op.args)
     return d["args"], d["kwargs"]
-
-
-def opname(op: Op) -> str:
-    """The overload packet ("linear" for "aten.linear.default"; higher-order ops as named)."""
-    parts = op.target.split(".")
-    return parts[1] if len(parts) > 2 else parts[-1]
 
 
 def needs_grad(graph: OpGraph, op: Op, k: int) -> bool:
