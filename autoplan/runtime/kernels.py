@@ -107,12 +107,15 @@ def vocab_cross_entropy(op: Any, args: list, kwargs: dict, comm) -> Any:
     reduction = _get(op, args, kwargs, "reduction", 1)
     ignore = _get(op, args, kwargs, "ignore_index", -100)
     rows = _VocabCrossEntropy.apply(logits, target, comm, ignore)
+    # autocast runs cross entropy in fp32 and returns fp32: a bf16 loss would be rounded to
+    # 2^-8 of itself
+    dtype = torch.float32 if torch.is_autocast_enabled(logits.device.type) else logits.dtype
     if reduction == 0:
-        return rows.to(logits.dtype)
+        return rows.to(dtype)
     total = rows.sum()
     if reduction == 2:
-        return total.to(logits.dtype)
-    return (total / (target != ignore).sum()).to(logits.dtype)
+        return total.to(dtype)
+    return (total / (target != ignore).sum()).to(dtype)
 
 
 # ---- a loss over a split batch (or any element-wise dim) -----------------------------------------
