@@ -20,24 +20,26 @@ from tests.test_runtime import GLOBAL_BATCH, _reference
 from tests.test_zoo import _rank
 
 CASES = [
-    ("hf-llama-gqa-tiny", dict(tp=1, zero_stage=3), "ilp"),
-    ("hf-llama-gqa-tiny", dict(tp=2, zero_stage=1), "ilp"),
+    ("hf-llama-gqa-tiny", dict(tp=1, zero_stage=3), {}),
+    ("hf-llama-gqa-tiny", dict(tp=2, zero_stage=1), {}),
     # the sequence split everywhere: ring attention, and the loss over vocabulary shards
-    ("hf-llama-gqa-tiny", dict(tp=2, zero_stage=0), "context"),
-    ("hf-mixtral-tiny", dict(tp=1, zero_stage=3), "ilp"),
-    ("hf-mixtral-tiny", dict(tp=1, zero_stage=1, ep=2), "ilp"),
-    ("hf-mixtral-tiny", dict(tp=1, zero_stage=3, ep=2), "ilp"),
+    ("hf-llama-gqa-tiny", dict(tp=2, zero_stage=0), dict(sharding="context")),
+    # every product on sequence shards with its weight stored split and gathered (and so ring
+    # attention, its q and k from an fp32 rotary embedding beside a bf16 v)
+    ("hf-llama-gqa-tiny", dict(tp=2, zero_stage=3), dict(pin={"*:linear": "seq_gathered"})),
+    ("hf-mixtral-tiny", dict(tp=1, zero_stage=3), {}),
+    ("hf-mixtral-tiny", dict(tp=1, zero_stage=1, ep=2), {}),
+    ("hf-mixtral-tiny", dict(tp=1, zero_stage=3, ep=2), {}),
 ]
 
 
 @pytest.mark.skipif(not has_transformers(), reason="transformers not installed")
-@pytest.mark.parametrize("name,force,sharding", CASES,
-                         ids=[f"{c[0]}-{c[1]}-{c[2]}" for c in CASES])
-def test_bf16_plans_train(name, force, sharding):
+@pytest.mark.parametrize("name,force,kw", CASES, ids=[f"{c[0]}-{c[1]}-{c[2]}" for c in CASES])
+def test_bf16_plans_train(name, force, kw):
     small = build_example(name, batch_size=1, seed=0)
     g = trace(small.model, small.example_inputs, loss_fn=small.loss_fn, targets=small.targets)
     p = make_plan(g, Cluster.local(2), global_batch_size=GLOBAL_BATCH, precision="bf16",
-                  profile=None, force=force, max_pp=1, sharding=sharding)
+                  profile=None, force=force, max_pp=1, **kw)
     assert p.config.precision == "bf16"
     results = run_ranks(_rank, 2, name, p.to_json())
     ref, _ = _reference(name)
