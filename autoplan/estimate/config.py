@@ -176,6 +176,17 @@ class ParallelConfig:
         return (self.dp > 1 and self.zero_stage >= 2) or self.offload_params
 
     @property
+    def split_backward_on_fsdp_unsupported(self) -> bool:
+        """A split-backward schedule on FSDP2 stages the runtime cannot run (torch 2.13): under
+        ZeRO-3 (or parameter offload) the weights are resharded after forward and torch's
+        weight-gradient pass no longer finds them (wrong gradients); the V schedules put the
+        embedding and a tied head in two FSDP units of one rank. ZeRO-2 runs with
+        ``zero_bubble`` (tests/test_pipeline_runtime.py)."""
+        return (self.schedule in SPLIT_BACKWARD and self.uses_fsdp
+                and (self.zero_stage == 3 or self.offload_params
+                     or self.schedule in V_SCHEDULES))
+
+    @property
     def shard_degree(self) -> int:
         """Over how many ranks ZeRO shards the model state: ``dp_shard`` under HSDP, else dp."""
         return self.dp_shard or self.dp

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from autoplan.estimate.config import SPLIT_BACKWARD, ParallelConfig
+from autoplan.estimate.config import ParallelConfig
 from autoplan.graph.opgraph import OpGraph
 
 if TYPE_CHECKING:
@@ -97,7 +97,7 @@ def policies(config: ParallelConfig, opts: SearchOptions, cluster: Any,
                                     "offload_optimizer": off, "offload_params": off_p,
                                     "schedule": sched, "virtual_stages": v, "dp_shard": shard,
                                     "ep": ep})
-                                if (c.schedule in SPLIT_BACKWARD and c.uses_fsdp
+                                if (c.split_backward_on_fsdp_unsupported
                                         and "schedule" not in opts.force):
                                     continue   # the runtime refuses it (runtime/pipeline.py)
                                 out.append(c)

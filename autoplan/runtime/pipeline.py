@@ -286,14 +286,15 @@ def compile_pipelined(model: nn.Module, graph: OpGraph, plan: Any, *, device: to
     if loss_fn is None or example_targets is None:
         raise PlanError("a pipelined plan needs loss_fn and example_targets: the last stage "
                         "computes the loss")
-    if cfg.schedule in SPLIT_BACKWARD and cfg.uses_fsdp:
+    if cfg.split_backward_on_fsdp_unsupported:
         raise PlanError(f"this plan runs the {cfg.schedule} schedule on FSDP2-sharded stages "
                         f"(zero_stage {cfg.zero_stage}" + (", offload_params" if
                                                            cfg.offload_params else "")
                         + "), which this runtime cannot: with each backward split in two, "
-                        "FSDP2 leaves the last stage's weights without gradients (torch 2.13). "
-                        "Re-plan with zero_stage <= 1 or another schedule (force "
-                        "schedule=1f1b or interleaved_1f1b)")
+                        "torch's weight-gradient pass misses weights FSDP2 resharded after "
+                        "forward, or shared by two chunks of a rank (torch 2.13). Re-plan "
+                        "with zero_stage <= 1, ZeRO-2 with zero_bubble, or another schedule "
+                        "(force schedule=1f1b or interleaved_1f1b)")
     mesh, dp_mesh, fsdp_mesh = par.plan_mesh(device.type, cfg)
     tp_mesh = mesh["tp"]
     pp_index = rank // (cfg.dp * cfg.tp)
