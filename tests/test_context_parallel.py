@@ -84,6 +84,18 @@ def test_the_seq_strategy_is_ring_attention_with_its_traffic():
     assert context_sharding(_graph("mlp-tiny"), 2) is None                    # no attention
 
 
+@pytest.mark.skipif(not has_transformers(), reason="transformers not installed")
+def test_a_learned_attention_mask_is_not_split_over_the_ring():
+    """T5 adds a learned relative position bias to its scores (the mask input requires grad).
+    The ring's kernels give no mask gradient, so its attention is not offered the sequence
+    split: drawn at random it had trained the bias wrong (1e-2 off one device)."""
+    g = _graph("hf-t5-tiny")
+    ops = [o for o in g.ops if o.target.startswith("aten.scaled_dot_product_attention")]
+    learned = [o for o in ops if len(o.inputs) == 4 and g.value(o.inputs[3]).requires_grad]
+    assert learned
+    assert all("seq" not in strategies_by_name(g, o, 2) for o in learned)
+
+
 def test_long_sequences_plan_context_parallel(tmp_path):
     """Llama-3-8B at 131,072 tokens on 8 x 8 H100: the search splits the sequence (ring
     attention) on the tensor-parallel axis, with FSDP over the rest, and beats every Megatron-LM

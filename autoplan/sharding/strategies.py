@@ -136,8 +136,7 @@ def _linear(graph: OpGraph, op: Op, t: int) -> list[OpStrategy]:
                         style="seq"))
     weight = graph.value(op.inputs[w])
     if weight.kind == "param" and _div(wm.shape[0], t) and len(xm.shape) == rank:
-        # the weight stored split and gathered for the product (autoparallel's FSDP-style
-        # placement on this axis): its memory / t for a gather per micro-batch, twice
+        # the weight stored split, gathered for the product (FSDP on this axis) and in backward
         regather = ((Comm("all_gather", op.inputs[w], "bwd"),) if weight.requires_grad else ())
         for d, label in ((0, "batch"), (1, "seq")):
             if rank >= d + 2 and _div(out[d], t):
@@ -250,7 +249,9 @@ def _ring_attention(graph: OpGraph, op: Op, t: int) -> OpStrategy | None:
     ins = [shard(2)] * 3
     if len(op.inputs) == 4:
         m = graph.value(op.inputs[3]).meta.shape
-        if len(m) < 2 or m[-1] != s_len:
+        # a learned mask (T5's relative position bias) would need its gradient, which the ring's
+        # kernels do not give
+        if len(m) < 2 or m[-1] != s_len or graph.value(op.inputs[3]).requires_grad:
             return None
         ins.append(shard(len(m) - 2) if m[-2] == s_len else REPLICATE)
     k, v = op.inputs[1], op.inputs[2]
