@@ -1,4 +1,4 @@
-"""Every file format fails cleanly: 500 mutants per format (plan, cluster YAML and JSON,
+"""Every file format fails cleanly: 300 mutants per format (plan, cluster YAML and JSON,
 profile, OpGraph, checkpoint description), each read as autoplan reads it and, when accepted,
 used. None may raise an untyped exception, hang, or run code. The mutations and outcomes are ``benchmarks/fuzz.py``'s,
 which runs 10,000 per format and prints the counts."""
@@ -15,12 +15,12 @@ def _fuzz():
     return mod
 
 
-def test_five_hundred_mutants_per_format_fail_cleanly():
+def test_three_hundred_mutants_per_format_fail_cleanly():
     fuzz = _fuzz()
     bugs = []
-    counts = fuzz.run(mutants=500, seed=1, report=bugs.append)
+    counts = fuzz.run(mutants=300, seed=1, report=bugs.append)
     for fmt, c in counts.items():
-        assert sum(c.values()) == 500
+        assert sum(c.values()) == 300
         assert c["untyped"] == 0 and c["hang"] == 0 and c["executed"] == 0, (fmt, c, bugs[:3])
-        assert c["refused"] > 250, (fmt, c)          # the mutations do break files
+        assert c["refused"] > 150, (fmt, c)          # the mutations do break files
     assert not bugs
