@@ -129,7 +129,7 @@ def test_first_use_probe_times_the_loopback_link():
     assert a == pytest.approx(4.0, rel=1e-3) and b == pytest.approx(1 << 20, rel=1e-3)
 
 
-def test_calibrate_command_measures_two_plans_and_writes_the_profile(tmp_path):
+def test_calibrate_command_measures_two_plans_and_writes_the_profile(tmp_path, monkeypatch):
     """`autoplan calibrate dp2.json tp2.json` end to end under torchrun: phases per plan, the
     joint fit, a profile with the framework time and the link, re-estimates of both plans."""
     import json
@@ -144,12 +144,15 @@ def test_calibrate_command_measures_two_plans_and_writes_the_profile(tmp_path):
                              capture_output=True, text=True, timeout=600)
         assert out.returncode == 0, out.stderr[-3000:]
         return out.stdout
+    from autoplan.cli.main import main
+    for k in ("AUTOPLAN_PROFILE_DIR", "AUTOPLAN_AUTO_CALIBRATE"):
+        monkeypatch.setenv(k, env[k])
     plans = []
     for name, force in (("dp2", ["tp=1", "zero_stage=0"]), ("tp2", ["tp=2"])):
-        plans.append(str(tmp_path / f"{name}.json"))
-        autoplan("plan", "gpt-tiny", "--cluster", "local:2", "--global-batch", "4",
-                 "--precision", "fp32", "--max-pp", "1",
-                 *[x for f in force for x in ("--force", f)], "-o", plans[-1])
+        plans.append(str(tmp_path / f"{name}.json"))       # planned in this process
+        assert main(["plan", "gpt-tiny", "--cluster", "local:2", "--global-batch", "4",
+                     "--precision", "fp32", "--max-pp", "1", "-q",
+                     *[x for f in force for x in ("--force", f)], "-o", plans[-1]]) == 0
     # 4 profiled steps: enough transfers of each size for the link's envelope fit (with 2, the
     # noise of a busy machine left no bandwidth term in about one run of twenty)
     text = autoplan("calibrate", *plans, "--model", "gpt-tiny", "--steps", "4",

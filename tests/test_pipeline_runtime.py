@@ -78,12 +78,12 @@ UNEVEN = dict(schedule="1f1b", chunk_layers=(1, 3), stage_recompute=("full", "no
 FAMILIES = [
     # (world, forced degrees, schedules, label)
     (2, dict(pp=2), SCHEDULES + [UNEVEN], "pp2"),
-    (4, dict(pp=2, dp=2, zero_stage=0), SCHEDULES, "pp2 x dp2"),
+    (4, dict(pp=2, dp=2, zero_stage=0), SCHEDULES[1:], "pp2 x dp2"),      # gpipe: pp2 above
     (4, dict(pp=2, dp=2, zero_stage=3), SCHEDULES[1:2], "pp2 x dp2 FSDP2"),
     # FSDP2 that keeps the weights gathered from forward to backward runs zero bubble
     (4, dict(pp=2, dp=2, zero_stage=2), [SCHEDULES[3]], "pp2 x dp2 ZeRO-2 zero bubble"),
     (8, dict(pp=2, dp=4, zero_stage=3, dp_shard=2), SCHEDULES[1:2], "pp2 x HSDP 2x2"),
-    (4, dict(pp=2, tp=2), SCHEDULES, "pp2 x tp2"),
+    (4, dict(pp=2, tp=2), SCHEDULES[1:], "pp2 x tp2"),
 ]
 
 
