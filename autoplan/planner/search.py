@@ -159,9 +159,11 @@ def _exchanges(graph: OpGraph, cluster: Any, config: ParallelConfig, opts: Searc
 
 def _ilp_sharding(graph: OpGraph, cluster: Any, config: ParallelConfig, profile: Any,
                   m: int, opts: SearchOptions, stats: _Stats,
-                  frugal: _Frugal | None = None) -> tuple[Sharding, ILPSolution]:
+                  frugal: _Frugal | None = None, pinned: dict[int, str] | None = None
+                  ) -> tuple[Sharding, ILPSolution]:
     """The tp-axis sharding for ``config``'s mesh and micro-batch: the fastest, or under
-    ``frugal`` the fastest whose model state and activations fit its budget."""
+    ``frugal`` the fastest whose model state and activations fit its budget; ``pinned`` ops
+    (``pins.resolve``) keep their strategy."""
     t = config.tp
     group = config.tp_group()
     compute = compute_model(graph, cluster.device, config.precision, profile)
@@ -177,7 +179,7 @@ def _ilp_sharding(graph: OpGraph, cluster: Any, config: ParallelConfig, profile:
                       memory_budget=frugal.budget_bytes if frugal else None,
                       interference=overlap_interference(cluster),
                       experts=_exchanges(graph, cluster, config, opts),
-                      pinned=pins.resolve(graph, opts.pin) if opts.pin else None)
+                      pinned=pinned or None)
     red = reduce_graph(ctx)
     sol = solve(red.problem, time_limit_s=opts.ilp_time_limit_s)
     stats.ilps += 1
@@ -420,8 +422,8 @@ def plan(model: Any, cluster: Any, *, global_batch_size: int, example_inputs: An
     pinned = pins.resolve(graph, opts.pin) if opts.pin else {}
     for shape in shapes:
         where = f"mesh pp{shape.pp} x dp{shape.dp} x tp{shape.tp}"
-        why = pinned and (pins.unavailable(graph, pinned, shape.tp) if shape.tp > 1
-                          else "tp=1 shards nothing")
+        why = ((pins.unavailable(graph, pinned, shape.tp) if shape.tp > 1
+                else "tp=1 shards nothing") if pinned else None)
         if why:
             say(f"{where}: the pins cannot hold ({why}), skipped")
             continue
@@ -462,7 +464,7 @@ def plan(model: Any, cluster: Any, *, global_batch_size: int, example_inputs: An
                         ilp_cache[key] = _ilp_sharding(graph, cluster, cfg, profile,
                                                        _ilp_microbatches(cluster, shape, mbs,
                                                                          global_batch_size, m),
-                                                       opts, stats)
+                                                       opts, stats, pinned=pinned)
                     except ConfigError as e:        # a pin that cannot hold at this size
                         say(f"{where} mbs {mbs}: {e}")
                         continue
@@ -478,7 +480,7 @@ def plan(model: Any, cluster: Any, *, global_batch_size: int, example_inputs: An
                         ilp_cache[key + (ep,)] = _ilp_sharding(
                             graph, cluster, ecfg, profile,
                             _ilp_microbatches(cluster, shape, mbs, global_batch_size, m),
-                            opts, stats)
+                            opts, stats, pinned=pinned)
                     sh, sol = ilp_cache[key + (ep,)]
                 found_ep = _evaluate(graph, cluster, group, sh, sol, global_batch_size,
                                      profile, opts, stats, "search")
@@ -487,7 +489,8 @@ def plan(model: Any, cluster: Any, *, global_batch_size: int, example_inputs: An
                     budget = cluster.device.memory_bytes - (
                         found_ep[0].est.stages[0].memory.margin_bytes if found_ep else 0.0)
                     sh2, sol2 = _ilp_sharding(graph, cluster, ecfg, profile, m, opts, stats,
-                                              frugal=_frugal(group, m, opts, graph, budget))
+                                              frugal=_frugal(group, m, opts, graph, budget),
+                                              pinned=pinned)
                     if sol2.status in ("optimal", "feasible"):
                         found_ep += _evaluate(graph, cluster, group, sh2, sol2,
                                               global_batch_size, profile, opts, stats, "search")
