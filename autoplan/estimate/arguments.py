@@ -27,6 +27,18 @@ def batch_arg(global_batch_size: Any, who: str) -> int:
     return global_batch_size
 
 
+def capacity_arg(factor: Any) -> float:
+    """An expert capacity factor, checked: a number >= 1."""
+    try:
+        value = float("nan") if isinstance(factor, bool) else float(factor)
+    except (TypeError, ValueError):
+        value = float("nan")
+    if not value >= 1.0 or value == float("inf"):
+        raise ConfigError(f"expert_capacity_factor must be a number >= 1 (1: balanced routing; "
+                          f"Switch Transformer and Megatron-LM use 1.0 to 2.0), got {factor!r}")
+    return value
+
+
 def profile_arg(profile: Any, cluster: Cluster, who: str) -> Any:
     """A ProfileDB, None (roofline only), "auto" (the installed profile of the cluster's device)
     or a path to a profile file."""

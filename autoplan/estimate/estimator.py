@@ -28,7 +28,7 @@ from autoplan.cost.compute import ComputeModel, compute_model
 from autoplan.cost.memory import (GRAD_BYTES, PRECISION_BYTES, activation_bytes,
                                   model_state_bytes, sharding_for)
 from autoplan.errors import ConfigError
-from autoplan.estimate.arguments import batch_arg, cluster_arg, profile_arg
+from autoplan.estimate.arguments import batch_arg, capacity_arg, cluster_arg, profile_arg
 from autoplan.estimate.chunk_cost import CostInputs, RangeCost, chunk_cost
 from autoplan.estimate.config import SPLIT_BACKWARD, ParallelConfig
 from autoplan.estimate.layout import chunks_for, in_flight
@@ -306,18 +306,6 @@ def estimate(model: Any, cluster: Any, *, config: ParallelConfig, global_batch_s
         model_flops_per_step=model_flops, mfu=mfu, samples_per_s=global_batch_size / step_s,
         tokens_per_s=global_batch_size * tokens / step_s if tokens else None,
         activation_bytes_per_layer=layer_acts, warnings=tuple(warnings))
-
-
-def capacity_arg(factor: Any) -> float:
-    """An expert capacity factor, checked: a number >= 1."""
-    try:
-        value = float(factor)
-    except (TypeError, ValueError):
-        value = float("nan")
-    if not value >= 1.0 or value == float("inf"):
-        raise ConfigError(f"expert_capacity_factor must be a number >= 1 (1: balanced routing; "
-                          f"Switch Transformer and Megatron-LM use 1.0 to 2.0), got {factor!r}")
-    return value
 
 
 def _states(config: ParallelConfig, params: float, shard: int) -> Any:

@@ -31,9 +31,10 @@ from typing import Any
 from autoplan.cost.compute import compute_model
 from autoplan.cost.memory import bytes_per_param
 from autoplan.errors import ConfigError, PlanError
-from autoplan.estimate.arguments import batch_arg, cluster_arg, options_error, profile_arg
+from autoplan.estimate.arguments import (batch_arg, capacity_arg, cluster_arg, options_error,
+                                        profile_arg)
 from autoplan.estimate.config import ParallelConfig
-from autoplan.estimate.estimator import capacity_arg, estimate, validate
+from autoplan.estimate.estimator import estimate, validate
 from autoplan.estimate.result import Estimate
 from autoplan.graph.opgraph import OpGraph
 from autoplan.graph.trace import as_graph
