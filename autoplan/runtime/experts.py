@@ -96,8 +96,7 @@ def _one_dtype(args: list) -> list:
     cast keeps rows in fp32 while FSDP gathers the weight in bf16, or ZeRO-1's fp32 weight
     meets bf16 rows."""
     x, w = args[0], args[1]
-    dtype = (torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type)
-             else x.dtype)
+    dtype = tp_comm.autocast_dtype(x) or x.dtype
     if x.dtype != dtype or w.dtype != dtype:
         args[0], args[1] = x.to(dtype), w.to(dtype)
     return args

@@ -109,7 +109,7 @@ def vocab_cross_entropy(op: Any, args: list, kwargs: dict, comm) -> Any:
     rows = _VocabCrossEntropy.apply(logits, target, comm, ignore)
     # autocast runs cross entropy in fp32 and returns fp32: a bf16 loss would be rounded to
     # 2^-8 of itself
-    dtype = torch.float32 if torch.is_autocast_enabled(logits.device.type) else logits.dtype
+    dtype = logits.dtype if tp_comm.autocast_dtype(logits) is None else torch.float32
     if reduction == 0:
         return rows.to(dtype)
     total = rows.sum()
@@ -218,8 +218,8 @@ class _SequenceParallelProduct(torch.autograd.Function):
     def forward(ctx, x_shard, weight, bias, comm, p, kind):
         ctx.comm, ctx.p, ctx.kind, ctx.has_bias = comm, p, kind, bias is not None
         x = tp_comm.from_rank_major(comm.all_gather(x_shard), p, comm.size)
-        if torch.is_autocast_enabled(x.device.type):
-            dtype = torch.get_autocast_dtype(x.device.type)
+        dtype = tp_comm.autocast_dtype(x)
+        if dtype is not None:
             x, weight_c = x.to(dtype), weight.to(dtype)
             bias_c = bias.to(dtype) if bias is not None else None
         else:
@@ -273,9 +273,7 @@ class _GatheredWeightProduct(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w_shard, bias, comm, p, kind):
         ctx.comm, ctx.p, ctx.kind, ctx.has_bias = comm, p, kind, bias is not None
-        dtype = (torch.get_autocast_dtype(x.device.type)
-                 if torch.is_autocast_enabled(x.device.type) else None)
-        ctx.dtype = dtype
+        ctx.dtype = dtype = tp_comm.autocast_dtype(x)
         w = tp_comm.from_rank_major(comm.all_gather(w_shard if dtype is None
                                                     else w_shard.to(dtype)), p, comm.size)
         x_c, bias_c = ((x, bias) if dtype is None else

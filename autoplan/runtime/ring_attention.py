@@ -43,8 +43,7 @@ def ring_attention(op: Any, args: list, kwargs: dict, comm: Any) -> torch.Tensor
         return (q @ k.transpose(-2, -1)) @ v
     # one dtype, as autocast gives attention (the kernels below are outside its lists): under
     # mixed precision a rotary embedding computed in fp32 leaves q and k fp32 beside a bf16 v
-    dtype = (torch.get_autocast_dtype(q.device.type) if torch.is_autocast_enabled(q.device.type)
-             else q.dtype)
+    dtype = tp_comm.autocast_dtype(q) or q.dtype
     q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
     if mask is not None and mask.is_floating_point():
         mask = mask.to(dtype)

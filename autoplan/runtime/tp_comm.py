@@ -110,6 +110,14 @@ def local_piece(full: torch.Tensor, p: Placement, t: int, rank: int) -> torch.Te
     return rank_major(full, p, t)[rank].contiguous()
 
 
+def autocast_dtype(t: torch.Tensor) -> torch.dtype | None:
+    """The dtype autocast runs products in on ``t``'s device, None where it is off: the local
+    kernels autocast does not reach (custom autograd functions, grouped products, the ring's
+    attention blocks) cast to it themselves."""
+    kind = t.device.type
+    return torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else None
+
+
 # ---- autograd functions ------------------------------------------------------------------------
 
 def _gather(comm, x: torch.Tensor, p: Placement) -> torch.Tensor:
