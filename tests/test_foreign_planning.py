@@ -12,6 +12,7 @@
   configuration can have is explained.
 """
 
+import functools
 import warnings
 
 import pytest
@@ -29,6 +30,7 @@ REAL_SIZE = {"hf-llama3-8b": 256, "titan-llama3-8b": 256, "hf-mixtral-8x7b": 256
              "hf-t5-large": 512, "hf-bert-large": 512, "hf-gpt2-xl": 512, "hf-vit-l": 2048}
 
 
+@functools.lru_cache(maxsize=8)      # T5-large and Mixtral are traced for two tests each
 def _meta_graph(name, **overrides):
     ex = build_example(name, batch_size=1, device="meta", **overrides)
     with warnings.catch_warnings():

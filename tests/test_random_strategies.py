@@ -99,7 +99,7 @@ def gathered_strategies(graph, t, seed):
     return chosen, {fqn: str(p) for fqn, p in stored.items()}
 
 
-@pytest.mark.parametrize("name", ["gpt-tiny", "hf-llama-gqa-tiny", "nanogpt-tiny"])
+@pytest.mark.parametrize("name", ["gpt-tiny", "nanogpt-tiny"])     # HF Llama: bf16 test
 def test_weights_stored_split_and_gathered_train_like_one_device(name):
     """A weight stored split over the tp axis and gathered for a batch- or sequence-split
     product (gathered again in backward, its gradient reduce-scattered) trains as on one
