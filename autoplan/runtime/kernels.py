@@ -210,6 +210,11 @@ def _product(kind: str, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None
     return y if b is None else y + b
 
 
+def _weight_grad(kind: str, g2: torch.Tensor, x2: torch.Tensor) -> torch.Tensor:
+    """The weight's gradient of ``_product`` from the 2-D output gradient and input rows."""
+    return g2.t() @ x2 if kind == "linear" else x2.t() @ g2
+
+
 class _SequenceParallelProduct(torch.autograd.Function):
     """``x @ W (+ b)`` on a sequence-split ``x``: gathered for the product, gathered again in
     backward (only the shard is kept), the input gradient reduce-scattered back to shards."""
@@ -240,7 +245,7 @@ class _SequenceParallelProduct(torch.autograd.Function):
             grad_x = tp_comm.rank_major_reduce_scatter(comm, full, p).to(x_shard.dtype)
         g2, x2 = g.reshape(-1, g.shape[-1]), x.reshape(-1, x.shape[-1])
         if ctx.needs_input_grad[1]:
-            grad_w = (g2.t() @ x2 if ctx.kind == "linear" else x2.t() @ g2).to(weight.dtype)
+            grad_w = _weight_grad(ctx.kind, g2, x2).to(weight.dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_b = g2.sum(0)
         return grad_x, grad_w, grad_b, None, None, None
@@ -293,7 +298,7 @@ class _GatheredWeightProduct(torch.autograd.Function):
             grad_x = (g @ (w if ctx.kind == "linear" else w.t())).to(x.dtype)
         g2, x2 = g.reshape(-1, g.shape[-1]), x.to(g.dtype).reshape(-1, x.shape[-1])
         if ctx.needs_input_grad[1]:
-            full = (g2.t() @ x2 if ctx.kind == "linear" else x2.t() @ g2).to(w_shard.dtype)
+            full = _weight_grad(ctx.kind, g2, x2).to(w_shard.dtype)
             grad_w = tp_comm.rank_major_reduce_scatter(comm, full, p)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_b = g2.sum(0)
