@@ -102,12 +102,14 @@ def test_the_estimate_shards_expert_state_and_prices_the_exchanges(mixtral8x7b):
     assert ep8.time.comm_exposed_s["ep_all_to_all"] > 0
     assert "ep_all_to_all" not in one.time.comm_exposed_s
     assert ep8.time.compute_s == pytest.approx(one.time.compute_s)
-    # FSDP (ZeRO-3) shards the rest over all 16 ranks and leaves each expert slab whole
+    # FSDP (ZeRO-3) shards the rest over all 16 ranks and each expert slab over its 2 holders
     z3 = estimate(mixtral8x7b, cluster, config=ParallelConfig(**{**kw, "zero_stage": 3}, ep=8),
                   global_batch_size=32, profile=None)
     per_param = z3.stages[0].memory.params_bytes
-    assert per_param == pytest.approx(2 * (rest / 16 + experts / 8))       # bf16 weights
-    assert z3.stages[0].memory.optimizer_bytes == pytest.approx(12 * (rest / 16 + experts / 8))
+    assert per_param == pytest.approx(2 * (rest / 16 + experts / 8 / 2))       # bf16 weights
+    assert z3.stages[0].memory.optimizer_bytes == pytest.approx(
+        12 * (rest / 16 + experts / 8 / 2))
+    assert z3.stages[0].memory.grads_bytes == pytest.approx(2 * (rest / 16 + experts / 8 / 2))
 
 
 def test_full_recompute_keeps_no_expert_weight_as_an_activation(mixtral8x7b):
@@ -221,10 +223,29 @@ CASES = [
      "HF Mixtral, EP2 x expert-DP2, ZeRO-1"),
     ("hf-mixtral-tiny", 4, dict(tp=2, zero_stage=0, ep=2), "megatron",
      "HF Mixtral, EP2 x TP2 inside the experts"),
-    # FSDP shards the rest over all 4 ranks; each expert slab stays whole on its 2 holders
+    # FSDP shards the rest over all 4 ranks, each expert slab over its 2 holders
     ("hf-mixtral-tiny", 4, dict(tp=1, zero_stage=3, ep=2), "ilp",
      "HF Mixtral, EP2 x FSDP (ZeRO-3) over 4"),
 ]
+
+
+def _rank_and_expert_shards(rank, world, name, plan_json):
+    """``_rank``'s losses and weights, and per expert weight this rank's (numel of its slab,
+    numel it holds, numel of its optimizer state)."""
+    from torch.distributed.tensor import DTensor
+
+    from tests.test_runtime import STEPS, _compiled
+    trainer, batch = _compiled(name, plan_json)
+    losses = [trainer.step(batch) for _ in range(STEPS)]
+    held = {}
+    for k, p in trainer.model.named_parameters():
+        if k.replace("_checkpoint_wrapped_module.", "") in trainer.experts:
+            local = p.to_local() if isinstance(p, DTensor) else p
+            state = trainer.optimizer.state[p]["exp_avg"]
+            state = state.to_local() if isinstance(state, DTensor) else state
+            held[k] = (p.numel(), local.numel(), state.numel())
+    sd = trainer.full_state_dict()
+    return losses, ({k: v.tolist() for k, v in sd.items()} if rank == 0 else None), held
 
 
 @pytest.mark.parametrize("name,world,force,sharding,family", CASES,
@@ -235,7 +256,15 @@ def test_expert_parallel_run_equals_single_device(name, world, force, sharding, 
     p = _plan(name, world, force, sharding)
     assert (p.config.ep, p.config.tp, p.config.zero_stage) == (force["ep"], force["tp"],
                                                                force["zero_stage"])
-    assert_equals_one_device(run_ranks(_rank, world, name, p.to_json()), name, family)
+    if force["zero_stage"] < 2:
+        assert_equals_one_device(run_ranks(_rank, world, name, p.to_json()), name, family)
+        return
+    results = run_ranks(_rank_and_expert_shards, world, name, p.to_json())
+    assert_equals_one_device([r[:2] for r in results], name, family)
+    edp = world // force["ep"]                   # FSDP shards each slab over its holders
+    for _, _, held in results:
+        assert held and all(local * edp == slab and state == local
+                            for slab, local, state in held.values()), held
 
 
 @needs_hf

@@ -170,7 +170,7 @@ def estimate(model: Any, cluster: Any, *, config: ParallelConfig, global_batch_s
             gathered = PRECISION_BYTES["fp32"] if config.zero_stage == 1 else w_bytes
             gather = cluster.collective_time_s("all_gather", (params - experts) * gathered,
                                                config.dp_shard_group(pp_index=s))
-            if experts and config.zero_stage == 1:
+            if experts:
                 gather += cluster.collective_time_s("all_gather", experts * gathered,
                                                     config.expert_dp_group(pp_index=s))
         if config.dp > 1 and config.zero_stage == 1:
@@ -192,9 +192,9 @@ def estimate(model: Any, cluster: Any, *, config: ParallelConfig, global_batch_s
                 gather = m * (fwd_x + bwd_x * ag / (ag + rs))
                 sync += m * bwd_x * rs / (ag + rs)
         # the parameters this rank steps: its ZeRO shard; expert slabs sharded over the ranks
-        # holding them under ZeRO-1 only
+        # holding the same experts
         owned = ((params - experts) / (config.shard_degree if config.zero_stage >= 1 else 1)
-                 + experts / (config.dp // config.ep if config.zero_stage == 1 else 1))
+                 + experts / (config.dp // config.ep if config.zero_stage >= 1 else 1))
         if config.offload_params:
             # weight shards go up for the forward and again for the backward gather of every
             # micro-batch, gradient shards come down; the optimizer steps on the host
@@ -243,10 +243,8 @@ def estimate(model: Any, cluster: Any, *, config: ParallelConfig, global_batch_s
         params = sum(c.params for c in cs)
         experts = sum(c.expert_params for c in cs)
         states = _states(config, params - experts, config.shard_degree)
-        if experts:          # expert weights' state: ZeRO-1 over the ranks holding them;
-            # FSDP (ZeRO-2/3) leaves them whole
-            e = (_states(config, experts, config.dp // config.ep) if config.zero_stage <= 1
-                 else _states(replace(config, zero_stage=0), experts, 1))
+        if experts:          # expert weights' state: sharded over the ranks holding them
+            e = _states(config, experts, config.dp // config.ep)
             states = replace(states, params_bytes=states.params_bytes + e.params_bytes,
                              grads_bytes=states.grads_bytes + e.grads_bytes,
                              optimizer_bytes=states.optimizer_bytes + e.optimizer_bytes,
@@ -260,7 +258,7 @@ def estimate(model: Any, cluster: Any, *, config: ParallelConfig, global_batch_s
         layers = max(1, sum(c.num_layers for c in cs))
         if config.zero_stage == 3 and config.dp > 1:
             # two layers' weights gathered at once (prefetch) plus their unsharded gradients
-            transient += 2 * ((params - experts) / layers) * w_bytes * 2
+            transient += 2 * (params / layers) * w_bytes * 2
         mem = MemoryBreakdown(params_bytes=states.params_bytes, grads_bytes=states.grads_bytes,
                               optimizer_bytes=states.optimizer_bytes,
                               activations_bytes=act_mb * flight, transient_bytes=transient,
@@ -324,34 +322,40 @@ def _dp_collectives(config: ParallelConfig, cluster: Any, params: float, layers:
     between micro-batches); ZeRO-0 all-reduces the gradients once a step, ZeRO-1/2
     reduce-scatter them. Under HSDP the gathers and reduce-scatters span a shard group and each
     reduced shard is then all-reduced over the replicas holding it (FSDP2 on a 2-D mesh).
-    Under expert parallelism the ``expert_params`` of ``params`` are all-reduced once a step
-    over the ranks holding the same experts (dp / ep of them; FSDP leaves them whole), the rest
-    as above over dp."""
+    Under expert parallelism the ``expert_params`` of ``params`` go over the ranks holding the
+    same experts (dp / ep of them): all-reduced once a step under ZeRO-0/1, gathered and
+    reduce-scattered like the rest under FSDP (ZeRO-2/3), which shards them there."""
     if config.dp == 1:
         return 0.0, 0.0, 0.0
-    experts_s = 0.0
-    if config.ep > 1:
-        experts_s = cluster.collective_time_s("all_reduce", expert_params * GRAD_BYTES,
-                                              config.expert_dp_group(pp_index=pp_index))
-        params -= expert_params
     w_bytes = PRECISION_BYTES[config.precision]
     shard = config.dp_shard_group(pp_index=pp_index)
+    edp = config.expert_dp_group(pp_index=pp_index) if config.ep > 1 else shard
+    experts, params = (expert_params, params - expert_params) if config.ep > 1 else (0.0, params)
 
-    def reduce(nbytes: float) -> float:
+    def reduce(nbytes: float, experts_bytes: float) -> float:
         t = cluster.collective_time_s("reduce_scatter", nbytes, shard)
         if config.dp_shard is not None:
             t += cluster.collective_time_s("all_reduce", nbytes / config.dp_shard,
                                            config.dp_replicate_group(pp_index=pp_index))
+        if experts_bytes:
+            t += cluster.collective_time_s("reduce_scatter", experts_bytes, edp)
         return t
     if config.zero_stage == 3:
-        layer_bytes = params * w_bytes / layers
-        return (experts_s, cluster.collective_time_s("all_gather", layer_bytes, shard),
-                reduce(layer_bytes * GRAD_BYTES / w_bytes))
+        layer_bytes, expert_bytes = params * w_bytes / layers, experts * w_bytes / layers
+        gather = cluster.collective_time_s("all_gather", layer_bytes, shard)
+        if expert_bytes:
+            gather += cluster.collective_time_s("all_gather", expert_bytes, edp)
+        return (0.0, gather, reduce(layer_bytes * GRAD_BYTES / w_bytes,
+                                    expert_bytes * GRAD_BYTES / w_bytes))
+    if config.zero_stage == 2:
+        return reduce(params * GRAD_BYTES, experts * GRAD_BYTES), 0.0, 0.0
+    experts_s = (cluster.collective_time_s("all_reduce", experts * GRAD_BYTES, edp)
+                 if experts else 0.0)
     if config.zero_stage == 0:
         return (experts_s + cluster.collective_time_s("all_reduce", params * GRAD_BYTES,
                                                       config.dp_group(pp_index=pp_index)),
                 0.0, 0.0)
-    return experts_s + reduce(params * GRAD_BYTES), 0.0, 0.0
+    return experts_s + reduce(params * GRAD_BYTES, 0.0), 0.0, 0.0
 
 
 def _sends(config: ParallelConfig, cluster: Any, costs: Sequence[RangeCost]) -> list[float]:

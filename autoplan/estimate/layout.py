@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 
 from autoplan.cost.memory import PRECISION_BYTES, model_state_bytes
-from autoplan.estimate.chunk_cost import CostInputs, range_cost, unit_costs
+from autoplan.estimate.chunk_cost import CostInputs, RangeCost, range_cost, unit_costs
 from autoplan.estimate.config import (MULTI_CHUNK_SCHEDULES, RECOMPUTE, V_SCHEDULES,
                                       ParallelConfig, strongest_recompute)
 from autoplan.estimate.partition import (Chunk, Split, UnitChoice, chunks_from_counts,
@@ -68,15 +68,23 @@ def _outside(ci: CostInputs) -> tuple[UnitChoice, UnitChoice]:
             continue
         rc = range_cost(ci, start, stop, "none")
         out.append(UnitChoice(time_s=rc.time_s, activation_bytes=rc.activation_bytes,
-                              state_bytes=rc.params * _state_bytes_per_param(ci.config)))
+                              state_bytes=_state_bytes(rc, ci.config)))
     return out[0], out[1]
 
 
-def _state_bytes_per_param(config: ParallelConfig) -> float:
-    return model_state_bytes(1.0, dp=config.shard_degree, zero_stage=config.zero_stage,
+def _state_bytes_per_param(config: ParallelConfig, *, expert: bool = False) -> float:
+    """Device bytes of one parameter's state: sharded over the ZeRO group, or for an expert
+    weight over the ranks holding the same experts (dp / ep of them)."""
+    shard = config.dp // config.ep if expert else config.shard_degree
+    return model_state_bytes(1.0, dp=shard, zero_stage=config.zero_stage,
                              precision=config.precision, optimizer=config.optimizer,
                              offload_optimizer=config.offload_optimizer,
                              offload_params=config.offload_params).total_bytes
+
+
+def _state_bytes(rc: RangeCost, config: ParallelConfig) -> float:
+    return ((rc.params - rc.expert_params) * _state_bytes_per_param(config)
+            + rc.expert_params * _state_bytes_per_param(config, expert=True))
 
 
 def search_layout(ci: CostInputs, m: int, policies: Sequence[str],
@@ -91,7 +99,6 @@ def search_layout(ci: CostInputs, m: int, policies: Sequence[str],
     if not units or len(units) < n:
         return None
     order = [r for r in RECOMPUTE if r in policies]      # cheapest in time first
-    per_param = _state_bytes_per_param(config)
     by_policy = {r: unit_costs(ci, units, r) for r in order}
     # units of one block share their range costs: one choice table per distinct cost
     tables: dict[tuple[int, ...], dict[str, UnitChoice]] = {}
@@ -101,7 +108,7 @@ def search_layout(ci: CostInputs, m: int, policies: Sequence[str],
         if key not in tables:
             tables[key] = {r: UnitChoice(time_s=by_policy[r][k].time_s,
                                          activation_bytes=by_policy[r][k].activation_bytes,
-                                         state_bytes=by_policy[r][k].params * per_param)
+                                         state_bytes=_state_bytes(by_policy[r][k], config))
                            for r in order}
         costs.append(tables[key])
     transient = max(c.working_set_bytes for r in order for c in by_policy[r])

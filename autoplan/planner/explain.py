@@ -127,9 +127,12 @@ def _dimensions(plan: Plan) -> list[str]:
                    "op(s) run as ring attention (key/value blocks passed around the ring)")
     if cfg.ep > 1:
         experts = sum(1 for p in plan.param_placements.values() if p.ep != "R")
+        edp = cfg.dp // cfg.ep
+        held = ("sharded over edp ({}) by FSDP, gathered per layer" if cfg.zero_stage == 3
+                and edp > 1 else "replicated over edp ({})").format(edp)
         out.append(f"experts  {experts} expert weight(s) split over ep ({cfg.ep} dp ranks), "
-                   f"replicated over edp ({cfg.dp // cfg.ep}); routed rows exchanged "
-                   "all-to-all, once into and once out of each MoE block")
+                   f"{held}; routed rows exchanged all-to-all, once into and once out of "
+                   "each MoE block")
     return out
 
 

@@ -19,7 +19,10 @@ def recompute_policy(policy: str) -> dict[str, Any]:
     if policy == "full":
         return {}
     if policy == "selective":
-        from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+        from torch.utils.checkpoint import (
+            CheckpointPolicy,
+            create_selective_checkpoint_contexts,
+        )
         aten = torch.ops.aten
         recompute = {aten.bmm.default, aten._softmax.default, aten.softmax.int,
                      aten.native_dropout.default, aten.masked_fill.Scalar,
@@ -34,7 +37,9 @@ def recompute_policy(policy: str) -> dict[str, Any]:
 
 def apply_recompute(model: nn.Module, recompute: dict[str, str]) -> None:
     """Wrap each layer whose policy is not 'none' in a checkpoint wrapper."""
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        checkpoint_wrapper,
+    )
     for path, policy in sorted(recompute.items()):
         if policy == "none":
             continue
@@ -68,22 +73,62 @@ def plan_mesh(device_type: str, cfg: Any) -> tuple[Any, Any, Any]:
 
 
 def apply_fsdp(model: nn.Module, layer_paths: list[str], dp_mesh, *, reshard: bool,
-               mp_policy: Any = None, offload: bool = False, ignored: Any = ()) -> None:
+               mp_policy: Any = None, offload: bool = False, experts: Any = (),
+               expert_mesh: Any = None) -> None:
     """FSDP2: one unit per layer, then the root (ZeRO-3 reshards after forward, ZeRO-2 not);
-    on a 2-D ``dp_mesh`` (replicate, shard) that is HSDP. ``ignored`` parameters stay this
-    rank's whole tensors (expert weights: already split over ep, their gradients averaged over
-    the ranks holding the same experts by ``DataParallelGrads``)."""
+    on a 2-D ``dp_mesh`` (replicate, shard) that is HSDP. ``experts``: the expert weights (this
+    rank's slabs, already split over ep), sharded over ``expert_mesh`` (the ranks holding the
+    same experts) in the same units, as torchtitan shards its experts over dp_shard / ep (left
+    out where that mesh is one rank: see ``shards_experts``). Their gradients hold every ep
+    peer's tokens: every unit divides its reduced gradients by all of dp (for the other
+    weights that is FSDP's own average)."""
     from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
     kw: dict[str, Any] = {"mesh": dp_mesh, "reshard_after_forward": reshard}
-    if ignored:
-        kw["ignored_params"] = set(ignored)
+    if experts and not shards_experts(expert_mesh):
+        kw["ignored_params"], experts = set(experts), ()
+    if experts:
+        kw["shard_placement_fn"] = _on_expert_mesh(experts, expert_mesh)
     if mp_policy is not None:
         kw["mp_policy"] = mp_policy
     if offload:
         kw["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
-    for module in layer_modules(model, layer_paths):
+    units = layer_modules(model, layer_paths) + [model]
+    for module in units:
         fully_shard(module, **kw)
-    fully_shard(model, **kw)
+        if experts:
+            module.set_gradient_divide_factor(float(dp_mesh.size()))
+            if torch.distributed.get_backend() != "nccl":     # gloo has no pre-scaled sum
+                module.set_force_sum_reduction_for_comms(True)
+
+
+def shards_experts(expert_mesh: Any) -> bool:
+    """Whether FSDP shards the expert weights: not where one rank holds each slab (ep = dp),
+    whose weights it leaves out; the caller averages their gradients (torch 2.13's FSDP2
+    divides twice on a one-rank mesh under sum-only reductions)."""
+    return expert_mesh is not None and expert_mesh.size() > 1
+
+
+def _on_expert_mesh(experts: Any, mesh: Any) -> Any:
+    """FSDP2's ``shard_placement_fn`` putting the ``experts`` on ``mesh`` (dim 0: the expert
+    dim of the slab), every other weight on the unit's own mesh."""
+    try:
+        from torch.distributed.fsdp._fully_shard._fsdp_common import (
+            FSDPMeshInfo,
+            ShardPlacementResult,
+        )
+    except ImportError as e:
+        raise PlanError(
+            "this plan shards expert weights under FSDP (zero_stage 2/3 with ep > 1), which "
+            "needs per-parameter meshes in fully_shard (ShardPlacementResult, torch 2.13 has "
+            f"it; this is torch {torch.__version__}): upgrade torch, or plan with "
+            "zero_stage=1 (autoplan plan --force zero_stage=1)") from e
+    from torch.distributed.tensor import Shard
+    info = FSDPMeshInfo(mesh=mesh, shard_mesh_dim=0)
+    ids = {id(p) for p in experts}
+
+    def placement(param: nn.Parameter) -> Any:
+        return ShardPlacementResult(Shard(0), info) if id(param) in ids else None
+    return placement
 
 
 def ddp(module: nn.Module, group: Any, ignore: Any = frozenset()) -> nn.Module:
@@ -99,6 +144,9 @@ def ddp(module: nn.Module, group: Any, ignore: Any = frozenset()) -> nn.Module:
 def full_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
     """Parameters and buffers of ``module`` as full tensors (gathered over dp and tp), on the
     CPU, on every rank."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+    )
     sd = get_model_state_dict(module, options=StateDictOptions(full_state_dict=True))
     return {k: v.detach().cpu() for k, v in sd.items()}

@@ -136,16 +136,9 @@ class Layout:
 
 def layout_of(tensor: torch.Tensor, p: Placement | None, t: int, tp_rank: int,
               expert: tuple[int, int] | None = None) -> Layout:
-    """The layout of ``tensor``, this rank's copy: a tensor-parallel shard under ``p``, maybe
-    an FSDP2 ``DTensor`` over it, or for an expert weight (``expert`` = (ep, index)) the
-    index-th of ``ep`` slabs of its leading (expert) dim."""
-    if expert is not None and expert[0] > 1 and not isinstance(tensor, DTensor):
-        ep, index = expert
-        rows = tensor.shape[0]
-        whole = global_shape_of((rows * ep,) + tuple(tensor.shape[1:]), p, t)
-        segs = tp_segments(whole, p if p is not None else Placement("R"), t, tp_rank)
-        segs = restrict(segs, 0, index * rows, rows)
-        return Layout(whole, tuple(tuple(s) for s in segs))
+    """The layout of ``tensor``, this rank's copy: a tensor-parallel shard under ``p``, for an
+    expert weight (``expert`` = (ep, index)) the index-th of ``ep`` slabs of its leading
+    (expert) dim, maybe an FSDP2 ``DTensor`` over either."""
     slab = None
     if isinstance(tensor, DTensor):
         from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
@@ -157,8 +150,16 @@ def layout_of(tensor: torch.Tensor, p: Placement | None, t: int, tp_rank: int,
                             "take one sharded dim")
         if shard_dims:
             slab = (shard_dims[0], offsets[shard_dims[0]], sizes[shard_dims[0]])
-    whole = global_shape_of(tuple(tensor.shape), p, t)
-    segs = tp_segments(whole, p if p is not None else Placement("R"), t, tp_rank)
+    shape = tuple(tensor.shape)                  # a DTensor's: the shard FSDP2 split
+    if expert is not None and expert[0] > 1:
+        ep, index = expert
+        rows = shape[0]
+        whole = global_shape_of((rows * ep,) + shape[1:], p, t)
+        segs = tp_segments(whole, p if p is not None else Placement("R"), t, tp_rank)
+        segs = restrict(segs, 0, index * rows, rows)
+    else:
+        whole = global_shape_of(shape, p, t)
+        segs = tp_segments(whole, p if p is not None else Placement("R"), t, tp_rank)
     if slab is not None:
         segs = restrict(segs, *slab)
     return Layout(whole, tuple(tuple(s) for s in segs))

@@ -349,11 +349,12 @@ def compile_pipelined(model: nn.Module, graph: OpGraph, plan: Any, *, device: to
                 mp = MixedPrecisionPolicy(param_dtype=precision_dtype,
                                           reduce_dtype=torch.float32)
             # ZeRO-3 gathers the weights again for every micro-batch, as the estimate prices;
-            # expert weights stay whole slabs (averaged over the ranks holding them)
+            # expert slabs sharded over the ranks holding the same experts
             from autoplan.runtime.experts import expert_parameters
             par.apply_fsdp(chunk, layers, fsdp_mesh, reshard=cfg.zero_stage == 3,
                            mp_policy=mp, offload=cfg.offload_params,
-                           ignored=expert_parameters([chunk], ex.graph, cfg.ep).values())
+                           experts=expert_parameters([chunk], ex.graph, cfg.ep).values(),
+                           expert_mesh=mesh["edp"] if cfg.ep > 1 else None)
         chunks[c] = chunk
     canonical = {v.fqn: ex.graph.value(v.base).fqn for v in ex.graph.param_values}
     grad_syncs.append(tie_across_ranks(held, chunks, cfg, pp_index, dp_index, tp_index,
@@ -382,7 +383,7 @@ def compile_pipelined(model: nn.Module, graph: OpGraph, plan: Any, *, device: to
     if cfg.dp > 1 and not use_fsdp and not ddp:
         grad_syncs.append(DataParallelGrads([p for p in params if id(p) not in expert_ids],
                                             dp_mesh.get_group(), cfg.dp))
-    if experts:
+    if experts and not (use_fsdp and par.shards_experts(mesh["edp"])):
         grad_syncs.append(DataParallelGrads(list(experts.values()), edp_group, cfg.dp))
     pp_group = mesh["pp"].get_group()
     # declared shapes: no shape-inference forward on uninitialized buffers (a loss would read

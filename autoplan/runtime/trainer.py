@@ -364,13 +364,14 @@ def _compile(model: nn.Module, cluster: Any, *, example_inputs: Sequence[Any],
             from torch.distributed.fsdp import MixedPrecisionPolicy
             mp = MixedPrecisionPolicy(param_dtype=precision_dtype, reduce_dtype=torch.float32)
         par.apply_fsdp(program, rp.layers, fsdp_mesh, reshard=cfg.zero_stage == 3,
-                       mp_policy=mp, offload=cfg.offload_params, ignored=experts.values())
+                       mp_policy=mp, offload=cfg.offload_params, experts=experts.values(),
+                       expert_mesh=mesh["edp"] if experts else None)
     tp_grads = (TensorParallelGrads([program], rp.program.step_params, tp_group)
                 if cfg.tp > 1 and rp.program.step_params else None)
     expert_grads = None
-    if experts:
+    if experts and not (use_fsdp and par.shards_experts(mesh["edp"])):
         # the experts' gradients hold every ep peer's tokens: averaged over the ranks that
-        # hold the same experts, not by DDP over all of dp
+        # hold the same experts, not by DDP over all of dp (FSDP does it in its units)
         expert_grads = DataParallelGrads(list(experts.values()), edp_group, cfg.dp)
     if cfg.dp > 1 and not use_fsdp:
         program = par.ddp(program, dp_group, {id(p) for p in experts.values()})
