@@ -14,6 +14,10 @@ os.environ.setdefault("AUTOPLAN_AUTO_CALIBRATE", "0")
 # nor the user's profile cache: a profile another process writes there mid-run (a first-use
 # calibration, `autoplan profile`) would change Cluster.local() under the suite
 os.environ.setdefault("AUTOPLAN_PROFILE_CACHE", tempfile.mkdtemp(prefix="autoplan-test-cache-"))
+# nor the profile shipped for this CPU: the local cluster takes the default calibration on every
+# machine, so the ILP's choices the runtime tests run do not change with the CPU (with this
+# machine's profile the ILP replicated every op of the small HF Llama over tp, testing nothing)
+os.environ.setdefault("AUTOPLAN_CPU_NAME", "autoplan test CPU")
 
 
 def has_transformers() -> bool:

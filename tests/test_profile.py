@@ -155,14 +155,24 @@ def test_find_searches_env_dir_then_cache_then_packaged(tmp_path, monkeypatch):
         ProfileDB.find("../etc/passwd")
 
 
-def test_packaged_profile_of_this_machine_covers_the_examples():
+def test_packaged_profiles_cover_the_examples():
     from autoplan.cost.profile_db import packaged_profiles
-    path = packaged_profiles() / f"{local_device_name()}.json"
-    if not path.is_file():        # (a cached or auto-calibrated profile is not a shipped one)
-        pytest.skip(f"no shipped profile for {local_device_name()}")
-    shipped = ProfileDB.from_text(path.read_bytes())
-    assert shipped.threads >= 1 and shipped.calibration.matmul_flops_per_s > 0
-    assert any(s.startswith("gpt-tiny@") for s in shipped.sources)
+    for device in list_packaged_devices():
+        shipped = ProfileDB.from_text((packaged_profiles() / f"{device}.json").read_bytes())
+        assert shipped.device == device
+        assert shipped.threads >= 1 and shipped.calibration.matmul_flops_per_s > 0
+        assert any(s.startswith("gpt-tiny@") for s in shipped.sources)
+
+
+def test_the_cpu_name_can_be_set(monkeypatch):
+    """$AUTOPLAN_CPU_NAME names this machine's CPU (the suite sets it: its plans must not
+    depend on the machine's profile); unset, /proc/cpuinfo does."""
+    from autoplan.cluster import local
+    monkeypatch.setenv(local.CPU_NAME_ENV, "AMD EPYC")
+    assert local_device_name() == "cpu-amd-epyc"
+    assert autoplan.Cluster.local(2).device.name == "cpu-amd-epyc"
+    monkeypatch.delenv(local.CPU_NAME_ENV)
+    assert local.cpu_model_name()              # this machine's own
 
 
 # ---- measuring --------------------------------------------------------------------------------

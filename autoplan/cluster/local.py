@@ -47,8 +47,15 @@ _RELATIONS = ("X", "PIX", "PXB", "PHB", "NODE", "SYS", "SOC")
 
 
 # --------------------------------------------------------------------------- this machine
+CPU_NAME_ENV = "AUTOPLAN_CPU_NAME"
+
+
 def cpu_model_name() -> str:
-    """The CPU model from /proc/cpuinfo (``model name``), else platform's description."""
+    """The CPU model: ``$AUTOPLAN_CPU_NAME`` where set (to take the profile of a CPU that this
+    machine reports under another name, or none), else /proc/cpuinfo's ``model name``, else
+    platform's description."""
+    if os.environ.get(CPU_NAME_ENV, "").strip():
+        return os.environ[CPU_NAME_ENV].strip()
     try:
         with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as handle:
             for line in handle:
