@@ -81,7 +81,7 @@ CASES = [
      "tensor parallel"),
     ("gpt-tiny", 2, dict(tp=2, sequence_parallel=True), "megatron", "TP + sequence parallel"),
     ("gpt-tiny", 4, dict(dp=2, tp=2, zero_stage=3), "megatron", "FSDP x TP"),
-    ("gpt-tiny", 4, dict(dp=2, tp=2, zero_stage=1), "megatron", "ZeRO-1 x TP"),
+    ("gpt-tiny", 4, dict(dp=2, tp=2, zero_stage=1), "ilp", "ZeRO-1 x the ILP's tp sharding"),
     ("gpt-tiny", 2, dict(tp=2), "ilp", "ILP sharding"),
     ("gpt-tiny", 2, dict(tp=1, recompute="full"), "ilp", "full recompute"),
     ("gpt-tiny", 2, dict(tp=2, recompute="selective"), "megatron", "selective recompute x TP"),

@@ -86,7 +86,7 @@ CASES = [
     ("hf-gpt2-lm-tiny", 4, dict(tp=2, pp=2), "ilp"),
     ("hf-llama-gqa-tiny", 2, dict(tp=2, sequence_parallel=True), "megatron"),
     ("hf-llama-gqa-tiny", 2, dict(tp=2), "ilp"),
-    ("hf-llama-gqa-tiny", 4, dict(dp=2, tp=2, zero_stage=3), "megatron"),
+    ("hf-llama-gqa-tiny", 4, dict(dp=2, tp=2, zero_stage=3), "ilp"),
     ("hf-mistral-tiny", 2, dict(tp=2, sequence_parallel=True), "megatron"),
     ("hf-mistral-tiny", 2, dict(tp=2), "ilp"),
     ("hf-mistral-tiny", 2, dict(pp=2), "ilp"),
