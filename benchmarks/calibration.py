@@ -3,7 +3,8 @@
     python benchmarks/calibration.py              # gpt-small-cpu, 4 families on 2 and 4 ranks
     python benchmarks/calibration.py --model gpt-tiny --steps 6
 
-Uses private profile folders (nothing of yours is touched). Every family is planned and trained
+Uses private profile folders (nothing of yours is touched) and a CPU name without a shipped
+profile (``$AUTOPLAN_CPU_NAME``), so any machine is a new one. Every family is planned and trained
 with `autoplan run` (median step time next to the prediction) three times:
 - on placeholders (AUTOPLAN_AUTO_CALIBRATE=0, no profile: what a CPU gets with nothing measured);
 - at first use: the first plan calibrates this CPU automatically (a few seconds), as on a new
@@ -59,7 +60,10 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=8)
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="autoplan-calbench-") as tmp:
-        base = {**os.environ, "PYTHONWARNINGS": "ignore"}
+        # a CPU name no profile is shipped for: this machine is treated as a new one (its own
+        # shipped profile, if any, would otherwise answer in every column)
+        base = {**os.environ, "PYTHONWARNINGS": "ignore",
+                "AUTOPLAN_CPU_NAME": "calibration benchmark CPU"}
         raw_env = {**base, "AUTOPLAN_PROFILE_DIR": os.path.join(tmp, "none"),
                    "AUTOPLAN_AUTO_CALIBRATE": "0"}
         env = {**base, "AUTOPLAN_PROFILE_DIR": os.path.join(tmp, "profiles"),
