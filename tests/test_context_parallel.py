@@ -124,6 +124,20 @@ def test_long_sequences_plan_context_parallel(tmp_path):
     assert fitting and p.predicted["step_time_s"] < min(fitting)
 
 
+def test_a_plan_whose_tensor_traffic_is_all_ring_passes_is_valid():
+    """Llama-3-70B, pp16 x dp4 x tp4 with the sequence split everywhere (the plan `autoplan
+    plan llama3-70b --cluster dgx-h100:32 --global-batch 1024` picks): the tp axis carries
+    only ring passes, and its exposed time, the tp traffic less the ring's, came out
+    -1.1e-16 s, which the plan file refused (the search failed)."""
+    g = _graph("llama3-70b", device="meta")
+    e = estimate(g, Cluster.preset("dgx-h100", nodes=32), config=ParallelConfig(
+        dp=4, tp=4, pp=16, sequence_parallel=True, zero_stage=1,
+        chunk_layers=(1, 3, 4, 4, 5, 5, 5, 6, 6, 6, 6, 6, 6, 6, 6, 5)),
+        global_batch_size=1024, profile=None, sharding=context_sharding(g, 4))
+    assert e.time.comm_exposed_s["cp_ring"] > 0
+    assert all(v >= 0 for v in e.time.comm_exposed_s.values()), e.time.comm_exposed_s
+
+
 CASES = [
     ("llama-tiny", 2, dict(tp=2, zero_stage=0), "context parallel (RoPE, GQA)"),
     ("hf-llama-gqa-tiny", 2, dict(tp=2, zero_stage=0), "HF Llama, context parallel"),

@@ -223,7 +223,8 @@ def estimate(model: Any, cluster: Any, *, config: ParallelConfig, global_batch_s
     ops_bottleneck = sum(chunks[c].stop - chunks[c].start for c in stage_chunks[bottleneck])
     overhead_s += (getattr(cal, "framework_s_per_op", 0.0) * 2 * ops_bottleneck * m
                    * compute.slowdown)
-    comm_exposed = {"tp": tp_s - cp_s, "dp_grad_sync": dp_sync, "zero_param_gather": zero_gather,
+    comm_exposed = {"tp": max(0.0, tp_s - cp_s), "dp_grad_sync": dp_sync,
+                    "zero_param_gather": zero_gather,
                     "pp_p2p": p2p_s, "offload": offload_s}
     if config.ep > 1:
         comm_exposed["ep_all_to_all"] = ep_s
