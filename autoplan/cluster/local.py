@@ -12,7 +12,7 @@ CPU rates come from the installed profile of this CPU (``autoplan profile``). A 
 is calibrated on first use (``autoplan.cost.calibration.calibrate`` with the one thread a rank
 runs with: a GEMM, a copy, a tiny op, AdamW and a net of tiny layers for the eager framework's
 per-op time; then ``probe_loopback``: all-reduces between two rank processes for the loopback
-link; about 5 s, announced on stderr) and the result cached as its profile, so later calls and
+link; about 6 s, announced on stderr) and the result cached as its profile, so later calls and
 the ranks of a job read the same figures. ``AUTOPLAN_AUTO_CALIBRATE=0`` turns that off (the test
 suite does, for figures that do not depend on the machine): the rates are then
 ``DEFAULT_CPU_CALIBRATION``, deliberately conservative placeholders (a few cores of a current
@@ -214,7 +214,7 @@ def auto_calibration(device: str) -> tuple[dict[str, float], int] | None:
     from autoplan.cost.profile_db import ProfileDB
 
     path = ProfileDB.write_path(device)
-    print(f"autoplan: no profile for this CPU ({device}) yet: calibrating it once (about 5 s; "
+    print(f"autoplan: no profile for this CPU ({device}) yet: calibrating it once (about 6 s; "
           f"{AUTO_CALIBRATE_ENV}=0 skips this)...", file=sys.stderr, flush=True)
     t0 = time.perf_counter()
     db = rank_calibration_db(device)

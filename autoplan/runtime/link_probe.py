@@ -3,7 +3,11 @@
     python -m autoplan.runtime.link_probe OUT.json
 
 Two forked processes, each with one thread as a rank has, join a gloo group over a file store
-and all-reduce fp32 tensors of a few sizes (4 KiB to 16 MiB), back to back after a warm-up.
+and all-reduce fp32 tensors of a few sizes (4 KiB to 16 MiB) after a warm-up, each after the same
+short compute (a few GEMMs), as a training step's collectives follow its layers: timed from
+there, an all-reduce includes waiting for the later peer and waking gloo's threads, which the
+steps pay. (Back to back after a barrier, as this probe first did, the latency came out at half
+what `autoplan calibrate` then fitted to real steps on the same machine: 390 against 860 us.)
 Rank 0 writes ``{"world": 2, "kind": "all_reduce", "samples": [[bytes, seconds], ...]}``;
 ``autoplan.cluster.local`` fits the loopback link's latency and bandwidth to them with the cost
 model's own all-reduce formula. A separate program, so that planning never starts a process
@@ -22,6 +26,7 @@ import time
 SIZES_BYTES = (4 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20)
 REPEATS = 12
 WARMUP = 3
+COMPUTE_PRODUCTS = 20       # the compute before each all-reduce (a few milliseconds)
 
 
 def _rank(rank: int, store_path: str, out: str) -> None:
@@ -33,11 +38,13 @@ def _rank(rank: int, store_path: str, out: str) -> None:
     store = dist.FileStore(store_path, 2)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
     samples = []
+    a, b = torch.randn(256, 512), torch.randn(512, 512)     # ~0.1 ms a product on one core
     try:
         for nbytes in SIZES_BYTES:
             x = torch.ones(nbytes // 4)
             for i in range(WARMUP + REPEATS):
-                dist.barrier()
+                for _ in range(COMPUTE_PRODUCTS):
+                    torch.mm(a, b)
                 t0 = time.perf_counter()
                 dist.all_reduce(x)
                 if i >= WARMUP:
