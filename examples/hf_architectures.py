@@ -1,0 +1,123 @@
+"""Train a Hugging Face architecture autoplan has no test for, under a plan, against one process.
+
+    torchrun --nproc-per-node 2 examples/hf_architectures.py gemma2
+    torchrun --nproc-per-node 4 examples/hf_architectures.py falcon '{"tp": 2, "dp": 2, "zero_stage": 3}'
+    torchrun --nproc-per-node 2 examples/hf_architectures.py bloom '{"pp": 2}'
+
+Builds a tiny model from its config (no weights are downloaded), wraps it as a user would
+(forward returns logits), lets autoplan plan it with the given fields forced (default tp=2),
+trains 3 AdamW steps in fp32 and compares the losses with the same training in one process.
+Rank 0 prints OK or FAIL, the plan and its most frequent per-op strategies. On a CPU whose
+measured profile makes splitting a tiny model not pay, the plan may replicate most ops.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections import Counter
+
+import torch
+import torch.nn.functional as F
+
+import autoplan
+
+VOCAB, SEQ, BATCH = 128, 16, 8
+
+
+def configs() -> dict:
+    import transformers as T
+    c = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+             num_attention_heads=4, max_position_embeddings=SEQ)
+    gqa = dict(c, num_key_value_heads=2)
+    return {
+        "gemma": lambda: T.GemmaForCausalLM(T.GemmaConfig(**gqa, head_dim=16)),
+        "gemma2": lambda: T.Gemma2ForCausalLM(T.Gemma2Config(**gqa, head_dim=16)),
+        "phi": lambda: T.PhiForCausalLM(T.PhiConfig(**c, resid_pdrop=0.0, embd_pdrop=0.0,
+                                                     attention_dropout=0.0)),
+        "phi3": lambda: T.Phi3ForCausalLM(T.Phi3Config(**gqa, pad_token_id=0)),
+        "gpt_neox": lambda: T.GPTNeoXForCausalLM(T.GPTNeoXConfig(**c, hidden_dropout=0.0,
+                                                                 attention_dropout=0.0)),
+        "opt": lambda: T.OPTForCausalLM(T.OPTConfig(
+            vocab_size=VOCAB, hidden_size=64, ffn_dim=128, num_hidden_layers=2,
+            num_attention_heads=4, max_position_embeddings=SEQ, word_embed_proj_dim=64,
+            dropout=0.0, attention_dropout=0.0)),
+        "qwen3": lambda: T.Qwen3ForCausalLM(T.Qwen3Config(**gqa, head_dim=16)),
+        "olmo2": lambda: T.Olmo2ForCausalLM(T.Olmo2Config(**gqa)),
+        "stablelm": lambda: T.StableLmForCausalLM(T.StableLmConfig(
+            **gqa, hidden_dropout=0.0, attention_dropout=0.0)),
+        "starcoder2": lambda: T.Starcoder2ForCausalLM(T.Starcoder2Config(
+            **gqa, residual_dropout=0.0, embedding_dropout=0.0, attention_dropout=0.0)),
+        "granite": lambda: T.GraniteForCausalLM(T.GraniteConfig(**gqa)),
+        "falcon": lambda: T.FalconForCausalLM(T.FalconConfig(
+            vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+            hidden_dropout=0.0, attention_dropout=0.0)),
+        "bloom": lambda: T.BloomForCausalLM(T.BloomConfig(
+            vocab_size=VOCAB, hidden_size=64, n_layer=2, n_head=4, hidden_dropout=0.0,
+            attention_dropout=0.0)),
+        "roberta": lambda: T.RobertaForMaskedLM(T.RobertaConfig(
+            **dict(c, max_position_embeddings=SEQ + 2), hidden_dropout_prob=0.0,
+            attention_probs_dropout_prob=0.0)),
+        "distilbert": lambda: T.DistilBertForMaskedLM(T.DistilBertConfig(
+            vocab_size=VOCAB, dim=64, hidden_dim=128, n_layers=2, n_heads=4,
+            max_position_embeddings=SEQ, dropout=0.0, attention_dropout=0.0)),
+    }
+
+
+class Logits(torch.nn.Module):
+    def __init__(self, inner: torch.nn.Module):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.inner(input_ids=ids).logits
+
+
+def build(name: str) -> torch.nn.Module:
+    torch.manual_seed(0)
+    model = configs()[name]()
+    model.config.use_cache = False
+    return Logits(model).train()
+
+
+def loss_fn(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(out.reshape(-1, out.shape[-1]), target.reshape(-1))
+
+
+def main() -> int:
+    torch.set_num_threads(1)
+    if len(sys.argv) < 2 or sys.argv[1] not in configs():
+        raise SystemExit(f"usage: hf_architectures.py {{{','.join(configs())}}} [FORCE_JSON]")
+    name = sys.argv[1]
+    force = json.loads(sys.argv[2]) if len(sys.argv) > 2 else {"tp": 2}
+    rank = int(os.environ.get("RANK", "0"))
+    g = torch.Generator().manual_seed(1)
+    x = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
+    y = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
+    trainer = autoplan.compile(build(name), "local", example_inputs=(x,), loss_fn=loss_fn,
+                               example_targets=y, global_batch_size=BATCH, precision="fp32",
+                               optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3),
+                               force=force)
+    got = [float(trainer.step((x, y))) for _ in range(3)]
+    if rank != 0:
+        return 0
+    model = build(name)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ref = []
+    for _ in range(3):
+        opt.zero_grad()
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        opt.step()
+        ref.append(float(loss))
+    worst = max(abs(a - b) / abs(b) for a, b in zip(got, ref))
+    top = Counter(trainer.plan.op_strategies.values()).most_common(5)
+    ok = worst <= 1e-5
+    print(f"{'OK' if ok else 'FAIL'} {name} {trainer.plan.config.short()}: worst relative loss "
+          f"difference {worst:.1e}; strategies {top}")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
