@@ -186,18 +186,20 @@ class NanoGPT(nn.Module):
 
 
 class RootParam(nn.Module):
-    """Weights held directly by the root module and used in matmuls (``x @ self.w_in``)."""
+    """Weights held directly by the root module and used in matmuls (``x @ self.w_in``), and a
+    learned scalar (a residual scale: FSDP2 cannot shard a 0-dim parameter)."""
 
     def __init__(self, c: ZooConfig):
         super().__init__()
         self.w_in = nn.Parameter(torch.randn(c.hidden, c.ffn) * 0.05)
         self.bias = nn.Parameter(torch.zeros(c.ffn))
         self.w_out = nn.Parameter(torch.randn(c.ffn, c.hidden) * 0.05)
+        self.scale = nn.Parameter(torch.tensor(0.5))
         self.norm = nn.LayerNorm(c.hidden)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = torch.relu(x @ self.w_in + self.bias)
-        return self.norm(x + h @ self.w_out)
+        return self.norm(x + self.scale * (h @ self.w_out))
 
 
 class SmallCNN(nn.Module):

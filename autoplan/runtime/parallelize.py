@@ -74,18 +74,26 @@ def plan_mesh(device_type: str, cfg: Any) -> tuple[Any, Any, Any]:
 
 def apply_fsdp(model: nn.Module, layer_paths: list[str], dp_mesh, *, reshard: bool,
                mp_policy: Any = None, offload: bool = False, experts: Any = (),
-               expert_mesh: Any = None) -> None:
+               expert_mesh: Any = None) -> list[nn.Parameter]:
     """FSDP2: one unit per layer, then the root (ZeRO-3 reshards after forward, ZeRO-2 not);
     on a 2-D ``dp_mesh`` (replicate, shard) that is HSDP. ``experts``: the expert weights (this
     rank's slabs, already split over ep), sharded over ``expert_mesh`` (the ranks holding the
     same experts) in the same units, as torchtitan shards its experts over dp_shard / ep (left
     out where that mesh is one rank: see ``shards_experts``). Their gradients hold every ep
     peer's tokens: every unit divides its reduced gradients by all of dp (for the other
-    weights that is FSDP's own average)."""
+    weights that is FSDP's own average).
+
+    Returns the scalar parameters (a learned residual scale, a logit temperature), which
+    ``fully_shard`` refuses: they stay whole on every rank, outside FSDP, and the caller
+    averages their gradients over dp."""
     from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
     kw: dict[str, Any] = {"mesh": dp_mesh, "reshard_after_forward": reshard}
+    scalars = list({id(p): p for p in model.parameters() if p.dim() == 0}.values())
+    ignored = set(scalars)
     if experts and not shards_experts(expert_mesh):
-        kw["ignored_params"], experts = set(experts), ()
+        ignored, experts = ignored | set(experts), ()
+    if ignored:
+        kw["ignored_params"] = ignored
     if experts:
         kw["shard_placement_fn"] = _on_expert_mesh(experts, expert_mesh)
     if mp_policy is not None:
@@ -99,6 +107,7 @@ def apply_fsdp(model: nn.Module, layer_paths: list[str], dp_mesh, *, reshard: bo
             module.set_gradient_divide_factor(float(dp_mesh.size()))
             if torch.distributed.get_backend() != "nccl":     # gloo has no pre-scaled sum
                 module.set_force_sum_reduction_for_comms(True)
+    return [p for p in scalars if p.requires_grad]
 
 
 def shards_experts(expert_mesh: Any) -> bool:

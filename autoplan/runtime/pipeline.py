@@ -351,10 +351,13 @@ def compile_pipelined(model: nn.Module, graph: OpGraph, plan: Any, *, device: to
             # ZeRO-3 gathers the weights again for every micro-batch, as the estimate prices;
             # expert slabs sharded over the ranks holding the same experts
             from autoplan.runtime.experts import expert_parameters
-            par.apply_fsdp(chunk, layers, fsdp_mesh, reshard=cfg.zero_stage == 3,
-                           mp_policy=mp, offload=cfg.offload_params,
-                           experts=expert_parameters([chunk], ex.graph, cfg.ep).values(),
-                           expert_mesh=mesh["edp"] if cfg.ep > 1 else None)
+            scalars = par.apply_fsdp(
+                chunk, layers, fsdp_mesh, reshard=cfg.zero_stage == 3, mp_policy=mp,
+                offload=cfg.offload_params,
+                experts=expert_parameters([chunk], ex.graph, cfg.ep).values(),
+                expert_mesh=mesh["edp"] if cfg.ep > 1 else None)
+            if scalars and cfg.dp > 1:      # whole on every rank: averaged over dp here
+                grad_syncs.append(DataParallelGrads(scalars, dp_mesh.get_group(), cfg.dp))
         chunks[c] = chunk
     canonical = {v.fqn: ex.graph.value(v.base).fqn for v in ex.graph.param_values}
     grad_syncs.append(tie_across_ranks(held, chunks, cfg, pp_index, dp_index, tp_index,

@@ -133,7 +133,9 @@ class Trainer(Checkpointing, GradientStep):
     shared_elsewhere: frozenset[str] = frozenset()
     experts: frozenset[str] = frozenset()     # expert weights split over the ep group
     ep_comm: Any = None                        # the expert-parallel group (ep > 1)
-    expert_grads: DataParallelGrads | None = None
+    # gradients no DDP or FSDP averages: expert slabs' (over the ranks holding them), scalar
+    # weights' under FSDP (over dp: fully_shard refuses them)
+    whole_grads: tuple[DataParallelGrads, ...] = ()
 
     @property
     def config(self):
@@ -173,8 +175,8 @@ class Trainer(Checkpointing, GradientStep):
             total += float(loss.detach())
         if self.tp_grads is not None:
             self.tp_grads.all_reduce()
-        if self.expert_grads is not None:
-            self.expert_grads.all_reduce()
+        for grads in self.whole_grads:
+            grads.all_reduce()
         finish_step(self)
         mean = total / len(chunks)
         if self.dp_group is not None and self.config.dp > 1:
@@ -358,21 +360,24 @@ def _compile(model: nn.Module, cluster: Any, *, example_inputs: Sequence[Any],
     # 3. data parallelism / ZeRO over the dp group; parameter offload is FSDP2's CPU offload,
     #    also over a dp axis of one rank
     use_fsdp = cfg.uses_fsdp
+    whole_grads: list[DataParallelGrads] = []
     if use_fsdp:
         mp = None
         if precision_dtype is not None:
             from torch.distributed.fsdp import MixedPrecisionPolicy
             mp = MixedPrecisionPolicy(param_dtype=precision_dtype, reduce_dtype=torch.float32)
-        par.apply_fsdp(program, rp.layers, fsdp_mesh, reshard=cfg.zero_stage == 3,
-                       mp_policy=mp, offload=cfg.offload_params, experts=experts.values(),
-                       expert_mesh=mesh["edp"] if experts else None)
+        scalars = par.apply_fsdp(program, rp.layers, fsdp_mesh, reshard=cfg.zero_stage == 3,
+                                 mp_policy=mp, offload=cfg.offload_params,
+                                 experts=experts.values(),
+                                 expert_mesh=mesh["edp"] if experts else None)
+        if scalars and cfg.dp > 1:
+            whole_grads.append(DataParallelGrads(scalars, dp_group, cfg.dp))
     tp_grads = (TensorParallelGrads([program], rp.program.step_params, tp_group)
                 if cfg.tp > 1 and rp.program.step_params else None)
-    expert_grads = None
     if experts and not (use_fsdp and par.shards_experts(mesh["edp"])):
         # the experts' gradients hold every ep peer's tokens: averaged over the ranks that
         # hold the same experts, not by DDP over all of dp (FSDP does it in its units)
-        expert_grads = DataParallelGrads(list(experts.values()), edp_group, cfg.dp)
+        whole_grads.append(DataParallelGrads(list(experts.values()), edp_group, cfg.dp))
     if cfg.dp > 1 and not use_fsdp:
         program = par.ddp(program, dp_group, {id(p) for p in experts.values()})
     params = [p for p in program.parameters() if p.requires_grad]
@@ -396,7 +401,7 @@ def _compile(model: nn.Module, cluster: Any, *, example_inputs: Sequence[Any],
                    tp_comm=rp.program.comm_slot.comm, placements=rp.program.state,
                    aliases=rp.aliases, health=for_job(rank, world),
                    experts=frozenset(experts), ep_comm=rp.program.comm_slot.ep,
-                   expert_grads=expert_grads)
+                   whole_grads=tuple(whole_grads))
 
 
 def _dtype(precision: str) -> torch.dtype:
