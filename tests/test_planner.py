@@ -325,3 +325,24 @@ def test_slow_ethernet_gets_a_pipeline_heavy_plan(gpt3_24_layers):
     ib = plan(gpt3_24_layers, Cluster.preset("dgx-a100-80gb", nodes=8), global_batch_size=256,
               profile=None, max_pp=8)
     assert ib.config.pp < eth.config.pp
+
+
+def test_a_forced_pipeline_deeper_than_the_layers_says_why():
+    """An ALBERT-style model (one block called three times) has one layer to cut: forcing pp=2
+    is refused with the reason, not only 'no mesh matches'."""
+    class Shared(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.block = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU())
+
+        def forward(self, x):
+            for _ in range(3):
+                x = self.block(x)
+            return x
+    g = trace(Shared(), (torch.randn(4, 8),))
+    with pytest.raises(autoplan.ConfigError, match="pp=2 needs at least 2 layers.*no repeated"):
+        plan(g, Cluster.local(2), global_batch_size=4, profile=None, force={"pp": 2})
+    ex = build_example("gpt-tiny", batch_size=1)
+    g = trace(ex.model, ex.example_inputs, loss_fn=ex.loss_fn, targets=ex.targets)
+    with pytest.raises(autoplan.ConfigError, match=r"pp=4 needs at least 4 layers.*has 2 \(layers.0"):
+        plan(g, Cluster.local(4), global_batch_size=4, profile=None, force={"pp": 4}, max_pp=4)

@@ -369,6 +369,16 @@ def _infeasible(cands: list[_Candidate], cluster: Any,
                                suggestions=tuple(tips))
 
 
+def _too_few_layers(pp: int, layers: int, block: Any) -> str:
+    """Why a forced pipeline degree has no mesh, where the layers are the reason."""
+    if pp <= layers:
+        return ""
+    found = ("no repeated layers: a pipeline cuts between the instances of a list of identical "
+             "layers (one module called several times is one layer)" if block is None else
+             f"{layers} ({block.instances[0].path} to {block.instances[-1].path})")
+    return f": pp={pp} needs at least {pp} layers to cut between, and the model has {found}"
+
+
 def plan(model: Any, cluster: Any, *, global_batch_size: int, example_inputs: Any = None,
          loss_fn: Any = None, targets: Any = None, precision: str = "bf16",
          optimizer: str = "adamw", profile: Any = "auto", name: str | None = None,
@@ -408,7 +418,8 @@ def plan(model: Any, cluster: Any, *, global_batch_size: int, example_inputs: An
     shapes = [s for s in shapes if all(getattr(s, k) == v for k, v in opts.force.items()
                                        if k in ("dp", "tp", "pp"))]
     if not shapes:
-        raise ConfigError(f"no mesh of {cluster.world_size} devices matches force={opts.force}")
+        raise ConfigError(f"no mesh of {cluster.world_size} devices matches force={opts.force}"
+                          + _too_few_layers(opts.force.get("pp", 1), layers, block))
     if opts.force.get("ep", 1) != 1:
         from autoplan.graph.experts import find_experts
         found = find_experts(graph)
