@@ -31,6 +31,7 @@ from torch import nn
 
 from autoplan.errors import PlanError
 from autoplan.estimate.config import SPLIT_BACKWARD
+from autoplan.graph.loss import TokenMeanLoss, token_mean_loss
 from autoplan.graph.opgraph import OpGraph
 from autoplan.planner.plan_check import chunks_in_model_order
 from autoplan.runtime.checkpoint import Checkpointing
@@ -210,6 +211,7 @@ class PipelineTrainer(Checkpointing, GradientStep):
                if self.autocast_dtype is not None else contextlib.nullcontext())
         scale = self.loss_scale
         self.loss_out.scale = scale
+        self.loss_out.weigh(batch[-1], self.config.dp, per // self.config.micro_batch_size)
         with amp:
             self.schedule.step(*args, **kw)
         for p in self.average_here:
@@ -243,13 +245,27 @@ class PipelineTrainer(Checkpointing, GradientStep):
 
 class LossPassesThrough:
     """The last chunk computes the loss itself; the schedule's loss function hands it on,
-    multiplied by fp16's loss scale (1 otherwise)."""
+    multiplied by fp16's loss scale (1 otherwise) and, where the loss is a mean over counted
+    targets (``graph/loss.py``), by the micro-batch's share of the global batch's count
+    (``counted * dp * micro_batches / total``: its micro-batch is the one ``target`` holds, in
+    whatever order the schedule runs them)."""
 
-    def __init__(self) -> None:
+    def __init__(self, token_loss: TokenMeanLoss | None = None) -> None:
         self.scale = 1.0
+        self.token_loss = token_loss
+        self.shares = 0                  # dp * micro-batches
+        self.total = 0                   # the global batch's count (0: no weighting)
 
     def __call__(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        return output * self.scale if self.scale != 1.0 else output
+        f = self.scale
+        if self.total:                   # integers first: exactly 1 for equal counts
+            f *= self.token_loss.counted(target) * self.shares / self.total
+        return output * f if f != 1.0 else output
+
+    def weigh(self, global_targets: torch.Tensor, dp: int, micro_batches: int) -> None:
+        """Set the step's count (before the schedule runs it)."""
+        self.shares = dp * micro_batches
+        self.total = self.token_loss.counted(global_targets) if self.token_loss else 0
 
 
 def build_schedule(stages: list[Any], cfg: Any, n_microbatches: int,
@@ -276,11 +292,19 @@ def compile_pipelined(model: nn.Module, graph: OpGraph, plan: Any, *, device: to
     from autoplan.runtime import parallelize as par
     from autoplan.runtime.emit import connect, export_for_plan, lower
     from autoplan.runtime.health import for_job
-    from autoplan.runtime.optim import (DataParallelGrads, HostOffloadOptimizer,
-                                        TensorParallelGrads, TensorShardedOptimizer)
+    from autoplan.runtime.optim import (
+        DataParallelGrads,
+        HostOffloadOptimizer,
+        TensorParallelGrads,
+        TensorShardedOptimizer,
+    )
     from autoplan.runtime.segments import layer_ranges, split_chunks, split_layers
-    from autoplan.runtime.state import (keep_out_of_state_dict, non_persistent_buffers,
-                                        register_aliases, tied_names)
+    from autoplan.runtime.state import (
+        keep_out_of_state_dict,
+        non_persistent_buffers,
+        register_aliases,
+        tied_names,
+    )
 
     cfg = plan.config
     if loss_fn is None or example_targets is None:
@@ -397,7 +421,9 @@ def compile_pipelined(model: nn.Module, graph: OpGraph, plan: Any, *, device: to
                             output_args=_metas(pieces[c].outputs), group=pp_group)
               for c in sorted(chunks)]
     per_replica = plan.training.global_batch_size // cfg.dp
-    loss_out = LossPassesThrough()
+    token = token_mean_loss(graph)           # the targets ride last, to the loss
+    loss_out = LossPassesThrough(token if token is not None
+                                 and token.target_input == len(graph.inputs) - 1 else None)
     schedule = build_schedule(stages, cfg, per_replica // cfg.micro_batch_size, loss_out,
                               scale_grads=not in_two_chunks)
     factory = optimizer

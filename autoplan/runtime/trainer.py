@@ -35,6 +35,7 @@ from torch import nn
 
 from autoplan.cost.host_allocator import keep_freed_host_memory
 from autoplan.errors import AutoplanError, PlanError
+from autoplan.graph.loss import TokenMeanLoss, step_weights, token_mean_loss
 from autoplan.planner.loading import load_plan
 from autoplan.planner.plan_check import check_plan_against
 from autoplan.planner.planfile import Plan
@@ -42,8 +43,13 @@ from autoplan.runtime import parallelize as par
 from autoplan.runtime.checkpoint import Checkpointing, optimizer_slots
 from autoplan.runtime.grads import GradientStep, LossScaler, finish_step
 from autoplan.runtime.health import for_job
-from autoplan.runtime.optim import (DataParallelGrads, HostOffloadOptimizer,
-                                    TensorParallelGrads, TensorShardedOptimizer, wait_gathers)
+from autoplan.runtime.optim import (
+    DataParallelGrads,
+    HostOffloadOptimizer,
+    TensorParallelGrads,
+    TensorShardedOptimizer,
+    wait_gathers,
+)
 
 COLLECTIVE_TIMEOUT_S = int(os.environ.get("AUTOPLAN_COLLECTIVE_TIMEOUT_S", "120"))
 
@@ -136,6 +142,8 @@ class Trainer(Checkpointing, GradientStep):
     # gradients no DDP or FSDP averages: expert slabs' (over the ranks holding them), scalar
     # weights' under FSDP (over dp: fully_shard refuses them)
     whole_grads: tuple[DataParallelGrads, ...] = ()
+    # the loss is a mean over counted targets: micro-batches weighted by their share of them
+    token_loss: TokenMeanLoss | None = None
 
     @property
     def config(self):
@@ -166,13 +174,15 @@ class Trainer(Checkpointing, GradientStep):
         total = torch.zeros((), dtype=torch.float64)
         no_sync = getattr(self.model, "no_sync", None)
         scale = self.loss_scale
+        weights = _weights(self.token_loss, batch, self.dp_index, self.config)
         for k, chunk in enumerate(chunks):
             last = k == len(chunks) - 1
             ctx = no_sync() if (no_sync is not None and not last) else contextlib.nullcontext()
+            f = scale * weights[k] if weights else scale
             with ctx:
                 loss = self._loss(chunk)
-                (loss * (scale / len(chunks)) if scale != 1.0 else loss / len(chunks)).backward()
-            total += float(loss.detach())
+                (loss * (f / len(chunks)) if f != 1.0 else loss / len(chunks)).backward()
+            total += float(loss.detach()) * (weights[k] if weights else 1.0)
         if self.tp_grads is not None:
             self.tp_grads.all_reduce()
         for grads in self.whole_grads:
@@ -277,10 +287,9 @@ def _compile(model: nn.Module, cluster: Any, *, example_inputs: Sequence[Any],
              plan: Plan | str | os.PathLike | None, precision: str, seed: int,
              **plan_kwargs: Any) -> Any:
     from autoplan.cluster import Cluster
+    from autoplan.estimate.arguments import batch_arg, cluster_arg
     from autoplan.graph.trace import trace
     from autoplan.planner.search import plan as make_plan
-
-    from autoplan.estimate.arguments import batch_arg, cluster_arg
     world_env = int(os.environ.get("WORLD_SIZE", "1"))
     global_batch_size = batch_arg(global_batch_size, "compile()")
     if not callable(optimizer):
@@ -401,7 +410,16 @@ def _compile(model: nn.Module, cluster: Any, *, example_inputs: Sequence[Any],
                    tp_comm=rp.program.comm_slot.comm, placements=rp.program.state,
                    aliases=rp.aliases, health=for_job(rank, world),
                    experts=frozenset(experts), ep_comm=rp.program.comm_slot.ep,
-                   whole_grads=tuple(whole_grads))
+                   whole_grads=tuple(whole_grads), token_loss=token_mean_loss(graph))
+
+
+def _weights(loss: TokenMeanLoss | None, batch: Sequence[torch.Tensor], dp_index: int,
+             cfg: Any) -> list[float] | None:
+    """Per micro-batch of this rank, the factor on its mean loss (``graph/loss.py``)."""
+    if loss is None or loss.target_input >= len(batch):
+        return None
+    return step_weights(loss, batch[loss.target_input], dp_index, cfg.dp,
+                        cfg.micro_batch_size)
 
 
 def _dtype(precision: str) -> torch.dtype:
