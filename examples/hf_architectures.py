@@ -56,6 +56,20 @@ def configs() -> dict:
         "bloom": lambda: T.BloomForCausalLM(T.BloomConfig(
             vocab_size=VOCAB, hidden_size=64, n_layer=2, n_head=4, hidden_dropout=0.0,
             attention_dropout=0.0)),
+        "bart": lambda: T.BartForCausalLM(T.BartConfig(
+            vocab_size=VOCAB, d_model=64, encoder_layers=2, decoder_layers=2,
+            encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=128,
+            decoder_ffn_dim=128, max_position_embeddings=SEQ, dropout=0.0,
+            attention_dropout=0.0, activation_dropout=0.0)),
+        "mpt": lambda: T.MptForCausalLM(T.MptConfig(vocab_size=VOCAB, d_model=64, n_heads=4,
+                                                     n_layers=2, max_seq_len=SEQ)),
+        "deberta": lambda: T.DebertaV2ForMaskedLM(T.DebertaV2Config(
+            **c, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+            relative_attention=True, pos_att_type=["p2c", "c2p"])),
+        "electra": lambda: T.ElectraForMaskedLM(T.ElectraConfig(
+            vocab_size=VOCAB, embedding_size=32, hidden_size=64, intermediate_size=128,
+            num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=SEQ,
+            hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)),
         "roberta": lambda: T.RobertaForMaskedLM(T.RobertaConfig(
             **dict(c, max_position_embeddings=SEQ + 2), hidden_dropout_prob=0.0,
             attention_probs_dropout_prob=0.0)),
