@@ -43,6 +43,18 @@ def test_the_loss_is_found_as_a_token_mean_only_where_it_is_one():
     assert token_mean_loss(_graph(lambda o, y: ce(o, y, ignore_index=0))).ignore_index == 0
     assert token_mean_loss(_graph(lambda o, y: ce(o, y, reduction="sum"))) is None
     assert token_mean_loss(_graph(lambda o, y: ce(o, y) + o.pow(2).mean())) is None
+    # a causal LM's shift drops targets on their way to the loss: replayed on the input
+    shifted = token_mean_loss(_graph(lambda o, y: ce(o[:, :-1], y[:, 1:])))
+    assert shifted.prepare and shifted.prepare[0][:3] == ("slice", 1, 1)
+    y = torch.tensor([[-100, 5, -100, 7]])
+    assert shifted.counted(y) == 2 and TokenMeanLoss(1, -100).counted(y) == 2
+    assert shifted.counted(torch.tensor([[3, -100, -100, -100]])) == 0
+    # HF's own shift pads the labels with the ignore index, then slices off the first
+    padded = token_mean_loss(_graph(lambda o, y: ce(
+        o, F.pad(y, (0, 1), value=-100)[:, 1:])))
+    assert [s[0] for s in padded.prepare] == ["pad", "slice"]
+    assert padded.counted(torch.tensor([[3, 4, -100, 6]])) == 2
+    assert token_mean_loss(_graph(lambda o, y: ce(o[:-1], y[1:]))) is None   # batch dim
     weight = torch.rand(ex.model(*ex.example_inputs).shape[-1])     # per class
     assert token_mean_loss(_graph(lambda o, y: ce(o, y, weight=weight))) is None
 
@@ -60,24 +72,33 @@ def test_micro_batch_weights_are_the_share_of_counted_targets():
     assert step_weights(None, y, 0, 2, 2) is None
 
 
-def _rank(rank, world, plan_json):
+def _shifted(out, y):
+    """A causal LM's loss written with its shift (HF's pads the labels, then slices)."""
+    return F.cross_entropy(out[:, :-1].reshape(-1, out.shape[-1]), y[:, 1:].reshape(-1))
+
+
+def _loss_fn(ex, shifted):
+    return _shifted if shifted else ex.loss_fn
+
+
+def _rank(rank, world, plan_json, shifted=False):
     from autoplan.runtime.trainer import compile
     ex = build_example("gpt-tiny", batch_size=GLOBAL_BATCH, seed=0)
     small = build_example("gpt-tiny", batch_size=1, seed=0)
     trainer = compile(ex.model, "local", example_inputs=small.example_inputs,
-                      example_targets=small.targets, loss_fn=ex.loss_fn,
+                      example_targets=small.targets, loss_fn=_loss_fn(ex, shifted),
                       optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3, eps=1e-6),
                       global_batch_size=GLOBAL_BATCH, plan=Plan.from_json(plan_json))
     batch = tuple(ex.example_inputs) + (_padded(ex),)
     return [trainer.step(batch) for _ in range(STEPS)]
 
 
-def _reference():
+def _reference(shifted=False):
     ex = build_example("gpt-tiny", batch_size=GLOBAL_BATCH, seed=0)
     opt = torch.optim.AdamW(ex.model.parameters(), lr=1e-3, eps=1e-6)
     y, losses = _padded(ex), []
     for _ in range(STEPS):
-        loss = ex.loss_fn(ex.model(*ex.example_inputs), y)
+        loss = _loss_fn(ex, shifted)(ex.model(*ex.example_inputs), y)
         loss.backward()
         opt.step()
         opt.zero_grad()
@@ -85,16 +106,18 @@ def _reference():
     return losses
 
 
-@pytest.mark.parametrize("world,force", [
-    (2, dict(tp=1, zero_stage=0, micro_batch_size=2)),          # dp2, 2 micro-batches each
-    (4, dict(tp=2, dp=2, zero_stage=3, micro_batch_size=2)),
-    (2, dict(pp=2, micro_batch_size=2)),                         # 4 micro-batches in the pipe
-], ids=["dp2 x 2 micro-batches", "dp2 x tp2 FSDP", "pp2"])
-def test_a_padded_batch_trains_as_on_one_device(world, force):
+@pytest.mark.parametrize("world,force,shifted", [
+    (2, dict(tp=1, zero_stage=0, micro_batch_size=2), False),   # dp2, 2 micro-batches each
+    (4, dict(tp=2, dp=2, zero_stage=3, micro_batch_size=2), False),
+    (2, dict(pp=2, micro_batch_size=2), False),                  # 4 micro-batches in the pipe
+    (2, dict(tp=1, zero_stage=1, micro_batch_size=2), True),
+], ids=["dp2 x 2 micro-batches", "dp2 x tp2 FSDP", "pp2", "dp2, shifted targets"])
+def test_a_padded_batch_trains_as_on_one_device(world, force, shifted):
     small = build_example("gpt-tiny", batch_size=1, seed=0)
-    g = trace(small.model, small.example_inputs, loss_fn=small.loss_fn, targets=small.targets)
+    g = trace(small.model, small.example_inputs, loss_fn=_loss_fn(small, shifted),
+              targets=small.targets)
     p = make_plan(g, Cluster.local(world), global_batch_size=GLOBAL_BATCH, precision="fp32",
                   profile=None, force=force, max_pp=force.get("pp", 1))
-    ref = _reference()
-    for losses in run_ranks(_rank, world, p.to_json(), timeout_s=240.0):
+    ref = _reference(shifted)
+    for losses in run_ranks(_rank, world, p.to_json(), shifted, timeout_s=240.0):
         assert losses == pytest.approx(ref, rel=1e-6), (p.config.short(), losses, ref)

@@ -18,6 +18,11 @@ from typing import Any
 from autoplan.graph.opgraph import OpGraph, opname
 
 _LOSSES = ("cross_entropy_loss", "nll_loss")
+# views that keep every element once, so the targets the loss reads count as the input does
+# (a slice, as a causal LM's shift, drops some: there the input's count is not the loss's)
+_SAME_ELEMENTS = frozenset({"view", "reshape", "_unsafe_view", "flatten", "squeeze",
+                            "unsqueeze", "permute", "transpose", "t", "contiguous", "alias",
+                            "clone"})
 _MEAN = 1                         # torch's Reduction.Mean
 # cross_entropy_loss / nll_loss: (self, target, weight=None, reduction=1, ignore_index=-100)
 _WEIGHT, _REDUCTION, _IGNORE = 2, 3, 4
@@ -26,19 +31,30 @@ _WEIGHT, _REDUCTION, _IGNORE = 2, 3, 4
 @dataclass(frozen=True)
 class TokenMeanLoss:
     """The graph's output is ``loss(logits, targets)`` averaged over the targets that are not
-    ``ignore_index``; the targets are the graph's input ``target_input`` (through views)."""
+    ``ignore_index``; the targets are the graph's input ``target_input``, through reshapes and
+    first through ``prepare``: slices and constant pads off the batch dim, as a causal LM's
+    shift (``("slice", dim, start, end, step)``, ``("pad", pad, value)``)."""
 
     target_input: int
     ignore_index: int
+    prepare: tuple[tuple[Any, ...], ...] = ()
 
     def counted(self, targets: Any) -> int:
-        """How many of ``targets`` the mean counts."""
+        """How many of ``targets`` (rows of the input) the mean counts."""
+        import torch.nn.functional as F
+        for step in self.prepare:
+            if step[0] == "slice":
+                _, dim, start, end, stride = step
+                targets = targets[(slice(None),) * dim + (slice(start, end, stride),)]
+            else:
+                targets = F.pad(targets, list(step[1]), value=step[2])
         return int((targets != self.ignore_index).sum())
 
 
 def token_mean_loss(graph: OpGraph) -> TokenMeanLoss | None:
     """The graph's loss as a mean over counted targets, or None where it is anything else (a
-    sum, a weighted mean, a loss plus another term, no loss in the graph)."""
+    sum, a weighted mean, a loss plus another term, targets shifted or padded on their way to
+    it, no loss in the graph)."""
     if len(graph.outputs) != 1:
         return None
     producer = {o: op for op in graph.ops for o in op.outputs}
@@ -56,13 +72,61 @@ def token_mean_loss(graph: OpGraph) -> TokenMeanLoss | None:
     if not isinstance(target, dict) or "v" not in target:
         return None
     name = target["v"]
-    while name not in graph.inputs:          # back through views to the input
+    chain = []
+    while name not in graph.inputs:          # back to the input
         src = producer.get(name)
-        if src is None or not src.is_view or not src.inputs:
+        if src is None or not src.inputs:
             return None
+        chain.append(src)
         name = src.inputs[0]
+    prepare, reshaped = [], False
+    for op_ in reversed(chain):              # input first
+        step = _step(graph, op_)
+        if step is None:
+            return None
+        if step == ():
+            reshaped = reshaped or opname(op_) not in ("to", "_to_copy", "contiguous",
+                                                       "clone", "alias")
+        elif reshaped:                       # dims no longer the input's
+            return None
+        else:
+            prepare.append(step)
     ignore = arg(_IGNORE, "ignore_index", -100)
-    return TokenMeanLoss(target_input=graph.inputs.index(name), ignore_index=int(ignore))
+    return TokenMeanLoss(target_input=graph.inputs.index(name), ignore_index=int(ignore),
+                         prepare=tuple(prepare))
+
+
+def _step(graph: OpGraph, op: Any) -> tuple[Any, ...] | None:
+    """How ``op`` changes which targets are counted: () not at all, a replayable slice or
+    constant pad off the batch dim, None anything else."""
+    name = opname(op)
+    if name in _SAME_ELEMENTS or name in ("to", "_to_copy"):
+        return ()
+    call = json.loads(op.args)
+    args = call.get("args", [])
+    kwargs = call.get("kwargs", {})
+    if name == "slice":
+        dim = args[1] if len(args) > 1 else kwargs.get("dim", 0)
+        start = args[2] if len(args) > 2 else kwargs.get("start")
+        end = args[3] if len(args) > 3 else kwargs.get("end")
+        stride = args[4] if len(args) > 4 else kwargs.get("step", 1)
+        rank = len(graph.value(op.inputs[0]).meta.shape)
+        if not all(isinstance(v, (int, type(None))) for v in (dim, start, end, stride)) or \
+                dim % rank == 0:             # the batch dim sliced
+            return None
+        return ("slice", dim % rank, start, end, stride)
+    if name in ("pad", "constant_pad_nd"):
+        pad = args[1] if len(args) > 1 else kwargs.get("pad")
+        if name == "pad":
+            mode = args[2] if len(args) > 2 else kwargs.get("mode", "constant")
+            value = args[3] if len(args) > 3 else kwargs.get("value", 0)
+        else:
+            mode, value = "constant", args[2] if len(args) > 2 else kwargs.get("value", 0)
+        dims = len(graph.value(op.inputs[0]).meta.shape)
+        if mode != "constant" or not isinstance(pad, list) or len(pad) // 2 >= dims:
+            return None                      # the batch dim padded, or not a constant
+        return ("pad", tuple(pad), value)
+    return None
 
 
 def step_weights(loss: TokenMeanLoss | None, global_targets: Any, dp_index: int, dp: int,
