@@ -9,6 +9,7 @@ losses agree between the ranks and follow single-device fp32 training within bf1
 """
 
 import pytest
+import torch
 
 from autoplan import Cluster
 from autoplan.graph import trace
@@ -47,3 +48,47 @@ def test_bf16_plans_train(name, force, kw):
     # it (rounded to bf16 it would be off by up to 2^-9 of itself)
     assert losses[0] == pytest.approx(ref[0], rel=5e-4)
     assert losses[-1] < losses[0]
+
+
+class _CastsBeforeItsNorm(torch.nn.Module):
+    """The pattern of HF BART's embeddings: a tensor cast to the dtype the model was traced in
+    (fp32) meets a layer norm outside every layer, whose weights FSDP's mixed precision hands
+    over in bf16."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(32, 16)
+        self.pos = torch.nn.Embedding(8, 16)
+        self.norm = torch.nn.LayerNorm(16)
+        self.head = torch.nn.Linear(16, 32)
+
+    def forward(self, ids):
+        positions = self.pos(torch.arange(ids.shape[1])).to(torch.float32)
+        return self.head(self.norm(self.embed(ids) + positions))
+
+
+def test_a_norm_whose_input_stays_fp32_takes_bf16_weights():
+    """On CPU, autocast leaves ``layer_norm`` alone and its kernel refuses an fp32 input with
+    bf16 weights (HF BART under ZeRO-3 in bf16 failed so): the rank program runs such a norm
+    with its weights in the input's dtype, as one device does."""
+    import copy
+
+    from autoplan.runtime.emit import emit
+    model = _CastsBeforeItsNorm()
+    one_device = copy.deepcopy(model)     # fp32 weights rounded as the bf16 gathers round them
+    for w in one_device.parameters():
+        w.data = w.data.bfloat16().float()
+    ids = torch.randint(0, 32, (2, 8))
+    g = trace(model, (ids,))
+    p = make_plan(g, Cluster.local(1), global_batch_size=2, precision="bf16", profile=None)
+    rp = emit(model, p, g, example_inputs=(ids,), example_targets=None, loss_fn=None, t=1,
+              tp_rank=0, device=torch.device("cpu"), seed=0)
+    rp.module.to(torch.bfloat16)                      # as FSDP's mixed precision gathers them
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = rp.module(ids)
+        with pytest.raises(RuntimeError, match="mixed dtype"):     # what the kernel refuses
+            torch.nn.functional.layer_norm(torch.randn(2, 16), (16,), rp.module.get_parameter(
+                "norm.weight"), rp.module.get_parameter("norm.bias"))
+        ref = one_device(ids)
+    assert out.shape == ref.shape
+    assert torch.allclose(out.float(), ref.float(), rtol=2e-2, atol=2e-2)

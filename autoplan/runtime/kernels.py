@@ -118,6 +118,24 @@ def vocab_cross_entropy(op: Any, args: list, kwargs: dict, comm) -> Any:
     return (total / (target != ignore).sum()).to(dtype)
 
 
+# ---- a norm whose weights came in another dtype than its input ----------------------------------
+
+def norm_in_input_dtype(op: Any, args: list, kwargs: dict) -> Any:
+    """A layer or group norm with its weight and bias in its input's dtype. A traced graph
+    keeps the casts the model made in fp32 (HF BART casts its positions to the traced dtype),
+    so an input can stay fp32 while FSDP's mixed precision hands the norm bf16 weights; CPU
+    autocast leaves ``layer_norm`` alone and its kernel refuses the pair. One device runs the
+    norm in the input's dtype too (fp32 weights, fp32 input)."""
+    x = args[0]
+    if isinstance(x, torch.Tensor) and x.is_floating_point():
+        def same(a: Any) -> Any:
+            return (a.to(x.dtype) if isinstance(a, torch.Tensor) and a.is_floating_point()
+                    and a.dtype != x.dtype else a)
+        args = [x] + [same(a) for a in args[1:]]
+        kwargs = {k: same(v) for k, v in kwargs.items()}
+    return op(*args, **kwargs)
+
+
 # ---- a loss over a split batch (or any element-wise dim) -----------------------------------------
 
 def split_loss(op: Any, args: list, kwargs: dict, comm) -> Any:

@@ -44,6 +44,9 @@ from autoplan.sharding.strategy import OpStrategy, input_action, opname, output_
 
 SHAPE_ARG = {"view": 1, "_unsafe_view": 1, "reshape": 1, "expand": 1}
 _VIEWS = {torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default}
+# norms whose weights may arrive in another dtype than their input (``kernels``)
+_NORMS = frozenset({"layer_norm", "native_layer_norm", "group_norm", "native_group_norm",
+                    "rms_norm"})
 
 
 @dataclass
@@ -147,6 +150,10 @@ def _k_local_experts(target, args, kwargs, d):
 
 def _k_grouped_product(target, args, kwargs):
     return experts.grouped_product(target, args, kwargs)
+
+
+def _k_norm(target, args, kwargs):
+    return kernels.norm_in_input_dtype(target, list(args), dict(kwargs))
 
 
 def _k_combine(y, d):
@@ -394,6 +401,8 @@ class _Builder:
             out = self.emit(KERNEL_CALLS[s.kernel], (node.target, args, kwargs, self.slot_node), i)
         elif opname(op) == "batch_norm":
             out = self.emit(_k_dp_batch_norm, (node.target, args, kwargs, self.slot_node), i)
+        elif opname(op) in _NORMS:
+            out = self.emit(_k_norm, (node.target, args, kwargs), i)
         else:
             target = node.target
             if target in _VIEWS and s.split:
