@@ -20,9 +20,10 @@ from autoplan.graph.opgraph import OpGraph, opname
 _LOSSES = ("cross_entropy_loss", "nll_loss")
 # views that keep every element once, so the targets the loss reads count as the input does
 # (a slice, as a causal LM's shift, drops some: there the input's count is not the loss's)
-_SAME_ELEMENTS = frozenset({"view", "reshape", "_unsafe_view", "flatten", "squeeze",
-                            "unsqueeze", "permute", "transpose", "t", "contiguous", "alias",
-                            "clone"})
+# of them, those that keep the shape too (dims still the input's: a slice or pad may follow)
+_SAME_SHAPE = frozenset({"to", "_to_copy", "contiguous", "alias", "clone"})
+_SAME_ELEMENTS = _SAME_SHAPE | {"view", "reshape", "_unsafe_view", "flatten", "squeeze",
+                                "unsqueeze", "permute", "transpose", "t"}
 _MEAN = 1                         # torch's Reduction.Mean
 # cross_entropy_loss / nll_loss: (self, target, weight=None, reduction=1, ignore_index=-100)
 _WEIGHT, _REDUCTION, _IGNORE = 2, 3, 4
@@ -62,13 +63,10 @@ def token_mean_loss(graph: OpGraph) -> TokenMeanLoss | None:
     if op is None or opname(op) not in _LOSSES:
         return None
     call = json.loads(op.args)
-    args, kwargs = call.get("args", []), call.get("kwargs", {})
-
-    def arg(i: int, name: str, default: Any) -> Any:
-        return args[i] if len(args) > i else kwargs.get(name, default)
-    if arg(_WEIGHT, "weight", None) is not None or arg(_REDUCTION, "reduction", _MEAN) != _MEAN:
+    if (_arg(call, _WEIGHT, "weight", None) is not None
+            or _arg(call, _REDUCTION, "reduction", _MEAN) != _MEAN):
         return None
-    target = arg(1, "target", None)
+    target = _arg(call, 1, "target", None)
     if not isinstance(target, dict) or "v" not in target:
         return None
     name = target["v"]
@@ -85,13 +83,12 @@ def token_mean_loss(graph: OpGraph) -> TokenMeanLoss | None:
         if step is None:
             return None
         if step == ():
-            reshaped = reshaped or opname(op_) not in ("to", "_to_copy", "contiguous",
-                                                       "clone", "alias")
+            reshaped = reshaped or opname(op_) not in _SAME_SHAPE
         elif reshaped:                       # dims no longer the input's
             return None
         else:
             prepare.append(step)
-    ignore = arg(_IGNORE, "ignore_index", -100)
+    ignore = _arg(call, _IGNORE, "ignore_index", -100)
     return TokenMeanLoss(target_input=graph.inputs.index(name), ignore_index=int(ignore),
                          prepare=tuple(prepare))
 
@@ -100,33 +97,33 @@ def _step(graph: OpGraph, op: Any) -> tuple[Any, ...] | None:
     """How ``op`` changes which targets are counted: () not at all, a replayable slice or
     constant pad off the batch dim, None anything else."""
     name = opname(op)
-    if name in _SAME_ELEMENTS or name in ("to", "_to_copy"):
+    if name in _SAME_ELEMENTS:
         return ()
     call = json.loads(op.args)
-    args = call.get("args", [])
-    kwargs = call.get("kwargs", {})
+    rank = len(graph.value(op.inputs[0]).meta.shape)
     if name == "slice":
-        dim = args[1] if len(args) > 1 else kwargs.get("dim", 0)
-        start = args[2] if len(args) > 2 else kwargs.get("start")
-        end = args[3] if len(args) > 3 else kwargs.get("end")
-        stride = args[4] if len(args) > 4 else kwargs.get("step", 1)
-        rank = len(graph.value(op.inputs[0]).meta.shape)
+        dim, start, end, stride = (_arg(call, 1, "dim", 0), _arg(call, 2, "start", None),
+                                   _arg(call, 3, "end", None), _arg(call, 4, "step", 1))
         if not all(isinstance(v, (int, type(None))) for v in (dim, start, end, stride)) or \
                 dim % rank == 0:             # the batch dim sliced
             return None
         return ("slice", dim % rank, start, end, stride)
     if name in ("pad", "constant_pad_nd"):
-        pad = args[1] if len(args) > 1 else kwargs.get("pad")
+        pad = _arg(call, 1, "pad", None)
         if name == "pad":
-            mode = args[2] if len(args) > 2 else kwargs.get("mode", "constant")
-            value = args[3] if len(args) > 3 else kwargs.get("value", 0)
+            mode, value = _arg(call, 2, "mode", "constant"), _arg(call, 3, "value", 0)
         else:
-            mode, value = "constant", args[2] if len(args) > 2 else kwargs.get("value", 0)
-        dims = len(graph.value(op.inputs[0]).meta.shape)
-        if mode != "constant" or not isinstance(pad, list) or len(pad) // 2 >= dims:
+            mode, value = "constant", _arg(call, 2, "value", 0)
+        if mode != "constant" or not isinstance(pad, list) or len(pad) // 2 >= rank:
             return None                      # the batch dim padded, or not a constant
         return ("pad", tuple(pad), value)
     return None
+
+
+def _arg(call: dict, i: int, name: str, default: Any) -> Any:
+    """Argument ``i`` (keyword ``name``) of a recorded call (``Op.args``), else ``default``."""
+    args = call.get("args", [])
+    return args[i] if len(args) > i else call.get("kwargs", {}).get(name, default)
 
 
 def step_weights(loss: TokenMeanLoss | None, global_targets: Any, dp_index: int, dp: int,
