@@ -37,6 +37,9 @@ def _autoplan(*args: str, env: dict[str, str]) -> str:
                          capture_output=True, text=True, timeout=900)
     if out.returncode:
         raise SystemExit(f"autoplan {' '.join(args)} failed:\n{out.stderr[-2000:]}")
+    for line in out.stderr.splitlines():      # the first use's figures
+        if line.startswith("autoplan: calibrated in"):
+            print(line, flush=True)
     return out.stdout
 
 

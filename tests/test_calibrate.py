@@ -6,6 +6,7 @@ import random
 
 import pytest
 
+from autoplan.cost.compute import size_efficiency
 from autoplan.cost.refit import fit_line, refit_compute, refit_link
 from autoplan.estimate.attribution import PHASES, attribute, collective_kind
 from tests.distributed import run_ranks
@@ -31,6 +32,16 @@ def test_refit_recovers_known_coefficients():
     assert fit.matmul_flops_per_s == pytest.approx(rate, rel=1e-6)
     assert fit.memory_bandwidth_bytes_per_s == pytest.approx(bw, rel=1e-6)
     assert fit.launch_s == pytest.approx(launch, rel=1e-2)
+    # on a size curve (small products slower), the rate of its fraction 1
+    curve = ((16.0, 0.25), (64.0, 0.75), (512.0, 1.0))
+    events = []
+    for _ in range(200):
+        m, k, n = (rng.choice([16, 64, 256, 512]) for _ in range(3))
+        size = (m * k * n) ** (1 / 3)
+        events.append(_kernel("aten::mm", [[m, k], [k, n]],
+                              launch + 2 * m * k * n / (rate * size_efficiency(curve, size))))
+    fit = refit_compute(events, 1, curve)
+    assert fit.matmul_flops_per_s == pytest.approx(rate, rel=1e-6)
     # a link: A * latency + B / bandwidth
     lat, link_bw = 40e-6, 2.5e9
     sizes = [(2, 1e3), (2, 1e5), (4, 1e6), (2, 4e6)]

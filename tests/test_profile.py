@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import warnings
 
@@ -126,6 +127,22 @@ def test_bad_entry_and_calibration_raise_profile_error(tmp_path):
         ProfileDB.load(path)
 
 
+def test_the_size_curve_round_trips_and_bad_curves_are_refused(tmp_path):
+    curve = ((32.0, 0.38), (128.0, 0.97), (1024.0, 1.0))
+    db = dataclasses.replace(_db(), calibration=_cal(matmul_size_efficiency=curve))
+    path = tmp_path / "cpu-test-device.json"
+    db.save(path)
+    assert ProfileDB.load(path).calibration.matmul_size_efficiency == curve
+    assert "matmul_size_efficiency" not in json.dumps(_db().to_dict())   # none: not written
+    for bad, expect in [([[64, 0.5], [32, 0.9]], "must increase"), ([[32, -1]], "fraction"),
+                        ([[32]], "pairs"), ("fast", "pairs"), ([[0, 1.0]], "size")]:
+        d = _db().to_dict()
+        d["calibration"]["matmul_size_efficiency"] = bad
+        path.write_text(json.dumps(d))
+        with pytest.raises(ProfileError, match=expect):
+            ProfileDB.load(path)
+
+
 def test_merged_updates_entries_and_refuses_other_thread_counts():
     old = _db()
     newer = _db(entries={"aten.relu.default|a": OpTiming(fwd_s=1e-6, bwd_s=1e-6, fwd_cv=0.0,
@@ -231,6 +248,12 @@ def test_calibration_is_positive_and_plausible():
     assert 1e-12 < cal.optimizer_s_per_param < 1e-5
     assert 1e-6 < cal.step_overhead_s < 0.5
     assert cal.matmul_dtype == "float32"
+    # the size curve: relative to the reference network's size, small products slower
+    sizes = [n for n, _ in cal.matmul_size_efficiency]
+    assert sizes == sorted(sizes) and sizes[0] <= 64 and sizes[-1] >= 512
+    fractions = dict(cal.matmul_size_efficiency)
+    assert 0.0 < fractions[sizes[0]] < fractions[sizes[-1]]
+    assert all(0.2 < f < 3.0 for f in fractions.values() if f is not fractions[sizes[0]])
 
 
 def test_cli_profiles_an_example_and_merges(tmp_path, capsys):
@@ -281,3 +304,59 @@ def test_cpu_prediction_benchmark_runs(capsys):
     ratios = bench.run_case("mlp", 16, attempts=1, repeats=2, steps=2)
     assert len(ratios) == 1 and math.isfinite(ratios[0]) and ratios[0] > 0
     assert "predicted/measured" in capsys.readouterr().out
+
+
+class _Products(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(64, 128)
+
+    def forward(self, x):                       # x: (4, 8, 16, 64)
+        h = self.proj(x)                        # one product: M = 4 * 8 * 16, K = 64, N = 128
+        q, k = h[..., :64], h[..., 64:]
+        scores = q @ k.transpose(-1, -2)        # 32 products of 16 x 64 x 16
+        att = nn.functional.scaled_dot_product_attention(q, k, q)
+        return scores.sum() + att.sum()
+
+
+def test_products_run_at_the_rate_of_their_size():
+    from autoplan.cost.compute import compute_model, product_size, size_efficiency
+    g = _trace(_Products(), torch.randn(4, 8, 16, 64))
+    sizes = {op.kind + ":" + op.target.split(".")[1]: product_size(g, op) for op in g.ops
+             if op.kind in ("matmul", "attention")}
+    assert sizes["matmul:linear"] == pytest.approx((4 * 8 * 16 * 64 * 128) ** (1 / 3))
+    assert sizes["matmul:matmul"] == pytest.approx((16 * 64 * 16) ** (1 / 3))
+    assert sizes["attention:scaled_dot_product_attention"] == pytest.approx(
+        (16 * 64 * 16) ** (1 / 3))
+    assert all(product_size(g, op) is None for op in g.ops
+               if op.kind not in ("matmul", "attention"))
+
+    curve = ((16.0, 0.2), (64.0, 0.5), (256.0, 1.0))
+    assert size_efficiency(curve, 8.0) == 0.2 and size_efficiency(curve, 1e6) == 1.0
+    assert size_efficiency(curve, 32.0) == pytest.approx(0.35)        # halfway in log size
+    assert size_efficiency((), 8.0) == 1.0
+    cal = _cal(matmul_size_efficiency=curve)
+    db = dataclasses.replace(_db(entries={}), calibration=cal)
+    cluster = autoplan.Cluster.local(1, calibration={
+        "matmul_flops_per_s": cal.matmul_flops_per_s,
+        "memory_bandwidth_bytes_per_s": cal.memory_bandwidth_bytes_per_s,
+        "launch_s": cal.launch_s})
+    flat = compute_model(g, cluster.device, "fp32", _db(entries={}))
+    curved = compute_model(g, cluster.device, "fp32", db)
+    i = next(i for i, op in enumerate(g.ops) if opname_of(op) == "matmul")
+    op = g.ops[i]
+    eff = size_efficiency(curve, product_size(g, op))
+    assert 0.2 < eff < 0.5
+    assert curved.base_cost(i).fwd_s - cal.launch_s == pytest.approx(
+        op.fwd_flops / (cal.matmul_flops_per_s * eff) * curved.slowdown)
+    assert flat.base_cost(i).fwd_s < curved.base_cost(i).fwd_s
+    # an eighth of the work (a shard): sides halved, the rate of half the size
+    half = size_efficiency(curve, product_size(g, op) / 2)
+    assert curved.op_cost(i, 1 / 8).fwd_s - cal.launch_s == pytest.approx(
+        (curved.base_cost(i).fwd_s - cal.launch_s) / 8 * eff / half)
+    assert flat.op_cost(i, 1 / 8).fwd_s - cal.launch_s == pytest.approx(
+        (flat.base_cost(i).fwd_s - cal.launch_s) / 8)
+
+
+def opname_of(op):
+    return op.target.split(".")[1]

@@ -33,6 +33,7 @@ import os
 import subprocess
 import sys
 import tempfile
+from collections.abc import Sequence
 from typing import Any
 
 DELTA_LATENCY_S = 1e-4        # the step for the numerical slope of a step in the link latency
@@ -146,7 +147,7 @@ def _report(m: Measured) -> dict[str, float]:
 
 def report_and_refit(runs: list[Measured], *, output: str | None, dry_run: bool) -> int:
     summaries = [_report(m) for m in runs]
-    fits = refit(runs, [s["optimizer_max"] for s in summaries])
+    fits = refit(runs, [s["optimizer_max"] for s in summaries], _current_size_curve())
     if dry_run:
         _print_fits(fits)
         return 0
@@ -204,6 +205,15 @@ def _current_loopback_bandwidth() -> float:
     return float(specs.load_link("loopback").to_dict()["bandwidth_bytes_per_s"])
 
 
+def _current_size_curve() -> tuple[tuple[float, float], ...]:
+    """The size curve of this CPU's profile (first-use calibration measures it): the refit
+    keeps its shape and fits the rate it is relative to."""
+    from autoplan.cluster.local import local_cpu_device_name
+    from autoplan.cost.profile_db import ProfileDB
+    db = ProfileDB.find(local_cpu_device_name())
+    return db.calibration.matmul_size_efficiency if db is not None else ()
+
+
 def _current_framework_s_per_op() -> float:
     from autoplan.cluster.local import local_cpu_device_name
     from autoplan.cost.profile_db import ProfileDB
@@ -220,8 +230,10 @@ def _ops_passes(plan: Any) -> float:
     return float(2 * ops * m)
 
 
-def refit(runs: list[Measured], optimizer_s: list[float]) -> dict[str, Any]:
-    """The compute, optimizer and loopback-link fits over all plans' events, per whole core."""
+def refit(runs: list[Measured], optimizer_s: list[float],
+          size_curve: Sequence[tuple[float, float]] = ()) -> dict[str, Any]:
+    """The compute, optimizer and loopback-link fits over all plans' events, per whole core
+    (the matmul rate on the profile's ``size_curve``)."""
     from autoplan.cluster.local import unit_terms
     from autoplan.cost.refit import refit_compute, refit_link
     from autoplan.estimate.attribution import collective_kind, main_thread
@@ -244,7 +256,7 @@ def refit(runs: list[Measured], optimizer_s: list[float]) -> dict[str, Any]:
                 if kind == "all_gather":
                     nbytes *= group                # priced by the gathered output
                 samples.append((*unit_terms(kind, nbytes, group), e["dur_s"]))
-    compute = refit_compute(events, "main")
+    compute = refit_compute(events, "main", size_curve)
     link = refit_link(samples, _current_loopback_bandwidth())
     # the optimizer: its time per parameter, per whole core, over the plans
     per_param = [o * m.share / p for m, o in zip(runs, optimizer_s)

@@ -1,7 +1,15 @@
 """Device figures the cost model falls back on where no op was profiled (``Calibration``):
-a GEMM's rate, a copy's bandwidth, a tiny op's launch cost, AdamW per parameter and per tensor,
-a one-parameter step's fixed cost, and the eager framework's time per op. ``autoplan profile
---calibrate-only`` and the first use of ``Cluster.local()`` on a CPU without a profile run it.
+the matrix products' rate in a forward and backward pass and how it falls with their size, a
+copy's bandwidth, a tiny op's launch cost, AdamW per parameter and per tensor, a one-parameter
+step's fixed cost, and the eager framework's time per op. ``autoplan profile --calibrate-only``
+and the first use of ``Cluster.local()`` on a CPU without a profile run it.
+
+Why the products' rate comes from a training pass rather than one GEMM run in a loop: a loop
+reads the same operands from the cache every time, while a step's products read what the op
+before wrote and, in the backward, transposed operands, and write fresh gradients. On a 2-core
+AMD EPYC, a 1024^3 GEMM in a loop runs at 110 GFLOP/s, a step's products (gpt-small-cpu in
+eager mode, timed by torch's profiler) at 96, a reference MLP's forward and backward at 100-104:
+priced from the loop, every step came out 13-20 % short.
 """
 
 from __future__ import annotations
@@ -19,8 +27,10 @@ from autoplan.cost.profiler import _check_device, _Clock, _measure
 def calibrate(device: str | torch.device = "cpu", *, seed: int = 0) -> Calibration:
     """Measure the device figures the cost model falls back on (1-2 s on 2 idle CPU cores).
 
-    Sizes: CPU, a 1024^3 fp32 GEMM, a 128 MiB copy, AdamW over 4M parameters; CUDA, an 8192^3
-    bf16 GEMM, a 1 GiB copy, AdamW over 32M parameters. The optimizer is the default
+    Sizes: CPU, an fp32 reference network of 512 tokens through widths 512-2048-512, square
+    GEMMs of 32 to 1024, a 128 MiB copy, AdamW over 4M parameters; CUDA, a bf16 network of
+    8192 tokens through 4096-16384-4096, GEMMs of 256 to 8192, a 1 GiB copy, AdamW over 32M
+    parameters. The optimizer is the default
     ``torch.optim.AdamW`` (foreach on CUDA; torch's default on CPU is the per-tensor loop).
     """
     dev = _check_device(device)
@@ -30,14 +40,9 @@ def calibrate(device: str | torch.device = "cpu", *, seed: int = 0) -> Calibrati
     cuda = dev.type == "cuda"
     torch.manual_seed(seed)
 
-    n = 8192 if cuda else 1024
     mm_dtype = torch.bfloat16 if cuda else torch.float32
-    a = torch.randn(n, n, device=dev, dtype=mm_dtype)
-    b = torch.randn(n, n, device=dev, dtype=mm_dtype)
-    c = torch.empty(n, n, device=dev, dtype=mm_dtype)
-    mm_s = _measure(clock, lambda: torch.mm(a, b, out=c), warmup=2, repeats=7,
-                          min_time_s=0.0, max_time_s=0.5).median_s
-    del a, b, c
+    mm_rate = _pass_matmul_rate(clock, dev, mm_dtype)
+    curve = _size_curve(clock, dev, mm_dtype)
 
     numel = (1 << 28) if cuda else (1 << 25)
     src = torch.empty(numel, device=dev).fill_(1.0)
@@ -78,12 +83,64 @@ def calibrate(device: str | torch.device = "cpu", *, seed: int = 0) -> Calibrati
                             max_time_s=0.5).median_s
     framework_s = _framework_s_per_op(clock, dev, launch_s) if not cuda else 0.0
 
-    return Calibration(matmul_flops_per_s=2.0 * n ** 3 / mm_s,
+    return Calibration(matmul_flops_per_s=mm_rate, matmul_size_efficiency=curve,
                        memory_bandwidth_bytes_per_s=copy_bytes / copy_s, launch_s=launch_s,
                        optimizer_s_per_param=opt_per_param_s,
                        optimizer_s_per_tensor=per_tensor_s, step_overhead_s=step_s,
                        matmul_dtype=str(mm_dtype).removeprefix("torch."),
                        framework_s_per_op=framework_s)
+
+
+# the reference network whose forward and backward give the products' rate: tokens, then the
+# widths of its bias-free linear layers (one product of M*K*N = tokens * width_in * width_out
+# each way, three per layer: forward, input gradient, weight gradient)
+_REFERENCE = {"cpu": (512, (512, 2048, 512)), "cuda": (8192, (4096, 16384, 4096))}
+# sizes of the square products timed in a loop for the size curve; the curve is their rates
+# relative to the loop's rate at the reference network's size
+_CURVE_SIZES = {"cpu": (32, 64, 128, 256, 512, 1024), "cuda": (256, 512, 1024, 2048, 4096, 8192)}
+
+
+def reference_size(kind: str) -> float:
+    """The product size (cube root of M*K*N) of the reference network's layers."""
+    tokens, widths = _REFERENCE[kind]
+    sizes = [(tokens * a * b) ** (1.0 / 3.0) for a, b in zip(widths, widths[1:])]
+    return sum(sizes) / len(sizes)
+
+
+def _pass_matmul_rate(clock: Any, dev: torch.device, dtype: torch.dtype) -> float:
+    """FLOP/s of the products in the forward and backward of the reference network."""
+    tokens, widths = _REFERENCE[dev.type]
+    net = nn.Sequential(*[nn.Linear(a, b, bias=False) for a, b in zip(widths, widths[1:])])
+    net = net.to(device=dev, dtype=dtype)
+    # the input needs a gradient too: every layer's backward runs both of its products
+    x = torch.randn(tokens, widths[0], device=dev, dtype=dtype, requires_grad=True)
+    flops = 6.0 * tokens * sum(a * b for a, b in zip(widths, widths[1:]))
+
+    def fwd_bwd() -> None:
+        for p in net.parameters():
+            p.grad = None
+        x.grad = None
+        net(x).sum().backward()
+    t = _measure(clock, fwd_bwd, warmup=2, repeats=5, min_time_s=0.0, max_time_s=1.0).median_s
+    return flops / t
+
+
+def _size_curve(clock: Any, dev: torch.device, dtype: torch.dtype
+                ) -> tuple[tuple[float, float], ...]:
+    """((size, fraction), ...): square products' rates in a loop, relative to the loop's rate
+    at the reference network's size (interpolated in log size)."""
+    from autoplan.cost.compute import size_efficiency
+
+    rates = []
+    for n in _CURVE_SIZES[dev.type]:
+        a = torch.randn(n, n, device=dev, dtype=dtype)
+        b = torch.randn(n, n, device=dev, dtype=dtype)
+        c = torch.empty(n, n, device=dev, dtype=dtype)
+        s = _measure(clock, lambda: torch.mm(a, b, out=c), warmup=2, repeats=7,
+                     min_time_s=2e-3, max_time_s=0.3).median_s
+        rates.append((float(n), 2.0 * n ** 3 / s))
+    ref = size_efficiency(rates, reference_size(dev.type))
+    return tuple((n, r / ref) for n, r in rates)
 
 
 # a small eager network of tiny layers: its forward and backward time is all framework (module

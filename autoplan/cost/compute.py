@@ -3,9 +3,13 @@
 Roofline (Williams et al. 2009): time = max(FLOPs / achieved FLOP/s, bytes / achieved bytes/s)
 plus a fixed launch overhead. "Achieved" is the datasheet peak times a calibrated efficiency
 (``DeviceSpec.matmul_efficiency`` / ``memory_efficiency``); on a device with a measured profile
-the calibration's own figures (a large GEMM's FLOP/s, a large copy's bytes/s, a tiny op's
-latency) replace them. Backward: the op rule's backward FLOPs, and about twice the forward's
-bytes (read the output gradient and what was saved, write the input gradients).
+the calibration's own figures (the products of a reference forward and backward pass, a large
+copy's bytes/s, a tiny op's latency) replace them. A calibration also measures how a product's
+rate falls with its size (``Calibration.matmul_size_efficiency``: small products, such as
+attention's per-head ones, leave the vector units idle): a product runs at the rate of its size,
+the cube root of one matrix product's M*K*N (``product_size``). Backward: the op rule's backward
+FLOPs (its products have the forward's sizes, transposed), and about twice the forward's bytes
+(read the output gradient and what was saved, write the input gradients).
 
 A profile entry is used as measured when the op runs at its traced shape and dtype; when the
 planner scales the work (another micro-batch size, a TP shard) the measured time above the
@@ -15,11 +19,13 @@ launch overhead scales linearly with the work.
 from __future__ import annotations
 
 import json
+import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from autoplan.cost.memory import PRECISION_BYTES
-from autoplan.graph.opgraph import Op, OpGraph
+from autoplan.graph.opgraph import Op, OpGraph, opname
 
 _PRODUCT_KINDS = frozenset({"matmul", "conv", "attention"})
 _FREE_KINDS = frozenset({"view"})            # metadata only: no kernel on GPU
@@ -41,17 +47,63 @@ class Throughput:
     memory_bytes_per_s: float
     launch_s: float
     device_kind: str
+    # ((product size, fraction of matmul_flops_per_s), ...): see size_efficiency
+    matmul_size_efficiency: tuple[tuple[float, float], ...] = ()
 
     @staticmethod
     def from_device(device: Any, precision: str, calibration: Any = None) -> Throughput:
         if calibration is not None:
             return Throughput(matmul_flops_per_s=calibration.matmul_flops_per_s,
                               memory_bytes_per_s=calibration.memory_bandwidth_bytes_per_s,
-                              launch_s=calibration.launch_s, device_kind=device.kind)
+                              launch_s=calibration.launch_s, device_kind=device.kind,
+                              matmul_size_efficiency=tuple(
+                                  getattr(calibration, "matmul_size_efficiency", ()) or ()))
         return Throughput(
             matmul_flops_per_s=device.peak_flops_for(precision) * device.matmul_efficiency,
             memory_bytes_per_s=device.memory_bandwidth_bytes_per_s * device.memory_efficiency,
             launch_s=device.kernel_launch_s, device_kind=device.kind)
+
+
+def size_efficiency(curve: Sequence[tuple[float, float]], size: float | None) -> float:
+    """The fraction of the calibrated matmul rate a product of ``size`` achieves: ``curve``
+    interpolated linearly in log size, held at its ends (1.0 without a curve or a size)."""
+    if not curve or size is None or size <= 0:
+        return 1.0
+    if size <= curve[0][0]:
+        return curve[0][1]
+    for (n0, e0), (n1, e1) in zip(curve, curve[1:]):
+        if size <= n1:
+            w = math.log(size / n0) / math.log(n1 / n0)
+            return e0 + w * (e1 - e0)
+    return curve[-1][1]
+
+
+def product_size(graph: OpGraph, op: Op) -> float | None:
+    """The cube root of M*K*N of one matrix product of ``op`` (a product is as efficient as
+    its matrices are large: a batch of small ones runs like one small one); None for ops that
+    are not matrix products. Leading dims of the first operand fold into M where the second
+    operand is one matrix (a linear layer's weight); else they are the batch."""
+    name = opname(op)
+    shapes = [graph.value(n).meta.shape for n in op.inputs]
+    try:
+        if op.kind == "attention":
+            q, k = shapes[0], shapes[1]
+            m, kk, n = q[-2], q[-1], k[-2]
+        elif op.kind == "matmul":
+            a, b = (shapes[1], shapes[2]) if name in ("addmm", "baddbmm") else shapes[:2]
+            out = graph.value(op.outputs[0]).meta.shape
+            kk = a[-1]
+            n = out[-1] if len(out) else 1
+            if name == "linear" or len(b) <= 2:
+                m = math.prod(out[:-1]) if len(out) > 1 else 1
+            else:
+                m = out[-2]
+        else:
+            return None
+    except (IndexError, TypeError):
+        return None
+    cube = float(m) * float(kk) * float(n)
+    return cube ** (1.0 / 3.0) if cube > 0 else None
 
 
 def compute_model(graph: OpGraph, device: Any, precision: str, profile: Any = None) -> ComputeModel:
@@ -103,8 +155,11 @@ class ComputeModel:
             # a view is a few microseconds of dispatch on CPU, nothing on a GPU
             t = tp.launch_s * 0.25 if tp.device_kind == "cpu" else 0.0
             return OpCost(fwd_s=t, bwd_s=0.0)
-        flops_per_s = tp.matmul_flops_per_s * (1.0 if op.kind in _PRODUCT_KINDS
-                                               else _VECTOR_FRACTION)
+        if op.kind in _PRODUCT_KINDS:
+            flops_per_s = tp.matmul_flops_per_s * size_efficiency(
+                tp.matmul_size_efficiency, product_size(self.graph, op))
+        else:
+            flops_per_s = tp.matmul_flops_per_s * _VECTOR_FRACTION
         bytes_ = (op.bytes_read + op.bytes_written) * self._byte_scale(op)
         fwd = max(op.fwd_flops / flops_per_s, bytes_ / tp.memory_bytes_per_s) + tp.launch_s
         if not op.differentiable:
@@ -129,13 +184,28 @@ class ComputeModel:
         if work_scale == 1.0:
             return c
         launch = self.tput.launch_s
+        rate = self._size_rate_change(index, work_scale)
 
         def scale(t: float) -> float:
             if t <= 0.0:
                 return 0.0
             over = max(t - launch, 0.0)
-            return min(t, launch) + over * work_scale
+            return min(t, launch) + over * work_scale / rate
         return OpCost(fwd_s=scale(c.fwd_s), bwd_s=scale(c.bwd_s))
+
+
+    def _size_rate_change(self, index: int, work_scale: float) -> float:
+        """How much faster (> 1) or slower a product runs per FLOP at ``work_scale`` times its
+        traced work, by the calibrated size curve (its sides taken to scale alike)."""
+        curve = self.tput.matmul_size_efficiency
+        op = self.graph.ops[index]
+        if not curve or op.kind not in _PRODUCT_KINDS or work_scale <= 0:
+            return 1.0
+        size = product_size(self.graph, op)
+        if size is None:
+            return 1.0
+        return (size_efficiency(curve, size * work_scale ** (1.0 / 3.0))
+                / size_efficiency(curve, size))
 
 
 def _identity_dropout(op: Op) -> bool:

@@ -150,7 +150,10 @@ class Calibration:
     """Device figures measured by ``calibration.calibrate``; the cost model's fallback for ops that
     were never profiled."""
 
-    matmul_flops_per_s: float            # achieved by a large GEMM in matmul_dtype
+    # achieved by the products of a forward and backward pass (operands fresh from the op
+    # before, transposed for the backward, gradients written) of calibration's reference
+    # network, in matmul_dtype
+    matmul_flops_per_s: float
     memory_bandwidth_bytes_per_s: float  # achieved by a large copy: (read + write bytes) / time
     launch_s: float                      # fixed per-op overhead: median of a 1-element op
     optimizer_s_per_param: float         # default torch.optim.AdamW step, per fp32 parameter
@@ -160,12 +163,38 @@ class Calibration:
     # eager framework time per op and pass outside its kernel (Python modules, autograd, hooks,
     # DTensor dispatch), fitted by `autoplan calibrate` from a measured step; 0 until then
     framework_s_per_op: float = 0.0
+    # a product's rate by its size, as a fraction of ``matmul_flops_per_s``: ((size, fraction),
+    # ...) with sizes increasing, a size being the cube root of one matrix product's M*K*N
+    # (``cost.compute.product_size``); empty: one rate for every size
+    matmul_size_efficiency: tuple[tuple[float, float], ...] = ()
 
     def __post_init__(self) -> None:
         for f in fields(self):
-            if f.name != "matmul_dtype":
+            if f.name not in ("matmul_dtype", "matmul_size_efficiency"):
                 _check_number("Calibration", f.name, getattr(self, f.name),
                               positive=f.name != "framework_s_per_op")
+        object.__setattr__(self, "matmul_size_efficiency",
+                           _size_curve(self.matmul_size_efficiency))
+
+
+def _size_curve(points: Any) -> tuple[tuple[float, float], ...]:
+    """``Calibration.matmul_size_efficiency`` checked: pairs of positive finite numbers with
+    sizes strictly increasing."""
+    if not isinstance(points, (list, tuple)):
+        raise ProfileError("Calibration.matmul_size_efficiency must be a list of [size, "
+                           f"fraction] pairs, got {type(points).__name__}")
+    out: list[tuple[float, float]] = []
+    for p in points:
+        if not isinstance(p, (list, tuple)) or len(p) != 2:
+            raise ProfileError("Calibration.matmul_size_efficiency must be a list of [size, "
+                               f"fraction] pairs, got {p!r:.80}")
+        _check_number("Calibration.matmul_size_efficiency", "size", p[0], positive=True)
+        _check_number("Calibration.matmul_size_efficiency", "fraction", p[1], positive=True)
+        if out and float(p[0]) <= out[-1][0]:
+            raise ProfileError("Calibration.matmul_size_efficiency: sizes must increase, got "
+                               f"{out[-1][0]:g} then {p[0]!r}")
+        out.append((float(p[0]), float(p[1])))
+    return tuple(out)
 
 
 _TIMING_FIELDS = tuple(f.name for f in fields(OpTiming))
@@ -182,8 +211,17 @@ def _timing_to_json(t: OpTiming) -> dict[str, Any]:
 
 
 def _calibration_to_json(c: Calibration) -> dict[str, Any]:
-    return {f: (getattr(c, f) if f == "matmul_dtype" else _round(getattr(c, f)))
-            for f in _CALIBRATION_FIELDS if f != "framework_s_per_op" or c.framework_s_per_op}
+    out: dict[str, Any] = {}
+    for f in _CALIBRATION_FIELDS:
+        x = getattr(c, f)
+        if f == "matmul_dtype":
+            out[f] = x
+        elif f == "matmul_size_efficiency":
+            if x:
+                out[f] = [[_round(n), _round(e)] for n, e in x]
+        elif f != "framework_s_per_op" or x:
+            out[f] = _round(x)
+    return out
 
 
 # ---- the database -----------------------------------------------------------------------------

@@ -1,8 +1,10 @@
 """Least-squares refits of the cost model's coefficients from measured events (`autoplan
 calibrate`).
 
-- Matrix products: ``t = launch + flops / rate`` over the measured mm/addmm/bmm/baddbmm kernels
-  (FLOPs from their input shapes) gives the achieved rate and the per-op launch cost.
+- Matrix products: ``t = launch + flops / (rate * efficiency(size))`` over the measured
+  mm/addmm/bmm/baddbmm kernels (FLOPs and sizes from their input shapes, the efficiency from the
+  profile's size curve, which keeps its shape) gives the achieved rate and the per-op launch
+  cost.
 - Memory-bound kernels: ``t = launch + bytes / bandwidth`` (bytes: the inputs read and an output
   the size of the largest written) gives the achieved memory bandwidth; the fixed cost of a
   kernel is the median time of the smallest tenth.
@@ -87,6 +89,23 @@ def matmul_flops(name: str, shapes: Sequence[Sequence[int]]) -> float | None:
     return None
 
 
+def matmul_size(name: str, shapes: Sequence[Sequence[int]]) -> float | None:
+    """The cube root of M*K*N of one matrix of a product kernel (``cost.compute.product_size``
+    for a profiled kernel); None when not one."""
+    s = [list(x) for x in shapes]
+    try:
+        if name in ("aten::mm", "aten::bmm"):
+            a, b = s[0], s[1]
+        elif name in ("aten::addmm", "aten::baddbmm"):
+            a, b = s[1], s[2]
+        else:
+            return None
+        cube = float(a[-2]) * float(a[-1]) * float(b[-1])
+    except (IndexError, TypeError, ValueError):
+        return None
+    return cube ** (1.0 / 3.0) if cube > 0 else None
+
+
 def op_bytes(shapes: Sequence[Sequence[int]]) -> float:
     """Bytes a memory-bound kernel moves: its inputs read, an output the size of the largest
     written (fp32)."""
@@ -102,16 +121,21 @@ class ComputeFit:
     points: Mapping[str, int]
 
 
-def refit_compute(events: Iterable[Mapping[str, Any]], thread: int) -> ComputeFit:
+def refit_compute(events: Iterable[Mapping[str, Any]], thread: Any,
+                  size_curve: Sequence[tuple[float, float]] = ()) -> ComputeFit:
     """Achieved matmul rate, memory bandwidth and launch cost from the leaf kernels of
-    ``thread`` (``runtime/step_trace.py`` events)."""
+    ``thread`` (``runtime/step_trace.py`` events); the rate is that of ``size_curve``'s
+    fraction 1 (``Calibration.matmul_size_efficiency``)."""
+    from autoplan.cost.compute import size_efficiency
+
     mm_x, mm_y, mem_x, mem_y = [], [], [], []
     for e in events:
         if not e.get("leaf") or e["thread"] != thread:
             continue
         f = matmul_flops(e["name"], e.get("shapes", []))
         if f is not None:
-            mm_x.append(f)
+            size = matmul_size(e["name"], e.get("shapes", []))
+            mm_x.append(f / size_efficiency(size_curve, size))
             mm_y.append(e["dur_s"])
         elif e.get("shapes"):
             b = op_bytes(e["shapes"])
