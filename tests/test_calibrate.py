@@ -189,3 +189,16 @@ def test_link_refit_keeps_the_known_bandwidth_when_sizes_do_not_determine_it():
     clean = [(4.0, b, 4 * 1e-4 + b / 2e9) for b in (1e3, 1e6, 4e6) for _ in range(3)]
     fit = refit_link(clean, known_bandwidth_bytes_per_s=1e9)
     assert not fit.bandwidth_kept and fit.bandwidth_bytes_per_s == pytest.approx(2e9)
+
+
+def test_the_waits_are_fitted_over_the_plans_with_the_measured_framework_time():
+    """With the framework's time per op measured directly, the steps' residuals give the wait
+    per transfer step alone (one unknown: least squares, at least 0)."""
+    from autoplan.cli.calibrate_cmd import _waits
+    slope = [20.0, 300.0]                # seconds of step per second of latency: dp2, tp2
+    wait = 4e-4
+    assert _waits(slope, [x * wait for x in slope], 0.0) == pytest.approx(wait)
+    noisy = [slope[0] * wait + 2e-3, slope[1] * wait - 1e-3]
+    assert _waits(slope, noisy, 0.0) == pytest.approx(wait, rel=0.05)
+    assert _waits(slope, [-1e-2, -5e-2], 0.0) == 0.0
+    assert _waits([0.0, 0.0], [1e-2, 1e-2], 3e-4) == 3e-4     # no transfers: the profiled one

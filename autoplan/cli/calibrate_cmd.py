@@ -11,10 +11,13 @@ next to the prediction. Then, over all the plans' events:
 - the loopback link's bandwidth and latency over the transfers (lower envelope of each size,
   through the cost model's own collective formulas);
 - what the unprofiled steps spend beyond all that: the eager framework's time per op and pass
-  (Python, autograd, hooks) and the wait for the latest peer per transfer step. With two or
-  more plans of different make-up (one with many transfers, e.g. tp2, one with few, e.g. dp2)
-  both come from least squares over the plans; with one, the wait comes from the profiled
-  transfers and the framework time from the rest.
+  (Python, autograd, hooks) and the wait for the latest peer per transfer step. The framework's
+  time is the one the first-use calibration measured directly (a network of tiny layers); with
+  two or more plans the waits are least squares over the rest of the plans' steps. (Fitting
+  both to two plans was ill-conditioned: on this 2-core machine, runs of the same two plans
+  gave 5.5 to 80 us per op, the waits moving the other way.) Without a measured framework time
+  (an older profile) both are fitted; with one plan, the wait comes from the profiled transfers
+  and the framework time from the rest.
 
 Ranks that outnumber the cores ran with a share of a core: the figures are kept per whole core
 (``Cluster.local`` scales them by the share of the run it describes). They are written to this
@@ -168,10 +171,14 @@ def report_and_refit(runs: list[Measured], *, output: str | None, dry_run: bool)
                                                + DELTA_LATENCY_S)
             write_profile(fits, output)
             slope = [(_estimate_here(m.plan) - b) / DELTA_LATENCY_S for m, b in zip(runs, base)]
-            from autoplan.cost.refit import fit_two
-            both = fit_two(per_op, slope, resid)
-            if both is not None:
-                framework, wait = both
+            if floor > 0:                # measured: the waits are what is left
+                framework = floor
+                wait = _waits(slope, [r - p * floor for r, p in zip(resid, per_op)], wait)
+            else:
+                from autoplan.cost.refit import fit_two
+                both = fit_two(per_op, slope, resid)
+                if both is not None:
+                    framework, wait = both
         if framework is None:          # one plan: the profiled waits, the framework the rest
             if link is not None:
                 fits["link"] = dataclasses.replace(fits["link"], latency_s=link.latency_s)
@@ -192,6 +199,15 @@ def report_and_refit(runs: list[Measured], *, output: str | None, dry_run: bool)
             print(f"re-estimated with the refit: {now_s * 1e3:.2f} ms per step, measured "
                   f"{step_s * 1e3:.2f} ms (measured/predicted {step_s / now_s:.2f})")
     return 0
+
+
+def _waits(slope: Sequence[float], rest: Sequence[float], profiled: float) -> float:
+    """Least squares of ``rest = slope * wait`` (seconds of step per second of latency, the
+    steps' residuals), at least 0; ``profiled`` where the plans make no transfer."""
+    sxx = sum(x * x for x in slope)
+    if sxx <= 0:
+        return profiled
+    return max(0.0, sum(x * y for x, y in zip(slope, rest)) / sxx)
 
 
 def _current_loopback_bandwidth() -> float:
