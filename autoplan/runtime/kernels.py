@@ -326,3 +326,44 @@ class _GatheredWeightProduct(torch.autograd.Function):
 def gathered_weight(op: Any, args: list, kwargs: dict, comm, p) -> Any:
     x, w, b, kind = _product_args(op, args, kwargs)
     return _GatheredWeightProduct.apply(x, w, b, comm, p, kind)
+
+
+# ---- random ops on a split tensor ---------------------------------------------------------------
+
+# spreads the ranks' seeds apart (Knuth's multiplicative hash constant)
+_RANK_STRIDE = 2654435761
+
+
+def draws_randomness(op: Any, args: list, kwargs: dict) -> bool:
+    """Whether this call of a seeded random op (dropout, attention with dropout, bernoulli)
+    draws anything: not with probability 0 or outside training."""
+    if torch.Tag.nondeterministic_seeded not in getattr(op, "tags", ()):
+        return False
+    for name in ("p", "dropout_p"):
+        if _schema_index(op, name) is not None and not _get(op, args, kwargs, name, 0.0):
+            return False
+    return _get(op, args, kwargs, "train", True) is not False
+
+
+def split_random(op: Any, args: list, kwargs: dict, comm) -> Any:
+    """A random op (dropout's mask) on this rank's piece of a tensor split on the tensor-parallel
+    axis, with randomness of its own. Left to the process's generator, which every rank of the
+    axis seeds alike (so that replicated tensors stay identical), each piece would get the same
+    mask: head h on one rank dropped exactly where head h + H/t is on the next, one sequence
+    chunk where the other is (Megatron-LM's model-parallel RNG tracker exists for this). Here
+    one seed is drawn from the process's generator (the same draw on every rank: it stays in
+    step for the replicated dropouts), offset by the rank, and the op runs on a generator
+    seeded with it, the process's own restored after. The mask depends only on the generator's
+    state before the op, which activation checkpointing restores: a recomputed forward draws
+    the same mask."""
+    if isinstance(comm, tp_comm.ShapeComm) or not draws_randomness(op, args, kwargs):
+        return op(*args, **kwargs)          # nothing drawn, or a shape check
+    seed = int(torch.randint(0, 2 ** 62, (1,)).item())
+    seed = (seed + _RANK_STRIDE * comm.rank) % (2 ** 63 - 1)
+    devices = sorted({a.device.index or 0 for a in args
+                      if isinstance(a, torch.Tensor) and a.device.type == "cuda"})
+    with torch.random.fork_rng(devices=devices):
+        torch.default_generator.manual_seed(seed)
+        if devices:
+            torch.cuda.manual_seed(seed)
+        return op(*args, **kwargs)

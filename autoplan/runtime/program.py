@@ -44,6 +44,7 @@ from autoplan.sharding.strategy import OpStrategy, input_action, opname, output_
 
 SHAPE_ARG = {"view": 1, "_unsafe_view": 1, "reshape": 1, "expand": 1}
 _VIEWS = {torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default}
+_SEEDED = torch.Tag.nondeterministic_seeded     # random ops: dropout, attention's dropout
 # norms whose weights may arrive in another dtype than their input (``kernels``)
 _NORMS = frozenset({"layer_norm", "native_layer_norm", "group_norm", "native_group_norm",
                     "rms_norm"})
@@ -178,6 +179,10 @@ def _k_without_bias(target, args, kwargs):
 
 def _k_add_bias(y, bias, target):
     return kernels.add_bias(y, bias, target)
+
+
+def _k_split_random(target, args, kwargs, slot):
+    return kernels.split_random(target, args, kwargs, slot.comm)
 
 
 def _k_ring_attention(target, args, kwargs, slot):
@@ -399,6 +404,10 @@ class _Builder:
             out = self.emit(_k_grouped_product, (node.target, args, kwargs), i)
         elif s.kernel:
             out = self.emit(KERNEL_CALLS[s.kernel], (node.target, args, kwargs, self.slot_node), i)
+        elif self.t > 1 and _SEEDED in getattr(node.target, "tags", ()) \
+                and any(p.kind == "S" for p in s.inputs):
+            # dropout of a split tensor: a mask per rank (``kernels.split_random``)
+            out = self.emit(_k_split_random, (node.target, args, kwargs, self.slot_node), i)
         elif opname(op) == "batch_norm":
             out = self.emit(_k_dp_batch_norm, (node.target, args, kwargs, self.slot_node), i)
         elif opname(op) in _NORMS:
