@@ -72,7 +72,7 @@ def test_config_rules_groups_and_mesh():
     assert "ep" not in ParallelConfig(dp=8).to_dict()      # older plans read back byte for byte
     assert ParallelConfig(dp=4, ep=2, pp=2).mesh_axes() == ("pp", "edp", "ep", "tp")
     for bad, why in ((dict(dp=4, ep=3), "divide"), (dict(dp=4, ep=2, zero_stage=3, dp_shard=2), "HSDP"),
-                     (dict(dp=4, ep=2, offload_optimizer=True), "offload")):
+                     (dict(dp=4, ep=2, zero_stage=3, offload_params=True), "offload")):
         with pytest.raises(ConfigError, match=why):
             ParallelConfig(**bad)
 
@@ -223,6 +223,9 @@ CASES = [
      "HF Mixtral, EP2 x expert-DP2, ZeRO-1"),
     ("hf-mixtral-tiny", 4, dict(tp=2, zero_stage=0, ep=2), "megatron",
      "HF Mixtral, EP2 x TP2 inside the experts"),
+    # the optimizer steps on host copies, expert slabs' state sharded over their 2 holders
+    ("hf-mixtral-tiny", 4, dict(tp=1, zero_stage=1, ep=2, offload_optimizer=True), "ilp",
+     "HF Mixtral, EP2 x ZeRO-1, optimizer offloaded"),
     # FSDP shards the rest over all 4 ranks, each expert slab over its 2 holders
     ("hf-mixtral-tiny", 4, dict(tp=1, zero_stage=3, ep=2), "ilp",
      "HF Mixtral, EP2 x FSDP (ZeRO-3) over 4"),
