@@ -64,7 +64,7 @@ def _train(rank, world, plan_json):
     from torch import fx
 
     from autoplan.planner.planfile import Plan
-    from autoplan.runtime.program import _k_split_random
+    from autoplan.runtime.program_calls import _k_split_random
     from autoplan.runtime.trainer import compile
     torch.manual_seed(0)
     ex = build_example("gpt-tiny", batch_size=GLOBAL_BATCH, seed=0, dropout=DROPOUT)

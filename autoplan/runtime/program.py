@@ -23,7 +23,6 @@ program is checked with ``ShapeComm`` and then run with the real group.
 
 from __future__ import annotations
 
-import functools
 import operator
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -36,7 +35,14 @@ from autoplan.errors import PlanError
 from autoplan.graph.opgraph import Op, OpGraph
 from autoplan.graph.trace import TRANSPARENT
 from autoplan.graph.experts import GROUPED_MM, find_experts
-from autoplan.runtime import experts, kernels, ring_attention, tp_comm
+from autoplan.runtime import tp_comm
+from autoplan.runtime.program_calls import (KERNEL_CALLS, _c_gather, _c_gather_sp, _c_reduce,
+                                            _c_reduce_grad, _c_reduce_scatter,
+                                            _k_add_bias, _k_combine, _k_dispatch,
+                                            _k_dp_batch_norm, _k_gathered_weight,
+                                            _k_grouped_product, _k_local_experts, _k_norm,
+                                            _k_sp_linear, _k_split_random,
+                                            _k_without_bias, transition)
 from autoplan.sharding.expert_regions import expert_regions
 from autoplan.sharding.placement import REPLICATE, Placement, local_shape
 from autoplan.sharding.sharding import Sharding, mutates_input
@@ -76,143 +82,6 @@ class Program:
 OP = "autoplan_op"          # node.meta key: the index of the graph op a node belongs to
 SHAPE = "autoplan_shape"    # node.meta key: the local shape the op's placement gives
 VAL = "autoplan_val"        # node.meta key: (shape, dtype, requires_grad) seen by the check
-
-
-# ---- calls the program makes (module-level so fx code can name them; placements as text) -----
-
-@functools.lru_cache(maxsize=None)
-def _p(text: str) -> Placement:
-    return Placement.parse(text)
-
-
-def _c_gather(x, slot, p):
-    return tp_comm.gather(x, slot.comm, _p(p))
-
-
-def _c_gather_sp(x, slot, p):
-    return tp_comm.gather_sp(x, slot.comm, _p(p))
-
-
-def _c_scatter(x, slot, p):
-    return tp_comm.scatter(x, slot.comm, _p(p))
-
-
-def _c_reduce(x, slot):
-    return tp_comm.reduce(x, slot.comm)
-
-
-def _c_reduce_scatter(x, slot, p):
-    return tp_comm.reduce_scatter(x, slot.comm, _p(p))
-
-
-def _c_reduce_grad(x, slot):
-    return tp_comm.reduce_grad(x, slot.comm)
-
-
-def _c_reshard(x, slot, src, dst):
-    return tp_comm.reshard(x, slot.comm, _p(src), _p(dst))
-
-
-def _k_vocab_embedding(target, args, kwargs, slot):
-    return kernels.vocab_embedding(target, args, kwargs, slot.comm)
-
-
-def _k_vocab_cross_entropy(target, args, kwargs, slot):
-    return kernels.vocab_cross_entropy(target, args, kwargs, slot.comm)
-
-
-def _k_split_loss(target, args, kwargs, slot):
-    return kernels.split_loss(target, args, kwargs, slot.comm)
-
-
-def _k_sync_batch_norm(target, args, kwargs, slot):
-    """Batch norm split over the batch on the tp axis: statistics over tp (and dp)."""
-    group = slot.dp_tp if slot.dp_tp is not None else slot.comm
-    return kernels.batch_norm_over(group)(target, args, kwargs, slot.comm)
-
-
-def _k_dp_batch_norm(target, args, kwargs, slot):
-    """Batch norm whose batch is split over data-parallel ranks only: statistics over dp."""
-    if slot.dp is None:
-        return target(*args, **kwargs)
-    return kernels.batch_norm_over(slot.dp)(target, args, kwargs, slot.comm)
-
-
-def _k_dispatch(x, offs, local_experts, slot):
-    if slot.ep is None:
-        raise PlanError("an expert-parallel grouped product ran without its expert-parallel "
-                        "group: connect() the program first")
-    return experts.dispatch(x, offs, local_experts, slot.ep)
-
-
-def _k_local_experts(target, args, kwargs, d):
-    return experts.local_experts(target, args, kwargs, d)
-
-
-def _k_grouped_product(target, args, kwargs):
-    return experts.grouped_product(target, args, kwargs)
-
-
-def _k_norm(target, args, kwargs):
-    return kernels.norm_in_input_dtype(target, list(args), dict(kwargs))
-
-
-def _k_combine(y, d):
-    return experts.combine(y, d)
-
-
-def _k_mean_partial(target, args, kwargs, slot):
-    return kernels.mean_partial(target, args, kwargs, slot.comm)
-
-
-def _k_sp_linear(target, args, kwargs, slot, p):
-    return kernels.sp_linear(target, args, kwargs, slot.comm, _p(p))
-
-
-def _k_gathered_weight(target, args, kwargs, slot, p):
-    return kernels.gathered_weight(target, args, kwargs, slot.comm, _p(p))
-
-
-def _k_without_bias(target, args, kwargs):
-    return kernels.without_bias(target, args, kwargs)
-
-
-def _k_add_bias(y, bias, target):
-    return kernels.add_bias(y, bias, target)
-
-
-def _k_split_random(target, args, kwargs, slot):
-    return kernels.split_random(target, args, kwargs, slot.comm)
-
-
-def _k_ring_attention(target, args, kwargs, slot):
-    return ring_attention.ring_attention(target, args, kwargs, slot.comm)
-
-
-KERNEL_CALLS: dict[str, Callable] = {
-    "ring_attention": _k_ring_attention,
-    "vocab_embedding": _k_vocab_embedding, "vocab_cross_entropy": _k_vocab_cross_entropy,
-    "split_loss": _k_split_loss, "sync_batch_norm": _k_sync_batch_norm,
-    "mean_partial": _k_mean_partial,
-}
-
-
-def transition(g: fx.Graph, x: fx.Node, src: Placement, dst: Placement, slot: fx.Node
-               ) -> fx.Node:
-    """Nodes that move a local tensor from ``src`` to ``dst`` (values are never partial)."""
-    if src == dst:
-        return x
-    if src.kind == "R" and dst.kind == "S":
-        return g.call_function(_c_scatter, (x, slot, str(dst)))
-    if src.kind == "S" and dst.kind == "R":
-        return g.call_function(_c_gather, (x, slot, str(src)))
-    if src.kind == "S" and dst.kind == "S":
-        return g.call_function(_c_reshard, (x, slot, str(src), str(dst)))
-    if src.kind == "P" and dst.kind == "R":
-        return g.call_function(_c_reduce, (x, slot))
-    if src.kind == "P" and dst.kind == "S":
-        return g.call_function(_c_reduce_scatter, (x, slot, str(dst)))
-    raise PlanError(f"no collective turns {src} into {dst}")
 
 
 # ---- argument walking (the order trace.py reads tensor inputs in) ------------------------------
