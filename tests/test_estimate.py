@@ -272,3 +272,31 @@ def test_dropout_with_p_zero_costs_nothing():
         costs[p] = [cm.base_cost(i) for i in drops]
     assert all(c.fwd_s == 0.0 and c.bwd_s == 0.0 for c in costs[0.0])
     assert all(c.fwd_s > 0.0 and c.bwd_s > 0.0 for c in costs[0.1])
+
+
+def test_a_weight_gathered_for_its_product_is_held_whole_while_it_runs():
+    """A product whose weight is stored split on the tp axis and gathered (``*_gathered``)
+    holds the whole weight while it runs, and in backward its whole gradient before the
+    reduce-scatter: the largest such pair is in the transient memory."""
+    from autoplan.cost.memory import GRAD_BYTES, PRECISION_BYTES
+    from autoplan.sharding.sharding import Sharding
+    from autoplan.sharding.strategies import strategies
+    ex = build_example("gpt-tiny", batch_size=2)
+    g = trace(ex.model, ex.example_inputs, loss_fn=ex.loss_fn, targets=ex.targets)
+    plain, gathered = [], []
+    for op in g.ops:
+        options = strategies(g, op, 2)
+        plain.append(options[0])
+        gathered.append(next((s for s in options if s.kernel == "gathered_weight"), options[0]))
+    whole = [max(g.value(n).meta.numel for k, n in enumerate(op.inputs)
+                 if s.inputs[k] != s.local_input(k))
+             for op, s in zip(g.ops, gathered) if s.kernel == "gathered_weight"]
+    assert len(whole) >= 4
+    config = ParallelConfig(dp=4, tp=2, micro_batch_size=2, precision="fp32")
+    cluster = Cluster.preset("dgx-h100", nodes=1)
+    got = []
+    for picked in (plain, gathered):
+        est = estimate(g, cluster, config=config, global_batch_size=8, profile=None,
+                       sharding=Sharding.build(g, 2, picked))
+        got.append(est.stages[0].memory.transient_bytes)
+    assert got[1] - got[0] == pytest.approx(max(whole) * (PRECISION_BYTES["fp32"] + GRAD_BYTES))

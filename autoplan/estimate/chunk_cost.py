@@ -260,6 +260,10 @@ def _range_cost(ci: CostInputs, start: int, stop: int, policy: str) -> RangeCost
     shared_acts = tuple((n, b) for n, b in sorted(kept.items()) if n in shared)
     working = (working_set_bytes(graph, start, stop, micro_batch_size=mbs, sharding=sh,
                                  precision=config.precision) if policy == "full" else 0.0)
+    # a weight stored split and gathered for its product is whole while the product runs, and
+    # again in backward with its whole gradient before the reduce-scatter: the largest one
+    working += max((_gathered_bytes(graph, sh, i, config.precision)
+                    for i in range(start, stop)), default=0.0)
     # parameters the range reads, each storage once (a tied weight on two stages is held by
     # both, as Megatron-LM does with the embedding and the LM head)
     params = expert = 0.0
@@ -295,6 +299,18 @@ def chunk_parts(chunk: Chunk) -> list[tuple[int, int, bool]]:
     if pos < chunk.stop:
         parts.append((pos, chunk.stop, False))
     return parts
+
+
+def _gathered_bytes(graph: OpGraph, sh: Sharding, i: int, precision: str) -> float:
+    """Bytes of the whole weight op ``i`` gathers for its product (``gathered_weight``
+    strategies: the runtime's ``kernels.gathered_weight``) and of its whole gradient."""
+    s = sh.op_strategy[i]
+    if s.kernel != "gathered_weight":
+        return 0.0
+    op = graph.ops[i]
+    whole = [graph.value(n).meta.numel for k, n in enumerate(op.inputs)
+             if k < len(s.inputs) and s.inputs[k] != s.local_input(k)]
+    return max(whole, default=0) * (PRECISION_BYTES[precision] + GRAD_BYTES)
 
 
 def chunk_cost(ci: CostInputs, chunk: Chunk, policy: str) -> RangeCost:
