@@ -36,3 +36,14 @@ def test_run_builds_the_model_the_plan_was_made_for(tmp_path, capsys):
                  "--print-command"]) == 0
     cmd = capsys.readouterr().out
     assert "autoplan.runtime.worker" in cmd and "--layers 3 --seq-len 16" in cmd
+
+
+def test_max_positions_is_refused_where_the_example_has_no_position_table(capsys):
+    """``--max-positions`` lengthens a learned (or HF rotary) position table; llama3-* compute
+    theirs for any --seq-len: the option is refused with the fix, never dropped silently."""
+    from autoplan.cli.main import main
+    args = ["estimate", "--cluster", "dgx-h100:1", "--global-batch", "8", "--dp", "8",
+            "--seq-len", "512", "--max-positions", "512", "--layers", "1"]
+    assert main([*args[:1], "llama3-8b", *args[1:]]) == 1
+    assert "drop --max-positions" in capsys.readouterr().err
+    assert main([*args[:1], "gpt2-small", *args[1:]]) == 0

@@ -33,8 +33,10 @@ def add_model_args(p: argparse.ArgumentParser, *, optional: bool = False,
                    help="batch size to trace with (costs scale to the micro-batch; default 1)")
     p.add_argument("--seq-len", type=int, default=None, help="sequence length (LMs)")
     p.add_argument("--max-positions", type=int, default=None,
-                   help="position table / rotary cache length of an example (to plan "
-                        "sequences longer than its own, e.g. 131072 with RoPE)")
+                   help="position table / rotary cache length of an example that has one "
+                        "(GPT's learned positions, the HF examples' max_position_embeddings), to "
+                        "plan sequences longer than its own, e.g. 131072 with RoPE; "
+                        "llama3-* compute theirs for any --seq-len")
     p.add_argument("--device", default=None, choices=("meta", "cpu"),
                    help="build the model on the meta device (the default: nothing is "
                         "allocated) or really on the CPU (`plan` for a CPU cluster defaults "
@@ -61,6 +63,14 @@ def build_model_arg(args: argparse.Namespace):
     try:
         extra = ({"max_positions": args.max_positions}
                  if getattr(args, "max_positions", None) else {})
+        if extra:
+            import dataclasses
+
+            from autoplan.models.registry import get_config
+            if "max_positions" not in {f.name for f in dataclasses.fields(get_config(spec))}:
+                raise AutoplanError(f"{spec!r} has no position table to lengthen: its positions "
+                                    "(rotary, computed for the sequence) cover any --seq-len; "
+                                    "drop --max-positions")
         return build_example(spec, device=args.device or "meta", batch_size=args.batch_size,
                              seq_len=args.seq_len, **layer_overrides(spec, args.layers), **extra)
     except ValueError as e:
