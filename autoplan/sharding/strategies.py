@@ -38,168 +38,19 @@ from dataclasses import replace
 from types import MappingProxyType
 from typing import Any
 
-from autoplan.graph.opgraph import Op, OpGraph, Value
+from autoplan.graph.opgraph import Op, OpGraph
 from autoplan.sharding import passthrough
-from autoplan.sharding.blocks import block_counts
 from autoplan.sharding.placement import PARTIAL, REPLICATE, Placement, local_size, shard
-from autoplan.sharding.strategy import (KERNELS, Comm, OpStrategy, bias_slot, call_args, make,
+from autoplan.sharding.strategy import (KERNELS, Comm, OpStrategy, call_args, make,
                                         opname, replicate)
+from autoplan.sharding.products import (_act_matmul, _blocks, _div, _grouped_mm,
+                                        _is_act, _linear, _seq_dim, _weight)
 
 GROUPED_MM = frozenset({"grouped_mm_fallback", "_grouped_mm", "grouped_mm"})
 SPLIT_LOSSES = frozenset({"cross_entropy_loss", "nll_loss", "mse_loss", "l1_loss",
                           "smooth_l1_loss", "huber_loss", "binary_cross_entropy_with_logits",
                           "binary_cross_entropy"})
 ELEMENTWISE_LOSSES = SPLIT_LOSSES - {"cross_entropy_loss", "nll_loss"}
-
-
-def _is_act(v: Value) -> bool:
-    return v.kind in ("activation", "input")
-
-
-def _div(size: int, t: int, blocks: int = 1) -> bool:
-    return size >= t * blocks and size % (t * blocks) == 0
-
-
-def _weight(graph: OpGraph, op: Op) -> int | None:
-    for i, n in enumerate(op.inputs):
-        v = graph.value(n)
-        if v.kind == "param" and len(v.meta.shape) >= 2:
-            return i
-    return None
-
-
-def _blocks(graph: OpGraph):
-    counts = block_counts(graph)
-    return lambda value, d: counts.get((value, d), ())
-
-
-def _seq_dim(shape: tuple[int, ...]) -> int:
-    """The token dim sequence parallelism splits: the sequence of (b, s, h), the rows of
-    (tokens, h)."""
-    return 1 if len(shape) >= 3 else 0
-
-
-# ---- products with a weight ------------------------------------------------------------------
-
-def _linear(graph: OpGraph, op: Op, t: int) -> list[OpStrategy]:
-    w = _weight(graph, op)
-    acts = [i for i, n in enumerate(op.inputs) if _is_act(graph.value(n))]
-    if w is None or not acts:
-        return []
-    x = acts[0]
-    b = bias_slot(graph, op)
-    if b in (x, w):
-        b = None
-    xm, wm = graph.value(op.inputs[x]).meta, graph.value(op.inputs[w]).meta
-    out = graph.value(op.outputs[0]).meta.shape
-    rank = len(out)
-    # linear keeps (out, in); addmm / x @ W keep (in, out)
-    out_dim, in_dim = (0, 1) if opname(op) == "linear" else (1, 0)
-    if len(wm.shape) != 2 or len(xm.shape) < 1:
-        return []
-
-    def ps(x_p: Placement, w_p: Placement, b_p: Placement) -> tuple[Placement, ...]:
-        return tuple(x_p if i == x else w_p if i == w else b_p if i == b else REPLICATE
-                     for i in range(len(op.inputs)))
-    res = []
-    sp = _seq_dim(xm.shape)
-    can_sp = len(xm.shape) >= 2 and _div(xm.shape[sp], t) and len(xm.shape) == rank
-    for k in (1,) + _blocks(graph)(op.outputs[0], rank - 1):
-        if not _div(wm.shape[out_dim], t, k):
-            continue
-        sfx = "" if k == 1 else f"_blocks{k}"
-        col_in = ps(REPLICATE, shard(out_dim, k), shard(0, k))
-        res.append(make(graph, op, "colwise" + sfx, col_in, (shard(rank - 1, k),), t,
-                        style="colwise"))
-        if can_sp:
-            # Megatron's sequence-parallel linear: the input is gathered inside the product
-            # and again in backward, so only its shard is kept for backward
-            regather = ((Comm("all_gather", op.inputs[x], "bwd"),)
-                        if graph.value(op.inputs[w]).requires_grad else ())
-            res.append(make(graph, op, "colwise_sp" + sfx, ps(shard(sp), shard(out_dim, k),
-                                                               shard(0, k)),
-                            (shard(rank - 1, k),), t, style="colwise_sp", local_inputs=col_in,
-                            kernel="sp_linear", extra=regather))
-    if _div(wm.shape[in_dim], t) and _div(xm.shape[-1], t):
-        row_in = ps(shard(len(xm.shape) - 1), shard(in_dim), REPLICATE)
-        kernel = "bias_after_reduce" if b is not None else ""
-        res.append(make(graph, op, "rowwise", row_in, (REPLICATE,), t, style="rowwise",
-                        kernel=kernel, local_outputs=(PARTIAL,)))
-        if len(xm.shape) == rank and rank >= 2 and _div(out[sp], t):
-            res.append(make(graph, op, "rowwise_sp", row_in, (shard(sp),), t,
-                            style="rowwise_sp", kernel=kernel, local_outputs=(PARTIAL,)))
-    if rank >= 2 and len(xm.shape) == rank and _div(out[0], t):
-        res.append(make(graph, op, "batch", ps(shard(0), REPLICATE, REPLICATE), (shard(0),), t,
-                        style="batch"))
-    if rank >= 3 and len(xm.shape) == rank and _div(out[1], t):
-        res.append(make(graph, op, "seq", ps(shard(1), REPLICATE, REPLICATE), (shard(1),), t,
-                        style="seq"))
-    weight = graph.value(op.inputs[w])
-    if weight.kind == "param" and _div(wm.shape[0], t) and len(xm.shape) == rank:
-        # the weight stored split, gathered for the product (FSDP on this axis) and in backward
-        regather = ((Comm("all_gather", op.inputs[w], "bwd"),) if weight.requires_grad else ())
-        for d, label in ((0, "batch"), (1, "seq")):
-            if rank >= d + 2 and _div(out[d], t):
-                res.append(make(graph, op, f"{label}_gathered", ps(shard(d), shard(0),
-                                                                    REPLICATE),
-                                (shard(d),), t, style=label, kernel="gathered_weight",
-                                local_inputs=ps(shard(d), REPLICATE, REPLICATE), extra=regather))
-    return res
-
-
-def _grouped_mm(graph: OpGraph, op: Op, t: int) -> list[OpStrategy]:
-    """Experts' grouped product: input (tokens, in) sorted by expert, weight (experts, in,
-    out), offsets (experts,)."""
-    if len(op.inputs) != 3:
-        return []
-    xm, wm = (graph.value(n).meta for n in op.inputs[:2])
-    if len(xm.shape) != 2 or len(wm.shape) != 3:
-        return []
-    res = []
-    if _div(wm.shape[2], t):
-        res.append(make(graph, op, "colwise", (REPLICATE, shard(2), REPLICATE), (shard(1),), t,
-                        style="colwise"))
-    if _div(wm.shape[1], t):
-        res.append(make(graph, op, "rowwise", (shard(1), shard(1), REPLICATE), (REPLICATE,), t,
-                        style="rowwise", local_outputs=(PARTIAL,)))
-    return res
-
-
-def _act_matmul(graph: OpGraph, op: Op, t: int) -> list[OpStrategy]:
-    """Product of two activations (batched, broadcasting over the leading dims)."""
-    name = opname(op)
-    if name not in ("bmm", "matmul", "mm") or len(op.inputs) != 2:
-        return []
-    a, b = (graph.value(n).meta.shape for n in op.inputs)
-    out = graph.value(op.outputs[0]).meta.shape
-    r = len(out)
-    if len(a) < 2 or len(b) < 2 or r < 2:
-        return []
-    res = []
-    for d in range(r - 2):
-        pa, pb = (_batch_dim(s, out, d) for s in (a, b))
-        if (pa is None and pb is None) or not _div(out[d], t):
-            continue
-        ins = (shard(pa) if pa is not None else REPLICATE,
-               shard(pb) if pb is not None else REPLICATE)
-        res.append(make(graph, op, "heads" if d == 1 else ("batch" if d == 0 else f"dim{d}"),
-                        ins, (shard(d),), t))
-    if _div(out[r - 2], t):
-        res.append(make(graph, op, "rows", (shard(len(a) - 2), REPLICATE), (shard(r - 2),), t))
-    if _div(out[r - 1], t):
-        res.append(make(graph, op, "cols", (REPLICATE, shard(len(b) - 1)), (shard(r - 1),), t))
-    if _div(a[-1], t):
-        res.append(make(graph, op, "contract", (shard(len(a) - 1), shard(len(b) - 2)),
-                        (REPLICATE,), t, local_outputs=(PARTIAL,)))
-    return res
-
-
-def _batch_dim(shape: tuple[int, ...], out: tuple[int, ...], d: int) -> int | None:
-    """The operand dim aligned with output batch dim ``d`` (None: broadcast over it)."""
-    k = d - (len(out) - len(shape))
-    if k < 0 or k >= len(shape) - 2 or shape[k] == 1:
-        return None
-    return k
 
 
 # ---- attention, embedding, norms, convolution ------------------------------------------------
