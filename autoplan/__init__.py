@@ -12,7 +12,8 @@ from autoplan.estimate import Estimate, ParallelConfig, estimate
 from autoplan.graph import OpGraph, trace
 from autoplan.planner.loading import load_plan
 from autoplan.planner.planfile import Plan
-from autoplan.planner.search import NoFeasiblePlanError, plan
+from autoplan.planner.search import plan
+from autoplan.planner.verdicts import NoFeasiblePlanError
 
 __all__ = ["AutoplanError", "Cluster", "ClusterError", "ConfigError", "Estimate",
            "NoFeasiblePlanError", "OpGraph", "ParallelConfig", "Plan", "PlanError", "ProfileError",

@@ -30,18 +30,19 @@ from typing import Any
 
 from autoplan.cost.compute import compute_model
 from autoplan.cost.memory import bytes_per_param
-from autoplan.errors import ConfigError, PlanError
+from autoplan.errors import ConfigError
 from autoplan.estimate.arguments import (batch_arg, capacity_arg, cluster_arg, options_error,
                                         profile_arg)
 from autoplan.estimate.config import ParallelConfig
 from autoplan.estimate.estimator import estimate, validate
-from autoplan.estimate.result import Estimate
 from autoplan.graph.opgraph import OpGraph
 from autoplan.graph.trace import as_graph
 from autoplan.planner import mesh as meshes
 from autoplan.planner.ilp import ILPSolution, solve
 from autoplan.planner.assemble import assemble
-from autoplan.planner.planfile import Alternative, Plan
+from autoplan.planner.planfile import Plan
+from autoplan.planner.verdicts import (Candidate, alternatives, honours, infeasible,
+                                       too_few_layers, why_none_honours)
 from autoplan.estimate.overlap import overlap_interference
 from autoplan.planner.problem import (CostContext, ExpertExchanges, expert_exchanges, reduce_graph,
                                      sharding_from_choice)
@@ -51,20 +52,6 @@ from autoplan.sharding.sharding import (Sharding, context_sharding, megatron_sha
 
 
 _SP_STYLES = frozenset({"colwise_sp", "rowwise_sp", "vocab_sp", "seq"})
-
-
-class NoFeasiblePlanError(PlanError):
-    """No configuration fits the devices' memory. Carries the figures that say what would."""
-
-    def __init__(self, message: str, *, min_memory_bytes: float, device_memory_bytes: float,
-                 min_host_memory_bytes: float = 0.0, host_memory_bytes: float = float("inf"),
-                 suggestions: tuple[str, ...] = ()):
-        super().__init__(message)
-        self.min_memory_bytes = min_memory_bytes
-        self.device_memory_bytes = device_memory_bytes
-        self.min_host_memory_bytes = min_host_memory_bytes
-        self.host_memory_bytes = host_memory_bytes
-        self.suggestions = suggestions
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -87,17 +74,6 @@ class SearchOptions:
     memory_margin_bytes: float | None = None
     expert_capacity_factor: float = 1.0   # MoE routing imbalance priced (estimate() doc)
     pin: dict[str, str] = field(default_factory=dict)   # op pattern -> strategy (pins.py)
-
-
-@dataclass
-class _Candidate:
-    est: Estimate
-    sharding: Sharding
-    ilp: ILPSolution | None
-    label: str                      # "search", "baseline: data parallel", ...
-
-    def key(self) -> tuple:
-        return (self.est.step_time_s, self.est.config.short())
 
 
 @dataclass
@@ -192,7 +168,7 @@ def _ilp_sharding(graph: OpGraph, cluster: Any, config: ParallelConfig, profile:
 
 def _evaluate(graph: OpGraph, cluster: Any, configs: list[ParallelConfig], sh: Sharding,
               sol: ILPSolution | None, gbs: int, profile: Any, opts: SearchOptions,
-              stats: _Stats, label: str, simulate: bool = False) -> list[_Candidate]:
+              stats: _Stats, label: str, simulate: bool = False) -> list[Candidate]:
     out = []
     sp = sh.t > 1 and any(s.style in _SP_STYLES for s in sh.op_strategy)
     for c in configs:
@@ -212,7 +188,7 @@ def _evaluate(graph: OpGraph, cluster: Any, configs: list[ParallelConfig], sh: S
             stats.rejected = str(e)
             continue
         stats.evaluated += 1
-        out.append(_Candidate(est, sh, sol, label))
+        out.append(Candidate(est, sh, sol, label))
     return out
 
 
@@ -266,11 +242,11 @@ def _context_tps(graph: OpGraph, cluster: Any, opts: SearchOptions) -> list[int]
 
 
 def _baselines(graph: OpGraph, cluster: Any, gbs: int, base: dict[str, Any], profile: Any,
-               opts: SearchOptions, stats: _Stats) -> list[_Candidate]:
+               opts: SearchOptions, stats: _Stats) -> list[Candidate]:
     """Pure data parallel, FSDP only, and Megatron-style (TP with sequence parallelism inside a
     node, DP across) at every such degree and ZeRO stage: each at its best micro-batch size."""
     world = cluster.world_size
-    out: list[_Candidate] = []
+    out: list[Candidate] = []
     specs = [("baseline: data parallel", dict(dp=world, tp=1, zero_stage=0), None),
              ("baseline: FSDP", dict(dp=world, tp=1, zero_stage=3), None)]
     for tp in _megatron_tps(graph, cluster, opts):
@@ -297,86 +273,8 @@ def _baselines(graph: OpGraph, cluster: Any, gbs: int, base: dict[str, Any], pro
         fitting = [c for c in cands if c.est.fits]
         pool = fitting or cands
         if pool:
-            out.append(min(pool, key=_Candidate.key))
+            out.append(min(pool, key=Candidate.key))
     return out
-
-
-def _why_lost(c: _Candidate, best: _Candidate, force: dict[str, Any]) -> str:
-    if not _honours(c.est.config, force):
-        pinned = ", ".join(f"{k}={v}" for k, v in sorted(force.items()))
-        return f"excluded: the search was pinned to {pinned}"
-    if not c.est.fits:
-        return (f"needs {c.est.peak_memory_bytes / 2**30:.1f} GiB > "
-                f"{c.est.device_memory_bytes / 2**30:.1f} GiB per device")
-    slower = c.est.step_time_s / best.est.step_time_s - 1
-    if slower < 5e-4:
-        return "same predicted step time as the chosen plan (the tie goes to the first in order)"
-    diffs = {
-        "compute": c.est.time.compute_s - best.est.time.compute_s,
-        "recomputation": c.est.time.recompute_s - best.est.time.recompute_s,
-        "optimizer step": c.est.time.optimizer_s - best.est.time.optimizer_s,
-        "pipeline bubble": c.est.time.bubble_s - best.est.time.bubble_s,
-    }
-    for k, v in c.est.time.comm_exposed_s.items():
-        diffs[f"exposed {k} communication"] = v - best.est.time.comm_exposed_s.get(k, 0.0)
-    cause = max(diffs, key=lambda k: diffs[k])
-    label = "" if c.label == "search" else f" ({c.label})"
-    return f"{slower * 100:.1f}% slower: more {cause}{label}"
-
-
-def _infeasible(cands: list[_Candidate], cluster: Any,
-                force: dict[str, Any] | None = None) -> NoFeasiblePlanError:
-    """The configuration closest to fitting (device and host memory), and what would help;
-    with ``force``, among the configurations that honour it (and which one fits without)."""
-    def shortfall(c: _Candidate) -> float:
-        return max(c.est.peak_memory_bytes / c.est.device_memory_bytes,
-                   c.est.peak_offloaded_bytes / c.est.host_memory_per_device_bytes)
-    forced = [c for c in cands if _honours(c.est.config, force or {})]
-    free_fit = min((c for c in cands if c.est.fits and not _honours(c.est.config, force)),
-                   key=_Candidate.key, default=None) if force else None
-    cands = forced or cands
-    best = min(cands, key=lambda c: (shortfall(c), c.est.config.short()))
-    need, have = best.est.peak_memory_bytes, best.est.device_memory_bytes
-    host_need, host_have = best.est.peak_offloaded_bytes, best.est.host_memory_per_device_bytes
-    gib = 2 ** 30
-    ratio = shortfall(best)
-    tips = [f"more devices: about {cluster.world_size * ratio:.0f} of these "
-            f"(memory per device falls as weights and optimizer state shard wider)"
-            ] if ratio > 1 else []
-    if best.est.config.micro_batch_size > 1:
-        tips.append("a smaller micro-batch (activations scale with it)")
-    if need > have and not best.est.config.offload_optimizer:
-        tips.append("optimizer-state offload to host memory")
-    if need > have:
-        tips.append(f"a device with more than {need / gib:.0f} GiB of memory "
-                    "(e.g. hgx-h200, 141 GiB)")
-    if host_need > host_have:
-        tips.append(f"nodes with more host memory: {host_need / gib:.0f} GiB per device is "
-                    f"offloaded, a device's share is {host_have / gib:.0f} GiB")
-    if free_fit is not None:
-        pinned = ", ".join(f"{k}={v}" for k, v in sorted(force.items()))
-        tips.insert(0, f"dropping force {pinned}: {free_fit.est.config.short()} fits "
-                       f"({free_fit.est.peak_memory_bytes / gib:.1f} GiB)")
-    what = "no configuration" + (f" with force={force}" if force else "")
-    msg = (f"{what} fits: the least memory any plan needs is {need / gib:.1f} GiB "
-           f"per device" + (f" plus {host_need / gib:.1f} GiB of host memory"
-                             if host_need else "")
-           + f" ({best.est.config.short()}); the devices have {have / gib:.1f} GiB"
-           + (f" and {host_have / gib:.1f} GiB of host memory each" if host_need else "")
-           + ". What would make it fit: " + "; ".join(tips))
-    return NoFeasiblePlanError(msg, min_memory_bytes=need, device_memory_bytes=have,
-                               min_host_memory_bytes=host_need, host_memory_bytes=host_have,
-                               suggestions=tuple(tips))
-
-
-def _too_few_layers(pp: int, layers: int, block: Any) -> str:
-    """Why a forced pipeline degree has no mesh, where the layers are the reason."""
-    if pp <= layers:
-        return ""
-    found = ("no repeated layers: a pipeline cuts between the instances of a list of identical "
-             "layers (one module called several times is one layer)" if block is None else
-             f"{layers} ({block.instances[0].path} to {block.instances[-1].path})")
-    return f": pp={pp} needs at least {pp} layers to cut between, and the model has {found}"
 
 
 def plan(model: Any, cluster: Any, *, global_batch_size: int, example_inputs: Any = None,
@@ -409,7 +307,7 @@ def plan(model: Any, cluster: Any, *, global_batch_size: int, example_inputs: An
                      error=ConfigError)
     profile = profile_arg(profile, cluster, "plan()")
     base = {"precision": precision, "optimizer": optimizer}
-    cands: list[_Candidate] = []
+    cands: list[Candidate] = []
     from autoplan.estimate.partition import main_block
     block = main_block(graph)
     layers = len(block.instances) if block else 1
@@ -419,7 +317,7 @@ def plan(model: Any, cluster: Any, *, global_batch_size: int, example_inputs: An
                                        if k in ("dp", "tp", "pp"))]
     if not shapes:
         raise ConfigError(f"no mesh of {cluster.world_size} devices matches force={opts.force}"
-                          + _too_few_layers(opts.force.get("pp", 1), layers, block))
+                          + too_few_layers(opts.force.get("pp", 1), layers, block))
     if opts.force.get("ep", 1) != 1:
         from autoplan.graph.experts import find_experts
         found = find_experts(graph)
@@ -509,7 +407,7 @@ def plan(model: Any, cluster: Any, *, global_batch_size: int, example_inputs: An
                 found += found_ep
             cands += found
             fit = [c for c in found if c.est.fits]
-            best = min(fit, key=_Candidate.key) if fit else None
+            best = min(fit, key=Candidate.key) if fit else None
             say(f"{where} mbs {mbs}: "
                 + (f"best {best.est.step_time_s * 1e3:,.1f} ms ({best.est.config.short()})"
                    if best else "nothing fits")
@@ -525,29 +423,29 @@ def plan(model: Any, cluster: Any, *, global_batch_size: int, example_inputs: An
                                             if stats.rejected else ""))
     cands = _refine_pipelined(graph, cluster, cands, global_batch_size, profile, opts, stats)
     # forced fields bind the choice; baselines that differ stay as alternatives
-    fitting = sorted((c for c in cands if c.est.fits and _honours(c.est.config, opts.force)),
-                     key=_Candidate.key)
-    if opts.force and not any(_honours(c.est.config, opts.force) for c in cands):
+    fitting = sorted((c for c in cands if c.est.fits and honours(c.est.config, opts.force)),
+                     key=Candidate.key)
+    if opts.force and not any(honours(c.est.config, opts.force) for c in cands):
         raise ConfigError(f"no configuration with force={opts.force} could be costed: "
-                          + _why_none_honours(cands, opts.force, stats))
+                          + why_none_honours(cands, opts.force, stats))
     if not fitting:
-        raise _infeasible(cands, cluster, opts.force)
+        raise infeasible(cands, cluster, opts.force)
     best = fitting[0]
-    return assemble(graph, cluster, best, _alternatives(cands, best, opts.top_k, opts.force),
+    return assemble(graph, cluster, best, alternatives(cands, best, opts.top_k, opts.force),
                     stats, global_batch_size, name, opts.expert_capacity_factor)
 
 
-def _refine_pipelined(graph: OpGraph, cluster: Any, cands: list[_Candidate], gbs: int,
+def _refine_pipelined(graph: OpGraph, cluster: Any, cands: list[Candidate], gbs: int,
                       profile: Any, opts: SearchOptions, stats: _Stats,
-                      finalists: int = 8) -> list[_Candidate]:
+                      finalists: int = 8) -> list[Candidate]:
     """Pipelined candidates were screened with the closed form; simulate the best few and the
     best of each schedule at each micro-batch size, so that the plan's figures are the
     simulator's and no schedule's optimism in the closed form crowds out another's best."""
-    piped = sorted((c for c in cands if c.est.config.pp > 1 and c.est.fits), key=_Candidate.key)
+    piped = sorted((c for c in cands if c.est.config.pp > 1 and c.est.fits), key=Candidate.key)
     if not piped:
         return cands
     chosen = piped[:finalists]
-    best_of: dict[tuple[str, int], _Candidate] = {}
+    best_of: dict[tuple[str, int], Candidate] = {}
     for c in piped:
         best_of.setdefault((c.est.config.schedule, c.est.config.micro_batch_size), c)
     chosen += best_of.values()
@@ -560,38 +458,3 @@ def _refine_pipelined(graph: OpGraph, cluster: Any, cands: list[_Candidate], gbs
         keep += _evaluate(graph, cluster, [c.est.config], c.sharding, c.ilp, gbs, profile,
                           opts, stats, c.label, simulate=True)
     return keep
-
-
-def _why_none_honours(cands: list[_Candidate], force: dict[str, Any], stats: _Stats) -> str:
-    """Which forced field no costed configuration had, and what they had instead."""
-    reasons = []
-    for k, v in sorted(force.items()):
-        seen = sorted({repr(getattr(c.est.config, k)) for c in cands})
-        if repr(v) not in seen:
-            reasons.append(f"{k}={v!r} was never possible (the costed configurations had "
-                           f"{k} in {{{', '.join(seen)}}})"
-                           + ("; sequence parallelism needs an op whose sequence dim splits "
-                              "evenly over tp" if k == "sequence_parallel" else ""))
-    if stats.rejected:
-        reasons.append(f"the last configuration refused: {stats.rejected}")
-    return "; ".join(reasons) or "every forced field was seen, but never all together"
-
-
-def _honours(config: ParallelConfig, force: dict[str, Any]) -> bool:
-    return all(getattr(config, k) == v for k, v in force.items())
-
-
-def _alternatives(cands: list[_Candidate], best: _Candidate, k: int,
-                  force: dict[str, Any]) -> list[Alternative]:
-    """The next ``k`` configurations of the search, then every baseline, each with why it lost."""
-    seen = {best.est.config}
-    picked: list[_Candidate] = []
-    for c in sorted((c for c in cands if c.est.fits), key=_Candidate.key):
-        if c.label == "search" and c.est.config not in seen and len(picked) < k:
-            seen.add(c.est.config)
-            picked.append(c)
-    for c in sorted((c for c in cands if c.label != "search"), key=lambda c: c.label):
-        if c.est.config not in seen:
-            seen.add(c.est.config)
-            picked.append(c)
-    return [Alternative.of(c.est, _why_lost(c, best, force)) for c in picked]
