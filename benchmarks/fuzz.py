@@ -71,7 +71,8 @@ def seeds() -> dict[str, bytes]:
     cal = Calibration(matmul_flops_per_s=5e10, memory_bandwidth_bytes_per_s=1e10, launch_s=3e-6,
                       optimizer_s_per_param=5e-9, optimizer_s_per_tensor=2e-5,
                       step_overhead_s=4e-4,
-                      matmul_size_efficiency=((32.0, 0.4), (256.0, 1.0)))
+                      matmul_size_efficiency=((32.0, 0.4), (256.0, 1.0)),
+                      elementwise_s_per_element=(("gelu_tanh", 1.2e-9, 1.5e-9),))
     prof = ProfileDB(device="cpu-fuzz", device_kind="cpu", threads=2, torch_version="2.x",
                      calibration=cal, sources=("fuzz",),
                      entries={"aten.linear.default|x": OpTiming(fwd_s=1e-5, bwd_s=2e-5, fwd_cv=0.1,

@@ -143,6 +143,58 @@ def test_the_size_curve_round_trips_and_bad_curves_are_refused(tmp_path):
             ProfileDB.load(path)
 
 
+def test_element_rates_round_trip_and_bad_ones_are_refused(tmp_path):
+    rates = (("gelu_tanh", 1.2e-9, 1.5e-9), ("softmax", 4e-10, 5e-10))
+    db = dataclasses.replace(_db(), calibration=_cal(elementwise_s_per_element=rates))
+    path = tmp_path / "cpu-test-device.json"
+    db.save(path)
+    assert ProfileDB.load(path).calibration.elementwise_s_per_element == rates
+    assert json.loads(path.read_text())["calibration"]["elementwise_s_per_element"] == {
+        "gelu_tanh": [1.2e-9, 1.5e-9], "softmax": [4e-10, 5e-10]}
+    for bad, expect in [({"tanh": [-1.0, 0.0]}, "tanh.forward"), ({"tanh": [1e-9]}, "forward"),
+                        ([1, 2], "name")]:
+        d = _db().to_dict()
+        d["calibration"]["elementwise_s_per_element"] = bad
+        path.write_text(json.dumps(d))
+        with pytest.raises(ProfileError, match=expect):
+            ProfileDB.load(path)
+
+
+def test_a_measured_element_rate_is_a_third_ceiling():
+    """GELU's tanh form, softmax and a cross entropy's log-softmax take at least the measured
+    time per element (a CPU core's tanh outlasts the bytes); other ops keep the roofline."""
+    from autoplan.cost.compute import compute_model, elementwise_key
+
+    class M(nn.Module):
+        def forward(self, x):
+            h = nn.functional.gelu(x, approximate="tanh").softmax(-1)
+            return nn.functional.gelu(h) * 2.0
+    g = _trace(M(), torch.randn(64, 128), torch.randint(0, 128, (64,)),
+               nn.functional.cross_entropy)
+    keys = [elementwise_key(g, op) for op in g.ops]
+    assert ("gelu_tanh", 64 * 128) in keys and ("softmax", 64 * 128) in keys
+    assert ("gelu", 64 * 128) in keys and ("log_softmax", 64 * 128) in keys
+    slow = (("gelu_tanh", 1e-6, 2e-6), ("log_softmax", 3e-6, 4e-6), ("softmax", 0.0, 0.0))
+    cal = _cal(elementwise_s_per_element=slow)
+    cluster = autoplan.Cluster.local(1, calibration={
+        "matmul_flops_per_s": cal.matmul_flops_per_s,
+        "memory_bandwidth_bytes_per_s": cal.memory_bandwidth_bytes_per_s,
+        "launch_s": cal.launch_s})
+    plain = compute_model(g, cluster.device, "fp32", _db(entries={}))
+    rated = compute_model(g, cluster.device, "fp32",
+                          dataclasses.replace(_db(entries={}), calibration=cal))
+    for i, (op, key) in enumerate(zip(g.ops, keys)):
+        got, was = rated.base_cost(i), plain.base_cost(i)
+        rate = dict((k, (f, b)) for k, f, b in slow).get(key[0]) if key else None
+        if rate is None or rate == (0.0, 0.0):
+            assert got == was, op.target            # not measured, or never the ceiling
+            continue
+        share = rated.slowdown
+        assert got.fwd_s == pytest.approx((key[1] * rate[0] + cal.launch_s) * share)
+        assert got.bwd_s == pytest.approx((key[1] * rate[1] + cal.launch_s) * share
+                                          if op.differentiable else 0.0)
+
+
 def test_merged_updates_entries_and_refuses_other_thread_counts():
     old = _db()
     newer = _db(entries={"aten.relu.default|a": OpTiming(fwd_s=1e-6, bwd_s=1e-6, fwd_cv=0.0,
@@ -254,6 +306,10 @@ def test_calibration_is_positive_and_plausible():
     fractions = dict(cal.matmul_size_efficiency)
     assert 0.0 < fractions[sizes[0]] < fractions[sizes[-1]]
     assert all(0.2 < f < 3.0 for f in fractions.values() if f is not fractions[sizes[0]])
+    rates = {k: (f, b) for k, f, b in cal.elementwise_s_per_element}
+    assert set(rates) == {"gelu", "gelu_tanh", "silu", "sigmoid", "tanh", "exp", "softmax",
+                          "log_softmax"}
+    assert all(0 < f < 1e-6 and 0 <= b < 1e-6 for f, b in rates.values())
 
 
 def test_cli_profiles_an_example_and_merges(tmp_path, capsys):

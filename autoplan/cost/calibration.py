@@ -14,6 +14,7 @@ priced from the loop, every step came out 13-20 % short.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -82,13 +83,14 @@ def calibrate(device: str | torch.device = "cpu", *, seed: int = 0) -> Calibrati
     step_s = _measure(clock, tiny_step, warmup=5, repeats=15, min_time_s=5e-3,
                             max_time_s=0.5).median_s
     framework_s = _framework_s_per_op(clock, dev, launch_s) if not cuda else 0.0
+    elementwise = _elementwise_rates(clock, dev, mm_dtype)
 
     return Calibration(matmul_flops_per_s=mm_rate, matmul_size_efficiency=curve,
                        memory_bandwidth_bytes_per_s=copy_bytes / copy_s, launch_s=launch_s,
                        optimizer_s_per_param=opt_per_param_s,
                        optimizer_s_per_tensor=per_tensor_s, step_overhead_s=step_s,
                        matmul_dtype=str(mm_dtype).removeprefix("torch."),
-                       framework_s_per_op=framework_s)
+                       framework_s_per_op=framework_s, elementwise_s_per_element=elementwise)
 
 
 # the reference network whose forward and backward give the products' rate: tokens, then the
@@ -141,6 +143,40 @@ def _size_curve(clock: Any, dev: torch.device, dtype: torch.dtype
         rates.append((float(n), 2.0 * n ** 3 / s))
     ref = size_efficiency(rates, reference_size(dev.type))
     return tuple((n, r / ref) for n, r in rates)
+
+
+# the element-wise functions timed (``cost.compute.elementwise_key`` names them); their
+# arithmetic, not their bytes, can set their time: on a 2-core AMD EPYC, per fp32 element
+# forward, tanh 2.1 ns, GELU's tanh form 1.2, exp 0.6, softmax 0.4, sigmoid 0.2, where the
+# copy bandwidth gives 0.2
+_ELEMENTWISE_FUNCTIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "gelu": torch.nn.functional.gelu,
+    "gelu_tanh": lambda x: torch.nn.functional.gelu(x, approximate="tanh"),
+    "silu": torch.nn.functional.silu, "sigmoid": torch.sigmoid, "tanh": torch.tanh,
+    "exp": torch.exp, "softmax": lambda x: x.softmax(-1),
+    "log_softmax": lambda x: x.log_softmax(-1),
+}
+
+
+def _elementwise_rates(clock: Any, dev: torch.device, dtype: torch.dtype
+                       ) -> tuple[tuple[str, float, float], ...]:
+    """(name, forward, backward) seconds per element of each element-wise function, on a
+    tensor of 1M elements (64M on CUDA) in rows of 1024."""
+    n = (1 << 26) if dev.type == "cuda" else (1 << 20)
+    x = torch.randn(n // 1024, 1024, device=dev, dtype=dtype)
+    grad = torch.randn_like(x)
+    out = []
+    for name, fn in _ELEMENTWISE_FUNCTIONS.items():
+        xg = x.clone().requires_grad_(True)
+
+        def fwd_bwd() -> None:
+            fn(xg).backward(grad)
+        fwd = _measure(clock, lambda: fn(x), warmup=2, repeats=7, min_time_s=1e-3,
+                       max_time_s=0.2).median_s
+        both = _measure(clock, fwd_bwd, warmup=2, repeats=7, min_time_s=1e-3,
+                        max_time_s=0.3).median_s
+        out.append((name, fwd / n, max(0.0, both - fwd) / n))
+    return tuple(out)
 
 
 # a small eager network of tiny layers: its forward and backward time is all framework (module

@@ -7,7 +7,9 @@ the calibration's own figures (the products of a reference forward and backward 
 copy's bytes/s, a tiny op's latency) replace them. A calibration also measures how a product's
 rate falls with its size (``Calibration.matmul_size_efficiency``: small products, such as
 attention's per-head ones, leave the vector units idle): a product runs at the rate of its size,
-the cube root of one matrix product's M*K*N (``product_size``). Backward: the op rule's backward
+the cube root of one matrix product's M*K*N (``product_size``). Element-wise functions whose
+arithmetic outlasts their memory traffic (a CPU core's tanh, GELU's tanh form, softmax's exp)
+run no faster than the rate a calibration measured for them (``elementwise_key``). Backward: the op rule's backward
 FLOPs (its products have the forward's sizes, transposed), and about twice the forward's bytes
 (read the output gradient and what was saved, write the input gradients).
 
@@ -20,8 +22,8 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from autoplan.cost.memory import PRECISION_BYTES
@@ -49,6 +51,8 @@ class Throughput:
     device_kind: str
     # ((product size, fraction of matmul_flops_per_s), ...): see size_efficiency
     matmul_size_efficiency: tuple[tuple[float, float], ...] = ()
+    # measured element-wise functions: name -> (forward, backward) seconds per element
+    elementwise_s_per_element: Mapping[str, tuple[float, float]] = field(default_factory=dict)
 
     @staticmethod
     def from_device(device: Any, precision: str, calibration: Any = None) -> Throughput:
@@ -57,11 +61,36 @@ class Throughput:
                               memory_bytes_per_s=calibration.memory_bandwidth_bytes_per_s,
                               launch_s=calibration.launch_s, device_kind=device.kind,
                               matmul_size_efficiency=tuple(
-                                  getattr(calibration, "matmul_size_efficiency", ()) or ()))
+                                  getattr(calibration, "matmul_size_efficiency", ()) or ()),
+                              elementwise_s_per_element={
+                                  k: (f, b) for k, f, b in
+                                  getattr(calibration, "elementwise_s_per_element", ()) or ()})
         return Throughput(
             matmul_flops_per_s=device.peak_flops_for(precision) * device.matmul_efficiency,
             memory_bytes_per_s=device.memory_bandwidth_bytes_per_s * device.memory_efficiency,
             launch_s=device.kernel_launch_s, device_kind=device.kind)
+
+
+def elementwise_key(graph: OpGraph, op: Op) -> tuple[str, int] | None:
+    """(name, elements) under which a calibration measures ``op``'s element-wise function
+    (``Calibration.elementwise_s_per_element``): GELU (exact or tanh), SiLU, sigmoid, tanh, exp,
+    softmax and log-softmax over their outputs, a cross entropy's log-softmax over its logits;
+    None for other ops."""
+    name = opname(op).lstrip("_")
+    if op.kind == "loss" and name == "cross_entropy_loss" and op.inputs:
+        return "log_softmax", graph.value(op.inputs[0]).meta.numel
+    if name not in _ELEMENTWISE or not op.outputs:
+        return None
+    if name == "gelu":
+        try:
+            if json.loads(op.args).get("kwargs", {}).get("approximate") == "tanh":
+                name = "gelu_tanh"
+        except (ValueError, AttributeError):
+            pass
+    return name, graph.value(op.outputs[0]).meta.numel
+
+
+_ELEMENTWISE = frozenset({"gelu", "silu", "sigmoid", "tanh", "exp", "softmax", "log_softmax"})
 
 
 def size_efficiency(curve: Sequence[tuple[float, float]], size: float | None) -> float:
@@ -161,10 +190,17 @@ class ComputeModel:
         else:
             flops_per_s = tp.matmul_flops_per_s * _VECTOR_FRACTION
         bytes_ = (op.bytes_read + op.bytes_written) * self._byte_scale(op)
-        fwd = max(op.fwd_flops / flops_per_s, bytes_ / tp.memory_bytes_per_s) + tp.launch_s
+        # a measured element-wise function: its arithmetic is a third ceiling
+        key = elementwise_key(self.graph, op) if tp.elementwise_s_per_element else None
+        per_fwd, per_bwd = (0.0, 0.0)
+        if key is not None and key[0] in tp.elementwise_s_per_element:
+            per_fwd, per_bwd = (key[1] * x for x in tp.elementwise_s_per_element[key[0]])
+        fwd = max(op.fwd_flops / flops_per_s, bytes_ / tp.memory_bytes_per_s,
+                  per_fwd) + tp.launch_s
         if not op.differentiable:
             return OpCost(fwd_s=fwd, bwd_s=0.0)
-        bwd = max(op.bwd_flops / flops_per_s, 2.0 * bytes_ / tp.memory_bytes_per_s) + tp.launch_s
+        bwd = max(op.bwd_flops / flops_per_s, 2.0 * bytes_ / tp.memory_bytes_per_s,
+                  per_bwd) + tp.launch_s
         return OpCost(fwd_s=fwd, bwd_s=bwd)
 
     def base_cost(self, index: int) -> OpCost:

@@ -167,14 +167,41 @@ class Calibration:
     # ...) with sizes increasing, a size being the cube root of one matrix product's M*K*N
     # (``cost.compute.product_size``); empty: one rate for every size
     matmul_size_efficiency: tuple[tuple[float, float], ...] = ()
+    # element-wise functions whose arithmetic (tanh, exp, erf) outlasts their memory traffic on
+    # some devices: ((name, forward s per element, backward s per element), ...), names as
+    # ``cost.compute.elementwise_key`` gives them; empty: the roofline alone
+    elementwise_s_per_element: tuple[tuple[str, float, float], ...] = ()
 
     def __post_init__(self) -> None:
         for f in fields(self):
-            if f.name not in ("matmul_dtype", "matmul_size_efficiency"):
+            if f.name not in ("matmul_dtype", "matmul_size_efficiency",
+                              "elementwise_s_per_element"):
                 _check_number("Calibration", f.name, getattr(self, f.name),
                               positive=f.name != "framework_s_per_op")
         object.__setattr__(self, "matmul_size_efficiency",
                            _size_curve(self.matmul_size_efficiency))
+        object.__setattr__(self, "elementwise_s_per_element",
+                           _element_rates(self.elementwise_s_per_element))
+
+
+def _element_rates(rates: Any) -> tuple[tuple[str, float, float], ...]:
+    """``Calibration.elementwise_s_per_element`` checked: from ((name, fwd, bwd), ...) or the
+    file's {name: [fwd, bwd]}, names sorted, times finite and >= 0."""
+    if isinstance(rates, Mapping):
+        rates = [(k, *v) if isinstance(v, (list, tuple)) else (k, v) for k, v in rates.items()]
+    if not isinstance(rates, (list, tuple)):
+        raise ProfileError("Calibration.elementwise_s_per_element must map a name to [forward, "
+                           f"backward] seconds per element, got {type(rates).__name__}")
+    out = []
+    for r in rates:
+        if not isinstance(r, (list, tuple)) or len(r) != 3 or not isinstance(r[0], str):
+            raise ProfileError("Calibration.elementwise_s_per_element must map a name to "
+                               f"[forward, backward] seconds per element, got {r!r:.80}")
+        for what, x in zip(("forward", "backward"), r[1:]):
+            _check_number("Calibration.elementwise_s_per_element", f"{r[0]}.{what}", x,
+                          positive=False)
+        out.append((r[0], float(r[1]), float(r[2])))
+    return tuple(sorted(out))
 
 
 def _size_curve(points: Any) -> tuple[tuple[float, float], ...]:
@@ -219,6 +246,9 @@ def _calibration_to_json(c: Calibration) -> dict[str, Any]:
         elif f == "matmul_size_efficiency":
             if x:
                 out[f] = [[_round(n), _round(e)] for n, e in x]
+        elif f == "elementwise_s_per_element":
+            if x:
+                out[f] = {k: [_round(a), _round(b)] for k, a, b in x}
         elif f != "framework_s_per_op" or x:
             out[f] = _round(x)
     return out
