@@ -9,9 +9,10 @@ rate falls with its size (``Calibration.matmul_size_efficiency``: small products
 attention's per-head ones, leave the vector units idle): a product runs at the rate of its size,
 the cube root of one matrix product's M*K*N (``product_size``). Element-wise functions whose
 arithmetic outlasts their memory traffic (a CPU core's tanh, GELU's tanh form, softmax's exp)
-run no faster than the rate a calibration measured for them (``elementwise_key``). Backward: the op rule's backward
-FLOPs (its products have the forward's sizes, transposed), and about twice the forward's bytes
-(read the output gradient and what was saved, write the input gradients).
+run no faster than the rate a calibration measured for them (``elementwise_key``).
+Backward: the op rule's backward FLOPs (its products have the forward's sizes, transposed),
+and about twice the forward's bytes (read the output gradient and what was saved, write the
+input gradients).
 
 A profile entry is used as measured when the op runs at its traced shape and dtype; when the
 planner scales the work (another micro-batch size, a TP shard) the measured time above the
@@ -228,7 +229,6 @@ class ComputeModel:
             over = max(t - launch, 0.0)
             return min(t, launch) + over * work_scale / rate
         return OpCost(fwd_s=scale(c.fwd_s), bwd_s=scale(c.bwd_s))
-
 
     def _size_rate_change(self, index: int, work_scale: float) -> float:
         """How much faster (> 1) or slower a product runs per FLOP at ``work_scale`` times its

@@ -308,8 +308,7 @@ def _gathered_bytes(graph: OpGraph, sh: Sharding, i: int, precision: str) -> flo
     if s.kernel != "gathered_weight":
         return 0.0
     op = graph.ops[i]
-    whole = [graph.value(n).meta.numel for k, n in enumerate(op.inputs)
-             if k < len(s.inputs) and s.inputs[k] != s.local_input(k)]
+    whole = [graph.value(op.inputs[k]).meta.numel for k in s.gathered_inputs()]
     return max(whole, default=0) * (PRECISION_BYTES[precision] + GRAD_BYTES)
 
 

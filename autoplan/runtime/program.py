@@ -263,8 +263,7 @@ class _Builder:
             out = self.emit(_k_sp_linear, (node.target, args, kwargs, self.slot_node,
                                            str(s.inputs[x_slot])), i)
         elif s.kernel == "gathered_weight":
-            w_slot = next(k for k in range(len(op.inputs))       # the gathered weight
-                          if s.inputs[k] != s.local_input(k))
+            w_slot = s.gathered_inputs()[0]                      # the gathered weight
             out = self.emit(_k_gathered_weight, (node.target, args, kwargs, self.slot_node,
                                                  str(s.inputs[w_slot])), i)
         elif expert_op:

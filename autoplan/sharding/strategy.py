@@ -84,6 +84,11 @@ class OpStrategy:
     def local_output(self, k: int) -> Placement:
         return (self.local_outputs or self.outputs)[k]
 
+    def gathered_inputs(self) -> tuple[int, ...]:
+        """Input slots the op reads whole that are stored split (``gathered_weight``: the
+        weight its kernel gathers for the product)."""
+        return tuple(k for k in range(len(self.inputs)) if self.inputs[k] != self.local_input(k))
+
     @property
     def split(self) -> bool:
         """True when the rank-local computation differs between ranks."""
