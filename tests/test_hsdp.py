@@ -54,7 +54,7 @@ def test_hsdp_holds_more_state_and_reduces_over_its_replicas(llama8b):
     assert m_h.optimizer_bytes == pytest.approx(16 * m_f.optimizer_bytes)
     assert m_h.activations_bytes == m_f.activations_bytes
 
-    from autoplan.estimate.estimator import _dp_collectives
+    from autoplan.estimate.dp_terms import dp_collectives as _dp_collectives
     p, layers = 8e9, 32
     _, ag_f, rs_f = _dp_collectives(ParallelConfig(**kw), cluster, p, layers, 0)
     _, ag_h, rs_h = _dp_collectives(ParallelConfig(**kw, dp_shard=8), cluster, p, layers, 0)

@@ -5,10 +5,11 @@ recomputation, exposed tensor-parallel collectives and per-step tensor-parallel 
 all-reduces of the sharding those strategies make (one pipeline stage); and its memory for the
 choice equals the estimate's model state and one micro-batch's kept activations.
 
-Still outside the ILP (so the plan's step time adds them): data-parallel gradient sync and its
-overlap, ZeRO gathers, the optimizer step and host traffic, the framework's per-op overhead,
-and the pipeline's bubble and sends; in memory, full recomputation's kept layer inputs, the
-transient working set and the margin.
+Outside that shared ILP (it serves every ZeRO stage and policy): data-parallel gradient sync and
+its overlap, ZeRO gathers, the optimizer step and host traffic, the framework's per-op overhead.
+One configuration's own ILP (``dp_problem``) adds them, and its objective is then the estimate's
+whole step time (the last test). Outside both: the pipeline's bubble and sends; in memory, full
+recomputation's kept layer inputs, the transient working set and the margin.
 """
 
 import random
@@ -169,3 +170,58 @@ def test_the_ilp_prices_the_expert_exchanges_as_the_estimate(seed):
         else:
             assert objective(choice) <= priced * (1 + 1e-9), (name, choice)
     assert exact >= 1
+
+
+def _dp_case(seed: int):
+    """A random model, one or two nodes, tp, ZeRO stage, recompute policy, micro-batches and
+    offload: the configuration whose own ILP (``dp_problem``) is built."""
+    from dataclasses import replace as _replace
+    rng, name, g, _, config, m = _case(seed)
+    nodes = rng.choice([1, 2])
+    cluster = Cluster.preset(rng.choice(PRESETS), nodes=nodes)
+    config = _replace(config, dp=8 * nodes // config.tp, zero_stage=seed % 4,
+                      recompute=("none", "selective", "full")[seed % 3],
+                      offload_optimizer=rng.random() < 0.2)
+    return rng, name, g, cluster, config, m
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_with_its_dp_terms_the_ilp_objective_is_the_estimated_step_time(seed):
+    """For one configuration (pp 1), the ILP with data parallelism's terms (gradient sync and
+    ZeRO's gathers hidden behind the compute the choice makes, the optimizer, host traffic)
+    prices any choice at the estimate's step time of the plan it makes. Within 0.1 % (the
+    issue asks 2 %): exact but for ZeRO-1's first gathered share, a ratio of the weights a
+    rank holds linearized at the reference, and T5's thrice-read embedding (``_tolerance``)."""
+    from autoplan.planner.dp_problem import with_dp_terms
+    rng, name, g, cluster, config, m = _dp_case(seed)
+    compute = compute_model(g, cluster.device, config.precision, None)
+    gbs = config.dp * config.micro_batch_size * m
+    ctx = CostContext(graph=g, t=config.tp, compute=compute,
+                      collective_s=lambda kind, nbytes: cluster.collective_time_s(
+                          kind, nbytes, config.tp_group()),
+                      batch_scale=config.micro_batch_size / g.batch_size, microbatches=m,
+                      precision=config.precision, recompute=config.recompute,
+                      state_bytes_per_param=16.0, activation_multiplier=1.0,
+                      interference=overlap_interference(cluster),
+                      step_shard=config.shard_degree if config.zero_stage >= 2 else 1)
+    red = reduce_graph(ctx)
+    reference = solve(red.problem, time_limit_s=30).choice
+    problem = with_dp_terms(red, g, cluster, config, m, compute, None, ctx.interference,
+                            reference)
+    assert problem.overlaps or config.offload_optimizer is False
+    choices = [reference, solve(problem, time_limit_s=30).choice]
+    for _ in range(10):
+        choice = list(choices[0])
+        for v in rng.sample(range(len(choice)), k=max(1, len(choice) // 2)):
+            was, choice[v] = choice[v], rng.randrange(len(problem.node_costs[v]))
+            if problem.objective(choice) >= INFEASIBLE_S:
+                choice[v] = was
+        choices.append(tuple(choice))
+    from autoplan import estimate
+    for choice in choices:
+        sh = sharding_from_choice(g, config.tp, red, choice)
+        est = estimate(g, cluster, config=config, global_batch_size=gbs, profile=None,
+                       sharding=sh)
+        assert problem.objective(choice) == pytest.approx(
+            est.step_time_s, rel=max(_tolerance(g), 1e-3)
+        ), (name, config.short(), choice)

@@ -1,7 +1,9 @@
 """The planner: ILP optimality against brute force, baselines, regimes, plan files, CLI."""
 
 import json
+import itertools
 import random
+from dataclasses import replace
 
 import pytest
 import torch
@@ -55,6 +57,37 @@ def test_ilp_equals_brute_force_on_random_problems(seed, budget):
     assert sol.objective == pytest.approx(best[1], rel=1e-6)
     if budget:
         assert p.memory(sol.choice) <= p.memory_budget + 1e-6
+
+
+def _with_overlaps(p: ILPProblem, seed: int) -> ILPProblem:
+    """``p`` with two overlap terms (communication behind a compute window), windows and
+    communication both depending on the choice, one of them on the edges too."""
+    from autoplan.planner.ilp import Linear, Overlap
+    rng = random.Random(seed)
+
+    def lin(scale: float, edges: bool) -> Linear:
+        nodes = tuple(tuple(rng.uniform(0, scale) for _ in cs) for cs in p.node_costs)
+        mats = (tuple(tuple(tuple(rng.uniform(0, scale / 2) for _ in row) for row in r)
+                      for _, _, r in p.edges) if edges else ())
+        return Linear(rng.uniform(0, scale), nodes, mats)
+    overlaps = (Overlap(lin(3.0, False), lin(3.0, True), lin(0.5, False), 0.15, 2.0),
+                Overlap(lin(4.0, True), lin(2.0, False), lin(1.0, False), 0.3, 1.0))
+    return replace(p, overlaps=overlaps, constant_s=1.5)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_ilp_with_overlap_terms_equals_brute_force(seed):
+    """Communication hidden behind compute as far as it lasts (max(C - W, F) + phi min(C, W),
+    the estimate's overlap rule) is exact in the ILP, whichever of C and W is longer."""
+    p = _with_overlaps(_random_problem(seed, seed % 2 == 1), seed)
+    sol = solve(p, time_limit_s=20)
+    best = brute_force(p)
+    assert sol.status == "optimal"
+    assert sol.objective == pytest.approx(best[1], rel=1e-6)
+    longer = {o.comm.value(p, c) > o.window.value(p, c)
+              for o in p.overlaps for c in itertools.product(*[range(len(cs))
+                                                               for cs in p.node_costs])}
+    assert longer == {True, False}       # both sides of the min occur among the choices
 
 
 def test_ilp_reports_infeasible_memory():
@@ -346,3 +379,33 @@ def test_a_forced_pipeline_deeper_than_the_layers_says_why():
     g = trace(ex.model, ex.example_inputs, loss_fn=ex.loss_fn, targets=ex.targets)
     with pytest.raises(autoplan.ConfigError, match=r"pp=4 needs at least 4 layers.*has 2 \(layers.0"):
         plan(g, Cluster.local(4), global_batch_size=4, profile=None, force={"pp": 4}, max_pp=4)
+
+
+@pytest.mark.parametrize("zero", [0, 1, 3])
+def test_ilp_with_dp_terms_equals_brute_force_on_a_model_graph(zero):
+    """One configuration's own ILP (``dp_problem``: gradient sync and ZeRO gathers behind the
+    compute the choice makes) on a real traced graph: the ILP's optimum is brute force's, and
+    it prices that choice at ``estimate``'s step time."""
+    from autoplan.cost.compute import compute_model
+    from autoplan.planner.dp_problem import with_dp_terms
+    g = _ffn_graph()
+    cluster = Cluster.preset("pcie-8gpu", nodes=2)
+    config = ParallelConfig(dp=8, tp=2, micro_batch_size=4, zero_stage=zero, precision="bf16")
+    compute = compute_model(g, cluster.device, "bf16", None)
+    group = config.tp_group()
+    ctx = CostContext(graph=g, t=2, compute=compute,
+                      collective_s=lambda kind, b: cluster.collective_time_s(kind, b, group),
+                      batch_scale=1.0, microbatches=2, precision="bf16", recompute="none",
+                      state_bytes_per_param=16.0, activation_multiplier=1.0,
+                      step_shard=8 if zero >= 2 else 1)
+    red = reduce_graph(ctx)
+    reference = solve(red.problem, time_limit_s=20).choice
+    p = with_dp_terms(red, g, cluster, config, 2, compute, None, ctx.interference, reference)
+    assert p.overlaps
+    sol = solve(p, time_limit_s=20, start=reference)
+    best = brute_force(p)
+    assert sol.status == "optimal"
+    assert sol.objective == pytest.approx(best[1], rel=1e-9)
+    est = estimate(g, cluster, config=config, global_batch_size=8 * 4 * 2, profile=None,
+                   sharding=sharding_from_choice(g, 2, red, sol.choice))
+    assert sol.objective == pytest.approx(est.step_time_s, rel=1e-3)

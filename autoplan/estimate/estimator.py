@@ -24,26 +24,22 @@ from itertools import chain, repeat
 from typing import Any
 
 from autoplan.graph.analysis import analyze
-from autoplan.cost.compute import ComputeModel, compute_model
-from autoplan.cost.memory import (GRAD_BYTES, PRECISION_BYTES, activation_bytes,
+from autoplan.cost.compute import compute_model
+from autoplan.cost.memory import (PRECISION_BYTES, activation_bytes,
                                   model_state_bytes, sharding_for)
 from autoplan.errors import ConfigError
 from autoplan.estimate.arguments import batch_arg, capacity_arg, cluster_arg, profile_arg
 from autoplan.estimate.chunk_cost import CostInputs, RangeCost, chunk_cost
 from autoplan.estimate.config import SPLIT_BACKWARD, ParallelConfig
+from autoplan.estimate.dp_terms import StageParams, dp_collectives, price, stage_terms
 from autoplan.estimate.layout import chunks_for, in_flight
-from autoplan.estimate.overlap import overlap_exposed_s, overlap_interference
+from autoplan.estimate.overlap import overlap_interference
 from autoplan.estimate.partition import pipeline_units
 from autoplan.estimate.pipeline_sim import W_FRACTION, PipelineTotals, pipeline_totals
 from autoplan.estimate.result import Estimate, MemoryBreakdown, StageEstimate, TimeBreakdown
 from autoplan.graph.opgraph import OpGraph
 from autoplan.graph.trace import as_graph
 from autoplan.sharding.sharding import Sharding
-
-# Bytes an optimizer step reads and writes per parameter (grad, weights, states; Adam keeps
-# fp32 master + two moments under mixed precision). The step is memory-bound.
-_OPT_STEP_BYTES = {"adamw": 28, "adam": 28, "sgd": 20}
-
 
 def validate(graph: OpGraph, cluster: Any, config: ParallelConfig,
              global_batch_size: int) -> int:
@@ -152,64 +148,15 @@ def estimate(model: Any, cluster: Any, *, config: ParallelConfig, global_batch_s
     cp_s = m * sum(c.cp_s for c in bc)
 
     # --- data parallel / ZeRO, optimizer, offload (worst stage) -------------------------------
-    w_bytes = PRECISION_BYTES[config.precision]
     dp_sync = zero_gather = opt_s = offload_s = 0.0
     for s in range(p):
-        params = sum(costs[c].params for c in stage_chunks[s])
-        tensors = sum(costs[c].param_tensors for c in stage_chunks[s])
-        layers = max(1, sum(costs[c].num_layers for c in stage_chunks[s]))
-        experts = sum(costs[c].expert_params for c in stage_chunks[s])
-        grad_sync, ag, rs = _dp_collectives(config, cluster, params, layers, s, experts)
-        gather = 0.0
+        terms = stage_terms(config, cluster, stage_params(costs, stage_chunks[s]), m, s,
+                            compute, profile, simulated=simulated_comm is not None)
+        x = price(terms, stage_f[s], stage_b[s], interference)
         # the tp-axis all-reduce of replicated weights' partial gradients runs after backward,
         # in one flattened call (runtime/optim.py TensorParallelGrads): exposed
-        sync = sum(costs[c].tp_step_s for c in stage_chunks[s])
-        if config.dp > 1 and config.zero_stage in (1, 2):   # updated shards, after the step
-            # ZeRO-1 broadcasts the fp32 weights autocast computes from; FSDP2 (ZeRO-2)
-            # gathers them in the training precision
-            gathered = PRECISION_BYTES["fp32"] if config.zero_stage == 1 else w_bytes
-            gather = cluster.collective_time_s("all_gather", (params - experts) * gathered,
-                                               config.dp_shard_group(pp_index=s))
-            if experts:
-                gather += cluster.collective_time_s("all_gather", experts * gathered,
-                                                    config.expert_dp_group(pp_index=s))
-        if config.dp > 1 and config.zero_stage == 1:
-            # the runtime issues them after the step and waits for each before the module that
-            # reads it (Megatron-LM's --overlap-param-gather): hidden behind the next forward
-            # but for what the first modules need (the weights outside layers, one layer)
-            layer_params = sum(costs[c].layer_params for c in stage_chunks[s])
-            first = gather * (params - layer_params + layer_params / layers) / max(params, 1.0)
-            gather = overlap_exposed_s(gather, stage_f[s], first, interference)
-        if simulated_comm is None:       # else the simulator ran the syncs and FSDP's traffic
-            # the dp group's gradient sync (DDP's buckets) hidden behind the last
-            # micro-batch's backward as far as it lasts
-            comm = grad_sync
-            sync += (overlap_exposed_s(comm, stage_b[s], comm / layers, interference)
-                     if comm > 0 else 0.0)
-            if ag + rs > 0:              # FSDP, each phase's traffic behind its compute
-                fwd_x = overlap_exposed_s(layers * ag, stage_f[s], ag, interference)
-                bwd_x = overlap_exposed_s(layers * (ag + rs), stage_b[s], ag + rs, interference)
-                gather = m * (fwd_x + bwd_x * ag / (ag + rs))
-                sync += m * bwd_x * rs / (ag + rs)
-        # the parameters this rank steps: its ZeRO shard; expert slabs sharded over the ranks
-        # holding the same experts
-        owned = ((params - experts) / (config.shard_degree if config.zero_stage >= 1 else 1)
-                 + experts / (config.dp // config.ep if config.zero_stage >= 1 else 1))
-        if config.offload_params:
-            # weight shards go up for the forward and again for the backward gather of every
-            # micro-batch, gradient shards come down; the optimizer steps on the host
-            host = cluster.host
-            o = owned / host.cpu_adam_params_per_s
-            moved = m * owned * (2 * w_bytes + w_bytes)
-            off = moved / host.device_to_host_bandwidth_bytes_per_s
-        elif config.offload_optimizer:
-            host = cluster.host
-            o = owned / host.cpu_adam_params_per_s
-            moved = owned * (w_bytes + w_bytes)          # grads down, weights up
-            off = moved / host.device_to_host_bandwidth_bytes_per_s
-        else:
-            o = _optimizer_step_s(owned, tensors, config, compute, profile)
-            off = 0.0
+        sync = sum(costs[c].tp_step_s for c in stage_chunks[s]) + x["dp_grad_sync"]
+        gather, o, off = x["zero_param_gather"], x["optimizer"], x["offload"]
         if sync + gather + o + off > dp_sync + zero_gather + opt_s + offload_s:
             dp_sync, zero_gather, opt_s, offload_s = sync, gather, o, off
 
@@ -259,7 +206,7 @@ def estimate(model: Any, cluster: Any, *, config: ParallelConfig, global_batch_s
         layers = max(1, sum(c.num_layers for c in cs))
         if config.zero_stage == 3 and config.dp > 1:
             # two layers' weights gathered at once (prefetch) plus their unsharded gradients
-            transient += 2 * (params / layers) * w_bytes * 2
+            transient += 2 * (params / layers) * PRECISION_BYTES[config.precision] * 2
         mem = MemoryBreakdown(params_bytes=states.params_bytes, grads_bytes=states.grads_bytes,
                               optimizer_bytes=states.optimizer_bytes,
                               activations_bytes=act_mb * flight, transient_bytes=transient,
@@ -314,49 +261,13 @@ def _states(config: ParallelConfig, params: float, shard: int) -> Any:
                              offload_params=config.offload_params)
 
 
-def _dp_collectives(config: ParallelConfig, cluster: Any, params: float, layers: int,
-                    pp_index: int, expert_params: float = 0.0) -> tuple[float, float, float]:
-    """Seconds of stage ``pp_index``'s dp collectives for ``params`` parameters in ``layers``
-    layers: (per-step gradient reduction, per-layer gather, per-layer reduce-scatter). FSDP
-    (ZeRO-3) gathers each layer before its forward and again before its backward, then
-    reduce-scatters its gradients, every micro-batch (the runtime does not skip gradient sync
-    between micro-batches); ZeRO-0 all-reduces the gradients once a step, ZeRO-1/2
-    reduce-scatter them. Under HSDP the gathers and reduce-scatters span a shard group and each
-    reduced shard is then all-reduced over the replicas holding it (FSDP2 on a 2-D mesh).
-    Under expert parallelism the ``expert_params`` of ``params`` go over the ranks holding the
-    same experts (dp / ep of them): all-reduced once a step under ZeRO-0/1, gathered and
-    reduce-scattered like the rest under FSDP (ZeRO-2/3), which shards them there."""
-    if config.dp == 1:
-        return 0.0, 0.0, 0.0
-    w_bytes = PRECISION_BYTES[config.precision]
-    shard = config.dp_shard_group(pp_index=pp_index)
-    edp = config.expert_dp_group(pp_index=pp_index) if config.ep > 1 else shard
-    experts, params = (expert_params, params - expert_params) if config.ep > 1 else (0.0, params)
-
-    def reduce(nbytes: float, experts_bytes: float) -> float:
-        t = cluster.collective_time_s("reduce_scatter", nbytes, shard)
-        if config.dp_shard is not None:
-            t += cluster.collective_time_s("all_reduce", nbytes / config.dp_shard,
-                                           config.dp_replicate_group(pp_index=pp_index))
-        if experts_bytes:
-            t += cluster.collective_time_s("reduce_scatter", experts_bytes, edp)
-        return t
-    if config.zero_stage == 3:
-        layer_bytes, expert_bytes = params * w_bytes / layers, experts * w_bytes / layers
-        gather = cluster.collective_time_s("all_gather", layer_bytes, shard)
-        if expert_bytes:
-            gather += cluster.collective_time_s("all_gather", expert_bytes, edp)
-        return (0.0, gather, reduce(layer_bytes * GRAD_BYTES / w_bytes,
-                                    expert_bytes * GRAD_BYTES / w_bytes))
-    if config.zero_stage == 2:
-        return reduce(params * GRAD_BYTES, experts * GRAD_BYTES), 0.0, 0.0
-    experts_s = (cluster.collective_time_s("all_reduce", experts * GRAD_BYTES, edp)
-                 if experts else 0.0)
-    if config.zero_stage == 0:
-        return (experts_s + cluster.collective_time_s("all_reduce", params * GRAD_BYTES,
-                                                      config.dp_group(pp_index=pp_index)),
-                0.0, 0.0)
-    return experts_s + reduce(params * GRAD_BYTES, 0.0), 0.0, 0.0
+def stage_params(costs: Sequence[RangeCost], chunks: Sequence[int]) -> StageParams:
+    """What one rank of the stage running ``chunks`` holds, for its dp terms."""
+    return StageParams(params=sum(costs[c].params for c in chunks),
+                       experts=sum(costs[c].expert_params for c in chunks),
+                       layer_params=sum(costs[c].layer_params for c in chunks),
+                       tensors=sum(costs[c].param_tensors for c in chunks),
+                       layers=max(1, sum(costs[c].num_layers for c in chunks)))
 
 
 def _sends(config: ParallelConfig, cluster: Any, costs: Sequence[RangeCost]) -> list[float]:
@@ -379,7 +290,7 @@ def _chunk_collectives(config: ParallelConfig, cluster: Any, costs: Sequence[Ran
     sync, fsdp = [], []
     for c, cost in enumerate(costs):
         layers = max(1, cost.num_layers)
-        grad_sync, ag, rs = _dp_collectives(config, cluster, cost.params, layers,
+        grad_sync, ag, rs = dp_collectives(config, cluster, cost.params, layers,
                                             config.chunk_rank(c), cost.expert_params)
         sync.append(grad_sync)          # the tp step all-reduce is priced exposed, per stage
         fsdp.append((layers * ag, layers * ag, layers * rs))
@@ -398,17 +309,6 @@ def _exposed_collectives(sim: PipelineTotals, without_s: float, interference: fl
     added = exposed + interference * max(0.0, total - exposed)
     share = sim.gather_s[busiest] / total if total > 0 else 0.0
     return added * (1 - share), added * share
-
-
-def _optimizer_step_s(params: float, tensors: int, config: ParallelConfig,
-                      compute: ComputeModel, profile: Any) -> float:
-    """Measured AdamW rates where calibrated (per parameter + per tensor), else memory-bound."""
-    cal = getattr(profile, "calibration", None)
-    if cal is not None and config.optimizer in ("adam", "adamw"):
-        return (params * cal.optimizer_s_per_param
-                + tensors * cal.optimizer_s_per_tensor) * compute.slowdown
-    return (params * _OPT_STEP_BYTES[config.optimizer] / compute.tput.memory_bytes_per_s
-            + tensors * compute.tput.launch_s)
 
 
 def _margin(cluster: Any, margin: float | None) -> float:

@@ -157,7 +157,8 @@ class Alternative:
 class SolverReport:
     solver: str                 # "CBC"
     status: str                 # one of SOLVER_STATUSES
-    objective_s: float          # ILP objective of the chosen mesh (seconds per micro-batch)
+    objective_s: float          # the ILP objective: seconds per step (the step time
+                                # where the configuration's own ILP chose, pp 1)
     bound_s: float | None       # best bound (== objective when optimal)
     gap: float | None           # relative gap (0.0 when optimal)
     num_variables: int

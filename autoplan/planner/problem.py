@@ -23,7 +23,7 @@ from autoplan.estimate.chunk_cost import comm_bytes
 from autoplan.estimate.overlap import OVERLAP_INTERFERENCE, overlap_exposed_s
 from autoplan.graph.opgraph import OpGraph
 from autoplan.errors import ConfigError
-from autoplan.planner.ilp import ILPProblem
+from autoplan.planner.ilp import ILPProblem, Linear
 from autoplan.sharding.placement import REPLICATE, Placement
 from autoplan.sharding.sharding import Sharding, mutates_input, reshard_kind
 from autoplan.sharding.strategies import OpStrategy, strategies, strategies_by_name
@@ -78,23 +78,27 @@ def expert_exchanges(graph: OpGraph, a2a_s: Callable[[float], float], counts_s: 
 
 
 def _exchange_s(ctx: CostContext, i: int, s: OpStrategy, placement: Mapping[str, Placement]
-                ) -> float:
-    """Seconds per micro-batch of the expert exchanges op ``i`` issues under strategy ``s``."""
+                ) -> tuple[float, float]:
+    """(forward, backward) seconds per micro-batch of the expert exchanges op ``i`` issues
+    under strategy ``s``: each forward exchange sends the gradients back in backward, and each
+    dispatch first gathers the row counts."""
     ex, op = ctx.experts, ctx.graph.ops[i]
-    total = 0.0
+    fwd = bwd = 0.0
     for x in ex.dispatch.get(i, ()):
-        total += _a2a_s(ctx, x, _read_as(ctx, i, s, x)) + ex.counts_s
+        t = _a2a_s(ctx, x, _read_as(ctx, i, s, x))
+        fwd, bwd = fwd + t + ex.counts_s, bwd + t
     for v in op.outputs:
         if v in ex.combine:
-            total += _a2a_s(ctx, v, placement.get(v, REPLICATE))
-    return total
+            t = _a2a_s(ctx, v, placement.get(v, REPLICATE))
+            fwd, bwd = fwd + t, bwd + t
+    return fwd, bwd
 
 
 def _a2a_s(ctx: CostContext, name: str, where: Placement) -> float:
-    """One exchange of ``name``'s rows placed ``where``, forward and the gradients back."""
+    """One exchange of ``name``'s rows placed ``where`` (one way)."""
     ex = ctx.experts
     b = _value_bytes(ctx, name) * ex.load / (ctx.t if where.kind == "S" else 1)
-    return 2 * ex.a2a_s(b)
+    return ex.a2a_s(b)
 
 
 def _read_as(ctx: CostContext, i: int, s: OpStrategy, x: str) -> Placement:
@@ -117,7 +121,8 @@ def _sent_again(ctx: CostContext, nodes: list[_Node], node_of: dict[int, int],
         def price(a: int, b: int) -> float:
             src = _read_as(ctx, first, nodes[u].choices[a][pu], x)
             dst = _read_as(ctx, other, nodes[v].choices[b][pv], x)
-            return weight * (_a2a_s(ctx, x, dst) + ctx.experts.counts_s) if src != dst else 0.0
+            return (weight * (2 * _a2a_s(ctx, x, dst) + ctx.experts.counts_s) if src != dst
+                    else 0.0)
         if u == v:
             for j in range(len(nodes[v].choices)):
                 costs[v][j] += price(j, j)
@@ -149,6 +154,7 @@ class CostContext:
     interference: float = OVERLAP_INTERFERENCE    # overlapped traffic's share charged (estimate)
     experts: ExpertExchanges | None = None        # expert parallelism's exchanges (ep > 1)
     pinned: Mapping[int, str] | None = None       # op index -> the only strategy it may take
+    step_shard: int = 1       # ZeRO-2/3: the tp step all-reduces gradients already dp-sharded
 
     @property
     def micro_batch(self) -> int:
@@ -198,6 +204,11 @@ class Reduction:
     node_of: dict[int, int]          # rep op -> node
     nodes: tuple[_Node, ...]
     problem: ILPProblem
+    # per micro-batch, the seconds of forward and of backward (recomputation included) each
+    # choice puts on the compute stream: the estimate's ``fwd_total_s`` and ``bwd_total_s``,
+    # the windows data parallelism's traffic hides behind (``dp_problem``)
+    fwd: Linear | None = None
+    bwd: Linear | None = None
 
 
 def representatives(graph: OpGraph) -> tuple[list[int], dict[int, int], list[int]]:
@@ -227,20 +238,23 @@ def _value_bytes(ctx: CostContext, name: str) -> float:
 def _comm_bytes(ctx: CostContext, name: str, scale: float, phase: str, kind: str = "") -> float:
     """Bytes of one collective, as the estimate takes them (``chunk_cost.comm_bytes``)."""
     return comm_bytes(ctx.graph, analyze(ctx.graph), ctx.precision, name, scale, ctx.t,
-                      ctx.batch_scale, phase, kind=kind)
+                      ctx.batch_scale, phase, ctx.step_shard if phase == "step" else 1, kind)
 
 
-def _reshard_s(ctx: CostContext, name: str, src: Placement, dst: Placement) -> float:
-    """Forward reshard, plus the backward one for tensors that carry gradients."""
-    total = 0.0
-    for a, b, needed in ((src, dst, True), (dst, src, ctx.graph.value(name).requires_grad)):
+def _reshard_s(ctx: CostContext, name: str, src: Placement, dst: Placement
+               ) -> tuple[float, float]:
+    """(forward, backward): the forward reshard, and the backward one for tensors that carry
+    gradients."""
+    out = [0.0, 0.0]
+    for p, (a, b, needed) in enumerate(((src, dst, True),
+                                        (dst, src, ctx.graph.value(name).requires_grad))):
         if not needed:
             continue
         k = reshard_kind(a, b)
         if k is not None:
             kind, scale = k
-            total += ctx.collective_s(kind, _comm_bytes(ctx, name, scale, "fwd"))
-    return total
+            out[p] = ctx.collective_s(kind, _comm_bytes(ctx, name, scale, "fwd"))
+    return out[0], out[1]
 
 
 def _group(graph: OpGraph, rep: list[int], mult: dict[int, int],
@@ -302,12 +316,18 @@ def _expand(graph: OpGraph, node: _Node, t: int, cache: dict[int, list[OpStrateg
         node.internal.append(internal)
 
 
+def _recomputes_comms(ctx: CostContext, node: _Node) -> bool:
+    """Full recomputation replays a layer's forward collectives too (``chunk_cost``)."""
+    return ctx.recompute == "full" and node.mult > 1
+
+
 def _node_cost(ctx: CostContext, node: _Node, j: int, savers: dict[tuple[int, str], int],
-               part_of: list[int]) -> tuple[float, float]:
-    """(seconds per step, bytes per device) of strategy j, for all instances it stands for."""
+               part_of: list[int]) -> tuple[float, float, float, float]:
+    """(seconds per step, bytes per device, forward and backward seconds per micro-batch) of
+    strategy j, for all instances it stands for."""
     graph = ctx.graph
     a = analyze(graph)
-    per_mb = step = 0.0
+    fwd = bwd = fwd_comm = step = 0.0
     params = acts = once = 0.0           # once: tensors several layers keep, held once
     seen_params: set[str] = set()
     in_block = node.mult > 1
@@ -318,9 +338,10 @@ def _node_cost(ctx: CostContext, node: _Node, j: int, savers: dict[tuple[int, st
                 else 1.0)
         c = ctx.compute.op_cost(i, load * (ctx.batch_scale if batch_dep else 1.0)
                                 / s.work_divisor)
-        per_mb += c.fwd_s + c.bwd_s
+        fwd += c.fwd_s
+        bwd += c.bwd_s
         if ctx.recompute == "full" and in_block or ctx.recompute == "selective" and i in a.score_ops:
-            per_mb += c.fwd_s
+            bwd += c.fwd_s
         ring = {"fwd": 0.0, "bwd": 0.0}
         for cm in s.comms:
             t = ctx.collective_s(cm.kind, _comm_bytes(ctx, cm.value, cm.scale, cm.phase,
@@ -329,13 +350,16 @@ def _node_cost(ctx: CostContext, node: _Node, j: int, savers: dict[tuple[int, st
                 step += t
             elif s.kernel == "ring_attention":
                 ring[cm.phase] += t
+            elif cm.phase == "fwd":
+                fwd_comm += t
             else:
-                per_mb += t
+                bwd += t
         if s.kernel == "ring_attention":    # passed on behind the blocks' attention, as priced
-            per_mb += (overlap_exposed_s(ring["fwd"], c.fwd_s, 0.0, ctx.interference)
-                       + overlap_exposed_s(ring["bwd"], c.bwd_s, 0.0, ctx.interference))
+            fwd_comm += overlap_exposed_s(ring["fwd"], c.fwd_s, 0.0, ctx.interference)
+            bwd += overlap_exposed_s(ring["bwd"], c.bwd_s, 0.0, ctx.interference)
         if ctx.experts is not None:
-            per_mb += _exchange_s(ctx, i, s, node.placement[j])
+            ef, eb = _exchange_s(ctx, i, s, node.placement[j])
+            fwd, bwd = fwd + ef, bwd + eb
         for k, n in enumerate(op.inputs):
             v = graph.value(n)
             if v.kind == "param" and v.base not in seen_params:
@@ -367,11 +391,17 @@ def _node_cost(ctx: CostContext, node: _Node, j: int, savers: dict[tuple[int, st
                      * (1.0 / ctx.t if where.kind == "S" else 1.0))
             acts += sum(_meta_bytes(m, ctx.precision) for m in op.saved_internal) * scale
     for i, name, src, dst in node.internal[j]:
-        per_mb += (INFEASIBLE_S if mutates_input(graph.ops[i].target)
-                   else _reshard_s(ctx, name, src, dst))
-    time_s = node.mult * (ctx.microbatches * per_mb + step)
+        if mutates_input(graph.ops[i].target):
+            bwd += INFEASIBLE_S
+        else:
+            rf, rb = _reshard_s(ctx, name, src, dst)
+            fwd_comm, bwd = fwd_comm + rf, bwd + rb
+    if _recomputes_comms(ctx, node):
+        bwd += fwd_comm
+    fwd += fwd_comm
+    time_s = node.mult * (ctx.microbatches * (fwd + bwd) + step)
     mem = node.mult * (params + acts * ctx.activation_multiplier) + once
-    return time_s, mem
+    return time_s, mem, node.mult * fwd, node.mult * bwd
 
 
 def reduce_graph(ctx: CostContext) -> Reduction:
@@ -384,10 +414,13 @@ def reduce_graph(ctx: CostContext) -> Reduction:
         _expand(graph, node, ctx.t, cache, ctx.micro_batch, ctx.pinned)
     costs = [[0.0] * len(n.choices) for n in nodes]
     mems = [[0.0] * len(n.choices) for n in nodes]
+    fwds = [[0.0] * len(n.choices) for n in nodes]
+    bwds = [[0.0] * len(n.choices) for n in nodes]
     savers, part_of = _activation_owners(graph, ctx.recompute)
     for v, node in enumerate(nodes):
         for j in range(len(node.choices)):
-            costs[v][j], mems[v][j] = _node_cost(ctx, node, j, savers, part_of)
+            costs[v][j], mems[v][j], fwds[v][j], bwds[v][j] = _node_cost(ctx, node, j, savers,
+                                                                         part_of)
 
     # edges: every (producer, consumer) pair of the full graph, folded onto representatives
     counts: dict[tuple[int, int, str, int, int], int] = {}
@@ -409,27 +442,35 @@ def reduce_graph(ctx: CostContext) -> Reduction:
             key = (u, v, x_rep, rc, k)
             counts[key] = counts.get(key, 0) + 1
     edge_mats: dict[tuple[int, int], list[list[float]]] = {}
+    edge_fwd: dict[tuple[int, int], list[list[float]]] = {}
+    edge_bwd: dict[tuple[int, int], list[list[float]]] = {}
     for (u, v, x_rep, rc, k), count in sorted(counts.items()):
         pos = nodes[v].ops.index(rc)
         ku, kv = len(nodes[u].choices), len(nodes[v].choices)
-        mat = [[0.0] * kv for _ in range(ku)]
+        per_mb = [[(0.0, 0.0)] * kv for _ in range(ku)]     # (forward, backward)
+        again = _recomputes_comms(ctx, nodes[v])   # a reshard into a layer: the consumer's
         for i in range(ku):
             src = nodes[u].placement[i].get(x_rep, REPLICATE)
             for j in range(kv):
                 s = nodes[v].choices[j][pos]
                 dst = s.inputs[k] if k < len(s.inputs) else REPLICATE
                 if src != dst:
-                    cost = (INFEASIBLE_S if k == 0 and mutates_input(graph.ops[rc].target)
+                    f, b = ((0.0, INFEASIBLE_S) if k == 0 and mutates_input(graph.ops[rc].target)
                             else _reshard_s(ctx, x_rep, src, dst))
-                    mat[i][j] = count * ctx.microbatches * cost
+                    per_mb[i][j] = (count * f, count * (b + f * again))
         if u == v:
             for j in range(kv):
-                costs[v][j] += mat[j][j]
+                f, b = per_mb[j][j]
+                costs[v][j] += ctx.microbatches * (f + b)
+                fwds[v][j] += f
+                bwds[v][j] += b
             continue
-        acc = edge_mats.setdefault((u, v), [[0.0] * kv for _ in range(ku)])
-        for i in range(ku):
-            for j in range(kv):
-                acc[i][j] += mat[i][j]
+        for acc, pick in ((edge_mats, lambda fb: ctx.microbatches * (fb[0] + fb[1])),
+                          (edge_fwd, lambda fb: fb[0]), (edge_bwd, lambda fb: fb[1])):
+            mat = acc.setdefault((u, v), [[0.0] * kv for _ in range(ku)])
+            for i in range(ku):
+                for j in range(kv):
+                    mat[i][j] += pick(per_mb[i][j])
     if ctx.experts is not None:
         _sent_again(ctx, nodes, node_of, edge_mats, costs)
     _tie_shared_weights(ctx, nodes, edge_mats, costs)
@@ -437,7 +478,15 @@ def reduce_graph(ctx: CostContext) -> Reduction:
         node_costs=tuple(tuple(c) for c in costs), node_memory=tuple(tuple(m) for m in mems),
         edges=tuple((u, v, tuple(tuple(r) for r in mat)) for (u, v), mat in sorted(edge_mats.items())),
         memory_budget=ctx.memory_budget)
-    return Reduction(rep=tuple(rep), node_of=node_of, nodes=tuple(nodes), problem=problem)
+
+    def aligned(nodes_s: list[list[float]], edges_s: dict[tuple[int, int], list[list[float]]]
+                ) -> Linear:
+        return Linear(0.0, tuple(tuple(c) for c in nodes_s),
+                      tuple(tuple(tuple(r) for r in edges_s.get((u, v), [[0.0] * len(mat[0])]
+                                                                * len(mat)))
+                            for u, v, mat in problem.edges))
+    return Reduction(rep=tuple(rep), node_of=node_of, nodes=tuple(nodes), problem=problem,
+                     fwd=aligned(fwds, edge_fwd), bwd=aligned(bwds, edge_bwd))
 
 
 def _tie_shared_weights(ctx: CostContext, nodes: list[_Node],

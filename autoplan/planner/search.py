@@ -13,6 +13,9 @@ estimator can never disagree about a configuration):
    schedule is a constraint) and are screened with the schedule's closed form;
 3. where nothing fits, solve the ILP again with the device memory as a constraint and cost the
    policies again with that sharding;
+   then solve the best three configurations without pipeline again, each with its own data-
+   parallel terms (``dp_problem``: the shared ILP leaves them out), keeping the sharding found
+   where it is no slower;
 4. add the three baselines (pure data parallel, FSDP only, Megatron-style TP inside a node and
    DP across) costed by the same model, so the plan is never predicted slower than them;
 5. simulate the best pipelined candidates (and the best of each schedule) event by event;
@@ -141,11 +144,29 @@ def _ilp_sharding(graph: OpGraph, cluster: Any, config: ParallelConfig, profile:
     """The tp-axis sharding for ``config``'s mesh and micro-batch: the fastest, or under
     ``frugal`` the fastest whose model state and activations fit its budget; ``pinned`` ops
     (``pins.resolve``) keep their strategy."""
+    ctx = _context(graph, cluster, config, profile, m, opts, frugal, pinned)
+    red = reduce_graph(ctx)
+    sol = solve(red.problem, time_limit_s=opts.ilp_time_limit_s)
+    return _solved(graph, config.tp, red, sol, stats)
+
+
+def _solved(graph: OpGraph, t: int, red: Any, sol: ILPSolution, stats: _Stats
+            ) -> tuple[Sharding, ILPSolution]:
+    stats.ilps += 1
+    stats.largest = max(stats.largest, (sol.num_variables, sol.num_constraints))
+    if sol.status in ("infeasible", "not_solved"):
+        return replicated_on(graph, t), sol
+    return sharding_from_choice(graph, t, red, sol.choice), sol
+
+
+def _context(graph: OpGraph, cluster: Any, config: ParallelConfig, profile: Any, m: int,
+             opts: SearchOptions, frugal: _Frugal | None, pinned: dict[int, str] | None
+             ) -> CostContext:
     t = config.tp
     group = config.tp_group()
     compute = compute_model(graph, cluster.device, config.precision, profile)
     w, g, o = bytes_per_param(config.precision, config.optimizer)
-    ctx = CostContext(graph=graph, t=t, compute=compute,
+    return CostContext(graph=graph, t=t, compute=compute,
                       collective_s=lambda kind, nbytes: cluster.collective_time_s(kind, nbytes,
                                                                                   group),
                       batch_scale=config.micro_batch_size / graph.batch_size, microbatches=m,
@@ -157,13 +178,24 @@ def _ilp_sharding(graph: OpGraph, cluster: Any, config: ParallelConfig, profile:
                       interference=overlap_interference(cluster),
                       experts=_exchanges(graph, cluster, config, opts),
                       pinned=pinned or None)
+
+
+def _dp_sharding(graph: OpGraph, cluster: Any, config: ParallelConfig, profile: Any,
+                 gbs: int, opts: SearchOptions, stats: _Stats, reference: tuple[int, ...],
+                 pinned: dict[int, str] | None) -> tuple[Sharding, ILPSolution]:
+    """The sharding for exactly ``config`` (pp 1): the tp-axis ILP with its recompute policy,
+    ZeRO stage and the rest of its step (``dp_problem``), linearized at ``reference`` (the
+    shared ILP's choice); its objective is then ``estimate``'s step time."""
+    from autoplan.planner.dp_problem import with_dp_terms
+    m = config.microbatches(gbs)
+    ctx = replace(_context(graph, cluster, config, profile, m, opts, None, pinned),
+                  recompute=config.recompute,
+                  step_shard=config.shard_degree if config.zero_stage >= 2 else 1)
     red = reduce_graph(ctx)
-    sol = solve(red.problem, time_limit_s=opts.ilp_time_limit_s)
-    stats.ilps += 1
-    stats.largest = max(stats.largest, (sol.num_variables, sol.num_constraints))
-    if sol.status in ("infeasible", "not_solved"):
-        return replicated_on(graph, t), sol
-    return sharding_from_choice(graph, t, red, sol.choice), sol
+    problem = with_dp_terms(red, graph, cluster, config, m, ctx.compute, profile,
+                            ctx.interference, reference)
+    sol = solve(problem, time_limit_s=opts.ilp_time_limit_s, start=reference)
+    return _solved(graph, config.tp, replace(red, problem=problem), sol, stats)
 
 
 def _evaluate(graph: OpGraph, cluster: Any, configs: list[ParallelConfig], sh: Sharding,
@@ -415,6 +447,9 @@ def plan(model: Any, cluster: Any, *, global_batch_size: int, example_inputs: An
                   f"{time.perf_counter() - stats.t0:.1f} s]")
             if best is None:
                 break       # larger micro-batches only need more memory
+    if opts.sharding == "ilp" and opts.fixed_sharding is None:
+        cands = _refine_dp(graph, cluster, cands, global_batch_size, profile, opts, stats,
+                           pinned)
     if opts.fixed_sharding is None and not opts.pin:   # a given sharding is the one to use
         cands += _baselines(graph, cluster, global_batch_size, base, profile, opts, stats)
     if not cands:
@@ -433,6 +468,35 @@ def plan(model: Any, cluster: Any, *, global_batch_size: int, example_inputs: An
     best = fitting[0]
     return assemble(graph, cluster, best, alternatives(cands, best, opts.top_k, opts.force),
                     stats, global_batch_size, name, opts.expert_capacity_factor)
+
+
+def _refine_dp(graph: OpGraph, cluster: Any, cands: list[Candidate], gbs: int, profile: Any,
+               opts: SearchOptions, stats: _Stats, pinned: dict[int, str],
+               finalists: int = 3) -> list[Candidate]:
+    """The shared tp-axis ILP leaves out what its sharding does to data parallelism's traffic
+    and the optimizer (it serves every ZeRO stage): the best few ILP-sharded configurations
+    without pipeline are solved again with their own terms (``dp_problem``), and the sharding
+    found replaces theirs where it is no slower (its ILP's objective is then the plan's
+    predicted step time)."""
+    out = list(cands)
+    done: set[ParallelConfig] = set()
+    for k, c in sorted(enumerate(cands), key=lambda kc: kc[1].key()):
+        cfg = c.est.config
+        if len(done) == finalists:
+            break
+        if (c.ilp is None or c.ilp.status not in ("optimal", "feasible") or cfg.pp > 1
+                or not c.est.fits or cfg in done):
+            continue
+        done.add(cfg)
+        sh, sol = _dp_sharding(graph, cluster, cfg, profile, gbs, opts, stats, c.ilp.choice,
+                               pinned)
+        if sol.status not in ("optimal", "feasible"):
+            continue
+        better = [r for r in _evaluate(graph, cluster, [cfg], sh, sol, gbs, profile, opts,
+                                       stats, c.label) if r.est.fits and r.key() <= c.key()]
+        if better:
+            out[k] = better[0]
+    return out
 
 
 def _refine_pipelined(graph: OpGraph, cluster: Any, cands: list[Candidate], gbs: int,

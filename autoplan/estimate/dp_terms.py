@@ -1,0 +1,184 @@
+"""What data parallelism adds to a pipeline stage's step, as terms both ``estimate`` and the
+sharding ILP price: the dp group's gradient sync, ZeRO's parameter gathers, the optimizer step
+and host traffic.
+
+Each term is some seconds of work (a collective, the optimizer, a copy to the host), hidden
+behind the stage's forward or backward compute as far as it lasts (``overlap_exposed_s``), or
+exposed whole. The seconds depend on the parameters the stage's ranks hold, which the tensor-
+parallel sharding decides (a weight split over tp holds 1/tp of its elements on each rank): the
+ILP takes each term as a function of them (``planner/dp_problem.py``), the estimate at the
+sharding it is given. One definition, so the two cannot disagree.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from autoplan.cost.compute import ComputeModel
+from autoplan.cost.memory import GRAD_BYTES, PRECISION_BYTES
+from autoplan.estimate.config import ParallelConfig
+from autoplan.estimate.overlap import overlap_exposed_s
+
+# Bytes an optimizer step reads and writes per parameter (grad, weights, states; Adam keeps
+# fp32 master + two moments under mixed precision). The step is memory-bound.
+OPT_STEP_BYTES = {"adamw": 28, "adam": 28, "sgd": 20}
+
+
+@dataclass(frozen=True)
+class StageParams:
+    """The parameters one rank of a pipeline stage holds (after tp and ep sharding)."""
+
+    params: float            # elements
+    experts: float = 0.0     # of ``params``, expert slabs (their gradients go over edp)
+    layer_params: float = 0.0   # of ``params``, those inside the stage's layers
+    tensors: int = 0         # parameter tensors (the optimizer's per-tensor cost)
+    layers: int = 1          # the stage's layers (FSDP's units, DDP's buckets)
+
+
+@dataclass(frozen=True)
+class Term:
+    """``times`` x the seconds ``seconds`` add to the step: behind the ``window`` phase's compute
+    ("fwd", "bwd": at least ``first_s`` exposed, then the overlap's interference), or whole
+    (""). ``shares``: how the exposed time is reported (the estimate's breakdown keys)."""
+
+    seconds: float
+    window: str = ""
+    first_s: float = 0.0
+    times: float = 1.0
+    shares: tuple[tuple[str, float], ...] = ()
+
+    def exposed_s(self, fwd_s: float, bwd_s: float, interference: float) -> float:
+        if not self.window:
+            return self.times * self.seconds
+        window = fwd_s if self.window == "fwd" else bwd_s
+        return self.times * overlap_exposed_s(self.seconds, window, self.first_s, interference)
+
+
+def stage_terms(config: ParallelConfig, cluster: Any, stage: StageParams, m: int,
+                pp_index: int, compute: ComputeModel, profile: Any, *,
+                simulated: bool = False) -> list[Term]:
+    """The dp, ZeRO, optimizer and offload terms of stage ``pp_index``'s step (``m``
+    micro-batches; ``compute`` and ``profile`` price the optimizer on the device).
+    ``simulated``: the pipeline simulator runs the gradient sync and FSDP's traffic, so they
+    are left out here."""
+    out: list[Term] = []
+    params, experts, layers = stage.params, stage.experts, stage.layers
+    grad_sync, ag, rs = dp_collectives(config, cluster, params, layers, pp_index, experts)
+    w_bytes = PRECISION_BYTES[config.precision]
+    if config.dp > 1 and config.zero_stage in (1, 2):   # updated shards, after the step
+        # ZeRO-1 broadcasts the fp32 weights autocast computes from; FSDP2 (ZeRO-2)
+        # gathers them in the training precision
+        gathered = PRECISION_BYTES["fp32"] if config.zero_stage == 1 else w_bytes
+        gather = cluster.collective_time_s("all_gather", (params - experts) * gathered,
+                                           config.dp_shard_group(pp_index=pp_index))
+        if experts:
+            gather += cluster.collective_time_s("all_gather", experts * gathered,
+                                                config.expert_dp_group(pp_index=pp_index))
+        if config.zero_stage == 1:
+            # the runtime issues them after the step and waits for each before the module that
+            # reads it (Megatron-LM's --overlap-param-gather): hidden behind the next forward
+            # but for what the first modules need (the weights outside layers, one layer)
+            lp = stage.layer_params
+            first = gather * (params - lp + lp / layers) / max(params, 1.0)
+            out.append(Term(gather, "fwd", first, shares=(("zero_param_gather", 1.0),)))
+        else:
+            out.append(Term(gather, shares=(("zero_param_gather", 1.0),)))
+    if not simulated:                # else the simulator runs the syncs and FSDP's traffic
+        if grad_sync > 0:
+            # the dp group's gradient sync (DDP's buckets) hidden behind the last
+            # micro-batch's backward as far as it lasts
+            out.append(Term(grad_sync, "bwd", grad_sync / layers,
+                            shares=(("dp_grad_sync", 1.0),)))
+        if ag + rs > 0:              # FSDP, each phase's traffic behind its compute
+            out.append(Term(layers * ag, "fwd", ag, m, (("zero_param_gather", 1.0),)))
+            share = ag / (ag + rs)
+            out.append(Term(layers * (ag + rs), "bwd", ag + rs, m,
+                            (("zero_param_gather", share), ("dp_grad_sync", 1.0 - share))))
+    # the parameters this rank steps: its ZeRO shard; expert slabs sharded over the ranks
+    # holding the same experts
+    owned = ((params - experts) / (config.shard_degree if config.zero_stage >= 1 else 1)
+             + experts / (config.dp // config.ep if config.zero_stage >= 1 else 1))
+    if config.offload_params or config.offload_optimizer:
+        host = cluster.host
+        out.append(Term(owned / host.cpu_adam_params_per_s, shares=(("optimizer", 1.0),)))
+        if config.offload_params:
+            # weight shards go up for the forward and again for the backward gather of every
+            # micro-batch, gradient shards come down; the optimizer steps on the host
+            moved = m * owned * (2 * w_bytes + w_bytes)
+        else:
+            moved = owned * (w_bytes + w_bytes)          # grads down, weights up
+        out.append(Term(moved / host.device_to_host_bandwidth_bytes_per_s,
+                        shares=(("offload", 1.0),)))
+    else:
+        out.append(Term(optimizer_step_s(owned, stage.tensors, config, compute, profile),
+                        shares=(("optimizer", 1.0),)))
+    return out
+
+
+def price(terms: list[Term], fwd_s: float, bwd_s: float, interference: float
+          ) -> dict[str, float]:
+    """Exposed seconds per breakdown key ("dp_grad_sync", "zero_param_gather", "optimizer",
+    "offload") of ``terms`` on a stage whose forward and backward last ``fwd_s``, ``bwd_s``."""
+    out = {"dp_grad_sync": 0.0, "zero_param_gather": 0.0, "optimizer": 0.0, "offload": 0.0}
+    for t in terms:
+        x = t.exposed_s(fwd_s, bwd_s, interference)
+        for key, share in t.shares:
+            out[key] += x * share
+    return out
+
+
+def dp_collectives(config: ParallelConfig, cluster: Any, params: float, layers: int,
+                   pp_index: int, expert_params: float = 0.0) -> tuple[float, float, float]:
+    """Seconds of stage ``pp_index``'s dp collectives for ``params`` parameters in ``layers``
+    layers: (per-step gradient reduction, per-layer gather, per-layer reduce-scatter). FSDP
+    (ZeRO-3) gathers each layer before its forward and again before its backward, then
+    reduce-scatters its gradients, every micro-batch (the runtime does not skip gradient sync
+    between micro-batches); ZeRO-0 all-reduces the gradients once a step, ZeRO-1/2
+    reduce-scatter them. Under HSDP the gathers and reduce-scatters span a shard group and each
+    reduced shard is then all-reduced over the replicas holding it (FSDP2 on a 2-D mesh).
+    Under expert parallelism the ``expert_params`` of ``params`` go over the ranks holding the
+    same experts (dp / ep of them): all-reduced once a step under ZeRO-0/1, gathered and
+    reduce-scattered like the rest under FSDP (ZeRO-2/3), which shards them there."""
+    if config.dp == 1:
+        return 0.0, 0.0, 0.0
+    w_bytes = PRECISION_BYTES[config.precision]
+    shard = config.dp_shard_group(pp_index=pp_index)
+    edp = config.expert_dp_group(pp_index=pp_index) if config.ep > 1 else shard
+    experts, params = (expert_params, params - expert_params) if config.ep > 1 else (0.0, params)
+
+    def reduce(nbytes: float, experts_bytes: float) -> float:
+        t = cluster.collective_time_s("reduce_scatter", nbytes, shard)
+        if config.dp_shard is not None:
+            t += cluster.collective_time_s("all_reduce", nbytes / config.dp_shard,
+                                           config.dp_replicate_group(pp_index=pp_index))
+        if experts_bytes:
+            t += cluster.collective_time_s("reduce_scatter", experts_bytes, edp)
+        return t
+    if config.zero_stage == 3:
+        layer_bytes, expert_bytes = params * w_bytes / layers, experts * w_bytes / layers
+        gather = cluster.collective_time_s("all_gather", layer_bytes, shard)
+        if expert_bytes:
+            gather += cluster.collective_time_s("all_gather", expert_bytes, edp)
+        return (0.0, gather, reduce(layer_bytes * GRAD_BYTES / w_bytes,
+                                    expert_bytes * GRAD_BYTES / w_bytes))
+    if config.zero_stage == 2:
+        return reduce(params * GRAD_BYTES, experts * GRAD_BYTES), 0.0, 0.0
+    experts_s = (cluster.collective_time_s("all_reduce", experts * GRAD_BYTES, edp)
+                 if experts else 0.0)
+    if config.zero_stage == 0:
+        return (experts_s + cluster.collective_time_s("all_reduce", params * GRAD_BYTES,
+                                                      config.dp_group(pp_index=pp_index)),
+                0.0, 0.0)
+    return experts_s + reduce(params * GRAD_BYTES, 0.0), 0.0, 0.0
+
+
+def optimizer_step_s(params: float, tensors: int, config: ParallelConfig,
+                     compute: ComputeModel, profile: Any) -> float:
+    """Measured AdamW rates where calibrated (per parameter + per tensor), else memory-bound."""
+    cal = getattr(profile, "calibration", None)
+    if cal is not None and config.optimizer in ("adam", "adamw"):
+        return (params * cal.optimizer_s_per_param
+                + tensors * cal.optimizer_s_per_tensor) * compute.slowdown
+    return (params * OPT_STEP_BYTES[config.optimizer] / compute.tput.memory_bytes_per_s
+            + tensors * compute.tput.launch_s)
