@@ -82,6 +82,8 @@ FAMILIES = [
     (2, dict(tp=2, sequence_parallel=True), "megatron", 1, "TP + SP"),
     (4, dict(dp=2, tp=2, zero_stage=3), "megatron", 1, "FSDP x TP"),
     (4, dict(dp=2, tp=2, zero_stage=1), "megatron", 1, "ZeRO-1 x TP"),
+    (4, dict(dp=2, tp=2, zero_stage=3, dp_whole=("layers.*.attn.*",)), "megatron", 1,
+     "FSDP x TP, attention whole"),
     (4, dict(tp=1, zero_stage=3, dp_shard=2), "ilp", 1, "HSDP"),
     (2, dict(tp=1, zero_stage=0, offload_optimizer=True), "ilp", 1, "optimizer offload"),
     (2, dict(tp=1, zero_stage=3, offload_params=True), "ilp", 1, "FSDP2 CPU offload"),
@@ -136,6 +138,8 @@ RESHARD = [
      "HSDP 2x2 -> tp2"),
     (4, dict(dp=2, tp=2, zero_stage=3), 2, dict(tp=1, zero_stage=0, offload_optimizer=True),
      "FSDP x TP -> dp2 offload"),
+    (4, dict(dp=2, tp=2, zero_stage=3, dp_whole=("layers.*.attn.*",)), 2,
+     dict(tp=1, zero_stage=3), "FSDP x TP attention whole -> FSDP"),
 ]
 
 

@@ -387,7 +387,7 @@ def test_ilp_with_dp_terms_equals_brute_force_on_a_model_graph(zero):
     compute the choice makes) on a real traced graph: the ILP's optimum is brute force's, and
     it prices that choice at ``estimate``'s step time."""
     from autoplan.cost.compute import compute_model
-    from autoplan.planner.dp_problem import with_dp_terms
+    from autoplan.planner.dp_problem import whole_patterns, with_dp_terms
     g = _ffn_graph()
     cluster = Cluster.preset("pcie-8gpu", nodes=2)
     config = ParallelConfig(dp=8, tp=2, micro_batch_size=4, zero_stage=zero, precision="bf16")
@@ -400,12 +400,16 @@ def test_ilp_with_dp_terms_equals_brute_force_on_a_model_graph(zero):
                       step_shard=8 if zero >= 2 else 1)
     red = reduce_graph(ctx)
     reference = solve(red.problem, time_limit_s=20).choice
-    p = with_dp_terms(red, g, cluster, config, 2, compute, None, ctx.interference, reference)
+    dp = with_dp_terms(red, g, cluster, config, 2, compute, None, ctx.interference, reference,
+                       whole_extra_bytes=2.0)
+    p = dp.problem
     assert p.overlaps
-    sol = solve(p, time_limit_s=20, start=reference)
+    sol = solve(p, time_limit_s=20, start=dp.lift(reference))
     best = brute_force(p)
     assert sol.status == "optimal"
     assert sol.objective == pytest.approx(best[1], rel=1e-9)
-    est = estimate(g, cluster, config=config, global_batch_size=8 * 4 * 2, profile=None,
-                   sharding=sharding_from_choice(g, 2, red, sol.choice))
+    whole = whole_patterns(g, red, dp.whole_nodes(sol.choice))
+    est = estimate(g, cluster, config=replace(config, dp_whole=whole),
+                   global_batch_size=8 * 4 * 2, profile=None,
+                   sharding=sharding_from_choice(g, 2, red, dp.strategies(sol.choice)))
     assert sol.objective == pytest.approx(est.step_time_s, rel=1e-3)

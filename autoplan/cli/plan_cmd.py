@@ -29,7 +29,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--force", action="append", default=[], metavar="FIELD=VALUE",
                    help="pin a ParallelConfig field, e.g. --force tp=2 --force zero_stage=3; "
                         "lists comma-separated: --force chunk_layers=10,12,12,14 "
-                        "--force stage_recompute=full,none")
+                        "--force stage_recompute=full,none; under ZeRO-3, weights kept whole: "
+                        "--force dp_whole='layers.*.attention.*'")
     p.add_argument("--pin", action="append", default=[], metavar="PATTERN=STRATEGY",
                    help="fix the strategy of the ops matching 'module.path:op' (fnmatch), the "
                         "ILP plans the rest around them, e.g. --pin "
@@ -40,7 +41,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-_LIST_FIELDS = {"chunk_layers": int, "stage_recompute": str}
+_LIST_FIELDS = {"chunk_layers": int, "stage_recompute": str, "dp_whole": str}
 
 
 def parse_force(items: list[str]) -> dict:

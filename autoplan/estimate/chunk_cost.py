@@ -71,6 +71,13 @@ class RangeCost:
     # of ``activation_bytes``, tensors made outside the layers and kept by several (a mask):
     # a chunk holds each once (``_chunk_cost``)
     shared_acts: tuple[tuple[str, float], ...] = ()
+    # of ``params``: (FQN, elements held) per parameter storage (``ParallelConfig.dp_whole``
+    # picks some by name)
+    param_elements: tuple[tuple[str, float], ...] = ()
+
+    def elements_of(self, keep: Any) -> float:
+        """Of ``params``, the elements of the parameters whose FQN ``keep`` accepts."""
+        return sum(n for fqn, n in self.param_elements if keep(fqn))
 
     @property
     def fwd_total_s(self) -> float:
@@ -269,6 +276,7 @@ def _range_cost(ci: CostInputs, start: int, stop: int, policy: str) -> RangeCost
     params = expert = 0.0
     seen: set[str] = set()
     found = find_experts(graph) if config.ep > 1 else None
+    elements = []
     for i in range(start, stop):
         for n in graph.ops[i].inputs:
             v = graph.value(n)
@@ -280,10 +288,11 @@ def _range_cost(ci: CostInputs, start: int, stop: int, policy: str) -> RangeCost
                     held /= config.ep              # this rank's experts only
                     expert += held
                 params += held
+                elements.append((graph.value(v.base).fqn, held))
     ep_fwd, ep_bwd = ep_comm_s(ci, start, stop)
     return RangeCost(fwd, bwd, recompute, tp_fwd, tp_bwd, tp_step, acts, working, params,
                      len(seen), ep_fwd_s=ep_fwd, ep_bwd_s=ep_bwd, expert_params=expert,
-                     cp_s=cp_s, shared_acts=shared_acts)
+                     cp_s=cp_s, shared_acts=shared_acts, param_elements=tuple(elements))
 
 
 def chunk_parts(chunk: Chunk) -> list[tuple[int, int, bool]]:
@@ -342,7 +351,8 @@ def _chunk_cost(ci: CostInputs, chunk: Chunk, policy: str) -> RangeCost:
         num_layers=len(chunk.layers), boundary_bytes=boundary_bytes(ci, chunk.stop),
         layer_params=sum(p.params for p, (_, _, is_layer) in zip(parts, spans) if is_layer),
         ep_fwd_s=sum(p.ep_fwd_s for p in parts), ep_bwd_s=sum(p.ep_bwd_s for p in parts),
-        expert_params=sum(p.expert_params for p in parts), cp_s=sum(p.cp_s for p in parts))
+        expert_params=sum(p.expert_params for p in parts), cp_s=sum(p.cp_s for p in parts),
+        param_elements=tuple(e for p in parts for e in p.param_elements))
 
 
 def boundary_bytes(ci: CostInputs, cut: int) -> float:

@@ -81,6 +81,12 @@ class ParallelConfig:
     # back (all-to-all); expert weights are replicated over the dp / ep groups (expert data
     # parallelism, Megatron-Core's layout). 1: experts held whole like any weight
     ep: int = 1
+    # ZeRO-3 with some weights kept whole: parameter names (fnmatch patterns over FQNs,
+    # "layers.*.attention.*") that stay whole on every dp rank instead of sharded. Nothing
+    # gathers them; their gradients are all-reduced over dp once a step, after backward, and
+    # their optimizer state is whole (ZeRO-0 for them). The sharding ILP picks them per weight
+    # (``planner/dp_problem.py``): FSDP as a placement, not only a switch
+    dp_whole: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("dp", "tp", "pp", "micro_batch_size", "virtual_stages", "ep"):
@@ -110,6 +116,7 @@ class ParallelConfig:
                               "as FSDP shards and gathered to the device layer by layer")
         self._check_layout()
         self._check_dp_shard()
+        self._check_dp_whole()
         if self.dp % self.ep:
             raise ConfigError(f"ep={self.ep} must divide dp={self.dp}: expert-parallel groups "
                               "are made of data-parallel ranks")
@@ -169,6 +176,27 @@ class ParallelConfig:
             raise ConfigError(f"dp_shard={s} (HSDP) needs zero_stage 2 or 3: it is FSDP's "
                               f"sharding inside groups of {s} ranks, replicated across groups")
 
+    def _check_dp_whole(self) -> None:
+        v = self.dp_whole
+        if isinstance(v, str) or not hasattr(v, "__iter__") or not all(
+                isinstance(x, str) and x for x in v):
+            raise ConfigError(f"dp_whole must be a list of parameter names or patterns, "
+                              f"got {v!r}")
+        object.__setattr__(self, "dp_whole", tuple(sorted(set(v))))
+        if not self.dp_whole:
+            return
+        if self.zero_stage != 3 or self.dp == 1:
+            raise ConfigError("dp_whole keeps some weights whole where ZeRO-3 shards the rest: "
+                              f"it needs zero_stage=3 and dp > 1 (got zero_stage="
+                              f"{self.zero_stage}, dp={self.dp})")
+        other = [what for what, on in (("pp > 1", self.pp > 1), ("ep > 1", self.ep > 1),
+                                       ("HSDP (dp_shard)", self.dp_shard is not None),
+                                       ("offload_params", self.offload_params)) if on]
+        if other:
+            raise ConfigError(f"dp_whole runs without pipelines, expert parallelism, HSDP and "
+                              f"parameter offload for now, not with {', '.join(other)}: drop "
+                              f"dp_whole (every weight sharded) or those")
+
     @property
     def uses_fsdp(self) -> bool:
         """Whether the runtime shards the model state with FSDP2 (ZeRO-2/3 over dp > 1, or
@@ -185,6 +213,11 @@ class ParallelConfig:
         return (self.schedule in SPLIT_BACKWARD and self.uses_fsdp
                 and (self.zero_stage == 3 or self.offload_params
                      or self.schedule in V_SCHEDULES))
+
+    def keeps_whole(self, fqn: str) -> bool:
+        """Whether parameter ``fqn`` stays whole on the dp axis (``dp_whole``)."""
+        from fnmatch import fnmatchcase
+        return any(fnmatchcase(fqn, p) for p in self.dp_whole)
 
     @property
     def shard_degree(self) -> int:
@@ -283,9 +316,9 @@ class ParallelConfig:
                      for d in range(self.dp))
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-ready fields (the layout tuples as lists); ``tp_comm_overlap``, ``dp_shard``
-        and ``ep`` only when set, so plans written before they existed read back byte for
-        byte."""
+        """JSON-ready fields (the layout tuples as lists); ``tp_comm_overlap``, ``dp_shard``,
+        ``ep`` and ``dp_whole`` only when set, so plans written before they existed read back
+        byte for byte."""
         out = {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items()}
         if not self.tp_comm_overlap:
             del out["tp_comm_overlap"]
@@ -293,6 +326,8 @@ class ParallelConfig:
             del out["dp_shard"]
         if self.ep == 1:
             del out["ep"]
+        if not self.dp_whole:
+            del out["dp_whole"]
         return out
 
     @staticmethod
@@ -313,6 +348,8 @@ class ParallelConfig:
             s += f" hsdp{self.dp_shard}x{self.dp // self.dp_shard}"
         if self.ep > 1:
             s += f" ep{self.ep}"
+        if self.dp_whole:
+            s += f" whole{len(self.dp_whole)}"
         if self.sequence_parallel:
             s += " sp"
         if self.stage_recompute is not None:

@@ -34,6 +34,7 @@ class StageParams:
     layer_params: float = 0.0   # of ``params``, those inside the stage's layers
     tensors: int = 0         # parameter tensors (the optimizer's per-tensor cost)
     layers: int = 1          # the stage's layers (FSDP's units, DDP's buckets)
+    whole: float = 0.0       # of ``params``, weights ZeRO-3 keeps whole (``dp_whole``)
 
 
 @dataclass(frozen=True)
@@ -47,6 +48,7 @@ class Term:
     first_s: float = 0.0
     times: float = 1.0
     shares: tuple[tuple[str, float], ...] = ()
+    whole_only: bool = False     # there only where some weights are kept whole (ILP: a charge)
 
     def exposed_s(self, fwd_s: float, bwd_s: float, interference: float) -> float:
         if not self.window:
@@ -63,8 +65,9 @@ def stage_terms(config: ParallelConfig, cluster: Any, stage: StageParams, m: int
     ``simulated``: the pipeline simulator runs the gradient sync and FSDP's traffic, so they
     are left out here."""
     out: list[Term] = []
-    params, experts, layers = stage.params, stage.experts, stage.layers
-    grad_sync, ag, rs = dp_collectives(config, cluster, params, layers, pp_index, experts)
+    params, experts, layers, whole = stage.params, stage.experts, stage.layers, stage.whole
+    grad_sync, ag, rs = dp_collectives(config, cluster, params - whole, layers, pp_index,
+                                       experts)
     w_bytes = PRECISION_BYTES[config.precision]
     if config.dp > 1 and config.zero_stage in (1, 2):   # updated shards, after the step
         # ZeRO-1 broadcasts the fp32 weights autocast computes from; FSDP2 (ZeRO-2)
@@ -95,10 +98,16 @@ def stage_terms(config: ParallelConfig, cluster: Any, stage: StageParams, m: int
             share = ag / (ag + rs)
             out.append(Term(layers * (ag + rs), "bwd", ag + rs, m,
                             (("zero_param_gather", share), ("dp_grad_sync", 1.0 - share))))
+    if whole:
+        # weights ZeRO-3 keeps whole: their gradients all-reduced over dp once a step, after
+        # backward (runtime/optim.py DataParallelGrads), exposed
+        out.append(Term(cluster.collective_time_s("all_reduce", whole * GRAD_BYTES,
+                                                  config.dp_group(pp_index=pp_index)),
+                        shares=(("dp_grad_sync", 1.0),), whole_only=True))
     # the parameters this rank steps: its ZeRO shard; expert slabs sharded over the ranks
-    # holding the same experts
-    owned = ((params - experts) / (config.shard_degree if config.zero_stage >= 1 else 1)
-             + experts / (config.dp // config.ep if config.zero_stage >= 1 else 1))
+    # holding the same experts; the weights kept whole
+    owned = ((params - experts - whole) / (config.shard_degree if config.zero_stage >= 1 else 1)
+             + experts / (config.dp // config.ep if config.zero_stage >= 1 else 1) + whole)
     if config.offload_params or config.offload_optimizer:
         host = cluster.host
         out.append(Term(owned / host.cpu_adam_params_per_s, shares=(("optimizer", 1.0),)))

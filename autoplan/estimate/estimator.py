@@ -150,8 +150,8 @@ def estimate(model: Any, cluster: Any, *, config: ParallelConfig, global_batch_s
     # --- data parallel / ZeRO, optimizer, offload (worst stage) -------------------------------
     dp_sync = zero_gather = opt_s = offload_s = 0.0
     for s in range(p):
-        terms = stage_terms(config, cluster, stage_params(costs, stage_chunks[s]), m, s,
-                            compute, profile, simulated=simulated_comm is not None)
+        terms = stage_terms(config, cluster, stage_params(costs, stage_chunks[s], config), m,
+                            s, compute, profile, simulated=simulated_comm is not None)
         x = price(terms, stage_f[s], stage_b[s], interference)
         # the tp-axis all-reduce of replicated weights' partial gradients runs after backward,
         # in one flattened call (runtime/optim.py TensorParallelGrads): exposed
@@ -190,7 +190,16 @@ def estimate(model: Any, cluster: Any, *, config: ParallelConfig, global_batch_s
         cs = [costs[c] for c in stage_chunks[s]]
         params = sum(c.params for c in cs)
         experts = sum(c.expert_params for c in cs)
-        states = _states(config, params - experts, config.shard_degree)
+        whole = _whole(config, cs)
+        states = _states(config, params - experts - whole, config.shard_degree)
+        if whole:            # weights ZeRO-3 keeps whole: whole states on every rank
+            w = model_state_bytes(whole, dp=1, zero_stage=0, precision=config.precision,
+                                  optimizer=config.optimizer,
+                                  offload_optimizer=config.offload_optimizer)
+            states = replace(states, params_bytes=states.params_bytes + w.params_bytes,
+                             grads_bytes=states.grads_bytes + w.grads_bytes,
+                             optimizer_bytes=states.optimizer_bytes + w.optimizer_bytes,
+                             offloaded_bytes=states.offloaded_bytes + w.offloaded_bytes)
         if experts:          # expert weights' state: sharded over the ranks holding them
             e = _states(config, experts, config.dp // config.ep)
             states = replace(states, params_bytes=states.params_bytes + e.params_bytes,
@@ -206,7 +215,7 @@ def estimate(model: Any, cluster: Any, *, config: ParallelConfig, global_batch_s
         layers = max(1, sum(c.num_layers for c in cs))
         if config.zero_stage == 3 and config.dp > 1:
             # two layers' weights gathered at once (prefetch) plus their unsharded gradients
-            transient += 2 * (params / layers) * PRECISION_BYTES[config.precision] * 2
+            transient += 2 * ((params - whole) / layers) * PRECISION_BYTES[config.precision] * 2
         mem = MemoryBreakdown(params_bytes=states.params_bytes, grads_bytes=states.grads_bytes,
                               optimizer_bytes=states.optimizer_bytes,
                               activations_bytes=act_mb * flight, transient_bytes=transient,
@@ -261,13 +270,22 @@ def _states(config: ParallelConfig, params: float, shard: int) -> Any:
                              offload_params=config.offload_params)
 
 
-def stage_params(costs: Sequence[RangeCost], chunks: Sequence[int]) -> StageParams:
+def stage_params(costs: Sequence[RangeCost], chunks: Sequence[int],
+                 config: ParallelConfig) -> StageParams:
     """What one rank of the stage running ``chunks`` holds, for its dp terms."""
     return StageParams(params=sum(costs[c].params for c in chunks),
                        experts=sum(costs[c].expert_params for c in chunks),
                        layer_params=sum(costs[c].layer_params for c in chunks),
                        tensors=sum(costs[c].param_tensors for c in chunks),
-                       layers=max(1, sum(costs[c].num_layers for c in chunks)))
+                       layers=max(1, sum(costs[c].num_layers for c in chunks)),
+                       whole=_whole(config, [costs[c] for c in chunks]))
+
+
+def _whole(config: ParallelConfig, costs: Sequence[RangeCost]) -> float:
+    """Of the parameters a rank holds, the elements ZeRO-3 keeps whole (``dp_whole``)."""
+    if not config.dp_whole:
+        return 0.0
+    return sum(c.elements_of(config.keeps_whole) for c in costs)
 
 
 def _sends(config: ParallelConfig, cluster: Any, costs: Sequence[RangeCost]) -> list[float]:

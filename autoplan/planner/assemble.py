@@ -37,9 +37,12 @@ def assemble(graph: OpGraph, cluster: Any, best: Any, alternatives: list[Alterna
     zero3 = cfg.zero_stage == 3 and cfg.dp > 1
     # every parameter FQN, tied aliases too (they share their owner's storage and placement)
     shapes = {v.fqn: tuple(v.meta.shape) for v in graph.param_values}
+    canonical = {v.fqn: graph.value(v.base).fqn for v in graph.param_values}
     experts = _expert_fqns(graph, cfg)
-    # FSDP2 keeps a scalar parameter whole on every rank (dim 0 to shard, it has none)
-    placements = {fqn: ParamPlacement(tp=tp, dp="S(0)" if zero3 and shapes[fqn] else "R",
+    # FSDP2 keeps a scalar parameter whole on every rank (dim 0 to shard, it has none), and
+    # the weights the plan keeps whole (dp_whole)
+    placements = {fqn: ParamPlacement(tp=tp, dp="S(0)" if zero3 and shapes[fqn]
+                                      and not cfg.keeps_whole(canonical.get(fqn, fqn)) else "R",
                                       shape=shapes[fqn], ep="S(0)" if fqn in experts else "R")
                   for fqn, tp in sh.param_placement_text(graph).items()}
     recompute = {}

@@ -37,18 +37,20 @@ from autoplan.planner.problem import Reduction
 
 @dataclass(frozen=True)
 class Held:
-    """Per node and strategy, the parameter elements one rank holds, for all instances the node
-    stands for: outside the experts, in expert slabs, and (of both) inside the layers."""
+    """Per node and choice, the parameter elements one rank holds, for all instances the node
+    stands for: sharded as the configuration shards them (outside the experts), expert slabs,
+    (of all) inside the layers, and weights ZeRO-3 keeps whole (``dp_whole``)."""
 
     dense: Linear
     experts: Linear
     in_layers: Linear
+    whole: Linear
     tensors: int            # parameter tensors the optimizer steps (whatever the sharding)
     layers: int
 
-    def at(self, problem: ILPProblem, choice: Sequence[int]) -> tuple[float, float, float]:
-        return (self.dense.value(problem, choice), self.experts.value(problem, choice),
-                self.in_layers.value(problem, choice))
+    def at(self, problem: ILPProblem, choice: Sequence[int]) -> tuple[float, ...]:
+        return tuple(x.value(problem, choice)
+                     for x in (self.dense, self.experts, self.in_layers, self.whole))
 
 
 def held_params(graph: OpGraph, red: Reduction, t: int, ep: int) -> Held:
@@ -95,26 +97,26 @@ def held_params(graph: OpGraph, red: Reduction, t: int, ep: int) -> Held:
         dense.append(tuple(d_row))
         expert.append(tuple(e_row))
         layer.append(tuple(l_row))
+    zero = tuple(tuple(0.0 for _ in row) for row in dense)
     return Held(Linear(0.0, tuple(dense)), Linear(0.0, tuple(expert)), Linear(0.0, tuple(layer)),
-                tensors, max(1, len(chunk.layers)))
+                Linear(0.0, zero), tensors, max(1, len(chunk.layers)))
 
 
-def _combine(held: Held, coef: tuple[float, float, float], const: float) -> Linear:
-    """const + coef . (dense, experts, in-layer) elements, per node and strategy."""
-    a, b, c = coef
-    rows = tuple(tuple(a * x + b * y + c * z for x, y, z in zip(dr, er, lr))
-                 for dr, er, lr in zip(held.dense.nodes, held.experts.nodes,
-                                       held.in_layers.nodes))
+def _combine(held: Held, coef: Sequence[float], const: float) -> Linear:
+    """const + coef . (sharded, experts, in-layer, whole) elements, per node and choice."""
+    rows = tuple(tuple(sum(c * x for c, x in zip(coef, xs)) for xs in zip(*cols))
+                 for cols in zip(held.dense.nodes, held.experts.nodes, held.in_layers.nodes,
+                                 held.whole.nodes))
     return Linear(const, rows)
 
 
-def _tangent(f: Callable[[float, float, float], float], at: tuple[float, float, float]
-             ) -> tuple[tuple[float, float, float], float]:
+def _tangent(f: Callable[..., float], at: Sequence[float]
+             ) -> tuple[tuple[float, ...], float]:
     """(gradient, intercept) of ``f`` at ``at`` by forward differences (``f`` is affine in
     each of its arguments on each side of a collective's algorithm crossover)."""
     f0 = f(*at)
     grad = []
-    for k in range(3):
+    for k in range(len(at)):
         step = max(abs(at[k]) * 1e-3, 1.0)
         moved = list(at)
         moved[k] += step
@@ -122,41 +124,177 @@ def _tangent(f: Callable[[float, float, float], float], at: tuple[float, float, 
     return tuple(grad), f0 - sum(g * x for g, x in zip(grad, at))
 
 
+@dataclass(frozen=True)
+class DpProblem:
+    """One configuration's ILP. Under ZeRO-3 every node holding weights has each strategy
+    twice: its weights sharded over dp, or kept whole (``options``: per node and choice, the
+    strategy of the shared problem and whether its weights are kept whole)."""
+
+    problem: ILPProblem
+    options: tuple[tuple[tuple[int, bool], ...], ...]
+
+    def strategies(self, choice: Sequence[int]) -> tuple[int, ...]:
+        """The shared problem's choice (``sharding_from_choice`` takes it)."""
+        return tuple(self.options[v][k][0] for v, k in enumerate(choice))
+
+    def whole_nodes(self, choice: Sequence[int]) -> list[int]:
+        return [v for v, k in enumerate(choice) if self.options[v][k][1]]
+
+    def lift(self, strategies: Sequence[int]) -> tuple[int, ...]:
+        """The choice of ``strategies`` with every weight sharded."""
+        return tuple(opts.index((j, False)) for opts, j in zip(self.options, strategies))
+
+
+def keeps_weights_whole(config: ParallelConfig) -> bool:
+    """Whether the ILP may keep weights whole under ``config``'s ZeRO-3 (``dp_whole``)."""
+    return (config.zero_stage == 3 and config.dp > 1 and config.pp == 1 and config.ep == 1
+            and config.dp_shard is None and not config.offload_params)
+
+
 def with_dp_terms(red: Reduction, graph: OpGraph, cluster: Any, config: ParallelConfig,
                   m: int, compute: Any, profile: Any, interference: float,
-                  reference: Sequence[int]) -> ILPProblem:
-    """``red``'s problem (built for ``config``'s recompute policy and ZeRO's tp step shard)
-    with ``config``'s dp, ZeRO, optimizer, offload and framework terms, linearized at the
-    choice ``reference`` (see the module doc). pp must be 1."""
+                  reference: Sequence[int], whole_extra_bytes: float | None = None
+                  ) -> DpProblem:
+    """``red``'s problem (built for ``config``'s recompute policy, ZeRO's tp step shard and its
+    state bytes per parameter) with ``config``'s dp, ZeRO, optimizer, offload and framework
+    terms, linearized at the choice ``reference`` of ``red``'s problem (see the module doc).
+    ``whole_extra_bytes``: under ZeRO-3, what keeping a weight whole adds per element to its
+    state (the choice is offered where given, ``keeps_weights_whole``). pp must be 1."""
     if config.pp != 1:
         raise ValueError("the dp terms are priced for one pipeline stage (pp = 1)")
-    problem = red.problem
     held = held_params(graph, red, config.tp, config.ep)
+    options = tuple(tuple((j, False) for j in range(len(row))) for row in held.dense.nodes)
+    problem, fwd, bwd = red.problem, red.fwd, red.bwd
+    if whole_extra_bytes is not None and keeps_weights_whole(config) and not config.dp_whole:
+        options = tuple(opts + tuple((j, True) for j, _ in opts) if any(row) else opts
+                        for opts, row in zip(options, held.dense.nodes))
+        problem, fwd, bwd, held = _with_whole(problem, fwd, bwd, held, options,
+                                              whole_extra_bytes, _sharing(graph, red))
+    out = DpProblem(problem, options)
+    start = out.lift(reference)
 
-    def terms_at(dense: float, experts: float, in_layers: float) -> list[Term]:
-        stage = StageParams(params=dense + experts, experts=experts, layer_params=in_layers,
-                            tensors=held.tensors, layers=held.layers)
+    def terms_at(dense: float, experts: float, in_layers: float, whole: float) -> list[Term]:
+        stage = StageParams(params=dense + experts + whole, experts=experts,
+                            layer_params=in_layers, tensors=held.tensors, layers=held.layers,
+                            whole=whole)
         return stage_terms(config, cluster, stage, m, 0, compute, profile)
-    at = held.at(problem, reference)
-    base = terms_at(*at)
+    at = held.at(problem, start)
+    # whole weights add a term (their all-reduce): the tangent is taken with some held whole
+    probe = at if at[3] or not any(o[1] for opts in options for o in opts) else (
+        at[0] / 2, at[1], at[2], at[0] / 2)
+    base = terms_at(*probe)
     costs = [list(c) for c in problem.node_costs]
     constant = problem.constant_s + _framework_s(graph, profile, compute, m)
     overlaps = list(problem.overlaps)
+    charges = list(problem.charges)
+    whole_options = tuple((v, k) for v, opts in enumerate(options)
+                          for k, (_, w) in enumerate(opts) if w)
     for k, term in enumerate(base):
-        coef, const = _tangent(lambda *p, k=k: terms_at(*p)[k].seconds, at)
+        coef, const = _tangent(lambda *p, k=k: terms_at(*p)[k].seconds, probe)
         comm = _combine(held, coef, const)
+        if term.whole_only:         # its latency only where some weight is kept whole
+            assert not term.window
+            charges.append((term.times * comm.const, whole_options))
+            comm = replace(comm, const=0.0)
         if not term.window:
             constant += term.times * comm.const
             for v, row in enumerate(comm.nodes):
                 for j, c in enumerate(row):
                     costs[v][j] += term.times * c
             continue
-        fcoef, fconst = _tangent(lambda *p, k=k: terms_at(*p)[k].first_s, at)
-        window = red.fwd if term.window == "fwd" else red.bwd
+        fcoef, fconst = _tangent(lambda *p, k=k: terms_at(*p)[k].first_s, probe)
+        window = fwd if term.window == "fwd" else bwd
         overlaps.append(Overlap(comm, window, _combine(held, fcoef, fconst), interference,
                                 term.times))
-    return replace(problem, node_costs=tuple(tuple(c) for c in costs), overlaps=tuple(overlaps),
-                   constant_s=constant)
+    return replace(out, problem=replace(problem, node_costs=tuple(tuple(c) for c in costs),
+                                        overlaps=tuple(overlaps), constant_s=constant,
+                                        charges=tuple(charges)))
+
+
+def _sharing(graph: OpGraph, red: Reduction) -> set[tuple[int, int]]:
+    """Pairs of nodes that read one weight (a tied LM head and embedding)."""
+    readers: dict[str, set[int]] = {}
+    for v, node in enumerate(red.nodes):
+        for i in node.ops:
+            for n in graph.ops[i].inputs:
+                val = graph.value(n)
+                if val.kind == "param":
+                    readers.setdefault(val.base, set()).add(v)
+    return {(u, v) for nodes in readers.values() for u in nodes for v in nodes if u != v}
+
+
+def _with_whole(problem: ILPProblem, fwd: Linear, bwd: Linear, held: Held,
+                options: tuple[tuple[tuple[int, bool], ...], ...], extra_bytes: float,
+                sharing: set[tuple[int, int]]) -> tuple[ILPProblem, Linear, Linear, Held]:
+    """Everything indexed by the expanded choices: a whole choice costs what its strategy
+    costs, holds its sharded weights whole, and adds ``extra_bytes`` per such element. Two
+    nodes reading one weight keep it whole or sharded together (``sharing``: their edge)."""
+    from autoplan.planner.problem import INFEASIBLE_S
+    def nodes(rows: Sequence[Sequence[float]], pick: Any = None) -> tuple[tuple[float, ...], ...]:
+        return tuple(tuple((pick or (lambda v, j, w, x: x))(v, j, w, rows[v][j])
+                           for j, w in opts) for v, opts in enumerate(options))
+
+    def mats(edges: Sequence[Any]) -> tuple:
+        return tuple(tuple(tuple(m[i][j] for j, _ in options[v]) for i, _ in options[u])
+                     for (u, v, _), m in zip(problem.edges, edges))
+
+    def lin(x: Linear) -> Linear:
+        return Linear(x.const, nodes(x.nodes), mats(x.edges) if x.edges else ())
+    dense = held.dense.nodes
+    def tied(u: int, v: int, m: Any) -> Any:
+        if (u, v) not in sharing:
+            return m
+        return tuple(tuple(x + (INFEASIBLE_S if wu != wv else 0.0)
+                           for x, (_, wv) in zip(row, options[v]))
+                     for row, (_, wu) in zip(m, options[u]))
+    grown = replace(
+        problem, node_costs=nodes(problem.node_costs),
+        node_memory=nodes(problem.node_memory,
+                          lambda v, j, w, x: x + (extra_bytes * dense[v][j] if w else 0.0)),
+        edges=tuple((u, v, tied(u, v, m)) for (u, v, _), m in zip(
+            problem.edges, mats([r for _, _, r in problem.edges]))))
+    held = Held(Linear(0.0, nodes(dense, lambda v, j, w, x: 0.0 if w else x)),
+                lin(held.experts), lin(held.in_layers),
+                Linear(0.0, nodes(dense, lambda v, j, w, x: x if w else 0.0)),
+                held.tensors, held.layers)
+    return grown, lin(fwd), lin(bwd), held
+
+
+def whole_patterns(graph: OpGraph, red: Reduction, nodes: Sequence[int]) -> tuple[str, ...]:
+    """``dp_whole`` for the weights of ``nodes`` in every instance they stand for: one
+    pattern per weight of a repeated layer (``layers.*.attention.wq.weight``) where it matches
+    exactly those, else the FQNs themselves."""
+    from fnmatch import fnmatchcase
+    wanted: set[str] = set()
+    patterns: set[str] = set()
+    all_fqns = {graph.value(v.base).fqn for v in graph.param_values}
+    for v in nodes:
+        for i in red.nodes[v].ops:
+            for n in graph.ops[i].inputs:
+                val = graph.value(n)
+                if val.kind != "param":
+                    continue
+                fqn = graph.value(val.base).fqn
+                names, glob = _instances(graph, i, fqn)
+                wanted |= names
+                hits = {f for f in all_fqns if fnmatchcase(f, glob)} if glob else set()
+                patterns |= {glob} if glob and hits == names else names
+    return tuple(sorted(patterns))
+
+
+def _instances(graph: OpGraph, i: int, fqn: str) -> tuple[set[str], str | None]:
+    """The FQNs ``fqn`` (read by op ``i``) stands for in every instance of its block, and a
+    pattern for them (the instances' path with its last part a wildcard), if there is one."""
+    for block in graph.blocks:
+        first = block.instances[0]
+        if first.start <= i < first.stop and fqn.startswith(first.path + "."):
+            rest = fqn[len(first.path):]
+            names = {inst.path + rest for inst in block.instances}
+            head = first.path.rsplit(".", 1)[0] if "." in first.path else ""
+            alike = all(inst.path.rsplit(".", 1)[0] == head for inst in block.instances)
+            glob = (head + "." if head else "") + "*" + rest if alike else None
+            return names, glob
+    return {fqn}, None
 
 
 def _framework_s(graph: OpGraph, profile: Any, compute: Any, m: int) -> float:

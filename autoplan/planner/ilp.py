@@ -17,6 +17,9 @@ Constraints
 With x integral the two edge families force e = x_u (outer) x_v, so the linearization is exact.
 Nodes with one strategy carry no variable: their terms fold into constants and neighbours' c.
 
+Charges: a cost paid once where any of some strategies is chosen (a collective that runs when
+some weight is kept whole): u >= x[v, j] for each, u in [0, 1], objective += cost * u.
+
 Overlap terms (data parallelism's traffic behind the compute, ``dp_problem``). Each prices
     times * (max(C - W, F) + phi * min(C, W))        (``estimate.overlap.overlap_exposed_s``)
 where C (the communication), W (the compute window) and F (the part that cannot hide) are
@@ -103,6 +106,8 @@ class ILPProblem:
     memory_budget: float | None = None
     overlaps: tuple[Overlap, ...] = ()
     constant_s: float = 0.0          # seconds the choice does not change (in ``objective``)
+    # (seconds, ((node, strategy), ...)): paid once where any of those is chosen
+    charges: tuple[tuple[float, tuple[tuple[int, int], ...]], ...] = ()
 
     @property
     def num_nodes(self) -> int:
@@ -112,6 +117,8 @@ class ILPProblem:
         total = self.constant_s + sum(self.node_costs[v][j] for v, j in enumerate(choice))
         for u, v, r in self.edges:
             total += r[choice[u]][choice[v]]
+        total += sum(cost for cost, when in self.charges
+                     if any(choice[v] == j for v, j in when))
         return total + sum(o.value(self, choice) for o in self.overlaps)
 
     def memory(self, choice: tuple[int, ...] | list[int]) -> float:
@@ -296,7 +303,8 @@ def _solve(problem: ILPProblem, time_limit_s: float, start: tuple[int, ...] | No
         overlaps=tuple(Overlap(o.comm.scaled(scale), o.window.scaled(scale),
                                o.first.scaled(scale), o.interference, o.times)
                        for o in problem.overlaps),
-        constant_s=problem.constant_s * scale)
+        constant_s=problem.constant_s * scale,
+        charges=tuple((c * scale, when) for c, when in problem.charges))
     prob = pulp.LpProblem("sharding", pulp.LpMinimize)
     x = _add_variables(prob, scaled, free)
     _add_one_strategy(prob, scaled, free, x)
@@ -304,6 +312,15 @@ def _solve(problem: ILPProblem, time_limit_s: float, start: tuple[int, ...] | No
     terms, const, n_edge = _objective_and_edges(prob, scaled, fixed, x, evars)
     more, longer = _overlap_terms(prob, scaled, fixed, x, evars, _CANNOT_RUN_S * scale)
     terms += more
+    for n, (cost, when) in enumerate(scaled.charges):
+        if any(fixed.get(v) == j for v, j in when):
+            const += cost
+            continue
+        paid = pulp.LpVariable(f"charged_{n}", lowBound=0, upBound=1)
+        for v, j in when:
+            if v not in fixed:
+                prob += (paid >= x[v, j], f"charge_{n}_{v}_{j}")
+        terms.append(cost * paid)
     if start is not None:
         for (v, j), var in x.items():
             var.setInitialValue(1 if start[v] == j else 0)

@@ -27,8 +27,9 @@ from autoplan.sharding.placement import Placement
 # 2: HSDP (config.dp_shard, mesh axes dp_replicate x dp_shard) and the V-shaped schedules
 # (zbv, dualpipev). A version-1 plan has none of them and reads as it did.
 # 3: expert parallelism (config.ep, mesh axes edp x ep); older plans read as they did.
-PLAN_SCHEMA_VERSION = 3
-READABLE_PLAN_SCHEMAS = (1, 2, 3)
+# 4: ZeRO-3 with some weights kept whole (config.dp_whole); older plans read as they did.
+PLAN_SCHEMA_VERSION = 4
+READABLE_PLAN_SCHEMAS = (1, 2, 3, 4)
 MAX_FILE_BYTES = 256 << 20        # refuse larger files before reading them
 MAX_DEPTH = 64                    # JSON nesting (a valid plan needs about 6)
 MAX_STRING_CHARS = 1 << 20        # any one string or key
@@ -122,6 +123,9 @@ def check_plan(d: Any) -> None:
     if version < 3 and config.ep > 1:
         fail("schema_version", f"{version}, but the plan uses what schema 3 added (config.ep): "
              "set schema_version 3")
+    if version < 4 and config.dp_whole:
+        fail("schema_version", f"{version}, but the plan uses what schema 4 added "
+             "(config.dp_whole): set schema_version 4")
     for k in ("precision", "optimizer"):
         if t[k] != getattr(config, k):
             fail(f"training.{k}", f"{t[k]!r} but config.{k} is {getattr(config, k)!r}")
@@ -368,7 +372,7 @@ def _bool(v: Any, path: str) -> bool:
 
 
 _NULLABLE = ("num_microbatches", "chunk_layers", "stage_recompute")
-_LISTS = {"chunk_layers": int, "stage_recompute": str}
+_LISTS = {"chunk_layers": int, "stage_recompute": str, "dp_whole": str}
 
 
 def _config(v: Any, path: str) -> ParallelConfig:

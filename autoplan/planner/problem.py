@@ -474,19 +474,29 @@ def reduce_graph(ctx: CostContext) -> Reduction:
     if ctx.experts is not None:
         _sent_again(ctx, nodes, node_of, edge_mats, costs)
     _tie_shared_weights(ctx, nodes, edge_mats, costs)
+    # ops no node holds (no outputs: a metadata assert) cost what the estimate prices them,
+    # whatever the choice
+    fixed_fwd = fixed_bwd = 0.0
+    for i, op in enumerate(graph.ops):
+        if rep[i] not in node_of:
+            c = ctx.compute.op_cost(i)
+            again = c.fwd_s if ctx.recompute == "full" and mult[rep[i]] > 1 else 0.0
+            fixed_fwd, fixed_bwd = fixed_fwd + c.fwd_s, fixed_bwd + c.bwd_s + again
     problem = ILPProblem(
         node_costs=tuple(tuple(c) for c in costs), node_memory=tuple(tuple(m) for m in mems),
         edges=tuple((u, v, tuple(tuple(r) for r in mat)) for (u, v), mat in sorted(edge_mats.items())),
-        memory_budget=ctx.memory_budget)
+        memory_budget=ctx.memory_budget,
+        constant_s=ctx.microbatches * (fixed_fwd + fixed_bwd))
 
-    def aligned(nodes_s: list[list[float]], edges_s: dict[tuple[int, int], list[list[float]]]
-                ) -> Linear:
-        return Linear(0.0, tuple(tuple(c) for c in nodes_s),
+    def aligned(fixed: float, nodes_s: list[list[float]],
+                edges_s: dict[tuple[int, int], list[list[float]]]) -> Linear:
+        return Linear(fixed, tuple(tuple(c) for c in nodes_s),
                       tuple(tuple(tuple(r) for r in edges_s.get((u, v), [[0.0] * len(mat[0])]
                                                                 * len(mat)))
                             for u, v, mat in problem.edges))
     return Reduction(rep=tuple(rep), node_of=node_of, nodes=tuple(nodes), problem=problem,
-                     fwd=aligned(fwds, edge_fwd), bwd=aligned(bwds, edge_bwd))
+                     fwd=aligned(fixed_fwd, fwds, edge_fwd),
+                     bwd=aligned(fixed_bwd, bwds, edge_bwd))
 
 
 def _tie_shared_weights(ctx: CostContext, nodes: list[_Node],

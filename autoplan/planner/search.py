@@ -180,22 +180,47 @@ def _context(graph: OpGraph, cluster: Any, config: ParallelConfig, profile: Any,
                       pinned=pinned or None)
 
 
-def _dp_sharding(graph: OpGraph, cluster: Any, config: ParallelConfig, profile: Any,
-                 gbs: int, opts: SearchOptions, stats: _Stats, reference: tuple[int, ...],
-                 pinned: dict[int, str] | None) -> tuple[Sharding, ILPSolution]:
-    """The sharding for exactly ``config`` (pp 1): the tp-axis ILP with its recompute policy,
-    ZeRO stage and the rest of its step (``dp_problem``), linearized at ``reference`` (the
-    shared ILP's choice); its objective is then ``estimate``'s step time."""
-    from autoplan.planner.dp_problem import with_dp_terms
+def _dp_sharding(graph: OpGraph, cluster: Any, cand: Candidate, gbs: int,
+                 opts: SearchOptions, profile: Any, stats: _Stats,
+                 pinned: dict[int, str] | None
+                 ) -> tuple[ParallelConfig, Sharding, ILPSolution] | None:
+    """The sharding for exactly ``cand``'s config (pp 1): the tp-axis ILP with its recompute
+    policy, ZeRO stage and the rest of its step (``dp_problem``), linearized at the shared
+    ILP's choice, within the device memory the candidate leaves for state and activations;
+    under ZeRO-3 it may keep weights whole (``dp_whole``). Its objective is then
+    ``estimate``'s step time. None where it finds nothing."""
+    from autoplan.cost.memory import model_state_bytes
+    from autoplan.planner.dp_problem import whole_patterns, with_dp_terms
+    config = cand.est.config
     m = config.microbatches(gbs)
+
+    def state(dp: int, zero: int) -> float:
+        return model_state_bytes(1.0, dp=dp, zero_stage=zero, precision=config.precision,
+                                 optimizer=config.optimizer,
+                                 offload_optimizer=config.offload_optimizer,
+                                 offload_params=config.offload_params).total_bytes
+    sharded = state(config.shard_degree, config.zero_stage)
+    mem = cand.est.stages[0].memory
     ctx = replace(_context(graph, cluster, config, profile, m, opts, None, pinned),
-                  recompute=config.recompute,
+                  recompute=config.recompute, state_bytes_per_param=sharded,
+                  memory_budget=cluster.device.memory_bytes - mem.margin_bytes
+                  - mem.transient_bytes,
                   step_shard=config.shard_degree if config.zero_stage >= 2 else 1)
     red = reduce_graph(ctx)
-    problem = with_dp_terms(red, graph, cluster, config, m, ctx.compute, profile,
-                            ctx.interference, reference)
-    sol = solve(problem, time_limit_s=opts.ilp_time_limit_s, start=reference)
-    return _solved(graph, config.tp, replace(red, problem=problem), sol, stats)
+    dp = with_dp_terms(red, graph, cluster, config, m, ctx.compute, profile, ctx.interference,
+                       cand.ilp.choice, whole_extra_bytes=None if "dp_whole" in opts.force
+                       else state(1, 0) - sharded)
+    start = dp.lift(cand.ilp.choice)
+    if dp.problem.memory(start) > dp.problem.memory_budget:
+        start = None                            # no head start that does not fit
+    sol = solve(dp.problem, time_limit_s=opts.ilp_time_limit_s, start=start)
+    stats.ilps += 1
+    stats.largest = max(stats.largest, (sol.num_variables, sol.num_constraints))
+    if sol.status not in ("optimal", "feasible"):
+        return None
+    whole = whole_patterns(graph, red, dp.whole_nodes(sol.choice))
+    sh = sharding_from_choice(graph, config.tp, red, dp.strategies(sol.choice))
+    return replace(config, dp_whole=whole), sh, sol
 
 
 def _evaluate(graph: OpGraph, cluster: Any, configs: list[ParallelConfig], sh: Sharding,
@@ -327,6 +352,9 @@ def plan(model: Any, cluster: Any, *, global_batch_size: int, example_inputs: An
     if not isinstance(opts.force, dict):
         raise ConfigError(f"plan(): force must be a dict of ParallelConfig fields, got "
                           f"{opts.force!r:.60}")
+    if "dp_whole" in opts.force:           # as a config holds it
+        opts = replace(opts, force={**opts.force, "dp_whole": ParallelConfig(
+            dp=2, zero_stage=3, dp_whole=opts.force["dp_whole"]).dp_whole})
     if opts.sharding not in ("ilp", "megatron", "context"):
         raise ConfigError(f"sharding must be 'ilp', 'megatron' or 'context', got "
                           f"{opts.sharding!r}")
@@ -485,14 +513,14 @@ def _refine_dp(graph: OpGraph, cluster: Any, cands: list[Candidate], gbs: int, p
         if len(done) == finalists:
             break
         if (c.ilp is None or c.ilp.status not in ("optimal", "feasible") or cfg.pp > 1
-                or not c.est.fits or cfg in done):
+                or not c.est.fits or cfg in done or cfg.dp_whole):   # (forced ones)
             continue
         done.add(cfg)
-        sh, sol = _dp_sharding(graph, cluster, cfg, profile, gbs, opts, stats, c.ilp.choice,
-                               pinned)
-        if sol.status not in ("optimal", "feasible"):
+        found = _dp_sharding(graph, cluster, c, gbs, opts, profile, stats, pinned)
+        if found is None:
             continue
-        better = [r for r in _evaluate(graph, cluster, [cfg], sh, sol, gbs, profile, opts,
+        new, sh, sol = found
+        better = [r for r in _evaluate(graph, cluster, [new], sh, sol, gbs, profile, opts,
                                        stats, c.label) if r.est.fits and r.key() <= c.key()]
         if better:
             out[k] = better[0]

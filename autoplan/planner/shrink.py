@@ -46,6 +46,8 @@ def shrunk_force(cfg: ParallelConfig, ranks: int) -> dict[str, Any]:
                  recompute=cfg.recompute, micro_batch_size=1)
     # expert parallelism over the shrunk dp ranks (2-way), where the plan has it
     force["ep"] = 2 if cfg.ep > 1 and degrees["dp"] > 1 else 1
+    if cfg.dp_whole and degrees["dp"] > 1 and force["zero_stage"] == 3:
+        force["dp_whole"] = cfg.dp_whole        # the same weights kept whole
     if degrees["tp"] > 1:
         force["sequence_parallel"] = cfg.sequence_parallel
     if degrees["pp"] > 1:

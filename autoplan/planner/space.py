@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from autoplan.errors import ConfigError
 from autoplan.estimate.config import ParallelConfig
 from autoplan.graph.opgraph import OpGraph
 
@@ -92,11 +93,17 @@ def policies(config: ParallelConfig, opts: SearchOptions, cluster: Any,
                         for sched, v in schedules:
                             for ep in ep_degrees(config, graph, opts, z,
                                                  off_p or shard is not None):
-                                c = ParallelConfig(**{
+                                fields = {
                                     **config.to_dict(), "zero_stage": z, "recompute": r,
                                     "offload_optimizer": off, "offload_params": off_p,
                                     "schedule": sched, "virtual_stages": v, "dp_shard": shard,
-                                    "ep": ep})
+                                    "ep": ep}
+                                if "dp_whole" in opts.force:    # ZeRO-3's weights kept whole
+                                    fields["dp_whole"] = opts.force["dp_whole"]
+                                try:
+                                    c = ParallelConfig(**fields)
+                                except ConfigError:
+                                    continue    # a forced dp_whole that this one cannot take
                                 if (c.split_backward_on_fsdp_unsupported
                                         and "schedule" not in opts.force):
                                     continue   # the runtime refuses it (runtime/pipeline.py)

@@ -74,7 +74,7 @@ def plan_mesh(device_type: str, cfg: Any) -> tuple[Any, Any, Any]:
 
 def apply_fsdp(model: nn.Module, layer_paths: list[str], dp_mesh, *, reshard: bool,
                mp_policy: Any = None, offload: bool = False, experts: Any = (),
-               expert_mesh: Any = None) -> list[nn.Parameter]:
+               expert_mesh: Any = None, whole: Any = ()) -> list[nn.Parameter]:
     """FSDP2: one unit per layer, then the root (ZeRO-3 reshards after forward, ZeRO-2 not);
     on a 2-D ``dp_mesh`` (replicate, shard) that is HSDP. ``experts``: the expert weights (this
     rank's slabs, already split over ep), sharded over ``expert_mesh`` (the ranks holding the
@@ -83,12 +83,13 @@ def apply_fsdp(model: nn.Module, layer_paths: list[str], dp_mesh, *, reshard: bo
     peer's tokens: every unit divides its reduced gradients by all of dp (for the other
     weights that is FSDP's own average).
 
-    Returns the scalar parameters (a learned residual scale, a logit temperature), which
-    ``fully_shard`` refuses: they stay whole on every rank, outside FSDP, and the caller
-    averages their gradients over dp."""
+    Returns the parameters left whole on every rank, outside FSDP, whose gradients the caller
+    averages over dp: the scalar ones (a learned residual scale, a logit temperature), which
+    ``fully_shard`` refuses, and the ``whole`` ones (the plan's ``dp_whole``)."""
     from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
     kw: dict[str, Any] = {"mesh": dp_mesh, "reshard_after_forward": reshard}
-    scalars = list({id(p): p for p in model.parameters() if p.dim() == 0}.values())
+    scalars = list({id(p): p for p in [*model.parameters(), *whole]
+                    if p.dim() == 0 or any(p is w for w in whole)}.values())
     ignored = set(scalars)
     if experts and not shards_experts(expert_mesh):
         ignored, experts = ignored | set(experts), ()
@@ -108,6 +109,15 @@ def apply_fsdp(model: nn.Module, layer_paths: list[str], dp_mesh, *, reshard: bo
             if torch.distributed.get_backend() != "nccl":     # gloo has no pre-scaled sum
                 module.set_force_sum_reduction_for_comms(True)
     return [p for p in scalars if p.requires_grad]
+
+
+def whole_parameters(module: nn.Module, keep: Any) -> list[nn.Parameter]:
+    """The parameters of ``module`` whose FQN (checkpoint wrappers dropped) ``keep`` accepts."""
+    out: dict[int, nn.Parameter] = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        if keep(name.replace("_checkpoint_wrapped_module.", "")):
+            out.setdefault(id(p), p)
+    return list(out.values())
 
 
 def shards_experts(expert_mesh: Any) -> bool:

@@ -375,10 +375,12 @@ def _compile(model: nn.Module, cluster: Any, *, example_inputs: Sequence[Any],
         if precision_dtype is not None:
             from torch.distributed.fsdp import MixedPrecisionPolicy
             mp = MixedPrecisionPolicy(param_dtype=precision_dtype, reduce_dtype=torch.float32)
+        # the weights the plan keeps whole (dp_whole) stay out of FSDP like scalars
         scalars = par.apply_fsdp(program, rp.layers, fsdp_mesh, reshard=cfg.zero_stage == 3,
                                  mp_policy=mp, offload=cfg.offload_params,
                                  experts=experts.values(),
-                                 expert_mesh=mesh["edp"] if experts else None)
+                                 expert_mesh=mesh["edp"] if experts else None,
+                                 whole=par.whole_parameters(program, cfg.keeps_whole))
         if scalars and cfg.dp > 1:
             whole_grads.append(DataParallelGrads(scalars, dp_group, cfg.dp))
     tp_grads = (TensorParallelGrads([program], rp.program.step_params, tp_group)
