@@ -13,9 +13,9 @@ estimator can never disagree about a configuration):
    schedule is a constraint) and are screened with the schedule's closed form;
 3. where nothing fits, solve the ILP again with the device memory as a constraint and cost the
    policies again with that sharding;
-   then solve the best three configurations without pipeline again, each with its own data-
-   parallel terms (``dp_problem``: the shared ILP leaves them out), keeping the sharding found
-   where it is no slower;
+   then solve the best configurations without pipeline (up to three, within 5 % of the best)
+   again, each with its own data-parallel terms (``dp_problem``: the shared ILP leaves them
+   out; under ZeRO-3 each weight sharded or kept whole), keeping what it finds where no slower;
 4. add the three baselines (pure data parallel, FSDP only, Megatron-style TP inside a node and
    DP across) costed by the same model, so the plan is never predicted slower than them;
 5. simulate the best pipelined candidates (and the best of each schedule) event by event;
@@ -500,17 +500,18 @@ def plan(model: Any, cluster: Any, *, global_batch_size: int, example_inputs: An
 
 def _refine_dp(graph: OpGraph, cluster: Any, cands: list[Candidate], gbs: int, profile: Any,
                opts: SearchOptions, stats: _Stats, pinned: dict[int, str],
-               finalists: int = 3) -> list[Candidate]:
+               finalists: int = 3, within: float = 0.05) -> list[Candidate]:
     """The shared tp-axis ILP leaves out what its sharding does to data parallelism's traffic
     and the optimizer (it serves every ZeRO stage): the best few ILP-sharded configurations
-    without pipeline are solved again with their own terms (``dp_problem``), and the sharding
-    found replaces theirs where it is no slower (its ILP's objective is then the plan's
-    predicted step time)."""
+    without pipeline (up to ``finalists``, within ``within`` of the best fitting one) are
+    solved again with their own terms (``dp_problem``), and the sharding found replaces theirs
+    where it is no slower (its ILP's objective is then the plan's predicted step time)."""
     out = list(cands)
     done: set[ParallelConfig] = set()
+    best = min((c.est.step_time_s for c in cands if c.est.fits), default=None)
     for k, c in sorted(enumerate(cands), key=lambda kc: kc[1].key()):
         cfg = c.est.config
-        if len(done) == finalists:
+        if len(done) == finalists or best is None or c.est.step_time_s > best * (1 + within):
             break
         if (c.ilp is None or c.ilp.status not in ("optimal", "feasible") or cfg.pp > 1
                 or not c.est.fits or cfg in done or cfg.dp_whole):   # (forced ones)
