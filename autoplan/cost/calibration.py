@@ -185,6 +185,23 @@ def _elementwise_rates(clock: Any, dev: torch.device, dtype: torch.dtype
 _FRAMEWORK_BLOCKS, _OPS_PER_BLOCK = 16, 4
 
 
+def framework_s_per_op(threads: int = 1) -> float:
+    """This CPU's eager framework time per graph op and pass (what first use measures), with
+    ``threads`` intra-op threads (one rank process's): for a profile measured before first
+    use took it (``autoplan calibrate`` fits the transfers' waits beside it)."""
+    dev = torch.device("cpu")
+    clock = _Clock(dev)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        x = torch.ones(1, device=dev)
+        launch_s = _measure(clock, lambda: torch.add(x, x), warmup=20, repeats=15,
+                            min_time_s=2e-3, max_time_s=0.5).median_s
+        return _framework_s_per_op(clock, dev, launch_s)
+    finally:
+        torch.set_num_threads(before)
+
+
 def _framework_s_per_op(clock: Any, dev: torch.device, launch_s: float) -> float:
     """Eager time per graph op and pass outside its kernel (``Calibration.framework_s_per_op``),
     from the forward and backward of a network of tiny layers, less a launch per op."""
