@@ -41,6 +41,7 @@ from autoplan.estimate.estimator import estimate, validate
 from autoplan.graph.opgraph import OpGraph
 from autoplan.graph.trace import as_graph
 from autoplan.planner import mesh as meshes
+from autoplan.planner.dp_problem import keeps_weights_whole
 from autoplan.planner.ilp import ILPSolution, solve
 from autoplan.planner.assemble import assemble
 from autoplan.planner.planfile import Plan
@@ -207,10 +208,14 @@ def _dp_sharding(graph: OpGraph, cluster: Any, cand: Candidate, gbs: int,
                   - mem.transient_bytes,
                   step_shard=config.shard_degree if config.zero_stage >= 2 else 1)
     red = reduce_graph(ctx)
+    reference = (cand.ilp.choice if cand.ilp is not None else   # tp 1: every op replicated
+                 tuple(next((j for j, ch in enumerate(node.choices)
+                             if all(st.name == "replicate" for st in ch)), 0)
+                       for node in red.nodes))
     dp = with_dp_terms(red, graph, cluster, config, m, ctx.compute, profile, ctx.interference,
-                       cand.ilp.choice, whole_extra_bytes=None if "dp_whole" in opts.force
+                       reference, whole_extra_bytes=None if "dp_whole" in opts.force
                        else state(1, 0) - sharded)
-    start = dp.lift(cand.ilp.choice)
+    start = dp.lift(reference)
     if dp.problem.memory(start) > dp.problem.memory_budget:
         start = None                            # no head start that does not fit
     sol = solve(dp.problem, time_limit_s=opts.ilp_time_limit_s, start=start)
@@ -513,8 +518,12 @@ def _refine_dp(graph: OpGraph, cluster: Any, cands: list[Candidate], gbs: int, p
         cfg = c.est.config
         if len(done) == finalists or best is None or c.est.step_time_s > best * (1 + within):
             break
-        if (c.ilp is None or c.ilp.status not in ("optimal", "feasible") or cfg.pp > 1
-                or not c.est.fits or cfg in done or cfg.dp_whole):   # (forced ones)
+        # tp 1 has no sharding to choose, but under ZeRO-3 which weights to keep whole
+        fsdp_only = (c.ilp is None and cfg.tp == 1 and keeps_weights_whole(cfg)
+                     and "dp_whole" not in opts.force and opts.fixed_sharding is None)
+        if (not fsdp_only and (c.ilp is None or c.ilp.status not in ("optimal", "feasible"))
+                or cfg.pp > 1 or not c.est.fits or cfg in done
+                or cfg.dp_whole):   # (forced ones)
             continue
         done.add(cfg)
         found = _dp_sharding(graph, cluster, c, gbs, opts, profile, stats, pinned)
