@@ -71,8 +71,7 @@ def test_config_rules_groups_and_mesh():
     assert " ep4" in c.short() and ParallelConfig.from_dict(c.to_dict()) == c
     assert "ep" not in ParallelConfig(dp=8).to_dict()      # older plans read back byte for byte
     assert ParallelConfig(dp=4, ep=2, pp=2).mesh_axes() == ("pp", "edp", "ep", "tp")
-    for bad, why in ((dict(dp=4, ep=3), "divide"), (dict(dp=4, ep=2, zero_stage=3, dp_shard=2), "HSDP"),
-                     (dict(dp=4, ep=2, zero_stage=3, offload_params=True), "offload")):
+    for bad, why in ((dict(dp=4, ep=3), "divide"), (dict(dp=4, ep=2, zero_stage=3, dp_shard=2), "HSDP")):
         with pytest.raises(ConfigError, match=why):
             ParallelConfig(**bad)
 
@@ -229,6 +228,9 @@ CASES = [
     # FSDP shards the rest over all 4 ranks, each expert slab over its 2 holders
     ("hf-mixtral-tiny", 4, dict(tp=1, zero_stage=3, ep=2), "ilp",
      "HF Mixtral, EP2 x FSDP (ZeRO-3) over 4"),
+    # FSDP2's CPU offload of every shard, the expert slabs' over their 2 holders
+    ("hf-mixtral-tiny", 4, dict(tp=1, zero_stage=3, ep=2, offload_params=True), "ilp",
+     "HF Mixtral, EP2 x FSDP, parameters offloaded"),
 ]
 
 

@@ -120,15 +120,11 @@ class ParallelConfig:
         if self.dp % self.ep:
             raise ConfigError(f"ep={self.ep} must divide dp={self.dp}: expert-parallel groups "
                               "are made of data-parallel ranks")
-        if self.ep > 1:
-            other = [what for what, on in (("offload_params", self.offload_params),
-                                           (f"dp_shard={self.dp_shard} (HSDP)",
-                                            self.dp_shard is not None)) if on]
-            if other:
-                raise ConfigError(f"expert parallelism (ep={self.ep}) runs with data, tensor and "
-                                  f"pipeline parallelism, ZeRO-0 to 3 and optimizer offload, "
-                                  f"not with "
-                                  f"{', '.join(other)}; use ep=1 or drop them")
+        if self.ep > 1 and self.dp_shard is not None:
+            raise ConfigError(f"expert parallelism (ep={self.ep}) runs with data, tensor and "
+                              f"pipeline parallelism, ZeRO-0 to 3 and optimizer and parameter "
+                              f"offload, not with dp_shard={self.dp_shard} (HSDP); use ep=1 or "
+                              f"drop dp_shard")
         if self.sequence_parallel and self.tp == 1:
             raise ConfigError("sequence_parallel=True needs tp > 1 (it shards the "
                               "activations that tensor parallelism leaves replicated)")

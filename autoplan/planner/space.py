@@ -91,8 +91,7 @@ def policies(config: ParallelConfig, opts: SearchOptions, cluster: Any,
                         if shard is not None and off_p and "dp_shard" not in opts.force:
                             continue     # offloaded weights: no device memory for HSDP to save
                         for sched, v in schedules:
-                            for ep in ep_degrees(config, graph, opts, z,
-                                                 off_p or shard is not None):
+                            for ep in ep_degrees(config, graph, opts, z, shard is not None):
                                 fields = {
                                     **config.to_dict(), "zero_stage": z, "recompute": r,
                                     "offload_optimizer": off, "offload_params": off_p,
@@ -114,8 +113,8 @@ def policies(config: ParallelConfig, opts: SearchOptions, cluster: Any,
 def ep_degrees(config: ParallelConfig, graph: OpGraph, opts: SearchOptions, zero_stage: int,
                excluded: bool) -> list[int]:
     """Expert-parallel degrees to cost: for a model with experts, every ``ep`` dividing both
-    dp and the expert count, where the runtime runs it (any ZeRO stage, optimizer offload;
-    ``excluded``: with parameter offload or HSDP, which it does not combine with)."""
+    dp and the expert count, where the runtime runs it (any ZeRO stage, optimizer and
+    parameter offload; ``excluded``: with HSDP, which it does not combine with)."""
     from autoplan.graph.experts import find_experts
     found = find_experts(graph)
     runs = found is not None and not excluded
