@@ -1,7 +1,7 @@
 """ZeRO-3 with some weights kept whole (``ParallelConfig.dp_whole``): FSDP as a per-weight
 placement on the data-parallel axis, chosen by the configuration's own ILP
 (``planner/dp_problem.py``), priced by ``estimate`` and run by the runtime (the weights stay out
-of FSDP, their gradients averaged over dp after backward).
+of FSDP, their gradients averaged over dp in buckets behind the last backward).
 """
 
 import pytest
@@ -66,8 +66,17 @@ def test_weights_kept_whole_hold_whole_state_and_all_reduce_once():
     # weights, gradients and Adam's state, whole instead of over 16 ranks
     per_param = sum(bytes_per_param("bf16", "adamw"))
     assert states(mb) - states(ma) == pytest.approx(n * per_param * (1 - 1 / 16), rel=1e-9)
-    ar = cluster.collective_time_s("all_reduce", n * 4, base.dp_group())
-    assert b.time.comm_exposed_s["dp_grad_sync"] >= ar
+    # their fp32 gradients all-reduced once a step, behind the last backward (as DDP)
+    from autoplan.estimate.dp_terms import StageParams, stage_terms
+    stage = StageParams(params=float(sum(v.meta.numel for v in g.param_values
+                                         if v.fqn == g.value(v.base).fqn)),
+                        whole=float(n), layers=2)
+    from autoplan.cost.compute import compute_model
+    compute = compute_model(g, cluster.device, "bf16", None)
+    (sync,) = [t for t in stage_terms(whole, cluster, stage, 4, 0, compute, None)
+               if t.whole_only]
+    assert sync.window == "bwd" and sync.seconds == pytest.approx(
+        cluster.collective_time_s("all_reduce", n * 4, base.dp_group()))
     assert b.time.comm_exposed_s["zero_param_gather"] < a.time.comm_exposed_s[
         "zero_param_gather"]
 
@@ -132,3 +141,43 @@ def test_weights_kept_whole_train_like_one_device(name, whole):
         held = run_ranks(_held, 4, name, p.to_json(), timeout_s=240.0)[0]
         sharded = {f for f, dt in held.items() if dt}
         assert sharded and all((f in kept) != (f in sharded) for f in held), (kept, sharded)
+
+
+def _buckets_in_backward(rank, world):
+    import torch
+    import torch.distributed as dist
+
+    from autoplan.runtime import optim
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    optim.BUCKET_BYTES = 4 * 64 * 64                 # about one weight a bucket
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(4)])
+    grads = optim.DataParallelGrads(list(net.parameters()), None, world)
+    grads.overlap_with_backward()
+    x = torch.randn(8, 64) * (rank + 1)
+    net(x).sum().backward()                          # a first micro-batch: nothing sent
+    assert not grads._sent
+    grads.arm()
+    net(x).sum().backward()
+    sent = len(grads._sent)                          # sent while backward ran
+    grads.all_reduce()
+    return sent, [p.grad.tolist() for p in net.parameters()]
+
+
+def test_whole_weights_gradients_go_out_in_buckets_behind_the_last_backward():
+    """The weights FSDP leaves whole: their buckets are all-reduced while the last
+    micro-batch's backward runs (DDP's overlap), and the result is the dp mean."""
+    import torch
+    (s0, g0), (s1, g1) = run_ranks(_buckets_in_backward, 2, timeout_s=60.0)
+    assert s0 >= 3 and s0 == s1
+    assert g0 == g1
+    ref = []
+    for rank in (0, 1):
+        torch.manual_seed(0)
+        net = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(4)])
+        x = torch.randn(8, 64) * (rank + 1)
+        for _ in range(2):
+            net(x).sum().backward()
+        ref.append([p.grad for p in net.parameters()])
+    for got, a, b in zip(g0, *ref):
+        assert torch.allclose(torch.tensor(got), (a + b) / 2, rtol=1e-6, atol=1e-6)

@@ -83,8 +83,8 @@ class ParallelConfig:
     ep: int = 1
     # ZeRO-3 with some weights kept whole: parameter names (fnmatch patterns over FQNs,
     # "layers.*.attention.*") that stay whole on every dp rank instead of sharded. Nothing
-    # gathers them; their gradients are all-reduced over dp once a step, after backward, and
-    # their optimizer state is whole (ZeRO-0 for them). The sharding ILP picks them per weight
+    # gathers them; their gradients are all-reduced over dp once a step, in buckets behind the
+    # last micro-batch's backward, and their optimizer state is whole (ZeRO-0 for them). The sharding ILP picks them per weight
     # (``planner/dp_problem.py``): FSDP as a placement, not only a switch
     dp_whole: tuple[str, ...] = ()
 

@@ -99,11 +99,13 @@ def stage_terms(config: ParallelConfig, cluster: Any, stage: StageParams, m: int
             out.append(Term(layers * (ag + rs), "bwd", ag + rs, m,
                             (("zero_param_gather", share), ("dp_grad_sync", 1.0 - share))))
     if whole:
-        # weights ZeRO-3 keeps whole: their gradients all-reduced over dp once a step, after
-        # backward (runtime/optim.py DataParallelGrads), exposed
-        out.append(Term(cluster.collective_time_s("all_reduce", whole * GRAD_BYTES,
-                                                  config.dp_group(pp_index=pp_index)),
-                        shares=(("dp_grad_sync", 1.0),), whole_only=True))
+        # weights ZeRO-3 keeps whole: their gradients all-reduced over dp once a step in
+        # buckets behind the last micro-batch's backward, as DDP's (runtime/optim.py
+        # DataParallelGrads)
+        sync = cluster.collective_time_s("all_reduce", whole * GRAD_BYTES,
+                                         config.dp_group(pp_index=pp_index))
+        out.append(Term(sync, "bwd", sync / layers, shares=(("dp_grad_sync", 1.0),),
+                        whole_only=True))
     # the parameters this rank steps: its ZeRO shard; expert slabs sharded over the ranks
     # holding the same experts; the weights kept whole
     owned = ((params - experts - whole) / (config.shard_degree if config.zero_stage >= 1 else 1)

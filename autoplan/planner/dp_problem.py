@@ -192,20 +192,23 @@ def with_dp_terms(red: Reduction, graph: OpGraph, cluster: Any, config: Parallel
     for k, term in enumerate(base):
         coef, const = _tangent(lambda *p, k=k: terms_at(*p)[k].seconds, probe)
         comm = _combine(held, coef, const)
+        fcoef, fconst = _tangent(lambda *p, k=k: terms_at(*p)[k].first_s, probe)
+        first = _combine(held, fcoef, fconst)
         if term.whole_only:         # its latency only where some weight is kept whole
-            assert not term.window
-            charges.append((term.times * comm.const, whole_options))
-            comm = replace(comm, const=0.0)
+            if term.window:
+                comm = replace(comm, const=0.0, switched=((comm.const, whole_options),))
+                first = replace(first, const=0.0, switched=((first.const, whole_options),))
+            else:
+                charges.append((term.times * comm.const, whole_options))
+                comm = replace(comm, const=0.0)
         if not term.window:
             constant += term.times * comm.const
             for v, row in enumerate(comm.nodes):
                 for j, c in enumerate(row):
                     costs[v][j] += term.times * c
             continue
-        fcoef, fconst = _tangent(lambda *p, k=k: terms_at(*p)[k].first_s, probe)
         window = fwd if term.window == "fwd" else bwd
-        overlaps.append(Overlap(comm, window, _combine(held, fcoef, fconst), interference,
-                                term.times))
+        overlaps.append(Overlap(comm, window, first, interference, term.times))
     return replace(out, problem=replace(problem, node_costs=tuple(tuple(c) for c in costs),
                                         overlaps=tuple(overlaps), constant_s=constant,
                                         charges=tuple(charges)))

@@ -18,7 +18,8 @@ With x integral the two edge families force e = x_u (outer) x_v, so the lineariz
 Nodes with one strategy carry no variable: their terms fold into constants and neighbours' c.
 
 Charges: a cost paid once where any of some strategies is chosen (a collective that runs when
-some weight is kept whole): u >= x[v, j] for each, u in [0, 1], objective += cost * u.
+some weight is kept whole): u >= x[v, j] for each, u in [0, 1], objective += cost * u. An
+affine function's switched amounts (``Linear.switched``) take such a u the same way.
 
 Overlap terms (data parallelism's traffic behind the compute, ``dp_problem``). Each prices
     times * (max(C - W, F) + phi * min(C, W))        (``estimate.overlap.overlap_exposed_s``)
@@ -41,7 +42,7 @@ import re
 import tempfile
 import time
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import pulp
 
@@ -61,23 +62,28 @@ class Linear:
     const: float
     nodes: Matrix
     edges: tuple[Matrix, ...] = ()
+    # (amount >= 0, ((node, strategy), ...)): added once where any of those is chosen
+    switched: tuple[tuple[float, tuple[tuple[int, int], ...]], ...] = ()
 
     def value(self, problem: ILPProblem, choice: tuple[int, ...] | list[int]) -> float:
         total = self.const + sum(self.nodes[v][j] for v, j in enumerate(choice))
         for (u, v, _), mat in zip(problem.edges, self.edges):
             total += mat[choice[u]][choice[v]]
-        return total
+        return total + sum(a for a, when in self.switched
+                           if any(choice[v] == j for v, j in when))
 
     def scaled(self, k: float) -> Linear:
         return Linear(self.const * k, tuple(tuple(c * k for c in cs) for cs in self.nodes),
-                      tuple(tuple(tuple(c * k for c in row) for row in m) for m in self.edges))
+                      tuple(tuple(tuple(c * k for c in row) for row in m) for m in self.edges),
+                      tuple((a * k, when) for a, when in self.switched))
 
     def upper_bound(self, below: float = math.inf) -> float:
         """The largest value over all choices, counting only terms under ``below``."""
         def top(values) -> float:
             return max((c for c in values if c < below), default=0.0)
         return (self.const + sum(top(cs) for cs in self.nodes)
-                + sum(top(c for row in m for c in row) for m in self.edges))
+                + sum(top(c for row in m for c in row) for m in self.edges)
+                + sum(a for a, _ in self.switched))
 
 
 @dataclass(frozen=True)
@@ -214,9 +220,34 @@ def _objective_and_edges(prob, problem: ILPProblem, fixed: dict[int, int], x, ev
     return terms, const, n_edge_vars
 
 
-def _affine(problem: ILPProblem, lin: Linear, fixed: dict[int, int], x, evars):
-    """A ``Linear`` as a PuLP expression (edges with a fixed end fold onto the other's x)."""
+@dataclass
+class _Switches:
+    """One variable u per set of strategies, with its rows u >= x[v, j] (``Linear.switched``)."""
+
+    variables: dict = field(default_factory=dict)
+    rows: list = field(default_factory=list)
+
+    def of(self, when: tuple[tuple[int, int], ...], x) -> pulp.LpVariable:
+        if when not in self.variables:
+            u = self.variables[when] = pulp.LpVariable(f"switch_{len(self.variables)}",
+                                                       lowBound=0, upBound=1)
+            self.rows += [u >= x[v, j] for v, j in when]
+        return self.variables[when]
+
+
+def _affine(problem: ILPProblem, lin: Linear, fixed: dict[int, int], x, evars,
+            switches: _Switches):
+    """A ``Linear`` as a PuLP expression (edges with a fixed end fold onto the other's x; a
+    switched amount times its set's u, only ever pushed up by the rows it is in, so that u is
+    1 exactly where one of the set is chosen)."""
     const, terms = lin.const, []
+    for amount, when in lin.switched:
+        if any(fixed.get(v) == j for v, j in when):
+            const += amount
+            continue
+        free = tuple((v, j) for v, j in when if v not in fixed)
+        if free:
+            terms.append(amount * switches.of(free, x))
     for v, cs in enumerate(lin.nodes):
         if v in fixed:
             const += cs[fixed[v]]
@@ -240,12 +271,13 @@ def _overlap_terms(prob, problem: ILPProblem, fixed: dict[int, int], x, evars,
     """Objective terms of the overlaps, with their variables and constraints (module doc);
     and each overlap's binary (1: the window is the shorter)."""
     terms, longer = [], {}
+    switches = _Switches()
     for n, o in enumerate(problem.overlaps):
-        comm = _affine(problem, o.comm, fixed, x, evars)
+        comm = _affine(problem, o.comm, fixed, x, evars, switches)
         if o.interference >= 1.0:               # nothing hides: all of it is exposed
             terms.append(o.times * comm)
             continue
-        window = _affine(problem, o.window, fixed, x, evars)
+        window = _affine(problem, o.window, fixed, x, evars, switches)
         z = pulp.LpVariable(f"exposed_{n}", lowBound=0)
         y = pulp.LpVariable(f"hidden_{n}", lowBound=0)
         b = longer[n] = pulp.LpVariable(f"longer_{n}", cat=pulp.LpBinary)
@@ -255,10 +287,13 @@ def _overlap_terms(prob, problem: ILPProblem, fixed: dict[int, int], x, evars,
         big_comm = o.comm.upper_bound(cannot_run) * 1.001 + 1e-6
         big_window = o.window.upper_bound(cannot_run) * 1.001 + 1e-6
         prob += (z >= comm - window, f"exposed_past_{n}")
-        prob += (z >= _affine(problem, o.first, fixed, x, evars), f"exposed_first_{n}")
+        prob += (z >= _affine(problem, o.first, fixed, x, evars, switches),
+                 f"exposed_first_{n}")
         prob += (y >= comm - big_comm * b, f"hidden_comm_{n}")
         prob += (y >= window - big_window * (1 - b), f"hidden_window_{n}")
         terms += [o.times * z, o.times * o.interference * y]
+    for k, row in enumerate(switches.rows):
+        prob += (row, f"switch_row_{k}")
     return terms, longer
 
 

@@ -1,7 +1,8 @@
 """Gradient synchronization and optimizer placements the plan can ask for.
 
-- ``DataParallelGrads``: pipeline chunks under ZeRO-0/1 with the zero-bubble schedule: their
-  gradients are averaged over the dp group after the schedule, in buckets;
+- ``DataParallelGrads``: gradients averaged over a dp group in buckets, after backward (pipeline
+  chunks under ZeRO-0/1 with the zero-bubble schedule) or each bucket behind the rest of the
+  last backward (the weights FSDP leaves whole, expert slabs DDP leaves out);
 - ``TensorParallelGrads``: weights replicated over the tp axis but read by split computations
   have partial gradients there: summed once per step;
 - ``TensorShardedOptimizer``: ZeRO-1 by whole tensors: each dp rank keeps optimizer state for
@@ -29,24 +30,73 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 class DataParallelGrads:
-    """Averages the gradients of ``params`` over a data-parallel group after backward."""
+    """Averages the gradients of ``params`` over a data-parallel group, in buckets of about
+    ``BUCKET_BYTES`` (DDP's default cap), one flattened all-reduce each: after backward, or
+    (``overlap_with_backward``, then ``arm`` before the last micro-batch's backward) each
+    bucket sent as soon as its gradients are complete, as DDP does, and waited for in
+    ``all_reduce``."""
 
     def __init__(self, params: Sequence[torch.nn.Parameter], group: Any, dp: int):
         self.params = [p for p in params if p.requires_grad]
         self.group = group
         self.dp = dp
+        self._hooks: list[Any] = []
+        self._armed = False
+        self._ready: list[torch.Tensor] = []          # complete, not sent yet
+        self._sent: list[tuple[Any, torch.Tensor, list[torch.Tensor]]] = []
+        self._sent_ids: set[int] = set()
+
+    def overlap_with_backward(self) -> None:
+        """Hook every parameter: once armed, its complete gradient joins the open bucket."""
+        if not self._hooks:
+            self._hooks = [p.register_post_accumulate_grad_hook(self._complete)
+                           for p in self.params]
+
+    def arm(self) -> None:
+        """The next backward is the step's last: send the buckets as they fill."""
+        self._armed = bool(self._hooks)
+
+    def _complete(self, p: torch.nn.Parameter) -> None:
+        if not self._armed or p.grad is None:
+            return
+        g = _local(p.grad)
+        if self._ready and (g.dtype != self._ready[0].dtype or g.device != self._ready[0].device
+                            or _nbytes(self._ready) + _nbytes([g]) > BUCKET_BYTES):
+            self._send()
+        self._ready.append(g)
+        self._sent_ids.add(id(p))
+
+    def _send(self) -> None:
+        bucket, self._ready = self._ready, []
+        flat = torch.cat([g.reshape(-1) for g in bucket])
+        self._sent.append((dist.all_reduce(flat, group=self.group, async_op=True), flat, bucket))
 
     def all_reduce(self) -> None:
-        """Buckets of about ``BUCKET_BYTES`` (DDP's default cap), one flattened all-reduce each."""
-        grads = [_local(p.grad) for p in self.params if p.grad is not None]
+        """Average every gradient: wait for the buckets sent during backward, then the rest."""
+        rest = [p for p in self.params if id(p) not in self._sent_ids]
+        if self._armed:
+            if self._ready:
+                self._send()
+            for work, flat, bucket in self._sent:
+                work.wait()
+                _scatter(flat.div_(self.dp), bucket)
+        self._sent, self._sent_ids, self._armed = [], set(), False
+        grads = [_local(p.grad) for p in rest if p.grad is not None]
         for bucket in _buckets(grads, BUCKET_BYTES):
             flat = torch.cat([g.reshape(-1) for g in bucket])
             dist.all_reduce(flat, group=self.group)
-            flat.div_(self.dp)
-            offset = 0
-            for g in bucket:
-                g.copy_(flat[offset:offset + g.numel()].view_as(g))
-                offset += g.numel()
+            _scatter(flat.div_(self.dp), bucket)
+
+
+def _nbytes(grads: Sequence[torch.Tensor]) -> int:
+    return sum(g.numel() * g.element_size() for g in grads)
+
+
+def _scatter(flat: torch.Tensor, bucket: Sequence[torch.Tensor]) -> None:
+    offset = 0
+    for g in bucket:
+        g.copy_(flat[offset:offset + g.numel()].view_as(g))
+        offset += g.numel()
 
 
 BUCKET_BYTES = 25 * 2 ** 20

@@ -177,6 +177,9 @@ class Trainer(Checkpointing, GradientStep):
         weights = _weights(self.token_loss, batch, self.dp_index, self.config)
         for k, chunk in enumerate(chunks):
             last = k == len(chunks) - 1
+            if last:                  # their buckets go out as the last backward fills them
+                for grads in self.whole_grads:
+                    grads.arm()
             ctx = no_sync() if (no_sync is not None and not last) else contextlib.nullcontext()
             f = scale * weights[k] if weights else scale
             with ctx:
@@ -389,6 +392,8 @@ def _compile(model: nn.Module, cluster: Any, *, example_inputs: Sequence[Any],
         # the experts' gradients hold every ep peer's tokens: averaged over the ranks that
         # hold the same experts, not by DDP over all of dp (FSDP does it in its units)
         whole_grads.append(DataParallelGrads(list(experts.values()), edp_group, cfg.dp))
+    for grads in whole_grads:        # sent behind the last backward, as DDP's buckets
+        grads.overlap_with_backward()
     if cfg.dp > 1 and not use_fsdp:
         program = par.ddp(program, dp_group, {id(p) for p in experts.values()})
     params = [p for p in program.parameters() if p.requires_grad]
