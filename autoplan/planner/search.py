@@ -151,10 +151,16 @@ def _ilp_sharding(graph: OpGraph, cluster: Any, config: ParallelConfig, profile:
     return _solved(graph, config.tp, red, sol, stats)
 
 
-def _solved(graph: OpGraph, t: int, red: Any, sol: ILPSolution, stats: _Stats
-            ) -> tuple[Sharding, ILPSolution]:
+def _counted(sol: ILPSolution, stats: _Stats) -> ILPSolution:
+    """``sol``, counted in the search's statistics (ILPs solved, the largest)."""
     stats.ilps += 1
     stats.largest = max(stats.largest, (sol.num_variables, sol.num_constraints))
+    return sol
+
+
+def _solved(graph: OpGraph, t: int, red: Any, sol: ILPSolution, stats: _Stats
+            ) -> tuple[Sharding, ILPSolution]:
+    _counted(sol, stats)
     if sol.status in ("infeasible", "not_solved"):
         return replicated_on(graph, t), sol
     return sharding_from_choice(graph, t, red, sol.choice), sol
@@ -218,9 +224,7 @@ def _dp_sharding(graph: OpGraph, cluster: Any, cand: Candidate, gbs: int,
     start = dp.lift(reference)
     if dp.problem.memory(start) > dp.problem.memory_budget:
         start = None                            # no head start that does not fit
-    sol = solve(dp.problem, time_limit_s=opts.ilp_time_limit_s, start=start)
-    stats.ilps += 1
-    stats.largest = max(stats.largest, (sol.num_variables, sol.num_constraints))
+    sol = _counted(solve(dp.problem, time_limit_s=opts.ilp_time_limit_s, start=start), stats)
     if sol.status not in ("optimal", "feasible"):
         return None
     whole = whole_patterns(graph, red, dp.whole_nodes(sol.choice))
