@@ -78,9 +78,11 @@ def main(argv: list[str]) -> int:
             print(f"{key}: FAILED {out.stderr.strip().splitlines()[-1:]}")
             continue
         r = json.loads(out.stdout.strip().splitlines()[-1])
+        size = f"{r['vars']} variables, {r['constraints']} constraints"
+        which = (f"the chosen plan's: {size}, {r['status']}" if r["status"] != "not_solved"
+                 else f"the chosen plan's sharding is Megatron's or tp 1; the largest: {size}")
         print(f"{r['case']} on {r['world']} devices: trace {r['trace_s']:.1f} s + search "
-              f"{r['search_s']:.1f} s = {r['total_s']:.1f} s; {r['ilps']} ILPs (the chosen plan's: "
-              f"{r['vars']} variables, {r['constraints']} constraints, {r['status']}), "
+              f"{r['search_s']:.1f} s = {r['total_s']:.1f} s; {r['ilps']} ILPs ({which}), "
               f"{r['candidates']} configurations costed")
         print(f"    plan: {r['config']}  step {r['step_s']:.2f} s  MFU {r['mfu'] * 100:.1f}%")
     return 0

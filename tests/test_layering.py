@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 ROOT = pathlib.Path(__file__).resolve().parents[1] / "autoplan"
-LAYER = {"version": 0, "errors": 0, "safe_io": 0.5, "models": 1, "graph": 1, "sharding": 2, "cluster": 3,
+LAYER = {"version": 0, "errors": 0, "safe_io": 0.5, "gc_pause": 0.5, "models": 1, "graph": 1, "sharding": 2, "cluster": 3,
          "cost": 4, "cost_models": 4, "profiles": 4, "estimate": 5, "planner": 6,
          "runtime": 7, "cli": 8, "__init__": 9}
 # (importing file, imported package): each with its reason

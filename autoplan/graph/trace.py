@@ -26,6 +26,7 @@ from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from autoplan.errors import TraceError
+from autoplan.gc_pause import with_fewer_collections
 from autoplan.graph.blocks import find_blocks, outermost_indexed
 from autoplan.graph.opgraph import Op, OpGraph, TensorMeta, Value
 from autoplan.graph.oprules import OpCall, io_bytes, rule_for
@@ -165,6 +166,7 @@ def _tensor_nodes(args: Sequence[Any], kwargs: Mapping[str, Any]) -> list[torch.
 
 # ---- the tracer -------------------------------------------------------------------------------
 
+@with_fewer_collections
 def trace(model: nn.Module, example_inputs: Sequence[Any], *,
           loss_fn: Callable[[Any, torch.Tensor], torch.Tensor] | None = None,
           targets: torch.Tensor | None = None, train: bool = True,
@@ -207,6 +209,7 @@ def trace(model: nn.Module, example_inputs: Sequence[Any], *,
     return graph
 
 
+@with_fewer_collections
 def export_program(model: nn.Module, example_inputs: Sequence[Any], *,
                    loss_fn: Callable[[Any, torch.Tensor], torch.Tensor] | None = None,
                    targets: torch.Tensor | None = None, train: bool = True,

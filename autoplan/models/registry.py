@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from autoplan.gc_pause import with_fewer_collections
 from autoplan.models.dlrm import DLRM, DLRM_CONFIGS, DLRMConfig
 from autoplan.models.gpt import GPT, GPT_CONFIGS
 from autoplan.models.hf import HF_CONFIGS, HFModelConfig, build_hf_model
@@ -255,6 +256,7 @@ def _check_fits_in_host_memory(name: str, config: Any, device: torch.device) -> 
         )
 
 
+@with_fewer_collections
 def build_example(name: str, *, device: str | torch.device = "cpu", batch_size: int = 1,
                   seq_len: int | None = None, seed: int = 0, **overrides: Any) -> Example:
     """Build the named model with inputs, targets and loss.

@@ -34,6 +34,7 @@ from typing import Any
 from autoplan.cost.compute import compute_model
 from autoplan.cost.memory import bytes_per_param
 from autoplan.errors import ConfigError
+from autoplan.gc_pause import with_fewer_collections
 from autoplan.estimate.arguments import (batch_arg, capacity_arg, cluster_arg, options_error,
                                         profile_arg)
 from autoplan.estimate.config import ParallelConfig
@@ -343,6 +344,7 @@ def _baselines(graph: OpGraph, cluster: Any, gbs: int, base: dict[str, Any], pro
     return out
 
 
+@with_fewer_collections
 def plan(model: Any, cluster: Any, *, global_batch_size: int, example_inputs: Any = None,
          loss_fn: Any = None, targets: Any = None, precision: str = "bf16",
          optimizer: str = "adamw", profile: Any = "auto", name: str | None = None,

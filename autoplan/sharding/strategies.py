@@ -324,27 +324,32 @@ def strategies(graph: OpGraph, op: Op, t: int, *, micro_batch: int | None = None
 
     With ``micro_batch``, a strategy that splits a dim growing with the batch must split it
     evenly at that micro-batch size too (the graph was traced at ``graph.batch_size``)."""
-    if t == 1 or not op.outputs:
-        return [replicate(op)]
     # the planner asks again for every mesh, micro-batch and baseline: derive them once per
     # graph (they depend on the op and t only; the values are frozen)
     cache = graph.__dict__.setdefault("_autoplan_strategies", {})
-    key = (op.name, t)
+    key = (op.name, t if op.outputs else 1)
     found = cache.get(key)
     if found is None:
-        found = _from_first_layer(graph, op, t)
-    if found is None:
-        try:
-            found = tuple(_shaped(graph, op, t))
-        except (TypeError, ValueError, IndexError, KeyError, AttributeError,
-                ZeroDivisionError) as e:
-            # arguments no rule expects (a graph read from a hand-edited file): replicated
-            _warn_once(op, e)
-            found = ()
-    cache[key] = found
-    if micro_batch is not None and micro_batch != graph.batch_size:
-        found = tuple(s for s in found if _even_at(graph, op, s, t, micro_batch))
-    return [replicate(op), *found]
+        found = cache[key] = (replicate(op), *_derived(graph, op, t))
+    if micro_batch is not None and micro_batch != graph.batch_size and len(found) > 1:
+        return [found[0], *(s for s in found[1:] if _even_at(graph, op, s, t, micro_batch))]
+    return list(found)
+
+
+def _derived(graph: OpGraph, op: Op, t: int) -> tuple[OpStrategy, ...]:
+    """The strategies beside ``replicate``."""
+    if t == 1 or not op.outputs:
+        return ()
+    found = _from_first_layer(graph, op, t)
+    if found is not None:
+        return found
+    try:
+        return tuple(_shaped(graph, op, t))
+    except (TypeError, ValueError, IndexError, KeyError, AttributeError,
+            ZeroDivisionError) as e:
+        # arguments no rule expects (a graph read from a hand-edited file): replicated
+        _warn_once(op, e)
+        return ()
 
 
 def strategies_by_name(graph: OpGraph, op: Op, t: int) -> Mapping[str, OpStrategy]:
@@ -377,7 +382,7 @@ def _from_first_layer(graph: OpGraph, op: Op, t: int) -> tuple[OpStrategy, ...] 
     repeated block (same targets, shapes, parameters and call arguments: the rules would derive
     the same), or None where it has none or they differ. A 96-layer model derives one layer."""
     rep = _first_layer_ops(graph).get(op.name)
-    if rep is None or _call(rep) != _call(op):
+    if rep is None or _call(graph, rep) != _call(graph, op):
         return None
     out = []
     for s in strategies(graph, rep, t)[1:]:
@@ -404,8 +409,17 @@ def _first_layer_ops(graph: OpGraph) -> dict[str, Op]:
     return table
 
 
-def _call(op: Op) -> Any:
-    """The op's call with its tensors as positions (``{"v": name}`` -> its input index)."""
+def _call(graph: OpGraph, op: Op) -> Any:
+    """The op's call with its tensors as positions (``{"v": name}`` -> its input index), read
+    once per graph and op."""
+    cache = graph.__dict__.setdefault("_autoplan_calls", {})
+    found = cache.get(op.name)
+    if found is None:
+        found = cache[op.name] = _read_call(op)
+    return found
+
+
+def _read_call(op: Op) -> Any:
     where = {n: k for k, n in enumerate(op.inputs)}
 
     def norm(a: Any) -> Any:
