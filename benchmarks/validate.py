@@ -255,17 +255,31 @@ CHANGES = [
     "- Dropout with p = 0 priced as what it is, the input returned (torch launches no kernel; "
     "the rows are built with dropout 0 as the runs trained): MAPE 7.5 %, worst -21.9 % (1.7B, "
     "whose too-fast compute this uncovers further).",
+    "- The cross entropy priced as the passes torch makes over the logits in fp32 (autocast runs "
+    "it in fp32, and Megatron-LM upcasts its logits; `cost/compute.py`, "
+    "`_cross_entropy_bytes`): the cast, log-softmax's three reading passes and its write, and "
+    "their backward, 22 and 26 bytes per logit in 16-bit training where one op's bf16 bytes "
+    "had counted 2 and 4. With a 131,072 vocabulary the 1.7B row's loss went from 5 to 38 ms "
+    "of its step: MAPE 7.0 %, worst -14.5 % (177B at 144 GPUs, and 1.7B). The v1 rows "
+    "(vocabulary 51,200, already 2 % slow on average) moved 0.4 points the other way.",
 ]
 
 NOT_CAPTURED = [
-    "- **GEMM efficiency by shape and device.** One matmul efficiency per device "
-    "(cost_models/devices.yaml: H100 0.65, an estimate with no measurement behind it). With "
-    "every overlap the runs used now priced, the H100 rows where compute is nearly all of the "
-    "step (the 177B strong-scaling points on 96 to 1,152 GPUs) come out 11-15 % fast, and the "
-    "smallest model (1.7B, hidden 2,048) 20 % fast: real GEMMs at these shapes run below 0.65 of "
-    "the peak, the small ones further below (the published best-shape maximum, 792 of 989 "
-    "TFLOP/s, is 0.80: Bekman's MAMF table, stas00/ml-engineering). A sweep of GEMM efficiency "
-    "over model shapes on an H100 and an A100 is the next step; it needs the GPUs.",
+    "- **GEMM efficiency by shape does not explain the H100 rows.** One matmul efficiency per "
+    "device (cost_models/devices.yaml: H100 0.65, an estimate). With every overlap the runs "
+    "used priced, the H100 rows where compute is nearly all of the step (the 177B "
+    "strong-scaling points on 96 to 1,152 GPUs) come out 11-15 % fast, and the smallest model "
+    "(1.7B) 14 % fast. A public GEMM table by shape says the cause is not the GEMMs' shapes: "
+    "OpenXLA's measured cuBLAS table for H100 (openxla/xla, "
+    "`xla/service/gpu/model/default_matmul_perf_table.txtpb`, key `sm_90`, bf16) gives 758-789 "
+    "TFLOP/s (0.77-0.80 of the peak) at its largest shapes (4 x 4,096 x 2,048-4,096 x "
+    "2,048-4,096) and 0.69-0.73 where one side is 512-1,024, as Bekman's MAMF table "
+    "(stas00/ml-engineering: 792 TFLOP/s best) does. The rows' GEMMs (M at least 4,096 "
+    "tokens, K and N at least 1,536) sit in that flat part, so pricing them by shape would make "
+    "every H100 row faster still. What a training step loses beyond isolated GEMMs at boost "
+    "clock (power-limited clocks, communication kernels sharing the SMs and HBM) is what 0.65 "
+    "stands for, unmeasured; finding where the rest goes needs a kernel timeline of a real "
+    "step on H100s, not GEMM microbenchmarks.",
     "- **Megatron v1's fused softmax.** v1's attention fuses scale, mask and softmax into one "
     "kernel; the unfused attention autoplan prices makes three memory passes of the score "
     "matrix (the smallest v1 model, where attention weighs most: +15 %).",

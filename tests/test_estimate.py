@@ -274,6 +274,25 @@ def test_dropout_with_p_zero_costs_nothing():
     assert all(c.fwd_s > 0.0 and c.bwd_s > 0.0 for c in costs[0.1])
 
 
+def test_cross_entropy_is_priced_in_fp32_passes_over_its_logits():
+    """The loss over N logits runs in fp32 whatever the precision (autocast's fp32 list):
+    in bf16 the cast and log-softmax's passes move 22 N bytes forward and 26 N backward, in
+    fp32 16 N and 20 N; as one op's bf16 bytes it was priced at 2 N and 4 N."""
+    from autoplan.cost.compute import compute_model
+    from autoplan.graph.opgraph import opname
+    cluster = Cluster.preset("dgx-h100", nodes=1)
+    dev = cluster.device
+    ex = build_example("gpt-tiny", device="meta", batch_size=4)
+    g = trace(ex.model, ex.example_inputs, loss_fn=ex.loss_fn, targets=ex.targets)
+    k = next(i for i, op in enumerate(g.ops) if opname(op) == "cross_entropy_loss")
+    n = g.value(g.ops[k].inputs[0]).meta.numel
+    bw = dev.memory_bandwidth_bytes_per_s * dev.memory_efficiency
+    for precision, fwd_bytes, bwd_bytes in (("bf16", 22, 26), ("fp32", 16, 20)):
+        c = compute_model(g, dev, precision, None).base_cost(k)
+        assert c.fwd_s == pytest.approx(fwd_bytes * n / bw + dev.kernel_launch_s)
+        assert c.bwd_s == pytest.approx(bwd_bytes * n / bw + dev.kernel_launch_s)
+
+
 def test_a_weight_gathered_for_its_product_is_held_whole_while_it_runs():
     """A product whose weight is stored split on the tp axis and gathered (``*_gathered``)
     holds the whole weight while it runs, and in backward its whole gradient before the

@@ -191,6 +191,10 @@ class ComputeModel:
         else:
             flops_per_s = tp.matmul_flops_per_s * _VECTOR_FRACTION
         bytes_ = (op.bytes_read + op.bytes_written) * self._byte_scale(op)
+        bwd_bytes = 2.0 * bytes_
+        passes = _cross_entropy_bytes(self.graph, op, self.precision)
+        if passes is not None:
+            bytes_, bwd_bytes = passes
         # a measured element-wise function: its arithmetic is a third ceiling
         key = elementwise_key(self.graph, op) if tp.elementwise_s_per_element else None
         per_fwd, per_bwd = (0.0, 0.0)
@@ -200,7 +204,7 @@ class ComputeModel:
                   per_fwd) + tp.launch_s
         if not op.differentiable:
             return OpCost(fwd_s=fwd, bwd_s=0.0)
-        bwd = max(op.bwd_flops / flops_per_s, 2.0 * bytes_ / tp.memory_bytes_per_s,
+        bwd = max(op.bwd_flops / flops_per_s, bwd_bytes / tp.memory_bytes_per_s,
                   per_bwd) + tp.launch_s
         return OpCost(fwd_s=fwd, bwd_s=bwd)
 
@@ -242,6 +246,23 @@ class ComputeModel:
             return 1.0
         return (size_efficiency(curve, size * work_scale ** (1.0 / 3.0))
                 / size_efficiency(curve, size))
+
+
+def _cross_entropy_bytes(graph: OpGraph, op: Op, precision: str) -> tuple[float, float] | None:
+    """(forward, backward) bytes a cross entropy moves over its ``N`` logits; None for other
+    ops. Torch computes it in fp32 whatever the training precision (it is on autocast's fp32
+    list, and Megatron-LM upcasts its logits too), in passes over the whole logits: forward,
+    the cast to fp32 (c bytes per logit), log-softmax's three reading passes (the row's max,
+    its sum of exponentials, the output) and its write: (c + 16) N; backward, nll_loss's
+    zero-filled gradient, log-softmax's backward (a pass summing the gradient, one reading it
+    and the output to write the logits' gradient) and the cast back: (c + 20) N. c is 6 when
+    training in 16 bits (read 2, write 4), 0 in fp32. Priced as one op's bytes, the logits of a
+    128K vocabulary cost a tenth of this."""
+    if op.kind != "loss" or opname(op) != "cross_entropy_loss" or not op.inputs:
+        return None
+    n = graph.value(op.inputs[0]).meta.numel
+    cast = 0.0 if PRECISION_BYTES[precision] >= 4 else PRECISION_BYTES[precision] + 4.0
+    return (cast + 16.0) * n, (cast + 20.0) * n
 
 
 def _identity_dropout(op: Op) -> bool:
