@@ -152,7 +152,8 @@ def test_a_capacity_factor_prices_the_busiest_expert_rank(mixtral8x7b, tmp_path)
     again = estimate(mixtral8x7b, cluster, config=p.config, global_batch_size=32,
                      profile=None, expert_capacity_factor=1.5,
                      sharding=plan_sharding(p, mixtral8x7b))
-    assert p.predicted["step_time_s"] == pytest.approx(again.step_time_s)
+    # the plan file keeps 6 significant digits (planfile.SIG_DIGITS)
+    assert p.predicted["step_time_s"] == pytest.approx(again.step_time_s, rel=1e-5)
     assert '"expert_capacity_factor": 1.5' in p.to_json()
     assert Plan.from_json(p.to_json()).to_json() == p.to_json()
     assert "expert capacity factor 1.5" in explain_plan(p)

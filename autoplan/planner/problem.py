@@ -151,7 +151,7 @@ class CostContext:
     state_bytes_per_param: float                  # weights + grads + optimizer on the device
     activation_multiplier: float                  # micro-batches whose activations are held
     memory_budget: float | None = None
-    interference: float = OVERLAP_INTERFERENCE    # overlapped traffic's share charged (estimate)
+    interference: float = OVERLAP_INTERFERENCE    # overlapped traffic's share charged
     experts: ExpertExchanges | None = None        # expert parallelism's exchanges (ep > 1)
     pinned: Mapping[int, str] | None = None       # op index -> the only strategy it may take
     step_shard: int = 1       # ZeRO-2/3: the tp step all-reduces gradients already dp-sharded
