@@ -98,18 +98,23 @@ def test_a_learned_attention_mask_is_not_split_over_the_ring():
 
 def test_long_sequences_plan_context_parallel(tmp_path):
     """Llama-3-8B at 131,072 tokens on 8 x 8 H100: the search splits the sequence (ring
-    attention) on the tensor-parallel axis, with FSDP over the rest, and beats every Megatron-LM
-    tensor + sequence parallel configuration that fits (tp 2, 4, 8; ZeRO-1 or 3)."""
+    attention), on the tensor-parallel axis or on a cp axis of its own, with FSDP over the
+    rest, and beats every Megatron-LM tensor + sequence parallel configuration that fits (tp 2,
+    4, 8; ZeRO-1 or 3) and the best plan that has only the tp axis to split it on."""
     if not has_transformers():
         pytest.skip("transformers not installed")
     g = _graph("hf-llama3-8b", device="meta", seq_len=131072, max_positions=131072)
     cluster = Cluster.preset("dgx-h100", nodes=8)
     p = plan(g, cluster, global_batch_size=64, profile=None)
     rings = {v for k, v in p.op_strategies.items() if k.startswith("scaled_dot_product")}
-    assert rings == {"seq"} and p.config.tp > 1, (rings, p.config.short())
+    assert rings == {"seq"} and p.config.tp > 1 or p.config.cp > 1, (rings, p.config.short())
     assert p.predicted["fits"]
     from autoplan.planner.explain import explain_plan
     assert "run as ring attention" in explain_plan(p)
+    on_tp = plan(g, cluster, global_batch_size=64, profile=None, force={"cp": 1})
+    rings = {v for k, v in on_tp.op_strategies.items() if k.startswith("scaled_dot_product")}
+    assert rings == {"seq"} and on_tp.config.tp > 1, (rings, on_tp.config.short())
+    assert p.predicted["step_time_s"] <= on_tp.predicted["step_time_s"]
     # ring attention's exposed passes have their own key, and the timeline draws them
     assert p.predicted["time"]["comm_exposed_s"]["cp_ring"] > 0
     _timeline_draws_the_exchanges(p, "cp_ring", tmp_path)

@@ -82,8 +82,10 @@ def test_torchtitan_llama_plans_at_least_as_well_as_any_config_it_prices():
     g = _meta_graph("titan-llama3-8b", layers=4, seq_len=8192)
     cluster = Cluster.preset("dgx-h100", nodes=8)
     p = make_plan(g, cluster, global_batch_size=16, precision="bf16", max_pp=1)
-    # attention split by heads (Megatron) or by sequence (ring attention), whichever prices less
-    assert p.config.tp > 1 and _attention_strategies(g, p) in ({"heads"}, {"seq"})
+    # attention split by heads (Megatron) or by sequence (ring attention, on the tp axis or a
+    # cp axis of its own), whichever prices less
+    assert (p.config.tp > 1 and _attention_strategies(g, p) in ({"heads"}, {"seq"})
+            or p.config.cp > 1), p.config.short()
     for tp in (4, 8):                        # dp = 64 / tp must divide the batch of 16
         for zero in (0, 1, 3):
             cfg = ParallelConfig(dp=64 // tp, tp=tp, micro_batch_size=1, zero_stage=zero,

@@ -23,7 +23,8 @@ from autoplan.estimate.result import (
 from autoplan.graph import trace
 from autoplan.models import build_example
 from autoplan.planner import planfile_check as check
-from autoplan.planner.explain import diff_plans, explain_plan, fmt_ranges
+from autoplan.planner.explain import explain_plan, fmt_ranges
+from autoplan.planner.plan_diff import diff_plans
 from autoplan.planner import loading
 from autoplan.planner.loading import load_plan
 from autoplan.planner.planfile import (
@@ -240,9 +241,9 @@ def _delete(path):
 
 QKV = "layers.0.attn.qkv.weight"
 MALFORMED = [
-    ("newer version", _set(["schema_version"], 5), "written by a newer autoplan"),
-    ("unknown version", _set(["schema_version"], 0), "reads plan schemas 1, 2, 3, 4"),
-    ("no version", _delete(["schema_version"]), "reads plan schemas 1, 2, 3, 4"),
+    ("newer version", _set(["schema_version"], 6), "written by a newer autoplan"),
+    ("unknown version", _set(["schema_version"], 0), "reads plan schemas 1, 2, 3, 4, 5"),
+    ("no version", _delete(["schema_version"]), "reads plan schemas 1, 2, 3, 4, 5"),
     ("a version-1 plan with schema 2's schedules",
      lambda d: (d.__setitem__("schema_version", 1), d["config"].__setitem__("schedule", "zbv")),
      "schema 2 added"),
@@ -486,7 +487,7 @@ def test_cli_inspect_and_diff(plan, tiny, a100_x2, tmp_path, capsys):
     assert main(["inspect", str(tmp_path / "bad.json")]) == 1
     err = capsys.readouterr().err
     assert "autoplan inspect: error" in err and "truncated" in err and "bad.json" in err
-    assert PLAN_SCHEMA_VERSION == 4
+    assert PLAN_SCHEMA_VERSION == 5
 
 
 def test_schema_enums_match_the_code():

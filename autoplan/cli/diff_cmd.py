@@ -18,7 +18,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from autoplan.planner.explain import diff_plans
+    from autoplan.planner.plan_diff import diff_plans
     from autoplan.planner.planfile import plan_from_file
     sys.stdout.write(diff_plans(plan_from_file(args.a), plan_from_file(args.b)))
     return 0

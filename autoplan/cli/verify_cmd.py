@@ -49,7 +49,7 @@ def run(args: argparse.Namespace) -> int:
         raise PlanError("--ranks and --steps take a count >= 1, --tolerance a positive number")
     plan = plan_from_file(args.plan)
     force = shrunk_force(plan.config, args.ranks)
-    world = force["pp"] * force["dp"] * force["tp"]
+    world = force["pp"] * force["dp"] * force["tp"] * force.get("cp", 1)
     layers = args.layers or min(layers_needed(force), max(len(plan.recompute), 1))
     seq = args.seq_len if ":" not in args.model else None
     try:

@@ -16,6 +16,7 @@ only each block's input.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from autoplan.graph.analysis import analyze
 from autoplan.errors import ConfigError
@@ -126,20 +127,22 @@ def shared_inputs(graph: OpGraph) -> frozenset[str]:
 
 def activation_bytes(graph: OpGraph, start: int, stop: int, *, micro_batch_size: int,
                      tp: int = 1, sp: bool = False, recompute: str = "none",
-                     precision: str = "bf16", sharding: Sharding | None = None) -> float:
+                     precision: str = "bf16", sharding: Sharding | None = None,
+                     context: Any = None) -> float:
     """Bytes that ops[start:stop] keep for backward for one micro-batch, per device.
 
     ``sharding`` says where each tensor lies on the tp axis (default: Megatron-LM's for
-    ``tp`` and ``sp``); a tensor split over the axis costs 1/t on each rank."""
+    ``tp`` and ``sp``); a tensor split over the axis costs 1/t on each rank. ``context``: a
+    context-parallel axis (``sharding.context_axis.ContextAxis``) splitting the sequence too."""
     return sum(activation_parts(graph, start, stop, micro_batch_size=micro_batch_size, tp=tp,
                                 sp=sp, recompute=recompute, precision=precision,
-                                sharding=sharding).values())
+                                sharding=sharding, context=context).values())
 
 
 def activation_parts(graph: OpGraph, start: int, stop: int, *, micro_batch_size: int,
                      tp: int = 1, sp: bool = False, recompute: str = "none",
-                     precision: str = "bf16", sharding: Sharding | None = None
-                     ) -> dict[str, float]:
+                     precision: str = "bf16", sharding: Sharding | None = None,
+                     context: Any = None) -> dict[str, float]:
     """``activation_bytes`` per kept tensor (by value; a kernel's internal tensors under
     their op's output name, summed)."""
     a = analyze(graph)
@@ -147,8 +150,10 @@ def activation_parts(graph: OpGraph, start: int, stop: int, *, micro_batch_size:
     t = sh.t
     batch_scale = micro_batch_size / graph.batch_size
 
-    def scaled(name: str, meta: TensorMeta, placement: Placement) -> float:
+    def scaled(name: str, meta: TensorMeta, placement: Placement, i: int = -1) -> float:
         b = _meta_bytes(meta, precision) * _scale(placement, t)
+        if context is not None:
+            b *= context.held_scale(i, name) if i >= 0 else context.value_scale(name)
         return b * batch_scale if name in a.batch_dependent else b
 
     if recompute == "full":
@@ -182,17 +187,32 @@ def activation_parts(graph: OpGraph, start: int, stop: int, *, micro_batch_size:
             bases.add(base.name)
             where = (sh.input_placement(graph, i, n) if n in op.inputs
                      else sh.value_placement.get(n, REPLICATE))
-            total[base.name] = total.get(base.name, 0.0) + scaled(base.name, base.meta, where)
+            total[base.name] = total.get(base.name, 0.0) + scaled(
+                base.name, base.meta, where, i if n == base.name else -1)
         out = op.outputs[0] if op.outputs else ""
-        for m in op.saved_internal:
-            total[out] = total.get(out, 0.0) + scaled(out, m,
-                                                      sh.value_placement.get(out, REPLICATE))
+        if op.saved_internal:
+            anchor, on_input = internal_anchor(graph, op)
+            where = (sh.input_placement(graph, i, anchor) if on_input
+                     else sh.value_placement.get(anchor, REPLICATE))
+            for m in op.saved_internal:
+                total[out] = total.get(out, 0.0) + scaled(anchor, m, where, i)
     return total
+
+
+def internal_anchor(graph: OpGraph, op: Any) -> tuple[str, bool]:
+    """(value, whether it is an input) whose placement and batch share an op's internal
+    tensors (``Op.saved_internal``) follow: its output's, but for a reduced output (a loss's
+    scalar) its first input's (the softmax a cross entropy keeps is one per logit row)."""
+    out = op.outputs[0] if op.outputs else ""
+    if op.inputs and (not out or not graph.value(out).meta.shape):
+        return op.inputs[0], True
+    return out, False
 
 
 def working_set_bytes(graph: OpGraph, start: int, stop: int, *, micro_batch_size: int,
                       precision: str = "bf16", sharding: Sharding | None = None,
-                      tp: int = 1, sp: bool = False) -> float:
+                      tp: int = 1, sp: bool = False, context: Any = None) -> float:
     """Peak extra memory while one recomputed range runs its backward: all it keeps, at once."""
     return activation_bytes(graph, start, stop, micro_batch_size=micro_batch_size, tp=tp,
-                            sp=sp, recompute="none", precision=precision, sharding=sharding)
+                            sp=sp, recompute="none", precision=precision, sharding=sharding,
+                            context=context)

@@ -25,6 +25,7 @@ from autoplan.graph.experts import find_experts
 from autoplan.graph.opgraph import OpGraph
 from autoplan.sharding.expert_regions import expert_regions
 from autoplan.sharding.placement import REPLICATE
+from autoplan.sharding.context_axis import ContextAxis, share_at
 from autoplan.sharding.sharding import Sharding
 
 
@@ -41,6 +42,8 @@ class CostInputs:
     # expert parallelism: the busiest rank's routed rows over the balanced share (a router
     # with capacity factor c sends an expert at most c times its share, Fedus et al. 2021)
     expert_load: float = 1.0
+    # context parallelism on an axis of its own (config.cp > 1): the sequence split over it
+    context: ContextAxis | None = None
 
     @property
     def batch_scale(self) -> float:
@@ -93,22 +96,25 @@ class RangeCost:
 
 
 def _work_scale(a: GraphAnalysis, graph: OpGraph, sh: Sharding, i: int,
-                batch_scale: float) -> float:
-    """Work of op ``i`` relative to its traced work: the micro-batch, then its tp shard."""
+                batch_scale: float, context: ContextAxis | None = None) -> float:
+    """Work of op ``i`` relative to its traced work: the micro-batch, then its tp shard (and
+    its cp shard)."""
     batch_dep = any(o in a.batch_dependent for o in graph.ops[i].outputs)
-    return (batch_scale if batch_dep else 1.0) / sh.work_divisor(i)
+    cp = context.op_scale(i) if context is not None else 1.0
+    return (batch_scale if batch_dep else 1.0) * cp / sh.work_divisor(i)
 
 
 def comm_bytes(graph: OpGraph, a: GraphAnalysis, precision: str, value: str, scale: float,
                t: int, batch_scale: float, phase: str = "fwd", grad_shard: int = 1,
-               kind: str = "") -> float:
+               kind: str = "", held: float = 1.0) -> float:
     """Bytes of one tp-axis collective ``kind`` on ``value`` (``scale`` < 0: one tp shard of
     it), as the estimate, the sharding ILP and the runtime's collective count all take them: an
     activation at its micro-batch share; a weight's gradient in fp32, as the runtime reduces
     gradients, and once per step (``phase`` "step") of ZeRO-2/3's ``grad_shard``-way shard; a
-    weight gathered again in backward (``all_gather``) in the training precision."""
+    weight gathered again in backward (``all_gather``) in the training precision. ``held``:
+    the share of the value the other axis leaves this rank (a cp axis's sequence piece)."""
     v = graph.value(value)
-    nbytes = _meta_bytes(v.meta, precision)
+    nbytes = _meta_bytes(v.meta, precision) * held
     if value in a.batch_dependent:
         nbytes *= batch_scale
     nbytes *= 1.0 / t if scale < 0 else scale
@@ -122,38 +128,58 @@ def comm_bytes(graph: OpGraph, a: GraphAnalysis, precision: str, value: str, sca
 def tp_comm_s(ci: CostInputs, start: int, stop: int) -> tuple[float, float, float, float]:
     """(forward, backward, per-step, ring) seconds of tp-axis collectives issued by
     ops[start:stop]: the strategies' own collectives and the reshards between producers and
-    consumers; ``ring``: of forward + backward, what ring attention's passes leave exposed."""
-    sh, graph, a, config = ci.sharding, ci.graph, ci.analysis, ci.config
-    if sh.t == 1:
+    consumers, and those of a cp axis (``ci.context``); ``ring``: of forward + backward, what
+    ring attention's passes leave exposed, and the cp axis's other traffic."""
+    sh, graph, a, config, cx = ci.sharding, ci.graph, ci.analysis, ci.config, ci.context
+    if sh.t == 1 and cx is None:
         return 0.0, 0.0, 0.0, 0.0
-    group = config.tp_group()
     t = {"fwd": 0.0, "bwd": 0.0, "step": 0.0}
     # ZeRO-2/3: the gradient is already sharded over dp when the tp step all-reduces it
     shard = config.shard_degree if config.zero_stage >= 2 else 1
     ring: dict[int, dict[str, float]] = {}
-    for i, c in sh.comms(start, stop):
-        nbytes = comm_bytes(graph, a, config.precision, c.value, c.scale, sh.t, ci.batch_scale,
-                            c.phase, shard, c.kind)
-        s = ci.cluster.collective_time_s(c.kind, nbytes, group)
-        if sh.op_strategy[i].kernel == "ring_attention":
-            ring.setdefault(i, {"fwd": 0.0, "bwd": 0.0})[c.phase] += s
-        else:
-            t[c.phase] += s
-    ring_s = 0.0
+
+    def held(i: int, name: str) -> float:
+        return cx.held_scale(i, name) if cx is not None else 1.0
+    # (axis, its sharding, group, the share of each value the other axis leaves a rank)
+    axes = []
+    if sh.t > 1:
+        axes.append((sh, config.tp_group(), held))
+    if cx is not None:
+        # the cp axis: its ring passes and any reshard, at the tp piece of each value;
+        # weights' gradients go with the dp x cp average (``dp_terms``), not here
+        axes.append((cx.sharding, config.cp_group(),
+                     lambda i, name: share_at(graph.ops[i], sh.op_strategy[i], name, sh.t)
+                     or 1.0))
+    ring_s = 0.0                  # ring passes and the rest of the cp axis's traffic
+    for ax, group, share in axes:
+        on_cp = ax is not sh
+        for i, c in ax.comms(start, stop):
+            if on_cp and c.phase == "step":
+                continue
+            nbytes = comm_bytes(graph, a, config.precision, c.value, c.scale, ax.t,
+                                ci.batch_scale, c.phase, shard, c.kind, share(i, c.value))
+            s = ci.cluster.collective_time_s(c.kind, nbytes, group)
+            if ax.op_strategy[i].kernel == "ring_attention":
+                ring.setdefault(i, {"fwd": 0.0, "bwd": 0.0})[c.phase] += s
+            else:
+                t[c.phase] += s
+                ring_s += s if on_cp and c.phase != "step" else 0.0
+        for r in ax.reshards_in(start, stop):
+            nbytes = comm_bytes(graph, a, config.precision, r.value, r.scale, ax.t,
+                                ci.batch_scale, r.phase, held=share(r.op_index, r.value))
+            s = ci.cluster.collective_time_s(r.kind, nbytes, group)
+            t[r.phase] += s
+            ring_s += s if on_cp else 0.0
     for i, parts in ring.items():
         # ring attention passes each block on while the previous one computes: only what
         # the attention's own compute does not cover is exposed
-        c = ci.compute.op_cost(i, _work_scale(a, graph, sh, i, ci.batch_scale))
+        c = ci.compute.op_cost(i, _work_scale(a, graph, sh, i, ci.batch_scale, cx))
         x = overlap_interference(ci.cluster)
         exposed = (overlap_exposed_s(parts["fwd"], c.fwd_s, 0.0, x),
                    overlap_exposed_s(parts["bwd"], c.bwd_s, 0.0, x))
         t["fwd"] += exposed[0]
         t["bwd"] += exposed[1]
         ring_s += sum(exposed)
-    for r in sh.reshards_in(start, stop):
-        nbytes = comm_bytes(graph, a, config.precision, r.value, r.scale, sh.t,
-                            ci.batch_scale, r.phase)
-        t[r.phase] += ci.cluster.collective_time_s(r.kind, nbytes, group)
     return t["fwd"], t["bwd"], t["step"], ring_s
 
 
@@ -205,7 +231,7 @@ def _cached(ci: CostInputs, what: str, where: tuple, make: Any) -> RangeCost:
     cfg = ci.config
     key = (id(ci.sharding), id(ci.compute), id(ci.cluster), where, cfg.micro_batch_size,
            cfg.precision, cfg.tp, cfg.tp_comm_overlap,
-           cfg.shard_degree if cfg.zero_stage >= 2 else 1, cfg.ep, ci.expert_load)
+           cfg.shard_degree if cfg.zero_stage >= 2 else 1, cfg.ep, ci.expert_load, cfg.cp)
     hit = cache.get(key)
     if (hit is not None and hit[0] is ci.sharding and hit[1] is ci.compute
             and hit[2] is ci.cluster):
@@ -238,7 +264,8 @@ def _range_cost(ci: CostInputs, start: int, stop: int, policy: str) -> RangeCost
     loaded = _loaded(ci)
     for i in range(start, stop):
         load = ci.expert_load if loaded is not None and i in loaded.members else 1.0
-        c = ci.compute.op_cost(i, load * _work_scale(a, graph, sh, i, ci.batch_scale))
+        c = ci.compute.op_cost(i, load * _work_scale(a, graph, sh, i, ci.batch_scale,
+                                                     ci.context))
         fwd += c.fwd_s
         bwd += c.bwd_s
         if graph.ops[i].kind == "matmul":
@@ -259,14 +286,15 @@ def _range_cost(ci: CostInputs, start: int, stop: int, policy: str) -> RangeCost
     if policy == "full":
         recompute += tp_fwd
     kept = activation_parts(graph, start, stop, micro_batch_size=mbs, sharding=sh,
-                            recompute=policy, precision=config.precision)
+                            recompute=policy, precision=config.precision, context=ci.context)
     if loaded is not None:           # the busiest rank keeps its extra rows' activations
         kept = {n: b * (ci.expert_load if n in loaded.inside else 1.0) for n, b in kept.items()}
     acts = sum(kept.values())
     shared = shared_inputs(graph)
     shared_acts = tuple((n, b) for n, b in sorted(kept.items()) if n in shared)
     working = (working_set_bytes(graph, start, stop, micro_batch_size=mbs, sharding=sh,
-                                 precision=config.precision) if policy == "full" else 0.0)
+                                 precision=config.precision, context=ci.context)
+               if policy == "full" else 0.0)
     # a weight stored split and gathered for its product is whole while the product runs, and
     # again in backward with its whole gradient before the reduce-scatter: the largest one
     working += max((_gathered_bytes(graph, sh, i, config.precision)

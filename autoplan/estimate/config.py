@@ -1,8 +1,9 @@
 """ParallelConfig: one point of the search space, as a user writes it or the planner picks it.
 
 Rank layout (recorded, and assumed by the cost model): tensor-parallel ranks are consecutive
-(fastest varying, so a TP group sits inside a node), then data parallel, then pipeline stages:
-``rank = pp_index * (dp * tp) + dp_index * tp + tp_index`` (the Megatron-LM order). Under HSDP
+(fastest varying, so a TP group sits inside a node), then context parallel, then data parallel,
+then pipeline stages: ``rank = pp_index * (dp * cp * tp) + dp_index * (cp * tp) + cp_index * tp
++ tp_index`` (the Megatron-Core order, tp-cp-dp-pp). Under HSDP
 the dp index is ``replica * dp_shard + shard``: a shard group is consecutive ranks; under
 expert parallelism it is ``replica * ep + ep_index``: an expert-parallel group is ``ep``
 consecutive dp ranks.
@@ -87,9 +88,15 @@ class ParallelConfig:
     # last micro-batch's backward, and their optimizer state is whole (ZeRO-0 for them). The sharding ILP picks them per weight
     # (``planner/dp_problem.py``): FSDP as a placement, not only a switch
     dp_whole: tuple[str, ...] = ()
+    # context parallelism: the sequence of every micro-batch split over ``cp`` ranks of its own
+    # mesh axis (between dp and tp), attention run as ring attention over it, every other op on
+    # its sequence shard (``sharding/context_axis.py``). Weights are whole on the axis; their
+    # gradients are averaged over dp x cp and ZeRO shards the model state over dp x cp (as
+    # torchtitan's dp_shard_cp). 1: no such axis (ring attention may still run on the tp axis)
+    cp: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("dp", "tp", "pp", "micro_batch_size", "virtual_stages", "ep"):
+        for name in ("dp", "tp", "pp", "micro_batch_size", "virtual_stages", "ep", "cp"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ConfigError(f"{name} must be a positive integer, got {v!r}")
@@ -125,6 +132,13 @@ class ParallelConfig:
                               f"pipeline parallelism, ZeRO-0 to 3 and optimizer and parameter "
                               f"offload, not with dp_shard={self.dp_shard} (HSDP); use ep=1 or "
                               f"drop dp_shard")
+        if self.cp > 1:
+            other = [what for what, on in (("pp > 1", self.pp > 1), ("ep > 1", self.ep > 1),
+                                           ("dp_whole", bool(self.dp_whole))) if on]
+            if other:
+                raise ConfigError(f"context parallelism (cp={self.cp}) runs with data, tensor "
+                                  f"and sharded data parallelism (ZeRO, HSDP, offload) for "
+                                  f"now, not with {', '.join(other)}: use cp=1 or drop those")
         if self.sequence_parallel and self.tp == 1:
             raise ConfigError("sequence_parallel=True needs tp > 1 (it shards the "
                               "activations that tensor parallelism leaves replicated)")
@@ -181,7 +195,7 @@ class ParallelConfig:
         object.__setattr__(self, "dp_whole", tuple(sorted(set(v))))
         if not self.dp_whole:
             return
-        if self.zero_stage != 3 or self.dp == 1:
+        if self.zero_stage != 3 or self.grad_degree == 1:
             raise ConfigError("dp_whole keeps some weights whole where ZeRO-3 shards the rest: "
                               f"it needs zero_stage=3 and dp > 1 (got zero_stage="
                               f"{self.zero_stage}, dp={self.dp})")
@@ -197,7 +211,7 @@ class ParallelConfig:
     def uses_fsdp(self) -> bool:
         """Whether the runtime shards the model state with FSDP2 (ZeRO-2/3 over dp > 1, or
         parameter offload, FSDP2's CPU offload even at dp = 1)."""
-        return (self.dp > 1 and self.zero_stage >= 2) or self.offload_params
+        return (self.grad_degree > 1 and self.zero_stage >= 2) or self.offload_params
 
     @property
     def split_backward_on_fsdp_unsupported(self) -> bool:
@@ -217,12 +231,30 @@ class ParallelConfig:
 
     @property
     def shard_degree(self) -> int:
-        """Over how many ranks ZeRO shards the model state: ``dp_shard`` under HSDP, else dp."""
-        return self.dp_shard or self.dp
+        """Over how many ranks ZeRO shards the model state: ``dp_shard`` under HSDP, else dp;
+        times cp (the context-parallel ranks of a replica hold the same weights)."""
+        return (self.dp_shard or self.dp) * self.cp
+
+    @property
+    def grad_degree(self) -> int:
+        """Over how many ranks the gradients are averaged: dp x cp."""
+        return self.dp * self.cp
+
+    def grad_view(self) -> ParallelConfig:
+        """This config as its model state sees it: the dp x cp ranks that average gradients and
+        share ZeRO's shards as one data-parallel axis of dp x cp (their rank layout is the
+        same: dp index ``d * cp + c``), cp 1. Itself when cp is 1."""
+        if self.cp == 1:
+            return self
+        from dataclasses import replace
+        return replace(self, dp=self.dp * self.cp, cp=1,
+                       dp_shard=None if self.dp_shard is None else self.dp_shard * self.cp)
 
     def dp_shard_group(self, pp_index: int = 0, tp_index: int = 0,
                        replica: int = 0) -> tuple[int, ...]:
-        """The ranks one parameter shard group spans (all of dp without HSDP)."""
+        """The ranks one parameter shard group spans (all of dp x cp without HSDP)."""
+        if self.cp > 1:
+            return self.grad_view().dp_shard_group(pp_index, tp_index, replica)
         s = self.shard_degree
         return tuple(self.rank(pp_index=pp_index, dp_index=replica * s + k, tp_index=tp_index)
                      for k in range(s))
@@ -230,6 +262,8 @@ class ParallelConfig:
     def dp_replicate_group(self, pp_index: int = 0, tp_index: int = 0,
                            shard: int = 0) -> tuple[int, ...]:
         """The ranks holding the same shard under HSDP, one per shard group."""
+        if self.cp > 1:
+            return self.grad_view().dp_replicate_group(pp_index, tp_index, shard)
         s = self.shard_degree
         return tuple(self.rank(pp_index=pp_index, dp_index=r * s + shard, tp_index=tp_index)
                      for r in range(self.dp // s))
@@ -253,12 +287,12 @@ class ParallelConfig:
         or edp x ep under expert parallelism), tp."""
         dp = (("dp_replicate", "dp_shard") if self.dp_shard is not None
               else ("edp", "ep") if self.ep > 1 else ("dp",))
-        return (("pp",) if self.pp > 1 else ()) + dp + ("tp",)
+        return (("pp",) if self.pp > 1 else ()) + dp + (("cp",) if self.cp > 1 else ()) + ("tp",)
 
     def mesh_shape(self) -> tuple[int, ...]:
-        sizes = {"pp": self.pp, "dp": self.dp, "tp": self.tp, "dp_shard": self.shard_degree,
-                 "dp_replicate": self.dp // self.shard_degree, "ep": self.ep,
-                 "edp": self.dp // self.ep}
+        sizes = {"pp": self.pp, "dp": self.dp, "tp": self.tp, "dp_shard": self.dp_shard,
+                 "dp_replicate": self.dp // (self.dp_shard or self.dp), "ep": self.ep,
+                 "edp": self.dp // self.ep, "cp": self.cp}
         return tuple(sizes[a] for a in self.mesh_axes())
 
     def stage_policy(self, stage: int) -> str:
@@ -281,7 +315,7 @@ class ParallelConfig:
 
     @property
     def world_size(self) -> int:
-        return self.dp * self.tp * self.pp
+        return self.dp * self.cp * self.tp * self.pp
 
     def microbatches(self, global_batch_size: int) -> int:
         """Micro-batches per step per pipeline; raises ConfigError if the batch does not divide."""
@@ -300,16 +334,33 @@ class ParallelConfig:
                               f"{self.micro_batch_size}) = {m}; drop num_microbatches or fix it")
         return m
 
-    def rank(self, *, pp_index: int, dp_index: int, tp_index: int) -> int:
-        return pp_index * (self.dp * self.tp) + dp_index * self.tp + tp_index
+    def rank(self, *, pp_index: int, dp_index: int, tp_index: int, cp_index: int = 0) -> int:
+        return ((pp_index * self.dp + dp_index) * self.cp + cp_index) * self.tp + tp_index
 
-    def tp_group(self, pp_index: int = 0, dp_index: int = 0) -> tuple[int, ...]:
-        return tuple(self.rank(pp_index=pp_index, dp_index=dp_index, tp_index=t)
-                     for t in range(self.tp))
+    def tp_group(self, pp_index: int = 0, dp_index: int = 0, cp_index: int = 0
+                 ) -> tuple[int, ...]:
+        return tuple(self.rank(pp_index=pp_index, dp_index=dp_index, tp_index=t,
+                               cp_index=cp_index) for t in range(self.tp))
+
+    def cp_group(self, pp_index: int = 0, dp_index: int = 0, tp_index: int = 0
+                 ) -> tuple[int, ...]:
+        """The ranks one micro-batch's sequence is split over (ring attention's ring)."""
+        return tuple(self.rank(pp_index=pp_index, dp_index=dp_index, tp_index=tp_index,
+                               cp_index=c) for c in range(self.cp))
 
     def dp_group(self, pp_index: int = 0, tp_index: int = 0) -> tuple[int, ...]:
+        """The ranks that average gradients: dp (x cp, the context-parallel ranks too)."""
+        if self.cp > 1:
+            return self.grad_view().dp_group(pp_index, tp_index)
         return tuple(self.rank(pp_index=pp_index, dp_index=d, tp_index=tp_index)
                      for d in range(self.dp))
+
+    def indices(self, rank: int) -> dict[str, int]:
+        """``rank``'s index on each axis: pp, dp, cp, tp (inverse of ``rank``)."""
+        rest, tp_index = divmod(rank, self.tp)
+        rest, cp_index = divmod(rest, self.cp)
+        pp_index, dp_index = divmod(rest, self.dp)
+        return {"pp": pp_index, "dp": dp_index, "cp": cp_index, "tp": tp_index}
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready fields (the layout tuples as lists); ``tp_comm_overlap``, ``dp_shard``,
@@ -324,6 +375,8 @@ class ParallelConfig:
             del out["ep"]
         if not self.dp_whole:
             del out["dp_whole"]
+        if self.cp == 1:
+            del out["cp"]
         return out
 
     @staticmethod
@@ -335,7 +388,8 @@ class ParallelConfig:
         return ParallelConfig(**d)
 
     def short(self) -> str:
-        s = f"dp{self.dp} tp{self.tp} pp{self.pp} mbs{self.micro_batch_size}"
+        s = (f"dp{self.dp}" + (f" cp{self.cp}" if self.cp > 1 else "")
+             + f" tp{self.tp} pp{self.pp} mbs{self.micro_batch_size}")
         if self.pp > 1:
             s += f" {self.schedule}" + (f"x{self.virtual_stages}" if self.virtual_stages > 1 else "")
         if self.zero_stage:

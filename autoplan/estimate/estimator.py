@@ -39,16 +39,20 @@ from autoplan.estimate.pipeline_sim import W_FRACTION, PipelineTotals, pipeline_
 from autoplan.estimate.result import Estimate, MemoryBreakdown, StageEstimate, TimeBreakdown
 from autoplan.graph.opgraph import OpGraph
 from autoplan.graph.trace import as_graph
+from autoplan.sharding.context_axis import context_axis
 from autoplan.sharding.sharding import Sharding
 
 def validate(graph: OpGraph, cluster: Any, config: ParallelConfig,
              global_batch_size: int) -> int:
     """Check the config against the model, the cluster and the batch; returns micro-batches."""
     if config.world_size != cluster.world_size:
+        names = "dp x tp x pp" + (" x cp" if config.cp > 1 else "")
+        sizes = f"{config.dp} x {config.tp} x {config.pp}" + (
+            f" x {config.cp}" if config.cp > 1 else "")
         raise ConfigError(
-            f"dp x tp x pp = {config.dp} x {config.tp} x {config.pp} = {config.world_size} "
-            f"but the cluster has {cluster.world_size} devices; choose degrees whose product "
-            f"is {cluster.world_size}")
+            f"{names} = {sizes} = {config.world_size} but the cluster has "
+            f"{cluster.world_size} devices; choose degrees whose product is "
+            f"{cluster.world_size}")
     m = config.microbatches(global_batch_size)
     if (config.pp > 1 and m % config.pp and (config.schedule == "interleaved_1f1b" or (
             config.schedule == "zero_bubble" and config.virtual_stages > 1))):
@@ -105,7 +109,10 @@ def estimate(model: Any, cluster: Any, *, config: ParallelConfig, global_batch_s
     if sh.t != config.tp:
         raise ConfigError(f"the sharding is for tp={sh.t} but the config has tp={config.tp}")
     ci = CostInputs(graph=graph, analysis=a, sharding=sh, compute=compute, cluster=cluster,
-                    config=config, expert_load=capacity_arg(expert_capacity_factor))
+                    config=config, expert_load=capacity_arg(expert_capacity_factor),
+                    context=context_axis(graph, config.cp))
+    # the model state, its gradient sync and ZeRO's traffic span the dp x cp ranks
+    state_config = config.grad_view()
     chunks = chunks_for(ci)
     costs = [chunk_cost(ci, ch, config.chunk_policy(c)) for c, ch in enumerate(chunks)]
 
@@ -150,8 +157,8 @@ def estimate(model: Any, cluster: Any, *, config: ParallelConfig, global_batch_s
     # --- data parallel / ZeRO, optimizer, offload (worst stage) -------------------------------
     dp_sync = zero_gather = opt_s = offload_s = 0.0
     for s in range(p):
-        terms = stage_terms(config, cluster, stage_params(costs, stage_chunks[s], config), m,
-                            s, compute, profile, simulated=simulated_comm is not None)
+        terms = stage_terms(state_config, cluster, stage_params(costs, stage_chunks[s], config),
+                            m, s, compute, profile, simulated=simulated_comm is not None)
         x = price(terms, stage_f[s], stage_b[s], interference)
         # the tp-axis all-reduce of replicated weights' partial gradients runs after backward,
         # in one flattened call (runtime/optim.py TensorParallelGrads): exposed
@@ -191,7 +198,7 @@ def estimate(model: Any, cluster: Any, *, config: ParallelConfig, global_batch_s
         params = sum(c.params for c in cs)
         experts = sum(c.expert_params for c in cs)
         whole = _whole(config, cs)
-        states = _states(config, params - experts - whole, config.shard_degree)
+        states = _states(config, params - experts - whole, state_config.shard_degree)
         if whole:            # weights ZeRO-3 keeps whole: whole states on every rank
             w = model_state_bytes(whole, dp=1, zero_stage=0, precision=config.precision,
                                   optimizer=config.optimizer,
@@ -213,7 +220,7 @@ def estimate(model: Any, cluster: Any, *, config: ParallelConfig, global_batch_s
             flight = in_flight(config, m, s)
         transient = max(c.working_set_bytes for c in cs)
         layers = max(1, sum(c.num_layers for c in cs))
-        if config.zero_stage == 3 and config.dp > 1:
+        if config.zero_stage == 3 and config.grad_degree > 1:
             # two layers' weights gathered at once (prefetch) plus their unsharded gradients
             transient += 2 * ((params - whole) / layers) * PRECISION_BYTES[config.precision] * 2
         mem = MemoryBreakdown(params_bytes=states.params_bytes, grads_bytes=states.grads_bytes,
@@ -227,8 +234,8 @@ def estimate(model: Any, cluster: Any, *, config: ParallelConfig, global_batch_s
             activation_bytes_per_microbatch=act_mb, microbatches_in_flight=flight,
             memory=mem, chunks=tuple(chunks[c].layers for c in stage_chunks[s])))
     # ranks are pp-major: each stage's dp x tp ranks in a row
-    per_device = tuple(chain.from_iterable(repeat(s.memory.total_bytes, config.dp * config.tp)
-                                           for s in stages))
+    per_device = tuple(chain.from_iterable(
+        repeat(s.memory.total_bytes, config.dp * config.cp * config.tp) for s in stages))
     peak = max(s.memory.total_bytes for s in stages)
 
     model_flops = (graph.fwd_flops + graph.bwd_flops) * global_batch_size / graph.batch_size
@@ -252,7 +259,7 @@ def estimate(model: Any, cluster: Any, *, config: ParallelConfig, global_batch_s
         s0, e0 = chunks[0].layer_ranges[0]
         layer_acts = activation_bytes(graph, s0, e0, micro_batch_size=config.micro_batch_size,
                                       sharding=sh, recompute=config.stage_policy(0),
-                                      precision=config.precision)
+                                      precision=config.precision, context=ci.context)
     return Estimate(
         config=config, global_batch_size=global_batch_size, num_microbatches=m,
         step_time_s=step_s, time=time, peak_memory_bytes=peak, device_memory_bytes=device_mem,

@@ -112,7 +112,7 @@ def search_layout(ci: CostInputs, m: int, policies: Sequence[str],
                            for r in order}
         costs.append(tables[key])
     transient = max(c.working_set_bytes for r in order for c in by_policy[r])
-    if config.zero_stage == 3 and config.dp > 1:   # two layers gathered, with their gradients
+    if config.zero_stage == 3 and config.grad_degree > 1:   # two layers gathered, with their gradients
         widest = max(c.params for c in by_policy[order[0]])
         transient += 4 * widest * PRECISION_BYTES[config.precision]
     first, last = _outside(ci)

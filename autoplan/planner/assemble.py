@@ -34,7 +34,7 @@ def assemble(graph: OpGraph, cluster: Any, best: Any, alternatives: list[Alterna
     cfg = best.est.config
     sh = best.sharding
     tp_group = cfg.tp_group()
-    zero3 = cfg.zero_stage == 3 and cfg.dp > 1
+    zero3 = cfg.zero_stage == 3 and cfg.grad_degree > 1    # FSDP over dp (x cp)
     # every parameter FQN, tied aliases too (they share their owner's storage and placement)
     shapes = {v.fqn: tuple(v.meta.shape) for v in graph.param_values}
     canonical = {v.fqn: graph.value(v.base).fqn for v in graph.param_values}

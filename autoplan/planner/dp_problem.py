@@ -148,7 +148,7 @@ class DpProblem:
 def keeps_weights_whole(config: ParallelConfig) -> bool:
     """Whether the ILP may keep weights whole under ``config``'s ZeRO-3 (``dp_whole``)."""
     return (config.zero_stage == 3 and config.dp > 1 and config.pp == 1 and config.ep == 1
-            and config.dp_shard is None and not config.offload_params)
+            and config.dp_shard is None and not config.offload_params and config.cp == 1)
 
 
 def with_dp_terms(red: Reduction, graph: OpGraph, cluster: Any, config: ParallelConfig,
@@ -177,7 +177,7 @@ def with_dp_terms(red: Reduction, graph: OpGraph, cluster: Any, config: Parallel
         stage = StageParams(params=dense + experts + whole, experts=experts,
                             layer_params=in_layers, tensors=held.tensors, layers=held.layers,
                             whole=whole)
-        return stage_terms(config, cluster, stage, m, 0, compute, profile)
+        return stage_terms(config.grad_view(), cluster, stage, m, 0, compute, profile)
     at = held.at(problem, start)
     # whole weights add a term (their all-reduce): the tangent is taken with some held whole
     probe = at if at[3] or not any(o[1] for opts in options for o in opts) else (

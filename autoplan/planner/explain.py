@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import fields
 from typing import Any
 
 from autoplan.planner.planfile import Plan
@@ -116,8 +115,9 @@ def _chosen(plan: Plan) -> str:
 
 
 def _dimensions(plan: Plan) -> list[str]:
-    """Lines for the parallel dimensions that ride on other axes: context parallelism (ring
-    attention on the tp axis) and expert parallelism (experts over ep dp ranks)."""
+    """Lines for the parallel dimensions beside dp and tp: context parallelism (ring attention
+    on the tp axis, or over a cp axis of its own) and expert parallelism (experts over ep dp
+    ranks)."""
     cfg = plan.config
     out = []
     rings = sum(1 for k, v in plan.op_strategies.items()
@@ -125,6 +125,12 @@ def _dimensions(plan: Plan) -> list[str]:
     if rings and cfg.tp > 1:
         out.append(f"context  the sequence split over tp ({cfg.tp} ranks): {rings} attention "
                    "op(s) run as ring attention (key/value blocks passed around the ring)")
+    if cfg.cp > 1:
+        attn = sum(1 for k in plan.op_strategies if k.startswith("scaled_dot_product"))
+        out.append(f"context  every micro-batch's sequence split over cp ({cfg.cp} ranks), an "
+                   f"axis of its own between dp and tp: {attn} attention op(s) run as ring "
+                   "attention over it, every other op on its sequence piece; weights whole on "
+                   f"it, gradients averaged over dp x cp ({cfg.grad_degree} ranks)")
     if cfg.ep > 1:
         experts = sum(1 for p in plan.param_placements.values() if p.ep != "R")
         edp = cfg.dp // cfg.ep
@@ -212,9 +218,10 @@ def axis_placement(plan: Plan, fqn: str, axis: str) -> str:
     """Where parameter ``fqn`` lies on mesh axis ``axis``: "R" (whole on every rank of the
     axis) or "S(d)" (dim d split over it). ZeRO-3/FSDP shards over dp, or under HSDP over
     dp_shard and replicates over dp_replicate; expert parallelism splits expert weights over
-    ep and replicates them over edp; a pipeline axis holds each weight on one stage."""
+    ep and replicates them over edp; under context parallelism FSDP's shard spans the cp axis
+    too (dp x cp flattened); a pipeline axis holds each weight on one stage."""
     p = plan.param_placements[fqn]
-    return {"tp": p.tp, "dp": p.dp, "dp_shard": p.dp, "ep": p.ep}.get(axis, "R")
+    return {"tp": p.tp, "dp": p.dp, "dp_shard": p.dp, "cp": p.dp, "ep": p.ep}.get(axis, "R")
 
 
 def generic_name(fqn: str, blocks: Sequence[str]) -> str:
@@ -250,8 +257,10 @@ def _placements(plan: Plan) -> str:
              for (name, sig, shape) in rows]
     lines += _elide(table)
     cfg = plan.config
-    if cfg.dp > 1 and cfg.zero_stage in _STATE_NOTE:
+    if cfg.grad_degree > 1 and cfg.zero_stage in _STATE_NOTE:
         over = f"dp_shard ({cfg.dp_shard})" if cfg.dp_shard else f"dp ({cfg.dp})"
+        if cfg.cp > 1:
+            over += f" x cp ({cfg.cp})"
         if cfg.ep > 1:
             over += f", the expert weights' over edp ({cfg.dp // cfg.ep})"
         lines.append(f"  ZeRO-{cfg.zero_stage}: {_STATE_NOTE[cfg.zero_stage]} sharded over "
@@ -403,123 +412,6 @@ def _solver(plan: Plan) -> str:
     ])
 
 
-# ================================================================ diff
-def diff_plans(a: Plan, b: Plan) -> str:
-    """The text of ``autoplan diff A B``: what changed from plan A to plan B, and its effect."""
-    if a.to_json() == b.to_json():
-        return "no differences: the plans are identical\n"
-    lines: list[str] = []
-    ma, mb = a.model, b.model
-    lines.append("model    same" + f" ({ma.name!r}, fingerprint {ma.fingerprint[:12]})"
-                 if ma == mb else
-                 f"model    {ma.name!r} ({ma.fingerprint[:12]}, {ma.num_params:,} parameters) -> "
-                 f"{mb.name!r} ({mb.fingerprint[:12]}, {mb.num_params:,} parameters)")
-    ca, cb = a.cluster, b.cluster
-    if ca == cb:
-        lines.append(f"cluster  same ({ca.name!r}, {ca.world_size:,} devices, fingerprint "
-                     f"{ca.fingerprint[:12]})")
-    else:
-        lines.append(f"cluster  {ca.name!r} {ca.num_nodes}x{ca.devices_per_node} {ca.device} "
-                     f"({ca.fingerprint[:12]}) -> {cb.name!r} {cb.num_nodes}x"
-                     f"{cb.devices_per_node} {cb.device} ({cb.fingerprint[:12]})")
-    training = _field_changes(a.training, b.training)
-    if training:
-        lines.append(f"training {training}")
-    mesh_a = f"{' x '.join(a.mesh.axes)} = {' x '.join(map(str, a.mesh.shape))}"
-    mesh_b = f"{' x '.join(b.mesh.axes)} = {' x '.join(map(str, b.mesh.shape))}"
-    moved = sum(x != y for x, y in zip(a.mesh.rank_to_device, b.mesh.rank_to_device))
-    if a.mesh == b.mesh:
-        lines.append(f"mesh     same ({mesh_a}, TP over {a.mesh.tp_domain})")
-    else:
-        lines.append(f"mesh     {mesh_a} -> {mesh_b}; TP over {a.mesh.tp_domain} -> "
-                     f"{b.mesh.tp_domain}" + (f"; {moved:,} ranks on other devices"
-                                              if moved else ""))
-    lines.append("config   " + (_field_changes(a.config, b.config) or "same")
-                 + f"   [{a.config.short()} -> {b.config.short()}]")
-    lines += _map_changes("module styles", a.module_styles, b.module_styles)
-    lines += _map_changes("op strategies", a.op_strategies, b.op_strategies)
-    def where(v: Any) -> str:
-        return f"tp {v.tp} dp {v.dp}" + (f" ep {v.ep}" if v.ep != "R" else "")
-    place_a = {k: where(v) for k, v in a.param_placements.items()}
-    place_b = {k: where(v) for k, v in b.param_placements.items()}
-    lines += _map_changes("placements", place_a, place_b)
-    lines += _recompute_changes(a.recompute, b.recompute)
-    lines += _stage_changes(a, b)
-    offload = [f"{k} {a.offload.get(k)} -> {b.offload.get(k)}"
-               for k in sorted(set(a.offload) | set(b.offload)) if a.offload.get(k) != b.offload.get(k)]
-    if offload:
-        lines.append("offload  " + ", ".join(offload))
-    pa, pb = a.predicted, b.predicted
-    lines += [
-        "predicted effect",
-        (f"  step time   {fmt_s(pa['step_time_s'])} -> {fmt_s(pb['step_time_s'])} "
-        f"({fmt_change(pa['step_time_s'], pb['step_time_s'])})"),
-        f"  peak memory {fmt_bytes(pa['peak_memory_bytes'])} -> {fmt_bytes(pb['peak_memory_bytes'])} "
-        f"({fmt_change(pa['peak_memory_bytes'], pb['peak_memory_bytes'])})"
-        + ("" if pb["fits"] else "  ** B DOES NOT FIT **"),
-        f"  MFU         {fmt_pct(pa['mfu'])} -> {fmt_pct(pb['mfu'])}",
-        f"  bubble      {fmt_s(pa['time']['bubble_s'])} -> {fmt_s(pb['time']['bubble_s'])}",
-        (f"  throughput  {pa['samples_per_s']:,.2f} -> {pb['samples_per_s']:,.2f} samples/s "
-        f"({fmt_change(pa['samples_per_s'], pb['samples_per_s'])})"),
-    ]
-    return "\n".join(lines) + "\n"
-
-
-def _stage_of(plan: Plan) -> dict[str, int]:
-    """Layer -> pipeline stage (0 for every layer of a plan without stages)."""
-    if not plan.stages:
-        return {path: 0 for path in plan.recompute}
-    return {layer: st["index"] for st in plan.stages for layer in st["layers"]}
-
-
-def _stage_changes(a: Plan, b: Plan) -> list[str]:
-    if not a.stages and not b.stages:
-        return []
-    na, nb = max(1, len(a.stages)), max(1, len(b.stages))
-    sa, sb = _stage_of(a), _stage_of(b)
-    moved: dict[tuple[int, int], list[str]] = {}
-    for layer in sa:
-        if layer in sb and sa[layer] != sb[layer]:
-            moved.setdefault((sa[layer], sb[layer]), []).append(layer)
-    head = (f"stages   {na} -> {nb}" if na != nb else f"stages   same count ({na})")
-    count = sum(len(v) for v in moved.values())
-    lines = [head + f"; {count} of {len(sa)} layers on another stage"]
-    rows = [f"  stage {x} -> {y}: {_collapse_names(layers)}"
-            for (x, y), layers in sorted(moved.items())]
-    return lines + _elide(rows)
-
-
-def _field_changes(x: Any, y: Any) -> str:
-    return ", ".join(f"{f.name} {getattr(x, f.name)} -> {getattr(y, f.name)}" for f in fields(x)
-                     if getattr(x, f.name) != getattr(y, f.name))
-
-
-def _map_changes(title: str, a: Mapping[str, Any], b: Mapping[str, Any]) -> list[str]:
-    changed = sorted((k for k in a.keys() & b.keys() if a[k] != b[k]), key=_natural)
-    added = sorted(b.keys() - a.keys(), key=_natural)
-    removed = sorted(a.keys() - b.keys(), key=_natural)
-    if not (changed or added or removed):
-        return [f"{title}: same ({len(a):,})"]
-    items = ([f"{k} {a[k]} -> {b[k]}" for k in changed] + [f"+{k} {b[k]}" for k in added]
-             + [f"-{k} {a[k]}" for k in removed])
-    more = len(items) - _FIRST
-    return [(f"{title}: {len(changed):,} changed, {len(added):,} added, {len(removed):,} removed "
-            f"(of {len(a):,} -> {len(b):,})"),
-            *(f"  {s}" for s in items[:_FIRST])] + ([f"  ... {more:,} more"] if more > 0 else [])
-
-
-def _recompute_changes(a: Mapping[str, str], b: Mapping[str, str]) -> list[str]:
-    moves: dict[tuple[str, str], list[str]] = {}
-    for k in sorted(a.keys() | b.keys(), key=_natural):
-        if a.get(k) != b.get(k):
-            moves.setdefault((a.get(k, "-"), b.get(k, "-")), []).append(k)
-    if not moves:
-        return [f"recompute: same ({_summary(a)})"]
-    n = sum(len(v) for v in moves.values())
-    return [f"recompute: {n:,} block{'s' * (n != 1)} changed"] + [
-        f"  {old} -> {new}: {_collapse_names(paths)}" for (old, new), paths in moves.items()]
-
-
 # ================================================================ formatting helpers
 def fmt_s(x: float) -> str:
     if x == 0:
@@ -590,3 +482,4 @@ def _natural(text: str) -> tuple[Any, ...]:
 
 def _style_key(style: str) -> tuple[int, str]:
     return (_STYLE_ORDER.index(style) if style in _STYLE_ORDER else len(_STYLE_ORDER), style)
+

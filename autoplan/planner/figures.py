@@ -49,7 +49,7 @@ def _pyplot():
 
 # communication inside the compute blocks: comm_exposed_s key -> (legend, colour)
 IN_BLOCK_COMM = {"tp": ("tensor-parallel collectives", "#8172B3"),
-                 "cp_ring": ("ring attention passes (context parallel)", "#C44E52"),
+                 "cp_ring": ("context parallel: ring attention passes", "#C44E52"),
                  "ep_all_to_all": ("expert all-to-all", "#937860")}
 
 

@@ -10,6 +10,7 @@ holds a single device; pipeline degrees join in the pipeline issue.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,10 +22,11 @@ class MeshShape:
     dp: int
     tp: int
     pp: int = 1
+    cp: int = 1
 
     @property
     def size(self) -> int:
-        return self.dp * self.tp * self.pp
+        return self.dp * self.tp * self.pp * self.cp
 
 
 def divisors(n: int) -> list[int]:
@@ -32,9 +34,12 @@ def divisors(n: int) -> list[int]:
 
 
 def enumerate_meshes(cluster: Any, *, max_tp: int | None = None, max_pp: int | None = None,
-                     num_layers: int = 1, allow_cross_node_tp: bool = False) -> list[MeshShape]:
-    """pp x dp x tp shapes covering the cluster: tp inside a node (tp divides the node's
-    devices), pp at most the number of layers (stages are contiguous layer ranges)."""
+                     num_layers: int = 1, allow_cross_node_tp: bool = False,
+                     context_degrees: Sequence[int] = ()) -> list[MeshShape]:
+    """pp x dp x cp x tp shapes covering the cluster: tp inside a node (tp divides the node's
+    devices), pp at most the number of layers (stages are contiguous layer ranges); a cp axis
+    of each of ``context_degrees`` (the sequence split over an axis of its own) where it
+    divides the rest, without pipeline (the runtime runs cp with dp and tp)."""
     world = cluster.world_size
     per_node = cluster.devices_per_node
     out = []
@@ -48,6 +53,9 @@ def enumerate_meshes(cluster: Any, *, max_tp: int | None = None, max_pp: int | N
             if pp > max(1, num_layers) or (max_pp is not None and pp > max_pp):
                 continue
             out.append(MeshShape(dp=world // (tp * pp), tp=tp, pp=pp))
+            if pp == 1:
+                out += [MeshShape(dp=world // (tp * cp), tp=tp, cp=cp)
+                        for cp in context_degrees if cp > 1 and (world // tp) % cp == 0]
     return out
 
 

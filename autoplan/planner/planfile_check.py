@@ -28,8 +28,10 @@ from autoplan.sharding.placement import Placement
 # (zbv, dualpipev). A version-1 plan has none of them and reads as it did.
 # 3: expert parallelism (config.ep, mesh axes edp x ep); older plans read as they did.
 # 4: ZeRO-3 with some weights kept whole (config.dp_whole); older plans read as they did.
-PLAN_SCHEMA_VERSION = 4
-READABLE_PLAN_SCHEMAS = (1, 2, 3, 4)
+# 5: context parallelism on an axis of its own (config.cp, mesh axis cp); older plans read as
+# they did.
+PLAN_SCHEMA_VERSION = 5
+READABLE_PLAN_SCHEMAS = (1, 2, 3, 4, 5)
 MAX_FILE_BYTES = 256 << 20        # refuse larger files before reading them
 MAX_DEPTH = 64                    # JSON nesting (a valid plan needs about 6)
 MAX_STRING_CHARS = 1 << 20        # any one string or key
@@ -126,6 +128,9 @@ def check_plan(d: Any) -> None:
     if version < 4 and config.dp_whole:
         fail("schema_version", f"{version}, but the plan uses what schema 4 added "
              "(config.dp_whole): set schema_version 4")
+    if version < 5 and config.cp > 1:
+        fail("schema_version", f"{version}, but the plan uses what schema 5 added "
+             "(config.cp): set schema_version 5")
     for k in ("precision", "optimizer"):
         if t[k] != getattr(config, k):
             fail(f"training.{k}", f"{t[k]!r} but config.{k} is {getattr(config, k)!r}")
@@ -189,7 +194,7 @@ def _check_mesh(mesh: Any, config: ParallelConfig, cluster: Mapping[str, Any]) -
     if not world == len(devices) == cluster["world_size"] == config.world_size:
         fail("mesh.shape", f"{shape} holds {world} ranks, but mesh.rank_to_device lists "
               f"{len(devices)}, cluster.world_size is {cluster['world_size']} and config "
-              f"dp x tp x pp is {config.world_size}; they must all be equal")
+              f"dp x cp x tp x pp is {config.world_size}; they must all be equal")
     hsdp = {"dp_replicate", "dp_shard"}
     if (config.dp_shard is not None) != hsdp.issubset(axes) or (
             config.dp_shard is None and hsdp & set(axes)):
@@ -200,6 +205,10 @@ def _check_mesh(mesh: Any, config: ParallelConfig, cluster: Mapping[str, Any]) -
     if (config.ep > 1) != experts.issubset(axes) or (config.ep == 1 and experts & set(axes)):
         fail("mesh.axes", f"{axes}: an expert-parallel plan (config.ep > 1) has axes edp and "
               f"ep in place of dp, any other plan neither; expected {list(config.mesh_axes())}")
+    if (config.cp > 1) != ("cp" in axes):
+        fail("mesh.axes", f"{axes}: a context-parallel plan (config.cp > 1) has an axis cp "
+              f"between the dp axes and tp, any other plan none; expected "
+              f"{list(config.mesh_axes())}")
     want_sizes = {"pp": config.pp, "dp": config.dp, "tp": config.tp,
                   **dict(zip(config.mesh_axes(), config.mesh_shape()))}
     for axis, size in zip(axes, shape):

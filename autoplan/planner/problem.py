@@ -18,12 +18,15 @@ from dataclasses import dataclass
 
 from autoplan.graph.analysis import analyze
 from autoplan.cost.compute import ComputeModel
-from autoplan.cost.memory import _meta_bytes
+from autoplan.cost.memory import _meta_bytes, internal_anchor
 from autoplan.estimate.chunk_cost import comm_bytes
 from autoplan.estimate.overlap import OVERLAP_INTERFERENCE, overlap_exposed_s
 from autoplan.graph.opgraph import OpGraph
 from autoplan.errors import ConfigError
+from autoplan.planner.axis_costs import (ExpertExchanges, cp_comms_s, cp_held, exchange_s,
+                                         expert_exchanges, sent_again, value_bytes)
 from autoplan.planner.ilp import ILPProblem, Linear
+from autoplan.sharding.context_axis import ContextAxis, share_at, tp_allowed
 from autoplan.sharding.placement import REPLICATE, Placement
 from autoplan.sharding.sharding import Sharding, mutates_input, reshard_kind
 from autoplan.sharding.strategies import OpStrategy, strategies, strategies_by_name
@@ -34,106 +37,6 @@ FOLLOW_KINDS = frozenset({"view", "pointwise", "dropout", "copy", "reduction"})
 # Choices that cannot run cost this much: an in-place op whose input would be resharded first
 # (the write would land on a copy), a tied weight laid out two ways.
 INFEASIBLE_S = 1.0e6
-
-
-@dataclass(frozen=True)
-class ExpertExchanges:
-    """Expert parallelism's exchanges as the ILP prices them, on the estimate's terms
-    (``chunk_cost.ep_comm_s``): the rows each dispatch sends and each combine brings home,
-    forward and backward, at the tp-local size the strategy gives them. Where they happen is
-    taken from the widest regions (``expert_regions`` of the replicated sharding: the rows stay
-    with their experts through every row-wise op between an MoE block's grouped products);
-    a strategy that breaks a region pays the extra exchange in ``estimate`` only."""
-
-    dispatch: Mapping[int, tuple[str, ...]]   # expert op -> values it sends to the experts
-    # (first reader, other reader, value): a value two products read (w1 and w3) is sent
-    # again when the other reads it placed differently (``ep_comm_s``: once per placement)
-    again: tuple[tuple[int, int, str], ...]
-    combine: frozenset[str]                   # values brought home
-    a2a_s: Callable[[float], float]           # bytes -> seconds of an all-to-all on the ep group
-    counts_s: float                           # each dispatch's all-gather of the row counts
-    load: float = 1.0                         # the busiest rank's rows / the balanced share
-    members: frozenset[int] = frozenset()     # ops on the dispatched rows (their work: x load)
-
-
-def expert_exchanges(graph: OpGraph, a2a_s: Callable[[float], float], counts_s: float,
-                     load: float = 1.0) -> ExpertExchanges | None:
-    from autoplan.sharding.expert_regions import expert_regions
-    from autoplan.sharding.sharding import replicated
-    regions = expert_regions(graph, replicated(graph))
-    if regions is None:
-        return None
-    dispatch: dict[int, tuple[str, ...]] = {}
-    first: dict[str, int] = {}
-    again: list[tuple[int, int, str]] = []
-    for i, x in regions.dispatch:
-        if x in first:
-            again.append((first[x], i, x))
-        else:
-            first[x] = i
-            dispatch[i] = dispatch.get(i, ()) + (x,)
-    return ExpertExchanges(dispatch=dispatch, again=tuple(again), combine=regions.combine,
-                           a2a_s=a2a_s,
-                           counts_s=counts_s, load=load, members=regions.members)
-
-
-def _exchange_s(ctx: CostContext, i: int, s: OpStrategy, placement: Mapping[str, Placement]
-                ) -> tuple[float, float]:
-    """(forward, backward) seconds per micro-batch of the expert exchanges op ``i`` issues
-    under strategy ``s``: each forward exchange sends the gradients back in backward, and each
-    dispatch first gathers the row counts."""
-    ex, op = ctx.experts, ctx.graph.ops[i]
-    fwd = bwd = 0.0
-    for x in ex.dispatch.get(i, ()):
-        t = _a2a_s(ctx, x, _read_as(ctx, i, s, x))
-        fwd, bwd = fwd + t + ex.counts_s, bwd + t
-    for v in op.outputs:
-        if v in ex.combine:
-            t = _a2a_s(ctx, v, placement.get(v, REPLICATE))
-            fwd, bwd = fwd + t, bwd + t
-    return fwd, bwd
-
-
-def _a2a_s(ctx: CostContext, name: str, where: Placement) -> float:
-    """One exchange of ``name``'s rows placed ``where`` (one way)."""
-    ex = ctx.experts
-    b = _value_bytes(ctx, name) * ex.load / (ctx.t if where.kind == "S" else 1)
-    return ex.a2a_s(b)
-
-
-def _read_as(ctx: CostContext, i: int, s: OpStrategy, x: str) -> Placement:
-    k = ctx.graph.ops[i].inputs.index(x)
-    return s.inputs[k] if k < len(s.inputs) else REPLICATE
-
-
-def _sent_again(ctx: CostContext, nodes: list[_Node], node_of: dict[int, int],
-                edge_mats: dict[tuple[int, int], list[list[float]]],
-                costs: list[list[float]]) -> None:
-    """A value two grouped products read is sent a second time when they read it placed
-    differently: a term on the pair of strategies (inside a node: on its own choices)."""
-    for first, other, x in ctx.experts.again:
-        u, v = node_of.get(first), node_of.get(other)
-        if u is None or v is None:
-            continue
-        pu, pv = nodes[u].ops.index(first), nodes[v].ops.index(other)
-        weight = nodes[v].mult * ctx.microbatches
-
-        def price(a: int, b: int) -> float:
-            src = _read_as(ctx, first, nodes[u].choices[a][pu], x)
-            dst = _read_as(ctx, other, nodes[v].choices[b][pv], x)
-            return (weight * (2 * _a2a_s(ctx, x, dst) + ctx.experts.counts_s) if src != dst
-                    else 0.0)
-        if u == v:
-            for j in range(len(nodes[v].choices)):
-                costs[v][j] += price(j, j)
-            continue
-        flip = (u, v) not in edge_mats and (v, u) in edge_mats     # one edge per pair
-        key = (v, u) if flip else (u, v)
-        ka, kb = len(nodes[key[0]].choices), len(nodes[key[1]].choices)
-        acc = edge_mats.setdefault(key, [[0.0] * kb for _ in range(ka)])
-        for a in range(ka):
-            for b in range(kb):
-                acc[a][b] += price(b, a) if flip else price(a, b)
 
 
 @dataclass(frozen=True)
@@ -155,6 +58,10 @@ class CostContext:
     experts: ExpertExchanges | None = None        # expert parallelism's exchanges (ep > 1)
     pinned: Mapping[int, str] | None = None       # op index -> the only strategy it may take
     step_shard: int = 1       # ZeRO-2/3: the tp step all-reduces gradients already dp-sharded
+    # context parallelism on an axis of its own: the sequence split under the tp axis, and
+    # (kind, nbytes) -> seconds on its group
+    context: ContextAxis | None = None
+    cp_collective_s: Callable[[str, float], float] | None = None
 
     @property
     def micro_batch(self) -> int:
@@ -229,22 +136,19 @@ def representatives(graph: OpGraph) -> tuple[list[int], dict[int, int], list[int
     return rep, mult, inst
 
 
-def _value_bytes(ctx: CostContext, name: str) -> float:
-    a = analyze(ctx.graph)
-    b = _meta_bytes(ctx.graph.value(name).meta, ctx.precision)
-    return b * ctx.batch_scale if name in a.batch_dependent else b
-
-
-def _comm_bytes(ctx: CostContext, name: str, scale: float, phase: str, kind: str = "") -> float:
+def _comm_bytes(ctx: CostContext, name: str, scale: float, phase: str, kind: str = "",
+                held: float = 1.0) -> float:
     """Bytes of one collective, as the estimate takes them (``chunk_cost.comm_bytes``)."""
     return comm_bytes(ctx.graph, analyze(ctx.graph), ctx.precision, name, scale, ctx.t,
-                      ctx.batch_scale, phase, ctx.step_shard if phase == "step" else 1, kind)
+                      ctx.batch_scale, phase, ctx.step_shard if phase == "step" else 1, kind,
+                      held)
 
 
-def _reshard_s(ctx: CostContext, name: str, src: Placement, dst: Placement
+def _reshard_s(ctx: CostContext, name: str, src: Placement, dst: Placement, consumer: int = -1
                ) -> tuple[float, float]:
     """(forward, backward): the forward reshard, and the backward one for tensors that carry
-    gradients."""
+    gradients (into op ``consumer``: the piece of ``name`` the cp axis leaves it)."""
+    held = cp_held(ctx, consumer, name) if consumer >= 0 else 1.0
     out = [0.0, 0.0]
     for p, (a, b, needed) in enumerate(((src, dst, True),
                                         (dst, src, ctx.graph.value(name).requires_grad))):
@@ -253,7 +157,7 @@ def _reshard_s(ctx: CostContext, name: str, src: Placement, dst: Placement
         k = reshard_kind(a, b)
         if k is not None:
             kind, scale = k
-            out[p] = ctx.collective_s(kind, _comm_bytes(ctx, name, scale, "fwd"))
+            out[p] = ctx.collective_s(kind, _comm_bytes(ctx, name, scale, "fwd", held=held))
     return out[0], out[1]
 
 
@@ -279,11 +183,14 @@ def _group(graph: OpGraph, rep: list[int], mult: dict[int, int],
 
 
 def _expand(graph: OpGraph, node: _Node, t: int, cache: dict[int, list[OpStrategy]],
-            micro_batch: int | None = None, pinned: Mapping[int, str] | None = None) -> None:
-    """Per leader strategy: the followers' strategies and the node's value placements."""
+            micro_batch: int | None = None, pinned: Mapping[int, str] | None = None,
+            context: ContextAxis | None = None) -> None:
+    """Per leader strategy: the followers' strategies and the node's value placements (only
+    the strategies that run under a cp axis, ``context``)."""
     def opts(i):
         if i not in cache:
-            cache[i] = strategies(graph, graph.ops[i], t, micro_batch=micro_batch)
+            cache[i] = tp_allowed(context, i, strategies(graph, graph.ops[i], t,
+                                                         micro_batch=micro_batch), t)
             if pinned and i in pinned:
                 cache[i] = [s for s in cache[i] if s.name == pinned[i]]
                 if not cache[i]:
@@ -336,7 +243,8 @@ def _node_cost(ctx: CostContext, node: _Node, j: int, savers: dict[tuple[int, st
         batch_dep = any(o in a.batch_dependent for o in op.outputs)
         load = (ctx.experts.load if ctx.experts is not None and i in ctx.experts.members
                 else 1.0)
-        c = ctx.compute.op_cost(i, load * (ctx.batch_scale if batch_dep else 1.0)
+        cp_share = ctx.context.op_scale(i) if ctx.context is not None else 1.0
+        c = ctx.compute.op_cost(i, load * (ctx.batch_scale if batch_dep else 1.0) * cp_share
                                 / s.work_divisor)
         fwd += c.fwd_s
         bwd += c.bwd_s
@@ -344,8 +252,9 @@ def _node_cost(ctx: CostContext, node: _Node, j: int, savers: dict[tuple[int, st
             bwd += c.fwd_s
         ring = {"fwd": 0.0, "bwd": 0.0}
         for cm in s.comms:
+            held = cp_held(ctx, i, cm.value) if cm.phase != "step" else 1.0
             t = ctx.collective_s(cm.kind, _comm_bytes(ctx, cm.value, cm.scale, cm.phase,
-                                                      cm.kind))
+                                                      cm.kind, held))
             if cm.phase == "step":
                 step += t
             elif s.kernel == "ring_attention":
@@ -354,11 +263,15 @@ def _node_cost(ctx: CostContext, node: _Node, j: int, savers: dict[tuple[int, st
                 fwd_comm += t
             else:
                 bwd += t
-        if s.kernel == "ring_attention":    # passed on behind the blocks' attention, as priced
+        cf, cb, rf, rb = cp_comms_s(ctx, i, s)
+        fwd_comm, bwd = fwd_comm + cf, bwd + cb
+        ring["fwd"], ring["bwd"] = ring["fwd"] + rf, ring["bwd"] + rb
+        if s.kernel == "ring_attention" or rf + rb > 0:
+            # passed on behind the blocks' attention, as priced
             fwd_comm += overlap_exposed_s(ring["fwd"], c.fwd_s, 0.0, ctx.interference)
             bwd += overlap_exposed_s(ring["bwd"], c.bwd_s, 0.0, ctx.interference)
         if ctx.experts is not None:
-            ef, eb = _exchange_s(ctx, i, s, node.placement[j])
+            ef, eb = exchange_s(ctx, i, s, node.placement[j])
             fwd, bwd = fwd + ef, bwd + eb
         for k, n in enumerate(op.inputs):
             v = graph.value(n)
@@ -379,22 +292,25 @@ def _node_cost(ctx: CostContext, node: _Node, j: int, savers: dict[tuple[int, st
             counted.add(base.name)
             k = op.inputs.index(n) if n in op.inputs else -1
             where = s.inputs[k] if 0 <= k < len(s.inputs) else node.placement[j].get(n, REPLICATE)
-            b = _value_bytes(ctx, base.name) * (1.0 / ctx.t if where.kind == "S" else 1.0)
+            b = (value_bytes(ctx, base.name) * (1.0 / ctx.t if where.kind == "S" else 1.0)
+                 * (cp_held(ctx, i, n) if n == base.name else
+                    ctx.context.value_scale(base.name) if ctx.context is not None else 1.0))
             if (-1, base.name) in savers:
                 once += b
             else:
                 acts += b
-        out = op.outputs[0] if op.outputs else ""
         if op.saved_internal:      # what a kernel keeps beside its outputs (softmax statistics)
-            where = node.placement[j].get(out, REPLICATE)
-            scale = ((ctx.batch_scale if out in a.batch_dependent else 1.0)
-                     * (1.0 / ctx.t if where.kind == "S" else 1.0))
+            anchor, on_input = internal_anchor(graph, op)
+            where = (s.inputs[op.inputs.index(anchor)] if on_input
+                     else node.placement[j].get(anchor, REPLICATE))
+            scale = ((ctx.batch_scale if anchor in a.batch_dependent else 1.0)
+                     * (1.0 / ctx.t if where.kind == "S" else 1.0) * cp_held(ctx, i, anchor))
             acts += sum(_meta_bytes(m, ctx.precision) for m in op.saved_internal) * scale
     for i, name, src, dst in node.internal[j]:
         if mutates_input(graph.ops[i].target):
             bwd += INFEASIBLE_S
         else:
-            rf, rb = _reshard_s(ctx, name, src, dst)
+            rf, rb = _reshard_s(ctx, name, src, dst, i)
             fwd_comm, bwd = fwd_comm + rf, bwd + rb
     if _recomputes_comms(ctx, node):
         bwd += fwd_comm
@@ -411,7 +327,7 @@ def reduce_graph(ctx: CostContext) -> Reduction:
     nodes, node_of = _group(graph, rep, mult, inst)
     cache: dict[int, list[OpStrategy]] = {}
     for node in nodes:
-        _expand(graph, node, ctx.t, cache, ctx.micro_batch, ctx.pinned)
+        _expand(graph, node, ctx.t, cache, ctx.micro_batch, ctx.pinned, ctx.context)
     costs = [[0.0] * len(n.choices) for n in nodes]
     mems = [[0.0] * len(n.choices) for n in nodes]
     fwds = [[0.0] * len(n.choices) for n in nodes]
@@ -456,7 +372,7 @@ def reduce_graph(ctx: CostContext) -> Reduction:
                 dst = s.inputs[k] if k < len(s.inputs) else REPLICATE
                 if src != dst:
                     f, b = ((0.0, INFEASIBLE_S) if k == 0 and mutates_input(graph.ops[rc].target)
-                            else _reshard_s(ctx, x_rep, src, dst))
+                            else _reshard_s(ctx, x_rep, src, dst, rc))
                     per_mb[i][j] = (count * f, count * (b + f * again))
         if u == v:
             for j in range(kv):
@@ -472,7 +388,7 @@ def reduce_graph(ctx: CostContext) -> Reduction:
                 for j in range(kv):
                     mat[i][j] += pick(per_mb[i][j])
     if ctx.experts is not None:
-        _sent_again(ctx, nodes, node_of, edge_mats, costs)
+        sent_again(ctx, nodes, node_of, edge_mats, costs)
     _tie_shared_weights(ctx, nodes, edge_mats, costs)
     # ops no node holds (no outputs: a metadata assert) cost what the estimate prices them,
     # whatever the choice

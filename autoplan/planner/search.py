@@ -122,7 +122,7 @@ def _ilp_microbatches(cluster: Any, shape: Any, mbs: int, gbs: int, m: int) -> i
     """The micro-batches the tp-axis problem weighs per-step costs with: those of the mesh
     without pipeline (dp x mbs over the whole cluster), whichever mesh asks first, so that
     forcing pp or dp never changes the sharding a free search finds."""
-    flat = cluster.world_size // shape.tp * mbs
+    flat = cluster.world_size // (shape.tp * shape.cp) * mbs
     return gbs // flat if gbs % flat == 0 else m
 
 
@@ -170,11 +170,16 @@ def _solved(graph: OpGraph, t: int, red: Any, sol: ILPSolution, stats: _Stats
 def _context(graph: OpGraph, cluster: Any, config: ParallelConfig, profile: Any, m: int,
              opts: SearchOptions, frugal: _Frugal | None, pinned: dict[int, str] | None
              ) -> CostContext:
+    from autoplan.sharding.context_axis import context_axis
     t = config.tp
     group = config.tp_group()
+    cp_group = config.cp_group()
     compute = compute_model(graph, cluster.device, config.precision, profile)
     w, g, o = bytes_per_param(config.precision, config.optimizer)
     return CostContext(graph=graph, t=t, compute=compute,
+                      context=context_axis(graph, config.cp),
+                      cp_collective_s=lambda kind, nbytes: cluster.collective_time_s(
+                          kind, nbytes, cp_group),
                       collective_s=lambda kind, nbytes: cluster.collective_time_s(kind, nbytes,
                                                                                   group),
                       batch_scale=config.micro_batch_size / graph.batch_size, microbatches=m,
@@ -383,9 +388,10 @@ def plan(model: Any, cluster: Any, *, global_batch_size: int, example_inputs: An
     block = main_block(graph)
     layers = len(block.instances) if block else 1
     shapes = meshes.enumerate_meshes(cluster, max_tp=opts.max_tp, max_pp=opts.max_pp,
-                                     num_layers=layers)
+                                     num_layers=layers,
+                                     context_degrees=space.context_degrees(graph, cluster, opts))
     shapes = [s for s in shapes if all(getattr(s, k) == v for k, v in opts.force.items()
-                                       if k in ("dp", "tp", "pp"))]
+                                       if k in ("dp", "tp", "pp", "cp"))]
     if not shapes:
         raise ConfigError(f"no mesh of {cluster.world_size} devices matches force={opts.force}"
                           + too_few_layers(opts.force.get("pp", 1), layers, block))
@@ -402,7 +408,8 @@ def plan(model: Any, cluster: Any, *, global_batch_size: int, example_inputs: An
     ilp_cache: dict[tuple[int, int], tuple[Sharding, ILPSolution | None]] = {}
     pinned = pins.resolve(graph, opts.pin) if opts.pin else {}
     for shape in shapes:
-        where = f"mesh pp{shape.pp} x dp{shape.dp} x tp{shape.tp}"
+        where = (f"mesh pp{shape.pp} x dp{shape.dp}" + (f" x cp{shape.cp}" if shape.cp > 1
+                                                         else "") + f" x tp{shape.tp}")
         why = ((pins.unavailable(graph, pinned, shape.tp) if shape.tp > 1
                 else "tp=1 shards nothing") if pinned else None)
         if why:
@@ -412,9 +419,13 @@ def plan(model: Any, cluster: Any, *, global_batch_size: int, example_inputs: An
             say(f"{where}: global batch {global_batch_size} does not split over dp, skipped")
             continue
         per_replica = global_batch_size // shape.dp
-        for mbs in space.forced(opts, "micro_batch_size", space.mbs_options(per_replica, opts)):
-            cfg = ParallelConfig(pp=shape.pp, dp=shape.dp, tp=shape.tp, micro_batch_size=mbs,
-                                 **base)
+        mbs_options = space.mbs_options(per_replica, opts)
+        if shape.cp > 1:
+            # a micro-batch of several sequences splits over dp instead, with no ring
+            mbs_options = mbs_options[:1]
+        for mbs in space.forced(opts, "micro_batch_size", mbs_options):
+            cfg = ParallelConfig(pp=shape.pp, dp=shape.dp, tp=shape.tp, cp=shape.cp,
+                                 micro_batch_size=mbs, **base)
             try:
                 m = validate(graph, cluster, cfg, global_batch_size)
             except ConfigError as e:
@@ -427,13 +438,17 @@ def plan(model: Any, cluster: Any, *, global_batch_size: int, example_inputs: An
             # gradient all-reduces of replicated weights weigh with m: priced at the m of the
             # mesh without pipeline, whichever mesh asks first, so that forcing pp or dp never
             # changes the sharding a free search finds)
-            key = (shape.tp, mbs)
+            key = (shape.tp, mbs, shape.cp)
             if key not in ilp_cache:
                 fixed = opts.fixed_sharding
                 if fixed is not None and fixed.t == shape.tp:
                     ilp_cache[key] = (fixed, None)
                 elif shape.tp == 1:
                     ilp_cache[key] = (replicated(graph), None)
+                elif shape.cp > 1 and opts.sharding != "ilp":
+                    say(f"{where}: context parallelism on its own axis takes the ILP's "
+                        "tensor-parallel sharding, skipped")
+                    continue
                 elif opts.sharding == "megatron":
                     ilp_cache[key] = (megatron_sharding(
                         graph, shape.tp, bool(opts.force.get("sequence_parallel"))), None)

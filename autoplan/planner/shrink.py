@@ -23,23 +23,26 @@ from autoplan.sharding.strategies import strategies_by_name
 
 
 def shrunk_force(cfg: ParallelConfig, ranks: int) -> dict[str, Any]:
-    """The plan's family at degree 2 per parallel axis, within ``ranks`` processes (an axis
-    is dropped, data parallelism first, when they do not fit); HSDP as 2 x 2 where the ranks
-    allow, else plain sharding over dp."""
+    """The plan's family at degree 2 per parallel axis (context parallelism's cp too), within
+    ``ranks`` processes (an axis is dropped, data parallelism first, when they do not fit);
+    HSDP as 2 x 2 where the ranks allow, else plain sharding over dp."""
     degrees = {"pp": 2 if cfg.pp > 1 else 1, "tp": 2 if cfg.tp > 1 else 1,
-               "dp": 2 if cfg.dp > 1 else 1}
-    for axis in ("dp", "pp", "tp"):
-        if degrees["pp"] * degrees["tp"] * degrees["dp"] <= ranks:
+               "dp": 2 if cfg.dp > 1 else 1, "cp": 2 if cfg.cp > 1 else 1}
+
+    def used() -> int:
+        return degrees["pp"] * degrees["tp"] * degrees["dp"] * degrees["cp"]
+    for axis in ("dp", "pp", "tp", "cp"):
+        if used() <= ranks:
             break
         degrees[axis] = 1
-    hsdp = cfg.dp_shard is not None and degrees["dp"] > 1 and ranks >= 2 * (
-        degrees["pp"] * degrees["tp"] * degrees["dp"])
+    hsdp = cfg.dp_shard is not None and degrees["dp"] > 1 and ranks >= 2 * used()
     if hsdp:                  # shard groups of 2, replicated twice
         degrees["dp"] = 4
     force: dict[str, Any] = dict(degrees)
     if hsdp:
         force["dp_shard"] = 2
-    force["zero_stage"] = cfg.zero_stage if degrees["dp"] > 1 or cfg.offload_params else 0
+    force["zero_stage"] = (cfg.zero_stage if degrees["dp"] * degrees["cp"] > 1
+                           or cfg.offload_params else 0)
     if cfg.offload_params:
         force["zero_stage"] = 3
     force.update(offload_optimizer=cfg.offload_optimizer, offload_params=cfg.offload_params,

@@ -1,4 +1,5 @@
-"""The search space of one mesh: micro-batch sizes, pipeline schedules, recomputation, and the
+"""The search space: context-parallel degrees, and per mesh micro-batch sizes, pipeline
+schedules, recomputation, and the
 ZeRO / offload / HSDP / expert-parallel variants the planner costs (``search.plan`` walks it).
 
 Every field a user forces (``SearchOptions.force``) narrows its own choice to the forced value;
@@ -74,7 +75,7 @@ def policies(config: ParallelConfig, opts: SearchOptions, cluster: Any,
     # with pipeline stages, ZeRO-2/3 would reduce-scatter and gather every micro-batch
     zero_options = opts.zero_stages if config.pp == 1 else tuple(
         z for z in opts.zero_stages if z <= 1)
-    zeros = forced(opts, "zero_stage", zero_options if config.dp > 1 else (0,))
+    zeros = forced(opts, "zero_stage", zero_options if config.grad_degree > 1 else (0,))
     # CPU ranks already keep their optimizer state in host memory: nothing to offload; pipeline
     # stages already split the model state, so offload is searched without them
     offloads = (False,) if cluster.device.kind == "cpu" or config.pp > 1 \
@@ -117,7 +118,7 @@ def ep_degrees(config: ParallelConfig, graph: OpGraph, opts: SearchOptions, zero
     parameter offload; ``excluded``: with HSDP, which it does not combine with)."""
     from autoplan.graph.experts import find_experts
     found = find_experts(graph)
-    runs = found is not None and not excluded
+    runs = found is not None and not excluded and config.cp == 1
     allowed = [e for e in found.ep_degrees(config.dp) if config.dp % e == 0] if runs else [1]
     if "ep" in opts.force:
         return [opts.force["ep"]] if opts.force["ep"] in allowed else []
@@ -139,3 +140,41 @@ def shard_sizes(config: ParallelConfig, cluster: Any, opts: SearchOptions,
     node = cluster.devices_per_node
     return [None, *(d for d in range(2, config.dp) if config.dp % d == 0
                     and (d * config.tp) % node == 0 and d * config.tp <= 8 * node)]
+
+
+def context_degrees(graph: OpGraph, cluster: Any, opts: SearchOptions) -> list[int]:
+    """Context-parallel degrees (a cp axis of their own) to search: a forced one, else the
+    powers of two up to the cluster where the model's attention runs as ring attention over
+    them (``sharding.context_axis``) and each rank keeps a sequence piece of at least
+    ``MIN_CP_PIECE`` tokens (shorter pieces cannot hide the ring's passes behind their
+    attention, and more data parallelism does the same work with no ring)."""
+    from autoplan.sharding.context_axis import context_axis
+    if "cp" in opts.force:
+        cp = opts.force["cp"]
+        if cp != 1:
+            context_axis(graph, cp)         # ConfigError: why the model cannot take it
+        return [cp]
+    seq = sequence_length(graph)
+    out, c = [], 2
+    while c <= cluster.world_size and seq is not None and seq // c >= MIN_CP_PIECE:
+        try:
+            context_axis(graph, c)
+        except ConfigError:
+            break
+        out.append(c)
+        c *= 2
+    return out
+
+
+# the shortest sequence piece a context-parallel rank is offered (``context_degrees``)
+MIN_CP_PIECE = 2048
+
+
+def sequence_length(graph: OpGraph) -> int | None:
+    """The sequence length of the model's attention (its query's dim 2), None without one."""
+    for op in graph.ops:
+        if op.target.startswith("aten.scaled_dot_product_attention"):
+            shape = graph.value(op.inputs[0]).meta.shape
+            if len(shape) == 4:
+                return shape[2]
+    return None

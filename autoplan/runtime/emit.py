@@ -137,28 +137,36 @@ def export_for_plan(model: nn.Module, plan: Any, plan_graph: OpGraph, *,
 
 def lower(model: nn.Module, ex: Exported, *, t: int, tp_rank: int, device: torch.device,
           seed: int, keep: Callable[[str], bool] | None = None,
-          ep: tuple[int, int] = (1, 0)) -> Program:
+          ep: tuple[int, int] = (1, 0), cp: int = 1) -> Program:
     """The checked rank program. ``keep(fqn)`` False: that weight is not this rank's (another
     pipeline rank holds it) and stays an unallocated placeholder. ``ep`` (size, index): the
-    expert-parallel group, whose experts this rank holds."""
+    expert-parallel group, whose experts this rank holds. ``cp``: the context-parallel
+    degree (the sequence split over an axis of its own)."""
+    from autoplan.errors import ConfigError
+    from autoplan.sharding.context_axis import context_axis
+    try:
+        axis = context_axis(ex.graph, cp)
+    except ConfigError as e:
+        raise PlanError(f"{e} (the model exported at the micro-batch)") from None
     found = find_experts(ex.graph) if ep[0] > 1 else None
     state = LocalState(model, t=t, rank=tp_rank, device=device, seed=seed, keep=keep,
                        experts=found.params if found is not None else (), ep=ep)
     program = build_program(ex.ep, ex.graph, ex.sharding, prefix=ex.prefix, t=t, device=device,
-                            state_tensor=state, ep_size=ep[0])
+                            state_tensor=state, ep_size=ep[0], cp=axis)
     check_shapes(program, ex.inputs, t, device)
     return program
 
 
 def emit(model: nn.Module, plan: Any, plan_graph: OpGraph, *, example_inputs: Sequence[Any],
          example_targets: Any, loss_fn: Callable | None, t: int, tp_rank: int,
-         device: torch.device, seed: int, ep: tuple[int, int] = (1, 0)) -> RankProgram:
+         device: torch.device, seed: int, ep: tuple[int, int] = (1, 0),
+         cp: int = 1) -> RankProgram:
     """This rank's program of ``plan`` (tensor-parallel degree ``t``, index ``tp_rank``;
-    expert-parallel group ``ep`` = (size, index))."""
+    expert-parallel group ``ep`` = (size, index); context-parallel degree ``cp``)."""
     ex = export_for_plan(model, plan, plan_graph, example_inputs=example_inputs,
                          example_targets=example_targets, loss_fn=loss_fn, t=t)
     aliases = tied_names(model)
-    program = lower(model, ex, t=t, tp_rank=tp_rank, device=device, seed=seed, ep=ep)
+    program = lower(model, ex, t=t, tp_rank=tp_rank, device=device, seed=seed, ep=ep, cp=cp)
     ranges = layer_ranges(ex.graph)
     module = split_layers(program.graph_module, ranges)
     register_aliases(module, aliases)
@@ -170,12 +178,16 @@ def emit(model: nn.Module, plan: Any, plan_graph: OpGraph, *, example_inputs: Se
 
 def connect(slot: Any, *, tp: tuple[Any, int, int], dp: tuple[Any, int, int],
             dp_tp: tuple[Any, int, int] | None = None,
-            ep: tuple[Any, int, int] | None = None) -> None:
+            ep: tuple[Any, int, int] | None = None, cp_slot: Any = None,
+            cp: tuple[Any, int, int] | None = None) -> None:
     """Point the program's collectives at this rank's groups, each ``(group, size, index)``:
     the tensor-parallel axis, for batch norm's statistics the data-parallel group and the
-    data x tensor-parallel group (the whole job when not pipelined), and the expert-parallel
-    group of the grouped products' token exchanges."""
+    data x tensor-parallel group (the whole job when not pipelined), the expert-parallel
+    group of the grouped products' token exchanges, and the context-parallel axis (its own
+    slot, ``cp_slot``)."""
     from autoplan.runtime.tp_comm import AxisComm
+    if cp_slot is not None and cp is not None and cp[1] > 1:
+        cp_slot.comm = AxisComm(*cp)
     if ep is not None and ep[1] > 1:
         slot.ep = AxisComm(*ep)
     if tp[1] > 1:

@@ -73,6 +73,7 @@ def grad_set(trainer: Any, *, shared_elsewhere: set[str] = frozenset()) -> GradS
         params.append(p)
         # an expert weight's slab: once per expert-parallel group (the first group counts)
         first_dp = dp_index < cfg.ep if fqn in experts else dp_index == 0
+        first_dp = first_dp and getattr(trainer, "cp_index", 0) == 0   # cp ranks: replicas
         counted.append((split_tp or tp_index == 0) and (sharded_dp or first_dp)
                        and fqn not in shared_elsewhere)
     return GradSet(params, counted)

@@ -367,3 +367,21 @@ def split_random(op: Any, args: list, kwargs: dict, comm) -> Any:
         if devices:
             torch.cuda.manual_seed(seed)
         return op(*args, **kwargs)
+
+
+# ---- a gradient scaled on its way back ---------------------------------------------------------
+
+class _GradScale(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, factor):
+        ctx.factor = factor
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * ctx.factor, None
+
+
+def grad_scale(x: torch.Tensor, factor: float) -> torch.Tensor:
+    """``x`` in forward; ``factor`` times its gradient in backward."""
+    return _GradScale.apply(x, factor)

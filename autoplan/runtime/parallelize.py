@@ -60,9 +60,18 @@ def plan_mesh(device_type: str, cfg: Any) -> tuple[Any, Any, Any]:
     the 2-D (dp_replicate, dp_shard) mesh, on which ``fully_shard`` shards inside a group and
     replicates across groups. Under expert parallelism dp is the flattened (edp, ep) pair: the
     ``ep`` axis exchanges routed tokens, the ``edp`` axis averages the expert weights'
-    gradients. Collective: every rank calls it in the same order."""
+    gradients. With context parallelism the dp mesh is the flattened (dp, cp) pair (the
+    ranks that average gradients, as torchtitan's dp_shard_cp), and HSDP shards over
+    (dp_shard, cp). Collective: every rank calls it in the same order."""
     from torch.distributed.device_mesh import init_device_mesh
     mesh = init_device_mesh(device_type, cfg.mesh_shape(), mesh_dim_names=cfg.mesh_axes())
+    if cfg.cp > 1:
+        if cfg.dp_shard is None:
+            dp_mesh = mesh["dp", "cp"]._flatten("dp_cp")
+            return mesh, dp_mesh, dp_mesh
+        mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
+        fsdp_mesh = mesh["dp_replicate", "dp_shard_cp"]
+        return mesh, mesh["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp"), fsdp_mesh
     if cfg.ep > 1:
         dp_mesh = mesh["edp", "ep"]._flatten("dp")
         return mesh, dp_mesh, dp_mesh

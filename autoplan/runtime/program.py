@@ -17,6 +17,12 @@ tensor-parallel axis, ``build_program``:
 4. checks the result on fake tensors: every op's local output must have the shape its
    placement says, else the plan is refused before any collective runs.
 
+With context parallelism on its own axis (``ParallelConfig.cp``) every op also takes its
+strategy on that axis (``sharding/context_axis.py``), applied outside the tp one: an input is
+moved on the cp axis, then on tp; the op computes on the piece both leave it; its outputs are
+reduced or gathered on tp, then on cp. A weight read by an op not split over cp has its
+gradient scaled by ``1 / cp`` on the way back (the dp x cp average would count it cp times).
+
 The collectives read their process group from ``program.comm_slot`` at call time, so the same
 program is checked with ``ShapeComm`` and then run with the real group.
 """
@@ -38,11 +44,13 @@ from autoplan.graph.experts import GROUPED_MM, find_experts
 from autoplan.runtime import tp_comm
 from autoplan.runtime.program_calls import (KERNEL_CALLS, _c_gather, _c_gather_sp, _c_reduce,
                                             _c_reduce_grad, _c_reduce_scatter,
-                                            _k_add_bias, _k_combine, _k_dispatch,
+                                            _k_add_bias, _k_combine, _k_composed, _k_dispatch,
                                             _k_dp_batch_norm, _k_gathered_weight,
-                                            _k_grouped_product, _k_local_experts, _k_norm,
-                                            _k_sp_linear, _k_split_random,
+                                            _k_grad_scale, _k_grouped_product,
+                                            _k_local_experts, _k_norm, _k_sp_linear,
+                                            _k_split_random, _k_split_random_axes,
                                             _k_without_bias, transition)
+from autoplan.sharding.context_axis import ContextAxis
 from autoplan.sharding.expert_regions import expert_regions
 from autoplan.sharding.placement import REPLICATE, Placement, local_shape
 from autoplan.sharding.sharding import Sharding, mutates_input
@@ -69,6 +77,7 @@ class CommSlot:
     dp_tp: Any = None
     ep: Any = None              # the expert-parallel group (``ep_size`` > 1)
     ep_size: int = 1
+    size: int = 1               # the axis's ranks (the cp slot's: shape checks stand in)
 
 
 @dataclass
@@ -77,6 +86,7 @@ class Program:
     comm_slot: CommSlot
     step_params: list[str]                  # FQNs whose gradients are all-reduced per step
     state: dict[str, Placement]             # FQN -> stored placement on the axis
+    cp_slot: CommSlot | None = None         # the context-parallel axis (cp > 1)
 
 
 OP = "autoplan_op"          # node.meta key: the index of the graph op a node belongs to
@@ -113,8 +123,12 @@ def _map_devices(a: Any, device: torch.device) -> Any:
 class _Builder:
     def __init__(self, ep: Any, graph: OpGraph, sh: Sharding, *, prefix: str, t: int,
                  device: torch.device, state_tensor: Callable[[str, str, Placement], Any],
-                 ep_size: int = 1):
+                 ep_size: int = 1, cp: ContextAxis | None = None):
         self.ep, self.eg, self.sh, self.prefix, self.t = ep, graph, sh, prefix, t
+        self.cp = cp
+        if cp is not None and ep_size > 1:
+            raise PlanError("a plan with both context (cp) and expert (ep) parallelism cannot "
+                            "run; re-plan with one of them")
         self.ep_size = ep_size
         self.experts = find_experts(graph) if ep_size > 1 else None
         if ep_size > 1 and self.experts is None:
@@ -138,6 +152,12 @@ class _Builder:
         self.slot = CommSlot(comm=None, ep_size=ep_size)
         self.attrs["_autoplan_comm"] = self.slot
         self.slot_node = self.g.get_attr("_autoplan_comm")
+        self.cp_slot = self.cp_node = None
+        if cp is not None:
+            self.cp_slot = CommSlot(comm=None, size=cp.c)
+            self.attrs["_autoplan_cp_comm"] = self.cp_slot
+            self.cp_node = self.g.get_attr("_autoplan_cp_comm")
+            self.whole_readers = cp.whole_weight_readers()
 
     # -- helpers --
     def fqn(self, target: str) -> str:
@@ -207,6 +227,13 @@ class _Builder:
         if not op.outputs:
             if "assert" in opname(op) or "constrain" in opname(op):
                 return          # metadata checks on the global shapes: not for local tensors
+        c = self.cp.strategy(i) if self.cp is not None else None
+        if c is not None:
+            why = self.cp.tp_conflict(i, s, self.t)
+            if why:
+                raise PlanError(f"op {op.name} ({op.target}): its tp strategy {s.name} does "
+                                f"not run under context parallelism over cp={self.cp.c} "
+                                f"({why}); re-plan")
         region = self.regions is not None and i in self.regions.members
         expert_op = region and i in self.experts.ops
         to_dispatch = {x for j, x in self.regions.dispatch if j == i} if region else set()
@@ -242,8 +269,7 @@ class _Builder:
         args, kwargs = _map_tensors(node.args, dict(node.kwargs), take)
         args = _map_devices(args, self.device)
         kwargs = _map_devices(kwargs, self.device)
-        local_outs = [local_shape(self.eg.value(n).meta.shape, s.local_output(k), self.t)
-                      for k, n in enumerate(op.outputs)]
+        local_outs = [self._local_out(n, k, s, c) for k, n in enumerate(op.outputs)]
         if any(shape is None for shape in local_outs):
             raise PlanError(f"op {op.name} ({op.target}): strategy {s.name} splits an output "
                             "unevenly; re-plan")
@@ -253,7 +279,14 @@ class _Builder:
                           for shape, n in zip(local_outs, op.outputs)]
         args = _local_shape_args(op, self.eg, args, local_outs)
         bias_node = None
-        if s.kernel == "bias_after_reduce":       # (output without bias, bias): added below
+        if c is not None and c.kernel:            # the cp axis's kernel (around tp's own)
+            if s.kernel:
+                out = self.emit(_k_composed, (node.target, args, kwargs, self.cp_node,
+                                              c.kernel, self.slot_node, s.kernel), i)
+            else:
+                out = self.emit(KERNEL_CALLS[c.kernel], (node.target, args, kwargs,
+                                                         self.cp_node), i)
+        elif s.kernel == "bias_after_reduce":     # (output without bias, bias): added below
             pair = self.emit(_k_without_bias, (node.target, args, kwargs), i)
             out = self.emit(operator.getitem, (pair, 0), i)
             bias_node = self.emit(operator.getitem, (pair, 1), i)
@@ -272,6 +305,12 @@ class _Builder:
             out = self.emit(_k_grouped_product, (node.target, args, kwargs), i)
         elif s.kernel:
             out = self.emit(KERNEL_CALLS[s.kernel], (node.target, args, kwargs, self.slot_node), i)
+        elif c is not None and _SEEDED in getattr(node.target, "tags", ()) \
+                and any(p.kind == "S" for p in c.inputs + s.inputs):
+            # a mask per piece over both axes (``kernels.split_random``)
+            split = [node_ if any(p.kind == "S" for p in st.inputs) else None
+                     for st, node_ in ((c, self.cp_node), (s, self.slot_node))]
+            out = self.emit(_k_split_random_axes, (node.target, args, kwargs, *split), i)
         elif self.t > 1 and _SEEDED in getattr(node.target, "tags", ()) \
                 and any(p.kind == "S" for p in s.inputs):
             # dropout of a split tensor: a mask per rank (``kernels.split_random``)
@@ -282,7 +321,7 @@ class _Builder:
             out = self.emit(_k_norm, (node.target, args, kwargs), i)
         else:
             target = node.target
-            if target in _VIEWS and s.split:
+            if target in _VIEWS and (s.split or c is not None and c.split):
                 # a view of the global tensor may need a copy of the local one (a split of a
                 # transposed tensor is not contiguous where the whole one is): reshape views
                 # when it can, copies when it must
@@ -293,15 +332,13 @@ class _Builder:
             y = out if len(op.outputs) == 1 and not _multi(node) else \
                 self.emit(operator.getitem, (out, _out_index(node, vn)), i)
             y.meta[SHAPE] = local_outs[k]
-            action = output_action(self.eg, op, s, k)
-            if action == "reduce":
-                y = self.emit(_c_reduce, (y, self.slot_node), i)
-            elif action == "reduce_scatter":
-                y = self.emit(_c_reduce_scatter, (y, self.slot_node, str(s.outputs[k])), i)
-            elif action == "gather":
-                y = self.emit(_c_gather, (y, self.slot_node, str(s.local_output(k))), i)
+            y = self._output_action(output_action(self.eg, op, s, k), y, s, k,
+                                    self.slot_node, i)
             if bias_node is not None and k == 0:
                 y = self.emit(_k_add_bias, (y, bias_node, node.target), i)
+            if c is not None:                   # then on the cp axis
+                y = self._output_action(output_action(self.eg, op, c, k), y, c, k,
+                                        self.cp_node, i)
             self.env[vn] = y
             if region:          # held dispatched; brought home where read from outside
                 self.held[vn], self.held_state[vn] = y, state
@@ -309,22 +346,69 @@ class _Builder:
                     self.env[vn] = self.emit(_k_combine, (y, state), i)
         self.env.update(swapped)
 
+    def _local_out(self, n: str, k: int, s: OpStrategy, c: OpStrategy | None
+                   ) -> tuple[int, ...] | None:
+        """This rank's shape of output ``n`` (``k``-th) as the op computes it: its cp piece
+        (when there is a cp axis), then its tp piece of that."""
+        shape = self.eg.value(n).meta.shape
+        if c is not None:
+            shape = local_shape(shape, c.local_output(k), self.cp.c)
+            if shape is None:
+                return None
+        return local_shape(shape, s.local_output(k), self.t)
+
+    def _output_action(self, action: str, y: fx.Node, st: OpStrategy, k: int, slot: fx.Node,
+                       i: int) -> fx.Node:
+        if action == "reduce":
+            return self.emit(_c_reduce, (y, slot), i)
+        if action == "reduce_scatter":
+            return self.emit(_c_reduce_scatter, (y, slot, str(st.outputs[k])), i)
+        if action == "gather":
+            return self.emit(_c_gather, (y, slot, str(st.local_output(k))), i)
+        return y
+
+    def _move(self, x: fx.Node, op: Op, k: int, vn: str, src: Placement, want: Placement,
+              slot: fx.Node, i: int) -> fx.Node:
+        """Input ``k`` moved from where its producer left it to where the op takes it."""
+        if src == want:
+            return x
+        if mutates_input(op.target) and k == 0:
+            raise PlanError(f"op {op.name} ({op.target}) writes its input {vn} in place, but "
+                            f"the plan moves that input from {src} to {want} first (the write "
+                            "would land on a copy); re-plan")
+        x = transition(self.g, x, src, want, slot)
+        x.meta[OP] = i
+        return x
+
+    def _cp_input(self, x: fx.Node, op: Op, k: int, i: int) -> fx.Node:
+        """The cp axis's own action on input ``k`` (after tp's): a gather, the gradient's
+        reduction, or a whole weight gradient's ``1 / cp``. A weight read by an op split over
+        cp needs nothing: its gradient is this rank's part, summed by the dp x cp average."""
+        c = self.cp.strategy(i)
+        if self.eg.value(op.inputs[k]).kind == "param":
+            if (i, k) in self.whole_readers:
+                return self.emit(_k_grad_scale, (x, 1.0 / self.cp.c), i)
+            return x
+        action = input_action(self.eg, op, c, k)
+        if action == "gather":
+            return self.emit(_c_gather, (x, self.cp_node, str(c.inputs[k])), i)
+        if action == "gather_sp":
+            return self.emit(_c_gather_sp, (x, self.cp_node, str(c.inputs[k])), i)
+        if action == "reduce_grad":
+            return self.emit(_c_reduce_grad, (x, self.cp_node), i)
+        return x
+
     def _inputs(self, node: fx.Node, op: Op, s: OpStrategy, i: int) -> list[fx.Node]:
         out = []
-        mutated = mutates_input(op.target)
         bwd_params = {c.value for c in s.comms if c.phase == "bwd" and c.kind == "all_reduce"}
         for k, vn in enumerate(op.inputs):
             v = self.eg.value(vn)
             x = self.env[vn]
-            src = self.placement(vn)
+            if self.cp is not None:             # on the cp axis first (the outer one)
+                x = self._move(x, op, k, vn, self.cp.placement(vn),
+                               self.cp.strategy(i).inputs[k], self.cp_node, i)
             want = s.inputs[k]
-            if src != want:
-                if mutated and k == 0:
-                    raise PlanError(f"op {op.name} ({op.target}) writes its input {vn} in "
-                                    f"place, but the plan moves that input from {src} to "
-                                    f"{want} first (the write would land on a copy); re-plan")
-                x = transition(self.g, x, src, want, self.slot_node)
-                x.meta[OP] = i
+            x = self._move(x, op, k, vn, self.placement(vn), want, self.slot_node, i)
             action = input_action(self.eg, op, s, k)
             if action == "step" and vn in bwd_params:
                 action = "reduce_grad"          # a weight with mixed partial/whole gradients
@@ -339,6 +423,8 @@ class _Builder:
                 x = self.emit(_c_reduce_grad, (x, self.slot_node), i)
             elif action == "step":
                 self.step_params.add(v.fqn)
+            if self.cp is not None:
+                x = self._cp_input(x, op, k, i)
             out.append(x)
         return out
 
@@ -347,8 +433,11 @@ class _Builder:
             vn = self.alias.get(a.name, a.name)
             if vn not in self.env:
                 return self.env.get(vn, a)
-            return transition(self.g, self.env[vn], self.placement(vn), REPLICATE,
-                              self.slot_node)
+            x = transition(self.g, self.env[vn], self.placement(vn), REPLICATE,
+                           self.slot_node)
+            if self.cp is not None:          # tp's pieces first, then cp's
+                x = transition(self.g, x, self.cp.placement(vn), REPLICATE, self.cp_node)
+            return x
         args, _ = _map_tensors(node.args, {}, whole)
         outs = args[0]
         if isinstance(outs, (list, tuple)) and len(outs) == 1:
@@ -402,17 +491,18 @@ def _local_shape_args(op: Op, graph: OpGraph, args: list, local_outs: list) -> l
 def build_program(ep: Any, graph: OpGraph, sharding: Sharding, *, prefix: str, t: int,
                   device: torch.device,
                   state_tensor: Callable[[str, str, Placement], Any],
-                  ep_size: int = 1) -> Program:
+                  ep_size: int = 1, cp: ContextAxis | None = None) -> Program:
     """The rank program of ``sharding`` over ``graph`` (an OpGraph of ``ep``). ``state_tensor``
     (fqn, "param"|"buffer", placement) returns this rank's local tensor of a parameter or
     buffer (already sharded, expert weights to this rank's experts). ``ep_size`` > 1: the
-    grouped products run expert-parallel (``runtime/experts.py``)."""
+    grouped products run expert-parallel (``runtime/experts.py``). ``cp``: the sequence split
+    over a context-parallel axis of its own as well."""
     b = _Builder(ep, graph, sharding, prefix=prefix, t=t, device=device,
-                 state_tensor=state_tensor, ep_size=ep_size)
+                 state_tensor=state_tensor, ep_size=ep_size, cp=cp)
     g = b.build()
     gm = fx.GraphModule(b.attrs, g, class_name="RankProgram")
     return Program(graph_module=gm, comm_slot=b.slot, step_params=sorted(b.step_params),
-                   state=dict(sharding.state))
+                   state=dict(sharding.state), cp_slot=b.cp_slot)
 
 
 def check_shapes(program: Program, example_inputs: tuple, t: int,
@@ -429,6 +519,10 @@ def check_shapes(program: Program, example_inputs: tuple, t: int,
     program.comm_slot.comm = tp_comm.ShapeComm(size=t)
     if program.comm_slot.ep_size > 1:
         program.comm_slot.ep = tp_comm.ShapeComm(size=program.comm_slot.ep_size)
+    cp = program.cp_slot
+    real_cp = cp.comm if cp is not None else None
+    if cp is not None:
+        cp.comm = tp_comm.ShapeComm(size=cp.size)
     mode = FakeTensorMode(allow_non_fake_inputs=True)
 
     class Check(fx.Interpreter):
@@ -466,6 +560,8 @@ def check_shapes(program: Program, example_inputs: tuple, t: int,
             Check(gm).run(*fake)
     finally:
         program.comm_slot.comm, program.comm_slot.ep = real, real_ep
+        if cp is not None:
+            cp.comm = real_cp
 
 
 __all__ = ["CommSlot", "Program", "build_program", "check_shapes"]

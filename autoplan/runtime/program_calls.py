@@ -128,6 +128,47 @@ def _k_ring_attention(target, args, kwargs, slot):
     return ring_attention.ring_attention(target, args, kwargs, slot.comm)
 
 
+def _k_split_random_axes(target, args, kwargs, *slots):
+    """A random op on a tensor split over several axes (``slots``: theirs, outer first; None
+    where the tensor is whole on it): a mask per piece, the seed offset by the piece's index
+    over the axes that split it."""
+    comms = [s.comm for s in slots if s is not None and s.comm is not None]
+    if not comms or any(isinstance(c, tp_comm.ShapeComm) for c in comms):
+        return target(*args, **kwargs)
+    rank = 0
+    for c in comms:
+        rank = rank * c.size + c.rank
+    return kernels.split_random(target, args, kwargs, tp_comm.Ranked(rank))
+
+
+class _TpKernel:
+    """An op whose call runs a tp-axis kernel: what a cp-axis kernel calls as its op (it reads
+    the op's schema for its arguments)."""
+
+    def __init__(self, op, kernel: str, slot):
+        self._op, self._kernel, self._slot = op, kernel, slot
+        self._schema = op._schema
+        self.tags = getattr(op, "tags", ())
+
+    def __call__(self, *args, **kwargs):
+        return KERNEL_CALLS[self._kernel](self._op, list(args), dict(kwargs), self._slot)
+
+
+def _k_composed(target, args, kwargs, outer_slot, outer, inner_slot, inner):
+    """An op both axes run a kernel for (``context_axis.COMPOSED``): one split loss over both
+    groups, or the cp kernel around the tp one."""
+    if outer == inner == "split_loss":
+        return kernels.split_loss(target, args, kwargs,
+                                  tp_comm.Chain(outer_slot.comm, inner_slot.comm))
+    return KERNEL_CALLS[outer](_TpKernel(target, inner, inner_slot), args, kwargs, outer_slot)
+
+
+def _k_grad_scale(x, factor):
+    """``x`` itself; its gradient times ``factor`` (a weight whose gradient is whole on every
+    context-parallel rank: the dp x cp average would count it ``cp`` times)."""
+    return kernels.grad_scale(x, factor)
+
+
 KERNEL_CALLS: dict[str, Callable] = {
     "ring_attention": _k_ring_attention,
     "vocab_embedding": _k_vocab_embedding, "vocab_cross_entropy": _k_vocab_cross_entropy,

@@ -81,6 +81,34 @@ class ShapeComm:
         return y.clone()
 
 
+@dataclass(frozen=True)
+class Chain:
+    """Two axes' groups as one for reductions (a loss split over both the cp and the tp
+    axis): all-reduces run over each in turn; ``rank`` is this rank's index over both, outer
+    first. Shape checks chain ``ShapeComm`` stand-ins the same way."""
+
+    outer: Any
+    inner: Any
+
+    @property
+    def size(self) -> int:
+        return self.outer.size * self.inner.size
+
+    @property
+    def rank(self) -> int:
+        return self.outer.rank * self.inner.size + self.inner.rank
+
+    def all_reduce(self, x: torch.Tensor, op: Any = None) -> torch.Tensor:
+        return self.outer.all_reduce(self.inner.all_reduce(x, op), op)
+
+
+@dataclass(frozen=True)
+class Ranked:
+    """Only an index over some axes (a random op's seed offset over the axes that split it)."""
+
+    rank: int
+
+
 # ---- layouts ---------------------------------------------------------------------------------
 
 def rank_major(full: torch.Tensor, p: Placement, t: int) -> torch.Tensor:

@@ -121,7 +121,7 @@ class Trainer(Checkpointing, GradientStep):
     plan: Plan
     rank: int
     dp_index: int
-    dp_group: Any
+    dp_group: Any                     # the ranks that average gradients: dp (x cp)
     tp_grads: TensorParallelGrads | None
     loss_in_program: bool             # the program computes the loss itself
     device: torch.device
@@ -144,6 +144,7 @@ class Trainer(Checkpointing, GradientStep):
     whole_grads: tuple[DataParallelGrads, ...] = ()
     # the loss is a mean over counted targets: micro-batches weighted by their share of them
     token_loss: TokenMeanLoss | None = None
+    cp_index: int = 0                          # this rank's piece of the sequence (cp > 1)
 
     @property
     def config(self):
@@ -182,6 +183,9 @@ class Trainer(Checkpointing, GradientStep):
                     grads.arm()
             ctx = no_sync() if (no_sync is not None and not last) else contextlib.nullcontext()
             f = scale * weights[k] if weights else scale
+            # context parallelism: each cp rank's gradient is its tokens' part, and the dp x cp
+            # average divides by cp as well (``sharding/context_axis.py``)
+            f *= self.config.cp
             with ctx:
                 loss = self._loss(chunk)
                 (loss * (f / len(chunks)) if f != 1.0 else loss / len(chunks)).backward()
@@ -192,10 +196,10 @@ class Trainer(Checkpointing, GradientStep):
             grads.all_reduce()
         finish_step(self)
         mean = total / len(chunks)
-        if self.dp_group is not None and self.config.dp > 1:
+        if self.dp_group is not None and self.config.grad_degree > 1:
             t = mean.to(torch.float64).reshape(1)
-            dist.all_reduce(t, group=self.dp_group)
-            mean = t[0] / self.config.dp
+            dist.all_reduce(t, group=self.dp_group)      # cp ranks hold the same loss
+            mean = t[0] / self.config.grad_degree
         return float(mean)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
@@ -348,21 +352,26 @@ def _compile(model: nn.Module, cluster: Any, *, example_inputs: Sequence[Any],
             model, graph, plan, device=device, optimizer=optimizer, loss_fn=loss_fn, seed=seed,
             rank=rank, example_inputs=example_inputs, example_targets=example_targets,
             precision_dtype=precision_dtype)
-    tp_index, dp_index = rank % cfg.tp, rank // cfg.tp
+    where = cfg.indices(rank)
+    tp_index, dp_index, cp_index = where["tp"], where["dp"], where["cp"]
     ep_index = dp_index % cfg.ep
-    dp_group = tp_group = fsdp_mesh = ep_group = edp_group = None
+    dp_group = tp_group = fsdp_mesh = ep_group = edp_group = cp_group = None
     if world > 1 or cfg.offload_params:
         mesh, dp_mesh, fsdp_mesh = par.plan_mesh(device.type, cfg)
         dp_group, tp_group = dp_mesh.get_group(), mesh["tp"].get_group()
         if cfg.ep > 1:
             ep_group, edp_group = mesh["ep"].get_group(), mesh["edp"].get_group()
+        if cfg.cp > 1:
+            cp_group = mesh["cp"].get_group()
     # 1. the rank program: the traced graph with the plan's per-op strategies on local tensors
     from autoplan.runtime.emit import connect, emit
     rp = emit(model, plan, graph, example_inputs=example_inputs,
               example_targets=example_targets, loss_fn=loss_fn, t=cfg.tp, tp_rank=tp_index,
-              device=device, seed=seed, ep=(cfg.ep, ep_index))
+              device=device, seed=seed, ep=(cfg.ep, ep_index), cp=cfg.cp)
     connect(rp.program.comm_slot, tp=(tp_group, cfg.tp, tp_index),
-            dp=(dp_group, cfg.dp, dp_index), ep=(ep_group, cfg.ep, ep_index))
+            dp=(dp_group, cfg.grad_degree, dp_index * cfg.cp + cp_index),
+            ep=(ep_group, cfg.ep, ep_index), cp_slot=rp.program.cp_slot,
+            cp=(cp_group, cfg.cp, cp_index))
     from autoplan.runtime.experts import expert_parameters
     experts = expert_parameters([rp.module], graph, cfg.ep)     # before FSDP wraps the rest
     program = rp.module
@@ -384,8 +393,8 @@ def _compile(model: nn.Module, cluster: Any, *, example_inputs: Sequence[Any],
                                  experts=experts.values(),
                                  expert_mesh=mesh["edp"] if experts else None,
                                  whole=par.whole_parameters(program, cfg.keeps_whole))
-        if scalars and cfg.dp > 1:
-            whole_grads.append(DataParallelGrads(scalars, dp_group, cfg.dp))
+        if scalars and cfg.grad_degree > 1:
+            whole_grads.append(DataParallelGrads(scalars, dp_group, cfg.grad_degree))
     tp_grads = (TensorParallelGrads([program], rp.program.step_params, tp_group)
                 if cfg.tp > 1 and rp.program.step_params else None)
     if experts and not (use_fsdp and par.shards_experts(mesh["edp"])):
@@ -394,13 +403,13 @@ def _compile(model: nn.Module, cluster: Any, *, example_inputs: Sequence[Any],
         whole_grads.append(DataParallelGrads(list(experts.values()), edp_group, cfg.dp))
     for grads in whole_grads:        # sent behind the last backward, as DDP's buckets
         grads.overlap_with_backward()
-    if cfg.dp > 1 and not use_fsdp:
+    if cfg.grad_degree > 1 and not use_fsdp:
         program = par.ddp(program, dp_group, {id(p) for p in experts.values()})
     params = [p for p in program.parameters() if p.requires_grad]
     factory = optimizer
     if cfg.offload_optimizer and not cfg.offload_params:   # FSDP's offload carries the state
         factory = partial(HostOffloadOptimizer, factory=optimizer)
-    if cfg.dp > 1 and cfg.zero_stage == 1:
+    if cfg.grad_degree > 1 and cfg.zero_stage == 1:
         opt = TensorShardedOptimizer(params, factory, dp_group,
                                      groups={id(p): edp_group for p in experts.values()})
         # the updated weights arrive behind the next forward, layer by layer (as priced)
@@ -417,7 +426,8 @@ def _compile(model: nn.Module, cluster: Any, *, example_inputs: Sequence[Any],
                    tp_comm=rp.program.comm_slot.comm, placements=rp.program.state,
                    aliases=rp.aliases, health=for_job(rank, world),
                    experts=frozenset(experts), ep_comm=rp.program.comm_slot.ep,
-                   whole_grads=tuple(whole_grads), token_loss=token_mean_loss(graph))
+                   whole_grads=tuple(whole_grads), token_loss=token_mean_loss(graph),
+                   cp_index=cp_index)
 
 
 def _weights(loss: TokenMeanLoss | None, batch: Sequence[torch.Tensor], dp_index: int,

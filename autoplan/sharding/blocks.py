@@ -6,7 +6,9 @@ that dim into three (``split(h, dim=-1)``, ``chunk(3)``, ``unflatten(-1, (3, h))
 of q and part of k. Sharding that dim in 3 blocks (``S(d)[3]``) gives every rank its share of
 q, k and v, and after the cut each piece is head-sharded. This analysis finds, for every value
 and dim, the block counts that some later op cuts it into, following the dim backwards through
-element-wise ops and views; the strategies then offer those block splits.
+element-wise ops and views; the strategies then offer those block splits. Rows that merge a
+batch's samples with their positions (``(b * s, h)``, cut back into ``(b, s, h)`` later) are
+``b`` blocks in the same way when each sample's positions are split.
 """
 
 from __future__ import annotations
@@ -38,6 +40,10 @@ def _cuts(graph: OpGraph, op: Op, slot: int, d: int) -> set[int]:
             nontrivial_in = [k for k in gi if x[k] != 1]
             outs = [k for k in gj if o[k] != 1]
             if nontrivial_in == [d] and len(outs) >= (2 if name == "unflatten" else 3):
+                out.add(o[outs[0]])
+            elif nontrivial_in == [d] and len(outs) == 2 and o[outs[0]] == graph.batch_size:
+                # rows of (samples x positions) cut back into (b, s): rows split by position
+                # are one block per sample (``dims.reshape_placement``)
                 out.add(o[outs[0]])
     return {k for k in out if 2 <= k <= MAX_BLOCKS}
 

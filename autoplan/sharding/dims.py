@@ -50,7 +50,9 @@ def reshape_placement(in_shape: Sequence[int], out_shape: Sequence[int], p: Plac
     """A sharded input dim survives a reshape when it is the outermost non-trivial dim of its
     group; it lands on the group's outermost non-trivial output dim, which must divide by
     ``t`` (and by the blocks). A block split whose output group starts with a dim of exactly
-    ``blocks`` elements becomes a plain split of the next non-trivial dim."""
+    ``blocks`` elements becomes a plain split of the next non-trivial dim. A split dim merged
+    into one output dim with the dims before it (``(b, s, h) -> (b * s, h)`` with ``s``
+    split) becomes a block split: one block per index of those dims, each split alike."""
     groups = reshape_groups(in_shape, out_shape)
     if groups is None:
         return None
@@ -59,9 +61,16 @@ def reshape_placement(in_shape: Sequence[int], out_shape: Sequence[int], p: Plac
         if d not in gi:
             continue
         major_in = next((k for k in gi if in_shape[k] != 1), None)
-        if major_in != d:
-            return None
         outs = [k for k in gj if out_shape[k] != 1]
+        if major_in != d:
+            if len(outs) != 1:
+                return None
+            before = 1
+            for k in gi:
+                if k < d:
+                    before *= in_shape[k]
+            q = Placement("S", outs[0], p.blocks * before)
+            return q if local_size(out_shape[outs[0]], q, t) is not None else None
         if not outs:
             return None
         if p.blocks > 1 and len(outs) > 1 and out_shape[outs[0]] == p.blocks:
@@ -78,7 +87,7 @@ def reshape_placement(in_shape: Sequence[int], out_shape: Sequence[int], p: Plac
 def reshape_dim(in_shape: Sequence[int], out_shape: Sequence[int], d: int, t: int) -> int | None:
     """The output dim of sharded input dim ``d`` (plain split) after a reshape."""
     q = reshape_placement(in_shape, out_shape, shard(d), t)
-    return None if q is None else q.dim
+    return None if q is None or q.blocks > 1 else q.dim
 
 
 def permute_dim(perm: Sequence[int], d: int) -> int:

@@ -31,6 +31,37 @@ def _blocks(graph: OpGraph):
     return lambda value, d: counts.get((value, d), ())
 
 
+def merged_rows(graph: OpGraph, name: str) -> tuple[int, int] | None:
+    """(samples, positions) where value ``name`` is a reshape merging its input's first two
+    dims into its rows (``(b, s, h) -> (b * s, h)``), else None. Rows split by positions
+    arrive as one block per sample (``dims.reshape_placement``): the products and losses on
+    such rows offer that split as ``seq`` and the split of the samples as ``batch``, under the
+    same names at every batch size."""
+    from autoplan.graph.analysis import analyze
+    from autoplan.sharding.passthrough import RESHAPES
+    i = analyze(graph).producer.get(name)
+    if i is None or opname(graph.ops[i]) not in RESHAPES or not graph.ops[i].inputs:
+        return None
+    x = graph.value(graph.ops[i].inputs[0]).meta.shape
+    out = graph.value(name).meta.shape
+    if len(x) < 2 or not out or x[0] * x[1] != out[0] or tuple(x[2:]) != tuple(out[1:]):
+        return None
+    return x[0], x[1]
+
+
+def row_splits(rows: int, merged: tuple[int, int] | None, t: int
+               ) -> list[tuple[str, Placement]]:
+    """The splits of a tensor's rows (dim 0) over ``t`` ranks, by name: ``batch`` (plain), and
+    for merged rows (``merged_rows``) ``batch`` over the samples and ``seq`` over each
+    sample's positions."""
+    if merged is None:
+        return [("batch", shard(0))] if _div(rows, t) else []
+    samples, positions = merged
+    return [(label, p) for label, p, ok in (("batch", shard(0), _div(samples, t)),
+                                            ("seq", shard(0, samples), _div(positions, t)))
+            if ok]
+
+
 def _seq_dim(shape: tuple[int, ...]) -> int:
     """The token dim sequence parallelism splits: the sequence of (b, s, h), the rows of
     (tokens, h)."""
@@ -62,6 +93,13 @@ def _linear(graph: OpGraph, op: Op, t: int) -> list[OpStrategy]:
     res = []
     sp = _seq_dim(xm.shape)
     can_sp = len(xm.shape) >= 2 and _div(xm.shape[sp], t) and len(xm.shape) == rank
+    # the token split sequence parallelism keeps: the sequence of (b, s, h), the rows of
+    # (tokens, h), one block per sample where the rows are (b, s) merged
+    merged = merged_rows(graph, op.inputs[x]) if len(xm.shape) == 2 else None
+    sp_p = shard(sp)
+    if merged is not None:
+        sp_p = shard(0, merged[0])
+        can_sp = can_sp and _div(merged[1], t)
     for k in (1,) + _blocks(graph)(op.outputs[0], rank - 1):
         if not _div(wm.shape[out_dim], t, k):
             continue
@@ -74,7 +112,7 @@ def _linear(graph: OpGraph, op: Op, t: int) -> list[OpStrategy]:
             # and again in backward, so only its shard is kept for backward
             regather = ((Comm("all_gather", op.inputs[x], "bwd"),)
                         if graph.value(op.inputs[w]).requires_grad else ())
-            res.append(make(graph, op, "colwise_sp" + sfx, ps(shard(sp), shard(out_dim, k),
+            res.append(make(graph, op, "colwise_sp" + sfx, ps(sp_p, shard(out_dim, k),
                                                                shard(0, k)),
                             (shard(rank - 1, k),), t, style="colwise_sp", local_inputs=col_in,
                             kernel="sp_linear", extra=regather))
@@ -83,25 +121,27 @@ def _linear(graph: OpGraph, op: Op, t: int) -> list[OpStrategy]:
         kernel = "bias_after_reduce" if b is not None else ""
         res.append(make(graph, op, "rowwise", row_in, (REPLICATE,), t, style="rowwise",
                         kernel=kernel, local_outputs=(PARTIAL,)))
-        if len(xm.shape) == rank and rank >= 2 and _div(out[sp], t):
-            res.append(make(graph, op, "rowwise_sp", row_in, (shard(sp),), t,
+        if len(xm.shape) == rank and rank >= 2 and _div(out[sp], t) and (
+                merged is None or can_sp):
+            res.append(make(graph, op, "rowwise_sp", row_in, (sp_p,), t,
                             style="rowwise_sp", kernel=kernel, local_outputs=(PARTIAL,)))
-    if rank >= 2 and len(xm.shape) == rank and _div(out[0], t):
-        res.append(make(graph, op, "batch", ps(shard(0), REPLICATE, REPLICATE), (shard(0),), t,
-                        style="batch"))
-    if rank >= 3 and len(xm.shape) == rank and _div(out[1], t):
-        res.append(make(graph, op, "seq", ps(shard(1), REPLICATE, REPLICATE), (shard(1),), t,
-                        style="seq"))
+    # token splits: the batch, the sequence (the rows of a 2-D input: ``row_splits``)
+    tokens: list[tuple[str, Placement]] = []
+    if rank == 2 and len(xm.shape) == rank:
+        tokens = row_splits(out[0], merged, t)
+    elif rank >= 3 and len(xm.shape) == rank:
+        tokens = [(label, shard(d)) for d, label in ((0, "batch"), (1, "seq"))
+                  if _div(out[d], t)]
+    for label, p in tokens:
+        res.append(make(graph, op, label, ps(p, REPLICATE, REPLICATE), (p,), t, style=label))
     weight = graph.value(op.inputs[w])
-    if weight.kind == "param" and _div(wm.shape[0], t) and len(xm.shape) == rank:
+    if weight.kind == "param" and _div(wm.shape[0], t):
         # the weight stored split, gathered for the product (FSDP on this axis) and in backward
         regather = ((Comm("all_gather", op.inputs[w], "bwd"),) if weight.requires_grad else ())
-        for d, label in ((0, "batch"), (1, "seq")):
-            if rank >= d + 2 and _div(out[d], t):
-                res.append(make(graph, op, f"{label}_gathered", ps(shard(d), shard(0),
-                                                                    REPLICATE),
-                                (shard(d),), t, style=label, kernel="gathered_weight",
-                                local_inputs=ps(shard(d), REPLICATE, REPLICATE), extra=regather))
+        for label, p in tokens:
+            res.append(make(graph, op, f"{label}_gathered", ps(p, shard(0), REPLICATE),
+                            (p,), t, style=label, kernel="gathered_weight",
+                            local_inputs=ps(p, REPLICATE, REPLICATE), extra=regather))
     return res
 
 

@@ -310,7 +310,11 @@ def _context_sharding(graph: OpGraph, t: int) -> Sharding | None:
         cur = [placement.get(n) if graph.value(n).kind == "activation" else None
                for n in op.inputs]
         seq = [o for o in options if o.name == "seq"]
-        s = (_pick(seq, cur) if seq else None) or _pick(options, cur) or options[0]
+        # where no sequence split takes the inputs, one that keeps the weights whole
+        whole = [o for o in options if all(o.inputs[k].kind == "R" for k, n in
+                                           enumerate(op.inputs) if k < len(o.inputs)
+                                           and graph.value(n).kind == "param")]
+        s = (_pick(seq, cur) if seq else None) or _pick(whole, cur) or options[0]
         rings += s.kernel == "ring_attention"
         chosen.append(s)
         for k, n in enumerate(op.outputs):

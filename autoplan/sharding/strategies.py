@@ -44,7 +44,8 @@ from autoplan.sharding.placement import PARTIAL, REPLICATE, Placement, local_siz
 from autoplan.sharding.strategy import (KERNELS, Comm, OpStrategy, call_args, make,
                                         opname, replicate)
 from autoplan.sharding.products import (_act_matmul, _blocks, _div, _grouped_mm,
-                                        _is_act, _linear, _seq_dim, _weight)
+                                        _is_act, _linear, _seq_dim, _weight, merged_rows,
+                                        row_splits)
 
 GROUPED_MM = frozenset({"grouped_mm_fallback", "_grouped_mm", "grouped_mm"})
 SPLIT_LOSSES = frozenset({"cross_entropy_loss", "nll_loss", "mse_loss", "l1_loss",
@@ -242,6 +243,22 @@ def _conv(graph: OpGraph, op: Op, t: int) -> list[OpStrategy]:
 
 # ---- losses ------------------------------------------------------------------------------------
 
+def _row_losses(graph: OpGraph, op: Op, t: int, rows: int, merged: tuple[int, int] | None,
+                reduced: bool) -> list[OpStrategy]:
+    """A loss split over its rows (``row_splits``): summed on each rank's rows, sum and count
+    all-reduced (``split_loss``), or per row."""
+    out = []
+    for label, p in row_splits(rows, merged, t):
+        ins = tuple(p for _ in op.inputs)
+        if reduced:
+            out.append(make(graph, op, label, ins, (REPLICATE,), t, style="loss_batch",
+                            kernel="split_loss",
+                            extra=(Comm("all_reduce", op.outputs[0], "fwd", 2.0),)))
+        else:
+            out.append(make(graph, op, label, ins, (p,), t, style="loss_batch"))
+    return out
+
+
 def _loss(graph: OpGraph, op: Op, t: int) -> list[OpStrategy]:
     name = opname(op)
     if name not in SPLIT_LOSSES:
@@ -259,6 +276,12 @@ def _loss(graph: OpGraph, op: Op, t: int) -> list[OpStrategy]:
         weight = args[2] if len(args) > 2 else kwargs.get("weight")
         dims_ok = range(1) if weight is None and len(op.inputs) == 2 and x and \
             tensors[1][:1] == x[:1] else ()
+    if name not in ELEMENTWISE_LOSSES and dims_ok:
+        # (N, C) logits: the rows split, by samples or (rows merged from (b, s)) positions
+        merged = {merged_rows(graph, n) for n in op.inputs}
+        res += _row_losses(graph, op, t, x[0], merged.pop() if len(merged) == 1 else None,
+                           reduced)
+        dims_ok = ()
     for d in dims_ok:
         if not _div(x[d], t):
             continue

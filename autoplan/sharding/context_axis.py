@@ -1,0 +1,230 @@
+"""Context parallelism on a mesh axis of its own (``ParallelConfig.cp``): the sequence of every
+micro-batch split over ``cp`` ranks, under whatever the tensor-parallel axis does.
+
+On the cp axis every op takes the context sharding (``context_sharding``: activations split on
+the sequence, weights whole, attention as ring attention over the cp ranks); on the tp axis each
+op takes the plan's own strategy. The rank program applies both, cp outer (DTensor's order on a
+(cp, tp) mesh): a tensor split on one dim by both holds piece ``cp_index * tp + tp_index`` of it.
+
+Not every tp strategy composes with the cp one. ``tp_conflict`` says why one does not, and the
+sharding ILP offers only those that do (the rank program checks the same):
+- one local kernel per op: where both axes name one, only the pairs in ``COMPOSED`` run (the
+  cp kernel around the tp one: a loss over the sequence shards around a vocabulary-parallel
+  cross entropy, or one split loss over both axes' ranks);
+- the outer axis never moves a dim the inner one splits: a slice or gather of the sequence on
+  cp of a tensor that tp holds split on the sequence would take the wrong rows. So a value the
+  cp axis moves on dim ``d`` is never split on ``d`` by tp where it is moved;
+- both splits together must be even.
+
+Gradients. Weights are whole on the cp axis. A weight read by an op split over cp gets each cp
+rank's part of its gradient (its tokens'); one read by an op not split over cp gets the whole
+gradient on every cp rank. The runtime averages gradients over the dp x cp ranks, with every
+rank's backward seeded by ``cp``: the parts then sum to the gradient, and the whole ones are
+scaled by ``1 / cp`` where they are read (``whole_weight_readers``).
+
+Costs (``estimate``, the ILP): an op's work is divided by both axes (``op_scale``); a value the
+cp axis splits weighs ``1 / cp`` of its bytes wherever tp moves it (``value_scale``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+
+from autoplan.errors import ConfigError
+from autoplan.graph.opgraph import Op, OpGraph
+from autoplan.sharding.placement import REPLICATE, Placement, local_shape
+from autoplan.sharding.sharding import STATE_KINDS, Sharding, context_sharding
+from autoplan.sharding.strategy import OpStrategy, input_action, needs_grad, output_action
+
+# (cp kernel, tp kernel) pairs the rank program runs as one (the cp one around the tp one)
+COMPOSED = frozenset({("split_loss", "vocab_cross_entropy"), ("split_loss", "split_loss")})
+# tp kernels that work on whatever piece of the sequence the cp axis leaves them
+_TP_KERNELS_ANY_PIECE = frozenset({"", "vocab_embedding", "vocab_cross_entropy", "split_loss",
+                                   "bias_after_reduce", "sp_linear", "gathered_weight"})
+
+
+@dataclass(frozen=True, eq=False)
+class ContextAxis:
+    """The cp axis of ``c`` ranks over ``graph``: its sharding, and what it implies for the tp
+    axis and the costs."""
+
+    graph: OpGraph
+    c: int
+    sharding: Sharding
+
+    def placement(self, name: str) -> Placement:
+        """Where value ``name`` lies on the cp axis before a consumer moves it: weights and
+        buffers are stored whole (a reader that wants a piece slices it), inputs whole."""
+        if self.graph.value(name).kind in STATE_KINDS:
+            return REPLICATE
+        return self.sharding.placement_of(self.graph, name)
+
+    def strategy(self, i: int) -> OpStrategy:
+        return self.sharding.op_strategy[i]
+
+    def value_scale(self, name: str) -> float:
+        """The share of ``name``'s bytes one cp rank holds (``1 / c`` where cp splits it)."""
+        return self._value_scales.get(name, 1.0)
+
+    def op_scale(self, i: int) -> float:
+        """The share of op ``i``'s work one cp rank does."""
+        return 1.0 / self.sharding.work_divisor(i)
+
+    def held_scale(self, i: int, name: str) -> float:
+        """The share of value ``name`` one cp rank holds where op ``i`` reads or makes it (a
+        reader may slice a whole value: a tp collective there moves the slice)."""
+        found = share_at(self.graph.ops[i], self.strategy(i), name, self.c)
+        return self.value_scale(name) if found is None else found
+
+    @cached_property
+    def _value_scales(self) -> dict[str, float]:
+        return {n: 1.0 / self.c for n, p in self.sharding.value_placement.items()
+                if p.kind == "S"}
+
+    @cached_property
+    def moved_dims(self) -> dict[str, frozenset[int]]:
+        """Per value, the dims the cp axis moves it on somewhere (a consumer's transition, or
+        an op's own gather or scatter of it): tp must not split them where it is moved."""
+        out: dict[str, set[int]] = {}
+        graph = self.graph
+        for i, op in enumerate(graph.ops):
+            s = self.strategy(i)
+            for k, n in enumerate(op.inputs):
+                if k >= len(s.inputs):
+                    continue
+                src, want, local = self.placement(n), s.inputs[k], s.local_input(k)
+                for a, b in ((src, want), (want, local)):
+                    if a != b:
+                        out.setdefault(n, set()).update(p.dim for p in (a, b) if p.kind == "S")
+            for k, n in enumerate(op.outputs):
+                if k < len(s.outputs) and s.outputs[k] != s.local_output(k):
+                    out.setdefault(n, set()).update(
+                        p.dim for p in (s.outputs[k], s.local_output(k)) if p.kind == "S")
+        return {n: frozenset(d) for n, d in out.items()}
+
+    def tp_conflict(self, i: int, s: OpStrategy, t: int) -> str:
+        """Why tp strategy ``s`` of op ``i`` cannot run under this cp axis ("" when it can)."""
+        graph, op, c = self.graph, self.graph.ops[i], self.strategy(i)
+        if c.kernel and s.kernel and (c.kernel, s.kernel) not in COMPOSED:
+            return f"both axes run a kernel ({c.kernel} on cp, {s.kernel} on tp)"
+        if c.kernel == "ring_attention" and s.kernel:
+            return "ring attention over cp runs the attention itself"
+        if s.kernel not in _TP_KERNELS_ANY_PIECE and c.split:
+            return f"the tp kernel {s.kernel} needs the whole sequence"
+        moved = self.moved_dims
+        for k, n in enumerate(op.inputs):
+            if k >= len(s.inputs):
+                continue
+            # a weight or buffer is stored as its first reader takes it on tp, and the cp axis
+            # slices it from there; the op's own cp gather works on the tp-local input
+            dims = set(moved.get(n, ())) if graph.value(n).kind in STATE_KINDS else set()
+            held = [s.inputs[k], s.local_input(k)] if dims else []
+            if c.inputs[k] != c.local_input(k):
+                dims.update(p.dim for p in (c.inputs[k], c.local_input(k)) if p.kind == "S")
+                held.append(s.local_input(k))
+            if any(p.kind == "S" and p.dim in dims for p in held):
+                return f"cp moves input {n} on a dim tp splits"
+            if not _even(graph.value(n).meta.shape, c.inputs[k], self.c, s.inputs[k], t):
+                return f"input {n} does not split evenly over both axes"
+        for k, n in enumerate(op.outputs):
+            if k >= len(s.outputs):
+                continue
+            p = s.outputs[k]
+            if p.kind == "S" and p.dim in moved.get(n, frozenset()):
+                return f"cp moves output {n} on dim {p.dim}, which tp splits"
+            if not _even(graph.value(n).meta.shape, c.local_output(k), self.c,
+                         s.local_output(k), t):
+                return f"output {n} does not split evenly over both axes"
+        return ""
+
+    def whole_weight_readers(self) -> frozenset[tuple[int, int]]:
+        """(op, input slot) where a trained weight is read by an op not split over cp: its
+        gradient is whole on every cp rank, scaled by ``1 / c`` there (module docstring)."""
+        out = set()
+        for i, op in enumerate(self.graph.ops):
+            s = self.strategy(i)
+            if s.split:
+                continue
+            for k, n in enumerate(op.inputs):
+                if self.graph.value(n).kind == "param" and needs_grad(self.graph, op, k):
+                    out.add((i, k))
+        return frozenset(out)
+
+    def problems(self) -> list[str]:
+        """What the cp axis itself cannot run on this graph (no tp axis involved)."""
+        out = []
+        for i, op in enumerate(self.graph.ops):
+            s = self.strategy(i)
+            for k, n in enumerate(op.inputs):
+                v = self.graph.value(n)
+                if v.kind == "param" and k < len(s.inputs) and s.inputs[k].kind == "S":
+                    out.append(f"op {op.name} reads weight {v.fqn} split over the sequence")
+            if s.kernel in ("sync_batch_norm", "mean_partial"):
+                out.append(f"op {op.name} ({op.target}) needs the {s.kernel} kernel over cp")
+            for k in range(len(op.outputs)):
+                if k < len(s.outputs):
+                    output_action(self.graph, op, s, k)       # raises where none is defined
+            for k in range(len(op.inputs)):
+                if k < len(s.inputs):
+                    input_action(self.graph, op, s, k)
+        return out
+
+
+def share_at(op: Op, s: OpStrategy, name: str, t: int) -> float | None:
+    """The share of value ``name`` one rank of a ``t``-way axis holds where ``op`` (under
+    strategy ``s``) reads or makes it; None where the op does neither."""
+    for k, n in enumerate(op.inputs):
+        if n == name and k < len(s.inputs):
+            return 1.0 / t if s.inputs[k].kind == "S" else 1.0
+    for k, n in enumerate(op.outputs):
+        if n == name and k < len(s.outputs):
+            return 1.0 / t if s.local_output(k).kind == "S" else 1.0
+    return None
+
+
+def _even(shape: tuple[int, ...], outer: Placement, c: int, inner: Placement, t: int) -> bool:
+    mid = local_shape(tuple(shape), outer, c)
+    return mid is not None and local_shape(mid, inner, t) is not None
+
+
+def context_axis(graph: OpGraph, c: int) -> ContextAxis | None:
+    """The cp axis of ``c`` ranks over ``graph`` (None for c = 1); ConfigError where the model
+    cannot run context-parallel (no attention to run as ring attention, or an op that needs
+    the whole sequence in a way the runtime does not run)."""
+    if c == 1:
+        return None
+    cache = graph.__dict__.setdefault("_autoplan_context_axes", {})
+    if c in cache:
+        found = cache[c]
+        if isinstance(found, str):
+            raise ConfigError(found)
+        return found
+    sh = context_sharding(graph, c)
+    why = ""
+    if sh is None:
+        why = (f"cp={c}: the model has no attention that can run as ring attention over "
+               f"{c} ranks (self-attention through scaled_dot_product_attention, sequence "
+               f"divisible by {c}, no dropout on it); use cp=1")
+    else:
+        ax = ContextAxis(graph=graph, c=c, sharding=sh)
+        problems = ax.problems()
+        if problems:
+            why = (f"cp={c}: the sequence cannot be split over its own axis: "
+                   + "; ".join(problems[:3]) + "; use cp=1")
+    if why:
+        cache[c] = why
+        raise ConfigError(why)
+    cache[c] = ax
+    return ax
+
+
+def tp_allowed(ax: ContextAxis | None, i: int, options: list[OpStrategy], t: int
+               ) -> list[OpStrategy]:
+    """Of ``options`` (op ``i``'s tp strategies), those that run under ``ax``."""
+    if ax is None or t == 1:
+        return options
+    return [s for s in options if not ax.tp_conflict(i, s, t)]
+
+
+__all__ = ["COMPOSED", "ContextAxis", "context_axis", "share_at", "tp_allowed"]
