@@ -21,11 +21,12 @@ from autoplan.graph.analysis import analyze
 from autoplan.models import build_example
 from autoplan.planner.ilp import solve
 from autoplan.planner.planfile import Plan
-from autoplan.planner.problem import INFEASIBLE_S, CostContext, reduce_graph, sharding_from_choice
+from autoplan.planner.problem import CostContext, reduce_graph, sharding_from_choice
 from autoplan.sharding.context_axis import context_axis
 from autoplan.sharding.strategies import strategies_by_name
 from tests.conftest import has_transformers
 from tests.distributed import run_ranks
+from tests.test_ilp_objective import walks
 from tests.test_runtime import _plan, _rank, assert_equals_one_device
 
 
@@ -117,14 +118,7 @@ def test_the_ilp_objective_is_the_estimates_price_under_a_cp_axis(seed):
     def objective(choice):
         return (sum(problem.node_costs[v][j] for v, j in enumerate(choice))
                 + sum(mat[choice[u]][choice[v]] for u, v, mat in problem.edges))
-    choices = [solve(problem, time_limit_s=30).choice]
-    for _ in range(8):
-        choice = list(choices[0])
-        for v in rng.sample(range(len(choice)), k=max(1, len(choice) // 2)):
-            was, choice[v] = choice[v], rng.randrange(len(problem.node_costs[v]))
-            if objective(choice) >= INFEASIBLE_S:
-                choice[v] = was
-        choices.append(tuple(choice))
+    choices = walks(solve(problem, time_limit_s=30).choice, problem, objective, rng, 8, 2)
     rings = 0
     for choice in choices:
         sh = sharding_from_choice(g, 2, red, choice)

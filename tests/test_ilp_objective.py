@@ -66,14 +66,7 @@ def test_the_ilp_objective_is_the_estimates_price_of_its_sharding(seed):
     def objective(choice):
         return (sum(problem.node_costs[v][j] for v, j in enumerate(choice))
                 + sum(mat[choice[u]][choice[v]] for u, v, mat in problem.edges))
-    choices = [solve(problem, time_limit_s=30).choice]
-    for _ in range(12):          # random walks from the optimum over choices that can run
-        choice = list(choices[0])
-        for v in rng.sample(range(len(choice)), k=max(1, len(choice) // 2)):
-            was, choice[v] = choice[v], rng.randrange(len(problem.node_costs[v]))
-            if objective(choice) >= INFEASIBLE_S:   # in-place op resharded, tie broken
-                choice[v] = was
-        choices.append(tuple(choice))
+    choices = walks(solve(problem, time_limit_s=30).choice, problem, objective, rng, 12, 2)
     assert len(set(choices)) > 3, name
     for choice in choices:
         sh = sharding_from_choice(g, t, red, choice)
@@ -102,6 +95,21 @@ def _tolerance(g) -> float:
             if v.kind == "param" and v.requires_grad:
                 readers.setdefault(v.base, set()).add(i)
     return 0.02 if any(len(r) > 2 for r in readers.values()) else 1e-9
+
+
+def walks(start, problem, objective, rng, count: int, share: int) -> list[tuple[int, ...]]:
+    """``start`` and ``count`` random walks from it, each redrawing 1 / ``share`` of the nodes'
+    choices among those that can run (an in-place op resharded, a tied weight laid out two
+    ways: ``INFEASIBLE_S``)."""
+    choices = [tuple(start)]
+    for _ in range(count):
+        choice = list(start)
+        for v in rng.sample(range(len(choice)), k=max(1, len(choice) // share)):
+            was, choice[v] = choice[v], rng.randrange(len(problem.node_costs[v]))
+            if objective(choice) >= INFEASIBLE_S:
+                choice[v] = was
+        choices.append(tuple(choice))
+    return choices
 
 
 MOE_MODELS = ["titan-moe-tiny"] + (["hf-mixtral-tiny"] if has_transformers() else [])
@@ -145,14 +153,7 @@ def test_the_ilp_prices_the_expert_exchanges_as_the_estimate(seed):
         return (sum(problem.node_costs[v][j] for v, j in enumerate(choice))
                 + sum(mat[choice[u]][choice[v]] for u, v, mat in problem.edges))
     widest = expert_regions(g, replicated(g))
-    choices = [solve(problem, time_limit_s=30).choice]
-    for _ in range(10):
-        choice = list(choices[0])
-        for v in rng.sample(range(len(choice)), k=max(1, len(choice) // 3)):
-            was, choice[v] = choice[v], rng.randrange(len(problem.node_costs[v]))
-            if objective(choice) >= INFEASIBLE_S:
-                choice[v] = was
-        choices.append(tuple(choice))
+    choices = walks(solve(problem, time_limit_s=30).choice, problem, objective, rng, 10, 3)
     exact = 0
     for choice in choices:
         sh = sharding_from_choice(g, 2, red, choice)
@@ -226,14 +227,8 @@ def test_with_its_dp_terms_the_ilp_objective_is_the_estimated_step_time(seed):
     assert problem.overlaps or config.offload_optimizer is False
     whole_offered = any(w for opts in dp.options for _, w in opts)
     assert whole_offered == keeps_weights_whole(config)
-    choices = [dp.lift(reference), solve(problem, time_limit_s=30).choice]
-    for _ in range(10):
-        choice = list(choices[0])
-        for v in rng.sample(range(len(choice)), k=max(1, len(choice) // 2)):
-            was, choice[v] = choice[v], rng.randrange(len(problem.node_costs[v]))
-            if problem.objective(choice) >= INFEASIBLE_S:
-                choice[v] = was
-        choices.append(tuple(choice))
+    choices = walks(dp.lift(reference), problem, problem.objective, rng, 10, 2)
+    choices.insert(1, solve(problem, time_limit_s=30).choice)
     mixed = 0
     for choice in choices:
         sh = sharding_from_choice(g, config.tp, red, dp.strategies(choice))

@@ -31,7 +31,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import cached_property
 
-from autoplan.errors import ConfigError
+from autoplan.errors import AutoplanError, ConfigError
 from autoplan.graph.opgraph import Op, OpGraph
 from autoplan.sharding.placement import REPLICATE, Placement, local_shape
 from autoplan.sharding.sharding import STATE_KINDS, Sharding, context_sharding
@@ -162,12 +162,13 @@ class ContextAxis:
                     out.append(f"op {op.name} reads weight {v.fqn} split over the sequence")
             if s.kernel in ("sync_batch_norm", "mean_partial"):
                 out.append(f"op {op.name} ({op.target}) needs the {s.kernel} kernel over cp")
-            for k in range(len(op.outputs)):
-                if k < len(s.outputs):
-                    output_action(self.graph, op, s, k)       # raises where none is defined
-            for k in range(len(op.inputs)):
-                if k < len(s.inputs):
+            try:                              # a placement change no collective makes
+                for k in range(min(len(op.outputs), len(s.outputs))):
+                    output_action(self.graph, op, s, k)
+                for k in range(min(len(op.inputs), len(s.inputs))):
                     input_action(self.graph, op, s, k)
+            except AutoplanError as e:
+                out.append(str(e))
         return out
 
 
