@@ -1,6 +1,6 @@
 """Context parallelism on a mesh axis of its own (``ParallelConfig.cp``, issue 12 item 2): the
-sequence split over cp ranks under whatever the tensor-parallel axis does (dp x cp x tp, as
-torchtitan and Megatron-Core lay it out). The config and its rank layout, the tp strategies that
+sequence split over cp ranks under whatever the tensor-parallel axis does (pp x dp x cp x tp,
+as torchtitan and Megatron-Core lay it out). The config and its rank layout, the tp strategies that
 compose with it, its price (the ILP's objective equals the estimate's), the planner's use of it
 for long sequences, and training equal to one device on 2 and 4 gloo ranks with the ILP's own
 tensor-parallel sharding beside it."""
@@ -53,7 +53,7 @@ def test_ranks_are_laid_out_tp_cp_dp_and_gradients_average_over_dp_x_cp():
     hsdp = ParallelConfig(dp=4, cp=2, zero_stage=3, dp_shard=2)
     assert hsdp.mesh_axes() == ("dp_replicate", "dp_shard", "cp", "tp")
     assert hsdp.dp_shard_group() == (0, 1, 2, 3)             # (dp_shard x cp) consecutive
-    for bad in (dict(pp=2), dict(ep=2, dp=2), dict(cp=0)):
+    for bad in (dict(ep=2, dp=2), dict(cp=0)):
         with pytest.raises(ConfigError):
             ParallelConfig(cp=2 if "cp" not in bad else bad["cp"],
                            **{k: v for k, v in bad.items() if k != "cp"})
@@ -265,3 +265,46 @@ def test_dropout_draws_a_mask_per_piece_over_both_axes():
     shape = Slot(0, 2)
     shape.comm = ShapeComm(size=2)
     assert _k_split_random_axes(drop, [x, 0.5, True], {}, shape, None)[0].shape == x.shape
+
+
+LAYERS4 = dict(num_layers=4)
+
+
+def _pp_rank(rank, world, plan_json):
+    from autoplan.runtime.trainer import compile
+    from tests.test_runtime import GLOBAL_BATCH, STEPS, _optimizer
+    ex = build_example("llama-tiny", batch_size=GLOBAL_BATCH, seed=0, **LAYERS4)
+    small = build_example("llama-tiny", batch_size=1, seed=0, **LAYERS4)
+    trainer = compile(ex.model, "local", example_inputs=small.example_inputs,
+                      example_targets=small.targets, loss_fn=ex.loss_fn, optimizer=_optimizer,
+                      global_batch_size=GLOBAL_BATCH, plan=Plan.from_json(plan_json))
+    batch = tuple(ex.example_inputs) + (ex.targets,)
+    losses = [trainer.step(batch) for _ in range(STEPS)]
+    return losses, {k: v.tolist() for k, v in trainer.full_state_dict().items()}
+
+
+@pytest.mark.parametrize("schedule", [dict(schedule="1f1b"),
+                                      dict(schedule="interleaved_1f1b", virtual_stages=2)],
+                         ids=["1f1b", "interleaved"])
+def test_a_cp_axis_under_pipeline_stages_trains_like_one_device(schedule):
+    """pp2 x cp2 on 4 ranks: each stage's sequence pieces sent on to the next stage's pieces,
+    a stage's ring over its own cp ranks; every rank reports the global loss and the
+    parameters gathered from their stages equal one device's."""
+    from autoplan import plan as make_plan
+    from tests.test_runtime import GLOBAL_BATCH, _reference
+    small = build_example("llama-tiny", batch_size=1, seed=0, **LAYERS4)
+    g = trace(small.model, small.example_inputs, loss_fn=small.loss_fn, targets=small.targets)
+    p = make_plan(g, Cluster.local(4), global_batch_size=GLOBAL_BATCH, precision="fp32",
+                  profile=None, force=dict(pp=2, cp=2, **schedule), max_pp=2)
+    assert (p.config.pp, p.config.cp, p.config.schedule) == (2, 2, schedule["schedule"])
+    assert sorted(r for st in p.stages for r in st["ranks"]) == [0, 1, 2, 3]
+    results = run_ranks(_pp_rank, 4, p.to_json(), timeout_s=240.0)
+    ref_losses, ref_params = _reference("llama-tiny", **LAYERS4)
+    seen = {}
+    for losses, params in results:
+        assert losses == pytest.approx(ref_losses, rel=1e-5), p.config.short()
+        seen.update({k: torch.tensor(v, dtype=ref_params[k].dtype) for k, v in params.items()})
+    assert set(seen) == set(ref_params)
+    for k, ref in ref_params.items():
+        err = ((seen[k].reshape(ref.shape) - ref).norm() / ref.norm().clamp_min(1e-12)).item()
+        assert err <= 1e-5, f"{k}: relative error {err:.2e} ({p.config.short()})"

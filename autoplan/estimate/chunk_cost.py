@@ -391,6 +391,8 @@ def boundary_bytes(ci: CostInputs, cut: int) -> float:
         v = ci.graph.value(n)
         b = _meta_bytes(v.meta, ci.config.precision) * (
             ci.batch_scale if n in ci.analysis.batch_dependent else 1)
+        if ci.context is not None:
+            b *= ci.context.value_scale(n)
         if ci.sharding.value_placement.get(n, REPLICATE).kind == "S":
             b /= ci.sharding.t
         total += b

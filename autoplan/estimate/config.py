@@ -133,12 +133,13 @@ class ParallelConfig:
                               f"offload, not with dp_shard={self.dp_shard} (HSDP); use ep=1 or "
                               f"drop dp_shard")
         if self.cp > 1:
-            other = [what for what, on in (("pp > 1", self.pp > 1), ("ep > 1", self.ep > 1),
+            other = [what for what, on in (("ep > 1", self.ep > 1),
                                            ("dp_whole", bool(self.dp_whole))) if on]
             if other:
-                raise ConfigError(f"context parallelism (cp={self.cp}) runs with data, tensor "
-                                  f"and sharded data parallelism (ZeRO, HSDP, offload) for "
-                                  f"now, not with {', '.join(other)}: use cp=1 or drop those")
+                raise ConfigError(f"context parallelism (cp={self.cp}) runs with data, tensor, "
+                                  f"pipeline and sharded data parallelism (ZeRO, HSDP, offload) "
+                                  f"for now, not with {', '.join(other)}: use cp=1 or drop "
+                                  "those")
         if self.sequence_parallel and self.tp == 1:
             raise ConfigError("sequence_parallel=True needs tp > 1 (it shards the "
                               "activations that tensor parallelism leaves replicated)")

@@ -138,7 +138,7 @@ def estimate(model: Any, cluster: Any, *, config: ParallelConfig, global_batch_s
                   activation_bytes=[c.activation_bytes for c in costs])
         no_collectives = pipeline_totals(send_s=sends, **kw)
         free_sends = pipeline_totals(**kw).makespan_s
-        sync_s, fsdp_s = _chunk_collectives(config, cluster, costs)
+        sync_s, fsdp_s = _chunk_collectives(state_config, cluster, costs)
         sim = no_collectives
         if any(sync_s) or any(map(any, fsdp_s)):
             sim = pipeline_totals(send_s=sends, sync_s=sync_s, fsdp_s=fsdp_s,

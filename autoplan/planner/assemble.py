@@ -96,6 +96,7 @@ def _stages(est: Estimate, cfg: ParallelConfig) -> tuple[dict[str, Any], ...]:
         return ()
     return tuple({"index": s.index, "layers": list(s.layers),
                   "chunks": [list(c) for c in s.chunks],
-                  "ranks": [cfg.rank(pp_index=s.index, dp_index=d, tp_index=t)
-                            for d in range(cfg.dp) for t in range(cfg.tp)]}
+                  "ranks": [cfg.rank(pp_index=s.index, dp_index=d, cp_index=c, tp_index=t)
+                            for d in range(cfg.dp) for c in range(cfg.cp)
+                            for t in range(cfg.tp)]}
                  for s in est.stages)

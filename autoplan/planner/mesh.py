@@ -39,7 +39,7 @@ def enumerate_meshes(cluster: Any, *, max_tp: int | None = None, max_pp: int | N
     """pp x dp x cp x tp shapes covering the cluster: tp inside a node (tp divides the node's
     devices), pp at most the number of layers (stages are contiguous layer ranges); a cp axis
     of each of ``context_degrees`` (the sequence split over an axis of its own) where it
-    divides the rest, without pipeline (the runtime runs cp with dp and tp)."""
+    divides the rest."""
     world = cluster.world_size
     per_node = cluster.devices_per_node
     out = []
@@ -53,9 +53,8 @@ def enumerate_meshes(cluster: Any, *, max_tp: int | None = None, max_pp: int | N
             if pp > max(1, num_layers) or (max_pp is not None and pp > max_pp):
                 continue
             out.append(MeshShape(dp=world // (tp * pp), tp=tp, pp=pp))
-            if pp == 1:
-                out += [MeshShape(dp=world // (tp * cp), tp=tp, cp=cp)
-                        for cp in context_degrees if cp > 1 and (world // tp) % cp == 0]
+            out += [MeshShape(dp=world // (tp * pp * cp), tp=tp, pp=pp, cp=cp)
+                    for cp in context_degrees if cp > 1 and (world // (tp * pp)) % cp == 0]
     return out
 
 

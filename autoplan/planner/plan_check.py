@@ -134,8 +134,8 @@ def _stages(plan: Any, layers: list[str], problems: list[str]) -> None:
         problems.append(f"pipeline stages list ranks {_few([str(r) for r in ranks], 8)}: each of "
                         f"the {cfg.world_size} ranks must appear exactly once")
     for st in plan.stages:
-        want = sorted(cfg.rank(pp_index=st["index"], dp_index=d, tp_index=k)
-                      for d in range(cfg.dp) for k in range(cfg.tp))
+        want = sorted(cfg.rank(pp_index=st["index"], dp_index=d, cp_index=c, tp_index=k)
+                      for d in range(cfg.dp) for c in range(cfg.cp) for k in range(cfg.tp))
         if sorted(st["ranks"]) != want:
             problems.append(f"stage {st['index']} lists ranks {list(st['ranks'])}, its ranks "
                             f"are {want}")

@@ -276,9 +276,11 @@ def _with_stage_layout(graph: OpGraph, cluster: Any, config: ParallelConfig, sh:
     from autoplan.estimate.layout import chunks_for, search_layout, with_layout
     m = config.microbatches(gbs)
     policies = space.recompute_options(opts, graph)
+    from autoplan.sharding.context_axis import context_axis
     ci = CostInputs(graph=graph, analysis=analyze(graph), sharding=sh,
                     compute=compute_model(graph, cluster.device, config.precision, profile),
-                    cluster=cluster, config=config, expert_load=opts.expert_capacity_factor)
+                    cluster=cluster, config=config, expert_load=opts.expert_capacity_factor,
+                    context=context_axis(graph, config.cp))
     pinned = {k: tuple(opts.force[k]) for k in ("chunk_layers", "stage_recompute")
               if k in opts.force}
     if pinned:                                  # the user's split and/or per-stage policies

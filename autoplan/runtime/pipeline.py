@@ -21,6 +21,7 @@ their gradients summed between those ranks. The schedule averages the micro-batc
 from __future__ import annotations
 
 import contextlib
+import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -104,7 +105,7 @@ class TiedGrads:
 
 def tie_across_ranks(held: list[list[str]], mine: dict[int, nn.Module], cfg: Any,
                      pp_index: int, dp_index: int, tp_index: int,
-                     canonical: dict[str, str]) -> TiedGrads:
+                     canonical: dict[str, str], cp_index: int = 0) -> TiedGrads:
     """A gradient all-reduce between the pipeline ranks whose chunks read the same weight
     (under any of its names: ``canonical`` maps each name to its storage owner's). Every rank
     knows every chunk's weights, so all create the same groups in the same order."""
@@ -120,15 +121,14 @@ def tie_across_ranks(held: list[list[str]], mine: dict[int, nn.Module], cfg: Any
         ranks_pp = sorted(holders[fqn])
         if len(ranks_pp) < 2:
             continue
-        for d in range(cfg.dp):
-            for t in range(cfg.tp):
-                group = dist.new_group(ranks=[cfg.rank(pp_index=s, dp_index=d, tp_index=t)
-                                              for s in ranks_pp])
-                if (d, t) == (dp_index, tp_index) and pp_index in ranks_pp:
-                    param = next((p for f in sorted(names_of[fqn])
-                                  if (p := _param(mine, f)) is not None), None)
-                    if param is not None:
-                        pairs.append((param, group))
+        for d, c, t in itertools.product(range(cfg.dp), range(cfg.cp), range(cfg.tp)):
+            group = dist.new_group(ranks=[cfg.rank(pp_index=s, dp_index=d, cp_index=c,
+                                                   tp_index=t) for s in ranks_pp])
+            if (d, c, t) == (dp_index, cp_index, tp_index) and pp_index in ranks_pp:
+                param = next((p for f in sorted(names_of[fqn])
+                              if (p := _param(mine, f)) is not None), None)
+                if param is not None:
+                    pairs.append((param, group))
     return TiedGrads(pairs)
 
 
@@ -175,6 +175,7 @@ class PipelineTrainer(Checkpointing, GradientStep):
     average_here: list[nn.Parameter] = field(default_factory=list)
     experts: frozenset[str] = frozenset()     # expert weights split over the ep group
     ep_comm: Any = None
+    cp_index: int = 0                          # this rank's piece of the sequence (cp > 1)
 
     @property
     def config(self):
@@ -209,7 +210,9 @@ class PipelineTrainer(Checkpointing, GradientStep):
             kw.update(target=mine[-1], losses=losses)
         amp = (torch.autocast(self.device.type, dtype=self.autocast_dtype)
                if self.autocast_dtype is not None else contextlib.nullcontext())
-        scale = self.loss_scale
+        # context parallelism: each cp rank's gradient is its tokens' part, and the dp x cp
+        # average divides by cp as well (``sharding/context_axis.py``)
+        scale = self.loss_scale * self.config.cp
         self.loss_out.scale = scale
         self.loss_out.weigh(batch[-1], self.config.dp, per // self.config.micro_batch_size)
         with amp:
@@ -225,9 +228,9 @@ class PipelineTrainer(Checkpointing, GradientStep):
             mean[0] = sum(float(_local(x).detach()) for x in losses) / len(losses) / scale
         if self.pp_group is not None:
             dist.broadcast(mean, src=self.last_stage_rank, group=self.pp_group)
-        if self.dp_group is not None and self.config.dp > 1:
-            dist.all_reduce(mean, group=self.dp_group)
-            mean /= self.config.dp
+        if self.dp_group is not None and self.config.grad_degree > 1:
+            dist.all_reduce(mean, group=self.dp_group)     # cp ranks hold the same loss
+            mean /= self.config.grad_degree
         return float(mean[0])
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
@@ -321,9 +324,8 @@ def compile_pipelined(model: nn.Module, graph: OpGraph, plan: Any, *, device: to
                         "(force schedule=1f1b or interleaved_1f1b)")
     mesh, dp_mesh, fsdp_mesh = par.plan_mesh(device.type, cfg)
     tp_mesh = mesh["tp"]
-    pp_index = rank // (cfg.dp * cfg.tp)
-    dp_index = (rank % (cfg.dp * cfg.tp)) // cfg.tp
-    tp_index = rank % cfg.tp
+    where = cfg.indices(rank)
+    pp_index, dp_index, cp_index, tp_index = where["pp"], where["dp"], where["cp"], where["tp"]
     ep_index = dp_index % cfg.ep
     specs = chunk_specs(plan)
     n = len(specs)
@@ -341,15 +343,20 @@ def compile_pipelined(model: nn.Module, graph: OpGraph, plan: Any, *, device: to
     aliases = tied_names(model)
     transient = non_persistent_buffers(model)
     program = lower(model, ex, t=cfg.tp, tp_rank=tp_index, device=device, seed=seed,
-                    keep=lambda fqn: fqn in used, ep=(cfg.ep, ep_index))
+                    keep=lambda fqn: fqn in used, ep=(cfg.ep, ep_index), cp=cfg.cp)
     # every rank creates every stage's group, in the same order (new_group is collective)
-    stage_groups = [dist.new_group(ranks=[cfg.rank(pp_index=s, dp_index=d, tp_index=t)
-                                          for d in range(cfg.dp) for t in range(cfg.tp)])
+    stage_groups = [dist.new_group(ranks=[cfg.rank(pp_index=s, dp_index=d, cp_index=c,
+                                                   tp_index=t)
+                                          for d in range(cfg.dp) for c in range(cfg.cp)
+                                          for t in range(cfg.tp)])
                     for s in range(cfg.pp)][pp_index]
+    grad_index = dp_index * cfg.cp + cp_index        # in the dp x cp group
     connect(program.comm_slot, tp=(tp_mesh.get_group(), cfg.tp, tp_index),
-            dp=(dp_mesh.get_group(), cfg.dp, dp_index),
-            dp_tp=(stage_groups, cfg.dp * cfg.tp, dp_index * cfg.tp + tp_index),
-            ep=(mesh["ep"].get_group() if cfg.ep > 1 else None, cfg.ep, ep_index))
+            dp=(dp_mesh.get_group(), cfg.grad_degree, grad_index),
+            dp_tp=(stage_groups, cfg.grad_degree * cfg.tp, grad_index * cfg.tp + tp_index),
+            ep=(mesh["ep"].get_group() if cfg.ep > 1 else None, cfg.ep, ep_index),
+            cp_slot=program.cp_slot,
+            cp=(mesh["cp"].get_group() if cfg.cp > 1 else None, cfg.cp, cp_index))
     pieces = split_chunks(program.graph_module, cuts)
     held = [p.held for p in pieces]
     ranges = layer_ranges(ex.graph)
@@ -380,12 +387,13 @@ def compile_pipelined(model: nn.Module, graph: OpGraph, plan: Any, *, device: to
                 offload=cfg.offload_params,
                 experts=expert_parameters([chunk], ex.graph, cfg.ep).values(),
                 expert_mesh=mesh["edp"] if cfg.ep > 1 else None)
-            if scalars and cfg.dp > 1:      # whole on every rank: averaged over dp here
-                grad_syncs.append(DataParallelGrads(scalars, dp_mesh.get_group(), cfg.dp))
+            if scalars and cfg.grad_degree > 1:   # whole on every rank: averaged here
+                grad_syncs.append(DataParallelGrads(scalars, dp_mesh.get_group(),
+                                                    cfg.grad_degree))
         chunks[c] = chunk
     canonical = {v.fqn: ex.graph.value(v.base).fqn for v in ex.graph.param_values}
     grad_syncs.append(tie_across_ranks(held, chunks, cfg, pp_index, dp_index, tp_index,
-                                       canonical))
+                                       canonical, cp_index))
     params = list({id(p): p for c in sorted(chunks) for p in chunks[c].parameters()
                    if p.requires_grad}.values())
     # expert weights: their gradients averaged over the ranks holding the same experts
@@ -406,10 +414,10 @@ def compile_pipelined(model: nn.Module, graph: OpGraph, plan: Any, *, device: to
     # simulator prices it. Zero bubble splits backward into input and weight halves, which
     # DDP's hooks cannot follow: there the buckets are all-reduced after the schedule, and the
     # simulator puts that sync after the rank's last weight gradient.
-    ddp = cfg.dp > 1 and not use_fsdp and cfg.schedule not in SPLIT_BACKWARD
-    if cfg.dp > 1 and not use_fsdp and not ddp:
+    ddp = cfg.grad_degree > 1 and not use_fsdp and cfg.schedule not in SPLIT_BACKWARD
+    if cfg.grad_degree > 1 and not use_fsdp and not ddp:
         grad_syncs.append(DataParallelGrads([p for p in params if id(p) not in expert_ids],
-                                            dp_mesh.get_group(), cfg.dp))
+                                            dp_mesh.get_group(), cfg.grad_degree))
     if experts and not (use_fsdp and par.shards_experts(mesh["edp"])):
         grad_syncs.append(DataParallelGrads(list(experts.values()), edp_group, cfg.dp))
     pp_group = mesh["pp"].get_group()
@@ -430,16 +438,17 @@ def compile_pipelined(model: nn.Module, graph: OpGraph, plan: Any, *, device: to
     if cfg.offload_optimizer and not cfg.offload_params:
         from functools import partial
         factory = partial(HostOffloadOptimizer, factory=optimizer)
-    if cfg.dp > 1 and cfg.zero_stage == 1:
+    if cfg.grad_degree > 1 and cfg.zero_stage == 1:
         opt = TensorShardedOptimizer(params, factory, dp_mesh.get_group(),
                                      groups={i: edp_group for i in expert_ids})
         opt.overlap_with_forward([chunks[c] for c in sorted(chunks)], layer_modules)
     else:
         opt = factory(params)
-    last_rank = cfg.rank(pp_index=cfg.chunk_rank(n - 1), dp_index=dp_index, tp_index=tp_index)
+    last_rank = cfg.rank(pp_index=cfg.chunk_rank(n - 1), dp_index=dp_index, cp_index=cp_index,
+                         tp_index=tp_index)
     return PipelineTrainer(chunks=chunks, schedule=schedule, optimizer=opt, plan=plan, rank=rank,
                            pp_index=pp_index, dp_index=dp_index,
-                           dp_group=dp_mesh.get_group() if cfg.dp > 1 else None,
+                           dp_group=dp_mesh.get_group() if cfg.grad_degree > 1 else None,
                            pp_group=pp_group, last_stage_rank=last_rank, grad_syncs=grad_syncs,
                            autocast_dtype=precision_dtype,     # as trainer.py: FSDP too
                            device=device, tp_comm=program.comm_slot.comm,
@@ -448,7 +457,8 @@ def compile_pipelined(model: nn.Module, graph: OpGraph, plan: Any, *, device: to
                            shared_elsewhere=_shared_elsewhere(held, cfg, pp_index,
                                                               canonical, aliases),
                            average_here=params if in_two_chunks else [],
-                           experts=frozenset(experts), ep_comm=program.comm_slot.ep)
+                           experts=frozenset(experts), ep_comm=program.comm_slot.ep,
+                           cp_index=cp_index)
 
 
 def _shared_elsewhere(held: list[list[str]], cfg: Any, pp_index: int,
