@@ -223,9 +223,11 @@ def test_long_sequences_plan_a_cp_axis_beside_tensor_parallelism():
 # ---- training on gloo ranks ------------------------------------------------------------------
 
 RUN_CASES = [
-    # (model, world, forced fields)
+    # (model, world, forced fields, family[, tp sharding rule])
     ("llama-tiny", 2, dict(cp=2, zero_stage=0), "causal attention over a 2-way ring"),
     ("llama-tiny", 4, dict(cp=4, micro_batch_size=1), "a 4-way ring"),
+    ("llama-tiny", 4, dict(cp=2, tp=2, sequence_parallel=True),
+     "Megatron TP + SP x cp2", "megatron"),
     ("nanogpt-tiny", 4, dict(cp=2, tp=2), "fused qkv: cp2 x the ILP's tp2"),
 ] + ([
     ("hf-llama-gqa-tiny", 4, dict(cp=2, tp=2), "HF Llama (GQA): cp2 x the ILP's tp2"),
@@ -233,9 +235,10 @@ RUN_CASES = [
 ] if has_transformers() else [])
 
 
-@pytest.mark.parametrize("name,world,force,family", RUN_CASES, ids=[c[3] for c in RUN_CASES])
-def test_a_cp_axis_trains_like_one_device(name, world, force, family):
-    p = _plan(name, world, force)
+@pytest.mark.parametrize("case", RUN_CASES, ids=[c[3] for c in RUN_CASES])
+def test_a_cp_axis_trains_like_one_device(case):
+    name, world, force, family = case[:4]
+    p = _plan(name, world, force, *case[4:])
     for k, v in force.items():
         assert getattr(p.config, k) == v, (k, p.config)
     assert_equals_one_device(run_ranks(_rank, world, name, p.to_json()), name, family)

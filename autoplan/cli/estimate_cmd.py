@@ -12,11 +12,14 @@ from autoplan.cli.common import add_capacity_arg, add_model_args, comma_list, gr
 def add_config_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("parallel configuration")
     g.add_argument("--dp", type=int, default=None,
-                   help="data-parallel degree (default: devices / (tp * pp))")
+                   help="data-parallel degree (default: devices / (tp * pp * cp))")
     g.add_argument("--tp", type=int, default=1, help="tensor-parallel degree")
     g.add_argument("--pp", type=int, default=1, help="pipeline-parallel degree")
     g.add_argument("--ep", type=int, default=1,
                    help="expert-parallel degree (MoE models; divides the data-parallel degree)")
+    g.add_argument("--cp", type=int, default=1,
+                   help="context-parallel degree: each sequence split over an axis of its own "
+                        "(attention as ring attention over it)")
     g.add_argument("--micro-batch-size", "--mbs", type=int, default=1)
     g.add_argument("--schedule", default="1f1b", choices=SCHEDULES)
     g.add_argument("--virtual-stages", type=int, default=1)
@@ -41,16 +44,17 @@ def config_from_args(args: argparse.Namespace, world_size: int):
     from autoplan.estimate.config import ParallelConfig
     dp = args.dp
     if dp is None:
-        dp, rem = divmod(world_size, args.tp * args.pp)
+        dp, rem = divmod(world_size, args.tp * args.pp * args.cp)
         if rem or dp < 1:
-            raise ConfigError(f"tp {args.tp} x pp {args.pp} does not divide the cluster's "
-                              f"{world_size} devices; pass --dp or change --tp/--pp")
+            raise ConfigError(f"tp {args.tp} x pp {args.pp} x cp {args.cp} does not divide the "
+                              f"cluster's {world_size} devices; pass --dp or change "
+                              "--tp/--pp/--cp")
     from autoplan.estimate.config import strongest_recompute
     stage = comma_list(args.stage_recompute, str, "--stage-recompute")
     chunks = comma_list(args.chunk_layers, int, "--chunk-layers")
     recompute = args.recompute or (strongest_recompute(stage) if stage else "none")
     return ParallelConfig(dp=dp, tp=args.tp, pp=args.pp, micro_batch_size=args.micro_batch_size,
-                          ep=args.ep, schedule=args.schedule,
+                          ep=args.ep, cp=args.cp, schedule=args.schedule,
                           virtual_stages=args.virtual_stages,
                           zero_stage=args.zero, sequence_parallel=args.sp,
                           recompute=recompute, stage_recompute=stage, chunk_layers=chunks,

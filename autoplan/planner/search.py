@@ -447,10 +447,6 @@ def plan(model: Any, cluster: Any, *, global_batch_size: int, example_inputs: An
                     ilp_cache[key] = (fixed, None)
                 elif shape.tp == 1:
                     ilp_cache[key] = (replicated(graph), None)
-                elif shape.cp > 1 and opts.sharding != "ilp":
-                    say(f"{where}: context parallelism on its own axis takes the ILP's "
-                        "tensor-parallel sharding, skipped")
-                    continue
                 elif opts.sharding == "megatron":
                     ilp_cache[key] = (megatron_sharding(
                         graph, shape.tp, bool(opts.force.get("sequence_parallel"))), None)

@@ -89,6 +89,8 @@ class ContextAxis:
         out: dict[str, set[int]] = {}
         graph = self.graph
         for i, op in enumerate(graph.ops):
+            if not op.outputs:             # metadata checks: they run on no tensor
+                continue
             s = self.strategy(i)
             for k, n in enumerate(op.inputs):
                 if k >= len(s.inputs):
@@ -106,6 +108,8 @@ class ContextAxis:
     def tp_conflict(self, i: int, s: OpStrategy, t: int) -> str:
         """Why tp strategy ``s`` of op ``i`` cannot run under this cp axis ("" when it can)."""
         graph, op, c = self.graph, self.graph.ops[i], self.strategy(i)
+        if not op.outputs:
+            return ""
         if c.kernel and s.kernel and (c.kernel, s.kernel) not in COMPOSED:
             return f"both axes run a kernel ({c.kernel} on cp, {s.kernel} on tp)"
         if c.kernel == "ring_attention" and s.kernel:
@@ -137,6 +141,18 @@ class ContextAxis:
                          s.local_output(k), t):
                 return f"output {n} does not split evenly over both axes"
         return ""
+
+    def conflicts(self, sh: Sharding) -> list[str]:
+        """Why tp sharding ``sh`` cannot run under this cp axis, op by op (empty when it can;
+        kept per sharding)."""
+        cache = self.__dict__.setdefault("_conflicts", {})
+        hit = cache.get(id(sh))
+        if hit is None or hit[0] is not sh:
+            found = [f"op {self.graph.ops[i].name}: {why}"
+                     for i, st in enumerate(sh.op_strategy)
+                     if (why := self.tp_conflict(i, st, sh.t))] if sh.t > 1 else []
+            hit = cache[id(sh)] = (sh, found)
+        return hit[1]
 
     def whole_weight_readers(self) -> frozenset[tuple[int, int]]:
         """(op, input slot) where a trained weight is read by an op not split over cp: its
