@@ -113,9 +113,10 @@ def draw_timeline(plan: Any, path: str) -> float:
     legend += [Patch(color=IN_BLOCK_COMM[k][1], label=f"{IN_BLOCK_COMM[k][0]} {v * 100:.1f}%")
                for k, v in shares.items()]
     legend.append(Patch(color="#B0B0B0", label="rest of the step"))
-    ax.legend(handles=legend, loc="upper center", bbox_to_anchor=(0.5, -0.22), ncol=4,
-              fontsize=7, frameon=False)
-    fig.tight_layout()
+    # the legend below the axis label, in space of its own whatever the figure's height
+    height = fig.get_size_inches()[1]
+    fig.legend(handles=legend, loc="lower center", ncol=4, fontsize=7, frameon=False)
+    fig.tight_layout(rect=(0, 0.45 / height, 1, 1))
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return end
