@@ -10,7 +10,7 @@ import random
 import pytest
 import torch
 
-from autoplan import Cluster, ParallelConfig, estimate, plan
+from autoplan import Cluster, ParallelConfig, estimate
 from autoplan.cost.compute import compute_model
 from autoplan.errors import ConfigError
 from autoplan.estimate.chunk_cost import CostInputs, chunk_cost
@@ -196,28 +196,6 @@ def test_a_cp_axis_keeps_a_piece_of_the_sequence_and_pays_its_ring():
     assert ring.time.compute_s == pytest.approx(flat.time.compute_s, rel=0.05)
     states = [e.stages[0].memory.params_bytes for e in (flat, ring)]
     assert states[1] == pytest.approx(states[0])      # sharded over dp x cp = 2 either way
-
-
-@pytest.mark.skipif(not has_transformers(), reason="transformers not installed")
-def test_long_sequences_plan_a_cp_axis_beside_tensor_parallelism():
-    """Llama-3-8B at 131,072 tokens on 8 x 8 H100 with a global batch of 4 sequences: dp
-    cannot use the 64 GPUs by itself; the search splits each sequence over a cp axis (with 8
-    key/value heads, the ring's passes cost less than tensor parallelism's all-reduces), and
-    the plan file says so (schema 5). Forced to keep tp 8 inside the nodes, it still splits
-    the sequence over cp across them."""
-    g = _graph("hf-llama3-8b", batch_size=1, device="meta", seq_len=131072,
-               max_positions=131072)
-    cluster = Cluster.preset("dgx-h100", nodes=8)
-    p = plan(g, cluster, global_batch_size=4, profile=None)
-    assert p.config.cp > 1 and p.predicted["fits"], p.config.short()
-    tp8 = plan(g, cluster, global_batch_size=4, profile=None, force={"tp": 8, "pp": 1})
-    assert tp8.config.cp > 1 and tp8.predicted["fits"], tp8.config.short()
-    assert p.predicted["step_time_s"] <= tp8.predicted["step_time_s"]
-    assert "cp" in p.mesh.axes and p.schema_version == 5
-    again = Plan.from_json(p.to_json())
-    assert again.to_json() == p.to_json()
-    from autoplan.planner.explain import explain_plan
-    assert f"over cp ({p.config.cp} ranks)" in explain_plan(p)
 
 
 # ---- training on gloo ranks ------------------------------------------------------------------

@@ -8,6 +8,7 @@ import torch
 from autoplan import Cluster, ParallelConfig, estimate, plan
 from autoplan.graph import trace
 from autoplan.models import build_example
+from autoplan.planner.planfile import Plan
 from autoplan.sharding.sharding import context_sharding, megatron_sharding
 from autoplan.sharding.strategies import strategies_by_name
 from tests.conftest import has_transformers
@@ -111,6 +112,10 @@ def test_long_sequences_plan_context_parallel(tmp_path):
     assert p.predicted["fits"]
     from autoplan.planner.explain import explain_plan
     assert "run as ring attention" in explain_plan(p)
+    if p.config.cp > 1:                      # its own axis: in the plan file (schema 5)
+        assert "cp" in p.mesh.axes and p.schema_version == 5
+        assert f"over cp ({p.config.cp} ranks)" in explain_plan(p)
+        assert Plan.from_json(p.to_json()).to_json() == p.to_json()
     on_tp = plan(g, cluster, global_batch_size=64, profile=None, force={"cp": 1})
     rings = {v for k, v in on_tp.op_strategies.items() if k.startswith("scaled_dot_product")}
     assert rings == {"seq"} and on_tp.config.tp > 1, (rings, on_tp.config.short())
