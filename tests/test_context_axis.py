@@ -26,7 +26,7 @@ from autoplan.sharding.context_axis import context_axis
 from autoplan.sharding.strategies import strategies_by_name
 from tests.conftest import has_transformers
 from tests.distributed import run_ranks
-from tests.test_ilp_objective import walks
+from tests.test_ilp_objective import shared_objective, walks
 from tests.test_runtime import _plan, _rank, assert_equals_one_device
 
 
@@ -114,10 +114,7 @@ def test_the_ilp_objective_is_the_estimates_price_under_a_cp_axis(seed):
                           kind, nbytes, config.cp_group()))
     red = reduce_graph(ctx)
     problem = red.problem
-
-    def objective(choice):
-        return (sum(problem.node_costs[v][j] for v, j in enumerate(choice))
-                + sum(mat[choice[u]][choice[v]] for u, v, mat in problem.edges))
+    objective = shared_objective(problem)
     choices = walks(solve(problem, time_limit_s=30).choice, problem, objective, rng, 8, 2)
     rings = 0
     for choice in choices:

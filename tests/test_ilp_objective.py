@@ -63,9 +63,7 @@ def test_the_ilp_objective_is_the_estimates_price_of_its_sharding(seed):
                       interference=overlap_interference(cluster))
     red = reduce_graph(ctx)
     problem = red.problem
-    def objective(choice):
-        return (sum(problem.node_costs[v][j] for v, j in enumerate(choice))
-                + sum(mat[choice[u]][choice[v]] for u, v, mat in problem.edges))
+    objective = shared_objective(problem)
     choices = walks(solve(problem, time_limit_s=30).choice, problem, objective, rng, 12, 2)
     assert len(set(choices)) > 3, name
     for choice in choices:
@@ -95,6 +93,15 @@ def _tolerance(g) -> float:
             if v.kind == "param" and v.requires_grad:
                 readers.setdefault(v.base, set()).add(i)
     return 0.02 if any(len(r) > 2 for r in readers.values()) else 1e-9
+
+
+def shared_objective(problem):
+    """The shared ILP's price of a choice: its nodes' and edges' costs (what ``chunk_cost``
+    prices per micro-batch count; the constant of ops no node holds left out)."""
+    def objective(choice):
+        return (sum(problem.node_costs[v][j] for v, j in enumerate(choice))
+                + sum(mat[choice[u]][choice[v]] for u, v, mat in problem.edges))
+    return objective
 
 
 def walks(start, problem, objective, rng, count: int, share: int) -> list[tuple[int, ...]]:
@@ -149,9 +156,7 @@ def test_the_ilp_prices_the_expert_exchanges_as_the_estimate(seed):
     red = reduce_graph(ctx)
     problem = red.problem
 
-    def objective(choice):
-        return (sum(problem.node_costs[v][j] for v, j in enumerate(choice))
-                + sum(mat[choice[u]][choice[v]] for u, v, mat in problem.edges))
+    objective = shared_objective(problem)
     widest = expert_regions(g, replicated(g))
     choices = walks(solve(problem, time_limit_s=30).choice, problem, objective, rng, 10, 3)
     exact = 0

@@ -111,8 +111,8 @@ def estimate(model: Any, cluster: Any, *, config: ParallelConfig, global_batch_s
     ci = CostInputs(graph=graph, analysis=a, sharding=sh, compute=compute, cluster=cluster,
                     config=config, expert_load=capacity_arg(expert_capacity_factor),
                     context=context_axis(graph, config.cp))
-    if ci.context is not None and ci.context.conflicts(sh):
-        why = ci.context.conflicts(sh)
+    why = ci.context.conflicts(sh) if ci.context is not None else []
+    if why:
         raise ConfigError(f"the tp sharding does not run under cp={config.cp}: {why[0]}"
                           + (f" (and {len(why) - 1} more)" if len(why) > 1 else "")
                           + "; plan with autoplan.plan(..., force={'cp': ...}) for a tp "
