@@ -29,6 +29,33 @@ def test_raised_inside_restored_after_nested_once(default_threshold):
     assert gc.get_threshold() == (700, 10, 10)
 
 
+def test_what_exists_is_frozen_inside_and_unfrozen_after(default_threshold):
+    """Objects made before the block are left out of its collections; a cycle made inside is
+    still collected; after it nothing stays frozen, and a process's own freeze is kept."""
+    import weakref
+
+    class Node:
+        pass
+    assert gc.get_freeze_count() == 0
+    with fewer_collections():
+        assert gc.get_freeze_count() > 0
+        a = Node()
+        a.self = a
+        gone = weakref.ref(a)
+        del a
+        gc.collect()
+        assert gone() is None
+    assert gc.get_freeze_count() == 0
+    gc.freeze()
+    try:
+        frozen = gc.get_freeze_count()
+        with fewer_collections():
+            pass
+        assert gc.get_freeze_count() == frozen
+    finally:
+        gc.unfreeze()
+
+
 def test_restored_when_the_call_raises(default_threshold):
     with pytest.raises(ValueError):
         with fewer_collections():

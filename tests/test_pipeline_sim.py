@@ -183,7 +183,16 @@ def test_totals_are_the_full_simulations_totals(schedule, v):
                        "layers": [rng.randint(1, 4) for _ in range(n)]},
                   {"fsdp_s": [tuple(rng.uniform(0.0, 1.0) for _ in range(3)) for _ in range(n)],
                    "sync_s": [0.3] * n, "layers": [2] * n}):
-        assert pipeline_totals(**kw, **extra) == PipelineTotals.of(simulate(**kw, **extra))
+        full = simulate(**kw, **extra)
+        assert pipeline_totals(**kw, **extra) == PipelineTotals.of(full)
+        # the peaks (read off the actions as they end) are the memory timelines' highest
+        assert full.peak_activation_bytes == pytest.approx(
+            [max(level for _, level in line) for line in full.memory_timeline], rel=1e-12)
+    # equal stages: many actions end at one instant, where frees come before allocations
+    even = dict(kw, fwd_s=[1.0] * n, bwd_s=[2.0] * n, send_s=[], activation_bytes=[1.0] * n)
+    full = simulate(**even)
+    assert full.peak_activation_bytes == pytest.approx(
+        [max(level for _, level in line) for line in full.memory_timeline], rel=1e-12)
 
 
 # ------------------------------------------------------------ V-shaped schedules
@@ -267,3 +276,16 @@ def test_v_schedules_need_two_chunks_per_rank_and_enough_microbatches():
     cfg = ParallelConfig(pp=4, schedule="dualpipev", virtual_stages=2)
     assert [cfg.rank_chunks(r) for r in range(4)] == [(0, 7), (1, 6), (2, 5), (3, 4)]
     assert ParallelConfig(pp=4, schedule="zero_bubble", virtual_stages=2).rank_chunks(1) == (1, 5)
+
+
+@pytest.mark.parametrize("schedule", ["zbv", "dualpipev"])
+def test_v_schedules_peaks_settle_by_the_steady_state(schedule):
+    """``order_peak_chunks`` reads a V schedule's peaks off an order of at most
+    STEADY_MICROBATCHES_PER_RANK x p micro-batches: every longer order keeps the same peaks."""
+    from autoplan.estimate.schedule_orders import (STEADY_MICROBATCHES_PER_RANK,
+                                                   _order_peak_chunks, order_peak_chunks)
+    for p in (2, 3, 4, 5, 8, 16):
+        cap = STEADY_MICROBATCHES_PER_RANK * p
+        for m in range(2 * p, 12 * p + 1, 1 if p < 8 else 5):
+            assert _order_peak_chunks(schedule, p, 2, m) == order_peak_chunks(schedule, p, 2, m)
+        assert order_peak_chunks(schedule, p, 2, 1000) == _order_peak_chunks(schedule, p, 2, cap)

@@ -257,8 +257,7 @@ class ParallelConfig:
         if self.cp > 1:
             return self.grad_view().dp_shard_group(pp_index, tp_index, replica)
         s = self.shard_degree
-        return tuple(self.rank(pp_index=pp_index, dp_index=replica * s + k, tp_index=tp_index)
-                     for k in range(s))
+        return self._line("dp", (pp_index, 0, 0, tp_index), replica * s, 1, s)
 
     def dp_replicate_group(self, pp_index: int = 0, tp_index: int = 0,
                            shard: int = 0) -> tuple[int, ...]:
@@ -266,21 +265,19 @@ class ParallelConfig:
         if self.cp > 1:
             return self.grad_view().dp_replicate_group(pp_index, tp_index, shard)
         s = self.shard_degree
-        return tuple(self.rank(pp_index=pp_index, dp_index=r * s + shard, tp_index=tp_index)
-                     for r in range(self.dp // s))
+        return self._line("dp", (pp_index, 0, 0, tp_index), shard, s, self.dp // s)
 
     def ep_group(self, pp_index: int = 0, tp_index: int = 0,
                  replica: int = 0) -> tuple[int, ...]:
         """The ranks one expert-parallel group spans: ``ep`` consecutive dp indices."""
-        return tuple(self.rank(pp_index=pp_index, dp_index=replica * self.ep + k,
-                               tp_index=tp_index) for k in range(self.ep))
+        return self._line("dp", (pp_index, 0, 0, tp_index), replica * self.ep, 1, self.ep)
 
     def expert_dp_group(self, pp_index: int = 0, tp_index: int = 0,
                         ep_index: int = 0) -> tuple[int, ...]:
         """The ranks holding the same experts (one per expert-parallel group): over them the
         expert weights' gradients are averaged."""
-        return tuple(self.rank(pp_index=pp_index, dp_index=r * self.ep + ep_index,
-                               tp_index=tp_index) for r in range(self.dp // self.ep))
+        return self._line("dp", (pp_index, 0, 0, tp_index), ep_index, self.ep,
+                          self.dp // self.ep)
 
     def mesh_axes(self) -> tuple[str, ...]:
         """The device mesh's axis names, outermost first (the plan file's ``mesh.axes`` and the
@@ -338,23 +335,28 @@ class ParallelConfig:
     def rank(self, *, pp_index: int, dp_index: int, tp_index: int, cp_index: int = 0) -> int:
         return ((pp_index * self.dp + dp_index) * self.cp + cp_index) * self.tp + tp_index
 
+    def _line(self, axis: str, at: tuple[int, int, int, int], start: int, step: int,
+              count: int) -> tuple[int, ...]:
+        """The ranks at indices ``at`` (pp, dp, cp, tp) but on ``axis``: ``start``,
+        ``start + step``, ... (``count`` of them); cached, as the search asks for the same
+        groups of thousands of ranks many times."""
+        return _line((self.pp, self.dp, self.cp, self.tp), _AXES.index(axis), at, start, step,
+                     count)
+
     def tp_group(self, pp_index: int = 0, dp_index: int = 0, cp_index: int = 0
                  ) -> tuple[int, ...]:
-        return tuple(self.rank(pp_index=pp_index, dp_index=dp_index, tp_index=t,
-                               cp_index=cp_index) for t in range(self.tp))
+        return self._line("tp", (pp_index, dp_index, cp_index, 0), 0, 1, self.tp)
 
     def cp_group(self, pp_index: int = 0, dp_index: int = 0, tp_index: int = 0
                  ) -> tuple[int, ...]:
         """The ranks one micro-batch's sequence is split over (ring attention's ring)."""
-        return tuple(self.rank(pp_index=pp_index, dp_index=dp_index, tp_index=tp_index,
-                               cp_index=c) for c in range(self.cp))
+        return self._line("cp", (pp_index, dp_index, 0, tp_index), 0, 1, self.cp)
 
     def dp_group(self, pp_index: int = 0, tp_index: int = 0) -> tuple[int, ...]:
         """The ranks that average gradients: dp (x cp, the context-parallel ranks too)."""
         if self.cp > 1:
             return self.grad_view().dp_group(pp_index, tp_index)
-        return tuple(self.rank(pp_index=pp_index, dp_index=d, tp_index=tp_index)
-                     for d in range(self.dp))
+        return self._line("dp", (pp_index, 0, 0, tp_index), 0, 1, self.dp)
 
     def indices(self, rank: int) -> dict[str, int]:
         """``rank``'s index on each axis: pp, dp, cp, tp (inverse of ``rank``)."""
@@ -420,6 +422,24 @@ class ParallelConfig:
         if self.tp_comm_overlap:
             s += " tp-overlap"
         return s + f" {self.precision}"
+
+
+_AXES = ("pp", "dp", "cp", "tp")     # the rank layout's axes, outermost first
+
+
+@lru_cache(maxsize=4096)
+def _line(dims: tuple[int, int, int, int], axis: int, at: tuple[int, int, int, int],
+          start: int, step: int, count: int) -> tuple[int, ...]:
+    """``ParallelConfig._line`` for a mesh of ``dims`` (pp, dp, cp, tp)."""
+    idx = list(at)
+    out = []
+    for k in range(count):
+        idx[axis] = start + k * step
+        rank = 0
+        for size, i in zip(dims, idx):
+            rank = rank * size + i
+        out.append(rank)
+    return tuple(out)
 
 
 @lru_cache(maxsize=256)

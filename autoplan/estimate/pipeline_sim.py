@@ -51,6 +51,7 @@ The step ends when every stream has drained.
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -170,7 +171,9 @@ def _run(schedule: str, p: int, v: int, m: int, fwd_s: tuple[float, ...],
          bwd_s: tuple[float, ...], send_s: tuple[float, ...],
          activation_bytes: tuple[float, ...], sync_s: tuple[float, ...] = (),
          fsdp_s: tuple[tuple[float, float, float], ...] = (),
-         layers: tuple[int, ...] = ()) -> _Run:
+         layers: tuple[int, ...] = (), keep_deltas: bool = True) -> _Run:
+    """The simulation; ``keep_deltas=False`` leaves out the per-rank memory changes (the
+    totals read only the peaks)."""
     n = p * v
     if len(fwd_s) != n or len(bwd_s) != n:
         raise ConfigError(f"need forward and backward times for {n} chunks, got "
@@ -294,21 +297,45 @@ def _run(schedule: str, p: int, v: int, m: int, fwd_s: tuple[float, ...],
     deltas: list[list[tuple[float, float]]] = []
     peaks = []
     for r in range(p):
-        d = [(end, acts[c] if kind == _F else acts[c] * freed[kind])
-             for kind, _, c, _, end in events[r]]
-        d.sort()           # in time; a rank's actions end in order, so this is nearly free
-        level = peak = 0.0
-        for _, x in d:
-            level += x
-            if level > peak:
-                peak = level
-        deltas.append(d)
-        peaks.append(peak)
+        if keep_deltas:
+            d = [(end, acts[c] if kind == _F else acts[c] * freed[kind])
+                 for kind, _, c, _, end in events[r]]
+            d.sort()           # in time; a rank's actions end in order, so this is nearly free
+            deltas.append(d)
+        peaks.append(_peak(events[r], acts, freed))
     for r in range(p):
         comm.flush(r)
     makespan = max([ev[-1][4] for ev in events if ev] + [e.end_s for e in comm.events],
                    default=0.0)
     return _Run(makespan, events, deltas, tuple(busy), tuple(peaks), comm)
+
+
+def _peak(events: list[tuple[int, int, int, float, float]], acts: list[float],
+          freed: tuple[float, ...]) -> float:
+    """The most activation bytes a rank holds: its changes applied in time, at one instant the
+    frees before the allocations. A rank's actions end in order, so the level at each change of
+    time is a candidate (the order within one instant does not matter then)."""
+    level = peak = 0.0
+    last = -math.inf
+    for kind, _, c, _, end in events:
+        if end != last:
+            if end < last:                      # not in time order: sort them
+                return _sorted_peak(events, acts, freed)
+            if level > peak:
+                peak = level
+            last = end
+        level += acts[c] if kind == _F else acts[c] * freed[kind]
+    return max(peak, level)
+
+
+def _sorted_peak(events: list[tuple[int, int, int, float, float]], acts: list[float],
+                 freed: tuple[float, ...]) -> float:
+    level = peak = 0.0
+    for _, x in sorted((end, acts[c] if kind == _F else acts[c] * freed[kind])
+                       for kind, _, c, _, end in events):
+        level += x
+        peak = max(peak, level)
+    return peak
 
 
 @dataclass(frozen=True)
@@ -355,7 +382,7 @@ def pipeline_totals(*, schedule: str, p: int, v: int, m: int, fwd_s: Sequence[fl
 
 @lru_cache(maxsize=512)
 def _totals(*args) -> PipelineTotals:
-    run = _run(*args)
+    run = _run(*args, keep_deltas=False)
     return PipelineTotals(run.makespan_s, run.busy_s, tuple(run.comm.busy),
                           _gather_s(len(run.busy_s), run.comm.events), run.peaks)
 

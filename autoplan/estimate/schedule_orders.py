@@ -14,7 +14,7 @@ from collections import deque
 from functools import lru_cache
 
 from autoplan.errors import ConfigError
-from autoplan.estimate.config import SPLIT_BACKWARD
+from autoplan.estimate.config import SPLIT_BACKWARD, V_SCHEDULES
 
 W_KEEPS = 0.5       # split backward: the share of a chunk's activations alive until its W
 
@@ -193,12 +193,24 @@ def _dualpipev(p: int, m: int, r: int) -> list[tuple[str, int, int]]:
     return o.out
 
 
-@lru_cache(maxsize=64)
+# the V schedules reach their steady state (one forward, one backward) within 2p micro-batches:
+# from there on a rank's peak no longer grows (tests/test_pipeline_sim.py checks 4p against
+# every m up to 12p), so their peaks are read off an order of at most this many per rank
+STEADY_MICROBATCHES_PER_RANK = 4
+
+
 def order_peak_chunks(schedule: str, p: int, v: int, m: int) -> tuple[float, ...]:
     """Per rank, the most chunk-activations its action order keeps alive at once (a forward
     adds one; a backward frees one, or under a split backward its input gradient frees all but
     ``W_KEEPS`` and the weight gradient the rest). Exact for schedules whose orders place every
     action (not zero_bubble's greedy weight gradients)."""
+    if schedule in V_SCHEDULES:
+        m = min(m, STEADY_MICROBATCHES_PER_RANK * p)
+    return _order_peak_chunks(schedule, p, v, m)
+
+
+@lru_cache(maxsize=64)
+def _order_peak_chunks(schedule: str, p: int, v: int, m: int) -> tuple[float, ...]:
     change = {"F": 1.0, "B": -1.0 + W_KEEPS if schedule in SPLIT_BACKWARD else -1.0,
               "W": -W_KEEPS, "BW": -1.0}
     peaks = []

@@ -28,7 +28,7 @@ from autoplan.planner.axis_costs import (ExpertExchanges, cp_comms_s, cp_held, e
 from autoplan.planner.ilp import ILPProblem, Linear
 from autoplan.sharding.context_axis import ContextAxis, share_at, tp_allowed
 from autoplan.sharding.placement import REPLICATE, Placement
-from autoplan.sharding.sharding import Sharding, mutates_input, reshard_kind
+from autoplan.sharding.sharding import Sharding, built_once, mutates_input, reshard_kind
 from autoplan.sharding.strategies import OpStrategy, strategies, strategies_by_name
 from autoplan.sharding.strategy import replicate
 
@@ -483,15 +483,21 @@ def sharding_from_choice(graph: OpGraph, t: int, red: Reduction,
     for v, node in enumerate(red.nodes):
         for i, s in zip(node.ops, node.choices[choice[v]]):
             per_rep[i] = s
-    chosen = []
-    for i, op in enumerate(graph.ops):
-        s = per_rep.get(red.rep[i])
-        if s is None:
-            s = replicate(op)
-        elif red.rep[i] != i:
-            # this op's own strategy of that name: its collectives on its own values (the
-            # representative's would make every layer's tp gradient all-reduce look like a
-            # reader of the first layer's weight, priced per micro-batch)
-            s = strategies_by_name(graph, op, t).get(s.name, s)
-        chosen.append(s)
-    return Sharding.build(graph, t, chosen)
+
+    def build() -> Sharding:
+        chosen = []
+        for i, op in enumerate(graph.ops):
+            s = per_rep.get(red.rep[i])
+            if s is None:
+                s = replicate(op)
+            elif red.rep[i] != i:
+                # this op's own strategy of that name: its collectives on its own values (the
+                # representative's would make every layer's tp gradient all-reduce look like a
+                # reader of the first layer's weight, priced per micro-batch)
+                s = strategies_by_name(graph, op, t).get(s.name, s)
+            chosen.append(s)
+        return Sharding.build(graph, t, chosen)
+    # the same choice comes back for other micro-batches and memory budgets: built once
+    # (strategies are named uniquely per op, and the same representatives give the same ops)
+    return built_once(graph, ("ilp", t, red.rep, tuple(sorted(
+        (i, s.name) for i, s in per_rep.items()))), build)

@@ -193,7 +193,7 @@ def _mixed_weight_grads(graph: OpGraph, chosen: list[OpStrategy]) -> list[OpStra
     return chosen
 
 
-def _built_once(graph: OpGraph, key: tuple, build: Any) -> Sharding:
+def built_once(graph: OpGraph, key: tuple, build: Any) -> Sharding:
     """The sharding ``build()`` makes, made once per graph and ``key`` (the planner asks for
     the same ones for every mesh, micro-batch and baseline; shardings are frozen)."""
     cache = graph.__dict__.setdefault("_autoplan_shardings", {})
@@ -209,7 +209,7 @@ def replicated(graph: OpGraph) -> Sharding:
 
 def replicated_on(graph: OpGraph, t: int) -> Sharding:
     """Every op replicated on a t-way axis (each rank of the group does all the work)."""
-    return _built_once(graph, ("replicated", t), lambda: Sharding.build(
+    return built_once(graph, ("replicated", t), lambda: Sharding.build(
         graph, t, [replicate(op) for op in graph.ops]))
 
 
@@ -250,7 +250,7 @@ def megatron_sharding(graph: OpGraph, t: int, sequence_parallel: bool = False) -
     """Megatron-LM tensor (and sequence) parallelism, by propagation over the graph."""
     if t == 1:
         return replicated(graph)
-    return _built_once(graph, ("megatron", t, bool(sequence_parallel)),
+    return built_once(graph, ("megatron", t, bool(sequence_parallel)),
                        lambda: _megatron_sharding(graph, t, sequence_parallel))
 
 
@@ -298,7 +298,7 @@ def context_sharding(graph: OpGraph, t: int) -> Sharding:
     a step, as data parallelism's are. None when the graph has no ring attention to run."""
     if t == 1:
         return replicated(graph)
-    return _built_once(graph, ("context", t), lambda: _context_sharding(graph, t))
+    return built_once(graph, ("context", t), lambda: _context_sharding(graph, t))
 
 
 def _context_sharding(graph: OpGraph, t: int) -> Sharding | None:
