@@ -39,10 +39,14 @@ def forced(opts: SearchOptions, name: str, values: Sequence[Any]) -> list[Any]:
 
 def schedules(config: ParallelConfig, m: int, layers: int,
                opts: SearchOptions) -> list[tuple[str, int]]:
-    """Pipeline schedules (and virtual stages) worth costing for this mesh and batch."""
+    """Pipeline schedules (and virtual stages) worth costing for this mesh and batch. GPipe
+    only when forced: it has 1F1B's bubble and keeps all ``m`` micro-batches in flight where
+    1F1B keeps at most ``p``, so it never wins."""
     if config.pp == 1:
         return [("1f1b", 1)]
-    out = [("1f1b", 1), ("gpipe", 1), ("zero_bubble", 1)]
+    out = [("1f1b", 1), ("zero_bubble", 1)]
+    if opts.force.get("schedule") == "gpipe":
+        out.append(("gpipe", 1))
     for v in (2, 4):
         if config.pp * v <= layers and m % config.pp == 0:
             out += [("interleaved_1f1b", v), ("zero_bubble", v)]
