@@ -88,6 +88,7 @@ class _Stats:
     rejected: str = ""            # why the last config could not be costed (ConfigError)
     largest: tuple[int, int] = (0, 0)     # variables, constraints of the largest ILP solved
     t0: float = field(default_factory=time.perf_counter)
+    say: Callable[[str], None] = lambda _msg: None    # the caller's progress messages
 
 
 @dataclass(frozen=True)
@@ -149,19 +150,28 @@ def _ilp_sharding(graph: OpGraph, cluster: Any, config: ParallelConfig, profile:
     ctx = _context(graph, cluster, config, profile, m, opts, frugal, pinned)
     red = reduce_graph(ctx)
     sol = solve(red.problem, time_limit_s=opts.ilp_time_limit_s)
-    return _solved(graph, config.tp, red, sol, stats)
+    what = ("tp axis, memory-constrained" if frugal else "tp axis") + (
+        f", ep{config.ep}" if config.ep > 1 else "")
+    return _solved(graph, config.tp, red, _counted(sol, stats, config, what), stats)
 
 
-def _counted(sol: ILPSolution, stats: _Stats) -> ILPSolution:
-    """``sol``, counted in the search's statistics (ILPs solved, the largest)."""
+def _counted(sol: ILPSolution, stats: _Stats, config: ParallelConfig, what: str
+             ) -> ILPSolution:
+    """``sol``, counted in the search's statistics (ILPs solved, the largest) and reported to
+    the progress callback (its mesh, size, time and gap)."""
     stats.ilps += 1
     stats.largest = max(stats.largest, (sol.num_variables, sol.num_constraints))
+    gap = "" if sol.gap is None else f", gap {sol.gap * 100:.2f}%"
+    stats.say(f"  ILP ({what}) for mesh pp{config.pp} x dp{config.dp}"
+              + (f" x cp{config.cp}" if config.cp > 1 else "")
+              + f" x tp{config.tp} mbs {config.micro_batch_size}: {sol.num_variables} "
+              f"variables, {sol.num_constraints} constraints, {sol.time_s:.3f} s, "
+              f"{sol.status}{gap}")
     return sol
 
 
 def _solved(graph: OpGraph, t: int, red: Any, sol: ILPSolution, stats: _Stats
             ) -> tuple[Sharding, ILPSolution]:
-    _counted(sol, stats)
     if sol.status in ("infeasible", "not_solved"):
         return replicated_on(graph, t), sol
     return sharding_from_choice(graph, t, red, sol.choice), sol
@@ -230,7 +240,8 @@ def _dp_sharding(graph: OpGraph, cluster: Any, cand: Candidate, gbs: int,
     start = dp.lift(reference)
     if dp.problem.memory(start) > dp.problem.memory_budget:
         start = None                            # no head start that does not fit
-    sol = _counted(solve(dp.problem, time_limit_s=opts.ilp_time_limit_s, start=start), stats)
+    sol = _counted(solve(dp.problem, time_limit_s=opts.ilp_time_limit_s, start=start), stats,
+                   config, f"with ZeRO-{config.zero_stage}'s data-parallel terms")
     if sol.status not in ("optimal", "feasible"):
         return None
     whole = whole_patterns(graph, red, dp.whole_nodes(sol.choice))
@@ -247,8 +258,7 @@ def _evaluate(graph: OpGraph, cluster: Any, configs: list[ParallelConfig], sh: S
         # tp_comm_overlap only when asked for (the runtime cannot run it), and where it applies
         overlap = bool(opts.force.get("tp_comm_overlap")) and sp
         if c.sequence_parallel != sp or c.tp_comm_overlap != overlap:
-            c = ParallelConfig(**{**c.to_dict(), "sequence_parallel": sp,
-                                  "tp_comm_overlap": overlap})
+            c = replace(c, sequence_parallel=sp, tp_comm_overlap=overlap)
         try:
             if c.pp > 1 and c.chunk_layers is None:
                 c = _with_stage_layout(graph, cluster, c, sh, gbs, profile, opts)
@@ -380,7 +390,7 @@ def plan(model: Any, cluster: Any, *, global_batch_size: int, example_inputs: An
         raise ConfigError("pin= fixes some ops' strategies for the ILP to plan around: use it "
                           "with sharding='ilp' and no fixed sharding")
     say = progress or (lambda _msg: None)
-    stats = _Stats()
+    stats = _Stats(say=say)
     graph = as_graph(model, example_inputs, loss_fn=loss_fn, targets=targets, who="plan()",
                      error=ConfigError)
     profile = profile_arg(profile, cluster, "plan()")

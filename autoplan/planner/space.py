@@ -9,6 +9,7 @@ runtime can run.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -73,6 +74,7 @@ def policies(config: ParallelConfig, opts: SearchOptions, cluster: Any,
     recompute policy as a placeholder: ``_evaluate`` chooses the stage split and each stage's
     policy (``layout.search_layout``)."""
     out = []
+    base = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
     recompute = recompute_options(opts, graph)
     if config.pp > 1:
         recompute = recompute[:1]
@@ -98,7 +100,7 @@ def policies(config: ParallelConfig, opts: SearchOptions, cluster: Any,
                         for sched, v in schedules:
                             for ep in ep_degrees(config, graph, opts, z, shard is not None):
                                 fields = {
-                                    **config.to_dict(), "zero_stage": z, "recompute": r,
+                                    **base, "zero_stage": z, "recompute": r,
                                     "offload_optimizer": off, "offload_params": off_p,
                                     "schedule": sched, "virtual_stages": v, "dp_shard": shard,
                                     "ep": ep}
