@@ -30,6 +30,33 @@ def test_config_rules_and_groups():
     assert c.dp_shard_group() == (0, 2, 4, 6) and c.dp_shard_group(replica=1) == (8, 10, 12, 14)
     assert c.dp_replicate_group(tp_index=1, shard=3) == (7, 15)
     assert ParallelConfig(dp=8, zero_stage=3).shard_degree == 8
+    # every group (built once per mesh and cached) is the ranks ``rank`` gives on its axis
+    for cfg in (c, ParallelConfig(pp=2, dp=4, cp=2, tp=2, zero_stage=3, dp_shard=2),
+                ParallelConfig(pp=3, dp=4, tp=2, ep=2)):
+        r = cfg.rank
+        for pi in range(cfg.pp):
+            for t in range(cfg.tp):
+                assert cfg.dp_group(pi, t) == tuple(
+                    r(pp_index=pi, dp_index=d, cp_index=k, tp_index=t)
+                    for d in range(cfg.dp) for k in range(cfg.cp))
+                for d in range(cfg.dp):
+                    assert cfg.cp_group(pi, d, t) == tuple(
+                        r(pp_index=pi, dp_index=d, cp_index=k, tp_index=t) for k in range(cfg.cp))
+                    for k in range(cfg.cp):
+                        assert cfg.tp_group(pi, d, k) == tuple(
+                            r(pp_index=pi, dp_index=d, cp_index=k, tp_index=x)
+                            for x in range(cfg.tp))
+                if cfg.cp == 1:
+                    shard = cfg.shard_degree
+                    assert cfg.dp_shard_group(pi, t, 1 if cfg.dp // shard > 1 else 0) == tuple(
+                        r(pp_index=pi, dp_index=(1 if cfg.dp // shard > 1 else 0) * shard + k,
+                          tp_index=t) for k in range(shard))
+                if cfg.ep > 1:
+                    assert cfg.ep_group(pi, t, 1) == tuple(
+                        r(pp_index=pi, dp_index=cfg.ep + k, tp_index=t) for k in range(cfg.ep))
+                    assert cfg.expert_dp_group(pi, t, 1) == tuple(
+                        r(pp_index=pi, dp_index=e * cfg.ep + 1, tp_index=t)
+                        for e in range(cfg.dp // cfg.ep))
     assert "dp_shard" not in ParallelConfig(dp=8, zero_stage=3).to_dict()
     assert ParallelConfig.from_dict(c.to_dict()) == c
     for bad, why in ((dict(dp=8, zero_stage=1, dp_shard=4), "zero_stage 2 or 3"),
