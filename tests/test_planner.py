@@ -413,3 +413,80 @@ def test_ilp_with_dp_terms_equals_brute_force_on_a_model_graph(zero):
                    global_batch_size=8 * 4 * 2, profile=None,
                    sharding=sharding_from_choice(g, 2, red, dp.strategies(sol.choice)))
     assert sol.objective == pytest.approx(est.step_time_s, rel=1e-3)
+
+
+class _FFNStack(torch.nn.Module):
+    """Two pre-norm MLP blocks in a layer list (pipeline stages cut between them), a head."""
+
+    def __init__(self, h=64):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(_FFNLayer(h) for _ in range(2))
+        self.head = torch.nn.Linear(h, 128)
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)
+
+
+class _FFNLayer(torch.nn.Module):
+    def __init__(self, h):
+        super().__init__()
+        self.ln = torch.nn.LayerNorm(h)
+        self.fc = torch.nn.Linear(h, 4 * h)
+        self.proj = torch.nn.Linear(4 * h, h)
+
+    def forward(self, x):
+        return x + self.proj(torch.nn.functional.gelu(self.fc(self.ln(x))))
+
+
+@pytest.mark.parametrize("schedule,recompute", [("1f1b", ("none", "none")),
+                                                ("zero_bubble", ("full", "none"))])
+def test_pipelined_ilp_equals_brute_force_on_a_model_graph(schedule, recompute):
+    """One pipelined configuration's own ILP (``pipe_problem``: the bottleneck stage's
+    micro-batches and bubble, the sends, the dp terms of the largest stage) on a real traced
+    graph of two layers on two stages: its optimum is brute force's, and it prices that choice
+    at ``estimate``'s closed-form step time."""
+    from autoplan.cost.compute import compute_model
+    from autoplan.estimate.chunk_cost import CostInputs
+    from autoplan.estimate.layout import chunks_for, with_layout
+    from autoplan.graph.analysis import analyze
+    from autoplan.planner.pipe_problem import build
+    x = torch.empty(4, 16, 64, device="meta")
+    y = torch.empty(4, 16, dtype=torch.long, device="meta")
+    with torch.device("meta"):
+        model = _FFNStack()
+    g = trace(model, (x,), loss_fn=lambda out, t: torch.nn.functional.cross_entropy(
+        out.reshape(-1, 128), t.reshape(-1)), targets=y)
+    cluster = Cluster.preset("pcie-8gpu", nodes=1)
+    config = with_layout(ParallelConfig(pp=2, dp=2, tp=2, micro_batch_size=4, zero_stage=1,
+                                        schedule=schedule), (1, 1), recompute)
+    compute = compute_model(g, cluster.device, "bf16", None)
+    group = config.tp_group()
+    m = 4
+
+    def context_for(policy):
+        return CostContext(graph=g, t=2, compute=compute,
+                           collective_s=lambda kind, b: cluster.collective_time_s(kind, b,
+                                                                                  group),
+                           batch_scale=1.0, microbatches=m, precision="bf16",
+                           recompute=policy, state_bytes_per_param=16.0,
+                           activation_multiplier=1.0)
+    red = reduce_graph(context_for("none"))
+    reference = solve(red.problem, time_limit_s=20).choice
+    sh = sharding_from_choice(g, 2, red, reference)
+    chunks = chunks_for(CostInputs(graph=g, analysis=analyze(g), sharding=sh, compute=compute,
+                                   cluster=cluster, config=config))
+    pipe = build(g, cluster, config, m, chunks, context_for, compute, None, 0.189, reference)
+    p = pipe.problem
+    sol = solve(p, time_limit_s=20, start=reference)
+    best = brute_force(p)
+    assert sol.status == "optimal"
+    assert sol.objective == pytest.approx(best[1], rel=1e-9)
+    at = build(g, cluster, config, m, chunks, context_for, compute, None, 0.189, sol.choice)
+    est = estimate(g, cluster, config=config, global_batch_size=config.dp * 4 * m,
+                   profile=None, simulate_pipeline=False,
+                   sharding=sharding_from_choice(g, 2, pipe.red, sol.choice))
+    assert at.problem.objective(sol.choice) == pytest.approx(est.step_time_s, rel=1e-6)
+    if (at.bottleneck, at.worst) == (pipe.bottleneck, pipe.worst):
+        assert sol.objective == pytest.approx(est.step_time_s, rel=1e-3)

@@ -17,8 +17,8 @@ ILP's objective for a choice is the estimate's step time of the plan the choice 
   ILP (one binary each), with the compute window the choice makes (``Reduction.fwd``/``bwd``);
 - the optimizer step and host traffic are linear; the framework's per-op time is a constant.
 
-One pipeline stage only (pp = 1): with pipelines the bottleneck stage's share and the
-simulated schedule would enter, and the search keeps the shared sharding there.
+One pipeline stage only (pp = 1): a pipelined configuration's ILP is ``pipe_problem``'s, which
+takes each rank's terms from ``dp_pieces``.
 """
 
 from __future__ import annotations
@@ -172,21 +172,39 @@ def with_dp_terms(red: Reduction, graph: OpGraph, cluster: Any, config: Parallel
                                               whole_extra_bytes, _sharing(graph, red))
     out = DpProblem(problem, options)
     start = out.lift(reference)
+    rows, constant, overlaps, charges = dp_pieces(
+        problem, held, options, config, cluster, m, 0, compute, profile, interference, fwd,
+        bwd, start)
+    costs = tuple(tuple(c + x for c, x in zip(cs, xs))
+                  for cs, xs in zip(problem.node_costs, rows))
+    return replace(out, problem=replace(
+        problem, node_costs=costs, overlaps=problem.overlaps + overlaps,
+        constant_s=problem.constant_s + constant + _framework_s(graph, profile, compute, m),
+        charges=problem.charges + charges))
 
+
+def dp_pieces(problem: ILPProblem, held: Held, options: Any, config: ParallelConfig,
+              cluster: Any, m: int, pp_index: int, compute: Any, profile: Any,
+              interference: float, fwd: Linear, bwd: Linear, start: Sequence[int]
+              ) -> tuple[list[list[float]], float, tuple[Overlap, ...], tuple]:
+    """Pipeline rank ``pp_index``'s dp, ZeRO, optimizer and offload terms for the parameters
+    ``held`` says each choice holds there, hidden behind its compute windows ``fwd`` / ``bwd``,
+    linearized at the choice ``start`` of ``problem``: (per node and choice the seconds added,
+    a constant, the overlap terms, the charges)."""
     def terms_at(dense: float, experts: float, in_layers: float, whole: float) -> list[Term]:
         stage = StageParams(params=dense + experts + whole, experts=experts,
                             layer_params=in_layers, tensors=held.tensors, layers=held.layers,
                             whole=whole)
-        return stage_terms(config.grad_view(), cluster, stage, m, 0, compute, profile)
+        return stage_terms(config.grad_view(), cluster, stage, m, pp_index, compute, profile)
     at = held.at(problem, start)
     # whole weights add a term (their all-reduce): the tangent is taken with some held whole
     probe = at if at[3] or not any(o[1] for opts in options for o in opts) else (
         at[0] / 2, at[1], at[2], at[0] / 2)
     base = terms_at(*probe)
-    costs = [list(c) for c in problem.node_costs]
-    constant = problem.constant_s + _framework_s(graph, profile, compute, m)
-    overlaps = list(problem.overlaps)
-    charges = list(problem.charges)
+    rows = [[0.0] * len(c) for c in problem.node_costs]
+    constant = 0.0
+    overlaps = []
+    charges = []
     whole_options = tuple((v, k) for v, opts in enumerate(options)
                           for k, (_, w) in enumerate(opts) if w)
     for k, term in enumerate(base):
@@ -205,13 +223,11 @@ def with_dp_terms(red: Reduction, graph: OpGraph, cluster: Any, config: Parallel
             constant += term.times * comm.const
             for v, row in enumerate(comm.nodes):
                 for j, c in enumerate(row):
-                    costs[v][j] += term.times * c
+                    rows[v][j] += term.times * c
             continue
         window = fwd if term.window == "fwd" else bwd
         overlaps.append(Overlap(comm, window, first, interference, term.times))
-    return replace(out, problem=replace(problem, node_costs=tuple(tuple(c) for c in costs),
-                                        overlaps=tuple(overlaps), constant_s=constant,
-                                        charges=tuple(charges)))
+    return rows, constant, tuple(overlaps), tuple(charges)
 
 
 def _sharing(graph: OpGraph, red: Reduction) -> set[tuple[int, int]]:
@@ -300,13 +316,16 @@ def _instances(graph: OpGraph, i: int, fqn: str) -> tuple[set[str], str | None]:
     return {fqn}, None
 
 
-def _framework_s(graph: OpGraph, profile: Any, compute: Any, m: int) -> float:
+def _framework_s(graph: OpGraph, profile: Any, compute: Any, m: int,
+                 ops: int | None = None) -> float:
     """The eager framework's time outside the kernels (``estimate``'s overhead): per step, and
-    per op forward and backward every micro-batch."""
+    per op forward and backward every micro-batch (``ops``: the bottleneck stage's; default
+    the whole graph's)."""
     cal = getattr(profile, "calibration", None)
     if cal is None:
         return 0.0
-    (chunk,) = partition(graph, 1)
+    if ops is None:
+        (chunk,) = partition(graph, 1)
+        ops = chunk.stop - chunk.start
     return ((getattr(cal, "step_overhead_s", 0.0) or 0.0)
-            + getattr(cal, "framework_s_per_op", 0.0) * 2 * (chunk.stop - chunk.start) * m
-            * compute.slowdown)
+            + getattr(cal, "framework_s_per_op", 0.0) * 2 * ops * m * compute.slowdown)

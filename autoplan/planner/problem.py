@@ -13,7 +13,7 @@ loss), with the strategies of ``strategies.py``.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from autoplan.graph.analysis import analyze
@@ -116,6 +116,13 @@ class Reduction:
     # the windows data parallelism's traffic hides behind (``dp_problem``)
     fwd: Linear | None = None
     bwd: Linear | None = None
+    # with ``stages`` (op ranges per pipeline rank): per rank, its share of ``fwd`` and ``bwd``
+    # and the seconds of its per-step tp gradient all-reduces (each node's instances and each
+    # edge's consumers counted where they run)
+    stage_fwd: tuple[Linear, ...] = ()
+    stage_bwd: tuple[Linear, ...] = ()
+    stage_step: tuple[Linear, ...] = ()
+    stage_share: tuple[tuple[int, ...], ...] = ()    # per node, its instances on each rank
 
 
 def representatives(graph: OpGraph) -> tuple[list[int], dict[int, int], list[int]]:
@@ -320,11 +327,26 @@ def _node_cost(ctx: CostContext, node: _Node, j: int, savers: dict[tuple[int, st
     return time_s, mem, node.mult * fwd, node.mult * bwd
 
 
-def reduce_graph(ctx: CostContext) -> Reduction:
+def reduce_graph(ctx: CostContext,
+                 stages: Sequence[Sequence[tuple[int, int]]] | None = None) -> Reduction:
+    """The sharding problem of ``ctx``; ``stages`` (per pipeline rank, the op ranges of its
+    chunks): also each rank's share of the per-micro-batch and per-step seconds."""
     graph = ctx.graph
     a = analyze(graph)
     rep, mult, inst = representatives(graph)
     nodes, node_of = _group(graph, rep, mult, inst)
+    stage_of = [0] * len(graph.ops)
+    for r, ranges in enumerate(stages or ()):
+        for start, stop in ranges:
+            stage_of[start:stop] = [r] * (stop - start)
+    n_stages = len(stages or ())
+    # per node: how many of its instances each rank runs (by the instance's leading op)
+    share = [[0] * n_stages for _ in nodes]
+    if n_stages:
+        for i in range(len(graph.ops)):
+            v = node_of.get(rep[i])
+            if v is not None and nodes[v].ops[0] == rep[i]:
+                share[v][stage_of[i]] += 1
     cache: dict[int, list[OpStrategy]] = {}
     for node in nodes:
         _expand(graph, node, ctx.t, cache, ctx.micro_batch, ctx.pinned, ctx.context)
@@ -337,9 +359,18 @@ def reduce_graph(ctx: CostContext) -> Reduction:
         for j in range(len(node.choices)):
             costs[v][j], mems[v][j], fwds[v][j], bwds[v][j] = _node_cost(ctx, node, j, savers,
                                                                          part_of)
+    # per rank: its instances' share of each node's seconds (instances cost alike)
+    s_fwd = [[[f * share[v][r] / nodes[v].mult for f in fwds[v]] for v in range(len(nodes))]
+             for r in range(n_stages)]
+    s_bwd = [[[b * share[v][r] / nodes[v].mult for b in bwds[v]] for v in range(len(nodes))]
+             for r in range(n_stages)]
+    s_step = [[[(c - ctx.microbatches * (f + b)) * share[v][r] / nodes[v].mult
+                for c, f, b in zip(costs[v], fwds[v], bwds[v])] for v in range(len(nodes))]
+              for r in range(n_stages)]
 
     # edges: every (producer, consumer) pair of the full graph, folded onto representatives
     counts: dict[tuple[int, int, str, int, int], int] = {}
+    stage_counts: dict[tuple[int, int, str, int, int], list[int]] = {}
     for c, op in enumerate(graph.ops):
         if not op.outputs:
             continue
@@ -357,9 +388,13 @@ def reduce_graph(ctx: CostContext) -> Reduction:
             x_rep = graph.ops[rp].outputs[graph.ops[p].outputs.index(n)]
             key = (u, v, x_rep, rc, k)
             counts[key] = counts.get(key, 0) + 1
+            if n_stages:
+                stage_counts.setdefault(key, [0] * n_stages)[stage_of[c]] += 1
     edge_mats: dict[tuple[int, int], list[list[float]]] = {}
     edge_fwd: dict[tuple[int, int], list[list[float]]] = {}
     edge_bwd: dict[tuple[int, int], list[list[float]]] = {}
+    st_edge_fwd: list[dict[tuple[int, int], list[list[float]]]] = [{} for _ in range(n_stages)]
+    st_edge_bwd: list[dict[tuple[int, int], list[list[float]]]] = [{} for _ in range(n_stages)]
     for (u, v, x_rep, rc, k), count in sorted(counts.items()):
         pos = nodes[v].ops.index(rc)
         ku, kv = len(nodes[u].choices), len(nodes[v].choices)
@@ -374,6 +409,19 @@ def reduce_graph(ctx: CostContext) -> Reduction:
                     f, b = ((0.0, INFEASIBLE_S) if k == 0 and mutates_input(graph.ops[rc].target)
                             else _reshard_s(ctx, x_rep, src, dst, rc))
                     per_mb[i][j] = (count * f, count * (b + f * again))
+        for r, n_r in enumerate(stage_counts.get((u, v, x_rep, rc, k), ())):
+            if not n_r:
+                continue
+            if u == v:
+                for j in range(kv):
+                    s_fwd[r][v][j] += per_mb[j][j][0] * n_r / count
+                    s_bwd[r][v][j] += per_mb[j][j][1] * n_r / count
+                continue
+            for acc, pick in ((st_edge_fwd[r], 0), (st_edge_bwd[r], 1)):
+                mat = acc.setdefault((u, v), [[0.0] * kv for _ in range(ku)])
+                for i in range(ku):
+                    for j in range(kv):
+                        mat[i][j] += per_mb[i][j][pick] * n_r / count
         if u == v:
             for j in range(kv):
                 f, b = per_mb[j][j]
@@ -389,15 +437,22 @@ def reduce_graph(ctx: CostContext) -> Reduction:
                     mat[i][j] += pick(per_mb[i][j])
     if ctx.experts is not None:
         sent_again(ctx, nodes, node_of, edge_mats, costs)
-    _tie_shared_weights(ctx, nodes, edge_mats, costs)
+    st_edge_step: list[dict[tuple[int, int], list[list[float]]]] = [{} for _ in range(n_stages)]
+    _tie_shared_weights(ctx, nodes, edge_mats, costs,
+                        _StageSinks(stage_of, s_bwd, s_step, st_edge_bwd, st_edge_step)
+                        if n_stages else None)
     # ops no node holds (no outputs: a metadata assert) cost what the estimate prices them,
     # whatever the choice
     fixed_fwd = fixed_bwd = 0.0
+    s_fixed = [[0.0, 0.0] for _ in range(n_stages)]
     for i, op in enumerate(graph.ops):
         if rep[i] not in node_of:
             c = ctx.compute.op_cost(i)
             again = c.fwd_s if ctx.recompute == "full" and mult[rep[i]] > 1 else 0.0
             fixed_fwd, fixed_bwd = fixed_fwd + c.fwd_s, fixed_bwd + c.bwd_s + again
+            if n_stages:
+                s_fixed[stage_of[i]][0] += c.fwd_s
+                s_fixed[stage_of[i]][1] += c.bwd_s + again
     problem = ILPProblem(
         node_costs=tuple(tuple(c) for c in costs), node_memory=tuple(tuple(m) for m in mems),
         edges=tuple((u, v, tuple(tuple(r) for r in mat)) for (u, v), mat in sorted(edge_mats.items())),
@@ -412,17 +467,36 @@ def reduce_graph(ctx: CostContext) -> Reduction:
                             for u, v, mat in problem.edges))
     return Reduction(rep=tuple(rep), node_of=node_of, nodes=tuple(nodes), problem=problem,
                      fwd=aligned(fixed_fwd, fwds, edge_fwd),
-                     bwd=aligned(fixed_bwd, bwds, edge_bwd))
+                     bwd=aligned(fixed_bwd, bwds, edge_bwd),
+                     stage_fwd=tuple(aligned(s_fixed[r][0], s_fwd[r], st_edge_fwd[r])
+                                     for r in range(n_stages)),
+                     stage_bwd=tuple(aligned(s_fixed[r][1], s_bwd[r], st_edge_bwd[r])
+                                     for r in range(n_stages)),
+                     stage_step=tuple(aligned(0.0, s_step[r], st_edge_step[r])
+                                      for r in range(n_stages)),
+                     stage_share=tuple(tuple(row) for row in share))
+
+
+@dataclass(frozen=True)
+class _StageSinks:
+    """Where ``_tie_shared_weights`` also writes each pipeline rank's share: the partial
+    reader's rank gets its per-micro-batch all-reduce (backward) and loses its per-step one."""
+
+    stage_of: list[int]
+    bwd: list[list[list[float]]]
+    step: list[list[list[float]]]
+    edge_bwd: list[dict[tuple[int, int], list[list[float]]]]
+    edge_step: list[dict[tuple[int, int], list[list[float]]]]
 
 
 def _tie_shared_weights(ctx: CostContext, nodes: list[_Node],
                         edge_mats: dict[tuple[int, int], list[list[float]]],
-                        costs: list[list[float]]) -> None:
+                        costs: list[list[float]], sinks: _StageSinks | None = None) -> None:
     """A weight read by several ops (an LM head tied to the embedding) is one tensor with one
     placement: strategy pairs that would lay it out differently cannot run. And where one
     reader's gradient is partial (all-reduced once per step) and another's whole, the partial
     one is all-reduced every micro-batch instead (``sharding._mixed_weight_grads``): the pair
-    pays the difference."""
+    pays the difference (``sinks``: on the partial reader's pipeline rank)."""
     graph = ctx.graph
     readers: dict[str, list[tuple[int, int, int]]] = {}      # weight -> [(node, pos, slot)]
     for v, node in enumerate(nodes):
@@ -436,17 +510,42 @@ def _tie_shared_weights(ctx: CostContext, nodes: list[_Node],
         s = nodes[v].choices[j][pos]
         return s.inputs[k] if k < len(s.inputs) else REPLICATE
 
-    def step_s(v: int, j: int, pos: int, weight: str) -> float | None:
-        """What reader (v, pos)'s gradient all-reduce of ``weight`` under strategy j adds when
-        it runs every micro-batch instead of once per step (None: its gradient is whole)."""
+    def parts(v: int, j: int, pos: int, weight: str) -> tuple[float, float] | None:
+        """Reader (v, pos)'s gradient all-reduce of ``weight`` under strategy j: (per
+        micro-batch when it runs in backward, once per step) seconds (None: its gradient is
+        whole)."""
         comms = [c for c in nodes[v].choices[j][pos].comms
                  if c.phase == "step" and graph.value(c.value).base == weight]
         if not comms:
             return None
-        return sum(ctx.microbatches * ctx.collective_s(c.kind, _comm_bytes(ctx, c.value,
-                                                                           c.scale, "bwd"))
-                   - ctx.collective_s(c.kind, _comm_bytes(ctx, c.value, c.scale, "step"))
-                   for c in comms)
+        return (sum(ctx.collective_s(c.kind, _comm_bytes(ctx, c.value, c.scale, "bwd"))
+                    for c in comms),
+                sum(ctx.collective_s(c.kind, _comm_bytes(ctx, c.value, c.scale, "step"))
+                    for c in comms))
+
+    def step_s(v: int, j: int, pos: int, weight: str) -> float | None:
+        """What that all-reduce adds when it runs every micro-batch instead of once per step."""
+        x = parts(v, j, pos, weight)
+        return None if x is None else ctx.microbatches * x[0] - x[1]
+
+    def to_stage(u: int, i: int, pu: int, ku: int, v: int, j: int, pv: int, kv: int,
+                 weight: str, a: int, b: int, flip: bool) -> None:
+        """The pair's per-rank share (``sinks``), on edge (a, b) (or node a where a == b)."""
+        if sinks is None or where(u, i, pu, ku) != where(v, j, pv, kv):
+            return
+        x, y = parts(u, i, pu, weight), parts(v, j, pv, weight)
+        if (x is None) == (y is None):
+            return
+        (mb, once), op = (x, nodes[u].ops[pu]) if x is not None else (y, nodes[v].ops[pv])
+        r = sinks.stage_of[op]
+        if a == b:
+            sinks.bwd[r][a][i] += mb
+            sinks.step[r][a][i] -= once
+            return
+        for acc, amount in ((sinks.edge_bwd[r], mb), (sinks.edge_step[r], -once)):
+            mat = acc.setdefault((a, b), [[0.0] * len(nodes[b].choices)
+                                          for _ in range(len(nodes[a].choices))])
+            mat[j if flip else i][i if flip else j] += amount
 
     def pair_s(u: int, i: int, pu: int, ku: int, v: int, j: int, pv: int, kv: int,
                weight: str) -> float:
@@ -463,6 +562,7 @@ def _tie_shared_weights(ctx: CostContext, nodes: list[_Node],
             if u == v:
                 for j in range(nu):
                     costs[u][j] += pair_s(u, j, pu, ku, v, j, pv, kv, weight)
+                    to_stage(u, j, pu, ku, v, j, pv, kv, weight, u, u, False)
                 continue
             a, b = (u, v) if (u, v) in edge_mats or (v, u) not in edge_mats else (v, u)
             acc = edge_mats.setdefault((a, b), [[0.0] * len(nodes[b].choices)
@@ -470,6 +570,7 @@ def _tie_shared_weights(ctx: CostContext, nodes: list[_Node],
             for i in range(nu):
                 for j in range(nv):
                     x = pair_s(u, i, pu, ku, v, j, pv, kv, weight)
+                    to_stage(u, i, pu, ku, v, j, pv, kv, weight, a, b, (a, b) != (u, v))
                     if (a, b) == (u, v):
                         acc[i][j] += x
                     else:

@@ -15,7 +15,9 @@ estimator can never disagree about a configuration):
    policies again with that sharding;
    then solve the best configurations without pipeline (up to three, within 5 % of the best)
    again, each with its own data-parallel terms (``dp_problem``: the shared ILP leaves them
-   out; under ZeRO-3 each weight sharded or kept whole), keeping what it finds where no slower;
+   out; under ZeRO-3 each weight sharded or kept whole), keeping what it finds where no slower,
+   and the best pipelined ones with their own step (``pipe_problem``: bottleneck stage, bubble,
+   sends, the largest stage's dp terms), keeping what it finds where faster;
 4. add the three baselines (pure data parallel, FSDP only, Megatron-style TP inside a node and
    DP across) costed by the same model, so the plan is never predicted slower than them;
 5. simulate the best pipelined candidates (and the best of each schedule) event by event;
@@ -518,6 +520,9 @@ def plan(model: Any, cluster: Any, *, global_batch_size: int, example_inputs: An
         raise ConfigError("no configuration could be costed; check the batch size and the "
                           "cluster size" + (f" (the last one refused: {stats.rejected})"
                                             if stats.rejected else ""))
+    if opts.sharding == "ilp" and opts.fixed_sharding is None:
+        cands = _refine_pipe_ilp(graph, cluster, cands, global_batch_size, profile, opts,
+                                 stats, pinned)
     cands = _refine_pipelined(graph, cluster, cands, global_batch_size, profile, opts, stats)
     # forced fields bind the choice; baselines that differ stay as alternatives
     fitting = sorted((c for c in cands if c.est.fits and honours(c.est.config, opts.force)),
@@ -563,6 +568,66 @@ def _refine_dp(graph: OpGraph, cluster: Any, cands: list[Candidate], gbs: int, p
                                        stats, c.label) if r.est.fits and r.key() <= c.key()]
         if better:
             out[k] = better[0]
+    return out
+
+
+def _refine_pipe_ilp(graph: OpGraph, cluster: Any, cands: list[Candidate], gbs: int,
+                     profile: Any, opts: SearchOptions, stats: _Stats, pinned: dict[int, str],
+                     finalists: int = 3, rounds: int = 3, within: float = 0.05
+                     ) -> list[Candidate]:
+    """The shared ILP priced a pipelined configuration's sharding as one stage; the best few
+    pipelined configurations (up to ``finalists``, their stage layout fixed) are solved again
+    with their own step (``pipe_problem``: the bottleneck stage's micro-batches and bubble,
+    the sends, the dp terms of the stage where they are largest; those within ``within`` of
+    the best configuration found, as ``_refine_dp`` takes them), linearized at the shared
+    answer and again at each new answer while it moves the bottleneck or the dp stage (up to
+    ``rounds``); what it finds replaces the shared sharding where it fits and is faster. Not
+    with expert or context parallelism (their terms are the shared problem's only)."""
+    from autoplan.estimate.chunk_cost import CostInputs
+    from autoplan.estimate.layout import chunks_for
+    from autoplan.graph.analysis import analyze
+    from autoplan.planner import pipe_problem
+    out = list(cands)
+    done = 0
+    best = min((c.est.step_time_s for c in cands if c.est.fits), default=None)
+    for k, c in sorted(enumerate(cands), key=lambda kc: kc[1].key()):
+        cfg = c.est.config
+        if done == finalists or best is None or c.est.step_time_s > best * (1 + within):
+            break
+        if (cfg.pp == 1 or not c.est.fits or c.ilp is None or cfg.ep > 1 or cfg.cp > 1
+                or c.ilp.status not in ("optimal", "feasible") or c.label != "search"):
+            continue
+        done += 1
+        m = cfg.microbatches(gbs)
+        base = _context(graph, cluster, cfg, profile, m, opts, None, pinned)
+        chunks = chunks_for(CostInputs(graph=graph, analysis=analyze(graph),
+                                       sharding=c.sharding, compute=base.compute,
+                                       cluster=cluster, config=cfg))
+
+        def build(reference: tuple[int, ...]) -> Any:
+            return pipe_problem.build(graph, cluster, cfg, m, chunks,
+                                      lambda pol: replace(base, recompute=pol), base.compute,
+                                      profile, base.interference, reference)
+        pipe = build(c.ilp.choice)
+        found: dict[tuple[int, ...], ILPSolution] = {}
+        for _ in range(rounds):
+            sol = _counted(solve(pipe.problem, time_limit_s=opts.ilp_time_limit_s,
+                                 start=c.ilp.choice), stats, cfg, "the pipelined step")
+            if sol.status not in ("optimal", "feasible") or sol.choice in found:
+                break
+            found[sol.choice] = sol
+            moved = build(sol.choice)
+            if (moved.bottleneck, moved.worst) == (pipe.bottleneck, pipe.worst):
+                break
+            pipe = moved
+        for choice, sol in found.items():   # (where the stages moved: each answer priced)
+            sh = sharding_from_choice(graph, cfg.tp, pipe.red, choice)
+            better = [r for r in _evaluate(graph, cluster, [cfg], sh, sol, gbs, profile, opts,
+                                           stats, c.label)
+                      if r.est.fits
+                      and r.est.step_time_s < out[k].est.step_time_s * (1 - 1e-9)]
+            if better:
+                out[k] = better[0]
     return out
 
 

@@ -1,0 +1,195 @@
+"""The sharding ILP of one pipelined configuration, with its whole step.
+
+The shared tp-axis ILP (``problem.py``) prices a sharding's per-micro-batch costs over the whole
+model, as if it ran on one stage. A pipelined configuration's step (``estimate``'s closed form)
+is instead paced by its bottleneck stage: ``m`` micro-batches of that stage's forward and
+backward, the schedule's bubble of ``(p - 1) / v`` of them (a split-backward schedule's
+weight gradients fill part of it), the activations sent between stages, and the data-parallel,
+ZeRO and optimizer terms of the stage where they are largest. For one configuration with its
+stage layout fixed (``chunk_layers``, each stage's recompute policy) this module writes that
+step as an ILP over the same choices:
+- each rank's forward and backward seconds per micro-batch are linear in the choice
+  (``reduce_graph(..., stages=...)``: each node's instances and each edge's consumers counted
+  on the rank that runs them), with the rank's own recompute policy;
+- the sends are affine in the bytes that cross each boundary, whose placement the producing
+  node's choice decides;
+- the data-parallel terms are ``dp_problem``'s, for the parameters the rank holds.
+The bottleneck stage and the stage with the largest data-parallel terms are taken at a
+reference choice (the shared ILP's answer), as ``dp_problem`` linearizes the collectives there:
+the objective equals the closed-form step time of any choice that keeps them
+(``tests/test_ilp_objective.py``), and the search solves again where the answer moved them.
+Memory is left to the estimate, which checks the plan the answer makes before it is kept.
+A weight read by several nodes (a tied LM head) costs its readers' ranks what the shared
+problem's pair terms say, each on the rank of the reader whose gradient all-reduce moves.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+from autoplan.estimate.chunk_cost import chunk_parts
+from autoplan.estimate.config import SPLIT_BACKWARD, ParallelConfig
+from autoplan.estimate.pipeline_sim import W_FRACTION
+from autoplan.graph.opgraph import OpGraph
+from autoplan.planner.dp_problem import Held, _framework_s, dp_pieces, held_params
+from autoplan.planner.ilp import ILPProblem, Linear
+from autoplan.planner.problem import INFEASIBLE_S, CostContext, Reduction, reduce_graph
+from autoplan.sharding.placement import REPLICATE
+
+
+@dataclass(frozen=True)
+class PipeProblem:
+    """One pipelined configuration's ILP: its choices are ``red``'s (``sharding_from_choice``
+    takes them); ``bottleneck`` and ``worst``: the stages the objective prices."""
+
+    problem: ILPProblem
+    red: Reduction
+    bottleneck: int
+    worst: int
+
+
+def stage_ranges(chunks: Sequence[Any], config: ParallelConfig) -> list[list[tuple[int, int]]]:
+    """Per pipeline rank, the op ranges of its chunks."""
+    return [[(chunks[c].start, chunks[c].stop) for c in config.rank_chunks(r)]
+            for r in range(config.pp)]
+
+
+def _plus(*forms: tuple[float, Linear]) -> Linear:
+    """sum k x form, over (k, form) pairs aligned with one problem."""
+    base = forms[0][1]
+    nodes = [[0.0] * len(row) for row in base.nodes]
+    edges = [[[0.0] * len(r) for r in m] for m in base.edges]
+    const = 0.0
+    for k, f in forms:
+        const += k * f.const
+        for v, row in enumerate(f.nodes):
+            for j, x in enumerate(row):
+                nodes[v][j] += k * x
+        for e, m in enumerate(f.edges):
+            for i, r in enumerate(m):
+                for j, x in enumerate(r):
+                    edges[e][i][j] += k * x
+    return Linear(const, tuple(tuple(r) for r in nodes),
+                  tuple(tuple(tuple(r) for r in m) for m in edges))
+
+
+def _stage_held(held: Held, red: Reduction, r: int, tensors: int, layers: int) -> Held:
+    """What rank ``r`` holds: each node's instances there."""
+    def part(x: Linear) -> Linear:
+        return Linear(0.0, tuple(tuple(c * red.stage_share[v][r] / red.nodes[v].mult
+                                       for c in row) for v, row in enumerate(x.nodes)))
+    return Held(part(held.dense), part(held.experts), part(held.in_layers), part(held.whole),
+                tensors, layers)
+
+
+def _sends(graph: OpGraph, red: Reduction, ctx: CostContext, chunks: Sequence[Any],
+           config: ParallelConfig, cluster: Any) -> Linear:
+    """Forward and backward sends of one micro-batch over every boundary between two ranks
+    (``estimate._sends``): per boundary the path's latency, and per crossing value the bytes
+    its producer's choice leaves it (split over tp or whole), over the path's bandwidth."""
+    from autoplan.cost.memory import _meta_bytes
+    from autoplan.estimate.chunk_cost import _boundary_values
+    from autoplan.graph.analysis import analyze
+    a = analyze(graph)
+    rows = [[0.0] * len(node.choices) for node in red.nodes]
+    const = 0.0
+    for c in range(len(chunks) - 1):
+        ra, rb = config.chunk_rank(c), config.chunk_rank(c + 1)
+        if ra == rb:
+            continue                     # the V's turn: one rank, nothing sent
+        src = config.rank(pp_index=ra, dp_index=0, tp_index=0)
+        dst = config.rank(pp_index=rb, dp_index=0, tp_index=0)
+        latency = cluster.p2p_time_s(0.0, src, dst)
+        per_byte = (cluster.p2p_time_s(2.0 ** 20, src, dst) - latency) / 2.0 ** 20
+        const += latency
+        for n in _boundary_values(graph, chunks[c].stop):
+            nbytes = _meta_bytes(graph.value(n).meta, config.precision) * (
+                ctx.batch_scale if n in a.batch_dependent else 1.0)
+            if ctx.context is not None:
+                nbytes *= ctx.context.value_scale(n)
+            i = a.producer.get(n)
+            u = red.node_of.get(red.rep[i]) if i is not None else None
+            if u is None:
+                const += per_byte * nbytes
+                continue
+            rp = red.rep[i]
+            x_rep = graph.ops[rp].outputs[graph.ops[i].outputs.index(n)]
+            for j, place in enumerate(red.nodes[u].placement):
+                split = place.get(x_rep, REPLICATE).kind == "S"
+                rows[u][j] += per_byte * nbytes / (config.tp if split else 1)
+    zero = tuple(tuple(tuple(0.0 for _ in r) for r in m) for _, _, m in red.problem.edges)
+    return Linear(const, tuple(tuple(r) for r in rows), zero)
+
+
+def build(graph: OpGraph, cluster: Any, config: ParallelConfig, m: int, chunks: Sequence[Any],
+          context_for: Callable[[str], CostContext], compute: Any, profile: Any,
+          interference: float, reference: Sequence[int],
+          stages: tuple[int, int] | None = None) -> PipeProblem:
+    """The ILP of ``config`` (pipelined, its layout fixed: ``chunks``), linearized at the
+    choice ``reference``; ``context_for(policy)``: the cost context of a recompute policy (the
+    mesh's, with ``m`` micro-batches). ``stages``: (bottleneck, worst) to price, else those of
+    ``reference``."""
+    p, v = config.pp, config.virtual_stages
+    ranges = stage_ranges(chunks, config)
+    reds = {pol: reduce_graph(context_for(pol), stages=ranges)
+            for pol in sorted({config.stage_policy(r) for r in range(p)})}
+    any_red = next(iter(reds.values()))
+    problem = any_red.problem
+    fwd = [reds[config.stage_policy(r)].stage_fwd[r] for r in range(p)]
+    bwd = [reds[config.stage_policy(r)].stage_bwd[r] for r in range(p)]
+    step = [reds[config.stage_policy(r)].stage_step[r] for r in range(p)]
+    sends = _sends(graph, any_red, context_for(config.stage_policy(0)), chunks, config, cluster)
+    held = held_params(graph, any_red, config.tp, config.ep)
+    dp = []
+    for r in range(p):
+        cs = [chunks[c] for c in config.rank_chunks(r)]
+        tensors = sum(len({graph.value(n).base for i in range(start, stop)
+                           for n in graph.ops[i].inputs if graph.value(n).kind == "param"})
+                      for ch in cs for start, stop, _ in chunk_parts(ch))
+        layers = max(1, sum(len(ch.layers) for ch in cs))
+        options = tuple(tuple((j, False) for j in range(len(row))) for row in held.dense.nodes)
+        dp.append(dp_pieces(problem, _stage_held(held, any_red, r, tensors, layers), options,
+                            config, cluster, m, r, compute, profile, interference, fwd[r],
+                            bwd[r], reference))
+    if stages is None:
+        busy = [fwd[r].value(problem, reference) + bwd[r].value(problem, reference)
+                for r in range(p)]
+        bottleneck = max(range(p), key=lambda r: busy[r])
+        worst = max(range(p), key=lambda r: _dp_value(problem, dp[r], step[r], reference))
+    else:
+        bottleneck, worst = stages
+    fill = max(0.0, 1 - 2 * W_FRACTION) if config.schedule in SPLIT_BACKWARD else 1.0
+    bubble = (p - 1) / v
+    objective = _plus((m + bubble, fwd[bottleneck]), (m + fill * bubble, bwd[bottleneck]),
+                      (2.0, sends), (1.0, step[worst]))
+    rows, constant, overlaps, charges = dp[worst]
+    ops = sum(chunks[c].stop - chunks[c].start for c in config.rank_chunks(bottleneck))
+    constant += _framework_s(graph, profile, compute, m, ops)
+    # what cannot run stays so (a tied weight laid out two ways: the shared problem's terms)
+    def cannot(x: float) -> float:
+        return INFEASIBLE_S if x >= INFEASIBLE_S else 0.0
+    out = replace(
+        problem,
+        node_costs=tuple(tuple(x + y + cannot(z) for x, y, z in zip(a, b, c))
+                         for a, b, c in zip(objective.nodes, rows, problem.node_costs)),
+        edges=tuple((u, w, tuple(tuple(x + cannot(z) for x, z in zip(r, rz))
+                                 for r, rz in zip(mat, shared)))
+                    for (u, w, shared), mat in zip(problem.edges, objective.edges)),
+        memory_budget=None, overlaps=overlaps, charges=charges,
+        constant_s=objective.const + constant)
+    return PipeProblem(out, any_red, bottleneck, worst)
+
+
+def _dp_value(problem: ILPProblem, pieces: tuple, step: Linear, choice: Sequence[int]) -> float:
+    """A rank's per-step terms at ``choice``: its tp step all-reduces and its dp terms."""
+    from autoplan.estimate.overlap import overlap_exposed_s
+    rows, constant, overlaps, charges = pieces
+    total = step.value(problem, choice) + constant + sum(
+        rows[v][j] for v, j in enumerate(choice))
+    for o in overlaps:
+        total += o.times * overlap_exposed_s(o.comm.value(problem, choice),
+                                             o.window.value(problem, choice),
+                                             o.first.value(problem, choice), o.interference)
+    return total + sum(c for c, when in charges if any(choice[v] == j for v, j in when))
