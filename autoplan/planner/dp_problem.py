@@ -179,7 +179,7 @@ def with_dp_terms(red: Reduction, graph: OpGraph, cluster: Any, config: Parallel
                   for cs, xs in zip(problem.node_costs, rows))
     return replace(out, problem=replace(
         problem, node_costs=costs, overlaps=problem.overlaps + overlaps,
-        constant_s=problem.constant_s + constant + _framework_s(graph, profile, compute, m),
+        constant_s=problem.constant_s + constant + framework_s(graph, profile, compute, m),
         charges=problem.charges + charges))
 
 
@@ -316,7 +316,7 @@ def _instances(graph: OpGraph, i: int, fqn: str) -> tuple[set[str], str | None]:
     return {fqn}, None
 
 
-def _framework_s(graph: OpGraph, profile: Any, compute: Any, m: int,
+def framework_s(graph: OpGraph, profile: Any, compute: Any, m: int,
                  ops: int | None = None) -> float:
     """The eager framework's time outside the kernels (``estimate``'s overhead): per step, and
     per op forward and backward every micro-batch (``ops``: the bottleneck stage's; default

@@ -33,7 +33,7 @@ from autoplan.estimate.chunk_cost import chunk_parts
 from autoplan.estimate.config import SPLIT_BACKWARD, ParallelConfig
 from autoplan.estimate.pipeline_sim import W_FRACTION
 from autoplan.graph.opgraph import OpGraph
-from autoplan.planner.dp_problem import Held, _framework_s, dp_pieces, held_params
+from autoplan.planner.dp_problem import Held, framework_s, dp_pieces, held_params
 from autoplan.planner.ilp import ILPProblem, Linear
 from autoplan.planner.problem import INFEASIBLE_S, CostContext, Reduction, reduce_graph
 from autoplan.sharding.placement import REPLICATE
@@ -166,7 +166,7 @@ def build(graph: OpGraph, cluster: Any, config: ParallelConfig, m: int, chunks: 
                       (2.0, sends), (1.0, step[worst]))
     rows, constant, overlaps, charges = dp[worst]
     ops = sum(chunks[c].stop - chunks[c].start for c in config.rank_chunks(bottleneck))
-    constant += _framework_s(graph, profile, compute, m, ops)
+    constant += framework_s(graph, profile, compute, m, ops)
     # what cannot run stays so (a tied weight laid out two ways: the shared problem's terms)
     def cannot(x: float) -> float:
         return INFEASIBLE_S if x >= INFEASIBLE_S else 0.0

@@ -1,0 +1,257 @@
+"""What the search costs with: its statistics, the shared tp-axis ILP for a mesh and
+micro-batch (and its memory-constrained variant), one configuration's own dp-terms ILP, and the
+costing of configurations on a sharding (``estimate``, with a pipelined config's stage layout
+chosen first). ``search.plan`` walks the space with these; ``refine`` solves the finalists
+again.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any
+
+from autoplan.cost.compute import compute_model
+from autoplan.cost.memory import bytes_per_param
+from autoplan.errors import ConfigError
+from autoplan.estimate.config import ParallelConfig
+from autoplan.estimate.estimator import estimate
+from autoplan.estimate.overlap import overlap_interference
+from autoplan.graph.opgraph import OpGraph
+from autoplan.planner import space
+from autoplan.planner.ilp import ILPSolution, solve
+from autoplan.planner.problem import (CostContext, ExpertExchanges, expert_exchanges, reduce_graph,
+                                     sharding_from_choice)
+from autoplan.planner.verdicts import Candidate
+from autoplan.sharding.sharding import Sharding, replicated_on
+
+if TYPE_CHECKING:
+    from autoplan.planner.search import SearchOptions
+
+SP_STYLES = frozenset({"colwise_sp", "rowwise_sp", "vocab_sp", "seq"})
+
+
+@dataclass
+class Stats:
+    ilps: int = 0
+    evaluated: int = 0
+    rejected: str = ""            # why the last config could not be costed (ConfigError)
+    largest: tuple[int, int] = (0, 0)     # variables, constraints of the largest ILP solved
+    t0: float = field(default_factory=time.perf_counter)
+    say: Callable[[str], None] = lambda _msg: None    # the caller's progress messages
+
+
+@dataclass(frozen=True)
+class Frugal:
+    """What the memory-constrained ILP holds per device: the most memory-saving of the
+    configurations it is solved for (their state bytes per parameter and activations in flight,
+    both per pipeline stage, and the strongest recomputation allowed)."""
+
+    budget_bytes: float
+    state_bytes_per_param: float
+    activation_multiplier: float
+    recompute: str
+
+
+def frugal(configs: list[ParallelConfig], m: int, opts: SearchOptions, graph: OpGraph,
+            budget_bytes: float) -> Frugal:
+    from autoplan.cost.memory import model_state_bytes
+    from autoplan.estimate.config import strongest_recompute
+    from autoplan.estimate.layout import in_flight
+    state = min(model_state_bytes(1.0, dp=c.shard_degree, zero_stage=c.zero_stage,
+                                  precision=c.precision, optimizer=c.optimizer,
+                                  offload_optimizer=c.offload_optimizer,
+                                  offload_params=c.offload_params).total_bytes / c.pp
+                for c in configs)
+    # a stage holds 1/pp of the layers, its first stage in_flight micro-batches of them
+    flight = min(in_flight(c, m, 0) / c.pp for c in configs)
+    return Frugal(budget_bytes, state, flight,
+                   strongest_recompute(space.recompute_options(opts, graph)))
+
+
+def ilp_microbatches(cluster: Any, shape: Any, mbs: int, gbs: int, m: int) -> int:
+    """The micro-batches the tp-axis problem weighs per-step costs with: those of the mesh
+    without pipeline (dp x mbs over the whole cluster), whichever mesh asks first, so that
+    forcing pp or dp never changes the sharding a free search finds."""
+    flat = cluster.world_size // (shape.tp * shape.cp) * mbs
+    return gbs // flat if gbs % flat == 0 else m
+
+
+def exchanges(graph: OpGraph, cluster: Any, config: ParallelConfig, opts: SearchOptions
+               ) -> ExpertExchanges | None:
+    """Expert parallelism's exchanges on ``config``'s ep group, for the ILP (ep > 1)."""
+    if config.ep == 1:
+        return None
+    from autoplan.graph.experts import find_experts
+    group = config.ep_group()
+    counts = 8.0 * find_experts(graph).num_experts * config.ep
+    return expert_exchanges(
+        graph, lambda nbytes: cluster.collective_time_s("all_to_all", nbytes, group),
+        cluster.collective_time_s("all_gather", counts, group), opts.expert_capacity_factor)
+
+
+def ilp_sharding(graph: OpGraph, cluster: Any, config: ParallelConfig, profile: Any,
+                  m: int, opts: SearchOptions, stats: Stats,
+                  frugal: Frugal | None = None, pinned: dict[int, str] | None = None
+                  ) -> tuple[Sharding, ILPSolution]:
+    """The tp-axis sharding for ``config``'s mesh and micro-batch: the fastest, or under
+    ``frugal`` the fastest whose model state and activations fit its budget; ``pinned`` ops
+    (``pins.resolve``) keep their strategy."""
+    ctx = cost_context(graph, cluster, config, profile, m, opts, frugal, pinned)
+    red = reduce_graph(ctx)
+    sol = solve(red.problem, time_limit_s=opts.ilp_time_limit_s)
+    what = ("tp axis, memory-constrained" if frugal else "tp axis") + (
+        f", ep{config.ep}" if config.ep > 1 else "")
+    return solved(graph, config.tp, red, counted(sol, stats, config, what), stats)
+
+
+def counted(sol: ILPSolution, stats: Stats, config: ParallelConfig, what: str
+             ) -> ILPSolution:
+    """``sol``, counted in the search's statistics (ILPs solved, the largest) and reported to
+    the progress callback (its mesh, size, time and gap)."""
+    stats.ilps += 1
+    stats.largest = max(stats.largest, (sol.num_variables, sol.num_constraints))
+    gap = "" if sol.gap is None else f", gap {sol.gap * 100:.2f}%"
+    stats.say(f"  ILP ({what}) for mesh pp{config.pp} x dp{config.dp}"
+              + (f" x cp{config.cp}" if config.cp > 1 else "")
+              + f" x tp{config.tp} mbs {config.micro_batch_size}: {sol.num_variables} "
+              f"variables, {sol.num_constraints} constraints, {sol.time_s:.3f} s, "
+              f"{sol.status}{gap}")
+    return sol
+
+
+def solved(graph: OpGraph, t: int, red: Any, sol: ILPSolution, stats: Stats
+            ) -> tuple[Sharding, ILPSolution]:
+    if sol.status in ("infeasible", "not_solved"):
+        return replicated_on(graph, t), sol
+    return sharding_from_choice(graph, t, red, sol.choice), sol
+
+
+def cost_context(graph: OpGraph, cluster: Any, config: ParallelConfig, profile: Any, m: int,
+             opts: SearchOptions, frugal: Frugal | None, pinned: dict[int, str] | None
+             ) -> CostContext:
+    from autoplan.sharding.context_axis import context_axis
+    t = config.tp
+    group = config.tp_group()
+    cp_group = config.cp_group()
+    compute = compute_model(graph, cluster.device, config.precision, profile)
+    w, g, o = bytes_per_param(config.precision, config.optimizer)
+    return CostContext(graph=graph, t=t, compute=compute,
+                      context=context_axis(graph, config.cp),
+                      cp_collective_s=lambda kind, nbytes: cluster.collective_time_s(
+                          kind, nbytes, cp_group),
+                      collective_s=lambda kind, nbytes: cluster.collective_time_s(kind, nbytes,
+                                                                                  group),
+                      batch_scale=config.micro_batch_size / graph.batch_size, microbatches=m,
+                      precision=config.precision,
+                      recompute=frugal.recompute if frugal else "none",
+                      state_bytes_per_param=frugal.state_bytes_per_param if frugal else w + g + o,
+                      activation_multiplier=frugal.activation_multiplier if frugal else 1.0,
+                      memory_budget=frugal.budget_bytes if frugal else None,
+                      interference=overlap_interference(cluster),
+                      experts=exchanges(graph, cluster, config, opts),
+                      pinned=pinned or None)
+
+
+def dp_sharding(graph: OpGraph, cluster: Any, cand: Candidate, gbs: int,
+                 opts: SearchOptions, profile: Any, stats: Stats,
+                 pinned: dict[int, str] | None
+                 ) -> tuple[ParallelConfig, Sharding, ILPSolution] | None:
+    """The sharding for exactly ``cand``'s config (pp 1): the tp-axis ILP with its recompute
+    policy, ZeRO stage and the rest of its step (``dp_problem``), linearized at the shared
+    ILP's choice, within the device memory the candidate leaves for state and activations;
+    under ZeRO-3 it may keep weights whole (``dp_whole``). Its objective is then
+    ``estimate``'s step time. None where it finds nothing."""
+    from autoplan.cost.memory import model_state_bytes
+    from autoplan.planner.dp_problem import whole_patterns, with_dp_terms
+    config = cand.est.config
+    m = config.microbatches(gbs)
+
+    def state(dp: int, zero: int) -> float:
+        return model_state_bytes(1.0, dp=dp, zero_stage=zero, precision=config.precision,
+                                 optimizer=config.optimizer,
+                                 offload_optimizer=config.offload_optimizer,
+                                 offload_params=config.offload_params).total_bytes
+    sharded = state(config.shard_degree, config.zero_stage)
+    mem = cand.est.stages[0].memory
+    ctx = replace(cost_context(graph, cluster, config, profile, m, opts, None, pinned),
+                  recompute=config.recompute, state_bytes_per_param=sharded,
+                  memory_budget=cluster.device.memory_bytes - mem.margin_bytes
+                  - mem.transient_bytes,
+                  step_shard=config.shard_degree if config.zero_stage >= 2 else 1)
+    red = reduce_graph(ctx)
+    reference = (cand.ilp.choice if cand.ilp is not None else   # tp 1: every op replicated
+                 tuple(next((j for j, ch in enumerate(node.choices)
+                             if all(st.name == "replicate" for st in ch)), 0)
+                       for node in red.nodes))
+    dp = with_dp_terms(red, graph, cluster, config, m, ctx.compute, profile, ctx.interference,
+                       reference, whole_extra_bytes=None if "dp_whole" in opts.force
+                       else state(1, 0) - sharded)
+    start = dp.lift(reference)
+    if dp.problem.memory(start) > dp.problem.memory_budget:
+        start = None                            # no head start that does not fit
+    sol = counted(solve(dp.problem, time_limit_s=opts.ilp_time_limit_s, start=start), stats,
+                   config, f"with ZeRO-{config.zero_stage}'s data-parallel terms")
+    if sol.status not in ("optimal", "feasible"):
+        return None
+    whole = whole_patterns(graph, red, dp.whole_nodes(sol.choice))
+    sh = sharding_from_choice(graph, config.tp, red, dp.strategies(sol.choice))
+    return replace(config, dp_whole=whole), sh, sol
+
+
+def evaluate(graph: OpGraph, cluster: Any, configs: list[ParallelConfig], sh: Sharding,
+              sol: ILPSolution | None, gbs: int, profile: Any, opts: SearchOptions,
+              stats: Stats, label: str, simulate: bool = False) -> list[Candidate]:
+    out = []
+    sp = sh.t > 1 and any(s.style in SP_STYLES for s in sh.op_strategy)
+    for c in configs:
+        # tp_comm_overlap only when asked for (the runtime cannot run it), and where it applies
+        overlap = bool(opts.force.get("tp_comm_overlap")) and sp
+        if c.sequence_parallel != sp or c.tp_comm_overlap != overlap:
+            c = replace(c, sequence_parallel=sp, tp_comm_overlap=overlap)
+        try:
+            if c.pp > 1 and c.chunk_layers is None:
+                c = with_stage_layout(graph, cluster, c, sh, gbs, profile, opts)
+            est = estimate(graph, cluster, config=c, global_batch_size=gbs, profile=profile,
+                           sharding=sh, memory_margin_bytes=opts.memory_margin_bytes,
+                           simulate_pipeline=simulate,
+                           expert_capacity_factor=opts.expert_capacity_factor)
+        except ConfigError as e:
+            stats.rejected = str(e)
+            continue
+        stats.evaluated += 1
+        out.append(Candidate(est, sh, sol, label))
+    return out
+
+
+def with_stage_layout(graph: OpGraph, cluster: Any, config: ParallelConfig, sh: Sharding,
+                       gbs: int, profile: Any, opts: SearchOptions) -> ParallelConfig:
+    """The pipelined config with its stage split and per-stage recomputation chosen to fit the
+    device (``layout.search_layout``); when nothing fits, the most memory-saving policy on a
+    time-balanced split (so the infeasibility report has a candidate)."""
+    from autoplan.graph.analysis import analyze
+    from autoplan.estimate.chunk_cost import CostInputs
+    from autoplan.estimate.estimator import _margin
+    from autoplan.estimate.config import strongest_recompute
+    from autoplan.estimate.layout import chunks_for, search_layout, with_layout
+    m = config.microbatches(gbs)
+    policies = space.recompute_options(opts, graph)
+    from autoplan.sharding.context_axis import context_axis
+    ci = CostInputs(graph=graph, analysis=analyze(graph), sharding=sh,
+                    compute=compute_model(graph, cluster.device, config.precision, profile),
+                    cluster=cluster, config=config, expert_load=opts.expert_capacity_factor,
+                    context=context_axis(graph, config.cp))
+    pinned = {k: tuple(opts.force[k]) for k in ("chunk_layers", "stage_recompute")
+              if k in opts.force}
+    if pinned:                                  # the user's split and/or per-stage policies
+        stage = pinned.get("stage_recompute", (config.recompute,) * config.pp)
+        counts = pinned.get("chunk_layers") or tuple(
+            len(c.layers) for c in chunks_for(replace(ci, config=replace(
+                config, recompute=strongest_recompute(stage)))))
+        return with_layout(config, counts, stage, canonical="stage_recompute" not in pinned)
+    budget = cluster.device.memory_bytes - _margin(cluster, opts.memory_margin_bytes)
+    found = search_layout(ci, m, policies, budget)
+    if found is not None:
+        return found
+    return replace(config, recompute=strongest_recompute(policies))
