@@ -15,18 +15,17 @@ from autoplan.cost.compute import compute_model
 from autoplan.errors import ConfigError
 from autoplan.estimate.chunk_cost import CostInputs, chunk_cost
 from autoplan.estimate.layout import chunks_for
-from autoplan.estimate.overlap import overlap_interference
 from autoplan.graph import trace
 from autoplan.graph.analysis import analyze
 from autoplan.models import build_example
 from autoplan.planner.ilp import solve
 from autoplan.planner.planfile import Plan
-from autoplan.planner.problem import CostContext, reduce_graph, sharding_from_choice
+from autoplan.planner.problem import reduce_graph, sharding_from_choice
 from autoplan.sharding.context_axis import context_axis
 from autoplan.sharding.strategies import strategies_by_name
 from tests.conftest import has_transformers
 from tests.distributed import run_ranks
-from tests.test_ilp_objective import shared_objective, walks
+from tests.test_ilp_objective import config_context, shared_objective, walks
 from tests.test_runtime import _plan, _rank, assert_equals_one_device
 
 
@@ -103,15 +102,9 @@ def test_the_ilp_objective_is_the_estimates_price_under_a_cp_axis(seed):
     m = rng.choice([1, 4])
     compute = compute_model(g, cluster.device, config.precision, None)
     ax = context_axis(g, cp)
-    ctx = CostContext(graph=g, t=2, compute=compute,
-                      collective_s=lambda kind, nbytes: cluster.collective_time_s(
-                          kind, nbytes, config.tp_group()),
-                      batch_scale=config.micro_batch_size / g.batch_size, microbatches=m,
-                      precision=config.precision, recompute=config.recompute,
-                      state_bytes_per_param=16.0, activation_multiplier=1.0,
-                      interference=overlap_interference(cluster), context=ax,
-                      cp_collective_s=lambda kind, nbytes: cluster.collective_time_s(
-                          kind, nbytes, config.cp_group()))
+    ctx = config_context(g, cluster, config, m, compute, context=ax,
+                         cp_collective_s=lambda kind, nbytes: cluster.collective_time_s(
+                             kind, nbytes, config.cp_group()))
     red = reduce_graph(ctx)
     problem = red.problem
     objective = shared_objective(problem)
@@ -149,17 +142,11 @@ def test_with_its_dp_terms_the_ilp_objective_is_the_step_time_under_a_cp_axis(ze
     compute = compute_model(g, cluster.device, config.precision, None)
     sharded = model_state_bytes(1.0, dp=config.shard_degree, zero_stage=zero,
                                 precision="bf16", optimizer="adamw").total_bytes
-    ctx = CostContext(graph=g, t=2, compute=compute,
-                      collective_s=lambda kind, nbytes: cluster.collective_time_s(
-                          kind, nbytes, config.tp_group()),
-                      batch_scale=config.micro_batch_size / g.batch_size, microbatches=m,
-                      precision=config.precision, recompute="none",
-                      state_bytes_per_param=sharded, activation_multiplier=1.0,
-                      interference=overlap_interference(cluster),
-                      step_shard=config.shard_degree if zero >= 2 else 1,
-                      context=context_axis(g, 4),
-                      cp_collective_s=lambda kind, nbytes: cluster.collective_time_s(
-                          kind, nbytes, config.cp_group()))
+    ctx = config_context(g, cluster, config, m, compute, state_bytes_per_param=sharded,
+                         step_shard=config.shard_degree if zero >= 2 else 1,
+                         context=context_axis(g, 4),
+                         cp_collective_s=lambda kind, nbytes: cluster.collective_time_s(
+                             kind, nbytes, config.cp_group()))
     red = reduce_graph(ctx)
     reference = solve(red.problem, time_limit_s=30).choice
     dp = with_dp_terms(red, g, cluster, config, m, compute, None, ctx.interference, reference)

@@ -52,18 +52,25 @@ def _case(seed: int):
     return rng, name, g, cluster, config, rng.choice([1, 3, 8])
 
 
+def config_context(g, cluster, config, m, compute, **overrides):
+    """The tp-axis cost context of ``config`` with ``m`` micro-batches (16 bytes of model state
+    per parameter, one micro-batch of activations held), ``overrides`` replacing fields."""
+    fields = dict(graph=g, t=config.tp, compute=compute,
+                  collective_s=lambda kind, nbytes: cluster.collective_time_s(
+                      kind, nbytes, config.tp_group()),
+                  batch_scale=config.micro_batch_size / g.batch_size, microbatches=m,
+                  precision=config.precision, recompute=config.recompute,
+                  state_bytes_per_param=16.0, activation_multiplier=1.0,
+                  interference=overlap_interference(cluster))
+    return CostContext(**{**fields, **overrides})
+
+
 @pytest.mark.parametrize("seed", range(12))
 def test_the_ilp_objective_is_the_estimates_price_of_its_sharding(seed):
     rng, name, g, cluster, config, m = _case(seed)
     compute = compute_model(g, cluster.device, config.precision, None)
     t = config.tp
-    ctx = CostContext(graph=g, t=t, compute=compute,
-                      collective_s=lambda kind, nbytes: cluster.collective_time_s(
-                          kind, nbytes, config.tp_group()),
-                      batch_scale=config.micro_batch_size / g.batch_size, microbatches=m,
-                      precision=config.precision, recompute=config.recompute,
-                      state_bytes_per_param=16.0, activation_multiplier=1.0,
-                      interference=overlap_interference(cluster))
+    ctx = config_context(g, cluster, config, m, compute)
     red = reduce_graph(ctx)
     problem = red.problem
     objective = shared_objective(problem)
@@ -149,13 +156,7 @@ def test_the_ilp_prices_the_expert_exchanges_as_the_estimate(seed):
     experts = expert_exchanges(
         g, lambda nbytes: cluster.collective_time_s("all_to_all", nbytes, group),
         cluster.collective_time_s("all_gather", 8.0 * 4 * 2, group), load)
-    ctx = CostContext(graph=g, t=2, compute=compute,
-                      collective_s=lambda kind, nbytes: cluster.collective_time_s(
-                          kind, nbytes, config.tp_group()),
-                      batch_scale=config.micro_batch_size / g.batch_size, microbatches=m,
-                      precision=config.precision, recompute=config.recompute,
-                      state_bytes_per_param=16.0, activation_multiplier=1.0,
-                      interference=overlap_interference(cluster), experts=experts)
+    ctx = config_context(g, cluster, config, m, compute, experts=experts)
     red = reduce_graph(ctx)
     problem = red.problem
 
@@ -218,15 +219,9 @@ def test_with_its_dp_terms_the_ilp_objective_is_the_estimated_step_time(seed):
         return model_state_bytes(1.0, dp=dp, zero_stage=zero, precision=config.precision,
                                  optimizer=config.optimizer,
                                  offload_optimizer=config.offload_optimizer).total_bytes
-    ctx = CostContext(graph=g, t=config.tp, compute=compute,
-                      collective_s=lambda kind, nbytes: cluster.collective_time_s(
-                          kind, nbytes, config.tp_group()),
-                      batch_scale=config.micro_batch_size / g.batch_size, microbatches=m,
-                      precision=config.precision, recompute=config.recompute,
-                      state_bytes_per_param=state(config.shard_degree, config.zero_stage),
-                      activation_multiplier=1.0,
-                      interference=overlap_interference(cluster),
-                      step_shard=config.shard_degree if config.zero_stage >= 2 else 1)
+    ctx = config_context(g, cluster, config, m, compute,
+                         state_bytes_per_param=state(config.shard_degree, config.zero_stage),
+                         step_shard=config.shard_degree if config.zero_stage >= 2 else 1)
     red = reduce_graph(ctx)
     reference = solve(red.problem, time_limit_s=30).choice
     dp = with_dp_terms(red, g, cluster, config, m, compute, None, ctx.interference, reference,
@@ -288,13 +283,7 @@ def _pipe_case(seed: int):
     compute = compute_model(g, cluster.device, config.precision, None)
 
     def context_for(policy):
-        return CostContext(graph=g, t=config.tp, compute=compute,
-                           collective_s=lambda kind, nbytes: cluster.collective_time_s(
-                               kind, nbytes, config.tp_group()),
-                           batch_scale=config.micro_batch_size / g.batch_size,
-                           microbatches=m, precision=config.precision, recompute=policy,
-                           state_bytes_per_param=16.0, activation_multiplier=1.0,
-                           interference=overlap_interference(cluster))
+        return config_context(g, cluster, config, m, compute, recompute=policy)
     red = reduce_graph(context_for("none"))
     reference = solve(red.problem, time_limit_s=30).choice
     sh = sharding_from_choice(g, config.tp, red, reference)
