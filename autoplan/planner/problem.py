@@ -2,7 +2,7 @@
 
 Graph reduction, so that a 96-layer model is one layer's problem:
 1. Repeated blocks fold onto their first instance: every op of instance k stands for the op at
-   the same position in instance 0 (``rep``); costs and memory count once per instance, and the
+   the same position in instance 0 (``rep``, ``folding.py``); costs and memory count once per instance, and the
    edge from one instance's output to the next instance's input is priced with its multiplicity.
 2. Ops that simply follow their producer (views, element-wise ops with one activation input,
    dropout, copies, reductions) join the producer's node: their placement is a function of the
@@ -25,14 +25,13 @@ from autoplan.graph.opgraph import OpGraph
 from autoplan.errors import ConfigError
 from autoplan.planner.axis_costs import (ExpertExchanges, cp_comms_s, cp_held, exchange_s,
                                          expert_exchanges, sent_again, value_bytes)
+from autoplan.planner.folding import Node, group, representatives
 from autoplan.planner.ilp import ILPProblem, Linear
 from autoplan.sharding.context_axis import ContextAxis, share_at, tp_allowed
 from autoplan.sharding.placement import REPLICATE, Placement
 from autoplan.sharding.sharding import Sharding, built_once, mutates_input, reshard_kind
 from autoplan.sharding.strategies import OpStrategy, strategies, strategies_by_name
 from autoplan.sharding.strategy import replicate
-
-FOLLOW_KINDS = frozenset({"view", "pointwise", "dropout", "copy", "reduction"})
 
 # Choices that cannot run cost this much: an in-place op whose input would be resharded first
 # (the write would land on a copy), a tied weight laid out two ways.
@@ -96,20 +95,11 @@ def _activation_owners(graph: OpGraph, recompute: str
     return first, part_of
 
 
-@dataclass
-class _Node:
-    ops: list[int]                                   # rep op indices, leader first
-    mult: int
-    choices: list[list[OpStrategy]] = None           # per strategy j: one per op in ops
-    placement: list[dict[str, Placement]] = None     # per strategy j: value -> placement
-    internal: list[list[tuple[int, str, Placement, Placement]]] = None  # gathers inside it
-
-
 @dataclass(frozen=True)
 class Reduction:
     rep: tuple[int, ...]             # op -> representative op
     node_of: dict[int, int]          # rep op -> node
-    nodes: tuple[_Node, ...]
+    nodes: tuple[Node, ...]
     problem: ILPProblem
     # per micro-batch, the seconds of forward and of backward (recomputation included) each
     # choice puts on the compute stream: the estimate's ``fwd_total_s`` and ``bwd_total_s``,
@@ -123,24 +113,6 @@ class Reduction:
     stage_bwd: tuple[Linear, ...] = ()
     stage_step: tuple[Linear, ...] = ()
     stage_share: tuple[tuple[int, ...], ...] = ()    # per node, its instances on each rank
-
-
-def representatives(graph: OpGraph) -> tuple[list[int], dict[int, int], list[int]]:
-    """(rep per op, multiplicity per rep op, block-instance id per op: -1 outside blocks)."""
-    rep = list(range(len(graph.ops)))
-    mult = {i: 1 for i in range(len(graph.ops))}
-    inst = [-1] * len(graph.ops)
-    k = 0
-    for block in graph.blocks:
-        first = block.instances[0]
-        for inst_i, b in enumerate(block.instances):
-            for off in range(b.stop - b.start):
-                rep[b.start + off] = first.start + off
-                inst[b.start + off] = k + inst_i
-        for i in range(first.start, first.stop):
-            mult[i] = len(block.instances)
-        k += len(block.instances)
-    return rep, mult, inst
 
 
 def _comm_bytes(ctx: CostContext, name: str, scale: float, phase: str, kind: str = "",
@@ -168,28 +140,7 @@ def _reshard_s(ctx: CostContext, name: str, src: Placement, dst: Placement, cons
     return out[0], out[1]
 
 
-def _group(graph: OpGraph, rep: list[int], mult: dict[int, int],
-           inst: list[int]) -> tuple[list[_Node], dict[int, int]]:
-    a = analyze(graph)
-    nodes: list[_Node] = []
-    node_of: dict[int, int] = {}
-    for i in sorted(set(rep)):
-        op = graph.ops[i]
-        if not op.outputs:
-            continue
-        acts = [n for n in op.inputs if graph.value(n).kind == "activation"]
-        if op.kind in FOLLOW_KINDS and len(acts) == 1:
-            p = a.producer.get(acts[0])
-            if p is not None and rep[p] == p and p in node_of and inst[p] == inst[i]:
-                nodes[node_of[p]].ops.append(i)
-                node_of[i] = node_of[p]
-                continue
-        node_of[i] = len(nodes)
-        nodes.append(_Node(ops=[i], mult=mult[i]))
-    return nodes, node_of
-
-
-def _expand(graph: OpGraph, node: _Node, t: int, cache: dict[int, list[OpStrategy]],
+def _expand(graph: OpGraph, node: Node, t: int, cache: dict[int, list[OpStrategy]],
             micro_batch: int | None = None, pinned: Mapping[int, str] | None = None,
             context: ContextAxis | None = None) -> None:
     """Per leader strategy: the followers' strategies and the node's value placements (only
@@ -230,12 +181,12 @@ def _expand(graph: OpGraph, node: _Node, t: int, cache: dict[int, list[OpStrateg
         node.internal.append(internal)
 
 
-def _recomputes_comms(ctx: CostContext, node: _Node) -> bool:
+def _recomputes_comms(ctx: CostContext, node: Node) -> bool:
     """Full recomputation replays a layer's forward collectives too (``chunk_cost``)."""
     return ctx.recompute == "full" and node.mult > 1
 
 
-def _node_cost(ctx: CostContext, node: _Node, j: int, savers: dict[tuple[int, str], int],
+def _node_cost(ctx: CostContext, node: Node, j: int, savers: dict[tuple[int, str], int],
                part_of: list[int]) -> tuple[float, float, float, float]:
     """(seconds per step, bytes per device, forward and backward seconds per micro-batch) of
     strategy j, for all instances it stands for."""
@@ -334,7 +285,7 @@ def reduce_graph(ctx: CostContext,
     graph = ctx.graph
     a = analyze(graph)
     rep, mult, inst = representatives(graph)
-    nodes, node_of = _group(graph, rep, mult, inst)
+    nodes, node_of = group(graph, rep, mult, inst)
     stage_of = [0] * len(graph.ops)
     for r, ranges in enumerate(stages or ()):
         for start, stop in ranges:
@@ -489,7 +440,7 @@ class _StageSinks:
     edge_step: list[dict[tuple[int, int], list[list[float]]]]
 
 
-def _tie_shared_weights(ctx: CostContext, nodes: list[_Node],
+def _tie_shared_weights(ctx: CostContext, nodes: list[Node],
                         edge_mats: dict[tuple[int, int], list[list[float]]],
                         costs: list[list[float]], sinks: _StageSinks | None = None) -> None:
     """A weight read by several ops (an LM head tied to the embedding) is one tensor with one
