@@ -324,7 +324,7 @@ def test_a_pipelined_configs_ilp_objective_is_its_closed_form_step_time(seed):
     for choice in choices:
         assert problem.objective(best) <= problem.objective(choice) + 1e-9
         at = build(g, cluster, config, m, chunks, context_for, compute, None, interference,
-                   choice)
+                   choice, made=pipe.terms)
         est = estimate(g, cluster, config=config, global_batch_size=gbs, profile=None,
                        sharding=sharding_from_choice(g, config.tp, pipe.red, choice),
                        simulate_pipeline=False)

@@ -40,14 +40,30 @@ from autoplan.sharding.placement import REPLICATE
 
 
 @dataclass(frozen=True)
+class PipeTerms:
+    """What the ILP is made of, whatever the choice it is linearized at: per rank its forward,
+    backward and per-step tp seconds (its recompute policy's reduction), the sends, and the
+    parameters each choice holds there."""
+
+    red: Reduction
+    fwd: tuple[Linear, ...]
+    bwd: tuple[Linear, ...]
+    step: tuple[Linear, ...]
+    sends: Linear
+    held: tuple[Held, ...]
+
+
+@dataclass(frozen=True)
 class PipeProblem:
     """One pipelined configuration's ILP: its choices are ``red``'s (``sharding_from_choice``
-    takes them); ``bottleneck`` and ``worst``: the stages the objective prices."""
+    takes them); ``bottleneck`` and ``worst``: the stages the objective prices; ``terms``: to
+    build it again at another choice."""
 
     problem: ILPProblem
     red: Reduction
     bottleneck: int
     worst: int
+    terms: PipeTerms
 
 
 def stage_ranges(chunks: Sequence[Any], config: ParallelConfig) -> list[list[tuple[int, int]]]:
@@ -123,36 +139,49 @@ def _sends(graph: OpGraph, red: Reduction, ctx: CostContext, chunks: Sequence[An
     return Linear(const, tuple(tuple(r) for r in rows), zero)
 
 
-def build(graph: OpGraph, cluster: Any, config: ParallelConfig, m: int, chunks: Sequence[Any],
-          context_for: Callable[[str], CostContext], compute: Any, profile: Any,
-          interference: float, reference: Sequence[int],
-          stages: tuple[int, int] | None = None) -> PipeProblem:
-    """The ILP of ``config`` (pipelined, its layout fixed: ``chunks``), linearized at the
-    choice ``reference``; ``context_for(policy)``: the cost context of a recompute policy (the
-    mesh's, with ``m`` micro-batches). ``stages``: (bottleneck, worst) to price, else those of
-    ``reference``."""
-    p, v = config.pp, config.virtual_stages
+def terms(graph: OpGraph, cluster: Any, config: ParallelConfig, chunks: Sequence[Any],
+          context_for: Callable[[str], CostContext]) -> PipeTerms:
+    """``build``'s ingredients for ``config`` (pipelined, its layout fixed: ``chunks``);
+    ``context_for(policy)``: the cost context of a recompute policy (the mesh's, with its
+    micro-batches)."""
+    p = config.pp
     ranges = stage_ranges(chunks, config)
     reds = {pol: reduce_graph(context_for(pol), stages=ranges)
             for pol in sorted({config.stage_policy(r) for r in range(p)})}
-    any_red = next(iter(reds.values()))
-    problem = any_red.problem
-    fwd = [reds[config.stage_policy(r)].stage_fwd[r] for r in range(p)]
-    bwd = [reds[config.stage_policy(r)].stage_bwd[r] for r in range(p)]
-    step = [reds[config.stage_policy(r)].stage_step[r] for r in range(p)]
-    sends = _sends(graph, any_red, context_for(config.stage_policy(0)), chunks, config, cluster)
-    held = held_params(graph, any_red, config.tp, config.ep)
-    dp = []
+    red = next(iter(reds.values()))
+    held = held_params(graph, red, config.tp, config.ep)
+    per_rank = []
     for r in range(p):
         cs = [chunks[c] for c in config.rank_chunks(r)]
         tensors = sum(len({graph.value(n).base for i in range(start, stop)
                            for n in graph.ops[i].inputs if graph.value(n).kind == "param"})
                       for ch in cs for start, stop, _ in chunk_parts(ch))
-        layers = max(1, sum(len(ch.layers) for ch in cs))
-        options = tuple(tuple((j, False) for j in range(len(row))) for row in held.dense.nodes)
-        dp.append(dp_pieces(problem, _stage_held(held, any_red, r, tensors, layers), options,
-                            config, cluster, m, r, compute, profile, interference, fwd[r],
-                            bwd[r], reference))
+        per_rank.append(_stage_held(held, red, r, tensors,
+                                    max(1, sum(len(ch.layers) for ch in cs))))
+    of = [reds[config.stage_policy(r)] for r in range(p)]
+    return PipeTerms(red, tuple(x.stage_fwd[r] for r, x in enumerate(of)),
+                     tuple(x.stage_bwd[r] for r, x in enumerate(of)),
+                     tuple(x.stage_step[r] for r, x in enumerate(of)),
+                     _sends(graph, red, context_for(config.stage_policy(0)), chunks, config,
+                            cluster), tuple(per_rank))
+
+
+def build(graph: OpGraph, cluster: Any, config: ParallelConfig, m: int, chunks: Sequence[Any],
+          context_for: Callable[[str], CostContext], compute: Any, profile: Any,
+          interference: float, reference: Sequence[int],
+          stages: tuple[int, int] | None = None, made: PipeTerms | None = None
+          ) -> PipeProblem:
+    """The ILP of ``config`` (pipelined, its layout fixed: ``chunks``), linearized at the
+    choice ``reference``; ``context_for(policy)``: the cost context of a recompute policy (the
+    mesh's, with ``m`` micro-batches). ``stages``: (bottleneck, worst) to price, else those of
+    ``reference``; ``made``: the ``terms`` already made (a previous problem's)."""
+    p, v = config.pp, config.virtual_stages
+    t = made or terms(graph, cluster, config, chunks, context_for)
+    any_red, fwd, bwd, step, sends = t.red, t.fwd, t.bwd, t.step, t.sends
+    problem = any_red.problem
+    options = tuple(tuple((j, False) for j in range(len(row))) for row in problem.node_costs)
+    dp = [dp_pieces(problem, t.held[r], options, config, cluster, m, r, compute, profile,
+                    interference, fwd[r], bwd[r], reference) for r in range(p)]
     if stages is None:
         busy = [fwd[r].value(problem, reference) + bwd[r].value(problem, reference)
                 for r in range(p)]
@@ -179,17 +208,13 @@ def build(graph: OpGraph, cluster: Any, config: ParallelConfig, m: int, chunks: 
                     for (u, w, shared), mat in zip(problem.edges, objective.edges)),
         memory_budget=None, overlaps=overlaps, charges=charges,
         constant_s=objective.const + constant)
-    return PipeProblem(out, any_red, bottleneck, worst)
+    return PipeProblem(out, any_red, bottleneck, worst, t)
 
 
 def _dp_value(problem: ILPProblem, pieces: tuple, step: Linear, choice: Sequence[int]) -> float:
     """A rank's per-step terms at ``choice``: its tp step all-reduces and its dp terms."""
-    from autoplan.estimate.overlap import overlap_exposed_s
     rows, constant, overlaps, charges = pieces
     total = step.value(problem, choice) + constant + sum(
         rows[v][j] for v, j in enumerate(choice))
-    for o in overlaps:
-        total += o.times * overlap_exposed_s(o.comm.value(problem, choice),
-                                             o.window.value(problem, choice),
-                                             o.first.value(problem, choice), o.interference)
+    total += sum(o.value(problem, choice) for o in overlaps)
     return total + sum(c for c, when in charges if any(choice[v] == j for v, j in when))

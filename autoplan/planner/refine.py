@@ -87,10 +87,13 @@ def refine_pipe_ilp(graph: OpGraph, cluster: Any, cands: list[Candidate], gbs: i
                                        sharding=c.sharding, compute=base.compute,
                                        cluster=cluster, config=cfg))
 
-        def build(reference: tuple[int, ...]) -> Any:
+        made = pipe_problem.terms(graph, cluster, cfg, chunks,
+                                  lambda pol: replace(base, recompute=pol))
+
+        def build(reference: tuple[int, ...]) -> Any:     # (the reductions made once)
             return pipe_problem.build(graph, cluster, cfg, m, chunks,
                                       lambda pol: replace(base, recompute=pol), base.compute,
-                                      profile, base.interference, reference)
+                                      profile, base.interference, reference, made=made)
         pipe = build(c.ilp.choice)
         found: dict[tuple[int, ...], ILPSolution] = {}
         for _ in range(rounds):
