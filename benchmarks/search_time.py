@@ -70,7 +70,8 @@ def one(key: str) -> dict:
     gaps = [float(line.rsplit("gap ", 1)[1].rstrip("%")) for line in solves if "gap " in line]
     return {"case": key, "imports_s": imports_s, "solves": solves,
             "ilp_s": sum(times), "slowest_ilp_s": max(times, default=0.0),
-            "worst_gap": max(gaps, default=None), "world": cluster.world_size, "ops": len(graph.ops),
+            "worst_gap": max(gaps, default=None), "world": cluster.world_size,
+            "ops": len(graph.ops),
             "trace_s": t1 - t0, "search_s": t2 - t1, "total_s": t2 - t0,
             "ilps": p.solver.ilps_solved, "candidates": p.solver.candidates_evaluated,
             "vars": p.solver.num_variables, "constraints": p.solver.num_constraints,
@@ -99,10 +100,12 @@ def main(argv: list[str]) -> int:
                  else f"the chosen plan's sharding is Megatron's or tp 1; the largest: {size}")
         print(f"{r['case']} on {r['world']} devices: trace {r['trace_s']:.1f} s + search "
               f"{r['search_s']:.1f} s = {r['total_s']:.1f} s (importing torch "
-              f"and torch.export: {r['imports_s']:.1f} s apart); {r['ilps']} ILPs ({which}), {r['candidates']} configurations costed")
+              f"and torch.export: {r['imports_s']:.1f} s apart); {r['ilps']} ILPs ({which}), "
+              f"{r['candidates']} configurations costed")
         gap = (f", largest gap {r['worst_gap']:.2f}%" if r["worst_gap"] is not None
                else ", every one optimal or infeasible")
-        print(f"    ILPs: {r['ilp_s']:.2f} s of solving in all, the slowest {r['slowest_ilp_s']:.3f} s"
+        print(f"    ILPs: {r['ilp_s']:.2f} s of solving in all, the slowest "
+              f"{r['slowest_ilp_s']:.3f} s"
               f"{gap}")
         for line in r["solves"] if every else ():
             print(f"      {line}")

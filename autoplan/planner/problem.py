@@ -1,9 +1,10 @@
 """From an OpGraph to the sharding ILP, and from the ILP's answer back to a ``Sharding``.
 
 Graph reduction, so that a 96-layer model is one layer's problem:
-1. Repeated blocks fold onto their first instance: every op of instance k stands for the op at
-   the same position in instance 0 (``rep``, ``folding.py``); costs and memory count once per instance, and the
-   edge from one instance's output to the next instance's input is priced with its multiplicity.
+1. Repeated blocks fold onto their first instance (``folding.py``): every op of instance k
+   stands for the op at the same position in instance 0 (``rep``); costs and memory count once
+   per instance, and the edge from one instance's output to the next instance's input is
+   priced with its multiplicity.
 2. Ops that simply follow their producer (views, element-wise ops with one activation input,
    dropout, copies, reductions) join the producer's node: their placement is a function of the
    producer's strategy (when they cannot carry it, the node gathers the tensor first and pays).
