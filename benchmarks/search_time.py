@@ -10,8 +10,9 @@
 Targets (issue 15): Llama-3-8B on 64 H100 (8 nodes, global batch 16 x 8,192 tokens) plans in
 <= 2 s; GPT-3 175B on 1,024 A100 (128 DGX nodes, with pipelines) <= 10 s; no point of the sweep
 over 10 s. Each case runs in a fresh process; the planning time is tracing the model plus the
-search. The modules torch.export imports on its first use (torch._dynamo, ~0.9 s here) are
-timed apart ("imports"): a process pays them once, whatever it traces after.
+search. The modules torch.export imports on its first use (torch._dynamo, ~0.9 s here, and
+torch.export._trace with aot_autograd, ~0.2 s) are timed apart ("imports"): a process pays
+them once, whatever it traces after.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ def one(key: str) -> dict:
     import torch
     import torch._dynamo  # noqa: F401  (what torch.export imports on its first use)
     import torch.export  # noqa: F401
+    import torch.export._trace  # noqa: F401  (and aot_autograd, inductor's caches: ~0.2 s)
 
     from autoplan import Cluster, plan
     from autoplan.graph import trace

@@ -306,7 +306,9 @@ def _data_dir() -> Any:
 def _load_yaml(filename: str) -> dict[str, Any]:
     resource = _data_dir() / filename
     try:
-        raw = yaml.safe_load(resource.read_text(encoding="utf-8"))
+        # libyaml's loader where PyYAML was built with it (5x faster), the same safe subset
+        raw = yaml.load(resource.read_text(encoding="utf-8"),
+                        Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
     except FileNotFoundError:
         raise ClusterError(f"cost model data file {filename!r} not found in {_data_dir()}; reinstall autoplan") from None
     if not isinstance(raw, dict) or raw.get("schema_version") != SCHEMA_VERSION:

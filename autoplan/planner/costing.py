@@ -200,12 +200,26 @@ def dp_sharding(graph: OpGraph, cluster: Any, cand: Candidate, gbs: int,
     return replace(config, dp_whole=whole), sh, sol
 
 
+# recomputation only trades step time for memory: a stronger policy is never faster
+# (``estimate`` adds its forward compute; tests/test_search_prune.py). Offload is not ordered:
+# an offloaded optimizer step can run faster than a launch-bound one on the device.
+_RECOMPUTE_RANK = {"none": 0, "selective": 1, "full": 2}
+
+
 def evaluate(graph: OpGraph, cluster: Any, configs: list[ParallelConfig], sh: Sharding,
               sol: ILPSolution | None, gbs: int, profile: Any, opts: SearchOptions,
-              stats: Stats, label: str, simulate: bool = False) -> list[Candidate]:
+              stats: Stats, label: str, simulate: bool = False,
+              prune_dominated: bool = False) -> list[Candidate]:
+    """``configs`` costed on ``sh``. ``prune_dominated``: a config is skipped where one costed
+    before it differs only in a weaker recomputation policy and fits: it would be no faster
+    (``configs`` in the order ``space.policies`` makes, weaker policies first)."""
     out = []
+    fitting: dict[ParallelConfig, int] = {}     # the weakest policy that fits, per the rest
     sp = sh.t > 1 and any(s.style in SP_STYLES for s in sh.op_strategy)
     for c in configs:
+        rest = replace(c, recompute="none") if prune_dominated and c.pp == 1 else None
+        if rest is not None and fitting.get(rest, 3) <= _RECOMPUTE_RANK.get(c.recompute, 0):
+            continue
         # tp_comm_overlap only when asked for (the runtime cannot run it), and where it applies
         overlap = bool(opts.force.get("tp_comm_overlap")) and sp
         if c.sequence_parallel != sp or c.tp_comm_overlap != overlap:
@@ -222,6 +236,8 @@ def evaluate(graph: OpGraph, cluster: Any, configs: list[ParallelConfig], sh: Sh
             continue
         stats.evaluated += 1
         out.append(Candidate(est, sh, sol, label))
+        if rest is not None and est.fits:
+            fitting[rest] = min(fitting.get(rest, 3), _RECOMPUTE_RANK.get(c.recompute, 0))
     return out
 
 

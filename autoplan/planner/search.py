@@ -123,7 +123,8 @@ def _baselines(graph: OpGraph, cluster: Any, gbs: int, base: dict[str, Any], pro
         configs = [ParallelConfig(**{**base, **fields, "micro_batch_size": mbs, "recompute": r})
                    for mbs in space.mbs_options(per_replica, SearchOptions())
                    for r in (("none", "selective", "full") if mtp else ("none",))]
-        cands = evaluate(graph, cluster, configs, sh, None, gbs, profile, opts, stats, label)
+        cands = evaluate(graph, cluster, configs, sh, None, gbs, profile, opts, stats, label,
+                         prune_dominated=True)
         fitting = [c for c in cands if c.est.fits]
         pool = fitting or cands
         if pool:
@@ -257,7 +258,7 @@ def plan(model: Any, cluster: Any, *, global_batch_size: int, example_inputs: An
                             opts, stats, pinned=pinned)
                     sh, sol = ilp_cache[key + (ep,)]
                 found_ep = evaluate(graph, cluster, group, sh, sol, global_batch_size,
-                                     profile, opts, stats, "search")
+                                     profile, opts, stats, "search", prune_dominated=True)
                 if (shape.tp > 1 and opts.sharding == "ilp" and opts.fixed_sharding is None
                         and not any(c.est.fits for c in found_ep)):
                     budget = cluster.device.memory_bytes - (
@@ -267,7 +268,8 @@ def plan(model: Any, cluster: Any, *, global_batch_size: int, example_inputs: An
                                               pinned=pinned)
                     if sol2.status in ("optimal", "feasible"):
                         found_ep += evaluate(graph, cluster, group, sh2, sol2,
-                                              global_batch_size, profile, opts, stats, "search")
+                                              global_batch_size, profile, opts, stats, "search",
+                                              prune_dominated=True)
                 found += found_ep
             cands += found
             fit = [c for c in found if c.est.fits]
