@@ -156,3 +156,34 @@ def with_layout(config: ParallelConfig, counts: Sequence[int],
                    recompute=strongest_recompute(stage_policies),
                    stage_recompute=None if uniform else tuple(stage_policies))
 
+
+
+def step_floor_s(ci: CostInputs, m: int, policies: Sequence[str]) -> float:
+    """A lower bound on the closed-form step time (``estimate(simulate_pipeline=False)``) of
+    ``ci.config`` under any stage split and any per-stage choice among ``policies``, for
+    the search to skip a pipelined config that cannot come near its best without choosing its
+    layout. The bottleneck rank does at least ``1/p`` of the model's work per micro-batch (its
+    parts under the cheapest policy: layers, the ops around them), ``m`` times, plus the
+    bubble of ``(p-1)/v`` such stage-times; under a split backward the bubble holds only the
+    rank's forwards, at least the smallest forward share of any part under the costliest
+    policy (a stage's share is a weighted mean of its parts'). Communication beyond the tp
+    axis, the optimizer step and the overheads only add to it."""
+    from autoplan.estimate.chunk_cost import chunk_parts
+    from autoplan.estimate.config import SPLIT_BACKWARD
+    from autoplan.estimate.pipeline_sim import W_FRACTION
+    config = ci.config
+    p, v = config.pp, config.virtual_stages
+    order = [r for r in RECOMPUTE if r in policies] or ["none"]
+    (whole,) = chunks_from_counts(ci.graph, [len(pipeline_units(ci.graph))])
+    like = {(u.start, u.stop): u.like for u in whole.units}
+
+    def parts(policy: str) -> list[RangeCost]:
+        return [range_cost(ci, *like.get((s, e), (s, e)), policy) if is_layer
+                else range_cost(ci, s, e, "none") for s, e, is_layer in chunk_parts(whole)]
+    per_rank = sum(c.time_s for c in parts(order[0])) / p
+    stage_time = per_rank
+    if config.schedule in SPLIT_BACKWARD:
+        share = min((c.fwd_total_s / c.time_s for c in parts(order[-1]) if c.time_s > 0),
+                    default=0.0)
+        stage_time = per_rank * (share + (1 - share) * max(0.0, 1 - 2 * W_FRACTION))
+    return m * per_rank + (p - 1) / v * stage_time

@@ -10,7 +10,10 @@ estimator can never disagree about a configuration):
    then cost every ZeRO stage x recompute policy x optimizer offload x pipeline schedule with
    that sharding. Pipelined configs get their stage split and each stage's recompute policy
    from the min-max dynamic program of ``layout.search_layout`` (each stage's memory under its
-   schedule is a constraint) and are screened with the schedule's closed form;
+   schedule is a constraint) and are screened with the schedule's closed form. What cannot
+   win is not costed: a config that only recomputes more than one that fits, and a pipelined
+   one whose floor (``layout.step_floor_s``, below any layout's closed form) is more than
+   ``CLOSED_FORM_SLACK`` behind the best found so far;
 3. where nothing fits, solve the ILP again with the device memory as a constraint and cost the
    policies again with that sharding;
    then solve the best configurations without pipeline (up to three, within 5 % of the best)
@@ -43,7 +46,8 @@ from autoplan.graph.opgraph import OpGraph
 from autoplan.graph.trace import as_graph
 from autoplan.planner import mesh as meshes
 from autoplan.planner.assemble import assemble
-from autoplan.planner.costing import (Stats, evaluate, frugal, ilp_microbatches, ilp_sharding)
+from autoplan.planner.costing import (CLOSED_FORM_SLACK, Stats, evaluate, frugal,
+                                      ilp_microbatches, ilp_sharding)
 from autoplan.planner.ilp import ILPSolution
 from autoplan.planner.planfile import Plan
 from autoplan.planner.refine import refine_dp, refine_pipe_ilp, refine_pipelined
@@ -189,6 +193,7 @@ def plan(model: Any, cluster: Any, *, global_batch_size: int, example_inputs: An
             raise ConfigError(f"force ep={opts.force['ep']}: the model's "
                               f"{found.num_experts} experts do not split evenly over it")
     ilp_cache: dict[tuple[int, int], tuple[Sharding, ILPSolution | None]] = {}
+    bar_s: float | None = None           # the fastest fitting step found so far
     pinned = pins.resolve(graph, opts.pin) if opts.pin else {}
     for shape in shapes:
         where = (f"mesh pp{shape.pp} x dp{shape.dp}" + (f" x cp{shape.cp}" if shape.cp > 1
@@ -246,6 +251,10 @@ def plan(model: Any, cluster: Any, *, global_batch_size: int, example_inputs: An
             policies = space.policies(cfg, opts, cluster, graph,
                                       space.schedules(cfg, m, layers, opts))
             found = []
+            skipped = stats.below_floor
+            # a pipelined config whose floor is this far behind the best cannot win, even
+            # simulated (costing.CLOSED_FORM_SLACK)
+            behind = (bar_s * (1 + CLOSED_FORM_SLACK) if bar_s is not None else None)
             for ep in sorted({c.ep for c in policies}):
                 group = [c for c in policies if c.ep == ep]
                 ecfg = replace(cfg, ep=ep)
@@ -257,10 +266,13 @@ def plan(model: Any, cluster: Any, *, global_batch_size: int, example_inputs: An
                             ilp_microbatches(cluster, shape, mbs, global_batch_size, m),
                             opts, stats, pinned=pinned)
                     sh, sol = ilp_cache[key + (ep,)]
+                below = stats.below_floor
                 found_ep = evaluate(graph, cluster, group, sh, sol, global_batch_size,
-                                     profile, opts, stats, "search", prune_dominated=True)
+                                     profile, opts, stats, "search", prune_dominated=True,
+                                     behind_s=behind)
                 if (shape.tp > 1 and opts.sharding == "ilp" and opts.fixed_sharding is None
-                        and not any(c.est.fits for c in found_ep)):
+                        and not any(c.est.fits for c in found_ep)
+                        and (found_ep or stats.below_floor == below)):
                     budget = cluster.device.memory_bytes - (
                         found_ep[0].est.stages[0].memory.margin_bytes if found_ep else 0.0)
                     sh2, sol2 = ilp_sharding(graph, cluster, ecfg, profile, m, opts, stats,
@@ -269,17 +281,22 @@ def plan(model: Any, cluster: Any, *, global_batch_size: int, example_inputs: An
                     if sol2.status in ("optimal", "feasible"):
                         found_ep += evaluate(graph, cluster, group, sh2, sol2,
                                               global_batch_size, profile, opts, stats, "search",
-                                              prune_dominated=True)
+                                              prune_dominated=True, behind_s=behind)
                 found += found_ep
             cands += found
             fit = [c for c in found if c.est.fits]
             best = min(fit, key=Candidate.key) if fit else None
+            skipped = stats.below_floor - skipped
+            if best is not None and honours(best.est.config, opts.force):
+                bar_s = min(bar_s or best.est.step_time_s, best.est.step_time_s)
             say(f"{where} mbs {mbs}: "
                 + (f"best {best.est.step_time_s * 1e3:,.1f} ms ({best.est.config.short()})"
-                   if best else "nothing fits")
+                   if best else "nothing fits" if not skipped else "nothing costed")
+                + (f", {skipped} skipped (floor over {behind * 1e3:,.1f} ms)" if skipped
+                   else "")
                 + f"  [{stats.evaluated} configs, {stats.ilps} ILPs, "
                   f"{time.perf_counter() - stats.t0:.1f} s]")
-            if best is None:
+            if best is None and not skipped:
                 break       # larger micro-batches only need more memory
     if opts.sharding == "ilp" and opts.fixed_sharding is None:
         cands = refine_dp(graph, cluster, cands, global_batch_size, profile, opts, stats,
