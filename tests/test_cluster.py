@@ -530,3 +530,20 @@ def test_a_cpu_without_a_profile_is_calibrated_once_on_first_use(tmp_path, monke
     monkeypatch.setattr(local, "local_cpu_device_name", lambda: "cpu-another-machine")
     Cluster.local(2)
     assert "calibrating" not in capsys.readouterr().err
+
+
+def test_collective_time_is_the_estimates_time_to_the_bit():
+    """``collective_time_s`` (the cost model's per-tensor call) skips the breakdown that
+    ``collective_estimate`` reports; it is the same figure."""
+    import random
+    rng = random.Random(0)
+    for preset, nodes in (("dgx-h100", 8), ("dgx-a100-80gb", 4), ("dgx-a100-40gb", 1)):
+        cluster = Cluster.preset(preset, nodes=nodes)
+        for _ in range(500):
+            n = rng.choice([1, 2, 4, 8, 16, 32])
+            ranks = sorted(rng.sample(range(cluster.world_size), min(n, cluster.world_size)))
+            kind = rng.choice(["all_reduce", "all_gather", "reduce_scatter", "all_to_all",
+                               "broadcast"])
+            nbytes = rng.choice([0.0, 1.0, rng.random() * 1e9])
+            assert (cluster.collective_time_s(kind, nbytes, ranks)
+                    == cluster.collective_estimate(kind, nbytes, ranks).time_s)

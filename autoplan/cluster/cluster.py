@@ -34,6 +34,7 @@ from autoplan.cluster.collectives import (
     GroupProfile,
     check_kind,
     estimate,
+    estimate_time_s,
 )
 from autoplan.cluster.collectives import collective_bytes_per_rank as _bytes_per_rank
 from autoplan.cluster.specs import DeviceSpec, HostSpec, LinkSpec, check_keys, integer, text
@@ -153,7 +154,8 @@ class Cluster:
 
     def collective_time_s(self, kind: str, nbytes: float, ranks: Sequence[int]) -> float:
         """Seconds for one collective over ``ranks`` (``nbytes``: the full buffer on each rank)."""
-        return self.collective_estimate(kind, nbytes, ranks).time_s
+        return estimate_time_s(kind, nbytes, self.group_profile(ranks),
+                               step_overhead_s=STEP_OVERHEAD_S[self.backend])
 
     def collective_estimate(self, kind: str, nbytes: float, ranks: Sequence[int]) -> CollectiveEstimate:
         """Like :meth:`collective_time_s` but with the algorithm chosen and the alternatives."""

@@ -112,6 +112,22 @@ def estimate(kind: str, nbytes: float, profile: GroupProfile, *, step_overhead_s
         flat_time_s=flat_bw_s + flat_lat, hierarchical_time_s=hier_time)
 
 
+def estimate_time_s(kind: str, nbytes: float, profile: GroupProfile, *,
+                    step_overhead_s: float) -> float:
+    """``estimate(...).time_s`` without the breakdown (the cost model asks for it per tensor
+    moved; the same figure, to the bit)."""
+    check_kind(kind)
+    if isinstance(nbytes, bool) or not isinstance(nbytes, numbers.Real) or not 0 <= nbytes < math.inf:
+        raise ClusterError(f"nbytes must be a finite number >= 0, got {nbytes!r}")
+    if profile.num_ranks == 1:
+        return 0.0
+    bw_s, lat = _flat(kind, nbytes, profile, step_overhead_s)
+    hier = _hierarchical(kind, nbytes, profile, step_overhead_s)
+    if hier is not None and hier[0] + hier[1] < bw_s + lat:
+        bw_s, lat = hier
+    return bw_s + lat
+
+
 def _flat(kind: str, nbytes: float, p: GroupProfile, overhead: float) -> tuple[float, float]:
     """(bandwidth term, latency term) of the flat algorithm."""
     n, alpha = p.num_ranks, p.ring_step_latency_s + overhead

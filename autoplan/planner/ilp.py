@@ -195,16 +195,16 @@ def _objective_and_edges(prob, problem: ILPProblem, fixed: dict[int, int], x, ev
         if v in fixed:
             const += costs[fixed[v]]
         else:
-            terms += [costs[j] * x[v, j] for j in range(len(costs)) if costs[j]]
+            terms += [(x[v, j], costs[j]) for j in range(len(costs)) if costs[j]]
     n_edge_vars = 0
     for k, (u, v, r) in enumerate(problem.edges):
         if u in fixed and v in fixed:
             const += r[fixed[u]][fixed[v]]
         elif u in fixed:
             row = r[fixed[u]]
-            terms += [row[j] * x[v, j] for j in range(len(row)) if row[j]]
+            terms += [(x[v, j], row[j]) for j in range(len(row)) if row[j]]
         elif v in fixed:
-            terms += [r[i][fixed[v]] * x[u, i] for i in range(len(r)) if r[i][fixed[v]]]
+            terms += [(x[u, i], r[i][fixed[v]]) for i in range(len(r)) if r[i][fixed[v]]]
         elif all(c == 0 for row in r for c in row) and k not in in_overlaps:
             continue
         else:
@@ -216,7 +216,7 @@ def _objective_and_edges(prob, problem: ILPProblem, fixed: dict[int, int], x, ev
                 prob += (pulp.lpSum(e[i, j] for j in range(kv)) == x[u, i], f"edge_row_{k}_{i}")
             for j in range(kv):
                 prob += (pulp.lpSum(e[i, j] for i in range(ku)) == x[v, j], f"edge_col_{k}_{j}")
-            terms += [r[i][j] * e[i, j] for i in range(ku) for j in range(kv) if r[i][j]]
+            terms += [(e[i, j], r[i][j]) for i in range(ku) for j in range(kv) if r[i][j]]
     return terms, const, n_edge_vars
 
 
@@ -247,23 +247,36 @@ def _affine(problem: ILPProblem, lin: Linear, fixed: dict[int, int], x, evars,
             continue
         free = tuple((v, j) for v, j in when if v not in fixed)
         if free:
-            terms.append(amount * switches.of(free, x))
+            terms.append((switches.of(free, x), amount))
     for v, cs in enumerate(lin.nodes):
         if v in fixed:
             const += cs[fixed[v]]
         else:
-            terms += [c * x[v, j] for j, c in enumerate(cs) if c]
+            terms += [(x[v, j], c) for j, c in enumerate(cs) if c]
     for k, ((u, v, _), m) in enumerate(zip(problem.edges, lin.edges)):
         if u in fixed and v in fixed:
             const += m[fixed[u]][fixed[v]]
         elif u in fixed:
-            terms += [c * x[v, j] for j, c in enumerate(m[fixed[u]]) if c]
+            terms += [(x[v, j], c) for j, c in enumerate(m[fixed[u]]) if c]
         elif v in fixed:
-            terms += [row[fixed[v]] * x[u, i] for i, row in enumerate(m) if row[fixed[v]]]
+            terms += [(x[u, i], row[fixed[v]]) for i, row in enumerate(m) if row[fixed[v]]]
         else:
-            terms += [c * evars[k][i, j] for i, row in enumerate(m) for j, c in enumerate(row)
+            terms += [(evars[k][i, j], c) for i, row in enumerate(m) for j, c in enumerate(row)
                       if c]
-    return pulp.lpSum(terms) + const
+    return _sum(terms, const)
+
+
+def _sum(terms: list, const: float = 0.0) -> pulp.LpAffineExpression:
+    """``terms`` ((variable, coefficient) pairs, or expressions) summed in order, plus
+    ``const``: ``lpSum`` of the products, without an expression made per product."""
+    out = pulp.LpAffineExpression()
+    for t in terms:
+        if type(t) is tuple:
+            out.addterm(*t)
+        else:
+            out.addInPlace(t)
+    out.constant += const
+    return out
 
 
 def _overlap_terms(prob, problem: ILPProblem, fixed: dict[int, int], x, evars,
@@ -363,7 +376,7 @@ def _solve(problem: ILPProblem, time_limit_s: float, start: tuple[int, ...] | No
             o = problem.overlaps[n]
             b.setInitialValue(1 if o.comm.value(problem, start) > o.window.value(problem, start)
                               else 0)
-    prob += pulp.lpSum(terms) + const
+    prob += _sum(terms, const)
     _add_memory(prob, scaled, fixed, x)
     with tempfile.TemporaryDirectory() as tmp:
         log = os.path.join(tmp, "cbc.log")
