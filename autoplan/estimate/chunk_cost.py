@@ -223,15 +223,20 @@ def ep_comm_s(ci: CostInputs, start: int, stop: int) -> tuple[float, float]:
     return fwd, bwd
 
 
-def _cached(ci: CostInputs, what: str, where: tuple, make: Any) -> RangeCost:
+def cost_key(ci: CostInputs, where: tuple) -> tuple:
+    """What a range's cost reads, as a key (``cached_on_graph``)."""
+    cfg = ci.config
+    return (id(ci.sharding), id(ci.compute), id(ci.cluster), where, cfg.micro_batch_size,
+            cfg.precision, cfg.tp, cfg.tp_comm_overlap,
+            cfg.shard_degree if cfg.zero_stage >= 2 else 1, cfg.ep, ci.expert_load, cfg.cp)
+
+
+def cached_on_graph(ci: CostInputs, what: str, where: tuple, make: Any) -> Any:
     """``make()``, kept on the graph under ``where`` and every input a range's cost reads: the
     sharding, device model and cluster objects, and the config fields used (ZeRO-2/3 shard the
     tp step's gradient over dp)."""
     cache = ci.graph.__dict__.setdefault(what, {})
-    cfg = ci.config
-    key = (id(ci.sharding), id(ci.compute), id(ci.cluster), where, cfg.micro_batch_size,
-           cfg.precision, cfg.tp, cfg.tp_comm_overlap,
-           cfg.shard_degree if cfg.zero_stage >= 2 else 1, cfg.ep, ci.expert_load, cfg.cp)
+    key = cost_key(ci, where)
     hit = cache.get(key)
     if (hit is not None and hit[0] is ci.sharding and hit[1] is ci.compute
             and hit[2] is ci.cluster):
@@ -245,8 +250,8 @@ def _cached(ci: CostInputs, what: str, where: tuple, make: Any) -> RangeCost:
 
 def range_cost(ci: CostInputs, start: int, stop: int, policy: str) -> RangeCost:
     """Costs of ops[start:stop] under recompute ``policy`` (cached on the graph)."""
-    return _cached(ci, "_autoplan_range_costs", (start, stop, policy),
-                   lambda: _range_cost(ci, start, stop, policy))
+    return cached_on_graph(ci, "_autoplan_range_costs", (start, stop, policy),
+                           lambda: _range_cost(ci, start, stop, policy))
 
 
 def _loaded(ci: CostInputs) -> Any:
@@ -352,9 +357,9 @@ def _gathered_bytes(graph: OpGraph, sh: Sharding, i: int, precision: str) -> flo
 def chunk_cost(ci: CostInputs, chunk: Chunk, policy: str) -> RangeCost:
     """Sum of the chunk's layers (under ``policy``) and the ops around them (cached on the
     graph: configs that differ in ZeRO stage or schedule share their chunks)."""
-    return _cached(ci, "_autoplan_chunk_costs",
-                   (chunk.start, chunk.stop, chunk.layer_ranges, policy),
-                   lambda: _chunk_cost(ci, chunk, policy))
+    return cached_on_graph(ci, "_autoplan_chunk_costs",
+                           (chunk.start, chunk.stop, chunk.layer_ranges, policy),
+                           lambda: _chunk_cost(ci, chunk, policy))
 
 
 def _chunk_cost(ci: CostInputs, chunk: Chunk, policy: str) -> RangeCost:

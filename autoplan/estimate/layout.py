@@ -18,7 +18,8 @@ from collections.abc import Sequence
 from dataclasses import replace
 
 from autoplan.cost.memory import PRECISION_BYTES, model_state_bytes
-from autoplan.estimate.chunk_cost import CostInputs, RangeCost, range_cost, unit_costs
+from autoplan.estimate.chunk_cost import (CostInputs, RangeCost, cached_on_graph,
+                                          range_cost, unit_costs)
 from autoplan.estimate.config import (MULTI_CHUNK_SCHEDULES, RECOMPUTE, V_SCHEDULES,
                                       ParallelConfig, strongest_recompute)
 from autoplan.estimate.partition import (Chunk, Split, UnitChoice, chunks_from_counts,
@@ -168,22 +169,30 @@ def step_floor_s(ci: CostInputs, m: int, policies: Sequence[str]) -> float:
     rank's forwards, at least the smallest forward share of any part under the costliest
     policy (a stage's share is a weighted mean of its parts'). Communication beyond the tp
     axis, the optimizer step and the overheads only add to it."""
-    from autoplan.estimate.chunk_cost import chunk_parts
     from autoplan.estimate.config import SPLIT_BACKWARD
     from autoplan.estimate.pipeline_sim import W_FRACTION
     config = ci.config
     p, v = config.pp, config.virtual_stages
     order = [r for r in RECOMPUTE if r in policies] or ["none"]
+    total, share = cached_on_graph(ci, "_autoplan_floor_parts", (order[0], order[-1]),
+                                   lambda: _floor_parts(ci, order[0], order[-1]))
+    per_rank = total / p
+    stage_time = per_rank
+    if config.schedule in SPLIT_BACKWARD:
+        stage_time = per_rank * (share + (1 - share) * max(0.0, 1 - 2 * W_FRACTION))
+    return m * per_rank + (p - 1) / v * stage_time
+
+
+def _floor_parts(ci: CostInputs, cheapest: str, costliest: str) -> tuple[float, float]:
+    """The model's seconds per micro-batch (its layers under ``cheapest``, the ops around them
+    as they are), and the smallest forward share of any of those parts under ``costliest``."""
+    from autoplan.estimate.chunk_cost import chunk_parts
     (whole,) = chunks_from_counts(ci.graph, [len(pipeline_units(ci.graph))])
     like = {(u.start, u.stop): u.like for u in whole.units}
 
     def parts(policy: str) -> list[RangeCost]:
         return [range_cost(ci, *like.get((s, e), (s, e)), policy) if is_layer
                 else range_cost(ci, s, e, "none") for s, e, is_layer in chunk_parts(whole)]
-    per_rank = sum(c.time_s for c in parts(order[0])) / p
-    stage_time = per_rank
-    if config.schedule in SPLIT_BACKWARD:
-        share = min((c.fwd_total_s / c.time_s for c in parts(order[-1]) if c.time_s > 0),
-                    default=0.0)
-        stage_time = per_rank * (share + (1 - share) * max(0.0, 1 - 2 * W_FRACTION))
-    return m * per_rank + (p - 1) / v * stage_time
+    share = min((c.fwd_total_s / c.time_s for c in parts(costliest) if c.time_s > 0),
+                default=0.0)
+    return sum(c.time_s for c in parts(cheapest)), share
