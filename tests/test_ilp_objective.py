@@ -335,3 +335,36 @@ def test_a_pipelined_configs_ilp_objective_is_its_closed_form_step_time(seed):
             assert problem.objective(choice) == pytest.approx(est.step_time_s, rel=1e-3), (
                 name, config.short(), choice)
     assert priced >= 2, (name, config.short())
+
+
+@pytest.mark.parametrize("seed", range(len(PIPE_CASES)))
+def test_a_pipelined_configs_memory_rows_are_its_estimated_stage_memory(seed):
+    """Each rank's memory row (``pipe_problem.rank_memory``: the state of the parameters it
+    holds, the activations of the micro-batches it keeps in flight, its layers' inputs alone
+    where it recomputes in full) is the estimate's memory of that stage less its transient
+    buffers and margin, for random choices."""
+    from autoplan import estimate
+    from autoplan.planner import pipe_problem
+    rng, name, g, cluster, config, m, compute, context_for, reference = _pipe_case(seed)
+    red = reduce_graph(context_for("none"))
+    sh = sharding_from_choice(g, config.tp, red, reference)
+    chunks = chunks_for(CostInputs(graph=g, analysis=analyze(g), sharding=sh, compute=compute,
+                                   cluster=cluster, config=config))
+    made = pipe_problem.terms(g, cluster, config, chunks, context_for)
+    rows = pipe_problem.rank_memory(made, config, m)
+    gbs = config.dp * config.micro_batch_size * m
+    checked = 0
+    for k in range(6):
+        choice = (tuple(reference) if k == 0 else
+                  tuple(rng.randrange(len(node.choices)) for node in made.red.nodes))
+        est = estimate(g, cluster, config=config, global_batch_size=gbs, profile=None,
+                       sharding=sharding_from_choice(g, config.tp, made.red, choice),
+                       simulate_pipeline=False)
+        for r, stage in enumerate(est.stages):
+            mem = stage.memory
+            want = (mem.params_bytes + mem.grads_bytes + mem.optimizer_bytes
+                    + mem.activations_bytes)
+            assert rows[r].value(made.red.problem, choice) == pytest.approx(want, rel=2e-3), (
+                name, r, config.stage_policy(r), choice)
+            checked += 1
+    assert checked >= 6 * config.pp

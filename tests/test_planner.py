@@ -59,6 +59,31 @@ def test_ilp_equals_brute_force_on_random_problems(seed, budget):
         assert p.memory(sol.choice) <= p.memory_budget + 1e-6
 
 
+@pytest.mark.parametrize("seed", range(8))
+def test_ilp_with_memory_rows_equals_brute_force(seed):
+    """Per-device memory rows (a pipelined configuration's ranks, ``pipe_problem``): the
+    optimum among the choices within every row."""
+    from dataclasses import replace as with_
+    from autoplan.planner.ilp import Linear
+    rng = random.Random(100 + seed)
+    p = _random_problem(seed, budget=False)
+    rows = []
+    inside = tuple(rng.randrange(len(cs)) for cs in p.node_costs)    # within every row
+    for _ in range(3):
+        nodes = tuple(tuple(rng.uniform(0, 5) if rng.random() < 0.7 else 0.0 for _ in cs)
+                      for cs in p.node_costs)
+        lin = Linear(rng.uniform(0, 1), nodes)
+        rows.append((lin, lin.value(p, inside) + rng.uniform(0.0, 1.0)))
+    p = with_(p, memory_rows=tuple(rows))
+    sol = solve(p, time_limit_s=20)
+    best = brute_force(p)
+    assert best is not None and sol.status == "optimal"
+    assert sol.objective == pytest.approx(best[1], rel=1e-6)
+    assert p.fits(sol.choice)
+    unconstrained = brute_force(with_(p, memory_rows=()))
+    assert unconstrained[1] <= best[1] + 1e-12
+
+
 def _with_overlaps(p: ILPProblem, seed: int) -> ILPProblem:
     """``p`` with two overlap terms (communication behind a compute window), windows and
     communication both depending on the choice, one of them on the edges too."""

@@ -14,6 +14,7 @@ Constraints
     edge_row[u, v, i]:     sum_j e[u, v, i, j] = x[u, i]
     edge_col[u, v, j]:     sum_i e[u, v, i, j] = x[v, j]
     memory:                sum_v sum_j m[v, j] x[v, j] <= budget        (when a budget is given)
+    memory_row[k]:         an affine function of x <= its bound         (``memory_rows``)
 With x integral the two edge families force e = x_u (outer) x_v, so the linearization is exact.
 Nodes with one strategy carry no variable: their terms fold into constants and neighbours' c.
 
@@ -114,6 +115,9 @@ class ILPProblem:
     constant_s: float = 0.0          # seconds the choice does not change (in ``objective``)
     # (seconds, ((node, strategy), ...)): paid once where any of those is chosen
     charges: tuple[tuple[float, tuple[tuple[int, int], ...]], ...] = ()
+    # (bytes as an affine function of the choice, bound): more memory constraints, one per
+    # device that holds a different part (a pipelined configuration's ranks)
+    memory_rows: tuple[tuple[Linear, float], ...] = ()
 
     @property
     def num_nodes(self) -> int:
@@ -129,6 +133,11 @@ class ILPProblem:
 
     def memory(self, choice: tuple[int, ...] | list[int]) -> float:
         return sum(self.node_memory[v][j] for v, j in enumerate(choice))
+
+    def fits(self, choice: tuple[int, ...] | list[int]) -> bool:
+        """Within the memory budget and every memory row."""
+        return ((self.memory_budget is None or self.memory(choice) <= self.memory_budget)
+                and all(row.value(self, choice) <= bound for row, bound in self.memory_rows))
 
 
 @dataclass(frozen=True)
@@ -150,7 +159,7 @@ def brute_force(problem: ILPProblem) -> tuple[tuple[int, ...], float] | None:
         raise AutoplanError(f"brute force over {math.prod(sizes):,} combinations is too large")
     best: tuple[tuple[int, ...], float] | None = None
     for choice in itertools.product(*[range(k) for k in sizes]):
-        if problem.memory_budget is not None and problem.memory(choice) > problem.memory_budget:
+        if not problem.fits(choice):
             continue
         obj = problem.objective(choice)
         if best is None or obj < best[1] - 1e-15:
@@ -310,7 +319,12 @@ def _overlap_terms(prob, problem: ILPProblem, fixed: dict[int, int], x, evars,
     return terms, longer
 
 
-def _add_memory(prob, problem: ILPProblem, fixed: dict[int, int], x) -> None:
+def _add_memory(prob, problem: ILPProblem, fixed: dict[int, int], x, evars) -> None:
+    for k, (row, bound) in enumerate(problem.memory_rows):    # (node terms: bytes held)
+        if row.switched or any(any(c for r in m for c in r) for m in row.edges):
+            raise AutoplanError("a memory row prices nodes' choices only")
+        prob += (_affine(problem, row, fixed, x, evars, _Switches()) <= bound,
+                 f"memory_row_{k}")
     if problem.memory_budget is None:
         return
     fixed_mem = sum(problem.node_memory[v][j] for v, j in fixed.items())
@@ -336,7 +350,7 @@ def _solve(problem: ILPProblem, time_limit_s: float, start: tuple[int, ...] | No
     free = [v for v in range(problem.num_nodes) if v not in fixed]
     if not free:
         choice = tuple(0 for _ in problem.node_costs)
-        ok = problem.memory_budget is None or problem.memory(choice) <= problem.memory_budget
+        ok = problem.fits(choice)
         obj = problem.objective(choice)
         return ILPSolution(choice, "optimal" if ok else "infeasible", obj, obj, 0.0, 0, 0,
                            time.perf_counter() - t0)
@@ -352,7 +366,8 @@ def _solve(problem: ILPProblem, time_limit_s: float, start: tuple[int, ...] | No
                                o.first.scaled(scale), o.interference, o.times)
                        for o in problem.overlaps),
         constant_s=problem.constant_s * scale,
-        charges=tuple((c * scale, when) for c, when in problem.charges))
+        charges=tuple((c * scale, when) for c, when in problem.charges),
+        memory_rows=problem.memory_rows)
     prob = pulp.LpProblem("sharding", pulp.LpMinimize)
     x = _add_variables(prob, scaled, free)
     _add_one_strategy(prob, scaled, free, x)
@@ -377,7 +392,7 @@ def _solve(problem: ILPProblem, time_limit_s: float, start: tuple[int, ...] | No
             b.setInitialValue(1 if o.comm.value(problem, start) > o.window.value(problem, start)
                               else 0)
     prob += _sum(terms, const)
-    _add_memory(prob, scaled, fixed, x)
+    _add_memory(prob, scaled, fixed, x, evars)
     with tempfile.TemporaryDirectory() as tmp:
         log = os.path.join(tmp, "cbc.log")
         solver = pulp.PULP_CBC_CMD(msg=False, timeLimit=max(1, int(math.ceil(time_limit_s))),

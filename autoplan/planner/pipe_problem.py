@@ -18,7 +18,10 @@ The bottleneck stage and the stage with the largest data-parallel terms are take
 reference choice (the shared ILP's answer), as ``dp_problem`` linearizes the collectives there:
 the objective equals the closed-form step time of any choice that keeps them
 (``tests/test_ilp_objective.py``), and the search solves again where the answer moved them.
-Memory is left to the estimate, which checks the plan the answer makes before it is kept.
+Each rank's memory is a row: the model state of the parameters it holds and the activations
+of the micro-batches it keeps in flight, linear in the choice (``rank_memory``), within the room
+the reference's estimate leaves beside its transient buffers; the estimate checks the plan the
+answer makes before it is kept.
 A weight read by several nodes (a tied LM head) costs its readers' ranks what the shared
 problem's pair terms say, each on the rank of the reader whose gradient all-reduce moves.
 """
@@ -51,6 +54,7 @@ class PipeTerms:
     step: tuple[Linear, ...]
     sends: Linear
     held: tuple[Held, ...]
+    acts: tuple[Linear, ...] = ()     # per rank: activation bytes kept per micro-batch
 
 
 @dataclass(frozen=True)
@@ -159,22 +163,82 @@ def terms(graph: OpGraph, cluster: Any, config: ParallelConfig, chunks: Sequence
         per_rank.append(_stage_held(held, red, r, tensors,
                                     max(1, sum(len(ch.layers) for ch in cs))))
     of = [reds[config.stage_policy(r)] for r in range(p)]
+    acts = [x.stage_acts[r] for r, x in enumerate(of)]
+    for r in range(p):
+        if config.stage_policy(r) == "full":     # the layers keep only their inputs
+            acts[r] = _plus((1.0, acts[r]), (1.0, _layer_inputs(
+                graph, red, context_for("full"), [chunks[c] for c in config.rank_chunks(r)])))
     return PipeTerms(red, tuple(x.stage_fwd[r] for r, x in enumerate(of)),
                      tuple(x.stage_bwd[r] for r, x in enumerate(of)),
                      tuple(x.stage_step[r] for r, x in enumerate(of)),
                      _sends(graph, red, context_for(config.stage_policy(0)), chunks, config,
-                            cluster), tuple(per_rank))
+                            cluster), tuple(per_rank), tuple(acts))
+
+
+def _layer_inputs(graph: OpGraph, red: Reduction, ctx: CostContext, chunks: Sequence[Any]
+                  ) -> Linear:
+    """Bytes per micro-batch that the layers of ``chunks`` keep under full recomputation: each
+    layer's inputs (``cost.memory.activation_parts``), as their producers' choices leave them
+    (split over tp or whole)."""
+    from autoplan.cost.memory import _meta_bytes
+    from autoplan.graph.analysis import analyze
+    a = analyze(graph)
+    rows = [[0.0] * len(node.choices) for node in red.nodes]
+    const = 0.0
+    for ch in chunks:
+        for start, stop, is_layer in chunk_parts(ch):
+            if not is_layer:
+                continue
+            seen: set[str] = set()
+            for i in range(start, stop):
+                for n in graph.ops[i].inputs:
+                    v = graph.value(n)
+                    base = v.base
+                    if (v.kind != "activation" or graph.value(base).kind != "activation"
+                            or a.producer.get(base, -1) >= start or base in seen):
+                        continue
+                    seen.add(base)
+                    nbytes = _meta_bytes(graph.value(base).meta, ctx.precision) * (
+                        ctx.batch_scale if base in a.batch_dependent else 1.0)
+                    if ctx.context is not None:
+                        nbytes *= ctx.context.value_scale(base)
+                    k = a.producer.get(base)
+                    u = red.node_of.get(red.rep[k]) if k is not None else None
+                    if u is None:
+                        const += nbytes
+                        continue
+                    x_rep = graph.ops[red.rep[k]].outputs[graph.ops[k].outputs.index(base)]
+                    for j, place in enumerate(red.nodes[u].placement):
+                        split = place.get(x_rep, REPLICATE).kind == "S"
+                        rows[u][j] += nbytes / (ctx.t if split else 1)
+    return Linear(const, tuple(tuple(r) for r in rows))
+
+
+def rank_memory(t: PipeTerms, config: ParallelConfig, m: int) -> tuple[Linear, ...]:
+    """Per pipeline rank, the device bytes the choice decides there (``estimate``'s stage
+    memory less its transient buffers and margin): the model state of the parameters it holds,
+    ZeRO-sharded as ``config`` shards them, and the activations of the micro-batches it keeps in
+    flight under its schedule (``layout.in_flight``)."""
+    from autoplan.cost.memory import model_state_bytes
+    from autoplan.estimate.layout import in_flight
+    state = model_state_bytes(1.0, dp=config.shard_degree, zero_stage=config.zero_stage,
+                              precision=config.precision, optimizer=config.optimizer,
+                              offload_optimizer=config.offload_optimizer,
+                              offload_params=config.offload_params).total_bytes
+    return tuple(_plus((state, held.dense), (in_flight(config, m, r), acts))
+                 for r, (held, acts) in enumerate(zip(t.held, t.acts)))
 
 
 def build(graph: OpGraph, cluster: Any, config: ParallelConfig, m: int, chunks: Sequence[Any],
           context_for: Callable[[str], CostContext], compute: Any, profile: Any,
           interference: float, reference: Sequence[int],
-          stages: tuple[int, int] | None = None, made: PipeTerms | None = None
-          ) -> PipeProblem:
+          stages: tuple[int, int] | None = None, made: PipeTerms | None = None,
+          room_bytes: Sequence[float] | None = None) -> PipeProblem:
     """The ILP of ``config`` (pipelined, its layout fixed: ``chunks``), linearized at the
     choice ``reference``; ``context_for(policy)``: the cost context of a recompute policy (the
     mesh's, with ``m`` micro-batches). ``stages``: (bottleneck, worst) to price, else those of
-    ``reference``; ``made``: the ``terms`` already made (a previous problem's)."""
+    ``reference``; ``made``: the ``terms`` already made (a previous problem's); ``room_bytes``:
+    per rank, the most its ``rank_memory`` may be (one memory row each)."""
     p, v = config.pp, config.virtual_stages
     t = made or terms(graph, cluster, config, chunks, context_for)
     any_red, fwd, bwd, step, sends = t.red, t.fwd, t.bwd, t.step, t.sends
@@ -207,7 +271,9 @@ def build(graph: OpGraph, cluster: Any, config: ParallelConfig, m: int, chunks: 
                                  for r, rz in zip(mat, shared)))
                     for (u, w, shared), mat in zip(problem.edges, objective.edges)),
         memory_budget=None, overlaps=overlaps, charges=charges,
-        constant_s=objective.const + constant)
+        constant_s=objective.const + constant,
+        memory_rows=() if room_bytes is None else tuple(
+            zip(rank_memory(t, config, m), room_bytes)))
     return PipeProblem(out, any_red, bottleneck, worst, t)
 
 

@@ -114,6 +114,8 @@ class Reduction:
     stage_bwd: tuple[Linear, ...] = ()
     stage_step: tuple[Linear, ...] = ()
     stage_share: tuple[tuple[int, ...], ...] = ()    # per node, its instances on each rank
+    # per rank, the activation bytes each choice keeps there per micro-batch (node terms)
+    stage_acts: tuple[Linear, ...] = ()
 
 
 def _comm_bytes(ctx: CostContext, name: str, scale: float, phase: str, kind: str = "",
@@ -188,9 +190,9 @@ def _recomputes_comms(ctx: CostContext, node: Node) -> bool:
 
 
 def _node_cost(ctx: CostContext, node: Node, j: int, savers: dict[tuple[int, str], int],
-               part_of: list[int]) -> tuple[float, float, float, float]:
-    """(seconds per step, bytes per device, forward and backward seconds per micro-batch) of
-    strategy j, for all instances it stands for."""
+               part_of: list[int]) -> tuple[float, float, float, float, float]:
+    """(seconds per step, bytes per device, forward and backward seconds per micro-batch,
+    activation bytes kept per micro-batch) of strategy j, for all instances it stands for."""
     graph = ctx.graph
     a = analyze(graph)
     fwd = bwd = fwd_comm = step = 0.0
@@ -276,7 +278,7 @@ def _node_cost(ctx: CostContext, node: Node, j: int, savers: dict[tuple[int, str
     fwd += fwd_comm
     time_s = node.mult * (ctx.microbatches * (fwd + bwd) + step)
     mem = node.mult * (params + acts * ctx.activation_multiplier) + once
-    return time_s, mem, node.mult * fwd, node.mult * bwd
+    return time_s, mem, node.mult * fwd, node.mult * bwd, node.mult * acts + once
 
 
 def reduce_graph(ctx: CostContext,
@@ -306,16 +308,19 @@ def reduce_graph(ctx: CostContext,
     mems = [[0.0] * len(n.choices) for n in nodes]
     fwds = [[0.0] * len(n.choices) for n in nodes]
     bwds = [[0.0] * len(n.choices) for n in nodes]
+    acts = [[0.0] * len(n.choices) for n in nodes]
     savers, part_of = _activation_owners(graph, ctx.recompute)
     for v, node in enumerate(nodes):
         for j in range(len(node.choices)):
-            costs[v][j], mems[v][j], fwds[v][j], bwds[v][j] = _node_cost(ctx, node, j, savers,
-                                                                         part_of)
+            costs[v][j], mems[v][j], fwds[v][j], bwds[v][j], acts[v][j] = _node_cost(
+                ctx, node, j, savers, part_of)
     # per rank: its instances' share of each node's seconds (instances cost alike)
     s_fwd = [[[f * share[v][r] / nodes[v].mult for f in fwds[v]] for v in range(len(nodes))]
              for r in range(n_stages)]
     s_bwd = [[[b * share[v][r] / nodes[v].mult for b in bwds[v]] for v in range(len(nodes))]
              for r in range(n_stages)]
+    s_acts = [[[x * share[v][r] / nodes[v].mult for x in acts[v]] for v in range(len(nodes))]
+              for r in range(n_stages)]
     s_step = [[[(c - ctx.microbatches * (f + b)) * share[v][r] / nodes[v].mult
                 for c, f, b in zip(costs[v], fwds[v], bwds[v])] for v in range(len(nodes))]
               for r in range(n_stages)]
@@ -426,7 +431,9 @@ def reduce_graph(ctx: CostContext,
                                      for r in range(n_stages)),
                      stage_step=tuple(aligned(0.0, s_step[r], st_edge_step[r])
                                       for r in range(n_stages)),
-                     stage_share=tuple(tuple(row) for row in share))
+                     stage_share=tuple(tuple(row) for row in share),
+                     stage_acts=tuple(Linear(0.0, tuple(tuple(c) for c in s_acts[r]))
+                                      for r in range(n_stages)))
 
 
 @dataclass(frozen=True)

@@ -64,8 +64,9 @@ def refine_pipe_ilp(graph: OpGraph, cluster: Any, cands: list[Candidate], gbs: i
     the sends, the dp terms of the stage where they are largest; those within ``within`` of
     the best configuration found, as ``refine_dp`` takes them), linearized at the shared
     answer and again at each new answer while it moves the bottleneck or the dp stage (up to
-    ``rounds``); what it finds replaces the shared sharding where it fits and is faster. Not
-    with expert or context parallelism (their terms are the shared problem's only)."""
+    ``rounds``), each rank's memory a row within the room the shared answer leaves it; what it
+    finds replaces the shared sharding where it fits and is faster. Not with expert or context
+    parallelism (their terms are the shared problem's only)."""
     from autoplan.estimate.chunk_cost import CostInputs
     from autoplan.estimate.layout import chunks_for
     from autoplan.graph.analysis import analyze
@@ -90,10 +91,18 @@ def refine_pipe_ilp(graph: OpGraph, cluster: Any, cands: list[Candidate], gbs: i
         made = pipe_problem.terms(graph, cluster, cfg, chunks,
                                   lambda pol: replace(base, recompute=pol))
 
+        # each rank's memory: the room the shared answer's estimate leaves it, beside what
+        # the choice does not decide (transient buffers, the margin)
+        held = pipe_problem.rank_memory(made, cfg, m)
+        room = [cluster.device.memory_bytes - st.memory.total_bytes
+                + held[r].value(made.red.problem, c.ilp.choice)
+                for r, st in enumerate(c.est.stages)]
+
         def build(reference: tuple[int, ...]) -> Any:     # (the reductions made once)
             return pipe_problem.build(graph, cluster, cfg, m, chunks,
                                       lambda pol: replace(base, recompute=pol), base.compute,
-                                      profile, base.interference, reference, made=made)
+                                      profile, base.interference, reference, made=made,
+                                      room_bytes=room)
         pipe = build(c.ilp.choice)
         found: dict[tuple[int, ...], ILPSolution] = {}
         for _ in range(rounds):

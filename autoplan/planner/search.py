@@ -20,7 +20,8 @@ estimator can never disagree about a configuration):
    again, each with its own data-parallel terms (``dp_problem``: the shared ILP leaves them
    out; under ZeRO-3 each weight sharded or kept whole), keeping what it finds where no slower,
    and the best pipelined ones with their own step (``pipe_problem``: bottleneck stage, bubble,
-   sends, the largest stage's dp terms), keeping what it finds where faster;
+   sends, the largest stage's dp terms; each rank's memory a row), keeping what it finds where
+   faster;
 4. add the three baselines (pure data parallel, FSDP only, Megatron-style TP inside a node and
    DP across) costed by the same model, so the plan is never predicted slower than them;
 5. simulate the best pipelined candidates (and the best of each schedule) event by event;
