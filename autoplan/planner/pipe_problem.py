@@ -164,54 +164,11 @@ def terms(graph: OpGraph, cluster: Any, config: ParallelConfig, chunks: Sequence
                                     max(1, sum(len(ch.layers) for ch in cs))))
     of = [reds[config.stage_policy(r)] for r in range(p)]
     acts = [x.stage_acts[r] for r, x in enumerate(of)]
-    for r in range(p):
-        if config.stage_policy(r) == "full":     # the layers keep only their inputs
-            acts[r] = _plus((1.0, acts[r]), (1.0, _layer_inputs(
-                graph, red, context_for("full"), [chunks[c] for c in config.rank_chunks(r)])))
     return PipeTerms(red, tuple(x.stage_fwd[r] for r, x in enumerate(of)),
                      tuple(x.stage_bwd[r] for r, x in enumerate(of)),
                      tuple(x.stage_step[r] for r, x in enumerate(of)),
                      _sends(graph, red, context_for(config.stage_policy(0)), chunks, config,
                             cluster), tuple(per_rank), tuple(acts))
-
-
-def _layer_inputs(graph: OpGraph, red: Reduction, ctx: CostContext, chunks: Sequence[Any]
-                  ) -> Linear:
-    """Bytes per micro-batch that the layers of ``chunks`` keep under full recomputation: each
-    layer's inputs (``cost.memory.activation_parts``), as their producers' choices leave them
-    (split over tp or whole)."""
-    from autoplan.cost.memory import _meta_bytes
-    from autoplan.graph.analysis import analyze
-    a = analyze(graph)
-    rows = [[0.0] * len(node.choices) for node in red.nodes]
-    const = 0.0
-    for ch in chunks:
-        for start, stop, is_layer in chunk_parts(ch):
-            if not is_layer:
-                continue
-            seen: set[str] = set()
-            for i in range(start, stop):
-                for n in graph.ops[i].inputs:
-                    v = graph.value(n)
-                    base = v.base
-                    if (v.kind != "activation" or graph.value(base).kind != "activation"
-                            or a.producer.get(base, -1) >= start or base in seen):
-                        continue
-                    seen.add(base)
-                    nbytes = _meta_bytes(graph.value(base).meta, ctx.precision) * (
-                        ctx.batch_scale if base in a.batch_dependent else 1.0)
-                    if ctx.context is not None:
-                        nbytes *= ctx.context.value_scale(base)
-                    k = a.producer.get(base)
-                    u = red.node_of.get(red.rep[k]) if k is not None else None
-                    if u is None:
-                        const += nbytes
-                        continue
-                    x_rep = graph.ops[red.rep[k]].outputs[graph.ops[k].outputs.index(base)]
-                    for j, place in enumerate(red.nodes[u].placement):
-                        split = place.get(x_rep, REPLICATE).kind == "S"
-                        rows[u][j] += nbytes / (ctx.t if split else 1)
-    return Linear(const, tuple(tuple(r) for r in rows))
 
 
 def rank_memory(t: PipeTerms, config: ParallelConfig, m: int) -> tuple[Linear, ...]:

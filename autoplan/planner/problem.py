@@ -281,6 +281,48 @@ def _node_cost(ctx: CostContext, node: Node, j: int, savers: dict[tuple[int, str
     return time_s, mem, node.mult * fwd, node.mult * bwd, node.mult * acts + once
 
 
+def _layer_inputs(graph: OpGraph, nodes: Sequence[Node], rep: Sequence[int],
+                  node_of: dict[int, int], ctx: CostContext, chunk_of: Sequence[int]
+                  ) -> list[tuple[int, int, int, float]]:
+    """What the layers keep per micro-batch under full recomputation: each layer's inputs
+    (``cost.memory.activation_parts``), as (the layer's first op, producing node, its choice,
+    bytes), split over tp where the producer's choice leaves them split; an input several
+    layers read (a mask) once per chunk (``chunk_of``: op -> chunk), as the estimate keeps it."""
+    from autoplan.cost.memory import shared_inputs
+    from autoplan.estimate.chunk_cost import chunk_parts
+    from autoplan.estimate.partition import partition
+    a = analyze(graph)
+    shared, held_once = shared_inputs(graph), set()
+    out = []
+    (whole,) = partition(graph, 1)
+    for start, stop, is_layer in chunk_parts(whole):
+        if not is_layer:
+            continue
+        seen: set[str] = set()
+        for i in range(start, stop):
+            for n in graph.ops[i].inputs:
+                base = graph.value(n).base
+                if (graph.value(n).kind != "activation" or graph.value(base).kind != "activation"
+                        or a.producer.get(base, -1) >= start or base in seen
+                        or (chunk_of[start], base) in held_once):
+                    continue
+                seen.add(base)
+                if base in shared:
+                    held_once.add((chunk_of[start], base))
+                b = value_bytes(ctx, base) * (ctx.context.value_scale(base)
+                                              if ctx.context is not None else 1.0)
+                k = a.producer[base]
+                u = node_of.get(rep[k])
+                if u is None:
+                    raise ConfigError(f"op {graph.ops[k].name} makes a layer's input but no "
+                                      "sharding node holds it")
+                x_rep = graph.ops[rep[k]].outputs[graph.ops[k].outputs.index(base)]
+                for j, place in enumerate(nodes[u].placement):
+                    split = place.get(x_rep, REPLICATE).kind == "S"
+                    out.append((start, u, j, b / (ctx.t if split else 1)))
+    return out
+
+
 def reduce_graph(ctx: CostContext,
                  stages: Sequence[Sequence[tuple[int, int]]] | None = None) -> Reduction:
     """The sharding problem of ``ctx``; ``stages`` (per pipeline rank, the op ranges of its
@@ -290,9 +332,11 @@ def reduce_graph(ctx: CostContext,
     rep, mult, inst = representatives(graph)
     nodes, node_of = group(graph, rep, mult, inst)
     stage_of = [0] * len(graph.ops)
+    chunk_of = [0] * len(graph.ops)
     for r, ranges in enumerate(stages or ()):
         for start, stop in ranges:
             stage_of[start:stop] = [r] * (stop - start)
+            chunk_of[start:stop] = [start] * (stop - start)
     n_stages = len(stages or ())
     # per node: how many of its instances each rank runs (by the instance's leading op)
     share = [[0] * n_stages for _ in nodes]
@@ -321,6 +365,11 @@ def reduce_graph(ctx: CostContext,
              for r in range(n_stages)]
     s_acts = [[[x * share[v][r] / nodes[v].mult for x in acts[v]] for v in range(len(nodes))]
               for r in range(n_stages)]
+    if ctx.recompute == "full":     # the layers keep only their inputs, on their layer's rank
+        for start, u, j, b in _layer_inputs(graph, nodes, rep, node_of, ctx, chunk_of):
+            mems[u][j] += b * ctx.activation_multiplier
+            if n_stages:
+                s_acts[stage_of[start]][u][j] += b
     s_step = [[[(c - ctx.microbatches * (f + b)) * share[v][r] / nodes[v].mult
                 for c, f, b in zip(costs[v], fwds[v], bwds[v])] for v in range(len(nodes))]
               for r in range(n_stages)]
