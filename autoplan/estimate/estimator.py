@@ -87,7 +87,9 @@ def estimate(model: Any, cluster: Any, *, config: ParallelConfig, global_batch_s
     measured profile of the cluster's device type, when one is installed). ``sharding``: the
     per-op tensor-parallel strategies (from the planner); by default Megatron-LM's rule for
     ``config.tp`` and ``config.sequence_parallel``. ``simulate_pipeline=False`` uses the closed
-    form for pipelined configs (bubble (p-1)/v stage-times, the schedule's in-flight formulas):
+    form for pipelined configs (bubble: one micro-batch through every other rank over v, or
+    (p-1)/v of the bottleneck's unfilled stage-times under a split backward; the schedule's
+    in-flight formulas):
     the planner screens with it and simulates the finalists. ``expert_capacity_factor``
     (MoE, >= 1): the router's capacity factor, read as how far above the balanced share of
     routed rows the busiest expert-parallel rank may get (its expert compute, activations and
@@ -131,10 +133,14 @@ def estimate(model: Any, cluster: Any, *, config: ParallelConfig, global_batch_s
     simulated_comm: tuple[float, float] | None = None    # (gradient syncs, gathers) exposed
     bubble_s = p2p_s = 0.0
     if p > 1 and not simulate_pipeline:
-        t_mb = stage_f[bottleneck] + stage_b[bottleneck]
         if config.schedule in SPLIT_BACKWARD:   # W's fill all but F + B - W of a stage time
             t_mb = stage_f[bottleneck] + stage_b[bottleneck] * max(0.0, 1 - 2 * W_FRACTION)
-        bubble_s = (p - 1) / v * t_mb
+            bubble_s = (p - 1) / v * t_mb
+        else:
+            # fill and drain: one micro-batch through every other rank, forward and backward
+            # ((p - 1) bottleneck stage-times on even stages; on uneven ones, what the
+            # simulator finds where the bottleneck is the last rank, and above it elsewhere)
+            bubble_s = sum(stage_f[r] + stage_b[r] for r in range(p) if r != bottleneck) / v
         p2p_s = 2.0 * sum(_sends(config, cluster, costs))
     elif p > 1:
         fwd = [c.fwd_total_s for c in costs]

@@ -163,12 +163,14 @@ def step_floor_s(ci: CostInputs, m: int, policies: Sequence[str]) -> float:
     """A lower bound on the closed-form step time (``estimate(simulate_pipeline=False)``) of
     ``ci.config`` under any stage split and any per-stage choice among ``policies``, for
     the search to skip a pipelined config that cannot come near its best without choosing its
-    layout. The bottleneck rank does at least ``1/p`` of the model's work per micro-batch (its
-    parts under the cheapest policy: layers, the ops around them), ``m`` times, plus the
-    bubble of ``(p-1)/v`` such stage-times; under a split backward the bubble holds only the
-    rank's forwards, at least the smallest forward share of any part under the costliest
-    policy (a stage's share is a weighted mean of its parts'). Communication beyond the tp
-    axis, the optimizer step and the overheads only add to it."""
+    layout. The bottleneck rank does at least ``1/p`` of the model's work ``S`` per micro-batch
+    (its parts under the cheapest policy: layers, the ops around them), ``m`` times, plus the
+    bubble, the other ranks' stage-times over ``v``: ``m T + (S - T) / v`` grows with the
+    bottleneck's ``T`` (``m >= 1/v``), least at ``T = S/p``, i.e. ``(p-1)/v`` such
+    stage-times. Under a split backward the bubble is ``(p-1)/v`` of the bottleneck's
+    forwards, at least the smallest forward share of any part under the costliest policy (a
+    stage's share is a weighted mean of its parts'). Communication beyond the tp axis, the
+    optimizer step and the overheads only add to it."""
     from autoplan.estimate.config import SPLIT_BACKWARD
     from autoplan.estimate.pipeline_sim import W_FRACTION
     config = ci.config

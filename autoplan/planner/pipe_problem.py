@@ -3,8 +3,9 @@
 The shared tp-axis ILP (``problem.py``) prices a sharding's per-micro-batch costs over the whole
 model, as if it ran on one stage. A pipelined configuration's step (``estimate``'s closed form)
 is instead paced by its bottleneck stage: ``m`` micro-batches of that stage's forward and
-backward, the schedule's bubble of ``(p - 1) / v`` of them (a split-backward schedule's
-weight gradients fill part of it), the activations sent between stages, and the data-parallel,
+backward, the schedule's bubble (one micro-batch through every other rank, over ``v``; under
+a split backward ``(p - 1) / v`` of the bottleneck's forwards and unfilled backwards), the
+activations sent between stages, and the data-parallel,
 ZeRO and optimizer terms of the stage where they are largest. For one configuration with its
 stage layout fixed (``chunk_layers``, each stage's recompute policy) this module writes that
 step as an ILP over the same choices:
@@ -210,10 +211,14 @@ def build(graph: OpGraph, cluster: Any, config: ParallelConfig, m: int, chunks: 
         worst = max(range(p), key=lambda r: _dp_value(problem, dp[r], step[r], reference))
     else:
         bottleneck, worst = stages
-    fill = max(0.0, 1 - 2 * W_FRACTION) if config.schedule in SPLIT_BACKWARD else 1.0
-    bubble = (p - 1) / v
-    objective = _plus((m + bubble, fwd[bottleneck]), (m + fill * bubble, bwd[bottleneck]),
-                      (2.0, sends), (1.0, step[worst]))
+    if config.schedule in SPLIT_BACKWARD:      # the bottleneck's (p-1)/v, W's filling part
+        bubble = (p - 1) / v
+        fill = max(0.0, 1 - 2 * W_FRACTION)
+        paced = [(m + bubble, fwd[bottleneck]), (m + fill * bubble, bwd[bottleneck])]
+    else:                                      # one micro-batch through every other rank
+        paced = [(float(m), fwd[bottleneck]), (float(m), bwd[bottleneck])] + [
+            (1.0 / v, x[r]) for r in range(p) if r != bottleneck for x in (fwd, bwd)]
+    objective = _plus(*paced, (2.0, sends), (1.0, step[worst]))
     rows, constant, overlaps, charges = dp[worst]
     ops = sum(chunks[c].stop - chunks[c].start for c in config.rank_chunks(bottleneck))
     constant += framework_s(graph, profile, compute, m, ops)
