@@ -27,6 +27,7 @@ from autoplan.errors import ConfigError
 from autoplan.planner.axis_costs import (ExpertExchanges, cp_comms_s, cp_held, exchange_s,
                                          expert_exchanges, sent_again, value_bytes)
 from autoplan.planner.folding import Node, group, representatives
+from autoplan.planner.kept import activation_owners, layer_inputs
 from autoplan.planner.ilp import ILPProblem, Linear
 from autoplan.sharding.context_axis import ContextAxis, share_at, tp_allowed
 from autoplan.sharding.placement import REPLICATE, Placement
@@ -66,34 +67,6 @@ class CostContext:
     @property
     def micro_batch(self) -> int:
         return max(1, round(self.batch_scale * self.graph.batch_size))
-
-
-def _activation_owners(graph: OpGraph, recompute: str
-                       ) -> tuple[dict[tuple[int, str], int], list[int]]:
-    """Which op counts each kept activation, as ``cost.memory.activation_bytes`` does over each
-    part of the estimate's one chunk (a layer, or the ops around the layers): per (part, value)
-    the first op of the part that keeps it, skipping what the policy drops (a tensor several
-    layers keep, made outside them, once for the whole chunk); and per op its part."""
-    from autoplan.cost.memory import shared_inputs
-    from autoplan.estimate.chunk_cost import chunk_parts
-    from autoplan.estimate.partition import partition
-    a = analyze(graph)
-    shared = shared_inputs(graph)        # kept by several layers, held once: one owner
-    first: dict[tuple[int, str], int] = {}
-    part_of = [0] * len(graph.ops)
-    (chunk,) = partition(graph, 1)
-    for part, (start, stop, is_layer) in enumerate(chunk_parts(chunk)):
-        part_of[start:stop] = [part] * (stop - start)
-        policy = recompute if is_layer else "none"
-        for i in range(start, stop):
-            if policy == "selective" and i in a.score_ops:
-                continue
-            for n in graph.ops[i].saved:
-                base = graph.value(graph.value(n).base)
-                if base.kind == "activation" and not (policy == "selective"
-                                                      and base.name in a.score_values):
-                    first.setdefault((-1 if base.name in shared else part, base.name), i)
-    return first, part_of
 
 
 @dataclass(frozen=True)
@@ -281,48 +254,6 @@ def _node_cost(ctx: CostContext, node: Node, j: int, savers: dict[tuple[int, str
     return time_s, mem, node.mult * fwd, node.mult * bwd, node.mult * acts + once
 
 
-def _layer_inputs(graph: OpGraph, nodes: Sequence[Node], rep: Sequence[int],
-                  node_of: dict[int, int], ctx: CostContext, chunk_of: Sequence[int]
-                  ) -> list[tuple[int, int, int, float]]:
-    """What the layers keep per micro-batch under full recomputation: each layer's inputs
-    (``cost.memory.activation_parts``), as (the layer's first op, producing node, its choice,
-    bytes), split over tp where the producer's choice leaves them split; an input several
-    layers read (a mask) once per chunk (``chunk_of``: op -> chunk), as the estimate keeps it."""
-    from autoplan.cost.memory import shared_inputs
-    from autoplan.estimate.chunk_cost import chunk_parts
-    from autoplan.estimate.partition import partition
-    a = analyze(graph)
-    shared, held_once = shared_inputs(graph), set()
-    out = []
-    (whole,) = partition(graph, 1)
-    for start, stop, is_layer in chunk_parts(whole):
-        if not is_layer:
-            continue
-        seen: set[str] = set()
-        for i in range(start, stop):
-            for n in graph.ops[i].inputs:
-                base = graph.value(n).base
-                if (graph.value(n).kind != "activation" or graph.value(base).kind != "activation"
-                        or a.producer.get(base, -1) >= start or base in seen
-                        or (chunk_of[start], base) in held_once):
-                    continue
-                seen.add(base)
-                if base in shared:
-                    held_once.add((chunk_of[start], base))
-                b = value_bytes(ctx, base) * (ctx.context.value_scale(base)
-                                              if ctx.context is not None else 1.0)
-                k = a.producer[base]
-                u = node_of.get(rep[k])
-                if u is None:
-                    raise ConfigError(f"op {graph.ops[k].name} makes a layer's input but no "
-                                      "sharding node holds it")
-                x_rep = graph.ops[rep[k]].outputs[graph.ops[k].outputs.index(base)]
-                for j, place in enumerate(nodes[u].placement):
-                    split = place.get(x_rep, REPLICATE).kind == "S"
-                    out.append((start, u, j, b / (ctx.t if split else 1)))
-    return out
-
-
 def reduce_graph(ctx: CostContext,
                  stages: Sequence[Sequence[tuple[int, int]]] | None = None) -> Reduction:
     """The sharding problem of ``ctx``; ``stages`` (per pipeline rank, the op ranges of its
@@ -353,7 +284,7 @@ def reduce_graph(ctx: CostContext,
     fwds = [[0.0] * len(n.choices) for n in nodes]
     bwds = [[0.0] * len(n.choices) for n in nodes]
     acts = [[0.0] * len(n.choices) for n in nodes]
-    savers, part_of = _activation_owners(graph, ctx.recompute)
+    savers, part_of = activation_owners(graph, ctx.recompute)
     for v, node in enumerate(nodes):
         for j in range(len(node.choices)):
             costs[v][j], mems[v][j], fwds[v][j], bwds[v][j], acts[v][j] = _node_cost(
@@ -366,7 +297,7 @@ def reduce_graph(ctx: CostContext,
     s_acts = [[[x * share[v][r] / nodes[v].mult for x in acts[v]] for v in range(len(nodes))]
               for r in range(n_stages)]
     if ctx.recompute == "full":     # the layers keep only their inputs, on their layer's rank
-        for start, u, j, b in _layer_inputs(graph, nodes, rep, node_of, ctx, chunk_of):
+        for start, u, j, b in layer_inputs(graph, nodes, rep, node_of, ctx, chunk_of):
             mems[u][j] += b * ctx.activation_multiplier
             if n_stages:
                 s_acts[stage_of[start]][u][j] += b
