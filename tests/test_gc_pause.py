@@ -49,9 +49,13 @@ def test_what_exists_is_frozen_inside_and_unfrozen_after(default_threshold):
     gc.freeze()
     try:
         frozen = gc.get_freeze_count()
+        fresh = [[] for _ in range(1000)]        # tracked, made after the process's freeze
         with fewer_collections():
             pass
-        assert gc.get_freeze_count() == frozen
+        # kept (not unfrozen to 0) and not frozen again (that would take ``fresh`` in); a
+        # frozen object that dies meanwhile leaves the count, so it may only go down
+        assert 0 < gc.get_freeze_count() <= frozen
+        del fresh
     finally:
         gc.unfreeze()
 
