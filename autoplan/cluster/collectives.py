@@ -89,9 +89,7 @@ class CollectiveEstimate:
 
 
 def estimate(kind: str, nbytes: float, profile: GroupProfile, *, step_overhead_s: float) -> CollectiveEstimate:
-    check_kind(kind)
-    if isinstance(nbytes, bool) or not isinstance(nbytes, numbers.Real) or not 0 <= nbytes < math.inf:
-        raise ClusterError(f"nbytes must be a finite number >= 0, got {nbytes!r}")
+    _check_args(kind, nbytes)
     n = profile.num_ranks
     if n == 1:
         return CollectiveEstimate(kind=kind, nbytes=nbytes, num_ranks=1, algorithm="none", time_s=0.0, latency_s=0.0,
@@ -112,13 +110,17 @@ def estimate(kind: str, nbytes: float, profile: GroupProfile, *, step_overhead_s
         flat_time_s=flat_bw_s + flat_lat, hierarchical_time_s=hier_time)
 
 
+def _check_args(kind: str, nbytes: float) -> None:
+    check_kind(kind)
+    if isinstance(nbytes, bool) or not isinstance(nbytes, numbers.Real) or not 0 <= nbytes < math.inf:
+        raise ClusterError(f"nbytes must be a finite number >= 0, got {nbytes!r}")
+
+
 def estimate_time_s(kind: str, nbytes: float, profile: GroupProfile, *,
                     step_overhead_s: float) -> float:
     """``estimate(...).time_s`` without the breakdown (the cost model asks for it per tensor
     moved; the same figure, to the bit)."""
-    check_kind(kind)
-    if isinstance(nbytes, bool) or not isinstance(nbytes, numbers.Real) or not 0 <= nbytes < math.inf:
-        raise ClusterError(f"nbytes must be a finite number >= 0, got {nbytes!r}")
+    _check_args(kind, nbytes)
     if profile.num_ranks == 1:
         return 0.0
     bw_s, lat = _flat(kind, nbytes, profile, step_overhead_s)

@@ -223,20 +223,15 @@ def ep_comm_s(ci: CostInputs, start: int, stop: int) -> tuple[float, float]:
     return fwd, bwd
 
 
-def cost_key(ci: CostInputs, where: tuple) -> tuple:
-    """What a range's cost reads, as a key (``cached_on_graph``)."""
-    cfg = ci.config
-    return (id(ci.sharding), id(ci.compute), id(ci.cluster), where, cfg.micro_batch_size,
-            cfg.precision, cfg.tp, cfg.tp_comm_overlap,
-            cfg.shard_degree if cfg.zero_stage >= 2 else 1, cfg.ep, ci.expert_load, cfg.cp)
-
-
 def cached_on_graph(ci: CostInputs, what: str, where: tuple, make: Any) -> Any:
     """``make()``, kept on the graph under ``where`` and every input a range's cost reads: the
     sharding, device model and cluster objects, and the config fields used (ZeRO-2/3 shard the
     tp step's gradient over dp)."""
     cache = ci.graph.__dict__.setdefault(what, {})
-    key = cost_key(ci, where)
+    cfg = ci.config
+    key = (id(ci.sharding), id(ci.compute), id(ci.cluster), where, cfg.micro_batch_size,
+           cfg.precision, cfg.tp, cfg.tp_comm_overlap,
+           cfg.shard_degree if cfg.zero_stage >= 2 else 1, cfg.ep, ci.expert_load, cfg.cp)
     hit = cache.get(key)
     if (hit is not None and hit[0] is ci.sharding and hit[1] is ci.compute
             and hit[2] is ci.cluster):

@@ -55,7 +55,7 @@ class PipeTerms:
     step: tuple[Linear, ...]
     sends: Linear
     held: tuple[Held, ...]
-    acts: tuple[Linear, ...] = ()     # per rank: activation bytes kept per micro-batch
+    acts: tuple[Linear, ...]          # per rank: activation bytes kept per micro-batch
 
 
 @dataclass(frozen=True)
@@ -164,12 +164,12 @@ def terms(graph: OpGraph, cluster: Any, config: ParallelConfig, chunks: Sequence
         per_rank.append(_stage_held(held, red, r, tensors,
                                     max(1, sum(len(ch.layers) for ch in cs))))
     of = [reds[config.stage_policy(r)] for r in range(p)]
-    acts = [x.stage_acts[r] for r, x in enumerate(of)]
     return PipeTerms(red, tuple(x.stage_fwd[r] for r, x in enumerate(of)),
                      tuple(x.stage_bwd[r] for r, x in enumerate(of)),
                      tuple(x.stage_step[r] for r, x in enumerate(of)),
                      _sends(graph, red, context_for(config.stage_policy(0)), chunks, config,
-                            cluster), tuple(per_rank), tuple(acts))
+                            cluster), tuple(per_rank),
+                     tuple(x.stage_acts[r] for r, x in enumerate(of)))
 
 
 def rank_memory(t: PipeTerms, config: ParallelConfig, m: int) -> tuple[Linear, ...]:
@@ -191,12 +191,12 @@ def build(graph: OpGraph, cluster: Any, config: ParallelConfig, m: int, chunks: 
           context_for: Callable[[str], CostContext], compute: Any, profile: Any,
           interference: float, reference: Sequence[int],
           stages: tuple[int, int] | None = None, made: PipeTerms | None = None,
-          room_bytes: Sequence[float] | None = None) -> PipeProblem:
+          memory_rows: tuple[tuple[Linear, float], ...] = ()) -> PipeProblem:
     """The ILP of ``config`` (pipelined, its layout fixed: ``chunks``), linearized at the
     choice ``reference``; ``context_for(policy)``: the cost context of a recompute policy (the
     mesh's, with ``m`` micro-batches). ``stages``: (bottleneck, worst) to price, else those of
-    ``reference``; ``made``: the ``terms`` already made (a previous problem's); ``room_bytes``:
-    per rank, the most its ``rank_memory`` may be (one memory row each)."""
+    ``reference``; ``made``: the ``terms`` already made (a previous problem's);
+    ``memory_rows``: per rank, its ``rank_memory`` and the most it may be."""
     p, v = config.pp, config.virtual_stages
     t = made or terms(graph, cluster, config, chunks, context_for)
     any_red, fwd, bwd, step, sends = t.red, t.fwd, t.bwd, t.step, t.sends
@@ -233,9 +233,7 @@ def build(graph: OpGraph, cluster: Any, config: ParallelConfig, m: int, chunks: 
                                  for r, rz in zip(mat, shared)))
                     for (u, w, shared), mat in zip(problem.edges, objective.edges)),
         memory_budget=None, overlaps=overlaps, charges=charges,
-        constant_s=objective.const + constant,
-        memory_rows=() if room_bytes is None else tuple(
-            zip(rank_memory(t, config, m), room_bytes)))
+        constant_s=objective.const + constant, memory_rows=memory_rows)
     return PipeProblem(out, any_red, bottleneck, worst, t)
 
 

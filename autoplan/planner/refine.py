@@ -94,15 +94,15 @@ def refine_pipe_ilp(graph: OpGraph, cluster: Any, cands: list[Candidate], gbs: i
         # each rank's memory: the room the shared answer's estimate leaves it, beside what
         # the choice does not decide (transient buffers, the margin)
         held = pipe_problem.rank_memory(made, cfg, m)
-        room = [cluster.device.memory_bytes - st.memory.total_bytes
-                + held[r].value(made.red.problem, c.ilp.choice)
-                for r, st in enumerate(c.est.stages)]
+        rows = tuple((row, cluster.device.memory_bytes - st.memory.total_bytes
+                      + row.value(made.red.problem, c.ilp.choice))
+                     for row, st in zip(held, c.est.stages))
 
         def build(reference: tuple[int, ...]) -> Any:     # (the reductions made once)
             return pipe_problem.build(graph, cluster, cfg, m, chunks,
                                       lambda pol: replace(base, recompute=pol), base.compute,
                                       profile, base.interference, reference, made=made,
-                                      room_bytes=room)
+                                      memory_rows=rows)
         pipe = build(c.ilp.choice)
         found: dict[tuple[int, ...], ILPSolution] = {}
         for _ in range(rounds):
