@@ -270,21 +270,29 @@ CHANGES = [
 ]
 
 NOT_CAPTURED = [
-    "- **GEMM efficiency by shape does not explain the H100 rows.** One matmul efficiency per "
-    "device (cost_models/devices.yaml: H100 0.65, an estimate). With every overlap the runs "
-    "used priced, the H100 rows where compute is nearly all of the step (the 177B "
-    "strong-scaling points on 96 to 1,152 GPUs) come out 10-14 % fast, and the smallest model "
-    "(1.7B) 14 % fast. A public GEMM table by shape says the cause is not the GEMMs' shapes: "
-    "OpenXLA's measured cuBLAS table for H100 (openxla/xla, "
-    "`xla/service/gpu/model/default_matmul_perf_table.txtpb`, key `sm_90`, bf16) gives 758-789 "
-    "TFLOP/s (0.77-0.80 of the peak) at its largest shapes (4 x 4,096 x 2,048-4,096 x "
-    "2,048-4,096) and 0.69-0.73 where one side is 512-1,024, as Bekman's MAMF table "
-    "(stas00/ml-engineering: 792 TFLOP/s best) does. The rows' GEMMs (M at least 4,096 "
-    "tokens, K and N at least 1,536) sit in that flat part, so pricing them by shape would make "
-    "every H100 row faster still. What a training step loses beyond isolated GEMMs at boost "
-    "clock (power-limited clocks, communication kernels sharing the SMs and HBM) is what 0.65 "
-    "stands for, unmeasured; finding where the rest goes needs a kernel timeline of a real "
-    "step on H100s, not GEMM microbenchmarks.",
+    "- **Measured on an H100, the compute model is too slow, not too fast; the runs lose "
+    "about 30 % beyond their layers' compute.** One matmul efficiency per device "
+    "(cost_models/devices.yaml: H100 0.65, an estimate). With every overlap the runs used "
+    "priced, the H100 rows where compute is nearly all of the step (the 177B strong-scaling "
+    "points on 96 to 1,152 GPUs) come out 10-14 % fast, and the smallest model (1.7B) 14 % "
+    "fast. One rank's layer of each H100 row (its TP + SP share, bf16, causal flash attention, "
+    "no communication; `benchmarks/gpu_layers.py`, measured on an H100 SXM 80GB, driver "
+    "580.159, torch 2.11: `benchmarks/data/h100-sxm5-layers.json`) runs its forward and "
+    "backward at 602-722 model TFLOP/s (61-73 % of the dense peak), and the compute model "
+    "prices every one 11-21 % slower than it ran (GEMMs 0-20 % slower; the layer norms, a few "
+    "per cent of the layer, 2-7x faster). The card at its 700 W power limit holds its rate: 75 "
+    "s of back-to-back 177B layers ran at an SM clock of 1,735-1,760 MHz (software power cap "
+    "from the first seconds) and slowed by 0.8 % from the first 2 s to the last "
+    "(`benchmarks/gpu_sustained.py`: `benchmarks/data/h100-sxm5-sustained.json`). autoplan's "
+    "calibration there measures a training pass's products at 790.8 TFLOP/s (0.80 of the peak) "
+    "and a copy at 2,976 GB/s (0.89 of 3.35 TB/s) "
+    "(`benchmarks/data/h100-sxm5-calibration.json`). So the 177B row at 96 GPUs, whose 576 "
+    "micro-batches per pipeline leave no bubble to speak of, computes its 16 layers per stage "
+    "in about 75 s and took 116.5 s: what a Megatron step loses is in what one GPU cannot show "
+    "(8-way tensor-parallel collectives over NVSwitch and their interference with the GEMMs, "
+    "data- and pipeline-parallel traffic at scale, stragglers). The compute coefficient stays "
+    "0.65 until a multi-GPU kernel timeline finds that 30 %: set to the measured 0.80 alone it "
+    "would make every H100 row 15 % faster still.",
     "- **Megatron v1's fused softmax.** v1's attention fuses scale, mask and softmax into one "
     "kernel; the unfused attention autoplan prices makes three memory passes of the score "
     "matrix (the smallest v1 model, where attention weighs most: +15 %).",
@@ -292,7 +300,18 @@ NOT_CAPTURED = [
     "weights autocast computes from, and the estimate prices what its runtime does (twice the "
     "bytes, mostly hidden behind the forward).",
     "- **Memory** is checked to fit every run's GPU; none of these sources reports measured "
-    "memory, so the under-estimation bound (2 %) has no row to be checked against here.",
+    "memory. Measured on an H100 instead (`benchmarks/data/h100-sxm5-runtime.json`): "
+    "autoplan's own runtime training gpt3-1.3b (sequence 2,048, unfused attention, dropout "
+    "0.1) on one GPU at a global batch of 8, micro-batches of 2, peaked at 52.37 GiB where the "
+    "plan predicts 46.47 GiB (12.7 % under), and took 0.948 s a step for 0.587 s predicted; "
+    "the plan the planner preferred (micro-batches of 4, 68.28 GiB predicted) ran out of the "
+    "card's 79.2 GiB. The cause is autocast, which the runtime trains under and the model "
+    "does not price: CUDA autocast runs softmax and layer norm in fp32, so the scores' softmax "
+    "is kept in fp32 and the residual stream the norms keep is fp32, and the bf16 copies of "
+    "the weights live from each forward to its backward (by hand, 5.6 GiB of the 5.9 GiB "
+    "missing); the score passes in fp32 and the casts are much of the time. Megatron-LM does "
+    "not train under autocast (bf16 weights and activations, fused kernels), so these rows are "
+    "not affected; the next change prices the runtime's dtypes per value.",
 ]
 
 

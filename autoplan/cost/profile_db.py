@@ -455,8 +455,13 @@ class ProfileDB:
 
 
 def packaged_profiles():
-    """The folder of profiles shipped with autoplan (a Traversable; a Path in editable installs)."""
-    return resources.files("autoplan.profiles")
+    """The folder of profiles shipped with autoplan (a Traversable; a Path in editable installs),
+    else the repository checkout's ``profiles/`` (autoplan run from its source tree on
+    ``PYTHONPATH``, not installed)."""
+    try:
+        return resources.files("autoplan.profiles")
+    except ModuleNotFoundError:
+        return Path(__file__).resolve().parents[2] / "profiles"
 
 
 def list_packaged_devices() -> list[str]:

@@ -54,6 +54,15 @@ def micro_batch(tensors: Sequence[Any], rows: int) -> tuple:
     return tuple(out)
 
 
+def on_weights_device(model: nn.Module, tensors: Sequence[Any]) -> tuple:
+    """``tensors`` moved to the device of ``model``'s weights where that is not the CPU (a model
+    on the meta device, or on the CPU, takes them as they are)."""
+    device = next((p.device for p in model.parameters() if not p.is_meta), None)
+    if device is None or device.type == "cpu":
+        return tuple(tensors)
+    return tuple(t.to(device) if isinstance(t, torch.Tensor) else t for t in tensors)
+
+
 def strategies_by_position(plan_graph: OpGraph, op_strategies: dict[str, str],
                            graph: OpGraph, t: int) -> Sharding:
     """The plan's per-op strategy names, carried to ``graph`` (the same model exported at
@@ -125,9 +134,11 @@ def export_for_plan(model: nn.Module, plan: Any, plan_graph: OpGraph, *,
                     example_inputs: Sequence[Any], example_targets: Any,
                     loss_fn: Callable | None, t: int) -> Exported:
     mbs = plan.config.micro_batch_size
-    inputs = micro_batch(example_inputs, mbs)
+    # the export runs the model: its example tensors go where its weights are (a GPU)
+    inputs = on_weights_device(model, micro_batch(example_inputs, mbs))
     with_loss = loss_fn is not None and example_targets is not None
-    targets = micro_batch([example_targets], mbs)[0] if with_loss else None
+    targets = (on_weights_device(model, micro_batch([example_targets], mbs))[0] if with_loss
+               else None)
     ep, graph, prefix = export_program(model, inputs, loss_fn=loss_fn if with_loss else None,
                                        targets=targets)
     sh = strategies_by_position(plan_graph, dict(plan.op_strategies), graph, t)

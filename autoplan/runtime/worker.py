@@ -17,6 +17,7 @@ import json
 import statistics
 import sys
 import time
+from typing import Any
 
 import torch
 
@@ -113,12 +114,28 @@ def main(argv: list[str] | None = None) -> int:
     if trainer.rank == 0:
         print(f"measured step time {measured * 1e3:.1f} ms (median), predicted "
               f"{predicted * 1e3:.1f} ms, ratio {measured / predicted:.2f}", flush=True)
+        peak = _peak_memory(plan)
+        if peak:
+            print(f"measured peak memory {peak['measured_peak_memory_bytes'] / 2**30:.2f} GiB "
+                  f"allocated ({peak['measured_reserved_bytes'] / 2**30:.2f} GiB reserved by "
+                  f"torch's allocator), predicted {peak['predicted_peak_memory_bytes'] / 2**30:.2f}"
+                  " GiB", flush=True)
         if args.json:
             with open(args.json, "w") as f:
                 json.dump({"first_step": first, "losses": losses, "times_s": times,
-                           "measured_s": measured, "predicted_s": predicted}, f)
+                           "measured_s": measured, "predicted_s": predicted, **peak}, f)
     _finish(dist)
     return 0
+
+
+def _peak_memory(plan: Any) -> dict[str, float]:
+    """Rank 0's peak GPU memory over the steps (torch's allocator: what tensors held, and what
+    it reserved from the driver) beside the plan's prediction; empty off CUDA."""
+    if not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return {}
+    return {"measured_peak_memory_bytes": float(torch.cuda.max_memory_allocated()),
+            "measured_reserved_bytes": float(torch.cuda.max_memory_reserved()),
+            "predicted_peak_memory_bytes": float(plan.predicted["peak_memory_bytes"])}
 
 
 def _resume_from(args: argparse.Namespace) -> str | None:

@@ -1,0 +1,130 @@
+"""What was measured on an H100 stays comparable with the model, and the code that measures it
+runs on a CUDA GPU (the ``gpu`` tests, skipped without one).
+
+The measured files under benchmarks/data/ came from ``bash benchmarks/gpu_measure.sh OUT`` on a
+lent H100 SXM 80GB; the comparisons here read them, deterministically (no clock is read).
+"""
+
+import importlib.util
+import json
+import pathlib
+import sys
+
+import pytest
+import torch
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+DATA = ROOT / "benchmarks" / "data"
+
+
+def _benchmark(name):
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_h100_layers_are_priced_within_a_quarter_of_their_measured_time():
+    """One rank's layer of each H100 validation row: the compute model prices it 11-21 % slower
+    than an H100 ran it (2026-11-26). A change that moves any layer outside [0.9, 1.25] of its
+    measured time must say why (docs/validation.md, "What the model does not capture")."""
+    g = _benchmark("gpu_layers")
+    data = json.loads((DATA / "h100-sxm5-layers.json").read_text())
+    assert data["device"] == "NVIDIA H100 80GB HBM3"
+    ratios = {}
+    for label, hidden, heads, tp, mbs in g.CASES:
+        predicted = g.predict_case(hidden, heads, tp, mbs)["layer"]["fwd_bwd_s"]
+        ratios[label] = predicted / data["cases"][label]["layer"]["fwd_bwd_s"]
+    assert len(ratios) == 10
+    assert all(0.9 <= r <= 1.25 for r in ratios.values()), ratios
+
+
+def test_the_comparison_table_covers_every_part_of_every_measured_case():
+    g = _benchmark("gpu_layers")
+    lines = g.compare(str(DATA / "h100-sxm5-layers.json"))
+    rows = [x for x in lines if x.startswith("| ") and not x.startswith("| row")]
+    assert len(rows) == len(g.CASES) * len(g.PARTS) + len(g.CASES)
+
+
+def test_the_measured_runtime_step_is_on_record_with_its_prediction():
+    """The memory figure item 4 of issue 14 checks against: the runtime's measured peak is
+    above the plan's prediction by 12.7 % (autocast dtypes not priced yet); when the model
+    prices them, this check flips to 'not under by more than 2 %'."""
+    run = json.loads((DATA / "h100-sxm5-runtime.json").read_text())["runs"][0]
+    under = run["measured_peak_memory_bytes"] / run["predicted_peak_memory_bytes"] - 1
+    assert 0.12 < under < 0.135
+
+
+def test_export_examples_follow_the_weights_device():
+    from autoplan.runtime.emit import on_weights_device
+    x, n = torch.ones(2, 3), 7
+    cpu_model = torch.nn.Linear(3, 3)
+    assert on_weights_device(cpu_model, (x, n)) == (x, n)
+    meta_model = torch.nn.Linear(3, 3, device="meta")
+    out = on_weights_device(meta_model, (x,))
+    assert out[0] is x                        # a meta model traces with the tensors as given
+
+
+def test_shipped_profiles_are_found_from_a_source_tree(monkeypatch):
+    """autoplan on PYTHONPATH from a checkout, not installed: no ``autoplan.profiles`` package,
+    the repository's profiles/ folder instead (seen on the lent GPU machine)."""
+    from autoplan.cost import profile_db
+
+    def missing(name):
+        raise ModuleNotFoundError(name)
+    monkeypatch.setattr(profile_db.resources, "files", missing)
+    assert (profile_db.packaged_profiles() / "cpu-amd-epyc.json").is_file()
+    assert "cpu-amd-epyc" in profile_db.list_packaged_devices()
+
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@pytest.mark.gpu
+@cuda
+def test_export_examples_move_to_a_gpu_model():
+    from autoplan.runtime.emit import on_weights_device
+    model = torch.nn.Linear(3, 3).cuda()
+    (x,) = on_weights_device(model, (torch.ones(2, 3),))
+    assert x.device.type == "cuda"
+
+
+@pytest.mark.gpu
+@cuda
+def test_compile_trains_a_gpt_on_one_gpu():
+    from autoplan import Cluster, compile
+    from autoplan.models import build_example
+    ex = build_example("gpt-tiny", batch_size=4, seed=0)
+    small = build_example("gpt-tiny", batch_size=1, seed=0)
+    trainer = compile(ex.model, Cluster.local(), example_inputs=small.example_inputs,
+                      example_targets=small.targets, loss_fn=ex.loss_fn,
+                      optimizer=lambda ps: torch.optim.AdamW(ps, lr=3e-3),
+                      global_batch_size=4)
+    batch = tuple(ex.example_inputs) + (ex.targets,)
+    losses = [trainer.step(batch) for _ in range(4)]
+    assert all(torch.isfinite(torch.tensor(losses)))
+    assert losses[-1] < losses[0]
+
+
+@pytest.mark.gpu
+@cuda
+def test_calibration_on_a_gpu_gives_figures_of_a_gpu():
+    from autoplan.cost.calibration import calibrate
+    c = calibrate("cuda")
+    assert 1e13 < c.matmul_flops_per_s < 5e15
+    assert 1e11 < c.memory_bandwidth_bytes_per_s < 2e13
+    assert 0 < c.launch_s < 1e-3
+
+
+@pytest.mark.gpu
+@cuda
+def test_gpu_layers_measures_a_small_case(monkeypatch):
+    g = _benchmark("gpu_layers")
+    monkeypatch.setattr(g, "SEQ", 256)
+    monkeypatch.setattr(g, "VOCAB", 1024)
+    out = g.measure_case(512, 4, 2, 2, warmup=1, repeats=2)
+    assert set(out) == set(g.PARTS)
+    assert all(0 < v["fwd_s"] <= v["fwd_bwd_s"] for v in out.values())
