@@ -166,6 +166,9 @@ def predict(row: Row, graphs: dict | None = None) -> Result:
     force = {"tp": row.tp, "pp": row.pp, "dp": row.dp,
              "zero_stage": 1 if row.dp > 1 and row.precision == "bf16" else 0,
              "sequence_parallel": row.tp > 1 and row.precision == "bf16"}
+    # Megatron-LM holds 16-bit weights and activations (fp32 master copy in its optimizer), not
+    # autoplan's runtime's fp32 weights under torch.autocast
+    force["mixed_precision"] = "params"
     if row.overlap_tp_comm:
         force["tp_comm_overlap"] = True
     if row.recompute is not None:
@@ -300,18 +303,19 @@ NOT_CAPTURED = [
     "weights autocast computes from, and the estimate prices what its runtime does (twice the "
     "bytes, mostly hidden behind the forward).",
     "- **Memory** is checked to fit every run's GPU; none of these sources reports measured "
-    "memory. Measured on an H100 instead (`benchmarks/data/h100-sxm5-runtime.json`): "
-    "autoplan's own runtime training gpt3-1.3b (sequence 2,048, unfused attention, dropout "
-    "0.1) on one GPU at a global batch of 8, micro-batches of 2, peaked at 52.37 GiB where the "
-    "plan predicts 46.47 GiB (12.7 % under), and took 0.948 s a step for 0.587 s predicted; "
-    "the plan the planner preferred (micro-batches of 4, 68.28 GiB predicted) ran out of the "
-    "card's 79.2 GiB. The cause is autocast, which the runtime trains under and the model "
-    "does not price: CUDA autocast runs softmax and layer norm in fp32, so the scores' softmax "
-    "is kept in fp32 and the residual stream the norms keep is fp32, and the bf16 copies of "
-    "the weights live from each forward to its backward (by hand, 5.6 GiB of the 5.9 GiB "
-    "missing); the score passes in fp32 and the casts are much of the time. Megatron-LM does "
-    "not train under autocast (bf16 weights and activations, fused kernels), so these rows are "
-    "not affected; the next change prices the runtime's dtypes per value.",
+    "memory, and the rows are priced as Megatron-LM holds its tensors (16-bit weights and "
+    "activations, the fp32 master copy in the optimizer: `mixed_precision=\"params\"`). "
+    "Measured on an H100 instead (`benchmarks/data/h100-sxm5-runtime.json`): autoplan's own "
+    "runtime training gpt3-1.3b (sequence 2,048, unfused attention, dropout 0.1) on one GPU "
+    "at a global batch of 8, micro-batches of 2, held 52.37 GiB of tensors at its peak. Priced "
+    "as autocast holds them (the runtime's fp32 weights and the 16-bit copies autocast makes "
+    "of them, CUDA autocast's fp32 softmax outputs and fp32 norm inputs; "
+    "`autoplan/cost/dtypes.py`), the estimate is 52.51 GiB beside its margin (+0.3 %; "
+    "`tests/test_autocast_memory.py`); priced with every tensor in bf16 it was 43.1 GiB "
+    "(-17.7 %), and the plan the planner then preferred (micro-batches of 4) ran out of the "
+    "card's 79.2 GiB, which it now predicts (84.5 GiB). The same step took 0.948 s for 0.587 "
+    "s predicted: autocast's fp32 passes over the attention scores and its casts are not in "
+    "the time model yet.",
 ]
 
 

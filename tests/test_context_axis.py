@@ -141,7 +141,8 @@ def test_with_its_dp_terms_the_ilp_objective_is_the_step_time_under_a_cp_axis(ze
     m = 4
     compute = compute_model(g, cluster.device, config.precision, None)
     sharded = model_state_bytes(1.0, dp=config.shard_degree, zero_stage=zero,
-                                precision="bf16", optimizer="adamw").total_bytes
+                                precision="bf16", optimizer="adamw",
+                                mixed_precision=config.mixed_precision).total_bytes
     ctx = config_context(g, cluster, config, m, compute, state_bytes_per_param=sharded,
                          step_shard=config.shard_degree if zero >= 2 else 1,
                          context=context_axis(g, 4),

@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from autoplan.cost.dtypes import MIXED_PRECISION, HeldBytes, autocast_on
 from autoplan.graph.analysis import analyze
 from autoplan.errors import ConfigError
 from autoplan.graph.opgraph import OpGraph, TensorMeta
@@ -46,13 +47,22 @@ class ModelStateBytes:
         return self.params_bytes + self.grads_bytes + self.optimizer_bytes
 
 
-def bytes_per_param(precision: str, optimizer: str) -> tuple[int, int, int]:
-    """(weight, gradient, optimizer-state) bytes per parameter for this precision and optimizer."""
+def bytes_per_param(precision: str, optimizer: str, mixed_precision: str = "params"
+                    ) -> tuple[int, int, int]:
+    """(weight, gradient, optimizer-state) bytes per parameter for this precision and optimizer.
+    ``mixed_precision="params"``: 16-bit weights and gradients, the fp32 master copy with the
+    optimizer state; ``"autocast"`` (autoplan's runtime): fp32 weights and gradients, no master
+    copy (``model_state_bytes`` adds autocast's 16-bit weight copies)."""
     if precision not in PRECISION_BYTES:
         raise ConfigError(f"precision must be one of {sorted(PRECISION_BYTES)}, got {precision!r}")
     if optimizer not in _OPTIMIZER_STATE_BYTES:
         raise ConfigError(f"optimizer must be one of {sorted(_OPTIMIZER_STATE_BYTES)}, "
                           f"got {optimizer!r}")
+    if mixed_precision not in MIXED_PRECISION:
+        raise ConfigError(f"mixed_precision must be one of {list(MIXED_PRECISION)}, got "
+                          f"{mixed_precision!r}")
+    if autocast_on(precision, mixed_precision):
+        return 4, 4, _OPTIMIZER_STATE_BYTES[optimizer]
     w = PRECISION_BYTES[precision]
     master = 4 if precision != "fp32" else 0      # fp32 master weights under mixed precision
     return w, w, _OPTIMIZER_STATE_BYTES[optimizer] + master
@@ -60,15 +70,27 @@ def bytes_per_param(precision: str, optimizer: str) -> tuple[int, int, int]:
 
 def model_state_bytes(num_params: float, *, dp: int, zero_stage: int, precision: str,
                       optimizer: str = "adamw", offload_optimizer: bool = False,
-                      offload_params: bool = False) -> ModelStateBytes:
+                      offload_params: bool = False, mixed_precision: str = "params"
+                      ) -> ModelStateBytes:
     """Per-device bytes of weights, gradients and optimizer state for ``num_params`` parameters
-    held by one data-parallel replica slot (already divided by TP/PP by the caller)."""
+    held by one data-parallel replica slot (already divided by TP/PP by the caller).
+
+    Under autocast (``mixed_precision="autocast"``, 16-bit ``precision``) the weights are fp32
+    and the weights' bytes include the 16-bit copies that stand beside them from a forward to
+    its backward: autocast's casts for the products (ZeRO 0 and 1), or FSDP's unsharded
+    16-bit weights kept after the forward (ZeRO-2); ZeRO-3 gathers them per layer (a
+    transient the estimate adds)."""
     if zero_stage not in (0, 1, 2, 3):
         raise ConfigError(f"zero_stage must be 0-3, got {zero_stage!r}")
-    w, g, o = bytes_per_param(precision, optimizer)
+    w, g, o = bytes_per_param(precision, optimizer, mixed_precision)
     opt = num_params * o / (dp if zero_stage >= 1 else 1)
     grads = num_params * g / (dp if zero_stage >= 2 else 1)
     params = num_params * w / (dp if zero_stage >= 3 else 1)
+    if autocast_on(precision, mixed_precision):
+        # FSDP (ZeRO-2 and 3) shards the fp32 weights themselves
+        params = num_params * w / (dp if zero_stage >= 2 else 1)
+        if zero_stage < 3 and not offload_params:
+            params += num_params * PRECISION_BYTES[precision]
     if offload_params:        # FSDP CPU offload: sharded weights, grads and state on the host
         return ModelStateBytes(params_bytes=0.0, grads_bytes=0.0, optimizer_bytes=0.0,
                                offloaded_bytes=params + grads + opt)
@@ -128,21 +150,23 @@ def shared_inputs(graph: OpGraph) -> frozenset[str]:
 def activation_bytes(graph: OpGraph, start: int, stop: int, *, micro_batch_size: int,
                      tp: int = 1, sp: bool = False, recompute: str = "none",
                      precision: str = "bf16", sharding: Sharding | None = None,
-                     context: Any = None) -> float:
+                     context: Any = None, held: HeldBytes | None = None) -> float:
     """Bytes that ops[start:stop] keep for backward for one micro-batch, per device.
 
     ``sharding`` says where each tensor lies on the tp axis (default: Megatron-LM's for
     ``tp`` and ``sp``); a tensor split over the axis costs 1/t on each rank. ``context``: a
-    context-parallel axis (``sharding.context_axis.ContextAxis``) splitting the sequence too."""
+    context-parallel axis (``sharding.context_axis.ContextAxis``) splitting the sequence too.
+    ``held``: the dtypes autocast holds them in (``cost.dtypes.held_bytes``; None: every
+    float in ``precision``)."""
     return sum(activation_parts(graph, start, stop, micro_batch_size=micro_batch_size, tp=tp,
                                 sp=sp, recompute=recompute, precision=precision,
-                                sharding=sharding, context=context).values())
+                                sharding=sharding, context=context, held=held).values())
 
 
 def activation_parts(graph: OpGraph, start: int, stop: int, *, micro_batch_size: int,
                      tp: int = 1, sp: bool = False, recompute: str = "none",
                      precision: str = "bf16", sharding: Sharding | None = None,
-                     context: Any = None) -> dict[str, float]:
+                     context: Any = None, held: HeldBytes | None = None) -> dict[str, float]:
     """``activation_bytes`` per kept tensor (by value; a kernel's internal tensors under
     their op's output name, summed)."""
     a = analyze(graph)
@@ -150,8 +174,10 @@ def activation_parts(graph: OpGraph, start: int, stop: int, *, micro_batch_size:
     t = sh.t
     batch_scale = micro_batch_size / graph.batch_size
 
-    def scaled(name: str, meta: TensorMeta, placement: Placement, i: int = -1) -> float:
-        b = _meta_bytes(meta, precision) * _scale(placement, t)
+    def scaled(name: str, meta: TensorMeta, placement: Placement, i: int = -1,
+               sizes: Any = None) -> float:
+        b = (meta.numel * sizes[name] if sizes is not None and name in sizes
+             else _meta_bytes(meta, precision)) * _scale(placement, t)
         if context is not None:
             b *= context.held_scale(i, name) if i >= 0 else context.value_scale(name)
         return b * batch_scale if name in a.batch_dependent else b
@@ -168,7 +194,9 @@ def activation_parts(graph: OpGraph, start: int, stop: int, *, micro_batch_size:
                         and a.producer.get(v.base, -1) < start):
                     inputs.setdefault(v.base, sh.value_placement.get(v.base, sh.input_placement(
                         graph, i, n)))
-        return {n: scaled(n, graph.value(n).meta, p) for n, p in sorted(inputs.items())}
+        own = held.own if held is not None else None
+        return {n: scaled(n, graph.value(n).meta, p, sizes=own)
+                for n, p in sorted(inputs.items())}
     if recompute not in ("none", "selective"):
         raise ConfigError(f"recompute must be none, selective or full, got {recompute!r}")
 
@@ -188,7 +216,8 @@ def activation_parts(graph: OpGraph, start: int, stop: int, *, micro_batch_size:
             where = (sh.input_placement(graph, i, n) if n in op.inputs
                      else sh.value_placement.get(n, REPLICATE))
             total[base.name] = total.get(base.name, 0.0) + scaled(
-                base.name, base.meta, where, i if n == base.name else -1)
+                base.name, base.meta, where, i if n == base.name else -1,
+                sizes=held.kept if held is not None else None)
         out = op.outputs[0] if op.outputs else ""
         if op.saved_internal:
             anchor, on_input = internal_anchor(graph, op)
@@ -211,8 +240,9 @@ def internal_anchor(graph: OpGraph, op: Any) -> tuple[str, bool]:
 
 def working_set_bytes(graph: OpGraph, start: int, stop: int, *, micro_batch_size: int,
                       precision: str = "bf16", sharding: Sharding | None = None,
-                      tp: int = 1, sp: bool = False, context: Any = None) -> float:
+                      tp: int = 1, sp: bool = False, context: Any = None,
+                      held: HeldBytes | None = None) -> float:
     """Peak extra memory while one recomputed range runs its backward: all it keeps, at once."""
     return activation_bytes(graph, start, stop, micro_batch_size=micro_batch_size, tp=tp,
                             sp=sp, recompute="none", precision=precision, sharding=sharding,
-                            context=context)
+                            context=context, held=held)

@@ -16,6 +16,7 @@ from typing import Any
 
 from autoplan.graph.analysis import GraphAnalysis
 from autoplan.cost.compute import ComputeModel
+from autoplan.cost.dtypes import HeldBytes, held_bytes
 from autoplan.cost.memory import (GRAD_BYTES, PRECISION_BYTES, _meta_bytes, activation_parts,
                                   shared_inputs, working_set_bytes)
 from autoplan.estimate.config import ParallelConfig
@@ -48,6 +49,12 @@ class CostInputs:
     @property
     def batch_scale(self) -> float:
         return self.config.micro_batch_size / self.graph.batch_size
+
+    @property
+    def held(self) -> HeldBytes | None:
+        """The dtypes the runtime holds activations in (autocast), None for ``precision``."""
+        return held_bytes(self.graph, self.config.precision, self.config.mixed_precision,
+                          self.cluster.device.kind)
 
 
 @dataclass(frozen=True)
@@ -226,11 +233,11 @@ def ep_comm_s(ci: CostInputs, start: int, stop: int) -> tuple[float, float]:
 def cached_on_graph(ci: CostInputs, what: str, where: tuple, make: Any) -> Any:
     """``make()``, kept on the graph under ``where`` and every input a range's cost reads: the
     sharding, device model and cluster objects, and the config fields used (ZeRO-2/3 shard the
-    tp step's gradient over dp)."""
+    tp step's gradient over dp; autocast's dtypes set what is kept)."""
     cache = ci.graph.__dict__.setdefault(what, {})
     cfg = ci.config
     key = (id(ci.sharding), id(ci.compute), id(ci.cluster), where, cfg.micro_batch_size,
-           cfg.precision, cfg.tp, cfg.tp_comm_overlap,
+           cfg.precision, cfg.mixed_precision, cfg.tp, cfg.tp_comm_overlap,
            cfg.shard_degree if cfg.zero_stage >= 2 else 1, cfg.ep, ci.expert_load, cfg.cp)
     hit = cache.get(key)
     if (hit is not None and hit[0] is ci.sharding and hit[1] is ci.compute
@@ -286,14 +293,16 @@ def _range_cost(ci: CostInputs, start: int, stop: int, policy: str) -> RangeCost
     if policy == "full":
         recompute += tp_fwd
     kept = activation_parts(graph, start, stop, micro_batch_size=mbs, sharding=sh,
-                            recompute=policy, precision=config.precision, context=ci.context)
+                            recompute=policy, precision=config.precision, context=ci.context,
+                            held=ci.held)
     if loaded is not None:           # the busiest rank keeps its extra rows' activations
         kept = {n: b * (ci.expert_load if n in loaded.inside else 1.0) for n, b in kept.items()}
     acts = sum(kept.values())
     shared = shared_inputs(graph)
     shared_acts = tuple((n, b) for n, b in sorted(kept.items()) if n in shared)
     working = (working_set_bytes(graph, start, stop, micro_batch_size=mbs, sharding=sh,
-                                 precision=config.precision, context=ci.context)
+                                 precision=config.precision, context=ci.context,
+                                 held=ci.held)
                if policy == "full" else 0.0)
     # a weight stored split and gathered for its product is whole while the product runs, and
     # again in backward with its whole gradient before the reduce-scatter: the largest one

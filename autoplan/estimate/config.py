@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass, fields
 from functools import lru_cache
 from typing import Any
 
+from autoplan.cost.dtypes import MIXED_PRECISION
 from autoplan.errors import ConfigError
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble", "zbv", "dualpipev")
@@ -94,6 +95,12 @@ class ParallelConfig:
     # gradients are averaged over dp x cp and ZeRO shards the model state over dp x cp (as
     # torchtitan's dp_shard_cp). 1: no such axis (ring attention may still run on the tp axis)
     cp: int = 1
+    # how 16-bit training holds its tensors (``cost/dtypes.py``): "autocast", autoplan's
+    # runtime: fp32 weights, gradients and optimizer state, products in ``precision`` under
+    # torch.autocast (its fp32 ops, softmax and norms on CUDA, keep fp32 activations);
+    # "params": weights and activations in ``precision``, the fp32 master copy with the
+    # optimizer (Megatron-LM's --bf16): priced, never searched, refused by this runtime
+    mixed_precision: str = "autocast"
 
     def __post_init__(self) -> None:
         for name in ("dp", "tp", "pp", "micro_batch_size", "virtual_stages", "ep", "cp"):
@@ -108,6 +115,7 @@ class ParallelConfig:
         _one_of("recompute", self.recompute, RECOMPUTE)
         _one_of("precision", self.precision, PRECISIONS)
         _one_of("optimizer", self.optimizer, OPTIMIZERS)
+        _one_of("mixed_precision", self.mixed_precision, MIXED_PRECISION)
         if self.zero_stage not in (0, 1, 2, 3):
             raise ConfigError(f"zero_stage must be 0, 1, 2 or 3, got {self.zero_stage!r}")
         if self.virtual_stages > 1 and self.schedule not in MULTI_CHUNK_SCHEDULES:
@@ -367,7 +375,8 @@ class ParallelConfig:
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready fields (the layout tuples as lists); ``tp_comm_overlap``, ``dp_shard``,
-        ``ep`` and ``dp_whole`` only when set, so plans written before they existed read back
+        ``ep``, ``dp_whole``, ``cp`` and ``mixed_precision`` only when set (not the default),
+        so plans written before they existed read back
         byte for byte."""
         out = {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items()}
         if not self.tp_comm_overlap:
@@ -380,6 +389,8 @@ class ParallelConfig:
             del out["dp_whole"]
         if self.cp == 1:
             del out["cp"]
+        if self.mixed_precision == "autocast":
+            del out["mixed_precision"]
         return out
 
     @staticmethod
@@ -421,6 +432,9 @@ class ParallelConfig:
             s += " offload-params"
         if self.tp_comm_overlap:
             s += " tp-overlap"
+        if self.mixed_precision != "autocast" and self.precision != "fp32":
+            s += f" {self.precision}-{self.mixed_precision}"
+            return s
         return s + f" {self.precision}"
 
 

@@ -214,7 +214,8 @@ def estimate(model: Any, cluster: Any, *, config: ParallelConfig, global_batch_s
         if whole:            # weights ZeRO-3 keeps whole: whole states on every rank
             w = model_state_bytes(whole, dp=1, zero_stage=0, precision=config.precision,
                                   optimizer=config.optimizer,
-                                  offload_optimizer=config.offload_optimizer)
+                                  offload_optimizer=config.offload_optimizer,
+                                  mixed_precision=config.mixed_precision)
             states = replace(states, params_bytes=states.params_bytes + w.params_bytes,
                              grads_bytes=states.grads_bytes + w.grads_bytes,
                              optimizer_bytes=states.optimizer_bytes + w.optimizer_bytes,
@@ -271,7 +272,8 @@ def estimate(model: Any, cluster: Any, *, config: ParallelConfig, global_batch_s
         s0, e0 = chunks[0].layer_ranges[0]
         layer_acts = activation_bytes(graph, s0, e0, micro_batch_size=config.micro_batch_size,
                                       sharding=sh, recompute=config.stage_policy(0),
-                                      precision=config.precision, context=ci.context)
+                                      precision=config.precision, context=ci.context,
+                                      held=ci.held)
     return Estimate(
         config=config, global_batch_size=global_batch_size, num_microbatches=m,
         step_time_s=step_s, time=time, peak_memory_bytes=peak, device_memory_bytes=device_mem,
@@ -286,7 +288,8 @@ def _states(config: ParallelConfig, params: float, shard: int) -> Any:
     return model_state_bytes(params, dp=shard, zero_stage=config.zero_stage,
                              precision=config.precision, optimizer=config.optimizer,
                              offload_optimizer=config.offload_optimizer,
-                             offload_params=config.offload_params)
+                             offload_params=config.offload_params,
+                             mixed_precision=config.mixed_precision)
 
 
 def stage_params(costs: Sequence[RangeCost], chunks: Sequence[int],

@@ -80,7 +80,8 @@ def _state_bytes_per_param(config: ParallelConfig, *, expert: bool = False) -> f
     return model_state_bytes(1.0, dp=shard, zero_stage=config.zero_stage,
                              precision=config.precision, optimizer=config.optimizer,
                              offload_optimizer=config.offload_optimizer,
-                             offload_params=config.offload_params).total_bytes
+                             offload_params=config.offload_params,
+                             mixed_precision=config.mixed_precision).total_bytes
 
 
 def _state_bytes(rc: RangeCost, config: ParallelConfig) -> float:

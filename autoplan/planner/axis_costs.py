@@ -123,9 +123,16 @@ def sent_again(ctx: CostContext, nodes: list[_Node], node_of: dict[int, int],
                 acc[a][b] += price(b, a) if flip else price(a, b)
 
 
-def value_bytes(ctx: CostContext, name: str) -> float:
+def value_bytes(ctx: CostContext, name: str, held: str | None = None) -> float:
+    """Bytes of ``name`` at the micro-batch: in ``ctx.precision``, or with ``held`` ("kept":
+    as backward keeps it, "own": as the value itself) in the dtype autocast holds it in
+    (``ctx.held``; ``cost.dtypes``)."""
     a = analyze(ctx.graph)
-    b = _meta_bytes(ctx.graph.value(name).meta, ctx.precision)
+    meta = ctx.graph.value(name).meta
+    sizes = (None if held is None or ctx.held is None
+             else ctx.held.kept if held == "kept" else ctx.held.own)
+    b = (meta.numel * sizes[name] if sizes is not None and name in sizes
+         else _meta_bytes(meta, ctx.precision))
     return b * ctx.batch_scale if name in a.batch_dependent else b
 
 

@@ -13,7 +13,8 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from autoplan.cost.compute import compute_model
-from autoplan.cost.memory import bytes_per_param
+from autoplan.cost.dtypes import held_bytes
+from autoplan.cost.memory import model_state_bytes
 from autoplan.errors import ConfigError
 from autoplan.estimate.config import ParallelConfig
 from autoplan.estimate.estimator import estimate
@@ -57,13 +58,13 @@ class Frugal:
 
 def frugal(configs: list[ParallelConfig], m: int, opts: SearchOptions, graph: OpGraph,
             budget_bytes: float) -> Frugal:
-    from autoplan.cost.memory import model_state_bytes
     from autoplan.estimate.config import strongest_recompute
     from autoplan.estimate.layout import in_flight
     state = min(model_state_bytes(1.0, dp=c.shard_degree, zero_stage=c.zero_stage,
                                   precision=c.precision, optimizer=c.optimizer,
                                   offload_optimizer=c.offload_optimizer,
-                                  offload_params=c.offload_params).total_bytes / c.pp
+                                  offload_params=c.offload_params,
+                                  mixed_precision=c.mixed_precision).total_bytes / c.pp
                 for c in configs)
     # a stage holds 1/pp of the layers, its first stage in_flight micro-batches of them
     flight = min(in_flight(c, m, 0) / c.pp for c in configs)
@@ -137,7 +138,9 @@ def cost_context(graph: OpGraph, cluster: Any, config: ParallelConfig, profile: 
     group = config.tp_group()
     cp_group = config.cp_group()
     compute = compute_model(graph, cluster.device, config.precision, profile)
-    w, g, o = bytes_per_param(config.precision, config.optimizer)
+    whole_state = model_state_bytes(1.0, dp=1, zero_stage=0, precision=config.precision,
+                                    optimizer=config.optimizer,
+                                    mixed_precision=config.mixed_precision).total_bytes
     return CostContext(graph=graph, t=t, compute=compute,
                       context=context_axis(graph, config.cp),
                       cp_collective_s=lambda kind, nbytes: cluster.collective_time_s(
@@ -147,12 +150,15 @@ def cost_context(graph: OpGraph, cluster: Any, config: ParallelConfig, profile: 
                       batch_scale=config.micro_batch_size / graph.batch_size, microbatches=m,
                       precision=config.precision,
                       recompute=frugal.recompute if frugal else "none",
-                      state_bytes_per_param=frugal.state_bytes_per_param if frugal else w + g + o,
+                      state_bytes_per_param=(frugal.state_bytes_per_param if frugal
+                                             else whole_state),
                       activation_multiplier=frugal.activation_multiplier if frugal else 1.0,
                       memory_budget=frugal.budget_bytes if frugal else None,
                       interference=overlap_interference(cluster),
                       experts=exchanges(graph, cluster, config, opts),
-                      pinned=pinned or None)
+                      pinned=pinned or None,
+                      held=held_bytes(graph, config.precision, config.mixed_precision,
+                                      cluster.device.kind))
 
 
 def dp_sharding(graph: OpGraph, cluster: Any, cand: Candidate, gbs: int,
@@ -164,7 +170,6 @@ def dp_sharding(graph: OpGraph, cluster: Any, cand: Candidate, gbs: int,
     ILP's choice, within the device memory the candidate leaves for state and activations;
     under ZeRO-3 it may keep weights whole (``dp_whole``). Its objective is then
     ``estimate``'s step time. None where it finds nothing."""
-    from autoplan.cost.memory import model_state_bytes
     from autoplan.planner.dp_problem import whole_patterns, with_dp_terms
     config = cand.est.config
     m = config.microbatches(gbs)
@@ -173,7 +178,8 @@ def dp_sharding(graph: OpGraph, cluster: Any, cand: Candidate, gbs: int,
         return model_state_bytes(1.0, dp=dp, zero_stage=zero, precision=config.precision,
                                  optimizer=config.optimizer,
                                  offload_optimizer=config.offload_optimizer,
-                                 offload_params=config.offload_params).total_bytes
+                                 offload_params=config.offload_params,
+                                 mixed_precision=config.mixed_precision).total_bytes
     sharded = state(config.shard_degree, config.zero_stage)
     mem = cand.est.stages[0].memory
     ctx = replace(cost_context(graph, cluster, config, profile, m, opts, None, pinned),

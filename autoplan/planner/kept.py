@@ -76,8 +76,8 @@ def layer_inputs(graph: OpGraph, nodes: Sequence[Node], rep: Sequence[int],
                 seen.add(base)
                 if base in shared:
                     held_once.add((chunk_of[start], base))
-                b = value_bytes(ctx, base) * (ctx.context.value_scale(base)
-                                              if ctx.context is not None else 1.0)
+                b = value_bytes(ctx, base, "own") * (ctx.context.value_scale(base)
+                                                     if ctx.context is not None else 1.0)
                 k = a.producer[base]
                 u = node_of.get(rep[k])
                 if u is None:

@@ -182,7 +182,8 @@ def rank_memory(t: PipeTerms, config: ParallelConfig, m: int) -> tuple[Linear, .
     state = model_state_bytes(1.0, dp=config.shard_degree, zero_stage=config.zero_stage,
                               precision=config.precision, optimizer=config.optimizer,
                               offload_optimizer=config.offload_optimizer,
-                              offload_params=config.offload_params).total_bytes
+                              offload_params=config.offload_params,
+                              mixed_precision=config.mixed_precision).total_bytes
     return tuple(_plus((state, held.dense), (in_flight(config, m, r), acts))
                  for r, (held, acts) in enumerate(zip(t.held, t.acts)))
 

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 from autoplan.graph.analysis import analyze
 from autoplan.cost.compute import ComputeModel
+from autoplan.cost.dtypes import HeldBytes
 from autoplan.cost.memory import _meta_bytes, internal_anchor
 from autoplan.estimate.chunk_cost import comm_bytes
 from autoplan.estimate.overlap import OVERLAP_INTERFERENCE, overlap_exposed_s
@@ -63,6 +64,7 @@ class CostContext:
     # (kind, nbytes) -> seconds on its group
     context: ContextAxis | None = None
     cp_collective_s: Callable[[str, float], float] | None = None
+    held: HeldBytes | None = None     # the dtypes autocast holds activations in (cost.dtypes)
 
     @property
     def micro_batch(self) -> int:
@@ -226,7 +228,8 @@ def _node_cost(ctx: CostContext, node: Node, j: int, savers: dict[tuple[int, str
             counted.add(base.name)
             k = op.inputs.index(n) if n in op.inputs else -1
             where = s.inputs[k] if 0 <= k < len(s.inputs) else node.placement[j].get(n, REPLICATE)
-            b = (value_bytes(ctx, base.name) * (1.0 / ctx.t if where.kind == "S" else 1.0)
+            b = (value_bytes(ctx, base.name, "kept")
+                 * (1.0 / ctx.t if where.kind == "S" else 1.0)
                  * (cp_held(ctx, i, n) if n == base.name else
                     ctx.context.value_scale(base.name) if ctx.context is not None else 1.0))
             if (-1, base.name) in savers:

@@ -171,6 +171,8 @@ def plan(model: Any, cluster: Any, *, global_batch_size: int, example_inputs: An
                      error=ConfigError)
     profile = profile_arg(profile, cluster, "plan()")
     base = {"precision": precision, "optimizer": optimizer}
+    if "mixed_precision" in opts.force:      # never searched: the runtime runs autocast only
+        base["mixed_precision"] = opts.force["mixed_precision"]
     cands: list[Candidate] = []
     from autoplan.estimate.partition import main_block
     block = main_block(graph)

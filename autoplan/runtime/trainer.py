@@ -324,6 +324,12 @@ def _compile(model: nn.Module, cluster: Any, *, example_inputs: Sequence[Any],
                         "(tp_comm_overlap, as Megatron-LM's --tp-comm-overlap), which this "
                         "runtime cannot run: it needs fused GEMM + collective kernels (CUDA "
                         "symmetric memory). Re-plan without forcing tp_comm_overlap")
+    if plan.config.mixed_precision != "autocast" and plan.config.precision != "fp32":
+        raise PlanError(f"the plan prices {plan.config.precision} weights and activations with an "
+                        f"fp32 master copy in the optimizer (mixed_precision="
+                        f"{plan.config.mixed_precision!r}, as Megatron-LM's --bf16), which this "
+                        "runtime does not run: it keeps fp32 weights and trains under "
+                        "torch.autocast. Re-plan without forcing mixed_precision")
     if plan.training.global_batch_size != global_batch_size:
         raise PlanError(f"the plan is for a global batch of {plan.training.global_batch_size}, "
                         f"compile() got {global_batch_size}")
