@@ -249,7 +249,8 @@ def predict_case(hidden: int, heads: int, tp: int, mbs: int, device_name: str = 
         # the float inputs as parameters: they need a gradient, as inside a layer, so every
         # op's backward is priced (a traced graph's inputs are data, with no gradient)
         graph = trace(WithInputs(module, inputs), (torch.zeros(1, device="meta"),))
-        model = ComputeModel(graph, device, "bf16")
+        # measured with bf16 weights and activations (no autocast), as Megatron-LM trains
+        model = ComputeModel(graph, device, "bf16", mixed_precision="params")
         fwd = bwd = 0.0
         for i, op in enumerate(graph.ops):
             c = model.op_cost(i)

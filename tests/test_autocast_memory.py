@@ -121,3 +121,38 @@ def test_the_runtime_refuses_weights_held_in_16_bits():
         compile(ex.model, cluster, example_inputs=ex.example_inputs,
                 example_targets=ex.targets, loss_fn=ex.loss_fn,
                 optimizer=lambda ps: torch.optim.AdamW(ps), global_batch_size=2, plan=p)
+
+
+def test_under_autocast_ops_move_the_bytes_of_their_dtypes(gpt):
+    """Time: a layer norm reads and writes the fp32 residual stream, a product reads 16-bit
+    copies, and a product fed an fp32 activation pays for autocast's cast (and its backward)."""
+    from autoplan import Cluster
+    from autoplan.cost.compute import compute_model
+    device = Cluster.preset("dgx-h100", nodes=1).device
+    auto = compute_model(gpt, device, "bf16", None, "autocast")
+    pure = compute_model(gpt, device, "bf16", None, "params")
+    ln = next(i for i, op in enumerate(gpt.ops) if opname(op) == "layer_norm")
+    qkv = next(i for i, op in enumerate(gpt.ops) if opname(op) == "linear")
+    assert auto._byte_scale(gpt.ops[ln]) == pytest.approx(2 * pure._byte_scale(gpt.ops[ln]))
+    assert auto._byte_scale(gpt.ops[qkv]) == pure._byte_scale(gpt.ops[qkv])
+    fwd, bwd = auto._cast_s(gpt.ops[qkv])               # the layer norm's fp32 output
+    assert fwd > 0 and bwd > 0 and pure._cast_s(gpt.ops[qkv]) == (0.0, 0.0)
+    assert auto.op_cost(qkv).fwd_s == pytest.approx(pure.op_cost(qkv).fwd_s + fwd)
+
+
+def test_the_h100_runtime_step_is_predicted_within_a_third():
+    """The one measured step of the runtime on an H100 (0.948 s): priced with autocast's dtypes
+    0.760 s (with every tensor in bf16 it was 0.587 s). What is left (weights' casts, the
+    unfused attention's element-wise kernels, dropout's random numbers) is not priced yet; the
+    bounds keep it from getting worse unnoticed."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from validate import part_of_a_node
+
+    from autoplan import estimate
+    run = json.loads((ROOT / "benchmarks" / "data" / "h100-sxm5-runtime.json").read_text())
+    measured = run["runs"][0]["measured_step_s"]
+    ex = build_example("gpt3-1.3b", device="meta", batch_size=1)
+    graph = trace(ex.model, ex.example_inputs, loss_fn=ex.loss_fn, targets=ex.targets)
+    e = estimate(graph, part_of_a_node("dgx-h100", 1), config=ParallelConfig(
+        micro_batch_size=2), global_batch_size=run["global_batch"], profile=None)
+    assert 1.0 <= measured / e.step_time_s <= 1.3, measured / e.step_time_s

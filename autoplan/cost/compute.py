@@ -27,6 +27,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from autoplan.cost.dtypes import LOWER_PRECISION_OPS, autocast_on, value_itemsizes
 from autoplan.cost.memory import PRECISION_BYTES
 from autoplan.graph.opgraph import Op, OpGraph, opname
 
@@ -136,14 +137,15 @@ def product_size(graph: OpGraph, op: Op) -> float | None:
     return cube ** (1.0 / 3.0) if cube > 0 else None
 
 
-def compute_model(graph: OpGraph, device: Any, precision: str, profile: Any = None) -> ComputeModel:
-    """The ComputeModel for (graph, device, precision, profile), built once and kept on the
-    graph: the planner costs hundreds of configurations of one graph."""
+def compute_model(graph: OpGraph, device: Any, precision: str, profile: Any = None,
+                  mixed_precision: str = "autocast") -> ComputeModel:
+    """The ComputeModel for (graph, device, precision, profile, mixed_precision), built once
+    and kept on the graph: the planner costs hundreds of configurations of one graph."""
     cache = graph.__dict__.setdefault("_autoplan_compute", {})
-    key = (device.name, precision, id(profile))
+    key = (device.name, precision, id(profile), mixed_precision)
     model = cache.get(key)
     if model is None or model.profile is not profile:
-        model = ComputeModel(graph, device, precision, profile)
+        model = ComputeModel(graph, device, precision, profile, mixed_precision)
         cache[key] = model
     return model
 
@@ -151,11 +153,15 @@ def compute_model(graph: OpGraph, device: Any, precision: str, profile: Any = No
 class ComputeModel:
     """Op times for one (device, precision), optionally backed by a measured ProfileDB."""
 
-    def __init__(self, graph: OpGraph, device: Any, precision: str, profile: Any = None):
+    def __init__(self, graph: OpGraph, device: Any, precision: str, profile: Any = None,
+                 mixed_precision: str = "autocast"):
         if precision not in PRECISION_BYTES:
             raise ValueError(f"precision {precision!r} not in {sorted(PRECISION_BYTES)}")
         self.graph = graph
         self.precision = precision
+        # under autocast, each value's dtype as torch.autocast makes it (cost/dtypes.py)
+        self.sizes = (value_itemsizes(graph, PRECISION_BYTES[precision], device.kind)
+                      if autocast_on(precision, mixed_precision) else None)
         calibration = getattr(profile, "calibration", None)
         self.tput = Throughput.from_device(device, precision, calibration)
         self.profile = profile
@@ -164,12 +170,42 @@ class ComputeModel:
         self._cache: dict[int, OpCost] = {}
 
     def _byte_scale(self, op: Op) -> float:
-        """Traced float tensors become training-precision tensors."""
+        """Traced float tensors become training-precision tensors; under autocast each takes
+        the dtype autocast gives it (a product reads its inputs' 16-bit copies)."""
         metas = [self.graph.value(n).meta for n in op.inputs + op.outputs]
         floats = [m for m in metas if m.is_float]
         if not floats:
             return 1.0
-        return PRECISION_BYTES[self.precision] / floats[0].itemsize
+        if self.sizes is None:
+            return PRECISION_BYTES[self.precision] / floats[0].itemsize
+        lower = PRECISION_BYTES[self.precision]
+        product = _casts_inputs(op)
+        traced = held = 0.0
+        for k, n in enumerate(op.inputs + op.outputs):
+            meta = self.graph.value(n).meta
+            if meta.is_float:
+                traced += meta.numel * meta.itemsize
+                held += meta.numel * (lower if product and k < len(op.inputs)
+                                      else self.sizes.get(n, meta.itemsize))
+        return held / traced if traced else 1.0
+
+    def _cast_s(self, op: Op) -> tuple[float, float]:
+        """(forward, backward) seconds of the casts autocast makes before a product: each fp32
+        activation it reads copied to 16 bits (read 4 bytes, write 2), and in backward the
+        copy's gradient cast back (read 2, write 4); one kernel each. Weights' casts are left
+        out (FSDP hands the products 16-bit weights; under ZeRO 0/1 it is a copy per weight and
+        micro-batch)."""
+        if self.sizes is None or not _casts_inputs(op):
+            return 0.0, 0.0
+        lower = PRECISION_BYTES[self.precision]
+        fwd = bwd = 0.0
+        for n in op.inputs:
+            v = self.graph.value(n)
+            if v.kind == "activation" and v.meta.is_float and self.sizes.get(n, 4) > lower:
+                moved = v.meta.numel * (self.sizes[n] + lower) / self.tput.memory_bytes_per_s
+                fwd += moved + self.tput.launch_s
+                bwd += moved + self.tput.launch_s
+        return fwd, (bwd if op.differentiable else 0.0)
 
     def _measured(self, op: Op) -> OpCost | None:
         if self.profile is None or self._byte_scale(op) != 1.0:
@@ -200,12 +236,13 @@ class ComputeModel:
         per_fwd, per_bwd = (0.0, 0.0)
         if key is not None and key[0] in tp.elementwise_s_per_element:
             per_fwd, per_bwd = (key[1] * x for x in tp.elementwise_s_per_element[key[0]])
+        cast_fwd, cast_bwd = self._cast_s(op)
         fwd = max(op.fwd_flops / flops_per_s, bytes_ / tp.memory_bytes_per_s,
-                  per_fwd) + tp.launch_s
+                  per_fwd) + tp.launch_s + cast_fwd
         if not op.differentiable:
             return OpCost(fwd_s=fwd, bwd_s=0.0)
         bwd = max(op.bwd_flops / flops_per_s, bwd_bytes / tp.memory_bytes_per_s,
-                  per_bwd) + tp.launch_s
+                  per_bwd) + tp.launch_s + cast_bwd
         return OpCost(fwd_s=fwd, bwd_s=bwd)
 
     def base_cost(self, index: int) -> OpCost:
@@ -246,6 +283,11 @@ class ComputeModel:
             return 1.0
         return (size_efficiency(curve, size * work_scale ** (1.0 / 3.0))
                 / size_efficiency(curve, size))
+
+
+def _casts_inputs(op: Op) -> bool:
+    """Whether autocast runs ``op`` in 16 bits on 16-bit copies of its float inputs."""
+    return op.kind in _PRODUCT_KINDS or opname(op) in LOWER_PRECISION_OPS
 
 
 def _cross_entropy_bytes(graph: OpGraph, op: Op, precision: str) -> tuple[float, float] | None:

@@ -33,7 +33,7 @@ from autoplan.graph.opgraph import OpGraph, opname
 MIXED_PRECISION = ("autocast", "params")
 
 # ops autocast runs in the lower precision, on CUDA and on the CPU (overload packets)
-_LOWER = frozenset({
+LOWER_PRECISION_OPS = frozenset({
     "linear", "matmul", "mm", "bmm", "addmm", "addbmm", "baddbmm", "addmv", "addr", "mv",
     "chain_matmul", "multi_dot", "linalg_multi_dot", "prelu", "conv1d", "conv2d", "conv3d",
     "convolution", "_convolution", "conv_transpose1d", "conv_transpose2d", "conv_transpose3d",
@@ -84,7 +84,7 @@ def value_itemsizes(graph: OpGraph, lower_bytes: int, device_kind: str) -> Mappi
         name = opname(op)
         floats = [size.get(n, graph.value(n).meta.itemsize) for n in op.inputs
                   if graph.value(n).meta.is_float]
-        if op.kind in _PRODUCT_KINDS or name in _LOWER:
+        if op.kind in _PRODUCT_KINDS or name in LOWER_PRECISION_OPS:
             out = lower_bytes
         elif name in fp32_ops:
             out = 4
@@ -111,7 +111,7 @@ def kept_itemsizes(graph: OpGraph, lower_bytes: int, device_kind: str) -> Mappin
     own = value_itemsizes(graph, lower_bytes, device_kind)
     kept: dict[str, int] = {}
     for op in graph.ops:
-        product = op.kind in _PRODUCT_KINDS or opname(op) in _LOWER
+        product = op.kind in _PRODUCT_KINDS or opname(op) in LOWER_PRECISION_OPS
         for n in op.saved:
             base = graph.value(n).base
             if not graph.value(base).meta.is_float:

@@ -104,7 +104,8 @@ def estimate(model: Any, cluster: Any, *, config: ParallelConfig, global_batch_s
     m = validate(graph, cluster, config, global_batch_size)
     a = analyze(graph)
     profile = profile_arg(profile, cluster, "estimate()")
-    compute = compute_model(graph, cluster.device, config.precision, profile)
+    compute = compute_model(graph, cluster.device, config.precision, profile,
+                            config.mixed_precision)
     interference = overlap_interference(cluster)
     p, v = config.pp, config.virtual_stages
     sh = sharding_for(graph, config.tp, config.sequence_parallel, sharding)

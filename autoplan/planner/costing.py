@@ -137,7 +137,8 @@ def cost_context(graph: OpGraph, cluster: Any, config: ParallelConfig, profile: 
     t = config.tp
     group = config.tp_group()
     cp_group = config.cp_group()
-    compute = compute_model(graph, cluster.device, config.precision, profile)
+    compute = compute_model(graph, cluster.device, config.precision, profile,
+                            config.mixed_precision)
     whole_state = model_state_bytes(1.0, dp=1, zero_stage=0, precision=config.precision,
                                     optimizer=config.optimizer,
                                     mixed_precision=config.mixed_precision).total_bytes
@@ -271,7 +272,8 @@ def cost_inputs(graph: OpGraph, cluster: Any, config: ParallelConfig, sh: Shardi
     from autoplan.estimate.chunk_cost import CostInputs
     from autoplan.sharding.context_axis import context_axis
     return CostInputs(graph=graph, analysis=analyze(graph), sharding=sh,
-                      compute=compute_model(graph, cluster.device, config.precision, profile),
+                      compute=compute_model(graph, cluster.device, config.precision, profile,
+                                            config.mixed_precision),
                       cluster=cluster, config=config, expert_load=opts.expert_capacity_factor,
                       context=context_axis(graph, config.cp))
 
