@@ -83,14 +83,13 @@ def model_state_bytes(num_params: float, *, dp: int, zero_stage: int, precision:
     if zero_stage not in (0, 1, 2, 3):
         raise ConfigError(f"zero_stage must be 0-3, got {zero_stage!r}")
     w, g, o = bytes_per_param(precision, optimizer, mixed_precision)
+    autocast = autocast_on(precision, mixed_precision)
     opt = num_params * o / (dp if zero_stage >= 1 else 1)
     grads = num_params * g / (dp if zero_stage >= 2 else 1)
-    params = num_params * w / (dp if zero_stage >= 3 else 1)
-    if autocast_on(precision, mixed_precision):
-        # FSDP (ZeRO-2 and 3) shards the fp32 weights themselves
-        params = num_params * w / (dp if zero_stage >= 2 else 1)
-        if zero_stage < 3 and not offload_params:
-            params += num_params * PRECISION_BYTES[precision]
+    # the runtime's FSDP (ZeRO-2 and 3) shards its fp32 weights themselves
+    params = num_params * w / (dp if zero_stage >= (2 if autocast else 3) else 1)
+    if autocast and zero_stage < 3 and not offload_params:
+        params += num_params * PRECISION_BYTES[precision]
     if offload_params:        # FSDP CPU offload: sharded weights, grads and state on the host
         return ModelStateBytes(params_bytes=0.0, grads_bytes=0.0, optimizer_bytes=0.0,
                                offloaded_bytes=params + grads + opt)
