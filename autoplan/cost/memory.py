@@ -106,6 +106,15 @@ def _meta_bytes(meta: TensorMeta, precision: str) -> float:
     return float(meta.nbytes)
 
 
+def held_meta_bytes(name: str, meta: TensorMeta, precision: str,
+                    sizes: Any = None) -> float:
+    """Bytes of value ``name`` held in the dtype ``sizes`` gives it (bytes per element by
+    name, ``cost.dtypes.HeldBytes``' maps), else in ``precision`` (``_meta_bytes``)."""
+    if sizes is not None and name in sizes:
+        return meta.numel * sizes[name]
+    return _meta_bytes(meta, precision)
+
+
 def sharding_for(graph: OpGraph, tp: int, sp: bool, sharding: Sharding | None) -> Sharding:
     """The given sharding, or Megatron-LM's for (tp, sp) (built once per graph)."""
     if sharding is not None:
@@ -175,8 +184,7 @@ def activation_parts(graph: OpGraph, start: int, stop: int, *, micro_batch_size:
 
     def scaled(name: str, meta: TensorMeta, placement: Placement, i: int = -1,
                sizes: Any = None) -> float:
-        b = (meta.numel * sizes[name] if sizes is not None and name in sizes
-             else _meta_bytes(meta, precision)) * _scale(placement, t)
+        b = held_meta_bytes(name, meta, precision, sizes) * _scale(placement, t)
         if context is not None:
             b *= context.held_scale(i, name) if i >= 0 else context.value_scale(name)
         return b * batch_scale if name in a.batch_dependent else b

@@ -10,7 +10,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from autoplan.cost.memory import _meta_bytes
+from autoplan.cost.memory import held_meta_bytes
 from autoplan.estimate.chunk_cost import comm_bytes
 from autoplan.graph.analysis import analyze
 from autoplan.graph.opgraph import OpGraph
@@ -131,8 +131,7 @@ def value_bytes(ctx: CostContext, name: str, held: str | None = None) -> float:
     meta = ctx.graph.value(name).meta
     sizes = (None if held is None or ctx.held is None
              else ctx.held.kept if held == "kept" else ctx.held.own)
-    b = (meta.numel * sizes[name] if sizes is not None and name in sizes
-         else _meta_bytes(meta, ctx.precision))
+    b = held_meta_bytes(name, meta, ctx.precision, sizes)
     return b * ctx.batch_scale if name in a.batch_dependent else b
 
 
