@@ -9,8 +9,8 @@ Outside that shared ILP (it serves every ZeRO stage and policy): data-parallel g
 its overlap, ZeRO gathers, the optimizer step and host traffic, the framework's per-op overhead.
 One configuration's own ILP (``dp_problem``) adds them, and its objective is then the estimate's
 whole step time. A pipelined configuration's own ILP (``pipe_problem``) prices its whole
-closed-form step: the bottleneck stage's micro-batches and bubble, the sends, the largest
-stage's dp terms (the last test). Outside them all: in memory, full recomputation's kept layer
+step: its schedule as simulated (the longest chain of forwards, backwards and sends), the
+largest stage's dp terms (the last tests). Outside them all: in memory, full recomputation's kept layer
 inputs, the transient working set and the margin; a pipelined problem's memory is the
 estimate's check of the plan it makes.
 """
@@ -301,15 +301,30 @@ def _pipe_case(seed: int):
     return rng, name, g, cluster, config, m, compute, context_for, reference
 
 
+def _pipeline_part(est) -> float:
+    """What a step's pipeline takes: its compute, sends and bubble (every term of the estimate
+    but the data-parallel ones, the optimizer and the framework's overhead)."""
+    t = est.time
+    return est.step_time_s - (t.comm_exposed_s.get("dp_grad_sync", 0.0)
+                              + t.comm_exposed_s.get("zero_param_gather", 0.0)
+                              + t.comm_exposed_s.get("offload", 0.0)
+                              + t.optimizer_s + t.overhead_s)
+
+
 @pytest.mark.parametrize("seed", range(len(PIPE_CASES)))
-def test_a_pipelined_configs_ilp_objective_is_its_closed_form_step_time(seed):
+def test_a_pipelined_configs_ilp_objective_is_its_estimated_step_time(seed):
     """For one pipelined configuration (its stage split and each stage's recompute policy
-    fixed), the ILP of ``pipe_problem`` prices any choice at the estimate's closed-form step
-    time of the plan it makes: the bottleneck stage's micro-batches and the schedule's bubble,
-    the sends between stages, and the data-parallel terms of the stage where they are largest.
-    Built at a choice, exact there (1e-6); built at the reference (the shared ILP's answer),
-    within 0.1 % for every choice that keeps the reference's bottleneck and dp stage (the dp
-    terms' collectives linearized there, as ``dp_problem``'s), and some choices do. The ILP's
+    fixed), the ILP of ``pipe_problem`` prices any choice at the estimate of the plan it makes,
+    the schedule simulated: built at a choice, its pipeline (the critical path's forwards,
+    backwards and sends) is the simulated schedule's to 1e-6 and its dp terms the closed
+    form's; the whole within 0.5 % of the estimate (which simulates the dp collectives too;
+    the estimate's closed form, one micro-batch through every other rank, was up to 8.7 %
+    off it here).
+    Built at the reference (the shared ILP's answer), equal to the one built at the choice
+    (within 0.1 %: the dp terms linearized there, as ``dp_problem``'s) for every choice that
+    keeps the reference's critical path and dp rank, and some choices do; priced no higher
+    than the estimate at every other choice (the longest of the reference's paths is a chain
+    there too) but under zero bubble, whose weight gradients go where they fit. The ILP's
     optimum is no worse than any choice tried. Every schedule the search offers, each stage
     with its own recompute policy."""
     from autoplan import estimate
@@ -331,15 +346,22 @@ def test_a_pipelined_configs_ilp_objective_is_its_closed_form_step_time(seed):
         assert problem.objective(best) <= problem.objective(choice) + 1e-9
         at = build(g, cluster, config, m, chunks, context_for, compute, None, interference,
                    choice, made=pipe.terms)
-        est = estimate(g, cluster, config=config, global_batch_size=gbs, profile=None,
-                       sharding=sharding_from_choice(g, config.tp, pipe.red, choice),
-                       simulate_pipeline=False)
-        assert at.problem.objective(choice) == pytest.approx(est.step_time_s, rel=1e-6), (
+        kw = dict(config=config, global_batch_size=gbs, profile=None,
+                  sharding=sharding_from_choice(g, config.tp, pipe.red, choice))
+        simulated = estimate(g, cluster, **kw)
+        closed = estimate(g, cluster, simulate_pipeline=False, **kw)
+        exact = closed.step_time_s - _pipeline_part(closed) + _pipeline_part(simulated)
+        assert at.problem.objective(choice) == pytest.approx(exact, rel=1e-6), (
             name, config.short(), choice)
-        if (at.bottleneck, at.worst) == (pipe.bottleneck, pipe.worst):
+        # (within 0.11 % on these cases; the issue asks 2 %)
+        assert at.problem.objective(choice) == pytest.approx(simulated.step_time_s,
+                                                             rel=5e-3), (name, choice)
+        if (at.path, at.worst) == (pipe.path, pipe.worst):
             priced += 1      # (the dp terms linearized at the reference: within 0.1 %)
-            assert problem.objective(choice) == pytest.approx(est.step_time_s, rel=1e-3), (
+            assert problem.objective(choice) == pytest.approx(exact, rel=1e-3), (
                 name, config.short(), choice)
+        elif config.schedule != "zero_bubble" and at.worst == pipe.worst:
+            assert problem.objective(choice) <= exact * (1 + 1e-3), (name, choice)
     assert priced >= 2, (name, config.short())
 
 

@@ -289,3 +289,56 @@ def test_v_schedules_peaks_settle_by_the_steady_state(schedule):
         for m in range(2 * p, 12 * p + 1, 1 if p < 8 else 5):
             assert _order_peak_chunks(schedule, p, 2, m) == order_peak_chunks(schedule, p, 2, m)
         assert order_peak_chunks(schedule, p, 2, 1000) == _order_peak_chunks(schedule, p, 2, cap)
+
+
+# ---- the critical path ----------------------------------------------------------------------
+
+_SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("zero_bubble", 1),
+              ("zero_bubble", 2), ("zbv", 2), ("dualpipev", 2)]
+
+
+@pytest.mark.parametrize("schedule,v", _SCHEDULES)
+@pytest.mark.parametrize("seed", range(6))
+def test_the_critical_path_is_the_makespan_and_a_chain_at_other_times(schedule, v, seed):
+    """The chain walked back from the last action adds up to the simulated step at the times
+    it was found with; at other times it is still a chain of the schedule, so no longer than
+    the step there (zero bubble's greedy weight gradients aside: they go where they fit, so the
+    chains themselves move with the times)."""
+    import random
+    from autoplan.estimate.critical_path import critical_path
+    rng = random.Random(seed)
+    p = rng.choice([2, 3, 4])
+    m = 2 * p if schedule == "dualpipev" or v > 1 else rng.choice([1, 3, 4, 8])
+    n = p * v
+    f = [rng.uniform(0.5, 1.5) for _ in range(n)]
+    b = [rng.uniform(1.0, 3.0) for _ in range(n)]
+    s = [rng.choice([0.0, rng.uniform(0.0, 0.3)]) for _ in range(n - 1)]
+    kw = dict(schedule=schedule, p=p, v=v, m=m)
+    path = critical_path(fwd_s=f, bwd_s=b, send_s=s, **kw)
+    assert path.length_s(f, b, s) == pytest.approx(simulate(fwd_s=f, bwd_s=b, send_s=s,
+                                                            **kw).makespan_s, rel=1e-12)
+    assert path.makespan_s == pytest.approx(path.length_s(f, b, s), rel=1e-12)
+    assert sum(path.fwd) >= 1 and sum(path.bwd) > 0
+    if schedule != "zero_bubble":
+        for _ in range(5):
+            f2 = [x * rng.uniform(0.8, 1.2) for x in f]
+            b2 = [x * rng.uniform(0.8, 1.2) for x in b]
+            s2 = [x * rng.uniform(0.5, 2.0) for x in s]
+            step = simulate(fwd_s=f2, bwd_s=b2, send_s=s2, **kw).makespan_s
+            assert path.length_s(f2, b2, s2) <= step * (1 + 1e-12)
+
+
+def test_a_first_rank_that_paces_1f1b_idles_where_the_others_are_slower_than_it():
+    """Two ranks, the first the slower: its step is its own m micro-batches plus the idle time
+    before its first backward (the second rank's forward and backward beyond its second
+    forward) and before its last (beyond its backward), max(0, f1 + b1 - f0) +
+    max(0, f1 + b1 - b0), not the whole round trip f1 + b1 a closed form charges. The path
+    counts it so."""
+    from autoplan.estimate.critical_path import critical_path
+    for f0, b0, f1, b1, m in [(1.0, 2.0, 0.9, 1.8, 6), (1.0, 2.0, 0.5, 1.0, 6),
+                              (2.0, 1.0, 0.4, 2.5, 5)]:
+        want = m * (f0 + b0) + max(0.0, f1 + b1 - f0) + max(0.0, f1 + b1 - b0)
+        kw = dict(schedule="1f1b", p=2, v=1, m=m, fwd_s=[f0, f1], bwd_s=[b0, b1])
+        assert simulate(**kw).makespan_s == pytest.approx(want, rel=1e-12)
+        path = critical_path(**kw)
+        assert path.length_s([f0, f1], [b0, b1]) == pytest.approx(want, rel=1e-12)

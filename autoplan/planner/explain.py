@@ -403,9 +403,11 @@ def _solver(plan: Plan) -> str:
                           "baseline; the problem shown is the search's largest)"}.get(s.status, "")
     bound = "n/a" if s.bound_s is None else fmt_s(s.bound_s)
     gap = "n/a" if s.gap is None else f"{s.gap * 100:.2f}%"
-    # a pipelined plan's ILP prices its schedule in closed form; its prediction is simulated
-    simulated = (f" (the schedule in closed form; simulated, the plan's step is "
-                 f"{fmt_s(plan.predicted['step_time_s'])})" if plan.config.pp > 1 else "")
+    # a pipelined plan's ILP prices its schedule by critical paths and its collectives in
+    # closed form; its prediction simulates both
+    simulated = (f" (the schedule's critical paths, collectives in closed form; simulated, "
+                 f"the plan's step is {fmt_s(plan.predicted['step_time_s'])})"
+                 if plan.config.pp > 1 else "")
     return "\n".join([
         f"solver   {s.solver} {s.status}{note}",
         (f"  objective {fmt_s(s.objective_s)} per step{simulated}, bound {bound}, gap {gap}"

@@ -29,6 +29,10 @@ affine in x and e (``Linear``). The max is convex: z >= C - W, z >= F. The min i
 one binary b and a bound M on C and W, y >= C - M b, y >= W - M (1 - b); minimizing picks
 y = min(C, W). Objective += times * (z + phi * y).
 
+Maxima (a pipelined configuration's step: the longest of the schedule's critical paths, each
+affine in x and e, ``pipe_problem``): z >= L for each form L of a group, objective += z; the
+minimum puts z on the largest.
+
 Every solve has a time limit, runs CBC single-threaded (deterministic), checks the status
 (PuLP says "Optimal" even when the time limit stopped CBC: ``sol_status`` tells) and reports
 the objective, the best bound (from CBC's log), the gap and the problem size.
@@ -118,6 +122,8 @@ class ILPProblem:
     # (bytes as an affine function of the choice, bound): more memory constraints, one per
     # device that holds a different part (a pipelined configuration's ranks)
     memory_rows: tuple[tuple[Linear, float], ...] = ()
+    # groups of affine functions of the choice: the objective adds each group's largest
+    maxima: tuple[tuple[Linear, ...], ...] = ()
 
     @property
     def num_nodes(self) -> int:
@@ -129,6 +135,7 @@ class ILPProblem:
             total += r[choice[u]][choice[v]]
         total += sum(cost for cost, when in self.charges
                      if any(choice[v] == j for v, j in when))
+        total += sum(max(f.value(self, choice) for f in group) for group in self.maxima)
         return total + sum(o.value(self, choice) for o in self.overlaps)
 
     def memory(self, choice: tuple[int, ...] | list[int]) -> float:
@@ -198,8 +205,8 @@ def _objective_and_edges(prob, problem: ILPProblem, fixed: dict[int, int], x, ev
     two constraint families."""
     terms = []
     const = problem.constant_s
-    in_overlaps = {k for o in problem.overlaps for lin in (o.comm, o.window, o.first)
-                   for k, m in enumerate(lin.edges) if any(c for row in m for c in row)}
+    in_overlaps = {k for lin in _forms(problem) for k, m in enumerate(lin.edges)
+                   if any(c for row in m for c in row)}
     for v, costs in enumerate(problem.node_costs):
         if v in fixed:
             const += costs[fixed[v]]
@@ -229,16 +236,38 @@ def _objective_and_edges(prob, problem: ILPProblem, fixed: dict[int, int], x, ev
     return terms, const, n_edge_vars
 
 
+def _forms(problem: ILPProblem) -> list[Linear]:
+    """The affine functions the objective reads beside the node and edge costs."""
+    return ([lin for o in problem.overlaps for lin in (o.comm, o.window, o.first)]
+            + [lin for group in problem.maxima for lin in group])
+
+
+def _maxima_terms(prob, problem: ILPProblem, fixed: dict[int, int], x, evars) -> list:
+    """Objective terms of the maxima: z_g >= each form of group g (module doc)."""
+    terms = []
+    switches = _Switches(prefix="maxima_switch")
+    for g, group in enumerate(problem.maxima):
+        z = pulp.LpVariable(f"longest_{g}")
+        for k, lin in enumerate(group):
+            prob += (z >= _affine(problem, lin, fixed, x, evars, switches),
+                     f"longest_{g}_{k}")
+        terms.append(z)
+    for k, row in enumerate(switches.rows):
+        prob += (row, f"maxima_switch_row_{k}")
+    return terms
+
+
 @dataclass
 class _Switches:
     """One variable u per set of strategies, with its rows u >= x[v, j] (``Linear.switched``)."""
 
     variables: dict = field(default_factory=dict)
     rows: list = field(default_factory=list)
+    prefix: str = "switch"
 
     def of(self, when: tuple[tuple[int, int], ...], x) -> pulp.LpVariable:
         if when not in self.variables:
-            u = self.variables[when] = pulp.LpVariable(f"switch_{len(self.variables)}",
+            u = self.variables[when] = pulp.LpVariable(f"{self.prefix}_{len(self.variables)}",
                                                        lowBound=0, upBound=1)
             self.rows += [u >= x[v, j] for v, j in when]
         return self.variables[when]
@@ -367,7 +396,8 @@ def _solve(problem: ILPProblem, time_limit_s: float, start: tuple[int, ...] | No
                        for o in problem.overlaps),
         constant_s=problem.constant_s * scale,
         charges=tuple((c * scale, when) for c, when in problem.charges),
-        memory_rows=problem.memory_rows)
+        memory_rows=problem.memory_rows,
+        maxima=tuple(tuple(f.scaled(scale) for f in group) for group in problem.maxima))
     prob = pulp.LpProblem("sharding", pulp.LpMinimize)
     x = _add_variables(prob, scaled, free)
     _add_one_strategy(prob, scaled, free, x)
@@ -375,6 +405,7 @@ def _solve(problem: ILPProblem, time_limit_s: float, start: tuple[int, ...] | No
     terms, const, n_edge = _objective_and_edges(prob, scaled, fixed, x, evars)
     more, longer = _overlap_terms(prob, scaled, fixed, x, evars, _CANNOT_RUN_S * scale)
     terms += more
+    terms += _maxima_terms(prob, scaled, fixed, x, evars)
     for n, (cost, when) in enumerate(scaled.charges):
         if any(fixed.get(v) == j for v, j in when):
             const += cost

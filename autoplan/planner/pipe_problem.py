@@ -1,28 +1,34 @@
 """The sharding ILP of one pipelined configuration, with its whole step.
 
 The shared tp-axis ILP (``problem.py``) prices a sharding's per-micro-batch costs over the whole
-model, as if it ran on one stage. A pipelined configuration's step (``estimate``'s closed form)
-is instead paced by its bottleneck stage: ``m`` micro-batches of that stage's forward and
-backward, the schedule's bubble (one micro-batch through every other rank, over ``v``; under
-a split backward ``(p - 1) / v`` of the bottleneck's forwards and unfilled backwards), the
-activations sent between stages, and the data-parallel,
-ZeRO and optimizer terms of the stage where they are largest. For one configuration with its
-stage layout fixed (``chunk_layers``, each stage's recompute policy) this module writes that
-step as an ILP over the same choices:
-- each rank's forward and backward seconds per micro-batch are linear in the choice
+model, as if it ran on one stage. A pipelined configuration's step (``estimate``'s, simulated)
+is instead paced by its schedule: the longest chain of forwards, backwards and sends that wait
+on one another (``estimate/critical_path.py``), then the data-parallel, ZeRO and optimizer
+terms of the stage where they are largest. For one configuration with its stage layout fixed
+(``chunk_layers``, each stage's recompute policy) this module writes that step as an ILP over
+the same choices:
+- each chunk's forward and backward seconds per micro-batch are linear in the choice
   (``reduce_graph(..., stages=...)``: each node's instances and each edge's consumers counted
-  on the rank that runs them), with the rank's own recompute policy;
+  on the chunk that runs them), with its rank's own recompute policy;
 - the sends are affine in the bytes that cross each boundary, whose placement the producing
   node's choice decides;
-- the data-parallel terms are ``dp_problem``'s, for the parameters the rank holds.
-The bottleneck stage and the stage with the largest data-parallel terms are taken at a
-reference choice (the shared ILP's answer), as ``dp_problem`` linearizes the collectives there:
-the objective equals the closed-form step time of any choice that keeps them
-(``tests/test_ilp_objective.py``), and the search solves again where the answer moved them.
-Each rank's memory is a row: the model state of the parameters it holds and the activations
-of the micro-batches it keeps in flight, linear in the choice (``rank_memory``), within the room
-the reference's estimate leaves beside its transient buffers; the estimate checks the plan the
-answer makes before it is kept.
+- the schedule's step is the longest of some critical paths, each a count of every chunk's
+  forwards and backwards and of every boundary's sends (``ILPProblem.maxima``): the path of
+  the schedule simulated at a reference choice (the shared ILP's answer), and those found at
+  the answers of earlier solves (``refine.refine_pipe_ilp`` adds each new one and solves
+  again, a cutting plane). Every path is a chain of the schedule at any choice, so the longest
+  is the simulated step wherever one of them is critical there, and below it elsewhere (zero
+  bubble's weight gradients are placed where they fit, which the times decide: there a path
+  found at one choice may not be a chain at another);
+- the data-parallel terms are ``dp_problem``'s, for the parameters the rank holds, priced at
+  the rank where they are largest at the reference (linearized there, as ``dp_problem``'s).
+The objective equals the estimate of the plan a choice makes, with the pipeline simulated and
+its collectives priced in closed form, at any choice that keeps the reference's critical path
+and dp rank (``tests/test_ilp_objective.py``), and the search solves again where the answer
+moved them. Each rank's memory is a row: the model state of the parameters it holds and the
+activations of the micro-batches it keeps in flight, linear in the choice (``rank_memory``),
+within the room the reference's estimate leaves beside its transient buffers; the estimate
+checks the plan the answer makes before it is kept.
 A weight read by several nodes (a tied LM head) costs its readers' ranks what the shared
 problem's pair terms say, each on the rank of the reader whose gradient all-reduce moves.
 """
@@ -34,8 +40,8 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from autoplan.estimate.chunk_cost import chunk_parts
-from autoplan.estimate.config import SPLIT_BACKWARD, ParallelConfig
-from autoplan.estimate.pipeline_sim import W_FRACTION
+from autoplan.estimate.config import ParallelConfig
+from autoplan.estimate.critical_path import CriticalPath, critical_path
 from autoplan.graph.opgraph import OpGraph
 from autoplan.planner.dp_problem import Held, framework_s, dp_pieces, held_params
 from autoplan.planner.ilp import ILPProblem, Linear
@@ -45,15 +51,19 @@ from autoplan.sharding.placement import REPLICATE
 
 @dataclass(frozen=True)
 class PipeTerms:
-    """What the ILP is made of, whatever the choice it is linearized at: per rank its forward,
-    backward and per-step tp seconds (its recompute policy's reduction), the sends, and the
-    parameters each choice holds there."""
+    """What the ILP is made of, whatever the choice it is linearized at: per chunk its forward
+    and backward seconds per micro-batch (its rank's recompute policy's reduction), per rank
+    their sums, its per-step tp seconds, the parameters each choice holds there and the
+    activation bytes it keeps per micro-batch, and per chunk boundary the send of one
+    micro-batch's activations."""
 
     red: Reduction
+    chunk_fwd: tuple[Linear, ...]
+    chunk_bwd: tuple[Linear, ...]
     fwd: tuple[Linear, ...]
     bwd: tuple[Linear, ...]
     step: tuple[Linear, ...]
-    sends: Linear
+    sends: tuple[Linear, ...]         # per chunk boundary (zero between two chunks of a rank)
     held: tuple[Held, ...]
     acts: tuple[Linear, ...]          # per rank: activation bytes kept per micro-batch
 
@@ -61,11 +71,15 @@ class PipeTerms:
 @dataclass(frozen=True)
 class PipeProblem:
     """One pipelined configuration's ILP: its choices are ``red``'s (``sharding_from_choice``
-    takes them); ``bottleneck`` and ``worst``: the stages the objective prices; ``terms``: to
-    build it again at another choice."""
+    takes them); ``path``: the critical path of the schedule at the choice it was built at;
+    ``paths``: every critical path its objective takes the longest of (``path`` first);
+    ``bottleneck``: the rank busiest there; ``worst``: the rank whose dp terms it prices;
+    ``terms``: to build it again at another choice."""
 
     problem: ILPProblem
     red: Reduction
+    path: CriticalPath
+    paths: tuple[CriticalPath, ...]
     bottleneck: int
     worst: int
     terms: PipeTerms
@@ -96,52 +110,56 @@ def _plus(*forms: tuple[float, Linear]) -> Linear:
                   tuple(tuple(tuple(r) for r in m) for m in edges))
 
 
-def _stage_held(held: Held, red: Reduction, r: int, tensors: int, layers: int) -> Held:
-    """What rank ``r`` holds: each node's instances there."""
+def _stage_held(held: Held, red: Reduction, cs: Sequence[int], tensors: int,
+                layers: int) -> Held:
+    """What a rank holds: each node's instances in its chunks ``cs`` (``red``'s stages)."""
     def part(x: Linear) -> Linear:
-        return Linear(0.0, tuple(tuple(c * red.stage_share[v][r] / red.nodes[v].mult
-                                       for c in row) for v, row in enumerate(x.nodes)))
+        return Linear(0.0, tuple(tuple(c * sum(red.stage_share[v][k] for k in cs)
+                                       / red.nodes[v].mult for c in row)
+                                 for v, row in enumerate(x.nodes)))
     return Held(part(held.dense), part(held.experts), part(held.in_layers), part(held.whole),
                 tensors, layers)
 
 
 def _sends(graph: OpGraph, red: Reduction, ctx: CostContext, chunks: Sequence[Any],
-           config: ParallelConfig, cluster: Any) -> Linear:
-    """Forward and backward sends of one micro-batch over every boundary between two ranks
-    (``estimate._sends``): per boundary the path's latency, and per crossing value the bytes
-    its producer's choice leaves it (split over tp or whole), over the path's bandwidth."""
+           config: ParallelConfig, cluster: Any) -> tuple[Linear, ...]:
+    """Per chunk boundary, the send of one micro-batch's activations across it
+    (``estimate._sends``): the path's latency, and per crossing value the bytes its producer's
+    choice leaves it (split over tp or whole), over the path's bandwidth; nothing between two
+    chunks of one rank."""
     from autoplan.cost.memory import _meta_bytes
     from autoplan.estimate.chunk_cost import _boundary_values
     from autoplan.graph.analysis import analyze
     a = analyze(graph)
-    rows = [[0.0] * len(node.choices) for node in red.nodes]
-    const = 0.0
-    for c in range(len(chunks) - 1):
-        ra, rb = config.chunk_rank(c), config.chunk_rank(c + 1)
-        if ra == rb:
-            continue                     # the V's turn: one rank, nothing sent
-        src = config.rank(pp_index=ra, dp_index=0, tp_index=0)
-        dst = config.rank(pp_index=rb, dp_index=0, tp_index=0)
-        latency = cluster.p2p_time_s(0.0, src, dst)
-        per_byte = (cluster.p2p_time_s(2.0 ** 20, src, dst) - latency) / 2.0 ** 20
-        const += latency
-        for n in _boundary_values(graph, chunks[c].stop):
-            nbytes = _meta_bytes(graph.value(n).meta, config.precision) * (
-                ctx.batch_scale if n in a.batch_dependent else 1.0)
-            if ctx.context is not None:
-                nbytes *= ctx.context.value_scale(n)
-            i = a.producer.get(n)
-            u = red.node_of.get(red.rep[i]) if i is not None else None
-            if u is None:
-                const += per_byte * nbytes
-                continue
-            rp = red.rep[i]
-            x_rep = graph.ops[rp].outputs[graph.ops[i].outputs.index(n)]
-            for j, place in enumerate(red.nodes[u].placement):
-                split = place.get(x_rep, REPLICATE).kind == "S"
-                rows[u][j] += per_byte * nbytes / (config.tp if split else 1)
     zero = tuple(tuple(tuple(0.0 for _ in r) for r in m) for _, _, m in red.problem.edges)
-    return Linear(const, tuple(tuple(r) for r in rows), zero)
+    out = []
+    for c in range(len(chunks) - 1):
+        rows = [[0.0] * len(node.choices) for node in red.nodes]
+        const = 0.0
+        ra, rb = config.chunk_rank(c), config.chunk_rank(c + 1)
+        if ra != rb:                     # (the V's turn: one rank, nothing sent)
+            src = config.rank(pp_index=ra, dp_index=0, tp_index=0)
+            dst = config.rank(pp_index=rb, dp_index=0, tp_index=0)
+            latency = cluster.p2p_time_s(0.0, src, dst)
+            per_byte = (cluster.p2p_time_s(2.0 ** 20, src, dst) - latency) / 2.0 ** 20
+            const += latency
+            for n in _boundary_values(graph, chunks[c].stop):
+                nbytes = _meta_bytes(graph.value(n).meta, config.precision) * (
+                    ctx.batch_scale if n in a.batch_dependent else 1.0)
+                if ctx.context is not None:
+                    nbytes *= ctx.context.value_scale(n)
+                i = a.producer.get(n)
+                u = red.node_of.get(red.rep[i]) if i is not None else None
+                if u is None:
+                    const += per_byte * nbytes
+                    continue
+                rp = red.rep[i]
+                x_rep = graph.ops[rp].outputs[graph.ops[i].outputs.index(n)]
+                for j, place in enumerate(red.nodes[u].placement):
+                    split = place.get(x_rep, REPLICATE).kind == "S"
+                    rows[u][j] += per_byte * nbytes / (config.tp if split else 1)
+        out.append(Linear(const, tuple(tuple(r) for r in rows), zero))
+    return tuple(out)
 
 
 def terms(graph: OpGraph, cluster: Any, config: ParallelConfig, chunks: Sequence[Any],
@@ -150,26 +168,31 @@ def terms(graph: OpGraph, cluster: Any, config: ParallelConfig, chunks: Sequence
     ``context_for(policy)``: the cost context of a recompute policy (the mesh's, with its
     micro-batches)."""
     p = config.pp
-    ranges = stage_ranges(chunks, config)
-    reds = {pol: reduce_graph(context_for(pol), stages=ranges)
-            for pol in sorted({config.stage_policy(r) for r in range(p)})}
+    ranges = [[(ch.start, ch.stop)] for ch in chunks]
+    policies = [config.chunk_policy(c) for c in range(len(chunks))]
+    reds = {pol: reduce_graph(context_for(pol), stages=ranges) for pol in sorted(set(policies))}
     red = next(iter(reds.values()))
     held = held_params(graph, red, config.tp, config.ep)
-    per_rank = []
+    of = [reds[pol] for pol in policies]
+    chunk_fwd = tuple(x.stage_fwd[c] for c, x in enumerate(of))
+    chunk_bwd = tuple(x.stage_bwd[c] for c, x in enumerate(of))
+
+    def per_rank(forms: Sequence[Linear]) -> tuple[Linear, ...]:
+        return tuple(_plus(*((1.0, forms[c]) for c in config.rank_chunks(r)))
+                     for r in range(p))
+    ranks_held = []
     for r in range(p):
         cs = [chunks[c] for c in config.rank_chunks(r)]
         tensors = sum(len({graph.value(n).base for i in range(start, stop)
                            for n in graph.ops[i].inputs if graph.value(n).kind == "param"})
                       for ch in cs for start, stop, _ in chunk_parts(ch))
-        per_rank.append(_stage_held(held, red, r, tensors,
-                                    max(1, sum(len(ch.layers) for ch in cs))))
-    of = [reds[config.stage_policy(r)] for r in range(p)]
-    return PipeTerms(red, tuple(x.stage_fwd[r] for r, x in enumerate(of)),
-                     tuple(x.stage_bwd[r] for r, x in enumerate(of)),
-                     tuple(x.stage_step[r] for r, x in enumerate(of)),
+        ranks_held.append(_stage_held(held, red, config.rank_chunks(r), tensors,
+                                      max(1, sum(len(ch.layers) for ch in cs))))
+    return PipeTerms(red, chunk_fwd, chunk_bwd, per_rank(chunk_fwd), per_rank(chunk_bwd),
+                     per_rank([x.stage_step[c] for c, x in enumerate(of)]),
                      _sends(graph, red, context_for(config.stage_policy(0)), chunks, config,
-                            cluster), tuple(per_rank),
-                     tuple(x.stage_acts[r] for r, x in enumerate(of)))
+                            cluster), tuple(ranks_held),
+                     per_rank([x.stage_acts[c] for c, x in enumerate(of)]))
 
 
 def rank_memory(t: PipeTerms, config: ParallelConfig, m: int) -> tuple[Linear, ...]:
@@ -190,52 +213,58 @@ def rank_memory(t: PipeTerms, config: ParallelConfig, m: int) -> tuple[Linear, .
 
 def build(graph: OpGraph, cluster: Any, config: ParallelConfig, m: int, chunks: Sequence[Any],
           context_for: Callable[[str], CostContext], compute: Any, profile: Any,
-          interference: float, reference: Sequence[int],
-          stages: tuple[int, int] | None = None, made: PipeTerms | None = None,
-          memory_rows: tuple[tuple[Linear, float], ...] = ()) -> PipeProblem:
+          interference: float, reference: Sequence[int], made: PipeTerms | None = None,
+          memory_rows: tuple[tuple[Linear, float], ...] = (),
+          paths: Sequence[CriticalPath] = ()) -> PipeProblem:
     """The ILP of ``config`` (pipelined, its layout fixed: ``chunks``), linearized at the
     choice ``reference``; ``context_for(policy)``: the cost context of a recompute policy (the
-    mesh's, with ``m`` micro-batches). ``stages``: (bottleneck, worst) to price, else those of
-    ``reference``; ``made``: the ``terms`` already made (a previous problem's);
-    ``memory_rows``: per rank, its ``rank_memory`` and the most it may be."""
+    mesh's, with ``m`` micro-batches). The schedule's step is the longest of the critical path
+    at ``reference`` and ``paths`` (those found at other choices: a cutting plane each);
+    ``made``: the ``terms`` already made (a previous problem's); ``memory_rows``: per rank, its
+    ``rank_memory`` and the most it may be."""
     p, v = config.pp, config.virtual_stages
     t = made or terms(graph, cluster, config, chunks, context_for)
-    any_red, fwd, bwd, step, sends = t.red, t.fwd, t.bwd, t.step, t.sends
+    any_red, step = t.red, t.step
     problem = any_red.problem
     options = tuple(tuple((j, False) for j in range(len(row))) for row in problem.node_costs)
     dp = [dp_pieces(problem, t.held[r], options, config, cluster, m, r, compute, profile,
-                    interference, fwd[r], bwd[r], reference) for r in range(p)]
-    if stages is None:
-        busy = [fwd[r].value(problem, reference) + bwd[r].value(problem, reference)
-                for r in range(p)]
-        bottleneck = max(range(p), key=lambda r: busy[r])
-        worst = max(range(p), key=lambda r: _dp_value(problem, dp[r], step[r], reference))
-    else:
-        bottleneck, worst = stages
-    if config.schedule in SPLIT_BACKWARD:      # the bottleneck's (p-1)/v, W's filling part
-        bubble = (p - 1) / v
-        fill = max(0.0, 1 - 2 * W_FRACTION)
-        paced = [(m + bubble, fwd[bottleneck]), (m + fill * bubble, bwd[bottleneck])]
-    else:                                      # one micro-batch through every other rank
-        paced = [(float(m), fwd[bottleneck]), (float(m), bwd[bottleneck])] + [
-            (1.0 / v, x[r]) for r in range(p) if r != bottleneck for x in (fwd, bwd)]
-    objective = _plus(*paced, (2.0, sends), (1.0, step[worst]))
+                    interference, t.fwd[r], t.bwd[r], reference) for r in range(p)]
+
+    def at(forms: Sequence[Linear]) -> list[float]:
+        return [f.value(problem, reference) for f in forms]
+    path = critical_path(schedule=config.schedule, p=p, v=v, m=m, fwd_s=at(t.chunk_fwd),
+                         bwd_s=at(t.chunk_bwd), send_s=at(t.sends))
+    paths = tuple(dict.fromkeys((path, *paths)))
+    busy = [f + b for f, b in zip(at(t.fwd), at(t.bwd))]
+    bottleneck = max(range(p), key=lambda r: busy[r])
+    worst = max(range(p), key=lambda r: _dp_value(problem, dp[r], step[r], reference))
+    longest = tuple(_plus(*((a, f) for a, f in zip(q.fwd, t.chunk_fwd)),
+                          *((b, f) for b, f in zip(q.bwd, t.chunk_bwd)),
+                          *((k, f) for k, f in zip(q.sends, t.sends))) for q in paths)
     rows, constant, overlaps, charges = dp[worst]
     ops = sum(chunks[c].stop - chunks[c].start for c in config.rank_chunks(bottleneck))
     constant += framework_s(graph, profile, compute, m, ops)
     # what cannot run stays so (a tied weight laid out two ways: the shared problem's terms)
     def cannot(x: float) -> float:
         return INFEASIBLE_S if x >= INFEASIBLE_S else 0.0
+    worst_step = step[worst]
     out = replace(
         problem,
         node_costs=tuple(tuple(x + y + cannot(z) for x, y, z in zip(a, b, c))
-                         for a, b, c in zip(objective.nodes, rows, problem.node_costs)),
+                         for a, b, c in zip(worst_step.nodes, rows, problem.node_costs)),
         edges=tuple((u, w, tuple(tuple(x + cannot(z) for x, z in zip(r, rz))
                                  for r, rz in zip(mat, shared)))
-                    for (u, w, shared), mat in zip(problem.edges, objective.edges)),
+                    for (u, w, shared), mat in zip(problem.edges, _edges(worst_step, problem))),
         memory_budget=None, overlaps=overlaps, charges=charges,
-        constant_s=objective.const + constant, memory_rows=memory_rows)
-    return PipeProblem(out, any_red, bottleneck, worst, t)
+        constant_s=worst_step.const + constant, memory_rows=memory_rows, maxima=(longest,))
+    return PipeProblem(out, any_red, path, paths, bottleneck, worst, t)
+
+
+def _edges(form: Linear, problem: ILPProblem) -> tuple:
+    """``form``'s edge terms, zeros where it has none."""
+    if form.edges:
+        return form.edges
+    return tuple(tuple(tuple(0.0 for _ in r) for r in m) for _, _, m in problem.edges)
 
 
 def _dp_value(problem: ILPProblem, pieces: tuple, step: Linear, choice: Sequence[int]) -> float:

@@ -60,12 +60,13 @@ def refine_pipe_ilp(graph: OpGraph, cluster: Any, cands: list[Candidate], gbs: i
                      ) -> list[Candidate]:
     """The shared ILP priced a pipelined configuration's sharding as one stage; the best few
     pipelined configurations (up to ``finalists``, their stage layout fixed) are solved again
-    with their own step (``pipe_problem``: the bottleneck stage's micro-batches and bubble,
-    the sends, the dp terms of the stage where they are largest; those within ``within`` of
-    the best configuration found, as ``refine_dp`` takes them), linearized at the shared
-    answer and again at each new answer while it moves the bottleneck or the dp stage (up to
-    ``rounds``), each rank's memory a row within the room the shared answer leaves it; what it
-    finds replaces the shared sharding where it fits and is faster. Not with expert or context
+    with their own step (``pipe_problem``: the longest of the schedule's critical paths, the
+    dp terms of the stage where they are largest; those within ``within`` of the best
+    configuration found, as ``refine_dp`` takes them), linearized at the shared answer, each
+    new answer's critical path added and solved again until the answer's path is one of those
+    priced and its dp stage stayed (up to ``rounds`` solves), each rank's memory a row within
+    the room the shared answer leaves it; what it finds replaces the shared sharding where it
+    fits and its simulated step is faster. Not with expert or context
     parallelism (their terms are the shared problem's only)."""
     from autoplan.estimate.chunk_cost import CostInputs
     from autoplan.estimate.layout import chunks_for
@@ -98,11 +99,11 @@ def refine_pipe_ilp(graph: OpGraph, cluster: Any, cands: list[Candidate], gbs: i
                       + row.value(made.red.problem, c.ilp.choice))
                      for row, st in zip(held, c.est.stages))
 
-        def build(reference: tuple[int, ...]) -> Any:     # (the reductions made once)
+        def build(reference: tuple[int, ...], paths: tuple = ()) -> Any:
             return pipe_problem.build(graph, cluster, cfg, m, chunks,
                                       lambda pol: replace(base, recompute=pol), base.compute,
                                       profile, base.interference, reference, made=made,
-                                      memory_rows=rows)
+                                      memory_rows=rows, paths=paths)
         pipe = build(c.ilp.choice)
         found: dict[tuple[int, ...], ILPSolution] = {}
         for _ in range(rounds):
@@ -111,18 +112,28 @@ def refine_pipe_ilp(graph: OpGraph, cluster: Any, cands: list[Candidate], gbs: i
             if sol.status not in ("optimal", "feasible") or sol.choice in found:
                 break
             found[sol.choice] = sol
-            moved = build(sol.choice)
-            if (moved.bottleneck, moved.worst) == (pipe.bottleneck, pipe.worst):
+            # the answer's own critical path joins the ones priced (a cutting plane); where it
+            # is one of them and the dp rank stayed, the objective priced the answer exactly
+            moved = build(sol.choice, pipe.paths)
+            if moved.path in pipe.paths and moved.worst == pipe.worst:
                 break
             pipe = moved
-        for choice, sol in found.items():   # (where the stages moved: each answer priced)
+        if not found:
+            continue
+        # the objective is the simulated step: the answers and the shared one compared so
+        first = evaluate(graph, cluster, [cfg], c.sharding, c.ilp, gbs, profile, opts, stats,
+                         c.label, simulate=True)
+        bar = first[0].est.step_time_s if first else out[k].est.step_time_s
+        for choice, sol in found.items():
             sh = sharding_from_choice(graph, cfg.tp, pipe.red, choice)
-            better = [r for r in evaluate(graph, cluster, [cfg], sh, sol, gbs, profile, opts,
-                                           stats, c.label)
-                      if r.est.fits
-                      and r.est.step_time_s < out[k].est.step_time_s * (1 - 1e-9)]
-            if better:
-                out[k] = better[0]
+            simulated = [r for r in evaluate(graph, cluster, [cfg], sh, sol, gbs, profile,
+                                              opts, stats, c.label, simulate=True)
+                         if r.est.fits and r.est.step_time_s < bar * (1 - 1e-9)]
+            if simulated:
+                bar = simulated[0].est.step_time_s
+                # (kept in closed form, as the others are ranked until refine_pipelined)
+                out[k] = evaluate(graph, cluster, [cfg], sh, sol, gbs, profile, opts, stats,
+                                  c.label)[0]
     return out
 
 
