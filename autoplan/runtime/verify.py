@@ -142,7 +142,7 @@ def compare(got: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> dict[
 
 
 def _optimizer(params):
-    return torch.optim.AdamW(params, lr=1e-3, eps=1e-6)
+    return torch.optim.AdamW(params, lr=1e-3, eps=1e-4)
 
 
 def main(argv: list[str] | None = None) -> int:
