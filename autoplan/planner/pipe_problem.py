@@ -195,11 +195,13 @@ def terms(graph: OpGraph, cluster: Any, config: ParallelConfig, chunks: Sequence
                      per_rank([x.stage_acts[c] for c, x in enumerate(of)]))
 
 
-def rank_memory(t: PipeTerms, config: ParallelConfig, m: int) -> tuple[Linear, ...]:
+def rank_memory(t: PipeTerms, config: ParallelConfig, m: int,
+                flight: Sequence[float] | None = None) -> tuple[Linear, ...]:
     """Per pipeline rank, the device bytes the choice decides there (``estimate``'s stage
     memory less its transient buffers and margin): the model state of the parameters it holds,
     ZeRO-sharded as ``config`` shards them, and the activations of the micro-batches it keeps in
-    flight under its schedule (``layout.in_flight``)."""
+    flight under its schedule: ``flight`` per rank (the simulated estimate's
+    ``microbatches_in_flight`` at some choice), else the closed form's (``layout.in_flight``)."""
     from autoplan.cost.memory import model_state_bytes
     from autoplan.estimate.layout import in_flight
     state = model_state_bytes(1.0, dp=config.shard_degree, zero_stage=config.zero_stage,
@@ -207,7 +209,9 @@ def rank_memory(t: PipeTerms, config: ParallelConfig, m: int) -> tuple[Linear, .
                               offload_optimizer=config.offload_optimizer,
                               offload_params=config.offload_params,
                               mixed_precision=config.mixed_precision).total_bytes
-    return tuple(_plus((state, held.dense), (in_flight(config, m, r), acts))
+    flights = list(flight) if flight is not None else [in_flight(config, m, r)
+                                                       for r in range(config.pp)]
+    return tuple(_plus((state, held.dense), (flights[r], acts))
                  for r, (held, acts) in enumerate(zip(t.held, t.acts)))
 
 

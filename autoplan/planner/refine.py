@@ -92,12 +92,20 @@ def refine_pipe_ilp(graph: OpGraph, cluster: Any, cands: list[Candidate], gbs: i
         made = pipe_problem.terms(graph, cluster, cfg, chunks,
                                   lambda pol: replace(base, recompute=pol))
 
-        # each rank's memory: the room the shared answer's estimate leaves it, beside what
-        # the choice does not decide (transient buffers, the margin)
-        held = pipe_problem.rank_memory(made, cfg, m)
+        # the objective is the simulated step: the answers and the shared one compared so
+        first = evaluate(graph, cluster, [cfg], c.sharding, c.ilp, gbs, profile, opts, stats,
+                         c.label, simulate=True)
+        if not first:
+            continue
+        simulated = first[0].est
+        # each rank's memory: the room the shared answer's simulated estimate leaves it,
+        # beside what the choice does not decide (transient buffers, the margin), with the
+        # micro-batches in flight the simulation found there
+        held = pipe_problem.rank_memory(made, cfg, m, [st.microbatches_in_flight
+                                                       for st in simulated.stages])
         rows = tuple((row, cluster.device.memory_bytes - st.memory.total_bytes
                       + row.value(made.red.problem, c.ilp.choice))
-                     for row, st in zip(held, c.est.stages))
+                     for row, st in zip(held, simulated.stages))
 
         def build(reference: tuple[int, ...], paths: tuple = ()) -> Any:
             return pipe_problem.build(graph, cluster, cfg, m, chunks,
@@ -118,19 +126,14 @@ def refine_pipe_ilp(graph: OpGraph, cluster: Any, cands: list[Candidate], gbs: i
             if moved.path in pipe.paths and moved.worst == pipe.worst:
                 break
             pipe = moved
-        if not found:
-            continue
-        # the objective is the simulated step: the answers and the shared one compared so
-        first = evaluate(graph, cluster, [cfg], c.sharding, c.ilp, gbs, profile, opts, stats,
-                         c.label, simulate=True)
-        bar = first[0].est.step_time_s if first else out[k].est.step_time_s
+        bar = simulated.step_time_s
         for choice, sol in found.items():
             sh = sharding_from_choice(graph, cfg.tp, pipe.red, choice)
-            simulated = [r for r in evaluate(graph, cluster, [cfg], sh, sol, gbs, profile,
-                                              opts, stats, c.label, simulate=True)
-                         if r.est.fits and r.est.step_time_s < bar * (1 - 1e-9)]
-            if simulated:
-                bar = simulated[0].est.step_time_s
+            faster = [r for r in evaluate(graph, cluster, [cfg], sh, sol, gbs, profile, opts,
+                                          stats, c.label, simulate=True)
+                      if r.est.fits and r.est.step_time_s < bar * (1 - 1e-9)]
+            if faster:
+                bar = faster[0].est.step_time_s
                 # (kept in closed form, as the others are ranked until refine_pipelined)
                 out[k] = evaluate(graph, cluster, [cfg], sh, sol, gbs, profile, opts, stats,
                                   c.label)[0]
