@@ -18,9 +18,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import lru_cache
 
 from autoplan.estimate.config import chunk_ranks
-from autoplan.estimate.pipeline_sim import W_FRACTION, simulate
+from autoplan.estimate.pipeline_sim import _F, _W, W_FRACTION, _run
 
 
 @dataclass(frozen=True)
@@ -48,47 +49,60 @@ def critical_path(*, schedule: str, p: int, v: int, m: int, fwd_s: Sequence[floa
     """The critical path of the schedule simulated with these chunk times and sends (per
     chunk ``fwd_s``/``bwd_s``, per boundary ``send_s``; no collectives)."""
     n = p * v
-    sends = list(send_s) or [0.0] * (n - 1)
-    result = simulate(schedule=schedule, p=p, v=v, m=m, fwd_s=fwd_s, bwd_s=bwd_s,
-                      send_s=sends)
+    sends = tuple(send_s) or (0.0,) * (n - 1)
+    return _critical_path(schedule, p, v, m, tuple(fwd_s), tuple(bwd_s), sends)
+
+
+@lru_cache(maxsize=64)
+def _critical_path(schedule: str, p: int, v: int, m: int, fwd_s: tuple[float, ...],
+                   bwd_s: tuple[float, ...], sends: tuple[float, ...]) -> CriticalPath:
+    n = p * v
+    run = _run(schedule, p, v, m, fwd_s, bwd_s, sends, (), keep_deltas=False)
     ranks = chunk_ranks(schedule, p, v)
     sent = [0.0 if ranks[c] == ranks[c + 1] else x for c, x in enumerate(sends)]
-    by_rank: list[list] = [[] for _ in range(p)]
-    for e in result.events:
-        by_rank[e.rank].append(e)
-    where = {}                     # (kind, mb, chunk) -> (rank, index on the rank)
-    for r, evs in enumerate(by_rank):
-        for i, e in enumerate(evs):
-            where[(e.kind, e.microbatch, e.chunk)] = (r, i)
-    split = {(mb, c) for kind, mb, c in where if kind == "W"}
+    # where each forward and backward (B or BW) ran: (rank, index on the rank), at c * m + mb
+    f_at: list[tuple[int, int]] = [(-1, -1)] * (n * m)
+    b_at: list[tuple[int, int]] = [(-1, -1)] * (n * m)
+    split = [False] * (n * m)            # its backward split in B and W
+    for r, evs in enumerate(run.events):
+        for i, (kind, mb, c, _, _) in enumerate(evs):
+            if kind == _F:
+                f_at[c * m + mb] = (r, i)
+            elif kind == _W:
+                split[c * m + mb] = True
+            else:
+                b_at[c * m + mb] = (r, i)
     fwd, bwd, crossed = [0.0] * n, [0.0] * n, [0.0] * (n - 1)
-    tol = 1e-12 * max(1.0, result.makespan_s)
-    r, i = max(((r, len(evs) - 1) for r, evs in enumerate(by_rank) if evs),
-               key=lambda ri: by_rank[ri[0]][ri[1]].end_s)
+    tol = 1e-12 * max(1.0, run.makespan_s)
+    r, i = max(((r, len(evs) - 1) for r, evs in enumerate(run.events) if evs),
+               key=lambda ri: run.events[ri[0]][ri[1]][4])
     while True:
-        e = by_rank[r][i]
-        c, mb = e.chunk, e.microbatch
-        if e.kind == "F":
+        kind, mb, c, start, _ = run.events[r][i]
+        dep = boundary = None
+        if kind == _F:
             fwd[c] += 1.0
-            dep, boundary = ((("F", mb, c - 1), c - 1) if c else (None, None))
-        elif e.kind == "W":
+            if c:
+                dep, boundary = f_at[(c - 1) * m + mb], c - 1
+        elif kind == _W:
             bwd[c] += W_FRACTION
-            dep, boundary = None, None
         else:
-            bwd[c] += (1.0 - W_FRACTION) if (mb, c) in split else 1.0
-            dep, boundary = ((("F", mb, c), None) if c == n - 1
-                             else (("B", mb, c + 1), c))
-        if e.start_s <= tol:
+            bwd[c] += (1.0 - W_FRACTION) if split[c * m + mb] else 1.0
+            if c == n - 1:
+                dep = f_at[c * m + mb]
+            else:
+                dep, boundary = b_at[(c + 1) * m + mb], c
+        if start <= tol:
             break
         if dep is not None:
-            dr, di = where[dep]
-            ready = by_rank[dr][di].end_s + (sent[boundary] if boundary is not None else 0.0)
-            if abs(ready - e.start_s) <= tol:
+            ready = run.events[dep[0]][dep[1]][4] + (sent[boundary] if boundary is not None
+                                                      else 0.0)
+            if abs(ready - start) <= tol:
                 if boundary is not None and ranks[boundary] != ranks[boundary + 1]:
                     crossed[boundary] += 1.0
-                r, i = dr, di
+                r, i = dep
                 continue
-        if i == 0 or abs(by_rank[r][i - 1].end_s - e.start_s) > tol:
-            raise AssertionError(f"{schedule}: no predecessor ends when {e} starts")
+        if i == 0 or abs(run.events[r][i - 1][4] - start) > tol:
+            raise AssertionError(f"{schedule}: no predecessor ends when action "
+                                 f"{(kind, mb, c)} on rank {r} starts")
         i -= 1
-    return CriticalPath(tuple(fwd), tuple(bwd), tuple(crossed), result.makespan_s)
+    return CriticalPath(tuple(fwd), tuple(bwd), tuple(crossed), run.makespan_s)

@@ -126,17 +126,18 @@ def refine_pipe_ilp(graph: OpGraph, cluster: Any, cands: list[Candidate], gbs: i
             if moved.path in pipe.paths and moved.worst == pipe.worst:
                 break
             pipe = moved
-        bar = simulated.step_time_s
-        for choice, sol in found.items():
-            sh = sharding_from_choice(graph, cfg.tp, pipe.red, choice)
-            faster = [r for r in evaluate(graph, cluster, [cfg], sh, sol, gbs, profile, opts,
-                                          stats, c.label, simulate=True)
-                      if r.est.fits and r.est.step_time_s < bar * (1 - 1e-9)]
-            if faster:
-                bar = faster[0].est.step_time_s
-                # (kept in closed form, as the others are ranked until refine_pipelined)
-                out[k] = evaluate(graph, cluster, [cfg], sh, sol, gbs, profile, opts, stats,
-                                  c.label)[0]
+        if not found:
+            continue
+        # the answer the last problem (every path found) prices lowest, simulated against the
+        # shared answer's simulated step
+        choice = min(found, key=pipe.problem.objective)
+        sh = sharding_from_choice(graph, cfg.tp, pipe.red, choice)
+        faster = [r for r in evaluate(graph, cluster, [cfg], sh, found[choice], gbs, profile,
+                                      opts, stats, c.label, simulate=True)
+                  if r.est.fits and r.est.step_time_s < simulated.step_time_s * (1 - 1e-9)]
+        if faster:    # (kept in closed form, as the others are ranked until refine_pipelined)
+            out[k] = evaluate(graph, cluster, [cfg], sh, found[choice], gbs, profile, opts,
+                              stats, c.label)[0]
     return out
 
 
