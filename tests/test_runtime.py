@@ -131,6 +131,33 @@ def assert_equals_one_device(results, name, family):
         assert err <= 1e-5, f"{k}: relative error {err:.2e} ({family})"
 
 
+def _grad_storages_rank(rank, world, name, plan_json):
+    """(parameters with a gradient, distinct storages those gradients live in) when the
+    optimizer steps, on the second step (DDP makes its gradients views on the first)."""
+    trainer, batch = _compiled(name, plan_json)
+    seen = []
+    inner = trainer.optimizer.step
+
+    def step(*args, **kwargs):
+        grads = [p.grad for g in trainer.optimizer.param_groups for p in g["params"]
+                 if p.grad is not None]
+        seen.append((len(grads), len({x.untyped_storage().data_ptr() for x in grads})))
+        return inner(*args, **kwargs)
+    trainer.optimizer.step = step
+    for _ in range(2):
+        trainer.step(batch)
+    return seen[-1]
+
+
+def test_ddp_gradients_live_in_its_buckets():
+    """Under DDP (ZeRO-0, dp 2) the gradients the optimizer reads are views of DDP's
+    all-reduce buckets, a handful of storages for all of them, not one tensor each beside the
+    buckets: the memory the estimate prices (one fp32 gradient copy)."""
+    plan = _plan("gpt-tiny", 2, dict(tp=1, zero_stage=0))
+    grads, storages = run_ranks(_grad_storages_rank, 2, "gpt-tiny", plan.to_json())[0]
+    assert grads > 10 and storages <= 2, (grads, storages)
+
+
 # ---- the run does what the plan said -------------------------------------------------------
 
 def _count_rank(rank, world, name, plan_json, traced_batch=1):
