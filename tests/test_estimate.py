@@ -75,7 +75,9 @@ def test_policies_move_time_and_memory_the_right_way(gpt3_12_layers, a100_x24):
                  schedule="interleaved_1f1b", virtual_stages=2, global_batch_size=192 * 2)
     plain = _est(gpt3_12_layers, a100_x24, dp=4, tp=8, pp=6, sequence_parallel=True,
                  schedule="1f1b", global_batch_size=192 * 2)
-    assert inter.time.bubble_s == pytest.approx(plain.time.bubble_s / 2, rel=0.05)
+    # (v divides the bubble of uniform stages exactly, tests/test_pipeline_sim.py; here the last
+    # stage holds the LM head: 5.8 % off)
+    assert inter.time.bubble_s == pytest.approx(plain.time.bubble_s / 2, rel=0.08)
 
 
 def test_tensor_parallel_splits_layer_weights(gpt3_12_layers):

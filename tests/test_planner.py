@@ -441,6 +441,7 @@ def test_ilp_with_dp_terms_equals_brute_force_on_a_model_graph(zero):
     compute the choice makes) on a real traced graph: the ILP's optimum is brute force's, and
     it prices that choice at ``estimate``'s step time."""
     from autoplan.cost.compute import compute_model
+    from autoplan.cost.dtypes import held_bytes
     from autoplan.planner.dp_problem import whole_patterns, with_dp_terms
     g = _ffn_graph()
     cluster = Cluster.preset("pcie-8gpu", nodes=2)
@@ -451,7 +452,8 @@ def test_ilp_with_dp_terms_equals_brute_force_on_a_model_graph(zero):
                       collective_s=lambda kind, b: cluster.collective_time_s(kind, b, group),
                       batch_scale=1.0, microbatches=2, precision="bf16", recompute="none",
                       state_bytes_per_param=16.0, activation_multiplier=1.0,
-                      step_shard=8 if zero >= 2 else 1)
+                      step_shard=8 if zero >= 2 else 1,
+                      held=held_bytes(g, "bf16", config.mixed_precision, cluster.device.kind))
     red = reduce_graph(ctx)
     reference = solve(red.problem, time_limit_s=20).choice
     dp = with_dp_terms(red, g, cluster, config, 2, compute, None, ctx.interference, reference,
@@ -502,6 +504,7 @@ def test_pipelined_ilp_equals_brute_force_on_a_model_graph(schedule, recompute):
     two stages: its optimum is brute force's, and it prices that choice at ``estimate``'s step
     time (the schedule simulated) within 2 %."""
     from autoplan.cost.compute import compute_model
+    from autoplan.cost.dtypes import held_bytes
     from autoplan.estimate.chunk_cost import CostInputs
     from autoplan.estimate.layout import chunks_for, with_layout
     from autoplan.graph.analysis import analyze
@@ -525,7 +528,9 @@ def test_pipelined_ilp_equals_brute_force_on_a_model_graph(schedule, recompute):
                                                                                   group),
                            batch_scale=1.0, microbatches=m, precision="bf16",
                            recompute=policy, state_bytes_per_param=16.0,
-                           activation_multiplier=1.0)
+                           activation_multiplier=1.0,
+                           held=held_bytes(g, "bf16", config.mixed_precision,
+                                           cluster.device.kind))
     red = reduce_graph(context_for("none"))
     reference = solve(red.problem, time_limit_s=20).choice
     sh = sharding_from_choice(g, 2, red, reference)

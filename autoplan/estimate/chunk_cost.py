@@ -10,7 +10,7 @@ same, so a unit's cost is that of the range standing for it (``Unit.like``), com
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,7 +18,7 @@ from autoplan.graph.analysis import GraphAnalysis
 from autoplan.cost.compute import ComputeModel
 from autoplan.cost.dtypes import HeldBytes, held_bytes
 from autoplan.cost.memory import (GRAD_BYTES, PRECISION_BYTES, _meta_bytes, activation_parts,
-                                  shared_inputs, working_set_bytes)
+                                  held_meta_bytes, shared_inputs, working_set_bytes)
 from autoplan.estimate.config import ParallelConfig
 from autoplan.estimate.overlap import overlap_exposed_s, overlap_interference
 from autoplan.estimate.partition import Chunk
@@ -113,15 +113,19 @@ def _work_scale(a: GraphAnalysis, graph: OpGraph, sh: Sharding, i: int,
 
 def comm_bytes(graph: OpGraph, a: GraphAnalysis, precision: str, value: str, scale: float,
                t: int, batch_scale: float, phase: str = "fwd", grad_shard: int = 1,
-               kind: str = "", held: float = 1.0) -> float:
+               kind: str = "", held: float = 1.0, sizes: Mapping[str, int] | None = None
+               ) -> float:
     """Bytes of one tp-axis collective ``kind`` on ``value`` (``scale`` < 0: one tp shard of
     it), as the estimate, the sharding ILP and the runtime's collective count all take them: an
-    activation at its micro-batch share; a weight's gradient in fp32, as the runtime reduces
-    gradients, and once per step (``phase`` "step") of ZeRO-2/3's ``grad_shard``-way shard; a
-    weight gathered again in backward (``all_gather``) in the training precision. ``held``:
-    the share of the value the other axis leaves this rank (a cp axis's sequence piece)."""
+    activation at its micro-batch share, in the dtype autocast computes it in (``sizes``: bytes
+    per element by value, ``HeldBytes.own``; its gradient has its dtype), else the precision's;
+    a weight's gradient in fp32, as the runtime reduces gradients, and once per step (``phase``
+    "step") of ZeRO-2/3's ``grad_shard``-way shard; a weight gathered again in backward
+    (``all_gather``) in the training precision. ``held``: the share of the value the other axis
+    leaves this rank (a cp axis's sequence piece)."""
     v = graph.value(value)
-    nbytes = _meta_bytes(v.meta, precision) * held
+    nbytes = (_meta_bytes(v.meta, precision) if v.kind == "param"
+              else held_meta_bytes(value, v.meta, precision, sizes)) * held
     if value in a.batch_dependent:
         nbytes *= batch_scale
     nbytes *= 1.0 / t if scale < 0 else scale
@@ -144,6 +148,7 @@ def tp_comm_s(ci: CostInputs, start: int, stop: int) -> tuple[float, float, floa
     # ZeRO-2/3: the gradient is already sharded over dp when the tp step all-reduces it
     shard = config.shard_degree if config.zero_stage >= 2 else 1
     ring: dict[int, dict[str, float]] = {}
+    own = ci.held.own if ci.held is not None else None      # activations' autocast dtypes
 
     def held(i: int, name: str) -> float:
         return cx.held_scale(i, name) if cx is not None else 1.0
@@ -164,7 +169,7 @@ def tp_comm_s(ci: CostInputs, start: int, stop: int) -> tuple[float, float, floa
             if on_cp and c.phase == "step":
                 continue
             nbytes = comm_bytes(graph, a, config.precision, c.value, c.scale, ax.t,
-                                ci.batch_scale, c.phase, shard, c.kind, share(i, c.value))
+                                ci.batch_scale, c.phase, shard, c.kind, share(i, c.value), own)
             s = ci.cluster.collective_time_s(c.kind, nbytes, group)
             if ax.op_strategy[i].kernel == "ring_attention":
                 ring.setdefault(i, {"fwd": 0.0, "bwd": 0.0})[c.phase] += s
@@ -173,7 +178,8 @@ def tp_comm_s(ci: CostInputs, start: int, stop: int) -> tuple[float, float, floa
                 ring_s += s if on_cp and c.phase != "step" else 0.0
         for r in ax.reshards_in(start, stop):
             nbytes = comm_bytes(graph, a, config.precision, r.value, r.scale, ax.t,
-                                ci.batch_scale, r.phase, held=share(r.op_index, r.value))
+                                ci.batch_scale, r.phase, held=share(r.op_index, r.value),
+                                sizes=own)
             s = ci.cluster.collective_time_s(r.kind, nbytes, group)
             t[r.phase] += s
             ring_s += s if on_cp else 0.0
@@ -396,9 +402,10 @@ def boundary_bytes(ci: CostInputs, cut: int) -> float:
     """Bytes of the activations produced before op ``cut`` and read at or after it (what a stage
     sends to the next per micro-batch)."""
     total = 0.0
+    own = ci.held.own if ci.held is not None else None
     for n in _boundary_values(ci.graph, cut):
         v = ci.graph.value(n)
-        b = _meta_bytes(v.meta, ci.config.precision) * (
+        b = held_meta_bytes(n, v.meta, ci.config.precision, own) * (
             ci.batch_scale if n in ci.analysis.batch_dependent else 1)
         if ci.context is not None:
             b *= ci.context.value_scale(n)

@@ -154,7 +154,8 @@ def cp_comms_s(ctx: CostContext, i: int, s: OpStrategy) -> tuple[float, float, f
 
     def nbytes(value: str, scale: float, phase: str, kind: str) -> float:
         return comm_bytes(ctx.graph, a, ctx.precision, value, scale, cx.c, ctx.batch_scale,
-                          phase, 1, kind, share_at(op, s, value, ctx.t) or 1.0)
+                          phase, 1, kind, share_at(op, s, value, ctx.t) or 1.0,
+                          ctx.held.own if ctx.held is not None else None)
     for c in cx.strategy(i).comms:
         if c.phase != "step":
             out[("r" if ring else "") + c.phase] += ctx.cp_collective_s(

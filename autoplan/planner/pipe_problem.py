@@ -127,10 +127,11 @@ def _sends(graph: OpGraph, red: Reduction, ctx: CostContext, chunks: Sequence[An
     (``estimate._sends``): the path's latency, and per crossing value the bytes its producer's
     choice leaves it (split over tp or whole), over the path's bandwidth; nothing between two
     chunks of one rank."""
-    from autoplan.cost.memory import _meta_bytes
+    from autoplan.cost.memory import held_meta_bytes
     from autoplan.estimate.chunk_cost import _boundary_values
     from autoplan.graph.analysis import analyze
     a = analyze(graph)
+    own = ctx.held.own if ctx.held is not None else None     # activations' autocast dtypes
     zero = tuple(tuple(tuple(0.0 for _ in r) for r in m) for _, _, m in red.problem.edges)
     out = []
     for c in range(len(chunks) - 1):
@@ -144,7 +145,7 @@ def _sends(graph: OpGraph, red: Reduction, ctx: CostContext, chunks: Sequence[An
             per_byte = (cluster.p2p_time_s(2.0 ** 20, src, dst) - latency) / 2.0 ** 20
             const += latency
             for n in _boundary_values(graph, chunks[c].stop):
-                nbytes = _meta_bytes(graph.value(n).meta, config.precision) * (
+                nbytes = held_meta_bytes(n, graph.value(n).meta, config.precision, own) * (
                     ctx.batch_scale if n in a.batch_dependent else 1.0)
                 if ctx.context is not None:
                     nbytes *= ctx.context.value_scale(n)

@@ -98,7 +98,7 @@ def _comm_bytes(ctx: CostContext, name: str, scale: float, phase: str, kind: str
     """Bytes of one collective, as the estimate takes them (``chunk_cost.comm_bytes``)."""
     return comm_bytes(ctx.graph, analyze(ctx.graph), ctx.precision, name, scale, ctx.t,
                       ctx.batch_scale, phase, ctx.step_shard if phase == "step" else 1, kind,
-                      held)
+                      held, ctx.held.own if ctx.held is not None else None)
 
 
 def _reshard_s(ctx: CostContext, name: str, src: Placement, dst: Placement, consumer: int = -1
