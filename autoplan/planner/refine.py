@@ -129,8 +129,10 @@ def refine_pipe_ilp(graph: OpGraph, cluster: Any, cands: list[Candidate], gbs: i
         if not found:
             continue
         # the answer the last problem (every path found) prices lowest, simulated against the
-        # shared answer's simulated step
+        # shared answer's simulated step where that problem prices it lower
         choice = min(found, key=pipe.problem.objective)
+        if pipe.problem.objective(choice) >= pipe.problem.objective(c.ilp.choice) * (1 - 1e-9):
+            continue
         sh = sharding_from_choice(graph, cfg.tp, pipe.red, choice)
         faster = [r for r in evaluate(graph, cluster, [cfg], sh, found[choice], gbs, profile,
                                       opts, stats, c.label, simulate=True)
