@@ -211,9 +211,10 @@ def ep_comm_s(ci: CostInputs, start: int, stop: int) -> tuple[float, float]:
     graph, sh, a = ci.graph, ci.sharding, ci.analysis
     group = config.ep_group()
     experts = find_experts(graph).num_experts
+    own = ci.held.own if ci.held is not None else None      # rows in autocast's dtype
 
     def a2a(value: str, p: Any) -> float:
-        b = _meta_bytes(graph.value(value).meta, config.precision)
+        b = held_meta_bytes(value, graph.value(value).meta, config.precision, own)
         if value in a.batch_dependent:
             b *= ci.batch_scale
         return ci.cluster.collective_time_s(

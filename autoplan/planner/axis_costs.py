@@ -81,9 +81,10 @@ def exchange_s(ctx: CostContext, i: int, s: OpStrategy, placement: Mapping[str, 
 
 
 def one_exchange_s(ctx: CostContext, name: str, where: Placement) -> float:
-    """One exchange of ``name``'s rows placed ``where`` (one way)."""
+    """One exchange of ``name``'s rows placed ``where`` (one way), in the dtype autocast
+    computes them in."""
     ex = ctx.experts
-    b = value_bytes(ctx, name) * ex.load / (ctx.t if where.kind == "S" else 1)
+    b = value_bytes(ctx, name, "own") * ex.load / (ctx.t if where.kind == "S" else 1)
     return ex.a2a_s(b)
 
 
