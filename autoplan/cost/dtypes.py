@@ -134,6 +134,12 @@ class HeldBytes:
     own: Mapping[str, int]
 
 
+def own_sizes(held: HeldBytes | None) -> Mapping[str, int] | None:
+    """``held.own``: each value's bytes per element as autocast computes it; None where every
+    float is held in the precision (no autocast)."""
+    return held.own if held is not None else None
+
+
 def held_bytes(graph: OpGraph, precision: str, mixed_precision: str, device_kind: str
                ) -> HeldBytes | None:
     """The autocast dtypes of ``graph`` for a config's (precision, mixed_precision) on a

@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from autoplan.cost.dtypes import MIXED_PRECISION, HeldBytes, autocast_on
+from autoplan.cost.dtypes import MIXED_PRECISION, HeldBytes, autocast_on, own_sizes
 from autoplan.graph.analysis import analyze
 from autoplan.errors import ConfigError
 from autoplan.graph.opgraph import OpGraph, TensorMeta
@@ -201,7 +201,7 @@ def activation_parts(graph: OpGraph, start: int, stop: int, *, micro_batch_size:
                         and a.producer.get(v.base, -1) < start):
                     inputs.setdefault(v.base, sh.value_placement.get(v.base, sh.input_placement(
                         graph, i, n)))
-        own = held.own if held is not None else None
+        own = own_sizes(held)
         return {n: scaled(n, graph.value(n).meta, p, sizes=own)
                 for n, p in sorted(inputs.items())}
     if recompute not in ("none", "selective"):

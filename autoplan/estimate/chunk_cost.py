@@ -16,7 +16,7 @@ from typing import Any
 
 from autoplan.graph.analysis import GraphAnalysis
 from autoplan.cost.compute import ComputeModel
-from autoplan.cost.dtypes import HeldBytes, held_bytes
+from autoplan.cost.dtypes import HeldBytes, held_bytes, own_sizes
 from autoplan.cost.memory import (GRAD_BYTES, PRECISION_BYTES, _meta_bytes, activation_parts,
                                   held_meta_bytes, shared_inputs, working_set_bytes)
 from autoplan.estimate.config import ParallelConfig
@@ -148,7 +148,7 @@ def tp_comm_s(ci: CostInputs, start: int, stop: int) -> tuple[float, float, floa
     # ZeRO-2/3: the gradient is already sharded over dp when the tp step all-reduces it
     shard = config.shard_degree if config.zero_stage >= 2 else 1
     ring: dict[int, dict[str, float]] = {}
-    own = ci.held.own if ci.held is not None else None      # activations' autocast dtypes
+    own = own_sizes(ci.held)      # activations' autocast dtypes
 
     def held(i: int, name: str) -> float:
         return cx.held_scale(i, name) if cx is not None else 1.0
@@ -211,7 +211,7 @@ def ep_comm_s(ci: CostInputs, start: int, stop: int) -> tuple[float, float]:
     graph, sh, a = ci.graph, ci.sharding, ci.analysis
     group = config.ep_group()
     experts = find_experts(graph).num_experts
-    own = ci.held.own if ci.held is not None else None      # rows in autocast's dtype
+    own = own_sizes(ci.held)      # rows in autocast's dtype
 
     def a2a(value: str, p: Any) -> float:
         b = held_meta_bytes(value, graph.value(value).meta, config.precision, own)
@@ -403,7 +403,7 @@ def boundary_bytes(ci: CostInputs, cut: int) -> float:
     """Bytes of the activations produced before op ``cut`` and read at or after it (what a stage
     sends to the next per micro-batch)."""
     total = 0.0
-    own = ci.held.own if ci.held is not None else None
+    own = own_sizes(ci.held)
     for n in _boundary_values(ci.graph, cut):
         v = ci.graph.value(n)
         b = held_meta_bytes(n, v.meta, ci.config.precision, own) * (

@@ -30,7 +30,7 @@ class Expected:
 def expected_collectives(graph: OpGraph, config: ParallelConfig, sh: Sharding, *,
                          global_batch_size: int, layer_ranges: list[tuple[int, int]],
                          fsdp_units: int, device_kind: str = "cpu") -> dict[str, Expected]:
-    from autoplan.cost.dtypes import held_bytes
+    from autoplan.cost.dtypes import held_bytes, own_sizes
     a = analyze(graph)
     held = held_bytes(graph, config.precision, config.mixed_precision, device_kind)
     m = config.microbatches(global_batch_size)
@@ -54,7 +54,7 @@ def expected_collectives(graph: OpGraph, config: ParallelConfig, sh: Sharding, *
         shard = config.shard_degree if config.zero_stage >= 2 else 1
         for i, kind, value, scale, phase in events:
             b = comm_bytes(graph, a, config.precision, value, scale, sh.t, bs, phase, shard,
-                           kind, sizes=held.own if held is not None else None)
+                           kind, sizes=own_sizes(held))
             if phase == "step":       # one flattened all-reduce per step, of ZeRO's grad shard
                 step_bytes += b
                 continue

@@ -10,6 +10,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from autoplan.cost.dtypes import own_sizes
 from autoplan.cost.memory import held_meta_bytes
 from autoplan.estimate.chunk_cost import comm_bytes
 from autoplan.graph.analysis import analyze
@@ -156,7 +157,7 @@ def cp_comms_s(ctx: CostContext, i: int, s: OpStrategy) -> tuple[float, float, f
     def nbytes(value: str, scale: float, phase: str, kind: str) -> float:
         return comm_bytes(ctx.graph, a, ctx.precision, value, scale, cx.c, ctx.batch_scale,
                           phase, 1, kind, share_at(op, s, value, ctx.t) or 1.0,
-                          ctx.held.own if ctx.held is not None else None)
+                          own_sizes(ctx.held))
     for c in cx.strategy(i).comms:
         if c.phase != "step":
             out[("r" if ring else "") + c.phase] += ctx.cp_collective_s(

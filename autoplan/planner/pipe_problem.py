@@ -39,6 +39,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
+from autoplan.cost.dtypes import own_sizes
 from autoplan.estimate.chunk_cost import chunk_parts
 from autoplan.estimate.config import ParallelConfig
 from autoplan.estimate.critical_path import CriticalPath, critical_path
@@ -131,7 +132,7 @@ def _sends(graph: OpGraph, red: Reduction, ctx: CostContext, chunks: Sequence[An
     from autoplan.estimate.chunk_cost import _boundary_values
     from autoplan.graph.analysis import analyze
     a = analyze(graph)
-    own = ctx.held.own if ctx.held is not None else None     # activations' autocast dtypes
+    own = own_sizes(ctx.held)     # activations' autocast dtypes
     zero = tuple(tuple(tuple(0.0 for _ in r) for r in m) for _, _, m in red.problem.edges)
     out = []
     for c in range(len(chunks) - 1):

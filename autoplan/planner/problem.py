@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from autoplan.graph.analysis import analyze
 from autoplan.cost.compute import ComputeModel
-from autoplan.cost.dtypes import HeldBytes
+from autoplan.cost.dtypes import HeldBytes, own_sizes
 from autoplan.cost.memory import _meta_bytes, internal_anchor
 from autoplan.estimate.chunk_cost import comm_bytes
 from autoplan.estimate.overlap import OVERLAP_INTERFERENCE, overlap_exposed_s
@@ -98,7 +98,7 @@ def _comm_bytes(ctx: CostContext, name: str, scale: float, phase: str, kind: str
     """Bytes of one collective, as the estimate takes them (``chunk_cost.comm_bytes``)."""
     return comm_bytes(ctx.graph, analyze(ctx.graph), ctx.precision, name, scale, ctx.t,
                       ctx.batch_scale, phase, ctx.step_shard if phase == "step" else 1, kind,
-                      held, ctx.held.own if ctx.held is not None else None)
+                      held, own_sizes(ctx.held))
 
 
 def _reshard_s(ctx: CostContext, name: str, src: Placement, dst: Placement, consumer: int = -1
