@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import re
 import statistics
 import sys
 from collections.abc import Callable, Sequence
@@ -292,6 +293,37 @@ def compare(path: str) -> list[str]:
     for label, m, p, flops in totals:
         lines.append(f"| {label} | {m * 1e3:.2f} | {p * 1e3:.2f} | {p / m:.3f} | "
                      f"{flops / m / 1e12:.0f} | {flops / m / 989.4e12 * 100:.0f} % |")
+    return lines + [""] + published_vs_measured(data)
+
+
+def published_vs_measured(data: dict) -> list[str]:
+    """Each H100 row of benchmarks/validate.py: its published step against the compute its
+    busiest rank would do at the measured rates (no communication, no overheads): the last
+    pipeline rank's layers and the output layer, for m micro-batches plus interleaved 1F1B's
+    fill and drain ((p - 1) / v micro-batches), at the micro-batch size and virtual stages
+    autoplan priced the row with."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import validate
+    lines = ["| row | configuration | measured compute s | published s | published / measured |"
+             " predicted / published |", "|---|---|---|---|---|---|"]
+    graphs: dict = {}
+    for row in validate.rows():
+        if row.preset != "dgx-h100":
+            continue
+        result = validate.predict(row, graphs)
+        words = dict(re.fullmatch(r"([a-z]+)(\d+)", w).groups() for w in result.config.split()
+                     if re.fullmatch(r"(mbs|v)\d+", w))
+        mbs, v = int(words.get("mbs", 1)), int(words.get("v", 1))
+        case = next((c for c in CASES if c[1] == row.hidden and c[4] == mbs), None)
+        if case is None or case[0] not in data["cases"]:
+            continue
+        parts = data["cases"][case[0]]
+        per = (row.layers / row.pp * parts["layer"]["fwd_bwd_s"] + parts["head"]["fwd_bwd_s"])
+        m = row.global_batch // (row.dp * mbs)
+        measured = (m + (row.pp - 1) / v) * per if row.pp > 1 else m * per
+        lines.append(f"| {row.label} | {result.config} | {measured:.3f} | "
+                     f"{row.published_s:.3f} | {row.published_s / measured:.2f} | "
+                     f"{result.predicted_s / row.published_s:.2f} |")
     return lines
 
 

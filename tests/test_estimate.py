@@ -226,6 +226,29 @@ def test_zero1_gather_hides_behind_the_next_forward_as_the_runtime_runs_it(gpt3_
     assert hidden >= OVERLAP_INTERFERENCE * whole
 
 
+def test_zero1_gathers_the_weights_in_the_dtype_they_are_held_in(gpt3_12_layers, a100_x24):
+    """Under autocast (this runtime) ZeRO-1 broadcasts fp32 weights; where the weights are held
+    in 16 bits (``mixed_precision="params"``, Megatron-LM's distributed optimizer) it gathers
+    bf16: half the bytes, over the same group."""
+    from autoplan.cost.memory import PRECISION_BYTES
+    from autoplan.cost.compute import compute_model
+    from autoplan.estimate.dp_terms import StageParams, stage_terms
+    compute = compute_model(gpt3_12_layers, a100_x24.device, "bf16")
+    cfg = dict(dp=24, tp=8, pp=1, micro_batch_size=1, zero_stage=1, precision="bf16")
+    gathers = {}
+    for mp in ("autocast", "params"):
+        config = ParallelConfig(mixed_precision=mp, **cfg)
+        terms = stage_terms(config, a100_x24, StageParams(params=1e9, layer_params=9e8,
+                                                          layers=12), 1, 0, compute, None)
+        (t,) = [t for t in terms if dict(t.shares).get("zero_param_gather")]
+        gathers[mp] = t.seconds
+    group = ParallelConfig(**cfg).dp_shard_group(pp_index=0)
+    for mp, dtype in (("autocast", "fp32"), ("params", "bf16")):
+        assert gathers[mp] == pytest.approx(a100_x24.collective_time_s(
+            "all_gather", 1e9 * PRECISION_BYTES[dtype], group))
+    assert gathers["params"] < 0.6 * gathers["autocast"]
+
+
 def test_tp_comm_overlap_is_priced_only_when_asked_and_needs_sequence_parallelism(
         gpt3_12_layers, a100_x24):
     base = dict(dp=24, tp=8, pp=1, micro_batch_size=1, zero_stage=1, sequence_parallel=True)

@@ -13,10 +13,12 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 # The error today. Lower these when the model improves; a change that raises them must be
 # justified (and the page regenerated): `python benchmarks/validate.py --markdown docs/validation.md`
-MAPE_CEILING = 0.066      # 6.5 % on 2026-11-25: the cross entropy priced as torch's fp32 passes
+MAPE_CEILING = 0.078      # 7.7 % on 2026-11-26: the cross entropy priced as torch's fp32 passes
 #                           over the logits (7.5 -> 7.0 %), overlap interference measured
-#                           (Lee et al. 2025, 18.9 %; 7.0 -> 6.5 %)
-WORST_CEILING = 0.142     # 1.7B, -14.1 % (-21.9 % with its 128K-vocabulary loss priced as one
+#                           (Lee et al. 2025, 18.9 %; 7.0 -> 6.5 %), ZeRO-1's gather in the
+#                           dtype the weights are held in (bf16 for Megatron-LM; 6.5 -> 7.7 %:
+#                           it had offset the H100 rows' common bias on the 32B row)
+WORST_CEILING = 0.153     # 1.7B, -15.2 % (-21.9 % with its 128K-vocabulary loss priced as one
 #                           bf16 read)
 MEMORY_HEADROOM = 1.0       # every run's predicted peak fits its GPU
 

@@ -70,9 +70,13 @@ def stage_terms(config: ParallelConfig, cluster: Any, stage: StageParams, m: int
                                        experts)
     w_bytes = PRECISION_BYTES[config.precision]
     if config.dp > 1 and config.zero_stage in (1, 2):   # updated shards, after the step
-        # ZeRO-1 broadcasts the fp32 weights autocast computes from; FSDP2 (ZeRO-2)
-        # gathers them in the training precision
-        gathered = PRECISION_BYTES["fp32"] if config.zero_stage == 1 else w_bytes
+        # ZeRO-1 broadcasts the weights as the model holds them: fp32 under autocast (the
+        # runtime's), 16-bit where they are held in the training precision (Megatron-LM's
+        # distributed optimizer gathers its bf16 weights); FSDP2 (ZeRO-2) gathers them in
+        # the training precision
+        gathered = (PRECISION_BYTES["fp32"]
+                    if config.zero_stage == 1 and config.mixed_precision == "autocast"
+                    else w_bytes)
         gather = cluster.collective_time_s("all_gather", (params - experts) * gathered,
                                            config.dp_shard_group(pp_index=pp_index))
         if experts:
