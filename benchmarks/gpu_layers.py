@@ -293,22 +293,22 @@ def compare(path: str) -> list[str]:
     for label, m, p, flops in totals:
         lines.append(f"| {label} | {m * 1e3:.2f} | {p * 1e3:.2f} | {p / m:.3f} | "
                      f"{flops / m / 1e12:.0f} | {flops / m / 989.4e12 * 100:.0f} % |")
-    return lines + [""] + published_vs_measured(data)
+    return lines
 
 
-def published_vs_measured(data: dict) -> list[str]:
+def published_vs_measured(data: dict, labels: Sequence[str] | None = None) -> list[str]:
     """Each H100 row of benchmarks/validate.py: its published step against the compute its
     busiest rank would do at the measured rates (no communication, no overheads): the last
     pipeline rank's layers and the output layer, for m micro-batches plus interleaved 1F1B's
     fill and drain ((p - 1) / v micro-batches), at the micro-batch size and virtual stages
-    autoplan priced the row with."""
+    autoplan priced the row with (``labels``: only these rows)."""
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     import validate
     lines = ["| row | configuration | measured compute s | published s | published / measured |"
              " predicted / published |", "|---|---|---|---|---|---|"]
     graphs: dict = {}
     for row in validate.rows():
-        if row.preset != "dgx-h100":
+        if row.preset != "dgx-h100" or labels is not None and row.label not in labels:
             continue
         result = validate.predict(row, graphs)
         words = dict(re.fullmatch(r"([a-z]+)(\d+)", w).groups() for w in result.config.split()
@@ -340,6 +340,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not args.measured:
         ap.error("give a measured file to compare, or --measure OUT on a CUDA GPU")
     print("\n".join(compare(args.measured)))
+    print("\n" + "\n".join(published_vs_measured(json.loads(Path(args.measured).read_text()))))
     return 0
 
 

@@ -2,6 +2,9 @@
 # What autoplan measures on a CUDA GPU, in one run of a few minutes (issue 14: the cost model's
 # error on H100), written into OUTDIR:
 #   gpu.txt          the card, driver, clocks, power limit, torch and CUDA
+#   full-step.json   the 1.7B validation row's whole step on this one GPU, as Megatron-LM holds
+#                    it, profiled (benchmarks/gpu_full_step.py; compare anywhere with
+#                    `python benchmarks/gpu_full_step.py OUTDIR/full-step.json`)
 #   layers.json      one rank's transformer layer of each H100 validation row, part by part
 #                    (benchmarks/gpu_layers.py; compare anywhere with
 #                    `python benchmarks/gpu_layers.py OUTDIR/layers.json`)
@@ -22,6 +25,7 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
   $py -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
 } 2>&1 | tee "$out/gpu.txt"
 step() { echo "== $*"; local t0=$SECONDS; "$@"; echo "== rc $? in $((SECONDS - t0)) s"; }
+step timeout 120 $py benchmarks/gpu_full_step.py --measure "$out/full-step.json"
 step timeout 300 $py benchmarks/gpu_layers.py --measure "$out/layers.json"
 step timeout 120 $py -m autoplan.cli.main profile --calibrate-only --device cuda \
   -o "$out/calibration.json"

@@ -308,7 +308,12 @@ NOT_CAPTURED = [
     "data-parallel traffic (the terms autoplan prices, all small at 1.7B), and one GPU cannot "
     "show it; it needs a kernel timeline of a multi-GPU run (or the 2024 software stack the "
     "runs used on one GPU). The compute coefficient stays 0.65 until then: set to the "
-    "measured 0.80 alone it would make every H100 row 15 % faster still.",
+    "measured 0.80 alone it would make every H100 row 15 % faster still. The next measurement "
+    "is ready for a lent GPU: `benchmarks/gpu_full_step.py` (first in `bash "
+    "benchmarks/gpu_measure.sh OUT`) runs the 1.7B row's whole rank step on one GPU as "
+    "Megatron-LM holds it (bf16 weights, fp32 masters in a fused AdamW), profiled: about "
+    "0.33 s would put the missing third in what a multi-GPU run adds, about 0.45 s in what one "
+    "GPU shows, and its profile says where.",
     "- **Megatron v1's fused softmax.** v1's attention fuses scale, mask and softmax into one "
     "kernel; the unfused attention autoplan prices makes three memory passes of the score "
     "matrix (the smallest v1 model, where attention weighs most: +15 %).",
