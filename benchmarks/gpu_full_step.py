@@ -11,9 +11,9 @@ rank does at the rates one H100 ran its layers (``benchmarks/gpu_layers.py``), a
 optimizer, minus only the data-parallel collectives. This runs it: a GPT of the row's shape
 (24 layers of ``gpu_layers.RankLayer`` at TP 1: layer norms, fused qkv, causal flash attention,
 GELU MLP; learned positions; the output layer tied to the embedding; fp32 cross entropy over
-the 131,072-word vocabulary), bf16 weights and activations, fp32 master weights in a fused
-AdamW (Megatron-LM's --bf16 with its distributed optimizer on one rank: gradients cast to fp32,
-the step, the weights copied back). It times the step and its phases with CUDA events (median
+the 131,072-word vocabulary), bf16 weights and activations, gradients accumulated into an fp32
+buffer, fp32 master weights in a fused AdamW (Megatron-LM's --bf16 with its distributed
+optimizer on one rank: the step, the weights copied back, the buffer zeroed). It times the step and its phases with CUDA events (median
 of ``--steps``), profiles one step (the GPU's kernel time against the step's wall time: how
 much of the step the GPU was idle), and records the peak of allocated memory.
 
@@ -66,13 +66,27 @@ class RowGPT(nn.Module):
 
 
 class Step:
-    """Megatron-LM's bf16 step on one rank: bf16 model, fp32 masters stepped by AdamW."""
+    """Megatron-LM's bf16 step on one rank: a bf16 model whose gradients accumulate into a
+    persistent fp32 buffer as they arrive (its ``main_grad``), fp32 masters stepped by AdamW
+    from that buffer, the weights copied back to bf16, the buffer zeroed for the next step:
+    18 bytes a parameter, as autoplan prices ``mixed_precision="params"``."""
 
     def __init__(self, model: nn.Module, fused: bool):
         self.model = model
         self.params = [p for p in model.parameters()]
         self.masters = [p.detach().float().clone() for p in self.params]
+        for m in self.masters:
+            m.grad = torch.zeros_like(m)
+        for p, m in zip(self.params, self.masters):
+            p.register_post_accumulate_grad_hook(self._accumulate(m))
         self.opt = torch.optim.AdamW(self.masters, lr=3e-4, fused=fused)
+
+    @staticmethod
+    def _accumulate(master: torch.Tensor) -> Callable[[torch.Tensor], None]:
+        def hook(p: torch.Tensor) -> None:
+            master.grad.add_(p.grad)
+            p.grad = None
+        return hook
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return self.model(tokens, targets)
@@ -81,14 +95,10 @@ class Step:
         loss.backward()
 
     def optimizer(self) -> None:
-        for m, p in zip(self.masters, self.params):
-            m.grad = p.grad.float()
-            p.grad = None
         self.opt.step()
         with torch.no_grad():
             torch._foreach_copy_(self.params, self.masters)
-        for m in self.masters:
-            m.grad = None
+        torch._foreach_zero_([m.grad for m in self.masters])
 
 
 def _clock(device: str) -> Callable[[], Callable[[], float]]:
