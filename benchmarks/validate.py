@@ -25,7 +25,7 @@ Sources (public, NVIDIA/Megatron-LM on GitHub):
   next forward. They overlap tensor-parallel communication with the GEMMs (`--tp-comm-overlap`,
   which needs sequence parallelism): priced with `tp_comm_overlap=True`, an option autoplan's
   planner never picks by itself and its runtime refuses (it has no fused GEMM + collective
-  kernels). Gradients are reduced in fp32, as Megatron-LM forces for bf16
+  kernels); its GEMMs run in the row chunks Transformer Engine cuts them into. Gradients are reduced in fp32, as Megatron-LM forces for bf16
   (`accumulate_allreduce_grads_in_fp32`) and autoplan's runtime does.
 - **2024 strong scaling** (README, `images/strong_scaling.png`): the 177B model of that table
   (GPT-3 175B shape, vocabulary 131,072) at a global batch of 1,152 from 96 to 4,608 GPUs,
@@ -279,14 +279,26 @@ CHANGES = [
     "one term over-priced enough to offset the rest. **Every H100 row is now predicted fast**, "
     "by 1-15 % (mean 10 %): a bias of the H100 rows as a whole, not of a configuration "
     "(below).",
+    "- `--tp-comm-overlap`'s GEMMs priced in the row chunks Transformer Engine runs them in "
+    "(its default userbuffers configuration, `transformer_engine/pytorch/module/base.py` "
+    "`initialize_ub`: an all-gather's GEMM, the column-parallel forward and the row-parallel "
+    "input gradient, in t chunks, one per ring step; a reduce-scatter's GEMM, the row-parallel "
+    "forward, in 4; the rest whole), each chunk at the rate cuBLAS reaches with its rows: "
+    "OpenXLA's measured sm_90 table (`xla/service/gpu/model/"
+    "default_matmul_perf_table.txtpb`, bf16, n = k = 4,096: 661.6 TFLOP/s at 512 rows, 751.9 "
+    "at 1,024 and 2,048, 780.2 at 4,096), as `matmul_rows_efficiency` of the H100 and H200 "
+    "in cost_models/devices.yaml. At TP 8 and one sequence of 4,096 tokens a micro-batch, a "
+    "third of a layer's GEMM FLOPs run in chunks of 512 rows, 18 % slower. MAPE 6.2 %, worst "
+    "-15.2 % (1.7B, TP 1, unchanged); the 177B and larger rows move by 3-7 points, and the "
+    "search now prefers micro-batches of 2 where chunks of 1,024 rows lose little.",
 ]
 
 NOT_CAPTURED = [
     "- **Measured on an H100, the compute model is too slow, not too fast; the runs lose "
     "14-51 % beyond their kernels' compute, and as much at TP 1 as at TP 8.** One matmul "
     "efficiency per device (cost_models/devices.yaml: H100 0.65, an estimate). With every "
-    "overlap the runs used priced, every H100 row comes out fast: the 177B strong-scaling "
-    "points 7-14 %, the smallest model (1.7B) 15 %. One rank's layer of each H100 row (its TP "
+    "overlap the runs used priced, every H100 row but one comes out fast: the 177B "
+    "strong-scaling points 2-13 %, the smallest model (1.7B) 15 %. One rank's layer of each H100 row (its TP "
     "+ SP share, bf16, causal flash attention, no communication; `benchmarks/gpu_layers.py`, "
     "measured on an H100 SXM 80GB, driver 580.159, torch 2.11: "
     "`benchmarks/data/h100-sxm5-layers.json`) runs its forward and backward at 602-722 model "

@@ -393,6 +393,16 @@ def test_device_specs():
         a100.peak_flops["bf16"] = 1.0
     assert DeviceSpec.from_dict(a100.to_dict()) == a100
     assert specs.find_device_by_alias("NVIDIA A100-SXM4-80GB") == a100
+    # the H100's GEMM rate by rows (OpenXLA's sm_90 table), kept through a round trip; a
+    # device without one writes none
+    assert h100.matmul_rows_efficiency[1] == (512.0, 0.848)
+    assert DeviceSpec.from_dict(h100.to_dict()) == h100
+    assert "matmul_rows_efficiency" not in a100.to_dict()
+    for bad, says in ((5, "list of"), ([[512, 0.8], [256, 0.5]], "must rise"),
+                      ([[512]], r"\[rows, fraction\]"), ([[512, 1.5]], "<= 1.0"),
+                      ([["x", 0.5]], "must be a number")):
+        with pytest.raises(ClusterError, match=says):
+            DeviceSpec.from_dict({**a100.to_dict(), "matmul_rows_efficiency": bad})
     link = specs.load_link("ib-ndr")
     assert LinkSpec.from_dict(link.to_dict()) == link and link.bandwidth_bytes_per_s == pytest.approx(50e9)
     host = HostSpec(memory_bytes=2**40, device_to_host_bandwidth_bytes_per_s=1e10, cpu_adam_params_per_s=1e8)

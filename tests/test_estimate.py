@@ -265,6 +265,40 @@ def test_tp_comm_overlap_is_priced_only_when_asked_and_needs_sequence_parallelis
     assert again.tp_comm_overlap and again == overlapped.config
 
 
+def test_tp_comm_overlap_runs_its_gemms_in_row_chunks_at_their_rate(gpt3_12_layers):
+    """Under Megatron-LM's --tp-comm-overlap (Transformer Engine's defaults) an all-gather's
+    GEMM runs in t row chunks and a reduce-scatter's in 4: on a device whose GEMM rate by rows
+    is known (the H100, OpenXLA's sm_90 table) the chunks' lower rate is priced; the fewer the
+    rows, the more it costs; a device without a curve prices whole GEMMs."""
+    from autoplan.estimate.chunk_cost import chunked_gemm_slowdown
+    curve = ((512.0, 0.848), (1024.0, 0.964), (4096.0, 1.0))
+    g = gpt3_12_layers
+    lin = next(i for i, op in enumerate(g.ops) if op.kind == "matmul" and op.params)
+    rows = 1.0
+    for d in g.value(g.ops[lin].outputs[0]).meta.shape[:-1]:
+        rows *= d
+    work = 4096.0 / rows                      # 4,096 rows: ring chunks of 512 at t = 8
+    fwd, bwd = chunked_gemm_slowdown(g, lin, "colwise_sp", 8, work, curve)
+    assert fwd == pytest.approx(1 / 0.848) and bwd == 1.0     # its input gradient: bulk
+    fwd, bwd = chunked_gemm_slowdown(g, lin, "rowwise_sp", 8, work, curve)
+    assert fwd == pytest.approx(1 / 0.964)                    # 4 chunks of 1,024 rows
+    assert bwd == pytest.approx(0.5 + 0.5 / 0.848)            # the input gradient in 8
+    assert chunked_gemm_slowdown(g, lin, "colwise", 8, work, curve) == (1.0, 1.0)
+    more = chunked_gemm_slowdown(g, lin, "colwise_sp", 8, 4 * work, curve)[0]   # 2,048 rows
+    assert 1.0 < more < 1 / 0.964
+    # whole estimates: the H100's curve slows the overlapped configuration's compute only
+    h100 = Cluster.preset("dgx-h100", nodes=3)
+    base = dict(dp=3, tp=8, pp=1, micro_batch_size=1, zero_stage=1, sequence_parallel=True,
+                precision="bf16", mixed_precision="params")
+    plain = _est(g, h100, **base)
+    overlapped = _est(g, h100, tp_comm_overlap=True, **base)
+    assert overlapped.time.compute_s > 1.03 * plain.time.compute_s
+    flat = Cluster.from_dict({**h100.to_dict(), "name": "flat-h100", "device": {
+        k: v for k, v in h100.device.to_dict().items() if k != "matmul_rows_efficiency"}})
+    assert _est(g, flat, tp_comm_overlap=True, **base).time.compute_s == \
+        pytest.approx(plain.time.compute_s)
+
+
 def test_an_estimate_does_not_depend_on_what_was_estimated_before():
     """Range and chunk costs are cached on the graph; the cache key must hold every config
     field they read (ZeRO-2 shards the tp step's gradient all-reduce over dp, ZeRO-0 does

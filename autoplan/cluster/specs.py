@@ -128,6 +128,25 @@ class FrozenMap(Mapping[str, float]):
         return f"FrozenMap({dict(self._items)!r})"
 
 
+def rows_curve(value: Any, where: str) -> tuple[tuple[float, float], ...]:
+    """A ``matmul_rows_efficiency`` curve: pairs (rows > 0, fraction in (0, 1]), rows rising."""
+    if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple)):
+        raise ClusterError(f"{where}: matmul_rows_efficiency must be a list of [rows, fraction] "
+                           f"pairs, got {value!r}")
+    out = []
+    for k, pair in enumerate(value):
+        if isinstance(pair, (str, bytes)) or not isinstance(pair, (list, tuple)) or len(pair) != 2:
+            raise ClusterError(f"{where}: matmul_rows_efficiency[{k}] must be [rows, fraction], "
+                               f"got {pair!r}")
+        rows = number(pair[0], f"matmul_rows_efficiency[{k}] rows", where)
+        frac = number(pair[1], f"matmul_rows_efficiency[{k}] fraction", where, at_most=1.0)
+        if out and rows <= out[-1][0]:
+            raise ClusterError(f"{where}: matmul_rows_efficiency rows must rise, got {rows:g} "
+                               f"after {out[-1][0]:g}")
+        out.append((rows, frac))
+    return tuple(out)
+
+
 # --------------------------------------------------------------------------- specs
 @dataclass(frozen=True, kw_only=True)
 class DeviceSpec:
@@ -150,6 +169,12 @@ class DeviceSpec:
     # SMs and memory bandwidth). CPU ranks with no spare core: 1.0, the transfers' copies and
     # reductions run on the cores the compute needs.
     overlap_interference: float | None = None
+    # ((rows, fraction), ...): the rate of a matrix product with that many rows (its other two
+    # sides large), relative to its rate at many rows, for the vendor GEMM library; rows
+    # between points interpolate in log rows, beyond the ends hold. Empty: unknown, products
+    # priced at matmul_efficiency whatever their rows. Prices the row chunks a product is cut
+    # into where communication is pipelined with it (``tp_comm_overlap``).
+    matmul_rows_efficiency: tuple[tuple[float, float], ...] = ()
 
     def __post_init__(self) -> None:
         where = f"device {self.name!r}"
@@ -173,6 +198,8 @@ class DeviceSpec:
         if self.overlap_interference is not None:
             number(self.overlap_interference, "overlap_interference", where, positive=False,
                    at_most=1.0)
+        object.__setattr__(self, "matmul_rows_efficiency",
+                           rows_curve(self.matmul_rows_efficiency, where))
 
     def peak_flops_for(self, precision: str) -> float:
         """Dense peak FLOP/s for a training precision ("bf16", "fp16", "fp32"; "tf32" explicit).
@@ -192,6 +219,10 @@ class DeviceSpec:
         out["peak_flops"] = dict(self.peak_flops)
         if self.overlap_interference is None:
             del out["overlap_interference"]
+        if self.matmul_rows_efficiency:
+            out["matmul_rows_efficiency"] = [list(x) for x in self.matmul_rows_efficiency]
+        else:
+            del out["matmul_rows_efficiency"]
         return out
 
     @classmethod
@@ -199,7 +230,8 @@ class DeviceSpec:
         allowed = tuple(f.name for f in fields(cls)) + ("aliases", "notes")
         check_keys(data, allowed, where,
                    required=tuple(f.name for f in fields(cls)
-                                  if f.name not in ("compute_share", "overlap_interference")))
+                                  if f.name not in ("compute_share", "overlap_interference",
+                                                    "matmul_rows_efficiency")))
         peak = data["peak_flops"]
         check_keys(peak, PRECISIONS, f"{where}.peak_flops")
         return cls(
@@ -217,6 +249,7 @@ class DeviceSpec:
             overlap_interference=(None if data.get("overlap_interference") is None else
                                   number(data["overlap_interference"], "overlap_interference",
                                          where, positive=False, at_most=1.0)),
+            matmul_rows_efficiency=rows_curve(data.get("matmul_rows_efficiency", ()), where),
         )
 
 

@@ -10,12 +10,13 @@ same, so a unit's cost is that of the range standing for it (``Unit.like``), com
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from autoplan.graph.analysis import GraphAnalysis
-from autoplan.cost.compute import ComputeModel
+from autoplan.cost.compute import ComputeModel, size_efficiency
 from autoplan.cost.dtypes import HeldBytes, held_bytes, own_sizes
 from autoplan.cost.memory import (GRAD_BYTES, PRECISION_BYTES, _meta_bytes, activation_parts,
                                   held_meta_bytes, shared_inputs, working_set_bytes)
@@ -276,17 +277,24 @@ def _range_cost(ci: CostInputs, start: int, stop: int, policy: str) -> RangeCost
     mbs = config.micro_batch_size
     fwd = bwd = recompute = gemm_fwd = gemm_bwd = 0.0
     loaded = _loaded(ci)
+    rows_curve = (getattr(ci.cluster.device, "matmul_rows_efficiency", ())
+                  if config.tp_comm_overlap else ())
     for i in range(start, stop):
         load = ci.expert_load if loaded is not None and i in loaded.members else 1.0
-        c = ci.compute.op_cost(i, load * _work_scale(a, graph, sh, i, ci.batch_scale,
-                                                     ci.context))
-        fwd += c.fwd_s
-        bwd += c.bwd_s
+        scale = load * _work_scale(a, graph, sh, i, ci.batch_scale, ci.context)
+        c = ci.compute.op_cost(i, scale)
+        op_fwd, op_bwd = c.fwd_s, c.bwd_s
+        if rows_curve and graph.ops[i].kind == "matmul":
+            slow_fwd, slow_bwd = chunked_gemm_slowdown(
+                graph, i, sh.op_strategy[i].name, sh.t, scale * sh.work_divisor(i), rows_curve)
+            op_fwd, op_bwd = op_fwd * slow_fwd, op_bwd * slow_bwd
+        fwd += op_fwd
+        bwd += op_bwd
         if graph.ops[i].kind == "matmul":
-            gemm_fwd += c.fwd_s
-            gemm_bwd += c.bwd_s
+            gemm_fwd += op_fwd
+            gemm_bwd += op_bwd
         if policy == "full" or policy == "selective" and i in a.score_ops:
-            recompute += c.fwd_s
+            recompute += op_fwd
     tp_fwd, tp_bwd, tp_step, ring_s = tp_comm_s(ci, start, stop)
     ring_share = ring_s / (tp_fwd + tp_bwd) if ring_s > 0 else 0.0
     if config.tp_comm_overlap:
@@ -337,6 +345,38 @@ def _range_cost(ci: CostInputs, start: int, stop: int, policy: str) -> RangeCost
     return RangeCost(fwd, bwd, recompute, tp_fwd, tp_bwd, tp_step, acts, working, params,
                      len(seen), ep_fwd_s=ep_fwd, ep_bwd_s=ep_bwd, expert_params=expert,
                      cp_s=cp_s, shared_acts=shared_acts, param_elements=tuple(elements))
+
+
+# Transformer Engine's default pipelining of the sequence-parallel collectives with their GEMMs
+# (Megatron-LM's --tp-comm-overlap; transformer_engine/pytorch/module/base.py, initialize_ub):
+# an all-gather's GEMM (column-parallel forward, row-parallel input gradient) runs in t row
+# chunks, one per ring step ("ring_exchange"); a reduce-scatter's GEMM (row-parallel forward)
+# in 4 ("pipeline", num_splits=4); the column-parallel input gradient and the weight gradients
+# overlap whole ("bulk").
+_PIPELINE_SPLITS = 4
+
+
+def chunked_gemm_slowdown(graph: OpGraph, i: int, strategy: str, t: int, work: float,
+                          curve: Sequence[tuple[float, float]]) -> tuple[float, float]:
+    """(forward, backward) factors by which a GEMM cut into row chunks under tensor-parallel
+    comm overlap takes longer than whole: its rate at the chunk's rows against its rate at all
+    of them (``curve``: the device's ``matmul_rows_efficiency``). ``work``: the op's work
+    relative to its traced work before the tp split (the micro-batch's rows)."""
+    if strategy.startswith("colwise_sp"):
+        fwd_chunks, dgrad_chunks = t, 1
+    elif strategy == "rowwise_sp":
+        fwd_chunks, dgrad_chunks = _PIPELINE_SPLITS, t
+    else:
+        return 1.0, 1.0
+    out = graph.value(graph.ops[i].outputs[0]).meta.shape
+    rows = float(math.prod(out[:-1])) * work if len(out) > 1 else work
+
+    def slower(chunks: int) -> float:
+        if chunks <= 1:
+            return 1.0
+        return size_efficiency(curve, rows) / size_efficiency(curve, rows / chunks)
+    # backward: the input gradient and the weight gradient, one forward's FLOPs each
+    return slower(fwd_chunks), 0.5 + 0.5 * slower(dgrad_chunks)
 
 
 def chunk_parts(chunk: Chunk) -> list[tuple[int, int, bool]]:
