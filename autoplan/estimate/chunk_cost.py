@@ -277,8 +277,7 @@ def _range_cost(ci: CostInputs, start: int, stop: int, policy: str) -> RangeCost
     mbs = config.micro_batch_size
     fwd = bwd = recompute = gemm_fwd = gemm_bwd = 0.0
     loaded = _loaded(ci)
-    rows_curve = (getattr(ci.cluster.device, "matmul_rows_efficiency", ())
-                  if config.tp_comm_overlap else ())
+    rows_curve = ci.cluster.device.matmul_rows_efficiency if config.tp_comm_overlap else ()
     for i in range(start, stop):
         load = ci.expert_load if loaded is not None and i in loaded.members else 1.0
         scale = load * _work_scale(a, graph, sh, i, ci.batch_scale, ci.context)
