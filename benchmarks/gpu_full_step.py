@@ -212,13 +212,9 @@ def predicted() -> dict:
     """autoplan's estimate of this step: the 1.7B row on one H100 (tp 1, dp 1, one micro-batch
     of 4, weights held in 16 bits as Megatron-LM holds them)."""
     import validate
-    from autoplan import plan, trace
-    from autoplan.models import build_example
-    ex = build_example("gpt3-175b", device="meta", batch_size=1, seq_len=gpu_layers.SEQ,
-                       num_layers=ROW["layers"], hidden_size=ROW["hidden"],
-                       num_heads=ROW["heads"], vocab_size=gpu_layers.VOCAB,
-                       max_positions=gpu_layers.SEQ, dropout=0.0, attention="sdpa")
-    graph = trace(ex.model, ex.example_inputs, loss_fn=ex.loss_fn, targets=ex.targets)
+    from autoplan import plan
+    graph = validate.gpt_graph(ROW["layers"], ROW["hidden"], ROW["heads"], gpu_layers.SEQ,
+                               gpu_layers.VOCAB, "sdpa")
     p = plan(graph, validate.part_of_a_node("dgx-h100", 1), global_batch_size=ROW["micro_batch"],
              precision="bf16", profile=None, sharding="megatron", top_k=1,
              force={"tp": 1, "pp": 1, "dp": 1, "zero_stage": 0, "mixed_precision": "params",

@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import re
 import statistics
 import sys
 from collections.abc import Callable, Sequence
@@ -311,16 +310,14 @@ def published_vs_measured(data: dict, labels: Sequence[str] | None = None) -> li
         if row.preset != "dgx-h100" or labels is not None and row.label not in labels:
             continue
         result = validate.predict(row, graphs)
-        words = dict(re.fullmatch(r"([a-z]+)(\d+)", w).groups() for w in result.config.split()
-                     if re.fullmatch(r"(mbs|v)\d+", w))
-        mbs, v = int(words.get("mbs", 1)), int(words.get("v", 1))
+        mbs, v = result.micro_batch_size, result.virtual_stages
         case = next((c for c in CASES if c[1] == row.hidden and c[4] == mbs), None)
         if case is None or case[0] not in data["cases"]:
             continue
         parts = data["cases"][case[0]]
         per = (row.layers / row.pp * parts["layer"]["fwd_bwd_s"] + parts["head"]["fwd_bwd_s"])
         m = row.global_batch // (row.dp * mbs)
-        measured = (m + (row.pp - 1) / v) * per if row.pp > 1 else m * per
+        measured = (m + (row.pp - 1) / v) * per
         lines.append(f"| {row.label} | {result.config} | {measured:.3f} | "
                      f"{row.published_s:.3f} | {row.published_s / measured:.2f} | "
                      f"{result.predicted_s / row.published_s:.2f} |")

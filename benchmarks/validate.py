@@ -143,6 +143,8 @@ class Result:
     device_memory_bytes: float
     config: str
     mfu: float
+    micro_batch_size: int
+    virtual_stages: int
 
     @property
     def error(self) -> float:
@@ -151,16 +153,11 @@ class Result:
 
 def predict(row: Row, graphs: dict | None = None) -> Result:
     """The row priced by autoplan: the planner's best configuration at the published degrees."""
-    from autoplan import Cluster, plan, trace
-    from autoplan.models import build_example
+    from autoplan import Cluster, plan
     graphs = {} if graphs is None else graphs
     key = (row.layers, row.hidden, row.heads, row.seq, row.vocab, row.attention)
     if key not in graphs:
-        ex = build_example("gpt3-175b", device="meta", batch_size=1, seq_len=row.seq,
-                           num_layers=row.layers, hidden_size=row.hidden, num_heads=row.heads,
-                           vocab_size=row.vocab, max_positions=row.seq, dropout=0.0,
-                           attention=row.attention)
-        graphs[key] = trace(ex.model, ex.example_inputs, loss_fn=ex.loss_fn, targets=ex.targets)
+        graphs[key] = gpt_graph(*key)
     cluster = (Cluster.preset(row.preset, row.gpus // 8) if row.gpus >= 8
                else part_of_a_node(row.preset, row.gpus))
     force = {"tp": row.tp, "pp": row.pp, "dp": row.dp,
@@ -189,7 +186,18 @@ def predict(row: Row, graphs: dict | None = None) -> Result:
               + (" tp-overlap" if c.tp_comm_overlap else "")
               + (f" rc:{c.recompute}" if c.recompute != "none" else ""))
     return Result(row, float(pred["step_time_s"]), float(pred["peak_memory_bytes"]),
-                  float(pred["device_memory_bytes"]), config, float(pred["mfu"]))
+                  float(pred["device_memory_bytes"]), config, float(pred["mfu"]),
+                  c.micro_batch_size, c.virtual_stages)
+
+
+def gpt_graph(layers: int, hidden: int, heads: int, seq: int, vocab: int, attention: str):
+    """The project's GPT of a row's shape, traced on the meta device (no dropout, as priced)."""
+    from autoplan import trace
+    from autoplan.models import build_example
+    ex = build_example("gpt3-175b", device="meta", batch_size=1, seq_len=seq,
+                       num_layers=layers, hidden_size=hidden, num_heads=heads, vocab_size=vocab,
+                       max_positions=seq, dropout=0.0, attention=attention)
+    return trace(ex.model, ex.example_inputs, loss_fn=ex.loss_fn, targets=ex.targets)
 
 
 def part_of_a_node(preset: str, gpus: int):
