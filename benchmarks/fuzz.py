@@ -20,10 +20,12 @@ in the file ran: a bug). The suite runs the same with 1,000 mutants per format
 from __future__ import annotations
 
 import argparse
+import atexit
 import collections
 import json
 import os
 import random
+import shutil
 import signal
 import sys
 import tempfile
@@ -210,6 +212,7 @@ def readers() -> dict[str, Callable[[bytes], Any]]:
     from autoplan.cost.profile_db import ProfileDB
     from autoplan.planner.planfile import Plan
     tmp = tempfile.mkdtemp(prefix="autoplan-fuzz-")
+    atexit.register(shutil.rmtree, tmp, ignore_errors=True)
     local = Cluster.local(2)
 
     def cluster(data: bytes, suffix: str) -> Any:

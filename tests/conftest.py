@@ -1,7 +1,9 @@
 """Shared test fixtures. Torch is limited to one thread per process for stable, fast tests
 (and because forked distributed ranks deadlock otherwise; see ARCHITECTURE.md)."""
 
+import atexit
 import os
+import shutil
 import tempfile
 
 import pytest
@@ -13,7 +15,9 @@ torch.set_num_threads(int(os.environ.get("AUTOPLAN_TEST_THREADS", "1")))
 os.environ.setdefault("AUTOPLAN_AUTO_CALIBRATE", "0")
 # nor the user's profile cache: a profile another process writes there mid-run (a first-use
 # calibration, `autoplan profile`) would change Cluster.local() under the suite
-os.environ.setdefault("AUTOPLAN_PROFILE_CACHE", tempfile.mkdtemp(prefix="autoplan-test-cache-"))
+if "AUTOPLAN_PROFILE_CACHE" not in os.environ:
+    os.environ["AUTOPLAN_PROFILE_CACHE"] = tempfile.mkdtemp(prefix="autoplan-test-cache-")
+    atexit.register(shutil.rmtree, os.environ["AUTOPLAN_PROFILE_CACHE"], ignore_errors=True)
 # nor the profile shipped for this CPU: the local cluster takes the default calibration on every
 # machine, so the ILP's choices the runtime tests run do not change with the CPU (with this
 # machine's profile the ILP replicated every op of the small HF Llama over tp, testing nothing)
