@@ -393,20 +393,53 @@ def test_device_specs():
         a100.peak_flops["bf16"] = 1.0
     assert DeviceSpec.from_dict(a100.to_dict()) == a100
     assert specs.find_device_by_alias("NVIDIA A100-SXM4-80GB") == a100
-    # the H100's GEMM rate by rows (OpenXLA's sm_90 table), kept through a round trip; a
-    # device without one writes none
-    assert h100.matmul_rows_efficiency[1] == (512.0, 0.848)
+    # the H100's GEMM rate by shape (OpenXLA's sm_90 table), kept through a round trip and
+    # shared by the H200; a device without one writes none
+    table = h100.matmul_shape_efficiency
+    assert table.sides == (256.0, 512.0, 1024.0, 2048.0, 4096.0)
+    assert table.fraction(4096, 4096, 4096) == 1.0
+    assert table.fraction(512, 4096, 4096) == pytest.approx(661.6 / 780.2, abs=1e-3)
+    assert table.fraction(4096, 2048, 2048) == pytest.approx(727.5 / 780.2, abs=1e-3)
+    assert h200.matmul_shape_efficiency == table
     assert DeviceSpec.from_dict(h100.to_dict()) == h100
-    assert "matmul_rows_efficiency" not in a100.to_dict()
-    for bad, says in ((5, "list of"), ([[512, 0.8], [256, 0.5]], "must rise"),
-                      ([[512]], r"\[rows, fraction\]"), ([[512, 1.5]], "<= 1.0"),
-                      ([["x", 0.5]], "must be a number")):
+    assert "matmul_shape_efficiency" not in a100.to_dict()
+    good = table.to_value()
+    for bad, says in ((5, "mapping with 'sides'"), ({"sides": [1]}, "mapping with 'sides'"),
+                      ({**good, "sides": "256"}, "list of sizes"),
+                      ({**good, "sides": [512, 256, 1024, 2048, 4096]}, "rising"),
+                      ({**good, "fractions": good["fractions"][:4]}, "list of 5 entries"),
+                      ({**good, "fractions": [[[0.5] * 5] * 5] * 4 + [[[0.5] * 5] * 5 + [[3.0] * 5]]},
+                       r"list of 5 entries"),
+                      ({**good, "fractions": [[[0.5] * 5] * 5] * 4 + [[[0.5] * 5] * 4 + [[3.0] * 5]]},
+                       "<= 2.0"),
+                      ({**good, "fractions": [[["x"] * 5] * 5] * 5}, "must be a number")):
         with pytest.raises(ClusterError, match=says):
-            DeviceSpec.from_dict({**a100.to_dict(), "matmul_rows_efficiency": bad})
+            DeviceSpec.from_dict({**a100.to_dict(), "matmul_shape_efficiency": bad})
     link = specs.load_link("ib-ndr")
     assert LinkSpec.from_dict(link.to_dict()) == link and link.bandwidth_bytes_per_s == pytest.approx(50e9)
     host = HostSpec(memory_bytes=2**40, device_to_host_bandwidth_bytes_per_s=1e10, cpu_adam_params_per_s=1e8)
     assert HostSpec.from_dict(host.to_dict()) == host
+
+
+def test_a_gemm_shape_table_interpolates_in_log_sides_and_holds_beyond_its_grid():
+    """Exact at the grid's points, linear in the logarithm of each side between them (the
+    geometric middle of two sides averages them), held at the grid's ends."""
+    from autoplan.cluster.gemm_table import GemmShapeTable
+    sides = (256.0, 1024.0)
+    # fraction = M-index + 2 N-index + 4 K-index, scaled: each side's effect separable
+    table = GemmShapeTable(sides, tuple(0.1 * (1 + i + 2 * j + 4 * k)
+                                        for i in range(2) for j in range(2) for k in range(2)))
+    assert table.fraction(256, 256, 256) == pytest.approx(0.1)
+    assert table.fraction(1024, 256, 256) == pytest.approx(0.2)
+    assert table.fraction(256, 1024, 256) == pytest.approx(0.3)
+    assert table.fraction(256, 256, 1024) == pytest.approx(0.5)
+    assert table.fraction(512, 256, 256) == pytest.approx(0.15)          # log middle
+    assert table.fraction(512, 512, 512) == pytest.approx(0.1 * (1 + 0.5 + 1 + 2))
+    assert table.fraction(64, 10, 1) == pytest.approx(0.1)               # held below
+    assert table.fraction(1e6, 1e6, 1e6) == pytest.approx(0.8)           # held above
+    assert GemmShapeTable.from_value(table.to_value(), "t") == table
+    with pytest.raises(ClusterError, match="8 fractions"):
+        GemmShapeTable(sides, (0.5,) * 7)
 
 
 def test_every_number_in_cost_models_has_a_source():

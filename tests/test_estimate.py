@@ -267,25 +267,32 @@ def test_tp_comm_overlap_is_priced_only_when_asked_and_needs_sequence_parallelis
 
 def test_tp_comm_overlap_runs_its_gemms_in_row_chunks_at_their_rate(gpt3_12_layers):
     """Under Megatron-LM's --tp-comm-overlap (Transformer Engine's defaults) an all-gather's
-    GEMM runs in t row chunks and a reduce-scatter's in 4: on a device whose GEMM rate by rows
+    GEMM runs in t row chunks and a reduce-scatter's in 4: on a device whose GEMM rate by shape
     is known (the H100, OpenXLA's sm_90 table) the chunks' lower rate is priced; the fewer the
-    rows, the more it costs; a device without a curve prices whole GEMMs."""
-    from autoplan.estimate.chunk_cost import chunked_gemm_slowdown
-    curve = ((512.0, 0.848), (1024.0, 0.964), (4096.0, 1.0))
-    g = gpt3_12_layers
-    lin = next(i for i, op in enumerate(g.ops) if op.kind == "matmul" and op.params)
-    rows = 1.0
-    for d in g.value(g.ops[lin].outputs[0]).meta.shape[:-1]:
-        rows *= d
-    work = 4096.0 / rows                      # 4,096 rows: ring chunks of 512 at t = 8
-    fwd, bwd = chunked_gemm_slowdown(g, lin, "colwise_sp", 8, work, curve)
-    assert fwd == pytest.approx(1 / 0.848) and bwd == 1.0     # its input gradient: bulk
-    fwd, bwd = chunked_gemm_slowdown(g, lin, "rowwise_sp", 8, work, curve)
-    assert fwd == pytest.approx(1 / 0.964)                    # 4 chunks of 1,024 rows
-    assert bwd == pytest.approx(0.5 + 0.5 / 0.848)            # the input gradient in 8
-    assert chunked_gemm_slowdown(g, lin, "colwise", 8, work, curve) == (1.0, 1.0)
-    more = chunked_gemm_slowdown(g, lin, "colwise_sp", 8, 4 * work, curve)[0]   # 2,048 rows
-    assert 1.0 < more < 1 / 0.964
+    rows, the more it costs; a device without a table prices whole GEMMs."""
+    from autoplan.cost.compute import compute_model
+    from autoplan.estimate.chunk_cost import overlap_chunks
+    assert overlap_chunks("colwise_sp", 8) == (8, 1)          # forward in ring steps
+    assert overlap_chunks("rowwise_sp", 8) == (4, 8)          # TE's pipeline; dgrad in steps
+    assert overlap_chunks("colwise", 8) == (1, 1)
+    g = gpt3_12_layers                      # one 2,048-token sequence, hidden 12,288
+    h100 = Cluster.preset("dgx-h100", nodes=3)
+    table = h100.device.matmul_shape_efficiency
+    model = compute_model(g, h100.device, "bf16", mixed_precision="params")
+    qkv = next(i for i, op in enumerate(g.ops) if op.kind == "matmul" and op.params)
+    assert model.product_sides(qkv) == (2048.0, 36864.0, 12288.0)
+    # two sequences (4,096 rows), columns over t = 8: ring chunks of 512 rows
+    fwd, bwd = model.chunked_slowdown(qkv, 2 / 8, ("n", 8), 8, 1)
+    assert fwd == pytest.approx(table.fraction(4096, 4608, 12288) / table.fraction(512, 4608, 12288))
+    assert fwd == pytest.approx(780.2 / 661.6, rel=2e-3) and bwd == 1.0
+    # the input gradient (half the backward's FLOPs; (rows, K, N)) in 8 chunks, the weight
+    # gradient whole (both at the full rate whole: every side at least 4,096)
+    fwd, bwd = model.chunked_slowdown(qkv, 2 / 8, ("n", 8), 4, 8)
+    dgrad = table.fraction(4096, 12288, 4608) / table.fraction(512, 12288, 4608)
+    assert bwd == pytest.approx(0.5 + 0.5 * dgrad)
+    assert model.chunked_slowdown(qkv, 2 / 8, ("n", 8), 1, 1) == (1.0, 1.0)
+    more = model.chunked_slowdown(qkv, 8 / 8, ("n", 8), 8, 1)[0]       # 2,048-row chunks
+    assert 1.0 < more < fwd
     # whole estimates: the H100's curve slows the overlapped configuration's compute only
     h100 = Cluster.preset("dgx-h100", nodes=3)
     base = dict(dp=3, tp=8, pp=1, micro_batch_size=1, zero_stage=1, sequence_parallel=True,
@@ -294,9 +301,50 @@ def test_tp_comm_overlap_runs_its_gemms_in_row_chunks_at_their_rate(gpt3_12_laye
     overlapped = _est(g, h100, tp_comm_overlap=True, **base)
     assert overlapped.time.compute_s > 1.03 * plain.time.compute_s
     flat = Cluster.from_dict({**h100.to_dict(), "name": "flat-h100", "device": {
-        k: v for k, v in h100.device.to_dict().items() if k != "matmul_rows_efficiency"}})
+        k: v for k, v in h100.device.to_dict().items() if k != "matmul_shape_efficiency"}})
     assert _est(g, flat, tp_comm_overlap=True, **base).time.compute_s == \
-        pytest.approx(plain.time.compute_s)
+        pytest.approx(_est(g, flat, **base).time.compute_s)
+
+
+def test_layer_products_run_at_the_rate_of_their_shape():
+    """On a device with a measured GEMM table (the H100) a layer's product runs at the rate of
+    its (M, N, K): a 2,048-wide layer's below the large-product rate, and a tensor-parallel
+    split slows it by the side it cuts (columns, the contraction, rows), the same in the
+    sharding ILP (which passes ``divided_split``) as in the estimate. A device without a table
+    prices every split alike."""
+    from autoplan.cost.compute import compute_model
+    from autoplan.sharding.strategies import strategies
+    from autoplan.sharding.strategy import divided_split
+    ex = build_example("gpt3-1.3b", device="meta", batch_size=1, num_layers=1)
+    g = trace(ex.model, ex.example_inputs, loss_fn=ex.loss_fn, targets=ex.targets)
+    device = Cluster.preset("dgx-h100", nodes=1).device
+    table = device.matmul_shape_efficiency
+    model = compute_model(g, device, "bf16", mixed_precision="params")
+    qkv = next(i for i, op in enumerate(g.ops) if op.kind == "matmul" and op.params)
+    op = g.ops[qkv]
+    assert model.product_sides(qkv) == (2048.0, 6144.0, 2048.0)
+    rate = model.tput.matmul_flops_per_s
+    frac = table.fraction(2048, 6144, 2048)
+    assert 0.9 < frac < 0.96
+    # the table's times hold each kernel's launch: none added
+    assert model.op_cost(qkv).fwd_s == pytest.approx(op.fwd_flops / (rate * frac))
+    # backward: the input gradient (M, K, N) and the weight gradient (N, K, M)
+    per_flop = 0.5 / table.fraction(2048, 2048, 6144) + 0.5 / table.fraction(6144, 2048, 2048)
+    assert model.op_cost(qkv).bwd_s == pytest.approx(op.bwd_flops * per_flop / rate)
+    # four sequences, split 8 ways by each side
+    by_side = {side: model.op_cost(qkv, 4 / 8, (side, 8)) for side in "mnk"}
+    for side, sides in (("m", (1024, 6144, 2048)), ("n", (8192, 768, 2048)),
+                        ("k", (8192, 6144, 256))):
+        assert model.product_sides(qkv, 4 / 8, (side, 8)) == sides
+        assert by_side[side].fwd_s == pytest.approx(
+            4 / 8 * op.fwd_flops / (rate * table.fraction(*sides)))
+    assert by_side["k"].fwd_s > 1.3 * by_side["n"].fwd_s        # a 256-long contraction
+    names = {s.name: divided_split(g, op, s) for s in strategies(g, op, 8)}
+    assert names["colwise"] == ("n", 8) and names["rowwise"] == ("k", 8)
+    assert names["seq"] == ("m", 8)
+    flat = compute_model(g, Cluster.preset("dgx-a100-80gb", nodes=1).device, "bf16")
+    costs = {flat.op_cost(qkv, 4 / 8, (side, 8)) for side in "mnk"}
+    assert len(costs) == 1
 
 
 def test_an_estimate_does_not_depend_on_what_was_estimated_before():

@@ -13,14 +13,16 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 # The error today. Lower these when the model improves; a change that raises them must be
 # justified (and the page regenerated): `python benchmarks/validate.py --markdown docs/validation.md`
-MAPE_CEILING = 0.063      # 6.2 % on 2026-11-26: the cross entropy priced as torch's fp32 passes
+MAPE_CEILING = 0.058      # 5.7 % on 2026-11-27: the cross entropy priced as torch's fp32 passes
 #                           over the logits (7.5 -> 7.0 %), overlap interference measured
 #                           (Lee et al. 2025, 18.9 %; 7.0 -> 6.5 %), ZeRO-1's gather in the
 #                           dtype the weights are held in (bf16 for Megatron-LM; 6.5 -> 7.7 %:
 #                           it had offset the H100 rows' common bias on the 32B row), the
 #                           tp-comm-overlap GEMMs in Transformer Engine's row chunks at
-#                           cuBLAS's rate for their rows (OpenXLA's sm_90 table; 7.7 -> 6.2 %)
-WORST_CEILING = 0.153     # 1.7B, -15.2 % (-21.9 % with its 128K-vocabulary loss priced as one
+#                           cuBLAS's rate for their rows (OpenXLA's sm_90 table; 7.7 -> 6.2 %),
+#                           every layer product at the rate of its shape (the whole table;
+#                           6.2 -> 5.7 %)
+WORST_CEILING = 0.135     # 1.7B, -13.4 % (-21.9 % with its 128K-vocabulary loss priced as one
 #                           bf16 read)
 MEMORY_HEADROOM = 1.0       # every run's predicted peak fits its GPU
 

@@ -26,7 +26,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from autoplan.cluster import specs
+from autoplan.cluster import specs, values
 from autoplan.cluster.collectives import (
     COLLECTIVE_KINDS,
     STEP_OVERHEAD_S,
@@ -37,7 +37,8 @@ from autoplan.cluster.collectives import (
     estimate_time_s,
 )
 from autoplan.cluster.collectives import collective_bytes_per_rank as _bytes_per_rank
-from autoplan.cluster.specs import DeviceSpec, HostSpec, LinkSpec, check_keys, integer, text
+from autoplan.cluster.specs import DeviceSpec, HostSpec, LinkSpec
+from autoplan.cluster.values import check_keys, integer, text
 from autoplan.cluster.topology import (
     FabricSpec,
     NodeModel,
@@ -295,13 +296,13 @@ class Cluster:
         else:
             device = DeviceSpec.from_dict(device_raw, where=f"{where}: device")
         per_node = integer(data["devices_per_node"], "devices_per_node", where,
-                           maximum=specs.MAX_DEVICES_PER_NODE)
+                           maximum=values.MAX_DEVICES_PER_NODE)
         num_nodes = integer(data.get("num_nodes", 1), "num_nodes (nodes)", where,
-                            maximum=specs.MAX_NODES)
-        if num_nodes * per_node > specs.MAX_WORLD_SIZE:
+                            maximum=values.MAX_NODES)
+        if num_nodes * per_node > values.MAX_WORLD_SIZE:
             raise ClusterError(f"{where}: {num_nodes:,} nodes x {per_node} devices is "
                                f"{num_nodes * per_node:,} devices, over autoplan's limit of "
-                               f"{specs.MAX_WORLD_SIZE:,}")
+                               f"{values.MAX_WORLD_SIZE:,}")
         names = [f"{device.kind}{i}" for i in range(per_node)]
         node = parse_node_topology(data["node"], device_names=names, known_links=known, where=f"{where}: node")
         fabric = None
@@ -324,7 +325,7 @@ class Cluster:
     def preset(cls, name: str, nodes: int = 1) -> Cluster:
         """A preset from ``cost_models/clusters.yaml`` with ``nodes`` nodes."""
         entry = specs.preset_entry(name)
-        entry["num_nodes"] = integer(nodes, "nodes", f"preset {name!r}", maximum=specs.MAX_NODES)
+        entry["num_nodes"] = integer(nodes, "nodes", f"preset {name!r}", maximum=values.MAX_NODES)
         return cls.from_dict({"name": name, **entry}, where=f"preset {name!r}")
 
     @classmethod
@@ -386,7 +387,11 @@ class Cluster:
             f"Device {d.name} ({d.kind}): {d.memory_bytes / _GIB:.1f} GiB, "
             f"{d.memory_bandwidth_bytes_per_s / 1e9:,.0f} GB/s memory, "
             f"peak TFLOP/s {rates}; efficiency matmul {d.matmul_efficiency:.2f}, memory {d.memory_efficiency:.2f}; "
-            f"launch {d.kernel_launch_s * 1e6:.1f} us",
+            f"launch {d.kernel_launch_s * 1e6:.1f} us" + (
+                "" if d.matmul_shape_efficiency is None else
+                f"; layer products at the rate of their shape (measured M, N, K "
+                f"{d.matmul_shape_efficiency.sides[0]:,.0f} to "
+                f"{d.matmul_shape_efficiency.sides[-1]:,.0f})"),
             f"Host per node: {h.memory_bytes / _GIB:,.0f} GiB DRAM; "
             f"per device {h.device_to_host_bandwidth_bytes_per_s / 1e9:.1f} GB/s "
             f"to host, CPU Adam {h.cpu_adam_params_per_s:.2g} params/s",

@@ -30,7 +30,7 @@ import subprocess
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from autoplan.cluster import specs
+from autoplan.cluster import specs, values
 from autoplan.errors import ClusterError
 
 DEFAULT_CPU_CALIBRATION: Mapping[str, float] = {
@@ -99,7 +99,7 @@ def _calibration(calibration: Mapping[str, float] | None) -> dict[str, float]:
     for key, value in (calibration or {}).items():
         if key not in DEFAULT_CPU_CALIBRATION:
             raise ClusterError(f"calibration key {key!r} unknown; allowed: {', '.join(DEFAULT_CPU_CALIBRATION)}")
-        merged[key] = specs.number(value, key, "calibration", positive=key != "launch_s")
+        merged[key] = values.number(value, key, "calibration", positive=key != "launch_s")
     return merged
 
 
@@ -246,7 +246,7 @@ def auto_calibration(device: str) -> tuple[dict[str, float], int] | None:
 
 def local_cluster_dict(nproc: int | None = None, *, calibration: Mapping[str, float] | None = None) -> dict[str, Any]:
     if nproc is not None:
-        nproc = specs.integer(nproc, "nproc", "local cluster", maximum=specs.MAX_LOCAL_PROCESSES)
+        nproc = values.integer(nproc, "nproc", "local cluster", maximum=values.MAX_LOCAL_PROCESSES)
     cal = _calibration(calibration)
     try:
         import torch

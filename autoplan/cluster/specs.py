@@ -14,7 +14,6 @@ from __future__ import annotations
 import copy
 import functools
 import importlib.resources
-import math
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -22,82 +21,13 @@ from typing import Any
 
 import yaml
 
+from autoplan.cluster.gemm_table import GemmShapeTable
+from autoplan.cluster.values import check_keys, integer, number, text
 from autoplan.errors import ClusterError
 
 SCHEMA_VERSION = 1
 PRECISIONS = ("fp32", "tf32", "bf16", "fp16")
 DEVICE_KINDS = ("gpu", "cpu")
-
-
-# --------------------------------------------------------------------------- validation helpers
-def check_keys(data: Any, allowed: tuple[str, ...], where: str, *, required: tuple[str, ...] = ()) -> None:
-    """Raise ClusterError unless ``data`` is a mapping whose keys are all in ``allowed``."""
-    if not isinstance(data, Mapping):
-        raise ClusterError(f"{where}: expected a mapping, got {type(data).__name__} {data!r}")
-    for key in data:
-        if key not in allowed:
-            raise ClusterError(
-                f"{where}: unknown key {key!r}; allowed keys are {', '.join(allowed)} "
-                "(check the spelling)"
-            )
-    missing = [key for key in required if key not in data]
-    if missing:
-        raise ClusterError(f"{where}: missing required key(s) {', '.join(missing)}; add them")
-
-
-def number(value: Any, what: str, where: str, *, positive: bool = True, at_most: float | None = None) -> float:
-    """Coerce a YAML/JSON value to a finite float (numeric strings such as ``"1.5e12"`` accepted,
-    because YAML 1.1 reads exponents without a sign as strings) and range-check it."""
-    if isinstance(value, bool):
-        raise ClusterError(f"{where}: {what} must be a number, got {value!r}")
-    if isinstance(value, str):
-        try:
-            value = float(value.replace("_", ""))
-        except ValueError:
-            raise ClusterError(f"{where}: {what} must be a number, got {value!r}") from None
-    if not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ClusterError(f"{where}: {what} must be a finite number, got {value!r}")
-    if positive and value <= 0:
-        raise ClusterError(f"{where}: {what} must be > 0, got {value!r}; give the real figure")
-    if not positive and value < 0:
-        raise ClusterError(f"{where}: {what} must be >= 0, got {value!r}")
-    if at_most is not None and value > at_most:
-        raise ClusterError(f"{where}: {what} must be <= {at_most}, got {value!r}")
-    return float(value)
-
-
-# Cluster sizes autoplan describes (a 131,072-device cluster builds in about 3 s); larger
-# numbers are refused rather than left to exhaust memory.
-MAX_NODES = 16_384
-MAX_DEVICES_PER_NODE = 1_024
-MAX_WORLD_SIZE = 131_072
-MAX_LOCAL_PROCESSES = 1_024
-
-
-def integer(value: Any, what: str, where: str, *, minimum: int = 1,
-            maximum: int | None = None) -> int:
-    """Coerce to int (integral floats such as ``8.0`` or ``4e9`` allowed) within bounds."""
-    if isinstance(value, bool):
-        raise ClusterError(f"{where}: {what} must be an integer, got {value!r}")
-    if isinstance(value, (str, float)):
-        as_float = number(value, what, where, positive=False)
-        if as_float != int(as_float):
-            raise ClusterError(f"{where}: {what} must be a whole number, got {value!r}")
-        value = int(as_float)
-    if not isinstance(value, int):
-        raise ClusterError(f"{where}: {what} must be an integer, got {value!r}")
-    if value < minimum:
-        raise ClusterError(f"{where}: {what} must be >= {minimum}, got {value}")
-    if maximum is not None and value > maximum:
-        raise ClusterError(f"{where}: {what} must be at most {maximum:,}, got {value:,} "
-                           "(autoplan's documented limit)")
-    return value
-
-
-def text(value: Any, what: str, where: str, *, allow_empty: bool = False) -> str:
-    if not isinstance(value, str) or (not allow_empty and not value.strip()):
-        raise ClusterError(f"{where}: {what} must be a non-empty string, got {value!r}")
-    return value
 
 
 # --------------------------------------------------------------------------- immutable mapping
@@ -128,25 +58,6 @@ class FrozenMap(Mapping[str, float]):
         return f"FrozenMap({dict(self._items)!r})"
 
 
-def rows_curve(value: Any, where: str) -> tuple[tuple[float, float], ...]:
-    """A ``matmul_rows_efficiency`` curve: pairs (rows > 0, fraction in (0, 1]), rows rising."""
-    if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple)):
-        raise ClusterError(f"{where}: matmul_rows_efficiency must be a list of [rows, fraction] "
-                           f"pairs, got {value!r}")
-    out = []
-    for k, pair in enumerate(value):
-        if isinstance(pair, (str, bytes)) or not isinstance(pair, (list, tuple)) or len(pair) != 2:
-            raise ClusterError(f"{where}: matmul_rows_efficiency[{k}] must be [rows, fraction], "
-                               f"got {pair!r}")
-        rows = number(pair[0], f"matmul_rows_efficiency[{k}] rows", where)
-        frac = number(pair[1], f"matmul_rows_efficiency[{k}] fraction", where, at_most=1.0)
-        if out and rows <= out[-1][0]:
-            raise ClusterError(f"{where}: matmul_rows_efficiency rows must rise, got {rows:g} "
-                               f"after {out[-1][0]:g}")
-        out.append((rows, frac))
-    return tuple(out)
-
-
 # --------------------------------------------------------------------------- specs
 @dataclass(frozen=True, kw_only=True)
 class DeviceSpec:
@@ -169,12 +80,9 @@ class DeviceSpec:
     # SMs and memory bandwidth). CPU ranks with no spare core: 1.0, the transfers' copies and
     # reductions run on the cores the compute needs.
     overlap_interference: float | None = None
-    # ((rows, fraction), ...): the rate of a matrix product with that many rows (its other two
-    # sides large), relative to its rate at many rows, for the vendor GEMM library; rows
-    # between points interpolate in log rows, beyond the ends hold. Empty: unknown, products
-    # priced at matmul_efficiency whatever their rows. Prices the row chunks a product is cut
-    # into where communication is pipelined with it (``tp_comm_overlap``).
-    matmul_rows_efficiency: tuple[tuple[float, float], ...] = ()
+    # the vendor GEMM library's measured rate by product shape, relative to a large product
+    # (``gemm_table``); None: unknown, every product priced at matmul_efficiency
+    matmul_shape_efficiency: GemmShapeTable | None = None
 
     def __post_init__(self) -> None:
         where = f"device {self.name!r}"
@@ -198,8 +106,10 @@ class DeviceSpec:
         if self.overlap_interference is not None:
             number(self.overlap_interference, "overlap_interference", where, positive=False,
                    at_most=1.0)
-        object.__setattr__(self, "matmul_rows_efficiency",
-                           rows_curve(self.matmul_rows_efficiency, where))
+        if self.matmul_shape_efficiency is not None and not isinstance(
+                self.matmul_shape_efficiency, GemmShapeTable):
+            object.__setattr__(self, "matmul_shape_efficiency",
+                               GemmShapeTable.from_value(self.matmul_shape_efficiency, where))
 
     def peak_flops_for(self, precision: str) -> float:
         """Dense peak FLOP/s for a training precision ("bf16", "fp16", "fp32"; "tf32" explicit).
@@ -219,10 +129,10 @@ class DeviceSpec:
         out["peak_flops"] = dict(self.peak_flops)
         if self.overlap_interference is None:
             del out["overlap_interference"]
-        if self.matmul_rows_efficiency:
-            out["matmul_rows_efficiency"] = [list(x) for x in self.matmul_rows_efficiency]
+        if self.matmul_shape_efficiency is not None:
+            out["matmul_shape_efficiency"] = self.matmul_shape_efficiency.to_value()
         else:
-            del out["matmul_rows_efficiency"]
+            del out["matmul_shape_efficiency"]
         return out
 
     @classmethod
@@ -231,7 +141,7 @@ class DeviceSpec:
         check_keys(data, allowed, where,
                    required=tuple(f.name for f in fields(cls)
                                   if f.name not in ("compute_share", "overlap_interference",
-                                                    "matmul_rows_efficiency")))
+                                                    "matmul_shape_efficiency")))
         peak = data["peak_flops"]
         check_keys(peak, PRECISIONS, f"{where}.peak_flops")
         return cls(
@@ -249,7 +159,9 @@ class DeviceSpec:
             overlap_interference=(None if data.get("overlap_interference") is None else
                                   number(data["overlap_interference"], "overlap_interference",
                                          where, positive=False, at_most=1.0)),
-            matmul_rows_efficiency=rows_curve(data.get("matmul_rows_efficiency", ()), where),
+            matmul_shape_efficiency=(None if data.get("matmul_shape_efficiency") is None else
+                                     GemmShapeTable.from_value(data["matmul_shape_efficiency"],
+                                                               where)),
         )
 
 

@@ -35,7 +35,8 @@ from typing import Any
 
 import networkx as nx
 
-from autoplan.cluster.specs import LinkSpec, check_keys, integer, number, text
+from autoplan.cluster.specs import LinkSpec
+from autoplan.cluster.values import check_keys, integer, number, text
 from autoplan.errors import ClusterError
 
 COMPONENT_KINDS = ("nvswitch", "pcie_switch", "socket", "nic")

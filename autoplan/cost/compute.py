@@ -27,6 +27,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from autoplan.cluster.gemm_table import GemmShapeTable
 from autoplan.cost.dtypes import LOWER_PRECISION_OPS, autocast_on, value_itemsizes
 from autoplan.cost.memory import PRECISION_BYTES
 from autoplan.graph.opgraph import Op, OpGraph, opname
@@ -55,6 +56,9 @@ class Throughput:
     matmul_size_efficiency: tuple[tuple[float, float], ...] = ()
     # measured element-wise functions: name -> (forward, backward) seconds per element
     elementwise_s_per_element: Mapping[str, tuple[float, float]] = field(default_factory=dict)
+    # the device's GEMM rate by shape (a datasheet device's ``matmul_shape_efficiency``; a
+    # calibration measures its own size curve instead)
+    matmul_shape: GemmShapeTable | None = None
 
     @staticmethod
     def from_device(device: Any, precision: str, calibration: Any = None) -> Throughput:
@@ -70,7 +74,8 @@ class Throughput:
         return Throughput(
             matmul_flops_per_s=device.peak_flops_for(precision) * device.matmul_efficiency,
             memory_bytes_per_s=device.memory_bandwidth_bytes_per_s * device.memory_efficiency,
-            launch_s=device.kernel_launch_s, device_kind=device.kind)
+            launch_s=device.kernel_launch_s, device_kind=device.kind,
+            matmul_shape=getattr(device, "matmul_shape_efficiency", None))
 
 
 def elementwise_key(graph: OpGraph, op: Op) -> tuple[str, int] | None:
@@ -137,12 +142,53 @@ def product_size(graph: OpGraph, op: Op) -> float | None:
     return cube ** (1.0 / 3.0) if cube > 0 else None
 
 
+def gemm_sides(graph: OpGraph, op: Op) -> tuple[float, float, float] | None:
+    """(M, N, K) of a layer's product: ``op`` multiplies activations by one 2-D matrix (a
+    linear layer, ``addmm``, ``x @ W``), the leading dims of the activations folding into M;
+    None for other ops (batched products of activations, attention, convolutions)."""
+    if op.kind != "matmul":
+        return None
+    name = opname(op)
+    if name not in ("linear", "addmm", "mm", "matmul"):
+        return None
+    shapes = [graph.value(n).meta.shape for n in op.inputs]
+    a, b = (shapes[1], shapes[2]) if name == "addmm" else (shapes[0], shapes[1])
+    out = graph.value(op.outputs[0]).meta.shape
+    if len(b) != 2 or not a or len(out) < 1:
+        return None
+    m = float(math.prod(out[:-1])) if len(out) > 1 else 1.0
+    return m, float(out[-1]), float(a[-1])
+
+
+def _gemm_fractions(table: GemmShapeTable, sides: tuple[float, float, float],
+                    bwd_parts: tuple[float, float]) -> tuple[float, float]:
+    """(forward, backward) fractions of the large-product rate for a product of ``sides``
+    (M, N, K): the forward's product, and the backward's input gradient (M x N by N x K) and
+    weight gradient (N x M by M x K) in the shares ``bwd_parts`` of its FLOPs."""
+    m, n, k = sides
+    fwd = table.fraction(m, n, k)
+    dgrad, wgrad = bwd_parts
+    if dgrad + wgrad <= 0:
+        return fwd, fwd
+    per_flop = (dgrad / table.fraction(m, k, n) + wgrad / table.fraction(n, k, m))
+    return fwd, (dgrad + wgrad) / per_flop
+
+
+def _bwd_parts(op: Op) -> tuple[float, float]:
+    """Of a layer product's backward FLOPs, (input gradient, weight gradient) shares: one
+    forward's FLOPs each, the weight's missing when it needs no gradient."""
+    if op.fwd_flops <= 0 or op.bwd_flops <= 0:
+        return 0.0, 0.0
+    dgrad = min(op.fwd_flops, op.bwd_flops)
+    return dgrad / op.bwd_flops, (op.bwd_flops - dgrad) / op.bwd_flops
+
+
 def compute_model(graph: OpGraph, device: Any, precision: str, profile: Any = None,
                   mixed_precision: str = "autocast") -> ComputeModel:
     """The ComputeModel for (graph, device, precision, profile, mixed_precision), built once
     and kept on the graph: the planner costs hundreds of configurations of one graph."""
     cache = graph.__dict__.setdefault("_autoplan_compute", {})
-    key = (device.name, precision, id(profile), mixed_precision)
+    key = (device, precision, id(profile), mixed_precision)
     model = cache.get(key)
     if model is None or model.profile is not profile:
         model = ComputeModel(graph, device, precision, profile, mixed_precision)
@@ -168,6 +214,8 @@ class ComputeModel:
         # devices that share a machine's cores run its measured times this much slower
         self.slowdown = 1.0 / getattr(device, "compute_share", 1.0)
         self._cache: dict[int, OpCost] = {}
+        self._scaled: dict[tuple[int, float, str, int], OpCost] = {}
+        self._tabled: set[int] = set()      # ops priced by the device's GEMM table
 
     def _byte_scale(self, op: Op) -> float:
         """Traced float tensors become training-precision tensors; under autocast each takes
@@ -221,7 +269,13 @@ class ComputeModel:
             # a view is a few microseconds of dispatch on CPU, nothing on a GPU
             t = tp.launch_s * 0.25 if tp.device_kind == "cpu" else 0.0
             return OpCost(fwd_s=t, bwd_s=0.0)
-        if op.kind in _PRODUCT_KINDS:
+        bwd_flops_per_s = None
+        sides = gemm_sides(self.graph, op) if tp.matmul_shape is not None else None
+        if sides is not None:
+            fwd_frac, bwd_frac = _gemm_fractions(tp.matmul_shape, sides, _bwd_parts(op))
+            flops_per_s = tp.matmul_flops_per_s * fwd_frac
+            bwd_flops_per_s = tp.matmul_flops_per_s * bwd_frac
+        elif op.kind in _PRODUCT_KINDS:
             flops_per_s = tp.matmul_flops_per_s * size_efficiency(
                 tp.matmul_size_efficiency, product_size(self.graph, op))
         else:
@@ -237,12 +291,15 @@ class ComputeModel:
         if key is not None and key[0] in tp.elementwise_s_per_element:
             per_fwd, per_bwd = (key[1] * x for x in tp.elementwise_s_per_element[key[0]])
         cast_fwd, cast_bwd = self._cast_s(op)
+        # a measured GEMM table's times hold each kernel's fixed part: no launch on top, but
+        # none runs shorter than one
+        floor, launch = (tp.launch_s, 0.0) if sides is not None else (0.0, tp.launch_s)
         fwd = max(op.fwd_flops / flops_per_s, bytes_ / tp.memory_bytes_per_s,
-                  per_fwd) + tp.launch_s + cast_fwd
+                  per_fwd, floor) + launch + cast_fwd
         if not op.differentiable:
             return OpCost(fwd_s=fwd, bwd_s=0.0)
-        bwd = max(op.bwd_flops / flops_per_s, bwd_bytes / tp.memory_bytes_per_s,
-                  per_bwd) + tp.launch_s + cast_bwd
+        bwd = max(op.bwd_flops / (bwd_flops_per_s or flops_per_s),
+                  bwd_bytes / tp.memory_bytes_per_s, per_bwd, floor) + launch + cast_bwd
         return OpCost(fwd_s=fwd, bwd_s=bwd)
 
     def base_cost(self, index: int) -> OpCost:
@@ -250,39 +307,104 @@ class ComputeModel:
         c = self._cache.get(index)
         if c is None:
             op = self.graph.ops[index]
-            c = self._measured(op) or self._roofline(op)
+            c = self._measured(op)
+            if c is None:
+                c = self._roofline(op)
+                if self.tput.matmul_shape is not None and gemm_sides(self.graph, op):
+                    self._tabled.add(index)
             if self.slowdown != 1.0:
                 c = OpCost(fwd_s=c.fwd_s * self.slowdown, bwd_s=c.bwd_s * self.slowdown)
             self._cache[index] = c
         return c
 
-    def op_cost(self, index: int, work_scale: float = 1.0) -> OpCost:
-        """Cost when the op's work is ``work_scale`` times the traced work (batch, TP shard)."""
-        c = self.base_cost(index)
+    def op_cost(self, index: int, work_scale: float = 1.0, split: tuple[str, int] = ("m", 1)
+                ) -> OpCost:
+        """Cost when the op's work is ``work_scale`` times the traced work (batch, TP shard).
+        ``split``: the product side a sharding strategy divides and by how much ("m" its rows,
+        "n" its columns, "k" its contraction: ``divided_side``); the rest of the scale is rows
+        (the micro-batch, a context-parallel shard, an expert's load)."""
         if work_scale == 1.0:
-            return c
-        launch = self.tput.launch_s
-        rate = self._size_rate_change(index, work_scale)
+            return self.base_cost(index)
+        key = (index, work_scale, split[0], split[1])
+        hit = self._scaled.get(key)
+        if hit is None:
+            hit = self._scaled[key] = self._scale(index, work_scale, split)
+        return hit
 
-        def scale(t: float) -> float:
+    def _scale(self, index: int, work_scale: float, split: tuple[str, int]) -> OpCost:
+        c = self.base_cost(index)
+        launch = self.tput.launch_s
+        fwd_rate, bwd_rate = self._rate_change(index, work_scale, split)
+        # a product priced by the GEMM table has its launch inside its time (``_roofline``)
+        tabled = index in self._tabled
+        fixed = 0.0 if tabled else launch
+
+        def scale(t: float, rate: float) -> float:
             if t <= 0.0:
                 return 0.0
-            over = max(t - launch, 0.0)
-            return min(t, launch) + over * work_scale / rate
-        return OpCost(fwd_s=scale(c.fwd_s), bwd_s=scale(c.bwd_s))
+            over = max(t - fixed, 0.0)
+            out = min(t, fixed) + over * work_scale / rate
+            return max(out, launch) if tabled else out
+        return OpCost(fwd_s=scale(c.fwd_s, fwd_rate), bwd_s=scale(c.bwd_s, bwd_rate))
 
-    def _size_rate_change(self, index: int, work_scale: float) -> float:
-        """How much faster (> 1) or slower a product runs per FLOP at ``work_scale`` times its
-        traced work, by the calibrated size curve (its sides taken to scale alike)."""
-        curve = self.tput.matmul_size_efficiency
+    def product_sides(self, index: int, work_scale: float = 1.0, split: tuple[str, int] = ("m", 1)
+                      ) -> tuple[float, float, float] | None:
+        """(M, N, K) of op ``index``'s layer product at ``work_scale`` with ``split`` (as
+        ``op_cost`` takes them); None where the op is no layer product."""
+        sides = gemm_sides(self.graph, self.graph.ops[index])
+        if sides is None:
+            return None
+        side, parts = split
+        m, n, k = sides
+        if side == "n":
+            return m * work_scale * parts, n / parts, k
+        if side == "k":
+            return m * work_scale * parts, n, k / parts
+        return m * work_scale, n, k
+
+    def _rate_change(self, index: int, work_scale: float, split: tuple[str, int]
+                     ) -> tuple[float, float]:
+        """How much faster (> 1) or slower a product runs per FLOP, forward and backward, at
+        ``work_scale`` times its traced work: by the device's GEMM shape table where it has one
+        (the divided side smaller, the rows scaled), else by the calibrated size curve (its
+        sides taken to scale alike)."""
         op = self.graph.ops[index]
+        table = self.tput.matmul_shape
+        if table is not None:
+            now = gemm_sides(self.graph, op)
+            if index not in self._tabled or now is None or work_scale <= 0:
+                return 1.0, 1.0
+            then = self.product_sides(index, work_scale, split)
+            parts = _bwd_parts(op)
+            f0, b0 = _gemm_fractions(table, now, parts)
+            f1, b1 = _gemm_fractions(table, then, parts)
+            return f1 / f0, b1 / b0
+        curve = self.tput.matmul_size_efficiency
         if not curve or op.kind not in _PRODUCT_KINDS or work_scale <= 0:
-            return 1.0
+            return 1.0, 1.0
         size = product_size(self.graph, op)
         if size is None:
-            return 1.0
-        return (size_efficiency(curve, size * work_scale ** (1.0 / 3.0))
-                / size_efficiency(curve, size))
+            return 1.0, 1.0
+        r = (size_efficiency(curve, size * work_scale ** (1.0 / 3.0))
+             / size_efficiency(curve, size))
+        return r, r
+
+    def chunked_slowdown(self, index: int, work_scale: float, split: tuple[str, int],
+                         fwd_chunks: int, dgrad_chunks: int) -> tuple[float, float]:
+        """(forward, backward) factors by which op ``index``'s product takes longer when its
+        forward runs in ``fwd_chunks`` row chunks and its input gradient in ``dgrad_chunks``
+        (communication pipelined with it): each chunk at the rate of its rows, by the device's
+        GEMM shape table (1.0 without one)."""
+        table = self.tput.matmul_shape
+        sides = self.product_sides(index, work_scale, split)
+        if table is None or sides is None:
+            return 1.0, 1.0
+        m, n, k = sides
+        dgrad, wgrad = _bwd_parts(self.graph.ops[index])
+        fwd = table.fraction(m, n, k) / table.fraction(m / fwd_chunks, n, k)
+        whole = dgrad / table.fraction(m, k, n) + wgrad / table.fraction(n, k, m)
+        cut = dgrad / table.fraction(m / dgrad_chunks, k, n) + wgrad / table.fraction(n, k, m)
+        return fwd, (cut / whole if whole > 0 else 1.0)
 
 
 def _casts_inputs(op: Op) -> bool:

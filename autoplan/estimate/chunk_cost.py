@@ -10,13 +10,12 @@ same, so a unit's cost is that of the range standing for it (``Unit.like``), com
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from autoplan.graph.analysis import GraphAnalysis
-from autoplan.cost.compute import ComputeModel, size_efficiency
+from autoplan.cost.compute import ComputeModel
 from autoplan.cost.dtypes import HeldBytes, held_bytes, own_sizes
 from autoplan.cost.memory import (GRAD_BYTES, PRECISION_BYTES, _meta_bytes, activation_parts,
                                   held_meta_bytes, shared_inputs, working_set_bytes)
@@ -29,6 +28,7 @@ from autoplan.sharding.expert_regions import expert_regions
 from autoplan.sharding.placement import REPLICATE
 from autoplan.sharding.context_axis import ContextAxis, share_at
 from autoplan.sharding.sharding import Sharding
+from autoplan.sharding.strategy import divided_split
 
 
 @dataclass(frozen=True)
@@ -187,7 +187,8 @@ def tp_comm_s(ci: CostInputs, start: int, stop: int) -> tuple[float, float, floa
     for i, parts in ring.items():
         # ring attention passes each block on while the previous one computes: only what
         # the attention's own compute does not cover is exposed
-        c = ci.compute.op_cost(i, _work_scale(a, graph, sh, i, ci.batch_scale, cx))
+        c = ci.compute.op_cost(i, _work_scale(a, graph, sh, i, ci.batch_scale, cx),
+                               divided_split(graph, graph.ops[i], sh.op_strategy[i]))
         x = overlap_interference(ci.cluster)
         exposed = (overlap_exposed_s(parts["fwd"], c.fwd_s, 0.0, x),
                    overlap_exposed_s(parts["bwd"], c.bwd_s, 0.0, x))
@@ -277,15 +278,16 @@ def _range_cost(ci: CostInputs, start: int, stop: int, policy: str) -> RangeCost
     mbs = config.micro_batch_size
     fwd = bwd = recompute = gemm_fwd = gemm_bwd = 0.0
     loaded = _loaded(ci)
-    rows_curve = ci.cluster.device.matmul_rows_efficiency if config.tp_comm_overlap else ()
     for i in range(start, stop):
         load = ci.expert_load if loaded is not None and i in loaded.members else 1.0
         scale = load * _work_scale(a, graph, sh, i, ci.batch_scale, ci.context)
-        c = ci.compute.op_cost(i, scale)
+        split = divided_split(graph, graph.ops[i], sh.op_strategy[i])
+        c = ci.compute.op_cost(i, scale, split)
         op_fwd, op_bwd = c.fwd_s, c.bwd_s
-        if rows_curve and graph.ops[i].kind == "matmul":
-            slow_fwd, slow_bwd = chunked_gemm_slowdown(
-                graph, i, sh.op_strategy[i].name, sh.t, scale * sh.work_divisor(i), rows_curve)
+        if config.tp_comm_overlap and graph.ops[i].kind == "matmul":
+            fwd_chunks, dgrad_chunks = overlap_chunks(sh.op_strategy[i].name, sh.t)
+            slow_fwd, slow_bwd = ci.compute.chunked_slowdown(i, scale, split, fwd_chunks,
+                                                             dgrad_chunks)
             op_fwd, op_bwd = op_fwd * slow_fwd, op_bwd * slow_bwd
         fwd += op_fwd
         bwd += op_bwd
@@ -355,27 +357,14 @@ def _range_cost(ci: CostInputs, start: int, stop: int, policy: str) -> RangeCost
 _PIPELINE_SPLITS = 4
 
 
-def chunked_gemm_slowdown(graph: OpGraph, i: int, strategy: str, t: int, work: float,
-                          curve: Sequence[tuple[float, float]]) -> tuple[float, float]:
-    """(forward, backward) factors by which a GEMM cut into row chunks under tensor-parallel
-    comm overlap takes longer than whole: its rate at the chunk's rows against its rate at all
-    of them (``curve``: the device's ``matmul_rows_efficiency``). ``work``: the op's work
-    relative to its traced work before the tp split (the micro-batch's rows)."""
+def overlap_chunks(strategy: str, t: int) -> tuple[int, int]:
+    """(forward, input-gradient) row chunks a product of ``strategy`` runs in under
+    tensor-parallel comm overlap on ``t`` ranks (Transformer Engine's defaults, above)."""
     if strategy.startswith("colwise_sp"):
-        fwd_chunks, dgrad_chunks = t, 1
-    elif strategy == "rowwise_sp":
-        fwd_chunks, dgrad_chunks = _PIPELINE_SPLITS, t
-    else:
-        return 1.0, 1.0
-    out = graph.value(graph.ops[i].outputs[0]).meta.shape
-    rows = float(math.prod(out[:-1])) * work if len(out) > 1 else work
-
-    def slower(chunks: int) -> float:
-        if chunks <= 1:
-            return 1.0
-        return size_efficiency(curve, rows) / size_efficiency(curve, rows / chunks)
-    # backward: the input gradient and the weight gradient, one forward's FLOPs each
-    return slower(fwd_chunks), 0.5 + 0.5 * slower(dgrad_chunks)
+        return t, 1
+    if strategy == "rowwise_sp":
+        return _PIPELINE_SPLITS, t
+    return 1, 1
 
 
 def chunk_parts(chunk: Chunk) -> list[tuple[int, int, bool]]:

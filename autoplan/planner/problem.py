@@ -34,7 +34,7 @@ from autoplan.sharding.context_axis import ContextAxis, share_at, tp_allowed
 from autoplan.sharding.placement import REPLICATE, Placement
 from autoplan.sharding.sharding import Sharding, built_once, mutates_input, reshard_kind
 from autoplan.sharding.strategies import OpStrategy, strategies, strategies_by_name
-from autoplan.sharding.strategy import replicate
+from autoplan.sharding.strategy import divided_split, replicate
 
 # Choices that cannot run cost this much: an in-place op whose input would be resharded first
 # (the write would land on a copy), a tied weight laid out two ways.
@@ -181,7 +181,7 @@ def _node_cost(ctx: CostContext, node: Node, j: int, savers: dict[tuple[int, str
                 else 1.0)
         cp_share = ctx.context.op_scale(i) if ctx.context is not None else 1.0
         c = ctx.compute.op_cost(i, load * (ctx.batch_scale if batch_dep else 1.0) * cp_share
-                                / s.work_divisor)
+                                / s.work_divisor, divided_split(graph, op, s))
         fwd += c.fwd_s
         bwd += c.bwd_s
         if ctx.recompute == "full" and in_block or ctx.recompute == "selective" and i in a.score_ops:

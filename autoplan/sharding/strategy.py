@@ -197,3 +197,19 @@ def make(graph: OpGraph, op: Op, name: str, inputs: tuple[Placement, ...],
 def replicate(op: Op) -> OpStrategy:
     return OpStrategy("replicate", tuple(REPLICATE for _ in op.inputs),
                       tuple(REPLICATE for _ in op.outputs), 1, (), "replicate")
+
+
+def divided_split(graph: OpGraph, op: Op, s: OpStrategy) -> tuple[str, int]:
+    """(side, parts): the side of ``op``'s matrix product that strategy ``s`` divides among the
+    axis's ranks: "n" where each rank computes some of the output's columns (its last dim
+    split), "k" where each computes a partial sum (part of the contraction), else "m" (rows:
+    tokens, samples, heads); parts is the strategy's work divisor (``ComputeModel.op_cost``)."""
+    if s.work_divisor == 1 or not op.outputs:
+        return "m", s.work_divisor
+    p = s.local_output(0)
+    if p.kind == "P":
+        return "k", s.work_divisor
+    rank = len(graph.value(op.outputs[0]).meta.shape)
+    if p.kind == "S" and p.dim == rank - 1:
+        return "n", s.work_divisor
+    return "m", s.work_divisor
