@@ -321,7 +321,7 @@ class ComputeModel:
                 ) -> OpCost:
         """Cost when the op's work is ``work_scale`` times the traced work (batch, TP shard).
         ``split``: the product side a sharding strategy divides and by how much ("m" its rows,
-        "n" its columns, "k" its contraction: ``divided_side``); the rest of the scale is rows
+        "n" its columns, "k" its contraction: ``sharding.strategy.divided_split``); the rest of the scale is rows
         (the micro-batch, a context-parallel shard, an expert's load)."""
         if work_scale == 1.0:
             return self.base_cost(index)
@@ -371,13 +371,11 @@ class ComputeModel:
         op = self.graph.ops[index]
         table = self.tput.matmul_shape
         if table is not None:
-            now = gemm_sides(self.graph, op)
-            if index not in self._tabled or now is None or work_scale <= 0:
+            if index not in self._tabled or work_scale <= 0:
                 return 1.0, 1.0
-            then = self.product_sides(index, work_scale, split)
             parts = _bwd_parts(op)
-            f0, b0 = _gemm_fractions(table, now, parts)
-            f1, b1 = _gemm_fractions(table, then, parts)
+            f0, b0 = _gemm_fractions(table, self.product_sides(index), parts)
+            f1, b1 = _gemm_fractions(table, self.product_sides(index, work_scale, split), parts)
             return f1 / f0, b1 / b0
         curve = self.tput.matmul_size_efficiency
         if not curve or op.kind not in _PRODUCT_KINDS or work_scale <= 0:
