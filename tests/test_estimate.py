@@ -345,6 +345,10 @@ def test_layer_products_run_at_the_rate_of_their_shape():
     flat = compute_model(g, Cluster.preset("dgx-a100-80gb", nodes=1).device, "bf16")
     costs = {flat.op_cost(qkv, 4 / 8, (side, 8)) for side in "mnk"}
     assert len(costs) == 1
+    # the table is of 16-bit tensor-core products: fp32 ones (vector units) are priced flat
+    fp32 = compute_model(g, device, "fp32")
+    assert fp32.tput.matmul_shape is None
+    assert len({fp32.op_cost(qkv, 4 / 8, (side, 8)) for side in "mnk"}) == 1
 
 
 def test_an_estimate_does_not_depend_on_what_was_estimated_before():

@@ -1,5 +1,5 @@
 """A device's measured GEMM rate by shape: how fast its vendor library runs an M x K by K x N
-matrix product, relative to a large one.
+16-bit matrix product, relative to a large one.
 
 A product's rate falls when any side is small: few rows leave SMs idle (a tile wave is not
 filled), a short contraction leaves the tensor cores waiting on loads, and every product pays

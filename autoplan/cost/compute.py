@@ -75,7 +75,9 @@ class Throughput:
             matmul_flops_per_s=device.peak_flops_for(precision) * device.matmul_efficiency,
             memory_bytes_per_s=device.memory_bandwidth_bytes_per_s * device.memory_efficiency,
             launch_s=device.kernel_launch_s, device_kind=device.kind,
-            matmul_shape=getattr(device, "matmul_shape_efficiency", None))
+            # the table measures 16-bit tensor-core products; fp32 runs on the vector units
+            matmul_shape=(getattr(device, "matmul_shape_efficiency", None)
+                          if PRECISION_BYTES[precision] == 2 else None))
 
 
 def elementwise_key(graph: OpGraph, op: Op) -> tuple[str, int] | None:
