@@ -349,7 +349,13 @@ NOT_CAPTURED = [
     "benchmarks/gpu_measure.sh OUT`) runs the 1.7B row's whole rank step on one GPU as "
     "Megatron-LM holds it (bf16 weights, fp32 masters in a fused AdamW), profiled: about "
     "0.33 s would put the missing third in what a multi-GPU run adds, about 0.45 s in what one "
-    "GPU shows, and its profile says where.",
+    "GPU shows, and its profile says where. Why the 1.7B row is the worst: against each row's "
+    "measured compute the model's whole step comes to 1.18x at 1.7B (TP 1, no pipeline, one "
+    "micro-batch a step: its price is its kernels, 13-18 % slower than the card ran them) "
+    "and 1.25-1.50x elsewhere (the kernels plus priced tensor-parallel traffic and bubbles), "
+    "while the published runs took a nearly uniform 1.32-1.51x. Kernel physics cannot close "
+    "it: priced at the measured kernel times its attention (-20 ms) and norms (+6 ms) would "
+    "take the 1.7B row to about -17 %.",
     "- **Megatron v1's fused softmax.** v1's attention fuses scale, mask and softmax into one "
     "kernel; the unfused attention autoplan prices makes three memory passes of the score "
     "matrix (the smallest v1 model, where attention weighs most, is the v1 row predicted "
