@@ -351,6 +351,22 @@ def test_layer_products_run_at_the_rate_of_their_shape():
     assert len({fp32.op_cost(qkv, 4 / 8, (side, 8)) for side in "mnk"}) == 1
 
 
+def test_the_compute_model_is_kept_per_device_not_per_name():
+    """A graph keeps one ComputeModel per device: a device edited under the same name (a
+    cluster file's H100 without the GEMM table) gets its own, not the preset's."""
+    from autoplan.cluster.specs import DeviceSpec
+    from autoplan.cost.compute import compute_model
+    ex = build_example("gpt-tiny", device="meta", batch_size=1)
+    g = trace(ex.model, ex.example_inputs, loss_fn=ex.loss_fn, targets=ex.targets)
+    h100 = Cluster.preset("dgx-h100", nodes=1).device
+    flat = DeviceSpec.from_dict({k: v for k, v in h100.to_dict().items()
+                                 if k != "matmul_shape_efficiency"})
+    assert flat.name == h100.name
+    assert compute_model(g, h100, "bf16") is compute_model(g, h100, "bf16")
+    assert compute_model(g, flat, "bf16").tput.matmul_shape is None
+    assert compute_model(g, h100, "bf16").tput.matmul_shape is not None
+
+
 def test_an_estimate_does_not_depend_on_what_was_estimated_before():
     """Range and chunk costs are cached on the graph; the cache key must hold every config
     field they read (ZeRO-2 shards the tp step's gradient all-reduce over dp, ZeRO-0 does
