@@ -163,16 +163,18 @@ def gemm_sides(graph: OpGraph, op: Op) -> tuple[float, float, float] | None:
 
 
 def _gemm_fractions(table: GemmShapeTable, sides: tuple[float, float, float],
-                    bwd_parts: tuple[float, float]) -> tuple[float, float]:
+                    bwd_parts: tuple[float, float], dgrad_chunks: int = 1
+                    ) -> tuple[float, float]:
     """(forward, backward) fractions of the large-product rate for a product of ``sides``
-    (M, N, K): the forward's product, and the backward's input gradient (M x N by N x K) and
-    weight gradient (N x M by M x K) in the shares ``bwd_parts`` of its FLOPs."""
+    (M, N, K): the forward's product, and the backward's input gradient (M x N by N x K, run
+    in ``dgrad_chunks`` row chunks) and weight gradient (N x M by M x K) in the shares
+    ``bwd_parts`` of its FLOPs."""
     m, n, k = sides
     fwd = table.fraction(m, n, k)
     dgrad, wgrad = bwd_parts
     if dgrad + wgrad <= 0:
         return fwd, fwd
-    per_flop = (dgrad / table.fraction(m, k, n) + wgrad / table.fraction(n, k, m))
+    per_flop = (dgrad / table.fraction(m / dgrad_chunks, k, n) + wgrad / table.fraction(n, k, m))
     return fwd, (dgrad + wgrad) / per_flop
 
 
@@ -400,11 +402,10 @@ class ComputeModel:
         if table is None or sides is None:
             return 1.0, 1.0
         m, n, k = sides
-        dgrad, wgrad = _bwd_parts(self.graph.ops[index])
-        fwd = table.fraction(m, n, k) / table.fraction(m / fwd_chunks, n, k)
-        whole = dgrad / table.fraction(m, k, n) + wgrad / table.fraction(n, k, m)
-        cut = dgrad / table.fraction(m / dgrad_chunks, k, n) + wgrad / table.fraction(n, k, m)
-        return fwd, (cut / whole if whole > 0 else 1.0)
+        parts = _bwd_parts(self.graph.ops[index])
+        fwd, bwd = _gemm_fractions(table, sides, parts)
+        bwd_cut = _gemm_fractions(table, sides, parts, dgrad_chunks)[1]
+        return fwd / table.fraction(m / fwd_chunks, n, k), bwd / bwd_cut
 
 
 def _casts_inputs(op: Op) -> bool:
