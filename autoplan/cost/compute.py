@@ -325,8 +325,8 @@ class ComputeModel:
                 ) -> OpCost:
         """Cost when the op's work is ``work_scale`` times the traced work (batch, TP shard).
         ``split``: the product side a sharding strategy divides and by how much ("m" its rows,
-        "n" its columns, "k" its contraction: ``sharding.strategy.divided_split``); the rest of the scale is rows
-        (the micro-batch, a context-parallel shard, an expert's load)."""
+        "n" its columns, "k" its contraction: ``sharding.strategy.divided_split``); the rest
+        of the scale is rows (the micro-batch, a context-parallel shard, an expert's load)."""
         if work_scale == 1.0:
             return self.base_cost(index)
         key = (index, work_scale, split[0], split[1])
