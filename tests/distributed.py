@@ -3,6 +3,11 @@
 Forking is 20-50x faster than spawn here; a forked child that runs multi-threaded ops after the
 parent did can deadlock, so every rank sets one thread first. The function must be module-level
 and return plain Python values (lists, floats, dicts of lists).
+
+Rank 0 hosts the rendezvous store on a port the OS picks while binding it and hands the port to
+its peers; the ranks then join it as torchrun's workers join their agent's store
+(``TORCHELASTIC_USE_AGENT_STORE``). A port chosen free beforehand can be taken by another process
+before rank 0 binds it (seen with two test processes side by side: EADDRINUSE).
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ import multiprocessing as mp
 import queue as queue_module
 import os
 import socket
+import time
 import traceback
 
 
@@ -20,27 +26,50 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _child(fn, rank, world, port, queue, args):
+def _child(fn, rank, world, port, finished, queue, args):
     import torch
     import torch.distributed as dist
     torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    store = None
     try:
+        if rank == 0:
+            # the store lives as long as this rank: its peers' groups hold connections to it
+            store = dist.TCPStore("127.0.0.1", 0, world, is_master=True,
+                                  wait_for_workers=False)
+            with port.get_lock():
+                port.value = store.port
+        else:
+            waited_s = 0.0
+            while port.value == 0:
+                if waited_s > 60.0:
+                    raise TimeoutError("rank 0 did not publish its store's port in 60 s")
+                time.sleep(0.01)
+                waited_s += 0.01
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port.value),
+                          TORCHELASTIC_USE_AGENT_STORE="True", RANK=str(rank),
+                          WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                          LOCAL_WORLD_SIZE=str(world))
         queue.put((rank, "ok", fn(rank, world, *args)))
     except BaseException:  # report everything, the parent raises
         queue.put((rank, "error", traceback.format_exc()))
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+        with finished.get_lock():
+            finished.value += 1
+        # rank 0 serves the store until its peers are through with their groups
+        waited_s = 0.0
+        while store is not None and finished.value < world and waited_s < 30.0:
+            time.sleep(0.01)
+            waited_s += 0.01
 
 
 def run_ranks(fn, world: int, *args, timeout_s: float = 180.0) -> list:
     ctx = mp.get_context("fork")
     queue = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_child, args=(fn, r, world, port, queue, args), daemon=True)
-             for r in range(world)]
+    port, finished = ctx.Value("i", 0), ctx.Value("i", 0)
+    procs = [ctx.Process(target=_child, args=(fn, r, world, port, finished, queue, args),
+                         daemon=True) for r in range(world)]
     for p in procs:
         p.start()
     results: dict[int, object] = {}
