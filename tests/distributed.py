@@ -38,13 +38,8 @@ def _child(fn, rank, world, port, finished, queue, args):
                                   wait_for_workers=False)
             with port.get_lock():
                 port.value = store.port
-        else:
-            waited_s = 0.0
-            while port.value == 0:
-                if waited_s > 60.0:
-                    raise TimeoutError("rank 0 did not publish its store's port in 60 s")
-                time.sleep(0.01)
-                waited_s += 0.01
+        elif not _wait_until(lambda: port.value != 0, 60.0):
+            raise TimeoutError("rank 0 did not publish its store's port in 60 s")
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port.value),
                           TORCHELASTIC_USE_AGENT_STORE="True", RANK=str(rank),
                           WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
@@ -57,11 +52,18 @@ def _child(fn, rank, world, port, finished, queue, args):
             dist.destroy_process_group()
         with finished.get_lock():
             finished.value += 1
-        # rank 0 serves the store until its peers are through with their groups
-        waited_s = 0.0
-        while store is not None and finished.value < world and waited_s < 30.0:
-            time.sleep(0.01)
-            waited_s += 0.01
+        if store is not None:    # rank 0 serves the store until its peers are through
+            _wait_until(lambda: finished.value >= world, 30.0)
+
+
+def _wait_until(condition, limit_s: float) -> bool:
+    """Poll ``condition`` until it holds (True) or ``limit_s`` seconds have passed (False)."""
+    deadline = time.monotonic() + limit_s
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
 
 
 def run_ranks(fn, world: int, *args, timeout_s: float = 180.0) -> list:
