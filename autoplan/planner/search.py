@@ -55,8 +55,7 @@ from autoplan.planner.refine import refine_dp, refine_pipe_ilp, refine_pipelined
 from autoplan.planner.verdicts import (Candidate, alternatives, honours, infeasible,
                                        too_few_layers, why_none_honours)
 from autoplan.planner import pins, space
-from autoplan.sharding.sharding import (Sharding, context_sharding, megatron_sharding, replicated,
-                                       replicated_on)
+from autoplan.sharding.sharding import Sharding, context_sharding, megatron_sharding, replicated
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -108,11 +107,13 @@ def _baselines(graph: OpGraph, cluster: Any, gbs: int, base: dict[str, Any], pro
     out: list[Candidate] = []
     specs = [("baseline: data parallel", dict(dp=world, tp=1, zero_stage=0), None),
              ("baseline: FSDP", dict(dp=world, tp=1, zero_stage=3), None)]
-    for tp in _megatron_tps(graph, cluster, opts):
+    # the tp axis carries the layout asked for: Megatron's with sharding="megatron", ring
+    # attention's with "context"; the ILP's search ("ilp") weighs both
+    for tp in _megatron_tps(graph, cluster, opts) if opts.sharding != "context" else ():
         for z in ((0, 1, 2, 3) if world // tp > 1 else (0,)):
             specs.append((f"baseline: Megatron (TP in node, DP across{', ZeRO-%d' % z if z else ''})",
                           dict(dp=world // tp, tp=tp, zero_stage=z, sequence_parallel=True), tp))
-    for cp in _context_tps(graph, cluster, opts):
+    for cp in _context_tps(graph, cluster, opts) if opts.sharding != "megatron" else ():
         for z in ((1, 3) if world // cp > 1 else (0,)):
             specs.append((f"baseline: context parallel (sequence split in node, DP across"
                           f"{', ZeRO-%d' % z if z else ''})",
@@ -240,8 +241,16 @@ def plan(model: Any, cluster: Any, *, global_batch_size: int, example_inputs: An
                     ilp_cache[key] = (megatron_sharding(
                         graph, shape.tp, bool(opts.force.get("sequence_parallel"))), None)
                 elif opts.sharding == "context":
-                    ilp_cache[key] = (context_sharding(graph, shape.tp)
-                                      or replicated_on(graph, shape.tp), None)
+                    ctx = context_sharding(graph, shape.tp)
+                    if ctx is None:     # not the layout asked for: no tp axis at this degree
+                        stats.rejected = (
+                            f"sharding='context' at tp={shape.tp}: ring attention cannot split "
+                            "this model's sequence so (it needs scaled_dot_product_attention "
+                            "with a sequence and head count that divide by tp); use "
+                            "sharding='ilp' or 'megatron'")
+                        say(f"{where} mbs {mbs}: {stats.rejected}")
+                        continue
+                    ilp_cache[key] = (ctx, None)
                 else:
                     try:
                         ilp_cache[key] = ilp_sharding(graph, cluster, cfg, profile,
