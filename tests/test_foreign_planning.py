@@ -22,6 +22,7 @@ from autoplan import Cluster, ConfigError, ParallelConfig, estimate
 from autoplan import plan as make_plan
 from autoplan.graph import trace
 from autoplan.models import build_example
+from autoplan.models.hf import HFWrapper
 from autoplan.sharding.sharding import megatron_sharding
 from tests.conftest import has_transformers
 
@@ -143,17 +144,6 @@ def test_a_forced_field_no_configuration_can_have_is_explained():
                   force={"tp": 2, "sequence_parallel": True}, max_pp=1)
 
 
-class _Logits(torch.nn.Module):
-    """A Hugging Face causal LM whose forward returns its logits, as a user wraps one."""
-
-    def __init__(self, model):
-        super().__init__()
-        self.model = model
-
-    def forward(self, ids):
-        return self.model(input_ids=ids).logits
-
-
 def test_the_tp_layout_asked_for_is_the_one_the_plan_has():
     """sharding="megatron" gives Megatron-LM's layout even where ring attention over the tp axis
     prices cheaper (HF OPT priced with a 2-core CPU's own profile: its context-parallel baseline
@@ -161,10 +151,10 @@ def test_the_tp_layout_asked_for_is_the_one_the_plan_has():
     ring attention cannot split is refused, where the Megatron baseline had won."""
     import transformers as T
     torch.manual_seed(0)
-    opt = _Logits(T.OPTForCausalLM(T.OPTConfig(
+    opt = HFWrapper(T.OPTForCausalLM(T.OPTConfig(
         vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, ffn_dim=128,
         word_embed_proj_dim=64, max_position_embeddings=16, dropout=0.0, attention_dropout=0.0,
-        activation_dropout=0.0, layerdrop=0.0, use_cache=False)))
+        activation_dropout=0.0, layerdrop=0.0, use_cache=False)), output="logits")
     ids = torch.randint(0, 128, (8, 16))
     g = trace(opt, (ids,), loss_fn=lambda out, t: torch.nn.functional.cross_entropy(
         out.flatten(0, 1), t.flatten()), targets=torch.randint(0, 128, (8, 16)))
