@@ -548,3 +548,23 @@ def test_pipelined_ilp_equals_brute_force_on_a_model_graph(schedule, recompute):
     assert at.problem.objective(sol.choice) == pytest.approx(est.step_time_s, rel=0.02)
     if (at.path, at.worst) == (pipe.path, pipe.worst):
         assert sol.objective == pytest.approx(at.problem.objective(sol.choice), rel=1e-3)
+
+
+# ---- batch statistics ---------------------------------------------------------------------
+
+def test_a_model_with_batch_statistics_is_planned_on_whole_per_replica_batches():
+    """A batch norm in training mode normalizes with its batch's statistics: one device sees
+    the whole per-replica batch (data-parallel ranks share their statistics), so a plan that
+    accumulated gradients over smaller micro-batches would train another model. Unforced, the
+    search keeps the per-replica batch whole; a transformer gets the usual choice."""
+    from autoplan.planner.space import batch_statistics, mbs_options
+    from autoplan.planner.search import SearchOptions
+    cnn, gpt = _graph("cnn-tiny"), _graph("gpt-tiny")
+    assert batch_statistics(cnn) and not batch_statistics(gpt)
+    assert mbs_options(16, SearchOptions(), cnn) == [16]
+    assert mbs_options(16, SearchOptions(), gpt) == [1, 2, 4, 8, 16]
+    assert mbs_options(16, SearchOptions(micro_batch_sizes=(4,)), cnn) == [4]   # asked for
+    for world in (1, 2):
+        p = plan(cnn, Cluster.local(world), global_batch_size=16, precision="fp32",
+                 profile=None)
+        assert p.config.micro_batch_size == 16 // p.config.dp, p.config

@@ -9,6 +9,7 @@ propagate ``requires_grad``, and find the repeated blocks.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -213,11 +214,20 @@ def trace(model: nn.Module, example_inputs: Sequence[Any], *,
 def export_program(model: nn.Module, example_inputs: Sequence[Any], *,
                    loss_fn: Callable[[Any, torch.Tensor], torch.Tensor] | None = None,
                    targets: torch.Tensor | None = None, train: bool = True,
-                   name: str | None = None) -> tuple[Any, OpGraph, str]:
+                   name: str | None = None,
+                   autocast_dtype: torch.dtype | None = None) -> tuple[Any, OpGraph, str]:
     """Export ``model(*example_inputs)`` (plus the loss) with torch.export and read it into an
     OpGraph with one op per call node (every layer traced, nothing stamped). Returns the
     ExportedProgram, the graph (op names are the program's node names) and the prefix its
-    parameter names carry (``"model."`` when the loss is included, else ``""``)."""
+    parameter names carry (``"model."`` when the loss is included, else ``""``).
+
+    ``autocast_dtype`` (16-bit training): the export runs under ``torch.autocast`` of that
+    dtype on the model's device, as the training step will, so the graph is the program that
+    step runs: the dtypes the model reads at run time (``x.to(q.dtype)``, HF's RMSNorm casting
+    back to its input's dtype), the autocast-disabled regions it opens only when autocast is on
+    (HF's rotary embeddings), and dtype-keyed branches are what eager ``torch.autocast`` would
+    meet, not what an fp32 trace baked in. A model on the meta device has no autocast (torch
+    keeps none for meta tensors): its graph stays the fp32 one."""
     if not isinstance(model, nn.Module):
         raise TraceError(f"trace() needs an nn.Module, got {type(model).__name__}")
     if example_inputs is None:
@@ -240,8 +250,9 @@ def export_program(model: nn.Module, example_inputs: Sequence[Any], *,
     was_training = model.training
     model.train(train)
     t0 = time.perf_counter()
+    amp = _autocast(model, inputs, autocast_dtype)
     try:
-        with _module_tracker(root) as stack:
+        with _module_tracker(root) as stack, amp:
             try:
                 ep = torch.export.export(root, inputs)
             except Exception as e:  # export raises many types; re-raise as one that helps
@@ -258,6 +269,19 @@ def export_program(model: nn.Module, example_inputs: Sequence[Any], *,
                     outputs=graph.outputs, blocks=graph.blocks, batch_size=graph.batch_size,
                     meta=meta)
     return ep, graph, prefix
+
+
+def _autocast(model: nn.Module, inputs: Sequence[Any], dtype: torch.dtype | None) -> Any:
+    """The autocast the training step runs the model under, keyed on the device its weights
+    (else its inputs) live on; a null context for fp32 or a model on the meta device."""
+    if dtype is None or dtype == torch.float32:
+        return contextlib.nullcontext()
+    tensors = [*model.parameters(), *model.buffers(),
+               *(x for x in inputs if isinstance(x, torch.Tensor))]
+    device = next((t.device for t in tensors if not t.is_meta), None)
+    if device is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=dtype)
 
 
 def as_graph(model: Any, example_inputs: Sequence[Any] | None, *, loss_fn: Any = None,

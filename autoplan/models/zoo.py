@@ -7,8 +7,10 @@ Mixtral (mixture of experts), BERT with its masked-LM head, T5 (encoder-decoder,
 (``nn.TransformerEncoder``, whose attention is ``nn.MultiheadAttention``), ``nanogpt`` (one fused
 qkv ``nn.Linear`` split by hidden size, the head count a literal in ``view``), ``rootparam`` (an
 ``nn.Parameter`` on the root module used in a matmul), ``cnn`` (convolutions with batch norm),
-``titan-llama`` (torchtitan's Llama) and ``titan-moe`` (its blocks with a top-k mixture of
-experts on ``torch._grouped_mm``).
+``titan-llama`` (torchtitan's Llama), ``titan-moe`` (its blocks with a top-k mixture of
+experts on ``torch._grouped_mm``) and ``region-llama`` (a Llama in Hugging Face 4.x's eager
+style, whose rotary tables are computed in an autocast-disabled region: ``region-llama-tiny``
+keys it on the tensor's device, ``region-cuda-llama-tiny`` on "cuda", as GPU runs meet it).
 
 Each comes tiny (``*-tiny``: two layers, hidden 64, dropout 0, what the equivalence tests run)
 and, for the planner, at real size where the architecture has a famous one (``hf-llama3-8b``,
@@ -328,8 +330,123 @@ class TitanLlama(nn.Module):
         return self.output(self.norm(h))
 
 
+class RegionRotary(nn.Module):
+    """Rotary tables as Hugging Face transformers 4.x computed them (Llama, Mistral, Qwen2,
+    Mixtral): in fp32 inside ``torch.autocast(device_type=..., enabled=False)``, keyed on the
+    tensor's device (``region_device=""``) or on "cuda" (what a GPU run meets; a CPU trace keeps
+    that region too), then cast to the activations' dtype."""
+
+    def __init__(self, head_dim: int, theta: float, region_device: str):
+        super().__init__()
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2).float() / head_dim))
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.region_device = region_device
+
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        inv = self.inv_freq[None, :, None].float().expand(position_ids.shape[0], -1, 1)
+        pos = position_ids[:, None, :].float()
+        with torch.autocast(device_type=self.region_device or x.device.type, enabled=False):
+            freqs = (inv.float() @ pos.float()).transpose(1, 2)
+            emb = torch.cat((freqs, freqs), dim=-1)
+            cos, sin = emb.cos(), emb.sin()
+        return cos.to(dtype=x.dtype), sin.to(dtype=x.dtype)
+
+
+class UpcastRMSNorm(nn.Module):
+    """RMSNorm as Hugging Face writes it: computed in fp32, cast back to its input's dtype."""
+
+    def __init__(self, hidden: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.to(torch.float32)
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2:]
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class RegionBlock(nn.Module):
+    """A Llama layer in Hugging Face 4.x's eager style: q/k/v/o projections, rotary tables from
+    ``RegionRotary`` applied in an autocast-disabled region too, grouped-query heads repeated, softmax in fp32 cast back to the query's
+    dtype (``.to(q.dtype)``: bf16 under autocast, fp32 in an fp32 trace), SwiGLU."""
+
+    def __init__(self, c: ZooConfig):
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = c.heads, c.kv_heads, c.hidden // c.heads
+        self.region_device = dict(c.extra).get("region_device", "")
+        self.input_layernorm = UpcastRMSNorm(c.hidden)
+        self.q_proj = nn.Linear(c.hidden, c.hidden, bias=False)
+        self.k_proj = nn.Linear(c.hidden, c.kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(c.hidden, c.kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(c.hidden, c.hidden, bias=False)
+        self.post_attention_layernorm = UpcastRMSNorm(c.hidden)
+        self.gate_proj = nn.Linear(c.hidden, c.ffn, bias=False)
+        self.up_proj = nn.Linear(c.hidden, c.ffn, bias=False)
+        self.down_proj = nn.Linear(c.ffn, c.hidden, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        h = self.input_layernorm(x)
+        q = self.q_proj(h).view(b, s, self.heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(h).view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(h).view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        # the rotation in fp32, its 16-bit inputs upcast inside the region (as Qwen2-VL and
+        # ChatGLM write it), then back to the values' dtype
+        with torch.autocast(device_type=self.region_device or x.device.type, enabled=False):
+            q, k = q.float(), k.float()
+            q = q * cos + _rotate_half(q) * sin
+            k = k * cos + _rotate_half(k) * sin
+        q, k = q.to(v.dtype), k.to(v.dtype)
+        rep = self.heads // self.kv_heads
+        k = k[:, :, None].expand(b, self.kv_heads, rep, s, self.head_dim).reshape(
+            b, self.heads, s, self.head_dim)
+        v = v[:, :, None].expand(b, self.kv_heads, rep, s, self.head_dim).reshape(
+            b, self.heads, s, self.head_dim)
+        scores = q @ k.transpose(2, 3) / self.head_dim ** 0.5
+        causal = torch.full((s, s), float("-inf"), device=x.device).triu(1)
+        probs = F.softmax(scores + causal, dim=-1, dtype=torch.float32).to(q.dtype)
+        out = (probs @ v).transpose(1, 2).reshape(b, s, -1)
+        x = x + self.o_proj(out)
+        h = self.post_attention_layernorm(x)
+        return x + self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
+
+
+class RegionLlama(nn.Module):
+    """A small Llama whose rotary embedding opens an autocast-disabled region: the pattern
+    that crashed 16-bit plans of HF Llama, Mistral, Qwen2 and Mixtral on a GPU."""
+
+    def __init__(self, c: ZooConfig):
+        super().__init__()
+        extra = dict(c.extra)
+        self.embed_tokens = nn.Embedding(c.vocab, c.hidden)
+        self.rotary = RegionRotary(c.hidden // c.heads, extra.get("rope_theta", 10000.0),
+                                   extra.get("region_device", ""))
+        self.layers = nn.ModuleList(RegionBlock(c) for _ in range(c.layers))
+        self.norm = UpcastRMSNorm(c.hidden)
+        self.lm_head = nn.Linear(c.hidden, c.vocab, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.embed_tokens(tokens)
+        positions = torch.arange(tokens.shape[1], device=tokens.device)[None].expand(
+            tokens.shape[0], -1)
+        cos, sin = self.rotary(h, positions)
+        for layer in self.layers:
+            h = layer(h, cos, sin)
+        return self.lm_head(self.norm(h))
+
+
 _BY_HAND = {"torch-encoder": TorchEncoder, "nanogpt": NanoGPT, "rootparam": RootParam,
-            "cnn": SmallCNN, "titan-llama": TitanLlama, "titan-moe": TitanLlama}
+            "cnn": SmallCNN, "titan-llama": TitanLlama, "titan-moe": TitanLlama,
+            "region-llama": RegionLlama}
 
 
 def build_zoo(c: ZooConfig) -> nn.Module:
@@ -373,6 +490,11 @@ ZOO_CONFIGS: dict[str, ZooConfig] = {
     "cnn-tiny": ZooConfig(architecture="cnn", image_size=16),
     "titan-llama-tiny": ZooConfig(architecture="titan-llama", **_GQA),
     "titan-moe-tiny": ZooConfig(architecture="titan-moe", ffn=32, **_GQA),
+    # autocast-disabled regions: keyed on the tensor's device (kept by a trace under autocast)
+    # and on "cuda" (kept by any trace: the case GPU runs met)
+    "region-llama-tiny": ZooConfig(architecture="region-llama", **_GQA),
+    "region-cuda-llama-tiny": ZooConfig(architecture="region-llama", **_GQA,
+                                        extra=(("region_device", "cuda"),)),
     # real sizes, for planning on the meta device
     "hf-llama3-8b": ZooConfig(architecture="llama", hidden=4096, layers=32, heads=32,
                               kv_heads=8, ffn=14336, vocab=128256, seq_len=8192,

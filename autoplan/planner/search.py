@@ -127,7 +127,7 @@ def _baselines(graph: OpGraph, cluster: Any, gbs: int, base: dict[str, Any], pro
         else:
             sh = (megatron_sharding(graph, mtp, True) if mtp else replicated(graph))
         configs = [ParallelConfig(**{**base, **fields, "micro_batch_size": mbs, "recompute": r})
-                   for mbs in space.mbs_options(per_replica, SearchOptions())
+                   for mbs in space.mbs_options(per_replica, SearchOptions(), graph)
                    for r in (("none", "selective", "full") if mtp else ("none",))]
         cands = evaluate(graph, cluster, configs, sh, None, gbs, profile, opts, stats, label,
                          prune_dominated=True)
@@ -211,7 +211,7 @@ def plan(model: Any, cluster: Any, *, global_batch_size: int, example_inputs: An
             say(f"{where}: global batch {global_batch_size} does not split over dp, skipped")
             continue
         per_replica = global_batch_size // shape.dp
-        mbs_options = space.mbs_options(per_replica, opts)
+        mbs_options = space.mbs_options(per_replica, opts, graph)
         if shape.cp > 1:
             # a micro-batch of several sequences splits over dp instead, with no ring
             mbs_options = mbs_options[:1]

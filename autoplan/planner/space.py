@@ -15,15 +15,33 @@ from typing import TYPE_CHECKING, Any
 
 from autoplan.errors import ConfigError
 from autoplan.estimate.config import ParallelConfig
-from autoplan.graph.opgraph import OpGraph
+from autoplan.graph.opgraph import OpGraph, opname
 
 if TYPE_CHECKING:
     from autoplan.planner.search import SearchOptions
 
 
-def mbs_options(per_replica: int, opts: SearchOptions) -> list[int]:
+_BATCH_NORMS = frozenset({"batch_norm", "native_batch_norm", "_native_batch_norm_legit",
+                          "_native_batch_norm_legit_functional"})
+
+
+def batch_statistics(graph: OpGraph | None) -> bool:
+    """The model normalizes with its batch's statistics (a batch norm traced in training mode):
+    one device computes them over the whole per-replica batch, so a plan that accumulates
+    gradients over smaller micro-batches would train another model."""
+    return (graph is not None and graph.meta.get("train", True) is not False
+            and any(opname(op) in _BATCH_NORMS for op in graph.ops))
+
+
+def mbs_options(per_replica: int, opts: SearchOptions,
+                graph: OpGraph | None = None) -> list[int]:
+    """Micro-batch sizes worth costing: powers of two dividing the per-replica batch (the
+    user's list when given); the whole per-replica batch alone for a model with batch
+    statistics (``batch_statistics``) unless the user forces or lists others."""
     if opts.micro_batch_sizes:
         return [m for m in opts.micro_batch_sizes if per_replica % m == 0]
+    if batch_statistics(graph):
+        return [per_replica]
     out, m = [], 1
     while m <= min(per_replica, 64):
         if per_replica % m == 0:

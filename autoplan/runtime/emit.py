@@ -128,6 +128,15 @@ class Exported:
     sharding: Sharding
     inputs: tuple                     # the example micro-batch: inputs (and targets)
     with_loss: bool
+    autocast_dtype: torch.dtype | None = None     # the step's autocast (16-bit plans)
+
+
+PRECISION_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def autocast_dtype(plan: Any) -> torch.dtype | None:
+    """The dtype the plan's step runs ``torch.autocast`` in; None for fp32 plans."""
+    return None if plan.config.precision == "fp32" else PRECISION_DTYPES[plan.config.precision]
 
 
 def export_for_plan(model: nn.Module, plan: Any, plan_graph: OpGraph, *,
@@ -139,11 +148,15 @@ def export_for_plan(model: nn.Module, plan: Any, plan_graph: OpGraph, *,
     with_loss = loss_fn is not None and example_targets is not None
     targets = (on_weights_device(model, micro_batch([example_targets], mbs))[0] if with_loss
                else None)
+    # exported under the step's autocast: the graph is the program the step runs (its casts,
+    # its autocast-disabled regions), not the fp32 program the planner priced autocast over
+    amp = autocast_dtype(plan)
     ep, graph, prefix = export_program(model, inputs, loss_fn=loss_fn if with_loss else None,
-                                       targets=targets)
+                                       targets=targets, autocast_dtype=amp)
     sh = strategies_by_position(plan_graph, dict(plan.op_strategies), graph, t)
     return Exported(ep=ep, graph=graph, prefix=prefix, sharding=sh,
-                    inputs=inputs + ((targets,) if with_loss else ()), with_loss=with_loss)
+                    inputs=inputs + ((targets,) if with_loss else ()), with_loss=with_loss,
+                    autocast_dtype=amp)
 
 
 def lower(model: nn.Module, ex: Exported, *, t: int, tp_rank: int, device: torch.device,
@@ -164,7 +177,7 @@ def lower(model: nn.Module, ex: Exported, *, t: int, tp_rank: int, device: torch
                        experts=found.params if found is not None else (), ep=ep)
     program = build_program(ex.ep, ex.graph, ex.sharding, prefix=ex.prefix, t=t, device=device,
                             state_tensor=state, ep_size=ep[0], cp=axis)
-    check_shapes(program, ex.inputs, t, device)
+    check_shapes(program, ex.inputs, t, device, autocast_dtype=ex.autocast_dtype)
     return program
 
 

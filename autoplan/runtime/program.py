@@ -29,6 +29,7 @@ program is checked with ``ShapeComm`` and then run with the real group.
 
 from __future__ import annotations
 
+import contextlib
 import operator
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -195,7 +196,8 @@ class _Builder:
                                     f"({node.name}) that autoplan cannot run")
             elif node.op == "get_attr":
                 key = f"_autoplan_attr_{node.target}"
-                self.attrs[key] = _attr(self.ep.graph_module, node.target)
+                self.attrs[key] = _without_dtype_asserts(_attr(self.ep.graph_module,
+                                                               node.target))
                 self.env[node.name] = self.g.get_attr(key)
             elif node.op == "call_function":
                 if node.target is operator.getitem:
@@ -321,10 +323,12 @@ class _Builder:
             out = self.emit(_k_norm, (node.target, args, kwargs), i)
         else:
             target = node.target
-            if target in _VIEWS and (s.split or c is not None and c.split):
-                # a view of the global tensor may need a copy of the local one (a split of a
-                # transposed tensor is not contiguous where the whole one is): reshape views
-                # when it can, copies when it must
+            if target in _VIEWS:
+                # a view the trace could take may need a copy here: a split of a transposed
+                # tensor is not contiguous where the whole one is, and a kernel may lay its
+                # output out otherwise at run time than when traced (CPU SDPA in bf16 under
+                # autocast against its fake kernel): reshape views when it can, copies when
+                # it must
                 target = torch.ops.aten.reshape.default
             out = self.g.call_function(target, tuple(args), kwargs)
             out.meta[OP] = i
@@ -452,6 +456,29 @@ def _attr(root: nn.Module, target: str) -> Any:
     return obj
 
 
+def _without_dtype_asserts(obj: Any) -> Any:
+    """A higher-order op's body (an autocast-disabled region, a ``no_grad`` block) without the
+    dtype asserts export writes before each ``.to()``: they state the dtypes of one trace,
+    which the step can change (autocast, FSDP's 16-bit weights), as the top level's are
+    dropped too. A copy: the exported program keeps its own."""
+    if not isinstance(obj, fx.GraphModule):
+        return obj
+    asserts = [n for n in obj.graph.nodes if n.op == "call_function"
+               and n.target is torch.ops.aten._assert_tensor_metadata.default]
+    nested = [n for n in obj.graph.nodes if n.op == "get_attr"
+              and isinstance(_attr(obj, n.target), fx.GraphModule)]
+    if not asserts and not nested:
+        return obj
+    graph = fx.Graph()
+    graph.output(graph.graph_copy(obj.graph, {}))
+    for n in list(graph.nodes):
+        if n.op == "call_function" and n.target is torch.ops.aten._assert_tensor_metadata.default:
+            graph.erase_node(n)
+    root = {n.target: _without_dtype_asserts(_attr(obj, n.target))
+            for n in graph.nodes if n.op == "get_attr"}
+    return fx.GraphModule(root, graph, class_name=type(obj).__name__)
+
+
 def _multi(node: fx.Node) -> bool:
     return isinstance(node.meta.get("val"), (tuple, list))
 
@@ -506,10 +533,12 @@ def build_program(ep: Any, graph: OpGraph, sharding: Sharding, *, prefix: str, t
 
 
 def check_shapes(program: Program, example_inputs: tuple, t: int,
-                 device: torch.device | None = None) -> None:
+                 device: torch.device | None = None,
+                 autocast_dtype: torch.dtype | None = None) -> None:
     """Run the program on fake tensors with shape-only collectives: every op must produce the
     local shape its placement says (else PlanError naming the op). Each node keeps what it
-    produced (``node.meta[VAL]``: pipeline stages declare their inputs and outputs with it)."""
+    produced (``node.meta[VAL]``: pipeline stages declare their inputs and outputs with it),
+    under the step's autocast (``autocast_dtype``) so the dtypes are the step's."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     gm = program.graph_module
     device = device or next((x.device for x in example_inputs
@@ -524,6 +553,8 @@ def check_shapes(program: Program, example_inputs: tuple, t: int,
     if cp is not None:
         cp.comm = tp_comm.ShapeComm(size=cp.size)
     mode = FakeTensorMode(allow_non_fake_inputs=True)
+    amp = (torch.autocast(device.type, dtype=autocast_dtype)
+           if autocast_dtype is not None and device.type != "meta" else contextlib.nullcontext())
 
     class Check(fx.Interpreter):
         def fetch_attr(self, target):
@@ -553,7 +584,7 @@ def check_shapes(program: Program, example_inputs: tuple, t: int,
                                 f"{n.format_node()}, the plan says {want}")
             return out
     try:
-        with mode:
+        with mode, amp:
             fake = [(torch.empty(x.shape, dtype=x.dtype, device=device) if x.is_meta
                      else mode.from_tensor(x)) if isinstance(x, torch.Tensor) else x
                     for x in example_inputs]
