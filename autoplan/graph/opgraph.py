@@ -18,7 +18,6 @@ Vocabulary
 
 from __future__ import annotations
 
-import hashlib
 import json
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, fields
@@ -266,12 +265,15 @@ class OpGraph:
         return OpGraph.from_dict(d)
 
     def fingerprint(self) -> str:
-        """sha256 of the graph's structure (its name and provenance metadata excluded)."""
-        d = self.to_dict()
-        d.pop("meta")
-        d.pop("name")
-        blob = json.dumps(d, sort_keys=True, separators=(",", ":")).encode()
-        return hashlib.sha256(blob).hexdigest()
+        """sha256 of the graph's canonical form: the same for two traces of one model whatever
+        order its independent ops were traced in and whatever their names (``canonical.py``).
+        The graph's name and provenance metadata are left out."""
+        found = self.__dict__.get("_fingerprint")
+        if found is None:
+            from autoplan.graph.canonical import canonical_fingerprint
+            found = canonical_fingerprint(self)
+            self.__dict__["_fingerprint"] = found     # frozen: cached beside the fields
+        return found
 
     # ---- summary --------------------------------------------------------------------------
     def kind_histogram(self) -> dict[str, int]:
