@@ -33,8 +33,9 @@ FAMILIES = [(2, ["tp=1", "zero_stage=0", "micro_batch_size=4"], "dp2"),
 
 
 def _autoplan(*args: str, env: dict[str, str]) -> str:
-    out = subprocess.run([sys.executable, "-m", "autoplan.cli.main", *args], env=env,
-                         capture_output=True, text=True, timeout=900)
+    # --log-level INFO: the first use's calibration note, read below
+    out = subprocess.run([sys.executable, "-m", "autoplan.cli.main", "--log-level", "INFO",
+                          *args], env=env, capture_output=True, text=True, timeout=900)
     if out.returncode:
         raise SystemExit(f"autoplan {' '.join(args)} failed:\n{out.stderr[-2000:]}")
     for line in out.stderr.splitlines():      # the first use's figures

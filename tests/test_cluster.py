@@ -553,26 +553,34 @@ def test_describe_and_cli(capsys):
         cluster_cmd.run(args)
 
 
-def test_a_cpu_without_a_profile_is_calibrated_once_on_first_use(tmp_path, monkeypatch, capsys):
-    """A new machine: the first Cluster.local() measures the CPU (announced), caches it as the
-    profile, and later calls read that profile (the same figures, no second calibration)."""
+def test_a_cpu_without_a_profile_is_calibrated_once_on_first_use(tmp_path, monkeypatch, capsys,
+                                                                  caplog):
+    """A new machine: the first Cluster.local() measures the CPU (logged at INFO, so a plain
+    run stays quiet), caches it as the profile, and later calls read that profile (the same
+    figures, no second calibration)."""
+    import logging
+
     from autoplan.cluster import local
     monkeypatch.setenv("AUTOPLAN_AUTO_CALIBRATE", "1")
     monkeypatch.setenv("AUTOPLAN_PROFILE_DIR", str(tmp_path))
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     monkeypatch.setattr(local, "local_cpu_device_name", lambda: "cpu-fresh-test-machine")
-    first = Cluster.local(2)
-    err = capsys.readouterr().err
-    assert "calibrating it once" in err and "calibrated in" in err
+    with caplog.at_level(logging.INFO, logger="autoplan.cluster.local"):
+        first = Cluster.local(2)
+    notes = caplog.text
+    assert "calibrating it once" in notes and "calibrated in" in notes
+    assert "calibrat" not in capsys.readouterr().err      # nothing printed past logging
     assert (tmp_path / "cpu-fresh-test-machine.json").exists()
-    second = Cluster.local(2)
-    assert "calibrating" not in capsys.readouterr().err
-    assert first.fingerprint() == second.fingerprint()
-    assert "calibration measured on this machine" in second.device.source
-    monkeypatch.setenv("WORLD_SIZE", "2")                 # ranks of a job never calibrate
-    monkeypatch.setattr(local, "local_cpu_device_name", lambda: "cpu-another-machine")
-    Cluster.local(2)
-    assert "calibrating" not in capsys.readouterr().err
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="autoplan.cluster.local"):
+        second = Cluster.local(2)
+        assert "calibrating" not in caplog.text
+        assert first.fingerprint() == second.fingerprint()
+        assert "calibration measured on this machine" in second.device.source
+        monkeypatch.setenv("WORLD_SIZE", "2")             # ranks of a job never calibrate
+        monkeypatch.setattr(local, "local_cpu_device_name", lambda: "cpu-another-machine")
+        Cluster.local(2)
+        assert "calibrating" not in caplog.text
 
 
 def test_collective_time_is_the_estimates_time_to_the_bit():

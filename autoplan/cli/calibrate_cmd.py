@@ -108,8 +108,9 @@ def _measure(path: str, plan: Any, args: argparse.Namespace) -> Measured | None:
                "--json", os.path.join(tmp, "steps.json")]
         print(f"calibrate {path}: {world} rank(s), {args.warmup} warm-up step(s), then "
               f"{args.steps} profiled", flush=True)
+        from autoplan.cli.demo_cmd import rank_env
         code = subprocess.call(cmd, stdout=subprocess.DEVNULL,
-                               env={**os.environ, "PYTHONWARNINGS": "ignore"})
+                               env={**rank_env(), "PYTHONWARNINGS": "ignore"})
         records = []
         for r in range(world):
             rank_path = os.path.join(tmp, f"rank{r}.json")

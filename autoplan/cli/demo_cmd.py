@@ -65,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
                            master_port=_free_port(), checkpoint_dir=ckpt,
                            checkpoint_every=args.steps)
     print("$ " + " ".join(cmd[2:]), flush=True)
-    code = subprocess.call(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    code = subprocess.call(cmd, env=rank_env())
     if code:
         print(f"training failed (exit {code})", file=sys.stderr)
         return code
@@ -76,7 +76,7 @@ def run(args: argparse.Namespace) -> int:
                            lr=1e-3, master_port=_free_port(), checkpoint_dir=ckpt,
                            resume=True)
     print("$ " + " ".join(cmd[2:]), flush=True)
-    code = subprocess.call(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    code = subprocess.call(cmd, env=rank_env())
     if code:
         print(f"resuming failed (exit {code})", file=sys.stderr)
         return code
@@ -96,6 +96,13 @@ def run(args: argparse.Namespace) -> int:
     print(explain_plan(big_plan))
     print(f"\nwrote {big_path}; demo finished in {time.perf_counter() - t_start:.0f} s")
     return 0
+
+
+def rank_env() -> dict[str, str]:
+    """The environment of torchrun's ranks: unbuffered output, and OMP_NUM_THREADS (torchrun's
+    own default of 1 for its ranks) set, so that torchrun prints no banner about setting it."""
+    return {**os.environ, "PYTHONUNBUFFERED": "1",
+            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
 
 
 def _free_port() -> int:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 
 from autoplan.version import __version__
@@ -21,6 +22,10 @@ def build_parser() -> argparse.ArgumentParser:
                     "describe a cluster, profile ops, estimate a configuration, search and "
                     "save the best plan, inspect and compare plans.")
     parser.add_argument("--version", action="version", version=f"autoplan {__version__}")
+    parser.add_argument("--log-level", default="WARNING", type=str.upper, choices=LOG_LEVELS,
+                        help="what autoplan's modules log to stderr: WARNING (default) only "
+                             "what a user should act on, INFO also progress notes (such as a "
+                             "CPU's first-use calibration), DEBUG everything")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in _COMMANDS:
         module = importlib.import_module(f"autoplan.cli.{name}")
@@ -32,9 +37,49 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+class _Format(logging.Formatter):
+    """``autoplan: note``, ``autoplan: warning: ...``; with the module's name at DEBUG."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        text = super().format(record)
+        kind = f"{record.levelname.lower()}: " if record.levelno >= logging.WARNING else ""
+        where = f"[{record.name}] " if logging.getLogger("autoplan").level <= logging.DEBUG else ""
+        return f"autoplan: {where}{kind}{text}"
+
+
+class _Stderr(logging.StreamHandler):
+    """A handler writing to whatever ``sys.stderr`` is when a record comes (not the one at
+    setup: tests and callers that capture stderr replace it)."""
+
+    @property
+    def stream(self):                    # type: ignore[override]
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value) -> None:
+        pass
+
+
+def configure_logging(level: str) -> None:
+    """Send the ``autoplan`` loggers' records at ``level`` and above to stderr. The library
+    itself configures nothing (a program importing autoplan decides; without a handler Python
+    prints warnings and above). Records still propagate to the root logger's handlers, which
+    the command line leaves without any."""
+    log = logging.getLogger("autoplan")
+    log.setLevel(level)
+    if not any(isinstance(h, _Stderr) for h in log.handlers):   # main() twice in one process
+        handler = _Stderr()
+        handler.setFormatter(_Format("%(message)s"))
+        log.addHandler(handler)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    configure_logging(args.log_level)
     if getattr(args, "func", None) is None:
         parser.print_help()
         return 2

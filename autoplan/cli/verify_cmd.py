@@ -92,7 +92,8 @@ def run(args: argparse.Namespace) -> int:
                    f"--master-port={_free_port()}"] + worker
         else:
             cmd = [sys.executable] + worker
-        env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+        from autoplan.cli.demo_cmd import rank_env
+        env = {**rank_env(), "PYTHONWARNINGS": "ignore"}
         code = subprocess.call(cmd, env=env, stdout=subprocess.DEVNULL)
         if code or not os.path.exists(out):
             print(f"verify: the shrunk plan failed to run (exit {code})", file=sys.stderr)

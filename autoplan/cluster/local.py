@@ -23,6 +23,7 @@ server CPU), not measurements. ``calibration`` (any of ``matmul_flops_per_s``,
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import re
 import shutil
@@ -32,6 +33,8 @@ from typing import Any
 
 from autoplan.cluster import specs, values
 from autoplan.errors import ClusterError
+
+log = logging.getLogger(__name__)
 
 DEFAULT_CPU_CALIBRATION: Mapping[str, float] = {
     "matmul_flops_per_s": 10.0e9,          # conservative placeholder, not a measurement
@@ -206,7 +209,6 @@ def auto_calibration(device: str) -> tuple[dict[str, float], int] | None:
     """Calibrate this CPU now and cache it as its profile (first use on a machine without one).
     Not inside a multi-process job (its ranks would measure each other) and not when
     ``AUTOPLAN_AUTO_CALIBRATE=0``."""
-    import sys
     import time
 
     if os.environ.get(AUTO_CALIBRATE_ENV, "1") == "0" or int(os.environ.get("WORLD_SIZE", "1")) > 1:
@@ -214,8 +216,10 @@ def auto_calibration(device: str) -> tuple[dict[str, float], int] | None:
     from autoplan.cost.profile_db import ProfileDB
 
     path = ProfileDB.write_path(device)
-    print(f"autoplan: no profile for this CPU ({device}) yet: calibrating it once (about 6 s; "
-          f"{AUTO_CALIBRATE_ENV}=0 skips this)...", file=sys.stderr, flush=True)
+    # progress notes (--log-level INFO shows them); the busy-machine warning below is one a
+    # user can act on
+    log.info("no profile for this CPU (%s) yet: calibrating it once (about 6 s; %s=0 skips "
+             "this)...", device, AUTO_CALIBRATE_ENV)
     t0 = time.perf_counter()
     db = rank_calibration_db(device)
     link = probe_loopback()
@@ -228,17 +232,18 @@ def auto_calibration(device: str) -> tuple[dict[str, float], int] | None:
         where = f"saved to {path}"
     except Exception as e:  # noqa: BLE001 (a read-only home: use the figures, say so)
         where = f"not saved ({e})"
-    print(f"autoplan: calibrated in {time.perf_counter() - t0:.1f} s: matmul "
-          f"{cal.matmul_flops_per_s / 1e9:.1f} GFLOP/s, memory {cal.memory_bandwidth_bytes_per_s / 1e9:.1f} "
-          f"GB/s, op launch {cal.launch_s * 1e6:.1f} us with {db.threads} thread(s)"
-          + (f", loopback {link['bandwidth_bytes_per_s'] / 1e9:.2f} GB/s and "
-             f"{link['latency_s'] * 1e6:.0f} us" if link else "")
-          + f"; {where} (`autoplan profile` also measures ops)", file=sys.stderr, flush=True)
+    log.info(f"calibrated in {time.perf_counter() - t0:.1f} s: matmul "
+             f"{cal.matmul_flops_per_s / 1e9:.1f} GFLOP/s, memory "
+             f"{cal.memory_bandwidth_bytes_per_s / 1e9:.1f} GB/s, op launch "
+             f"{cal.launch_s * 1e6:.1f} us with {db.threads} thread(s)"
+             + (f", loopback {link['bandwidth_bytes_per_s'] / 1e9:.2f} GB/s and "
+                f"{link['latency_s'] * 1e6:.0f} us" if link else "")
+             + f"; {where} (`autoplan profile` also measures ops)")
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
     if load > (os.cpu_count() or 1) * 0.75:
-        print(f"autoplan: the machine was busy while calibrating (load {load:.1f} on "
-              f"{os.cpu_count()} cores): the figures may be low; re-measure when it is idle "
-              "with `autoplan profile --calibrate-only`", file=sys.stderr, flush=True)
+        log.warning(f"the machine was busy while calibrating this CPU (load {load:.1f} on "
+                    f"{os.cpu_count()} cores): its figures may be low; re-measure when it is "
+                    "idle with `autoplan profile --calibrate-only`")
     return ({"matmul_flops_per_s": cal.matmul_flops_per_s,
              "memory_bandwidth_bytes_per_s": cal.memory_bandwidth_bytes_per_s,
              "launch_s": cal.launch_s}, int(db.threads))

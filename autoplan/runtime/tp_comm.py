@@ -29,6 +29,12 @@ import torch.distributed as dist
 
 from autoplan.sharding.placement import Placement
 
+# torch 2.13 deprecates all_gather_into_tensor / reduce_scatter_tensor for all_gather_single /
+# reduce_scatter_single (same arguments), with a FutureWarning on every rank a user can do
+# nothing about; the torch versions before it that autoplan supports have only the old names
+_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 
 @dataclass(frozen=True)
 class AxisComm:
@@ -41,12 +47,12 @@ class AxisComm:
     # rank-major layout: [t, ...] with rank r's piece at index r, contiguous
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
         out = torch.empty((self.size,) + tuple(x.shape), dtype=x.dtype, device=x.device)
-        dist.all_gather_into_tensor(out.view(-1), x.contiguous().view(-1), group=self.group)
+        _ALL_GATHER(out.view(-1), x.contiguous().view(-1), group=self.group)
         return out
 
     def reduce_scatter(self, y: torch.Tensor) -> torch.Tensor:
         out = torch.empty(tuple(y.shape[1:]), dtype=y.dtype, device=y.device)
-        dist.reduce_scatter_tensor(out.view(-1), y.contiguous().view(-1), group=self.group)
+        _REDUCE_SCATTER(out.view(-1), y.contiguous().view(-1), group=self.group)
         return out
 
     def all_reduce(self, x: torch.Tensor, op: Any = None) -> torch.Tensor:
