@@ -202,7 +202,8 @@ def test_format_keys_match_the_dataclasses_and_the_schema():
     assert names(Plan) == check.PLAN_KEYS
     assert set(schema["properties"]) == set(check.PLAN_KEYS) == set(schema["required"])
     for cls, keys, prop in ((ModelInfo, check.MODEL_KEYS, "model"),
-                            (ClusterInfo, check.CLUSTER_KEYS, "cluster"),
+                            (ClusterInfo, check.CLUSTER_KEYS + check.CLUSTER_OPTIONAL_KEYS,
+                             "cluster"),
                             (TrainingInfo, check.TRAINING_KEYS + check.TRAINING_OPTIONAL_KEYS,
                              "training"),
                             (MeshInfo, check.MESH_KEYS, "mesh"),
@@ -241,9 +242,17 @@ def _delete(path):
 
 QKV = "layers.0.attn.qkv.weight"
 MALFORMED = [
-    ("newer version", _set(["schema_version"], 6), "written by a newer autoplan"),
-    ("unknown version", _set(["schema_version"], 0), "reads plan schemas 1, 2, 3, 4, 5"),
-    ("no version", _delete(["schema_version"]), "reads plan schemas 1, 2, 3, 4, 5"),
+    ("newer version", _set(["schema_version"], 7), "written by a newer autoplan"),
+    ("unknown version", _set(["schema_version"], 0), "reads plan schemas 1, 2, 3, 4, 5, 6"),
+    ("no version", _delete(["schema_version"]), "reads plan schemas 1, 2, 3, 4, 5, 6"),
+    ("no hardware", _delete(["cluster", "hardware"]), "missing key(s) cluster.hardware"),
+    ("hardware key", _set(["cluster", "hardware", "colour"], 1), "cluster.hardware.colour"),
+    ("device kind", _set(["cluster", "hardware", "device_kind"], "tpu"),
+     "cluster.hardware.device_kind: 'tpu' is not one of gpu, cpu"),
+    ("memory", _set(["cluster", "hardware", "device_memory_bytes"], -1),
+     "cluster.hardware.device_memory_bytes: must be >= 1"),
+    ("links", _set(["cluster", "hardware", "node_links"], "nvlink4"),
+     "cluster.hardware.node_links: expected a JSON array"),
     ("a version-1 plan with schema 2's schedules",
      lambda d: (d.__setitem__("schema_version", 1), d["config"].__setitem__("schedule", "zbv")),
      "schema 2 added"),
@@ -372,11 +381,19 @@ def test_load_plan_refuses_another_cluster(plan, tmp_path):
     with pytest.raises(PlanError) as info:
         load_plan(path, cluster=Cluster.preset("dgx-a100-80gb", nodes=4))
     msg = str(info.value)
-    assert "world size 16 vs 32" in msg and "nodes 2 vs 4" in msg and "autoplan.plan(" in msg
+    assert "ranks: 16 planned, 32 here" in msg and "nodes: 2 planned, 4 here" in msg
+    assert "no flag runs it on 32" in msg and "autoplan.plan(" in msg
+    with pytest.raises(PlanError, match="no flag runs it"):      # a mesh of another size
+        load_plan(path, cluster="dgx-a100-80gb:4", allow_cluster_mismatch=True)
     with pytest.raises(PlanError) as info:
         load_plan(path, cluster=Cluster.preset("dgx-h100", nodes=2))
-    assert "device type 'A100-SXM4-80GB' vs" in str(info.value)
-    assert "world size" not in str(info.value)
+    msg = str(info.value)
+    assert "device: A100-SXM4-80GB planned, H100-SXM5-80GB here" in msg
+    assert "links in a node: nvlink3 x12 + pcie4-x16 planned, nvlink4 x18 + pcie5-x16" in msg
+    assert "network: ib-hdr planned, ib-ndr here" in msg
+    assert "ranks" not in msg and "--allow-cluster-mismatch" in msg and "--cluster" in msg
+    # other hardware of the plan's world size runs when the mismatch is allowed
+    assert load_plan(path, cluster="dgx-h100:2", allow_cluster_mismatch=True) == plan
 
 
 def test_load_plan_replans_on_request(searched, tiny, monkeypatch, tmp_path):
@@ -487,7 +504,7 @@ def test_cli_inspect_and_diff(plan, tiny, a100_x2, tmp_path, capsys):
     assert main(["inspect", str(tmp_path / "bad.json")]) == 1
     err = capsys.readouterr().err
     assert "autoplan inspect: error" in err and "truncated" in err and "bad.json" in err
-    assert PLAN_SCHEMA_VERSION == 5
+    assert PLAN_SCHEMA_VERSION == 6
 
 
 def test_schema_enums_match_the_code():
@@ -499,6 +516,10 @@ def test_schema_enums_match_the_code():
     assert props["stage_recompute"]["items"]["enum"] == list(RECOMPUTE)
     assert props["precision"]["enum"] == list(PRECISIONS)
     assert props["optimizer"]["enum"] == list(OPTIMIZERS)
+    hardware = _schema()["properties"]["cluster"]["properties"]["hardware"]["properties"]
+    assert hardware["device_kind"]["enum"] == [*check.DEVICE_KINDS, None]
+    assert hardware["backend"]["enum"] == [*check.BACKENDS, None]
+    assert set(hardware) == set(check.HARDWARE_KEYS)
 
 
 # ================================================================ a plan against its model

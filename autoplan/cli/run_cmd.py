@@ -34,6 +34,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--meta", action="store_true",
                    help="build the model on the meta device; each rank allocates its shards")
+    p.add_argument("--cluster", default=None,
+                   help="the cluster the ranks run on, where discovery cannot see it (the "
+                        "network between nodes): PRESET:NODES or a cluster file (default: "
+                        "this machine as discovered, on --nnodes nodes)")
+    p.add_argument("--allow-cluster-mismatch", action="store_true",
+                   help="run a plan made for other hardware of the same world size; its "
+                        "predicted step time and memory are then marked stale")
     p.add_argument("--checkpoint-dir", default=None,
                    help="save checkpoints here (a directory every node sees)")
     p.add_argument("--checkpoint-every", type=int, default=0,
@@ -57,6 +64,7 @@ def torchrun_command(plan_path: str, model: str, *, nproc: int, nnodes: int = 1,
                      meta: bool = False, checkpoint_dir: str | None = None,
                      checkpoint_every: int = 0, resume: bool = False,
                      async_checkpoint: bool = False, max_restarts: int = 0,
+                     cluster: str | None = None, allow_cluster_mismatch: bool = False,
                      extra: list[str] | None = None) -> list[str]:
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
            f"--nnodes={nnodes}", f"--node-rank={node_rank}", f"--master-addr={master_addr}",
@@ -67,6 +75,10 @@ def torchrun_command(plan_path: str, model: str, *, nproc: int, nnodes: int = 1,
             "--steps", str(steps), "--lr", str(lr)]
     if meta:
         cmd.append("--meta")
+    if cluster:
+        cmd += ["--cluster", cluster]
+    if allow_cluster_mismatch:
+        cmd.append("--allow-cluster-mismatch")
     if checkpoint_dir:
         cmd += ["--checkpoint-dir", checkpoint_dir, "--checkpoint-every", str(checkpoint_every)]
         if resume:
@@ -102,7 +114,8 @@ def run(args: argparse.Namespace) -> int:
                            meta=args.meta, checkpoint_dir=args.checkpoint_dir,
                            checkpoint_every=args.checkpoint_every, resume=args.resume,
                            async_checkpoint=args.async_checkpoint,
-                           max_restarts=args.max_restarts, extra=[
+                           max_restarts=args.max_restarts, cluster=args.cluster,
+                           allow_cluster_mismatch=args.allow_cluster_mismatch, extra=[
                                *(["--layers", str(args.layers)] if args.layers else []),
                                *(["--seq-len", str(args.seq_len)] if args.seq_len else [])])
     if args.print_command:

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from autoplan.cluster import specs, values
+from autoplan.cluster.hardware import UNSEEN_ASPECTS, Hardware
 from autoplan.cluster.collectives import (
     COLLECTIVE_KINDS,
     STEP_OVERHEAD_S,
@@ -53,7 +54,7 @@ from autoplan.safe_io import Limits
 
 BACKENDS = ("nccl", "gloo")
 TOP_KEYS = ("schema_version", "name", "description", "preset", "num_nodes", "devices_per_node", "backend",
-            "device", "host", "links", "node", "fabric", "source")
+            "device", "host", "links", "node", "fabric", "unseen", "source")
 _DESCRIPTIVE_KEYS = ("description", "source", "notes")  # left out of the fingerprint
 _GIB = 1 << 30
 
@@ -67,12 +68,12 @@ class Cluster:
     """An immutable cluster description with a topology graph and a collective cost model."""
 
     __slots__ = ("name", "num_nodes", "devices_per_node", "device", "host", "backend", "graph", "links",
-                 "node_topology", "fabric", "description", "source", "_node", "_leaves", "_names",
+                 "node_topology", "fabric", "description", "source", "unseen", "_node", "_leaves", "_names",
                  "_group_cache", "_profile", "_fingerprint", "_device_names")
 
     def __init__(self, *, name: str, num_nodes: int, devices_per_node: int, device: DeviceSpec, host: HostSpec,
                  backend: str, node: NodeTopology, links: Mapping[str, LinkSpec], fabric: FabricSpec | None = None,
-                 description: str = "", source: str = "") -> None:
+                 description: str = "", source: str = "", unseen: Sequence[str] = ()) -> None:
         where = f"cluster {name!r}"
         set_ = functools.partial(object.__setattr__, self)
         set_("name", text(name, "name", "cluster"))
@@ -90,8 +91,13 @@ class Cluster:
         if self.num_nodes > 1 and not nics:
             raise ClusterError(f"{where}: {self.num_nodes} nodes but the node has no 'nic' component; "
                                "add one (components: {nic0: nic}) and link it to a switch or socket")
+        bad = [u for u in unseen if u not in UNSEEN_ASPECTS] if isinstance(unseen, (list, tuple)) else [unseen]
+        if bad:
+            raise ClusterError(f"{where}: unseen lists what discovery could not see, any of "
+                               f"{', '.join(UNSEEN_ASPECTS)}; got {bad[0]!r:.80}")
         for attr, value in (("device", device), ("host", host), ("backend", backend), ("node_topology", node),
-                            ("fabric", fabric), ("description", description), ("source", source)):
+                            ("fabric", fabric), ("description", description), ("source", source),
+                            ("unseen", tuple(sorted(set(unseen))))):
             set_(attr, value)
         set_("links", types.MappingProxyType({k: links[k] for k in sorted(used)}))
         set_("_names", tuple(f"{device.kind}{i}" for i in range(self.devices_per_node)))
@@ -258,12 +264,19 @@ class Cluster:
             "device": self.device.to_dict(), "host": self.host.to_dict(),
             "links": {name: link.to_dict() for name, link in self.links.items()},
             "node": self.node_topology.to_dict(), "fabric": self.fabric.to_dict() if self.fabric else None,
+            **({"unseen": list(self.unseen)} if self.unseen else {}),
             "source": self.source,
         }
 
+    def hardware(self) -> Hardware:
+        """What plans are matched by: device model, kind and memory, backend, nodes, devices per
+        node, the links at a device and the network (``cluster/hardware.py``); not the name."""
+        return Hardware.of(self)
+
     def fingerprint(self) -> str:
         """sha256 of the canonical JSON of :meth:`to_dict`, without the purely descriptive fields
-        (description, source): editing a citation does not invalidate saved plans."""
+        (description, source): this exact description, name and calibrated figures included
+        (plans are matched to clusters by :meth:`hardware`, not by this)."""
         if self._fingerprint is None:
             canonical = json.dumps(_strip_descriptive(self.to_dict()), sort_keys=True, separators=(",", ":"))
             object.__setattr__(self, "_fingerprint", hashlib.sha256(canonical.encode()).hexdigest())
@@ -319,6 +332,7 @@ class Cluster:
             node=node, links=links, fabric=fabric,
             description=text(data.get("description", ""), "description", where, allow_empty=True),
             source=text(data.get("source", ""), "source", where, allow_empty=True),
+            unseen=data.get("unseen") or (),
         )
 
     @classmethod
@@ -344,11 +358,24 @@ class Cluster:
         return cls.from_dict(data, where=f"cluster file {str(file)!r}")
 
     @classmethod
-    def local(cls, nproc: int | None = None, *, calibration: Mapping[str, float] | None = None) -> Cluster:
-        """This machine: its GPUs (NCCL) if CUDA is present, else ``nproc`` CPU rank processes (gloo)."""
+    def local(cls, nproc: int | None = None, *, nodes: int = 1,
+              calibration: Mapping[str, float] | None = None) -> Cluster:
+        """This machine: its GPUs (NCCL) if CUDA is present, else ``nproc`` CPU rank processes
+        (gloo); with ``nodes`` > 1, that many nodes like it (the network between them is not
+        seen: listed in ``unseen``)."""
         from autoplan.cluster.local import local_cluster_dict
 
-        return cls.from_dict(local_cluster_dict(nproc, calibration=calibration), where="local cluster")
+        return cls.from_dict(local_cluster_dict(nproc, nodes=nodes, calibration=calibration),
+                             where="local cluster")
+
+    @classmethod
+    def local_job(cls, *, calibration: Mapping[str, float] | None = None) -> Cluster:
+        """The machines of this ``torchrun`` job: ``LOCAL_WORLD_SIZE`` ranks on each of
+        ``WORLD_SIZE / LOCAL_WORLD_SIZE`` nodes like this one (one process outside a job)."""
+        from autoplan.cluster.local import job_shape
+
+        nproc, nodes = job_shape()
+        return cls.local(nproc, nodes=nodes, calibration=calibration)
 
     @classmethod
     def from_spec(cls, spec: str) -> Cluster:
@@ -383,6 +410,9 @@ class Cluster:
         ]
         if self.description:
             lines.append(f"  {self.description}")
+        if self.unseen:
+            lines.append(f"  not discovered (assumed): {', '.join(self.unseen)}; describe them with a "
+                         "cluster file where it matters")
         lines += [
             f"Device {d.name} ({d.kind}): {d.memory_bytes / _GIB:.1f} GiB, "
             f"{d.memory_bandwidth_bytes_per_s / 1e9:,.0f} GB/s memory, "

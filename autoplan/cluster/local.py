@@ -8,6 +8,12 @@ behind the same PCIe switch, PHB/NODE = same CPU socket, SYS = across sockets).
 Without CUDA: ``nproc`` CPU rank processes on one node (gloo), each owning ``1/nproc`` of host
 memory and joined to the host by a ``loopback`` link (shared memory / TCP loopback).
 
+A torchrun job on several nodes (``Cluster.local_job``: ``LOCAL_WORLD_SIZE`` ranks on each of
+``WORLD_SIZE / LOCAL_WORLD_SIZE`` nodes) is that many nodes like this one. What a node cannot
+see is listed in the cluster's ``unseen`` and stood in for: the network between nodes (a 25 GbE
+stand-in, ``ASSUMED_FABRIC``), and without ``nvidia-smi`` the NVLinks. Plans are matched to a
+cluster by its hardware (``hardware.py``), which leaves the unseen out of the comparison.
+
 CPU rates come from the installed profile of this CPU (``autoplan profile``). A CPU without one
 is calibrated on first use (``autoplan.cost.calibration.calibrate`` with the one thread a rank
 runs with: a GEMM, a copy, a tiny op, AdamW and a net of tiny layers for the eager framework's
@@ -249,9 +255,51 @@ def auto_calibration(device: str) -> tuple[dict[str, float], int] | None:
              "launch_s": cal.launch_s}, int(db.threads))
 
 
-def local_cluster_dict(nproc: int | None = None, *, calibration: Mapping[str, float] | None = None) -> dict[str, Any]:
+def job_shape() -> tuple[int, int]:
+    """(ranks per node, nodes) of this torchrun job from its environment (``WORLD_SIZE``,
+    ``LOCAL_WORLD_SIZE``); (1, 1) outside one."""
+    def env(name: str, default: int) -> int:
+        raw = os.environ.get(name, "").strip()
+        try:
+            value = int(raw) if raw else default
+        except ValueError:
+            raise ClusterError(f"environment variable {name}={raw!r} is not a whole number; "
+                               "torchrun sets it: launch with torchrun or `autoplan run`") from None
+        if value < 1:
+            raise ClusterError(f"environment variable {name}={value} must be >= 1")
+        return value
+
+    world = env("WORLD_SIZE", 1)
+    per_node = env("LOCAL_WORLD_SIZE", world)
+    if world % per_node:
+        raise ClusterError(f"WORLD_SIZE {world} is not a whole number of nodes of LOCAL_WORLD_SIZE "
+                           f"{per_node} ranks; autoplan needs the same number of ranks on every node")
+    return per_node, world // per_node
+
+
+# the network between nodes is not discovered: a conservative stand-in (listed in ``unseen``)
+ASSUMED_FABRIC = {"link": "eth-25g", "leaf_ports": 32, "oversubscription": 1.0,
+                  "source": "NOT DISCOVERED: a 25 GbE stand-in; describe the real network in a "
+                            "cluster file (--cluster) to plan with it"}
+
+
+def with_nodes(d: dict[str, Any], nodes: int, nic_link: str) -> dict[str, Any]:
+    """``d`` (one node) as ``nodes`` nodes like it, joined by the assumed network through one
+    NIC per node on its first socket."""
+    if nodes == 1:
+        return d
+    node = {"components": {**d["node"]["components"], "nic0": "nic"},
+            "links": [*d["node"]["links"], {"a": "nic0", "b": "socket0", "link": nic_link}]}
+    return {**d, "num_nodes": nodes, "node": node, "fabric": dict(ASSUMED_FABRIC),
+            "unseen": sorted({*d.get("unseen", ()), "fabric"}),
+            "description": f"{d['description']}; {nodes} such nodes"}
+
+
+def local_cluster_dict(nproc: int | None = None, *, nodes: int = 1,
+                       calibration: Mapping[str, float] | None = None) -> dict[str, Any]:
     if nproc is not None:
         nproc = values.integer(nproc, "nproc", "local cluster", maximum=values.MAX_LOCAL_PROCESSES)
+    nodes = values.integer(nodes, "nodes", "local cluster", maximum=values.MAX_NODES)
     cal = _calibration(calibration)
     try:
         import torch
@@ -275,15 +323,15 @@ def local_cluster_dict(nproc: int | None = None, *, calibration: Mapping[str, fl
             d["links"] = {"loopback": {**fitted, "efficiency": 1.0,
                                        "source": "measured on this machine (first-use probe or `autoplan calibrate`: "
                                                  "least squares over timed transfers)"}}
-        return share_links(d)
+        return with_nodes(share_links(d), nodes, "pcie4-x16")
 
     count = torch.cuda.device_count()
     nproc = count if nproc is None else nproc
     if nproc > count:
         raise ClusterError(f"local cluster: nproc {nproc} but only {count} CUDA device(s) are visible; use nproc <= {count}")
     props = [torch.cuda.get_device_properties(i) for i in range(nproc)]
-    return gpu_cluster_dict([p.name for p in props], [int(p.total_memory) for p in props], _nvidia_smi_topo(),
-                            cal if calibration is not None else None)
+    return gpu_nodes_dict([p.name for p in props], [int(p.total_memory) for p in props],
+                          _nvidia_smi_topo(), cal if calibration is not None else None, nodes=nodes)
 
 
 # --------------------------------------------------------------------------- CPU ranks
@@ -437,6 +485,14 @@ def gpu_node_topology(relations: Sequence[Sequence[str]], *, nvlink: str, pcie: 
     return {"components": components, "links": links}
 
 
+def gpu_nodes_dict(product_names: Sequence[str], memory_bytes: Sequence[int], topo_output: str,
+                   calibration: Mapping[str, float] | None, *, nodes: int = 1) -> dict[str, Any]:
+    """``nodes`` nodes like this one, from what the driver reports of its GPUs (product names,
+    memory sizes) and ``nvidia-smi topo -m``: what ``Cluster.local`` describes on a GPU node."""
+    d = gpu_cluster_dict(product_names, memory_bytes, topo_output, calibration)
+    return with_nodes(d, nodes, _family_links(product_names[0])[1])
+
+
 def gpu_cluster_dict(product_names: Sequence[str], memory_bytes: Sequence[int], topo_output: str,
                      calibration: Mapping[str, float] | None) -> dict[str, Any]:
     """Cluster dict for one node of GPUs (driver product names and memory sizes, in rank order)."""
@@ -466,8 +522,10 @@ def gpu_cluster_dict(product_names: Sequence[str], memory_bytes: Sequence[int], 
         relations = [row[:n] for row in parse_nvidia_smi_topo(topo_output)[:n]] if topo_output else None
     except ClusterError:
         relations = None
+    unseen = []
     if relations is None:  # no nvidia-smi: assume every GPU hangs off one socket, no NVLink
         relations = [["X" if i == j else "PHB" for j in range(n)] for i in range(n)]
+        unseen = ["node_links"] if n > 1 else []
     host_total = host_memory_bytes()
     pcie_spec = specs.load_link(pcie)
     return {
@@ -486,5 +544,6 @@ def gpu_cluster_dict(product_names: Sequence[str], memory_bytes: Sequence[int], 
         },
         "node": gpu_node_topology(relations, nvlink=nvlink, pcie=pcie, socket_link=socket_link_name()),
         "fabric": None,
+        **({"unseen": unseen} if unseen else {}),
         "source": "detected on this machine (torch.cuda device properties, nvidia-smi topo -m)",
     }

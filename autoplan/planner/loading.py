@@ -14,13 +14,17 @@ from autoplan.planner.planfile import Plan
 
 def load_plan(path: str | os.PathLike[str], *, model: Any = None, cluster: Any = None,
               example_inputs: Any = None, graph: Any = None, loss_fn: Any = None,
-              targets: Any = None, replan: bool = False, **plan_kwargs: Any) -> Plan:
+              targets: Any = None, replan: bool = False, allow_cluster_mismatch: bool = False,
+              **plan_kwargs: Any) -> Plan:
     """Read a plan and check it is for ``model`` / ``graph`` and ``cluster`` (those given).
 
     ``model`` is an ``nn.Module`` traced with ``example_inputs`` (and ``loss_fn``/``targets``
-    exactly as when planning: they are part of the fingerprint), or an OpGraph. On a mismatch
-    this raises PlanError saying what differs, or with ``replan=True`` plans again with the old
-    plan's training settings (overridable by ``plan_kwargs``) and returns the new plan.
+    exactly as when planning: they are part of the fingerprint), or an OpGraph. ``cluster``
+    (a Cluster or a spec such as ``"dgx-h100:2"``) is compared by its hardware, not its name
+    (``planfile.cluster_differences``). On a mismatch this raises PlanError saying what differs,
+    or with ``replan=True`` plans again with the old plan's training settings (overridable by
+    ``plan_kwargs``) and returns the new plan. ``allow_cluster_mismatch=True`` accepts other
+    hardware of the plan's world size (its prediction is then stale: ``stale_prediction``).
     """
     plan = planfile.plan_from_file(path)
     if plan_kwargs and not replan:
@@ -30,7 +34,11 @@ def load_plan(path: str | os.PathLike[str], *, model: Any = None, cluster: Any =
         from autoplan.graph.trace import as_graph
         graph = as_graph(model, example_inputs, loss_fn=loss_fn, targets=targets,
                          who="load_plan(model=...)", error=PlanError)
-    what = planfile.plan_mismatch(plan, graph=graph, cluster=cluster)
+    if cluster is not None:
+        from autoplan.estimate.arguments import cluster_arg
+        cluster = cluster_arg(cluster, "load_plan()")
+    what = planfile.plan_mismatch(plan, graph=graph, cluster=cluster,
+                                  allow_cluster_mismatch=allow_cluster_mismatch)
     if not what:
         if graph is not None:
             check_plan_against(plan, graph)

@@ -11,8 +11,12 @@ problem (e.g. ``mesh.shape``) and what to do. Nothing in a plan file is ever exe
 plain JSON read with ``json.loads`` (no pickle, no eval). The reading and every rule of the
 format live in ``planfile_check.py``; this module holds the values, the text, and ``load_plan``.
 
-A plan is tied to one model and one cluster by their fingerprints (``OpGraph.fingerprint()``,
-``Cluster.fingerprint()``); :func:`load_plan` checks both and re-plans on request.
+A plan is tied to one model by its fingerprint (``OpGraph.fingerprint()``, a canonical form of
+the traced graph) and to the hardware it was made for (``Cluster.hardware()``: device model,
+kind and memory, nodes, devices per node, links, network; not the cluster's name). It runs on
+any cluster of that hardware; :func:`plan_mismatch` says what differs, and
+``allow_cluster_mismatch`` runs it on other hardware of the same world size with its prediction
+marked stale (:func:`stale_prediction`). ``load_plan`` checks both and re-plans on request.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from autoplan.cluster.hardware import Difference, Hardware, compare, from_extras
 from autoplan.errors import AutoplanError, PlanError
 from autoplan.estimate.config import ParallelConfig
 from autoplan.sharding.placement import Placement
@@ -41,7 +46,8 @@ from autoplan.planner.planfile_check import (
 
 __all__ = ["PLAN_SCHEMA_VERSION", "SOLVER_STATUSES", "TP_DOMAINS", "Alternative", "ClusterInfo",
            "MeshInfo", "ModelInfo", "ParamPlacement", "Plan", "SolverReport", "TrainingInfo",
-           "plan_from_file", "plan_mismatch", "predicted_from_estimate"]
+           "cluster_differences", "plan_from_file", "plan_mismatch", "predicted_from_estimate",
+           "stale_prediction"]
 
 SIG_DIGITS = 6                    # floats are rounded so re-planning gives identical text
 
@@ -64,17 +70,47 @@ class ModelInfo:
 @dataclass(frozen=True, kw_only=True)
 class ClusterInfo:
     name: str
-    fingerprint: str            # Cluster.fingerprint()
+    fingerprint: str            # Cluster.fingerprint(): this exact description (provenance)
     world_size: int
     device: str                 # device type name, e.g. "A100-SXM4-80GB"
     num_nodes: int
     devices_per_node: int
+    # what the plan is matched to a cluster by (schema 6; None in older plans); the file keeps
+    # its fields other than device, num_nodes and devices_per_node under cluster.hardware
+    hardware: Hardware | None = None
+
+    def __post_init__(self) -> None:
+        h = self.hardware
+        if isinstance(h, Mapping):
+            try:
+                h = from_extras(device=self.device, num_nodes=self.num_nodes,
+                                devices_per_node=self.devices_per_node, extras=h)
+            except TypeError as e:
+                raise PlanError(f"ClusterInfo.hardware: {e}") from None
+            object.__setattr__(self, "hardware", h)
+        if h is not None and (not isinstance(h, Hardware) or (
+                h.device, h.num_nodes, h.devices_per_node) != (
+                self.device, self.num_nodes, self.devices_per_node)):
+            raise PlanError(f"ClusterInfo.hardware {h!r:.200} does not describe the cluster's "
+                            f"{self.num_nodes} x {self.devices_per_node} {self.device!r}")
 
     @staticmethod
     def of(cluster: Any) -> ClusterInfo:
         return ClusterInfo(name=cluster.name, fingerprint=cluster.fingerprint(),
                            world_size=cluster.world_size, device=cluster.device.name,
-                           num_nodes=cluster.num_nodes, devices_per_node=cluster.devices_per_node)
+                           num_nodes=cluster.num_nodes, devices_per_node=cluster.devices_per_node,
+                           hardware=cluster.hardware())
+
+    def planned_hardware(self) -> Hardware:
+        """The hardware the plan was made for (of an older plan: device name and sizes only)."""
+        return self.hardware or from_extras(device=self.device, num_nodes=self.num_nodes,
+                                            devices_per_node=self.devices_per_node, extras=None)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "hardware"}
+        if self.hardware is not None:
+            d["hardware"] = self.hardware.extras()
+        return d
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -231,7 +267,7 @@ class Plan:
             "schema_version": self.schema_version,
             "autoplan_version": self.autoplan_version,
             "model": _fields_dict(self.model),
-            "cluster": _fields_dict(self.cluster),
+            "cluster": self.cluster.to_dict(),
             "training": {k: v for k, v in _fields_dict(self.training).items()
                          if k != "expert_capacity_factor" or v != 1.0},
             "mesh": {"axes": list(self.mesh.axes), "shape": list(self.mesh.shape),
@@ -334,14 +370,37 @@ def plan_from_file(path: str | os.PathLike[str]) -> Plan:
         raise PlanError(f"cannot read plan file {path!r}: {e}") from None
 
 
-def plan_mismatch(plan: Plan, *, graph: Any = None, cluster: Any = None) -> str:
-    """What differs between the plan and the given graph / cluster ("" when nothing)."""
+def plan_mismatch(plan: Plan, *, graph: Any = None, cluster: Any = None,
+                  allow_cluster_mismatch: bool = False) -> str:
+    """What differs between the plan and the given graph / cluster ("" when nothing that
+    refuses it). The cluster is compared by its hardware (:func:`cluster_differences`); with
+    ``allow_cluster_mismatch`` only a different world size refuses."""
     problems = []
     if graph is not None and graph.fingerprint() != plan.model.fingerprint:
         problems.append(_model_mismatch(plan.model, ModelInfo.of(graph)))
-    if cluster is not None and cluster.fingerprint() != plan.cluster.fingerprint:
-        problems.append(_cluster_mismatch(plan.cluster, ClusterInfo.of(cluster)))
+    if cluster is not None:
+        diffs = cluster_differences(plan, cluster)
+        if any(d.refuses and (not allow_cluster_mismatch or d.what == "ranks")
+               for d in diffs):
+            problems.append(_cluster_mismatch(plan.cluster, cluster, diffs))
     return "; ".join(problems)
+
+
+def cluster_differences(plan: Plan, cluster: Any) -> tuple[Difference, ...]:
+    """How the hardware of ``cluster`` differs from what ``plan`` was made for (each says
+    whether it refuses the plan or only makes its prediction stale; ``cluster/hardware.py``)."""
+    return compare(plan.cluster.planned_hardware(), cluster.hardware())
+
+
+def stale_prediction(plan: Plan, cluster: Any) -> str:
+    """"" when ``plan``'s predicted step time and memory are for ``cluster``'s hardware, else
+    one line saying for what hardware they are, and what differs here."""
+    diffs = cluster_differences(plan, cluster)
+    if not diffs:
+        return ""
+    return (f"the plan's prediction is for {plan.cluster.planned_hardware().summary()} "
+            f"({plan.cluster.name!r}), not this {cluster.hardware().summary()} "
+            f"({'; '.join(map(str, diffs))}): stale here")
 
 
 def _describe_model(m: ModelInfo) -> str:
@@ -358,19 +417,22 @@ def _model_mismatch(planned: ModelInfo, given: ModelInfo) -> str:
     return msg
 
 
-def _cluster_mismatch(planned: ClusterInfo, given: ClusterInfo) -> str:
-    diffs = [f"{label} {a!r} vs {b!r}" if isinstance(a, str) else f"{label} {a:,} vs {b:,}"
-             for label, a, b in (("name", planned.name, given.name),
-                                 ("world size", planned.world_size, given.world_size),
-                                 ("device type", planned.device, given.device),
-                                 ("nodes", planned.num_nodes, given.num_nodes),
-                                 ("devices per node", planned.devices_per_node,
-                                  given.devices_per_node)) if a != b]
-    if not diffs:
-        diffs = ["same name, size and device type but different topology, link or device specs"]
-    return (f"plan is for cluster {planned.name!r} (fingerprint {planned.fingerprint[:12]}\u2026) "
-            f"but the given cluster is {given.name!r} (fingerprint {given.fingerprint[:12]}"
-            f"\u2026): {', '.join(diffs)}")
+def _cluster_mismatch(planned: ClusterInfo, cluster: Any, diffs: tuple[Difference, ...]) -> str:
+    """The refusal: both clusters' hardware, every difference, and the way on."""
+    here = cluster.hardware()
+    msg = (f"plan is for cluster {planned.name!r} ({planned.planned_hardware().summary()}) but "
+           f"the given cluster {cluster.name!r} is {here.summary()}; what differs: "
+           f"{'; '.join(map(str, diffs))}")
+    if any(d.what == "ranks" for d in diffs):
+        return (msg + f". The plan's mesh needs {planned.world_size} ranks: no flag runs it "
+                f"on {here.world_size}")
+    a = planned.hardware.device_memory_bytes if planned.hardware is not None else None
+    b = here.device_memory_bytes
+    fit = ", and with less device memory here it may not fit" if a and b and b < 0.98 * a else ""
+    return (msg + ". To run it here anyway, pass --allow-cluster-mismatch to `autoplan run` "
+            "(allow_cluster_mismatch=True to compile() or load_plan()): its predicted step "
+            f"time and memory are then stale{fit}; if discovery got this machine wrong, give "
+            "the cluster with --cluster PRESET:NODES or a cluster file")
 
 
 # ---- freezing and rounding --------------------------------------------------------------------

@@ -20,6 +20,9 @@ from dataclasses import fields
 from typing import Any
 
 from autoplan import safe_io
+from autoplan.cluster.cluster import BACKENDS
+from autoplan.cluster.hardware import EXTRA_KEYS as HARDWARE_KEYS
+from autoplan.cluster.specs import DEVICE_KINDS
 from autoplan.errors import AutoplanError, ConfigError, PlanError
 from autoplan.estimate.config import RECOMPUTE, V_SCHEDULES, ParallelConfig
 from autoplan.sharding.placement import Placement
@@ -30,8 +33,11 @@ from autoplan.sharding.placement import Placement
 # 4: ZeRO-3 with some weights kept whole (config.dp_whole); older plans read as they did.
 # 5: context parallelism on an axis of its own (config.cp, mesh axis cp); older plans read as
 # they did.
-PLAN_SCHEMA_VERSION = 5
-READABLE_PLAN_SCHEMAS = (1, 2, 3, 4, 5)
+# 6: cluster.hardware, what a plan is matched to the cluster it runs on by (device kind and
+# memory, backend, links, network: cluster/hardware.py); an older plan is matched by its
+# device name, nodes and devices per node.
+PLAN_SCHEMA_VERSION = 6
+READABLE_PLAN_SCHEMAS = (1, 2, 3, 4, 5, 6)
 MAX_FILE_BYTES = 256 << 20        # refuse larger files before reading them
 MAX_DEPTH = 64                    # JSON nesting (a valid plan needs about 6)
 MAX_STRING_CHARS = 1 << 20        # any one string or key
@@ -46,6 +52,7 @@ PLAN_KEYS = ("autoplan_version", "model", "cluster", "training", "mesh", "config
              "predicted", "alternatives", "solver", "stages", "schema_version")
 MODEL_KEYS = ("name", "fingerprint", "num_params", "num_ops")
 CLUSTER_KEYS = ("name", "fingerprint", "world_size", "device", "num_nodes", "devices_per_node")
+CLUSTER_OPTIONAL_KEYS = ("hardware",)      # schema 6 writes it (HARDWARE_KEYS)
 TRAINING_KEYS = ("global_batch_size", "precision", "optimizer")
 TRAINING_OPTIONAL_KEYS = ("expert_capacity_factor",)   # MoE plans priced with imbalance
 MESH_KEYS = ("axes", "shape", "rank_to_device", "tp_domain")
@@ -99,7 +106,11 @@ def check_plan(d: Any) -> None:
     _str(m["fingerprint"], "model.fingerprint", pattern=_HEX)
     _int(m["num_params"], "model.num_params")
     _int(m["num_ops"], "model.num_ops")
-    c = _keys(d["cluster"], "cluster", CLUSTER_KEYS)
+    c = d["cluster"]
+    _keys({k: x for k, x in c.items() if k not in CLUSTER_OPTIONAL_KEYS}
+          if isinstance(c, Mapping) else c, "cluster", CLUSTER_KEYS)
+    if "hardware" in c or version >= 6:
+        _check_hardware(c.get("hardware", _MISSING))
     _str(c["name"], "cluster.name", limit=1000)
     _str(c["fingerprint"], "cluster.fingerprint", pattern=_HEX)
     _str(c["device"], "cluster.device", limit=1000)
@@ -179,6 +190,27 @@ def check_plan(d: Any) -> None:
     for k in ("num_variables", "num_constraints", "ilps_solved", "candidates_evaluated"):
         _int(s[k], f"solver.{k}")
     _check_stages(d["stages"], c["world_size"])
+
+
+_MISSING = object()
+
+
+def _check_hardware(h: Any) -> None:
+    """``cluster.hardware``: each field may be null (not known where the plan was made)."""
+    if h is _MISSING:
+        fail("cluster", "missing key(s) cluster.hardware (schema 6 plans record the hardware "
+             "they were made for)")
+    _keys(h, "cluster.hardware", HARDWARE_KEYS)
+    for k, choices in (("device_kind", DEVICE_KINDS), ("backend", BACKENDS)):
+        if h[k] is not None:
+            _str(h[k], f"cluster.hardware.{k}", choices=choices)
+    if h["device_memory_bytes"] is not None:
+        _int(h["device_memory_bytes"], "cluster.hardware.device_memory_bytes", lo=1)
+    if h["node_links"] is not None:
+        for i, x in enumerate(_list(h["node_links"], "cluster.hardware.node_links")):
+            _str(x, f"cluster.hardware.node_links[{i}]", limit=200, one_line=True)
+    if h["fabric"] is not None:
+        _str(h["fabric"], "cluster.hardware.fabric", limit=200, one_line=True)
 
 
 def _check_mesh(mesh: Any, config: ParallelConfig, cluster: Mapping[str, Any]) -> None:

@@ -254,8 +254,15 @@ def compile(model: nn.Module, cluster: Any = "local", *, example_inputs: Sequenc
             precision: str = "fp32", seed: int = 0,
             lr_scheduler: Callable[[Any], Any] | None = None,
             max_grad_norm: float | None = None, loss_scaler: LossScaler | None = None,
-            resume: str | os.PathLike | None = None, **plan_kwargs: Any) -> Any:
+            resume: str | os.PathLike | None = None, allow_cluster_mismatch: bool = False,
+            **plan_kwargs: Any) -> Any:
     """Build the sharded training program of ``plan`` (or plan now when None) on this rank.
+
+    ``cluster``: ``"local"`` (the machines of this torchrun job, as discovered), a Cluster or a
+    spec (``"dgx-h100:2"``, a file). A given plan must be for its hardware (device, memory,
+    nodes, devices per node, links; not the name); ``allow_cluster_mismatch=True`` runs a plan
+    made for other hardware of the same world size, and ``trainer.stale_prediction`` (also
+    printed by rank 0) says for what hardware its prediction is ("" when it is for this one).
 
     ``model`` may live on the meta device: it is materialized module by module, each rank
     keeping only its shards. ``optimizer`` is a factory ``params -> torch.optim.Optimizer``.
@@ -270,10 +277,18 @@ def compile(model: nn.Module, cluster: Any = "local", *, example_inputs: Sequenc
     latest is taken, or one step directory), saved under this plan or any other: the model,
     optimizer, step count, RNG and scheduler continue from it.
     """
+    from autoplan.cluster import Cluster
+    from autoplan.estimate.arguments import cluster_arg
+    from autoplan.planner.planfile import stale_prediction
+    cluster = Cluster.local_job() if cluster == "local" else cluster_arg(cluster, "compile()")
     trainer = _compile(model, cluster, example_inputs=example_inputs, optimizer=optimizer,
                        global_batch_size=global_batch_size, loss_fn=loss_fn,
                        example_targets=example_targets, plan=plan, precision=precision,
-                       seed=seed, **plan_kwargs)
+                       seed=seed, allow_cluster_mismatch=allow_cluster_mismatch, **plan_kwargs)
+    trainer.stale_prediction = stale_prediction(trainer.plan, cluster)
+    if trainer.stale_prediction and trainer.rank == 0:
+        import sys
+        print(f"autoplan: {trainer.stale_prediction}", file=sys.stderr, flush=True)
     if lr_scheduler is not None:
         trainer.lr_schedulers = [lr_scheduler(o) for o, _ in optimizer_slots(trainer.optimizer)]
     if max_grad_norm is not None:
@@ -292,6 +307,7 @@ def _compile(model: nn.Module, cluster: Any, *, example_inputs: Sequence[Any],
              optimizer: Callable[[Any], Any], global_batch_size: int,
              loss_fn: Callable[[Any, Any], torch.Tensor] | None, example_targets: Any,
              plan: Plan | str | os.PathLike | None, precision: str, seed: int,
+             allow_cluster_mismatch: bool = False,
              **plan_kwargs: Any) -> Any:
     from autoplan.cluster import Cluster
     from autoplan.estimate.arguments import batch_arg, cluster_arg
@@ -311,10 +327,12 @@ def _compile(model: nn.Module, cluster: Any, *, example_inputs: Sequence[Any],
         plan = make_plan(graph, cluster, global_batch_size=global_batch_size,
                          precision=precision, **plan_kwargs)
     elif not isinstance(plan, Plan):
-        plan = load_plan(plan, graph=graph, cluster=cluster)
+        plan = load_plan(plan, graph=graph, cluster=cluster,
+                         allow_cluster_mismatch=allow_cluster_mismatch)
     else:
         from autoplan.planner.planfile import plan_mismatch
-        what = plan_mismatch(plan, graph=graph, cluster=cluster)
+        what = plan_mismatch(plan, graph=graph, cluster=cluster,
+                             allow_cluster_mismatch=allow_cluster_mismatch)
         if what:
             raise PlanError(f"{what}. Re-plan with autoplan.plan(...) for this model and "
                             "cluster (or compile(..., plan=None) to plan now)")

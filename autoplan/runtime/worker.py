@@ -32,6 +32,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--meta", action="store_true", help="build on meta, materialize shards")
+    ap.add_argument("--cluster", default=None,
+                    help="the cluster the job runs on (default: discovered, 'local')")
+    ap.add_argument("--allow-cluster-mismatch", action="store_true",
+                    help="run a plan made for other hardware (its prediction then stale)")
     ap.add_argument("--json", default=None, help="rank 0 writes losses and times here")
     ap.add_argument("--checkpoint-dir", default=None)
     ap.add_argument("--checkpoint-every", type=int, default=0)
@@ -70,10 +74,11 @@ def main(argv: list[str] | None = None) -> int:
         small = build_example(args.model, batch_size=1, seed=0,
                               device="meta" if args.meta else "cpu", **shape)
     resume = _resume_from(args)
-    trainer = compile(model, "local", example_inputs=small.example_inputs,
+    trainer = compile(model, args.cluster or "local", example_inputs=small.example_inputs,
                       example_targets=small.targets, loss_fn=data.loss_fn,
                       optimizer=lambda ps: torch.optim.AdamW(ps, lr=args.lr),
-                      global_batch_size=gbs, plan=plan, resume=resume)
+                      global_batch_size=gbs, plan=plan, resume=resume,
+                      allow_cluster_mismatch=args.allow_cluster_mismatch)
     if resume is not None and trainer.rank == 0:
         print(f"resumed from {resume} at step {trainer.steps_done}", flush=True)
     batch = tuple(data.example_inputs) + (data.targets,)
@@ -113,7 +118,9 @@ def main(argv: list[str] | None = None) -> int:
     predicted = plan.predicted["step_time_s"]
     if trainer.rank == 0:
         print(f"measured step time {measured * 1e3:.1f} ms (median), predicted "
-              f"{predicted * 1e3:.1f} ms, ratio {measured / predicted:.2f}", flush=True)
+              f"{predicted * 1e3:.1f} ms, ratio {measured / predicted:.2f}"
+              + (" (the prediction is stale: made for other hardware)"
+                 if trainer.stale_prediction else ""), flush=True)
         peak = _peak_memory(plan)
         if peak:
             print(f"measured peak memory {peak['measured_peak_memory_bytes'] / 2**30:.2f} GiB "
