@@ -1,10 +1,11 @@
-"""Export a (possibly huge) example model on the meta device: no memory, shapes only.
+"""Trace a (possibly huge) example model on the meta device: no memory, shapes only.
 
     python examples/export_meta.py gpt3-175b --num-layers 2
     python examples/export_meta.py llama3-8b
 
-Prints the parameter count, the export time and the most frequent aten ops of the graph the
-planner would work from.
+Traces the model with its loss as the planner does (``autoplan.trace``: torch.export on the
+meta device), then prints the parameter count, the graph's summary (the trace time, ops by
+kind, FLOPs, repeated blocks) and its most frequent aten ops: the graph the planner works from.
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ from __future__ import annotations
 import argparse
 import collections
 import sys
-import time
 from pathlib import Path
 
 try:
@@ -20,8 +20,7 @@ try:
 except ImportError:  # running from a source checkout without `pip install -e .`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import torch
-
+from autoplan.graph import trace
 from autoplan.models import build_example, list_examples
 
 
@@ -38,14 +37,12 @@ def main() -> None:
     example = build_example(args.model, device="meta", batch_size=args.batch_size,
                             seq_len=args.seq_len, **overrides)
     params = sum(p.numel() for p in example.model.parameters())
-    start = time.perf_counter()
-    exported = torch.export.export(example.model, example.example_inputs)
-    elapsed = time.perf_counter() - start
-    ops = collections.Counter(str(node.target) for node in exported.graph.nodes
-                              if node.op == "call_function")
-    print(f"{example.name}: {params:,} parameters, exported in {elapsed:.2f} s, "
-          f"{len(exported.graph.nodes)} nodes")
-    for op, count in ops.most_common(10):
+    graph = trace(example.model, example.example_inputs, loss_fn=example.loss_fn,
+                  targets=example.targets)
+    print(f"{example.name}: {params:,} parameters")
+    print(graph.summary())
+    print("most frequent aten ops:")
+    for op, count in collections.Counter(op.target for op in graph.ops).most_common(10):
         print(f"  {count:6d}  {op}")
 
 

@@ -1,10 +1,17 @@
-"""Train an example model from the registry for a few steps on one CPU process.
+"""Train an example model from the registry for a few steps in one plain PyTorch process.
 
     python examples/train_mlp_single.py                       # mlp-tiny, 20 steps
-    python examples/train_mlp_single.py --model gpt-tiny --steps 10 --batch-size 4
+    python examples/train_mlp_single.py --model gpt-tiny --steps 5 --batch-size 8
 
-This is the single-process reference the parallel runtime's results are compared against: the
-same name, seed and batch size always give the same losses.
+The training a plan must reproduce, without autoplan: with the same model, batch and learning
+rate (3e-3, `autoplan run`'s default), its losses are those `autoplan run` prints under any plan
+of that model and global batch. For example, these print the same five losses as the second
+command above (5.5669, 5.2206, 5.0374, 4.8584, 4.7015):
+
+    autoplan plan gpt-tiny --cluster local:2 --global-batch 8 --precision fp32 --force tp=2 -o tp.plan.json
+    autoplan run tp.plan.json --model gpt-tiny --steps 5
+
+The same name, seed and batch size always give the same losses.
 """
 
 from __future__ import annotations
@@ -29,7 +36,7 @@ def main() -> None:
     parser.add_argument("--model", default="mlp-tiny", choices=list_examples())
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--batch-size", type=int, default=8)
-    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--lr", type=float, default=3e-3)   # autoplan run's default
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
 
