@@ -295,9 +295,11 @@ def timeline_figure(plan: Any) -> TimelineFigure:
         notes.append(f"each send between pipeline ranks drawn at {_fmt_s(send)}: the time that "
                      f"makes the simulated waits add up to the plan's exposed p2p "
                      f"({_fmt_s(p2p)}); the plan records that total, not each send")
-    if any(x.key == "overhead" for x in parts):
-        notes.append("framework overhead is spent a little per op through the step; drawn "
-                     "after it")
+    spread = [x.short for x in parts if x.key in ("overhead", "comm zero_param_gather",
+                                                  "comm offload")]
+    if spread:
+        notes.append(f"{' and '.join(spread)}: spent through the step (before or between the "
+                     "blocks), drawn after the schedule as one total")
     columns: tuple[Column, ...] = ()
     window = None
     if per_rank > MAX_BLOCKS:

@@ -29,6 +29,12 @@ def _pyplot() -> Any:
     return plt
 
 
+def _ink(color: str) -> str:
+    """Black text on light colours, white on dark ones ("#RRGGBB", by relative luminance)."""
+    r, g, b = (int(color[i:i + 2], 16) / 255 for i in (1, 3, 5))
+    return "black" if 0.2126 * r + 0.7152 * g + 0.0722 * b > 0.6 else "white"
+
+
 def _share(x: float, whole: float) -> str:
     return f"{x / whole * 100:.1f}%" if whole > 0 else ""
 
@@ -96,11 +102,11 @@ def _breakdown(ax: Any, f: TimelineFigure) -> None:
     for x in _ordered(f.parts):
         ax.barh(0, x.seconds, left=t, height=0.8, color=x.color, edgecolor="white",
                 linewidth=0.8)
-        if x.seconds >= 0.06 * f.step_s:
-            light = x.key in ("bubble", "comm zero_param_gather")
-            ax.text(t + x.seconds / 2, 0, f"{x.short}\n{fmt_s(x.seconds)}, "
-                    f"{_share(x.seconds, f.step_s)}", ha="center", va="center", fontsize=7.5,
-                    color="black" if light else "white")
+        text = f"{x.short}\n{fmt_s(x.seconds)}, {_share(x.seconds, f.step_s)}"
+        # named on the bar where the text fits (about 1/160 of the width a character)
+        if x.seconds >= f.end_s * (max(map(len, text.split("\n"))) + 2) / 160:
+            ax.text(t + x.seconds / 2, 0, text, ha="center", va="center", fontsize=7.5,
+                    color=_ink(x.color))
         t += x.seconds
     ax.set_xlim(0, f.end_s)
     ax.set_ylim(-0.5, 0.5)
@@ -126,7 +132,8 @@ def _after(ax: Any, f: TimelineFigure) -> None:
                 color=parts[b.kind].color, linewidth=0)
         if b.rank == 0 and b.end_s - b.start_s >= 0.05 * f.end_s:
             ax.text((b.start_s + b.end_s) / 2, y, parts[b.kind].short, ha="center",
-                    va="center", fontsize=7, color="white", rotation=90 if p > 2 else 0)
+                    va="center", fontsize=7, color=_ink(parts[b.kind].color),
+                    rotation=90 if p > 2 else 0)
 
 
 def _rects(ax: Any, rects: list[tuple[float, float, float, float]], **style: Any) -> None:
