@@ -12,9 +12,9 @@ dp under ZeRO-3) and its most frequent per-op strategies, then one verdict:
 
 - OK: the losses match and the plan splits weights (or pipelines the model), so sharded
   training was checked;
-- REPLICATED (exit 3): the losses match but the plan keeps every weight whole on every rank
-  (splitting did not pay for this architecture at this size on this machine), so nothing
-  sharded was checked;
+- REPLICATED (exit 3; torchrun then reports the rank as failed): the losses match but the plan
+  keeps every weight whole on every rank (splitting did not pay for this architecture at this
+  size on this machine), so no sharded weight was checked;
 - FAIL (exit 1): the losses differ.
 """
 
@@ -148,8 +148,10 @@ def main() -> int:
           f"{worst:.1e}; {split} of {len(plan.param_placements)} weights split"
           + _over(plan) + f"; strategies {top}")
     if verdict == "REPLICATED":
-        print("  every weight is whole on every rank: this run checked no sharded numerics "
-              "(the planner found splitting not worth it here; try a larger HIDDEN)")
+        ops = sum(s != "replicate" for s in plan.op_strategies.values())
+        print(f"  no weight is split: every rank holds every weight whole (the plan splits the "
+              f"work of {ops} ops), so this run checked no sharded weights; the planner found "
+              "splitting them not worth it here (try a larger HIDDEN)")
     return {"OK": 0, "FAIL": 1, "REPLICATED": 3}[verdict]
 
 
