@@ -91,12 +91,20 @@ def test_other_gpus_are_refused_naming_what_differs(h100_plan):
                                               "fabric": {"link": "ib-hdr", "leaf_ports": 20}}))
 
 
-def test_a_plan_written_before_plans_recorded_hardware_is_matched_by_device_and_sizes(h100_plan):
+def test_a_plan_written_before_plans_recorded_hardware_is_matched_by_device_and_sizes(
+        h100_plan, tiny):
+    """A schema-5 plan: no cluster.hardware, and the model's positional fingerprint (trace
+    order, names included) as autoplan wrote it then."""
     old = json.loads(h100_plan.to_json())
     del old["cluster"]["hardware"]
     old["schema_version"] = 5
+    old["model"]["fingerprint"] = tiny.positional_fingerprint()
     plan = Plan.from_dict(old)
     assert plan.cluster.hardware is None and json.loads(plan.to_json()) == old
+    assert plan_mismatch(plan, graph=tiny) == ""            # its model is still recognised
+    assert "plan is for model" in plan_mismatch(Plan.from_dict({**old, "schema_version": 6,
+                                                                "cluster": h100_plan.to_dict()[
+                                                                    "cluster"]}), graph=tiny)
     here = discovered("NVIDIA H100 80GB HBM3", H100_DRIVER_BYTES, DGX_H100_TOPO, nodes=2)
     assert plan_mismatch(plan, cluster=here) == ""
     other = discovered("NVIDIA A100-SXM4-80GB", H100_DRIVER_BYTES, DGX_A100_TOPO, nodes=2)

@@ -275,6 +275,17 @@ class OpGraph:
             self.__dict__["_fingerprint"] = found     # frozen: cached beside the fields
         return found
 
+    def positional_fingerprint(self) -> str:
+        """The fingerprint plans recorded before schema 6: sha256 of the graph's JSON in trace
+        order, op and value names included (so it changes with PYTHONHASHSEED on some models).
+        Kept to match plans written then."""
+        import hashlib
+        d = self.to_dict()
+        d.pop("meta")
+        d.pop("name")
+        return hashlib.sha256(json.dumps(d, sort_keys=True, separators=(",", ":")).encode()
+                              ).hexdigest()
+
     # ---- summary --------------------------------------------------------------------------
     def kind_histogram(self) -> dict[str, int]:
         hist: dict[str, int] = {}

@@ -17,7 +17,7 @@ from autoplan.errors import PlanError
 from autoplan.estimate.estimator import estimate
 from autoplan.graph.opgraph import OpGraph
 from autoplan.planner.explain import fmt_bytes, fmt_s, generic_name
-from autoplan.planner.planfile import Plan
+from autoplan.planner.planfile import Plan, model_fingerprint
 from autoplan.sharding.sharding import Sharding, megatron_sharding
 from autoplan.sharding.strategies import strategies_by_name
 
@@ -46,7 +46,7 @@ class ShardingComparison:
 
 def plan_sharding(plan: Plan, graph: OpGraph) -> Sharding:
     """The plan's per-op strategies on ``graph`` (the model the plan was made for)."""
-    if plan.model.fingerprint != graph.fingerprint():
+    if plan.model.fingerprint != model_fingerprint(plan, graph):
         raise PlanError(f"the model's graph (fingerprint {graph.fingerprint()[:12]}) is not the "
                         f"one the plan was made for ({plan.model.fingerprint[:12]}); pass the "
                         "same model, sequence length and layers as to `autoplan plan`")

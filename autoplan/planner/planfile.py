@@ -46,8 +46,8 @@ from autoplan.planner.planfile_check import (
 
 __all__ = ["PLAN_SCHEMA_VERSION", "SOLVER_STATUSES", "TP_DOMAINS", "Alternative", "ClusterInfo",
            "MeshInfo", "ModelInfo", "ParamPlacement", "Plan", "SolverReport", "TrainingInfo",
-           "cluster_differences", "plan_from_file", "plan_mismatch", "predicted_from_estimate",
-           "stale_prediction"]
+           "cluster_differences", "model_fingerprint", "plan_from_file", "plan_mismatch",
+           "predicted_from_estimate", "stale_prediction"]
 
 SIG_DIGITS = 6                    # floats are rounded so re-planning gives identical text
 
@@ -376,7 +376,7 @@ def plan_mismatch(plan: Plan, *, graph: Any = None, cluster: Any = None,
     refuses it). The cluster is compared by its hardware (:func:`cluster_differences`); with
     ``allow_cluster_mismatch`` only a different world size refuses."""
     problems = []
-    if graph is not None and graph.fingerprint() != plan.model.fingerprint:
+    if graph is not None and model_fingerprint(plan, graph) != plan.model.fingerprint:
         problems.append(_model_mismatch(plan.model, ModelInfo.of(graph)))
     if cluster is not None:
         diffs = cluster_differences(plan, cluster)
@@ -384,6 +384,12 @@ def plan_mismatch(plan: Plan, *, graph: Any = None, cluster: Any = None,
                for d in diffs):
             problems.append(_cluster_mismatch(plan.cluster, cluster, diffs))
     return "; ".join(problems)
+
+
+def model_fingerprint(plan: Plan, graph: Any) -> str:
+    """``graph``'s fingerprint as ``plan`` records one: the canonical form from schema 6 on, the
+    positional hash of the trace (``OpGraph.positional_fingerprint``) in older plans."""
+    return graph.fingerprint() if plan.schema_version >= 6 else graph.positional_fingerprint()
 
 
 def cluster_differences(plan: Plan, cluster: Any) -> tuple[Difference, ...]:
