@@ -192,8 +192,8 @@ def test_a_save_that_dies_leaves_the_previous_checkpoint(tmp_path, monkeypatch):
         real_save({k: v for i, (k, v) in enumerate(sd.items()) if i < 3}, **kw)
         raise OSError("disk gone")
     monkeypatch.setattr(ck.dcp, "save", dying_save)
-    with pytest.raises(OSError):
-        _train(0, 1, plan.to_json(), str(root), steps=2, save_at=2)
+    with pytest.raises(OSError):       # the same run, resumed, dies saving step 2
+        _train(0, 1, plan.to_json(), str(root), steps=1, save_at=2, resume=str(root))
     monkeypatch.setattr(ck.dcp, "save", real_save)
     assert (root / "latest").read_text().strip() == "step-00000001"
     assert ck.resolve(root).name == "step-00000001"

@@ -63,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
     ckpt = os.path.join(out, "checkpoints")
     cmd = torchrun_command(path, "gpt-small-cpu", nproc=args.ranks, steps=args.steps, lr=1e-3,
                            master_port=_free_port(), checkpoint_dir=ckpt,
-                           checkpoint_every=args.steps)
+                           checkpoint_every=args.steps, overwrite=True)   # the demo's own folder
     print("$ " + " ".join(cmd[2:]), flush=True)
     code = subprocess.call(cmd, env=rank_env())
     if code:

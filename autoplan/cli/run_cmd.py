@@ -1,16 +1,21 @@
 """`autoplan run plan.json --model MODEL --nproc-per-node N`: train a plan under torchrun.
 
-On one machine this launches ``torchrun`` itself. On several nodes run the printed torchrun
-command on every node (``--print-command``), with ``--nnodes``, ``--node-rank`` and the
-rendezvous address of node 0.
+On one machine this launches ``torchrun`` itself (torch's launcher, in this process), after
+checking the plan against the model, the cluster, the world size and the checkpoint folder
+(``preflight.py``): a mistake costs a second and one message, before any rank starts. A job
+whose ranks fail is reported once: the first error, with the ranks it hit (``summarize``). On
+several nodes run the printed torchrun command on every node (``--print-command``), with
+``--nnodes``, ``--node-rank`` and the rendezvous address of node 0.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import shlex
-import subprocess
 import sys
+import uuid
+from typing import Any
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -47,7 +52,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="save every N steps (and after the last step) into --checkpoint-dir")
     p.add_argument("--resume", action="store_true",
                    help="continue from the latest checkpoint in --checkpoint-dir (saved under "
-                        "this plan or another one)")
+                        "this plan or another one); an error when there is none")
+    p.add_argument("--resume-or-start", action="store_true",
+                   help="continue from the latest checkpoint in --checkpoint-dir, or start a "
+                        "new run there when it holds none")
+    p.add_argument("--overwrite", action="store_true",
+                   help="start a new run in --checkpoint-dir although it holds another run's "
+                        "checkpoints: they are deleted (without it, that is refused)")
     p.add_argument("--async-checkpoint", action="store_true",
                    help="write checkpoints in the background while training goes on")
     p.add_argument("--max-restarts", type=int, default=0,
@@ -64,7 +75,9 @@ def torchrun_command(plan_path: str, model: str, *, nproc: int, nnodes: int = 1,
                      meta: bool = False, checkpoint_dir: str | None = None,
                      checkpoint_every: int = 0, resume: bool = False,
                      async_checkpoint: bool = False, max_restarts: int = 0,
-                     cluster: str | None = None, allow_cluster_mismatch: bool = False,
+                     resume_or_start: bool = False, overwrite: bool = False,
+                     run_id: str | None = None, cluster: str | None = None,
+                     allow_cluster_mismatch: bool = False,
                      extra: list[str] | None = None) -> list[str]:
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
            f"--nnodes={nnodes}", f"--node-rank={node_rank}", f"--master-addr={master_addr}",
@@ -83,42 +96,121 @@ def torchrun_command(plan_path: str, model: str, *, nproc: int, nnodes: int = 1,
         cmd += ["--checkpoint-dir", checkpoint_dir, "--checkpoint-every", str(checkpoint_every)]
         if resume:
             cmd.append("--resume")
+        if resume_or_start:
+            cmd.append("--resume-or-start")
+        if overwrite:
+            cmd.append("--overwrite")
         if async_checkpoint:
             cmd.append("--async-checkpoint")
+    if run_id:
+        cmd += ["--run-id", run_id]
     return cmd + (extra or [])
 
 
 def run(args: argparse.Namespace) -> int:
-    from autoplan.errors import PlanError
-    from autoplan.planner.planfile import plan_from_file
-    plan = plan_from_file(args.plan)
-    world = plan.config.world_size
-    if args.nnodes != plan.cluster.num_nodes:
-        raise PlanError(f"the plan is for {plan.cluster.num_nodes} nodes of "
-                        f"{plan.cluster.devices_per_node} devices ({plan.cluster.name}); "
-                        f"--nnodes {args.nnodes} does not match: launch on "
-                        f"{plan.cluster.num_nodes} nodes or re-plan for {args.nnodes}")
-    if (args.checkpoint_every or args.resume or args.async_checkpoint) and not \
-            args.checkpoint_dir:
-        raise PlanError("--checkpoint-every, --resume and --async-checkpoint need "
-                        "--checkpoint-dir DIR")
-    if args.checkpoint_every < 0 or args.max_restarts < 0:
-        raise PlanError("--checkpoint-every and --max-restarts take a count >= 0")
-    nproc = args.nproc_per_node or world // args.nnodes
-    if nproc * args.nnodes != world:
-        raise PlanError(f"the plan needs {world} ranks but --nnodes {args.nnodes} x "
-                        f"--nproc-per-node {nproc} = {nproc * args.nnodes}; fix the launch")
-    cmd = torchrun_command(args.plan, args.model, nproc=nproc, nnodes=args.nnodes,
+    from autoplan.cli.preflight import check_launch
+    launch = check_launch(args, local=not args.print_command)
+    run_id = uuid.uuid4().hex[:12]
+    cmd = torchrun_command(args.plan, args.model, nproc=launch.nproc, nnodes=args.nnodes,
                            node_rank=args.node_rank, master_addr=args.master_addr,
                            master_port=args.master_port, steps=args.steps, lr=args.lr,
                            meta=args.meta, checkpoint_dir=args.checkpoint_dir,
                            checkpoint_every=args.checkpoint_every, resume=args.resume,
                            async_checkpoint=args.async_checkpoint,
-                           max_restarts=args.max_restarts, cluster=args.cluster,
+                           max_restarts=args.max_restarts,
+                           resume_or_start=args.resume_or_start, overwrite=args.overwrite,
+                           run_id=run_id, cluster=args.cluster,
                            allow_cluster_mismatch=args.allow_cluster_mismatch, extra=[
                                *(["--layers", str(args.layers)] if args.layers else []),
                                *(["--seq-len", str(args.seq_len)] if args.seq_len else [])])
     if args.print_command:
         print(shlex.join(cmd))
         return 0
-    return subprocess.call(cmd)
+    return launch_torchrun(cmd, run_id=run_id, checkpoint_dir=args.checkpoint_dir)
+
+
+def launch_torchrun(cmd: list[str], *, run_id: str, checkpoint_dir: str | None = None) -> int:
+    """Run ``cmd`` (a ``python -m torch.distributed.run ...`` command) with torch's launcher
+    in this process, so that its ranks' failures arrive as data (``ChildFailedError``) and are
+    reported once (``summarize``); restarts (``--max-restarts``) are torchrun's own."""
+    import logging
+
+    from torch.distributed import DistNetworkError
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args
+    from torch.distributed.run import run as torchrun
+
+    from autoplan.runtime.checkpoint_dir import RUN_ID_ENV
+    from autoplan.runtime.worker import LAUNCHED_ENV
+    saved = {k: os.environ.get(k) for k in (RUN_ID_ENV, LAUNCHED_ENV, "OMP_NUM_THREADS")}
+    # OMP_NUM_THREADS: torchrun's own default for its ranks, set here so it needs no banner
+    os.environ.update({RUN_ID_ENV: run_id, LAUNCHED_ENV: "1",
+                       "OMP_NUM_THREADS": saved["OMP_NUM_THREADS"] or "1"})
+    quiet = logging.getLogger("torch.distributed.elastic.multiprocessing.api")
+    level = quiet.level
+    quiet.setLevel(logging.CRITICAL)        # per-process exit lines: summarized below
+    try:
+        torchrun(parse_args(cmd[3:]))
+        return 0
+    except ChildFailedError as e:
+        print(summarize(e.failures), file=sys.stderr, flush=True)
+        return 1
+    except DistNetworkError as e:         # the rendezvous port: the launch's to fix
+        from autoplan.errors import AutoplanError
+        raise AutoplanError(f"torchrun could not start its rendezvous ({e}); pass a free "
+                            "--master-port") from None
+    finally:
+        quiet.setLevel(level)
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        if checkpoint_dir:
+            from pathlib import Path
+
+            from autoplan.runtime.checkpoint_dir import release
+            release(Path(checkpoint_dir), run_id)      # every rank has ended
+
+
+def _ranks(ranks: list[int]) -> str:
+    ranks = sorted(ranks)
+    return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
+
+
+def summarize(failures: dict[int, Any]) -> str:
+    """The failed ranks in a few lines: the first AutoplanError (what the user must fix) once,
+    with the ranks that raised the same; else the first error's traceback once. The ranks that
+    failed after it (their peers gone, or stopped by torchrun) in one line."""
+    seen = []                   # (time_s, rank, typed, headline, traceback)
+    for rank, f in failures.items():
+        data = f.error_file_data if isinstance(f.error_file_data, dict) else {}
+        mine = data.get("autoplan") if isinstance(data.get("autoplan"), dict) else None
+        if mine:
+            head = str(mine.get("error")) if mine.get("typed") else \
+                f"{mine.get('type')}: {mine.get('error')}"
+            stack = (data.get("message") or {}).get("extraInfo", {}).get("py_callstack", "") \
+                if isinstance(data.get("message"), dict) else ""
+            seen.append((float(mine.get("time_s", f.timestamp)), rank, bool(mine.get("typed")),
+                         head, stack))
+        elif f.exitcode < 0:
+            seen.append((float(f.timestamp), rank, False,
+                         f"killed by signal {f.signal_name()}", ""))
+        else:
+            msg = f.message if isinstance(f.message, str) else str(f.message)
+            seen.append((float(f.timestamp), rank, False,
+                         f"exited with code {f.exitcode}"
+                         + (f" ({msg})" if msg and "To enable traceback" not in msg else ""),
+                         ""))
+    seen.sort()
+    typed = [s for s in seen if s[2]]
+    first = typed[0] if typed else seen[0]
+    same = [s[1] for s in seen if s[3] == first[3]]
+    rest = [s for s in seen if s[3] != first[3]]
+    lines = []
+    if not first[2] and first[4]:
+        lines.append(first[4].rstrip())
+    lines.append(f"autoplan run: error: {first[3]} ({_ranks(same)})")
+    if rest:
+        lines.append(f"  {_ranks([s[1] for s in rest])} failed too (the first: {rest[0][3]})")
+    return "\n".join(lines)

@@ -20,9 +20,12 @@ reads them from whichever files hold them, so a run saved under one plan resumes
 
 Atomic: DCP writes into ``.step-N.partial/``; only when every rank has finished and the
 metadata is down does rank 0 rename it to ``step-N/`` and then replace ``latest`` (an
-``os.replace``), so a crash mid-save leaves the previous checkpoint the latest. The root must be
-on a file system every rank sees (as DCP's ``FileSystemWriter`` requires). Finding, reading,
-checking and exporting checkpoint directories is ``checkpoint_files.py``.
+``os.replace``), so a crash mid-save leaves the previous checkpoint the latest (and a crash
+between the rename and ``latest`` leaves the new one complete, which resuming takes: the
+newest complete step). Pruning (``keep_last``) never deletes the step just written. The root
+must be on a file system every rank sees (as DCP's ``FileSystemWriter`` requires). Finding,
+reading, checking and exporting checkpoint directories is ``checkpoint_files.py``; which job
+and which run may write into a root, ``checkpoint_dir.py``.
 """
 
 from __future__ import annotations
@@ -46,7 +49,8 @@ from torch.distributed.tensor import DTensor
 from autoplan.errors import CheckpointError
 from autoplan.runtime.checkpoint_files import (_DTYPES, FORMAT, LATEST, META_FILE,  # noqa: F401
                                                VERSION, _model_mismatch, _write_atomic,
-                                               export, read_meta, resolve, step_dir)
+                                               export, prune, read_meta, remove_step, resolve,
+                                               step_dir)
 from autoplan.runtime.pieces import Pieces, layout_of
 from autoplan.runtime.optim import wait_gathers
 
@@ -352,15 +356,16 @@ class Checkpointer:
             dist.barrier(group=self._group)
 
     def _commit(self, partial: Path, final: Path, meta: dict[str, Any]) -> None:
+        """The save becomes the latest: its description, the rename, ``latest``, then pruning,
+        which keeps the step just written (a crash between two of these leaves the newest
+        complete step the one ``resolve`` finds)."""
         _write_atomic(partial / META_FILE, json.dumps(meta, indent=1, sort_keys=True))
-        if final.exists():
-            shutil.rmtree(final)
+        if final.exists():                  # the same step saved again
+            remove_step(final)
         os.replace(partial, final)
         _write_atomic(self.root / LATEST, final.name + "\n")
         if self.keep_last is not None:
-            done = sorted(p for p in self.root.glob("step-*") if (p / META_FILE).exists())
-            for old in done[:-self.keep_last]:
-                shutil.rmtree(old, ignore_errors=True)
+            prune(self.root, keep_last=self.keep_last, just_written=final)
 
 
 def _describe(trainer: Any, merged: dict[str, Any], world: int) -> dict[str, Any]:
@@ -494,11 +499,17 @@ class Checkpointing:
     ``pipeline.py``), which hold ``checkpointer`` and ``lr_schedulers``."""
 
     def save(self, root: str | os.PathLike[str], *, async_save: bool = False,
-             keep_last: int | None = 3) -> Path:
+             keep_last: int | None = 3, overwrite: bool = False) -> Path:
         """Save model, optimizer, step, RNG and LR scheduler state under ``root`` (a collective:
         every rank calls it at the same step). Returns ``root/step-NNNNNNNN``; the previous
         checkpoint stays the latest until this one is complete. ``async_save`` copies the state
-        to host memory and writes it in the background; ``keep_last`` checkpoints are kept."""
+        to host memory and writes it in the background; ``keep_last`` checkpoints are kept
+        (the one just written always among them).
+
+        The first save into ``root`` claims it (``checkpoint_dir.py``): refused while another
+        job writes there, and where another run's checkpoints are, unless this run resumed
+        from the newest of them or ``overwrite`` (which deletes them first)."""
+        self._claim(Path(root), overwrite=overwrite)
         ck = self.checkpointer
         if ck is None or ck.root != Path(root) or ck.keep_last != keep_last:
             if ck is not None:
@@ -506,12 +517,33 @@ class Checkpointing:
             ck = self.checkpointer = Checkpointer(root, keep_last=keep_last)
         return ck.save(self, async_save=async_save)
 
+    def _claim(self, root: Path, *, overwrite: bool) -> None:
+        """Rank 0 claims ``root`` once per trainer; every rank raises its refusal alike."""
+        from autoplan.runtime.checkpoint_dir import claim
+        claimed = self.__dict__.setdefault("_claimed_dirs", set())
+        key = str(root.resolve())
+        if key in claimed:
+            return
+        refusal = None
+        if _world()[0] == 0:
+            try:
+                claim(root, resumed_from=self.__dict__.get("_resumed_from"),
+                      overwrite=overwrite)
+            except CheckpointError as e:
+                refusal = str(e)
+        refusal = _gather_objects(refusal)[0]
+        if refusal is not None:
+            raise CheckpointError(refusal)
+        claimed.add(key)
+
     def wait_for_checkpoint(self) -> None:
         """Block until an async save is complete (a collective)."""
         if self.checkpointer is not None:
             self.checkpointer.wait()
 
     def load(self, path: str | os.PathLike[str]) -> Path:
-        """Resume from the checkpoint at ``path`` (a root: its latest; or a step directory),
+        """Resume from the checkpoint at ``path`` (a root: its newest; or a step directory),
         saved under this plan or any other (a collective)."""
-        return load(self, path, lr_schedulers=self.lr_schedulers)
+        step = load(self, path, lr_schedulers=self.lr_schedulers)
+        self.__dict__["_resumed_from"] = step
+        return step

@@ -6,6 +6,7 @@ state dict. The layout is described in ``checkpoint.py``; nothing here needs a p
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -40,29 +41,62 @@ def _write_atomic(path: Path, text: str) -> None:
 
 # ---- find and describe -------------------------------------------------------------------------
 
+def step_number(step: Path) -> int | None:
+    """The step a ``step-NNNNNNNN`` directory holds (None for any other name)."""
+    digits = step.name.removeprefix("step-")
+    return int(digits) if step.name.startswith("step-") and digits.isdigit() else None
+
+
+def complete_steps(root: Path) -> list[Path]:
+    """The complete checkpoints under ``root`` (their description is down), oldest step first."""
+    if not root.is_dir():
+        return []
+    done = [p for p in root.iterdir() if step_number(p) is not None and (p / META_FILE).exists()]
+    return sorted(done, key=step_number)
+
+
 def resolve(path: str | os.PathLike[str]) -> Path:
-    """The step directory ``path`` names: a checkpoint root (its ``latest``) or a step
-    directory itself."""
+    """The step directory ``path`` names: a step directory itself, or a checkpoint root, whose
+    newest complete step is taken. That is the step ``latest`` names, except after a crash
+    between a save's rename and its ``latest`` update, when ``latest`` still names the one
+    before: the newer complete step is then the one to resume (a folder holds one run's
+    checkpoints, ``checkpoint_dir.py``, so the highest step is the newest)."""
     path = Path(path)
     if (path / META_FILE).exists():
         return path
+    done = complete_steps(path)
+    if done:
+        return done[-1]
     latest = path / LATEST
     if latest.exists():
         with open(latest, "rb") as f:                 # a step name, nothing more
             name = f.read(256).decode("utf-8", errors="replace").strip()
-        step = path / name
-        if name.startswith("step-") and "/" not in name and (step / META_FILE).exists():
-            return step
         raise CheckpointError(f"{latest} names {name[:60]!r}, which is not a complete "
-                              f"checkpoint in {path}; pass a step directory instead")
+                              f"checkpoint in {path}, and no other step there is complete")
     if path.exists():
-        done = sorted(p for p in path.glob("step-*") if (p / META_FILE).exists())
-        if done:
-            return done[-1]
         partial = sorted(path.glob(".step-*.partial"))
         hint = (f" ({partial[-1].name} is a save that never finished)" if partial else "")
         raise CheckpointError(f"no complete checkpoint in {path}{hint}")
     raise CheckpointError(f"no checkpoint at {path}: the directory does not exist")
+
+
+def remove_step(step: Path) -> None:
+    """Delete a step directory so that no reader ever sees half of it: it is renamed out of
+    the ``step-*`` names first, then removed."""
+    gone = step.with_name(f".{step.name}.deleting")
+    shutil.rmtree(gone, ignore_errors=True)
+    os.replace(step, gone)
+    shutil.rmtree(gone, ignore_errors=True)
+
+
+def prune(root: Path, *, keep_last: int, just_written: Path) -> list[Path]:
+    """Delete all but ``keep_last`` complete checkpoints: the one just written always stays
+    (``latest`` names it), with the ``keep_last - 1`` highest others. Returns the deleted."""
+    others = [p for p in complete_steps(root) if p.name != just_written.name]
+    gone = others[:max(0, len(others) - (keep_last - 1))]
+    for step in gone:
+        remove_step(step)
+    return gone
 
 
 def read_meta(step: Path) -> dict[str, Any]:

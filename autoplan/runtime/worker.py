@@ -7,22 +7,117 @@ prints the loss per step, then the measured median step time next to the plan's 
 
 With ``--checkpoint-dir`` it saves every ``--checkpoint-every`` steps and after the last one;
 ``--resume``, or a restart by ``torchrun --max-restarts`` after a rank died, continues from the
-latest checkpoint there (saved under this plan or another).
+latest checkpoint there (saved under this plan or another). Rank 0 claims the folder before the
+model is built (``checkpoint_dir.py``): another job's folder, another run's checkpoints without
+``--overwrite``, or ``--resume`` with nothing to resume (without ``--resume-or-start``) stop the
+job there.
+
+A rank that fails with an AutoplanError writes it to torchrun's error file and exits 1 without
+a traceback; ``autoplan run`` reports the ranks' errors once. Under a plain ``torchrun`` rank 0
+prints its error in one line.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 
+from autoplan.errors import AutoplanError, CheckpointError
+
+LAUNCHED_ENV = "AUTOPLAN_LAUNCHER"      # set by `autoplan run`: it reports the ranks' errors
+
 
 def main(argv: list[str] | None = None) -> int:
+    try:
+        return _main(argv)
+    except AutoplanError as e:
+        _report(e, typed=True)
+        return 1
+    except Exception as e:
+        if not _report(e, typed=False):
+            raise
+        return 1
+
+
+def _report(e: BaseException, *, typed: bool) -> bool:
+    """Record ``e`` for the launcher: torchrun's error file (its ``failures`` carry it), with
+    this rank, whether it is an AutoplanError and a precise time. An AutoplanError is one line
+    from rank 0 when no ``autoplan run`` summarizes; other errors keep their traceback there
+    (returns False: the caller re-raises)."""
+    rank = int(os.environ.get("RANK", "0"))
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    text = f"{type(e).__name__}: {e}"
+    if path:
+        data = {"message": {"message": text, "extraInfo": {
+                    "py_callstack": traceback.format_exc(), "timestamp": str(int(time.time()))}},
+                "autoplan": {"rank": rank, "typed": typed, "error": str(e),
+                             "type": type(e).__name__, "time_s": time.time()}}
+        try:
+            with open(path, "w") as f:
+                json.dump(data, f)
+        except OSError:
+            pass
+    if os.environ.get(LAUNCHED_ENV):
+        return True
+    if typed:
+        if rank == 0:
+            print(f"autoplan run: error: {e}", file=sys.stderr, flush=True)
+        return True
+    return False
+
+
+@dataclass(frozen=True)
+class RunModel:
+    """The model a run trains, as every rank builds it."""
+
+    data: Any          # the example with the plan's global batch (None: traced_only)
+    model: Any         # the module that trains (on meta with --meta)
+    small: Any         # the example as the plan traced it (its inputs and targets)
+
+
+def build_run_model(spec: str, *, batch: int, layers: int | None = None,
+                    seq_len: int | None = None, meta: bool = False,
+                    traced_only: bool = False) -> RunModel:
+    """Build ``spec`` (an example name or ``package.module:function``) as a rank does: seeded,
+    so every rank starts from the same weights; ``small`` is what ``compile`` traces.
+    ``traced_only``: just ``small`` (the pre-flight check of ``autoplan run``)."""
+    from autoplan.models import build_example
+    from autoplan.models.registry import layer_overrides
+    from autoplan.runtime.verify import user_example
+    if ":" in spec:                  # a user's package.module:function
+        if meta or seq_len:
+            raise AutoplanError(f"--meta and --seq-len take example names; {spec} builds its "
+                                "own model and inputs: drop them")
+        small = user_example(spec, batch=None, layers=layers)          # as traced
+        data = None if traced_only else user_example(spec, batch=batch, layers=layers)
+        return RunModel(data=data, model=small.model if data is None else data.model,
+                        small=small)
+    try:
+        shape = {"seq_len": seq_len, **layer_overrides(spec, layers)}
+        data = None if traced_only else build_example(spec, batch_size=batch, seed=0,
+                                                      device="cpu", **shape)
+        model = None
+        if meta and not traced_only:
+            model = build_example(spec, batch_size=1, device="meta", **shape).model
+        small = build_example(spec, batch_size=1, seed=0, device="meta" if meta else "cpu",
+                              **shape)
+    except ValueError as e:            # an unknown name, a size the example cannot take
+        raise AutoplanError(str(e)) from None
+    return RunModel(data=data, model=model or (data.model if data else small.model),
+                    small=small)
+
+
+def _main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="autoplan.runtime.worker")
     ap.add_argument("--plan", required=True)
     ap.add_argument("--model", required=True,
@@ -40,6 +135,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--checkpoint-dir", default=None)
     ap.add_argument("--checkpoint-every", type=int, default=0)
     ap.add_argument("--resume", action="store_true")
+    ap.add_argument("--resume-or-start", action="store_true")
+    ap.add_argument("--overwrite", action="store_true")
+    ap.add_argument("--run-id", default=None, help="the job's id (kept by torchrun restarts)")
     ap.add_argument("--async-checkpoint", action="store_true")
     ap.add_argument("--profile-dir", default=None,
                     help="after the steps, profile --profile-steps more; each rank writes its "
@@ -49,31 +147,18 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch.distributed as dist
 
-    from autoplan.models import build_example
-    from autoplan.models.registry import layer_overrides
     from autoplan.planner.planfile import plan_from_file
-    from autoplan.runtime.verify import user_example
     from autoplan.runtime.trainer import compile
     torch.set_num_threads(1)
+    if args.run_id:
+        from autoplan.runtime.checkpoint_dir import RUN_ID_ENV
+        os.environ[RUN_ID_ENV] = args.run_id
     plan = plan_from_file(args.plan)
     gbs = plan.training.global_batch_size
-    if ":" in args.model:            # a user's package.module:function
-        if args.meta or args.seq_len:
-            raise SystemExit(f"autoplan run: --meta and --seq-len take example names; "
-                             f"{args.model} builds its own model and inputs")
-        data = user_example(args.model, batch=gbs, layers=args.layers)
-        small = user_example(args.model, batch=None, layers=args.layers)  # as traced
-        model = data.model
-    else:
-        shape = {"seq_len": args.seq_len, **layer_overrides(args.model, args.layers)}
-        data = build_example(args.model, batch_size=gbs, seed=0, device="cpu", **shape)
-        if args.meta:
-            model = build_example(args.model, batch_size=1, device="meta", **shape).model
-        else:
-            model = data.model
-        small = build_example(args.model, batch_size=1, seed=0,
-                              device="meta" if args.meta else "cpu", **shape)
-    resume = _resume_from(args)
+    resume = _start(args)           # before the model: a refusal costs nothing
+    built = build_run_model(args.model, batch=gbs, layers=args.layers, seq_len=args.seq_len,
+                            meta=args.meta)
+    data, model, small = built.data, built.model, built.small
     trainer = compile(model, args.cluster or "local", example_inputs=small.example_inputs,
                       example_targets=small.targets, loss_fn=data.loss_fn,
                       optimizer=lambda ps: torch.optim.AdamW(ps, lr=args.lr),
@@ -100,9 +185,10 @@ def main(argv: list[str] | None = None) -> int:
                 note = " (writing in the background)" if args.async_checkpoint else ""
                 print(f"checkpoint {path}{note}", flush=True)
     trainer.wait_for_checkpoint()
+    if args.checkpoint_dir and trainer.rank == 0:
+        from autoplan.runtime.checkpoint_dir import release, run_id
+        release(Path(args.checkpoint_dir), run_id())
     if args.profile_dir:
-        import os
-
         from autoplan.runtime.step_trace import record_steps
         rec = record_steps(trainer, batch, args.profile_steps)
         rec.update(rank=trainer.rank, world=plan.config.world_size)
@@ -145,23 +231,35 @@ def _peak_memory(plan: Any) -> dict[str, float]:
             "predicted_peak_memory_bytes": float(plan.predicted["peak_memory_bytes"])}
 
 
-def _resume_from(args: argparse.Namespace) -> str | None:
-    """The checkpoint root to resume from: with ``--resume``, or when torchrun restarted the
-    job after a failure, if a complete checkpoint is there."""
-    import os
-
-    from autoplan.errors import CheckpointError
+def _start(args: argparse.Namespace) -> str | None:
+    """The checkpoint root to resume from (None: a new run). ``--resume``: its newest
+    checkpoint, or a CheckpointError when there is none (``--resume-or-start``: a new run);
+    a restart by torchrun after a failure resumes the newest one if there is one. Rank 0
+    claims the folder (``checkpoint_dir.claim``), deleting what ``--overwrite`` replaces, once:
+    a restart keeps what this job wrote."""
+    from autoplan.runtime.checkpoint_dir import claim, plan_start
     from autoplan.runtime.checkpoint_files import resolve
     restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
-    if not args.checkpoint_dir or not (args.resume or restarted):
+    root = args.checkpoint_dir
+    if not root:
         return None
-    try:
-        resolve(args.checkpoint_dir)
-    except CheckpointError as e:
-        if int(os.environ.get("RANK", "0")) == 0:
-            print(f"starting from scratch: {e}", flush=True)
-        return None
-    return args.checkpoint_dir
+    if int(os.environ.get("RANK", "0")) != 0:      # rank 0 checks, claims and reports
+        if not (args.resume or args.resume_or_start or restarted):
+            return None
+        try:
+            resolve(root)
+        except CheckpointError:
+            return None
+        return root
+    start = plan_start(root, resume=args.resume and not restarted,
+                       resume_or_start=args.resume_or_start or restarted,
+                       overwrite=args.overwrite and not restarted)
+    claim(root, resumed_from=start.resume_from, overwrite=args.overwrite and not restarted)
+    if restarted and start.resume_from is None:
+        print(f"restarted: no checkpoint in {root} yet, starting from step 0", flush=True)
+    elif start.note:
+        print(start.note, flush=True)
+    return root if start.resume_from is not None else None
 
 
 def _finish(dist) -> None:
