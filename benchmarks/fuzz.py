@@ -2,6 +2,7 @@
 
     python benchmarks/fuzz.py                  # 10,000 mutants per format
     python benchmarks/fuzz.py --mutants 500 --format cluster-yaml
+    python benchmarks/fuzz.py --arguments      # then every CLI and API argument case
 
 Formats: a plan (``plan.json``), a cluster file as YAML and as JSON, a profile database, an
 OpGraph (``autoplan trace -o``), a checkpoint description (``autoplan.json``). Each mutant is a seed file changed by one of: flipped bytes,
@@ -294,6 +295,8 @@ def main() -> int:
     ap.add_argument("--mutants", type=int, default=10_000)
     ap.add_argument("--format", choices=FORMATS, action="append")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--arguments", action="store_true",
+                    help="then fuzz the CLI and API arguments too (fuzz_arguments.py)")
     args = ap.parse_args()
     t0 = time.perf_counter()
     bugs: list[str] = []
@@ -306,6 +309,11 @@ def main() -> int:
     print(f"{time.perf_counter() - t0:.1f} s")
     for b in bugs[:20]:
         print(b)
+    if args.arguments:
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        import fuzz_arguments
+        sys.argv = sys.argv[:1]
+        return max(1 if bugs else 0, fuzz_arguments.main())
     return 1 if bugs else 0
 
 

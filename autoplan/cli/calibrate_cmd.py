@@ -79,17 +79,20 @@ def run(args: argparse.Namespace) -> int:
     from autoplan.planner.planfile import plan_from_file
     if args.steps < 2 or args.warmup < 1:
         raise PlanError("--steps takes at least 2 (a fit needs a spread), --warmup at least 1")
+    from autoplan.cli.common import output_arg
+    output_arg(args.output, "-o")             # before the runs, which take minutes
     import torch
     if torch.cuda.is_available():
         raise PlanError("calibrate measures CPU ranks so far: on GPUs the kernels run on CUDA "
                         "streams, which its attribution does not read yet; use `autoplan "
                         "profile --device cuda` for the device figures")
     runs = []
-    for path in args.plans:
-        plan = plan_from_file(path)
+    plans = [(path, plan_from_file(path)) for path in args.plans]   # all read before any run
+    for path, plan in plans:
         if plan.cluster.name != "local":
             raise PlanError(f"{path}: the plan is for cluster {plan.cluster.name!r}; calibrate "
                             "measures this machine: plan with --cluster local:N")
+    for path, plan in plans:
         measured = _measure(path, plan, args)
         if measured is None:
             return 2

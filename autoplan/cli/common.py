@@ -52,9 +52,64 @@ def add_capacity_arg(p: argparse.ArgumentParser) -> None:
                         "factor allows (default 1: balanced routing)")
 
 
+# sizes of an example model the CLI builds: beyond these, building and tracing take minutes to
+# hours (10^9 layers hung) or overflow torch's int64 sizes
+MAX_LAYERS = 1024          # 8x the deepest published LLMs (GPT-3 96, Llama-3 405B 126 layers)
+MAX_TOKENS = 1 << 24       # sequence / position table length: 16,777,216 tokens
+
+
+def check_model_sizes(args: argparse.Namespace) -> None:
+    """``--batch-size``, ``--seq-len``, ``--max-positions`` and ``--layers``: positive and
+    within what can be built and traced."""
+    from autoplan.estimate.arguments import MAX_GLOBAL_BATCH
+    limits = {"batch_size": (MAX_GLOBAL_BATCH, "samples"), "seq_len": (MAX_TOKENS, "tokens"),
+              "max_positions": (MAX_TOKENS, "positions"), "layers": (MAX_LAYERS, "layers")}
+    for name, (most, unit) in limits.items():
+        v = getattr(args, name, None)
+        if v is not None and not 1 <= v <= most:
+            flag = "--" + name.replace("_", "-")
+            raise AutoplanError(f"{flag} {v} is out of range: give 1 to {most:,} {unit}")
+
+
+def output_arg(path: str | None, flag: str, suffixes: tuple[str, ...] = ()) -> str | None:
+    """An output file named on the command line, checked before any work: not empty, not a
+    folder, in a folder that exists and takes a new file, with one of ``suffixes`` (when
+    given). The check creates and removes the file when it did not exist."""
+    import os
+    if path is None:
+        return None
+    if not path.strip():
+        raise AutoplanError(f"{flag} got an empty file name")
+    if suffixes and not path.lower().endswith(suffixes):
+        raise AutoplanError(f"{flag} {path!r}: write a {' or '.join(suffixes)} file")
+    if os.path.isdir(path):
+        raise AutoplanError(f"{flag} {path!r} is a folder; name a file in it")
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise AutoplanError(f"{flag} {path!r}: the folder {folder!r} does not exist; create it "
+                            "first")
+    try:
+        if os.path.exists(path):
+            with open(path, "ab"):
+                pass
+        else:
+            os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
+            os.remove(path)
+    except OSError as e:
+        raise AutoplanError(f"{flag} {path!r} cannot be written: {e.strerror or e}") from None
+    return path
+
+
+def figure_suffixes() -> tuple[str, ...]:
+    """The image formats matplotlib writes (by file extension)."""
+    from matplotlib.backend_bases import FigureCanvasBase
+    return tuple(f".{ext}" for ext in sorted(FigureCanvasBase.get_supported_filetypes()))
+
+
 def build_model_arg(args: argparse.Namespace):
     """The Example named by ``args.model`` (built per the shared model arguments)."""
     spec = args.model
+    check_model_sizes(args)
     if ":" in spec and not spec.endswith(".json"):
         from autoplan.models import load_user_example
         return load_user_example(spec)

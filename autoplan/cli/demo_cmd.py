@@ -41,8 +41,15 @@ def run(args: argparse.Namespace) -> int:
     from autoplan.planner.explain import explain_plan
     from autoplan.planner.search import plan
 
+    from autoplan.errors import AutoplanError
+    if not (1 <= args.ranks <= 1024 and args.steps >= 1):
+        raise AutoplanError(f"--ranks takes 1 to 1,024 CPU processes and --steps a count >= 1, "
+                            f"got --ranks {args.ranks} --steps {args.steps}")
     out = args.out or tempfile.mkdtemp(prefix="autoplan-demo-")
-    os.makedirs(out, exist_ok=True)
+    try:
+        os.makedirs(out, exist_ok=True)
+    except OSError as e:
+        raise AutoplanError(f"--out {out!r} cannot be made a folder: {e.strerror or e}") from None
     t_start = time.perf_counter()
 
     _headline(f"1. plan a small GPT (gpt-small-cpu) for this machine: {args.ranks} CPU ranks, gloo")

@@ -41,7 +41,11 @@ def add_config_args(p: argparse.ArgumentParser) -> None:
 
 def config_from_args(args: argparse.Namespace, world_size: int):
     from autoplan.errors import ConfigError
-    from autoplan.estimate.config import ParallelConfig
+    from autoplan.estimate.config import RECOMPUTE, ParallelConfig
+    for flag in ("dp", "tp", "pp", "cp", "ep", "micro_batch_size", "virtual_stages"):
+        v = getattr(args, flag)
+        if v is not None and v < 1:
+            raise ConfigError(f"--{flag.replace('_', '-')} takes a degree >= 1, got {v}")
     dp = args.dp
     if dp is None:
         dp, rem = divmod(world_size, args.tp * args.pp * args.cp)
@@ -51,6 +55,9 @@ def config_from_args(args: argparse.Namespace, world_size: int):
                               "--tp/--pp/--cp")
     from autoplan.estimate.config import strongest_recompute
     stage = comma_list(args.stage_recompute, str, "--stage-recompute")
+    if stage is not None and (not stage or any(s not in RECOMPUTE for s in stage)):
+        raise ConfigError(f"--stage-recompute takes one policy per pipeline stage from "
+                          f"{', '.join(RECOMPUTE)}, e.g. full,none; got {args.stage_recompute!r}")
     chunks = comma_list(args.chunk_layers, int, "--chunk-layers")
     recompute = args.recompute or (strongest_recompute(stage) if stage else "none")
     return ParallelConfig(dp=dp, tp=args.tp, pp=args.pp, micro_batch_size=args.micro_batch_size,
@@ -81,10 +88,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from autoplan.cluster import Cluster
+    from autoplan.estimate.arguments import batch_arg
     from autoplan.estimate.estimator import estimate
     cluster = Cluster.from_spec(args.cluster)
+    batch_arg(args.global_batch, "--global-batch")
+    config = config_from_args(args, cluster.world_size)     # before the trace: cheap first
     graph = graph_from_args(args)
-    config = config_from_args(args, cluster.world_size)
     est = estimate(graph, cluster, config=config, global_batch_size=args.global_batch,
                    profile=None if args.no_profile else "auto",
                    expert_capacity_factor=args.expert_capacity_factor)

@@ -20,7 +20,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from autoplan.cli.common import output_arg
     from autoplan.runtime.checkpoint_files import export
+    output_arg(args.output, "-o", (".safetensors", ".pt"))
     info = export(args.checkpoint, args.output)
     print(f"wrote {info['path']}: {info['tensors']} tensors, {info['bytes'] / 2**20:.1f} MiB, "
           f"model at step {info['step']}")

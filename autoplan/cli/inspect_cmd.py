@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from autoplan.cli.common import add_model_args, graph_from_args
+from autoplan.cli.common import add_model_args, figure_suffixes, graph_from_args, output_arg
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -42,7 +42,14 @@ def _add_figure_args(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from autoplan.errors import AutoplanError
     from autoplan.planner.planfile import plan_from_file
+    for flag, path in (("--timeline", args.timeline), ("--memory", args.memory)):
+        if path is not None:
+            output_arg(path, flag, figure_suffixes())
+    if args.cluster and not args.model:
+        raise AutoplanError("--cluster is the plan's cluster for the comparison with "
+                            "Megatron-LM: give --model too")
     plan = plan_from_file(args.plan)
     if args.json:
         sys.stdout.write(plan.to_json())

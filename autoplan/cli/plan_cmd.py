@@ -6,7 +6,9 @@ import argparse
 import sys
 import time
 
-from autoplan.cli.common import add_capacity_arg, add_model_args, comma_list, graph_from_args
+from autoplan.cli.common import (add_capacity_arg, add_model_args, comma_list, graph_from_args,
+                                 output_arg)
+from autoplan.estimate.arguments import config_fields
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -30,7 +32,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="pin a ParallelConfig field, e.g. --force tp=2 --force zero_stage=3; "
                         "lists comma-separated: --force chunk_layers=10,12,12,14 "
                         "--force stage_recompute=full,none; under ZeRO-3, weights kept whole: "
-                        "--force dp_whole='layers.*.attention.*'")
+                        "--force dp_whole='layers.*.attention.*'. FIELD is one of: "
+                        + ", ".join(config_fields()))
     p.add_argument("--pin", action="append", default=[], metavar="PATTERN=STRATEGY",
                    help="fix the strategy of the ops matching 'module.path:op' (fnmatch), the "
                         "ILP plans the rest around them, e.g. --pin "
@@ -58,10 +61,11 @@ def parse_force(items: list[str]) -> dict:
             value = comma_list(raw, _LIST_FIELDS[key], f"--force {key}")
         elif low in ("true", "false"):
             value = low == "true"
-        elif low.isdigit():
+        elif low.lstrip("+-").isdigit():
             value = int(low)
         out[key] = value
-    return out
+    from autoplan.estimate.arguments import force_arg
+    return force_arg(out, "--force")
 
 
 def parse_pins(items: list[str]) -> dict:
@@ -90,10 +94,28 @@ def _trace_for(cluster, args: argparse.Namespace):
     return graph_from_args(args)
 
 
+def check_args(args: argparse.Namespace) -> tuple[dict, dict]:
+    """Everything but the model, checked before the trace (which may take minutes): the
+    output file, the batch, the counts, ``--force`` and ``--pin``. Returns (force, pin)."""
+    from autoplan.errors import ConfigError
+    from autoplan.estimate.arguments import batch_arg, capacity_arg
+    output_arg(args.output, "-o")
+    batch_arg(args.global_batch, "--global-batch")
+    capacity_arg(args.expert_capacity_factor)
+    if args.top_k < 0:
+        raise ConfigError(f"--top-k takes a count >= 0 (alternatives kept), got {args.top_k}")
+    for flag, v in (("--max-tp", args.max_tp), ("--max-pp", args.max_pp)):
+        if v is not None and v < 1:
+            raise ConfigError(f"{flag} takes a degree >= 1 ({flag} 1 turns that axis off), "
+                              f"got {v}")
+    return parse_force(args.force), parse_pins(args.pin)
+
+
 def run(args: argparse.Namespace) -> int:
     from autoplan.cluster import Cluster
     from autoplan.planner.explain import explain_plan
     from autoplan.planner.search import plan
+    force, pin = check_args(args)
     cluster = Cluster.from_spec(args.cluster)
     t0 = time.perf_counter()
     graph = _trace_for(cluster, args)
@@ -107,7 +129,7 @@ def run(args: argparse.Namespace) -> int:
                   profile=None if args.no_profile else "auto", name=args.model,
                   progress=progress, top_k=args.top_k, max_tp=args.max_tp,
                   max_pp=args.max_pp, expert_capacity_factor=args.expert_capacity_factor,
-                  force=parse_force(args.force), pin=parse_pins(args.pin))
+                  force=force, pin=pin)
     result.save(args.output)
     print(explain_plan(result))
     print(f"\nwrote {args.output} (search {result.solver.time_s:.1f} s, "

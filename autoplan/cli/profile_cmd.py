@@ -155,6 +155,9 @@ def run(args: argparse.Namespace) -> int:
               f"{args.repeats}, {args.warmup}, {args.batch_size}", file=sys.stderr)
         return 2
     try:
+        if args.output:
+            from autoplan.cli.common import output_arg
+            output_arg(args.output, "-o")      # before the profile, which takes minutes
         device_name = local_device_name(args.device)
         out = Path(args.output).expanduser() if args.output else \
             default_cache_dir() / f"{device_name}.json"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from autoplan.cli.common import add_model_args, graph_from_args
+from autoplan.cli.common import add_model_args, graph_from_args, output_arg
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -29,6 +29,10 @@ def run(args: argparse.Namespace) -> int:
         print("autoplan trace: give a MODEL (an example name: see `autoplan trace --list`)",
               file=sys.stderr)
         return 2
+    from autoplan.errors import AutoplanError
+    if args.ops < 0:
+        raise AutoplanError(f"--ops takes a count >= 0 (ops to list), got {args.ops}")
+    output_arg(args.output, "-o")                 # before the trace, which may take minutes
     graph = graph_from_args(args)
     print(graph.summary())
     if args.ops:
@@ -38,7 +42,10 @@ def run(args: argparse.Namespace) -> int:
             print(f"{op.name[:28]:28s} {op.kind:10s} {op.fwd_flops / 1e9:10.3f} "
                   f"{out_mb:10.2f}  {op.module_path}")
     if args.output:
-        with open(args.output, "w") as f:
-            f.write(graph.to_json(indent=1))
+        try:
+            with open(args.output, "w") as f:
+                f.write(graph.to_json(indent=1))
+        except OSError as e:
+            raise AutoplanError(f"cannot write {args.output!r}: {e.strerror or e}") from None
         print(f"wrote {args.output} (fingerprint {graph.fingerprint()[:16]})")
     return 0

@@ -45,8 +45,14 @@ def run(args: argparse.Namespace) -> int:
     from autoplan.planner.shrink import layers_needed, shrunk_force, transfer_sharding
     from autoplan.runtime.verify import build
 
-    if args.ranks < 1 or args.steps < 1 or not args.tolerance > 0:
-        raise PlanError("--ranks and --steps take a count >= 1, --tolerance a positive number")
+    import math
+    if not (1 <= args.ranks <= 1024 and 1 <= args.steps <= 10_000 and math.isfinite(
+            args.tolerance) and args.tolerance > 0 and 1 <= (args.layers or 1) <= 1024
+            and args.seq_len >= 1):
+        raise PlanError(f"--ranks takes 1 to 1,024 processes, --steps 1 to 10,000, --layers "
+                        f"and --seq-len a count >= 1, --tolerance a positive number; got "
+                        f"--ranks {args.ranks} --steps {args.steps} --layers {args.layers} "
+                        f"--seq-len {args.seq_len} --tolerance {args.tolerance}")
     plan = plan_from_file(args.plan)
     force = shrunk_force(plan.config, args.ranks)
     world = force["pp"] * force["dp"] * force["tp"] * force.get("cp", 1)

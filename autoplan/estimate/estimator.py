@@ -28,7 +28,8 @@ from autoplan.cost.compute import compute_model
 from autoplan.cost.memory import (PRECISION_BYTES, activation_bytes,
                                   model_state_bytes, sharding_for)
 from autoplan.errors import ConfigError
-from autoplan.estimate.arguments import batch_arg, capacity_arg, cluster_arg, profile_arg
+from autoplan.estimate.arguments import (batch_arg, capacity_arg, cluster_arg,
+                                        estimate_options_arg, microbatches_arg, profile_arg)
 from autoplan.estimate.chunk_cost import CostInputs, RangeCost, chunk_cost
 from autoplan.estimate.config import SPLIT_BACKWARD, ParallelConfig
 from autoplan.estimate.dp_terms import StageParams, dp_collectives, price, stage_terms
@@ -53,7 +54,7 @@ def validate(graph: OpGraph, cluster: Any, config: ParallelConfig,
             f"{names} = {sizes} = {config.world_size} but the cluster has "
             f"{cluster.world_size} devices; choose degrees whose product is "
             f"{cluster.world_size}")
-    m = config.microbatches(global_batch_size)
+    m = microbatches_arg(config.microbatches(global_batch_size), config)
     if (config.pp > 1 and m % config.pp and (config.schedule == "interleaved_1f1b" or (
             config.schedule == "zero_bubble" and config.virtual_stages > 1))):
         raise ConfigError(f"{config.schedule} over {config.virtual_stages} chunks per rank needs "
@@ -98,6 +99,8 @@ def estimate(model: Any, cluster: Any, *, config: ParallelConfig, global_batch_s
     if not isinstance(config, ParallelConfig):
         raise ConfigError(f"config must be an autoplan.ParallelConfig, got {type(config).__name__}")
     global_batch_size = batch_arg(global_batch_size, "estimate()")
+    estimate_options_arg(memory_margin_bytes=memory_margin_bytes, sharding=sharding,
+                         simulate_pipeline=simulate_pipeline)
     cluster = cluster_arg(cluster, "estimate()")
     graph = as_graph(model, example_inputs, loss_fn=loss_fn, targets=targets, who="estimate()",
                      error=ConfigError)

@@ -333,12 +333,18 @@ def materialize(model: nn.Module, *, device: str | torch.device = "cpu",
 
 def load_user_example(spec: str) -> Example:
     """The Example a ``package.module:function`` spec names, built by calling the function.
-    The current folder is importable, as under ``python -m``."""
+    The current folder is importable, as under ``python -m``. A spec that names no module, no
+    function, or a function that needs arguments or returns no Example is an AutoplanError."""
     import importlib
+    import inspect
     import sys
 
     from autoplan.errors import AutoplanError
     mod_name, _, fn_name = spec.partition(":")
+    usage = "give 'package.module:function', e.g. 'mymodels:make_example'"
+    if not (all(p.isidentifier() for p in mod_name.split(".")) and fn_name.isidentifier()):
+        raise AutoplanError(f"{spec!r} is not a model spec: {usage} (an absolute module path "
+                            "and a function name)")
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
     try:
@@ -346,4 +352,16 @@ def load_user_example(spec: str) -> Example:
     except (ImportError, AttributeError) as e:
         raise AutoplanError(f"cannot load {spec!r}: {e}; give 'package.module:function' "
                             "importable from the current environment") from e
-    return fn()
+    try:
+        inspect.signature(fn).bind()
+    except TypeError:            # not callable, or it needs arguments
+        raise AutoplanError(f"{spec!r} is {type(fn).__name__} {fn!r:.50}, not a function of no "
+                            "arguments returning an autoplan.models.Example; " + usage) from None
+    except ValueError:           # a builtin without a signature: calling it tells
+        pass
+    example = fn()
+    if not isinstance(example, Example):
+        raise AutoplanError(f"{spec}() returned {type(example).__name__}, not an "
+                            "autoplan.models.Example (name, model, example_inputs, targets, "
+                            "loss_fn, family, config)")
+    return example

@@ -26,6 +26,13 @@ def load_plan(path: str | os.PathLike[str], *, model: Any = None, cluster: Any =
     ``plan_kwargs``) and returns the new plan. ``allow_cluster_mismatch=True`` accepts other
     hardware of the plan's world size (its prediction is then stale: ``stale_prediction``).
     """
+    from autoplan.estimate.arguments import path_arg
+    from autoplan.graph.opgraph import OpGraph
+    path = path_arg(path, who="load_plan()", what="the plan file", error=PlanError,
+                    fix="compile(plan=...) takes an autoplan.Plan too")
+    if (graph is not None and not isinstance(graph, OpGraph)) or not isinstance(replan, bool):
+        raise PlanError(f"load_plan(): graph must be None or an OpGraph (autoplan.trace), and "
+                        f"replan True or False; got graph={graph!r:.40}, replan={replan!r:.20}")
     plan = planfile.plan_from_file(path)
     if plan_kwargs and not replan:
         raise PlanError(f"load_plan got planning options {sorted(plan_kwargs)} without "

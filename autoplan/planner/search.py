@@ -40,7 +40,7 @@ from typing import Any
 from autoplan.errors import ConfigError
 from autoplan.gc_pause import with_fewer_collections
 from autoplan.estimate.arguments import (batch_arg, capacity_arg, cluster_arg, options_error,
-                                        profile_arg)
+                                        profile_arg, search_options_arg)
 from autoplan.estimate.config import ParallelConfig
 from autoplan.estimate.estimator import validate
 from autoplan.graph.opgraph import OpGraph
@@ -152,6 +152,7 @@ def plan(model: Any, cluster: Any, *, global_batch_size: int, example_inputs: An
     except TypeError as e:
         raise options_error(e, "plan()", [f.name for f in fields(SearchOptions)]) from None
     global_batch_size = batch_arg(global_batch_size, "plan()")
+    search_options_arg(opts, progress=progress)
     cluster = cluster_arg(cluster, "plan()")
     opts = replace(opts, expert_capacity_factor=capacity_arg(opts.expert_capacity_factor))
     if not isinstance(opts.force, dict):

@@ -176,6 +176,7 @@ class PipelineTrainer(Checkpointing, GradientStep):
     experts: frozenset[str] = frozenset()     # expert weights split over the ep group
     ep_comm: Any = None
     cp_index: int = 0                          # this rank's piece of the sequence (cp > 1)
+    batch_spec: Any = None                     # what step() takes (runtime/batch_check.py)
 
     @property
     def config(self):
@@ -186,8 +187,9 @@ class PipelineTrainer(Checkpointing, GradientStep):
         return nn.ModuleList(self.chunks[c] for c in sorted(self.chunks))
 
     def step(self, batch: Sequence[torch.Tensor] | torch.Tensor) -> float:
+        from autoplan.runtime.batch_check import check_batch
         from autoplan.runtime.trainer import guarded
-        return guarded(self, self._step, batch)
+        return guarded(self, self._step, check_batch(self.batch_spec, batch))
 
     def _step(self, batch: Sequence[torch.Tensor] | torch.Tensor) -> float:
         if isinstance(batch, torch.Tensor):

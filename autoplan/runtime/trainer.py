@@ -40,6 +40,7 @@ from autoplan.planner.loading import load_plan
 from autoplan.planner.plan_check import check_plan_against
 from autoplan.planner.planfile import Plan
 from autoplan.runtime import parallelize as par
+from autoplan.runtime.batch_check import BatchSpec, check_batch
 from autoplan.runtime.checkpoint import Checkpointing, optimizer_slots
 from autoplan.runtime.grads import GradientStep, LossScaler, finish_step
 from autoplan.runtime.health import for_job
@@ -145,6 +146,7 @@ class Trainer(Checkpointing, GradientStep):
     # the loss is a mean over counted targets: micro-batches weighted by their share of them
     token_loss: TokenMeanLoss | None = None
     cp_index: int = 0                          # this rank's piece of the sequence (cp > 1)
+    batch_spec: BatchSpec | None = None        # what step() takes (runtime/batch_check.py)
 
     @property
     def config(self):
@@ -166,6 +168,7 @@ class Trainer(Checkpointing, GradientStep):
         """Forward, backward and optimizer step on the global ``batch`` (inputs..., targets);
         returns the loss averaged over the global batch (the same on every rank). If a peer
         rank dies, raises ``RankFailure`` naming it."""
+        batch = check_batch(self.batch_spec, batch)
         return guarded(self, self._step, batch)
 
     def _step(self, batch: Sequence[torch.Tensor]) -> float:
@@ -285,6 +288,9 @@ def compile(model: nn.Module, cluster: Any = "local", *, example_inputs: Sequenc
                        global_batch_size=global_batch_size, loss_fn=loss_fn,
                        example_targets=example_targets, plan=plan, precision=precision,
                        seed=seed, allow_cluster_mismatch=allow_cluster_mismatch, **plan_kwargs)
+    trainer.batch_spec = BatchSpec.of(example_inputs, example_targets, loss_fn=loss_fn,
+                                      global_batch_size=trainer.plan.training.global_batch_size,
+                                      device=trainer.device, pipelined=trainer.config.pp > 1)
     trainer.stale_prediction = stale_prediction(trainer.plan, cluster)
     if trainer.stale_prediction and trainer.rank == 0:
         import sys
