@@ -239,6 +239,17 @@ def test_outputs_that_cannot_be_written_are_refused_before_any_work(capsys, file
     assert not (files / "figure.unknown").exists()
 
 
+@pytest.mark.parametrize("flag, value, words", [
+    ("--lr", "nan", "--lr takes a learning rate >= 0, got nan"),
+    ("--lr", "-1", "--lr takes a learning rate >= 0, got -1.0"),
+    ("--master-port", "70000", "--master-port takes a TCP port, 1 to 65535, got 70000"),
+])
+def test_run_refuses_a_learning_rate_or_port_that_cannot_be(capsys, files, flag, value, words):
+    rc, err = _cli(capsys, "run", files / "plan.json", "--model", "mlp-tiny", "--print-command",
+                   flag, value)
+    assert rc == 1 and words in err
+
+
 @pytest.mark.parametrize("spec, words", [
     ("os:sep", "not a function of no arguments"),
     ("json:decoder", "not a function of no arguments"),

@@ -78,6 +78,10 @@ def _check_arguments(args: argparse.Namespace) -> None:
     if not 0 <= args.node_rank < args.nnodes:
         raise PlanError(f"--node-rank {args.node_rank} is not one of the {args.nnodes} nodes "
                         f"(0 to {args.nnodes - 1})")
+    if not 0 <= args.lr < float("inf"):
+        raise PlanError(f"--lr takes a learning rate >= 0, got {args.lr}")
+    if not 0 < args.master_port < 65536:
+        raise PlanError(f"--master-port takes a TCP port, 1 to 65535, got {args.master_port}")
 
 
 def _check_world(plan: Any, args: argparse.Namespace) -> int:
