@@ -98,7 +98,7 @@ def _train(rank, world, plan_json):
     mbs = trainer.plan.config.micro_batch_size
     chunk = [b[:mbs] for b in batch]
     with torch.no_grad():
-        Keep(gm).run(*(chunk if trainer.loss_in_program else chunk[:-1]))
+        Keep(gm).run(*(chunk if trainer.runner.loss_in_program else chunk[:-1]))
     losses = [trainer.step(batch) for _ in range(3)]
     # weights this rank holds whole (replicated on the axis): the same on both ranks only if
     # the dropouts of replicated tensors drew the same masks on both

@@ -189,10 +189,10 @@ def _pp_count_rank(rank, world, plan_json):
     trainer.step(batch)                        # DDP's first step rebuilds its buckets
     with CommCounter() as counter:
         trainer.step(batch)
-    stages = trainer.schedule._stages if hasattr(trainer.schedule, "_stages") else \
-        [trainer.schedule._stage]
-    params = sum(p.numel() for c in trainer.chunks.values() for p in c.parameters())
-    tensors = sum(1 for c in trainer.chunks.values() for _ in c.parameters())
+    stages = trainer.runner.schedule._stages if hasattr(trainer.runner.schedule, "_stages") else \
+        [trainer.runner.schedule._stage]
+    params = sum(p.numel() for c in trainer.runner.chunks.values() for p in c.parameters())
+    tensors = sum(1 for c in trainer.runner.chunks.values() for _ in c.parameters())
     tied = sum(p.numel() for sync in trainer.grad_syncs for p, _ in getattr(sync, "pairs", []))
     return (all(isinstance(s.submod, DistributedDataParallel) for s in stages),
             counter.counts.get("all_reduce", (0, 0.0)), params, tensors, tied)

@@ -69,12 +69,7 @@ class Held:
 
 def program_modules(trainer: Any) -> list[nn.Module]:
     """The modules holding this rank's parameters (DDP unwrapped; pipeline chunks)."""
-    chunks = getattr(trainer, "chunks", None)
-    if chunks is not None:
-        return [chunks[c] for c in sorted(chunks)]
-    model = trainer.model
-    return [getattr(model, "module", model) if isinstance(
-        model, nn.parallel.DistributedDataParallel) else model]
+    return list(trainer.stage_modules)
 
 
 def canonical_name(name: str, aliases: dict[str, tuple[str, ...]]) -> str:
@@ -483,7 +478,8 @@ def load(trainer: Any, path: str | os.PathLike[str], *,
 
 def _refresh_host_copies(opt: Any) -> None:
     """Host-offloaded master weights take the loaded parameters' values."""
-    from autoplan.runtime.optim import HostOffloadOptimizer, TensorShardedOptimizer, _local
+    from autoplan.runtime.optim import HostOffloadOptimizer, TensorShardedOptimizer
+    from autoplan.runtime.optim import local_tensor as _local
     if isinstance(opt, TensorShardedOptimizer):
         if opt.inner is not None:
             _refresh_host_copies(opt.inner)

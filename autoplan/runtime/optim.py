@@ -25,7 +25,8 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """This rank's piece of ``t`` (a DTensor's local shard; a plain tensor as it is)."""
     return t.to_local() if isinstance(t, DTensor) else t
 
 
@@ -59,7 +60,7 @@ class DataParallelGrads:
     def _complete(self, p: torch.nn.Parameter) -> None:
         if not self._armed or p.grad is None:
             return
-        g = _local(p.grad)
+        g = local_tensor(p.grad)
         if self._ready and (g.dtype != self._ready[0].dtype or g.device != self._ready[0].device
                             or _nbytes(self._ready) + _nbytes([g]) > BUCKET_BYTES):
             self._send()
@@ -81,7 +82,7 @@ class DataParallelGrads:
                 work.wait()
                 _scatter(flat.div_(self.dp), bucket)
         self._sent, self._sent_ids, self._armed = [], set(), False
-        grads = [_local(p.grad) for p in rest if p.grad is not None]
+        grads = [local_tensor(p.grad) for p in rest if p.grad is not None]
         for bucket in _buckets(grads, BUCKET_BYTES):
             flat = torch.cat([g.reshape(-1) for g in bucket])
             dist.all_reduce(flat, group=self.group)
@@ -135,7 +136,7 @@ class TensorParallelGrads:
         self.group = group
 
     def all_reduce(self) -> None:
-        grads = [_local(p.grad) for p in self.params if p.grad is not None]
+        grads = [local_tensor(p.grad) for p in self.params if p.grad is not None]
         for dtype in sorted({g.dtype for g in grads}, key=str):
             same = [g for g in grads if g.dtype == dtype]
             flat = torch.cat([g.reshape(-1) for g in same])
@@ -163,10 +164,10 @@ class TensorShardedOptimizer:
             idx = [i for i, gi in enumerate(self.groups) if gi is g]
             n = dist.get_world_size(g)
             loads = [0] * n
-            for i in sorted(idx, key=lambda i: (-_local(self.params[i]).numel(), i)):
+            for i in sorted(idx, key=lambda i: (-local_tensor(self.params[i]).numel(), i)):
                 k = min(range(n), key=lambda r: (loads[r], r))
                 owner[i] = k
-                loads[k] += _local(self.params[i]).numel()
+                loads[k] += local_tensor(self.params[i]).numel()
             me = dist.get_rank(g)
             mine += [i for i in idx if owner[i] == me]
         self.owner = owner
@@ -182,7 +183,7 @@ class TensorShardedOptimizer:
             self.inner.step()
         with torch.no_grad():
             for p, src, g in zip(self.params, self.src, self.groups):
-                work = dist.broadcast(_local(p).data, src=src, group=g, async_op=True)
+                work = dist.broadcast(local_tensor(p).data, src=src, group=g, async_op=True)
                 if self._overlap:
                     self._pending[id(p)] = work
                 else:
@@ -242,7 +243,7 @@ class HostOffloadOptimizer:
     def __init__(self, params: Sequence[torch.nn.Parameter],
                  factory: Callable[[Any], torch.optim.Optimizer]):
         self.params = list(params)
-        self.host = [_local(p).detach().to("cpu", torch.float32, copy=True).requires_grad_(True)
+        self.host = [local_tensor(p).detach().to("cpu", torch.float32, copy=True).requires_grad_(True)
                      for p in self.params]
         self.inner = factory(self.host)
         self.bytes_moved = 0
@@ -253,12 +254,12 @@ class HostOffloadOptimizer:
                 if p.grad is None:
                     h.grad = None
                     continue
-                g = _local(p.grad)
+                g = local_tensor(p.grad)
                 h.grad = g.to("cpu", torch.float32, copy=True)
                 self.bytes_moved += g.numel() * g.element_size()
             self.inner.step()
             for p, h in zip(self.params, self.host):
-                local = _local(p)
+                local = local_tensor(p)
                 local.copy_(h.to(local.device, local.dtype))
                 self.bytes_moved += local.numel() * local.element_size()
 
