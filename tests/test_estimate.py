@@ -446,3 +446,38 @@ def test_a_weight_gathered_for_its_product_is_held_whole_while_it_runs():
                        sharding=Sharding.build(g, 2, picked))
         got.append(est.stages[0].memory.transient_bytes)
     assert got[1] - got[0] == pytest.approx(max(whole) * (PRECISION_BYTES["fp32"] + GRAD_BYTES))
+
+
+# ---- a compiled program -------------------------------------------------------------------
+
+def test_a_compiled_program_runs_element_wise_chains_as_one_pass():
+    """``compiled=True`` prices what inductor runs: a chain of element-wise ops (GELU's tanh
+    form: pow, mul, add, tanh, ...) is one kernel, so its inner ops move no bytes and open no
+    kernel; what the chain takes from a product and hands to the next is read and written
+    once. Products are priced as before, and the whole step gets cheaper."""
+    from autoplan.cost.compute import compute_model, fused_traffic
+    ex = build_example("gpt3-1.3b", device="meta", batch_size=1, num_layers=2)
+    g = trace(ex.model, ex.example_inputs, loss_fn=ex.loss_fn, targets=ex.targets)
+    traffic = fused_traffic(g)
+    kinds = {g.ops[i].kind for i in traffic}
+    assert kinds <= {"pointwise", "norm", "dropout", "reduction", "copy", "creation"}
+    assert any(t.moved == 0.0 and not t.launches for t in traffic.values())   # chain interiors
+    assert any(t.moved > 0.0 and t.launches for t in traffic.values())        # chain heads
+    device = Cluster.preset("dgx-h100", nodes=1).device
+    eager, fused = (compute_model(g, device, "bf16", fused=f) for f in (False, True))
+    for i, op in enumerate(g.ops):
+        a, b = eager.base_cost(i), fused.base_cost(i)
+        if i in traffic:
+            assert b.fwd_s <= a.fwd_s and b.bwd_s <= a.bwd_s, op.name
+        else:
+            assert (a.fwd_s, a.bwd_s) == (b.fwd_s, b.bwd_s), op.name
+    inner = next(i for i, t in traffic.items() if t.moved == 0.0 and not t.launches)
+    assert fused.base_cost(inner).fwd_s < eager.base_cost(inner).fwd_s / 10
+    cl = Cluster.preset("dgx-h100", nodes=1)
+    times = [estimate(g, cl, global_batch_size=8, config=ParallelConfig(
+        dp=8, micro_batch_size=1, zero_stage=3, precision="bf16", compiled=c)).step_time_s
+        for c in (False, True)]
+    assert times[1] < times[0]
+    cfg = ParallelConfig(dp=8, precision="bf16", compiled=True)
+    assert ParallelConfig.from_dict(cfg.to_dict()) == cfg and "compiled" in cfg.short()
+    assert "compiled" not in ParallelConfig(dp=8).to_dict()      # old plans read back as written

@@ -14,6 +14,11 @@ Backward: the op rule's backward FLOPs (its products have the forward's sizes, t
 and about twice the forward's bytes (read the output gradient and what was saved, write the
 input gradients).
 
+A compiled program (``ParallelConfig.compiled``, ``fused=True``) runs each chain of element-wise
+ops, casts, norms and reductions as one kernel (what inductor does): an op of such a chain moves
+only the bytes that cross the chain's edge (``fused_traffic``), and only the chain's first op
+pays a launch. Products, attention and the loss are priced as before.
+
 A profile entry is used as measured when the op runs at its traced shape and dtype; when the
 planner scales the work (another micro-batch size, a TP shard) the measured time above the
 launch overhead scales linearly with the work.
@@ -188,23 +193,89 @@ def _bwd_parts(op: Op) -> tuple[float, float]:
 
 
 def compute_model(graph: OpGraph, device: Any, precision: str, profile: Any = None,
-                  mixed_precision: str = "autocast") -> ComputeModel:
-    """The ComputeModel for (graph, device, precision, profile, mixed_precision), built once
-    and kept on the graph: the planner costs hundreds of configurations of one graph."""
+                  mixed_precision: str = "autocast", fused: bool = False) -> ComputeModel:
+    """The ComputeModel for (graph, device, precision, profile, mixed_precision, fused), built
+    once and kept on the graph: the planner costs hundreds of configurations of one graph."""
     cache = graph.__dict__.setdefault("_autoplan_compute", {})
-    key = (device, precision, id(profile), mixed_precision)
+    key = (device, precision, id(profile), mixed_precision, fused)
     model = cache.get(key)
     if model is None or model.profile is not profile:
-        model = ComputeModel(graph, device, precision, profile, mixed_precision)
+        model = ComputeModel(graph, device, precision, profile, mixed_precision, fused)
         cache[key] = model
     return model
+
+
+# What torch.compile's inductor fuses: element-wise arithmetic, casts and copies, the
+# reductions and norms around them (a norm is reductions and element-wise ops to it), dropout.
+FUSIBLE_KINDS = frozenset({"pointwise", "norm", "dropout", "reduction", "copy", "creation"})
+
+
+@dataclass(frozen=True)
+class FusedTraffic:
+    """One fusible op as a compiled program runs it: the share of its traced bytes that
+    still moves through memory (inputs made outside its fused kernel, outputs read outside
+    it) and whether it opens a kernel of its own (a launch)."""
+
+    moved: float
+    launches: bool
+
+
+def fused_traffic(graph: OpGraph) -> dict[int, FusedTraffic]:
+    """Per fusible op (``FUSIBLE_KINDS``), its traffic in a compiled program: a chain of such
+    ops runs as one kernel that reads what the chain takes from outside (products' outputs,
+    weights, inputs) and writes what is read outside it, once; views pass through. Kept on the
+    graph."""
+    cached = graph.__dict__.get("_autoplan_fused")
+    if cached is not None:
+        return cached
+    from autoplan.graph.analysis import analyze
+    a = analyze(graph)
+    ops = graph.ops
+
+    def source(n: str) -> int | None:       # the op that computed n, through views
+        i = a.producer.get(n)
+        while i is not None and ops[i].kind == "view" and ops[i].inputs:
+            i = a.producer.get(ops[i].inputs[0])
+        return i
+
+    def readers(n: str) -> list[int]:       # the ops that read n, through views
+        out: list[int] = []
+        for j in a.consumers.get(n, ()):
+            if ops[j].kind == "view":
+                for o in ops[j].outputs:
+                    out += readers(o)
+            else:
+                out.append(j)
+        return out
+    fused = {i for i, op in enumerate(ops) if op.kind in FUSIBLE_KINDS}
+    outputs = set(graph.outputs)
+    out: dict[int, FusedTraffic] = {}
+    for i in fused:
+        op = ops[i]
+        total = moved = 0.0
+        inside = True
+        for n in op.inputs:
+            b = graph.value(n).meta.nbytes
+            total += b
+            if source(n) not in fused:
+                moved += b
+                inside = False
+        for n in op.outputs:
+            b = graph.value(n).meta.nbytes
+            total += b
+            if n in outputs or not readers(n) or any(j not in fused for j in readers(n)):
+                moved += b
+        out[i] = FusedTraffic(moved=moved / total if total else 1.0,
+                              launches=not inside or not op.inputs)
+    graph.__dict__["_autoplan_fused"] = out
+    return out
 
 
 class ComputeModel:
     """Op times for one (device, precision), optionally backed by a measured ProfileDB."""
 
     def __init__(self, graph: OpGraph, device: Any, precision: str, profile: Any = None,
-                 mixed_precision: str = "autocast"):
+                 mixed_precision: str = "autocast", fused: bool = False):
         if precision not in PRECISION_BYTES:
             raise ValueError(f"precision {precision!r} not in {sorted(PRECISION_BYTES)}")
         self.graph = graph
@@ -220,6 +291,8 @@ class ComputeModel:
         self._cache: dict[int, OpCost] = {}
         self._scaled: dict[tuple[int, float, str, int], OpCost] = {}
         self._tabled: set[int] = set()      # ops priced by the device's GEMM table
+        # a compiled program (``ParallelConfig.compiled``): element-wise chains fused
+        self.fused = fused_traffic(graph) if fused else {}
 
     def _byte_scale(self, op: Op) -> float:
         """Traced float tensors become training-precision tensors; under autocast each takes
@@ -267,7 +340,7 @@ class ComputeModel:
             return None
         return OpCost(fwd_s=t.fwd_s, bwd_s=t.bwd_s if op.differentiable else 0.0)
 
-    def _roofline(self, op: Op) -> OpCost:
+    def _roofline(self, op: Op, index: int = -1) -> OpCost:
         tp = self.tput
         if op.kind in _FREE_KINDS or op.kind == "dropout" and _identity_dropout(op):
             # a view is a few microseconds of dispatch on CPU, nothing on a GPU
@@ -289,6 +362,9 @@ class ComputeModel:
         passes = _cross_entropy_bytes(self.graph, op, self.precision)
         if passes is not None:
             bytes_, bwd_bytes = passes
+        fused = self.fused.get(index)
+        if fused is not None:          # one pass of its chain's kernel, backward's too
+            bytes_, bwd_bytes = bytes_ * fused.moved, bwd_bytes * fused.moved
         # a measured element-wise function: its arithmetic is a third ceiling
         key = elementwise_key(self.graph, op) if tp.elementwise_s_per_element else None
         per_fwd, per_bwd = (0.0, 0.0)
@@ -298,6 +374,8 @@ class ComputeModel:
         # a measured GEMM table's times hold each kernel's fixed part: no launch on top, but
         # none runs shorter than one
         floor, launch = (tp.launch_s, 0.0) if sides is not None else (0.0, tp.launch_s)
+        if fused is not None and not fused.launches:
+            launch = 0.0                 # inside a kernel a chain's first op opened
         fwd = max(op.fwd_flops / flops_per_s, bytes_ / tp.memory_bytes_per_s,
                   per_fwd, floor) + launch + cast_fwd
         if not op.differentiable:
@@ -311,9 +389,9 @@ class ComputeModel:
         c = self._cache.get(index)
         if c is None:
             op = self.graph.ops[index]
-            c = self._measured(op)
+            c = None if index in self.fused else self._measured(op)
             if c is None:
-                c = self._roofline(op)
+                c = self._roofline(op, index)
                 if self.tput.matmul_shape is not None and gemm_sides(self.graph, op):
                     self._tabled.add(index)
             if self.slowdown != 1.0:
@@ -341,7 +419,8 @@ class ComputeModel:
         fwd_rate, bwd_rate = self._rate_change(index, work_scale, split)
         # a product priced by the GEMM table has its launch inside its time (``_roofline``)
         tabled = index in self._tabled
-        fixed = 0.0 if tabled else launch
+        inside = index in self.fused and not self.fused[index].launches   # no launch of its own
+        fixed = 0.0 if tabled or inside else launch
 
         def scale(t: float, rate: float) -> float:
             if t <= 0.0:

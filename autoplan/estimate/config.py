@@ -101,6 +101,9 @@ class ParallelConfig:
     # "params": weights and activations in ``precision``, the fp32 master copy with the
     # optimizer (Megatron-LM's --bf16): priced, never searched, refused by this runtime
     mixed_precision: str = "autocast"
+    # torch.compile of the rank program, one layer at a time (regional, as torchtitan): each
+    # layer's element-wise chains fused into single kernels, priced so (``cost/compute.py``)
+    compiled: bool = False
 
     def __post_init__(self) -> None:
         for name in ("dp", "tp", "pp", "micro_batch_size", "virtual_stages", "ep", "cp"):
@@ -375,7 +378,8 @@ class ParallelConfig:
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready fields (the layout tuples as lists); ``tp_comm_overlap``, ``dp_shard``,
-        ``ep``, ``dp_whole``, ``cp`` and ``mixed_precision`` only when set (not the default),
+        ``ep``, ``dp_whole``, ``cp``, ``mixed_precision`` and ``compiled`` only when set (not the
+        default),
         so plans written before they existed read back
         byte for byte."""
         out = {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items()}
@@ -391,6 +395,8 @@ class ParallelConfig:
             del out["cp"]
         if self.mixed_precision == "autocast":
             del out["mixed_precision"]
+        if not self.compiled:
+            del out["compiled"]
         return out
 
     @staticmethod
@@ -432,6 +438,8 @@ class ParallelConfig:
             s += " offload-params"
         if self.tp_comm_overlap:
             s += " tp-overlap"
+        if self.compiled:
+            s += " compiled"
         if self.mixed_precision != "autocast" and self.precision != "fp32":
             s += f" {self.precision}-{self.mixed_precision}"
             return s

@@ -108,7 +108,7 @@ def estimate(model: Any, cluster: Any, *, config: ParallelConfig, global_batch_s
     a = analyze(graph)
     profile = profile_arg(profile, cluster, "estimate()")
     compute = compute_model(graph, cluster.device, config.precision, profile,
-                            config.mixed_precision)
+                            config.mixed_precision, config.compiled)
     interference = overlap_interference(cluster)
     p, v = config.pp, config.virtual_stages
     sh = sharding_for(graph, config.tp, config.sequence_parallel, sharding)

@@ -138,7 +138,7 @@ def cost_context(graph: OpGraph, cluster: Any, config: ParallelConfig, profile: 
     group = config.tp_group()
     cp_group = config.cp_group()
     compute = compute_model(graph, cluster.device, config.precision, profile,
-                            config.mixed_precision)
+                            config.mixed_precision, config.compiled)
     whole_state = model_state_bytes(1.0, dp=1, zero_stage=0, precision=config.precision,
                                     optimizer=config.optimizer,
                                     mixed_precision=config.mixed_precision).total_bytes
@@ -246,7 +246,7 @@ def evaluate(graph: OpGraph, cluster: Any, configs: list[ParallelConfig], sh: Sh
             if c.pp > 1 and c.chunk_layers is None:
                 ci = cost_inputs(graph, cluster, c, sh, profile, opts)
                 if behind_s is not None and step_floor_s(
-                        ci, c.microbatches(gbs), space.recompute_options(opts, graph)
+                        ci, c.microbatches(gbs), space.recompute_options(opts, graph, c)
                 ) > behind_s:
                     stats.below_floor += 1
                     continue
@@ -273,7 +273,7 @@ def cost_inputs(graph: OpGraph, cluster: Any, config: ParallelConfig, sh: Shardi
     from autoplan.sharding.context_axis import context_axis
     return CostInputs(graph=graph, analysis=analyze(graph), sharding=sh,
                       compute=compute_model(graph, cluster.device, config.precision, profile,
-                                            config.mixed_precision),
+                                            config.mixed_precision, config.compiled),
                       cluster=cluster, config=config, expert_load=opts.expert_capacity_factor,
                       context=context_axis(graph, config.cp))
 
@@ -289,7 +289,7 @@ def with_stage_layout(graph: OpGraph, cluster: Any, config: ParallelConfig, sh: 
     from autoplan.estimate.config import strongest_recompute
     from autoplan.estimate.layout import chunks_for, search_layout, with_layout
     m = config.microbatches(gbs)
-    policies = space.recompute_options(opts, graph)
+    policies = space.recompute_options(opts, graph, config)
     ci = ci or cost_inputs(graph, cluster, config, sh, profile, opts)
     pinned = {k: tuple(opts.force[k]) for k in ("chunk_layers", "stage_recompute")
               if k in opts.force}

@@ -126,9 +126,11 @@ def _baselines(graph: OpGraph, cluster: Any, gbs: int, base: dict[str, Any], pro
             sh, mtp = context_sharding(graph, mtp[1]), mtp[1]
         else:
             sh = (megatron_sharding(graph, mtp, True) if mtp else replicated(graph))
-        configs = [ParallelConfig(**{**base, **fields, "micro_batch_size": mbs, "recompute": r})
-                   for mbs in space.mbs_options(per_replica, SearchOptions(), graph)
-                   for r in (("none", "selective", "full") if mtp else ("none",))]
+        configs = [v for mbs in space.mbs_options(per_replica, SearchOptions(), graph)
+                   for r in (("none", "selective", "full") if mtp else ("none",))
+                   for v in space.with_compilation(
+                       ParallelConfig(**{**base, **fields, "micro_batch_size": mbs,
+                                         "recompute": r}), opts, graph)]
         cands = evaluate(graph, cluster, configs, sh, None, gbs, profile, opts, stats, label,
                          prune_dominated=True)
         fitting = [c for c in cands if c.est.fits]
@@ -175,6 +177,7 @@ def plan(model: Any, cluster: Any, *, global_batch_size: int, example_inputs: An
     base = {"precision": precision, "optimizer": optimizer}
     if "mixed_precision" in opts.force:      # never searched: the runtime runs autocast only
         base["mixed_precision"] = opts.force["mixed_precision"]
+    base["compiled"] = space.compiled_choice(opts, cluster)
     cands: list[Candidate] = []
     from autoplan.estimate.partition import main_block
     block = main_block(graph)

@@ -50,6 +50,34 @@ def apply_recompute(model: nn.Module, recompute: dict[str, str]) -> None:
         parent.register_module(attr, wrapped)
 
 
+def apply_compile(model: nn.Module, layer_paths: list[str],
+                  recompute: dict[str, str] | None = None) -> None:
+    """``torch.compile`` one layer at a time (regional compilation, as torchtitan's
+    ``apply_compile``): compile time stays one layer's, whatever the depth (``segments.
+    share_code`` gives layers of one kind one compiled graph), and what runs between layers
+    stays eager. In place (``nn.Module.compile``), so every parameter keeps its name. A model
+    without layers is compiled whole.
+
+    Under recomputation (``recompute``: layer path -> policy), a fully recomputed layer is
+    compiled inside its checkpoint, which then reruns the compiled forward: torch.compile
+    would trace a checkpoint as one region that must hold no graph break, and a tensor-parallel
+    layer's collectives are graph breaks (the whole layer would run eagerly, silently). A
+    selectively recomputed layer is compiled with its checkpoint, whole (``fullgraph``: a
+    graph break is an error, never a silent eager layer); ``planner/space.selective_compiles``
+    keeps it to layers without collectives."""
+    recompute = recompute or {}
+    paths = list(layer_paths) or [""]
+    for path in paths:
+        module = model.get_submodule(path) if path else model
+        inner = getattr(module, "_checkpoint_wrapped_module", None)
+        if inner is None:
+            module.compile()
+        elif recompute.get(path) == "selective":
+            module.compile(fullgraph=True)
+        else:
+            inner.compile()
+
+
 def layer_modules(model: nn.Module, layer_paths: list[str]) -> list[nn.Module]:
     return [model.get_submodule(p) for p in layer_paths]
 

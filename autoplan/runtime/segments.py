@@ -110,8 +110,24 @@ def extract(members: Sequence[fx.Node], attrs: dict[str, Any], *,
     if contiguous:      # sent to another rank: point-to-point sends need contiguous tensors
         results = [g.call_function(torch.ops.aten.contiguous.default, (r,)) for r in results]
     g.output(tuple(results) if len(results) != 1 or inputs is None else results[0])
+    for k, n in enumerate(n for n in g.nodes if n.op not in ("placeholder", "output")):
+        n._rename(f"v{k}")     # by position: two identical layers read as the same program
     g.lint()
     return fx.GraphModule(mine, g, class_name=class_name), args, list(outputs)
+
+
+def share_code(modules: Sequence[fx.GraphModule]) -> None:
+    """Modules whose programs are the same text (the layers of one kind: ``extract`` names
+    nodes by position) become instances of one class, so they run one ``forward`` code object
+    and ``torch.compile`` compiles a layer kind once and reuses it for every layer of that kind
+    (its cache lives on the code object, guarded on the module's type): regional compilation's
+    bounded compile time. fx gives every GraphModule a class of its own, holding only the
+    forward made from its text."""
+    first: dict[str, fx.GraphModule] = {}
+    for m in modules:
+        twin = first.setdefault(m.code, m)
+        if twin is not m:
+            m.__class__ = type(twin)
 
 
 def split_layers(gm: fx.GraphModule, ranges: Sequence[tuple[str, int, int]]
@@ -130,6 +146,7 @@ def split_layers(gm: fx.GraphModule, ranges: Sequence[tuple[str, int, int]]
     env: dict[fx.Node, fx.Node] = {}
     root_attrs: dict[str, Any] = {}
     done: set[int] = set()
+    layers: list[fx.GraphModule] = []
 
     def get(a: fx.Node) -> fx.Node:
         if a not in env and a.op == "get_attr":      # emitted where the root first reads it
@@ -154,10 +171,12 @@ def split_layers(gm: fx.GraphModule, ranges: Sequence[tuple[str, int, int]]
             return target if target.startswith("_autoplan_") else None
         module, inputs, outputs = extract(members[k], attrs, own=own)
         root_attrs[path] = module
+        layers.append(module)
         call = root.call_module(path, tuple(get(x) for x in inputs))
         for j, out in enumerate(outputs):
             env[out] = root.call_function(operator.getitem, (call, j))
     root.lint()
+    share_code(layers)
     return fx.GraphModule(root_attrs, root, class_name=type(gm).__name__)
 
 

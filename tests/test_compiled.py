@@ -1,0 +1,141 @@
+"""The rank program compiled (``ParallelConfig.compiled``): regional ``torch.compile``, one
+layer at a time, composed with tensor parallelism, FSDP2, pipelines, recomputation and
+checkpoints, and computing what the eager program computes.
+
+Inductor builds C++ on the CPU (seconds to a minute a graph here), so the cases are few and
+small: layers of one kind share one compiled graph (``segments.share_code``), which is what
+keeps compile time bounded at any depth.
+"""
+
+import json
+
+import pytest
+import torch
+
+from autoplan import Cluster
+from autoplan import plan as make_plan
+from autoplan.graph import trace
+from autoplan.models import build_example
+from autoplan.planner.planfile import Plan
+from tests.conftest import has_transformers
+from tests.distributed import run_ranks
+from tests.test_zoo import GLOBAL_BATCH, STEPS, _optimizer, assert_equal_to_one_device
+
+
+def _plan(name, world, force, sharding="ilp", precision="fp32"):
+    small = build_example(name, batch_size=1, seed=0)
+    g = trace(small.model, small.example_inputs, loss_fn=small.loss_fn, targets=small.targets)
+    return make_plan(g, Cluster.local(world), global_batch_size=GLOBAL_BATCH,
+                     precision=precision, profile=None, force=force, sharding=sharding,
+                     max_pp=force.get("pp", 1))
+
+
+def _rank(rank, world, name, plan_json, ckpt):
+    from autoplan.runtime.trainer import compile
+    ex = build_example(name, batch_size=GLOBAL_BATCH, seed=0)
+    small = build_example(name, batch_size=1, seed=0)
+    trainer = compile(ex.model, "local", example_inputs=small.example_inputs,
+                      example_targets=small.targets, loss_fn=ex.loss_fn, optimizer=_optimizer,
+                      global_batch_size=GLOBAL_BATCH, plan=Plan.from_json(plan_json))
+    compiled = [type(m) for m in trainer.model.modules()
+                if getattr(m, "_compiled_call_impl", None) is not None]
+    from torch._dynamo.utils import counters
+    counters.clear()
+    batch = tuple(ex.example_inputs) + (ex.targets,)
+    losses = [trainer.step(batch) for _ in range(STEPS)]
+    graphs = counters["stats"]["unique_graphs"]
+    if ckpt:
+        trainer.save(ckpt)                      # the weights keep the user's names
+    state = trainer.full_state_dict()
+    return losses, {k: v.tolist() for k, v in state.items()}, len(compiled), \
+        len(set(compiled)), graphs
+
+
+CASES = [
+    # (model, world, forced fields, sharding rule): tensor and sequence parallelism under full
+    # recomputation (compiled inside the checkpoint, collectives between compiled pieces), a
+    # pipeline whose one-layer stages recompute selectively (compiled with the checkpoint)
+    ("gpt-tiny", 2, dict(tp=2, sequence_parallel=True, recompute="full"), "megatron"),
+    ("gpt-tiny", 2, dict(pp=2, schedule="1f1b", stage_recompute=("selective", "none")), "ilp"),
+]
+
+
+@pytest.mark.parametrize("name,world,force,sharding", CASES,
+                         ids=[f"{c[0]}-{c[3]}-" + ",".join(f"{k}={v}" for k, v in c[2].items())
+                              for c in CASES])
+def test_a_compiled_plan_trains_like_one_device(name, world, force, sharding, tmp_path):
+    plan = _plan(name, world, dict(force, compiled=True), sharding)
+    assert plan.config.compiled and "compiled" in plan.config.short()
+    results = run_ranks(_rank, world, name, plan.to_json(), str(tmp_path / "ckpt"),
+                        timeout_s=600.0)
+    for _, _, modules, kinds, graphs in results:
+        # every layer compiled; the layers of one kind share one class, hence their graphs
+        # (and dynamo made graphs: a layer it cannot trace would run eagerly, silently)
+        assert modules >= 1 and kinds == 1 and graphs >= 1, (modules, kinds, graphs)
+        print(f"{plan.config.short()}: {modules} modules compiled, {graphs} graphs")
+    assert_equal_to_one_device(name, [r[:2] for r in results], plan.config.short())
+    assert (tmp_path / "ckpt" / "latest").exists()
+
+
+@pytest.mark.skipif(not has_transformers(), reason="transformers not installed")
+def test_a_compiled_zero3_bf16_plan_of_hf_llama_computes_what_the_eager_one_does():
+    """FSDP2's 16-bit gathers and an HF model under torch.compile: the compiled program's
+    losses and weights against the same plan run eagerly, both in bf16, within bf16's
+    round-off (inductor fuses and reorders element-wise work in fp32 where eager rounds each
+    op to bf16)."""
+    from tests.test_zoo_16bit import distance
+    name = "hf-llama-gqa-tiny"
+    force = dict(tp=1, zero_stage=3)
+    runs = []
+    for compiled in (False, True):
+        p = _plan(name, 2, dict(force, compiled=compiled), precision="bf16")
+        res = run_ranks(_rank, 2, name, p.to_json(), "", timeout_s=600.0)
+        assert all((r[2] >= 1) == compiled for r in res)
+        runs.append(res)
+    eager_losses, eager_w = runs[0][0][0], runs[0][0][1]
+    comp_losses, comp_w = runs[1][0][0], runs[1][0][1]
+    assert comp_losses == pytest.approx(eager_losses, rel=2.0 ** -9)
+    w0 = {k: torch.tensor(v) for k, v in build_example(name, batch_size=1, seed=0)
+          .model.state_dict().items()}
+    ref = {k: torch.tensor(v) for k, v in eager_w.items()}
+    update = distance(ref, w0)
+    assert distance(comp_w, ref) <= 0.05 * update, "the compiled update is not the eager one"
+
+
+def test_compiled_layers_with_collectives_never_recompute_selectively():
+    """torch.compile cannot trace a tensor-parallel layer whole (its collectives are graph
+    breaks), and the selective policy cannot run inside compiled code: the planner leaves
+    selective recomputation out of compiled tp plans, refuses it when forced, and the runtime
+    refuses a hand-made plan that has it, before any collective."""
+    from autoplan import ConfigError
+    from autoplan.planner.space import selective_compiles
+    from autoplan.estimate.config import ParallelConfig
+    assert selective_compiles(ParallelConfig(dp=2, compiled=True))
+    assert not selective_compiles(ParallelConfig(tp=2, compiled=True))
+    assert selective_compiles(ParallelConfig(tp=2))
+    p = _plan("gpt-tiny", 2, dict(tp=2, compiled=True))
+    assert p.config.compiled and "selective" not in p.recompute.values()
+    with pytest.raises(ConfigError):
+        _plan("gpt-tiny", 2, dict(tp=2, compiled=True, recompute="selective"))
+    p = _plan("gpt-tiny", 2, dict(tp=2, recompute="selective"))   # eager: selective runs
+    assert "selective" in p.recompute.values()
+    d = p.to_dict()
+    d["config"]["compiled"] = d["predicted"]["config"]["compiled"] = True   # hand-edited
+    for said in run_ranks(_refused, 2, "gpt-tiny", json.dumps(d)):
+        assert "selectively" in said, said
+
+
+def _refused(rank, world, name, plan_json):
+    from autoplan import PlanError
+    from autoplan.runtime.trainer import compile
+    ex = build_example(name, batch_size=GLOBAL_BATCH, seed=0)
+    small = build_example(name, batch_size=1, seed=0)
+    try:
+        compile(ex.model, "local", example_inputs=small.example_inputs,
+                example_targets=small.targets, loss_fn=ex.loss_fn, optimizer=_optimizer,
+                global_batch_size=GLOBAL_BATCH, plan=Plan.from_json(plan_json))
+    except PlanError as e:
+        import torch.distributed as dist
+        assert not dist.is_initialized()            # refused before any process group
+        return str(e)
+    return "not refused"
