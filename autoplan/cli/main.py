@@ -11,7 +11,7 @@ from autoplan.errors import AutoplanError
 
 _COMMANDS = ("demo_cmd", "trace_cmd", "cluster_cmd", "profile_cmd", "estimate_cmd", "plan_cmd",
              "inspect_cmd", "diff_cmd", "run_cmd", "export_cmd", "verify_cmd",
-             "calibrate_cmd")
+             "calibrate_cmd", "emulate_cmd")
 
 
 def build_parser() -> argparse.ArgumentParser:

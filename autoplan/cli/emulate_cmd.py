@@ -1,0 +1,50 @@
+"""`autoplan emulate PLAN --model M [--rank R]`: one rank of a plan, alone on this machine.
+
+Rank R's program (its shards, FSDP units, pipeline chunks) runs on this machine's GPU (a GPU
+plan where CUDA is present), else its CPU, in a process group of the ``fake`` backend: every
+collective returns at once and moves nothing. It measures the rank's compute time per step and
+its peak memory, and prints them beside what the plan priced for that rank, communication left
+out. So the memory and compute of a 64-GPU plan are checked on one GPU. The model is built on
+the meta device, and only rank R's shards are ever allocated.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("emulate", help="run one rank of a plan alone (collectives faked) and "
+                                       "compare its compute and memory with the plan's",
+                       description=__doc__)
+    p.add_argument("plan", help="plan.json written by `autoplan plan`")
+    p.add_argument("--model", required=True,
+                   help="the model the plan was made for: an example name or "
+                        "'package.module:function' returning an autoplan.models.Example")
+    p.add_argument("--layers", type=int, default=None,
+                   help="the example's layer count, as given to `autoplan plan --layers`")
+    p.add_argument("--seq-len", type=int, default=None,
+                   help="the example's sequence length, as given to `autoplan plan --seq-len`")
+    p.add_argument("--rank", type=int, default=0, help="the rank to run (default 0)")
+    p.add_argument("--steps", type=int, default=3,
+                   help="steps to run; the first (allocation, warm-up) is not timed (default 3)")
+    p.add_argument("--cluster", default=None,
+                   help="the plan's cluster file, where it came from one (a preset's is "
+                        "rebuilt from the plan)")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from autoplan.planner.planfile import plan_from_file
+    from autoplan.runtime.emulate import emulate
+    from autoplan.runtime.worker import build_run_model
+    plan = plan_from_file(args.plan)
+    built = build_run_model(args.model, batch=plan.training.global_batch_size,
+                            layers=args.layers, seq_len=args.seq_len,
+                            meta=":" not in args.model, traced_only=True)
+    ex = built.small
+    result = emulate(plan, ex.model, example_inputs=ex.example_inputs,
+                     example_targets=ex.targets, loss_fn=ex.loss_fn, rank=args.rank,
+                     steps=args.steps, cluster=args.cluster)
+    print(result.report())
+    return 0

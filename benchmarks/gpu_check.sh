@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# The one prepared GPU check (issue 36), at most 8 minutes on one GPU, written into OUTDIR:
+#   gpu.txt         the card, driver, torch and CUDA
+#   zoo.json        every zoo model in bf16 against eager torch.autocast (benchmarks/gpu_check.py)
+#   speed.json      HF Llama 0.89B and GPT-3 1.3B: autoplan eager and compiled, eager PyTorch,
+#                   torch.compile by hand; step time, peak memory, autoplan's predictions
+#   emulate.json    one rank of two 64-GPU Llama-3-8B plans alone on this GPU
+#   full-step.json  the 1.7B validation row's whole step (benchmarks/gpu_full_step.py)
+#   gpu-check.json, gpu-check.md   all of it, and one table
+#
+#   usage: bash benchmarks/gpu_check.sh OUTDIR
+# Run from the repository root. Without network (a lent GPU machine), install what torch does
+# not bring from wheels carried along first: WHEELS=DIR installs DIR/*.whl with --no-index.
+# Each part has its own time limit, so one that fails or hangs leaves the others' results.
+set -u
+out=${1:?usage: bash benchmarks/gpu_check.sh OUTDIR}
+mkdir -p "$out"
+py=${PYTHON:-python3}
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+if [ -n "${WHEELS:-}" ]; then
+  $py -m pip install -q --no-index --no-deps "$WHEELS"/*.whl 2>&1 | tail -2
+fi
+{
+  nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm,power.limit \
+    --format=csv 2>&1
+  $py -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
+} 2>&1 | tee "$out/gpu.txt"
+step() { echo "== $*"; local t0=$SECONDS; "$@"; echo "== rc $? in $((SECONDS - t0)) s"; }
+step timeout 140 $py benchmarks/gpu_check.py zoo --out "$out/zoo.json"
+step timeout 200 $py benchmarks/gpu_check.py speed --steps 8 --out "$out/speed.json"
+step timeout 70 $py benchmarks/gpu_check.py emulate --out "$out/emulate.json"
+step timeout 50 $py benchmarks/gpu_full_step.py --measure "$out/full-step.json"
+$py benchmarks/gpu_check.py table "$out/zoo.json" "$out/speed.json" "$out/emulate.json" \
+  "$out/full-step.json" --out "$out/gpu-check.json"

@@ -1,0 +1,71 @@
+"""`autoplan emulate`: one rank of a plan for many ranks, alone, its collectives faked.
+
+At small size on CPU: a tensor x pipeline x data-parallel plan for 8 ranks and a ZeRO-3 plan,
+one rank each. What is checked is that the emulated rank is the plan's rank R (the weights it
+holds are its shards, as the plan says), that its step runs and is timed, and that its peak
+memory is measured and near the plan's prediction for its stage (tiny models carry more
+fixed overhead than the planner prices, so "near" is within 0.5-2x here).
+"""
+
+import subprocess
+import sys
+
+import pytest
+
+from autoplan import Cluster
+from autoplan import plan as make_plan
+from autoplan.graph import trace
+from autoplan.models import build_example
+
+
+def _plan(force, world, tmp_path):
+    small = build_example("gpt-tiny", batch_size=1, device="meta")
+    g = trace(small.model, small.example_inputs, loss_fn=small.loss_fn, targets=small.targets)
+    p = make_plan(g, Cluster.local(world), global_batch_size=8, precision="fp32",
+                  profile=None, force=force, max_pp=force.get("pp", 1))
+    path = tmp_path / "plan.json"
+    p.save(path)
+    return p, path
+
+
+@pytest.mark.parametrize("force,world,rank", [
+    (dict(dp=2, tp=2, pp=2, zero_stage=1), 8, 7),
+    (dict(dp=4, tp=2, zero_stage=3), 8, 5),
+], ids=["dp2-tp2-pp2-rank7", "zero3-dp4-tp2-rank5"])
+def test_one_rank_of_an_8_rank_plan_runs_alone(force, world, rank, tmp_path):
+    p, path = _plan(force, world, tmp_path)
+    out = subprocess.run([sys.executable, "-m", "autoplan.cli.main", "emulate", str(path),
+                          "--model", "gpt-tiny", "--rank", str(rank), "--steps", "3"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    text = out.stdout
+    stage = p.config.indices(rank)["pp"]
+    assert f"rank {rank} of {world}" in text and f"pipeline stage {stage}" in text
+    assert "collectives move nothing" in text
+    assert "median of 2" in text                         # the first step is not timed
+    ratio = float(text.split("peak memory")[1].split("ratio")[1].split()[0])
+    assert 0.5 <= ratio <= 2.0, text
+
+
+def test_the_emulated_rank_holds_its_shards_and_compares_with_its_stage():
+    """In process: rank 5 of a dp2 x tp2 x pp2 plan holds exactly the weights of its pipeline
+    stage's tensor-parallel shard (the plan's weight bytes for that stage), and the prediction
+    it is compared with is that stage's."""
+    import torch.distributed as dist
+
+    from autoplan.runtime.emulate import emulate, predicted_for_rank
+    small = build_example("gpt-tiny", batch_size=1, device="meta")
+    g = trace(small.model, small.example_inputs, loss_fn=small.loss_fn, targets=small.targets)
+    p = make_plan(g, Cluster.local(8), global_batch_size=8, precision="fp32", profile=None,
+                  force=dict(dp=2, tp=2, pp=2, zero_stage=0), max_pp=2)
+    e = emulate(p, small.model, example_inputs=small.example_inputs,
+                example_targets=small.targets, loss_fn=small.loss_fn, rank=5, steps=2)
+    assert not dist.is_initialized()                   # its fake group is gone
+    want = predicted_for_rank(p, 5)
+    assert e.predicted == want and want.stage == p.config.indices(5)["pp"] == 1
+    assert e.weight_bytes == want.weight_bytes
+    assert e.peak_memory_bytes > e.weight_bytes and len(e.step_s) == 1
+    from autoplan import PlanError
+    with pytest.raises(PlanError, match="ranks 0 to 7"):
+        emulate(p, small.model, example_inputs=small.example_inputs,
+                example_targets=small.targets, loss_fn=small.loss_fn, rank=8)
