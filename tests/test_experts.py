@@ -38,7 +38,7 @@ def _timeline_draws_the_exchanges(p, kind, tmp_path):
     """The timeline picture draws the plan's exposed exchanges inside its blocks: ``kind``'s
     share of the bottleneck stage's per-micro-batch time."""
     pytest.importorskip("matplotlib")
-    from autoplan.planner import figures
+    from autoplan.planner import figures, figures_draw
     shares = figures.in_block_comm_shares(p)
     stage = max(p.predicted["stages"], key=lambda s: s["fwd_s"] + s["bwd_s"])
     m = p.predicted["num_microbatches"]
@@ -46,7 +46,7 @@ def _timeline_draws_the_exchanges(p, kind, tmp_path):
     assert shares[kind] * m * (stage["fwd_s"] + stage["bwd_s"]) == pytest.approx(
         p.predicted["time"]["comm_exposed_s"][kind])
     path = tmp_path / "timeline.png"
-    assert figures.draw_timeline(p, str(path)) == pytest.approx(p.predicted["step_time_s"])
+    assert figures_draw.draw_timeline(p, str(path)) == pytest.approx(p.predicted["step_time_s"])
     assert path.read_bytes()[:4] == b"\x89PNG"
 
 

@@ -84,7 +84,8 @@ def _vs_megatron(args: argparse.Namespace, plan) -> str:
 
 
 def _write_figures(args: argparse.Namespace, plan) -> None:
-    from autoplan.planner import figures
+    # matplotlib (an optional dependency) loads only when a picture is drawn
+    from autoplan.planner import figures_draw as figures
     if args.timeline:
         figures.draw_timeline(plan, args.timeline)
         print(f"wrote {args.timeline}")

@@ -2,7 +2,7 @@
 
 Each picture is built in two stages: a function here computes what it shows from the plan alone
 (typed values: :class:`TimelineFigure`, :class:`MemoryFigure`; tests check these), and
-``figures_draw`` draws that with matplotlib (``pip install 'autoplan[plot]'``).
+``figures_draw`` draws that with matplotlib (``draw_timeline``, ``draw_memory``) (``pip install 'autoplan[plot]'``).
 
 The timeline accounts for the whole step, every item of the text report's time breakdown
 (``autoplan inspect``'s "time per step") by name:
@@ -431,26 +431,3 @@ def _activation_curve(events: list[Event], timeline: tuple[tuple[float, float], 
         times.append(end_s)
         levels.append(level)
     return times, levels
-
-
-# ================================================================ drawing
-def draw_timeline(plan: Any, path: str) -> float:
-    """Draw :func:`timeline_figure` to ``path`` (PNG, SVG or PDF by its suffix); returns where
-    the timeline ends (seconds): the plan's step time."""
-    # matplotlib is imported by figures_draw only when a picture is drawn: planning and
-    # `autoplan inspect` without pictures never load it (it is an optional dependency)
-    from autoplan.planner import figures_draw
-    fig = timeline_figure(plan)
-    figures_draw.timeline(fig, path)
-    return fig.end_s
-
-
-def draw_memory(plan: Any, path: str) -> list[float]:
-    """Draw :func:`memory_figure` to ``path``; returns each stage's peak (bytes), which is its
-    predicted memory."""
-    from autoplan.planner import figures_draw     # lazily: see draw_timeline
-    fig = memory_figure(plan)
-    figures_draw.memory(fig, path)
-    return [max(s.totals) for s in fig.series]
-
-

@@ -12,7 +12,7 @@ from typing import Any
 from autoplan.errors import PlanError
 from autoplan.planner.explain import fmt_bytes, fmt_s
 from autoplan.planner.figures import (BLOCK_COLORS, BLOCK_NAMES, PARTS, MemoryFigure, Part,
-                                      TimelineFigure)
+                                      TimelineFigure, memory_figure, timeline_figure)
 
 WIDTH_IN = 13.0
 IDLE_FACE, IDLE_HATCH = "#F7F7F7", "#F09A9B"
@@ -279,3 +279,21 @@ def _time_axis(ax: Any, end_s: float, label: bool = True) -> None:
 
 def _save(fig: Any, path: str) -> None:
     fig.savefig(path, dpi=120)
+
+
+# ---- entry points ----------------------------------------------------------------------------
+
+def draw_timeline(plan: Any, path: str) -> float:
+    """Draw :func:`figures.timeline_figure` to ``path`` (PNG, SVG or PDF by its suffix);
+    returns where the timeline ends (seconds): the plan's step time."""
+    fig = timeline_figure(plan)
+    timeline(fig, path)
+    return fig.end_s
+
+
+def draw_memory(plan: Any, path: str) -> list[float]:
+    """Draw :func:`figures.memory_figure` to ``path``; returns each stage's peak (bytes),
+    which is its predicted memory."""
+    fig = memory_figure(plan)
+    memory(fig, path)
+    return [max(s.totals) for s in fig.series]
