@@ -55,7 +55,7 @@ CASES = [
     # (model, world, forced fields, sharding rule): tensor and sequence parallelism under full
     # recomputation (compiled inside the checkpoint, collectives between compiled pieces), a
     # pipeline whose one-layer stages recompute selectively (compiled with the checkpoint)
-    ("gpt-tiny", 2, dict(tp=2, sequence_parallel=True, recompute="full"), "megatron"),
+    ("gpt-tiny", 2, dict(tp=2, recompute="full"), "megatron"),
     ("gpt-tiny", 2, dict(pp=2, schedule="1f1b", stage_recompute=("selective", "none")), "ilp"),
 ]
 

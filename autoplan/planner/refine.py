@@ -147,9 +147,9 @@ def refine_pipelined(graph: OpGraph, cluster: Any, cands: list[Candidate], gbs: 
                       profile: Any, opts: SearchOptions, stats: Stats,
                       finalists: int = 8, within: float = 0.10) -> list[Candidate]:
     """Pipelined candidates were screened with the closed form; simulate the best few and the
-    best of each schedule at each micro-batch size within ``within`` of the best, so that the
-    plan's figures are the simulator's and no schedule's optimism in the closed form crowds
-    out another's best. (The closed form is within 2.5 % of the simulation on the benchmark's
+    best of each schedule at each micro-batch size, compiled or not, within ``within`` of the
+    best, so that the plan's figures are the simulator's and no schedule's optimism in the
+    closed form crowds out another's best. (The closed form is within 2.5 % of the simulation on the benchmark's
     plans, ``benchmarks/search_time.py``: a schedule's best further behind cannot win.)"""
     piped = sorted((c for c in cands if c.est.config.pp > 1 and c.est.fits), key=Candidate.key)
     if not piped:
@@ -158,7 +158,8 @@ def refine_pipelined(graph: OpGraph, cluster: Any, cands: list[Candidate], gbs: 
     best_of: dict[tuple[str, int], Candidate] = {}
     for c in piped:
         if c.est.step_time_s <= piped[0].est.step_time_s * (1 + within):
-            best_of.setdefault((c.est.config.schedule, c.est.config.micro_batch_size), c)
+            best_of.setdefault((c.est.config.schedule, c.est.config.micro_batch_size,
+                                c.est.config.compiled), c)
     chosen += best_of.values()
     keep = [c for c in cands if c.est.config.pp == 1]
     seen = set()

@@ -55,9 +55,11 @@ def compiled_choice(opts: SearchOptions, cluster: Any) -> bool:
     forced (``--force compiled=true``), else not yet. Compiled layers cannot recompute
     selectively where they hold collectives (``selective_compiles``), and there eager selective
     recomputation can win: on GPT-3 175B over 1,024 A100 the best compiled plan is priced
-    24.67 s, the best eager one 22.46 s, and the search's closed-form pruning does not yet keep
-    both families to the end. On by default needs autoplan's collectives traceable by
-    torch.compile (one graph per layer, selective recomputation inside it)."""
+    24.67 s, the best eager one 22.46 s, and with both families offered (``with_compilation``)
+    the search's closed-form screening still keeps the compiled one (its closed form is the
+    more optimistic). On by default needs autoplan's collectives traceable by torch.compile
+    (one graph per layer, selective recomputation inside it), and a GPU run that shows the
+    fused pricing holds."""
     return bool(opts.force.get("compiled", False))
 
 
