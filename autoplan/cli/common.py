@@ -20,6 +20,19 @@ def comma_list(raw: str | None, kind: type, flag: str) -> tuple | None:
         raise ConfigError(f"{flag} takes a comma-separated list, got {raw!r}") from None
 
 
+def add_plan_model_args(p: argparse.ArgumentParser) -> None:
+    """PLAN and the model it was made for, built as `autoplan plan` built it (``run``,
+    ``emulate``)."""
+    p.add_argument("plan", help="plan.json written by `autoplan plan`")
+    p.add_argument("--model", required=True,
+                   help="the model the plan was made for: an example name or "
+                        "'package.module:function' returning an autoplan.models.Example")
+    p.add_argument("--layers", type=int, default=None,
+                   help="the example's layer count, as given to `autoplan plan --layers`")
+    p.add_argument("--seq-len", type=int, default=None,
+                   help="the example's sequence length, as given to `autoplan plan --seq-len`")
+
+
 def add_model_args(p: argparse.ArgumentParser, *, optional: bool = False,
                    flag: bool = False) -> None:
     """MODEL and how to build it; ``flag``: as an optional ``--model`` option."""

@@ -14,17 +14,11 @@ import argparse
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
+    from autoplan.cli.common import add_plan_model_args
     p = sub.add_parser("emulate", help="run one rank of a plan alone (collectives faked) and "
                                        "compare its compute and memory with the plan's",
                        description=__doc__)
-    p.add_argument("plan", help="plan.json written by `autoplan plan`")
-    p.add_argument("--model", required=True,
-                   help="the model the plan was made for: an example name or "
-                        "'package.module:function' returning an autoplan.models.Example")
-    p.add_argument("--layers", type=int, default=None,
-                   help="the example's layer count, as given to `autoplan plan --layers`")
-    p.add_argument("--seq-len", type=int, default=None,
-                   help="the example's sequence length, as given to `autoplan plan --seq-len`")
+    add_plan_model_args(p)
     p.add_argument("--rank", type=int, default=0, help="the rank to run (default 0)")
     p.add_argument("--steps", type=int, default=3,
                    help="steps to run; the first (allocation, warm-up) is not timed (default 3)")

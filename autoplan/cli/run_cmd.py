@@ -19,16 +19,10 @@ from typing import Any
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
+    from autoplan.cli.common import add_plan_model_args
     p = sub.add_parser("run", help="train a plan under torchrun (launched for you)",
                        description=__doc__)
-    p.add_argument("plan", help="plan.json written by `autoplan plan`")
-    p.add_argument("--model", required=True,
-                   help="the model the plan was made for: an example name or "
-                        "'package.module:function' returning an autoplan.models.Example")
-    p.add_argument("--layers", type=int, default=None,
-                   help="the example's layer count, as given to `autoplan plan --layers`")
-    p.add_argument("--seq-len", type=int, default=None,
-                   help="the example's sequence length, as given to `autoplan plan --seq-len`")
+    add_plan_model_args(p)
     p.add_argument("--nproc-per-node", type=int, default=None,
                    help="ranks per node (default: the plan's world size / --nnodes)")
     p.add_argument("--nnodes", type=int, default=1)
