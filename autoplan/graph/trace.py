@@ -214,8 +214,8 @@ def trace(model: nn.Module, example_inputs: Sequence[Any], *,
 def export_program(model: nn.Module, example_inputs: Sequence[Any], *,
                    loss_fn: Callable[[Any, torch.Tensor], torch.Tensor] | None = None,
                    targets: torch.Tensor | None = None, train: bool = True,
-                   name: str | None = None,
-                   autocast_dtype: torch.dtype | None = None) -> tuple[Any, OpGraph, str]:
+                   name: str | None = None, autocast_dtype: torch.dtype | None = None,
+                   device: torch.device | None = None) -> tuple[Any, OpGraph, str]:
     """Export ``model(*example_inputs)`` (plus the loss) with torch.export and read it into an
     OpGraph with one op per call node (every layer traced, nothing stamped). Returns the
     ExportedProgram, the graph (op names are the program's node names) and the prefix its
@@ -226,8 +226,9 @@ def export_program(model: nn.Module, example_inputs: Sequence[Any], *,
     step runs: the dtypes the model reads at run time (``x.to(q.dtype)``, HF's RMSNorm casting
     back to its input's dtype), the autocast-disabled regions it opens only when autocast is on
     (HF's rotary embeddings), and dtype-keyed branches are what eager ``torch.autocast`` would
-    meet, not what an fp32 trace baked in. A model on the meta device has no autocast (torch
-    keeps none for meta tensors): its graph stays the fp32 one."""
+    meet, not what an fp32 trace baked in. Torch keeps no autocast for meta tensors: a model
+    on the meta device is exported as fake tensors on ``device`` (the device the step runs on;
+    nothing is allocated), so its graph is that device's 16-bit program too."""
     if not isinstance(model, nn.Module):
         raise TraceError(f"trace() needs an nn.Module, got {type(model).__name__}")
     if example_inputs is None:
@@ -245,16 +246,22 @@ def export_program(model: nn.Module, example_inputs: Sequence[Any], *,
         root = _WithLoss(model, loss_fn, len(inputs))
         inputs = inputs + (targets,)
         prefix = "model."
+    fakes = contextlib.nullcontext()
     if _on_meta(model):
         inputs = _to_meta_inputs(inputs)
+        if autocast_dtype not in (None, torch.float32) and device is not None \
+                and device.type != "meta":
+            fakes = _fakes_on(model, device)
     was_training = model.training
     model.train(train)
     t0 = time.perf_counter()
-    amp = _autocast(model, inputs, autocast_dtype)
     try:
-        with _module_tracker(root) as stack, amp:
+        with _module_tracker(root) as stack, fakes as to_fake:
+            if to_fake is not None:
+                inputs = tuple(to_fake(x) for x in inputs)
             try:
-                ep = torch.export.export(root, inputs)
+                with _autocast(model, inputs, autocast_dtype):
+                    ep = torch.export.export(root, inputs)
             except Exception as e:  # export raises many types; re-raise as one that helps
                 raise _trace_error(e, model_name, stack) from e
     finally:
@@ -269,6 +276,38 @@ def export_program(model: nn.Module, example_inputs: Sequence[Any], *,
                     outputs=graph.outputs, blocks=graph.blocks, batch_size=graph.batch_size,
                     meta=meta)
     return ep, graph, prefix
+
+
+@contextmanager
+def _fakes_on(model: nn.Module, device: torch.device):
+    """``model``'s meta parameters and buffers swapped for fake tensors on ``device`` (shapes,
+    dtypes and a device, no memory) while the block runs, tied ones staying tied; yields the
+    function that makes a meta input such a fake."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    mode = FakeTensorMode()
+    made: dict[int, torch.Tensor] = {}
+    swapped: list[tuple[dict, str, torch.Tensor]] = []
+
+    def fake(t: Any) -> Any:
+        if not isinstance(t, torch.Tensor) or not t.is_meta:
+            return t
+        if id(t) not in made:
+            with mode:
+                f = torch.empty(t.shape, dtype=t.dtype, device=device)
+            made[id(t)] = (nn.Parameter(f, requires_grad=t.requires_grad)
+                           if isinstance(t, nn.Parameter) else f)
+        return made[id(t)]
+    for module in model.modules():
+        for table in (module._parameters, module._buffers):
+            for attr, t in list(table.items()):
+                if t is not None and t.is_meta:
+                    table[attr] = fake(t)
+                    swapped.append((table, attr, t))
+    try:
+        yield fake
+    finally:
+        for table, attr, t in reversed(swapped):
+            table[attr] = t
 
 
 def _autocast(model: nn.Module, inputs: Sequence[Any], dtype: torch.dtype | None) -> Any:

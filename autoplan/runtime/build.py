@@ -154,7 +154,8 @@ def rank_program(b: BuildInputs, place: Place, groups: Groups
     rank's groups, and the op indices where its pipeline chunks start (``[0, ops]``: one)."""
     cfg = b.plan.config
     ex = export_for_plan(b.model, b.plan, b.graph, example_inputs=b.example_inputs,
-                         example_targets=b.example_targets, loss_fn=b.loss_fn, t=cfg.tp)
+                         example_targets=b.example_targets, loss_fn=b.loss_fn, t=cfg.tp,
+                         device=b.device)
     keep = None
     cuts = [0, len(ex.graph.ops)]
     if cfg.pp > 1:

@@ -141,7 +141,11 @@ def autocast_dtype(plan: Any) -> torch.dtype | None:
 
 def export_for_plan(model: nn.Module, plan: Any, plan_graph: OpGraph, *,
                     example_inputs: Sequence[Any], example_targets: Any,
-                    loss_fn: Callable | None, t: int) -> Exported:
+                    loss_fn: Callable | None, t: int,
+                    device: torch.device | None = None) -> Exported:
+    """The model exported at the micro-batch under the step's autocast, on the device the step
+    runs on (``device``: where a meta model's 16-bit program is traced), with the plan's
+    strategies carried to its ops."""
     mbs = plan.config.micro_batch_size
     # the export runs the model: its example tensors go where its weights are (a GPU)
     inputs = on_weights_device(model, micro_batch(example_inputs, mbs))
@@ -152,7 +156,7 @@ def export_for_plan(model: nn.Module, plan: Any, plan_graph: OpGraph, *,
     # its autocast-disabled regions), not the fp32 program the planner priced autocast over
     amp = autocast_dtype(plan)
     ep, graph, prefix = export_program(model, inputs, loss_fn=loss_fn if with_loss else None,
-                                       targets=targets, autocast_dtype=amp)
+                                       targets=targets, autocast_dtype=amp, device=device)
     sh = strategies_by_position(plan_graph, dict(plan.op_strategies), graph, t)
     return Exported(ep=ep, graph=graph, prefix=prefix, sharding=sh,
                     inputs=inputs + ((targets,) if with_loss else ()), with_loss=with_loss,
@@ -188,7 +192,7 @@ def emit(model: nn.Module, plan: Any, plan_graph: OpGraph, *, example_inputs: Se
     """This rank's program of ``plan`` (tensor-parallel degree ``t``, index ``tp_rank``;
     expert-parallel group ``ep`` = (size, index); context-parallel degree ``cp``)."""
     ex = export_for_plan(model, plan, plan_graph, example_inputs=example_inputs,
-                         example_targets=example_targets, loss_fn=loss_fn, t=t)
+                         example_targets=example_targets, loss_fn=loss_fn, t=t, device=device)
     aliases = tied_names(model)
     program = lower(model, ex, t=t, tp_rank=tp_rank, device=device, seed=seed, ep=ep, cp=cp)
     ranges = layer_ranges(ex.graph)
