@@ -21,7 +21,7 @@ from tests.test_runtime import GLOBAL_BATCH, _reference
 from tests.test_zoo import _rank
 
 CASES = [
-    ("hf-llama-gqa-tiny", dict(tp=1, zero_stage=3), {}),
+    # (ZeRO-3's 16-bit gathers alone: tests/test_zoo_16bit.py, against eager autocast)
     # the sequence split everywhere: ring attention, and the loss over vocabulary shards
     ("hf-llama-gqa-tiny", dict(tp=2, zero_stage=0), dict(sharding="context")),
     # every product on sequence shards with its weight stored split and gathered (and so ring
