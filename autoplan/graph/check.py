@@ -16,8 +16,7 @@ from typing import Any
 
 from autoplan import safe_io
 from autoplan.errors import TraceError
-from autoplan.graph.opgraph import _ITEMSIZE, VALUE_KINDS
-from autoplan.graph.oprules import OP_KINDS
+from autoplan.graph.vocabulary import ITEMSIZE, OP_KINDS, VALUE_KINDS
 
 MAX_DIM = 1 << 40                  # one dimension of a tensor
 MAX_NUMEL = 1 << 60                # elements of one tensor
@@ -74,7 +73,7 @@ def _meta(v: Any, path: str) -> None:
         numel *= _int(d, f"{path}[0][{i}]", MAX_DIM)
     if numel > MAX_NUMEL:
         _fail(f"{path}[0]", f"{numel:,} elements, over the limit of {MAX_NUMEL:,}")
-    if _str(dtype, f"{path}[1]") not in _ITEMSIZE:
+    if _str(dtype, f"{path}[1]") not in ITEMSIZE:
         _fail(f"{path}[1]", f"unknown dtype {safe_io.clip(dtype)!r}")
 
 

@@ -24,24 +24,19 @@ from dataclasses import dataclass, field, fields
 from functools import cached_property
 from typing import Any
 
+from autoplan import safe_io
 from autoplan.errors import TraceError
+from autoplan.graph.check import GRAPH_LIMITS, check_graph_dict
+from autoplan.graph.vocabulary import FLOAT_DTYPES, ITEMSIZE, VALUE_KINDS
 
 SCHEMA_VERSION = 1
-
-_ITEMSIZE = {
-    "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1,
-    "complex64": 8, "complex128": 16,
-    "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint8": 1, "bool": 1,
-}
-FLOAT_DTYPES = frozenset({"float64", "float32", "float16", "bfloat16", "float8_e4m3fn",
-                          "float8_e5m2"})
 
 
 def dtype_itemsize(dtype: str) -> int:
     try:
-        return _ITEMSIZE[dtype]
+        return ITEMSIZE[dtype]
     except KeyError:
-        raise TraceError(f"unknown dtype {dtype!r}; known: {sorted(_ITEMSIZE)}") from None
+        raise TraceError(f"unknown dtype {dtype!r}; known: {sorted(ITEMSIZE)}") from None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -79,9 +74,6 @@ class TensorMeta:
         return TensorMeta(shape=tuple(int(d) for d in shape), dtype=str(dtype))
 
 
-VALUE_KINDS = ("input", "param", "buffer", "constant", "activation")
-
-
 @dataclass(frozen=True, kw_only=True)
 class Value:
     """One tensor of the program. ``base`` is the value owning its storage (itself if owner)."""
@@ -104,7 +96,7 @@ class Op:
 
     name: str
     target: str                 # e.g. "aten.linear.default"
-    kind: str                   # rule family, see oprules.OP_KINDS
+    kind: str                   # rule family, see vocabulary.OP_KINDS
     inputs: tuple[str, ...]     # tensor value names, in argument order
     outputs: tuple[str, ...]    # tensor value names produced
     args: str                   # canonical JSON of the call: tensors as {"v": name}; for profiling
@@ -232,7 +224,6 @@ class OpGraph:
     @staticmethod
     def from_dict(d: Mapping[str, Any]) -> OpGraph:
         """A graph from its JSON document, checked whole first (``graph/check.py``)."""
-        from autoplan.graph.check import check_graph_dict
         if not isinstance(d, Mapping):
             raise TraceError(f"malformed OpGraph: the top level is a {type(d).__name__}, not "
                              "an object")
@@ -258,8 +249,6 @@ class OpGraph:
     @staticmethod
     def from_json(text: str | bytes) -> OpGraph:
         """Read graph JSON with the hardened reader (``autoplan.safe_io``), then check it."""
-        from autoplan import safe_io
-        from autoplan.graph.check import GRAPH_LIMITS
         text = safe_io.decode(text, what="OpGraph file", error=TraceError, limits=GRAPH_LIMITS)
         d = safe_io.parse_json(text, what="OpGraph file", error=TraceError, limits=GRAPH_LIMITS)
         return OpGraph.from_dict(d)

@@ -21,9 +21,6 @@ from typing import Any
 
 from autoplan.graph.opgraph import TensorMeta
 
-OP_KINDS = ("matmul", "conv", "attention", "embedding", "norm", "pointwise", "dropout", "view",
-            "reduction", "loss", "pool", "creation", "copy", "other")
-
 
 @dataclass(frozen=True)
 class OpCall:
