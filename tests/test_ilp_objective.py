@@ -30,7 +30,8 @@ from autoplan.graph.analysis import analyze
 from autoplan.models import build_example
 from autoplan.planner.ilp import solve
 from autoplan.estimate.overlap import overlap_interference
-from autoplan.planner.problem import INFEASIBLE_S, CostContext, reduce_graph, sharding_from_choice
+from autoplan.planner.cost_context import CostContext
+from autoplan.planner.problem import INFEASIBLE_S, reduce_graph, sharding_from_choice
 from tests.conftest import has_transformers
 
 MODELS = ["gpt-tiny", "nanogpt-tiny", "torch-encoder-tiny", "llama-tiny"] + (
@@ -143,7 +144,7 @@ def test_the_ilp_prices_the_expert_exchanges_as_the_estimate(seed):
     the busiest rank's extra work under a capacity factor, as ``estimate`` does. Where a choice
     breaks an MoE block's region (rows split over tp between its grouped products), the
     estimate pays an exchange the ILP does not see, so the ILP's price is then a lower bound."""
-    from autoplan.planner.problem import expert_exchanges
+    from autoplan.planner.axis_costs import expert_exchanges
     from autoplan.sharding.expert_regions import expert_regions
     from autoplan.sharding.sharding import replicated
     rng = random.Random(seed)

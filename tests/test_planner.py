@@ -14,7 +14,8 @@ from autoplan.cost.compute import ComputeModel
 from autoplan.graph import trace
 from autoplan.models import build_example
 from autoplan.planner.ilp import ILPProblem, brute_force, solve
-from autoplan.planner.problem import CostContext, reduce_graph, sharding_from_choice
+from autoplan.planner.cost_context import CostContext
+from autoplan.planner.problem import reduce_graph, sharding_from_choice
 from autoplan.planner.search import plan
 from autoplan.sharding.sharding import megatron_sharding, replicated
 

@@ -7,40 +7,17 @@ the ILP with them."""
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from autoplan.cost.dtypes import own_sizes
 from autoplan.cost.memory import held_meta_bytes
 from autoplan.estimate.chunk_cost import comm_bytes
 from autoplan.graph.analysis import analyze
 from autoplan.graph.opgraph import OpGraph
+from autoplan.planner.cost_context import CostContext, ExpertExchanges
+from autoplan.planner.folding import Node
 from autoplan.sharding.context_axis import share_at
 from autoplan.sharding.placement import REPLICATE, Placement
 from autoplan.sharding.strategy import OpStrategy
-
-if TYPE_CHECKING:
-    from autoplan.planner.problem import CostContext, _Node
-
-
-@dataclass(frozen=True)
-class ExpertExchanges:
-    """Expert parallelism's exchanges as the ILP prices them, on the estimate's terms
-    (``chunk_cost.ep_comm_s``): the rows each dispatch sends and each combine brings home,
-    forward and backward, at the tp-local size the strategy gives them. Where they happen is
-    taken from the widest regions (``expert_regions`` of the replicated sharding: the rows stay
-    with their experts through every row-wise op between an MoE block's grouped products);
-    a strategy that breaks a region pays the extra exchange in ``estimate`` only."""
-
-    dispatch: Mapping[int, tuple[str, ...]]   # expert op -> values it sends to the experts
-    # (first reader, other reader, value): a value two products read (w1 and w3) is sent
-    # again when the other reads it placed differently (``ep_comm_s``: once per placement)
-    again: tuple[tuple[int, int, str], ...]
-    combine: frozenset[str]                   # values brought home
-    a2a_s: Callable[[float], float]           # bytes -> seconds of an all-to-all on the ep group
-    counts_s: float                           # each dispatch's all-gather of the row counts
-    load: float = 1.0                         # the busiest rank's rows / the balanced share
-    members: frozenset[int] = frozenset()     # ops on the dispatched rows (their work: x load)
 
 
 def expert_exchanges(graph: OpGraph, a2a_s: Callable[[float], float], counts_s: float,
@@ -94,7 +71,7 @@ def read_as(ctx: CostContext, i: int, s: OpStrategy, x: str) -> Placement:
     return s.inputs[k] if k < len(s.inputs) else REPLICATE
 
 
-def sent_again(ctx: CostContext, nodes: list[_Node], node_of: dict[int, int],
+def sent_again(ctx: CostContext, nodes: list[Node], node_of: dict[int, int],
                 edge_mats: dict[tuple[int, int], list[list[float]]],
                 costs: list[list[float]]) -> None:
     """A value two grouped products read is sent a second time when they read it placed

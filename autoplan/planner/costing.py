@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from autoplan.cost.compute import compute_model
 from autoplan.cost.dtypes import held_bytes
@@ -21,14 +21,13 @@ from autoplan.estimate.estimator import estimate
 from autoplan.estimate.overlap import overlap_interference
 from autoplan.graph.opgraph import OpGraph
 from autoplan.planner import space
+from autoplan.planner.axis_costs import expert_exchanges
+from autoplan.planner.cost_context import CostContext, ExpertExchanges
 from autoplan.planner.ilp import ILPSolution, solve
-from autoplan.planner.problem import (CostContext, ExpertExchanges, expert_exchanges, reduce_graph,
-                                     sharding_from_choice)
+from autoplan.planner.options import SearchOptions
+from autoplan.planner.problem import reduce_graph, sharding_from_choice
 from autoplan.planner.verdicts import Candidate
 from autoplan.sharding.sharding import Sharding, replicated_on
-
-if TYPE_CHECKING:
-    from autoplan.planner.search import SearchOptions
 
 SP_STYLES = frozenset({"colwise_sp", "rowwise_sp", "vocab_sp", "seq"})
 

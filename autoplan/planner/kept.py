@@ -7,17 +7,14 @@ their producers' choices leave them). ``problem.reduce_graph`` prices node memor
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 from autoplan.errors import ConfigError
 from autoplan.graph.analysis import analyze
 from autoplan.graph.opgraph import OpGraph
 from autoplan.planner.axis_costs import value_bytes
+from autoplan.planner.cost_context import CostContext
 from autoplan.planner.folding import Node
 from autoplan.sharding.placement import REPLICATE
-
-if TYPE_CHECKING:
-    from autoplan.planner.problem import CostContext
 
 
 def activation_owners(graph: OpGraph, recompute: str

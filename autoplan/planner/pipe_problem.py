@@ -44,9 +44,10 @@ from autoplan.estimate.chunk_cost import chunk_parts
 from autoplan.estimate.config import ParallelConfig
 from autoplan.estimate.critical_path import CriticalPath, critical_path
 from autoplan.graph.opgraph import OpGraph
+from autoplan.planner.cost_context import CostContext
 from autoplan.planner.dp_problem import Held, framework_s, dp_pieces, held_params
 from autoplan.planner.ilp import ILPProblem, Linear
-from autoplan.planner.problem import INFEASIBLE_S, CostContext, Reduction, reduce_graph
+from autoplan.planner.problem import INFEASIBLE_S, Reduction, reduce_graph
 from autoplan.sharding.placement import REPLICATE
 
 

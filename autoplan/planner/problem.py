@@ -14,23 +14,22 @@ loss), with the strategies of ``strategies.py``.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from autoplan.graph.analysis import analyze
-from autoplan.cost.compute import ComputeModel
-from autoplan.cost.dtypes import HeldBytes, own_sizes
+from autoplan.cost.dtypes import own_sizes
 from autoplan.cost.memory import _meta_bytes, internal_anchor
 from autoplan.estimate.chunk_cost import comm_bytes
-from autoplan.estimate.overlap import OVERLAP_INTERFERENCE, overlap_exposed_s
+from autoplan.estimate.overlap import overlap_exposed_s
 from autoplan.graph.opgraph import OpGraph
 from autoplan.errors import ConfigError
-from autoplan.planner.axis_costs import (ExpertExchanges, cp_comms_s, cp_held, exchange_s,
-                                         expert_exchanges, sent_again, value_bytes)
+from autoplan.planner.axis_costs import cp_comms_s, cp_held, exchange_s, sent_again, value_bytes
+from autoplan.planner.cost_context import CostContext
 from autoplan.planner.folding import Node, group, representatives
 from autoplan.planner.kept import activation_owners, layer_inputs
 from autoplan.planner.ilp import ILPProblem, Linear
-from autoplan.sharding.context_axis import ContextAxis, share_at, tp_allowed
+from autoplan.sharding.context_axis import ContextAxis, tp_allowed
 from autoplan.sharding.placement import REPLICATE, Placement
 from autoplan.sharding.sharding import Sharding, built_once, mutates_input, reshard_kind
 from autoplan.sharding.strategies import OpStrategy, strategies, strategies_by_name
@@ -39,36 +38,6 @@ from autoplan.sharding.strategy import divided_split, replicate
 # Choices that cannot run cost this much: an in-place op whose input would be resharded first
 # (the write would land on a copy), a tied weight laid out two ways.
 INFEASIBLE_S = 1.0e6
-
-
-@dataclass(frozen=True)
-class CostContext:
-    """Everything the per-strategy costs depend on (one mesh, micro-batch and policy)."""
-
-    graph: OpGraph
-    t: int
-    compute: ComputeModel
-    collective_s: Callable[[str, float], float]   # (kind, nbytes) -> seconds on the tp group
-    batch_scale: float                            # micro-batch / traced batch
-    microbatches: int
-    precision: str
-    recompute: str                                # none | selective | full
-    state_bytes_per_param: float                  # weights + grads + optimizer on the device
-    activation_multiplier: float                  # micro-batches whose activations are held
-    memory_budget: float | None = None
-    interference: float = OVERLAP_INTERFERENCE    # overlapped traffic's share charged
-    experts: ExpertExchanges | None = None        # expert parallelism's exchanges (ep > 1)
-    pinned: Mapping[int, str] | None = None       # op index -> the only strategy it may take
-    step_shard: int = 1       # ZeRO-2/3: the tp step all-reduces gradients already dp-sharded
-    # context parallelism on an axis of its own: the sequence split under the tp axis, and
-    # (kind, nbytes) -> seconds on its group
-    context: ContextAxis | None = None
-    cp_collective_s: Callable[[str, float], float] | None = None
-    held: HeldBytes | None = None     # the dtypes autocast holds activations in (cost.dtypes)
-
-    @property
-    def micro_batch(self) -> int:
-        return max(1, round(self.batch_scale * self.graph.batch_size))
 
 
 @dataclass(frozen=True)

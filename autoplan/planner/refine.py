@@ -6,18 +6,16 @@ the pipelined ones simulated event by event.
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from autoplan.estimate.config import ParallelConfig
 from autoplan.graph.opgraph import OpGraph
 from autoplan.planner.costing import Stats, cost_context, counted, dp_sharding, evaluate
 from autoplan.planner.dp_problem import keeps_weights_whole
 from autoplan.planner.ilp import ILPSolution, solve
+from autoplan.planner.options import SearchOptions
 from autoplan.planner.problem import sharding_from_choice
 from autoplan.planner.verdicts import Candidate
-
-if TYPE_CHECKING:
-    from autoplan.planner.search import SearchOptions
 
 
 def refine_dp(graph: OpGraph, cluster: Any, cands: list[Candidate], gbs: int, profile: Any,

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import fields, replace
 from typing import Any
 
 from autoplan.errors import ConfigError
@@ -50,34 +50,13 @@ from autoplan.planner.assemble import assemble
 from autoplan.planner.costing import (CLOSED_FORM_SLACK, Stats, evaluate, frugal,
                                       ilp_microbatches, ilp_sharding)
 from autoplan.planner.ilp import ILPSolution
+from autoplan.planner.options import SearchOptions  # (also imported from here by users)
 from autoplan.planner.planfile import Plan
 from autoplan.planner.refine import refine_dp, refine_pipe_ilp, refine_pipelined
 from autoplan.planner.verdicts import (Candidate, alternatives, honours, infeasible,
                                        too_few_layers, why_none_honours)
 from autoplan.planner import pins, space
 from autoplan.sharding.sharding import Sharding, context_sharding, megatron_sharding, replicated
-
-
-@dataclass(frozen=True, kw_only=True)
-class SearchOptions:
-    """What the search may choose from. ``force`` pins ParallelConfig fields (e.g.
-    ``{"tp": 2, "zero_stage": 3}``); everything else is searched."""
-
-    micro_batch_sizes: tuple[int, ...] | None = None   # default: powers of two up to 64
-    zero_stages: tuple[int, ...] = (0, 1, 2, 3)
-    recompute: tuple[str, ...] = ("none", "selective", "full")
-    offload_optimizer: tuple[bool, ...] = (False, True)
-    max_tp: int | None = None
-    max_pp: int | None = None    # pipeline degrees up to this (None: up to the layer count)
-    force: dict[str, Any] = field(default_factory=dict)
-    top_k: int = 5
-    ilp_time_limit_s: float = 20.0
-    sharding: str = "ilp"        # "ilp", "megatron" (Megatron-LM's rule, for comparisons) or
-                                 # "context" (the sequence split everywhere: ring attention)
-    fixed_sharding: Any = None   # a Sharding to use on its tp degree (``autoplan verify``)
-    memory_margin_bytes: float | None = None
-    expert_capacity_factor: float = 1.0   # MoE routing imbalance priced (estimate() doc)
-    pin: dict[str, str] = field(default_factory=dict)   # op pattern -> strategy (pins.py)
 
 
 def _megatron_tps(graph: OpGraph, cluster: Any, opts: SearchOptions) -> list[int]:

@@ -11,14 +11,12 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from autoplan.errors import ConfigError
 from autoplan.estimate.config import ParallelConfig
 from autoplan.graph.opgraph import OpGraph, opname
-
-if TYPE_CHECKING:
-    from autoplan.planner.search import SearchOptions
+from autoplan.planner.options import SearchOptions
 
 
 _BATCH_NORMS = frozenset({"batch_norm", "native_batch_norm", "_native_batch_norm_legit",

@@ -1,0 +1,30 @@
+"""``SearchOptions``: what ``plan``'s search may choose from. Its own module because every part
+of the search reads it (``search``, ``space``, ``costing``, ``refine``) and ``search`` imports
+those parts: here no part imports the whole."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True, kw_only=True)
+class SearchOptions:
+    """What the search may choose from. ``force`` pins ParallelConfig fields (e.g.
+    ``{"tp": 2, "zero_stage": 3}``); everything else is searched."""
+
+    micro_batch_sizes: tuple[int, ...] | None = None   # default: powers of two up to 64
+    zero_stages: tuple[int, ...] = (0, 1, 2, 3)
+    recompute: tuple[str, ...] = ("none", "selective", "full")
+    offload_optimizer: tuple[bool, ...] = (False, True)
+    max_tp: int | None = None
+    max_pp: int | None = None    # pipeline degrees up to this (None: up to the layer count)
+    force: dict[str, Any] = field(default_factory=dict)
+    top_k: int = 5
+    ilp_time_limit_s: float = 20.0
+    sharding: str = "ilp"        # "ilp", "megatron" (Megatron-LM's rule, for comparisons) or
+                                 # "context" (the sequence split everywhere: ring attention)
+    fixed_sharding: Any = None   # a Sharding to use on its tp degree (``autoplan verify``)
+    memory_margin_bytes: float | None = None
+    expert_capacity_factor: float = 1.0   # MoE routing imbalance priced (estimate() doc)
+    pin: dict[str, str] = field(default_factory=dict)   # op pattern -> strategy (pins.py)
