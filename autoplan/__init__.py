@@ -1,7 +1,8 @@
 """autoplan: automatic parallelization planner and compiler for PyTorch training.
 
 Planning (``trace``, ``estimate``, ``plan``, ``load_plan``) never imports the runtime;
-``compile`` and ``Trainer`` load it (and ``torch.distributed``) on first use.
+``compile`` and ``Trainer`` load it (and ``torch.distributed``) on first use; ``Example``
+(your model with its example batch and loss: ``Example.from_model``) loads the model registry.
 """
 
 from autoplan.version import __version__
@@ -15,7 +16,7 @@ from autoplan.planner.planfile import Plan
 from autoplan.planner.search import plan
 from autoplan.planner.verdicts import NoFeasiblePlanError
 
-__all__ = ["AutoplanError", "Cluster", "ClusterError", "ConfigError", "Estimate",
+__all__ = ["AutoplanError", "Cluster", "ClusterError", "ConfigError", "Estimate", "Example",
            "NoFeasiblePlanError", "OpGraph", "ParallelConfig", "Plan", "PlanError", "ProfileError",
            "TraceError", "Trainer", "compile", "estimate", "load_plan", "plan", "trace",
            "__version__"]
@@ -25,4 +26,7 @@ def __getattr__(name: str):
     if name in ("compile", "Trainer"):
         from autoplan.runtime import trainer
         return getattr(trainer, name)
+    if name == "Example":
+        from autoplan.models.registry import Example
+        return Example
     raise AttributeError(f"module 'autoplan' has no attribute {name!r}")

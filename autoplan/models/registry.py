@@ -48,6 +48,47 @@ class Example:
         """One forward pass on the example inputs, reduced to the loss."""
         return self.loss_fn(self.model(*self.example_inputs), self.targets)
 
+    @classmethod
+    def from_model(cls, model: nn.Module, inputs: Any, targets: torch.Tensor,
+                   loss_fn: LossFn, *, name: str | None = None) -> Example:
+        """Your model as autoplan takes it: ``loss_fn(model(*inputs), targets)`` is the scalar
+        loss of one example batch.
+
+        ``inputs``: the tensor ``model`` takes, or a tuple or list of its positional arguments
+        (tensors, meta tensors included). Their first dimension, and that of ``targets``, is
+        the batch: autoplan plans and runs other batch sizes by splitting and repeating it.
+        ``name`` (default: the model's class name) is what plans and reports call it. The
+        rest of an Example (``family``, ``config``) describes autoplan's own example models
+        and is filled in. A function of no arguments returning this is what ``autoplan plan``,
+        ``run``, ``verify`` and ``emulate`` take as ``--model package.module:function``."""
+        from autoplan.errors import ConfigError
+        if not isinstance(model, nn.Module):
+            raise ConfigError(f"Example.from_model: model must be a torch.nn.Module, got "
+                              f"{type(model).__name__}")
+        args = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
+        tensors = [a for a in args if isinstance(a, torch.Tensor)]
+        if not tensors:
+            raise ConfigError(f"Example.from_model: inputs must be a tensor or a tuple of the "
+                              f"model's positional arguments with at least one tensor, got "
+                              f"{type(inputs).__name__} {inputs!r:.60}")
+        if not isinstance(targets, torch.Tensor):
+            raise ConfigError(f"Example.from_model: targets must be a tensor (what loss_fn "
+                              f"compares the model's output with), got {type(targets).__name__}")
+        if not callable(loss_fn):
+            raise ConfigError(f"Example.from_model: loss_fn must be a function (output, targets) "
+                              f"-> scalar loss, got {type(loss_fn).__name__}")
+        rows = {tuple(t.shape[:1]) for t in (*tensors, targets)}
+        if len(rows) != 1 or () in rows:
+            shapes = ", ".join(str(tuple(t.shape)) for t in (*tensors, targets))
+            raise ConfigError(f"Example.from_model: every input tensor and the targets need the "
+                              f"same first (batch) dimension; got shapes {shapes} (inputs..., "
+                              "targets)")
+        if name is not None and not (isinstance(name, str) and name.strip()):
+            raise ConfigError(f"Example.from_model: name must be a non-empty string, got "
+                              f"{name!r}")
+        return cls(name=name or type(model).__name__, model=model, example_inputs=args,
+                   targets=targets, loss_fn=loss_fn, family="user", config=None)
+
 
 # Losses are module-level functions so that examples pickle (process launchers need that).
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -362,6 +403,6 @@ def load_user_example(spec: str) -> Example:
     example = fn()
     if not isinstance(example, Example):
         raise AutoplanError(f"{spec}() returned {type(example).__name__}, not an "
-                            "autoplan.models.Example (name, model, example_inputs, targets, "
-                            "loss_fn, family, config)")
+                            "autoplan.models.Example; return autoplan.Example.from_model(model, "
+                            "inputs, targets, loss_fn)")
     return example
