@@ -15,11 +15,14 @@ the repository's (the pages' commands run from the repository root):
 - ``<!-- docs-test: each-node -->``: a multi-node command; each ``autoplan run`` in it runs with
   ``--print-command`` for NODE_RANK 0 and 1, and the printed torchrun command must carry that
   node's rank, the node count and the rendezvous address.
-- ``<!-- docs-test: parse-only (WHY) -->``: commands too slow for the suite (several rank
-  launches, a profile of this machine, a minute-long search): every ``autoplan`` command must
-  parse with the real argument parser, and every script and file it names must exist. Set
-  ``AUTOPLAN_DOCS_FULL=1`` to run these blocks fully as well (``test_every_block_runs_fully``,
-  about 10 minutes).
+- ``<!-- docs-test: parse-only (WHY) -->``: commands too slow for the suite, each page saying
+  why and which test runs the same: the docs pages' rank launches (``autoplan run``, ``verify``,
+  ``calibrate``, ``demo``, a compiled run, ``examples/hf_architectures.py``; the README's own
+  launches all run), ``autoplan profile``, the benchmark scripts and fuzzers. Here every
+  ``autoplan`` command must parse with the real argument parser and every script it names must
+  exist; nothing more. ``AUTOPLAN_DOCS_FULL=1`` runs these blocks fully as well
+  (``test_every_block_runs_fully``: the command-line pages take about 10 minutes on 2 cores, the
+  benchmark scripts tens of minutes more).
 - ``<!-- docs-test: gpu (WHY) -->``: needs a CUDA GPU; checked as parse-only, never run here.
 - ``make demo`` / ``make test`` are only checked to be Makefile targets: the first runs
   ``autoplan demo`` (tests/test_cli_smoke.py runs it), the second is this suite.
