@@ -22,8 +22,8 @@ import torch
 
 from autoplan import Cluster, ParallelConfig, estimate
 from autoplan.cost.host_allocator import keep_freed_host_memory
-from autoplan.cost.calibration import calibrate
-from autoplan.cost.profiler import build_db, profile_model
+from autoplan.machine.calibration import calibrate
+from autoplan.machine.profiler import build_db, profile_model
 from autoplan.models import build_example
 
 # Batches where the ops' own work, not Python's per-op overhead (which the cost model does not

@@ -60,7 +60,7 @@ def seeds() -> dict[str, bytes]:
 
     import autoplan
     from autoplan import Cluster
-    from autoplan.cost.profile_db import Calibration, OpTiming, ProfileDB
+    from autoplan.cluster.profile_db import Calibration, OpTiming, ProfileDB
     warnings.simplefilter("ignore")
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
@@ -210,7 +210,7 @@ def mutate(data: bytes, rng: random.Random, fmt: str) -> bytes:
 def readers() -> dict[str, Callable[[bytes], Any]]:
     import autoplan
     from autoplan import Cluster, ParallelConfig, estimate
-    from autoplan.cost.profile_db import ProfileDB
+    from autoplan.cluster.profile_db import ProfileDB
     from autoplan.planner.planfile import Plan
     tmp = tempfile.mkdtemp(prefix="autoplan-fuzz-")
     atexit.register(shutil.rmtree, tmp, ignore_errors=True)

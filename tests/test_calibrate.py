@@ -111,7 +111,7 @@ def test_a_written_profile_is_what_the_next_plan_uses(tmp_path, monkeypatch):
     assert after.links["loopback"].bandwidth_bytes_per_s == pytest.approx(1.7e9)
     assert after.links["loopback"].latency_s == pytest.approx(55e-6)
     assert after.device.peak_flops["fp32"] == pytest.approx(77e9)
-    from autoplan.cost.profile_db import ProfileDB
+    from autoplan.cluster.profile_db import ProfileDB
     db = ProfileDB.find("cpu-calibrate-test")
     assert db.calibration.optimizer_s_per_param == pytest.approx(1e-8)
     assert db.calibration.launch_s == pytest.approx(2e-6)
@@ -130,7 +130,7 @@ def test_a_written_profile_is_what_the_next_plan_uses(tmp_path, monkeypatch):
 
 def test_first_use_probe_times_the_loopback_link():
     """Two real rank processes all-reduce over gloo; the fit gives the link physical figures."""
-    from autoplan.cluster.local import probe_loopback, unit_terms
+    from autoplan.machine.first_use import probe_loopback, unit_terms
     link = probe_loopback()
     assert link is not None
     assert 1e6 < link["bandwidth_bytes_per_s"] < 1e12
@@ -209,7 +209,7 @@ def test_a_profile_without_the_framework_time_has_it_measured(tmp_path, monkeypa
     shipped for this CPU) gets it measured as first use does: fitted jointly with the waits
     from two plans it absorbed what else the steps spent (204 us per op, 6 us measured)."""
     from autoplan.cli.calibrate_cmd import _current_framework_s_per_op
-    from autoplan.cost.profile_db import ProfileDB
+    from autoplan.cluster.profile_db import ProfileDB
     monkeypatch.setenv("AUTOPLAN_PROFILE_CACHE", str(tmp_path))
     monkeypatch.setattr(ProfileDB, "find", staticmethod(lambda device: None))
     assert _current_framework_s_per_op() > 0

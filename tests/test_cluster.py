@@ -471,7 +471,7 @@ def test_local_cpu_cluster():
     assert four.device.peak_flops_for("fp32") == pytest.approx(2e11) and four.device.kernel_launch_s == pytest.approx(3e-6)
     assert "calibration" in four.device.source
     # without an explicit calibration, local() takes the installed profile's, if there is one
-    from autoplan.cost.profile_db import ProfileDB
+    from autoplan.cluster.profile_db import ProfileDB
     profiled = ProfileDB.find(one.device.name)
     if profiled is None:
         assert "PLACEHOLDER" in one.device.source
@@ -565,6 +565,9 @@ def test_a_cpu_without_a_profile_is_calibrated_once_on_first_use(tmp_path, monke
     monkeypatch.setenv("AUTOPLAN_PROFILE_DIR", str(tmp_path))
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     monkeypatch.setattr(local, "local_cpu_device_name", lambda: "cpu-fresh-test-machine")
+    # the stderr handler an earlier main() of this process put on the autoplan logger
+    # (cli/main.py: configure_logging) prints records; without it, nothing may
+    monkeypatch.setattr(logging.getLogger("autoplan"), "handlers", [])
     with caplog.at_level(logging.INFO, logger="autoplan.cluster.local"):
         first = Cluster.local(2)
     notes = caplog.text

@@ -71,7 +71,7 @@ def test_export_examples_follow_the_weights_device():
 def test_shipped_profiles_are_found_from_a_source_tree(monkeypatch):
     """autoplan on PYTHONPATH from a checkout, not installed: no ``autoplan.profiles`` package,
     the repository's profiles/ folder instead (seen on the lent GPU machine)."""
-    from autoplan.cost import profile_db
+    from autoplan.cluster import profile_db
 
     def missing(name):
         raise ModuleNotFoundError(name)
@@ -112,7 +112,7 @@ def test_compile_trains_a_gpt_on_one_gpu():
 @pytest.mark.gpu
 @cuda
 def test_calibration_on_a_gpu_gives_figures_of_a_gpu():
-    from autoplan.cost.calibration import calibrate
+    from autoplan.machine.calibration import calibrate
     c = calibrate("cuda")
     assert 1e13 < c.matmul_flops_per_s < 5e15
     assert 1e11 < c.memory_bandwidth_bytes_per_s < 2e13

@@ -1,5 +1,22 @@
-"""Every import points downward: graph -> sharding -> (cluster) -> cost -> estimate -> planner
--> runtime, with the CLI on top; planning never loads the runtime."""
+"""Every import points downward, no module imports itself round a circle, and planning never
+loads the runtime.
+
+The layers, bottom up (``LAYER``): graph -> sharding -> cluster -> cost -> machine -> estimate
+-> planner -> runtime, with the CLI on top. ``cluster`` sits below ``cost``: it describes
+hardware (datasheet specs in ``cost_models/``, topology, the links' collective times, the
+measured figures of a device in a ``ProfileDB``, this machine as its OS reports it), and
+``cost`` prices ops on such a description; a cluster imports nothing of the cost formulas.
+``machine`` measures this machine (calibration, op profiles, the first-use calibration
+``Cluster.local()`` runs as a program of its own) with both below it.
+
+What counts as an import: every ``import``/``from ... import`` of an autoplan module anywhere in
+a file, at module level, under ``if TYPE_CHECKING:`` or inside a function. ``from P import n``
+is an import of ``P.n`` where that is a module, else of ``P``; the package ``__init__`` files
+Python runs on the way are not counted. An import inside a function (made when first needed) is
+kept only for a reason written beside it: import time of ``autoplan``, an optional dependency.
+Such an import may close a circle only when its line says so, with a comment holding
+``lazily:`` and the reason (``from autoplan.x import y  # lazily: ...``); none does today.
+"""
 
 import ast
 import pathlib
@@ -7,37 +24,139 @@ import subprocess
 import sys
 
 ROOT = pathlib.Path(__file__).resolve().parents[1] / "autoplan"
-LAYER = {"version": 0, "errors": 0, "safe_io": 0.5, "gc_pause": 0.5, "models": 1, "graph": 1, "sharding": 2, "cluster": 3,
-         "cost": 4, "cost_models": 4, "profiles": 4, "estimate": 5, "planner": 6,
-         "runtime": 7, "cli": 8, "__init__": 9}
+LAYER = {"version": 0, "errors": 0, "safe_io": 0.5, "gc_pause": 0.5, "models": 1, "graph": 1,
+         "sharding": 2, "cluster": 3, "cost": 4, "cost_models": 4, "profiles": 4, "machine": 5,
+         "estimate": 6, "planner": 7, "runtime": 8, "cli": 9, "__init__": 10}
 # (importing file, imported package): each with its reason
 ALLOWED = {
-    # Cluster.local() reads the calibration an installed CPU profile measured (lazily)
-    ("cluster/local.py", "cost"),
     # the torchrun worker of `autoplan run` builds the example model it was named
     ("runtime/worker.py", "models"),
 }
+LAZY_REASON = "lazily:"
 
 
-def _imports():
-    for f in sorted(ROOT.rglob("*.py")):
-        rel = f.relative_to(ROOT).as_posix()
-        pkg = rel.split("/")[0].removesuffix(".py")
-        for node in ast.walk(ast.parse(f.read_text())):
-            if isinstance(node, ast.ImportFrom) and node.module and \
-                    node.module.split(".")[0] == "autoplan":
-                parts = node.module.split(".")
-                targets = [parts[1]] if len(parts) > 1 else [
-                    a.name if a.name in LAYER else "__init__" for a in node.names]
-                for target in targets:
-                    if target != pkg:
-                        yield rel, pkg, target
+def _modules(root: pathlib.Path) -> dict[str, pathlib.Path]:
+    """Module name -> file, for every module of the package at ``root``."""
+    found = {}
+    for f in sorted(root.rglob("*.py")):
+        parts = list(f.relative_to(root.parent).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        found[".".join(parts)] = f
+    return found
+
+
+def _imports(root: pathlib.Path = ROOT):
+    """(importing module, imported module, file, line, marked) for every import of a module of
+    the package at ``root``; ``marked``: the line gives a reason to import lazily."""
+    modules = _modules(root)
+    for name, f in modules.items():
+        source = f.read_text()
+        lines = source.splitlines()
+        package = name if f.name == "__init__.py" else name.rpartition(".")[0]
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    anchor = package.split(".")[:len(package.split(".")) - node.level + 1]
+                    base = ".".join(anchor + ([base] if base else []))
+                targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base
+                           for a in node.names]
+            else:
+                continue
+            marked = LAZY_REASON in lines[node.lineno - 1]
+            for target in dict.fromkeys(targets):
+                if target in modules and target != name:
+                    yield name, target, f.relative_to(root).as_posix(), node.lineno, marked
+
+
+def _layer_of(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def _upward(root: pathlib.Path = ROOT) -> list[str]:
+    out = []
+    for src, dst, rel, line, _ in _imports(root):
+        here, there = _layer_of(src), _layer_of(dst)
+        if here != there and LAYER[there] >= LAYER[here] and (rel, there) not in ALLOWED:
+            out.append(f"{rel}:{line} ({here}) imports {dst} ({there})")
+    return out
+
+
+def _circles(root: pathlib.Path = ROOT) -> list[list[str]]:
+    """The import circles among the modules at ``root``: each strongly connected set of two or
+    more modules (Tarjan's algorithm), with the imports that join it."""
+    edges: dict[str, list[tuple[str, str]]] = {}
+    for src, dst, rel, line, marked in _imports(root):
+        if not marked:
+            edges.setdefault(src, []).append((dst, f"{rel}:{line} imports {dst}"))
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w, _ in edges.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            members = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                members.append(w)
+                if w == v:
+                    break
+            if len(members) > 1:
+                inside = set(members)
+                found.append(sorted(why for m in members for w, why in edges.get(m, ())
+                                    if w in inside))
+
+    for v in sorted(edges):
+        if v not in index:
+            visit(v)
+    return found
 
 
 def test_imports_point_downward():
-    upward = [(rel, target) for rel, pkg, target in _imports()
-              if LAYER[target] >= LAYER[pkg] and (rel, target) not in ALLOWED]
-    assert not upward, f"imports that point up (or sideways): {upward}"
+    upward = _upward()
+    assert not upward, "imports that point up (or sideways):\n" + "\n".join(upward)
+
+
+def test_no_module_imports_itself_round_a_circle():
+    circles = _circles()
+    assert not circles, ("import circles (cut one import of each: move what both sides need "
+                         "below them):\n" + "\n\n".join("\n".join(c) for c in circles))
+
+
+def test_the_checks_see_circles_and_arrows_up(tmp_path):
+    """The two checks above find what they are for, in a package made to have both."""
+    pkg = tmp_path / "autoplan"
+    for rel, text in {
+            "__init__.py": "",
+            "graph/__init__.py": "",
+            "graph/a.py": "from autoplan.graph import b\n",
+            "graph/b.py": "def f():\n    from autoplan.graph.c import x\n",
+            "graph/c.py": "from autoplan.graph.a import y\nimport autoplan.planner.p\n",
+            "graph/d.py": "def g():\n    from autoplan.graph import a  # lazily: a test\n",
+            "planner/__init__.py": "",
+            "planner/p.py": "from autoplan.graph.d import g\n"}.items():
+        (pkg / rel).parent.mkdir(parents=True, exist_ok=True)
+        (pkg / rel).write_text(text)
+    assert _circles(pkg) == [["graph/a.py:1 imports autoplan.graph.b",
+                              "graph/b.py:2 imports autoplan.graph.c",
+                              "graph/c.py:1 imports autoplan.graph.a"]]
+    assert _upward(pkg) == ["graph/c.py:2 (graph) imports autoplan.planner.p (planner)"]
 
 
 def test_planning_does_not_load_the_runtime():

@@ -11,10 +11,10 @@ import torch
 from torch import nn
 
 import autoplan
-from autoplan.cost.profile_db import (Calibration, OpTiming, ProfileDB, list_packaged_devices,
+from autoplan.cluster.profile_db import (Calibration, OpTiming, ProfileDB, list_packaged_devices,
                                       op_key)
-from autoplan.cost.calibration import calibrate
-from autoplan.cost.profiler import build_db, local_device_name, profile_graph
+from autoplan.machine.calibration import calibrate
+from autoplan.machine.profiler import build_db, local_device_name, profile_graph
 from autoplan.errors import ProfileError
 
 
@@ -225,7 +225,7 @@ def test_find_searches_env_dir_then_cache_then_packaged(tmp_path, monkeypatch):
 
 
 def test_packaged_profiles_cover_the_examples():
-    from autoplan.cost.profile_db import packaged_profiles
+    from autoplan.cluster.profile_db import packaged_profiles
     for device in list_packaged_devices():
         shipped = ProfileDB.from_text((packaged_profiles() / f"{device}.json").read_bytes())
         assert shipped.device == device

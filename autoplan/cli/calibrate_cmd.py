@@ -229,7 +229,7 @@ def _current_size_curve() -> tuple[tuple[float, float], ...]:
     """The size curve of this CPU's profile (first-use calibration measures it): the refit
     keeps its shape and fits the rate it is relative to."""
     from autoplan.cluster.local import local_cpu_device_name
-    from autoplan.cost.profile_db import ProfileDB
+    from autoplan.cluster.profile_db import ProfileDB
     db = ProfileDB.find(local_cpu_device_name())
     return db.calibration.matmul_size_efficiency if db is not None else ()
 
@@ -240,12 +240,12 @@ def _current_framework_s_per_op() -> float:
     with the waits from two plans, it absorbed whatever else the steps spent (204 us per op
     where 6 us was measured)."""
     from autoplan.cluster.local import RANK_THREADS, local_cpu_device_name
-    from autoplan.cost.profile_db import ProfileDB
+    from autoplan.cluster.profile_db import ProfileDB
     db = ProfileDB.find(local_cpu_device_name())
     measured = db.calibration.framework_s_per_op if db is not None else 0.0
     if measured > 0:
         return measured
-    from autoplan.cost.calibration import framework_s_per_op
+    from autoplan.machine.calibration import framework_s_per_op
     return framework_s_per_op(RANK_THREADS)
 
 
@@ -262,7 +262,7 @@ def refit(runs: list[Measured], optimizer_s: list[float],
           size_curve: Sequence[tuple[float, float]] = ()) -> dict[str, Any]:
     """The compute, optimizer and loopback-link fits over all plans' events, per whole core
     (the matmul rate on the profile's ``size_curve``)."""
-    from autoplan.cluster.local import unit_terms
+    from autoplan.machine.first_use import unit_terms
     from autoplan.cost.refit import refit_compute, refit_link
     from autoplan.estimate.attribution import collective_kind, main_thread
     events, samples = [], []
@@ -335,9 +335,9 @@ def _print_fits(fits: dict[str, Any]) -> None:
 def write_profile(fits: dict[str, Any], output: str | None) -> str:
     """This CPU's profile with the refit figures (its measured ops kept)."""
 
-    from autoplan.cluster.local import (auto_calibration, local_cpu_device_name,
-                                        rank_calibration_db)
-    from autoplan.cost.profile_db import ProfileDB
+    from autoplan.cluster.local import auto_calibration, local_cpu_device_name
+    from autoplan.machine.first_use import rank_calibration_db
+    from autoplan.cluster.profile_db import ProfileDB
     device = local_cpu_device_name()
     base = ProfileDB.find(device)
     if base is None:

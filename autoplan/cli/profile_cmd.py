@@ -81,7 +81,7 @@ def _model_spec(spec: str, default_batch: int | None) -> tuple[str, int | None]:
 def _existing_db(path: Path, device_name: str):
     """The database to merge into: the output file if it exists, else the one found for the
     device (cache or packaged). Returns (db or None, where it came from)."""
-    from autoplan.cost.profile_db import ProfileDB
+    from autoplan.cluster.profile_db import ProfileDB
 
     if path.exists():
         return ProfileDB.load(path), str(path)
@@ -94,8 +94,8 @@ def _existing_db(path: Path, device_name: str):
 
 def _profile_models(args: argparse.Namespace, device: str):
     """Trace and profile each model; returns (timings, sources, graphs, total failures)."""
-    import autoplan
-    from autoplan.cost.profiler import profile_graph
+    from autoplan.graph import trace
+    from autoplan.machine.profiler import profile_graph
     from autoplan.models import build_example
 
     timings: dict = {}
@@ -113,8 +113,8 @@ def _profile_models(args: argparse.Namespace, device: str):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # "no rule for op" warnings: not this command's topic
             loss_fn = ex.loss_fn if ex.targets is not None else None
-            graph = autoplan.trace(ex.model, ex.example_inputs, loss_fn=loss_fn,
-                                   targets=ex.targets, name=name)
+            graph = trace(ex.model, ex.example_inputs, loss_fn=loss_fn, targets=ex.targets,
+                          name=name)
         trace_s = time.perf_counter() - t0
         batch = graph.batch_size
         prof = profile_graph(graph, device=device, warmup=args.warmup, repeats=args.repeats,
@@ -140,9 +140,9 @@ def run(args: argparse.Namespace) -> int:
     """Run ``autoplan profile``; returns the exit status (0 ok, 2 bad input)."""
     import torch
 
-    from autoplan.cost.profile_db import default_cache_dir
-    from autoplan.cost.calibration import calibrate
-    from autoplan.cost.profiler import build_db, local_device_name
+    from autoplan.cluster.profile_db import default_cache_dir
+    from autoplan.machine.calibration import calibrate
+    from autoplan.machine.profiler import build_db, local_device_name
 
     if not args.models and not args.calibrate_only:
         print("autoplan profile: give at least one MODEL (or --calibrate-only)", file=sys.stderr)

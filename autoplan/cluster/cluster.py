@@ -38,6 +38,7 @@ from autoplan.cluster.collectives import (
     estimate_time_s,
 )
 from autoplan.cluster.collectives import collective_bytes_per_rank as _bytes_per_rank
+from autoplan.cluster.local import job_shape, local_cluster_dict
 from autoplan.cluster.specs import DeviceSpec, HostSpec, LinkSpec
 from autoplan.cluster.values import check_keys, integer, text
 from autoplan.cluster.topology import (
@@ -363,8 +364,6 @@ class Cluster:
         """This machine: its GPUs (NCCL) if CUDA is present, else ``nproc`` CPU rank processes
         (gloo); with ``nodes`` > 1, that many nodes like it (the network between them is not
         seen: listed in ``unseen``)."""
-        from autoplan.cluster.local import local_cluster_dict
-
         return cls.from_dict(local_cluster_dict(nproc, nodes=nodes, calibration=calibration),
                              where="local cluster")
 
@@ -372,8 +371,6 @@ class Cluster:
     def local_job(cls, *, calibration: Mapping[str, float] | None = None) -> Cluster:
         """The machines of this ``torchrun`` job: ``LOCAL_WORLD_SIZE`` ranks on each of
         ``WORLD_SIZE / LOCAL_WORLD_SIZE`` nodes like this one (one process outside a job)."""
-        from autoplan.cluster.local import job_shape
-
         nproc, nodes = job_shape()
         return cls.local(nproc, nodes=nodes, calibration=calibration)
 

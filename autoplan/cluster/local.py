@@ -15,12 +15,12 @@ stand-in, ``ASSUMED_FABRIC``), and without ``nvidia-smi`` the NVLinks. Plans are
 cluster by its hardware (``hardware.py``), which leaves the unseen out of the comparison.
 
 CPU rates come from the installed profile of this CPU (``autoplan profile``). A CPU without one
-is calibrated on first use (``autoplan.cost.calibration.calibrate`` with the one thread a rank
-runs with: a GEMM, a copy, a tiny op, AdamW and a net of tiny layers for the eager framework's
-per-op time; then ``probe_loopback``: all-reduces between two rank processes for the loopback
-link; about 6 s, announced on stderr) and the result cached as its profile, so later calls and
-the ranks of a job read the same figures. ``AUTOPLAN_AUTO_CALIBRATE=0`` turns that off (the test
-suite does, for figures that do not depend on the machine): the rates are then
+is calibrated on first use (``python -m autoplan.machine.first_use``, a program of its own: the
+one thread a rank runs with measures a GEMM, a copy, a tiny op, AdamW and a net of tiny layers
+for the eager framework's per-op time, then all-reduces between two rank processes for the
+loopback link; about 6 s, logged at INFO) and the result cached as its profile, so later calls
+and the ranks of a job read the same figures. ``AUTOPLAN_AUTO_CALIBRATE=0`` turns that off (the
+test suite does, for figures that do not depend on the machine): the rates are then
 ``DEFAULT_CPU_CALIBRATION``, deliberately conservative placeholders (a few cores of a current
 server CPU), not measurements. ``calibration`` (any of ``matmul_flops_per_s``,
 ``memory_bandwidth_bytes_per_s``, ``launch_s``) overrides both.
@@ -28,17 +28,21 @@ server CPU), not measurements. ``calibration`` (any of ``matmul_flops_per_s``,
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
+import platform
 import re
 import shutil
 import subprocess
+import sys
+import tempfile
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from autoplan.cluster import specs, values
-from autoplan.errors import ClusterError
+from autoplan.cluster.profile_db import ProfileDB
+from autoplan.errors import ClusterError, ProfileError
 
 log = logging.getLogger(__name__)
 
@@ -72,8 +76,6 @@ def cpu_model_name() -> str:
                     return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    import platform
-
     return platform.processor() or platform.machine() or "unknown"
 
 
@@ -92,7 +94,7 @@ def local_cpu_device_name() -> str:
 
 def host_memory_bytes() -> int:
     try:
-        import psutil  # optional dependency
+        import psutil  # lazily: an optional dependency
 
         return int(psutil.virtual_memory().total)
     except ImportError:
@@ -115,11 +117,13 @@ def _calibration(calibration: Mapping[str, float] | None) -> dict[str, float]:
 def profiled_calibration(device: str) -> tuple[dict[str, float], int] | None:
     """The calibration of the installed profile for ``device`` (``autoplan profile``) and the
     thread count it was measured with, if there is one."""
-    from autoplan.cost.profile_db import ProfileDB
-
     db = ProfileDB.find(device)
     if db is None:
         return None
+    return _figures(db)
+
+
+def _figures(db: ProfileDB) -> tuple[dict[str, float], int]:
     c = db.calibration
     return ({"matmul_flops_per_s": c.matmul_flops_per_s,
              "memory_bandwidth_bytes_per_s": c.memory_bandwidth_bytes_per_s,
@@ -128,8 +132,6 @@ def profiled_calibration(device: str) -> tuple[dict[str, float], int] | None:
 
 def profiled_links(device: str) -> dict[str, dict[str, float]]:
     """Link figures ``autoplan calibrate`` fitted on this machine (link name -> figures)."""
-    from autoplan.cost.profile_db import ProfileDB
-
     db = ProfileDB.find(device)
     return {k: dict(v) for k, v in db.links.items()} if db is not None else {}
 
@@ -138,100 +140,30 @@ AUTO_CALIBRATE_ENV = "AUTOPLAN_AUTO_CALIBRATE"
 # the intra-op threads of one CPU rank process (runtime/worker.py sets it; torchrun's
 # OMP_NUM_THREADS default): first-use calibration measures with as many
 RANK_THREADS = 1
-
-
-def rank_calibration_db(device: str) -> Any:
-    """A ProfileDB of this CPU's calibration (no ops), measured with the threads one rank
-    process runs with (``RANK_THREADS``), as a saved file gives it back."""
-    import torch
-
-    from autoplan.cost.profile_db import ProfileDB
-    from autoplan.cost.calibration import calibrate
-    from autoplan.cost.profiler import build_db
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(RANK_THREADS)   # what one rank process gets (runtime/worker.py)
-    try:
-        db = build_db({}, calibrate("cpu"), device="cpu", device_name=device,
-                      sources=("auto-calibration",))
-    finally:
-        torch.set_num_threads(threads)
-    return ProfileDB.from_text(db.to_json())
-
-
-def unit_terms(kind: str, nbytes: float, world: int) -> tuple[float, float]:
-    """(A, B) of the cost model's time ``A * latency + B / bandwidth`` for one ``kind``
-    collective of ``nbytes`` over ``world`` CPU ranks on the loopback link (for fits)."""
-    ranks = list(range(world))
-    return (_unit_cluster(world, 1e30, 1.0).collective_time_s(kind, nbytes, ranks),
-            _unit_cluster(world, 1.0, 0.0).collective_time_s(kind, nbytes, ranks))
-
-
-@functools.lru_cache(maxsize=16)
-def _unit_cluster(world: int, bandwidth: float, latency: float) -> Any:
-    from autoplan.cluster.cluster import Cluster
-
-    d = cpu_cluster_dict(world, DEFAULT_CPU_CALIBRATION, memory_bytes=world << 30)
-    d["device"]["compute_share"] = 1.0
-    d["links"] = {"loopback": {"bandwidth_bytes_per_s": bandwidth, "latency_s": latency,
-                               "efficiency": 1.0, "source": "unit figures for a fit"}}
-    return Cluster.from_dict(d)
-
-
-def probe_loopback() -> dict[str, float] | None:
-    """The loopback link's figures from timed all-reduces between two rank processes
-    (``python -m autoplan.runtime.link_probe``, a separate program: planning starts no process
-    group), fitted with the cost model's all-reduce formula; None when the probe fails."""
-    import json
-    import sys
-    import tempfile
-
-    from autoplan.cost.refit import refit_link
-
-    with tempfile.TemporaryDirectory(prefix="autoplan-probe-") as tmp:
-        out = os.path.join(tmp, "link.json")
-        try:
-            done = subprocess.run([sys.executable, "-m", "autoplan.runtime.link_probe", out],
-                                  capture_output=True, timeout=120, check=False)
-            if done.returncode != 0 or not os.path.exists(out):
-                return None
-            with open(out, encoding="utf-8") as f:
-                data = json.load(f)
-        except (OSError, ValueError, subprocess.TimeoutExpired):
-            return None
-    terms = {}
-    samples = []
-    for nbytes, seconds in data.get("samples", []):
-        if nbytes not in terms:
-            terms[nbytes] = unit_terms("all_reduce", float(nbytes), 2)
-        samples.append((*terms[nbytes], float(seconds)))
-    fit = refit_link(samples)
-    if fit is None:
-        return None
-    return {"bandwidth_bytes_per_s": fit.bandwidth_bytes_per_s, "latency_s": fit.latency_s}
+FIRST_USE_TIMEOUT_S = 600   # the calibration takes about 6 s, the link probe at most 120
 
 
 def auto_calibration(device: str) -> tuple[dict[str, float], int] | None:
     """Calibrate this CPU now and cache it as its profile (first use on a machine without one).
     Not inside a multi-process job (its ranks would measure each other) and not when
-    ``AUTOPLAN_AUTO_CALIBRATE=0``."""
-    import time
+    ``AUTOPLAN_AUTO_CALIBRATE=0``.
 
+    The measuring is a program of its own (``python -m autoplan.machine.first_use``): this layer
+    describes machines and imports nothing of the code that measures them (``autoplan.machine``
+    sits above ``cluster`` and ``cost``), and a fresh process with one thread measures what a
+    rank process will run with."""
     if os.environ.get(AUTO_CALIBRATE_ENV, "1") == "0" or int(os.environ.get("WORLD_SIZE", "1")) > 1:
         return None
-    from autoplan.cost.profile_db import ProfileDB
-
     path = ProfileDB.write_path(device)
     # progress notes (--log-level INFO shows them); the busy-machine warning below is one a
     # user can act on
     log.info("no profile for this CPU (%s) yet: calibrating it once (about 6 s; %s=0 skips "
              "this)...", device, AUTO_CALIBRATE_ENV)
     t0 = time.perf_counter()
-    db = rank_calibration_db(device)
-    link = probe_loopback()
-    if link is not None:
-        import dataclasses
-        db = dataclasses.replace(db, links={**db.links, "loopback": link})
+    db = _first_use_measurement(device)
+    if db is None:
+        return None
+    link = db.links.get("loopback")
     cal = db.calibration
     try:
         db.save(path)
@@ -250,9 +182,32 @@ def auto_calibration(device: str) -> tuple[dict[str, float], int] | None:
         log.warning(f"the machine was busy while calibrating this CPU (load {load:.1f} on "
                     f"{os.cpu_count()} cores): its figures may be low; re-measure when it is "
                     "idle with `autoplan profile --calibrate-only`")
-    return ({"matmul_flops_per_s": cal.matmul_flops_per_s,
-             "memory_bandwidth_bytes_per_s": cal.memory_bandwidth_bytes_per_s,
-             "launch_s": cal.launch_s}, int(db.threads))
+    return _figures(db)
+
+
+def _first_use_measurement(device: str) -> ProfileDB | None:
+    """``python -m autoplan.machine.first_use``'s profile of this CPU as ``device``; None, with
+    a warning that says why and what to run, when it fails."""
+    with tempfile.TemporaryDirectory(prefix="autoplan-calibration-") as tmp:
+        out = os.path.join(tmp, f"{device}.json")
+        env = {**os.environ, "OMP_NUM_THREADS": str(RANK_THREADS)}
+        why = ""
+        try:
+            done = subprocess.run([sys.executable, "-m", "autoplan.machine.first_use", device, out],
+                                  capture_output=True, text=True, env=env, check=False,
+                                  timeout=FIRST_USE_TIMEOUT_S)
+            if done.returncode == 0 and os.path.exists(out):
+                return ProfileDB.load(out)
+            lines = (done.stderr or "").strip().splitlines()
+            why = f"exit status {done.returncode}" + (f": {lines[-1]}" if lines else "")
+        except subprocess.TimeoutExpired:
+            why = f"no result in {FIRST_USE_TIMEOUT_S} s"
+        except (OSError, ProfileError) as e:
+            why = str(e)
+    log.warning(f"the first-use calibration of this CPU failed ({why}): planning with "
+                "conservative placeholder figures; measure it with `autoplan profile "
+                "--calibrate-only`")
+    return None
 
 
 def job_shape() -> tuple[int, int]:
@@ -302,7 +257,7 @@ def local_cluster_dict(nproc: int | None = None, *, nodes: int = 1,
     nodes = values.integer(nodes, "nodes", "local cluster", maximum=values.MAX_NODES)
     cal = _calibration(calibration)
     try:
-        import torch
+        import torch  # lazily: describing a cluster needs no torch, only this machine's GPUs do
 
         cuda = torch.cuda.is_available()
     except ImportError:

@@ -35,6 +35,7 @@ from typing import Any
 from autoplan.cluster.gemm_table import GemmShapeTable
 from autoplan.cost.dtypes import LOWER_PRECISION_OPS, autocast_on, value_itemsizes
 from autoplan.cost.memory import PRECISION_BYTES
+from autoplan.graph.analysis import analyze
 from autoplan.graph.opgraph import Op, OpGraph, opname
 
 _PRODUCT_KINDS = frozenset({"matmul", "conv", "attention"})
@@ -228,7 +229,6 @@ def fused_traffic(graph: OpGraph) -> dict[int, FusedTraffic]:
     cached = graph.__dict__.get("_autoplan_fused")
     if cached is not None:
         return cached
-    from autoplan.graph.analysis import analyze
     a = analyze(graph)
     ops = graph.ops
 

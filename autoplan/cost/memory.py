@@ -99,7 +99,7 @@ def model_state_bytes(num_params: float, *, dp: int, zero_stage: int, precision:
     return ModelStateBytes(params_bytes=params, grads_bytes=grads, optimizer_bytes=opt)
 
 
-def _meta_bytes(meta: TensorMeta, precision: str) -> float:
+def meta_bytes(meta: TensorMeta, precision: str) -> float:
     """Bytes of a tensor once float tensors are held in the training precision."""
     if meta.is_float:
         return meta.numel * PRECISION_BYTES[precision]
@@ -109,10 +109,10 @@ def _meta_bytes(meta: TensorMeta, precision: str) -> float:
 def held_meta_bytes(name: str, meta: TensorMeta, precision: str,
                     sizes: Any = None) -> float:
     """Bytes of value ``name`` held in the dtype ``sizes`` gives it (bytes per element by
-    name, ``cost.dtypes.HeldBytes``' maps), else in ``precision`` (``_meta_bytes``)."""
+    name, ``cost.dtypes.HeldBytes``' maps), else in ``precision`` (``meta_bytes``)."""
     if sizes is not None and name in sizes:
         return meta.numel * sizes[name]
-    return _meta_bytes(meta, precision)
+    return meta_bytes(meta, precision)
 
 
 def sharding_for(graph: OpGraph, tp: int, sp: bool, sharding: Sharding | None) -> Sharding:

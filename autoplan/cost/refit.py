@@ -25,6 +25,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from autoplan.cost.compute import size_efficiency
+
 F32 = 4
 
 
@@ -126,8 +128,6 @@ def refit_compute(events: Iterable[Mapping[str, Any]], thread: Any,
     """Achieved matmul rate, memory bandwidth and launch cost from the leaf kernels of
     ``thread`` (``runtime/step_trace.py`` events); the rate is that of ``size_curve``'s
     fraction 1 (``Calibration.matmul_size_efficiency``)."""
-    from autoplan.cost.compute import size_efficiency
-
     mm_x, mm_y, mem_x, mem_y = [], [], [], []
     for e in events:
         if not e.get("leaf") or e["thread"] != thread:

@@ -84,7 +84,7 @@ def capacity_arg(factor: Any) -> float:
 def profile_arg(profile: Any, cluster: Cluster, who: str) -> Any:
     """A ProfileDB, None (roofline only), "auto" (the installed profile of the cluster's device)
     or a path to a profile file."""
-    from autoplan.cost.profile_db import ProfileDB
+    from autoplan.cluster.profile_db import ProfileDB
     if profile is None or isinstance(profile, ProfileDB):
         return profile
     if profile == "auto":

@@ -17,8 +17,8 @@ from typing import Any
 from autoplan.graph.analysis import GraphAnalysis
 from autoplan.cost.compute import ComputeModel
 from autoplan.cost.dtypes import HeldBytes, held_bytes, own_sizes
-from autoplan.cost.memory import (GRAD_BYTES, PRECISION_BYTES, _meta_bytes, activation_parts,
-                                  held_meta_bytes, shared_inputs, working_set_bytes)
+from autoplan.cost.memory import (GRAD_BYTES, PRECISION_BYTES, activation_parts, held_meta_bytes,
+                                  meta_bytes, shared_inputs, working_set_bytes)
 from autoplan.estimate.config import ParallelConfig
 from autoplan.estimate.overlap import overlap_exposed_s, overlap_interference
 from autoplan.estimate.partition import Chunk
@@ -125,7 +125,7 @@ def comm_bytes(graph: OpGraph, a: GraphAnalysis, precision: str, value: str, sca
     (``all_gather``) in the training precision. ``held``: the share of the value the other axis
     leaves this rank (a cp axis's sequence piece)."""
     v = graph.value(value)
-    nbytes = (_meta_bytes(v.meta, precision) if v.kind == "param"
+    nbytes = (meta_bytes(v.meta, precision) if v.kind == "param"
               else held_meta_bytes(value, v.meta, precision, sizes)) * held
     if value in a.batch_dependent:
         nbytes *= batch_scale
@@ -432,7 +432,7 @@ def boundary_bytes(ci: CostInputs, cut: int) -> float:
     sends to the next per micro-batch)."""
     total = 0.0
     own = own_sizes(ci.held)
-    for n in _boundary_values(ci.graph, cut):
+    for n in boundary_values(ci.graph, cut):
         v = ci.graph.value(n)
         b = held_meta_bytes(n, v.meta, ci.config.precision, own) * (
             ci.batch_scale if n in ci.analysis.batch_dependent else 1)
@@ -444,7 +444,7 @@ def boundary_bytes(ci: CostInputs, cut: int) -> float:
     return total
 
 
-def _boundary_values(graph: OpGraph, cut: int) -> list[str]:
+def boundary_values(graph: OpGraph, cut: int) -> list[str]:
     """Values crossing op ``cut``, computed once per cut and kept on the graph."""
     cache = graph.__dict__.setdefault("_autoplan_boundaries", {})
     if cut not in cache:

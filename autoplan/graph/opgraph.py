@@ -18,6 +18,7 @@ Vocabulary
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, fields
@@ -26,6 +27,7 @@ from typing import Any
 
 from autoplan import safe_io
 from autoplan.errors import TraceError
+from autoplan.graph.canonical import canonical_fingerprint
 from autoplan.graph.check import GRAPH_LIMITS, check_graph_dict
 from autoplan.graph.vocabulary import FLOAT_DTYPES, ITEMSIZE, VALUE_KINDS
 
@@ -259,7 +261,6 @@ class OpGraph:
         The graph's name and provenance metadata are left out."""
         found = self.__dict__.get("_fingerprint")
         if found is None:
-            from autoplan.graph.canonical import canonical_fingerprint
             found = canonical_fingerprint(self)
             self.__dict__["_fingerprint"] = found     # frozen: cached beside the fields
         return found
@@ -268,7 +269,6 @@ class OpGraph:
         """The fingerprint plans recorded before schema 6: sha256 of the graph's JSON in trace
         order, op and value names included (so it changes with PYTHONHASHSEED on some models).
         Kept to match plans written then."""
-        import hashlib
         d = self.to_dict()
         d.pop("meta")
         d.pop("name")

@@ -9,6 +9,7 @@ from typing import Any
 
 from autoplan.estimate.config import ParallelConfig
 from autoplan.estimate.result import Estimate
+from autoplan.graph.experts import find_experts
 from autoplan.graph.opgraph import OpGraph
 from autoplan.planner import mesh as meshes
 from autoplan.planner.planfile import (Alternative, ClusterInfo, MeshInfo, ModelInfo,
@@ -21,7 +22,6 @@ def _expert_fqns(graph: OpGraph, cfg: Any) -> set[str]:
     """Every name (tied aliases too) of the expert weights split over ep (ep > 1)."""
     if cfg.ep == 1:
         return set()
-    from autoplan.graph.experts import find_experts
     found = find_experts(graph)
     values = found.param_values if found is not None else frozenset()
     return {v.fqn for v in graph.param_values if v.base in values}

@@ -16,14 +16,14 @@ from autoplan.graph.opgraph import OpGraph
 from autoplan.planner.cost_context import CostContext, ExpertExchanges
 from autoplan.planner.folding import Node
 from autoplan.sharding.context_axis import share_at
+from autoplan.sharding.expert_regions import expert_regions
 from autoplan.sharding.placement import REPLICATE, Placement
+from autoplan.sharding.sharding import replicated
 from autoplan.sharding.strategy import OpStrategy
 
 
 def expert_exchanges(graph: OpGraph, a2a_s: Callable[[float], float], counts_s: float,
                      load: float = 1.0) -> ExpertExchanges | None:
-    from autoplan.sharding.expert_regions import expert_regions
-    from autoplan.sharding.sharding import replicated
     regions = expert_regions(graph, replicated(graph))
     if regions is None:
         return None

@@ -16,17 +16,23 @@ from autoplan.cost.compute import compute_model
 from autoplan.cost.dtypes import held_bytes
 from autoplan.cost.memory import model_state_bytes
 from autoplan.errors import ConfigError
-from autoplan.estimate.config import ParallelConfig
-from autoplan.estimate.estimator import estimate
+from autoplan.estimate.chunk_cost import CostInputs
+from autoplan.estimate.config import ParallelConfig, strongest_recompute
+from autoplan.estimate.estimator import estimate, reserved_bytes
+from autoplan.estimate.layout import chunks_for, in_flight, search_layout, step_floor_s, with_layout
 from autoplan.estimate.overlap import overlap_interference
+from autoplan.graph.analysis import analyze
+from autoplan.graph.experts import find_experts
 from autoplan.graph.opgraph import OpGraph
 from autoplan.planner import space
 from autoplan.planner.axis_costs import expert_exchanges
 from autoplan.planner.cost_context import CostContext, ExpertExchanges
+from autoplan.planner.dp_problem import whole_patterns, with_dp_terms
 from autoplan.planner.ilp import ILPSolution, solve
 from autoplan.planner.options import SearchOptions
 from autoplan.planner.problem import reduce_graph, sharding_from_choice
 from autoplan.planner.verdicts import Candidate
+from autoplan.sharding.context_axis import context_axis
 from autoplan.sharding.sharding import Sharding, replicated_on
 
 SP_STYLES = frozenset({"colwise_sp", "rowwise_sp", "vocab_sp", "seq"})
@@ -57,8 +63,6 @@ class Frugal:
 
 def frugal(configs: list[ParallelConfig], m: int, opts: SearchOptions, graph: OpGraph,
             budget_bytes: float) -> Frugal:
-    from autoplan.estimate.config import strongest_recompute
-    from autoplan.estimate.layout import in_flight
     state = min(model_state_bytes(1.0, dp=c.shard_degree, zero_stage=c.zero_stage,
                                   precision=c.precision, optimizer=c.optimizer,
                                   offload_optimizer=c.offload_optimizer,
@@ -84,7 +88,6 @@ def exchanges(graph: OpGraph, cluster: Any, config: ParallelConfig, opts: Search
     """Expert parallelism's exchanges on ``config``'s ep group, for the ILP (ep > 1)."""
     if config.ep == 1:
         return None
-    from autoplan.graph.experts import find_experts
     group = config.ep_group()
     counts = 8.0 * find_experts(graph).num_experts * config.ep
     return expert_exchanges(
@@ -132,7 +135,6 @@ def solved(graph: OpGraph, t: int, red: Any, sol: ILPSolution, stats: Stats
 def cost_context(graph: OpGraph, cluster: Any, config: ParallelConfig, profile: Any, m: int,
              opts: SearchOptions, frugal: Frugal | None, pinned: dict[int, str] | None
              ) -> CostContext:
-    from autoplan.sharding.context_axis import context_axis
     t = config.tp
     group = config.tp_group()
     cp_group = config.cp_group()
@@ -170,7 +172,6 @@ def dp_sharding(graph: OpGraph, cluster: Any, cand: Candidate, gbs: int,
     ILP's choice, within the device memory the candidate leaves for state and activations;
     under ZeRO-3 it may keep weights whole (``dp_whole``). Its objective is then
     ``estimate``'s step time. None where it finds nothing."""
-    from autoplan.planner.dp_problem import whole_patterns, with_dp_terms
     config = cand.est.config
     m = config.microbatches(gbs)
 
@@ -229,7 +230,6 @@ def evaluate(graph: OpGraph, cluster: Any, configs: list[ParallelConfig], sh: Sh
     (``configs`` in the order ``space.policies`` makes, weaker policies first). ``behind_s``:
     a pipelined config is skipped where even its floor (``layout.step_floor_s``, a lower bound
     on any stage layout's closed form) is beyond it; counted in ``stats.below_floor``."""
-    from autoplan.estimate.layout import step_floor_s
     out = []
     fitting: dict[ParallelConfig, int] = {}     # the weakest policy that fits, per the rest
     sp = sh.t > 1 and any(s.style in SP_STYLES for s in sh.op_strategy)
@@ -267,9 +267,6 @@ def evaluate(graph: OpGraph, cluster: Any, configs: list[ParallelConfig], sh: Sh
 def cost_inputs(graph: OpGraph, cluster: Any, config: ParallelConfig, sh: Sharding,
                 profile: Any, opts: SearchOptions) -> Any:
     """What a range's cost reads (``chunk_cost.CostInputs``) for ``config`` on ``sh``."""
-    from autoplan.graph.analysis import analyze
-    from autoplan.estimate.chunk_cost import CostInputs
-    from autoplan.sharding.context_axis import context_axis
     return CostInputs(graph=graph, analysis=analyze(graph), sharding=sh,
                       compute=compute_model(graph, cluster.device, config.precision, profile,
                                             config.mixed_precision, config.compiled),
@@ -284,9 +281,6 @@ def with_stage_layout(graph: OpGraph, cluster: Any, config: ParallelConfig, sh: 
     device (``layout.search_layout``); when nothing fits, the most memory-saving policy on a
     time-balanced split (so the infeasibility report has a candidate). ``ci``: its
     ``cost_inputs`` where already made."""
-    from autoplan.estimate.estimator import _margin
-    from autoplan.estimate.config import strongest_recompute
-    from autoplan.estimate.layout import chunks_for, search_layout, with_layout
     m = config.microbatches(gbs)
     policies = space.recompute_options(opts, graph, config)
     ci = ci or cost_inputs(graph, cluster, config, sh, profile, opts)
@@ -298,7 +292,7 @@ def with_stage_layout(graph: OpGraph, cluster: Any, config: ParallelConfig, sh: 
             len(c.layers) for c in chunks_for(replace(ci, config=replace(
                 config, recompute=strongest_recompute(stage)))))
         return with_layout(config, counts, stage, canonical="stage_recompute" not in pinned)
-    budget = cluster.device.memory_bytes - _margin(cluster, opts.memory_margin_bytes)
+    budget = cluster.device.memory_bytes - reserved_bytes(cluster, opts.memory_margin_bytes)
     found = search_layout(ci, m, policies, budget)
     if found is not None:
         return found

@@ -25,14 +25,17 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
+from fnmatch import fnmatchcase
 from typing import Any
 
+from autoplan.estimate.chunk_cost import chunk_parts
 from autoplan.estimate.config import ParallelConfig
 from autoplan.estimate.dp_terms import StageParams, Term, stage_terms
 from autoplan.estimate.partition import partition
+from autoplan.graph.experts import find_experts
 from autoplan.graph.opgraph import OpGraph
 from autoplan.planner.ilp import ILPProblem, Linear, Overlap
-from autoplan.planner.problem import Reduction
+from autoplan.planner.problem import INFEASIBLE_S, Reduction
 
 
 @dataclass(frozen=True)
@@ -56,10 +59,8 @@ class Held:
 def held_params(graph: OpGraph, red: Reduction, t: int, ep: int) -> Held:
     """What each choice holds (as ``chunk_cost`` counts a rank's parameters: each storage once
     per node, split over tp where the strategy reads it split, expert slabs over ep)."""
-    from autoplan.estimate.chunk_cost import chunk_parts
     experts_of = set()
     if ep > 1:
-        from autoplan.graph.experts import find_experts
         found = find_experts(graph)
         experts_of = set(found.param_values) if found is not None else set()
     (chunk,) = partition(graph, 1)
@@ -248,7 +249,6 @@ def _with_whole(problem: ILPProblem, fwd: Linear, bwd: Linear, held: Held,
     """Everything indexed by the expanded choices: a whole choice costs what its strategy
     costs, holds its sharded weights whole, and adds ``extra_bytes`` per such element. Two
     nodes reading one weight keep it whole or sharded together (``sharing``: their edge)."""
-    from autoplan.planner.problem import INFEASIBLE_S
     def nodes(rows: Sequence[Sequence[float]], pick: Any = None) -> tuple[tuple[float, ...], ...]:
         return tuple(tuple((pick or (lambda v, j, w, x: x))(v, j, w, rows[v][j])
                            for j, w in opts) for v, opts in enumerate(options))
@@ -283,7 +283,6 @@ def whole_patterns(graph: OpGraph, red: Reduction, nodes: Sequence[int]) -> tupl
     """``dp_whole`` for the weights of ``nodes`` in every instance they stand for: one
     pattern per weight of a repeated layer (``layers.*.attention.wq.weight``) where it matches
     exactly those, else the FQNs themselves."""
-    from fnmatch import fnmatchcase
     wanted: set[str] = set()
     patterns: set[str] = set()
     all_fqns = {graph.value(v.base).fqn for v in graph.param_values}

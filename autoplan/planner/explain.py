@@ -16,7 +16,6 @@ from autoplan.planner.planfile import Plan
 _GRID_NODES = 4            # nodes shown before "...", then the last one
 _GRID_COLUMNS = 16         # devices per node shown in full; more: the first 8 and the last
 _ROWS = 20                 # table rows shown in full; more: the first 12 and the last 4
-_FIRST = 5                 # changed items named in a diff
 _STYLE_ORDER = ("colwise", "rowwise", "sequence_parallel", "vocab_parallel", "loss_parallel",
                 "replicate")
 _TP_DOMAIN = {
@@ -70,7 +69,7 @@ def _mesh_grid(plan: Plan) -> str:
         where[(node, local)] = ".".join(f"{lab}{c}" for lab, c in
                                         zip(labels, mesh.coordinates(rank)))
     nodes = sorted({n for n, _ in where})
-    columns = sorted({d for _, d in where}, key=_natural)
+    columns = sorted({d for _, d in where}, key=natural_key)
     shown_nodes: list[int | None] = list(nodes)
     if len(nodes) > _GRID_NODES + 1:
         shown_nodes = nodes[:_GRID_NODES] + [None] + nodes[-1:]
@@ -147,7 +146,7 @@ def _block_paths(plan: Plan) -> list[str]:
     paths = set(plan.recompute)
     for st in plan.predicted.get("stages", ()):
         paths.update(st["layers"])
-    return sorted(paths, key=_natural)
+    return sorted(paths, key=natural_key)
 
 
 def _style_summary(styles: Mapping[str, str]) -> str:
@@ -158,7 +157,7 @@ def _style_summary(styles: Mapping[str, str]) -> str:
     for rel, style in styles.items():
         by_child.setdefault(rel.split(".", 1)[0] or "(block)", set()).add(style)
     groups: dict[tuple[str, ...], list[str]] = {}
-    for child in sorted(by_child, key=_natural):
+    for child in sorted(by_child, key=natural_key):
         key = tuple(sorted(by_child[child], key=_style_key))
         groups.setdefault(key, []).append(child)
     return ", ".join(f"{_join_names(children)} {'/'.join(key)}" for key, children in groups.items())
@@ -201,9 +200,9 @@ def _blocks(plan: Plan) -> str:
                      + (f", stage {stage}" if multi_stage and stage is not None else ""))
     if not table:
         table.append("  (no repeated blocks)")
-    lines += _elide(table)
+    lines += elide_rows(table)
     if rest:
-        names = sorted(rest, key=_natural)
+        names = sorted(rest, key=natural_key)
         shown = ", ".join(f"{k} {rest[k]}" for k in names[:8])
         lines.append(f"  other modules: {shown}"
                      + (f" (+{len(names) - 8} more)" if len(names) > 8 else ""))
@@ -238,7 +237,7 @@ def _placements(plan: Plan) -> str:
     axes = [a for a in plan.mesh.axes if a != "pp"]
     blocks = sorted(_block_paths(plan), key=len, reverse=True)
     rows: dict[tuple[str, tuple[str, ...], tuple[int, ...]], int] = {}
-    for fqn in sorted(plan.param_placements, key=_natural):
+    for fqn in sorted(plan.param_placements, key=natural_key):
         sig = tuple(axis_placement(plan, fqn, a) for a in axes)
         key = (generic_name(fqn, blocks), sig, plan.param_placements[fqn].shape)
         rows[key] = rows.get(key, 0) + 1
@@ -255,7 +254,7 @@ def _placements(plan: Plan) -> str:
     table = [f"  {name:<{wn}}{shapes[(name, sig, shape)]:<{ws}}"
              + "".join(f"{s:<{w}}" for s, w in zip(sig, widths)).rstrip()
              for (name, sig, shape) in rows]
-    lines += _elide(table)
+    lines += elide_rows(table)
     cfg = plan.config
     if cfg.grad_degree > 1 and cfg.zero_stage in _STATE_NOTE:
         over = f"dp_shard ({cfg.dp_shard})" if cfg.dp_shard else f"dp ({cfg.dp})"
@@ -309,7 +308,7 @@ def _stages(plan: Plan) -> str:
     for st in plan.stages:
         est = predicted.get(st["index"], {})
         chunks = st.get("chunks") or [st["layers"]]
-        layers = " + ".join(_collapse_names(c) for c in chunks)
+        layers = " + ".join(collapse_names(c) for c in chunks)
         nodes = sorted({devices[r].split(".")[0] for r in st["ranks"] if r < len(devices)},
                        key=lambda n: (len(n), n))
         where = (nodes[0] if len(nodes) == 1 else f"{nodes[0]}..{nodes[-1]} ({len(nodes)} nodes)"
@@ -319,7 +318,7 @@ def _stages(plan: Plan) -> str:
         rows.append(f"  {st['index']:<6} {fmt_ranges(st['ranks']):<12} {where:<20} "
                     f"{fmt_s(est.get('fwd_s', 0.0)):>10} {fmt_s(est.get('bwd_s', 0.0)):>10} "
                     f"{mem:>11}  {policy:<10} {layers}")
-    return "\n".join(lines + _elide(rows))
+    return "\n".join(lines + elide_rows(rows))
 
 
 # ---- memory, time -------------------------------------------------------------------------------
@@ -462,25 +461,20 @@ def fmt_ranges(values: Iterable[int]) -> str:
     return ",".join(out) or "none"
 
 
-def _collapse_names(paths: Iterable[str]) -> str:
-    rows = [(p, ()) for p in sorted(paths, key=_natural)]
+def collapse_names(paths: Iterable[str]) -> str:
+    """Module paths as few labels: the instances of a repeated block as one range."""
+    rows = [(p, ()) for p in sorted(paths, key=natural_key)]
     return ", ".join(label for label, _ in _collapse(rows)) or "none"
 
 
-def _summary(m: Mapping[str, str]) -> str:
-    counts: dict[str, int] = {}
-    for v in m.values():
-        counts[v] = counts.get(v, 0) + 1
-    return ", ".join(f"{n} {v}" for v, n in sorted(counts.items())) or "none"
-
-
-def _elide(rows: list[str]) -> list[str]:
+def elide_rows(rows: list[str]) -> list[str]:
+    """A long table's first 12 and last 4 rows, with how many are left out between."""
     if len(rows) <= _ROWS:
         return rows
     return rows[:12] + [f"  ... {len(rows) - 16:,} more"] + rows[-4:]
 
 
-def _natural(text: str) -> tuple[Any, ...]:
+def natural_key(text: str) -> tuple[Any, ...]:
     """Sort key: "layers.10" after "layers.9", "gpu10" after "gpu2"."""
     return tuple(int(t) if t.isdigit() else t for t in re.split(r"(\d+)", text))
 

@@ -8,7 +8,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from autoplan.cost.memory import shared_inputs
 from autoplan.errors import ConfigError
+from autoplan.estimate.chunk_cost import chunk_parts
+from autoplan.estimate.partition import partition
 from autoplan.graph.analysis import analyze
 from autoplan.graph.opgraph import OpGraph
 from autoplan.planner.axis_costs import value_bytes
@@ -23,9 +26,6 @@ def activation_owners(graph: OpGraph, recompute: str
     part of the estimate's one chunk (a layer, or the ops around the layers): per (part, value)
     the first op of the part that keeps it, skipping what the policy drops (a tensor several
     layers keep, made outside them, once for the whole chunk); and per op its part."""
-    from autoplan.cost.memory import shared_inputs
-    from autoplan.estimate.chunk_cost import chunk_parts
-    from autoplan.estimate.partition import partition
     a = analyze(graph)
     shared = shared_inputs(graph)        # kept by several layers, held once: one owner
     first: dict[tuple[int, str], int] = {}
@@ -52,9 +52,6 @@ def layer_inputs(graph: OpGraph, nodes: Sequence[Node], rep: Sequence[int],
     (``cost.memory.activation_parts``), as (the layer's first op, producing node, its choice,
     bytes), split over tp where the producer's choice leaves them split; an input several
     layers read (a mask) once per chunk (``chunk_of``: op -> chunk), as the estimate keeps it."""
-    from autoplan.cost.memory import shared_inputs
-    from autoplan.estimate.chunk_cost import chunk_parts
-    from autoplan.estimate.partition import partition
     a = analyze(graph)
     shared, held_once = shared_inputs(graph), set()
     out = []

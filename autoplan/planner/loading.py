@@ -7,6 +7,9 @@ import os
 from typing import Any
 
 from autoplan.errors import PlanError
+from autoplan.estimate.arguments import cluster_arg, path_arg
+from autoplan.graph.opgraph import OpGraph
+from autoplan.graph.trace import as_graph
 from autoplan.planner import planfile, search
 from autoplan.planner.plan_check import check_plan_against
 from autoplan.planner.planfile import Plan
@@ -26,8 +29,6 @@ def load_plan(path: str | os.PathLike[str], *, model: Any = None, cluster: Any =
     ``plan_kwargs``) and returns the new plan. ``allow_cluster_mismatch=True`` accepts other
     hardware of the plan's world size (its prediction is then stale: ``stale_prediction``).
     """
-    from autoplan.estimate.arguments import path_arg
-    from autoplan.graph.opgraph import OpGraph
     path = path_arg(path, who="load_plan()", what="the plan file", error=PlanError,
                     fix="compile(plan=...) takes an autoplan.Plan too")
     if (graph is not None and not isinstance(graph, OpGraph)) or not isinstance(replan, bool):
@@ -38,11 +39,9 @@ def load_plan(path: str | os.PathLike[str], *, model: Any = None, cluster: Any =
         raise PlanError(f"load_plan got planning options {sorted(plan_kwargs)} without "
                         "replan=True; they are only used when re-planning")
     if graph is None and model is not None:
-        from autoplan.graph.trace import as_graph
         graph = as_graph(model, example_inputs, loss_fn=loss_fn, targets=targets,
                          who="load_plan(model=...)", error=PlanError)
     if cluster is not None:
-        from autoplan.estimate.arguments import cluster_arg
         cluster = cluster_arg(cluster, "load_plan()")
     what = planfile.plan_mismatch(plan, graph=graph, cluster=cluster,
                                   allow_cluster_mismatch=allow_cluster_mismatch)

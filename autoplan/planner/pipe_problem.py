@@ -40,9 +40,12 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from autoplan.cost.dtypes import own_sizes
-from autoplan.estimate.chunk_cost import chunk_parts
+from autoplan.cost.memory import held_meta_bytes, model_state_bytes
+from autoplan.estimate.chunk_cost import boundary_values, chunk_parts
 from autoplan.estimate.config import ParallelConfig
 from autoplan.estimate.critical_path import CriticalPath, critical_path
+from autoplan.estimate.layout import in_flight
+from autoplan.graph.analysis import analyze
 from autoplan.graph.opgraph import OpGraph
 from autoplan.planner.cost_context import CostContext
 from autoplan.planner.dp_problem import Held, framework_s, dp_pieces, held_params
@@ -129,9 +132,6 @@ def _sends(graph: OpGraph, red: Reduction, ctx: CostContext, chunks: Sequence[An
     (``estimate._sends``): the path's latency, and per crossing value the bytes its producer's
     choice leaves it (split over tp or whole), over the path's bandwidth; nothing between two
     chunks of one rank."""
-    from autoplan.cost.memory import held_meta_bytes
-    from autoplan.estimate.chunk_cost import _boundary_values
-    from autoplan.graph.analysis import analyze
     a = analyze(graph)
     own = own_sizes(ctx.held)     # activations' autocast dtypes
     zero = tuple(tuple(tuple(0.0 for _ in r) for r in m) for _, _, m in red.problem.edges)
@@ -146,7 +146,7 @@ def _sends(graph: OpGraph, red: Reduction, ctx: CostContext, chunks: Sequence[An
             latency = cluster.p2p_time_s(0.0, src, dst)
             per_byte = (cluster.p2p_time_s(2.0 ** 20, src, dst) - latency) / 2.0 ** 20
             const += latency
-            for n in _boundary_values(graph, chunks[c].stop):
+            for n in boundary_values(graph, chunks[c].stop):
                 nbytes = held_meta_bytes(n, graph.value(n).meta, config.precision, own) * (
                     ctx.batch_scale if n in a.batch_dependent else 1.0)
                 if ctx.context is not None:
@@ -205,8 +205,6 @@ def rank_memory(t: PipeTerms, config: ParallelConfig, m: int,
     ZeRO-sharded as ``config`` shards them, and the activations of the micro-batches it keeps in
     flight under its schedule: ``flight`` per rank (the simulated estimate's
     ``microbatches_in_flight`` at some choice), else the closed form's (``layout.in_flight``)."""
-    from autoplan.cost.memory import model_state_bytes
-    from autoplan.estimate.layout import in_flight
     state = model_state_bytes(1.0, dp=config.shard_degree, zero_stage=config.zero_stage,
                               precision=config.precision, optimizer=config.optimizer,
                               offload_optimizer=config.offload_optimizer,

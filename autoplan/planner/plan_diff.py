@@ -7,9 +7,11 @@ from collections.abc import Mapping
 from dataclasses import fields
 from typing import Any
 
-from autoplan.planner.explain import (_FIRST, _collapse_names, _elide, _natural, _summary,
-                                      fmt_bytes, fmt_change, fmt_pct, fmt_s)
+from autoplan.planner.explain import (collapse_names, elide_rows, fmt_bytes, fmt_change, fmt_pct,
+                                      fmt_s, natural_key)
 from autoplan.planner.planfile import Plan
+
+_FIRST = 5                 # changed items named in a diff
 
 
 def diff_plans(a: Plan, b: Plan) -> str:
@@ -93,9 +95,9 @@ def _stage_changes(a: Plan, b: Plan) -> list[str]:
     head = (f"stages   {na} -> {nb}" if na != nb else f"stages   same count ({na})")
     count = sum(len(v) for v in moved.values())
     lines = [head + f"; {count} of {len(sa)} layers on another stage"]
-    rows = [f"  stage {x} -> {y}: {_collapse_names(layers)}"
+    rows = [f"  stage {x} -> {y}: {collapse_names(layers)}"
             for (x, y), layers in sorted(moved.items())]
-    return lines + _elide(rows)
+    return lines + elide_rows(rows)
 
 
 def _field_changes(x: Any, y: Any) -> str:
@@ -104,9 +106,9 @@ def _field_changes(x: Any, y: Any) -> str:
 
 
 def _map_changes(title: str, a: Mapping[str, Any], b: Mapping[str, Any]) -> list[str]:
-    changed = sorted((k for k in a.keys() & b.keys() if a[k] != b[k]), key=_natural)
-    added = sorted(b.keys() - a.keys(), key=_natural)
-    removed = sorted(a.keys() - b.keys(), key=_natural)
+    changed = sorted((k for k in a.keys() & b.keys() if a[k] != b[k]), key=natural_key)
+    added = sorted(b.keys() - a.keys(), key=natural_key)
+    removed = sorted(a.keys() - b.keys(), key=natural_key)
     if not (changed or added or removed):
         return [f"{title}: same ({len(a):,})"]
     items = ([f"{k} {a[k]} -> {b[k]}" for k in changed] + [f"+{k} {b[k]}" for k in added]
@@ -119,11 +121,18 @@ def _map_changes(title: str, a: Mapping[str, Any], b: Mapping[str, Any]) -> list
 
 def _recompute_changes(a: Mapping[str, str], b: Mapping[str, str]) -> list[str]:
     moves: dict[tuple[str, str], list[str]] = {}
-    for k in sorted(a.keys() | b.keys(), key=_natural):
+    for k in sorted(a.keys() | b.keys(), key=natural_key):
         if a.get(k) != b.get(k):
             moves.setdefault((a.get(k, "-"), b.get(k, "-")), []).append(k)
     if not moves:
         return [f"recompute: same ({_summary(a)})"]
     n = sum(len(v) for v in moves.values())
     return [f"recompute: {n:,} block{'s' * (n != 1)} changed"] + [
-        f"  {old} -> {new}: {_collapse_names(paths)}" for (old, new), paths in moves.items()]
+        f"  {old} -> {new}: {collapse_names(paths)}" for (old, new), paths in moves.items()]
+
+
+def _summary(m: Mapping[str, str]) -> str:
+    counts: dict[str, int] = {}
+    for v in m.values():
+        counts[v] = counts.get(v, 0) + 1
+    return ", ".join(f"{n} {v}" for v, n in sorted(counts.items())) or "none"

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from autoplan.graph.analysis import analyze
 from autoplan.cost.dtypes import own_sizes
-from autoplan.cost.memory import _meta_bytes, internal_anchor
+from autoplan.cost.memory import internal_anchor, meta_bytes
 from autoplan.estimate.chunk_cost import comm_bytes
 from autoplan.estimate.overlap import overlap_exposed_s
 from autoplan.graph.opgraph import OpGraph
@@ -211,7 +211,7 @@ def _node_cost(ctx: CostContext, node: Node, j: int, savers: dict[tuple[int, str
                      else node.placement[j].get(anchor, REPLICATE))
             scale = ((ctx.batch_scale if anchor in a.batch_dependent else 1.0)
                      * (1.0 / ctx.t if where.kind == "S" else 1.0) * cp_held(ctx, i, anchor))
-            acts += sum(_meta_bytes(m, ctx.precision) for m in op.saved_internal) * scale
+            acts += sum(meta_bytes(m, ctx.precision) for m in op.saved_internal) * scale
     for i, name, src, dst in node.internal[j]:
         if mutates_input(graph.ops[i].target):
             bwd += INFEASIBLE_S

@@ -8,8 +8,12 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
+from autoplan.estimate.chunk_cost import CostInputs
 from autoplan.estimate.config import ParallelConfig
+from autoplan.estimate.layout import chunks_for
+from autoplan.graph.analysis import analyze
 from autoplan.graph.opgraph import OpGraph
+from autoplan.planner import pipe_problem
 from autoplan.planner.costing import Stats, cost_context, counted, dp_sharding, evaluate
 from autoplan.planner.dp_problem import keeps_weights_whole
 from autoplan.planner.ilp import ILPSolution, solve
@@ -66,10 +70,6 @@ def refine_pipe_ilp(graph: OpGraph, cluster: Any, cands: list[Candidate], gbs: i
     the room the shared answer leaves it; what it finds replaces the shared sharding where it
     fits and its simulated step is faster. Not with expert or context
     parallelism (their terms are the shared problem's only)."""
-    from autoplan.estimate.chunk_cost import CostInputs
-    from autoplan.estimate.layout import chunks_for
-    from autoplan.graph.analysis import analyze
-    from autoplan.planner import pipe_problem
     out = list(cands)
     done = 0
     best = min((c.est.step_time_s for c in cands if c.est.fits), default=None)

@@ -38,11 +38,14 @@ from dataclasses import fields, replace
 from typing import Any
 
 from autoplan.errors import ConfigError
+from autoplan.estimate.partition import main_block
 from autoplan.gc_pause import with_fewer_collections
 from autoplan.estimate.arguments import (batch_arg, capacity_arg, cluster_arg, options_error,
                                         profile_arg, search_options_arg)
 from autoplan.estimate.config import ParallelConfig
 from autoplan.estimate.estimator import validate
+from autoplan.graph.analysis import analyze
+from autoplan.graph.experts import find_experts
 from autoplan.graph.opgraph import OpGraph
 from autoplan.graph.trace import as_graph
 from autoplan.planner import mesh as meshes
@@ -62,7 +65,6 @@ from autoplan.sharding.sharding import Sharding, context_sharding, megatron_shar
 def _megatron_tps(graph: OpGraph, cluster: Any, opts: SearchOptions) -> list[int]:
     """Tensor-parallel degrees for the Megatron baseline: inside a node, dividing the world
     (and every head count, as Megatron-LM requires)."""
-    from autoplan.graph.analysis import analyze
     heads = analyze(graph).head_counts
     return [tp for tp in meshes.divisors(cluster.devices_per_node)
             if tp > 1 and cluster.world_size % tp == 0 and all(h % tp == 0 for h in heads)
@@ -158,7 +160,6 @@ def plan(model: Any, cluster: Any, *, global_batch_size: int, example_inputs: An
         base["mixed_precision"] = opts.force["mixed_precision"]
     base["compiled"] = space.compiled_choice(opts, cluster)
     cands: list[Candidate] = []
-    from autoplan.estimate.partition import main_block
     block = main_block(graph)
     layers = len(block.instances) if block else 1
     shapes = meshes.enumerate_meshes(cluster, max_tp=opts.max_tp, max_pp=opts.max_pp,
@@ -170,7 +171,6 @@ def plan(model: Any, cluster: Any, *, global_batch_size: int, example_inputs: An
         raise ConfigError(f"no mesh of {cluster.world_size} devices matches force={opts.force}"
                           + too_few_layers(opts.force.get("pp", 1), layers, block))
     if opts.force.get("ep", 1) != 1:
-        from autoplan.graph.experts import find_experts
         found = find_experts(graph)
         if found is None:
             raise ConfigError(f"force ep={opts.force['ep']}: the model has no experts to split "

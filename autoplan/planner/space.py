@@ -15,8 +15,11 @@ from typing import Any
 
 from autoplan.errors import ConfigError
 from autoplan.estimate.config import ParallelConfig
+from autoplan.graph.analysis import analyze
+from autoplan.graph.experts import find_experts
 from autoplan.graph.opgraph import OpGraph, opname
 from autoplan.planner.options import SearchOptions
+from autoplan.sharding.context_axis import context_axis
 
 
 _BATCH_NORMS = frozenset({"batch_norm", "native_batch_norm", "_native_batch_norm_legit",
@@ -95,7 +98,6 @@ def recompute_options(opts: SearchOptions, graph: OpGraph,
     so a graph without them gains nothing from it; nor is it offered for ``config`` where its
     layers are compiled and hold collectives (``selective_compiles``: ``with_compilation``
     gives such a config an eager twin that may recompute selectively)."""
-    from autoplan.graph.analysis import analyze
     recompute = [r for r in opts.recompute if r != "selective" or (
         analyze(graph).score_ops and (config is None or selective_compiles(config)))]
     return forced(opts, "recompute", recompute)
@@ -185,7 +187,6 @@ def ep_degrees(config: ParallelConfig, graph: OpGraph, opts: SearchOptions, zero
     """Expert-parallel degrees to cost: for a model with experts, every ``ep`` dividing both
     dp and the expert count, where the runtime runs it (any ZeRO stage, optimizer and
     parameter offload; ``excluded``: with HSDP, which it does not combine with)."""
-    from autoplan.graph.experts import find_experts
     found = find_experts(graph)
     runs = found is not None and not excluded and config.cp == 1
     allowed = [e for e in found.ep_degrees(config.dp) if config.dp % e == 0] if runs else [1]
@@ -217,7 +218,6 @@ def context_degrees(graph: OpGraph, cluster: Any, opts: SearchOptions) -> list[i
     them (``sharding.context_axis``) and each rank keeps a sequence piece of at least
     ``MIN_CP_PIECE`` tokens (shorter pieces cannot hide the ring's passes behind their
     attention, and more data parallelism does the same work with no ring)."""
-    from autoplan.sharding.context_axis import context_axis
     if "cp" in opts.force:
         cp = opts.force["cp"]
         if cp != 1:

@@ -9,7 +9,7 @@ there, an all-reduce includes waiting for the later peer and waking gloo's threa
 steps pay. (Back to back after a barrier, as this probe first did, the latency came out at half
 what `autoplan calibrate` then fitted to real steps on the same machine: 390 against 860 us.)
 Rank 0 writes ``{"world": 2, "kind": "all_reduce", "samples": [[bytes, seconds], ...]}``;
-``autoplan.cluster.local`` fits the loopback link's latency and bandwidth to them with the cost
+``autoplan.machine.first_use`` fits the loopback link's latency and bandwidth to them with the cost
 model's own all-reduce formula. A separate program, so that planning never starts a process
 group (the runtime is the only layer that does).
 """

@@ -1,7 +1,7 @@
 """ProfileDB: measured op timings of one device, as a schema-versioned JSON file.
 
 A profile database answers "how long does this op take forward and backward on this device",
-for ops measured by ``autoplan profile`` (see ``autoplan.cost.profiler``). It is pure data: no
+for ops measured by ``autoplan profile`` (see ``autoplan.machine.profiler``). It is pure data: no
 torch import, no pickle, no code in the file.
 
 Keys. ``op_key(graph, op)`` names an op by what determines its run time and nothing else: the

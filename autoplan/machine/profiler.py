@@ -24,29 +24,32 @@ dimension of the op's other tensor inputs (always a valid index, whatever the di
 when there is none. Booleans are random. Ops that mutate their inputs (``add_`` on a counter) get
 their inputs restored, untimed, before every call.
 
-Timing uses ``time.perf_counter`` on CPU and CUDA events (after a synchronize) on CUDA, at the
-thread count the process has (``torch.get_num_threads()``, recorded in the ProfileDB). An op
-that cannot be replayed (an argument that is not JSON-encodable, an unknown target, an error)
-is recorded as a failure with its reason; profiling never stops because of one op.
+Timing (``timing.py``) uses ``time.perf_counter`` on CPU and CUDA events (after a synchronize)
+on CUDA, at the thread count the process has (``torch.get_num_threads()``, recorded in the
+ProfileDB). An op that cannot be replayed (an argument that is not JSON-encodable, an unknown
+target, an error) is recorded as a failure with its reason; profiling never stops because of
+one op.
 """
 
 from __future__ import annotations
 
 import gc
 import json
-import math
 import statistics
 import time
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 
+from autoplan.cluster import local, specs
+from autoplan.cluster.profile_db import Calibration, OpTiming, ProfileDB, op_key
 from autoplan.cost.host_allocator import keep_freed_host_memory
-from autoplan.cost.profile_db import Calibration, OpTiming, ProfileDB, op_key
 from autoplan.errors import ProfileError
 from autoplan.graph.opgraph import Op, OpGraph, TensorMeta
+from autoplan.graph.trace import trace
+from autoplan.machine.timing import Clock, check_device, steady_measure
 
 Progress = Callable[[int, int, str], None]   # (index, total, op target)
 
@@ -75,110 +78,16 @@ class GraphProfile:
 
 # ---- devices ----------------------------------------------------------------------------------
 
-def _check_device(device: str | torch.device) -> torch.device:
-    dev = torch.device(device)
-    if dev.type not in ("cpu", "cuda"):
-        raise ProfileError(f"can profile on 'cpu' or 'cuda', got device {str(device)!r}")
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ProfileError("device 'cuda' was asked for but torch sees no CUDA device "
-                           f"(torch {torch.__version__}); profile with --device cpu")
-    if dev.type == "cuda" and dev.index is None:
-        dev = torch.device("cuda", torch.cuda.current_device())
-    return dev
-
-
 def local_device_name(device: str | torch.device = "cpu") -> str:
     """The profile-database name of this machine's ``device``: the cluster's device name, so
     ``ProfileDB.find(cluster.device.name)`` finds it ("cpu-amd-epyc"; a GPU's name in
     ``cost_models/devices.yaml`` such as "h100-sxm-80gb", else the slug of its product name)."""
-    from autoplan.cluster import local, specs
-
     dev = torch.device(device)
     if dev.type == "cuda":
-        product = torch.cuda.get_device_name(_check_device(dev))
+        product = torch.cuda.get_device_name(check_device(dev))
         known = specs.find_device_by_alias(product)
         return known.name if known is not None else local.slug(product)
     return local.local_cpu_device_name()
-
-
-class _Clock:
-    """Seconds per call of ``fn`` over ``inner`` back-to-back calls (events + sync on CUDA)."""
-
-    def __init__(self, device: torch.device):
-        self.cuda = device.type == "cuda"
-        self.device = device
-
-    def time(self, fn: Callable[[], Any], inner: int, reset: Callable[[], None] | None) -> float:
-        if reset is not None:
-            reset()
-        if self.cuda:
-            with torch.cuda.device(self.device):
-                torch.cuda.synchronize()
-                start = torch.cuda.Event(enable_timing=True)
-                end = torch.cuda.Event(enable_timing=True)
-                start.record()
-                for _ in range(inner):
-                    fn()
-                end.record()
-                end.synchronize()
-            return start.elapsed_time(end) / 1e3 / inner
-        t0 = time.perf_counter()
-        for _ in range(inner):
-            fn()
-        return (time.perf_counter() - t0) / inner
-
-
-class _Stats(NamedTuple):
-    median_s: float      # median seconds per call
-    cv: float            # coefficient of variation of the samples
-    samples: int
-    net_s: float         # median of (sample - paired baseline sample); median_s without baseline
-
-
-def _measure(clock: _Clock, fn: Callable[[], Any], *, warmup: int, repeats: int,
-             min_time_s: float, max_time_s: float, reset: Callable[[], None] | None = None,
-             baseline: Callable[[], Any] | None = None) -> _Stats:
-    """Time ``fn``; with ``baseline``, each sample is followed by a baseline sample of as many
-    calls, and ``net_s`` is the median difference (pairing cancels slow drifts of the machine)."""
-    estimate = math.inf
-    spent = 0.0
-    for _ in range(max(1, warmup)):
-        t = clock.time(fn, 1, reset)
-        estimate = min(estimate, t)
-        spent += t
-        if spent > max_time_s:
-            break
-    inner = 1 if reset is not None else \
-        min(1000, max(1, math.ceil(min_time_s / max(estimate, 1e-9))))
-    n = repeats
-    if estimate * inner * n > max_time_s:
-        n = max(min(3, repeats), int(max_time_s / (estimate * inner)))
-    samples: list[float] = []
-    nets: list[float] = []
-    for _ in range(n):
-        t = clock.time(fn, inner, reset)
-        samples.append(t)
-        if baseline is not None:
-            nets.append(t - clock.time(baseline, inner, None))
-    median = statistics.median(samples)
-    mean = statistics.fmean(samples)
-    cv = statistics.pstdev(samples) / mean if mean > 0 and n > 1 else 0.0
-    return _Stats(median, cv, n, statistics.median(nets) if nets else median)
-
-
-def _steady_measure(clock: _Clock, fn: Callable[[], Any], *, retries: int, max_cv: float,
-                    **kw: Any) -> _Stats:
-    """``_measure``, repeated up to ``retries`` times while the samples vary by more than
-    ``max_cv``; the attempt with the steadiest samples wins. Another process taking a core for a
-    while (a test run, a compile) makes one attempt noisy, rarely all of them."""
-    best = _measure(clock, fn, **kw)
-    for _ in range(retries):
-        if best.cv <= max_cv:
-            break
-        again = _measure(clock, fn, **kw)
-        if again.cv < best.cv:
-            best = again
-    return best
 
 
 def _autograd_baseline(device: torch.device) -> Callable[[], Any]:
@@ -350,7 +259,7 @@ def _build_working_call(graph: OpGraph, op: Op, fn: torch._ops.OpOverload,
     raise _Unreplayable(_first_line(error))
 
 
-def _profile_op(graph: OpGraph, op: Op, clock: _Clock, *, warmup: int, repeats: int,
+def _profile_op(graph: OpGraph, op: Op, clock: Clock, *, warmup: int, repeats: int,
                 min_time_s: float, max_op_time_s: float, retries: int, max_cv: float,
                 baseline: Callable[[], Any], seed: int) -> tuple[OpTiming, float | None]:
     """The op's timing, and the paired autograd baseline (None for ops without backward)."""
@@ -376,7 +285,7 @@ def _profile_op(graph: OpGraph, op: Op, clock: _Clock, *, warmup: int, repeats: 
                     t.copy_(snapshot[n])
 
     with torch.set_grad_enabled(fwd_grad):
-        fwd = _steady_measure(clock, lambda: fn(*args, **kwargs), reset=reset, **timing)
+        fwd = steady_measure(clock, lambda: fn(*args, **kwargs), reset=reset, **timing)
 
     bwd_s = bwd_cv = 0.0
     base_s = None
@@ -398,7 +307,7 @@ def _profile_op(graph: OpGraph, op: Op, clock: _Clock, *, warmup: int, repeats: 
                 def backward() -> Any:
                     return torch.autograd.grad(outs, leaves, grads, retain_graph=True,
                                                allow_unused=True)
-                bwd = _steady_measure(clock, backward, baseline=baseline, **timing)
+                bwd = steady_measure(clock, backward, baseline=baseline, **timing)
                 # The engine start is paid once per step, not per op; keep at least a tenth of
                 # the raw time so a view's backward stays positive.
                 bwd_s, bwd_cv = max(bwd.net_s, 0.1 * bwd.median_s), bwd.cv
@@ -435,10 +344,10 @@ def profile_graph(graph: OpGraph, *, device: str | torch.device = "cpu", warmup:
     if min_time_s < 0 or max_op_time_s <= 0:
         raise ProfileError(f"need min_time_s >= 0 and max_op_time_s > 0, got {min_time_s}, "
                            f"{max_op_time_s}")
-    dev = _check_device(device)
+    dev = check_device(device)
     if dev.type == "cpu":
         keep_freed_host_memory()
-    clock = _Clock(dev)
+    clock = Clock(dev)
     t0 = time.perf_counter()
     keyed = distinct_ops(graph)
     todo = [(k, op) for k, op in keyed.items() if k not in skip]
@@ -484,8 +393,6 @@ def profile_model(model: Any, example_inputs: Any = None, *, loss_fn: Any = None
                   **profile_kwargs: Any) -> tuple[OpGraph, GraphProfile]:
     """Trace and profile a model. ``model`` may be an ``autoplan.models.Example`` (its inputs,
     targets and loss are used) or an ``nn.Module`` with ``example_inputs``."""
-    from autoplan.graph import trace
-
     if example_inputs is None and hasattr(model, "example_inputs"):
         ex = model
         model, example_inputs = ex.model, ex.example_inputs

@@ -20,9 +20,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from autoplan.cluster.profile_db import Calibration
+from autoplan.cost.compute import size_efficiency
 from autoplan.cost.host_allocator import keep_freed_host_memory
-from autoplan.cost.profile_db import Calibration
-from autoplan.cost.profiler import _check_device, _Clock, _measure
+from autoplan.machine.timing import Clock, check_device, measure
 
 
 def calibrate(device: str | torch.device = "cpu", *, seed: int = 0) -> Calibration:
@@ -34,10 +35,10 @@ def calibrate(device: str | torch.device = "cpu", *, seed: int = 0) -> Calibrati
     parameters. The optimizer is the default
     ``torch.optim.AdamW`` (foreach on CUDA; torch's default on CPU is the per-tensor loop).
     """
-    dev = _check_device(device)
+    dev = check_device(device)
     if dev.type == "cpu":
         keep_freed_host_memory()
-    clock = _Clock(dev)
+    clock = Clock(dev)
     cuda = dev.type == "cuda"
     torch.manual_seed(seed)
 
@@ -48,14 +49,14 @@ def calibrate(device: str | torch.device = "cpu", *, seed: int = 0) -> Calibrati
     numel = (1 << 28) if cuda else (1 << 25)
     src = torch.empty(numel, device=dev).fill_(1.0)
     dst = torch.empty_like(src)
-    copy_s = _measure(clock, lambda: dst.copy_(src), warmup=2, repeats=7,
-                            min_time_s=0.0, max_time_s=0.5).median_s
+    copy_s = measure(clock, lambda: dst.copy_(src), warmup=2, repeats=7,
+                     min_time_s=0.0, max_time_s=0.5).median_s
     copy_bytes = 2 * src.numel() * src.element_size()
     del src, dst
 
     x = torch.ones(1, device=dev)
-    launch_s = _measure(clock, lambda: torch.add(x, x), warmup=20, repeats=15,
-                              min_time_s=2e-3, max_time_s=0.5).median_s
+    launch_s = measure(clock, lambda: torch.add(x, x), warmup=20, repeats=15,
+                       min_time_s=2e-3, max_time_s=0.5).median_s
 
     # Two AdamW measurements: large tensors (beyond the caches, as real weights are) give the
     # cost per parameter; many one-element tensors give the fixed cost per tensor.
@@ -65,8 +66,8 @@ def calibrate(device: str | torch.device = "cpu", *, seed: int = 0) -> Calibrati
             p.grad = torch.randn_like(p)
         opt = torch.optim.AdamW(params, lr=1e-3)
         # warm-up steps allocate the optimizer state (first-touch page faults are slow in VMs)
-        return _measure(clock, opt.step, warmup=2, repeats=5, min_time_s=0.0,
-                        max_time_s=0.5).median_s
+        return measure(clock, opt.step, warmup=2, repeats=5, min_time_s=0.0,
+                       max_time_s=0.5).median_s
     big_tensors, big = (8, 1 << 24) if cuda else (16, 1 << 20)
     per_tensor_s = adamw_step_s(64, 1) / 64
     opt_s = adamw_step_s(big_tensors, big) - big_tensors * per_tensor_s
@@ -80,8 +81,8 @@ def calibrate(device: str | torch.device = "cpu", *, seed: int = 0) -> Calibrati
         tiny_opt.zero_grad(set_to_none=True)
         (w * one).sum().backward()
         tiny_opt.step()
-    step_s = _measure(clock, tiny_step, warmup=5, repeats=15, min_time_s=5e-3,
-                            max_time_s=0.5).median_s
+    step_s = measure(clock, tiny_step, warmup=5, repeats=15, min_time_s=5e-3,
+                     max_time_s=0.5).median_s
     framework_s = _framework_s_per_op(clock, dev, launch_s) if not cuda else 0.0
     elementwise = _elementwise_rates(clock, dev, mm_dtype)
 
@@ -123,7 +124,7 @@ def _pass_matmul_rate(clock: Any, dev: torch.device, dtype: torch.dtype) -> floa
             p.grad = None
         x.grad = None
         net(x).sum().backward()
-    t = _measure(clock, fwd_bwd, warmup=2, repeats=5, min_time_s=0.0, max_time_s=1.0).median_s
+    t = measure(clock, fwd_bwd, warmup=2, repeats=5, min_time_s=0.0, max_time_s=1.0).median_s
     return flops / t
 
 
@@ -131,15 +132,13 @@ def _size_curve(clock: Any, dev: torch.device, dtype: torch.dtype
                 ) -> tuple[tuple[float, float], ...]:
     """((size, fraction), ...): square products' rates in a loop, relative to the loop's rate
     at the reference network's size (interpolated in log size)."""
-    from autoplan.cost.compute import size_efficiency
-
     rates = []
     for n in _CURVE_SIZES[dev.type]:
         a = torch.randn(n, n, device=dev, dtype=dtype)
         b = torch.randn(n, n, device=dev, dtype=dtype)
         c = torch.empty(n, n, device=dev, dtype=dtype)
-        s = _measure(clock, lambda: torch.mm(a, b, out=c), warmup=2, repeats=7,
-                     min_time_s=2e-3, max_time_s=0.3).median_s
+        s = measure(clock, lambda: torch.mm(a, b, out=c), warmup=2, repeats=7,
+                    min_time_s=2e-3, max_time_s=0.3).median_s
         rates.append((float(n), 2.0 * n ** 3 / s))
     ref = size_efficiency(rates, reference_size(dev.type))
     return tuple((n, r / ref) for n, r in rates)
@@ -171,10 +170,10 @@ def _elementwise_rates(clock: Any, dev: torch.device, dtype: torch.dtype
 
         def fwd_bwd() -> None:
             fn(xg).backward(grad)
-        fwd = _measure(clock, lambda: fn(x), warmup=2, repeats=7, min_time_s=1e-3,
-                       max_time_s=0.2).median_s
-        both = _measure(clock, fwd_bwd, warmup=2, repeats=7, min_time_s=1e-3,
-                        max_time_s=0.3).median_s
+        fwd = measure(clock, lambda: fn(x), warmup=2, repeats=7, min_time_s=1e-3,
+                      max_time_s=0.2).median_s
+        both = measure(clock, fwd_bwd, warmup=2, repeats=7, min_time_s=1e-3,
+                       max_time_s=0.3).median_s
         out.append((name, fwd / n, max(0.0, both - fwd) / n))
     return tuple(out)
 
@@ -190,13 +189,13 @@ def framework_s_per_op(threads: int = 1) -> float:
     ``threads`` intra-op threads (one rank process's): for a profile measured before first
     use took it (``autoplan calibrate`` fits the transfers' waits beside it)."""
     dev = torch.device("cpu")
-    clock = _Clock(dev)
+    clock = Clock(dev)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         x = torch.ones(1, device=dev)
-        launch_s = _measure(clock, lambda: torch.add(x, x), warmup=20, repeats=15,
-                            min_time_s=2e-3, max_time_s=0.5).median_s
+        launch_s = measure(clock, lambda: torch.add(x, x), warmup=20, repeats=15,
+                           min_time_s=2e-3, max_time_s=0.5).median_s
         return _framework_s_per_op(clock, dev, launch_s)
     finally:
         torch.set_num_threads(before)
@@ -213,6 +212,6 @@ def _framework_s_per_op(clock: Any, dev: torch.device, launch_s: float) -> float
 
     def fwd_bwd() -> None:
         net(x).sum().backward()
-    t = _measure(clock, fwd_bwd, warmup=3, repeats=15, min_time_s=5e-3, max_time_s=0.5).median_s
+    t = measure(clock, fwd_bwd, warmup=3, repeats=15, min_time_s=5e-3, max_time_s=0.5).median_s
     ops = _FRAMEWORK_BLOCKS * _OPS_PER_BLOCK + 1
     return max(0.0, t / (2 * ops) - launch_s)
