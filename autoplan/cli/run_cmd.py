@@ -25,12 +25,18 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     add_plan_model_args(p)
     p.add_argument("--nproc-per-node", type=int, default=None,
                    help="ranks per node (default: the plan's world size / --nnodes)")
-    p.add_argument("--nnodes", type=int, default=1)
-    p.add_argument("--node-rank", type=int, default=0)
-    p.add_argument("--master-addr", default="127.0.0.1")
-    p.add_argument("--master-port", type=int, default=29511)
-    p.add_argument("--steps", type=int, default=10)
-    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--nnodes", type=int, default=1,
+                   help="nodes the job spans (run the printed command on each; default 1)")
+    p.add_argument("--node-rank", type=int, default=0,
+                   help="this node's index, 0 to --nnodes - 1 (default 0)")
+    p.add_argument("--master-addr", default="127.0.0.1",
+                   help="address of node 0, where the job meets (default 127.0.0.1)")
+    p.add_argument("--master-port", type=int, default=29511,
+                   help="port on node 0 where the job meets (default 29511)")
+    p.add_argument("--steps", type=int, default=10,
+                   help="train until this step (default 10; a resumed run counts on)")
+    p.add_argument("--lr", type=float, default=3e-3,
+                   help="AdamW's learning rate (default 3e-3)")
     p.add_argument("--meta", action="store_true",
                    help="build the model on the meta device; each rank allocates its shards")
     p.add_argument("--cluster", default=None,
