@@ -10,7 +10,6 @@ keeps compile time bounded at any depth.
 import json
 
 import pytest
-import torch
 
 from autoplan import Cluster
 from autoplan import plan as make_plan
@@ -78,28 +77,16 @@ def test_a_compiled_plan_trains_like_one_device(name, world, force, sharding, tm
 
 
 @pytest.mark.skipif(not has_transformers(), reason="transformers not installed")
-def test_a_compiled_zero3_bf16_plan_of_hf_llama_computes_what_the_eager_one_does():
-    """FSDP2's 16-bit gathers and an HF model under torch.compile: the compiled program's
-    losses and weights against the same plan run eagerly, both in bf16, within bf16's
-    round-off (inductor fuses and reorders element-wise work in fp32 where eager rounds each
-    op to bf16)."""
-    from tests.test_zoo_16bit import distance
+def test_a_compiled_zero3_bf16_plan_of_hf_llama_trains_as_eager_autocast():
+    """FSDP2's 16-bit gathers and an HF model under torch.compile, in bf16: measured against
+    fp32 training as eager autocast is (tests/test_zoo_16bit.py's criterion; inductor fuses
+    and reorders element-wise work in fp32 where eager rounds each op to bf16)."""
+    from tests.test_zoo_16bit import assert_like_eager_autocast
     name = "hf-llama-gqa-tiny"
-    force = dict(tp=1, zero_stage=3)
-    runs = []
-    for compiled in (False, True):
-        p = _plan(name, 2, dict(force, compiled=compiled), precision="bf16")
-        res = run_ranks(_rank, 2, name, p.to_json(), "", timeout_s=600.0)
-        assert all((r[2] >= 1) == compiled for r in res)
-        runs.append(res)
-    eager_losses, eager_w = runs[0][0][0], runs[0][0][1]
-    comp_losses, comp_w = runs[1][0][0], runs[1][0][1]
-    assert comp_losses == pytest.approx(eager_losses, rel=2.0 ** -9)
-    w0 = {k: torch.tensor(v) for k, v in build_example(name, batch_size=1, seed=0)
-          .model.state_dict().items()}
-    ref = {k: torch.tensor(v) for k, v in eager_w.items()}
-    update = distance(ref, w0)
-    assert distance(comp_w, ref) <= 0.05 * update, "the compiled update is not the eager one"
+    p = _plan(name, 2, dict(tp=1, zero_stage=3, compiled=True), precision="bf16")
+    res = run_ranks(_rank, 2, name, p.to_json(), "", timeout_s=600.0)
+    assert all(r[2] >= 1 and r[4] >= 1 for r in res), "nothing was compiled"
+    assert_like_eager_autocast(name, "bf16", [r[:2] for r in res], p.config.short())
 
 
 def test_compiled_layers_with_collectives_never_recompute_selectively():

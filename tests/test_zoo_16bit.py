@@ -33,6 +33,7 @@ silently trained in fp32 fails.
 """
 
 import contextlib
+import functools
 import math
 
 import pytest
@@ -50,6 +51,7 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 LOSS_FLOOR = {"bf16": 2.0 ** -10, "fp16": 2.0 ** -13}     # a quarter of the unit round-off
 
 
+@functools.lru_cache(maxsize=8)
 def eager(name, precision):
     """(losses, initial weights, final weights) of one process training ``name`` eagerly:
     under ``torch.autocast`` for bf16 / fp16 (fp16 with torch's GradScaler, as the plan's
@@ -142,13 +144,10 @@ CASES = [
     ("titan-moe-tiny", 2, SP, "megatron", "bf16"),
     ("region-llama-tiny", 2, SP, "megatron", "bf16"),
     ("region-cuda-llama-tiny", 2, SP, "megatron", "bf16"),
-    # ... the ILP's own plans, FSDP2's 16-bit gathers, a pipeline, and fp16's loss scaling
-    ("region-cuda-llama-tiny", 2, TP, "ilp", "bf16"),
+    # ... FSDP2's 16-bit gathers, a pipeline, the ILP's own plan with fp16's loss scaling
     ("hf-llama-gqa-tiny", 2, dict(tp=1, zero_stage=3), "ilp", "bf16"),
     ("region-cuda-llama-tiny", 2, dict(pp=2), "ilp", "bf16"),
-    ("region-cuda-llama-tiny", 2, SP, "megatron", "fp16"),
-    ("hf-gpt2-lm-tiny", 2, dict(tp=1, zero_stage=3), "ilp", "fp16"),
-    ("nanogpt-tiny", 2, TP, "ilp", "fp16"),
+    ("region-cuda-llama-tiny", 2, TP, "ilp", "fp16"),
 ]
 
 
