@@ -183,11 +183,14 @@ def _schema():
     return json.loads((resources.files("autoplan.planner") / "plan.schema.json").read_text())
 
 
-def test_written_plans_validate_against_the_shipped_schema(plan, plan_dict):
+def test_written_plans_validate_against_the_shipped_schema(plan, plan_dict, searched):
     jsonschema = pytest.importorskip("jsonschema")
     schema = _schema()
     jsonschema.Draft202012Validator.check_schema(schema)
     jsonschema.Draft202012Validator(schema).validate(plan_dict)
+    found = json.loads(searched.to_json())          # the search's plan: with its op keys
+    assert set(found["op_keys"]) == set(found["op_strategies"])
+    jsonschema.Draft202012Validator(schema).validate(found)
     plan_dict["mesh"]["colour"] = "red"
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.Draft202012Validator(schema).validate(plan_dict)
@@ -199,8 +202,9 @@ def names(cls):
 
 def test_format_keys_match_the_dataclasses_and_the_schema():
     schema = _schema()
-    assert names(Plan) == check.PLAN_KEYS
-    assert set(schema["properties"]) == set(check.PLAN_KEYS) == set(schema["required"])
+    assert names(Plan) == check.PLAN_KEYS + check.PLAN_OPTIONAL_KEYS
+    assert set(schema["properties"]) == set(check.PLAN_KEYS + check.PLAN_OPTIONAL_KEYS)
+    assert set(schema["required"]) == set(check.PLAN_KEYS)
     for cls, keys, prop in ((ModelInfo, check.MODEL_KEYS, "model"),
                             (ClusterInfo, check.CLUSTER_KEYS + check.CLUSTER_OPTIONAL_KEYS,
                              "cluster"),
@@ -241,10 +245,29 @@ def _delete(path):
 
 
 QKV = "layers.0.attn.qkv.weight"
+_KEY = "ab" * 9 + "0"          # 19 of an op key's 20 hex characters
+
+
+def _op_keys(**changed):
+    """op_keys for the test plan's three ops, some ``changed``."""
+    return {"linear": _KEY + "0", "linear_1": _KEY + "1", "embedding": _KEY + "2", **changed}
+
+
 MALFORMED = [
-    ("newer version", _set(["schema_version"], 7), "written by a newer autoplan"),
-    ("unknown version", _set(["schema_version"], 0), "reads plan schemas 1, 2, 3, 4, 5, 6"),
-    ("no version", _delete(["schema_version"]), "reads plan schemas 1, 2, 3, 4, 5, 6"),
+    ("newer version", _set(["schema_version"], 8), "written by a newer autoplan"),
+    ("unknown version", _set(["schema_version"], 0), "reads plan schemas 1, 2, 3, 4, 5, 6, 7"),
+    ("no version", _delete(["schema_version"]), "reads plan schemas 1, 2, 3, 4, 5, 6, 7"),
+    ("op keys in a schema-6 plan",
+     lambda d: (d.__setitem__("schema_version", 6), d.__setitem__("op_keys", _op_keys())),
+     "schema 7 added (op_keys)"),
+    ("op key text", _set(["op_keys"], _op_keys(linear="to_8")),
+     "op_keys.linear: 'to_8' does not match"),
+    ("op key twice", _set(["op_keys"], _op_keys(linear_1=_KEY + "0")),
+     "is also the key of op 'linear'"),
+    ("op key of no op", _set(["op_keys"], _op_keys(conv=_KEY + "3")),
+     "names op 'conv', which op_strategies does not"),
+    ("op without key", _set(["op_keys"], {"linear": _KEY + "0"}),
+     "has no key for op 'embedding'"),
     ("no hardware", _delete(["cluster", "hardware"]), "missing key(s) cluster.hardware"),
     ("hardware key", _set(["cluster", "hardware", "colour"], 1), "cluster.hardware.colour"),
     ("device kind", _set(["cluster", "hardware", "device_kind"], "tpu"),
@@ -504,7 +527,7 @@ def test_cli_inspect_and_diff(plan, tiny, a100_x2, tmp_path, capsys):
     assert main(["inspect", str(tmp_path / "bad.json")]) == 1
     err = capsys.readouterr().err
     assert "autoplan inspect: error" in err and "truncated" in err and "bad.json" in err
-    assert PLAN_SCHEMA_VERSION == 6
+    assert PLAN_SCHEMA_VERSION == 7
 
 
 def test_schema_enums_match_the_code():

@@ -142,10 +142,17 @@ def launch_torchrun(cmd: list[str], *, run_id: str, checkpoint_dir: str | None =
 
     from autoplan.runtime.checkpoint_dir import RUN_ID_ENV
     from autoplan.runtime.worker import LAUNCHED_ENV
-    saved = {k: os.environ.get(k) for k in (RUN_ID_ENV, LAUNCHED_ENV, "OMP_NUM_THREADS")}
-    # OMP_NUM_THREADS: torchrun's own default for its ranks, set here so it needs no banner
+    saved = {k: os.environ.get(k) for k in (RUN_ID_ENV, LAUNCHED_ENV, "OMP_NUM_THREADS",
+                                            "PYTHONHASHSEED")}
+    # OMP_NUM_THREADS: torchrun's own default for its ranks, set here so it needs no banner.
+    # PYTHONHASHSEED: every Python process draws its own string-hash seed, and a model that
+    # loops over a set (HF Gemma 3, ModernBERT) traces its forward in an order that follows
+    # it; plans find their ops by canonical key whatever the order (planner/op_binding.py),
+    # but ranks that also trace alike run their independent ops, and so their collectives,
+    # in one order. A seed the user set is kept.
     os.environ.update({RUN_ID_ENV: run_id, LAUNCHED_ENV: "1",
-                       "OMP_NUM_THREADS": saved["OMP_NUM_THREADS"] or "1"})
+                       "OMP_NUM_THREADS": saved["OMP_NUM_THREADS"] or "1",
+                       "PYTHONHASHSEED": saved["PYTHONHASHSEED"] or "0"})
     quiet = logging.getLogger("torch.distributed.elastic.multiprocessing.api")
     level = quiet.level
     quiet.setLevel(logging.CRITICAL)        # per-process exit lines: summarized below

@@ -20,6 +20,15 @@ Reordering independent ops changes no hash (each depends only on the op and its 
 renaming changes none. Two ops that compute the same thing from the same values get one hash
 and count twice: they are interchangeable. Cost: one regular-expression pass over the op's
 encoded arguments and two sha256 per op.
+
+Per-op keys (:func:`canonical_op_keys`) name each op the same way in every trace, so a plan
+made in one process finds its ops in another (whose fx names may sit on other ops): the op's
+hash above (what it computes, from what) joined, in a second pass in reverse topological order,
+with the keys of what reads its outputs (each reader's key, the output read and the argument
+place, and the graph outputs it is), so two ops that compute the same thing from the same values
+but feed different consumers get different keys. Ops left equal after both passes compute the
+same thing from the same values for readers that are alike in turn: they are interchangeable,
+and are numbered ``.1``, ``.2``, ... after the first in the order of the trace.
 """
 
 from __future__ import annotations
@@ -65,12 +74,13 @@ def _leaf_labels(graph: Any) -> tuple[dict[str, str], list[Any]]:
     return labels, leaves
 
 
-def canonical_fingerprint(graph: Any) -> str:
-    """sha256 of the canonical form of ``graph`` (an OpGraph); see the module docstring."""
+def _upward(graph: Any) -> tuple[dict[str, str], list[Any], list[str]]:
+    """One pass in topological order: the labels of every value, the canonical leaves, and each
+    op's hash (what it computes from which values, Merkle style), in the graph's op order."""
     labels, leaves = _leaf_labels(graph)
     values = graph._values_by_name
     op_hashes: dict[str, str] = {}
-    multiset: list[str] = []
+    hashes: list[str] = []
     for op in graph.ops:
         outs = [values[n] if n in values else None for n in op.outputs]
         core = _digest((
@@ -85,13 +95,57 @@ def canonical_fingerprint(graph: Any) -> str:
             labels[name] = f"{core}:{k}"
         bases = [labels.get(v.base, "?") if v is not None and v.base != v.name else ""
                  for v in outs]
-        multiset.append(_digest((core, bases, [labels.get(n, "?") for n in op.saved])))
+        hashes.append(_digest((core, bases, [labels.get(n, "?") for n in op.saved])))
+    return labels, leaves, hashes
+
+
+def canonical_fingerprint(graph: Any) -> str:
+    """sha256 of the canonical form of ``graph`` (an OpGraph); see the module docstring."""
+    labels, leaves, hashes = _upward(graph)
     blocks = sorted([b.name, b.module_type, sorted([i.path, i.stop - i.start] for i in b.instances)]
                     for b in graph.blocks)
     return _digest((("schema_version", graph.schema_version), ("batch_size", graph.batch_size),
                     ("inputs", [labels.get(n, "?") for n in graph.inputs]),
                     ("outputs", [labels.get(n, "?") for n in graph.outputs]),
-                    ("leaves", leaves), ("ops", sorted(multiset)), ("blocks", blocks)))
+                    ("leaves", leaves), ("ops", sorted(hashes)), ("blocks", blocks)))
 
 
-__all__ = ["canonical_fingerprint"]
+KEY_CHARS = 20            # hex characters of an op key (80 bits: no collision in any graph)
+
+
+def canonical_op_keys(graph: Any) -> dict[str, str]:
+    """Op name -> a key that names the op alike in every trace of the model, whatever names fx
+    gave the ops and whatever order independent ops were traced in (module docstring): 20 hex
+    characters, with ``.1``, ``.2``, ... on the second, third, ... of interchangeable ops."""
+    _, _, hashes = _upward(graph)
+    ops = graph.ops
+    producer = {n: (i, k) for i, op in enumerate(ops) for k, n in enumerate(op.outputs)}
+    index = {op.name: i for i, op in enumerate(ops)}
+    readers: list[list[tuple[int, Any, Any]]] = [[] for _ in ops]
+    for j, op in enumerate(ops):
+        for p, n in enumerate(op.inputs):
+            if n in producer:
+                i, k = producer[n]
+                readers[i].append((j, k, p))
+        for group, name in _REF.findall(op.args):
+            if group == "node" and name in index and index[name] < j:
+                readers[index[name]].append((j, "node", ""))
+    for idx, n in enumerate(graph.outputs):
+        if n in producer:
+            i, k = producer[n]
+            readers[i].append((-1, k, idx))
+    down = [""] * len(ops)
+    for i in reversed(range(len(ops))):
+        down[i] = _digest((hashes[i], sorted(
+            ("graph output" if j < 0 else down[j], str(k), str(p)) for j, k, p in readers[i])))
+    seen: dict[str, int] = {}
+    keys: dict[str, str] = {}
+    for op, d in zip(ops, down):
+        key = d[:KEY_CHARS]
+        n = seen.get(key, 0)
+        seen[key] = n + 1
+        keys[op.name] = f"{key}.{n}" if n else key
+    return keys
+
+
+__all__ = ["KEY_CHARS", "canonical_fingerprint", "canonical_op_keys"]

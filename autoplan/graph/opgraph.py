@@ -23,11 +23,12 @@ import json
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, fields
 from functools import cached_property
+from types import MappingProxyType
 from typing import Any
 
 from autoplan import safe_io
 from autoplan.errors import TraceError
-from autoplan.graph.canonical import canonical_fingerprint
+from autoplan.graph.canonical import canonical_fingerprint, canonical_op_keys
 from autoplan.graph.check import GRAPH_LIMITS, check_graph_dict
 from autoplan.graph.vocabulary import FLOAT_DTYPES, ITEMSIZE, VALUE_KINDS
 
@@ -263,6 +264,16 @@ class OpGraph:
         if found is None:
             found = canonical_fingerprint(self)
             self.__dict__["_fingerprint"] = found     # frozen: cached beside the fields
+        return found
+
+    def op_keys(self) -> Mapping[str, str]:
+        """Op name -> the op's canonical key: the same op gets the same key in every trace of
+        the model, whatever names and order the trace gave it (``canonical.py``). A plan
+        records them, so another process finds the plan's ops among its own."""
+        found = self.__dict__.get("_op_keys")
+        if found is None:
+            found = MappingProxyType(canonical_op_keys(self))
+            self.__dict__["_op_keys"] = found
         return found
 
     def positional_fingerprint(self) -> str:

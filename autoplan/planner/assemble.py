@@ -79,6 +79,7 @@ def assemble(graph: OpGraph, cluster: Any, best: Any, alternatives: list[Alterna
                       tp_domain=meshes.tp_domain(cluster, tp_group)),
         config=cfg, param_placements=placements,
         op_strategies={op.name: s.name for op, s in zip(graph.ops, sh.op_strategy)},
+        op_keys=dict(graph.op_keys()),
         module_styles=sh.module_styles(graph), recompute=recompute,
         offload={"optimizer": cfg.offload_optimizer, "params": cfg.offload_params},
         predicted=predicted_from_estimate(best.est), alternatives=tuple(alternatives),

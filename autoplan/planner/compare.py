@@ -17,6 +17,7 @@ from autoplan.errors import PlanError
 from autoplan.estimate.estimator import estimate
 from autoplan.graph.opgraph import OpGraph
 from autoplan.planner.explain import fmt_bytes, fmt_s, generic_name
+from autoplan.planner.op_binding import bind_strategies
 from autoplan.planner.planfile import Plan, model_fingerprint
 from autoplan.sharding.sharding import Sharding, megatron_sharding
 from autoplan.sharding.strategies import strategies_by_name
@@ -52,9 +53,10 @@ def plan_sharding(plan: Plan, graph: OpGraph) -> Sharding:
                         "same model, sequence length and layers as to `autoplan plan`")
     t = plan.config.tp
     chosen = []
+    bound = bind_strategies(plan, graph).strategies      # by canonical key (op_binding)
     for op in graph.ops:
         options = strategies_by_name(graph, op, t)
-        name = plan.op_strategies.get(op.name)
+        name = bound.get(op.name)
         if name not in options:
             raise PlanError(f"op {op.name!r}: the plan's strategy {name!r} is not one of "
                             f"{sorted(options)}; re-plan with this autoplan version")

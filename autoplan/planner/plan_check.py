@@ -3,7 +3,8 @@
 ``planfile_check`` checks that a plan file is well formed; this checks that it makes sense for
 the traced graph (the fingerprint says it is the same model, but a hand-edited plan keeps the
 fingerprint): every parameter has a placement of its own shape that splits evenly and agrees
-with how its ops read it, every op a strategy the rule registry offers, every module style and
+with how its ops read it, every op a strategy the rule registry offers (the plan's op found by
+its canonical key, ``op_binding``: the names follow the trace's order), every module style and
 recompute entry names a module or layer the model has, and pipeline stages hold every layer
 once, in order, on valid, distinct ranks. Every problem found is reported, up to a few.
 """
@@ -15,6 +16,7 @@ from typing import Any
 from autoplan.errors import AutoplanError, PlanError
 from autoplan.estimate.partition import pipeline_units
 from autoplan.graph.opgraph import OpGraph
+from autoplan.planner.op_binding import bind_strategies
 from autoplan.sharding.placement import Placement, local_shape
 from autoplan.sharding.sharding import Sharding
 from autoplan.sharding.strategies import strategies_by_name
@@ -81,8 +83,9 @@ def _placements(plan: Any, graph: OpGraph, t: int, problems: list[str]) -> None:
 
 def _strategies(plan: Any, graph: OpGraph, t: int, problems: list[str]) -> Sharding | None:
     chosen = []
+    bound = bind_strategies(plan, graph)         # by canonical key: names follow the trace
     for op in graph.ops:
-        name = plan.op_strategies.get(op.name)
+        name = bound.strategies.get(op.name)
         options = strategies_by_name(graph, op, t)
         if name is None:
             problems.append(f"op {op.name!r} has no strategy")
@@ -93,7 +96,7 @@ def _strategies(plan: Any, graph: OpGraph, t: int, problems: list[str]) -> Shard
             chosen.append(options[name])
             continue
         chosen.append(next(iter(options.values())))
-    for name in sorted(set(plan.op_strategies) - {op.name for op in graph.ops})[:2]:
+    for name in bound.unmatched[:2]:
         problems.append(f"a strategy for op {name!r}, which is no op of the model")
     return None if problems else Sharding.build(graph, t, chosen)
 

@@ -17,6 +17,12 @@ kind and memory, nodes, devices per node, links, network; not the cluster's name
 any cluster of that hardware; :func:`plan_mismatch` says what differs, and
 ``allow_cluster_mismatch`` runs it on other hardware of the same world size with its prediction
 marked stale (:func:`stale_prediction`). ``load_plan`` checks both and re-plans on request.
+
+``op_strategies`` names ops as the planning process's trace named them; fx's names follow the
+order Python ran the forward in, which for some models depends on ``PYTHONHASHSEED`` (a loop
+over a ``set``), so another process may give a name to another op. ``op_keys`` records each op's
+canonical key (``OpGraph.op_keys()``), and ``op_binding.bind_strategies`` finds the plan's ops
+among another trace's by it.
 """
 
 from __future__ import annotations
@@ -225,6 +231,9 @@ class Plan:
     solver: SolverReport
     stages: tuple[Mapping[str, Any], ...] = ()   # {"index", "layers", "chunks", "ranks"}
     schema_version: int = PLAN_SCHEMA_VERSION
+    # op name -> the op's canonical key (OpGraph.op_keys, schema 7): how a process whose trace
+    # named the ops otherwise finds them (planner/op_binding.py); empty: matched by name
+    op_keys: Mapping[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         for name, typ in (("model", ModelInfo), ("cluster", ClusterInfo),
@@ -234,7 +243,7 @@ class Plan:
                 raise PlanError(f"Plan.{name} must be a {typ.__name__}, got "
                                 f"{type(getattr(self, name)).__name__}")
         for name in ("param_placements", "op_strategies", "module_styles", "recompute",
-                     "offload", "predicted"):
+                     "offload", "predicted", "op_keys"):
             if not isinstance(getattr(self, name), Mapping):
                 raise PlanError(f"Plan.{name} must be a mapping, got "
                                 f"{type(getattr(self, name)).__name__}")
@@ -246,7 +255,8 @@ class Plan:
             raise PlanError("Plan.alternatives must hold Alternative values")
         set_ = object.__setattr__
         set_(self, "alternatives", alts)
-        for name in ("param_placements", "op_strategies", "module_styles", "recompute", "offload"):
+        for name in ("param_placements", "op_strategies", "module_styles", "recompute", "offload",
+                     "op_keys"):
             set_(self, name, types.MappingProxyType(dict(getattr(self, name))))
         set_(self, "predicted", _freeze(self.predicted, "predicted"))
         set_(self, "stages", tuple(_freeze(s, f"stages[{i}]") for i, s in enumerate(self.stages)))
@@ -286,6 +296,7 @@ class Plan:
                              for a in self.alternatives],
             "solver": {k: v for k, v in _fields_dict(self.solver).items() if k != "time_s"},
             "stages": [_thaw(s) for s in self.stages],
+            **({"op_keys": dict(self.op_keys)} if self.op_keys else {}),
         }
 
     def to_json(self) -> str:
@@ -328,7 +339,8 @@ class Plan:
             recompute=d["recompute"], offload=d["offload"], predicted=d["predicted"],
             alternatives=tuple(Alternative(**{**a, "config": ParallelConfig.from_dict(a["config"])})
                                for a in d["alternatives"]),
-            solver=SolverReport(**d["solver"]), stages=tuple(d["stages"]))
+            solver=SolverReport(**d["solver"]), stages=tuple(d["stages"]),
+            op_keys=d.get("op_keys", {}))
 
     @staticmethod
     def from_json(text: str | bytes) -> Plan:

@@ -36,8 +36,11 @@ from autoplan.sharding.placement import Placement
 # 6: cluster.hardware, what a plan is matched to the cluster it runs on by (device kind and
 # memory, backend, links, network: cluster/hardware.py); an older plan is matched by its
 # device name, nodes and devices per node.
-PLAN_SCHEMA_VERSION = 6
-READABLE_PLAN_SCHEMAS = (1, 2, 3, 4, 5, 6)
+# 7: op_keys, each op's canonical key (OpGraph.op_keys): a process whose trace named the ops
+# otherwise (another PYTHONHASHSEED) finds the plan's ops by it. An older plan, or one without
+# the table, is matched by op name as before.
+PLAN_SCHEMA_VERSION = 7
+READABLE_PLAN_SCHEMAS = (1, 2, 3, 4, 5, 6, 7)
 MAX_FILE_BYTES = 256 << 20        # refuse larger files before reading them
 MAX_DEPTH = 64                    # JSON nesting (a valid plan needs about 6)
 MAX_STRING_CHARS = 1 << 20        # any one string or key
@@ -50,6 +53,7 @@ TP_DOMAINS = ("nvswitch", "nvlink", "pcie", "node", "network", "none")
 PLAN_KEYS = ("autoplan_version", "model", "cluster", "training", "mesh", "config",
              "param_placements", "op_strategies", "module_styles", "recompute", "offload",
              "predicted", "alternatives", "solver", "stages", "schema_version")
+PLAN_OPTIONAL_KEYS = ("op_keys",)         # schema 7: op name -> canonical key (the search's)
 MODEL_KEYS = ("name", "fingerprint", "num_params", "num_ops")
 CLUSTER_KEYS = ("name", "fingerprint", "world_size", "device", "num_nodes", "devices_per_node")
 CLUSTER_OPTIONAL_KEYS = ("hardware",)      # schema 6 writes it (HARDWARE_KEYS)
@@ -66,6 +70,7 @@ STAGE_KEYS = ("index", "layers", "chunks", "ranks")
 
 _NAME = re.compile(r"^[a-z][a-z0-9_]{0,63}$")        # axis, strategy and style names
 _HEX = re.compile(r"^[0-9a-f]{8,128}$")               # fingerprints
+_OP_KEY = re.compile(r"^[0-9a-f]{20}(\.[1-9][0-9]{0,8})?$")   # canonical.canonical_op_keys
 _DEVICE = re.compile(r"^n([0-9]{1,9})\.([A-Za-z0-9_\-]{1,128})$")   # "n3.gpu5"
 _IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
@@ -99,7 +104,7 @@ def check_plan(d: Any) -> None:
                         + ("" if isinstance(version, int) else
                            " (missing or not an integer: is this a plan file?)") +
                         "; re-plan with this autoplan version")
-    _keys(d, "", PLAN_KEYS)
+    _keys({k: x for k, x in d.items() if k not in PLAN_OPTIONAL_KEYS}, "", PLAN_KEYS)
     _str(d["autoplan_version"], "autoplan_version", limit=64)
     m = _keys(d["model"], "model", MODEL_KEYS)
     _str(m["name"], "model.name", limit=1000)
@@ -154,6 +159,8 @@ def check_plan(d: Any) -> None:
     for section in ("op_strategies", "module_styles"):
         for k, v in _map(d[section], section).items():
             _str(v, sub(section, k), pattern=_NAME)
+    if "op_keys" in d:
+        _check_op_keys(d["op_keys"], d["op_strategies"], version)
     for k, v in _map(d["recompute"], "recompute").items():
         _str(v, sub("recompute", k), choices=RECOMPUTE)
     off = _keys(d["offload"], "offload", OFFLOAD_KEYS)
@@ -211,6 +218,25 @@ def _check_hardware(h: Any) -> None:
             _str(x, f"cluster.hardware.node_links[{i}]", limit=200, one_line=True)
     if h["fabric"] is not None:
         _str(h["fabric"], "cluster.hardware.fabric", limit=200, one_line=True)
+
+
+def _check_op_keys(keys: Any, strategies: Mapping[str, Any], version: int) -> None:
+    """``op_keys``: one distinct canonical key for each op of ``op_strategies``."""
+    if version < 7:
+        fail("schema_version", f"{version}, but the plan uses what schema 7 added (op_keys): "
+             "set schema_version 7")
+    owner: dict[str, str] = {}
+    for name, key in _map(keys, "op_keys").items():
+        _str(key, sub("op_keys", name), pattern=_OP_KEY)
+        if key in owner:
+            fail(sub("op_keys", name), f"{key!r} is also the key of op {_clip(owner[key])!r}: "
+                 "each op has its own key")
+        owner[key] = name
+    if set(keys) != set(strategies):
+        odd = sorted(set(keys) ^ set(strategies))[0]
+        fail("op_keys", (f"names op {_clip(odd)!r}, which op_strategies does not" if odd in keys
+                         else f"has no key for op {_clip(odd)!r} of op_strategies") +
+             ": the two name the same ops (re-plan rather than edit them)")
 
 
 def _check_mesh(mesh: Any, config: ParallelConfig, cluster: Mapping[str, Any]) -> None:

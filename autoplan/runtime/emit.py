@@ -2,11 +2,14 @@
 local weights, the rewritten graph, its shape check, and one module per layer.
 
 The plan's strategies were chosen on the planning graph (traced with the user's example
-inputs, layers possibly stamped from two traced ones). The program runs the graph exported at
-the micro-batch each rank sees, so the two graphs hold the same ops in the same order; the
-strategies carry over by position, checked op by op (same aten target). A strategy that does not
-exist at the micro-batch (a batch split the micro-batch does not divide) is refused with the op
-named.
+inputs, layers possibly stamped from two traced ones). The plan names ops as the planning
+process traced them; this rank's trace of the model finds them by canonical key
+(``op_binding.bind_strategies``: another hash seed can give a name to another op). The program
+runs the graph exported at the micro-batch each rank sees, under the step's autocast; its ops
+take the strategies of the same ops of this rank's planning graph, paired by canonical key and,
+where the other batch size or autocast changed the keys, in order by aten target
+(``pair_ops``). A strategy that does not exist at the micro-batch (a batch split the
+micro-batch does not divide) is refused with the op named.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from autoplan.errors import PlanError
 from autoplan.graph.experts import find_experts
 from autoplan.graph.opgraph import OpGraph
 from autoplan.graph.trace import export_program
+from autoplan.planner.op_binding import bind_strategies
 from autoplan.runtime.program import Program, build_program, check_shapes
 from autoplan.runtime.segments import layer_ranges, split_layers
 from autoplan.runtime.state import (LocalState, keep_out_of_state_dict,
@@ -63,19 +67,41 @@ def on_weights_device(model: nn.Module, tensors: Sequence[Any]) -> tuple:
     return tuple(t.to(device) if isinstance(t, torch.Tensor) else t for t in tensors)
 
 
+def pair_ops(plan_graph: OpGraph, graph: OpGraph) -> dict[int, int]:
+    """Index in ``graph`` -> index of the same op in ``plan_graph``: first by canonical key
+    (``OpGraph.op_keys``: the same op whatever order and names the two traces gave it; every op
+    when the two are the same program), then the ops left in order by their aten target
+    (``difflib``), where the export at another batch size or under autocast changed the keys."""
+    import difflib
+    planned = {k: i for i, k in enumerate(plan_graph.op_keys()[op.name]
+                                          for op in plan_graph.ops)}
+    keys = graph.op_keys()
+    pairs: dict[int, int] = {}
+    for j, op in enumerate(graph.ops):
+        i = planned.get(keys[op.name])
+        if i is not None and plan_graph.ops[i].target == op.target:
+            pairs[j] = i
+    taken = set(pairs.values())
+    a = [i for i in range(len(plan_graph.ops)) if i not in taken]
+    b = [j for j in range(len(graph.ops)) if j not in pairs]
+    matcher = difflib.SequenceMatcher(a=[plan_graph.ops[i].target for i in a],
+                                      b=[graph.ops[j].target for j in b], autojunk=False)
+    for blk in matcher.get_matching_blocks():
+        for k in range(blk.size):
+            pairs[b[blk.b + k]] = a[blk.a + k]
+    return pairs
+
+
 def strategies_by_position(plan_graph: OpGraph, op_strategies: dict[str, str],
                            graph: OpGraph, t: int) -> Sharding:
-    """The plan's per-op strategy names, carried to ``graph`` (the same model exported at
-    another batch size). Ops are matched in order by their aten target; a model whose forward
-    adds or drops an op at another batch size (a squeeze that only batch 1 needs) gets, for
-    each unmatched op, the strategy that takes its inputs as they come."""
-    import difflib
-    a = [op.target for op in plan_graph.ops]
-    b = [op.target for op in graph.ops]
-    pairs: dict[int, int] = {}
-    for blk in difflib.SequenceMatcher(a=a, b=b, autojunk=False).get_matching_blocks():
-        for k in range(blk.size):
-            pairs[blk.b + k] = blk.a + k
+    """The plan's per-op strategy names (keyed by ``plan_graph``'s op names: see
+    ``op_binding.bind_strategies`` for a plan made in another process), carried to ``graph``
+    (the same model exported at another batch size, or under autocast). Ops are paired by
+    ``pair_ops``; a model whose forward adds or drops an op at another batch size (a squeeze
+    that only batch 1 needs) gets, for each unpaired op, the strategy that takes its inputs as
+    they come."""
+    pairs = pair_ops(plan_graph, graph)
+    a, b = plan_graph.ops, graph.ops
     matched = len(pairs)
     if matched < 0.9 * max(len(a), len(b)):
         raise PlanError(f"the model exported at the micro-batch has {len(b)} ops, the planning "
@@ -157,7 +183,9 @@ def export_for_plan(model: nn.Module, plan: Any, plan_graph: OpGraph, *,
     amp = autocast_dtype(plan)
     ep, graph, prefix = export_program(model, inputs, loss_fn=loss_fn if with_loss else None,
                                        targets=targets, autocast_dtype=amp, device=device)
-    sh = strategies_by_position(plan_graph, dict(plan.op_strategies), graph, t)
+    # the plan names ops as the planning process's trace did: found here by canonical key
+    named = bind_strategies(plan, plan_graph).strategies
+    sh = strategies_by_position(plan_graph, named, graph, t)
     return Exported(ep=ep, graph=graph, prefix=prefix, sharding=sh,
                     inputs=inputs + ((targets,) if with_loss else ()), with_loss=with_loss,
                     autocast_dtype=amp)
