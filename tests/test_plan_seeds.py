@@ -213,6 +213,7 @@ def _plan_step(folder):
                              precision="fp32", profile=None, force={"tp": 2},
                              sharding="megatron")
         chains = _chains(graph)
+        whole = plan
         strategies, changed = _split_chain(graph, plan, chains["sliding_attention"], 1)
         plan = dataclasses.replace(plan, op_strategies=strategies)
         strategies, more = _split_chain(graph, plan, chains["full_attention"], 2)
@@ -222,13 +223,23 @@ def _plan_step(folder):
                   for a, b in zip(chains["sliding_attention"], chains["full_attention"])
                   if plan.op_strategies[graph.ops[a].name] != plan.op_strategies[graph.ops[b].name]]
         plan.save(folder / f"{name}.plan.json")
+        # and one whose two chains both hold a collective (a gather after a sequence split):
+        # ranks tracing them in other orders would pair one chain's with the other's
+        # (the first mul of each chain split on the sequence, the rest kept whole)
+        both = dict(whole.op_strategies)
+        for chain in chains.values():
+            mul = [i for i in chain if graph.ops[i].target.startswith("aten.mul")][:1]
+            both = _split_chain(graph, dataclasses.replace(whole, op_strategies=both), mul, 1)[0]
+        both_plan = dataclasses.replace(whole, op_strategies=both)
+        check_plan_against(both_plan, graph)
+        both_plan.save(folder / f"{name}.both.plan.json")
         (folder / f"{name}.planned.json").write_text(json.dumps({
             "chains": {t: [graph.ops[i].name for i in c] for t, c in chains.items()},
             "params": [list(op.params) for op in graph.ops], "changed": changed + more,
             "differ": differ}))
 
 
-def _rank_step(folder, name, rank, world):
+def _rank_step(folder, name, rank, world, plan_file=None):
     """One rank of a 2-rank job (its own program, its own hash seed): compile the saved plan,
     train STEPS steps, and report the losses, the final state, this trace's order, and the
     collectives one step issued (kind and size, in order)."""
@@ -239,7 +250,7 @@ def _rank_step(folder, name, rank, world):
     import autoplan
     torch.set_num_threads(1)
     store = None
-    port_file = folder / f"{name}.port"
+    port_file = folder / f"{plan_file or name}.port"      # one per job: jobs share the folder
     if rank == 0:
         store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False)
         port_file.with_suffix(".tmp").write_text(str(store.port))
@@ -269,10 +280,15 @@ def _rank_step(folder, name, rank, world):
     model, ids = _model(name)
     order = [list(op.params) for op in autoplan.trace(model, (ids,), loss_fn=_loss,
                                                        targets=ids).ops]
-    trainer = autoplan.compile(
-        model, "local", example_inputs=(ids,), example_targets=ids, loss_fn=_loss,
-        optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3, eps=1e-4), global_batch_size=GBS,
-        plan=str(folder / f"{name}.plan.json"))
+    try:
+        trainer = autoplan.compile(
+            model, "local", example_inputs=(ids,), example_targets=ids, loss_fn=_loss,
+            optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3, eps=1e-4),
+            global_batch_size=GBS, plan=str(folder / (plan_file or f"{name}.plan.json")))
+    except autoplan.PlanError as e:
+        (folder / f"{name}.rank{rank}.refused.txt").write_text(str(e))
+        dist.destroy_process_group()
+        return
     with Collectives() as comms:
         losses = [trainer.step((ids, ids))]
     losses += [trainer.step((ids, ids)) for _ in range(STEPS - 1)]
@@ -470,6 +486,21 @@ def test_ranks_with_their_own_hash_seeds_run_the_plan_like_one_process(planned, 
     _same_as_one_process(name, results)
 
 
+@pytest.mark.parametrize("name", MODELS)
+def test_ranks_whose_collectives_come_in_other_orders_are_refused_alike(planned, name):
+    """Where both reordered chains hold a collective, ranks under other hash seeds would pair
+    one chain's gather with the other's and train wrong, silently (seen: Gemma 3's loss 4.7698
+    against 4.7719): one collective at build compares the orders (``build.
+    same_program_everywhere``) and every rank refuses, naming PYTHONHASHSEED."""
+    procs = [_run(["rank", planned, name, r, 2, f"{name}.both.plan.json"], seed)
+             for r, seed in enumerate((OTHER_ORDER, SAME_ORDER))]
+    errors = _wait(procs, 600)
+    assert not errors, "\n".join(errors)
+    said = [(planned / f"{name}.rank{r}.refused.txt") for r in range(2)]
+    assert all(f.exists() for f in said), "a rank was not refused"
+    assert all("PYTHONHASHSEED" in f.read_text() for f in said)
+
+
 if __name__ == "__main__":
     step, folder = sys.argv[1], Path(sys.argv[2])
     if step == "plan":
@@ -477,6 +508,7 @@ if __name__ == "__main__":
     elif step == "canon":
         _canon_step(folder)
     elif step == "rank":
-        _rank_step(folder, sys.argv[3], int(sys.argv[4]), int(sys.argv[5]))
+        _rank_step(folder, sys.argv[3], int(sys.argv[4]), int(sys.argv[5]),
+                   sys.argv[6] if len(sys.argv) > 6 else None)
     else:
         raise SystemExit(f"unknown step {step!r}")

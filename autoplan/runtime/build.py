@@ -177,7 +177,49 @@ def rank_program(b: BuildInputs, place: Place, groups: Groups
                    if groups.stage is not None else None),
             ep=(groups.ep, cfg.ep, place.ep), cp_slot=program.cp_slot,
             cp=(groups.cp, cfg.cp, place.cp))
+    same_program_everywhere(ex, program)
     return ex, program, cuts
+
+
+def program_digest(ex: Exported, program: Program) -> str:
+    """The order this rank's program runs the calls that may communicate in (those reading a
+    process-group slot: collectives, kernels that gather or exchange, per-rank random masks),
+    as their ops' canonical keys (``OpGraph.op_keys``): equal on every rank of a plan."""
+    import hashlib
+
+    from autoplan.runtime.program import OP
+    from autoplan.runtime.program_calls import _c_scatter
+    keys = ex.graph.op_keys()
+    names = [op.name for op in ex.graph.ops]
+    slots = {"_autoplan_comm", "_autoplan_cp_comm"}      # what a communicating call reads
+    h = hashlib.sha256()
+    for n in program.graph_module.graph.nodes:
+        i = n.meta.get(OP)
+        if i is None or n.target is _c_scatter or not any(    # (a scatter slices locally)
+                getattr(a, "op", None) == "get_attr" and a.target in slots for a in n.args):
+            continue
+        h.update(f"{keys[names[i]]}:{getattr(n.target, '__name__', n.target)};".encode())
+    return h.hexdigest()
+
+
+def same_program_everywhere(ex: Exported, program: Program) -> None:
+    """Every rank traced the model in its own process: where independent ops came out in
+    another order (a model iterating a ``set``, whose order follows ``PYTHONHASHSEED``), ranks
+    would pair one op's collective with another's and train wrong, silently. One small
+    collective compares the orders and refuses on every rank alike. (Not on the ``fake``
+    backend, whose collectives carry nothing.)"""
+    if not dist.is_initialized() or dist.get_world_size() == 1 \
+            or dist.get_backend() == "fake":
+        return
+    digests: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(digests, program_digest(ex, program))
+    if len(set(digests)) > 1:
+        odd = [r for r, d in enumerate(digests) if d != digests[0]]
+        raise PlanError(f"ranks {odd} traced the model with its collectives in another order "
+                        "than rank 0 (its forward iterates something whose order changes "
+                        "between processes, such as a set under Python's hash seed): set "
+                        "PYTHONHASHSEED=0 in every rank's environment (autoplan run does), or "
+                        "make the forward's order deterministic")
 
 
 # ---- 3. stages -------------------------------------------------------------------------------
