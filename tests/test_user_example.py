@@ -78,7 +78,9 @@ def test_a_function_returning_from_model_is_planned_and_checked_by_run(tmp_path,
                  "--precision", "fp32", "-q", "-o", "mine.plan.json"]) == 0
     capsys.readouterr()
     assert main(["run", "mine.plan.json", "--model", "mine:make", "--print-command"]) == 0
-    assert "--model mine:make" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "--model mine:make" in printed
+    assert printed.startswith("OMP_NUM_THREADS=1 PYTHONHASHSEED=0 ")   # as autoplan run's ranks
     from autoplan.models import load_user_example
     with pytest.raises(AutoplanError, match=r"Example\.from_model\(model, inputs, targets"):
         load_user_example("mine:wrong")

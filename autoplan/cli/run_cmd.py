@@ -123,10 +123,15 @@ def run(args: argparse.Namespace) -> int:
                            allow_cluster_mismatch=args.allow_cluster_mismatch, extra=[
                                *(["--layers", str(args.layers)] if args.layers else []),
                                *(["--seq-len", str(args.seq_len)] if args.seq_len else [])])
-    if args.print_command:
-        print(shlex.join(cmd))
+    if args.print_command:       # with the environment launch_torchrun gives the ranks
+        env = {k: os.environ.get(k) or v for k, v in RANK_ENV_DEFAULTS.items()}
+        print(" ".join(f"{k}={shlex.quote(v)}" for k, v in env.items()), shlex.join(cmd))
         return 0
     return launch_torchrun(cmd, run_id=run_id, checkpoint_dir=args.checkpoint_dir)
+
+
+# What every rank's environment gets unless the user set it (see launch_torchrun).
+RANK_ENV_DEFAULTS = {"OMP_NUM_THREADS": "1", "PYTHONHASHSEED": "0"}
 
 
 def launch_torchrun(cmd: list[str], *, run_id: str, checkpoint_dir: str | None = None) -> int:
@@ -151,8 +156,7 @@ def launch_torchrun(cmd: list[str], *, run_id: str, checkpoint_dir: str | None =
     # but ranks that also trace alike run their independent ops, and so their collectives,
     # in one order. A seed the user set is kept.
     os.environ.update({RUN_ID_ENV: run_id, LAUNCHED_ENV: "1",
-                       "OMP_NUM_THREADS": saved["OMP_NUM_THREADS"] or "1",
-                       "PYTHONHASHSEED": saved["PYTHONHASHSEED"] or "0"})
+                       **{k: saved[k] or v for k, v in RANK_ENV_DEFAULTS.items()}})
     quiet = logging.getLogger("torch.distributed.elastic.multiprocessing.api")
     level = quiet.level
     quiet.setLevel(logging.CRITICAL)        # per-process exit lines: summarized below
