@@ -9,12 +9,13 @@ from autoplan.version import __version__
 from autoplan.errors import (AutoplanError, ClusterError, ConfigError, PlanError,
                              ProfileError, TraceError)
 from autoplan.cluster import Cluster
-from autoplan.estimate import Estimate, ParallelConfig, estimate
+from autoplan.estimate import Estimate, estimate
 from autoplan.graph import OpGraph, trace
 from autoplan.planner.loading import load_plan
 from autoplan.planner.planfile import Plan
 from autoplan.planner.search import plan
 from autoplan.planner.verdicts import NoFeasiblePlanError
+from autoplan.sharding.parallel_config import ParallelConfig
 
 __all__ = ["AutoplanError", "Cluster", "ClusterError", "ConfigError", "Estimate", "Example",
            "NoFeasiblePlanError", "OpGraph", "ParallelConfig", "Plan", "PlanError", "ProfileError",

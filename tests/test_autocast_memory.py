@@ -16,9 +16,9 @@ from autoplan import trace
 from autoplan.cost.dtypes import held_bytes, kept_itemsizes, value_itemsizes
 from autoplan.cost.memory import model_state_bytes
 from autoplan.errors import ConfigError, PlanError
-from autoplan.estimate.config import ParallelConfig
 from autoplan.graph.opgraph import opname
 from autoplan.models import build_example
+from autoplan.sharding.parallel_config import ParallelConfig
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 

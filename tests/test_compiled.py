@@ -96,7 +96,7 @@ def test_compiled_layers_with_collectives_never_recompute_selectively():
     refuses a hand-made plan that has it, before any collective."""
     from autoplan import ConfigError
     from autoplan.planner.space import selective_compiles
-    from autoplan.estimate.config import ParallelConfig
+    from autoplan.sharding.parallel_config import ParallelConfig
     assert selective_compiles(ParallelConfig(dp=2, compiled=True))
     assert not selective_compiles(ParallelConfig(tp=2, compiled=True))
     assert selective_compiles(ParallelConfig(tp=2))

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from autoplan import Cluster, ParallelConfig, estimate
+from autoplan.sharding.mesh_axes import MeshAxis
 from autoplan.cost.compute import compute_model
 from autoplan.errors import ConfigError
 from autoplan.estimate.chunk_cost import CostInputs, chunk_cost
@@ -43,10 +44,10 @@ def test_ranks_are_laid_out_tp_cp_dp_and_gradients_average_over_dp_x_cp():
     assert c.tp_group() == (0, 1) and c.cp_group() == (0, 2) and c.cp_group(dp_index=1) == (4, 6)
     assert c.dp_group() == (0, 2, 4, 6)                  # dp x cp: who averages gradients
     assert c.shard_degree == 4 and c.grad_degree == 4 and c.uses_fsdp
-    for r in range(8):
-        i = c.indices(r)
-        assert c.rank(pp_index=i["pp"], dp_index=i["dp"], cp_index=i["cp"],
-                      tp_index=i["tp"]) == r
+    for r in range(8):                               # tp fastest, then cp, dp, pp
+        i = c.dims.coords(r)
+        assert ((i[MeshAxis.PP] * 2 + i[MeshAxis.DP]) * 2 + i[MeshAxis.CP]) * 2 \
+            + i[MeshAxis.TP] == r
     assert ParallelConfig.from_dict(c.to_dict()) == c
     assert "cp" not in ParallelConfig(dp=2).to_dict()       # old plans read back byte for byte
     hsdp = ParallelConfig(dp=4, cp=2, zero_stage=3, dp_shard=2)

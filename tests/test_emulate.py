@@ -16,6 +16,7 @@ from autoplan import Cluster
 from autoplan import plan as make_plan
 from autoplan.graph import trace
 from autoplan.models import build_example
+from autoplan.sharding.mesh_axes import MeshAxis
 
 
 def _plan(force, world, tmp_path):
@@ -39,7 +40,7 @@ def test_one_rank_of_an_8_rank_plan_runs_alone(force, world, rank, tmp_path):
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     text = out.stdout
-    stage = p.config.indices(rank)["pp"]
+    stage = p.config.dims.index(rank, MeshAxis.PP)
     assert f"rank {rank} of {world}" in text and f"pipeline stage {stage}" in text
     assert "collectives move nothing" in text
     assert "median of 2" in text                         # the first step is not timed
@@ -62,7 +63,7 @@ def test_the_emulated_rank_holds_its_shards_and_compares_with_its_stage():
                 example_targets=small.targets, loss_fn=small.loss_fn, rank=5, steps=2)
     assert not dist.is_initialized()                   # its fake group is gone
     want = predicted_for_rank(p, 5)
-    assert e.predicted == want and want.stage == p.config.indices(5)["pp"] == 1
+    assert e.predicted == want and want.stage == p.config.dims.index(5, MeshAxis.PP) == 1
     assert e.weight_bytes == want.weight_bytes
     assert e.peak_memory_bytes > e.weight_bytes and len(e.step_s) == 1
     from autoplan import PlanError

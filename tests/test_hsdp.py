@@ -30,10 +30,12 @@ def test_config_rules_and_groups():
     assert c.dp_shard_group() == (0, 2, 4, 6) and c.dp_shard_group(replica=1) == (8, 10, 12, 14)
     assert c.dp_replicate_group(tp_index=1, shard=3) == (7, 15)
     assert ParallelConfig(dp=8, zero_stage=3).shard_degree == 8
-    # every group (built once per mesh and cached) is the ranks ``rank`` gives on its axis
+    # every group (built once per mesh and cached) is the ranks the layout formula gives on
+    # its axis (tests/test_mesh_axes.py checks every small mesh)
     for cfg in (c, ParallelConfig(pp=2, dp=4, cp=2, tp=2, zero_stage=3, dp_shard=2),
                 ParallelConfig(pp=3, dp=4, tp=2, ep=2)):
-        r = cfg.rank
+        def r(*, pp_index, dp_index, tp_index, cp_index=0, cfg=cfg):
+            return ((pp_index * cfg.dp + dp_index) * cfg.cp + cp_index) * cfg.tp + tp_index
         for pi in range(cfg.pp):
             for t in range(cfg.tp):
                 assert cfg.dp_group(pi, t) == tuple(

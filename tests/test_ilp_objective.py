@@ -23,7 +23,6 @@ from autoplan import Cluster
 from autoplan.cost.compute import compute_model
 from autoplan.cost.dtypes import held_bytes
 from autoplan.estimate.chunk_cost import CostInputs, chunk_cost
-from autoplan.estimate.config import ParallelConfig
 from autoplan.estimate.layout import chunks_for
 from autoplan.graph import trace
 from autoplan.graph.analysis import analyze
@@ -32,6 +31,7 @@ from autoplan.planner.ilp import solve
 from autoplan.estimate.overlap import overlap_interference
 from autoplan.planner.cost_context import CostContext
 from autoplan.planner.problem import INFEASIBLE_S, reduce_graph, sharding_from_choice
+from autoplan.sharding.parallel_config import ParallelConfig
 from tests.conftest import has_transformers
 
 MODELS = ["gpt-tiny", "nanogpt-tiny", "torch-encoder-tiny", "llama-tiny"] + (

@@ -257,7 +257,7 @@ def test_v_schedules_keep_zero_bubbles_time_with_1f1bs_memory(schedule, p, m):
     assert sum(1 for e in r.events if e.kind == "F") == m * n
     assert sum(1 for e in r.events if e.kind == "B") == m * n
     assert len(seen) == len(r.events)
-    from autoplan.estimate.config import chunk_ranks
+    from autoplan.sharding.parallel_config import chunk_ranks
     ranks = chunk_ranks(schedule, p, 2)
     assert ranks == tuple(range(p)) + tuple(reversed(range(p)))
     start = {(e.kind, e.microbatch, e.chunk): e for e in r.events if e.kind == "F"}
@@ -268,7 +268,7 @@ def test_v_schedules_keep_zero_bubbles_time_with_1f1bs_memory(schedule, p, m):
 
 
 def test_v_schedules_need_two_chunks_per_rank_and_enough_microbatches():
-    from autoplan.estimate.config import ParallelConfig
+    from autoplan.sharding.parallel_config import ParallelConfig
     with pytest.raises(ConfigError, match="virtual_stages=2"):
         ParallelConfig(pp=2, schedule="zbv", virtual_stages=4)
     with pytest.raises(ConfigError, match="2 x pp"):

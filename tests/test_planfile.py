@@ -532,7 +532,7 @@ def test_cli_inspect_and_diff(plan, tiny, a100_x2, tmp_path, capsys):
 
 def test_schema_enums_match_the_code():
     """The schema's closed lists are the code's: a new schedule or policy must reach both."""
-    from autoplan.estimate.config import OPTIMIZERS, PRECISIONS, RECOMPUTE, SCHEDULES
+    from autoplan.sharding.parallel_config import OPTIMIZERS, PRECISIONS, RECOMPUTE, SCHEDULES
     props = _schema()["$defs"]["parallel_config"]["properties"]
     assert props["schedule"]["enum"] == list(SCHEDULES)
     assert props["recompute"]["enum"] == list(RECOMPUTE)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 import json
 
-from autoplan.estimate.config import SCHEDULES
 from autoplan.cli.common import add_capacity_arg, add_model_args, comma_list, graph_from_args
+from autoplan.sharding.parallel_config import SCHEDULES
 
 
 def add_config_args(p: argparse.ArgumentParser) -> None:
@@ -41,7 +41,7 @@ def add_config_args(p: argparse.ArgumentParser) -> None:
 
 def config_from_args(args: argparse.Namespace, world_size: int):
     from autoplan.errors import ConfigError
-    from autoplan.estimate.config import RECOMPUTE, ParallelConfig
+    from autoplan.sharding.parallel_config import RECOMPUTE, ParallelConfig
     for flag in ("dp", "tp", "pp", "cp", "ep", "micro_batch_size", "virtual_stages"):
         v = getattr(args, flag)
         if v is not None and v < 1:
@@ -53,7 +53,7 @@ def config_from_args(args: argparse.Namespace, world_size: int):
             raise ConfigError(f"tp {args.tp} x pp {args.pp} x cp {args.cp} does not divide the "
                               f"cluster's {world_size} devices; pass --dp or change "
                               "--tp/--pp/--cp")
-    from autoplan.estimate.config import strongest_recompute
+    from autoplan.sharding.parallel_config import strongest_recompute
     stage = comma_list(args.stage_recompute, str, "--stage-recompute")
     if stage is not None and (not stage or any(s not in RECOMPUTE for s in stage)):
         raise ConfigError(f"--stage-recompute takes one policy per pipeline stage from "

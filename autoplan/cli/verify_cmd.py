@@ -44,6 +44,7 @@ def run(args: argparse.Namespace) -> int:
     from autoplan.planner.search import plan as make_plan
     from autoplan.planner.shrink import layers_needed, shrunk_force, transfer_sharding
     from autoplan.runtime.verify import build
+    from autoplan.sharding.mesh_axes import BASE_AXES, ParallelDims
 
     import math
     if not (1 <= args.ranks <= 1024 and 1 <= args.steps <= 10_000 and math.isfinite(
@@ -55,7 +56,7 @@ def run(args: argparse.Namespace) -> int:
                         f"--seq-len {args.seq_len} --tolerance {args.tolerance}")
     plan = plan_from_file(args.plan)
     force = shrunk_force(plan.config, args.ranks)
-    world = force["pp"] * force["dp"] * force["tp"] * force.get("cp", 1)
+    world = ParallelDims(**{a.value: force.get(a.value, 1) for a in BASE_AXES}).world_size
     layers = args.layers or min(layers_needed(force), max(len(plan.recompute), 1))
     seq = args.seq_len if ":" not in args.model else None
     try:

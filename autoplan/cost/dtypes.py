@@ -30,8 +30,6 @@ from types import MappingProxyType
 
 from autoplan.graph.opgraph import OpGraph, opname
 
-MIXED_PRECISION = ("autocast", "params")
-
 # ops autocast runs in the lower precision, on CUDA and on the CPU (overload packets)
 LOWER_PRECISION_OPS = frozenset({
     "linear", "matmul", "mm", "bmm", "addmm", "addbmm", "baddbmm", "addmv", "addr", "mv",

@@ -18,10 +18,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from autoplan.cost.dtypes import MIXED_PRECISION, HeldBytes, autocast_on, own_sizes
+from autoplan.cost.dtypes import HeldBytes, autocast_on, own_sizes
 from autoplan.graph.analysis import analyze
 from autoplan.errors import ConfigError
 from autoplan.graph.opgraph import OpGraph, TensorMeta
+from autoplan.sharding.parallel_config import MIXED_PRECISION
 from autoplan.sharding.placement import REPLICATE, Placement
 from autoplan.sharding.sharding import Sharding, megatron_sharding
 

@@ -1,8 +1,6 @@
 """Estimating one parallel configuration: step time, memory per device, breakdowns."""
 
-from autoplan.estimate.config import ParallelConfig
 from autoplan.estimate.estimator import estimate
 from autoplan.estimate.result import Estimate, MemoryBreakdown, StageEstimate, TimeBreakdown
 
-__all__ = ["Estimate", "MemoryBreakdown", "ParallelConfig", "StageEstimate", "TimeBreakdown",
-           "estimate"]
+__all__ = ["Estimate", "MemoryBreakdown", "StageEstimate", "TimeBreakdown", "estimate"]

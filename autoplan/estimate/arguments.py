@@ -135,7 +135,7 @@ def estimate_options_arg(*, memory_margin_bytes: Any, sharding: Any, simulate_pi
 
 def config_fields() -> list[str]:
     """The ParallelConfig fields ``force`` may pin, in declaration order."""
-    from autoplan.estimate.config import ParallelConfig
+    from autoplan.sharding.parallel_config import ParallelConfig
     return [f.name for f in fields(ParallelConfig)]
 
 
@@ -144,7 +144,7 @@ def force_arg(force: Any, who: str) -> dict:
     fields are refused listing the valid ones (with the nearest name when one is close)."""
     import difflib
 
-    from autoplan.estimate.config import ParallelConfig
+    from autoplan.sharding.parallel_config import ParallelConfig
     if not isinstance(force, dict):
         raise ConfigError(f"{who}: force must be a dict of ParallelConfig fields, e.g. "
                           f"{{'tp': 2, 'zero_stage': 3}}, got {force!r:.60}")
@@ -195,7 +195,7 @@ def _is_kind(value: Any, kind: str) -> bool:
 
 def search_options_arg(opts: Any, *, progress: Any, who: str = "plan()") -> None:
     """``plan``'s search options (``SearchOptions`` fields) and its ``progress`` callback."""
-    from autoplan.estimate.config import RECOMPUTE
+    from autoplan.sharding.parallel_config import RECOMPUTE
     from autoplan.sharding.sharding import Sharding
 
     def refuse(name: str, want: str) -> None:

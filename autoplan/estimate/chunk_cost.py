@@ -19,12 +19,12 @@ from autoplan.cost.compute import ComputeModel
 from autoplan.cost.dtypes import HeldBytes, held_bytes, own_sizes
 from autoplan.cost.memory import (GRAD_BYTES, PRECISION_BYTES, activation_parts, held_meta_bytes,
                                   meta_bytes, shared_inputs, working_set_bytes)
-from autoplan.estimate.config import ParallelConfig
 from autoplan.estimate.overlap import overlap_exposed_s, overlap_interference
 from autoplan.estimate.partition import Chunk
 from autoplan.graph.experts import find_experts
 from autoplan.graph.opgraph import OpGraph
 from autoplan.sharding.expert_regions import expert_regions
+from autoplan.sharding.parallel_config import ParallelConfig
 from autoplan.sharding.placement import REPLICATE
 from autoplan.sharding.context_axis import ContextAxis, share_at
 from autoplan.sharding.sharding import Sharding

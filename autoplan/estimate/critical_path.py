@@ -20,8 +20,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
 
-from autoplan.estimate.config import chunk_ranks
 from autoplan.estimate.pipeline_sim import _F, _W, W_FRACTION, _run
+from autoplan.sharding.parallel_config import chunk_ranks
 
 
 @dataclass(frozen=True)

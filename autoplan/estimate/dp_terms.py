@@ -17,8 +17,8 @@ from typing import Any
 
 from autoplan.cost.compute import ComputeModel
 from autoplan.cost.memory import GRAD_BYTES, PRECISION_BYTES
-from autoplan.estimate.config import ParallelConfig
 from autoplan.estimate.overlap import overlap_exposed_s
+from autoplan.sharding.parallel_config import ParallelConfig
 
 # Bytes an optimizer step reads and writes per parameter (grad, weights, states; Adam keeps
 # fp32 master + two moments under mixed precision). The step is memory-bound.

@@ -31,7 +31,6 @@ from autoplan.errors import ConfigError
 from autoplan.estimate.arguments import (batch_arg, capacity_arg, cluster_arg,
                                         estimate_options_arg, microbatches_arg, profile_arg)
 from autoplan.estimate.chunk_cost import CostInputs, RangeCost, chunk_cost
-from autoplan.estimate.config import SPLIT_BACKWARD, ParallelConfig
 from autoplan.estimate.dp_terms import StageParams, dp_collectives, price, stage_terms
 from autoplan.estimate.layout import chunks_for, in_flight
 from autoplan.estimate.overlap import overlap_interference
@@ -41,6 +40,8 @@ from autoplan.estimate.result import Estimate, MemoryBreakdown, StageEstimate, T
 from autoplan.graph.opgraph import OpGraph
 from autoplan.graph.trace import as_graph
 from autoplan.sharding.context_axis import context_axis
+from autoplan.sharding.mesh_axes import STAGE_AXES, MeshAxis
+from autoplan.sharding.parallel_config import SPLIT_BACKWARD, ParallelConfig
 from autoplan.sharding.sharding import Sharding
 
 def validate(graph: OpGraph, cluster: Any, config: ParallelConfig,
@@ -250,9 +251,9 @@ def estimate(model: Any, cluster: Any, *, config: ParallelConfig, global_batch_s
             params_per_device=params, fwd_s=stage_f[s], bwd_s=stage_b[s],
             activation_bytes_per_microbatch=act_mb, microbatches_in_flight=flight,
             memory=mem, chunks=tuple(chunks[c].layers for c in stage_chunks[s])))
-    # ranks are pp-major: each stage's dp x tp ranks in a row
+    # ranks are pp-major: each stage's dp x cp x tp ranks in a row
     per_device = tuple(chain.from_iterable(
-        repeat(s.memory.total_bytes, config.dp * config.cp * config.tp) for s in stages))
+        repeat(s.memory.total_bytes, config.dims.degree(STAGE_AXES)) for s in stages))
     peak = max(s.memory.total_bytes for s in stages)
 
     model_flops = (graph.fwd_flops + graph.bwd_flops) * global_batch_size / graph.batch_size
@@ -321,8 +322,8 @@ def _sends(config: ParallelConfig, cluster: Any, costs: Sequence[RangeCost]) -> 
     for c in range(len(costs) - 1):
         a, b = config.chunk_rank(c), config.chunk_rank(c + 1)
         out.append(0.0 if a == b else cluster.p2p_time_s(
-            costs[c].boundary_bytes, config.rank(pp_index=a, dp_index=0, tp_index=0),
-            config.rank(pp_index=b, dp_index=0, tp_index=0)))
+            costs[c].boundary_bytes, config.dims.rank_at({MeshAxis.PP: a}),
+            config.dims.rank_at({MeshAxis.PP: b})))
     return out
 
 

@@ -20,7 +20,7 @@ from dataclasses import replace
 from autoplan.cost.memory import PRECISION_BYTES, model_state_bytes
 from autoplan.estimate.chunk_cost import (CostInputs, RangeCost, cached_on_graph,
                                           range_cost, unit_costs)
-from autoplan.estimate.config import (MULTI_CHUNK_SCHEDULES, RECOMPUTE, V_SCHEDULES,
+from autoplan.sharding.parallel_config import (MULTI_CHUNK_SCHEDULES, RECOMPUTE, V_SCHEDULES,
                                       ParallelConfig, strongest_recompute)
 from autoplan.estimate.partition import (Chunk, Split, UnitChoice, chunks_from_counts,
                                          min_max_split, partition, pipeline_units)
@@ -172,7 +172,7 @@ def step_floor_s(ci: CostInputs, m: int, policies: Sequence[str]) -> float:
     forwards, at least the smallest forward share of any part under the costliest policy (a
     stage's share is a weighted mean of its parts'). Communication beyond the tp axis, the
     optimizer step and the overheads only add to it."""
-    from autoplan.estimate.config import SPLIT_BACKWARD
+    from autoplan.sharding.parallel_config import SPLIT_BACKWARD
     from autoplan.estimate.pipeline_sim import W_FRACTION
     config = ci.config
     p, v = config.pp, config.virtual_stages

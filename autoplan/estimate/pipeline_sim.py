@@ -58,8 +58,8 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from autoplan.errors import ConfigError
-from autoplan.estimate.config import SPLIT_BACKWARD, chunk_ranks
 from autoplan.estimate.schedule_orders import W_KEEPS, orders as schedule_orders
+from autoplan.sharding.parallel_config import SPLIT_BACKWARD, chunk_ranks
 
 
 W_FRACTION = 0.5    # zero_bubble: the weight-gradient share of a backward

@@ -6,7 +6,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from autoplan.estimate.config import ParallelConfig
+from autoplan.sharding.parallel_config import ParallelConfig
 
 
 @dataclass(frozen=True, kw_only=True)

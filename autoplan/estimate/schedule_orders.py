@@ -14,7 +14,7 @@ from collections import deque
 from functools import lru_cache
 
 from autoplan.errors import ConfigError
-from autoplan.estimate.config import SPLIT_BACKWARD, V_SCHEDULES
+from autoplan.sharding.parallel_config import SPLIT_BACKWARD, V_SCHEDULES
 
 W_KEEPS = 0.5       # split backward: the share of a chunk's activations alive until its W
 

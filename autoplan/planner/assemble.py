@@ -7,7 +7,6 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from autoplan.estimate.config import ParallelConfig
 from autoplan.estimate.result import Estimate
 from autoplan.graph.experts import find_experts
 from autoplan.graph.opgraph import OpGraph
@@ -15,6 +14,8 @@ from autoplan.planner import mesh as meshes
 from autoplan.planner.planfile import (Alternative, ClusterInfo, MeshInfo, ModelInfo,
                                        ParamPlacement, Plan, SolverReport, TrainingInfo,
                                        predicted_from_estimate)
+from autoplan.sharding.mesh_axes import STAGE_AXES
+from autoplan.sharding.parallel_config import ParallelConfig
 from autoplan.version import __version__
 
 
@@ -97,7 +98,5 @@ def _stages(est: Estimate, cfg: ParallelConfig) -> tuple[dict[str, Any], ...]:
         return ()
     return tuple({"index": s.index, "layers": list(s.layers),
                   "chunks": [list(c) for c in s.chunks],
-                  "ranks": [cfg.rank(pp_index=s.index, dp_index=d, cp_index=c, tp_index=t)
-                            for d in range(cfg.dp) for c in range(cfg.cp)
-                            for t in range(cfg.tp)]}
+                  "ranks": list(cfg.dims.groups(STAGE_AXES)[s.index])}
                  for s in est.stages)

@@ -17,7 +17,6 @@ from autoplan.cost.dtypes import held_bytes
 from autoplan.cost.memory import model_state_bytes
 from autoplan.errors import ConfigError
 from autoplan.estimate.chunk_cost import CostInputs
-from autoplan.estimate.config import ParallelConfig, strongest_recompute
 from autoplan.estimate.estimator import estimate, reserved_bytes
 from autoplan.estimate.layout import chunks_for, in_flight, search_layout, step_floor_s, with_layout
 from autoplan.estimate.overlap import overlap_interference
@@ -33,6 +32,7 @@ from autoplan.planner.options import SearchOptions
 from autoplan.planner.problem import reduce_graph, sharding_from_choice
 from autoplan.planner.verdicts import Candidate
 from autoplan.sharding.context_axis import context_axis
+from autoplan.sharding.parallel_config import ParallelConfig, strongest_recompute
 from autoplan.sharding.sharding import Sharding, replicated_on
 
 SP_STYLES = frozenset({"colwise_sp", "rowwise_sp", "vocab_sp", "seq"})
@@ -117,9 +117,8 @@ def counted(sol: ILPSolution, stats: Stats, config: ParallelConfig, what: str
     stats.ilps += 1
     stats.largest = max(stats.largest, (sol.num_variables, sol.num_constraints))
     gap = "" if sol.gap is None else f", gap {sol.gap * 100:.2f}%"
-    stats.say(f"  ILP ({what}) for mesh pp{config.pp} x dp{config.dp}"
-              + (f" x cp{config.cp}" if config.cp > 1 else "")
-              + f" x tp{config.tp} mbs {config.micro_batch_size}: {sol.num_variables} "
+    stats.say(f"  ILP ({what}) for mesh {config.dims.describe()} "
+              f"mbs {config.micro_batch_size}: {sol.num_variables} "
               f"variables, {sol.num_constraints} constraints, {sol.time_s:.3f} s, "
               f"{sol.status}{gap}")
     return sol

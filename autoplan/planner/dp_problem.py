@@ -29,13 +29,13 @@ from fnmatch import fnmatchcase
 from typing import Any
 
 from autoplan.estimate.chunk_cost import chunk_parts
-from autoplan.estimate.config import ParallelConfig
 from autoplan.estimate.dp_terms import StageParams, Term, stage_terms
 from autoplan.estimate.partition import partition
 from autoplan.graph.experts import find_experts
 from autoplan.graph.opgraph import OpGraph
 from autoplan.planner.ilp import ILPProblem, Linear, Overlap
 from autoplan.planner.problem import INFEASIBLE_S, Reduction
+from autoplan.sharding.parallel_config import ParallelConfig
 
 
 @dataclass(frozen=True)

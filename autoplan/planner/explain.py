@@ -12,6 +12,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from autoplan.planner.planfile import Plan
+from autoplan.sharding.mesh_axes import MeshAxis as A
 
 _GRID_NODES = 4            # nodes shown before "...", then the last one
 _GRID_COLUMNS = 16         # devices per node shown in full; more: the first 8 and the last
@@ -220,7 +221,7 @@ def axis_placement(plan: Plan, fqn: str, axis: str) -> str:
     ep and replicates them over edp; under context parallelism FSDP's shard spans the cp axis
     too (dp x cp flattened); a pipeline axis holds each weight on one stage."""
     p = plan.param_placements[fqn]
-    return {"tp": p.tp, "dp": p.dp, "dp_shard": p.dp, "cp": p.dp, "ep": p.ep}.get(axis, "R")
+    return {A.TP: p.tp, A.DP: p.dp, A.DP_SHARD: p.dp, A.CP: p.dp, A.EP: p.ep}.get(axis, "R")
 
 
 def generic_name(fqn: str, blocks: Sequence[str]) -> str:
@@ -234,7 +235,7 @@ def generic_name(fqn: str, blocks: Sequence[str]) -> str:
 
 
 def _placements(plan: Plan) -> str:
-    axes = [a for a in plan.mesh.axes if a != "pp"]
+    axes = [a for a in plan.mesh.axes if a != A.PP]
     blocks = sorted(_block_paths(plan), key=len, reverse=True)
     rows: dict[tuple[str, tuple[str, ...], tuple[int, ...]], int] = {}
     for fqn in sorted(plan.param_placements, key=natural_key):

@@ -36,9 +36,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from autoplan.estimate.config import SPLIT_BACKWARD
 from autoplan.estimate.pipeline_sim import Event, PipelineResult, simulate
 from autoplan.planner.explain import fmt_s as _fmt_s
+from autoplan.sharding.parallel_config import SPLIT_BACKWARD
 
 MAX_BLOCKS = 60        # blocks per rank drawn one by one; more: the whole step grouped + a window
 COLUMNS = 150          # columns of the grouped whole-step view

@@ -1,6 +1,6 @@
 """Device meshes over a cluster and where their ranks land on the topology.
 
-Ranks are laid out pipeline-outermost, tensor-parallel innermost (``ParallelConfig.rank``), and
+Ranks are laid out pipeline-outermost, tensor-parallel innermost (``sharding/mesh_axes.py``), and
 rank r runs on the cluster's r-th device (node-major). So a tensor-parallel group is ``tp``
 consecutive devices of one node, inside the node's fastest domain (NVSwitch / NVLink) whenever
 ``tp`` divides the devices per node; data-parallel peers of a group sit at the same position on
@@ -11,22 +11,10 @@ holds a single device; pipeline degrees join in the pipeline issue.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from autoplan.errors import ConfigError
-
-
-@dataclass(frozen=True)
-class MeshShape:
-    dp: int
-    tp: int
-    pp: int = 1
-    cp: int = 1
-
-    @property
-    def size(self) -> int:
-        return self.dp * self.tp * self.pp * self.cp
+from autoplan.sharding.mesh_axes import ParallelDims
 
 
 def divisors(n: int) -> list[int]:
@@ -35,7 +23,7 @@ def divisors(n: int) -> list[int]:
 
 def enumerate_meshes(cluster: Any, *, max_tp: int | None = None, max_pp: int | None = None,
                      num_layers: int = 1, allow_cross_node_tp: bool = False,
-                     context_degrees: Sequence[int] = ()) -> list[MeshShape]:
+                     context_degrees: Sequence[int] = ()) -> list[ParallelDims]:
     """pp x dp x cp x tp shapes covering the cluster: tp inside a node (tp divides the node's
     devices), pp at most the number of layers (stages are contiguous layer ranges); a cp axis
     of each of ``context_degrees`` (the sequence split over an axis of its own) where it
@@ -52,8 +40,8 @@ def enumerate_meshes(cluster: Any, *, max_tp: int | None = None, max_pp: int | N
         for pp in divisors(world // tp):
             if pp > max(1, num_layers) or (max_pp is not None and pp > max_pp):
                 continue
-            out.append(MeshShape(dp=world // (tp * pp), tp=tp, pp=pp))
-            out += [MeshShape(dp=world // (tp * pp * cp), tp=tp, pp=pp, cp=cp)
+            out.append(ParallelDims(dp=world // (tp * pp), tp=tp, pp=pp))
+            out += [ParallelDims(dp=world // (tp * pp * cp), tp=tp, pp=pp, cp=cp)
                     for cp in context_degrees if cp > 1 and (world // (tp * pp)) % cp == 0]
     return out
 

@@ -42,7 +42,6 @@ from typing import Any
 from autoplan.cost.dtypes import own_sizes
 from autoplan.cost.memory import held_meta_bytes, model_state_bytes
 from autoplan.estimate.chunk_cost import boundary_values, chunk_parts
-from autoplan.estimate.config import ParallelConfig
 from autoplan.estimate.critical_path import CriticalPath, critical_path
 from autoplan.estimate.layout import in_flight
 from autoplan.graph.analysis import analyze
@@ -51,6 +50,8 @@ from autoplan.planner.cost_context import CostContext
 from autoplan.planner.dp_problem import Held, framework_s, dp_pieces, held_params
 from autoplan.planner.ilp import ILPProblem, Linear
 from autoplan.planner.problem import INFEASIBLE_S, Reduction, reduce_graph
+from autoplan.sharding.mesh_axes import MeshAxis
+from autoplan.sharding.parallel_config import ParallelConfig
 from autoplan.sharding.placement import REPLICATE
 
 
@@ -141,8 +142,7 @@ def _sends(graph: OpGraph, red: Reduction, ctx: CostContext, chunks: Sequence[An
         const = 0.0
         ra, rb = config.chunk_rank(c), config.chunk_rank(c + 1)
         if ra != rb:                     # (the V's turn: one rank, nothing sent)
-            src = config.rank(pp_index=ra, dp_index=0, tp_index=0)
-            dst = config.rank(pp_index=rb, dp_index=0, tp_index=0)
+            src, dst = (config.dims.rank_at({MeshAxis.PP: r}) for r in (ra, rb))
             latency = cluster.p2p_time_s(0.0, src, dst)
             per_byte = (cluster.p2p_time_s(2.0 ** 20, src, dst) - latency) / 2.0 ** 20
             const += latency

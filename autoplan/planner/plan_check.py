@@ -17,6 +17,7 @@ from autoplan.errors import AutoplanError, PlanError
 from autoplan.estimate.partition import pipeline_units
 from autoplan.graph.opgraph import OpGraph
 from autoplan.planner.op_binding import bind_strategies
+from autoplan.sharding.mesh_axes import STAGE_AXES
 from autoplan.sharding.placement import Placement, local_shape
 from autoplan.sharding.sharding import Sharding
 from autoplan.sharding.strategies import strategies_by_name
@@ -136,9 +137,9 @@ def _stages(plan: Any, layers: list[str], problems: list[str]) -> None:
     if sorted(ranks) != list(range(cfg.world_size)):
         problems.append(f"pipeline stages list ranks {_few([str(r) for r in ranks], 8)}: each of "
                         f"the {cfg.world_size} ranks must appear exactly once")
+    stage_ranks = cfg.dims.groups(STAGE_AXES)
     for st in plan.stages:
-        want = sorted(cfg.rank(pp_index=st["index"], dp_index=d, cp_index=c, tp_index=k)
-                      for d in range(cfg.dp) for c in range(cfg.cp) for k in range(cfg.tp))
+        want = list(stage_ranks[st["index"]]) if 0 <= st["index"] < cfg.pp else []
         if sorted(st["ranks"]) != want:
             problems.append(f"stage {st['index']} lists ranks {list(st['ranks'])}, its ranks "
                             f"are {want}")

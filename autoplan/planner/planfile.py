@@ -37,7 +37,7 @@ from typing import Any
 
 from autoplan.cluster.hardware import Difference, Hardware, compare, from_extras
 from autoplan.errors import AutoplanError, PlanError
-from autoplan.estimate.config import ParallelConfig
+from autoplan.sharding.parallel_config import ParallelConfig
 from autoplan.sharding.placement import Placement
 from autoplan.planner.planfile_check import (
     MAX_FILE_BYTES,

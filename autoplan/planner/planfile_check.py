@@ -24,7 +24,8 @@ from autoplan.cluster.cluster import BACKENDS
 from autoplan.cluster.hardware import EXTRA_KEYS as HARDWARE_KEYS
 from autoplan.cluster.specs import DEVICE_KINDS
 from autoplan.errors import AutoplanError, ConfigError, PlanError
-from autoplan.estimate.config import RECOMPUTE, V_SCHEDULES, ParallelConfig
+from autoplan.sharding.mesh_axes import BASE_AXES, DP_SPLITS, MeshAxis
+from autoplan.sharding.parallel_config import RECOMPUTE, V_SCHEDULES, ParallelConfig
 from autoplan.sharding.placement import Placement
 
 # 2: HSDP (config.dp_shard, mesh axes dp_replicate x dp_shard) and the V-shaped schedules
@@ -253,21 +254,21 @@ def _check_mesh(mesh: Any, config: ParallelConfig, cluster: Mapping[str, Any]) -
         fail("mesh.shape", f"{shape} holds {world} ranks, but mesh.rank_to_device lists "
               f"{len(devices)}, cluster.world_size is {cluster['world_size']} and config "
               f"dp x cp x tp x pp is {config.world_size}; they must all be equal")
-    hsdp = {"dp_replicate", "dp_shard"}
+    hsdp = set(DP_SPLITS[MeshAxis.DP_SHARD])
     if (config.dp_shard is not None) != hsdp.issubset(axes) or (
             config.dp_shard is None and hsdp & set(axes)):
         fail("mesh.axes", f"{axes}: an HSDP plan (config.dp_shard) has axes dp_replicate and "
               f"dp_shard in place of dp, any other plan neither; expected "
               f"{list(config.mesh_axes())}")
-    experts = {"edp", "ep"}
+    experts = set(DP_SPLITS[MeshAxis.EP])
     if (config.ep > 1) != experts.issubset(axes) or (config.ep == 1 and experts & set(axes)):
         fail("mesh.axes", f"{axes}: an expert-parallel plan (config.ep > 1) has axes edp and "
               f"ep in place of dp, any other plan neither; expected {list(config.mesh_axes())}")
-    if (config.cp > 1) != ("cp" in axes):
+    if (config.cp > 1) != (MeshAxis.CP in axes):
         fail("mesh.axes", f"{axes}: a context-parallel plan (config.cp > 1) has an axis cp "
               f"between the dp axes and tp, any other plan none; expected "
               f"{list(config.mesh_axes())}")
-    want_sizes = {"pp": config.pp, "dp": config.dp, "tp": config.tp,
+    want_sizes = {**{a.value: config.dims.degree(a) for a in BASE_AXES},
                   **dict(zip(config.mesh_axes(), config.mesh_shape()))}
     for axis, size in zip(axes, shape):
         want = want_sizes.get(axis)

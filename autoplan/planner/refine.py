@@ -9,7 +9,6 @@ from dataclasses import replace
 from typing import Any
 
 from autoplan.estimate.chunk_cost import CostInputs
-from autoplan.estimate.config import ParallelConfig
 from autoplan.estimate.layout import chunks_for
 from autoplan.graph.analysis import analyze
 from autoplan.graph.opgraph import OpGraph
@@ -20,6 +19,7 @@ from autoplan.planner.ilp import ILPSolution, solve
 from autoplan.planner.options import SearchOptions
 from autoplan.planner.problem import sharding_from_choice
 from autoplan.planner.verdicts import Candidate
+from autoplan.sharding.parallel_config import ParallelConfig
 
 
 def refine_dp(graph: OpGraph, cluster: Any, cands: list[Candidate], gbs: int, profile: Any,

@@ -42,7 +42,6 @@ from autoplan.estimate.partition import main_block
 from autoplan.gc_pause import with_fewer_collections
 from autoplan.estimate.arguments import (batch_arg, capacity_arg, cluster_arg, options_error,
                                         profile_arg, search_options_arg)
-from autoplan.estimate.config import ParallelConfig
 from autoplan.estimate.estimator import validate
 from autoplan.graph.analysis import analyze
 from autoplan.graph.experts import find_experts
@@ -59,6 +58,8 @@ from autoplan.planner.refine import refine_dp, refine_pipe_ilp, refine_pipelined
 from autoplan.planner.verdicts import (Candidate, alternatives, honours, infeasible,
                                        too_few_layers, why_none_honours)
 from autoplan.planner import pins, space
+from autoplan.sharding.mesh_axes import BASE_AXES
+from autoplan.sharding.parallel_config import ParallelConfig
 from autoplan.sharding.sharding import Sharding, context_sharding, megatron_sharding, replicated
 
 
@@ -165,8 +166,8 @@ def plan(model: Any, cluster: Any, *, global_batch_size: int, example_inputs: An
     shapes = meshes.enumerate_meshes(cluster, max_tp=opts.max_tp, max_pp=opts.max_pp,
                                      num_layers=layers,
                                      context_degrees=space.context_degrees(graph, cluster, opts))
-    shapes = [s for s in shapes if all(getattr(s, k) == v for k, v in opts.force.items()
-                                       if k in ("dp", "tp", "pp", "cp"))]
+    shapes = [s for s in shapes if all(s.degree(a) == opts.force[a.value] for a in BASE_AXES
+                                       if a.value in opts.force)]
     if not shapes:
         raise ConfigError(f"no mesh of {cluster.world_size} devices matches force={opts.force}"
                           + too_few_layers(opts.force.get("pp", 1), layers, block))
@@ -183,8 +184,7 @@ def plan(model: Any, cluster: Any, *, global_batch_size: int, example_inputs: An
     bar_s: float | None = None           # the fastest fitting step found so far
     pinned = pins.resolve(graph, opts.pin) if opts.pin else {}
     for shape in shapes:
-        where = (f"mesh pp{shape.pp} x dp{shape.dp}" + (f" x cp{shape.cp}" if shape.cp > 1
-                                                         else "") + f" x tp{shape.tp}")
+        where = f"mesh {shape.describe()}"
         why = ((pins.unavailable(graph, pinned, shape.tp) if shape.tp > 1
                 else "tp=1 shards nothing") if pinned else None)
         if why:

@@ -10,14 +10,17 @@ order, which lines the two graphs up).
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Mapping
 from typing import Any
 
 from autoplan.errors import PlanError
-from autoplan.estimate.config import ParallelConfig
 from autoplan.estimate.partition import pipeline_units
 from autoplan.graph.opgraph import OpGraph
+from autoplan.sharding.mesh_axes import BASE_AXES
+from autoplan.sharding.mesh_axes import MeshAxis as A
+from autoplan.sharding.parallel_config import ParallelConfig
 from autoplan.sharding.sharding import Sharding, as_inputs_come
 from autoplan.sharding.strategies import strategies_by_name
 
@@ -26,34 +29,33 @@ def shrunk_force(cfg: ParallelConfig, ranks: int) -> dict[str, Any]:
     """The plan's family at degree 2 per parallel axis (context parallelism's cp too), within
     ``ranks`` processes (an axis is dropped, data parallelism first, when they do not fit);
     HSDP as 2 x 2 where the ranks allow, else plain sharding over dp."""
-    degrees = {"pp": 2 if cfg.pp > 1 else 1, "tp": 2 if cfg.tp > 1 else 1,
-               "dp": 2 if cfg.dp > 1 else 1, "cp": 2 if cfg.cp > 1 else 1}
+    degrees = {a: 2 if cfg.dims.degree(a) > 1 else 1 for a in BASE_AXES}
 
     def used() -> int:
-        return degrees["pp"] * degrees["tp"] * degrees["dp"] * degrees["cp"]
-    for axis in ("dp", "pp", "tp", "cp"):
+        return math.prod(degrees.values())
+    for axis in (A.DP, A.PP, A.TP, A.CP):        # dropped in this order where ranks lack
         if used() <= ranks:
             break
         degrees[axis] = 1
-    hsdp = cfg.dp_shard is not None and degrees["dp"] > 1 and ranks >= 2 * used()
+    hsdp = cfg.dp_shard is not None and degrees[A.DP] > 1 and ranks >= 2 * used()
     if hsdp:                  # shard groups of 2, replicated twice
-        degrees["dp"] = 4
-    force: dict[str, Any] = dict(degrees)
+        degrees[A.DP] = 4
+    force: dict[str, Any] = {a.value: n for a, n in degrees.items()}   # config field names
     if hsdp:
         force["dp_shard"] = 2
-    force["zero_stage"] = (cfg.zero_stage if degrees["dp"] * degrees["cp"] > 1
+    force["zero_stage"] = (cfg.zero_stage if degrees[A.DP] * degrees[A.CP] > 1
                            or cfg.offload_params else 0)
     if cfg.offload_params:
         force["zero_stage"] = 3
     force.update(offload_optimizer=cfg.offload_optimizer, offload_params=cfg.offload_params,
                  recompute=cfg.recompute, micro_batch_size=1)
     # expert parallelism over the shrunk dp ranks (2-way), where the plan has it
-    force["ep"] = 2 if cfg.ep > 1 and degrees["dp"] > 1 else 1
-    if cfg.dp_whole and degrees["dp"] > 1 and force["zero_stage"] == 3:
+    force["ep"] = 2 if cfg.ep > 1 and degrees[A.DP] > 1 else 1
+    if cfg.dp_whole and degrees[A.DP] > 1 and force["zero_stage"] == 3:
         force["dp_whole"] = cfg.dp_whole        # the same weights kept whole
-    if degrees["tp"] > 1:
+    if degrees[A.TP] > 1:
         force["sequence_parallel"] = cfg.sequence_parallel
-    if degrees["pp"] > 1:
+    if degrees[A.PP] > 1:
         force["schedule"] = cfg.schedule
         force["virtual_stages"] = min(cfg.virtual_stages, 2)
     return force

@@ -14,12 +14,12 @@ from collections.abc import Sequence
 from typing import Any
 
 from autoplan.errors import ConfigError
-from autoplan.estimate.config import ParallelConfig
 from autoplan.graph.analysis import analyze
 from autoplan.graph.experts import find_experts
 from autoplan.graph.opgraph import OpGraph, opname
 from autoplan.planner.options import SearchOptions
 from autoplan.sharding.context_axis import context_axis
+from autoplan.sharding.parallel_config import ParallelConfig
 
 
 _BATCH_NORMS = frozenset({"batch_norm", "native_batch_norm", "_native_batch_norm_legit",

@@ -9,10 +9,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from autoplan.errors import PlanError
-from autoplan.estimate.config import ParallelConfig
 from autoplan.estimate.result import Estimate
 from autoplan.planner.ilp import ILPSolution
 from autoplan.planner.planfile import Alternative
+from autoplan.sharding.parallel_config import ParallelConfig
 from autoplan.sharding.sharding import Sharding
 
 

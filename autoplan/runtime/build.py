@@ -38,7 +38,6 @@ import torch.distributed as dist
 from torch import nn
 
 from autoplan.errors import PlanError
-from autoplan.estimate.config import SPLIT_BACKWARD
 from autoplan.graph.loss import token_mean_loss
 from autoplan.graph.opgraph import OpGraph
 from autoplan.runtime import parallelize as par
@@ -54,6 +53,9 @@ from autoplan.runtime.segments import layer_ranges, split_chunks, split_layers
 from autoplan.runtime.state import (keep_out_of_state_dict, non_persistent_buffers,
                                     register_aliases, tied_names)
 from autoplan.runtime.steps import LocalSteps, PipelineSteps, Trainer
+from autoplan.sharding.mesh_axes import STAGE_AXES
+from autoplan.sharding.mesh_axes import MeshAxis as A
+from autoplan.sharding.parallel_config import SPLIT_BACKWARD
 
 
 @dataclass(frozen=True)
@@ -75,8 +77,9 @@ class BuildInputs:
 
 @dataclass(frozen=True)
 class Place:
-    """This rank's index on every axis of the plan's mesh."""
+    """This rank and its index on every axis of the plan's mesh."""
 
+    rank: int
     pp: int
     dp: int
     cp: int
@@ -85,13 +88,9 @@ class Place:
 
     @staticmethod
     def of(cfg: Any, rank: int) -> Place:
-        where = cfg.indices(rank)
-        return Place(pp=where["pp"], dp=where["dp"], cp=where["cp"], tp=where["tp"],
-                     ep=where["dp"] % cfg.ep)
-
-    def grad_index(self, cfg: Any) -> int:
-        """This rank's index in the dp x cp group that averages gradients."""
-        return self.dp * cfg.cp + self.cp
+        at = cfg.dims.coords(rank)
+        return Place(rank=rank, pp=at[A.PP], dp=at[A.DP], cp=at[A.CP], tp=at[A.TP],
+                     ep=at[A.EP])
 
 
 @dataclass(frozen=True)
@@ -133,17 +132,14 @@ def make_groups(device: torch.device, cfg: Any, place: Place, world: int) -> Gro
     stage = None
     if cfg.pp > 1:
         # every rank creates every stage's group, in the same order (new_group is collective)
-        stage = [dist.new_group(ranks=[cfg.rank(pp_index=s, dp_index=d, cp_index=c,
-                                                tp_index=t)
-                                       for d in range(cfg.dp) for c in range(cfg.cp)
-                                       for t in range(cfg.tp)])
-                 for s in range(cfg.pp)][place.pp]
-    return Groups(mesh=mesh, dp=dp_mesh.get_group(), fsdp_mesh=fsdp_mesh,
-                  tp=mesh["tp"].get_group(),
-                  ep=mesh["ep"].get_group() if cfg.ep > 1 else None,
-                  edp=mesh["edp"].get_group() if cfg.ep > 1 else None,
-                  cp=mesh["cp"].get_group() if cfg.cp > 1 else None,
-                  pp=mesh["pp"].get_group() if cfg.pp > 1 else None, stage=stage)
+        stage = [dist.new_group(ranks=list(g)) for g in cfg.dims.groups(STAGE_AXES)][place.pp]
+    named = cfg.dims.mesh_axes()
+
+    def group(axis: A) -> Any:
+        return mesh[axis.value].get_group() if axis in named else None
+    return Groups(mesh=mesh, dp=dp_mesh.get_group(), fsdp_mesh=fsdp_mesh, tp=group(A.TP),
+                  ep=group(A.EP), edp=group(A.EDP), cp=group(A.CP), pp=group(A.PP),
+                  stage=stage)
 
 
 # ---- 2. rank program -------------------------------------------------------------------------
@@ -170,10 +166,10 @@ def rank_program(b: BuildInputs, place: Place, groups: Groups
         keep = used.__contains__          # other ranks' weights stay unallocated
     program = lower(b.model, ex, t=cfg.tp, tp_rank=place.tp, device=b.device, seed=b.seed,
                     keep=keep, ep=(cfg.ep, place.ep), cp=cfg.cp)
-    grad = place.grad_index(cfg)
+    dims = cfg.dims
     connect(program.comm_slot, tp=(groups.tp, cfg.tp, place.tp),
-            dp=(groups.dp, cfg.grad_degree, grad),
-            dp_tp=((groups.stage, cfg.grad_degree * cfg.tp, grad * cfg.tp + place.tp)
+            dp=(groups.dp, cfg.grad_degree, dims.index(place.rank, dims.data_axes())),
+            dp_tp=((groups.stage, dims.degree(STAGE_AXES), dims.index(place.rank, STAGE_AXES))
                    if groups.stage is not None else None),
             ep=(groups.ep, cfg.ep, place.ep), cp_slot=program.cp_slot,
             cp=(groups.cp, cfg.cp, place.cp))
@@ -293,7 +289,7 @@ def data_parallel(b: BuildInputs, stages: list[Stage], ex: Exported, groups: Gro
             whole = par.apply_fsdp(st.module, st.layers, groups.fsdp_mesh,
                                    reshard=cfg.zero_stage == 3, mp_policy=mp,
                                    offload=cfg.offload_params, experts=mine.values(),
-                                   expert_mesh=groups.mesh["edp"] if mine else None,
+                                   expert_mesh=groups.mesh[A.EDP.value] if mine else None,
                                    whole=par.whole_parameters(st.module, cfg.keeps_whole))
             if whole and cfg.grad_degree > 1:
                 syncs.whole.append(DataParallelGrads(whole, groups.dp, cfg.grad_degree))
@@ -309,7 +305,7 @@ def data_parallel(b: BuildInputs, stages: list[Stage], ex: Exported, groups: Gro
                                                           groups.dp, cfg.grad_degree))
         else:
             modules = [par.ddp(m, groups.dp, expert_ids) for m in modules]
-    if experts and not (cfg.uses_fsdp and par.shards_experts(groups.mesh["edp"])):
+    if experts and not (cfg.uses_fsdp and par.shards_experts(groups.mesh[A.EDP.value])):
         # the experts' gradients hold every ep peer's tokens: averaged over the ranks that
         # hold the same experts, not by DDP over all of dp (FSDP does it in its units)
         syncs.experts.append(DataParallelGrads(list(experts.values()), groups.edp, cfg.dp))
@@ -372,8 +368,7 @@ def build_rank(b: BuildInputs) -> Trainer:
     token = token_mean_loss(b.graph)
     if cfg.pp > 1:                                                             # 7
         syncs.tied = [tie_across_ranks(held, {s.index: s.module for s in stages}, cfg,
-                                       place.pp, place.dp, place.tp, _canonical(ex),
-                                       place.cp)]
+                                       place.rank, _canonical(ex))]
         runner = _pipeline_steps(b, stages, modules, program, cuts, place, groups, token)
     else:
         # the scalar and expert gradients go out behind the last backward, as DDP's buckets
@@ -424,8 +419,7 @@ def _pipeline_steps(b: BuildInputs, stages: list[Stage], modules: list[nn.Module
                               scale_grads=not in_two)
     params = list({id(p): p for st in stages for p in st.module.parameters()
                    if p.requires_grad}.values())
-    last = cfg.rank(pp_index=cfg.chunk_rank(n - 1), dp_index=place.dp, cp_index=place.cp,
-                    tp_index=place.tp)
+    last = cfg.dims.group(A.PP, place.rank)[cfg.chunk_rank(n - 1)]
     return PipelineSteps(chunks={st.index: st.module for st in stages}, schedule=schedule,
                          loss_out=loss_out, pp_group=groups.pp, last_stage_rank=last,
                          average_here=params if in_two else [])

@@ -47,6 +47,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, Def
 from torch.distributed.tensor import DTensor
 
 from autoplan.errors import CheckpointError
+from autoplan.sharding.mesh_axes import MeshAxis
 from autoplan.runtime.checkpoint_files import (_DTYPES, FORMAT, LATEST, META_FILE,  # noqa: F401
                                                VERSION, _model_mismatch, _write_atomic,
                                                export, prune, read_meta, remove_step, resolve,
@@ -170,7 +171,7 @@ class _LoadPlanner(DefaultLoadPlanner):
 
 def _tp(trainer: Any) -> tuple[int, int]:
     t = trainer.config.tp
-    return t, trainer.rank % t
+    return t, trainer.config.dims.index(trainer.rank, MeshAxis.TP)
 
 
 def _expert(trainer: Any, fqn: str) -> tuple[int, int] | None:

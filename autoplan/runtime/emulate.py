@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from autoplan.errors import PlanError
+from autoplan.sharding.mesh_axes import MeshAxis
 
 
 @dataclass(frozen=True)
@@ -87,7 +88,7 @@ def predicted_for_rank(plan: Any, rank: int) -> RankPrediction:
     prices it per stage) and the optimizer. Memory: its stage's peak."""
     cfg = plan.config
     pred = plan.predicted
-    stage = cfg.indices(rank)["pp"]
+    stage = cfg.dims.index(rank, MeshAxis.PP)
     st = pred["stages"][stage] if cfg.pp > 1 else pred["stages"][0]
     mem = st["memory"]
     peak = sum(float(v) for k, v in mem.items() if k != "offloaded_bytes")

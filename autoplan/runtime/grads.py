@@ -21,6 +21,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from autoplan.errors import PlanError
+from autoplan.sharding.mesh_axes import MeshAxis
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -60,7 +61,7 @@ def grad_set(trainer: Any, *, shared_elsewhere: set[str] = frozenset()) -> GradS
     ``shared_elsewhere``: names of weights a lower pipeline rank also holds."""
     from autoplan.runtime.checkpoint import held_state
     cfg = trainer.config
-    tp_index = trainer.rank % cfg.tp
+    tp_index = cfg.dims.index(trainer.rank, MeshAxis.TP)
     dp_index = trainer.dp_index
     experts = trainer.experts
     params, counted = [], []

@@ -109,21 +109,24 @@ def plan_mesh(device_type: str, cfg: Any) -> tuple[Any, Any, Any]:
     ranks that average gradients, as torchtitan's dp_shard_cp), and HSDP shards over
     (dp_shard, cp). Collective: every rank calls it in the same order."""
     from torch.distributed.device_mesh import init_device_mesh
-    mesh = init_device_mesh(device_type, cfg.mesh_shape(), mesh_dim_names=cfg.mesh_axes())
-    if cfg.cp > 1:
-        if cfg.dp_shard is None:
-            dp_mesh = mesh["dp", "cp"]._flatten("dp_cp")
-            return mesh, dp_mesh, dp_mesh
-        mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
-        fsdp_mesh = mesh["dp_replicate", "dp_shard_cp"]
-        return mesh, mesh["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp"), fsdp_mesh
-    if cfg.ep > 1:
-        dp_mesh = mesh["edp", "ep"]._flatten("dp")
-        return mesh, dp_mesh, dp_mesh
-    if cfg.dp_shard is None:
-        return mesh, mesh["dp"], mesh["dp"]
-    fsdp_mesh = mesh["dp_replicate", "dp_shard"]
-    return mesh, fsdp_mesh._flatten("dp"), fsdp_mesh
+    dims = cfg.dims
+    mesh = init_device_mesh(device_type, dims.mesh_shape(), mesh_dim_names=dims.mesh_names())
+    # FSDP's (flattened) axes first, then the data axes where they differ: every rank flattens
+    # in the same order (each flattening makes a process group)
+    fsdp = [axis_mesh(mesh, dims, axes) for axes in dims.fsdp_axes()]
+    fsdp_mesh = fsdp[0] if len(fsdp) == 1 else mesh[tuple(dims.flat_name(axes)
+                                                          for axes in dims.fsdp_axes())]
+    data = dims.data_axes()
+    dp_mesh = fsdp[0] if dims.fsdp_axes() == (data,) else axis_mesh(mesh, dims, data)
+    return mesh, dp_mesh, fsdp_mesh
+
+
+def axis_mesh(mesh: Any, dims: Any, axes: tuple[Any, ...]) -> Any:
+    """The 1-D DeviceMesh of ``axes`` (mesh axes of ``dims``): the axis itself, or the axes
+    flattened under ``dims.flat_name(axes)``."""
+    if len(axes) == 1:
+        return mesh[axes[0].value]
+    return mesh[tuple(a.value for a in axes)]._flatten(dims.flat_name(axes))
 
 
 def apply_fsdp(model: nn.Module, layer_paths: list[str], dp_mesh, *, reshard: bool,

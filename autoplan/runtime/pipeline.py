@@ -20,7 +20,6 @@ data parallelism) is the one build path's (``build.py``); running it is ``steps.
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -34,6 +33,7 @@ from autoplan.graph.loss import TokenMeanLoss
 from autoplan.graph.opgraph import OpGraph
 from autoplan.planner.plan_check import chunks_in_model_order
 from autoplan.runtime.optim import local_tensor
+from autoplan.sharding.mesh_axes import MeshAxis
 
 SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B",
              "interleaved_1f1b": "ScheduleInterleaved1F1B",
@@ -100,8 +100,7 @@ class TiedGrads:
 
 
 def tie_across_ranks(held: list[list[str]], mine: dict[int, nn.Module], cfg: Any,
-                     pp_index: int, dp_index: int, tp_index: int,
-                     canonical: dict[str, str], cp_index: int = 0) -> TiedGrads:
+                     rank: int, canonical: dict[str, str]) -> TiedGrads:
     """A gradient all-reduce between the pipeline ranks whose chunks read the same weight
     (under any of its names: ``canonical`` maps each name to its storage owner's). Every rank
     knows every chunk's weights, so all create the same groups in the same order."""
@@ -117,10 +116,10 @@ def tie_across_ranks(held: list[list[str]], mine: dict[int, nn.Module], cfg: Any
         ranks_pp = sorted(holders[fqn])
         if len(ranks_pp) < 2:
             continue
-        for d, c, t in itertools.product(range(cfg.dp), range(cfg.cp), range(cfg.tp)):
-            group = dist.new_group(ranks=[cfg.rank(pp_index=s, dp_index=d, cp_index=c,
-                                                   tp_index=t) for s in ranks_pp])
-            if (d, c, t) == (dp_index, cp_index, tp_index) and pp_index in ranks_pp:
+        for pipe in cfg.dims.groups(MeshAxis.PP):       # one pipeline per dp x cp x tp index
+            members = [pipe[s] for s in ranks_pp]
+            group = dist.new_group(ranks=members)
+            if rank in members:
                 param = next((p for f in sorted(names_of[fqn])
                               if (p := _param(mine, f)) is not None), None)
                 if param is not None:

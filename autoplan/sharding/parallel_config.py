@@ -1,23 +1,21 @@
 """ParallelConfig: one point of the search space, as a user writes it or the planner picks it.
 
-Rank layout (recorded, and assumed by the cost model): tensor-parallel ranks are consecutive
-(fastest varying, so a TP group sits inside a node), then context parallel, then data parallel,
-then pipeline stages: ``rank = pp_index * (dp * cp * tp) + dp_index * (cp * tp) + cp_index * tp
-+ tp_index`` (the Megatron-Core order, tp-cp-dp-pp). Under HSDP
-the dp index is ``replica * dp_shard + shard``: a shard group is consecutive ranks; under
-expert parallelism it is ``replica * ep + ep_index``: an expert-parallel group is ``ep``
-consecutive dp ranks.
+Its degrees (pp, dp, cp, tp, HSDP's dp_shard, ep) make a ``ParallelDims`` (``config.dims``,
+``sharding/mesh_axes.py``): the rank layout, the group of a rank on any set of mesh axes and the
+device mesh live there; the per-axis group methods here name the groups the cost model and the
+runtime speak of (who averages gradients, who shares a parameter shard) in its terms.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, fields
-from functools import lru_cache
+from functools import cached_property, lru_cache
 from typing import Any
 
-from autoplan.cost.dtypes import MIXED_PRECISION
 from autoplan.errors import ConfigError
+from autoplan.sharding.mesh_axes import MeshAxis as A
+from autoplan.sharding.mesh_axes import ParallelDims
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble", "zbv", "dualpipev")
 MULTI_CHUNK_SCHEDULES = ("interleaved_1f1b", "zero_bubble", "zbv", "dualpipev")
@@ -28,6 +26,8 @@ SPLIT_BACKWARD = ("zero_bubble", "zbv", "dualpipev")   # input and weight gradie
 RECOMPUTE = ("none", "selective", "full")
 PRECISIONS = ("bf16", "fp16", "fp32")
 OPTIMIZERS = ("adamw", "adam", "sgd")
+# how 16-bit training holds its tensors (``cost/dtypes.py``, ``ParallelConfig.mixed_precision``)
+MIXED_PRECISION = ("autocast", "params")
 
 
 def strongest_recompute(policies: Sequence[str]) -> str:
@@ -262,47 +262,50 @@ class ParallelConfig:
         return replace(self, dp=self.dp * self.cp, cp=1,
                        dp_shard=None if self.dp_shard is None else self.dp_shard * self.cp)
 
+    @cached_property
+    def dims(self) -> ParallelDims:
+        """The mesh axes' degrees, rank layout and groups (``sharding/mesh_axes.py``)."""
+        return ParallelDims.of(pp=self.pp, dp=self.dp, cp=self.cp, tp=self.tp,
+                               dp_shard=self.dp_shard, ep=self.ep)
+
     def dp_shard_group(self, pp_index: int = 0, tp_index: int = 0,
                        replica: int = 0) -> tuple[int, ...]:
-        """The ranks one parameter shard group spans (all of dp x cp without HSDP)."""
-        if self.cp > 1:
-            return self.grad_view().dp_shard_group(pp_index, tp_index, replica)
-        s = self.shard_degree
-        return self._line("dp", (pp_index, 0, 0, tp_index), replica * s, 1, s)
+        """The ranks one parameter shard group spans: dp_shard x cp under HSDP, else all of
+        dp x cp."""
+        d = self.dims
+        return d.group((A.DP_SHARD, A.CP), d.rank_at({A.PP: pp_index, A.TP: tp_index,
+                                                      A.DP_REPLICATE: replica}))
 
     def dp_replicate_group(self, pp_index: int = 0, tp_index: int = 0,
                            shard: int = 0) -> tuple[int, ...]:
-        """The ranks holding the same shard under HSDP, one per shard group."""
-        if self.cp > 1:
-            return self.grad_view().dp_replicate_group(pp_index, tp_index, shard)
-        s = self.shard_degree
-        return self._line("dp", (pp_index, 0, 0, tp_index), shard, s, self.dp // s)
+        """The ranks holding the same shard under HSDP, one per shard group (``shard``: the
+        index in a shard group of dp_shard x cp)."""
+        d = self.dims
+        shard_index, cp_index = divmod(shard, self.cp)
+        return d.group(A.DP_REPLICATE, d.rank_at({A.PP: pp_index, A.TP: tp_index,
+                                                  A.DP_SHARD: shard_index, A.CP: cp_index}))
 
     def ep_group(self, pp_index: int = 0, tp_index: int = 0,
                  replica: int = 0) -> tuple[int, ...]:
         """The ranks one expert-parallel group spans: ``ep`` consecutive dp indices."""
-        return self._line("dp", (pp_index, 0, 0, tp_index), replica * self.ep, 1, self.ep)
+        d = self.dims
+        return d.group(A.EP, d.rank_at({A.PP: pp_index, A.TP: tp_index, A.EDP: replica}))
 
     def expert_dp_group(self, pp_index: int = 0, tp_index: int = 0,
                         ep_index: int = 0) -> tuple[int, ...]:
         """The ranks holding the same experts (one per expert-parallel group): over them the
         expert weights' gradients are averaged."""
-        return self._line("dp", (pp_index, 0, 0, tp_index), ep_index, self.ep,
-                          self.dp // self.ep)
+        d = self.dims
+        return d.group(A.EDP, d.rank_at({A.PP: pp_index, A.TP: tp_index, A.EP: ep_index}))
 
     def mesh_axes(self) -> tuple[str, ...]:
         """The device mesh's axis names, outermost first (the plan file's ``mesh.axes`` and the
         runtime's DeviceMesh): pp when pipelined, dp (or dp_replicate x dp_shard under HSDP,
-        or edp x ep under expert parallelism), tp."""
-        dp = (("dp_replicate", "dp_shard") if self.dp_shard is not None
-              else ("edp", "ep") if self.ep > 1 else ("dp",))
-        return (("pp",) if self.pp > 1 else ()) + dp + (("cp",) if self.cp > 1 else ()) + ("tp",)
+        or edp x ep under expert parallelism), cp when split, tp."""
+        return self.dims.mesh_names()
 
     def mesh_shape(self) -> tuple[int, ...]:
-        sizes = {"pp": self.pp, "dp": self.dp, "tp": self.tp, "dp_shard": self.dp_shard,
-                 "dp_replicate": self.dp // (self.dp_shard or self.dp), "ep": self.ep,
-                 "edp": self.dp // self.ep, "cp": self.cp}
-        return tuple(sizes[a] for a in self.mesh_axes())
+        return self.dims.mesh_shape()
 
     def stage_policy(self, stage: int) -> str:
         """The recompute policy of pipeline stage (rank) ``stage``: its own, or the config's."""
@@ -324,7 +327,7 @@ class ParallelConfig:
 
     @property
     def world_size(self) -> int:
-        return self.dp * self.cp * self.tp * self.pp
+        return self.dims.world_size
 
     def microbatches(self, global_batch_size: int) -> int:
         """Micro-batches per step per pipeline; raises ConfigError if the batch does not divide."""
@@ -343,38 +346,21 @@ class ParallelConfig:
                               f"{self.micro_batch_size}) = {m}; drop num_microbatches or fix it")
         return m
 
-    def rank(self, *, pp_index: int, dp_index: int, tp_index: int, cp_index: int = 0) -> int:
-        return ((pp_index * self.dp + dp_index) * self.cp + cp_index) * self.tp + tp_index
-
-    def _line(self, axis: str, at: tuple[int, int, int, int], start: int, step: int,
-              count: int) -> tuple[int, ...]:
-        """The ranks at indices ``at`` (pp, dp, cp, tp) but on ``axis``: ``start``,
-        ``start + step``, ... (``count`` of them); cached, as the search asks for the same
-        groups of thousands of ranks many times."""
-        return _line((self.pp, self.dp, self.cp, self.tp), _AXES.index(axis), at, start, step,
-                     count)
-
     def tp_group(self, pp_index: int = 0, dp_index: int = 0, cp_index: int = 0
                  ) -> tuple[int, ...]:
-        return self._line("tp", (pp_index, dp_index, cp_index, 0), 0, 1, self.tp)
+        d = self.dims
+        return d.group(A.TP, d.rank_at({A.PP: pp_index, A.DP: dp_index, A.CP: cp_index}))
 
     def cp_group(self, pp_index: int = 0, dp_index: int = 0, tp_index: int = 0
                  ) -> tuple[int, ...]:
         """The ranks one micro-batch's sequence is split over (ring attention's ring)."""
-        return self._line("cp", (pp_index, dp_index, 0, tp_index), 0, 1, self.cp)
+        d = self.dims
+        return d.group(A.CP, d.rank_at({A.PP: pp_index, A.DP: dp_index, A.TP: tp_index}))
 
     def dp_group(self, pp_index: int = 0, tp_index: int = 0) -> tuple[int, ...]:
         """The ranks that average gradients: dp (x cp, the context-parallel ranks too)."""
-        if self.cp > 1:
-            return self.grad_view().dp_group(pp_index, tp_index)
-        return self._line("dp", (pp_index, 0, 0, tp_index), 0, 1, self.dp)
-
-    def indices(self, rank: int) -> dict[str, int]:
-        """``rank``'s index on each axis: pp, dp, cp, tp (inverse of ``rank``)."""
-        rest, tp_index = divmod(rank, self.tp)
-        rest, cp_index = divmod(rest, self.cp)
-        pp_index, dp_index = divmod(rest, self.dp)
-        return {"pp": pp_index, "dp": dp_index, "cp": cp_index, "tp": tp_index}
+        d = self.dims
+        return d.group(d.data_axes(), d.rank_at({A.PP: pp_index, A.TP: tp_index}))
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready fields (the layout tuples as lists); ``tp_comm_overlap``, ``dp_shard``,
@@ -444,24 +430,6 @@ class ParallelConfig:
             s += f" {self.precision}-{self.mixed_precision}"
             return s
         return s + f" {self.precision}"
-
-
-_AXES = ("pp", "dp", "cp", "tp")     # the rank layout's axes, outermost first
-
-
-@lru_cache(maxsize=4096)
-def _line(dims: tuple[int, int, int, int], axis: int, at: tuple[int, int, int, int],
-          start: int, step: int, count: int) -> tuple[int, ...]:
-    """``ParallelConfig._line`` for a mesh of ``dims`` (pp, dp, cp, tp)."""
-    idx = list(at)
-    out = []
-    for k in range(count):
-        idx[axis] = start + k * step
-        rank = 0
-        for size, i in zip(dims, idx):
-            rank = rank * size + i
-        out.append(rank)
-    return tuple(out)
 
 
 @lru_cache(maxsize=256)
