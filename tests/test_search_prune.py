@@ -91,7 +91,7 @@ def test_the_floor_is_below_the_closed_form_of_every_stage_layout(name):
     from autoplan.cost.compute import compute_model
     from autoplan.estimate.layout import step_floor_s, with_layout
     from autoplan.estimate.partition import pipeline_units
-    from autoplan.planner.costing import cost_inputs
+    from autoplan.planner.costing import SearchContext, Stats, cost_inputs
     from autoplan.planner.search import SearchOptions
     if name.startswith("hf-"):
         pytest.importorskip("transformers")
@@ -115,8 +115,9 @@ def test_the_floor_is_below_the_closed_form_of_every_stage_layout(name):
                              virtual_stages=v, zero_stage=rng.choice([0, 1]),
                              sequence_parallel=tp > 1)
         policies = ["none", "selective", "full"]
-        floor = step_floor_s(cost_inputs(graph, cluster, cfg, sh, None, SearchOptions()), m,
-                             policies)
+        sc = SearchContext(graph=graph, cluster=cluster, global_batch_size=dp * mbs * m,
+                           profile=None, opts=SearchOptions(), stats=Stats())
+        floor = step_floor_s(cost_inputs(sc, cfg, sh), m, policies)
         n = pp * v
         cuts = sorted(rng.sample(range(1, layers), n - 1))
         counts = [b - a for a, b in zip([0, *cuts], [*cuts, layers])]

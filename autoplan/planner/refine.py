@@ -5,26 +5,26 @@ the pipelined ones simulated event by event.
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 from autoplan.estimate.chunk_cost import CostInputs
 from autoplan.estimate.config import ParallelConfig
 from autoplan.estimate.layout import chunks_for
+from autoplan.estimate.result import Estimate
 from autoplan.graph.analysis import analyze
-from autoplan.graph.opgraph import OpGraph
 from autoplan.planner import pipe_problem
-from autoplan.planner.costing import Stats, cost_context, counted, dp_sharding, evaluate
+from autoplan.planner.cost_context import CostContext
+from autoplan.planner.costing import (SearchContext, cost_context, counted, dp_sharding,
+                                      evaluate)
 from autoplan.planner.dp_problem import keeps_weights_whole
 from autoplan.planner.ilp import ILPSolution, solve
-from autoplan.planner.options import SearchOptions
 from autoplan.planner.problem import sharding_from_choice
 from autoplan.planner.verdicts import Candidate
 
 
-def refine_dp(graph: OpGraph, cluster: Any, cands: list[Candidate], gbs: int, profile: Any,
-               opts: SearchOptions, stats: Stats, pinned: dict[int, str],
-               finalists: int = 3, within: float = 0.05) -> list[Candidate]:
+def refine_dp(sc: SearchContext, cands: list[Candidate], *, finalists: int = 3,
+              within: float = 0.05) -> list[Candidate]:
     """The shared tp-axis ILP leaves out what its sharding does to data parallelism's traffic
     and the optimizer (it serves every ZeRO stage): the best few ILP-sharded configurations
     without pipeline (up to ``finalists``, within ``within`` of the best fitting one) are
@@ -39,27 +39,25 @@ def refine_dp(graph: OpGraph, cluster: Any, cands: list[Candidate], gbs: int, pr
             break
         # tp 1 has no sharding to choose, but under ZeRO-3 which weights to keep whole
         fsdp_only = (c.ilp is None and cfg.tp == 1 and keeps_weights_whole(cfg)
-                     and "dp_whole" not in opts.force and opts.fixed_sharding is None)
+                     and "dp_whole" not in sc.opts.force and sc.opts.fixed_sharding is None)
         if (not fsdp_only and (c.ilp is None or c.ilp.status not in ("optimal", "feasible"))
                 or cfg.pp > 1 or not c.est.fits or cfg in done
                 or cfg.dp_whole):   # (forced ones)
             continue
         done.add(cfg)
-        found = dp_sharding(graph, cluster, c, gbs, opts, profile, stats, pinned)
+        found = dp_sharding(sc, c)
         if found is None:
             continue
         new, sh, sol = found
-        better = [r for r in evaluate(graph, cluster, [new], sh, sol, gbs, profile, opts,
-                                       stats, c.label) if r.est.fits and r.key() <= c.key()]
+        better = [r for r in evaluate(sc, [new], sh, sol, c.label)
+                  if r.est.fits and r.key() <= c.key()]
         if better:
             out[k] = better[0]
     return out
 
 
-def refine_pipe_ilp(graph: OpGraph, cluster: Any, cands: list[Candidate], gbs: int,
-                     profile: Any, opts: SearchOptions, stats: Stats, pinned: dict[int, str],
-                     finalists: int = 3, rounds: int = 3, within: float = 0.05
-                     ) -> list[Candidate]:
+def refine_pipe_ilp(sc: SearchContext, cands: list[Candidate], *, finalists: int = 3,
+                    rounds: int = 3, within: float = 0.05) -> list[Candidate]:
     """The shared ILP priced a pipelined configuration's sharding as one stage; the best few
     pipelined configurations (up to ``finalists``, their stage layout fixed) are solved again
     with their own step (``pipe_problem``: the longest of the schedule's critical paths, the
@@ -81,74 +79,115 @@ def refine_pipe_ilp(graph: OpGraph, cluster: Any, cands: list[Candidate], gbs: i
                 or c.ilp.status not in ("optimal", "feasible") or c.label != "search"):
             continue
         done += 1
-        m = cfg.microbatches(gbs)
-        base = cost_context(graph, cluster, cfg, profile, m, opts, None, pinned)
-        chunks = chunks_for(CostInputs(graph=graph, analysis=analyze(graph),
-                                       sharding=c.sharding, compute=base.compute,
-                                       cluster=cluster, config=cfg))
-
-        made = pipe_problem.terms(graph, cluster, cfg, chunks,
-                                  lambda pol: replace(base, recompute=pol))
-
-        # the objective is the simulated step: the answers and the shared one compared so
-        first = evaluate(graph, cluster, [cfg], c.sharding, c.ilp, gbs, profile, opts, stats,
-                         c.label, simulate=True)
-        if not first:
-            continue
-        simulated = first[0].est
-        # each rank's memory: the room the shared answer's simulated estimate leaves it,
-        # beside what the choice does not decide (transient buffers, the margin), with the
-        # micro-batches in flight the simulation found there
-        held = pipe_problem.rank_memory(made, cfg, m, [st.microbatches_in_flight
-                                                       for st in simulated.stages])
-        rows = tuple((row, cluster.device.memory_bytes - st.memory.total_bytes
-                      + row.value(made.red.problem, c.ilp.choice))
-                     for row, st in zip(held, simulated.stages))
-
-        def build(reference: tuple[int, ...], paths: tuple = ()) -> Any:
-            return pipe_problem.build(graph, cluster, cfg, m, chunks,
-                                      lambda pol: replace(base, recompute=pol), base.compute,
-                                      profile, base.interference, reference, made=made,
-                                      memory_rows=rows, paths=paths)
-        pipe = build(c.ilp.choice)
-        found: dict[tuple[int, ...], ILPSolution] = {}
-        for _ in range(rounds):
-            sol = counted(solve(pipe.problem, time_limit_s=opts.ilp_time_limit_s,
-                                 start=c.ilp.choice), stats, cfg, "the pipelined step")
-            if sol.status not in ("optimal", "feasible") or sol.choice in found:
-                break
-            found[sol.choice] = sol
-            # the answer's own critical path joins the ones priced (a cutting plane); where it
-            # is one of them and the dp rank stayed, the objective priced the answer exactly
-            moved = build(sol.choice, pipe.paths)
-            if moved.path in pipe.paths and moved.worst == pipe.worst:
-                break
-            pipe = moved
-        if not found:
-            continue
-        # the answer the last problem (every path found) prices lowest, simulated against the
-        # shared answer's simulated step where that problem prices it lower
-        choice = min(found, key=pipe.problem.objective)
-        if pipe.problem.objective(choice) >= pipe.problem.objective(c.ilp.choice) * (1 - 1e-9):
-            continue
-        sh = sharding_from_choice(graph, cfg.tp, pipe.red, choice)
-        faster = [r for r in evaluate(graph, cluster, [cfg], sh, found[choice], gbs, profile,
-                                      opts, stats, c.label, simulate=True)
-                  if r.est.fits and r.est.step_time_s < simulated.step_time_s * (1 - 1e-9)]
-        if faster:    # (kept in closed form, as the others are ranked until refine_pipelined)
-            out[k] = evaluate(graph, cluster, [cfg], sh, found[choice], gbs, profile, opts,
-                              stats, c.label)[0]
+        found = _pipelined_step_sharding(sc, c, rounds)
+        if found is not None:
+            out[k] = found
     return out
 
 
-def refine_pipelined(graph: OpGraph, cluster: Any, cands: list[Candidate], gbs: int,
-                      profile: Any, opts: SearchOptions, stats: Stats,
-                      finalists: int = 8, within: float = 0.10) -> list[Candidate]:
+@dataclass(frozen=True)
+class _PipeSetting:
+    """One pipelined finalist's problem, before its solves: its micro-batches, the cost
+    context of its mesh, its chunks, ``pipe_problem``'s terms, and each rank's memory row
+    with the room the shared answer leaves it."""
+
+    config: ParallelConfig
+    m: int
+    base: CostContext
+    chunks: tuple[Any, ...]
+    made: pipe_problem.PipeTerms
+    rows: tuple[tuple[Any, float], ...]
+
+    def build(self, sc: SearchContext, reference: tuple[int, ...],
+              paths: tuple = ()) -> pipe_problem.PipeProblem:
+        """The problem linearized at ``reference``, pricing ``paths`` besides its own."""
+        base = self.base
+        return pipe_problem.build(sc.graph, sc.cluster, self.config, self.m, self.chunks,
+                                  lambda pol: replace(base, recompute=pol), base.compute,
+                                  sc.profile, base.interference, reference, made=self.made,
+                                  memory_rows=self.rows, paths=paths)
+
+
+def _pipelined_step_sharding(sc: SearchContext, c: Candidate, rounds: int
+                             ) -> Candidate | None:
+    """``c`` with the sharding its own pipelined step prefers, where that fits and its
+    simulated step is faster than the shared answer's; else None."""
+    cfg = c.est.config
+    # the objective is the simulated step: the answers and the shared one compared so
+    first = evaluate(sc, [cfg], c.sharding, c.ilp, c.label, simulate=True)
+    if not first:
+        return None
+    simulated = first[0].est
+    setting = _pipe_setting(sc, c, simulated)
+    found, pipe = _solve_with_cutting_planes(sc, c, setting, rounds)
+    if not found:
+        return None
+    # the answer the last problem (every path found) prices lowest, simulated against the
+    # shared answer's simulated step where that problem prices it lower
+    choice = min(found, key=pipe.problem.objective)
+    if pipe.problem.objective(choice) >= pipe.problem.objective(c.ilp.choice) * (1 - 1e-9):
+        return None
+    sh = sharding_from_choice(sc.graph, cfg.tp, pipe.red, choice)
+    faster = [r for r in evaluate(sc, [cfg], sh, found[choice], c.label, simulate=True)
+              if r.est.fits and r.est.step_time_s < simulated.step_time_s * (1 - 1e-9)]
+    if not faster:
+        return None
+    # (kept in closed form, as the others are ranked until refine_pipelined)
+    return evaluate(sc, [cfg], sh, found[choice], c.label)[0]
+
+
+def _pipe_setting(sc: SearchContext, c: Candidate, simulated: Estimate) -> _PipeSetting:
+    """The terms of ``c``'s pipelined problem, each rank's memory bounded by the room the
+    shared answer's ``simulated`` estimate leaves it, beside what the choice does not decide
+    (transient buffers, the margin), with the micro-batches in flight the simulation found
+    there."""
+    cfg = c.est.config
+    m = cfg.microbatches(sc.global_batch_size)
+    base = cost_context(sc, cfg, m)
+    chunks = chunks_for(CostInputs(graph=sc.graph, analysis=analyze(sc.graph),
+                                   sharding=c.sharding, compute=base.compute,
+                                   cluster=sc.cluster, config=cfg))
+    made = pipe_problem.terms(sc.graph, sc.cluster, cfg, chunks,
+                              lambda pol: replace(base, recompute=pol))
+    held = pipe_problem.rank_memory(made, cfg, m, [st.microbatches_in_flight
+                                                   for st in simulated.stages])
+    rows = tuple((row, sc.cluster.device.memory_bytes - st.memory.total_bytes
+                  + row.value(made.red.problem, c.ilp.choice))
+                 for row, st in zip(held, simulated.stages))
+    return _PipeSetting(config=cfg, m=m, base=base, chunks=tuple(chunks), made=made,
+                        rows=rows)
+
+
+def _solve_with_cutting_planes(
+        sc: SearchContext, c: Candidate, setting: _PipeSetting, rounds: int
+) -> tuple[dict[tuple[int, ...], ILPSolution], pipe_problem.PipeProblem]:
+    """The answers of up to ``rounds`` solves, each adding the last answer's own critical
+    path to those priced (a cutting plane), and the last problem built; stops where the
+    answer's path is one of them and its dp rank stayed (the objective priced it exactly)."""
+    pipe = setting.build(sc, c.ilp.choice)
+    found: dict[tuple[int, ...], ILPSolution] = {}
+    for _ in range(rounds):
+        sol = counted(solve(pipe.problem, time_limit_s=sc.opts.ilp_time_limit_s,
+                            start=c.ilp.choice), sc.stats, setting.config,
+                      "the pipelined step")
+        if sol.status not in ("optimal", "feasible") or sol.choice in found:
+            break
+        found[sol.choice] = sol
+        moved = setting.build(sc, sol.choice, pipe.paths)
+        if moved.path in pipe.paths and moved.worst == pipe.worst:
+            break
+        pipe = moved
+    return found, pipe
+
+
+def refine_pipelined(sc: SearchContext, cands: list[Candidate], *, finalists: int = 8,
+                     within: float = 0.10) -> list[Candidate]:
     """Pipelined candidates were screened with the closed form; simulate the best few and the
     best of each schedule at each micro-batch size, compiled or not, within ``within`` of the
     best, so that the plan's figures are the simulator's and no schedule's optimism in the
-    closed form crowds out another's best. (The closed form is within 2.5 % of the simulation on the benchmark's
-    plans, ``benchmarks/search_time.py``: a schedule's best further behind cannot win.)"""
+    closed form crowds out another's best. (The closed form is within 2.5 % of the simulation
+    on the benchmark's plans, ``benchmarks/search_time.py``: a schedule's best further behind
+    cannot win.)"""
     piped = sorted((c for c in cands if c.est.config.pp > 1 and c.est.fits), key=Candidate.key)
     if not piped:
         return cands
@@ -165,6 +204,5 @@ def refine_pipelined(graph: OpGraph, cluster: Any, cands: list[Candidate], gbs: 
         if id(c) in seen:
             continue
         seen.add(id(c))
-        keep += evaluate(graph, cluster, [c.est.config], c.sharding, c.ilp, gbs, profile,
-                          opts, stats, c.label, simulate=True)
+        keep += evaluate(sc, [c.est.config], c.sharding, c.ilp, c.label, simulate=True)
     return keep
