@@ -172,5 +172,5 @@ def _buildable(name: str) -> bool:
     """``name`` is something ``--model`` takes (an example or package.module:function)."""
     if ":" in name:
         return True
-    from autoplan.models.registry import _REGISTRY
-    return name in _REGISTRY
+    from autoplan.models.registry import list_examples
+    return name in list_examples()

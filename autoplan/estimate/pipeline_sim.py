@@ -123,9 +123,9 @@ def _args(schedule, p, v, m, fwd_s, bwd_s, send_s, activation_bytes, sync_s, fsd
 
 @lru_cache(maxsize=512)
 def _simulate(*args) -> PipelineResult:
-    run = _run(*args)
+    run = run_schedule(*args)
     p = len(run.events)
-    events = tuple(Event(r, _KINDS[k], mb, c, s, e)
+    events = tuple(Event(r, KIND_NAMES[k], mb, c, s, e)
                    for r in range(p) for k, mb, c, s, e in run.events[r])
     timelines = []
     for r in range(p):
@@ -141,8 +141,10 @@ def _simulate(*args) -> PipelineResult:
                           comm_busy_s=tuple(run.comm.busy))
 
 
-_F, _B, _W, _BW = 0, 1, 2, 3      # BW: a full backward in a split-backward schedule
-_KINDS = ("F", "B", "W", "B")
+# the actions of a rank's order, coded (``critical_path`` reads them off the simulation's
+# events): FULL_BACKWARD is a full backward (B and W at once) in a split-backward schedule
+FORWARD, BACKWARD, WEIGHT_GRAD, FULL_BACKWARD = 0, 1, 2, 3
+KIND_NAMES = ("F", "B", "W", "B")
 
 
 @dataclass
@@ -162,12 +164,12 @@ class _Run:
 @lru_cache(maxsize=64)
 def _coded_orders(schedule: str, p: int, v: int, m: int) -> tuple[tuple[tuple[int, int, int],
                                                                         ...], ...]:
-    code = {"F": _F, "B": _B, "W": _W, "BW": _BW}
+    code = {"F": FORWARD, "B": BACKWARD, "W": WEIGHT_GRAD, "BW": FULL_BACKWARD}
     return tuple(tuple((code[k], mb, c) for k, mb, c in o)
                  for o in schedule_orders(schedule, p, v, m))
 
 
-def _run(schedule: str, p: int, v: int, m: int, fwd_s: tuple[float, ...],
+def run_schedule(schedule: str, p: int, v: int, m: int, fwd_s: tuple[float, ...],
          bwd_s: tuple[float, ...], send_s: tuple[float, ...],
          activation_bytes: tuple[float, ...], sync_s: tuple[float, ...] = (),
          fsdp_s: tuple[tuple[float, float, float], ...] = (),
@@ -217,7 +219,7 @@ def _activation_changes(events: list[list[tuple[int, int, int, float, float]]],
     peaks = []
     for line in events:
         if keep_deltas:
-            d = [(end, acts[c] if kind == _F else acts[c] * freed[kind])
+            d = [(end, acts[c] if kind == FORWARD else acts[c] * freed[kind])
                  for kind, _, c, _, end in line]
             d.sort()           # in time; a rank's actions end in order, so this is nearly free
             deltas.append(d)
@@ -280,7 +282,7 @@ class _Timelines:
         done = 0
         while pos[r] < len(order):
             kind, mb, c = order[pos[r]]
-            if kind == _F:
+            if kind == FORWARD:
                 if c:
                     ready = f_done[(c - 1) * m + mb]
                     if ready < 0.0:
@@ -289,7 +291,7 @@ class _Timelines:
                 else:
                     ready = 0.0
                 dur = fwd_s[c]
-            elif kind == _W:           # its input gradient ran earlier on this rank
+            elif kind == WEIGHT_GRAD:           # its input gradient ran earlier on this rank
                 ready = 0.0
                 dur = w_s[c]
             else:
@@ -302,25 +304,25 @@ class _Timelines:
                     if ready < 0.0:
                         break
                     ready += send[c]
-                dur = bwd_s[c] * (b_share if kind == _B else 1.0)
+                dur = bwd_s[c] * (b_share if kind == BACKWARD else 1.0)
             if fsdp:
-                self.comm.prefetch(r, _KINDS[kind], c, self.last_start[r])
+                self.comm.prefetch(r, KIND_NAMES[kind], c, self.last_start[r])
             # fill the wait with deferred weight gradients that fit in it
             while waiting and free[r] + w_s[waiting[0][1]] <= ready:
                 w_mb, w_c = waiting.popleft()
-                act(r, _W, w_mb, w_c, free[r], w_s[w_c])
+                act(r, WEIGHT_GRAD, w_mb, w_c, free[r], w_s[w_c])
             act(r, kind, mb, c, free[r] if free[r] > ready else ready, dur)
-            if greedy and kind == _B:
+            if greedy and kind == BACKWARD:
                 waiting.append((mb, c))
                 if len(waiting) > self.max_deferred:
                     w_mb, w_c = waiting.popleft()
-                    act(r, _W, w_mb, w_c, free[r], w_s[w_c])
+                    act(r, WEIGHT_GRAD, w_mb, w_c, free[r], w_s[w_c])
             pos[r] += 1
             done += 1
         if pos[r] == len(order):
             while waiting:
                 w_mb, w_c = waiting.popleft()
-                act(r, _W, w_mb, w_c, free[r], w_s[w_c])
+                act(r, WEIGHT_GRAD, w_mb, w_c, free[r], w_s[w_c])
         return done
 
     def act(self, r: int, kind: int, mb: int, c: int, start: float, dur: float) -> None:
@@ -328,20 +330,20 @@ class _Timelines:
         reductions and the chunk's gradient sync around it."""
         comm = self.comm
         if self.fsdp:
-            start, end = comm.before(r, _KINDS[kind], c, start, dur)
+            start, end = comm.before(r, KIND_NAMES[kind], c, start, dur)
         else:
             end = start + dur
         self.last_start[r] = start
         self.free[r] = end
         self.busy[r] += end - start
         self.events[r].append((kind, mb, c, start, end))
-        if kind == _F:
+        if kind == FORWARD:
             self.f_done[c * self.m + mb] = end
             return
-        if kind == _B or kind == _BW:
+        if kind == BACKWARD or kind == FULL_BACKWARD:
             self.b_done[c * self.m + mb] = end
         if self.fsdp:
-            comm.after(r, _KINDS[kind], mb, c, start, end, self.split and kind != _BW)
+            comm.after(r, KIND_NAMES[kind], mb, c, start, end, self.split and kind != FULL_BACKWARD)
         pieces_left = self.pieces_left
         pieces_left[c] -= 1
         if self.syncs and pieces_left[c] == 0:
@@ -363,14 +365,14 @@ def _peak(events: list[tuple[int, int, int, float, float]], acts: list[float],
             if level > peak:
                 peak = level
             last = end
-        level += acts[c] if kind == _F else acts[c] * freed[kind]
+        level += acts[c] if kind == FORWARD else acts[c] * freed[kind]
     return max(peak, level)
 
 
 def _sorted_peak(events: list[tuple[int, int, int, float, float]], acts: list[float],
                  freed: tuple[float, ...]) -> float:
     level = peak = 0.0
-    for _, x in sorted((end, acts[c] if kind == _F else acts[c] * freed[kind])
+    for _, x in sorted((end, acts[c] if kind == FORWARD else acts[c] * freed[kind])
                        for kind, _, c, _, end in events):
         level += x
         peak = max(peak, level)
@@ -421,7 +423,7 @@ def pipeline_totals(*, schedule: str, p: int, v: int, m: int, fwd_s: Sequence[fl
 
 @lru_cache(maxsize=512)
 def _totals(*args) -> PipelineTotals:
-    run = _run(*args, keep_deltas=False)
+    run = run_schedule(*args, keep_deltas=False)
     return PipelineTotals(run.makespan_s, run.busy_s, tuple(run.comm.busy),
                           _gather_s(len(run.busy_s), run.comm.events), run.peaks)
 

@@ -47,8 +47,8 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, Def
 from torch.distributed.tensor import DTensor
 
 from autoplan.errors import CheckpointError
-from autoplan.runtime.checkpoint_files import (_DTYPES, FORMAT, LATEST, META_FILE,  # noqa: F401
-                                               VERSION, _model_mismatch, _write_atomic,
+from autoplan.runtime.checkpoint_files import (DTYPES, FORMAT, LATEST, META_FILE,  # noqa: F401
+                                               VERSION, model_mismatch, write_atomic,
                                                export, prune, read_meta, remove_step, resolve,
                                                step_dir)
 from autoplan.runtime.pieces import Pieces, layout_of
@@ -354,11 +354,11 @@ class Checkpointer:
         """The save becomes the latest: its description, the rename, ``latest``, then pruning,
         which keeps the step just written (a crash between two of these leaves the newest
         complete step the one ``resolve`` finds)."""
-        _write_atomic(partial / META_FILE, json.dumps(meta, indent=1, sort_keys=True))
+        write_atomic(partial / META_FILE, json.dumps(meta, indent=1, sort_keys=True))
         if final.exists():                  # the same step saved again
             remove_step(final)
         os.replace(partial, final)
-        _write_atomic(self.root / LATEST, final.name + "\n")
+        write_atomic(self.root / LATEST, final.name + "\n")
         if self.keep_last is not None:
             prune(self.root, keep_last=self.keep_last, just_written=final)
 
@@ -403,7 +403,7 @@ def load(trainer: Any, path: str | os.PathLike[str], *,
     everything: dict[str, Any] = {}
     for part in _gather_objects(live):
         everything.update(part)
-    what = _model_mismatch(meta["model"], everything)
+    what = model_mismatch(meta["model"], everything)
     if what:
         raise CheckpointError(f"checkpoint {step} is of another model: {what}")
     saved_opt = meta["optimizer"]
@@ -432,7 +432,7 @@ def load(trainer: Any, path: str | os.PathLike[str], *,
                                           "malformed")
                 state: dict[str, torch.Tensor] = {}
                 for key, k in sorted(kinds.items()):
-                    dtype = _DTYPES.get(k.get("dtype"))
+                    dtype = DTYPES.get(k.get("dtype"))
                     if dtype is None:
                         raise CheckpointError(f"{step / META_FILE}: {h.fqn}.{key} has dtype "
                                               f"{k.get('dtype')!r}")
