@@ -109,10 +109,12 @@ def estimate(model: Any, cluster: Any, *, config: ParallelConfig, global_batch_s
     ci = cost_inputs(graph, cluster, config, profile, sharding, expert_capacity_factor)
     chunks = chunks_for(ci)
     costs = [chunk_cost(ci, ch, config.chunk_policy(c)) for c, ch in enumerate(chunks)]
-    schedule = pipeline_timing(ci, costs, m, simulate=simulate_pipeline)
-    time = time_breakdown(ci, costs, chunks, schedule, m, profile)
+    # the model state, its gradient sync and ZeRO's traffic span the dp x cp ranks
+    state_config = config.grad_view()
+    schedule = pipeline_timing(ci, costs, m, state_config, simulate=simulate_pipeline)
+    time = time_breakdown(ci, costs, chunks, schedule, m, profile, state_config)
     margin = reserved_bytes(cluster, memory_margin_bytes)
-    stages = tuple(stage_estimate(ci, costs, chunks, schedule, m, s, margin)
+    stages = tuple(stage_estimate(ci, costs, chunks, schedule, m, s, margin, state_config)
                    for s in range(config.pp))
     return assemble_estimate(ci, chunks, stages, time, global_batch_size, m)
 
@@ -156,10 +158,11 @@ class PipelineTiming:
     simulated_comm: tuple[float, float] | None = None
 
 
-def pipeline_timing(ci: CostInputs, costs: Sequence[RangeCost], m: int, *,
-                    simulate: bool) -> PipelineTiming:
+def pipeline_timing(ci: CostInputs, costs: Sequence[RangeCost], m: int,
+                    state_config: ParallelConfig, *, simulate: bool) -> PipelineTiming:
     """Stage times and the schedule's bubble and send waits: simulated (``pipeline_sim``), or
-    the closed form when ``simulate`` is off (the planner's screening)."""
+    the closed form when ``simulate`` is off (the planner's screening). ``state_config``: the
+    config as its model state's ranks see it (``ParallelConfig.grad_view``)."""
     config, cluster = ci.config, ci.cluster
     p = config.pp
     stage_chunks = tuple(tuple(config.rank_chunks(s)) for s in range(p))
@@ -174,7 +177,7 @@ def pipeline_timing(ci: CostInputs, costs: Sequence[RangeCost], m: int, *,
         return replace(timing, bubble_s=_closed_form_bubble_s(config, stage_f, stage_b,
                                                               bottleneck),
                        p2p_s=2.0 * sum(_sends(config, cluster, costs)))
-    return _simulated_timing(ci, costs, m, timing)
+    return _simulated_timing(ci, costs, m, timing, state_config)
 
 
 def _closed_form_bubble_s(config: ParallelConfig, stage_f: Sequence[float],
@@ -190,7 +193,7 @@ def _closed_form_bubble_s(config: ParallelConfig, stage_f: Sequence[float],
 
 
 def _simulated_timing(ci: CostInputs, costs: Sequence[RangeCost], m: int,
-                      timing: PipelineTiming) -> PipelineTiming:
+                      timing: PipelineTiming, state_config: ParallelConfig) -> PipelineTiming:
     """The schedule simulated three ways: with free sends (the bubble), with the sends (their
     waits) and with the data-parallel collectives on their own stream (what they expose)."""
     config, cluster = ci.config, ci.cluster
@@ -201,8 +204,7 @@ def _simulated_timing(ci: CostInputs, costs: Sequence[RangeCost], m: int,
               bwd_s=bwd, activation_bytes=[c.activation_bytes for c in costs])
     no_collectives = pipeline_totals(send_s=sends, **kw)
     free_sends = pipeline_totals(**kw).makespan_s
-    # the model state, its gradient sync and ZeRO's traffic span the dp x cp ranks
-    sync_s, fsdp_s = _chunk_collectives(config.grad_view(), cluster, costs)
+    sync_s, fsdp_s = _chunk_collectives(state_config, cluster, costs)
     sim = no_collectives
     if any(sync_s) or any(map(any, fsdp_s)):
         sim = pipeline_totals(send_s=sends, sync_s=sync_s, fsdp_s=fsdp_s,
@@ -217,7 +219,8 @@ def _simulated_timing(ci: CostInputs, costs: Sequence[RangeCost], m: int,
 
 
 def time_breakdown(ci: CostInputs, costs: Sequence[RangeCost], chunks: Sequence[Any],
-                   timing: PipelineTiming, m: int, profile: Any) -> TimeBreakdown:
+                   timing: PipelineTiming, m: int, profile: Any,
+                   state_config: ParallelConfig) -> TimeBreakdown:
     """Seconds per step on the bottleneck stage, by cause: its compute, recompute and exposed
     tp/ep/cp collectives over ``m`` micro-batches, the schedule's bubble and sends, the worst
     stage's data-parallel, optimizer and offload terms, and the framework's overhead."""
@@ -229,7 +232,7 @@ def time_breakdown(ci: CostInputs, costs: Sequence[RangeCost], chunks: Sequence[
     ep_s = m * sum(c.ep_fwd_s + c.ep_bwd_s for c in bc)
     cp_s = m * sum(c.cp_s for c in bc)
     dp_sync, zero_gather, opt_s, offload_s = _worst_stage_dp_terms(ci, costs, timing, m,
-                                                                   profile)
+                                                                   profile, state_config)
     if timing.simulated_comm is not None:
         dp_sync += timing.simulated_comm[0]
         zero_gather += timing.simulated_comm[1]
@@ -253,13 +256,12 @@ def time_breakdown(ci: CostInputs, costs: Sequence[RangeCost], chunks: Sequence[
 
 
 def _worst_stage_dp_terms(ci: CostInputs, costs: Sequence[RangeCost], timing: PipelineTiming,
-                          m: int, profile: Any) -> tuple[float, float, float, float]:
+                          m: int, profile: Any, state_config: ParallelConfig
+                          ) -> tuple[float, float, float, float]:
     """(gradient sync, ZeRO gathers, optimizer, offload) seconds of the stage where they add
     up to most: data parallel, ZeRO and the optimizer step, hidden behind backward compute
     only as far as that compute lasts."""
     config, cluster = ci.config, ci.cluster
-    # the model state, its gradient sync and ZeRO's traffic span the dp x cp ranks
-    state_config = config.grad_view()
     interference = overlap_interference(cluster)
     dp_sync = zero_gather = opt_s = offload_s = 0.0
     for s in range(config.pp):
@@ -277,7 +279,8 @@ def _worst_stage_dp_terms(ci: CostInputs, costs: Sequence[RangeCost], timing: Pi
 
 
 def stage_estimate(ci: CostInputs, costs: Sequence[RangeCost], chunks: Sequence[Any],
-                   timing: PipelineTiming, m: int, s: int, margin: float) -> StageEstimate:
+                   timing: PipelineTiming, m: int, s: int, margin: float,
+                   state_config: ParallelConfig) -> StageEstimate:
     """Stage ``s``: its layers and times, and the bytes one of its devices holds at its peak
     (model states, the activations of the micro-batches in flight, transient buffers and the
     ``margin``)."""
@@ -285,7 +288,7 @@ def stage_estimate(ci: CostInputs, costs: Sequence[RangeCost], chunks: Sequence[
     cs = [costs[c] for c in timing.stage_chunks[s]]
     params = sum(c.params for c in cs)
     whole = _whole(config, cs)
-    states = _stage_states(config, cs, params, whole)
+    states = _stage_states(config, cs, params, whole, state_config.shard_degree)
     act_mb = sum(c.activation_bytes for c in cs)
     if timing.sim is not None and act_mb > 0:   # the simulated peak of the schedule
         flight = timing.sim.peak_activation_bytes[s] / act_mb
@@ -310,12 +313,12 @@ def stage_estimate(ci: CostInputs, costs: Sequence[RangeCost], chunks: Sequence[
 
 
 def _stage_states(config: ParallelConfig, cs: Sequence[RangeCost], params: float,
-                  whole: float) -> Any:
+                  whole: float, shard_degree: int) -> Any:
     """The model-state bytes of one rank of a stage: ZeRO-sharded over the dp x cp ranks,
     except weights ZeRO-3 keeps whole (whole on every rank) and expert weights (sharded over
     the ranks holding them)."""
     experts = sum(c.expert_params for c in cs)
-    states = _states(config, params - experts - whole, config.grad_view().shard_degree)
+    states = _states(config, params - experts - whole, shard_degree)
     if whole:            # weights ZeRO-3 keeps whole: whole states on every rank
         w = model_state_bytes(whole, dp=1, zero_stage=0, precision=config.precision,
                               optimizer=config.optimizer,
