@@ -14,7 +14,7 @@ from autoplan.graph import OpGraph, trace
 from autoplan.planner.loading import load_plan
 from autoplan.planner.planfile import Plan
 from autoplan.planner.search import plan
-from autoplan.planner.verdicts import NoFeasiblePlanError
+from autoplan.planner.candidates import NoFeasiblePlanError
 
 __all__ = ["AutoplanError", "Cluster", "ClusterError", "ConfigError", "Estimate", "Example",
            "NoFeasiblePlanError", "OpGraph", "ParallelConfig", "Plan", "PlanError", "ProfileError",

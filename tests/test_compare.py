@@ -77,7 +77,7 @@ def test_the_ilps_sharding_is_the_one_its_strategy_names_rebuild(name):
     if name.startswith("hf-") and not has_transformers():
         pytest.skip("transformers not installed")
     from autoplan import ParallelConfig
-    from autoplan.planner.costing import SearchContext, Stats, ilp_sharding
+    from autoplan.planner.search_costing import SearchContext, Stats, ilp_sharding
     from autoplan.planner.search import SearchOptions
     from autoplan.sharding.sharding import Sharding
     from autoplan.sharding.strategies import strategies

@@ -346,7 +346,7 @@ def test_cli_plan_inspect_diff(tmp_path, capsys):
 def test_a_weight_read_by_two_ops_gets_one_placement():
     """GPT's LM head is tied to the token embedding: one tensor, so the ILP may not lay it out
     two ways (the runtime could not run that)."""
-    from autoplan.planner.costing import SearchContext, Stats, ilp_sharding
+    from autoplan.planner.search_costing import SearchContext, Stats, ilp_sharding
     from autoplan.planner.search import SearchOptions
     g = _graph("gpt-tiny", batch_size=4)
     tied = [n for n, v in ((n, g.value(n)) for op in g.ops for n in op.inputs)
@@ -560,7 +560,7 @@ def test_a_model_with_batch_statistics_is_planned_on_whole_per_replica_batches()
     the whole per-replica batch (data-parallel ranks share their statistics), so a plan that
     accumulated gradients over smaller micro-batches would train another model. Unforced, the
     search keeps the per-replica batch whole; a transformer gets the usual choice."""
-    from autoplan.planner.space import batch_statistics, mbs_options
+    from autoplan.planner.search_space import batch_statistics, mbs_options
     from autoplan.planner.search import SearchOptions
     cnn, gpt = _graph("cnn-tiny"), _graph("gpt-tiny")
     assert batch_statistics(cnn) and not batch_statistics(gpt)

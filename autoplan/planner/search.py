@@ -50,15 +50,15 @@ from autoplan.graph.opgraph import OpGraph
 from autoplan.graph.trace import as_graph
 from autoplan.planner import mesh as meshes
 from autoplan.planner.assemble import assemble
-from autoplan.planner.costing import (CLOSED_FORM_SLACK, SearchContext, Stats, evaluate,
+from autoplan.planner.search_costing import (CLOSED_FORM_SLACK, SearchContext, Stats, evaluate,
                                       frugal, ilp_microbatches, ilp_sharding)
 from autoplan.planner.ilp import ILPSolution
 from autoplan.planner.options import SearchOptions  # (also imported from here by users)
 from autoplan.planner.planfile import Plan
-from autoplan.planner.refine import refine_dp, refine_pipe_ilp, refine_pipelined
-from autoplan.planner.verdicts import (Candidate, alternatives, honours, infeasible,
+from autoplan.planner.finalists import refine_dp, refine_pipe_ilp, refine_pipelined
+from autoplan.planner.candidates import (Candidate, alternatives, honours, infeasible,
                                        too_few_layers, why_none_honours)
-from autoplan.planner import pins, space
+from autoplan.planner import pins, search_space
 from autoplan.sharding.sharding import Sharding, context_sharding, megatron_sharding, replicated
 
 
@@ -107,9 +107,9 @@ def _baselines(sc: SearchContext, base: dict[str, Any]) -> list[Candidate]:
             sh, mtp = context_sharding(graph, mtp[1]), mtp[1]
         else:
             sh = (megatron_sharding(graph, mtp, True) if mtp else replicated(graph))
-        configs = [v for mbs in space.mbs_options(per_replica, SearchOptions(), graph)
+        configs = [v for mbs in search_space.mbs_options(per_replica, SearchOptions(), graph)
                    for r in (("none", "selective", "full") if mtp else ("none",))
-                   for v in space.with_compilation(
+                   for v in search_space.with_compilation(
                        ParallelConfig(**{**base, **fields, "micro_batch_size": mbs,
                                          "recompute": r}), opts, graph)]
         cands = evaluate(sc, configs, sh, None, label, prune_dominated=True)
@@ -144,7 +144,7 @@ def plan(model: Any, cluster: Any, *, global_batch_size: int, example_inputs: An
     base = {"precision": precision, "optimizer": optimizer}
     if "mixed_precision" in opts.force:      # never searched: the runtime runs autocast only
         base["mixed_precision"] = opts.force["mixed_precision"]
-    base["compiled"] = space.compiled_choice(opts, cluster)
+    base["compiled"] = search_space.compiled_choice(opts, cluster)
     shapes, layers = _meshes(graph, cluster, opts)
     _check_forced_experts(graph, opts)
     sc = SearchContext(graph=graph, cluster=cluster, global_batch_size=global_batch_size,
@@ -180,7 +180,8 @@ def _meshes(graph: OpGraph, cluster: Any, opts: SearchOptions) -> tuple[list[Any
     layers = len(block.instances) if block else 1
     shapes = meshes.enumerate_meshes(cluster, max_tp=opts.max_tp, max_pp=opts.max_pp,
                                      num_layers=layers,
-                                     context_degrees=space.context_degrees(graph, cluster, opts))
+                                     context_degrees=search_space.context_degrees(graph, cluster,
+                                                                                  opts))
     shapes = [s for s in shapes if all(getattr(s, k) == v for k, v in opts.force.items()
                                        if k in ("dp", "tp", "pp", "cp"))]
     if not shapes:
@@ -226,11 +227,11 @@ def _search_meshes(sc: SearchContext, shapes: list[Any], base: dict[str, Any],
         if gbs % shape.dp:
             say(f"{where}: global batch {gbs} does not split over dp, skipped")
             continue
-        mbs_options = space.mbs_options(gbs // shape.dp, opts, graph)
+        mbs_options = search_space.mbs_options(gbs // shape.dp, opts, graph)
         if shape.cp > 1:
             # a micro-batch of several sequences splits over dp instead, with no ring
             mbs_options = mbs_options[:1]
-        for mbs in space.forced(opts, "micro_batch_size", mbs_options):
+        for mbs in search_space.forced(opts, "micro_batch_size", mbs_options):
             cfg = ParallelConfig(pp=shape.pp, dp=shape.dp, tp=shape.tp, cp=shape.cp,
                                  micro_batch_size=mbs, **base)
             try:
@@ -250,7 +251,7 @@ def _search_meshes(sc: SearchContext, shapes: list[Any], base: dict[str, Any],
                 shared[key] = got
             skipped = stats.below_floor
             # a pipelined config whose floor is this far behind the best cannot win, even
-            # simulated (costing.CLOSED_FORM_SLACK)
+            # simulated (search_costing.CLOSED_FORM_SLACK)
             behind = (bar_s * (1 + CLOSED_FORM_SLACK) if bar_s is not None else None)
             found = _cost_mesh(sc, shape, cfg, m, layers, shared, behind)
             cands += found
@@ -311,8 +312,8 @@ def _cost_mesh(sc: SearchContext, shape: Any, cfg: ParallelConfig, m: int, layer
     """Every policy of ``cfg``'s mesh and micro-batch costed, per expert-parallel degree on
     the shared sharding (solved again with the experts' exchanges priced where ep > 1)."""
     key = (shape.tp, cfg.micro_batch_size, shape.cp)
-    policies = space.policies(cfg, sc.opts, sc.cluster, sc.graph,
-                              space.schedules(cfg, m, layers, sc.opts))
+    policies = search_space.policies(cfg, sc.opts, sc.cluster, sc.graph,
+                              search_space.schedules(cfg, m, layers, sc.opts))
     found = []
     for ep in sorted({c.ep for c in policies}):
         group = [c for c in policies if c.ep == ep]
@@ -351,7 +352,7 @@ def _cost_group(sc: SearchContext, ecfg: ParallelConfig, group: list[ParallelCon
 
 def _choose(sc: SearchContext, cands: list[Candidate], base: dict[str, Any],
             name: str | None) -> Plan:
-    """The finalists solved again (``refine``), the baselines added, and the fastest fitting
+    """The finalists solved again (``finalists``), the baselines added, and the fastest fitting
     configuration that honours the forced fields as the plan, the next ``top_k`` its
     alternatives."""
     opts, stats = sc.opts, sc.stats

@@ -13,8 +13,8 @@ step, ``step-00000006/``, and a ``latest`` file naming the newest complete one::
 Keys are plan-independent: ``model.<fqn>`` (parameters and persistent buffers, tied weights
 once, under their first name), ``optim.<fqn>.<state>`` (an optimizer's per-parameter state:
 elementwise tensors lie like their parameter, scalars such as Adam's ``step`` whole) and
-``rng.rank<r>``. Each rank writes the pieces it holds (``pieces.py``: tensor-parallel shards,
-FSDP2 slabs, the ZeRO-1 owner's state, one pipeline rank's layers, host-offloaded state);
+``rng.rank<r>``. Each rank writes the pieces it holds (``checkpoint_pieces.py``: tensor-parallel
+shards, FSDP2 slabs, the ZeRO-1 owner's state, one pipeline rank's layers, host-offloaded state);
 replicas are written once. Loading asks for the pieces the new plan puts on each rank and DCP
 reads them from whichever files hold them, so a run saved under one plan resumes under another.
 
@@ -51,7 +51,7 @@ from autoplan.runtime.checkpoint_files import (DTYPES, FORMAT, LATEST, META_FILE
                                                VERSION, model_mismatch, write_atomic,
                                                export, prune, read_meta, remove_step, resolve,
                                                step_dir)
-from autoplan.runtime.pieces import Pieces, layout_of
+from autoplan.runtime.checkpoint_pieces import Pieces, layout_of
 from autoplan.runtime.optim import wait_gathers
 
 

@@ -15,12 +15,12 @@ from autoplan.estimate.result import Estimate
 from autoplan.graph.analysis import analyze
 from autoplan.planner import pipe_problem
 from autoplan.planner.cost_context import CostContext
-from autoplan.planner.costing import (SearchContext, cost_context, counted, dp_sharding,
+from autoplan.planner.search_costing import (SearchContext, cost_context, counted, dp_sharding,
                                       evaluate)
 from autoplan.planner.dp_problem import keeps_weights_whole
 from autoplan.planner.ilp import ILPSolution, solve
 from autoplan.planner.problem import sharding_from_choice
-from autoplan.planner.verdicts import Candidate
+from autoplan.planner.candidates import Candidate
 
 
 def refine_dp(sc: SearchContext, cands: list[Candidate], *, finalists: int = 3,

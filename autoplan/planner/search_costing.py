@@ -1,7 +1,7 @@
 """What the search costs with: its statistics, the shared tp-axis ILP for a mesh and
 micro-batch (and its memory-constrained variant), one configuration's own dp-terms ILP, and the
 costing of configurations on a sharding (``estimate``, with a pipelined config's stage layout
-chosen first). ``search.plan`` walks the space with these; ``refine`` solves the finalists
+chosen first). ``search.plan`` walks the space with these; ``finalists`` solves the finalists
 again.
 """
 
@@ -24,14 +24,14 @@ from autoplan.estimate.overlap import overlap_interference
 from autoplan.graph.analysis import analyze
 from autoplan.graph.experts import find_experts
 from autoplan.graph.opgraph import OpGraph
-from autoplan.planner import space
+from autoplan.planner import search_space
 from autoplan.planner.axis_costs import expert_exchanges
 from autoplan.planner.cost_context import CostContext, ExpertExchanges
 from autoplan.planner.dp_problem import whole_patterns, with_dp_terms
 from autoplan.planner.ilp import ILPSolution, solve
 from autoplan.planner.options import SearchOptions
 from autoplan.planner.problem import reduce_graph, sharding_from_choice
-from autoplan.planner.verdicts import Candidate
+from autoplan.planner.candidates import Candidate
 from autoplan.sharding.context_axis import context_axis
 from autoplan.sharding.sharding import Sharding, replicated_on
 
@@ -87,7 +87,7 @@ def frugal(configs: list[ParallelConfig], m: int, opts: SearchOptions, graph: Op
     # a stage holds 1/pp of the layers, its first stage in_flight micro-batches of them
     flight = min(in_flight(c, m, 0) / c.pp for c in configs)
     return Frugal(budget_bytes, state, flight,
-                   strongest_recompute(space.recompute_options(opts, graph)))
+                   strongest_recompute(search_space.recompute_options(opts, graph)))
 
 
 def ilp_microbatches(cluster: Any, shape: Any, mbs: int, gbs: int, m: int) -> int:
@@ -231,7 +231,7 @@ _RECOMPUTE_RANK = {"none": 0, "selective": 1, "full": 2}
 
 # how far below its closed form a pipelined config's simulated step may come: the search skips
 # those whose closed form cannot come within this of the best (measured: 2.5 % on the
-# benchmark's plans, 5 % on tiny models; ``refine.refine_pipelined`` simulates within it)
+# benchmark's plans, 5 % on tiny models; ``finalists.refine_pipelined`` simulates within it)
 CLOSED_FORM_SLACK = 0.10
 
 
@@ -241,7 +241,7 @@ def evaluate(sc: SearchContext, configs: list[ParallelConfig], sh: Sharding,
              ) -> list[Candidate]:
     """``configs`` costed on ``sh``. ``prune_dominated``: a config is skipped where one costed
     before it differs only in a weaker recomputation policy and fits: it would be no faster
-    (``configs`` in the order ``space.policies`` makes, weaker policies first). ``behind_s``:
+    (``configs`` in the order ``search_space.policies`` makes, weaker policies first). ``behind_s``:
     a pipelined config is skipped where even its floor (``layout.step_floor_s``, a lower bound
     on any stage layout's closed form) is beyond it; counted in ``stats.below_floor``."""
     graph, cluster, opts, stats = sc.graph, sc.cluster, sc.opts, sc.stats
@@ -261,7 +261,7 @@ def evaluate(sc: SearchContext, configs: list[ParallelConfig], sh: Sharding,
             if c.pp > 1 and c.chunk_layers is None:
                 ci = cost_inputs(sc, c, sh)
                 if behind_s is not None and step_floor_s(
-                        ci, c.microbatches(gbs), space.recompute_options(opts, graph, c)
+                        ci, c.microbatches(gbs), search_space.recompute_options(opts, graph, c)
                 ) > behind_s:
                     stats.below_floor += 1
                     continue
@@ -300,7 +300,7 @@ def with_stage_layout(sc: SearchContext, config: ParallelConfig, sh: Sharding,
     ``cost_inputs`` where already made."""
     graph, cluster, opts = sc.graph, sc.cluster, sc.opts
     m = config.microbatches(sc.global_batch_size)
-    policies = space.recompute_options(opts, graph, config)
+    policies = search_space.recompute_options(opts, graph, config)
     ci = ci or cost_inputs(sc, config, sh)
     pinned = {k: tuple(opts.force[k]) for k in ("chunk_layers", "stage_recompute")
               if k in opts.force}
