@@ -210,8 +210,8 @@ def test_rows_stay_with_their_experts_between_grouped_products():
                   device=torch.device("cpu"), seed=0, ep=(2, 0))
         targets = [n.target for n in rp.program.graph_module.graph.nodes]
         layers = 2
-        assert targets.count(P.kernel_dispatch) == layers and targets.count(P.kernel_combine) == layers
-        assert targets.count(P.kernel_local_experts) == len(find_experts(_graph(name)).ops)
+        assert targets.count(P._k_dispatch) == layers and targets.count(P._k_combine) == layers
+        assert targets.count(P._k_local_experts) == len(find_experts(_graph(name)).ops)
 
 
 CASES = [

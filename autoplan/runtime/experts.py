@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from autoplan.runtime import tp_comm
-from autoplan.runtime.kernels import set_arg
+from autoplan.runtime.kernels import _set
 
 
 @dataclass
@@ -80,7 +80,7 @@ def local_experts(op: Any, args: list, kwargs: dict, d: Dispatched) -> torch.Ten
     if len(args) > 2:
         args[2] = d.local_offs
     else:
-        args, kwargs = set_arg(op, args, kwargs, "offs", d.local_offs)
+        args, kwargs = _set(op, args, kwargs, "offs", d.local_offs)
     return op(*args, **kwargs)
 
 

@@ -10,15 +10,15 @@ from autoplan.sharding.placement import PARTIAL, REPLICATE, Placement, shard
 from autoplan.sharding.strategy import Comm, OpStrategy, bias_slot, make, opname
 
 
-def is_activation(v: Value) -> bool:
+def _is_act(v: Value) -> bool:
     return v.kind in ("activation", "input")
 
 
-def divides(size: int, t: int, blocks: int = 1) -> bool:
+def _div(size: int, t: int, blocks: int = 1) -> bool:
     return size >= t * blocks and size % (t * blocks) == 0
 
 
-def weight_input(graph: OpGraph, op: Op) -> int | None:
+def _weight(graph: OpGraph, op: Op) -> int | None:
     for i, n in enumerate(op.inputs):
         v = graph.value(n)
         if v.kind == "param" and len(v.meta.shape) >= 2:
@@ -26,7 +26,7 @@ def weight_input(graph: OpGraph, op: Op) -> int | None:
     return None
 
 
-def block_lookup(graph: OpGraph):
+def _blocks(graph: OpGraph):
     counts = block_counts(graph)
     return lambda value, d: counts.get((value, d), ())
 
@@ -55,14 +55,14 @@ def row_splits(rows: int, merged: tuple[int, int] | None, t: int
     for merged rows (``merged_rows``) ``batch`` over the samples and ``seq`` over each
     sample's positions."""
     if merged is None:
-        return [("batch", shard(0))] if divides(rows, t) else []
+        return [("batch", shard(0))] if _div(rows, t) else []
     samples, positions = merged
-    return [(label, p) for label, p, ok in (("batch", shard(0), divides(samples, t)),
-                                            ("seq", shard(0, samples), divides(positions, t)))
+    return [(label, p) for label, p, ok in (("batch", shard(0), _div(samples, t)),
+                                            ("seq", shard(0, samples), _div(positions, t)))
             if ok]
 
 
-def seq_dim(shape: tuple[int, ...]) -> int:
+def _seq_dim(shape: tuple[int, ...]) -> int:
     """The token dim sequence parallelism splits: the sequence of (b, s, h), the rows of
     (tokens, h)."""
     return 1 if len(shape) >= 3 else 0
@@ -70,9 +70,9 @@ def seq_dim(shape: tuple[int, ...]) -> int:
 
 # ---- products with a weight ------------------------------------------------------------------
 
-def linear_strategies(graph: OpGraph, op: Op, t: int) -> list[OpStrategy]:
-    w = weight_input(graph, op)
-    acts = [i for i, n in enumerate(op.inputs) if is_activation(graph.value(n))]
+def _linear(graph: OpGraph, op: Op, t: int) -> list[OpStrategy]:
+    w = _weight(graph, op)
+    acts = [i for i, n in enumerate(op.inputs) if _is_act(graph.value(n))]
     if w is None or not acts:
         return []
     x = acts[0]
@@ -91,17 +91,17 @@ def linear_strategies(graph: OpGraph, op: Op, t: int) -> list[OpStrategy]:
         return tuple(x_p if i == x else w_p if i == w else b_p if i == b else REPLICATE
                      for i in range(len(op.inputs)))
     res = []
-    sp = seq_dim(xm.shape)
-    can_sp = len(xm.shape) >= 2 and divides(xm.shape[sp], t) and len(xm.shape) == rank
+    sp = _seq_dim(xm.shape)
+    can_sp = len(xm.shape) >= 2 and _div(xm.shape[sp], t) and len(xm.shape) == rank
     # the token split sequence parallelism keeps: the sequence of (b, s, h), the rows of
     # (tokens, h), one block per sample where the rows are (b, s) merged
     merged = merged_rows(graph, op.inputs[x]) if len(xm.shape) == 2 else None
     sp_p = shard(sp)
     if merged is not None:
         sp_p = shard(0, merged[0])
-        can_sp = can_sp and divides(merged[1], t)
-    for k in (1,) + block_lookup(graph)(op.outputs[0], rank - 1):
-        if not divides(wm.shape[out_dim], t, k):
+        can_sp = can_sp and _div(merged[1], t)
+    for k in (1,) + _blocks(graph)(op.outputs[0], rank - 1):
+        if not _div(wm.shape[out_dim], t, k):
             continue
         sfx = "" if k == 1 else f"_blocks{k}"
         col_in = ps(REPLICATE, shard(out_dim, k), shard(0, k))
@@ -116,12 +116,12 @@ def linear_strategies(graph: OpGraph, op: Op, t: int) -> list[OpStrategy]:
                                                                shard(0, k)),
                             (shard(rank - 1, k),), t, style="colwise_sp", local_inputs=col_in,
                             kernel="sp_linear", extra=regather))
-    if divides(wm.shape[in_dim], t) and divides(xm.shape[-1], t):
+    if _div(wm.shape[in_dim], t) and _div(xm.shape[-1], t):
         row_in = ps(shard(len(xm.shape) - 1), shard(in_dim), REPLICATE)
         kernel = "bias_after_reduce" if b is not None else ""
         res.append(make(graph, op, "rowwise", row_in, (REPLICATE,), t, style="rowwise",
                         kernel=kernel, local_outputs=(PARTIAL,)))
-        if len(xm.shape) == rank and rank >= 2 and divides(out[sp], t) and (
+        if len(xm.shape) == rank and rank >= 2 and _div(out[sp], t) and (
                 merged is None or can_sp):
             res.append(make(graph, op, "rowwise_sp", row_in, (sp_p,), t,
                             style="rowwise_sp", kernel=kernel, local_outputs=(PARTIAL,)))
@@ -131,11 +131,11 @@ def linear_strategies(graph: OpGraph, op: Op, t: int) -> list[OpStrategy]:
         tokens = row_splits(out[0], merged, t)
     elif rank >= 3 and len(xm.shape) == rank:
         tokens = [(label, shard(d)) for d, label in ((0, "batch"), (1, "seq"))
-                  if divides(out[d], t)]
+                  if _div(out[d], t)]
     for label, p in tokens:
         res.append(make(graph, op, label, ps(p, REPLICATE, REPLICATE), (p,), t, style=label))
     weight = graph.value(op.inputs[w])
-    if weight.kind == "param" and divides(wm.shape[0], t):
+    if weight.kind == "param" and _div(wm.shape[0], t):
         # the weight stored split, gathered for the product (FSDP on this axis) and in backward
         regather = ((Comm("all_gather", op.inputs[w], "bwd"),) if weight.requires_grad else ())
         for label, p in tokens:
@@ -145,7 +145,7 @@ def linear_strategies(graph: OpGraph, op: Op, t: int) -> list[OpStrategy]:
     return res
 
 
-def grouped_mm_strategies(graph: OpGraph, op: Op, t: int) -> list[OpStrategy]:
+def _grouped_mm(graph: OpGraph, op: Op, t: int) -> list[OpStrategy]:
     """Experts' grouped product: input (tokens, in) sorted by expert, weight (experts, in,
     out), offsets (experts,)."""
     if len(op.inputs) != 3:
@@ -154,16 +154,16 @@ def grouped_mm_strategies(graph: OpGraph, op: Op, t: int) -> list[OpStrategy]:
     if len(xm.shape) != 2 or len(wm.shape) != 3:
         return []
     res = []
-    if divides(wm.shape[2], t):
+    if _div(wm.shape[2], t):
         res.append(make(graph, op, "colwise", (REPLICATE, shard(2), REPLICATE), (shard(1),), t,
                         style="colwise"))
-    if divides(wm.shape[1], t):
+    if _div(wm.shape[1], t):
         res.append(make(graph, op, "rowwise", (shard(1), shard(1), REPLICATE), (REPLICATE,), t,
                         style="rowwise", local_outputs=(PARTIAL,)))
     return res
 
 
-def act_matmul_strategies(graph: OpGraph, op: Op, t: int) -> list[OpStrategy]:
+def _act_matmul(graph: OpGraph, op: Op, t: int) -> list[OpStrategy]:
     """Product of two activations (batched, broadcasting over the leading dims)."""
     name = opname(op)
     if name not in ("bmm", "matmul", "mm") or len(op.inputs) != 2:
@@ -176,17 +176,17 @@ def act_matmul_strategies(graph: OpGraph, op: Op, t: int) -> list[OpStrategy]:
     res = []
     for d in range(r - 2):
         pa, pb = (_batch_dim(s, out, d) for s in (a, b))
-        if (pa is None and pb is None) or not divides(out[d], t):
+        if (pa is None and pb is None) or not _div(out[d], t):
             continue
         ins = (shard(pa) if pa is not None else REPLICATE,
                shard(pb) if pb is not None else REPLICATE)
         res.append(make(graph, op, "heads" if d == 1 else ("batch" if d == 0 else f"dim{d}"),
                         ins, (shard(d),), t))
-    if divides(out[r - 2], t):
+    if _div(out[r - 2], t):
         res.append(make(graph, op, "rows", (shard(len(a) - 2), REPLICATE), (shard(r - 2),), t))
-    if divides(out[r - 1], t):
+    if _div(out[r - 1], t):
         res.append(make(graph, op, "cols", (REPLICATE, shard(len(b) - 1)), (shard(r - 1),), t))
-    if divides(a[-1], t):
+    if _div(a[-1], t):
         res.append(make(graph, op, "contract", (shard(len(a) - 1), shard(len(b) - 2)),
                         (REPLICATE,), t, local_outputs=(PARTIAL,)))
     return res

@@ -43,9 +43,9 @@ from autoplan.sharding import passthrough
 from autoplan.sharding.placement import PARTIAL, REPLICATE, Placement, local_size, shard
 from autoplan.sharding.strategy import (KERNELS, Comm, OpStrategy, call_args, make,
                                         opname, replicate)
-from autoplan.sharding.products import (act_matmul_strategies, block_lookup, divides,
-                                        grouped_mm_strategies, is_activation, linear_strategies,
-                                        merged_rows, row_splits, seq_dim, weight_input)
+from autoplan.sharding.products import (_act_matmul, _blocks, _div, _grouped_mm,
+                                        _is_act, _linear, _seq_dim, _weight, merged_rows,
+                                        row_splits)
 
 GROUPED_MM = frozenset({"grouped_mm_fallback", "_grouped_mm", "grouped_mm"})
 SPLIT_LOSSES = frozenset({"cross_entropy_loss", "nll_loss", "mse_loss", "l1_loss",
@@ -66,7 +66,7 @@ def _attention(graph: OpGraph, op: Op, t: int) -> list[OpStrategy]:
         return []
     res = []
     for d, name in ((0, "batch"), (1, "heads")):
-        if not divides(q[d], t) or any(graph.value(n).meta.shape[d] != q[d]
+        if not _div(q[d], t) or any(graph.value(n).meta.shape[d] != q[d]
                                     for n in op.inputs[1:3]):
             continue
         ins = []
@@ -91,7 +91,7 @@ def _ring_attention(graph: OpGraph, op: Op, t: int) -> OpStrategy | None:
     if len(op.inputs) > 4 or any(len(s) != 4 for s in shapes) or t == 1:
         return None
     s_len = shapes[0][2]
-    if any(s[2] != s_len for s in shapes[1:]) or not divides(s_len, t):
+    if any(s[2] != s_len for s in shapes[1:]) or not _div(s_len, t):
         return None
     args, kwargs = call_args(op)
     dropout = args[4] if len(args) > 4 else kwargs.get("dropout_p", 0.0)
@@ -137,21 +137,21 @@ def _embedding(graph: OpGraph, op: Op, t: int) -> list[OpStrategy]:
                      for i in range(len(op.inputs)))
     outs = len(op.outputs)
     res = []
-    if divides(wm[0], t):
+    if _div(wm[0], t):
         res.append(make(graph, op, "vocab", ps(shard(0), REPLICATE), (REPLICATE,) * outs, t,
                         style="vocab", kernel="vocab_embedding",
                         local_outputs=(PARTIAL,) + (REPLICATE,) * (outs - 1)))
-        sp = seq_dim(out)
-        if not bag and rank >= 2 and divides(out[sp], t):
+        sp = _seq_dim(out)
+        if not bag and rank >= 2 and _div(out[sp], t):
             res.append(make(graph, op, "vocab_sp", ps(shard(0), REPLICATE), (shard(sp),), t,
                             style="vocab_sp", kernel="vocab_embedding",
                             local_outputs=(PARTIAL,)))
-    if divides(wm[1], t):
+    if _div(wm[1], t):
         res.append(make(graph, op, "embed_dim", ps(shard(1), REPLICATE),
                         (shard(rank - 1),) + (REPLICATE,) * (outs - 1), t, style="embed_dim"))
     if not bag:
         for d, label in ((0, "batch"), (1, "seq")):
-            if d < len(idx) and d < rank - 1 and divides(out[d], t):
+            if d < len(idx) and d < rank - 1 and _div(out[d], t):
                 res.append(make(graph, op, label, ps(REPLICATE, shard(d)), (shard(d),), t,
                                 style=label))
     return res
@@ -170,9 +170,9 @@ def _norm(graph: OpGraph, op: Op, t: int) -> list[OpStrategy]:
         token_dims = range(1)
     res = []
     for d in token_dims:
-        if not divides(x[d], t):
+        if not _div(x[d], t):
             continue
-        ins = tuple(shard(d) if is_activation(graph.value(n)) else REPLICATE for n in op.inputs)
+        ins = tuple(shard(d) if _is_act(graph.value(n)) else REPLICATE for n in op.inputs)
         outs = tuple(shard(d) if graph.value(n).meta.shape == x else REPLICATE
                      for n in op.outputs)
         label = "seq" if d == 1 else "batch" if d == 0 else f"shard{d}"
@@ -183,13 +183,13 @@ def _norm(graph: OpGraph, op: Op, t: int) -> list[OpStrategy]:
 def _batch_norm(graph: OpGraph, op: Op, t: int, x: tuple[int, ...]) -> list[OpStrategy]:
     """aten.batch_norm(x, weight, bias, running_mean, running_var, training, ...)."""
     res = []
-    if len(x) >= 2 and divides(x[1], t):
-        ins = tuple(shard(1) if is_activation(graph.value(n)) else shard(0) for n in op.inputs)
+    if len(x) >= 2 and _div(x[1], t):
+        ins = tuple(shard(1) if _is_act(graph.value(n)) else shard(0) for n in op.inputs)
         outs = tuple(shard(1) if graph.value(n).meta.shape == x else shard(0)
                      for n in op.outputs)
         res.append(make(graph, op, "channel", ins, outs, t, style="channel"))
-    if divides(x[0], t):
-        ins = tuple(shard(0) if is_activation(graph.value(n)) else REPLICATE for n in op.inputs)
+    if _div(x[0], t):
+        ins = tuple(shard(0) if _is_act(graph.value(n)) else REPLICATE for n in op.inputs)
         outs = tuple(shard(0) if graph.value(n).meta.shape == x else REPLICATE
                      for n in op.outputs)
         per_channel = 2.0 * x[1] / max(1, _numel(x)) if len(x) > 1 else 1.0
@@ -225,15 +225,15 @@ def _conv(graph: OpGraph, op: Op, t: int) -> list[OpStrategy]:
     b = 2 if len(op.inputs) > 2 else None
     extra = len(op.inputs) - 2
     res = []
-    if divides(out[0], t):
+    if _div(out[0], t):
         res.append(make(graph, op, "batch", (shard(0), REPLICATE) + (REPLICATE,) * extra,
                         (shard(0),), t, style="batch"))
     if groups != 1 or transposed:
         return res
-    if divides(w[0], t):
+    if _div(w[0], t):
         res.append(make(graph, op, "out_channel", (REPLICATE, shard(0)) + (shard(0),) * extra,
                         (shard(1),), t, style="out_channel"))
-    if divides(w[1], t) and divides(x[1], t):
+    if _div(w[1], t) and _div(x[1], t):
         res.append(make(graph, op, "in_channel", (shard(1), shard(1)) + (REPLICATE,) * extra,
                         (REPLICATE,), t, style="in_channel",
                         kernel="bias_after_reduce" if b is not None else "",
@@ -283,7 +283,7 @@ def _loss(graph: OpGraph, op: Op, t: int) -> list[OpStrategy]:
                            reduced)
         dims_ok = ()
     for d in dims_ok:
-        if not divides(x[d], t):
+        if not _div(x[d], t):
             continue
         ins = tuple(shard(d) for _ in op.inputs)
         label = "batch" if d == 0 else f"shard{d}"
@@ -295,7 +295,7 @@ def _loss(graph: OpGraph, op: Op, t: int) -> list[OpStrategy]:
             res.append(make(graph, op, label, ins, (shard(d),), t, style="loss_batch"))
     smoothing = args[5] if len(args) > 5 else kwargs.get("label_smoothing", 0.0)
     weight = args[2] if len(args) > 2 else kwargs.get("weight")
-    if name == "cross_entropy_loss" and len(x) == 2 and divides(x[1], t) and weight is None \
+    if name == "cross_entropy_loss" and len(x) == 2 and _div(x[1], t) and weight is None \
             and not smoothing and len(op.inputs) == 2 and len(tensors[1]) == 1:
         # loss parallel: per row, the max, the sum of exponentials and the target logit
         scale = 3.0 / x[1]
@@ -314,11 +314,11 @@ def _shaped(graph: OpGraph, op: Op, t: int) -> list[OpStrategy]:
     if op.kind == "creation" or not op.outputs:
         return []
     if name in GROUPED_MM:
-        return grouped_mm_strategies(graph, op, t)
+        return _grouped_mm(graph, op, t)
     if op.kind == "matmul":
-        if weight_input(graph, op) is not None:
-            return linear_strategies(graph, op, t)
-        return act_matmul_strategies(graph, op, t)
+        if _weight(graph, op) is not None:
+            return _linear(graph, op, t)
+        return _act_matmul(graph, op, t)
     if op.kind == "attention":
         return _attention(graph, op, t) if name == "scaled_dot_product_attention" else []
     if op.kind == "embedding":
@@ -332,12 +332,12 @@ def _shaped(graph: OpGraph, op: Op, t: int) -> list[OpStrategy]:
     if name in ("cat", "stack"):
         return passthrough.concat(graph, op, t)
     if passthrough.is_elementwise(graph, op):
-        return passthrough.elementwise(graph, op, t, block_lookup(graph))
-    acts = [i for i, n in enumerate(op.inputs) if is_activation(graph.value(n))]
+        return passthrough.elementwise(graph, op, t, _blocks(graph))
+    acts = [i for i, n in enumerate(op.inputs) if _is_act(graph.value(n))]
     if passthrough.has_rule(op) and len(acts) == 1:
-        return passthrough.unary(graph, op, acts[0], t, block_lookup(graph))
+        return passthrough.unary(graph, op, acts[0], t, _blocks(graph))
     if name in passthrough.LIKE_OTHER and acts and acts[0] == 0:
-        return passthrough.like_other(graph, op, t, block_lookup(graph))
+        return passthrough.like_other(graph, op, t, _blocks(graph))
     return []
 
 
