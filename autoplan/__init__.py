@@ -14,7 +14,7 @@ from autoplan.graph import OpGraph, trace
 from autoplan.planner.loading import load_plan
 from autoplan.planner.planfile import Plan
 from autoplan.planner.search import plan
-from autoplan.planner.verdicts import NoFeasiblePlanError
+from autoplan.planner.candidates import NoFeasiblePlanError
 from autoplan.sharding.parallel_config import ParallelConfig
 
 __all__ = ["AutoplanError", "Cluster", "ClusterError", "ConfigError", "Estimate", "Example",

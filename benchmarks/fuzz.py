@@ -232,12 +232,12 @@ def readers() -> dict[str, Callable[[bytes], Any]]:
     def checkpoint_meta(data: bytes) -> Any:
         from pathlib import Path
 
-        from autoplan.runtime.checkpoint_files import META_FILE, _model_mismatch, read_meta
+        from autoplan.runtime.checkpoint_files import META_FILE, model_mismatch, read_meta
         step = Path(tmp) / "step-00000003"
         step.mkdir(exist_ok=True)
         (step / META_FILE).write_bytes(data)
         meta = read_meta(step)
-        return _model_mismatch(meta["model"], {})        # what a resume compares
+        return model_mismatch(meta["model"], {})        # what a resume compares
 
     return {"plan": lambda d: Plan.from_json(d),
             "checkpoint-meta": checkpoint_meta,

@@ -371,7 +371,7 @@ NOT_CAPTURED = [
     "take the 1.7B row to about -17 %.",
     "- **The search's virtual stages hide part of the bias at scale.** Megatron-LM allows any "
     "number of layers per virtual stage, down to one. Let the search pick up to 16 virtual "
-    "stages per rank (`autoplan/planner/space.py` tries 2 and 4; widened to 2-16 for this "
+    "stages per rank (`autoplan/planner/search_space.py` tries 2 and 4; widened to 2-16 for this "
     "check) and it picks 8-16 on every interleaved row, its pipeline sends priced as small as "
     "they are: MAPE 7.3 % (strong scaling 10.8 %), worst -13.5 % (119B). The 177B "
     "strong-scaling errors then lie flat, -10.4 to -12.6 % from 96 to 2,304 GPUs and -7.4 / "

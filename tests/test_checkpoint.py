@@ -22,7 +22,7 @@ from autoplan.errors import CheckpointError
 from autoplan.graph import trace
 from autoplan.models import build_example
 from autoplan.planner.planfile import Plan
-from autoplan.runtime.pieces import Segment, restrict, tp_segments
+from autoplan.runtime.checkpoint_pieces import Segment, restrict, tp_segments
 from autoplan.runtime.tp_comm import local_piece
 from autoplan.sharding.placement import REPLICATE, shard
 from tests.distributed import run_ranks

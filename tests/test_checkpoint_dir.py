@@ -106,16 +106,16 @@ def test_a_crash_between_the_rename_and_latest_loses_nothing(tmp_path, monkeypat
     root = tmp_path / "ckpt"
     _, full, _ = _train(0, 1, plan, str(tmp_path / "full"), steps=4)
     _train(0, 1, plan, str(root), steps=1, save_at=1)
-    real = ck._write_atomic
+    real = ck.write_atomic
 
     def no_latest(path, text):
         if Path(path).name == "latest":
             raise OSError("killed before latest was written")
         real(path, text)
-    monkeypatch.setattr(ck, "_write_atomic", no_latest)
+    monkeypatch.setattr(ck, "write_atomic", no_latest)
     with pytest.raises(OSError, match="killed before latest"):
         _train(0, 1, plan, str(root), steps=1, save_at=2, resume=str(root))
-    monkeypatch.setattr(ck, "_write_atomic", real)
+    monkeypatch.setattr(ck, "write_atomic", real)
     assert _latest(root) == "step-00000001"
     assert _names(root) == ["step-00000001", "step-00000002"]
     assert resolve(root).name == "step-00000002"

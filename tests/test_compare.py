@@ -77,14 +77,16 @@ def test_the_ilps_sharding_is_the_one_its_strategy_names_rebuild(name):
     if name.startswith("hf-") and not has_transformers():
         pytest.skip("transformers not installed")
     from autoplan import ParallelConfig
-    from autoplan.planner.costing import Stats, ilp_sharding
+    from autoplan.planner.search_costing import SearchContext, Stats, ilp_sharding
     from autoplan.planner.search import SearchOptions
     from autoplan.sharding.sharding import Sharding
     from autoplan.sharding.strategies import strategies
     g = _graph(name, **{"layers" if name.startswith("hf-") else "num_layers": 3})  # 3 layers
     cluster = Cluster.preset("dgx-h100", nodes=1)
     cfg = ParallelConfig(dp=1, tp=8, micro_batch_size=1)
-    sh, sol = ilp_sharding(g, cluster, cfg, None, 4, SearchOptions(), Stats())
+    sc = SearchContext(graph=g, cluster=cluster, global_batch_size=4, profile=None,
+                       opts=SearchOptions(), stats=Stats())
+    sh, sol = ilp_sharding(sc, cfg, 4)
     assert sol.status == "optimal"
     by_name = [{s.name: s for s in strategies(g, op, 8)}[mine.name]
                for op, mine in zip(g.ops, sh.op_strategy)]

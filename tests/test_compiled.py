@@ -3,7 +3,7 @@ layer at a time, composed with tensor parallelism, FSDP2, pipelines, recomputati
 checkpoints, and computing what the eager program computes.
 
 Inductor builds C++ on the CPU (seconds to a minute a graph here), so the cases are few and
-small: layers of one kind share one compiled graph (``segments.share_code``), which is what
+small: layers of one kind share one compiled graph (``program_modules.share_code``), which is what
 keeps compile time bounded at any depth.
 """
 
@@ -95,7 +95,7 @@ def test_compiled_layers_with_collectives_never_recompute_selectively():
     selective recomputation out of compiled tp plans, refuses it when forced, and the runtime
     refuses a hand-made plan that has it, before any collective."""
     from autoplan import ConfigError
-    from autoplan.planner.space import selective_compiles
+    from autoplan.planner.search_space import selective_compiles
     from autoplan.sharding.parallel_config import ParallelConfig
     assert selective_compiles(ParallelConfig(dp=2, compiled=True))
     assert not selective_compiles(ParallelConfig(tp=2, compiled=True))

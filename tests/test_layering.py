@@ -16,6 +16,9 @@ Python runs on the way are not counted. An import inside a function (made when f
 kept only for a reason written beside it: import time of ``autoplan``, an optional dependency.
 Such an import may close a circle only when its line says so, with a comment holding
 ``lazily:`` and the reason (``from autoplan.x import y  # lazily: ...``); none does today.
+
+What a module's neighbours use it exports under a public name: no module takes a private name
+(``_x``, not ``__x__``) of another, by ``from autoplan.m import _x`` or as ``m._x``.
 """
 
 import ast
@@ -70,6 +73,50 @@ def _imports(root: pathlib.Path = ROOT):
             for target in dict.fromkeys(targets):
                 if target in modules and target != name:
                     yield name, target, f.relative_to(root).as_posix(), node.lineno, marked
+
+
+def _private_uses(root: pathlib.Path = ROOT) -> list[str]:
+    """Every use of another module's private name in the package at ``root``: imported
+    (``from autoplan.m import _x``) or read off an imported module (``m._x``)."""
+    modules = _modules(root)
+    out = []
+    for name, f in modules.items():
+        package = name if f.name == "__init__.py" else name.rpartition(".")[0]
+        tree = ast.parse(f.read_text())
+        aliases: dict[str, str] = {}          # local name -> the autoplan module it is
+        rel = f.relative_to(root).as_posix()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    anchor = package.split(".")[:len(package.split(".")) - node.level + 1]
+                    base = ".".join(anchor + ([base] if base else []))
+                for a in node.names:
+                    if f"{base}.{a.name}" in modules:
+                        aliases[a.asname or a.name] = f"{base}.{a.name}"
+                    elif base in modules and base != name and _private(a.name):
+                        out.append(f"{rel}:{node.lineno} imports {a.name} from {base}")
+            elif isinstance(node, ast.Import):
+                for a in node.names:
+                    if a.name in modules:
+                        aliases[a.asname or a.name.partition(".")[0]] = (
+                            a.name if a.asname else a.name.partition(".")[0])
+        for node in ast.walk(tree):
+            if not (isinstance(node, ast.Attribute) and _private(node.attr)):
+                continue
+            chain, v = [], node.value
+            while isinstance(v, ast.Attribute):
+                chain.append(v.attr)
+                v = v.value
+            if isinstance(v, ast.Name) and v.id in aliases:
+                target = ".".join([aliases[v.id], *reversed(chain)])
+                if target in modules and target != name:
+                    out.append(f"{rel}:{node.lineno} reads {node.attr} of {target}")
+    return out
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
 
 
 def _layer_of(module: str) -> str:
@@ -139,6 +186,13 @@ def test_no_module_imports_itself_round_a_circle():
                          "below them):\n" + "\n\n".join("\n".join(c) for c in circles))
 
 
+def test_modules_use_only_each_others_public_names():
+    private = _private_uses()
+    assert not private, ("private names used across modules (make them public where a "
+                         "neighbour needs them, or move the code to where it is used):\n"
+                         + "\n".join(private))
+
+
 def test_the_checks_see_circles_and_arrows_up(tmp_path):
     """The two checks above find what they are for, in a package made to have both."""
     pkg = tmp_path / "autoplan"
@@ -157,6 +211,27 @@ def test_the_checks_see_circles_and_arrows_up(tmp_path):
                               "graph/b.py:2 imports autoplan.graph.c",
                               "graph/c.py:1 imports autoplan.graph.a"]]
     assert _upward(pkg) == ["graph/c.py:2 (graph) imports autoplan.planner.p (planner)"]
+
+
+def test_the_check_sees_private_names_across_modules(tmp_path):
+    pkg = tmp_path / "autoplan"
+    for rel, text in {
+            "__init__.py": "",
+            "graph/__init__.py": "",
+            "graph/a.py": "_x = 1\n__all__ = []\ndef _f():\n    return _x\n",
+            "graph/b.py": "from autoplan.graph.a import _x, __all__\n",
+            "graph/c.py": "from autoplan.graph import a\nimport autoplan.graph.a as aa\n"
+                          "y = a._f() + aa._x + a.__all__\n",
+            "graph/d.py": "import autoplan.graph.a\nz = autoplan.graph.a._x\n",
+            "graph/e.py": "from .a import _f\n"}.items():
+        (pkg / rel).parent.mkdir(parents=True, exist_ok=True)
+        (pkg / rel).write_text(text)
+    assert sorted(_private_uses(pkg)) == [
+        "graph/b.py:1 imports _x from autoplan.graph.a",
+        "graph/c.py:3 reads _f of autoplan.graph.a",
+        "graph/c.py:3 reads _x of autoplan.graph.a",
+        "graph/d.py:2 reads _x of autoplan.graph.a",
+        "graph/e.py:1 imports _f from autoplan.graph.a"]
 
 
 def test_planning_does_not_load_the_runtime():

@@ -114,7 +114,7 @@ def test_a_plan_records_its_keys_and_binds_to_another_trace():
     from autoplan import Cluster
     from autoplan import plan as make_plan
     from autoplan.planner.op_binding import bind_strategies
-    from autoplan.planner.plan_check import check_plan_against
+    from autoplan.planner.plan_vs_model import check_plan_against
     from autoplan.planner.planfile import Plan
     g = _tiny()
     plan = make_plan(g, Cluster.preset("dgx-a100-80gb", nodes=1), global_batch_size=8,
@@ -204,7 +204,7 @@ def _plan_step(folder):
     import dataclasses
 
     import autoplan
-    from autoplan.planner.plan_check import check_plan_against
+    from autoplan.planner.plan_vs_model import check_plan_against
     for name in MODELS:
         model, ids = _model(name)
         graph = autoplan.trace(model, (ids,), loss_fn=_loss, targets=ids)

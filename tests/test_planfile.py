@@ -583,7 +583,7 @@ def _wrong_plans():
 @pytest.mark.parametrize("label,family,edit,match", _wrong_plans(),
                          ids=[w[0] for w in _wrong_plans()])
 def test_a_plan_that_does_not_fit_its_model_is_refused(label, family, edit, match):
-    from autoplan.planner.plan_check import check_plan_against
+    from autoplan.planner.plan_vs_model import check_plan_against
     ex = build_example("gpt-tiny", batch_size=1)
     g = trace(ex.model, ex.example_inputs, loss_fn=ex.loss_fn, targets=ex.targets)
     force, max_pp = ({"tp": 2}, 1) if family == "tp" else ({"pp": 2}, 2)

@@ -346,7 +346,7 @@ def test_cli_plan_inspect_diff(tmp_path, capsys):
 def test_a_weight_read_by_two_ops_gets_one_placement():
     """GPT's LM head is tied to the token embedding: one tensor, so the ILP may not lay it out
     two ways (the runtime could not run that)."""
-    from autoplan.planner.costing import Stats, ilp_sharding
+    from autoplan.planner.search_costing import SearchContext, Stats, ilp_sharding
     from autoplan.planner.search import SearchOptions
     g = _graph("gpt-tiny", batch_size=4)
     tied = [n for n, v in ((n, g.value(n)) for op in g.ops for n in op.inputs)
@@ -354,7 +354,9 @@ def test_a_weight_read_by_two_ops_gets_one_placement():
     assert tied, "gpt-tiny ties lm_head to tok_embeddings"
     for mbs in (1, 4):
         cfg = ParallelConfig(dp=1, tp=2, micro_batch_size=mbs, precision="fp32")
-        sh, _ = ilp_sharding(g, Cluster.local(2), cfg, None, 1, SearchOptions(), Stats())
+        sc = SearchContext(graph=g, cluster=Cluster.local(2), global_batch_size=mbs,
+                           profile=None, opts=SearchOptions(), stats=Stats())
+        sh, _ = ilp_sharding(sc, cfg, 1)
         seen = {str(s.inputs[k]) for op, s in zip(g.ops, sh.op_strategy)
                 for k, n in enumerate(op.inputs) if n == tied[0] and k < len(s.inputs)}
         assert len(seen) == 1, (mbs, seen)
@@ -558,7 +560,7 @@ def test_a_model_with_batch_statistics_is_planned_on_whole_per_replica_batches()
     the whole per-replica batch (data-parallel ranks share their statistics), so a plan that
     accumulated gradients over smaller micro-batches would train another model. Unforced, the
     search keeps the per-replica batch whole; a transformer gets the usual choice."""
-    from autoplan.planner.space import batch_statistics, mbs_options
+    from autoplan.planner.search_space import batch_statistics, mbs_options
     from autoplan.planner.search import SearchOptions
     cnn, gpt = _graph("cnn-tiny"), _graph("gpt-tiny")
     assert batch_statistics(cnn) and not batch_statistics(gpt)

@@ -1,4 +1,4 @@
-"""The search skips what cannot win (``costing.evaluate``): a configuration that only
+"""The search skips what cannot win (``search_costing.evaluate``): a configuration that only
 recomputes more than one that fits (``prune_dominated``: it would be no faster), and a pipelined
 configuration whose floor, a lower bound on the closed form of any of its stage layouts, is
 more than ``CLOSED_FORM_SLACK`` behind the best found (``behind_s``). These tests hold the
@@ -15,7 +15,7 @@ import pytest
 from autoplan import Cluster, ParallelConfig, estimate
 from autoplan.graph import trace
 from autoplan.models import build_example
-from autoplan.planner import costing, search
+from autoplan.planner import search_costing, search
 from autoplan.sharding.sharding import megatron_sharding, replicated
 
 
@@ -66,7 +66,7 @@ def test_pruning_finds_the_plan_the_full_enumeration_finds(monkeypatch, name, pr
     pruned = search.plan(graph, cluster, global_batch_size=gbs, profile=None,
                          progress=said.append)
     assert any(" skipped (floor over " in msg for msg in said) == skips
-    full_evaluate = costing.evaluate
+    full_evaluate = search_costing.evaluate
 
     def every_config(*args, **kwargs):
         return full_evaluate(*args, **{**kwargs, "prune_dominated": False, "behind_s": None})
@@ -91,7 +91,7 @@ def test_the_floor_is_below_the_closed_form_of_every_stage_layout(name):
     from autoplan.cost.compute import compute_model
     from autoplan.estimate.layout import step_floor_s, with_layout
     from autoplan.estimate.partition import pipeline_units
-    from autoplan.planner.costing import cost_inputs
+    from autoplan.planner.search_costing import SearchContext, Stats, cost_inputs
     from autoplan.planner.search import SearchOptions
     if name.startswith("hf-"):
         pytest.importorskip("transformers")
@@ -115,8 +115,9 @@ def test_the_floor_is_below_the_closed_form_of_every_stage_layout(name):
                              virtual_stages=v, zero_stage=rng.choice([0, 1]),
                              sequence_parallel=tp > 1)
         policies = ["none", "selective", "full"]
-        floor = step_floor_s(cost_inputs(graph, cluster, cfg, sh, None, SearchOptions()), m,
-                             policies)
+        sc = SearchContext(graph=graph, cluster=cluster, global_batch_size=dp * mbs * m,
+                           profile=None, opts=SearchOptions(), stats=Stats())
+        floor = step_floor_s(cost_inputs(sc, cfg, sh), m, policies)
         n = pp * v
         cuts = sorted(rng.sample(range(1, layers), n - 1))
         counts = [b - a for a, b in zip([0, *cuts], [*cuts, layers])]

@@ -103,9 +103,9 @@ def run(args: argparse.Namespace) -> int:
 def _measure(path: str, plan: Any, args: argparse.Namespace) -> Measured | None:
     world = plan.config.world_size
     with tempfile.TemporaryDirectory(prefix="autoplan-calibrate-") as tmp:
-        from autoplan.cli.demo_cmd import _free_port
+        from autoplan.cli.demo_cmd import free_port
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={world}",
-               f"--master-port={_free_port()}", "-m", "autoplan.runtime.worker", "--plan",
+               f"--master-port={free_port()}", "-m", "autoplan.runtime.worker", "--plan",
                path, "--model", args.model, "--steps", str(args.warmup),
                "--profile-dir", tmp, "--profile-steps", str(args.steps),
                "--json", os.path.join(tmp, "steps.json")]

@@ -69,7 +69,7 @@ def run(args: argparse.Namespace) -> int:
               f"global batch {gbs}")
     ckpt = os.path.join(out, "checkpoints")
     cmd = torchrun_command(path, "gpt-small-cpu", nproc=args.ranks, steps=args.steps, lr=1e-3,
-                           master_port=_free_port(), checkpoint_dir=ckpt,
+                           master_port=free_port(), checkpoint_dir=ckpt,
                            checkpoint_every=args.steps, overwrite=True)   # the demo's own folder
     print("$ " + " ".join(cmd[2:]), flush=True)
     code = subprocess.call(cmd, env=rank_env())
@@ -80,7 +80,7 @@ def run(args: argparse.Namespace) -> int:
     more = max(1, args.steps // 2)
     _headline(f"2b. new processes resume from the checkpoint and train {more} more steps")
     cmd = torchrun_command(path, "gpt-small-cpu", nproc=args.ranks, steps=args.steps + more,
-                           lr=1e-3, master_port=_free_port(), checkpoint_dir=ckpt,
+                           lr=1e-3, master_port=free_port(), checkpoint_dir=ckpt,
                            resume=True)
     print("$ " + " ".join(cmd[2:]), flush=True)
     code = subprocess.call(cmd, env=rank_env())
@@ -112,7 +112,7 @@ def rank_env() -> dict[str, str]:
             "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
 
 
-def _free_port() -> int:
+def free_port() -> int:
     import socket
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

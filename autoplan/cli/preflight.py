@@ -12,7 +12,7 @@ In the order they are cheap:
 4. the cluster the ranks will describe (``Cluster.local``, as ``compile`` does) against the
    plan's (``planfile.plan_mismatch``);
 5. the model, built as a rank builds it and traced, against the plan's fingerprint and its
-   per-op choices (``plan_check.check_plan_against``). A wrong ``--model`` names the plan's;
+   per-op choices (``plan_vs_model.check_plan_against``). A wrong ``--model`` names the plan's;
    a forgotten or wrong ``--layers`` is found by building the plan's layer count and says
    ``--layers N``.
 
@@ -133,7 +133,7 @@ def _layers(graph: Any) -> int:
 def _check_model(plan: Any, args: argparse.Namespace) -> None:
     """The model ``--model`` (with ``--layers``/``--seq-len``/``--meta``) builds, traced as the
     ranks trace it, against the plan."""
-    from autoplan.planner.plan_check import check_plan_against
+    from autoplan.planner.plan_vs_model import check_plan_against
     from autoplan.planner.planfile import plan_mismatch
     graph = _trace(args, plan, args.layers)
     what = plan_mismatch(plan, graph=graph)
@@ -172,5 +172,5 @@ def _buildable(name: str) -> bool:
     """``name`` is something ``--model`` takes (an example or package.module:function)."""
     if ":" in name:
         return True
-    from autoplan.models.registry import _REGISTRY
-    return name in _REGISTRY
+    from autoplan.models.registry import list_examples
+    return name in list_examples()

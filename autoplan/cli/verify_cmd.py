@@ -94,9 +94,9 @@ def run(args: argparse.Namespace) -> int:
         if seq:
             worker += ["--seq-len", str(seq)]
         if world > 1:
-            from autoplan.cli.demo_cmd import _free_port
+            from autoplan.cli.demo_cmd import free_port
             cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={world}",
-                   f"--master-port={_free_port()}"] + worker
+                   f"--master-port={free_port()}"] + worker
         else:
             cmd = [sys.executable] + worker
         from autoplan.cli.demo_cmd import rank_env

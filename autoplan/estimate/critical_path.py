@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
 
-from autoplan.estimate.pipeline_sim import _F, _W, W_FRACTION, _run
+from autoplan.estimate.pipeline_sim import W_FRACTION, FORWARD, WEIGHT_GRAD, run_schedule
 from autoplan.sharding.parallel_config import chunk_ranks
 
 
@@ -57,7 +57,7 @@ def critical_path(*, schedule: str, p: int, v: int, m: int, fwd_s: Sequence[floa
 def _critical_path(schedule: str, p: int, v: int, m: int, fwd_s: tuple[float, ...],
                    bwd_s: tuple[float, ...], sends: tuple[float, ...]) -> CriticalPath:
     n = p * v
-    run = _run(schedule, p, v, m, fwd_s, bwd_s, sends, (), keep_deltas=False)
+    run = run_schedule(schedule, p, v, m, fwd_s, bwd_s, sends, (), keep_deltas=False)
     ranks = chunk_ranks(schedule, p, v)
     sent = [0.0 if ranks[c] == ranks[c + 1] else x for c, x in enumerate(sends)]
     # where each forward and backward (B or BW) ran: (rank, index on the rank), at c * m + mb
@@ -66,9 +66,9 @@ def _critical_path(schedule: str, p: int, v: int, m: int, fwd_s: tuple[float, ..
     split = [False] * (n * m)            # its backward split in B and W
     for r, evs in enumerate(run.events):
         for i, (kind, mb, c, _, _) in enumerate(evs):
-            if kind == _F:
+            if kind == FORWARD:
                 f_at[c * m + mb] = (r, i)
-            elif kind == _W:
+            elif kind == WEIGHT_GRAD:
                 split[c * m + mb] = True
             else:
                 b_at[c * m + mb] = (r, i)
@@ -79,11 +79,11 @@ def _critical_path(schedule: str, p: int, v: int, m: int, fwd_s: tuple[float, ..
     while True:
         kind, mb, c, start, _ = run.events[r][i]
         dep = boundary = None
-        if kind == _F:
+        if kind == FORWARD:
             fwd[c] += 1.0
             if c:
                 dep, boundary = f_at[(c - 1) * m + mb], c - 1
-        elif kind == _W:
+        elif kind == WEIGHT_GRAD:
             bwd[c] += W_FRACTION
         else:
             bwd[c] += (1.0 - W_FRACTION) if split[c * m + mb] else 1.0

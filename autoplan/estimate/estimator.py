@@ -19,7 +19,7 @@ Order of the computation (each step uses only what the previous ones produced):
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from itertools import chain, repeat
 from typing import Any
 
@@ -106,17 +106,32 @@ def estimate(model: Any, cluster: Any, *, config: ParallelConfig, global_batch_s
     graph = as_graph(model, example_inputs, loss_fn=loss_fn, targets=targets, who="estimate()",
                      error=ConfigError)
     m = validate(graph, cluster, config, global_batch_size)
-    a = analyze(graph)
     profile = profile_arg(profile, cluster, "estimate()")
+    ci = cost_inputs(graph, cluster, config, profile, sharding, expert_capacity_factor)
+    chunks = chunks_for(ci)
+    costs = [chunk_cost(ci, ch, config.chunk_policy(c)) for c, ch in enumerate(chunks)]
+    # the model state, its gradient sync and ZeRO's traffic span the dp x cp ranks
+    state_config = config.grad_view()
+    schedule = pipeline_timing(ci, costs, m, state_config, simulate=simulate_pipeline)
+    time = time_breakdown(ci, costs, chunks, schedule, m, profile, state_config)
+    margin = reserved_bytes(cluster, memory_margin_bytes)
+    stages = tuple(stage_estimate(ci, costs, chunks, schedule, m, s, margin, state_config)
+                   for s in range(config.pp))
+    return assemble_estimate(ci, chunks, stages, time, global_batch_size, m)
+
+
+def cost_inputs(graph: OpGraph, cluster: Any, config: ParallelConfig, profile: Any,
+                sharding: Sharding | None, expert_capacity_factor: float) -> CostInputs:
+    """What every chunk's cost reads: the device's compute model, the tp sharding (checked to
+    be for ``config.tp`` and to compose with its context parallelism) and the expert load."""
     compute = compute_model(graph, cluster.device, config.precision, profile,
                             config.mixed_precision, config.compiled)
-    interference = overlap_interference(cluster)
-    p, v = config.pp, config.virtual_stages
     sh = sharding_for(graph, config.tp, config.sequence_parallel, sharding)
     if sh.t != config.tp:
         raise ConfigError(f"the sharding is for tp={sh.t} but the config has tp={config.tp}")
-    ci = CostInputs(graph=graph, analysis=a, sharding=sh, compute=compute, cluster=cluster,
-                    config=config, expert_load=capacity_arg(expert_capacity_factor),
+    ci = CostInputs(graph=graph, analysis=analyze(graph), sharding=sh, compute=compute,
+                    cluster=cluster, config=config,
+                    expert_load=capacity_arg(expert_capacity_factor),
                     context=context_axis(graph, config.cp))
     why = ci.context.conflicts(sh) if ci.context is not None else []
     if why:
@@ -124,142 +139,243 @@ def estimate(model: Any, cluster: Any, *, config: ParallelConfig, global_batch_s
                           + (f" (and {len(why) - 1} more)" if len(why) > 1 else "")
                           + "; plan with autoplan.plan(..., force={'cp': ...}) for a tp "
                           "sharding that composes with it")
-    # the model state, its gradient sync and ZeRO's traffic span the dp x cp ranks
-    state_config = config.grad_view()
-    chunks = chunks_for(ci)
-    costs = [chunk_cost(ci, ch, config.chunk_policy(c)) for c, ch in enumerate(chunks)]
+    return ci
 
-    # --- pipeline schedule: simulated (pipeline_sim) ------------------------------------------
-    stage_chunks = [list(config.rank_chunks(s)) for s in range(p)]
-    stage_f = [sum(costs[c].fwd_total_s for c in cs) for cs in stage_chunks]
-    stage_b = [sum(costs[c].bwd_total_s for c in cs) for cs in stage_chunks]
+
+@dataclass(frozen=True)
+class PipelineTiming:
+    """The pipeline schedule's share of a step: which chunks each stage runs, their forward
+    and backward seconds per micro-batch, the bottleneck stage, the fill-and-drain bubble and
+    the waits on point-to-point sends; ``sim`` (None: closed form, or no pipeline) is the
+    simulation, ``simulated_comm`` the (gradient syncs, gathers) it exposed."""
+
+    stage_chunks: tuple[tuple[int, ...], ...]
+    stage_f: tuple[float, ...]
+    stage_b: tuple[float, ...]
+    bottleneck: int
+    bubble_s: float = 0.0
+    p2p_s: float = 0.0
+    sim: PipelineTotals | None = None
+    simulated_comm: tuple[float, float] | None = None
+
+
+def pipeline_timing(ci: CostInputs, costs: Sequence[RangeCost], m: int,
+                    state_config: ParallelConfig, *, simulate: bool) -> PipelineTiming:
+    """Stage times and the schedule's bubble and send waits: simulated (``pipeline_sim``), or
+    the closed form when ``simulate`` is off (the planner's screening). ``state_config``: the
+    config as its model state's ranks see it (``ParallelConfig.grad_view``)."""
+    config, cluster = ci.config, ci.cluster
+    p = config.pp
+    stage_chunks = tuple(tuple(config.rank_chunks(s)) for s in range(p))
+    stage_f = tuple(sum(costs[c].fwd_total_s for c in cs) for cs in stage_chunks)
+    stage_b = tuple(sum(costs[c].bwd_total_s for c in cs) for cs in stage_chunks)
     bottleneck = max(range(p), key=lambda s: stage_f[s] + stage_b[s])
-    sim = None
-    simulated_comm: tuple[float, float] | None = None    # (gradient syncs, gathers) exposed
-    bubble_s = p2p_s = 0.0
-    if p > 1 and not simulate_pipeline:
-        if config.schedule in SPLIT_BACKWARD:   # W's fill all but F + B - W of a stage time
-            t_mb = stage_f[bottleneck] + stage_b[bottleneck] * max(0.0, 1 - 2 * W_FRACTION)
-            bubble_s = (p - 1) / v * t_mb
-        else:
-            # fill and drain: one micro-batch through every other rank, forward and backward
-            # ((p - 1) bottleneck stage-times on even stages; on uneven ones, what the
-            # simulator finds where the bottleneck is the last rank, and above it elsewhere)
-            bubble_s = sum(stage_f[r] + stage_b[r] for r in range(p) if r != bottleneck) / v
-        p2p_s = 2.0 * sum(_sends(config, cluster, costs))
-    elif p > 1:
-        fwd = [c.fwd_total_s for c in costs]
-        bwd = [c.bwd_total_s for c in costs]
-        sends = _sends(config, cluster, costs)
-        kw = dict(schedule=config.schedule, p=p, v=v, m=m, fwd_s=fwd, bwd_s=bwd,
-                  activation_bytes=[c.activation_bytes for c in costs])
-        no_collectives = pipeline_totals(send_s=sends, **kw)
-        free_sends = pipeline_totals(**kw).makespan_s
-        sync_s, fsdp_s = _chunk_collectives(state_config, cluster, costs)
-        sim = no_collectives
-        if any(sync_s) or any(map(any, fsdp_s)):
-            sim = pipeline_totals(send_s=sends, sync_s=sync_s, fsdp_s=fsdp_s,
-                                  layers=[max(1, c.num_layers) for c in costs], **kw)
-        bottleneck = max(range(p), key=lambda r: sim.busy_s[r])
-        bubble_s = max(0.0, free_sends - sim.busy_s[bottleneck])     # fill and drain
-        p2p_s = max(0.0, no_collectives.makespan_s - free_sends)  # waiting on the sends
-        simulated_comm = _exposed_collectives(sim, no_collectives.makespan_s, interference)
-    bc = [costs[c] for c in stage_chunks[bottleneck]]
+    timing = PipelineTiming(stage_chunks=stage_chunks, stage_f=stage_f, stage_b=stage_b,
+                            bottleneck=bottleneck)
+    if p == 1:
+        return timing
+    if not simulate:
+        return replace(timing, bubble_s=_closed_form_bubble_s(config, stage_f, stage_b,
+                                                              bottleneck),
+                       p2p_s=2.0 * sum(_sends(config, cluster, costs)))
+    return _simulated_timing(ci, costs, m, timing, state_config)
+
+
+def _closed_form_bubble_s(config: ParallelConfig, stage_f: Sequence[float],
+                          stage_b: Sequence[float], bottleneck: int) -> float:
+    p, v = config.pp, config.virtual_stages
+    if config.schedule in SPLIT_BACKWARD:   # W's fill all but F + B - W of a stage time
+        t_mb = stage_f[bottleneck] + stage_b[bottleneck] * max(0.0, 1 - 2 * W_FRACTION)
+        return (p - 1) / v * t_mb
+    # fill and drain: one micro-batch through every other rank, forward and backward
+    # ((p - 1) bottleneck stage-times on even stages; on uneven ones, what the
+    # simulator finds where the bottleneck is the last rank, and above it elsewhere)
+    return sum(stage_f[r] + stage_b[r] for r in range(p) if r != bottleneck) / v
+
+
+def _simulated_timing(ci: CostInputs, costs: Sequence[RangeCost], m: int,
+                      timing: PipelineTiming, state_config: ParallelConfig) -> PipelineTiming:
+    """The schedule simulated three ways: with free sends (the bubble), with the sends (their
+    waits) and with the data-parallel collectives on their own stream (what they expose)."""
+    config, cluster = ci.config, ci.cluster
+    fwd = [c.fwd_total_s for c in costs]
+    bwd = [c.bwd_total_s for c in costs]
+    sends = _sends(config, cluster, costs)
+    kw = dict(schedule=config.schedule, p=config.pp, v=config.virtual_stages, m=m, fwd_s=fwd,
+              bwd_s=bwd, activation_bytes=[c.activation_bytes for c in costs])
+    no_collectives = pipeline_totals(send_s=sends, **kw)
+    free_sends = pipeline_totals(**kw).makespan_s
+    sync_s, fsdp_s = _chunk_collectives(state_config, cluster, costs)
+    sim = no_collectives
+    if any(sync_s) or any(map(any, fsdp_s)):
+        sim = pipeline_totals(send_s=sends, sync_s=sync_s, fsdp_s=fsdp_s,
+                              layers=[max(1, c.num_layers) for c in costs], **kw)
+    bottleneck = max(range(config.pp), key=lambda r: sim.busy_s[r])
+    return replace(
+        timing, bottleneck=bottleneck,
+        bubble_s=max(0.0, free_sends - sim.busy_s[bottleneck]),      # fill and drain
+        p2p_s=max(0.0, no_collectives.makespan_s - free_sends),      # waiting on the sends
+        sim=sim, simulated_comm=_exposed_collectives(sim, no_collectives.makespan_s,
+                                                     overlap_interference(cluster)))
+
+
+def time_breakdown(ci: CostInputs, costs: Sequence[RangeCost], chunks: Sequence[Any],
+                   timing: PipelineTiming, m: int, profile: Any,
+                   state_config: ParallelConfig) -> TimeBreakdown:
+    """Seconds per step on the bottleneck stage, by cause: its compute, recompute and exposed
+    tp/ep/cp collectives over ``m`` micro-batches, the schedule's bubble and sends, the worst
+    stage's data-parallel, optimizer and offload terms, and the framework's overhead."""
+    config = ci.config
+    bc = [costs[c] for c in timing.stage_chunks[timing.bottleneck]]
     compute_s = m * sum(c.fwd_s + c.bwd_s for c in bc)
     recompute_s = m * sum(c.recompute_s for c in bc)
     tp_s = m * sum(c.tp_fwd_s + c.tp_bwd_s for c in bc)
     ep_s = m * sum(c.ep_fwd_s + c.ep_bwd_s for c in bc)
     cp_s = m * sum(c.cp_s for c in bc)
-
-    # --- data parallel / ZeRO, optimizer, offload (worst stage) -------------------------------
-    dp_sync = zero_gather = opt_s = offload_s = 0.0
-    for s in range(p):
-        terms = stage_terms(state_config, cluster, stage_params(costs, stage_chunks[s], config),
-                            m, s, compute, profile, simulated=simulated_comm is not None)
-        x = price(terms, stage_f[s], stage_b[s], interference)
-        # the tp-axis all-reduce of replicated weights' partial gradients runs after backward,
-        # in one flattened call (runtime/optim.py TensorParallelGrads): exposed
-        sync = sum(costs[c].tp_step_s for c in stage_chunks[s]) + x["dp_grad_sync"]
-        gather, o, off = x["zero_param_gather"], x["optimizer"], x["offload"]
-        if sync + gather + o + off > dp_sync + zero_gather + opt_s + offload_s:
-            dp_sync, zero_gather, opt_s, offload_s = sync, gather, o, off
-
-    if simulated_comm is not None:
-        dp_sync += simulated_comm[0]
-        zero_gather += simulated_comm[1]
-
+    dp_sync, zero_gather, opt_s, offload_s = _worst_stage_dp_terms(ci, costs, timing, m,
+                                                                   profile, state_config)
+    if timing.simulated_comm is not None:
+        dp_sync += timing.simulated_comm[0]
+        zero_gather += timing.simulated_comm[1]
     cal = getattr(profile, "calibration", None)
     overhead_s = getattr(cal, "step_overhead_s", 0.0) or 0.0
     # eager framework time outside the kernels: per op, forward and backward, every micro-batch
-    ops_bottleneck = sum(chunks[c].stop - chunks[c].start for c in stage_chunks[bottleneck])
+    ops_bottleneck = sum(chunks[c].stop - chunks[c].start
+                         for c in timing.stage_chunks[timing.bottleneck])
     overhead_s += (getattr(cal, "framework_s_per_op", 0.0) * 2 * ops_bottleneck * m
-                   * compute.slowdown)
+                   * ci.compute.slowdown)
     comm_exposed = {"tp": max(0.0, tp_s - cp_s), "dp_grad_sync": dp_sync,
                     "zero_param_gather": zero_gather,
-                    "pp_p2p": p2p_s, "offload": offload_s}
+                    "pp_p2p": timing.p2p_s, "offload": offload_s}
     if config.ep > 1:
         comm_exposed["ep_all_to_all"] = ep_s
     if cp_s > 0:                      # context parallelism: ring attention's exposed passes
         comm_exposed["cp_ring"] = cp_s
-    time = TimeBreakdown(compute_s=compute_s, recompute_s=recompute_s,
-                         comm_exposed_s=comm_exposed, bubble_s=bubble_s, optimizer_s=opt_s,
-                         overhead_s=overhead_s)
-    step_s = time.total_s
+    return TimeBreakdown(compute_s=compute_s, recompute_s=recompute_s,
+                         comm_exposed_s=comm_exposed, bubble_s=timing.bubble_s,
+                         optimizer_s=opt_s, overhead_s=overhead_s)
 
-    # --- memory per stage -------------------------------------------------------------------
-    device_mem = float(cluster.device.memory_bytes)
-    margin = reserved_bytes(cluster, memory_margin_bytes)
-    stages = []
-    for s in range(p):
-        cs = [costs[c] for c in stage_chunks[s]]
-        params = sum(c.params for c in cs)
-        experts = sum(c.expert_params for c in cs)
-        whole = _whole(config, cs)
-        states = _states(config, params - experts - whole, state_config.shard_degree)
-        if whole:            # weights ZeRO-3 keeps whole: whole states on every rank
-            w = model_state_bytes(whole, dp=1, zero_stage=0, precision=config.precision,
-                                  optimizer=config.optimizer,
-                                  offload_optimizer=config.offload_optimizer,
-                                  mixed_precision=config.mixed_precision)
-            states = replace(states, params_bytes=states.params_bytes + w.params_bytes,
-                             grads_bytes=states.grads_bytes + w.grads_bytes,
-                             optimizer_bytes=states.optimizer_bytes + w.optimizer_bytes,
-                             offloaded_bytes=states.offloaded_bytes + w.offloaded_bytes)
-        if experts:          # expert weights' state: sharded over the ranks holding them
-            e = _states(config, experts, config.dp // config.ep)
-            states = replace(states, params_bytes=states.params_bytes + e.params_bytes,
-                             grads_bytes=states.grads_bytes + e.grads_bytes,
-                             optimizer_bytes=states.optimizer_bytes + e.optimizer_bytes,
-                             offloaded_bytes=states.offloaded_bytes + e.offloaded_bytes)
-        act_mb = sum(c.activation_bytes for c in cs)
-        if sim is not None and act_mb > 0:   # the simulated peak of the schedule
-            flight = sim.peak_activation_bytes[s] / act_mb
-        else:
-            flight = in_flight(config, m, s)
-        transient = max(c.working_set_bytes for c in cs)
-        layers = max(1, sum(c.num_layers for c in cs))
-        if config.zero_stage == 3 and config.grad_degree > 1:
-            # two layers' weights gathered at once (prefetch) plus their unsharded gradients
-            transient += 2 * ((params - whole) / layers) * PRECISION_BYTES[config.precision] * 2
-        mem = MemoryBreakdown(params_bytes=states.params_bytes, grads_bytes=states.grads_bytes,
-                              optimizer_bytes=states.optimizer_bytes,
-                              activations_bytes=act_mb * flight, transient_bytes=transient,
-                              margin_bytes=margin, offloaded_bytes=states.offloaded_bytes)
-        stages.append(StageEstimate(
-            index=s, layers=tuple(l for c in stage_chunks[s] for l in chunks[c].layers),
-            num_ops=sum(chunks[c].stop - chunks[c].start for c in stage_chunks[s]),
-            params_per_device=params, fwd_s=stage_f[s], bwd_s=stage_b[s],
-            activation_bytes_per_microbatch=act_mb, microbatches_in_flight=flight,
-            memory=mem, chunks=tuple(chunks[c].layers for c in stage_chunks[s])))
+
+def _worst_stage_dp_terms(ci: CostInputs, costs: Sequence[RangeCost], timing: PipelineTiming,
+                          m: int, profile: Any, state_config: ParallelConfig
+                          ) -> tuple[float, float, float, float]:
+    """(gradient sync, ZeRO gathers, optimizer, offload) seconds of the stage where they add
+    up to most: data parallel, ZeRO and the optimizer step, hidden behind backward compute
+    only as far as that compute lasts."""
+    config, cluster = ci.config, ci.cluster
+    interference = overlap_interference(cluster)
+    dp_sync = zero_gather = opt_s = offload_s = 0.0
+    for s in range(config.pp):
+        terms = stage_terms(state_config, cluster,
+                            stage_params(costs, timing.stage_chunks[s], config), m, s,
+                            ci.compute, profile, simulated=timing.simulated_comm is not None)
+        x = price(terms, timing.stage_f[s], timing.stage_b[s], interference)
+        # the tp-axis all-reduce of replicated weights' partial gradients runs after backward,
+        # in one flattened call (runtime/optim.py TensorParallelGrads): exposed
+        sync = sum(costs[c].tp_step_s for c in timing.stage_chunks[s]) + x["dp_grad_sync"]
+        gather, o, off = x["zero_param_gather"], x["optimizer"], x["offload"]
+        if sync + gather + o + off > dp_sync + zero_gather + opt_s + offload_s:
+            dp_sync, zero_gather, opt_s, offload_s = sync, gather, o, off
+    return dp_sync, zero_gather, opt_s, offload_s
+
+
+def stage_estimate(ci: CostInputs, costs: Sequence[RangeCost], chunks: Sequence[Any],
+                   timing: PipelineTiming, m: int, s: int, margin: float,
+                   state_config: ParallelConfig) -> StageEstimate:
+    """Stage ``s``: its layers and times, and the bytes one of its devices holds at its peak
+    (model states, the activations of the micro-batches in flight, transient buffers and the
+    ``margin``)."""
+    config = ci.config
+    cs = [costs[c] for c in timing.stage_chunks[s]]
+    params = sum(c.params for c in cs)
+    whole = _whole(config, cs)
+    states = _stage_states(config, cs, params, whole, state_config.shard_degree)
+    act_mb = sum(c.activation_bytes for c in cs)
+    if timing.sim is not None and act_mb > 0:   # the simulated peak of the schedule
+        flight = timing.sim.peak_activation_bytes[s] / act_mb
+    else:
+        flight = in_flight(config, m, s)
+    transient = max(c.working_set_bytes for c in cs)
+    layers = max(1, sum(c.num_layers for c in cs))
+    if config.zero_stage == 3 and config.grad_degree > 1:
+        # two layers' weights gathered at once (prefetch) plus their unsharded gradients
+        transient += 2 * ((params - whole) / layers) * PRECISION_BYTES[config.precision] * 2
+    mem = MemoryBreakdown(params_bytes=states.params_bytes, grads_bytes=states.grads_bytes,
+                          optimizer_bytes=states.optimizer_bytes,
+                          activations_bytes=act_mb * flight, transient_bytes=transient,
+                          margin_bytes=margin, offloaded_bytes=states.offloaded_bytes)
+    mine = timing.stage_chunks[s]
+    return StageEstimate(
+        index=s, layers=tuple(l for c in mine for l in chunks[c].layers),
+        num_ops=sum(chunks[c].stop - chunks[c].start for c in mine),
+        params_per_device=params, fwd_s=timing.stage_f[s], bwd_s=timing.stage_b[s],
+        activation_bytes_per_microbatch=act_mb, microbatches_in_flight=flight,
+        memory=mem, chunks=tuple(chunks[c].layers for c in mine))
+
+
+def _stage_states(config: ParallelConfig, cs: Sequence[RangeCost], params: float,
+                  whole: float, shard_degree: int) -> Any:
+    """The model-state bytes of one rank of a stage: ZeRO-sharded over the dp x cp ranks,
+    except weights ZeRO-3 keeps whole (whole on every rank) and expert weights (sharded over
+    the ranks holding them)."""
+    experts = sum(c.expert_params for c in cs)
+    states = _states(config, params - experts - whole, shard_degree)
+    if whole:            # weights ZeRO-3 keeps whole: whole states on every rank
+        w = model_state_bytes(whole, dp=1, zero_stage=0, precision=config.precision,
+                              optimizer=config.optimizer,
+                              offload_optimizer=config.offload_optimizer,
+                              mixed_precision=config.mixed_precision)
+        states = replace(states, params_bytes=states.params_bytes + w.params_bytes,
+                         grads_bytes=states.grads_bytes + w.grads_bytes,
+                         optimizer_bytes=states.optimizer_bytes + w.optimizer_bytes,
+                         offloaded_bytes=states.offloaded_bytes + w.offloaded_bytes)
+    if experts:          # expert weights' state: sharded over the ranks holding them
+        e = _states(config, experts, config.dp // config.ep)
+        states = replace(states, params_bytes=states.params_bytes + e.params_bytes,
+                         grads_bytes=states.grads_bytes + e.grads_bytes,
+                         optimizer_bytes=states.optimizer_bytes + e.optimizer_bytes,
+                         offloaded_bytes=states.offloaded_bytes + e.offloaded_bytes)
+    return states
+
+
+def assemble_estimate(ci: CostInputs, chunks: Sequence[Any], stages: tuple[StageEstimate, ...],
+                      time: TimeBreakdown, global_batch_size: int, m: int) -> Estimate:
+    """The Estimate of the step: memory per device, throughput and MFU, what to warn about,
+    and the activations of one layer."""
+    graph, cluster, config = ci.graph, ci.cluster, ci.config
+    step_s = time.total_s
     # ranks are pp-major: each stage's dp x cp x tp ranks in a row
     per_device = tuple(chain.from_iterable(
         repeat(s.memory.total_bytes, config.dims.degree(STAGE_AXES)) for s in stages))
     peak = max(s.memory.total_bytes for s in stages)
-
     model_flops = (graph.fwd_flops + graph.bwd_flops) * global_batch_size / graph.batch_size
     peak_flops = cluster.device.peak_flops_for(config.precision) * config.world_size
     mfu = model_flops / (step_s * peak_flops) if step_s > 0 else 0.0
     tokens = _tokens_per_sample(graph)
+    layer_acts = 0.0
+    if chunks[0].layer_ranges:
+        s0, e0 = chunks[0].layer_ranges[0]
+        layer_acts = activation_bytes(graph, s0, e0, micro_batch_size=config.micro_batch_size,
+                                      sharding=ci.sharding, recompute=config.stage_policy(0),
+                                      precision=config.precision, context=ci.context,
+                                      held=ci.held)
+    return Estimate(
+        config=config, global_batch_size=global_batch_size, num_microbatches=m,
+        step_time_s=step_s, time=time, peak_memory_bytes=peak,
+        device_memory_bytes=float(cluster.device.memory_bytes),
+        host_memory_per_device_bytes=cluster.host.memory_bytes / cluster.devices_per_node,
+        stages=stages, per_device_memory_bytes=per_device,
+        model_flops_per_step=model_flops, mfu=mfu, samples_per_s=global_batch_size / step_s,
+        tokens_per_s=global_batch_size * tokens / step_s if tokens else None,
+        activation_bytes_per_layer=layer_acts,
+        warnings=_warnings(cluster, config, stages, peak))
+
+
+def _warnings(cluster: Any, config: ParallelConfig, stages: Sequence[StageEstimate],
+              peak: float) -> tuple[str, ...]:
+    """What the user should know of a config that may still run: tp across nodes, memory over
+    the device's, offloaded bytes over the host's share."""
+    device_mem = float(cluster.device.memory_bytes)
     warnings = []
     if config.tp > cluster.devices_per_node:
         warnings.append(f"tp={config.tp} spans nodes ({cluster.devices_per_node} devices per "
@@ -272,21 +388,7 @@ def estimate(model: Any, cluster: Any, *, config: ParallelConfig, global_batch_s
     if offloaded > host_share:
         warnings.append(f"{offloaded / 2**30:.1f} GiB offloaded per device exceeds its share of "
                         f"host memory ({host_share / 2**30:.1f} GiB)")
-    layer_acts = 0.0
-    if chunks[0].layer_ranges:
-        s0, e0 = chunks[0].layer_ranges[0]
-        layer_acts = activation_bytes(graph, s0, e0, micro_batch_size=config.micro_batch_size,
-                                      sharding=sh, recompute=config.stage_policy(0),
-                                      precision=config.precision, context=ci.context,
-                                      held=ci.held)
-    return Estimate(
-        config=config, global_batch_size=global_batch_size, num_microbatches=m,
-        step_time_s=step_s, time=time, peak_memory_bytes=peak, device_memory_bytes=device_mem,
-        host_memory_per_device_bytes=cluster.host.memory_bytes / cluster.devices_per_node,
-        stages=tuple(stages), per_device_memory_bytes=per_device,
-        model_flops_per_step=model_flops, mfu=mfu, samples_per_s=global_batch_size / step_s,
-        tokens_per_s=global_batch_size * tokens / step_s if tokens else None,
-        activation_bytes_per_layer=layer_acts, warnings=tuple(warnings))
+    return tuple(warnings)
 
 
 def _states(config: ParallelConfig, params: float, shard: int) -> Any:

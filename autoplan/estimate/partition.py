@@ -219,64 +219,106 @@ def min_max_split(costs: Sequence[Mapping[str, UnitChoice]], parts: int, *,
                   rel_tol: float = 1e-4) -> Split | None:
     """Cut ``costs`` (per unit: policy -> UnitChoice, policies listed cheapest first) into
     ``parts`` contiguous chunks, choosing each chunk's policy (among ``allowed[c]``, default
-    all), to minimize the slowest chunk. Chunk ``c`` holds ``in_flight[c]`` micro-batches of activations and must fit
-    ``budget_bytes[c]``; ``first``/``last`` are the fixed ops the first/last chunk also run.
-    None when no split fits."""
+    all), to minimize the slowest chunk. Chunk ``c`` holds ``in_flight[c]`` micro-batches of
+    activations and must fit ``budget_bytes[c]``; ``first``/``last`` are the fixed ops the
+    first/last chunk also run. None when no split fits."""
     n = len(costs)
     if parts < 1 or n < parts:
         return None
-    policies = list(costs[0])
-    flight = list(in_flight) if in_flight is not None else [1.0] * parts
-    budget = list(budget_bytes) if budget_bytes is not None else [float("inf")] * parts
-    options = ([[p for p in policies if p in set(a)] for a in allowed] if allowed is not None
-               else [policies] * parts)
-    # prefix sums per policy: time, activations, state
-    pre: dict[str, tuple[list[float], list[float], list[float]]] = {}
-    for p in policies:
-        t, a, s = [0.0], [0.0], [0.0]
-        for u in costs:
-            c = u[p]
-            t.append(t[-1] + c.time_s)
-            a.append(a[-1] + c.activation_bytes)
-            s.append(s[-1] + c.state_bytes)
-        pre[p] = (t, a, s)
-    # what the first and last chunk add (for the bisection in longest())
-    extra = [[0.0, 0.0, 0.0] for _ in range(parts)]
-    for e, c in ((first, 0), (last, parts - 1)):
-        extra[c] = [extra[c][0] + e.time_s, extra[c][1] + e.activation_bytes,
-                    extra[c][2] + e.state_bytes]
+    sp = _SplitProblem.of(costs, parts, first=first, last=last, in_flight=in_flight,
+                          budget_bytes=budget_bytes, allowed=allowed)
+    hi = max(sp.pre[p][0][n] for p in sp.policies) + first.time_s + last.time_s + 1e-12
+    runs, _ = sp.greedy(hi)
+    if runs is None:
+        return None
+    runs, hi = sp.least_bound(runs, rel_tol)
+    return sp.cheapest_policies(runs, hi)
 
-    def cost(c: int, i: int, j: int, p: str) -> tuple[float, float]:
-        t, a, s = pre[p]
+
+Run = tuple[int, int, str]      # a chunk: units [start, stop) under a policy
+
+
+@dataclass(frozen=True)
+class _SplitProblem:
+    """One ``min_max_split``: per policy the prefix sums of the units' (time, activation bytes,
+    state bytes), per chunk what the first and last chunk add, its micro-batches in flight,
+    its memory budget and the policies it may take."""
+
+    n: int
+    parts: int
+    policies: tuple[str, ...]
+    pre: dict[str, tuple[list[float], list[float], list[float]]]
+    extra: tuple[tuple[float, float, float], ...]
+    flight: tuple[float, ...]
+    budget: tuple[float, ...]
+    options: tuple[tuple[str, ...], ...]
+    first: UnitChoice
+    last: UnitChoice
+    mean_fastest_s: float       # the average chunk, each unit at its fastest policy
+
+    @staticmethod
+    def of(costs: Sequence[Mapping[str, UnitChoice]], parts: int, *, first: UnitChoice,
+           last: UnitChoice, in_flight: Sequence[float] | None,
+           budget_bytes: Sequence[float] | None,
+           allowed: Sequence[Sequence[str]] | None) -> _SplitProblem:
+        policies = tuple(costs[0])
+        pre: dict[str, tuple[list[float], list[float], list[float]]] = {}
+        for p in policies:
+            t, a, s = [0.0], [0.0], [0.0]
+            for u in costs:
+                c = u[p]
+                t.append(t[-1] + c.time_s)
+                a.append(a[-1] + c.activation_bytes)
+                s.append(s[-1] + c.state_bytes)
+            pre[p] = (t, a, s)
+        # what the first and last chunk add (for the bisection in longest())
+        extra = [(0.0, 0.0, 0.0) for _ in range(parts)]
+        for e, c in ((first, 0), (last, parts - 1)):
+            extra[c] = (extra[c][0] + e.time_s, extra[c][1] + e.activation_bytes,
+                        extra[c][2] + e.state_bytes)
+        return _SplitProblem(
+            n=len(costs), parts=parts, policies=policies, pre=pre, extra=tuple(extra),
+            flight=tuple(in_flight) if in_flight is not None else (1.0,) * parts,
+            budget=(tuple(budget_bytes) if budget_bytes is not None
+                    else (float("inf"),) * parts),
+            options=(tuple(tuple(p for p in policies if p in set(a)) for a in allowed)
+                     if allowed is not None else (policies,) * parts),
+            first=first, last=last,
+            mean_fastest_s=(sum(min(u[p].time_s for p in policies) for u in costs)
+                            + first.time_s + last.time_s) / parts)
+
+    def cost(self, c: int, i: int, j: int, p: str) -> tuple[float, float]:
+        """(seconds, bytes) of chunk ``c`` running units [i, j) under policy ``p``."""
+        t, a, s = self.pre[p]
         secs = t[j] - t[i]
         acts = a[j] - a[i]
         state = s[j] - s[i]
-        for e, on in ((first, c == 0), (last, c == parts - 1)):
+        for e, on in ((self.first, c == 0), (self.last, c == self.parts - 1)):
             if on:
                 secs += e.time_s
                 acts += e.activation_bytes
                 state += e.state_bytes
-        return secs, state + flight[c] * acts
+        return secs, state + self.flight[c] * acts
 
-    def fits(c: int, i: int, j: int, p: str, bound: float) -> bool:
-        if 0 < c < parts - 1:              # cost() without the first and last chunk's extras
-            t, a, s = pre[p]
-            return t[j] - t[i] <= bound and s[j] - s[i] + flight[c] * (a[j] - a[i]) <= budget[c]
-        secs, mem = cost(c, i, j, p)
-        return secs <= bound and mem <= budget[c]
+    def fits(self, c: int, i: int, j: int, p: str, bound: float) -> bool:
+        """Chunk ``c`` over units [i, j) under ``p`` is within ``bound`` and its budget."""
+        if 0 < c < self.parts - 1:         # cost() without the first and last chunk's extras
+            t, a, s = self.pre[p]
+            return (t[j] - t[i] <= bound
+                    and s[j] - s[i] + self.flight[c] * (a[j] - a[i]) <= self.budget[c])
+        secs, mem = self.cost(c, i, j, p)
+        return secs <= bound and mem <= self.budget[c]
 
-    # the smallest bound above the last greedy's at which any of its choices would change
-    # (a chunk could take one more unit, or a unit alone starts to fit): every bound below it
-    # takes the same path, so when that path fails, so do they
-    change = [float("inf")]
-
-    def longest(c: int, j: int, bound: float) -> tuple[int, str] | None:
-        """Chunk c ending at unit j: the smallest start (most units) any policy allows."""
+    def longest(self, c: int, j: int, bound: float,
+                change: list[float]) -> tuple[int, str] | None:
+        """Chunk c ending at unit j: the smallest start (most units) any policy allows.
+        Lowers ``change[0]`` to the least bound above ``bound`` at which that would change."""
         lo_limit = c            # leave one unit for each earlier chunk
         best: tuple[int, str] | None = None
-        secs, acts, state = extra[c]
-        f, cap = flight[c], budget[c]
-        for p in options[c]:
+        secs, acts, state = self.extra[c]
+        f, cap = self.flight[c], self.budget[c]
+        fits, cost = self.fits, self.cost
+        for p in self.options[c]:
             if not fits(c, j - 1, j, p, bound):
                 alone, mem = cost(c, j - 1, j, p)
                 if mem <= cap:
@@ -285,10 +327,11 @@ def min_max_split(costs: Sequence[Mapping[str, UnitChoice]], parts: int, *,
             # time and memory grow as the start moves left: bisect the time's prefix sums for
             # the smallest start within the bound, then the memory's where that overflows, and
             # step over rounding to the exact test
-            t, a, s = pre[p]
+            t, a, s = self.pre[p]
             i = min(bisect_left(t, t[j] + secs - bound, lo_limit, j), j - 1)
             if not fits(c, i, j, p, bound):
-                i = max(i, bisect_left(range(n + 1), s[j] + f * a[j] + state + f * acts - cap,
+                i = max(i, bisect_left(range(self.n + 1),
+                                       s[j] + f * a[j] + state + f * acts - cap,
                                        lo_limit, j, key=lambda k: s[k] + f * a[k]))
                 i = min(i, j - 1)
             while i > lo_limit and fits(c, i - 1, j, p, bound):
@@ -305,57 +348,62 @@ def min_max_split(costs: Sequence[Mapping[str, UnitChoice]], parts: int, *,
                     break
         return best
 
-    def greedy(bound: float) -> list[tuple[int, int, str]] | None:
-        change[0] = float("inf")
+    def greedy(self, bound: float) -> tuple[list[Run] | None, float]:
+        """The split within ``bound`` (None: none fits), each chunk from the last backwards
+        taking the longest run it can hold; and the smallest bound above this one at which
+        any of the greedy's choices would change (a chunk could take one more unit, or a unit
+        alone starts to fit): every bound below it takes the same path, so when that path
+        fails, so do they."""
+        change = [float("inf")]
         out = []
-        j = n
-        for c in range(parts - 1, -1, -1):
-            got = longest(c, j, bound)
+        j = self.n
+        for c in range(self.parts - 1, -1, -1):
+            got = self.longest(c, j, bound, change)
             if got is None:
-                return None
+                return None, change[0]
             i, p = got
             if c == 0 and i > 0:
-                return None
+                return None, change[0]
             out.append((i, j, p))
             j = i
-        return out[::-1]
+        return out[::-1], change[0]
 
-    def slowest(runs: list[tuple[int, int, str]]) -> float:
-        return max(cost(c, i, j, p)[0] for c, (i, j, p) in enumerate(runs))
+    def slowest(self, runs: Sequence[Run]) -> float:
+        return max(self.cost(c, i, j, p)[0] for c, (i, j, p) in enumerate(runs))
 
-    hi = max(pre[p][0][n] for p in policies) + first.time_s + last.time_s + 1e-12
-    runs = greedy(hi)
-    if runs is None:
-        return None
-    # bisect the bound between the average chunk (at each unit's fastest policy) and the
-    # slowest chunk of the best split found so far (a split that fits is one at its own bound)
-    hi = slowest(runs)
-    lo = (sum(min(u[p].time_s for p in policies) for u in costs)
-          + first.time_s + last.time_s) / parts
-    probe: float | None = None
-    while hi - lo > rel_tol * hi:
-        probing, mid = (True, probe) if probe is not None else (False, (lo + hi) / 2)
-        probe = None
-        got = greedy(mid)
-        if got is not None:
-            runs, hi = got, slowest(got)      # <= mid
-            if probing:
-                break                         # == mid, and nothing below it fits: optimal
-            continue
-        # nothing below the next change of this path fits
-        lo = max(mid, min(change[0], hi))
-        if lo >= hi:
-            break                             # hi is optimal
-        if not probing:
-            probe = lo                        # try that bound itself, once
-    assert runs is not None
-    # each chunk then takes its cheapest policy that still fits the bound and its memory
-    chosen = []
-    for c, (i, j, p) in enumerate(runs):
-        chosen.append(next((q for q in options[c] if fits(c, i, j, q, hi)), p))
-    secs = max(cost(c, i, j, p)[0] for c, ((i, j, _), p) in enumerate(zip(runs, chosen)))
-    return Split(counts=tuple(j - i for i, j, _ in runs), policies=tuple(chosen),
-                 max_chunk_s=secs)
+    def least_bound(self, runs: list[Run], rel_tol: float) -> tuple[list[Run], float]:
+        """The split at the least feasible bound (within ``rel_tol``) and that bound: bisect
+        between the average chunk (at each unit's fastest policy) and the slowest chunk of the
+        best split found so far (a split that fits is one at its own bound)."""
+        hi = self.slowest(runs)
+        lo = self.mean_fastest_s
+        probe: float | None = None
+        while hi - lo > rel_tol * hi:
+            probing, mid = (True, probe) if probe is not None else (False, (lo + hi) / 2)
+            probe = None
+            got, change = self.greedy(mid)
+            if got is not None:
+                runs, hi = got, self.slowest(got)      # <= mid
+                if probing:
+                    break                         # == mid, and nothing below it fits: optimal
+                continue
+            # nothing below the next change of this path fits
+            lo = max(mid, min(change, hi))
+            if lo >= hi:
+                break                             # hi is optimal
+            if not probing:
+                probe = lo                        # try that bound itself, once
+        return runs, hi
+
+    def cheapest_policies(self, runs: Sequence[Run], bound: float) -> Split:
+        """Each chunk of ``runs`` under its cheapest policy that still fits ``bound`` and its
+        memory."""
+        chosen = [next((q for q in self.options[c] if self.fits(c, i, j, q, bound)), p)
+                  for c, (i, j, p) in enumerate(runs)]
+        secs = max(self.cost(c, i, j, p)[0]
+                   for c, ((i, j, _), p) in enumerate(zip(runs, chosen)))
+        return Split(counts=tuple(j - i for i, j, _ in runs), policies=tuple(chosen),
+                     max_chunk_s=secs)
 
 
 def _split_by_flops(graph: OpGraph, num_chunks: int) -> tuple[Chunk, ...]:

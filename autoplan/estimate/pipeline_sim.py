@@ -123,9 +123,9 @@ def _args(schedule, p, v, m, fwd_s, bwd_s, send_s, activation_bytes, sync_s, fsd
 
 @lru_cache(maxsize=512)
 def _simulate(*args) -> PipelineResult:
-    run = _run(*args)
+    run = run_schedule(*args)
     p = len(run.events)
-    events = tuple(Event(r, _KINDS[k], mb, c, s, e)
+    events = tuple(Event(r, KIND_NAMES[k], mb, c, s, e)
                    for r in range(p) for k, mb, c, s, e in run.events[r])
     timelines = []
     for r in range(p):
@@ -141,8 +141,10 @@ def _simulate(*args) -> PipelineResult:
                           comm_busy_s=tuple(run.comm.busy))
 
 
-_F, _B, _W, _BW = 0, 1, 2, 3      # BW: a full backward in a split-backward schedule
-_KINDS = ("F", "B", "W", "B")
+# the actions of a rank's order, coded (``critical_path`` reads them off the simulation's
+# events): FULL_BACKWARD is a full backward (B and W at once) in a split-backward schedule
+FORWARD, BACKWARD, WEIGHT_GRAD, FULL_BACKWARD = 0, 1, 2, 3
+KIND_NAMES = ("F", "B", "W", "B")
 
 
 @dataclass
@@ -162,12 +164,12 @@ class _Run:
 @lru_cache(maxsize=64)
 def _coded_orders(schedule: str, p: int, v: int, m: int) -> tuple[tuple[tuple[int, int, int],
                                                                         ...], ...]:
-    code = {"F": _F, "B": _B, "W": _W, "BW": _BW}
+    code = {"F": FORWARD, "B": BACKWARD, "W": WEIGHT_GRAD, "BW": FULL_BACKWARD}
     return tuple(tuple((code[k], mb, c) for k, mb, c in o)
                  for o in schedule_orders(schedule, p, v, m))
 
 
-def _run(schedule: str, p: int, v: int, m: int, fwd_s: tuple[float, ...],
+def run_schedule(schedule: str, p: int, v: int, m: int, fwd_s: tuple[float, ...],
          bwd_s: tuple[float, ...], send_s: tuple[float, ...],
          activation_bytes: tuple[float, ...], sync_s: tuple[float, ...] = (),
          fsdp_s: tuple[tuple[float, float, float], ...] = (),
@@ -185,129 +187,168 @@ def _run(schedule: str, p: int, v: int, m: int, fwd_s: tuple[float, ...],
     # a boundary between two chunks of one rank (the V's turn) sends nothing
     send = [x if ranks[c] != ranks[c + 1] else 0.0
             for c, x in enumerate(send_s or [0.0] * (n - 1))]
-    acts = list(activation_bytes) or [0.0] * n
-    orders = _coded_orders(schedule, p, v, m)
     split = schedule in SPLIT_BACKWARD
-    greedy = schedule == "zero_bubble"   # W's not in the order: run where they fit
-    w_share = W_FRACTION if split else 0.0
-    b_share = 1.0 - w_share
-    w_s = [b * w_share for b in bwd_s]
-    max_deferred = p * v
-    # when each forward / backward (input gradient under zero bubble) ended, at chunk * m + mb
-    f_done = [-1.0] * (n * m)
-    b_done = [-1.0] * (n * m)
-    pos = [0] * p
-    free = [0.0] * p
-    busy = [0.0] * p
-    deferred: list[deque[tuple[int, int]]] = [deque() for _ in range(p)]   # W's not yet run
-    events: list[list[tuple[int, int, int, float, float]]] = [[] for _ in range(p)]
-    fsdp = any(any(f) for f in fsdp_s)          # all zeros: no FSDP traffic to schedule
     comm = _CommStreams(p, layers or (1,) * n, fsdp_s)
-    # backward pieces left per chunk before its per-step gradient sync may go
-    pieces_left = [m * (2 if split else 1)] * n
-    syncs = bool(sync_s) and not split
-    last_start = [0.0] * p             # when the rank's previous action started (prefetch point)
-
-    def act(r: int, kind: int, mb: int, c: int, start: float, dur: float) -> None:
-        """Run an action on rank ``r`` no earlier than ``start``, with FSDP's gathers and
-        reductions and the chunk's gradient sync around it."""
-        if fsdp:
-            start, end = comm.before(r, _KINDS[kind], c, start, dur)
-        else:
-            end = start + dur
-        last_start[r] = start
-        free[r] = end
-        busy[r] += end - start
-        events[r].append((kind, mb, c, start, end))
-        if kind == _F:
-            f_done[c * m + mb] = end
-            return
-        if kind == _B or kind == _BW:
-            b_done[c * m + mb] = end
-        if fsdp:
-            comm.after(r, _KINDS[kind], mb, c, start, end, split and kind != _BW)
-        pieces_left[c] -= 1
-        if syncs and pieces_left[c] == 0:
-            comm.flush(r)
-            comm.stream(r, "sync", -1, c, sync_s[c], start, end)
-
-    last = n - 1
-    remaining = sum(len(o) for o in orders)
-    while remaining:
-        progressed = False
-        for r in range(p):
-            order = orders[r]
-            waiting = deferred[r]
-            while pos[r] < len(order):
-                kind, mb, c = order[pos[r]]
-                if kind == _F:
-                    if c:
-                        ready = f_done[(c - 1) * m + mb]
-                        if ready < 0.0:
-                            break
-                        ready += send[c - 1]
-                    else:
-                        ready = 0.0
-                    dur = fwd_s[c]
-                elif kind == _W:           # its input gradient ran earlier on this rank
-                    ready = 0.0
-                    dur = w_s[c]
-                else:
-                    if c == last:
-                        ready = f_done[c * m + mb]
-                        if ready < 0.0:
-                            break
-                    else:
-                        ready = b_done[(c + 1) * m + mb]
-                        if ready < 0.0:
-                            break
-                        ready += send[c]
-                    dur = bwd_s[c] * (b_share if kind == _B else 1.0)
-                if fsdp:
-                    comm.prefetch(r, _KINDS[kind], c, last_start[r])
-                # fill the wait with deferred weight gradients that fit in it
-                while waiting and free[r] + w_s[waiting[0][1]] <= ready:
-                    w_mb, w_c = waiting.popleft()
-                    act(r, _W, w_mb, w_c, free[r], w_s[w_c])
-                act(r, kind, mb, c, free[r] if free[r] > ready else ready, dur)
-                if greedy and kind == _B:
-                    waiting.append((mb, c))
-                    if len(waiting) > max_deferred:
-                        w_mb, w_c = waiting.popleft()
-                        act(r, _W, w_mb, w_c, free[r], w_s[w_c])
-                pos[r] += 1
-                remaining -= 1
-                progressed = True
-            if pos[r] == len(order):
-                while waiting:
-                    w_mb, w_c = waiting.popleft()
-                    act(r, _W, w_mb, w_c, free[r], w_s[w_c])
-        if not progressed:
-            raise ConfigError(f"schedule {schedule!r} deadlocked (p={p}, v={v}, m={m})")
+    t = _Timelines(schedule=schedule, p=p, v=v, m=m, fwd_s=fwd_s, bwd_s=bwd_s, send=send,
+                   sync_s=sync_s, fsdp=any(any(f) for f in fsdp_s), comm=comm)
+    t.run()
     if split and sync_s:
         # zero bubble splits backward in two, which DDP's hooks cannot follow: the runtime
         # all-reduces the gradients after the schedule, once the rank's last W is done
         for c in range(n):
             r = ranks[c]
             comm.flush(r)
-            comm.stream(r, "sync", -1, c, sync_s[c], free[r], free[r])
-    # activations: a forward's are kept until its backward; under zero bubble B frees what only
-    # the input gradient needs and W the rest
+            comm.stream(r, "sync", -1, c, sync_s[c], t.free[r], t.free[r])
+    acts = list(activation_bytes) or [0.0] * n
+    deltas, peaks = _activation_changes(t.events, acts, split, keep_deltas)
+    for r in range(p):
+        comm.flush(r)
+    makespan = max([ev[-1][4] for ev in t.events if ev] + [e.end_s for e in comm.events],
+                   default=0.0)
+    return _Run(makespan, t.events, deltas, tuple(t.busy), peaks, comm)
+
+
+def _activation_changes(events: list[list[tuple[int, int, int, float, float]]],
+                        acts: list[float], split: bool, keep_deltas: bool
+                        ) -> tuple[list[list[tuple[float, float]]], tuple[float, ...]]:
+    """Per rank, its activation-memory changes ``(time, bytes)`` in time (empty unless
+    ``keep_deltas``) and its peak: a forward's are kept until its backward; under zero bubble
+    B frees what only the input gradient needs and W the rest."""
     freed = ((-1.0, -1.0 + W_KEEPS, -W_KEEPS, -1.0) if split else (-1.0, -1.0, -1.0, -1.0))
     deltas: list[list[tuple[float, float]]] = []
     peaks = []
-    for r in range(p):
+    for line in events:
         if keep_deltas:
-            d = [(end, acts[c] if kind == _F else acts[c] * freed[kind])
-                 for kind, _, c, _, end in events[r]]
+            d = [(end, acts[c] if kind == FORWARD else acts[c] * freed[kind])
+                 for kind, _, c, _, end in line]
             d.sort()           # in time; a rank's actions end in order, so this is nearly free
             deltas.append(d)
-        peaks.append(_peak(events[r], acts, freed))
-    for r in range(p):
-        comm.flush(r)
-    makespan = max([ev[-1][4] for ev in events if ev] + [e.end_s for e in comm.events],
-                   default=0.0)
-    return _Run(makespan, events, deltas, tuple(busy), tuple(peaks), comm)
+        peaks.append(_peak(line, acts, freed))
+    return deltas, tuple(peaks)
+
+
+class _Timelines:
+    """The ranks' timelines as the schedule runs: each rank takes the actions of its order in
+    turn, each once its input is ready and the rank is free (module doc)."""
+
+    def __init__(self, *, schedule: str, p: int, v: int, m: int, fwd_s: tuple[float, ...],
+                 bwd_s: tuple[float, ...], send: list[float], sync_s: tuple[float, ...],
+                 fsdp: bool, comm: _CommStreams) -> None:
+        n = p * v
+        self.schedule, self.p, self.v, self.m = schedule, p, v, m
+        self.fwd_s, self.bwd_s, self.send, self.sync_s = fwd_s, bwd_s, send, sync_s
+        self.fsdp, self.comm = fsdp, comm         # fsdp False: no FSDP traffic to schedule
+        self.orders = _coded_orders(schedule, p, v, m)
+        self.split = schedule in SPLIT_BACKWARD
+        self.greedy = schedule == "zero_bubble"   # W's not in the order: run where they fit
+        w_share = W_FRACTION if self.split else 0.0
+        self.b_share = 1.0 - w_share
+        self.w_s = [b * w_share for b in bwd_s]
+        self.max_deferred = p * v
+        # when each forward / backward (input gradient under zero bubble) ended, at
+        # chunk * m + mb
+        self.f_done = [-1.0] * (n * m)
+        self.b_done = [-1.0] * (n * m)
+        self.pos = [0] * p
+        self.free = [0.0] * p
+        self.busy = [0.0] * p
+        self.deferred: list[deque[tuple[int, int]]] = [deque() for _ in range(p)]  # W's to run
+        self.events: list[list[tuple[int, int, int, float, float]]] = [[] for _ in range(p)]
+        # backward pieces left per chunk before its per-step gradient sync may go
+        self.pieces_left = [m * (2 if self.split else 1)] * n
+        self.syncs = bool(sync_s) and not self.split
+        self.last_start = [0.0] * p     # when the rank's previous action started (prefetch)
+
+    def run(self) -> None:
+        """Every rank's whole order, round-robin while any rank can progress."""
+        remaining = sum(len(o) for o in self.orders)
+        while remaining:
+            progressed = 0
+            for r in range(self.p):
+                progressed += self.advance(r)
+            if not progressed:
+                raise ConfigError(f"schedule {self.schedule!r} deadlocked (p={self.p}, "
+                                  f"v={self.v}, m={self.m})")
+            remaining -= progressed
+
+    def advance(self, r: int) -> int:
+        """Run rank ``r``'s actions until one waits on an input not yet computed; how many
+        ran (of its order: deferred W's do not count)."""
+        order, waiting, pos = self.orders[r], self.deferred[r], self.pos
+        f_done, b_done, send, free, w_s = self.f_done, self.b_done, self.send, self.free, self.w_s
+        fwd_s, bwd_s, b_share, m, last = self.fwd_s, self.bwd_s, self.b_share, self.m, \
+            len(self.fwd_s) - 1
+        act, fsdp, greedy = self.act, self.fsdp, self.greedy
+        done = 0
+        while pos[r] < len(order):
+            kind, mb, c = order[pos[r]]
+            if kind == FORWARD:
+                if c:
+                    ready = f_done[(c - 1) * m + mb]
+                    if ready < 0.0:
+                        break
+                    ready += send[c - 1]
+                else:
+                    ready = 0.0
+                dur = fwd_s[c]
+            elif kind == WEIGHT_GRAD:           # its input gradient ran earlier on this rank
+                ready = 0.0
+                dur = w_s[c]
+            else:
+                if c == last:
+                    ready = f_done[c * m + mb]
+                    if ready < 0.0:
+                        break
+                else:
+                    ready = b_done[(c + 1) * m + mb]
+                    if ready < 0.0:
+                        break
+                    ready += send[c]
+                dur = bwd_s[c] * (b_share if kind == BACKWARD else 1.0)
+            if fsdp:
+                self.comm.prefetch(r, KIND_NAMES[kind], c, self.last_start[r])
+            # fill the wait with deferred weight gradients that fit in it
+            while waiting and free[r] + w_s[waiting[0][1]] <= ready:
+                w_mb, w_c = waiting.popleft()
+                act(r, WEIGHT_GRAD, w_mb, w_c, free[r], w_s[w_c])
+            act(r, kind, mb, c, free[r] if free[r] > ready else ready, dur)
+            if greedy and kind == BACKWARD:
+                waiting.append((mb, c))
+                if len(waiting) > self.max_deferred:
+                    w_mb, w_c = waiting.popleft()
+                    act(r, WEIGHT_GRAD, w_mb, w_c, free[r], w_s[w_c])
+            pos[r] += 1
+            done += 1
+        if pos[r] == len(order):
+            while waiting:
+                w_mb, w_c = waiting.popleft()
+                act(r, WEIGHT_GRAD, w_mb, w_c, free[r], w_s[w_c])
+        return done
+
+    def act(self, r: int, kind: int, mb: int, c: int, start: float, dur: float) -> None:
+        """Run an action on rank ``r`` no earlier than ``start``, with FSDP's gathers and
+        reductions and the chunk's gradient sync around it."""
+        comm = self.comm
+        if self.fsdp:
+            start, end = comm.before(r, KIND_NAMES[kind], c, start, dur)
+        else:
+            end = start + dur
+        self.last_start[r] = start
+        self.free[r] = end
+        self.busy[r] += end - start
+        self.events[r].append((kind, mb, c, start, end))
+        if kind == FORWARD:
+            self.f_done[c * self.m + mb] = end
+            return
+        if kind == BACKWARD or kind == FULL_BACKWARD:
+            self.b_done[c * self.m + mb] = end
+        if self.fsdp:
+            comm.after(r, KIND_NAMES[kind], mb, c, start, end, self.split and kind != FULL_BACKWARD)
+        pieces_left = self.pieces_left
+        pieces_left[c] -= 1
+        if self.syncs and pieces_left[c] == 0:
+            comm.flush(r)
+            comm.stream(r, "sync", -1, c, self.sync_s[c], start, end)
 
 
 def _peak(events: list[tuple[int, int, int, float, float]], acts: list[float],
@@ -324,14 +365,14 @@ def _peak(events: list[tuple[int, int, int, float, float]], acts: list[float],
             if level > peak:
                 peak = level
             last = end
-        level += acts[c] if kind == _F else acts[c] * freed[kind]
+        level += acts[c] if kind == FORWARD else acts[c] * freed[kind]
     return max(peak, level)
 
 
 def _sorted_peak(events: list[tuple[int, int, int, float, float]], acts: list[float],
                  freed: tuple[float, ...]) -> float:
     level = peak = 0.0
-    for _, x in sorted((end, acts[c] if kind == _F else acts[c] * freed[kind])
+    for _, x in sorted((end, acts[c] if kind == FORWARD else acts[c] * freed[kind])
                        for kind, _, c, _, end in events):
         level += x
         peak = max(peak, level)
@@ -382,7 +423,7 @@ def pipeline_totals(*, schedule: str, p: int, v: int, m: int, fwd_s: Sequence[fl
 
 @lru_cache(maxsize=512)
 def _totals(*args) -> PipelineTotals:
-    run = _run(*args, keep_deltas=False)
+    run = run_schedule(*args, keep_deltas=False)
     return PipelineTotals(run.makespan_s, run.busy_s, tuple(run.comm.busy),
                           _gather_s(len(run.busy_s), run.comm.events), run.peaks)
 

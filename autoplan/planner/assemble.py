@@ -31,7 +31,7 @@ def _expert_fqns(graph: OpGraph, cfg: Any) -> set[str]:
 def assemble(graph: OpGraph, cluster: Any, best: Any, alternatives: list[Alternative],
              stats: Any, gbs: int, name: str | None, expert_capacity_factor: float = 1.0
              ) -> Plan:
-    """The plan of candidate ``best`` (``verdicts.Candidate``), with the search's ``stats``."""
+    """The plan of candidate ``best`` (``candidates.Candidate``), with the search's ``stats``."""
     cfg = best.est.config
     sh = best.sharding
     tp_group = cfg.tp_group()

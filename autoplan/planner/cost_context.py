@@ -1,8 +1,8 @@
 """The values the sharding ILP's per-strategy prices are computed from: ``CostContext`` (one
 mesh, micro-batch and policy) and ``ExpertExchanges`` (expert parallelism's all-to-alls as the
 ILP prices them). ``problem`` builds the ILP from them, and the pricing functions beside it
-(``axis_costs``, ``kept``) read them; they live apart so that no pricing module imports the
-ILP's builder."""
+(``axis_costs``, ``kept_activations``) read them; they live apart so that no pricing module
+imports the ILP's builder."""
 
 from __future__ import annotations
 

@@ -11,7 +11,7 @@ from autoplan.estimate.arguments import cluster_arg, path_arg
 from autoplan.graph.opgraph import OpGraph
 from autoplan.graph.trace import as_graph
 from autoplan.planner import planfile, search
-from autoplan.planner.plan_check import check_plan_against
+from autoplan.planner.plan_vs_model import check_plan_against
 from autoplan.planner.planfile import Plan
 
 

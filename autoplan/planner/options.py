@@ -1,6 +1,6 @@
 """``SearchOptions``: what ``plan``'s search may choose from. Its own module because every part
-of the search reads it (``search``, ``space``, ``costing``, ``refine``) and ``search`` imports
-those parts: here no part imports the whole."""
+of the search reads it (``search``, ``search_space``, ``search_costing``, ``finalists``) and
+``search`` imports those parts: here no part imports the whole."""
 
 from __future__ import annotations
 

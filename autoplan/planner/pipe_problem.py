@@ -15,7 +15,7 @@ the same choices:
 - the schedule's step is the longest of some critical paths, each a count of every chunk's
   forwards and backwards and of every boundary's sends (``ILPProblem.maxima``): the path of
   the schedule simulated at a reference choice (the shared ILP's answer), and those found at
-  the answers of earlier solves (``refine.refine_pipe_ilp`` adds each new one and solves
+  the answers of earlier solves (``finalists.refine_pipe_ilp`` adds each new one and solves
   again, a cutting plane). Every path is a chain of the schedule at any choice, so the longest
   is the simulated step wherever one of them is critical there, and below it elsewhere (zero
   bubble's weight gradients are placed where they fit, which the times decide: there a path

@@ -27,7 +27,7 @@ from autoplan.errors import ConfigError
 from autoplan.planner.axis_costs import cp_comms_s, cp_held, exchange_s, sent_again, value_bytes
 from autoplan.planner.cost_context import CostContext
 from autoplan.planner.folding import Node, group, representatives
-from autoplan.planner.kept import activation_owners, layer_inputs
+from autoplan.planner.kept_activations import activation_owners, layer_inputs
 from autoplan.planner.ilp import ILPProblem, Linear
 from autoplan.sharding.context_axis import ContextAxis, tp_allowed
 from autoplan.sharding.placement import REPLICATE, Placement

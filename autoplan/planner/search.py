@@ -49,15 +49,15 @@ from autoplan.graph.opgraph import OpGraph
 from autoplan.graph.trace import as_graph
 from autoplan.planner import mesh as meshes
 from autoplan.planner.assemble import assemble
-from autoplan.planner.costing import (CLOSED_FORM_SLACK, Stats, evaluate, frugal,
-                                      ilp_microbatches, ilp_sharding)
+from autoplan.planner.search_costing import (CLOSED_FORM_SLACK, SearchContext, Stats, evaluate,
+                                      frugal, ilp_microbatches, ilp_sharding)
 from autoplan.planner.ilp import ILPSolution
 from autoplan.planner.options import SearchOptions  # (also imported from here by users)
 from autoplan.planner.planfile import Plan
-from autoplan.planner.refine import refine_dp, refine_pipe_ilp, refine_pipelined
-from autoplan.planner.verdicts import (Candidate, alternatives, honours, infeasible,
+from autoplan.planner.finalists import refine_dp, refine_pipe_ilp, refine_pipelined
+from autoplan.planner.candidates import (Candidate, alternatives, honours, infeasible,
                                        too_few_layers, why_none_honours)
-from autoplan.planner import pins, space
+from autoplan.planner import pins, search_space
 from autoplan.sharding.mesh_axes import BASE_AXES
 from autoplan.sharding.parallel_config import ParallelConfig
 from autoplan.sharding.sharding import Sharding, context_sharding, megatron_sharding, replicated
@@ -81,10 +81,10 @@ def _context_tps(graph: OpGraph, cluster: Any, opts: SearchOptions) -> list[int]
             and context_sharding(graph, cp) is not None]
 
 
-def _baselines(graph: OpGraph, cluster: Any, gbs: int, base: dict[str, Any], profile: Any,
-               opts: SearchOptions, stats: Stats) -> list[Candidate]:
+def _baselines(sc: SearchContext, base: dict[str, Any]) -> list[Candidate]:
     """Pure data parallel, FSDP only, and Megatron-style (TP with sequence parallelism inside a
     node, DP across) at every such degree and ZeRO stage: each at its best micro-batch size."""
+    graph, cluster, opts, gbs = sc.graph, sc.cluster, sc.opts, sc.global_batch_size
     world = cluster.world_size
     out: list[Candidate] = []
     specs = [("baseline: data parallel", dict(dp=world, tp=1, zero_stage=0), None),
@@ -108,13 +108,12 @@ def _baselines(graph: OpGraph, cluster: Any, gbs: int, base: dict[str, Any], pro
             sh, mtp = context_sharding(graph, mtp[1]), mtp[1]
         else:
             sh = (megatron_sharding(graph, mtp, True) if mtp else replicated(graph))
-        configs = [v for mbs in space.mbs_options(per_replica, SearchOptions(), graph)
+        configs = [v for mbs in search_space.mbs_options(per_replica, SearchOptions(), graph)
                    for r in (("none", "selective", "full") if mtp else ("none",))
-                   for v in space.with_compilation(
+                   for v in search_space.with_compilation(
                        ParallelConfig(**{**base, **fields, "micro_batch_size": mbs,
                                          "recompute": r}), opts, graph)]
-        cands = evaluate(graph, cluster, configs, sh, None, gbs, profile, opts, stats, label,
-                         prune_dominated=True)
+        cands = evaluate(sc, configs, sh, None, label, prune_dominated=True)
         fitting = [c for c in cands if c.est.fits]
         pool = fitting or cands
         if pool:
@@ -138,6 +137,27 @@ def plan(model: Any, cluster: Any, *, global_batch_size: int, example_inputs: An
     global_batch_size = batch_arg(global_batch_size, "plan()")
     search_options_arg(opts, progress=progress)
     cluster = cluster_arg(cluster, "plan()")
+    opts = _checked_options(opts)
+    stats = Stats(say=progress or (lambda _msg: None))
+    graph = as_graph(model, example_inputs, loss_fn=loss_fn, targets=targets, who="plan()",
+                     error=ConfigError)
+    profile = profile_arg(profile, cluster, "plan()")
+    base = {"precision": precision, "optimizer": optimizer}
+    if "mixed_precision" in opts.force:      # never searched: the runtime runs autocast only
+        base["mixed_precision"] = opts.force["mixed_precision"]
+    base["compiled"] = search_space.compiled_choice(opts, cluster)
+    shapes, layers = _meshes(graph, cluster, opts)
+    _check_forced_experts(graph, opts)
+    sc = SearchContext(graph=graph, cluster=cluster, global_batch_size=global_batch_size,
+                       profile=profile, opts=opts, stats=stats,
+                       pinned=pins.resolve(graph, opts.pin) if opts.pin else {})
+    cands = _search_meshes(sc, shapes, base, layers)
+    return _choose(sc, cands, base, name)
+
+
+def _checked_options(opts: SearchOptions) -> SearchOptions:
+    """``opts`` checked against one another, with the forced ``dp_whole`` as a config holds
+    it and the capacity factor validated."""
     opts = replace(opts, expert_capacity_factor=capacity_arg(opts.expert_capacity_factor))
     if not isinstance(opts.force, dict):
         raise ConfigError(f"plan(): force must be a dict of ParallelConfig fields, got "
@@ -151,26 +171,28 @@ def plan(model: Any, cluster: Any, *, global_batch_size: int, example_inputs: An
     if opts.pin and (opts.sharding != "ilp" or opts.fixed_sharding is not None):
         raise ConfigError("pin= fixes some ops' strategies for the ILP to plan around: use it "
                           "with sharding='ilp' and no fixed sharding")
-    say = progress or (lambda _msg: None)
-    stats = Stats(say=say)
-    graph = as_graph(model, example_inputs, loss_fn=loss_fn, targets=targets, who="plan()",
-                     error=ConfigError)
-    profile = profile_arg(profile, cluster, "plan()")
-    base = {"precision": precision, "optimizer": optimizer}
-    if "mixed_precision" in opts.force:      # never searched: the runtime runs autocast only
-        base["mixed_precision"] = opts.force["mixed_precision"]
-    base["compiled"] = space.compiled_choice(opts, cluster)
-    cands: list[Candidate] = []
+    return opts
+
+
+def _meshes(graph: OpGraph, cluster: Any, opts: SearchOptions) -> tuple[list[Any], int]:
+    """The mesh shapes to search (those the forced degrees allow) and the model's layer
+    count; ConfigError where no mesh matches."""
     block = main_block(graph)
     layers = len(block.instances) if block else 1
     shapes = meshes.enumerate_meshes(cluster, max_tp=opts.max_tp, max_pp=opts.max_pp,
                                      num_layers=layers,
-                                     context_degrees=space.context_degrees(graph, cluster, opts))
+                                     context_degrees=search_space.context_degrees(graph, cluster,
+                                                                                  opts))
     shapes = [s for s in shapes if all(s.degree(a) == opts.force[a.value] for a in BASE_AXES
                                        if a.value in opts.force)]
     if not shapes:
         raise ConfigError(f"no mesh of {cluster.world_size} devices matches force={opts.force}"
                           + too_few_layers(opts.force.get("pp", 1), layers, block))
+    return shapes, layers
+
+
+def _check_forced_experts(graph: OpGraph, opts: SearchOptions) -> None:
+    """A forced expert-parallel degree needs experts that split evenly over it."""
     if opts.force.get("ep", 1) != 1:
         found = find_experts(graph)
         if found is None:
@@ -180,104 +202,58 @@ def plan(model: Any, cluster: Any, *, global_batch_size: int, example_inputs: An
         if found.num_experts % opts.force["ep"]:
             raise ConfigError(f"force ep={opts.force['ep']}: the model's "
                               f"{found.num_experts} experts do not split evenly over it")
-    ilp_cache: dict[tuple[int, int], tuple[Sharding, ILPSolution | None]] = {}
+
+
+# the shared tp-axis answers, per (tp, micro-batch size, cp) and with ep appended per ep degree
+SharedShardings = dict[tuple[int, ...], tuple[Sharding, ILPSolution | None]]
+
+
+def _search_meshes(sc: SearchContext, shapes: list[Any], base: dict[str, Any],
+                   layers: int) -> list[Candidate]:
+    """Every mesh at every micro-batch size, its policies costed on the shared sharding of its
+    tp axis; larger micro-batches only where a smaller one fit (they only need more memory)."""
+    graph, opts, stats, say = sc.graph, sc.opts, sc.stats, sc.stats.say
+    gbs = sc.global_batch_size
+    cands: list[Candidate] = []
+    shared: SharedShardings = {}
     bar_s: float | None = None           # the fastest fitting step found so far
-    pinned = pins.resolve(graph, opts.pin) if opts.pin else {}
     for shape in shapes:
         where = f"mesh {shape.describe()}"
-        why = ((pins.unavailable(graph, pinned, shape.tp) if shape.tp > 1
-                else "tp=1 shards nothing") if pinned else None)
+        why = ((pins.unavailable(graph, sc.pinned, shape.tp) if shape.tp > 1
+                else "tp=1 shards nothing") if sc.pinned else None)
         if why:
             say(f"{where}: the pins cannot hold ({why}), skipped")
             continue
-        if global_batch_size % shape.dp:
-            say(f"{where}: global batch {global_batch_size} does not split over dp, skipped")
+        if gbs % shape.dp:
+            say(f"{where}: global batch {gbs} does not split over dp, skipped")
             continue
-        per_replica = global_batch_size // shape.dp
-        mbs_options = space.mbs_options(per_replica, opts, graph)
+        mbs_options = search_space.mbs_options(gbs // shape.dp, opts, graph)
         if shape.cp > 1:
             # a micro-batch of several sequences splits over dp instead, with no ring
             mbs_options = mbs_options[:1]
-        for mbs in space.forced(opts, "micro_batch_size", mbs_options):
+        for mbs in search_space.forced(opts, "micro_batch_size", mbs_options):
             cfg = ParallelConfig(pp=shape.pp, dp=shape.dp, tp=shape.tp, cp=shape.cp,
                                  micro_batch_size=mbs, **base)
             try:
-                m = validate(graph, cluster, cfg, global_batch_size)
+                m = validate(graph, sc.cluster, cfg, gbs)
             except ConfigError as e:
                 say(f"{where} mbs {mbs}: {e}")
                 break
             if shape.pp > 1 and "micro_batch_size" not in opts.force and (
                     m < shape.pp or mbs > 4):
                 break                 # few micro-batches per stage: mostly bubble
-            # the tp-axis problem depends on the micro-batch, not on pp or dp (only the per-step
-            # gradient all-reduces of replicated weights weigh with m: priced at the m of the
-            # mesh without pipeline, whichever mesh asks first, so that forcing pp or dp never
-            # changes the sharding a free search finds)
+            # the tp-axis problem depends on the micro-batch, not on pp or dp
             key = (shape.tp, mbs, shape.cp)
-            if key not in ilp_cache:
-                fixed = opts.fixed_sharding
-                if fixed is not None and fixed.t == shape.tp:
-                    ilp_cache[key] = (fixed, None)
-                elif shape.tp == 1:
-                    ilp_cache[key] = (replicated(graph), None)
-                elif opts.sharding == "megatron":
-                    ilp_cache[key] = (megatron_sharding(
-                        graph, shape.tp, bool(opts.force.get("sequence_parallel"))), None)
-                elif opts.sharding == "context":
-                    ctx = context_sharding(graph, shape.tp)
-                    if ctx is None:     # not the layout asked for: no tp axis at this degree
-                        stats.rejected = (
-                            f"sharding='context' at tp={shape.tp}: ring attention cannot split "
-                            "this model's sequence so (it needs scaled_dot_product_attention "
-                            "with a sequence and head count that divide by tp); use "
-                            "sharding='ilp' or 'megatron'")
-                        say(f"{where} mbs {mbs}: {stats.rejected}")
-                        continue
-                    ilp_cache[key] = (ctx, None)
-                else:
-                    try:
-                        ilp_cache[key] = ilp_sharding(graph, cluster, cfg, profile,
-                                                       ilp_microbatches(cluster, shape, mbs,
-                                                                         global_batch_size, m),
-                                                       opts, stats, pinned=pinned)
-                    except ConfigError as e:        # a pin that cannot hold at this size
-                        say(f"{where} mbs {mbs}: {e}")
-                        continue
-            policies = space.policies(cfg, opts, cluster, graph,
-                                      space.schedules(cfg, m, layers, opts))
-            found = []
+            if key not in shared:
+                got = _shared_sharding(sc, shape, cfg, m, f"{where} mbs {mbs}")
+                if got is None:
+                    continue
+                shared[key] = got
             skipped = stats.below_floor
             # a pipelined config whose floor is this far behind the best cannot win, even
-            # simulated (costing.CLOSED_FORM_SLACK)
+            # simulated (search_costing.CLOSED_FORM_SLACK)
             behind = (bar_s * (1 + CLOSED_FORM_SLACK) if bar_s is not None else None)
-            for ep in sorted({c.ep for c in policies}):
-                group = [c for c in policies if c.ep == ep]
-                ecfg = replace(cfg, ep=ep)
-                sh, sol = ilp_cache[key]
-                if ep > 1 and sol is not None:     # the ILP prices the experts' exchanges
-                    if key + (ep,) not in ilp_cache:
-                        ilp_cache[key + (ep,)] = ilp_sharding(
-                            graph, cluster, ecfg, profile,
-                            ilp_microbatches(cluster, shape, mbs, global_batch_size, m),
-                            opts, stats, pinned=pinned)
-                    sh, sol = ilp_cache[key + (ep,)]
-                below = stats.below_floor
-                found_ep = evaluate(graph, cluster, group, sh, sol, global_batch_size,
-                                     profile, opts, stats, "search", prune_dominated=True,
-                                     behind_s=behind)
-                if (shape.tp > 1 and opts.sharding == "ilp" and opts.fixed_sharding is None
-                        and not any(c.est.fits for c in found_ep)
-                        and (found_ep or stats.below_floor == below)):
-                    budget = cluster.device.memory_bytes - (
-                        found_ep[0].est.stages[0].memory.margin_bytes if found_ep else 0.0)
-                    sh2, sol2 = ilp_sharding(graph, cluster, ecfg, profile, m, opts, stats,
-                                              frugal=frugal(group, m, opts, graph, budget),
-                                              pinned=pinned)
-                    if sol2.status in ("optimal", "feasible"):
-                        found_ep += evaluate(graph, cluster, group, sh2, sol2,
-                                              global_batch_size, profile, opts, stats, "search",
-                                              prune_dominated=True, behind_s=behind)
-                found += found_ep
+            found = _cost_mesh(sc, shape, cfg, m, layers, shared, behind)
             cands += found
             fit = [c for c in found if c.est.fits]
             best = min(fit, key=Candidate.key) if fit else None
@@ -293,19 +269,104 @@ def plan(model: Any, cluster: Any, *, global_batch_size: int, example_inputs: An
                   f"{time.perf_counter() - stats.t0:.1f} s]")
             if best is None and not skipped:
                 break       # larger micro-batches only need more memory
+    return cands
+
+
+def _shared_sharding(sc: SearchContext, shape: Any, cfg: ParallelConfig, m: int,
+                     where: str) -> tuple[Sharding, ILPSolution | None] | None:
+    """The tp axis's sharding for ``cfg``'s mesh and micro-batch, shared by every policy
+    costed there: the given one, none at tp 1, Megatron's or ring attention's as asked, else
+    the ILP's (its per-step gradient all-reduces of replicated weights weigh with m: priced
+    at the m of the mesh without pipeline, whichever mesh asks first, so that forcing pp or dp
+    never changes the sharding a free search finds). None: no such axis here (said why)."""
+    graph, opts, stats = sc.graph, sc.opts, sc.stats
+    fixed = opts.fixed_sharding
+    if fixed is not None and fixed.t == shape.tp:
+        return fixed, None
+    if shape.tp == 1:
+        return replicated(graph), None
+    if opts.sharding == "megatron":
+        return megatron_sharding(graph, shape.tp,
+                                 bool(opts.force.get("sequence_parallel"))), None
+    if opts.sharding == "context":
+        ctx = context_sharding(graph, shape.tp)
+        if ctx is None:     # not the layout asked for: no tp axis at this degree
+            stats.rejected = (
+                f"sharding='context' at tp={shape.tp}: ring attention cannot split "
+                "this model's sequence so (it needs scaled_dot_product_attention "
+                "with a sequence and head count that divide by tp); use "
+                "sharding='ilp' or 'megatron'")
+            stats.say(f"{where}: {stats.rejected}")
+            return None
+        return ctx, None
+    try:
+        return ilp_sharding(sc, cfg, ilp_microbatches(sc.cluster, shape, cfg.micro_batch_size,
+                                                      sc.global_batch_size, m))
+    except ConfigError as e:        # a pin that cannot hold at this size
+        stats.say(f"{where}: {e}")
+        return None
+
+
+def _cost_mesh(sc: SearchContext, shape: Any, cfg: ParallelConfig, m: int, layers: int,
+               shared: SharedShardings, behind: float | None) -> list[Candidate]:
+    """Every policy of ``cfg``'s mesh and micro-batch costed, per expert-parallel degree on
+    the shared sharding (solved again with the experts' exchanges priced where ep > 1)."""
+    key = (shape.tp, cfg.micro_batch_size, shape.cp)
+    policies = search_space.policies(cfg, sc.opts, sc.cluster, sc.graph,
+                              search_space.schedules(cfg, m, layers, sc.opts))
+    found = []
+    for ep in sorted({c.ep for c in policies}):
+        group = [c for c in policies if c.ep == ep]
+        ecfg = replace(cfg, ep=ep)
+        sh, sol = shared[key]
+        if ep > 1 and sol is not None:     # the ILP prices the experts' exchanges
+            if key + (ep,) not in shared:
+                shared[key + (ep,)] = ilp_sharding(
+                    sc, ecfg, ilp_microbatches(sc.cluster, shape, cfg.micro_batch_size,
+                                               sc.global_batch_size, m))
+            sh, sol = shared[key + (ep,)]
+        found += _cost_group(sc, ecfg, group, sh, sol, m, behind)
+    return found
+
+
+def _cost_group(sc: SearchContext, ecfg: ParallelConfig, group: list[ParallelConfig],
+                sh: Sharding, sol: ILPSolution | None, m: int,
+                behind: float | None) -> list[Candidate]:
+    """``group`` (one ep degree) costed on ``sh``; where nothing fits on the ILP's sharding,
+    also on the memory-constrained ILP's (its budget the device less the margin)."""
+    opts, stats = sc.opts, sc.stats
+    below = stats.below_floor
+    found = evaluate(sc, group, sh, sol, "search", prune_dominated=True, behind_s=behind)
+    if (ecfg.tp > 1 and opts.sharding == "ilp" and opts.fixed_sharding is None
+            and not any(c.est.fits for c in found)
+            and (found or stats.below_floor == below)):
+        budget = sc.cluster.device.memory_bytes - (
+            found[0].est.stages[0].memory.margin_bytes if found else 0.0)
+        sh2, sol2 = ilp_sharding(sc, ecfg, m,
+                                 frugal=frugal(group, m, opts, sc.graph, budget))
+        if sol2.status in ("optimal", "feasible"):
+            found += evaluate(sc, group, sh2, sol2, "search", prune_dominated=True,
+                              behind_s=behind)
+    return found
+
+
+def _choose(sc: SearchContext, cands: list[Candidate], base: dict[str, Any],
+            name: str | None) -> Plan:
+    """The finalists solved again (``finalists``), the baselines added, and the fastest fitting
+    configuration that honours the forced fields as the plan, the next ``top_k`` its
+    alternatives."""
+    opts, stats = sc.opts, sc.stats
     if opts.sharding == "ilp" and opts.fixed_sharding is None:
-        cands = refine_dp(graph, cluster, cands, global_batch_size, profile, opts, stats,
-                           pinned)
+        cands = refine_dp(sc, cands)
     if opts.fixed_sharding is None and not opts.pin:   # a given sharding is the one to use
-        cands += _baselines(graph, cluster, global_batch_size, base, profile, opts, stats)
+        cands += _baselines(sc, base)
     if not cands:
         raise ConfigError("no configuration could be costed; check the batch size and the "
                           "cluster size" + (f" (the last one refused: {stats.rejected})"
                                             if stats.rejected else ""))
     if opts.sharding == "ilp" and opts.fixed_sharding is None:
-        cands = refine_pipe_ilp(graph, cluster, cands, global_batch_size, profile, opts,
-                                 stats, pinned)
-    cands = refine_pipelined(graph, cluster, cands, global_batch_size, profile, opts, stats)
+        cands = refine_pipe_ilp(sc, cands)
+    cands = refine_pipelined(sc, cands)
     # forced fields bind the choice; baselines that differ stay as alternatives
     fitting = sorted((c for c in cands if c.est.fits and honours(c.est.config, opts.force)),
                      key=Candidate.key)
@@ -313,7 +374,8 @@ def plan(model: Any, cluster: Any, *, global_batch_size: int, example_inputs: An
         raise ConfigError(f"no configuration with force={opts.force} could be costed: "
                           + why_none_honours(cands, opts.force, stats))
     if not fitting:
-        raise infeasible(cands, cluster, opts.force)
+        raise infeasible(cands, sc.cluster, opts.force)
     best = fitting[0]
-    return assemble(graph, cluster, best, alternatives(cands, best, opts.top_k, opts.force),
-                    stats, global_batch_size, name, opts.expert_capacity_factor)
+    return assemble(sc.graph, sc.cluster, best,
+                    alternatives(cands, best, opts.top_k, opts.force),
+                    stats, sc.global_batch_size, name, opts.expert_capacity_factor)

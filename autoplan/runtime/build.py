@@ -43,13 +43,13 @@ from autoplan.graph.opgraph import OpGraph
 from autoplan.runtime import parallelize as par
 from autoplan.runtime.emit import Exported, autocast_dtype, connect, export_for_plan, lower
 from autoplan.runtime.experts import expert_parameters
-from autoplan.runtime.health import for_job
+from autoplan.runtime.rank_failure import for_job
 from autoplan.runtime.optim import (DataParallelGrads, HostOffloadOptimizer,
                                     TensorParallelGrads, TensorShardedOptimizer)
 from autoplan.runtime.pipeline import (LossPassesThrough, build_schedule, chunk_cuts,
                                        chunk_specs, metas, shared_elsewhere, tie_across_ranks)
 from autoplan.runtime.program import Program
-from autoplan.runtime.segments import layer_ranges, split_chunks, split_layers
+from autoplan.runtime.program_modules import layer_ranges, split_chunks, split_layers
 from autoplan.runtime.state import (keep_out_of_state_dict, non_persistent_buffers,
                                     register_aliases, tied_names)
 from autoplan.runtime.steps import LocalSteps, PipelineSteps, Trainer

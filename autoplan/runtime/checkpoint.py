@@ -13,8 +13,8 @@ step, ``step-00000006/``, and a ``latest`` file naming the newest complete one::
 Keys are plan-independent: ``model.<fqn>`` (parameters and persistent buffers, tied weights
 once, under their first name), ``optim.<fqn>.<state>`` (an optimizer's per-parameter state:
 elementwise tensors lie like their parameter, scalars such as Adam's ``step`` whole) and
-``rng.rank<r>``. Each rank writes the pieces it holds (``pieces.py``: tensor-parallel shards,
-FSDP2 slabs, the ZeRO-1 owner's state, one pipeline rank's layers, host-offloaded state);
+``rng.rank<r>``. Each rank writes the pieces it holds (``checkpoint_pieces.py``: tensor-parallel
+shards, FSDP2 slabs, the ZeRO-1 owner's state, one pipeline rank's layers, host-offloaded state);
 replicas are written once. Loading asks for the pieces the new plan puts on each rank and DCP
 reads them from whichever files hold them, so a run saved under one plan resumes under another.
 
@@ -48,11 +48,11 @@ from torch.distributed.tensor import DTensor
 
 from autoplan.errors import CheckpointError
 from autoplan.sharding.mesh_axes import MeshAxis
-from autoplan.runtime.checkpoint_files import (_DTYPES, FORMAT, LATEST, META_FILE,  # noqa: F401
-                                               VERSION, _model_mismatch, _write_atomic,
+from autoplan.runtime.checkpoint_files import (DTYPES, FORMAT, LATEST, META_FILE,  # noqa: F401
+                                               VERSION, model_mismatch, write_atomic,
                                                export, prune, read_meta, remove_step, resolve,
                                                step_dir)
-from autoplan.runtime.pieces import Pieces, layout_of
+from autoplan.runtime.checkpoint_pieces import Pieces, layout_of
 from autoplan.runtime.optim import wait_gathers
 
 
@@ -355,11 +355,11 @@ class Checkpointer:
         """The save becomes the latest: its description, the rename, ``latest``, then pruning,
         which keeps the step just written (a crash between two of these leaves the newest
         complete step the one ``resolve`` finds)."""
-        _write_atomic(partial / META_FILE, json.dumps(meta, indent=1, sort_keys=True))
+        write_atomic(partial / META_FILE, json.dumps(meta, indent=1, sort_keys=True))
         if final.exists():                  # the same step saved again
             remove_step(final)
         os.replace(partial, final)
-        _write_atomic(self.root / LATEST, final.name + "\n")
+        write_atomic(self.root / LATEST, final.name + "\n")
         if self.keep_last is not None:
             prune(self.root, keep_last=self.keep_last, just_written=final)
 
@@ -404,7 +404,7 @@ def load(trainer: Any, path: str | os.PathLike[str], *,
     everything: dict[str, Any] = {}
     for part in _gather_objects(live):
         everything.update(part)
-    what = _model_mismatch(meta["model"], everything)
+    what = model_mismatch(meta["model"], everything)
     if what:
         raise CheckpointError(f"checkpoint {step} is of another model: {what}")
     saved_opt = meta["optimizer"]
@@ -433,7 +433,7 @@ def load(trainer: Any, path: str | os.PathLike[str], *,
                                           "malformed")
                 state: dict[str, torch.Tensor] = {}
                 for key, k in sorted(kinds.items()):
-                    dtype = _DTYPES.get(k.get("dtype"))
+                    dtype = DTYPES.get(k.get("dtype"))
                     if dtype is None:
                         raise CheckpointError(f"{step / META_FILE}: {h.fqn}.{key} has dtype "
                                               f"{k.get('dtype')!r}")

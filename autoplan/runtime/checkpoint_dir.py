@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from autoplan.errors import CheckpointError
-from autoplan.runtime.checkpoint_files import (LATEST, _write_atomic, complete_steps, remove_step,
+from autoplan.runtime.checkpoint_files import (LATEST, write_atomic, complete_steps, remove_step,
                                                resolve, step_number)
 
 LOCK = ".autoplan-lock"
@@ -102,7 +102,7 @@ def acquire(root: Path, job: str) -> bool:
                 raise CheckpointError(busy)
             if lock.get("run_id") == job:      # a restart of this job, or its second claim:
                 if lock.get("rank0_pid") != os.getpid():       # its rank 0 is this process
-                    _write_atomic(root / LOCK, json.dumps({**lock, "rank0_pid": os.getpid()}))
+                    write_atomic(root / LOCK, json.dumps({**lock, "rank0_pid": os.getpid()}))
                 return False
             (root / LOCK).unlink(missing_ok=True)     # stale: its process is gone
         try:
@@ -210,7 +210,7 @@ def claim(root: str | os.PathLike[str], *, resumed_from: Path | None, overwrite:
     latest = root / LATEST
     if gone and latest.exists():
         if resumed_from is not None and resumed_from.parent.resolve() == root.resolve():
-            _write_atomic(latest, resumed_from.name + "\n")
+            write_atomic(latest, resumed_from.name + "\n")
         else:
             latest.unlink()
     return gone

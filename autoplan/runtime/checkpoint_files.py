@@ -21,7 +21,7 @@ VERSION = 1
 META_FILE = "autoplan.json"
 LATEST = "latest"
 
-_DTYPES = {str(d).removeprefix("torch."): d for d in
+DTYPES = {str(d).removeprefix("torch."): d for d in
            (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64,
             torch.int32, torch.uint8, torch.bool)}
 
@@ -30,7 +30,7 @@ def step_dir(root: Path, step: int) -> Path:
     return root / f"step-{step:08d}"
 
 
-def _write_atomic(path: Path, text: str) -> None:
+def write_atomic(path: Path, text: str) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
     with open(tmp, "w") as f:
         f.write(text)
@@ -132,8 +132,8 @@ def check_meta(meta: dict[str, Any], where: str) -> None:
             integer(n, f"{where}: {path}[{i}]", error=err, hi=2 ** 40)
 
     def dtype(v: Any, path: str) -> None:
-        if not isinstance(v, str) or v not in _DTYPES:
-            raise err(f"{where}: {path} is {v!r}; one of {sorted(_DTYPES)}")
+        if not isinstance(v, str) or v not in DTYPES:
+            raise err(f"{where}: {path} is {v!r}; one of {sorted(DTYPES)}")
     integer(meta.get("step"), f"{where}: step", error=err)
     integer(meta.get("world_size"), f"{where}: world_size", error=err, lo=1)
     for fqn, info in obj(meta.get("model"), "model").items():
@@ -169,7 +169,7 @@ def check_meta(meta: dict[str, Any], where: str) -> None:
         integer(ls.get("good_steps"), f"{where}: loss_scaler.good_steps", error=err)
 
 
-def _model_mismatch(saved: dict[str, Any], live: dict[str, Any]) -> str:
+def model_mismatch(saved: dict[str, Any], live: dict[str, Any]) -> str:
     missing = sorted(set(saved) - set(live))
     extra = sorted(set(live) - set(saved))
     shapes = [f"{k}: saved {saved[k].get('shape')}, this model {live[k]['shape']}"
@@ -197,7 +197,7 @@ def export(path: str | os.PathLike[str], out: str | os.PathLike[str]) -> dict[st
     meta = read_meta(step)
     sd: dict[str, torch.Tensor] = {}
     for fqn, info in sorted(meta["model"].items()):
-        dtype = _DTYPES.get(info.get("dtype")) if isinstance(info, dict) else None
+        dtype = DTYPES.get(info.get("dtype")) if isinstance(info, dict) else None
         shape = info.get("shape") if isinstance(info, dict) else None
         if dtype is None or not isinstance(shape, list):
             raise CheckpointError(f"{step / META_FILE}: model entry {fqn!r} is malformed")

@@ -27,7 +27,7 @@ from autoplan.graph.opgraph import OpGraph
 from autoplan.graph.trace import export_program
 from autoplan.planner.op_binding import bind_strategies
 from autoplan.runtime.program import Program, build_program, check_shapes
-from autoplan.runtime.segments import layer_ranges, split_layers
+from autoplan.runtime.program_modules import layer_ranges, split_layers
 from autoplan.runtime.state import (LocalState, keep_out_of_state_dict,
                                     non_persistent_buffers, register_aliases, tied_names)
 from autoplan.sharding.sharding import Sharding, as_inputs_come

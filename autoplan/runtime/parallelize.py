@@ -63,8 +63,8 @@ def apply_compile(model: nn.Module, layer_paths: list[str],
     would trace a checkpoint as one region that must hold no graph break, and a tensor-parallel
     layer's collectives are graph breaks (the whole layer would run eagerly, silently). A
     selectively recomputed layer is compiled with its checkpoint, whole (``fullgraph``: a
-    graph break is an error, never a silent eager layer); ``planner/space.selective_compiles``
-    keeps it to layers without collectives."""
+    graph break is an error, never a silent eager layer);
+    ``planner/search_space.selective_compiles`` keeps it to layers without collectives."""
     recompute = recompute or {}
     paths = list(layer_paths) or [""]
     for path in paths:

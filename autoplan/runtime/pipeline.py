@@ -2,7 +2,7 @@
 
 The rank program (the traced graph running the plan's tensor-parallel strategies on local
 tensors, ``program.py``) is cut into the plan's ``pp * v`` chunks by op ranges
-(``segments.split_chunks``): a chunk's ops are its layers, with what runs before the first
+(``program_modules.split_chunks``): a chunk's ops are its layers, with what runs before the first
 layer (embeddings) on the first chunk and what runs after the last one (final norm, head, loss)
 on the last. A chunk takes every value later chunks still need and returns the next such set,
 passing through what it does not produce (masks, rotary tables, the targets), so any model the
@@ -31,7 +31,7 @@ from torch import nn
 from autoplan.errors import PlanError
 from autoplan.graph.loss import TokenMeanLoss
 from autoplan.graph.opgraph import OpGraph
-from autoplan.planner.plan_check import chunks_in_model_order
+from autoplan.planner.plan_vs_model import chunks_in_model_order
 from autoplan.runtime.optim import local_tensor
 from autoplan.sharding.mesh_axes import MeshAxis
 
@@ -70,7 +70,7 @@ def chunk_specs(plan: Any) -> list[ChunkSpec]:
 
 def chunk_cuts(graph: OpGraph, specs: Sequence[ChunkSpec]) -> list[int]:
     """Op indices where the chunks start (and the op count at the end)."""
-    from autoplan.runtime.segments import layer_ranges
+    from autoplan.runtime.program_modules import layer_ranges
     start = {path: s for path, s, _ in layer_ranges(graph)}
     cuts = [0]
     for spec in specs[1:]:

@@ -155,7 +155,7 @@ class Trainer(Checkpointing, GradientStep):
     tp_comm: Any = None                        # the tensor-parallel axis (for state dicts)
     placements: dict[str, Any] = field(default_factory=dict)    # FQN -> tp placement
     aliases: dict[str, tuple[str, ...]] = field(default_factory=dict)
-    health: Any = None                         # names a dead peer (runtime/health.py)
+    health: Any = None                         # names a dead peer (runtime/rank_failure.py)
     steps_done: int = 0
     lr_schedulers: list[Any] = field(default_factory=list)
     checkpointer: Any = None
@@ -240,7 +240,7 @@ class Trainer(Checkpointing, GradientStep):
 
 def guarded(trainer: Any, step: Callable[[Any], float], batch: Any) -> float:
     """Run one step; a collective that fails because a peer stopped becomes a RankFailure
-    naming that peer (``health.py``)."""
+    naming that peer (``rank_failure.py``)."""
     status = f"step {trainer.steps_done}"
     if trainer.health is not None:
         trainer.health.mark(status)

@@ -23,7 +23,7 @@ from torch import nn
 from autoplan.cost.host_allocator import keep_freed_host_memory
 from autoplan.errors import PlanError
 from autoplan.planner.loading import load_plan
-from autoplan.planner.plan_check import check_plan_against
+from autoplan.planner.plan_vs_model import check_plan_against
 from autoplan.planner.planfile import Plan
 from autoplan.runtime.batch_check import BatchSpec
 from autoplan.runtime.checkpoint import optimizer_slots
@@ -206,7 +206,7 @@ def _compile(model: nn.Module, cluster: Any, *, example_inputs: Sequence[Any],
                         "forward, or shared by two chunks of a rank (torch 2.13). Re-plan "
                         "with zero_stage <= 1, ZeRO-2 with zero_bubble, or another schedule "
                         "(force schedule=1f1b or interleaved_1f1b)")
-    from autoplan.planner.space import selective_compiles
+    from autoplan.planner.search_space import selective_compiles
     if "selective" in plan.recompute.values() and not selective_compiles(plan.config):
         raise PlanError("the plan compiles its layers and recomputes some selectively while "
                         "they hold collectives (tp, cp or ep > 1): torch.compile cannot trace "

@@ -1,14 +1,14 @@
 """What the search costs with: its statistics, the shared tp-axis ILP for a mesh and
 micro-batch (and its memory-constrained variant), one configuration's own dp-terms ILP, and the
 costing of configurations on a sharding (``estimate``, with a pipelined config's stage layout
-chosen first). ``search.plan`` walks the space with these; ``refine`` solves the finalists
+chosen first). ``search.plan`` walks the space with these; ``finalists`` solves the finalists
 again.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -23,14 +23,14 @@ from autoplan.estimate.overlap import overlap_interference
 from autoplan.graph.analysis import analyze
 from autoplan.graph.experts import find_experts
 from autoplan.graph.opgraph import OpGraph
-from autoplan.planner import space
+from autoplan.planner import search_space
 from autoplan.planner.axis_costs import expert_exchanges
 from autoplan.planner.cost_context import CostContext, ExpertExchanges
 from autoplan.planner.dp_problem import whole_patterns, with_dp_terms
 from autoplan.planner.ilp import ILPSolution, solve
 from autoplan.planner.options import SearchOptions
 from autoplan.planner.problem import reduce_graph, sharding_from_choice
-from autoplan.planner.verdicts import Candidate
+from autoplan.planner.candidates import Candidate
 from autoplan.sharding.context_axis import context_axis
 from autoplan.sharding.parallel_config import ParallelConfig, strongest_recompute
 from autoplan.sharding.sharding import Sharding, replicated_on
@@ -47,6 +47,21 @@ class Stats:
     below_floor: int = 0          # pipelined configs skipped: their floor behind the best
     t0: float = field(default_factory=time.perf_counter)
     say: Callable[[str], None] = lambda _msg: None    # the caller's progress messages
+
+
+@dataclass(frozen=True, kw_only=True)
+class SearchContext:
+    """What every step of one search reads: the model, the cluster, the global batch, the op
+    profile (None: roofline), the options, the statistics it counts into (the one mutable
+    part) and the ops the user pinned to a strategy (``pins.resolve``: op index -> name)."""
+
+    graph: OpGraph
+    cluster: Any
+    global_batch_size: int
+    profile: Any
+    opts: SearchOptions
+    stats: Stats
+    pinned: Mapping[int, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -72,7 +87,7 @@ def frugal(configs: list[ParallelConfig], m: int, opts: SearchOptions, graph: Op
     # a stage holds 1/pp of the layers, its first stage in_flight micro-batches of them
     flight = min(in_flight(c, m, 0) / c.pp for c in configs)
     return Frugal(budget_bytes, state, flight,
-                   strongest_recompute(space.recompute_options(opts, graph)))
+                   strongest_recompute(search_space.recompute_options(opts, graph)))
 
 
 def ilp_microbatches(cluster: Any, shape: Any, mbs: int, gbs: int, m: int) -> int:
@@ -95,19 +110,17 @@ def exchanges(graph: OpGraph, cluster: Any, config: ParallelConfig, opts: Search
         cluster.collective_time_s("all_gather", counts, group), opts.expert_capacity_factor)
 
 
-def ilp_sharding(graph: OpGraph, cluster: Any, config: ParallelConfig, profile: Any,
-                  m: int, opts: SearchOptions, stats: Stats,
-                  frugal: Frugal | None = None, pinned: dict[int, str] | None = None
-                  ) -> tuple[Sharding, ILPSolution]:
-    """The tp-axis sharding for ``config``'s mesh and micro-batch: the fastest, or under
-    ``frugal`` the fastest whose model state and activations fit its budget; ``pinned`` ops
-    (``pins.resolve``) keep their strategy."""
-    ctx = cost_context(graph, cluster, config, profile, m, opts, frugal, pinned)
+def ilp_sharding(sc: SearchContext, config: ParallelConfig, m: int, *,
+                 frugal: Frugal | None = None) -> tuple[Sharding, ILPSolution]:
+    """The tp-axis sharding for ``config``'s mesh and ``m`` micro-batches: the fastest, or
+    under ``frugal`` the fastest whose model state and activations fit its budget; the
+    search's pinned ops keep their strategy."""
+    ctx = cost_context(sc, config, m, frugal)
     red = reduce_graph(ctx)
-    sol = solve(red.problem, time_limit_s=opts.ilp_time_limit_s)
+    sol = solve(red.problem, time_limit_s=sc.opts.ilp_time_limit_s)
     what = ("tp axis, memory-constrained" if frugal else "tp axis") + (
         f", ep{config.ep}" if config.ep > 1 else "")
-    return solved(graph, config.tp, red, counted(sol, stats, config, what), stats)
+    return solved(sc.graph, config.tp, red, counted(sol, sc.stats, config, what))
 
 
 def counted(sol: ILPSolution, stats: Stats, config: ParallelConfig, what: str
@@ -124,20 +137,23 @@ def counted(sol: ILPSolution, stats: Stats, config: ParallelConfig, what: str
     return sol
 
 
-def solved(graph: OpGraph, t: int, red: Any, sol: ILPSolution, stats: Stats
-            ) -> tuple[Sharding, ILPSolution]:
+def solved(graph: OpGraph, t: int, red: Any, sol: ILPSolution
+           ) -> tuple[Sharding, ILPSolution]:
+    """The sharding ``sol`` chooses (every op replicated where it has no answer), and ``sol``."""
     if sol.status in ("infeasible", "not_solved"):
         return replicated_on(graph, t), sol
     return sharding_from_choice(graph, t, red, sol.choice), sol
 
 
-def cost_context(graph: OpGraph, cluster: Any, config: ParallelConfig, profile: Any, m: int,
-             opts: SearchOptions, frugal: Frugal | None, pinned: dict[int, str] | None
-             ) -> CostContext:
+def cost_context(sc: SearchContext, config: ParallelConfig, m: int,
+                 frugal: Frugal | None = None) -> CostContext:
+    """The ILP's prices for ``config``'s tp group at ``m`` micro-batches: as fast as may be,
+    or under ``frugal`` within its memory budget."""
+    graph, cluster, pinned = sc.graph, sc.cluster, sc.pinned
     t = config.tp
     group = config.tp_group()
     cp_group = config.cp_group()
-    compute = compute_model(graph, cluster.device, config.precision, profile,
+    compute = compute_model(graph, cluster.device, config.precision, sc.profile,
                             config.mixed_precision, config.compiled)
     whole_state = model_state_bytes(1.0, dp=1, zero_stage=0, precision=config.precision,
                                     optimizer=config.optimizer,
@@ -156,23 +172,22 @@ def cost_context(graph: OpGraph, cluster: Any, config: ParallelConfig, profile: 
                       activation_multiplier=frugal.activation_multiplier if frugal else 1.0,
                       memory_budget=frugal.budget_bytes if frugal else None,
                       interference=overlap_interference(cluster),
-                      experts=exchanges(graph, cluster, config, opts),
+                      experts=exchanges(graph, cluster, config, sc.opts),
                       pinned=pinned or None,
                       held=held_bytes(graph, config.precision, config.mixed_precision,
                                       cluster.device.kind))
 
 
-def dp_sharding(graph: OpGraph, cluster: Any, cand: Candidate, gbs: int,
-                 opts: SearchOptions, profile: Any, stats: Stats,
-                 pinned: dict[int, str] | None
-                 ) -> tuple[ParallelConfig, Sharding, ILPSolution] | None:
+def dp_sharding(sc: SearchContext, cand: Candidate
+                ) -> tuple[ParallelConfig, Sharding, ILPSolution] | None:
     """The sharding for exactly ``cand``'s config (pp 1): the tp-axis ILP with its recompute
     policy, ZeRO stage and the rest of its step (``dp_problem``), linearized at the shared
     ILP's choice, within the device memory the candidate leaves for state and activations;
     under ZeRO-3 it may keep weights whole (``dp_whole``). Its objective is then
     ``estimate``'s step time. None where it finds nothing."""
+    graph, cluster, opts = sc.graph, sc.cluster, sc.opts
     config = cand.est.config
-    m = config.microbatches(gbs)
+    m = config.microbatches(sc.global_batch_size)
 
     def state(dp: int, zero: int) -> float:
         return model_state_bytes(1.0, dp=dp, zero_stage=zero, precision=config.precision,
@@ -182,7 +197,7 @@ def dp_sharding(graph: OpGraph, cluster: Any, cand: Candidate, gbs: int,
                                  mixed_precision=config.mixed_precision).total_bytes
     sharded = state(config.shard_degree, config.zero_stage)
     mem = cand.est.stages[0].memory
-    ctx = replace(cost_context(graph, cluster, config, profile, m, opts, None, pinned),
+    ctx = replace(cost_context(sc, config, m),
                   recompute=config.recompute, state_bytes_per_param=sharded,
                   memory_budget=cluster.device.memory_bytes - mem.margin_bytes
                   - mem.transient_bytes,
@@ -192,14 +207,14 @@ def dp_sharding(graph: OpGraph, cluster: Any, cand: Candidate, gbs: int,
                  tuple(next((j for j, ch in enumerate(node.choices)
                              if all(st.name == "replicate" for st in ch)), 0)
                        for node in red.nodes))
-    dp = with_dp_terms(red, graph, cluster, config, m, ctx.compute, profile, ctx.interference,
+    dp = with_dp_terms(red, graph, cluster, config, m, ctx.compute, sc.profile, ctx.interference,
                        reference, whole_extra_bytes=None if "dp_whole" in opts.force
                        else state(1, 0) - sharded)
     start = dp.lift(reference)
     if dp.problem.memory(start) > dp.problem.memory_budget:
         start = None                            # no head start that does not fit
-    sol = counted(solve(dp.problem, time_limit_s=opts.ilp_time_limit_s, start=start), stats,
-                   config, f"with ZeRO-{config.zero_stage}'s data-parallel terms")
+    sol = counted(solve(dp.problem, time_limit_s=opts.ilp_time_limit_s, start=start),
+                  sc.stats, config, f"with ZeRO-{config.zero_stage}'s data-parallel terms")
     if sol.status not in ("optimal", "feasible"):
         return None
     whole = whole_patterns(graph, red, dp.whole_nodes(sol.choice))
@@ -215,20 +230,21 @@ _RECOMPUTE_RANK = {"none": 0, "selective": 1, "full": 2}
 
 # how far below its closed form a pipelined config's simulated step may come: the search skips
 # those whose closed form cannot come within this of the best (measured: 2.5 % on the
-# benchmark's plans, 5 % on tiny models; ``refine.refine_pipelined`` simulates within it)
+# benchmark's plans, 5 % on tiny models; ``finalists.refine_pipelined`` simulates within it)
 CLOSED_FORM_SLACK = 0.10
 
 
-def evaluate(graph: OpGraph, cluster: Any, configs: list[ParallelConfig], sh: Sharding,
-              sol: ILPSolution | None, gbs: int, profile: Any, opts: SearchOptions,
-              stats: Stats, label: str, simulate: bool = False,
-              prune_dominated: bool = False, behind_s: float | None = None
-              ) -> list[Candidate]:
+def evaluate(sc: SearchContext, configs: list[ParallelConfig], sh: Sharding,
+             sol: ILPSolution | None, label: str, *, simulate: bool = False,
+             prune_dominated: bool = False, behind_s: float | None = None
+             ) -> list[Candidate]:
     """``configs`` costed on ``sh``. ``prune_dominated``: a config is skipped where one costed
     before it differs only in a weaker recomputation policy and fits: it would be no faster
-    (``configs`` in the order ``space.policies`` makes, weaker policies first). ``behind_s``:
+    (``configs`` in the order ``search_space.policies`` makes, weaker policies first). ``behind_s``:
     a pipelined config is skipped where even its floor (``layout.step_floor_s``, a lower bound
     on any stage layout's closed form) is beyond it; counted in ``stats.below_floor``."""
+    graph, cluster, opts, stats = sc.graph, sc.cluster, sc.opts, sc.stats
+    gbs = sc.global_batch_size
     out = []
     fitting: dict[ParallelConfig, int] = {}     # the weakest policy that fits, per the rest
     sp = sh.t > 1 and any(s.style in SP_STYLES for s in sh.op_strategy)
@@ -242,14 +258,14 @@ def evaluate(graph: OpGraph, cluster: Any, configs: list[ParallelConfig], sh: Sh
             c = replace(c, sequence_parallel=sp, tp_comm_overlap=overlap)
         try:
             if c.pp > 1 and c.chunk_layers is None:
-                ci = cost_inputs(graph, cluster, c, sh, profile, opts)
+                ci = cost_inputs(sc, c, sh)
                 if behind_s is not None and step_floor_s(
-                        ci, c.microbatches(gbs), space.recompute_options(opts, graph, c)
+                        ci, c.microbatches(gbs), search_space.recompute_options(opts, graph, c)
                 ) > behind_s:
                     stats.below_floor += 1
                     continue
-                c = with_stage_layout(graph, cluster, c, sh, gbs, profile, opts, ci)
-            est = estimate(graph, cluster, config=c, global_batch_size=gbs, profile=profile,
+                c = with_stage_layout(sc, c, sh, ci)
+            est = estimate(graph, cluster, config=c, global_batch_size=gbs, profile=sc.profile,
                            sharding=sh, memory_margin_bytes=opts.memory_margin_bytes,
                            simulate_pipeline=simulate,
                            expert_capacity_factor=opts.expert_capacity_factor)
@@ -263,26 +279,28 @@ def evaluate(graph: OpGraph, cluster: Any, configs: list[ParallelConfig], sh: Sh
     return out
 
 
-def cost_inputs(graph: OpGraph, cluster: Any, config: ParallelConfig, sh: Sharding,
-                profile: Any, opts: SearchOptions) -> Any:
+def cost_inputs(sc: SearchContext, config: ParallelConfig, sh: Sharding) -> CostInputs:
     """What a range's cost reads (``chunk_cost.CostInputs``) for ``config`` on ``sh``."""
+    graph, cluster = sc.graph, sc.cluster
     return CostInputs(graph=graph, analysis=analyze(graph), sharding=sh,
-                      compute=compute_model(graph, cluster.device, config.precision, profile,
-                                            config.mixed_precision, config.compiled),
-                      cluster=cluster, config=config, expert_load=opts.expert_capacity_factor,
+                      compute=compute_model(graph, cluster.device, config.precision,
+                                            sc.profile, config.mixed_precision,
+                                            config.compiled),
+                      cluster=cluster, config=config,
+                      expert_load=sc.opts.expert_capacity_factor,
                       context=context_axis(graph, config.cp))
 
 
-def with_stage_layout(graph: OpGraph, cluster: Any, config: ParallelConfig, sh: Sharding,
-                       gbs: int, profile: Any, opts: SearchOptions, ci: Any = None
-                       ) -> ParallelConfig:
+def with_stage_layout(sc: SearchContext, config: ParallelConfig, sh: Sharding,
+                      ci: CostInputs | None = None) -> ParallelConfig:
     """The pipelined config with its stage split and per-stage recomputation chosen to fit the
     device (``layout.search_layout``); when nothing fits, the most memory-saving policy on a
     time-balanced split (so the infeasibility report has a candidate). ``ci``: its
     ``cost_inputs`` where already made."""
-    m = config.microbatches(gbs)
-    policies = space.recompute_options(opts, graph, config)
-    ci = ci or cost_inputs(graph, cluster, config, sh, profile, opts)
+    graph, cluster, opts = sc.graph, sc.cluster, sc.opts
+    m = config.microbatches(sc.global_batch_size)
+    policies = search_space.recompute_options(opts, graph, config)
+    ci = ci or cost_inputs(sc, config, sh)
     pinned = {k: tuple(opts.force[k]) for k in ("chunk_layers", "stage_recompute")
               if k in opts.force}
     if pinned:                                  # the user's split and/or per-stage policies

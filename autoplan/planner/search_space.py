@@ -136,8 +136,8 @@ def policies(config: ParallelConfig, opts: SearchOptions, cluster: Any,
               graph: OpGraph, schedules: list[tuple[str, int]] = (("1f1b", 1),)
               ) -> list[ParallelConfig]:
     """Configs to cost for one mesh and micro-batch. Pipelined ones carry the cheapest allowed
-    recompute policy as a placeholder: ``costing.evaluate`` chooses the stage split and each stage's
-    policy (``layout.search_layout``)."""
+    recompute policy as a placeholder: ``search_costing.evaluate`` chooses the stage split and
+    each stage's policy (``layout.search_layout``)."""
     out = []
     base = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
     recompute = recompute_options(opts, graph)
