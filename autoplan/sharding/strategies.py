@@ -39,23 +39,38 @@ from types import MappingProxyType
 from typing import Any
 
 from autoplan.graph.opgraph import Op, OpGraph
-from autoplan.sharding import passthrough
+from autoplan.sharding import carry_rules, products  # noqa: F401  (their rules register)
 from autoplan.sharding.placement import PARTIAL, REPLICATE, Placement, local_size, shard
-from autoplan.sharding.strategy import (KERNELS, Comm, OpStrategy, call_args, make,
+from autoplan.sharding.products import _div, _is_act, _seq_dim, merged_rows, row_splits
+from autoplan.sharding.registry import (KERNELS, declare_kernel, fallbacks, register_op_strategy,
+                                        rule_for)
+from autoplan.sharding.strategy import (BIAS_AFTER_REDUCE, Comm, OpStrategy, call_args, make,
                                         opname, replicate)
-from autoplan.sharding.products import (_act_matmul, _blocks, _div, _grouped_mm,
-                                        _is_act, _linear, _seq_dim, _weight, merged_rows,
-                                        row_splits)
 
-GROUPED_MM = frozenset({"grouped_mm_fallback", "_grouped_mm", "grouped_mm"})
 SPLIT_LOSSES = frozenset({"cross_entropy_loss", "nll_loss", "mse_loss", "l1_loss",
                           "smooth_l1_loss", "huber_loss", "binary_cross_entropy_with_logits",
                           "binary_cross_entropy"})
 ELEMENTWISE_LOSSES = SPLIT_LOSSES - {"cross_entropy_loss", "nll_loss"}
 
+RING_ATTENTION = declare_kernel(
+    "ring_attention", "attention over a sequence split across the ranks: key/value blocks "
+    "passed around the ring while each block's attention runs, outputs merged by log-sum-exp "
+    "(context parallelism)")
+VOCAB_EMBEDDING = declare_kernel(
+    "vocab_embedding", "lookup of the rank's vocabulary rows, other ids masked to zero (a "
+    "partial sum over the vocabulary shards)")
+SYNC_BATCH_NORM = declare_kernel(
+    "sync_batch_norm", "batch norm with per-channel sum, sum of squares and count all-reduced")
+SPLIT_LOSS = declare_kernel(
+    "split_loss", "loss summed on the rank's shard, sum and count all-reduced, then divided")
+VOCAB_CROSS_ENTROPY = declare_kernel(
+    "vocab_cross_entropy", "cross entropy over vocabulary-sharded logits: max, sum of "
+    "exponentials and target logit all-reduced per row")
+
 
 # ---- attention, embedding, norms, convolution ------------------------------------------------
 
+@register_op_strategy("scaled_dot_product_attention")
 def _attention(graph: OpGraph, op: Op, t: int) -> list[OpStrategy]:
     """scaled_dot_product_attention(q, k, v, attn_mask?): batch or heads; a mask follows where
     it has that dim and broadcasts (stays whole) where it has size 1."""
@@ -113,9 +128,10 @@ def _ring_attention(graph: OpGraph, op: Op, t: int) -> OpStrategy | None:
                  for kind, phase in (("all_gather", "fwd"), ("all_gather", "bwd"),
                                      ("reduce_scatter", "bwd")))
     return make(graph, op, "seq", tuple(ins), tuple(shard(2) for _ in op.outputs), t,
-                style="context", kernel="ring_attention", extra=ring)
+                style="context", kernel=RING_ATTENTION, extra=ring)
 
 
+@register_op_strategy("embedding", "embedding_bag", "_embedding_bag")
 def _embedding(graph: OpGraph, op: Op, t: int) -> list[OpStrategy]:
     w = next((i for i, n in enumerate(op.inputs) if graph.value(n).kind == "param"), None)
     if w is None or w != 0 or len(op.inputs) < 2:
@@ -139,12 +155,12 @@ def _embedding(graph: OpGraph, op: Op, t: int) -> list[OpStrategy]:
     res = []
     if _div(wm[0], t):
         res.append(make(graph, op, "vocab", ps(shard(0), REPLICATE), (REPLICATE,) * outs, t,
-                        style="vocab", kernel="vocab_embedding",
+                        style="vocab", kernel=VOCAB_EMBEDDING,
                         local_outputs=(PARTIAL,) + (REPLICATE,) * (outs - 1)))
         sp = _seq_dim(out)
         if not bag and rank >= 2 and _div(out[sp], t):
             res.append(make(graph, op, "vocab_sp", ps(shard(0), REPLICATE), (shard(sp),), t,
-                            style="vocab_sp", kernel="vocab_embedding",
+                            style="vocab_sp", kernel=VOCAB_EMBEDDING,
                             local_outputs=(PARTIAL,)))
     if _div(wm[1], t):
         res.append(make(graph, op, "embed_dim", ps(shard(1), REPLICATE),
@@ -157,6 +173,7 @@ def _embedding(graph: OpGraph, op: Op, t: int) -> list[OpStrategy]:
     return res
 
 
+@register_op_strategy("layer_norm", "rms_norm", "batch_norm", "group_norm")
 def _norm(graph: OpGraph, op: Op, t: int) -> list[OpStrategy]:
     name = opname(op)
     x = graph.value(op.inputs[0]).meta.shape
@@ -196,7 +213,7 @@ def _batch_norm(graph: OpGraph, op: Op, t: int, x: tuple[int, ...]) -> list[OpSt
         stats = (Comm("all_reduce", op.outputs[0], "fwd", per_channel),
                  Comm("all_reduce", op.outputs[0], "bwd", per_channel))
         res.append(make(graph, op, "batch", ins, outs, t, style="batch",
-                        kernel="sync_batch_norm", local_outputs=outs, extra=stats))
+                        kernel=SYNC_BATCH_NORM, local_outputs=outs, extra=stats))
     return res
 
 
@@ -207,6 +224,7 @@ def _numel(shape: tuple[int, ...]) -> int:
     return n
 
 
+@register_op_strategy("convolution", "conv1d", "conv2d", "conv3d", "_convolution")
 def _conv(graph: OpGraph, op: Op, t: int) -> list[OpStrategy]:
     """conv{1,2,3}d(x, w, b, stride, padding, dilation, groups) / convolution(..., transposed,
     output_padding, groups)."""
@@ -236,7 +254,7 @@ def _conv(graph: OpGraph, op: Op, t: int) -> list[OpStrategy]:
     if _div(w[1], t) and _div(x[1], t):
         res.append(make(graph, op, "in_channel", (shard(1), shard(1)) + (REPLICATE,) * extra,
                         (REPLICATE,), t, style="in_channel",
-                        kernel="bias_after_reduce" if b is not None else "",
+                        kernel=BIAS_AFTER_REDUCE if b is not None else "",
                         local_outputs=(PARTIAL,)))
     return res
 
@@ -252,13 +270,15 @@ def _row_losses(graph: OpGraph, op: Op, t: int, rows: int, merged: tuple[int, in
         ins = tuple(p for _ in op.inputs)
         if reduced:
             out.append(make(graph, op, label, ins, (REPLICATE,), t, style="loss_batch",
-                            kernel="split_loss",
+                            kernel=SPLIT_LOSS,
                             extra=(Comm("all_reduce", op.outputs[0], "fwd", 2.0),)))
         else:
             out.append(make(graph, op, label, ins, (p,), t, style="loss_batch"))
     return out
 
 
+@register_op_strategy("cross_entropy_loss", "nll_loss", "mse_loss",
+                      "binary_cross_entropy_with_logits")
 def _loss(graph: OpGraph, op: Op, t: int) -> list[OpStrategy]:
     name = opname(op)
     if name not in SPLIT_LOSSES:
@@ -289,7 +309,7 @@ def _loss(graph: OpGraph, op: Op, t: int) -> list[OpStrategy]:
         label = "batch" if d == 0 else f"shard{d}"
         if reduced:
             res.append(make(graph, op, label, ins, (REPLICATE,), t, style="loss_batch",
-                            kernel="split_loss",
+                            kernel=SPLIT_LOSS,
                             extra=(Comm("all_reduce", op.outputs[0], "fwd", 2.0),)))
         elif out == x or (name not in ELEMENTWISE_LOSSES and out == x[:1]):
             res.append(make(graph, op, label, ins, (shard(d),), t, style="loss_batch"))
@@ -301,7 +321,7 @@ def _loss(graph: OpGraph, op: Op, t: int) -> list[OpStrategy]:
         scale = 3.0 / x[1]
         res.append(make(graph, op, "vocab", (shard(1), REPLICATE),
                         (REPLICATE,) if reduced else (REPLICATE,), t, style="loss_parallel",
-                        kernel="vocab_cross_entropy",
+                        kernel=VOCAB_CROSS_ENTROPY,
                         extra=(Comm("all_reduce", op.inputs[0], "fwd", scale),)))
     return res
 
@@ -309,35 +329,17 @@ def _loss(graph: OpGraph, op: Op, t: int) -> list[OpStrategy]:
 # ---- dispatch ----------------------------------------------------------------------------------
 
 def _shaped(graph: OpGraph, op: Op, t: int) -> list[OpStrategy]:
-    """Every strategy whose input and output placements split evenly."""
-    name = opname(op)
+    """Every strategy whose input and output placements split evenly: the op's registered
+    rule (``registry``), else the first fallback that claims it, else none."""
     if op.kind == "creation" or not op.outputs:
         return []
-    if name in GROUPED_MM:
-        return _grouped_mm(graph, op, t)
-    if op.kind == "matmul":
-        if _weight(graph, op) is not None:
-            return _linear(graph, op, t)
-        return _act_matmul(graph, op, t)
-    if op.kind == "attention":
-        return _attention(graph, op, t) if name == "scaled_dot_product_attention" else []
-    if op.kind == "embedding":
-        return _embedding(graph, op, t)
-    if op.kind == "norm":
-        return _norm(graph, op, t)
-    if op.kind == "conv":
-        return _conv(graph, op, t)
-    if op.kind == "loss":
-        return _loss(graph, op, t)
-    if name in ("cat", "stack"):
-        return passthrough.concat(graph, op, t)
-    if passthrough.is_elementwise(graph, op):
-        return passthrough.elementwise(graph, op, t, _blocks(graph))
-    acts = [i for i, n in enumerate(op.inputs) if _is_act(graph.value(n))]
-    if passthrough.has_rule(op) and len(acts) == 1:
-        return passthrough.unary(graph, op, acts[0], t, _blocks(graph))
-    if name in passthrough.LIKE_OTHER and acts and acts[0] == 0:
-        return passthrough.like_other(graph, op, t, _blocks(graph))
+    rule = rule_for(op)
+    if rule is not None:
+        return rule(graph, op, t)
+    for fallback in fallbacks():
+        found = fallback(graph, op, t)
+        if found is not None:
+            return found
     return []
 
 
