@@ -197,7 +197,7 @@ def _einsum(graph: OpGraph, op: Op) -> ProductSpec | None:
     shapes = _shapes(graph, op)
     if any(len(f) != len(sh) for f, sh in zip(factors, shapes)):
         return None
-    if set(factors[0]) ^ set(factors[1]) - set(out) or set(out) - set(factors[0] + factors[1]):
+    if (set(factors[0]) ^ set(factors[1])) - set(out) or set(out) - set(factors[0] + factors[1]):
         return None             # a sum over one factor's own dim, or an output dim of neither
     return ProductSpec(0, factors[0], 1, factors[1], out)
 

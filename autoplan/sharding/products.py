@@ -26,7 +26,8 @@ from __future__ import annotations
 
 from autoplan.graph.experts import find_experts
 from autoplan.graph.opgraph import Op, OpGraph, Value
-from autoplan.graph.products import ProductSpec, product_names, product_spec, weight_slot
+from autoplan.graph.products import (ProductSpec, expert_dim, product_names, product_spec,
+                                     weight_slot)
 from autoplan.sharding.blocks import block_counts
 from autoplan.sharding.placement import PARTIAL, REPLICATE, Placement, shard
 from autoplan.sharding.registry import declare_kernel, register_op_strategy
@@ -109,6 +110,10 @@ def _product(graph: OpGraph, op: Op, t: int) -> list[OpStrategy]:
 
 
 def _stacked_experts(graph: OpGraph, op: Op) -> bool:
+    """Whether ``op`` multiplies by a stack of expert weights (read from the graph's experts
+    only where its equation allows one: a batch letter leading everything)."""
+    if expert_dim(graph, op) is None:
+        return False
     found = find_experts(graph)
     return found is not None and graph.op_index(op.name) in found.ops
 
