@@ -8,9 +8,9 @@ Mixtral (mixture of experts), BERT with its masked-LM head, T5 (encoder-decoder,
 qkv ``nn.Linear`` split by hidden size, the head count a literal in ``view``), ``rootparam`` (an
 ``nn.Parameter`` on the root module used in a matmul), ``cnn`` (convolutions with batch norm),
 ``titan-llama`` (torchtitan's Llama), ``titan-moe`` (its blocks with a top-k mixture of
-experts on ``torch._grouped_mm``), ``titan-ecmoe`` (the same blocks with expert-choice routing
-over stacked experts applied with ``torch.bmm``) and ``region-llama`` (a Llama in Hugging Face 4.x's eager
-style, whose rotary tables are computed in an autocast-disabled region: ``region-llama-tiny``
+experts on ``torch._grouped_mm``), ``titan-ecmoe`` (the same blocks with expert-choice
+routing over stacked experts applied with ``torch.bmm``) and ``region-llama`` (a Llama in
+Hugging Face 4.x's eager style, whose rotary tables are computed in an autocast-disabled region: ``region-llama-tiny``
 keys it on the tensor's device, ``region-cuda-llama-tiny`` on "cuda", as GPU runs meet it).
 
 Each comes tiny (``*-tiny``: two layers, hidden 64, dropout 0, what the equivalence tests run)
@@ -318,7 +318,8 @@ class ExpertChoiceMoE(nn.Module):
         h = F.silu(torch.bmm(rows, self.w1)) * torch.bmm(rows, self.w3)
         y = torch.bmm(h, self.w2).view(self.n, bs, capacity, dim).permute(1, 0, 2, 3)
         y = y.reshape(bs, self.n * capacity, dim) * gate.reshape(bs, self.n * capacity, 1)
-        return torch.zeros_like(x).scatter_add(1, where, y)
+        # under autocast the products (and the router) run in 16 bits: add back in x's dtype
+        return torch.zeros_like(x).scatter_add(1, where, y.type_as(x))
 
 
 class TitanBlock(nn.Module):

@@ -24,6 +24,8 @@ make it cheaper, depend on the factors:
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from autoplan.graph.experts import find_experts
 from autoplan.graph.opgraph import Op, OpGraph, Value
 from autoplan.graph.products import (ProductSpec, expert_dim, product_names, product_spec,
@@ -43,15 +45,17 @@ GATHERED_WEIGHT = declare_kernel(
     "reduce-scattered back to the shards (FSDP on this axis)")
 
 
-def _is_act(v: Value) -> bool:
+def is_activation(v: Value) -> bool:
+    """A value computed per batch (an activation or a graph input), not a weight."""
     return v.kind in ("activation", "input")
 
 
-def _div(size: int, t: int, blocks: int = 1) -> bool:
+def divides(size: int, t: int, blocks: int = 1) -> bool:
+    """Whether a dim of ``size`` splits evenly over ``t`` ranks in ``blocks`` blocks."""
     return size >= t * blocks and size % (t * blocks) == 0
 
 
-def _blocks(graph: OpGraph):
+def _blocks(graph: OpGraph) -> Callable[[str, int], tuple[int, ...]]:
     counts = block_counts(graph)
     return lambda value, d: counts.get((value, d), ())
 
@@ -80,14 +84,14 @@ def row_splits(rows: int, merged: tuple[int, int] | None, t: int
     for merged rows (``merged_rows``) ``batch`` over the samples and ``seq`` over each
     sample's positions."""
     if merged is None:
-        return [("batch", shard(0))] if _div(rows, t) else []
+        return [("batch", shard(0))] if divides(rows, t) else []
     samples, positions = merged
-    return [(label, p) for label, p, ok in (("batch", shard(0), _div(samples, t)),
-                                            ("seq", shard(0, samples), _div(positions, t)))
+    return [(label, p) for label, p, ok in (("batch", shard(0), divides(samples, t)),
+                                            ("seq", shard(0, samples), divides(positions, t)))
             if ok]
 
 
-def _seq_dim(shape: tuple[int, ...]) -> int:
+def seq_dim(shape: tuple[int, ...]) -> int:
     """The token dim sequence parallelism splits: the sequence of (b, s, h), the rows of
     (tokens, h)."""
     return 1 if len(shape) >= 3 else 0
@@ -161,9 +165,9 @@ def _expert_product(graph: OpGraph, op: Op, spec: ProductSpec, t: int) -> list[O
     f = _Factors(graph, op, spec, None)
     n, k = d.rhs_free[0], d.contracted[0]
     res = []
-    if _div(f.size(n), t):
+    if divides(f.size(n), t):
         res.append(make(graph, op, "colwise", f.inputs(n), (f.output(n),), t, style="colwise"))
-    if _div(f.size(k), t):
+    if divides(f.size(k), t):
         res.append(make(graph, op, "rowwise", f.inputs(k), (REPLICATE,), t, style="rowwise",
                         local_outputs=(PARTIAL,)))
     return res
@@ -178,13 +182,13 @@ def _act_product(graph: OpGraph, op: Op, spec: ProductSpec, t: int) -> list[OpSt
     r = len(f.out)
     res = []
     for d, letter in enumerate(spec.out):
-        if letter not in spec.lhs and letter not in spec.rhs or not _div(f.out[d], t):
+        if letter not in spec.lhs and letter not in spec.rhs or not divides(f.out[d], t):
             continue
         name = ("rows" if d == r - 2 else "cols" if d == r - 1 else
                 "batch" if d == 0 else "heads" if d == 1 else f"dim{d}")
         res.append(make(graph, op, name, f.inputs(letter), (f.output(letter),), t))
     for j, k in enumerate(spec.dims().contracted):
-        if _div(f.size(k), t):
+        if divides(f.size(k), t):
             res.append(make(graph, op, "contract" if j == 0 else f"contract_{k}",
                             f.inputs(k, bias=REPLICATE), (REPLICATE,), t,
                             kernel=BIAS_AFTER_REDUCE if b is not None else "",
@@ -197,7 +201,7 @@ def _weight_product(graph: OpGraph, op: Op, spec: ProductSpec, w: int, t: int
     """A weight (2-D) times an activation: Megatron's splits, then the activation's rows.
     ``sp_linear`` and ``gathered_weight`` run ``x @ W`` / ``linear``: the weight second."""
     x = spec.lhs_slot if w == spec.rhs_slot else spec.rhs_slot
-    if not _is_act(graph.value(op.inputs[x])):
+    if not is_activation(graph.value(op.inputs[x])):
         return []
     sub_w, sub_x = spec.subscripts(w), spec.subscripts(x)
     d = spec.dims()
@@ -221,17 +225,17 @@ def _weight_product(graph: OpGraph, op: Op, spec: ProductSpec, w: int, t: int
     res = []
     # the token split sequence parallelism keeps: the sequence of (b, s, h), the rows of
     # (tokens, h), one block per sample where the rows are (b, s) merged
-    sp = _seq_dim(xm.shape)
-    can_sp = (megatron and len(xm.shape) >= 2 and _div(xm.shape[sp], t)
+    sp = seq_dim(xm.shape)
+    can_sp = (megatron and len(xm.shape) >= 2 and divides(xm.shape[sp], t)
               and len(xm.shape) == rank and sub_x[sp] in spec.out)
     merged = merged_rows(graph, op.inputs[x]) if len(xm.shape) == 2 else None
     sp_p = shard(sp)
     if merged is not None:
         sp_p = shard(0, merged[0])
-        can_sp = can_sp and _div(merged[1], t)
+        can_sp = can_sp and divides(merged[1], t)
     n_out = spec.out.index(n)
     for blocks in (1,) + _blocks(graph)(op.outputs[0], n_out):
-        if not _div(f.size(n), t, blocks):
+        if not divides(f.size(n), t, blocks):
             continue
         sfx = "" if blocks == 1 else f"_blocks{blocks}"
         col_in = f.inputs(n, blocks)
@@ -246,12 +250,12 @@ def _weight_product(graph: OpGraph, op: Op, spec: ProductSpec, w: int, t: int
                             ps(sp_p, col_in[w], col_in[b] if b is not None else REPLICATE),
                             (f.output(n, blocks),), t, style="colwise_sp",
                             local_inputs=col_in, kernel=SP_LINEAR, extra=regather))
-    if _div(f.size(k), t):
+    if divides(f.size(k), t):
         row_in = f.inputs(k, bias=REPLICATE)
         kernel = BIAS_AFTER_REDUCE if b is not None else ""
         res.append(make(graph, op, "rowwise", row_in, (REPLICATE,), t, style="rowwise",
                         kernel=kernel, local_outputs=(PARTIAL,)))
-        if can_sp or (megatron and len(xm.shape) == rank and rank >= 2 and _div(out[sp], t)
+        if can_sp or (megatron and len(xm.shape) == rank and rank >= 2 and divides(out[sp], t)
                       and merged is None and sub_x[sp] in spec.out):
             res.append(make(graph, op, "rowwise_sp", row_in, (sp_p,), t,
                             style="rowwise_sp", kernel=kernel, local_outputs=(PARTIAL,)))
@@ -262,12 +266,12 @@ def _weight_product(graph: OpGraph, op: Op, spec: ProductSpec, w: int, t: int
     elif rank >= 3 and len(xm.shape) == rank:
         tokens = [(label, shard(sub_x.index(spec.out[j])), shard(j))
                   for j, label in ((0, "batch"), (1, "seq"))
-                  if spec.out[j] in sub_x and _div(out[j], t)]
+                  if spec.out[j] in sub_x and divides(out[j], t)]
     for label, p_x, p_out in tokens:
         res.append(make(graph, op, label, ps(p_x, REPLICATE, REPLICATE), (p_out,), t,
                         style=label))
     weight = graph.value(op.inputs[w])
-    if megatron and weight.kind == "param" and _div(wm.shape[0], t):
+    if megatron and weight.kind == "param" and divides(wm.shape[0], t):
         # the weight stored split, gathered for the product (FSDP on this axis) and in backward
         regather = ((Comm("all_gather", op.inputs[w], "bwd"),) if weight.requires_grad else ())
         for label, p_x, p_out in tokens:

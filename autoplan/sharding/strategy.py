@@ -11,9 +11,10 @@ disagree:
   input sequence-sharded but computes on the gathered input; a row-parallel linear computes a
   partial sum ``P`` that leaves reduced, ``R``, or reduce-scattered, ``S(d)``);
 - ``kernel``: what runs on the rank, ``""`` for the op itself on local tensors, or a named local
-  kernel (``registry.KERNELS``, each declared beside the rule that needs it) for ops whose sharded form is not the op on shards (vocab-parallel
-  embedding and cross entropy, losses over a split batch, batch norm with synchronized
-  statistics, a bias added after the reduction, a mean over a split dim).
+  kernel (``registry.KERNELS``, each declared beside the rule that needs it; the runtime
+  registers its implementation under the same name) for ops whose sharded form is not the op
+  on shards (vocab-parallel embedding and cross entropy, losses over a split batch, batch norm
+  with synchronized statistics, a bias added after the reduction, a mean over a split dim).
 
 Gradients. The gradient of a value has the value's placement (R: every rank holds the whole
 gradient). A rank-local computation is *split* when any of its local inputs or outputs is
