@@ -64,3 +64,28 @@ def test_search_code_never_branches_on_op_names():
             for sub in ("planner", "estimate") for p in sorted((root / sub).glob("*.py"))
             for i, line in enumerate(p.read_text().splitlines(), 1) if pattern.search(line)]
     assert not hits, "\n".join(hits)
+
+
+def test_an_einsum_with_a_weight_gets_the_strategies_of_a_linear():
+    """``einsum("bsd,fd->bsf", x, W)`` is a linear layer written as an einsum: the one rule
+    gives it Megatron's splits, placed on the einsum's own dims (not the variants whose
+    kernels read a linear's call)."""
+    import torch
+
+    class Both(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.randn(8, 4))
+            self.lin = torch.nn.Linear(4, 8, bias=False)
+
+        def forward(self, x):
+            return torch.einsum("bsd,fd->bsf", x, self.w) + self.lin(x)
+    x = torch.randn(2, 4, 4)
+    g = trace(Both(), (x,), loss_fn=lambda out, t: out.sum(), targets=torch.zeros(2))
+    by_target = {op.target.split(".")[1]: op for op in g.ops}
+    ein, lin = by_target["einsum"], by_target["linear"]
+    got = {s.name: (s.inputs[1], s.outputs) for s in strategies(g, ein, 2)}
+    want = {s.name: (s.inputs[1], s.outputs) for s in strategies(g, lin, 2)}
+    assert set(got) == {"replicate", "colwise", "rowwise", "batch", "seq"}
+    assert got == {k: v for k, v in want.items() if k in got}
+    assert {"colwise_sp", "seq_gathered"} <= set(want)

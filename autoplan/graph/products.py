@@ -48,7 +48,9 @@ class EinsumDims:
 class ProductSpec:
     """One call of a product: its two factors (input slots and subscripts) and its output's
     subscripts. ``grouped``: the letter of a grouped product's experts, ``offsets`` the slot of
-    its cumulative row offsets."""
+    its cumulative row offsets. ``weight_call``: how the Megatron kernels (``sp_linear``,
+    ``gathered_weight``) read the call with a weight second: "linear" (``linear(x, W, b)``,
+    ``W`` (out, in)), "xw" (``x @ W``, ``addmm(b, x, W)``), "" where they cannot."""
 
     lhs_slot: int
     lhs: str
@@ -57,6 +59,7 @@ class ProductSpec:
     out: str
     offsets: int | None = None
     grouped: str = ""
+    weight_call: str = ""
 
     @property
     def equation(self) -> str:
@@ -128,7 +131,7 @@ def _linear(graph: OpGraph, op: Op) -> ProductSpec | None:
     if len(s) < 2 or len(s[0]) < 1 or len(s[1]) != 2:
         return None
     lead = _letters(len(s[0]) - 1, "kn")
-    return ProductSpec(0, lead + "k", 1, "nk", lead + "n")
+    return ProductSpec(0, lead + "k", 1, "nk", lead + "n", weight_call="linear")
 
 
 @register_product("mm")
@@ -136,7 +139,7 @@ def _mm(graph: OpGraph, op: Op) -> ProductSpec | None:
     s = _shapes(graph, op)
     if len(s) != 2 or len(s[0]) != 2 or len(s[1]) != 2:
         return None
-    return ProductSpec(0, "mk", 1, "kn", "mn")
+    return ProductSpec(0, "mk", 1, "kn", "mn", weight_call="xw")
 
 
 @register_product("addmm")
@@ -145,7 +148,7 @@ def _addmm(graph: OpGraph, op: Op) -> ProductSpec | None:
     s = _shapes(graph, op)
     if len(s) != 3 or len(s[1]) != 2 or len(s[2]) != 2:
         return None
-    return ProductSpec(1, "mk", 2, "kn", "mn")
+    return ProductSpec(1, "mk", 2, "kn", "mn", weight_call="xw")
 
 
 @register_product("bmm")
@@ -178,7 +181,7 @@ def _matmul(graph: OpGraph, op: Op) -> ProductSpec | None:
         own = len(shape) - 2
         return "".join(BROADCAST if shape[j] == 1 else batch[lead - own + j]
                        for j in range(own)) + core
-    return ProductSpec(0, sub(s[0], "mk"), 1, sub(s[1], "kn"), batch + "mn")
+    return ProductSpec(0, sub(s[0], "mk"), 1, sub(s[1], "kn"), batch + "mn", weight_call="xw")
 
 
 @register_product("einsum")

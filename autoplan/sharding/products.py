@@ -199,7 +199,8 @@ def _act_product(graph: OpGraph, op: Op, spec: ProductSpec, t: int) -> list[OpSt
 def _weight_product(graph: OpGraph, op: Op, spec: ProductSpec, w: int, t: int
                     ) -> list[OpStrategy]:
     """A weight (2-D) times an activation: Megatron's splits, then the activation's rows.
-    ``sp_linear`` and ``gathered_weight`` run ``x @ W`` / ``linear``: the weight second."""
+    The variants with a kernel (``sp_linear``, ``gathered_weight``; ``rowwise_sp`` with them)
+    are offered where the kernels read the call (``ProductSpec.weight_call``)."""
     x = spec.lhs_slot if w == spec.rhs_slot else spec.rhs_slot
     if not is_activation(graph.value(op.inputs[x])):
         return []
@@ -210,10 +211,12 @@ def _weight_product(graph: OpGraph, op: Op, spec: ProductSpec, w: int, t: int
     if len(sub_w) != 2 or len(n) != 1 or len(k) != 1:
         return []
     n, k = n[0], k[0]
-    megatron = w == spec.rhs_slot
+    megatron = w == spec.rhs_slot and spec.weight_call != ""      # the kernels can run it
     b = bias_slot(graph, op)
     if b in (x, w):
         b = None
+    if b is not None and not megatron:
+        return []               # a bias along the activation's dim: no rule splits it here
     f = _Factors(graph, op, spec, b)
     xm, wm = graph.value(op.inputs[x]).meta, graph.value(op.inputs[w]).meta
     out = f.out
