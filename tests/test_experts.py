@@ -58,9 +58,34 @@ def test_experts_are_found_through_casts_and_transposes():
     assert hf.ep_degrees(8) == (1, 2, 4)
     plain = find_experts(_graph("titan-moe-tiny"))
     assert plain.num_experts == 4 and len(plain.ops) == 6    # w1, w3, w2 (cast to bf16 first)
+    assert not hf.stacked and not plain.stacked
     assert sorted(p.rsplit(".", 1)[1] for p in plain.params) == ["w1", "w1", "w2", "w2",
                                                                  "w3", "w3"]
     assert find_experts(_graph("titan-llama-tiny")) is None
+
+
+def test_stacked_experts_applied_with_bmm_or_einsum_are_experts():
+    """Expert-choice routing's stacked experts (``torch.bmm`` over (experts, tokens, hidden))
+    are found like a grouped product's, and so are the same weights applied with
+    ``torch.einsum``; a bmm of two activations (attention scores) is none."""
+    ec = find_experts(_graph("titan-ecmoe-tiny"))
+    assert ec.num_experts == 4 and len(ec.ops) == 6 and ec.stacked == frozenset(ec.ops)
+    assert all(p.endswith(("moe.w1", "moe.w3", "moe.w2")) for p in ec.params)
+
+    class EinsumExperts(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.randn(4, 8, 6))
+
+        def forward(self, x, y):
+            scores = torch.bmm(x, x.transpose(1, 2))            # two activations
+            return torch.einsum("ecd,edf->ecf", scores @ x, self.w).sum() + y.sum()
+    x = torch.randn(4, 5, 8)
+    g = trace(EinsumExperts(), (x, torch.zeros(4)), loss_fn=lambda out, t: out,
+              targets=torch.zeros(4))
+    found = find_experts(g)
+    assert found is not None and found.num_experts == 4 and found.params == ("w",)
+    assert [g.ops[i].target.split(".")[1] for i in found.ops] in (["einsum"], ["bmm"])
 
 
 def test_config_rules_groups_and_mesh():
@@ -214,8 +239,45 @@ def test_rows_stay_with_their_experts_between_grouped_products():
         assert targets.count(P._k_local_experts) == len(find_experts(_graph(name)).ops)
 
 
+def test_stacked_rows_are_exchanged_once_per_moe_layer():
+    """Expert-choice routing's w1, w3 and w2 products read one even exchange per layer and
+    bring their rows home once; each rank holds half of every stacked weight."""
+    from autoplan.runtime import program as P
+    from autoplan.runtime.emit import emit
+    name = "titan-ecmoe-tiny"
+    p = _plan(name, 2, dict(tp=1, zero_stage=0, ep=2))
+    assert {v.ep for k, v in p.param_placements.items() if ".moe.w" in k} == {"S(0)"}
+    ex, small = build_example(name, batch_size=8, seed=0), build_example(name, batch_size=1)
+    rp = emit(ex.model, p, _graph(name), example_inputs=small.example_inputs,
+              example_targets=small.targets, loss_fn=ex.loss_fn, t=1, tp_rank=0,
+              device=torch.device("cpu"), seed=0, ep=(2, 0))
+    targets = [n.target for n in rp.program.graph_module.graph.nodes]
+    assert targets.count(P._k_dispatch_stacked) == 2 and targets.count(P._k_combine) == 2
+    assert targets.count(P._k_dispatch) == 0 and targets.count(P._k_local_experts) == 6
+
+
+def test_a_mixtral_sized_expert_choice_moe_on_bmm_plans_with_expert_parallelism():
+    """Mixtral-8x7B's sizes with stacked experts applied by bmm, on 2 x 8 H100 (meta device):
+    ``force ep=8`` plans (before: "the model has no experts to split") and prices the
+    exchanges, its expert weights an eighth per rank."""
+    g = _graph("titan-ecmoe-8x7b", device="meta")
+    cluster = Cluster.preset("dgx-h100", nodes=2)
+    p = plan(g, cluster, global_batch_size=256, profile=None, force={"ep": 8})
+    assert p.config.ep == 8
+    assert p.predicted["time"]["comm_exposed_s"]["ep_all_to_all"] > 0
+    experts = {k: v for k, v in p.param_placements.items() if ".moe.w" in k}
+    assert len(experts) == 3 * 32 and {v.ep for v in experts.values()} == {"S(0)"}
+
+
 CASES = [
     ("hf-mixtral-tiny", 2, dict(tp=1, zero_stage=0, ep=2), "ilp", "HF Mixtral, EP2"),
+    # stacked experts applied with torch.bmm (expert-choice routing): even exchanges
+    ("titan-ecmoe-tiny", 2, dict(tp=1, zero_stage=0, ep=2), "ilp",
+     "expert-choice MoE on bmm, EP2"),
+    ("titan-ecmoe-tiny", 4, dict(tp=2, zero_stage=0, ep=2), "megatron",
+     "expert-choice MoE on bmm, EP2 x TP2 inside the experts"),
+    ("titan-ecmoe-tiny", 4, dict(tp=1, zero_stage=3, ep=2), "ilp",
+     "expert-choice MoE on bmm, EP2 x FSDP (ZeRO-3) over 4"),
     # its experts multiply in bf16 (torch._grouped_mm's dtype): ep = dp keeps each expert's
     # rows on one rank, as on one device (a weight gradient summed from two ranks' bf16
     # products differs by bf16 rounding, as under plain data parallelism)

@@ -44,7 +44,7 @@ def test_registry_lists_every_family():
         "hf-vit-tiny", "torch-encoder-tiny", "nanogpt-tiny", "rootparam-tiny", "cnn-tiny",
         "hf-llama3-8b", "hf-mixtral-8x7b", "hf-t5-large", "hf-bert-large", "hf-gpt2-xl",
         "hf-vit-l", "titan-llama-tiny", "titan-llama3-8b", "titan-moe-tiny",
-        "region-llama-tiny", "region-cuda-llama-tiny",
+        "region-llama-tiny", "region-cuda-llama-tiny", "titan-ecmoe-tiny", "titan-ecmoe-8x7b",
     }
     assert expected <= set(names)
     assert len(names) == len(set(names))
@@ -53,7 +53,8 @@ def test_registry_lists_every_family():
                         "zoo-gpt2", "zoo-llama", "zoo-mistral", "zoo-qwen2", "zoo-mixtral",
                         "zoo-bert-mlm", "zoo-t5", "zoo-vit", "zoo-torch-encoder",
                         "zoo-nanogpt", "zoo-rootparam", "zoo-cnn",
-                        "zoo-titan-llama", "zoo-titan-moe", "zoo-region-llama"}
+                        "zoo-titan-llama", "zoo-titan-moe", "zoo-region-llama",
+                        "zoo-titan-ecmoe"}
 
 
 @pytest.mark.parametrize("name", NATIVE_TINY)

@@ -142,6 +142,8 @@ CASES = [
     ("cnn-tiny", 2, TP, "megatron", "bf16"),
     ("titan-llama-tiny", 2, SP, "megatron", "bf16"),
     ("titan-moe-tiny", 2, SP, "megatron", "bf16"),
+    # stacked experts on bmm, expert-parallel (the rows exchanged in autocast's dtype)
+    ("titan-ecmoe-tiny", 2, dict(tp=1, zero_stage=0, ep=2), "ilp", "bf16"),
     ("region-llama-tiny", 2, SP, "megatron", "bf16"),
     ("region-cuda-llama-tiny", 2, SP, "megatron", "bf16"),
     # ... FSDP2's 16-bit gathers, a pipeline, the ILP's own plan with fp16's loss scaling

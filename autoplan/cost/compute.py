@@ -37,6 +37,7 @@ from autoplan.cost.dtypes import LOWER_PRECISION_OPS, autocast_on, value_itemsiz
 from autoplan.cost.memory import PRECISION_BYTES
 from autoplan.graph.analysis import analyze
 from autoplan.graph.opgraph import Op, OpGraph, opname
+from autoplan.graph.products import product_spec
 
 _PRODUCT_KINDS = frozenset({"matmul", "conv", "attention"})
 _FREE_KINDS = frozenset({"view"})            # metadata only: no kernel on GPU
@@ -127,18 +128,17 @@ def product_size(graph: OpGraph, op: Op) -> float | None:
     its matrices are large: a batch of small ones runs like one small one); None for ops that
     are not matrix products. Leading dims of the first operand fold into M where the second
     operand is one matrix (a linear layer's weight); else they are the batch."""
-    name = opname(op)
     shapes = [graph.value(n).meta.shape for n in op.inputs]
     try:
         if op.kind == "attention":
             q, k = shapes[0], shapes[1]
             m, kk, n = q[-2], q[-1], k[-2]
         elif op.kind == "matmul":
-            a, b = (shapes[1], shapes[2]) if name in ("addmm", "baddbmm") else shapes[:2]
+            a, b = _factors(graph, op, shapes)
             out = graph.value(op.outputs[0]).meta.shape
             kk = a[-1]
             n = out[-1] if len(out) else 1
-            if name == "linear" or len(b) <= 2:
+            if len(b) <= 2:
                 m = math.prod(out[:-1]) if len(out) > 1 else 1
             else:
                 m = out[-2]
@@ -150,17 +150,27 @@ def product_size(graph: OpGraph, op: Op) -> float | None:
     return cube ** (1.0 / 3.0) if cube > 0 else None
 
 
+def _factors(graph: OpGraph, op: Op, shapes: list[tuple[int, ...]]
+             ) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The shapes of a product's two factors (``graph/products.py``; the first two tensors
+    where its call is not one the specs describe)."""
+    spec = product_spec(graph, op)
+    if spec is None:
+        return shapes[0], shapes[1]
+    return shapes[spec.lhs_slot], shapes[spec.rhs_slot]
+
+
 def gemm_sides(graph: OpGraph, op: Op) -> tuple[float, float, float] | None:
     """(M, N, K) of a layer's product: ``op`` multiplies activations by one 2-D matrix (a
     linear layer, ``addmm``, ``x @ W``), the leading dims of the activations folding into M;
     None for other ops (batched products of activations, attention, convolutions)."""
     if op.kind != "matmul":
         return None
-    name = opname(op)
-    if name not in ("linear", "addmm", "mm", "matmul"):
-        return None
+    spec = product_spec(graph, op)
+    if spec is None or spec.grouped or spec.dims().batch:
+        return None             # experts' or batched products
     shapes = [graph.value(n).meta.shape for n in op.inputs]
-    a, b = (shapes[1], shapes[2]) if name == "addmm" else (shapes[0], shapes[1])
+    a, b = _factors(graph, op, shapes)
     out = graph.value(op.outputs[0]).meta.shape
     if len(b) != 2 or not a or len(out) < 1:
         return None

@@ -1,13 +1,22 @@
 """The experts of a mixture-of-experts graph: what expert parallelism shards.
 
-An MoE layer traced from HF Mixtral, torchtitan-style code or any model that sorts its routed
-tokens by expert reaches its experts through a grouped product (``grouped_mm``: rows sorted by
-expert, weights ``(experts, in, out)``, cumulative row offsets per expert). Expert parallelism
+An MoE layer reaches its experts through a product with a stack of expert weights, in one of
+two ways (``graph/products.py`` names the expert dim of either):
+
+- grouped: HF Mixtral, torchtitan-style code or any model that sorts its routed tokens by
+  expert calls a grouped product (``grouped_mm``: rows sorted by expert, weights ``(experts,
+  in, out)``, cumulative row offsets per expert; ``mk,ekn->mn``);
+- stacked: expert-choice routing and many research MoEs gather each expert's tokens into one
+  tensor ``(experts, capacity, in)`` and apply the stacked weights with ``torch.bmm`` or
+  ``torch.einsum`` (``ecd,edf->ecf``: the experts a batch dim leading the tokens, the weight
+  and the output).
+
+Expert parallelism
 (``ParallelConfig.ep``) stores each expert weight's leading (expert) dim split over the ``ep``
 ranks of a group and sends every routed row to the rank holding its expert (all-to-all), as
 Megatron-Core and DeepSpeed-MoE do.
 
-``find_experts`` names the grouped products, the parameters that feed their weight operand
+``find_experts`` names these products, the parameters that feed their weight operand
 through ops that keep the expert dim leading (transposes of the other dims, dtype casts,
 reshapes that keep dim 0), and every value on those chains: the runtime holds each of them
 with ``experts / ep`` rows on dim 0. A weight reached any other way is not an expert weight,
@@ -20,6 +29,7 @@ import json
 from dataclasses import dataclass
 
 from autoplan.graph.opgraph import Op, OpGraph, opname
+from autoplan.graph.products import expert_dim, product_spec
 
 GROUPED_MM = frozenset({"grouped_mm_fallback", "_grouped_mm", "grouped_mm"})
 # single-input ops that keep an expert's rows one contiguous block on dim 0
@@ -31,11 +41,12 @@ _KEEP_DIM0 = frozenset({"transpose", "permute", "_to_copy", "to", "contiguous", 
 class Experts:
     """The grouped products of a graph and the expert weights they read."""
 
-    ops: tuple[int, ...]                  # grouped_mm op indices
+    ops: tuple[int, ...]                  # the expert products' op indices
     num_experts: int                      # experts per grouped product (all alike)
     params: tuple[str, ...]               # expert weights' FQNs
     chain: frozenset[str]                 # values with the expert dim leading (weights, views)
     param_values: frozenset[str]          # their parameter values (graph value names)
+    stacked: frozenset[int] = frozenset()  # ops whose rows arrive stacked (experts, rows, ...)
 
     def ep_degrees(self, limit: int) -> tuple[int, ...]:
         """Expert-parallel degrees up to ``limit`` that split the experts evenly."""
@@ -62,17 +73,18 @@ def _keeps_dim0(op: Op, graph: OpGraph) -> bool:
 
 
 def find_experts(graph: OpGraph) -> Experts | None:
-    """The graph's experts, or None when it has no grouped product reading a parameter.
+    """The graph's experts, or None when it has no expert product reading a parameter.
     Cached on the (immutable) graph."""
     cache = graph.__dict__
     if "_autoplan_experts" in cache:
         return cache["_autoplan_experts"]
     producer = {n: i for i, op in enumerate(graph.ops) for n in op.outputs}
-    ops, counts, params, chain, pvals = [], set(), [], set(), set()
+    ops, counts, params, chain, pvals, stacked = [], set(), [], set(), set(), set()
     for i, op in enumerate(graph.ops):
-        if opname(op) not in GROUPED_MM or len(op.inputs) < 2:
+        if expert_dim(graph, op) is None:
             continue
-        path, v = [], op.inputs[1]
+        spec = product_spec(graph, op)
+        path, v = [], op.inputs[spec.rhs_slot]
         while graph.value(v).kind != "param":
             j = producer.get(v)
             if j is None or not _keeps_dim0(graph.ops[j], graph):
@@ -84,6 +96,8 @@ def find_experts(graph: OpGraph) -> Experts | None:
             continue
         w = graph.value(v)
         ops.append(i)
+        if not spec.grouped:
+            stacked.add(i)
         counts.add(w.meta.shape[0])
         chain.update(path + [v])
         pvals.add(v)
@@ -92,6 +106,7 @@ def find_experts(graph: OpGraph) -> Experts | None:
     found = None
     if ops and len(counts) == 1:
         found = Experts(ops=tuple(ops), num_experts=counts.pop(), params=tuple(params),
-                        chain=frozenset(chain), param_values=frozenset(pvals))
+                        chain=frozenset(chain), param_values=frozenset(pvals),
+                        stacked=frozenset(stacked))
     cache["_autoplan_experts"] = found
     return found

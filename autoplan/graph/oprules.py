@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from autoplan.graph.opgraph import TensorMeta
+from autoplan.graph.opgraph import Op, TensorMeta, opname
 
 
 @dataclass(frozen=True)
@@ -323,3 +323,21 @@ def io_bytes(name: str, kind: str, inputs: Sequence[TensorMeta],
         idx = sum(m.nbytes for m in inputs if not m.is_float)
         return written + idx, written
     return sum(m.nbytes for m in inputs), written
+
+
+# ---- properties of op families that the search reads -------------------------------------
+
+# ops that normalize with the statistics of the batch they see while training
+_BATCH_STATISTICS = frozenset({"batch_norm", "native_batch_norm", "_native_batch_norm_legit",
+                               "_native_batch_norm_legit_functional"})
+
+
+def uses_batch_statistics(op: Op) -> bool:
+    """Whether ``op`` normalizes with its batch's statistics (batch norm in training mode):
+    its result depends on how many samples one device sees at once."""
+    return opname(op) in _BATCH_STATISTICS
+
+
+def is_attention(op: Op) -> bool:
+    """Whether ``op`` is scaled-dot-product attention (queries ``(b, heads, s, d)``)."""
+    return op.kind == "attention"

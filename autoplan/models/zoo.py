@@ -8,14 +8,15 @@ Mixtral (mixture of experts), BERT with its masked-LM head, T5 (encoder-decoder,
 qkv ``nn.Linear`` split by hidden size, the head count a literal in ``view``), ``rootparam`` (an
 ``nn.Parameter`` on the root module used in a matmul), ``cnn`` (convolutions with batch norm),
 ``titan-llama`` (torchtitan's Llama), ``titan-moe`` (its blocks with a top-k mixture of
-experts on ``torch._grouped_mm``) and ``region-llama`` (a Llama in Hugging Face 4.x's eager
-style, whose rotary tables are computed in an autocast-disabled region: ``region-llama-tiny``
+experts on ``torch._grouped_mm``), ``titan-ecmoe`` (the same blocks with expert-choice
+routing over stacked experts applied with ``torch.bmm``) and ``region-llama`` (a Llama in
+Hugging Face 4.x's eager style, whose rotary tables are computed in an autocast-disabled region: ``region-llama-tiny``
 keys it on the tensor's device, ``region-cuda-llama-tiny`` on "cuda", as GPU runs meet it).
 
 Each comes tiny (``*-tiny``: two layers, hidden 64, dropout 0, what the equivalence tests run)
 and, for the planner, at real size where the architecture has a famous one (``hf-llama3-8b``,
-``titan-llama3-8b``, ``hf-mixtral-8x7b``, ``hf-t5-large``, ``hf-bert-large``, ``hf-gpt2-xl``, ``hf-vit-l``; build
-those on the meta device).
+``titan-llama3-8b``, ``hf-mixtral-8x7b``, ``titan-ecmoe-8x7b`` (Mixtral's sizes), ``hf-t5-large``,
+``hf-bert-large``, ``hf-gpt2-xl``, ``hf-vit-l``; build those on the meta device).
 """
 
 from __future__ import annotations
@@ -289,6 +290,38 @@ class TopKMoE(nn.Module):
         return torch.zeros_like(x).index_add(0, token, y).reshape(bs, seqlen, dim)
 
 
+class ExpertChoiceMoE(nn.Module):
+    """Expert-choice routing (Zhou et al. 2022, "Mixture-of-Experts with Expert Choice
+    Routing") written as research code writes it: each expert picks the tokens of every
+    sequence it scores highest (``experts_per_token * seq / experts`` of them: its capacity),
+    the picked tokens are gathered into one ``(experts, tokens, hidden)`` tensor, the experts'
+    stacked SwiGLU weights applied with ``torch.bmm``, and the outputs, scaled by their
+    scores, added back to their tokens (``scatter_add``). Routing per sequence keeps a
+    sample's result independent of the other samples of its batch."""
+
+    def __init__(self, c: ZooConfig):
+        super().__init__()
+        self.n, self.k = c.experts, c.experts_per_token
+        self.router = nn.Linear(c.hidden, c.experts, bias=False)
+        self.w1 = nn.Parameter(torch.randn(c.experts, c.hidden, c.ffn) * 0.05)
+        self.w3 = nn.Parameter(torch.randn(c.experts, c.hidden, c.ffn) * 0.05)
+        self.w2 = nn.Parameter(torch.randn(c.experts, c.ffn, c.hidden) * 0.05)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bs, seqlen, dim = x.shape
+        capacity = max(1, seqlen * self.k // self.n)
+        scores = self.router(x).softmax(dim=-1)                         # (b, s, E)
+        gate, token = scores.transpose(1, 2).topk(capacity, dim=-1)     # (b, E, cap)
+        where = token.reshape(bs, self.n * capacity, 1).expand(-1, -1, dim)
+        picked = torch.gather(x, 1, where).view(bs, self.n, capacity, dim)
+        rows = picked.permute(1, 0, 2, 3).reshape(self.n, bs * capacity, dim)
+        h = F.silu(torch.bmm(rows, self.w1)) * torch.bmm(rows, self.w3)
+        y = torch.bmm(h, self.w2).view(self.n, bs, capacity, dim).permute(1, 0, 2, 3)
+        y = y.reshape(bs, self.n * capacity, dim) * gate.reshape(bs, self.n * capacity, 1)
+        # under autocast the products (and the router) run in 16 bits: add back in x's dtype
+        return torch.zeros_like(x).scatter_add(1, where, y.type_as(x))
+
+
 class TitanBlock(nn.Module):
     def __init__(self, c: ZooConfig):
         super().__init__()
@@ -297,6 +330,8 @@ class TitanBlock(nn.Module):
         self.ffn_norm = nn.RMSNorm(c.hidden, eps=1e-5)
         if c.architecture == "titan-moe":
             self.moe = TopKMoE(c)
+        elif c.architecture == "titan-ecmoe":
+            self.moe = ExpertChoiceMoE(c)
         else:
             self.w1 = nn.Linear(c.hidden, c.ffn, bias=False)
             self.w2 = nn.Linear(c.ffn, c.hidden, bias=False)
@@ -446,6 +481,7 @@ class RegionLlama(nn.Module):
 
 _BY_HAND = {"torch-encoder": TorchEncoder, "nanogpt": NanoGPT, "rootparam": RootParam,
             "cnn": SmallCNN, "titan-llama": TitanLlama, "titan-moe": TitanLlama,
+            "titan-ecmoe": TitanLlama,
             "region-llama": RegionLlama}
 
 
@@ -490,6 +526,7 @@ ZOO_CONFIGS: dict[str, ZooConfig] = {
     "cnn-tiny": ZooConfig(architecture="cnn", image_size=16),
     "titan-llama-tiny": ZooConfig(architecture="titan-llama", **_GQA),
     "titan-moe-tiny": ZooConfig(architecture="titan-moe", ffn=32, **_GQA),
+    "titan-ecmoe-tiny": ZooConfig(architecture="titan-ecmoe", ffn=32, **_GQA),
     # autocast-disabled regions: keyed on the tensor's device (kept by a trace under autocast)
     # and on "cuda" (kept by any trace: the case GPU runs met)
     "region-llama-tiny": ZooConfig(architecture="region-llama", **_GQA),
@@ -502,6 +539,10 @@ ZOO_CONFIGS: dict[str, ZooConfig] = {
     "hf-mixtral-8x7b": ZooConfig(architecture="mixtral", hidden=4096, layers=32, heads=32,
                                  kv_heads=8, ffn=14336, vocab=32000, seq_len=4096,
                                  max_positions=32768, experts=8, experts_per_token=2),
+    # Mixtral-8x7B's sizes with expert-choice routing over stacked experts (bmm)
+    "titan-ecmoe-8x7b": ZooConfig(architecture="titan-ecmoe", hidden=4096, layers=32,
+                                  heads=32, kv_heads=8, ffn=14336, vocab=32000, seq_len=4096,
+                                  max_positions=32768, experts=8, experts_per_token=2),
     "titan-llama3-8b": ZooConfig(architecture="titan-llama", hidden=4096, layers=32, heads=32,
                                  kv_heads=8, ffn=14336, vocab=128256, seq_len=8192,
                                  max_positions=8192, extra=(("rope_theta", 500000.0),)),

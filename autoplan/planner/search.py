@@ -197,8 +197,10 @@ def _check_forced_experts(graph: OpGraph, opts: SearchOptions) -> None:
         found = find_experts(graph)
         if found is None:
             raise ConfigError(f"force ep={opts.force['ep']}: the model has no experts to split "
-                              "(expert parallelism needs a grouped product of stacked expert "
-                              "weights, as HF Mixtral and torchtitan-style MoE layers trace)")
+                              "(expert parallelism needs a product of stacked expert weights: "
+                              "a grouped product, as HF Mixtral and torchtitan-style MoE layers "
+                              "trace, or bmm / einsum over an experts dim leading the tokens, "
+                              "the weight and the output)")
         if found.num_experts % opts.force["ep"]:
             raise ConfigError(f"force ep={opts.force['ep']}: the model's "
                               f"{found.num_experts} experts do not split evenly over it")

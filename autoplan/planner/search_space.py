@@ -16,14 +16,11 @@ from typing import Any
 from autoplan.errors import ConfigError
 from autoplan.graph.analysis import analyze
 from autoplan.graph.experts import find_experts
-from autoplan.graph.opgraph import OpGraph, opname
+from autoplan.graph.opgraph import OpGraph
+from autoplan.graph.oprules import is_attention, uses_batch_statistics
 from autoplan.planner.options import SearchOptions
 from autoplan.sharding.context_axis import context_axis
 from autoplan.sharding.parallel_config import ParallelConfig
-
-
-_BATCH_NORMS = frozenset({"batch_norm", "native_batch_norm", "_native_batch_norm_legit",
-                          "_native_batch_norm_legit_functional"})
 
 
 def batch_statistics(graph: OpGraph | None) -> bool:
@@ -31,7 +28,7 @@ def batch_statistics(graph: OpGraph | None) -> bool:
     one device computes them over the whole per-replica batch, so a plan that accumulates
     gradients over smaller micro-batches would train another model."""
     return (graph is not None and graph.meta.get("train", True) is not False
-            and any(opname(op) in _BATCH_NORMS for op in graph.ops))
+            and any(uses_batch_statistics(op) for op in graph.ops))
 
 
 def mbs_options(per_replica: int, opts: SearchOptions,
@@ -242,7 +239,7 @@ MIN_CP_PIECE = 2048
 def sequence_length(graph: OpGraph) -> int | None:
     """The sequence length of the model's attention (its query's dim 2), None without one."""
     for op in graph.ops:
-        if op.target.startswith("aten.scaled_dot_product_attention"):
+        if is_attention(op):
             shape = graph.value(op.inputs[0]).meta.shape
             if len(shape) == 4:
                 return shape[2]

@@ -16,6 +16,12 @@ DeepSpeed-MoE's all-to-all dispatcher does:
 3. ``combine``: the rows are put back peer-major and the reverse ``all_to_all_single``
    returns each to its token's rank, in the order it left.
 
+A stack of experts applied with ``bmm``/``einsum`` (expert-choice routing: rows ``(experts,
+capacity, in)``, weights ``(experts, in, out)``) exchanges evenly instead: ``dispatch_stacked``
+sends each peer the slices of its experts and stacks what it receives along the rows
+(``(experts / ep, ep * capacity, in)``), the product runs on this rank's experts, and
+``combine`` sends every slice back.
+
 Both exchanges are ``all_to_all_single_autograd`` (torch's functional collectives, as
 torchtitan's MoE uses), which autograd runs backwards (gradients of the rows go the reverse
 way). On gloo, torch 2.13 runs
@@ -45,6 +51,7 @@ class Dispatched:
     index: torch.Tensor | None             # expert-major position -> received (peer-major) row
     local_offs: torch.Tensor | None
     group: Any = None
+    stacked: int = 0                       # ep of an even exchange of stacked rows (0: sorted)
 
 
 def dispatch(x: torch.Tensor, offs: torch.Tensor, experts: int, comm: Any
@@ -72,8 +79,25 @@ def dispatch(x: torch.Tensor, offs: torch.Tensor, experts: int, comm: Any
     return rows.index_select(0, index), Dispatched(send, recv, index, local_offs, comm.group)
 
 
+def dispatch_stacked(x: torch.Tensor, comm: Any) -> tuple[torch.Tensor, Dispatched]:
+    """Send the slices of ``x`` (``(experts, rows, ...)``) to the ranks of their experts;
+    returns ``(experts / ep, ep * rows, ...)``: this rank's experts, every peer's rows
+    (peer-major), and how to send them back. Shape checks skip the exchange only."""
+    e = comm.size
+    group = None
+    if not isinstance(comm, tp_comm.ShapeComm):
+        group = comm.group
+        x = _exchange(x, [x.shape[0] // e] * e, [x.shape[0] // e] * e, group)
+    n, rows = x.shape[0] // e, x.shape[1]
+    y = x.reshape(e, n, *x.shape[1:]).transpose(0, 1).reshape(n, e * rows, *x.shape[2:])
+    return y, Dispatched([], [], None, None, group, stacked=e)
+
+
 def local_experts(op: Any, args: list, kwargs: dict, d: Dispatched) -> torch.Tensor:
-    """``op(rows, w, offs)`` on dispatched rows, ``w`` holding this rank's experts."""
+    """``op(rows, w, offs)`` on dispatched rows, ``w`` holding this rank's experts (a stacked
+    product: ``op`` on the stacked rows and weights)."""
+    if d.stacked:
+        return stacked_product(op, args, kwargs)
     if d.local_offs is None:                     # shape check: rows keep their count
         return args[0] @ args[1][0]
     args, kwargs = _one_dtype(list(args)), dict(kwargs)
@@ -87,6 +111,16 @@ def local_experts(op: Any, args: list, kwargs: dict, d: Dispatched) -> torch.Ten
 def grouped_product(op: Any, args: list, kwargs: dict) -> torch.Tensor:
     """A grouped product on all experts (no expert parallelism), its operands in one dtype."""
     return op(*_one_dtype(list(args)), **kwargs)
+
+
+def stacked_product(op: Any, args: list, kwargs: dict) -> torch.Tensor:
+    """A stacked experts' product (``bmm(x, w)``, ``einsum(eq, [x, w])``), its factors in one
+    dtype."""
+    args = list(args)
+    if len(args) == 2 and isinstance(args[1], (list, tuple)):           # einsum(eq, operands)
+        args[1] = _one_dtype(list(args[1]))
+        return op(*args, **kwargs)
+    return op(*_one_dtype(args), **kwargs)
 
 
 def _one_dtype(args: list) -> list:
@@ -105,6 +139,12 @@ def _one_dtype(args: list) -> list:
 def combine(y: torch.Tensor, d: Dispatched) -> torch.Tensor:
     """Rows of ``y`` (expert-major, as ``dispatch`` left them) back to their tokens' ranks, in
     the order they left."""
+    if d.stacked:
+        e = d.stacked
+        n, rows = y.shape[0], y.shape[1] // e
+        back = y.reshape(n, e, rows, *y.shape[2:]).transpose(0, 1).reshape(
+            n * e, rows, *y.shape[2:])
+        return back if d.group is None else _exchange(back, [n] * e, [n] * e, d.group)
     if d.index is None:
         return y
     back = torch.empty_like(d.index)

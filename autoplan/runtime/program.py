@@ -46,11 +46,10 @@ from autoplan.runtime import tp_comm
 from autoplan.runtime.program_calls import (KERNEL_CALLS, _c_gather, _c_gather_sp, _c_reduce,
                                             _c_reduce_grad, _c_reduce_scatter,
                                             _k_add_bias, _k_combine, _k_composed, _k_dispatch,
-                                            _k_dp_batch_norm, _k_gathered_weight,
-                                            _k_grad_scale, _k_grouped_product,
-                                            _k_local_experts, _k_norm, _k_sp_linear,
-                                            _k_split_random, _k_split_random_axes,
-                                            _k_without_bias, transition)
+                                            _k_dispatch_stacked, _k_dp_batch_norm,
+                                            _k_grad_scale,
+                                            _k_grouped_product, _k_local_experts, _k_norm,
+                                            _k_split_random, _k_split_random_axes, transition)
 from autoplan.sharding.context_axis import ContextAxis
 from autoplan.sharding.expert_regions import expert_regions
 from autoplan.sharding.placement import REPLICATE, Placement, local_shape
@@ -134,14 +133,15 @@ class _Builder:
         self.experts = find_experts(graph) if ep_size > 1 else None
         if ep_size > 1 and self.experts is None:
             raise PlanError(f"the plan splits experts over ep={ep_size} ranks, but the model "
-                            "has no grouped product of expert weights (grouped_mm) to split; "
-                            "re-plan with ep=1")
+                            "has no product of stacked expert weights (grouped_mm, or bmm / "
+                            "einsum over an experts dim) to split; re-plan with ep=1")
         # expert parallelism: values held as dispatched rows, their exchanges' states, and
         # the dispatches made (one per value and placement)
         self.regions = expert_regions(graph, sh) if self.experts is not None else None
         self.held: dict[str, fx.Node] = {}
         self.held_state: dict[str, fx.Node] = {}
         self.dispatched: dict[tuple[str, str], tuple[fx.Node, fx.Node]] = {}
+        self.stacked_held: set[str] = set()
         self.device = device
         self.state_tensor = state_tensor
         self.g = fx.Graph()
@@ -251,7 +251,11 @@ class _Builder:
             x = op.inputs[0]
             if x in to_dispatch:
                 key = (x, str(s.inputs[0]))
-                if key not in self.dispatched:
+                if key not in self.dispatched and i in self.experts.stacked:
+                    pair = self.emit(_k_dispatch_stacked, (inputs[0], self.slot_node), i)
+                    self.dispatched[key] = (self.emit(operator.getitem, (pair, 0), i),
+                                            self.emit(operator.getitem, (pair, 1), i))
+                elif key not in self.dispatched:
                     pair = self.emit(_k_dispatch, (inputs[0], inputs[2], self.experts.num_experts
                                                    // self.ep_size, self.slot_node), i)
                     self.dispatched[key] = (self.emit(operator.getitem, (pair, 0), i),
@@ -261,6 +265,10 @@ class _Builder:
                 state = self.held_state[x]
         elif region:
             state = next(self.held_state[vn] for vn in op.inputs if vn in self.held_state)
+        # stacked rows are held as (experts / ep, ep * rows, ...): every peer's rows of this
+        # rank's experts
+        stacked = region and (i in self.experts.stacked if expert_op else
+                              any(vn in self.stacked_held for vn in op.inputs))
         it = iter(inputs)
 
         def take(a: fx.Node):
@@ -286,27 +294,24 @@ class _Builder:
                 out = self.emit(_k_composed, (node.target, args, kwargs, self.cp_node,
                                               c.kernel, self.slot_node, s.kernel), i)
             else:
-                out = self.emit(KERNEL_CALLS[c.kernel], (node.target, args, kwargs,
-                                                         self.cp_node), i)
-        elif s.kernel == "bias_after_reduce":     # (output without bias, bias): added below
-            pair = self.emit(_k_without_bias, (node.target, args, kwargs), i)
-            out = self.emit(operator.getitem, (pair, 0), i)
-            bias_node = self.emit(operator.getitem, (pair, 1), i)
-        elif s.kernel == "sp_linear":
-            x_slot = next(k for k, n in enumerate(op.inputs)
-                          if self.eg.value(n).kind in ("activation", "input"))
-            out = self.emit(_k_sp_linear, (node.target, args, kwargs, self.slot_node,
-                                           str(s.inputs[x_slot])), i)
-        elif s.kernel == "gathered_weight":
-            w_slot = s.gathered_inputs()[0]                      # the gathered weight
-            out = self.emit(_k_gathered_weight, (node.target, args, kwargs, self.slot_node,
-                                                 str(s.inputs[w_slot])), i)
+                call = KERNEL_CALLS[c.kernel]
+                if call.returns_bias:
+                    raise PlanError(f"op {op.name} ({op.target}): kernel {c.kernel} does not "
+                                    "run on the context-parallel axis; re-plan")
+                out = self.emit(call.fn, (node.target, args, kwargs, self.cp_node,
+                                          *call.extra(self.eg, op, c)), i)
+        elif s.kernel:                             # the strategy's local kernel
+            call = KERNEL_CALLS[s.kernel]
+            out = self.emit(call.fn, (node.target, args, kwargs, self.slot_node,
+                                      *call.extra(self.eg, op, s)), i)
+            if call.returns_bias:               # (output without bias, bias): added below
+                pair = out
+                out = self.emit(operator.getitem, (pair, 0), i)
+                bias_node = self.emit(operator.getitem, (pair, 1), i)
         elif expert_op:
             out = self.emit(_k_local_experts, (node.target, args, kwargs, state), i)
         elif opname(op) in GROUPED_MM:
             out = self.emit(_k_grouped_product, (node.target, args, kwargs), i)
-        elif s.kernel:
-            out = self.emit(KERNEL_CALLS[s.kernel], (node.target, args, kwargs, self.slot_node), i)
         elif c is not None and _SEEDED in getattr(node.target, "tags", ()) \
                 and any(p.kind == "S" for p in c.inputs + s.inputs):
             # a mask per piece over both axes (``kernels.split_random``)
@@ -335,7 +340,9 @@ class _Builder:
         for k, vn in enumerate(op.outputs):
             y = out if len(op.outputs) == 1 and not _multi(node) else \
                 self.emit(operator.getitem, (out, _out_index(node, vn)), i)
-            y.meta[SHAPE] = local_outs[k]
+            y.meta[SHAPE] = local_outs[k] if not stacked else (
+                local_outs[k][0] // self.ep_size, local_outs[k][1] * self.ep_size,
+                *local_outs[k][2:])
             y = self._output_action(output_action(self.eg, op, s, k), y, s, k,
                                     self.slot_node, i)
             if bias_node is not None and k == 0:
@@ -346,6 +353,8 @@ class _Builder:
             self.env[vn] = y
             if region:          # held dispatched; brought home where read from outside
                 self.held[vn], self.held_state[vn] = y, state
+                if stacked:
+                    self.stacked_held.add(vn)
                 if vn in self.regions.combine:
                     self.env[vn] = self.emit(_k_combine, (y, state), i)
         self.env.update(swapped)

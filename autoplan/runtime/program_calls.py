@@ -3,18 +3,73 @@ tensor-parallel collectives (``_c_*``) and the local kernels (``_k_*``), module-
 fx code can name them, with placements passed as text; and ``transition``, the nodes that move
 a local tensor from one placement to another. Each reads its process group from the program's
 ``CommSlot`` at call time (``slot``), so one program is checked with shape-only stand-ins and
-then run with the real groups."""
+then run with the real groups.
+
+The local kernel a strategy names (``OpStrategy.kernel``, declared in the sharding layer's
+``registry.KERNELS``) is registered here under the same name (``register_kernel``): the call
+``(target, args, kwargs, slot, *extra)`` the program emits for it. ``tests/test_rule_registry.py``
+fails where a strategy names a kernel nobody registered, or a kernel is registered for no
+strategy."""
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
 
 from torch import fx
 
 from autoplan.errors import PlanError
+from autoplan.graph.opgraph import Op, OpGraph
 from autoplan.runtime import experts, kernels, ring_attention, tp_comm
 from autoplan.sharding.placement import Placement
+from autoplan.sharding.strategy import OpStrategy
+
+
+# ---- the kernel registry ------------------------------------------------------------------------
+
+def _no_extra(graph: OpGraph, op: Op, s: OpStrategy) -> tuple[str, ...]:
+    return ()
+
+
+@dataclass(frozen=True)
+class KernelCall:
+    """How the program calls one named kernel: ``fn(target, args, kwargs, slot, *extra)``
+    (module-level, so fx code names it), ``extra(graph, op, strategy)`` the text arguments it
+    takes beside them, and ``returns_bias``: it returns ``(output, bias)``, the bias added
+    after the output's collective (``bias_after_reduce``)."""
+
+    fn: Callable
+    extra: Callable[[OpGraph, Op, OpStrategy], tuple[str, ...]] = _no_extra
+    returns_bias: bool = False
+
+
+_CALLS: dict[str, KernelCall] = {}
+KERNEL_CALLS: Mapping[str, KernelCall] = MappingProxyType(_CALLS)
+
+
+def register_kernel(name: str, *, extra: Callable[[OpGraph, Op, OpStrategy], tuple[str, ...]]
+                    = _no_extra, returns_bias: bool = False) -> Callable[[Callable], Callable]:
+    """Register the decorated call as the runtime of the kernel strategies name ``name``."""
+    def deco(fn: Callable) -> Callable:
+        if name in _CALLS:
+            raise ValueError(f"kernel {name!r} is registered twice")
+        _CALLS[name] = KernelCall(fn, extra, returns_bias)
+        return fn
+    return deco
+
+
+def _input_placement(graph: OpGraph, op: Op, s: OpStrategy) -> tuple[str, ...]:
+    """The placement the product's activation arrives in (``sp_linear`` gathers it)."""
+    k = next(k for k, n in enumerate(op.inputs)
+             if graph.value(n).kind in ("activation", "input"))
+    return (str(s.inputs[k]),)
+
+
+def _gathered_placement(graph: OpGraph, op: Op, s: OpStrategy) -> tuple[str, ...]:
+    """The placement the weight is stored in (``gathered_weight`` gathers it)."""
+    return (str(s.inputs[s.gathered_inputs()[0]]),)
 
 
 # ---- calls the program makes (module-level so fx code can name them; placements as text) -----
@@ -52,18 +107,22 @@ def _c_reshard(x, slot, src, dst):
     return tp_comm.reshard(x, slot.comm, _p(src), _p(dst))
 
 
+@register_kernel("vocab_embedding")
 def _k_vocab_embedding(target, args, kwargs, slot):
     return kernels.vocab_embedding(target, args, kwargs, slot.comm)
 
 
+@register_kernel("vocab_cross_entropy")
 def _k_vocab_cross_entropy(target, args, kwargs, slot):
     return kernels.vocab_cross_entropy(target, args, kwargs, slot.comm)
 
 
+@register_kernel("split_loss")
 def _k_split_loss(target, args, kwargs, slot):
     return kernels.split_loss(target, args, kwargs, slot.comm)
 
 
+@register_kernel("sync_batch_norm")
 def _k_sync_batch_norm(target, args, kwargs, slot):
     """Batch norm split over the batch on the tp axis: statistics over tp (and dp)."""
     group = slot.dp_tp if slot.dp_tp is not None else slot.comm
@@ -84,6 +143,13 @@ def _k_dispatch(x, offs, local_experts, slot):
     return experts.dispatch(x, offs, local_experts, slot.ep)
 
 
+def _k_dispatch_stacked(x, slot):
+    if slot.ep is None:
+        raise PlanError("an expert-parallel stacked product ran without its expert-parallel "
+                        "group: connect() the program first")
+    return experts.dispatch_stacked(x, slot.ep)
+
+
 def _k_local_experts(target, args, kwargs, d):
     return experts.local_experts(target, args, kwargs, d)
 
@@ -100,19 +166,23 @@ def _k_combine(y, d):
     return experts.combine(y, d)
 
 
+@register_kernel("mean_partial")
 def _k_mean_partial(target, args, kwargs, slot):
     return kernels.mean_partial(target, args, kwargs, slot.comm)
 
 
+@register_kernel("sp_linear", extra=_input_placement)
 def _k_sp_linear(target, args, kwargs, slot, p):
     return kernels.sp_linear(target, args, kwargs, slot.comm, _p(p))
 
 
+@register_kernel("gathered_weight", extra=_gathered_placement)
 def _k_gathered_weight(target, args, kwargs, slot, p):
     return kernels.gathered_weight(target, args, kwargs, slot.comm, _p(p))
 
 
-def _k_without_bias(target, args, kwargs):
+@register_kernel("bias_after_reduce", returns_bias=True)
+def _k_without_bias(target, args, kwargs, slot):
     return kernels.without_bias(target, args, kwargs)
 
 
@@ -124,6 +194,7 @@ def _k_split_random(target, args, kwargs, slot):
     return kernels.split_random(target, args, kwargs, slot.comm)
 
 
+@register_kernel("ring_attention")
 def _k_ring_attention(target, args, kwargs, slot):
     return ring_attention.ring_attention(target, args, kwargs, slot.comm)
 
@@ -151,7 +222,7 @@ class _TpKernel:
         self.tags = getattr(op, "tags", ())
 
     def __call__(self, *args, **kwargs):
-        return KERNEL_CALLS[self._kernel](self._op, list(args), dict(kwargs), self._slot)
+        return KERNEL_CALLS[self._kernel].fn(self._op, list(args), dict(kwargs), self._slot)
 
 
 def _k_composed(target, args, kwargs, outer_slot, outer, inner_slot, inner):
@@ -160,21 +231,14 @@ def _k_composed(target, args, kwargs, outer_slot, outer, inner_slot, inner):
     if outer == inner == "split_loss":
         return kernels.split_loss(target, args, kwargs,
                                   tp_comm.Chain(outer_slot.comm, inner_slot.comm))
-    return KERNEL_CALLS[outer](_TpKernel(target, inner, inner_slot), args, kwargs, outer_slot)
+    return KERNEL_CALLS[outer].fn(_TpKernel(target, inner, inner_slot), args, kwargs,
+                                  outer_slot)
 
 
 def _k_grad_scale(x, factor):
     """``x`` itself; its gradient times ``factor`` (a weight whose gradient is whole on every
     context-parallel rank: the dp x cp average would count it ``cp`` times)."""
     return kernels.grad_scale(x, factor)
-
-
-KERNEL_CALLS: dict[str, Callable] = {
-    "ring_attention": _k_ring_attention,
-    "vocab_embedding": _k_vocab_embedding, "vocab_cross_entropy": _k_vocab_cross_entropy,
-    "split_loss": _k_split_loss, "sync_batch_norm": _k_sync_batch_norm,
-    "mean_partial": _k_mean_partial,
-}
 
 
 def transition(g: fx.Graph, x: fx.Node, src: Placement, dst: Placement, slot: fx.Node

@@ -22,11 +22,13 @@ from dataclasses import dataclass
 
 from autoplan.graph.experts import find_experts
 from autoplan.graph.opgraph import OpGraph
+from autoplan.graph.products import product_spec
 from autoplan.sharding.placement import shard
 from autoplan.sharding.sharding import Sharding
 from autoplan.sharding.strategy import call_args, opname
 
 _S0 = shard(0)
+_STACKED = "<stacked>"          # the origin of rows dispatched evenly (no value has this name)
 
 # ops that map each row to itself (elementwise, casts, splits of the feature dims)
 ROW_WISE = frozenset({"silu", "gelu", "relu", "sigmoid", "tanh", "mul", "add", "sub", "div",
@@ -42,8 +44,8 @@ class ExpertRegions:
     combine: frozenset[str]               # dispatched values brought home (read outside)
 
 
-def _row_wise(graph: OpGraph, sh: Sharding, i: int, inside: set[str], rows: dict[str, int]
-              ) -> bool:
+def _row_wise(graph: OpGraph, sh: Sharding, i: int, inside: set[str], rows: dict[str, int],
+              stacked: bool) -> bool:
     op = graph.ops[i]
     if opname(op) not in ROW_WISE or not op.outputs or not op.inputs:
         return False
@@ -55,7 +57,10 @@ def _row_wise(graph: OpGraph, sh: Sharding, i: int, inside: set[str], rows: dict
     args, kwargs = call_args(op)
     dim = (args[2] if len(args) > 2 else kwargs.get("dim", 0)) \
         if opname(op) in ("chunk", "split", "split_with_sizes") else None
-    if isinstance(dim, int) and dim % len(graph.value(op.inputs[0]).meta.shape) == 0:
+    # a split keeps each row's features together; stacked rows (experts, rows, ...) are held
+    # with every peer's rows along dim 1, which a split must not cut either
+    if isinstance(dim, int) and dim % len(graph.value(op.inputs[0]).meta.shape) in (
+            (0, 1) if stacked else (0,)):
         return False
     s = sh.op_strategy[i]
     if s.comms or s.kernel:
@@ -76,11 +81,14 @@ def expert_regions(graph: OpGraph, sh: Sharding) -> ExpertRegions | None:
     result = None
     if found is not None:
         ops = set(found.ops)
-        offsets = {i: graph.ops[i].inputs[2] if len(graph.ops[i].inputs) > 2 else None
-                   for i in ops}
+        offsets = {}
+        for i in ops:
+            k = product_spec(graph, graph.ops[i]).offsets
+            # stacked rows are exchanged evenly, alike for every stacked product
+            offsets[i] = graph.ops[i].inputs[k] if k is not None else _STACKED
         inside: set[str] = set()
         rows: dict[str, int] = {}
-        origin: dict[str, str | None] = {}        # a dispatched value's offsets value
+        origin: dict[str, str] = {}        # a dispatched value's offsets value (or _STACKED)
         members: set[int] = set()
         dispatch: list[tuple[int, str]] = []
         for i, op in enumerate(graph.ops):
@@ -93,8 +101,10 @@ def expert_regions(graph: OpGraph, sh: Sharding) -> ExpertRegions | None:
                     inside.add(n)
                     rows[n] = graph.value(n).meta.shape[0]
                     origin[n] = offsets[i]
-            elif inside and _row_wise(graph, sh, i, inside, rows) \
-                    and len({origin[n] for n in op.inputs}) == 1:
+            elif inside and all(n in origin for n in op.inputs) \
+                    and len({origin[n] for n in op.inputs}) == 1 \
+                    and _row_wise(graph, sh, i, inside, rows,
+                                  origin[op.inputs[0]] == _STACKED):
                 members.add(i)
                 for n in op.outputs:
                     inside.add(n)

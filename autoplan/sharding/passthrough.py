@@ -24,7 +24,11 @@ from collections.abc import Callable
 from autoplan.graph.opgraph import Op, OpGraph
 from autoplan.sharding import dims
 from autoplan.sharding.placement import PARTIAL, REPLICATE, Placement, local_size, shard
+from autoplan.sharding.registry import declare_kernel
 from autoplan.sharding.strategy import OpStrategy, call_args, make, opname
+
+MEAN_PARTIAL = declare_kernel("mean_partial",
+                              "mean over the rank's shard of a split dim, scaled to a partial sum")
 
 RESHAPES = frozenset({"view", "reshape", "_unsafe_view", "flatten", "unflatten", "unsqueeze",
                       "squeeze", "view_as", "_reshape_alias"})
@@ -192,7 +196,7 @@ def unary(graph: OpGraph, op: Op, slot: int, t: int,
         ins = tuple(p if i == slot else REPLICATE for i in range(len(op.inputs)))
         name = opname(op)
         if mapped == (PARTIAL,):
-            kernel = "mean_partial" if name in MEANS else ""
+            kernel = MEAN_PARTIAL if name in MEANS else ""
             res.append(make(graph, op, _name(p), ins, (REPLICATE,), t, kernel=kernel,
                             local_outputs=(PARTIAL,)))
             continue

@@ -1,32 +1,61 @@
-"""Strategies of the products on one ``t``-way mesh axis (``strategies.py`` dispatches to them),
-and the helpers the other rules share: a product with a weight (linear, HF ``Conv1D``'s addmm,
-``x @ W``), a product of two activations (bmm, matmul), the experts' grouped product."""
+"""The strategies of every matmul-like op on one ``t``-way mesh axis, from one einsum rule, and
+the helpers the other rules share.
+
+Each product is an einsum (``graph/products.py``: ``linear`` is ``...k,nk->...n``, ``bmm``
+``bmk,bkn->bmn``, the grouped product ``mk,ekn->mn``, ...). One rule (``_product``) splits
+its letters by class, as DTensor's ``gen_einsum_strategies`` does: a letter kept in the output
+splits both factors that have it and the output; a contracted letter splits both factors and
+leaves partial sums (reduced after the op). What the split is called, and the kernels that
+make it cheaper, depend on the factors:
+
+- a weight (a parameter) times an activation: Megatron-LM's names. The weight's output features
+  split: ``colwise`` (also in blocks, for fused projections), ``colwise_sp`` (the input
+  arrives sequence-split and is gathered: kernel ``sp_linear``); the contraction: ``rowwise``
+  (partial output reduced; a bias added once after: ``bias_after_reduce``), ``rowwise_sp``
+  (reduce-scattered to sequence shards); the activation's rows: ``batch`` / ``seq``, and
+  ``batch_gathered`` / ``seq_gathered`` (the weight stored split and gathered for the product,
+  FSDP-style on this axis: kernel ``gathered_weight``);
+- a stack of experts (a grouped letter, or a batch letter leading both a stacked weight and
+  the output: ``graph/experts.py``): the experts are expert parallelism's (``ep``) to split,
+  the axis splits each expert's output features (``colwise``) or its contraction
+  (``rowwise``);
+- two activations: every output dim (``batch``, ``heads``, ``dim<d>`` for leading dims,
+  ``rows``, ``cols``) and the contraction (``contract``)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
+from autoplan.graph.experts import find_experts
 from autoplan.graph.opgraph import Op, OpGraph, Value
+from autoplan.graph.products import (ProductSpec, expert_dim, product_names, product_spec,
+                                     weight_slot)
 from autoplan.sharding.blocks import block_counts
 from autoplan.sharding.placement import PARTIAL, REPLICATE, Placement, shard
-from autoplan.sharding.strategy import Comm, OpStrategy, bias_slot, make, opname
+from autoplan.sharding.registry import declare_kernel, register_op_strategy
+from autoplan.sharding.strategy import (BIAS_AFTER_REDUCE, Comm, OpStrategy, bias_slot, make,
+                                        opname)
+
+SP_LINEAR = declare_kernel(
+    "sp_linear", "a product with a weight whose sequence-split input is gathered inside it and "
+    "again in backward (Megatron's sequence parallelism: only the shard is kept)")
+GATHERED_WEIGHT = declare_kernel(
+    "gathered_weight", "a product on a batch- or sequence-split input with a weight stored "
+    "split over the ranks: gathered for the product and again in backward, its gradient "
+    "reduce-scattered back to the shards (FSDP on this axis)")
 
 
-def _is_act(v: Value) -> bool:
+def is_activation(v: Value) -> bool:
+    """A value computed per batch (an activation or a graph input), not a weight."""
     return v.kind in ("activation", "input")
 
 
-def _div(size: int, t: int, blocks: int = 1) -> bool:
+def divides(size: int, t: int, blocks: int = 1) -> bool:
+    """Whether a dim of ``size`` splits evenly over ``t`` ranks in ``blocks`` blocks."""
     return size >= t * blocks and size % (t * blocks) == 0
 
 
-def _weight(graph: OpGraph, op: Op) -> int | None:
-    for i, n in enumerate(op.inputs):
-        v = graph.value(n)
-        if v.kind == "param" and len(v.meta.shape) >= 2:
-            return i
-    return None
-
-
-def _blocks(graph: OpGraph):
+def _blocks(graph: OpGraph) -> Callable[[str, int], tuple[int, ...]]:
     counts = block_counts(graph)
     return lambda value, d: counts.get((value, d), ())
 
@@ -55,146 +84,201 @@ def row_splits(rows: int, merged: tuple[int, int] | None, t: int
     for merged rows (``merged_rows``) ``batch`` over the samples and ``seq`` over each
     sample's positions."""
     if merged is None:
-        return [("batch", shard(0))] if _div(rows, t) else []
+        return [("batch", shard(0))] if divides(rows, t) else []
     samples, positions = merged
-    return [(label, p) for label, p, ok in (("batch", shard(0), _div(samples, t)),
-                                            ("seq", shard(0, samples), _div(positions, t)))
+    return [(label, p) for label, p, ok in (("batch", shard(0), divides(samples, t)),
+                                            ("seq", shard(0, samples), divides(positions, t)))
             if ok]
 
 
-def _seq_dim(shape: tuple[int, ...]) -> int:
+def seq_dim(shape: tuple[int, ...]) -> int:
     """The token dim sequence parallelism splits: the sequence of (b, s, h), the rows of
     (tokens, h)."""
     return 1 if len(shape) >= 3 else 0
 
 
-# ---- products with a weight ------------------------------------------------------------------
+# ---- the one rule ------------------------------------------------------------------------------
 
-def _linear(graph: OpGraph, op: Op, t: int) -> list[OpStrategy]:
-    w = _weight(graph, op)
-    acts = [i for i, n in enumerate(op.inputs) if _is_act(graph.value(n))]
-    if w is None or not acts:
+@register_op_strategy(*sorted(product_names()))
+def _product(graph: OpGraph, op: Op, t: int) -> list[OpStrategy]:
+    """Every matmul-like op (``graph/products.py``): its strategies from its einsum."""
+    spec = product_spec(graph, op)
+    if spec is None or not op.outputs:
         return []
-    x = acts[0]
+    if spec.dims().grouped or _stacked_experts(graph, op):
+        return _expert_product(graph, op, spec, t)
+    w = weight_slot(graph, op, spec)
+    if w is not None:
+        return _weight_product(graph, op, spec, w, t)
+    return _act_product(graph, op, spec, t)
+
+
+def _stacked_experts(graph: OpGraph, op: Op) -> bool:
+    """Whether ``op`` multiplies by a stack of expert weights (read from the graph's experts
+    only where its equation allows one: a batch letter leading everything)."""
+    if expert_dim(graph, op) is None:
+        return False
+    found = find_experts(graph)
+    return found is not None and graph.op_index(op.name) in found.ops
+
+
+class _Factors:
+    """Where each letter of a product sits in its inputs and output, and the placements that
+    split one letter (every tensor that has it, split on its dim; the rest whole)."""
+
+    def __init__(self, graph: OpGraph, op: Op, spec: ProductSpec, bias: int | None):
+        self.graph, self.op, self.spec, self.bias = graph, op, spec, bias
+        self.out = graph.value(op.outputs[0]).meta.shape
+
+    def size(self, letter: str) -> int:
+        spec = self.spec
+        for slot, sub in ((spec.lhs_slot, spec.lhs), (spec.rhs_slot, spec.rhs)):
+            if letter in sub:
+                return self.graph.value(self.op.inputs[slot]).meta.shape[sub.index(letter)]
+        return self.out[spec.out.index(letter)]
+
+    def inputs(self, letter: str, blocks: int = 1, *, bias: Placement | None = None
+               ) -> tuple[Placement, ...]:
+        spec = self.spec
+        out = []
+        for k in range(len(self.op.inputs)):
+            sub = spec.subscripts(k)
+            if k == self.bias:
+                out.append(bias if bias is not None else
+                           shard(0, blocks) if spec.out.endswith(letter) else REPLICATE)
+            elif letter in sub:
+                out.append(shard(sub.index(letter), blocks))
+            else:
+                out.append(REPLICATE)
+        return tuple(out)
+
+    def output(self, letter: str, blocks: int = 1) -> Placement:
+        return shard(self.spec.out.index(letter), blocks)
+
+
+def _expert_product(graph: OpGraph, op: Op, spec: ProductSpec, t: int) -> list[OpStrategy]:
+    """A product with a stack of experts: their dim is expert parallelism's; the axis splits
+    each expert's output features or its contraction."""
+    d = spec.dims()
+    if len(d.rhs_free) != 1 or len(d.contracted) != 1:
+        return []
+    f = _Factors(graph, op, spec, None)
+    n, k = d.rhs_free[0], d.contracted[0]
+    res = []
+    if divides(f.size(n), t):
+        res.append(make(graph, op, "colwise", f.inputs(n), (f.output(n),), t, style="colwise"))
+    if divides(f.size(k), t):
+        res.append(make(graph, op, "rowwise", f.inputs(k), (REPLICATE,), t, style="rowwise",
+                        local_outputs=(PARTIAL,)))
+    return res
+
+
+def _act_product(graph: OpGraph, op: Op, spec: ProductSpec, t: int) -> list[OpStrategy]:
+    """A product of two activations: each output dim a factor has, then each contraction."""
+    b = bias_slot(graph, op)
+    if b in (spec.lhs_slot, spec.rhs_slot):
+        b = None
+    f = _Factors(graph, op, spec, b)
+    r = len(f.out)
+    res = []
+    for d, letter in enumerate(spec.out):
+        if letter not in spec.lhs and letter not in spec.rhs or not divides(f.out[d], t):
+            continue
+        name = ("rows" if d == r - 2 else "cols" if d == r - 1 else
+                "batch" if d == 0 else "heads" if d == 1 else f"dim{d}")
+        res.append(make(graph, op, name, f.inputs(letter), (f.output(letter),), t))
+    for j, k in enumerate(spec.dims().contracted):
+        if divides(f.size(k), t):
+            res.append(make(graph, op, "contract" if j == 0 else f"contract_{k}",
+                            f.inputs(k, bias=REPLICATE), (REPLICATE,), t,
+                            kernel=BIAS_AFTER_REDUCE if b is not None else "",
+                            local_outputs=(PARTIAL,)))
+    return res
+
+
+def _weight_product(graph: OpGraph, op: Op, spec: ProductSpec, w: int, t: int
+                    ) -> list[OpStrategy]:
+    """A weight (2-D) times an activation: Megatron's splits, then the activation's rows.
+    The variants with a kernel (``sp_linear``, ``gathered_weight``; ``rowwise_sp`` with them)
+    are offered where the kernels read the call (``ProductSpec.weight_call``)."""
+    x = spec.lhs_slot if w == spec.rhs_slot else spec.rhs_slot
+    if not is_activation(graph.value(op.inputs[x])):
+        return []
+    sub_w, sub_x = spec.subscripts(w), spec.subscripts(x)
+    d = spec.dims()
+    n = [c for c in sub_w if c in spec.out]
+    k = [c for c in sub_w if c in d.contracted]
+    if len(sub_w) != 2 or len(n) != 1 or len(k) != 1:
+        return []
+    n, k = n[0], k[0]
+    megatron = w == spec.rhs_slot and spec.weight_call != ""      # the kernels can run it
     b = bias_slot(graph, op)
     if b in (x, w):
         b = None
+    if b is not None and not megatron:
+        return []               # a bias along the activation's dim: no rule splits it here
+    f = _Factors(graph, op, spec, b)
     xm, wm = graph.value(op.inputs[x]).meta, graph.value(op.inputs[w]).meta
-    out = graph.value(op.outputs[0]).meta.shape
+    out = f.out
     rank = len(out)
-    # linear keeps (out, in); addmm / x @ W keep (in, out)
-    out_dim, in_dim = (0, 1) if opname(op) == "linear" else (1, 0)
-    if len(wm.shape) != 2 or len(xm.shape) < 1:
-        return []
 
     def ps(x_p: Placement, w_p: Placement, b_p: Placement) -> tuple[Placement, ...]:
         return tuple(x_p if i == x else w_p if i == w else b_p if i == b else REPLICATE
                      for i in range(len(op.inputs)))
     res = []
-    sp = _seq_dim(xm.shape)
-    can_sp = len(xm.shape) >= 2 and _div(xm.shape[sp], t) and len(xm.shape) == rank
     # the token split sequence parallelism keeps: the sequence of (b, s, h), the rows of
     # (tokens, h), one block per sample where the rows are (b, s) merged
+    sp = seq_dim(xm.shape)
+    can_sp = (megatron and len(xm.shape) >= 2 and divides(xm.shape[sp], t)
+              and len(xm.shape) == rank and sub_x[sp] in spec.out)
     merged = merged_rows(graph, op.inputs[x]) if len(xm.shape) == 2 else None
     sp_p = shard(sp)
     if merged is not None:
         sp_p = shard(0, merged[0])
-        can_sp = can_sp and _div(merged[1], t)
-    for k in (1,) + _blocks(graph)(op.outputs[0], rank - 1):
-        if not _div(wm.shape[out_dim], t, k):
+        can_sp = can_sp and divides(merged[1], t)
+    n_out = spec.out.index(n)
+    for blocks in (1,) + _blocks(graph)(op.outputs[0], n_out):
+        if not divides(f.size(n), t, blocks):
             continue
-        sfx = "" if k == 1 else f"_blocks{k}"
-        col_in = ps(REPLICATE, shard(out_dim, k), shard(0, k))
-        res.append(make(graph, op, "colwise" + sfx, col_in, (shard(rank - 1, k),), t,
+        sfx = "" if blocks == 1 else f"_blocks{blocks}"
+        col_in = f.inputs(n, blocks)
+        res.append(make(graph, op, "colwise" + sfx, col_in, (f.output(n, blocks),), t,
                         style="colwise"))
         if can_sp:
             # Megatron's sequence-parallel linear: the input is gathered inside the product
             # and again in backward, so only its shard is kept for backward
             regather = ((Comm("all_gather", op.inputs[x], "bwd"),)
                         if graph.value(op.inputs[w]).requires_grad else ())
-            res.append(make(graph, op, "colwise_sp" + sfx, ps(sp_p, shard(out_dim, k),
-                                                               shard(0, k)),
-                            (shard(rank - 1, k),), t, style="colwise_sp", local_inputs=col_in,
-                            kernel="sp_linear", extra=regather))
-    if _div(wm.shape[in_dim], t) and _div(xm.shape[-1], t):
-        row_in = ps(shard(len(xm.shape) - 1), shard(in_dim), REPLICATE)
-        kernel = "bias_after_reduce" if b is not None else ""
+            res.append(make(graph, op, "colwise_sp" + sfx,
+                            ps(sp_p, col_in[w], col_in[b] if b is not None else REPLICATE),
+                            (f.output(n, blocks),), t, style="colwise_sp",
+                            local_inputs=col_in, kernel=SP_LINEAR, extra=regather))
+    if divides(f.size(k), t):
+        row_in = f.inputs(k, bias=REPLICATE)
+        kernel = BIAS_AFTER_REDUCE if b is not None else ""
         res.append(make(graph, op, "rowwise", row_in, (REPLICATE,), t, style="rowwise",
                         kernel=kernel, local_outputs=(PARTIAL,)))
-        if len(xm.shape) == rank and rank >= 2 and _div(out[sp], t) and (
-                merged is None or can_sp):
+        if can_sp or (megatron and len(xm.shape) == rank and rank >= 2 and divides(out[sp], t)
+                      and merged is None and sub_x[sp] in spec.out):
             res.append(make(graph, op, "rowwise_sp", row_in, (sp_p,), t,
                             style="rowwise_sp", kernel=kernel, local_outputs=(PARTIAL,)))
     # token splits: the batch, the sequence (the rows of a 2-D input: ``row_splits``)
-    tokens: list[tuple[str, Placement]] = []
-    if rank == 2 and len(xm.shape) == rank:
-        tokens = row_splits(out[0], merged, t)
+    tokens: list[tuple[str, Placement, Placement]] = []
+    if rank == 2 and len(xm.shape) == rank and sub_x.find(spec.out[0]) == 0:
+        tokens = [(label, p, p) for label, p in row_splits(out[0], merged, t)]
     elif rank >= 3 and len(xm.shape) == rank:
-        tokens = [(label, shard(d)) for d, label in ((0, "batch"), (1, "seq"))
-                  if _div(out[d], t)]
-    for label, p in tokens:
-        res.append(make(graph, op, label, ps(p, REPLICATE, REPLICATE), (p,), t, style=label))
+        tokens = [(label, shard(sub_x.index(spec.out[j])), shard(j))
+                  for j, label in ((0, "batch"), (1, "seq"))
+                  if spec.out[j] in sub_x and divides(out[j], t)]
+    for label, p_x, p_out in tokens:
+        res.append(make(graph, op, label, ps(p_x, REPLICATE, REPLICATE), (p_out,), t,
+                        style=label))
     weight = graph.value(op.inputs[w])
-    if weight.kind == "param" and _div(wm.shape[0], t):
+    if megatron and weight.kind == "param" and divides(wm.shape[0], t):
         # the weight stored split, gathered for the product (FSDP on this axis) and in backward
         regather = ((Comm("all_gather", op.inputs[w], "bwd"),) if weight.requires_grad else ())
-        for label, p in tokens:
-            res.append(make(graph, op, f"{label}_gathered", ps(p, shard(0), REPLICATE),
-                            (p,), t, style=label, kernel="gathered_weight",
-                            local_inputs=ps(p, REPLICATE, REPLICATE), extra=regather))
+        for label, p_x, p_out in tokens:
+            res.append(make(graph, op, f"{label}_gathered", ps(p_x, shard(0), REPLICATE),
+                            (p_out,), t, style=label, kernel=GATHERED_WEIGHT,
+                            local_inputs=ps(p_x, REPLICATE, REPLICATE), extra=regather))
     return res
-
-
-def _grouped_mm(graph: OpGraph, op: Op, t: int) -> list[OpStrategy]:
-    """Experts' grouped product: input (tokens, in) sorted by expert, weight (experts, in,
-    out), offsets (experts,)."""
-    if len(op.inputs) != 3:
-        return []
-    xm, wm = (graph.value(n).meta for n in op.inputs[:2])
-    if len(xm.shape) != 2 or len(wm.shape) != 3:
-        return []
-    res = []
-    if _div(wm.shape[2], t):
-        res.append(make(graph, op, "colwise", (REPLICATE, shard(2), REPLICATE), (shard(1),), t,
-                        style="colwise"))
-    if _div(wm.shape[1], t):
-        res.append(make(graph, op, "rowwise", (shard(1), shard(1), REPLICATE), (REPLICATE,), t,
-                        style="rowwise", local_outputs=(PARTIAL,)))
-    return res
-
-
-def _act_matmul(graph: OpGraph, op: Op, t: int) -> list[OpStrategy]:
-    """Product of two activations (batched, broadcasting over the leading dims)."""
-    name = opname(op)
-    if name not in ("bmm", "matmul", "mm") or len(op.inputs) != 2:
-        return []
-    a, b = (graph.value(n).meta.shape for n in op.inputs)
-    out = graph.value(op.outputs[0]).meta.shape
-    r = len(out)
-    if len(a) < 2 or len(b) < 2 or r < 2:
-        return []
-    res = []
-    for d in range(r - 2):
-        pa, pb = (_batch_dim(s, out, d) for s in (a, b))
-        if (pa is None and pb is None) or not _div(out[d], t):
-            continue
-        ins = (shard(pa) if pa is not None else REPLICATE,
-               shard(pb) if pb is not None else REPLICATE)
-        res.append(make(graph, op, "heads" if d == 1 else ("batch" if d == 0 else f"dim{d}"),
-                        ins, (shard(d),), t))
-    if _div(out[r - 2], t):
-        res.append(make(graph, op, "rows", (shard(len(a) - 2), REPLICATE), (shard(r - 2),), t))
-    if _div(out[r - 1], t):
-        res.append(make(graph, op, "cols", (REPLICATE, shard(len(b) - 1)), (shard(r - 1),), t))
-    if _div(a[-1], t):
-        res.append(make(graph, op, "contract", (shard(len(a) - 1), shard(len(b) - 2)),
-                        (REPLICATE,), t, local_outputs=(PARTIAL,)))
-    return res
-
-
-def _batch_dim(shape: tuple[int, ...], out: tuple[int, ...], d: int) -> int | None:
-    """The operand dim aligned with output batch dim ``d`` (None: broadcast over it)."""
-    k = d - (len(out) - len(shape))
-    if k < 0 or k >= len(shape) - 2 or shape[k] == 1:
-        return None
-    return k

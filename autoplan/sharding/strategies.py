@@ -1,22 +1,16 @@
-"""Sharding strategies per op on one ``t``-way mesh axis: the rule registry, the one source of
-truth for what the planner may choose and the runtime runs.
+"""Sharding strategies per op on one ``t``-way mesh axis: the one source of truth for what the
+planner may choose and the runtime runs, and the rules of the op families not defined
+elsewhere.
 
 ``strategies(graph, op, t)`` lists an op's strategies (``strategy.OpStrategy``), the first always
-``replicate``. An op no rule knows is only replicated (with the one-time warning the tracer gave
-for it), never guessed. Families (Megatron-LM, Shoeybi et al. 2019; sequence parallelism,
-Korthikanti et al. 2022; Alpa, Zheng et al. 2022, for the general per-op space):
+``replicate``, from the op's rule in the registry (``registry.py``: each rule registered beside
+its definition with ``@register_op_strategy(names)``, the ops known by a property through
+``register_fallback``). An op no rule knows is only replicated (with the one-time warning the
+tracer gave for it), never guessed. Families (Megatron-LM, Shoeybi et al. 2019; sequence
+parallelism, Korthikanti et al. 2022; Alpa, Zheng et al. 2022, for the general per-op space):
 
-- product with a weight (linear, HF ``Conv1D``'s addmm, ``x @ W``): ``colwise`` (weight rows
-  split, output features split; also in blocks for fused projections), ``colwise_sp`` (input
-  arrives sequence-split and is gathered), ``rowwise`` (input features split, partial output
-  reduced), ``rowwise_sp`` (reduce-scattered to sequence shards), ``batch`` / ``seq``
-  (activations split, weight replicated), ``batch_gathered`` / ``seq_gathered`` (the weight
-  stored split and gathered for the product, FSDP-style on this axis: kernel
-  ``gathered_weight``);
-- product of two activations (bmm, matmul): a shared batch-like dim (``heads`` for dim 1), the
-  rows of the first or the columns of the second operand, or the contracted dim (partial);
-- experts' grouped product (``grouped_mm``): expert weights split on their output or input
-  features;
+- every matmul-like op (linear, addmm, mm, bmm, baddbmm, matmul, einsum, the experts' grouped
+  product): one einsum rule, ``products.py``;
 - scaled-dot-product attention: ``heads`` or ``batch`` (a mask follows where it has that dim),
   or ``seq``: context parallelism, the sequence split and key/value blocks passed around the
   ring (kernel ``ring_attention``);
@@ -27,7 +21,13 @@ Korthikanti et al. 2022; Alpa, Zheng et al. 2022, for the general per-op space):
 - convolution: ``batch``, ``out_channel``, ``in_channel`` (partial output reduced);
 - losses: ``batch`` (or any element-wise dim: sum and count all-reduced), ``vocab`` (loss
   parallel cross entropy);
-- element-wise ops, views, copies, reductions: ``passthrough``.
+- element-wise ops, views, copies, reductions: ``passthrough`` (registered in
+  ``carry_rules.py``).
+
+These rules live here; a new family is a function registered with ``register_op_strategy``
+(in a module ``strategies`` imports), and a kernel it needs is declared with
+``registry.declare_kernel`` and implemented under the same name in
+``runtime/program_calls.py`` (``register_kernel``).
 """
 
 from __future__ import annotations
@@ -39,23 +39,38 @@ from types import MappingProxyType
 from typing import Any
 
 from autoplan.graph.opgraph import Op, OpGraph
-from autoplan.sharding import passthrough
+from autoplan.sharding import carry_rules, products  # noqa: F401  (their rules register)
 from autoplan.sharding.placement import PARTIAL, REPLICATE, Placement, local_size, shard
-from autoplan.sharding.strategy import (KERNELS, Comm, OpStrategy, call_args, make,
+from autoplan.sharding.products import divides, is_activation, merged_rows, row_splits, seq_dim
+from autoplan.sharding.registry import (KERNELS, declare_kernel, fallbacks, register_op_strategy,
+                                        rule_for)
+from autoplan.sharding.strategy import (BIAS_AFTER_REDUCE, Comm, OpStrategy, call_args, make,
                                         opname, replicate)
-from autoplan.sharding.products import (_act_matmul, _blocks, _div, _grouped_mm,
-                                        _is_act, _linear, _seq_dim, _weight, merged_rows,
-                                        row_splits)
 
-GROUPED_MM = frozenset({"grouped_mm_fallback", "_grouped_mm", "grouped_mm"})
 SPLIT_LOSSES = frozenset({"cross_entropy_loss", "nll_loss", "mse_loss", "l1_loss",
                           "smooth_l1_loss", "huber_loss", "binary_cross_entropy_with_logits",
                           "binary_cross_entropy"})
 ELEMENTWISE_LOSSES = SPLIT_LOSSES - {"cross_entropy_loss", "nll_loss"}
 
+RING_ATTENTION = declare_kernel(
+    "ring_attention", "attention over a sequence split across the ranks: key/value blocks "
+    "passed around the ring while each block's attention runs, outputs merged by log-sum-exp "
+    "(context parallelism)")
+VOCAB_EMBEDDING = declare_kernel(
+    "vocab_embedding", "lookup of the rank's vocabulary rows, other ids masked to zero (a "
+    "partial sum over the vocabulary shards)")
+SYNC_BATCH_NORM = declare_kernel(
+    "sync_batch_norm", "batch norm with per-channel sum, sum of squares and count all-reduced")
+SPLIT_LOSS = declare_kernel(
+    "split_loss", "loss summed on the rank's shard, sum and count all-reduced, then divided")
+VOCAB_CROSS_ENTROPY = declare_kernel(
+    "vocab_cross_entropy", "cross entropy over vocabulary-sharded logits: max, sum of "
+    "exponentials and target logit all-reduced per row")
+
 
 # ---- attention, embedding, norms, convolution ------------------------------------------------
 
+@register_op_strategy("scaled_dot_product_attention")
 def _attention(graph: OpGraph, op: Op, t: int) -> list[OpStrategy]:
     """scaled_dot_product_attention(q, k, v, attn_mask?): batch or heads; a mask follows where
     it has that dim and broadcasts (stays whole) where it has size 1."""
@@ -66,7 +81,7 @@ def _attention(graph: OpGraph, op: Op, t: int) -> list[OpStrategy]:
         return []
     res = []
     for d, name in ((0, "batch"), (1, "heads")):
-        if not _div(q[d], t) or any(graph.value(n).meta.shape[d] != q[d]
+        if not divides(q[d], t) or any(graph.value(n).meta.shape[d] != q[d]
                                     for n in op.inputs[1:3]):
             continue
         ins = []
@@ -91,7 +106,7 @@ def _ring_attention(graph: OpGraph, op: Op, t: int) -> OpStrategy | None:
     if len(op.inputs) > 4 or any(len(s) != 4 for s in shapes) or t == 1:
         return None
     s_len = shapes[0][2]
-    if any(s[2] != s_len for s in shapes[1:]) or not _div(s_len, t):
+    if any(s[2] != s_len for s in shapes[1:]) or not divides(s_len, t):
         return None
     args, kwargs = call_args(op)
     dropout = args[4] if len(args) > 4 else kwargs.get("dropout_p", 0.0)
@@ -113,9 +128,10 @@ def _ring_attention(graph: OpGraph, op: Op, t: int) -> OpStrategy | None:
                  for kind, phase in (("all_gather", "fwd"), ("all_gather", "bwd"),
                                      ("reduce_scatter", "bwd")))
     return make(graph, op, "seq", tuple(ins), tuple(shard(2) for _ in op.outputs), t,
-                style="context", kernel="ring_attention", extra=ring)
+                style="context", kernel=RING_ATTENTION, extra=ring)
 
 
+@register_op_strategy("embedding", "embedding_bag", "_embedding_bag")
 def _embedding(graph: OpGraph, op: Op, t: int) -> list[OpStrategy]:
     w = next((i for i, n in enumerate(op.inputs) if graph.value(n).kind == "param"), None)
     if w is None or w != 0 or len(op.inputs) < 2:
@@ -137,26 +153,27 @@ def _embedding(graph: OpGraph, op: Op, t: int) -> list[OpStrategy]:
                      for i in range(len(op.inputs)))
     outs = len(op.outputs)
     res = []
-    if _div(wm[0], t):
+    if divides(wm[0], t):
         res.append(make(graph, op, "vocab", ps(shard(0), REPLICATE), (REPLICATE,) * outs, t,
-                        style="vocab", kernel="vocab_embedding",
+                        style="vocab", kernel=VOCAB_EMBEDDING,
                         local_outputs=(PARTIAL,) + (REPLICATE,) * (outs - 1)))
-        sp = _seq_dim(out)
-        if not bag and rank >= 2 and _div(out[sp], t):
+        sp = seq_dim(out)
+        if not bag and rank >= 2 and divides(out[sp], t):
             res.append(make(graph, op, "vocab_sp", ps(shard(0), REPLICATE), (shard(sp),), t,
-                            style="vocab_sp", kernel="vocab_embedding",
+                            style="vocab_sp", kernel=VOCAB_EMBEDDING,
                             local_outputs=(PARTIAL,)))
-    if _div(wm[1], t):
+    if divides(wm[1], t):
         res.append(make(graph, op, "embed_dim", ps(shard(1), REPLICATE),
                         (shard(rank - 1),) + (REPLICATE,) * (outs - 1), t, style="embed_dim"))
     if not bag:
         for d, label in ((0, "batch"), (1, "seq")):
-            if d < len(idx) and d < rank - 1 and _div(out[d], t):
+            if d < len(idx) and d < rank - 1 and divides(out[d], t):
                 res.append(make(graph, op, label, ps(REPLICATE, shard(d)), (shard(d),), t,
                                 style=label))
     return res
 
 
+@register_op_strategy("layer_norm", "rms_norm", "batch_norm", "group_norm")
 def _norm(graph: OpGraph, op: Op, t: int) -> list[OpStrategy]:
     name = opname(op)
     x = graph.value(op.inputs[0]).meta.shape
@@ -170,9 +187,9 @@ def _norm(graph: OpGraph, op: Op, t: int) -> list[OpStrategy]:
         token_dims = range(1)
     res = []
     for d in token_dims:
-        if not _div(x[d], t):
+        if not divides(x[d], t):
             continue
-        ins = tuple(shard(d) if _is_act(graph.value(n)) else REPLICATE for n in op.inputs)
+        ins = tuple(shard(d) if is_activation(graph.value(n)) else REPLICATE for n in op.inputs)
         outs = tuple(shard(d) if graph.value(n).meta.shape == x else REPLICATE
                      for n in op.outputs)
         label = "seq" if d == 1 else "batch" if d == 0 else f"shard{d}"
@@ -183,20 +200,20 @@ def _norm(graph: OpGraph, op: Op, t: int) -> list[OpStrategy]:
 def _batch_norm(graph: OpGraph, op: Op, t: int, x: tuple[int, ...]) -> list[OpStrategy]:
     """aten.batch_norm(x, weight, bias, running_mean, running_var, training, ...)."""
     res = []
-    if len(x) >= 2 and _div(x[1], t):
-        ins = tuple(shard(1) if _is_act(graph.value(n)) else shard(0) for n in op.inputs)
+    if len(x) >= 2 and divides(x[1], t):
+        ins = tuple(shard(1) if is_activation(graph.value(n)) else shard(0) for n in op.inputs)
         outs = tuple(shard(1) if graph.value(n).meta.shape == x else shard(0)
                      for n in op.outputs)
         res.append(make(graph, op, "channel", ins, outs, t, style="channel"))
-    if _div(x[0], t):
-        ins = tuple(shard(0) if _is_act(graph.value(n)) else REPLICATE for n in op.inputs)
+    if divides(x[0], t):
+        ins = tuple(shard(0) if is_activation(graph.value(n)) else REPLICATE for n in op.inputs)
         outs = tuple(shard(0) if graph.value(n).meta.shape == x else REPLICATE
                      for n in op.outputs)
         per_channel = 2.0 * x[1] / max(1, _numel(x)) if len(x) > 1 else 1.0
         stats = (Comm("all_reduce", op.outputs[0], "fwd", per_channel),
                  Comm("all_reduce", op.outputs[0], "bwd", per_channel))
         res.append(make(graph, op, "batch", ins, outs, t, style="batch",
-                        kernel="sync_batch_norm", local_outputs=outs, extra=stats))
+                        kernel=SYNC_BATCH_NORM, local_outputs=outs, extra=stats))
     return res
 
 
@@ -207,6 +224,7 @@ def _numel(shape: tuple[int, ...]) -> int:
     return n
 
 
+@register_op_strategy("convolution", "conv1d", "conv2d", "conv3d", "_convolution")
 def _conv(graph: OpGraph, op: Op, t: int) -> list[OpStrategy]:
     """conv{1,2,3}d(x, w, b, stride, padding, dilation, groups) / convolution(..., transposed,
     output_padding, groups)."""
@@ -225,18 +243,18 @@ def _conv(graph: OpGraph, op: Op, t: int) -> list[OpStrategy]:
     b = 2 if len(op.inputs) > 2 else None
     extra = len(op.inputs) - 2
     res = []
-    if _div(out[0], t):
+    if divides(out[0], t):
         res.append(make(graph, op, "batch", (shard(0), REPLICATE) + (REPLICATE,) * extra,
                         (shard(0),), t, style="batch"))
     if groups != 1 or transposed:
         return res
-    if _div(w[0], t):
+    if divides(w[0], t):
         res.append(make(graph, op, "out_channel", (REPLICATE, shard(0)) + (shard(0),) * extra,
                         (shard(1),), t, style="out_channel"))
-    if _div(w[1], t) and _div(x[1], t):
+    if divides(w[1], t) and divides(x[1], t):
         res.append(make(graph, op, "in_channel", (shard(1), shard(1)) + (REPLICATE,) * extra,
                         (REPLICATE,), t, style="in_channel",
-                        kernel="bias_after_reduce" if b is not None else "",
+                        kernel=BIAS_AFTER_REDUCE if b is not None else "",
                         local_outputs=(PARTIAL,)))
     return res
 
@@ -252,13 +270,15 @@ def _row_losses(graph: OpGraph, op: Op, t: int, rows: int, merged: tuple[int, in
         ins = tuple(p for _ in op.inputs)
         if reduced:
             out.append(make(graph, op, label, ins, (REPLICATE,), t, style="loss_batch",
-                            kernel="split_loss",
+                            kernel=SPLIT_LOSS,
                             extra=(Comm("all_reduce", op.outputs[0], "fwd", 2.0),)))
         else:
             out.append(make(graph, op, label, ins, (p,), t, style="loss_batch"))
     return out
 
 
+@register_op_strategy("cross_entropy_loss", "nll_loss", "mse_loss",
+                      "binary_cross_entropy_with_logits")
 def _loss(graph: OpGraph, op: Op, t: int) -> list[OpStrategy]:
     name = opname(op)
     if name not in SPLIT_LOSSES:
@@ -283,25 +303,25 @@ def _loss(graph: OpGraph, op: Op, t: int) -> list[OpStrategy]:
                            reduced)
         dims_ok = ()
     for d in dims_ok:
-        if not _div(x[d], t):
+        if not divides(x[d], t):
             continue
         ins = tuple(shard(d) for _ in op.inputs)
         label = "batch" if d == 0 else f"shard{d}"
         if reduced:
             res.append(make(graph, op, label, ins, (REPLICATE,), t, style="loss_batch",
-                            kernel="split_loss",
+                            kernel=SPLIT_LOSS,
                             extra=(Comm("all_reduce", op.outputs[0], "fwd", 2.0),)))
         elif out == x or (name not in ELEMENTWISE_LOSSES and out == x[:1]):
             res.append(make(graph, op, label, ins, (shard(d),), t, style="loss_batch"))
     smoothing = args[5] if len(args) > 5 else kwargs.get("label_smoothing", 0.0)
     weight = args[2] if len(args) > 2 else kwargs.get("weight")
-    if name == "cross_entropy_loss" and len(x) == 2 and _div(x[1], t) and weight is None \
+    if name == "cross_entropy_loss" and len(x) == 2 and divides(x[1], t) and weight is None \
             and not smoothing and len(op.inputs) == 2 and len(tensors[1]) == 1:
         # loss parallel: per row, the max, the sum of exponentials and the target logit
         scale = 3.0 / x[1]
         res.append(make(graph, op, "vocab", (shard(1), REPLICATE),
                         (REPLICATE,) if reduced else (REPLICATE,), t, style="loss_parallel",
-                        kernel="vocab_cross_entropy",
+                        kernel=VOCAB_CROSS_ENTROPY,
                         extra=(Comm("all_reduce", op.inputs[0], "fwd", scale),)))
     return res
 
@@ -309,35 +329,17 @@ def _loss(graph: OpGraph, op: Op, t: int) -> list[OpStrategy]:
 # ---- dispatch ----------------------------------------------------------------------------------
 
 def _shaped(graph: OpGraph, op: Op, t: int) -> list[OpStrategy]:
-    """Every strategy whose input and output placements split evenly."""
-    name = opname(op)
+    """Every strategy whose input and output placements split evenly: the op's registered
+    rule (``registry``), else the first fallback that claims it, else none."""
     if op.kind == "creation" or not op.outputs:
         return []
-    if name in GROUPED_MM:
-        return _grouped_mm(graph, op, t)
-    if op.kind == "matmul":
-        if _weight(graph, op) is not None:
-            return _linear(graph, op, t)
-        return _act_matmul(graph, op, t)
-    if op.kind == "attention":
-        return _attention(graph, op, t) if name == "scaled_dot_product_attention" else []
-    if op.kind == "embedding":
-        return _embedding(graph, op, t)
-    if op.kind == "norm":
-        return _norm(graph, op, t)
-    if op.kind == "conv":
-        return _conv(graph, op, t)
-    if op.kind == "loss":
-        return _loss(graph, op, t)
-    if name in ("cat", "stack"):
-        return passthrough.concat(graph, op, t)
-    if passthrough.is_elementwise(graph, op):
-        return passthrough.elementwise(graph, op, t, _blocks(graph))
-    acts = [i for i, n in enumerate(op.inputs) if _is_act(graph.value(n))]
-    if passthrough.has_rule(op) and len(acts) == 1:
-        return passthrough.unary(graph, op, acts[0], t, _blocks(graph))
-    if name in passthrough.LIKE_OTHER and acts and acts[0] == 0:
-        return passthrough.like_other(graph, op, t, _blocks(graph))
+    rule = rule_for(op)
+    if rule is not None:
+        return rule(graph, op, t)
+    for fallback in fallbacks():
+        found = fallback(graph, op, t)
+        if found is not None:
+            return found
     return []
 
 

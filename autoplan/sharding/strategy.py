@@ -11,9 +11,10 @@ disagree:
   input sequence-sharded but computes on the gathered input; a row-parallel linear computes a
   partial sum ``P`` that leaves reduced, ``R``, or reduce-scattered, ``S(d)``);
 - ``kernel``: what runs on the rank, ``""`` for the op itself on local tensors, or a named local
-  kernel (``KERNELS``) for ops whose sharded form is not the op on shards (vocab-parallel
-  embedding and cross entropy, losses over a split batch, batch norm with synchronized
-  statistics, a bias added after the reduction, a mean over a split dim).
+  kernel (``registry.KERNELS``, each declared beside the rule that needs it; the runtime
+  registers its implementation under the same name) for ops whose sharded form is not the op
+  on shards (vocab-parallel embedding and cross entropy, losses over a split batch, batch norm
+  with synchronized statistics, a bias added after the reduction, a mean over a split dim).
 
 Gradients. The gradient of a value has the value's placement (R: every rank holds the whole
 gradient). A rank-local computation is *split* when any of its local inputs or outputs is
@@ -32,27 +33,10 @@ from typing import Any
 from autoplan.errors import AutoplanError
 from autoplan.graph.opgraph import Op, OpGraph, opname  # noqa: F401  (opname: re-exported)
 from autoplan.sharding.placement import REPLICATE, Placement
+from autoplan.sharding.registry import KERNELS, declare_kernel
 
-# kernel name -> what the runtime runs on each rank (autoplan.runtime.kernels implements each)
-KERNELS = {
-    "": "the op itself on the rank's local tensors",
-    "vocab_embedding": "lookup of the rank's vocabulary rows, other ids masked to zero (a "
-                       "partial sum over the vocabulary shards)",
-    "vocab_cross_entropy": "cross entropy over vocabulary-sharded logits: max, sum of "
-                           "exponentials and target logit all-reduced per row",
-    "split_loss": "loss summed on the rank's shard, sum and count all-reduced, then divided",
-    "sync_batch_norm": "batch norm with per-channel sum, sum of squares and count all-reduced",
-    "bias_after_reduce": "the op without its bias, reduced, then the bias added once",
-    "mean_partial": "mean over the rank's shard of a split dim, scaled to a partial sum",
-    "sp_linear": "a product with a weight whose sequence-split input is gathered inside it and "
-                 "again in backward (Megatron's sequence parallelism: only the shard is kept)",
-    "gathered_weight": "a product on a batch- or sequence-split input with a weight stored "
-                       "split over the ranks: gathered for the product and again in backward, "
-                       "its gradient reduce-scattered back to the shards (FSDP on this axis)",
-    "ring_attention": "attention over a sequence split across the ranks: key/value blocks "
-                      "passed around the ring while each block's attention runs, outputs "
-                      "merged by log-sum-exp (context parallelism)",
-}
+BIAS_AFTER_REDUCE = declare_kernel(
+    "bias_after_reduce", "the op without its bias, reduced, then the bias added once")
 
 
 @dataclass(frozen=True)
@@ -118,7 +102,7 @@ def input_action(graph: OpGraph, op: Op, s: OpStrategy, k: int) -> str:
             raise AutoplanError(f"op {op.name}: strategy {s.name} turns input {op.inputs[k]} "
                                 f"from {want} into {local}; only a gather (S -> R) is defined")
         return "gather_sp" if grad and s.split else "gather"
-    if s.kernel == "bias_after_reduce" and k == bias_slot(graph, op):
+    if s.kernel == BIAS_AFTER_REDUCE and k == bias_slot(graph, op):
         split_here = any(p.kind == "S" for p in s.outputs)   # the bias meets the reduced output
     else:
         split_here = s.split
