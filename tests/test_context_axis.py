@@ -211,7 +211,7 @@ def test_a_cp_axis_trains_like_one_device(case):
 def test_dropout_draws_a_mask_per_piece_over_both_axes():
     """A random op on a tensor split over cp and tp: each (cp, tp) piece gets its own mask, and
     the same piece the same mask again from the same generator state (recomputation)."""
-    from autoplan.runtime.program_calls import _k_split_random_axes
+    from autoplan.runtime.program_calls import kernel_split_random_axes
     from autoplan.runtime.tp_comm import ShapeComm
 
     class Slot:
@@ -223,15 +223,15 @@ def test_dropout_draws_a_mask_per_piece_over_both_axes():
     for c in range(2):
         for t in range(2):
             torch.manual_seed(0)
-            out, _ = _k_split_random_axes(drop, [x, 0.5, True], {}, Slot(c, 2), Slot(t, 2))
+            out, _ = kernel_split_random_axes(drop, [x, 0.5, True], {}, Slot(c, 2), Slot(t, 2))
             masks[c, t] = out
     assert len({tuple(m.tolist()) for m in masks.values()}) == 4
     torch.manual_seed(0)
-    again, _ = _k_split_random_axes(drop, [x, 0.5, True], {}, Slot(1, 2), Slot(0, 2))
+    again, _ = kernel_split_random_axes(drop, [x, 0.5, True], {}, Slot(1, 2), Slot(0, 2))
     assert torch.equal(again, masks[1, 0])
     shape = Slot(0, 2)
     shape.comm = ShapeComm(size=2)
-    assert _k_split_random_axes(drop, [x, 0.5, True], {}, shape, None)[0].shape == x.shape
+    assert kernel_split_random_axes(drop, [x, 0.5, True], {}, shape, None)[0].shape == x.shape
 
 
 LAYERS4 = dict(num_layers=4)

@@ -235,8 +235,8 @@ def test_rows_stay_with_their_experts_between_grouped_products():
                   device=torch.device("cpu"), seed=0, ep=(2, 0))
         targets = [n.target for n in rp.program.graph_module.graph.nodes]
         layers = 2
-        assert targets.count(P._k_dispatch) == layers and targets.count(P._k_combine) == layers
-        assert targets.count(P._k_local_experts) == len(find_experts(_graph(name)).ops)
+        assert targets.count(P.kernel_dispatch) == layers and targets.count(P.kernel_combine) == layers
+        assert targets.count(P.kernel_local_experts) == len(find_experts(_graph(name)).ops)
 
 
 def test_stacked_rows_are_exchanged_once_per_moe_layer():
@@ -252,8 +252,8 @@ def test_stacked_rows_are_exchanged_once_per_moe_layer():
               example_targets=small.targets, loss_fn=ex.loss_fn, t=1, tp_rank=0,
               device=torch.device("cpu"), seed=0, ep=(2, 0))
     targets = [n.target for n in rp.program.graph_module.graph.nodes]
-    assert targets.count(P._k_dispatch_stacked) == 2 and targets.count(P._k_combine) == 2
-    assert targets.count(P._k_dispatch) == 0 and targets.count(P._k_local_experts) == 6
+    assert targets.count(P.kernel_dispatch_stacked) == 2 and targets.count(P.kernel_combine) == 2
+    assert targets.count(P.kernel_dispatch) == 0 and targets.count(P.kernel_local_experts) == 6
 
 
 def test_a_mixtral_sized_expert_choice_moe_on_bmm_plans_with_expert_parallelism():

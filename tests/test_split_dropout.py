@@ -64,7 +64,7 @@ def _train(rank, world, plan_json):
     from torch import fx
 
     from autoplan.planner.planfile import Plan
-    from autoplan.runtime.program_calls import _k_split_random
+    from autoplan.runtime.program_calls import kernel_split_random
     from autoplan.runtime.trainer import compile
     torch.manual_seed(0)
     ex = build_example("gpt-tiny", batch_size=GLOBAL_BATCH, seed=0, dropout=DROPOUT)
@@ -73,7 +73,7 @@ def _train(rank, world, plan_json):
                       example_targets=small.targets, loss_fn=ex.loss_fn,
                       optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3),
                       global_batch_size=GLOBAL_BATCH, plan=Plan.from_json(plan_json))
-    split = sum(n.target is _k_split_random for m in trainer.model.modules()
+    split = sum(n.target is kernel_split_random for m in trainer.model.modules()
                 if isinstance(m, fx.GraphModule) for n in m.graph.nodes)
     batch = tuple(ex.example_inputs) + (ex.targets,)
     # one forward of the rank program, keeping where each dropout of the attention

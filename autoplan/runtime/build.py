@@ -184,14 +184,14 @@ def program_digest(ex: Exported, program: Program) -> str:
     import hashlib
 
     from autoplan.runtime.program import OP
-    from autoplan.runtime.program_calls import _c_scatter
+    from autoplan.runtime.program_calls import call_scatter
     keys = ex.graph.op_keys()
     names = [op.name for op in ex.graph.ops]
     slots = {"_autoplan_comm", "_autoplan_cp_comm"}      # what a communicating call reads
     h = hashlib.sha256()
     for n in program.graph_module.graph.nodes:
         i = n.meta.get(OP)
-        if i is None or n.target is _c_scatter or not any(    # (a scatter slices locally)
+        if i is None or n.target is call_scatter or not any(    # (a scatter slices locally)
                 getattr(a, "op", None) == "get_attr" and a.target in slots for a in n.args):
             continue
         h.update(f"{keys[names[i]]}:{getattr(n.target, '__name__', n.target)};".encode())

@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 from autoplan.runtime import tp_comm
-from autoplan.runtime.kernels import _set
+from autoplan.runtime.kernels import set_arg
 
 
 @dataclass
@@ -104,7 +104,7 @@ def local_experts(op: Any, args: list, kwargs: dict, d: Dispatched) -> torch.Ten
     if len(args) > 2:
         args[2] = d.local_offs
     else:
-        args, kwargs = _set(op, args, kwargs, "offs", d.local_offs)
+        args, kwargs = set_arg(op, args, kwargs, "offs", d.local_offs)
     return op(*args, **kwargs)
 
 

@@ -21,7 +21,7 @@ def _schema_index(op: Any, name: str) -> int | None:
     return None
 
 
-def _get(op: Any, args: list, kwargs: dict, name: str, default: Any = None) -> Any:
+def get_arg(op: Any, args: list, kwargs: dict, name: str, default: Any = None) -> Any:
     i = _schema_index(op, name)
     if name in kwargs:
         return kwargs[name]
@@ -30,7 +30,7 @@ def _get(op: Any, args: list, kwargs: dict, name: str, default: Any = None) -> A
     return default
 
 
-def _set(op: Any, args: list, kwargs: dict, name: str, value: Any) -> tuple[list, dict]:
+def set_arg(op: Any, args: list, kwargs: dict, name: str, value: Any) -> tuple[list, dict]:
     args, kwargs = list(args), dict(kwargs)
     i = _schema_index(op, name)
     if name in kwargs or i is None or i >= len(args):
@@ -51,16 +51,16 @@ def vocab_embedding(op: Any, args: list, kwargs: dict, comm) -> Any:
     outside = (ids < start) | (ids >= start + rows)
     local_ids = (ids - start).masked_fill(outside, 0)
     args = [weight, local_ids] + list(args[2:])
-    pad = _get(op, args, kwargs, "padding_idx", None)
+    pad = get_arg(op, args, kwargs, "padding_idx", None)
     if pad is not None and pad >= 0:
-        args, kwargs = _set(op, args, kwargs, "padding_idx",
+        args, kwargs = set_arg(op, args, kwargs, "padding_idx",
                             pad - start if start <= pad < start + rows else -1)
     if op._schema.name.endswith("embedding"):
         out = op(*args, **kwargs)
         return out.masked_fill(outside.unsqueeze(-1), 0.0)
     # a bag (sum mode): weigh the outside rows by zero
     keep = (~outside).to(weight.dtype)
-    args, kwargs = _set(op, args, kwargs, "per_sample_weights", keep)
+    args, kwargs = set_arg(op, args, kwargs, "per_sample_weights", keep)
     return op(*args, **kwargs)
 
 
@@ -104,8 +104,8 @@ class _VocabCrossEntropy(torch.autograd.Function):
 
 def vocab_cross_entropy(op: Any, args: list, kwargs: dict, comm) -> Any:
     logits, target = args[0], args[1]
-    reduction = _get(op, args, kwargs, "reduction", 1)
-    ignore = _get(op, args, kwargs, "ignore_index", -100)
+    reduction = get_arg(op, args, kwargs, "reduction", 1)
+    ignore = get_arg(op, args, kwargs, "ignore_index", -100)
     rows = _VocabCrossEntropy.apply(logits, target, comm, ignore)
     # autocast runs cross entropy in fp32 and returns fp32: a bf16 loss would be rounded to
     # 2^-8 of itself
@@ -141,15 +141,15 @@ def norm_in_input_dtype(op: Any, args: list, kwargs: dict) -> Any:
 def split_loss(op: Any, args: list, kwargs: dict, comm) -> Any:
     """Sum of the loss over this rank's shard, then sum and count all-reduced and divided (the
     mean over the whole batch, ignored targets excluded, as one device computes it)."""
-    reduction = _get(op, args, kwargs, "reduction", 1)
-    args, kwargs = _set(op, args, kwargs, "reduction", 2)
+    reduction = get_arg(op, args, kwargs, "reduction", 1)
+    args, kwargs = set_arg(op, args, kwargs, "reduction", 2)
     local_sum = op(*args, **kwargs)
     total = tp_comm.reduce(local_sum, comm)
     if reduction == 2:
         return total
     name = op._schema.name
     if "cross_entropy" in name or "nll_loss" in name:
-        ignore = _get(op, args, kwargs, "ignore_index", -100)
+        ignore = get_arg(op, args, kwargs, "ignore_index", -100)
         count = (args[1] != ignore).sum().to(total.dtype)
     else:
         count = torch.tensor(float(args[0].numel()), dtype=total.dtype, device=total.device)
@@ -166,9 +166,9 @@ def batch_norm_over(group_comm) -> Callable[..., Any]:
 
     def run(op: Any, args: list, kwargs: dict, comm) -> Any:
         x, weight, bias, running_mean, running_var = (list(args) + [None] * 5)[:5]
-        training = _get(op, args, kwargs, "training", True)
-        momentum = _get(op, args, kwargs, "momentum", 0.1)
-        eps = _get(op, args, kwargs, "eps", 1e-5)
+        training = get_arg(op, args, kwargs, "training", True)
+        momentum = get_arg(op, args, kwargs, "momentum", 0.1)
+        eps = get_arg(op, args, kwargs, "eps", 1e-5)
         if not training:
             return op(*args, **kwargs)
         dims = [0] + list(range(2, x.dim()))
@@ -344,9 +344,9 @@ def draws_randomness(op: Any, args: list, kwargs: dict) -> bool:
     if torch.Tag.nondeterministic_seeded not in getattr(op, "tags", ()):
         return False
     for name in ("p", "dropout_p"):
-        if _schema_index(op, name) is not None and not _get(op, args, kwargs, name, 0.0):
+        if _schema_index(op, name) is not None and not get_arg(op, args, kwargs, name, 0.0):
             return False
-    return _get(op, args, kwargs, "train", True) is not False
+    return get_arg(op, args, kwargs, "train", True) is not False
 
 
 def split_random(op: Any, args: list, kwargs: dict, comm) -> Any:

@@ -43,13 +43,13 @@ from autoplan.graph.opgraph import Op, OpGraph
 from autoplan.graph.trace import TRANSPARENT
 from autoplan.graph.experts import GROUPED_MM, find_experts
 from autoplan.runtime import tp_comm
-from autoplan.runtime.program_calls import (KERNEL_CALLS, _c_gather, _c_gather_sp, _c_reduce,
-                                            _c_reduce_grad, _c_reduce_scatter,
-                                            _k_add_bias, _k_combine, _k_composed, _k_dispatch,
-                                            _k_dispatch_stacked, _k_dp_batch_norm,
-                                            _k_grad_scale,
-                                            _k_grouped_product, _k_local_experts, _k_norm,
-                                            _k_split_random, _k_split_random_axes, transition)
+from autoplan.runtime.program_calls import (KERNEL_CALLS, call_gather, call_gather_sp, call_reduce,
+                                            call_reduce_grad, call_reduce_scatter,
+                                            kernel_add_bias, kernel_combine, kernel_composed, kernel_dispatch,
+                                            kernel_dispatch_stacked, kernel_dp_batch_norm,
+                                            kernel_grad_scale,
+                                            kernel_grouped_product, kernel_local_experts, kernel_norm,
+                                            kernel_split_random, kernel_split_random_axes, transition)
 from autoplan.sharding.context_axis import ContextAxis
 from autoplan.sharding.expert_regions import expert_regions
 from autoplan.sharding.placement import REPLICATE, Placement, local_shape
@@ -252,11 +252,11 @@ class _Builder:
             if x in to_dispatch:
                 key = (x, str(s.inputs[0]))
                 if key not in self.dispatched and i in self.experts.stacked:
-                    pair = self.emit(_k_dispatch_stacked, (inputs[0], self.slot_node), i)
+                    pair = self.emit(kernel_dispatch_stacked, (inputs[0], self.slot_node), i)
                     self.dispatched[key] = (self.emit(operator.getitem, (pair, 0), i),
                                             self.emit(operator.getitem, (pair, 1), i))
                 elif key not in self.dispatched:
-                    pair = self.emit(_k_dispatch, (inputs[0], inputs[2], self.experts.num_experts
+                    pair = self.emit(kernel_dispatch, (inputs[0], inputs[2], self.experts.num_experts
                                                    // self.ep_size, self.slot_node), i)
                     self.dispatched[key] = (self.emit(operator.getitem, (pair, 0), i),
                                             self.emit(operator.getitem, (pair, 1), i))
@@ -291,7 +291,7 @@ class _Builder:
         bias_node = None
         if c is not None and c.kernel:            # the cp axis's kernel (around tp's own)
             if s.kernel:
-                out = self.emit(_k_composed, (node.target, args, kwargs, self.cp_node,
+                out = self.emit(kernel_composed, (node.target, args, kwargs, self.cp_node,
                                               c.kernel, self.slot_node, s.kernel), i)
             else:
                 call = KERNEL_CALLS[c.kernel]
@@ -309,23 +309,23 @@ class _Builder:
                 out = self.emit(operator.getitem, (pair, 0), i)
                 bias_node = self.emit(operator.getitem, (pair, 1), i)
         elif expert_op:
-            out = self.emit(_k_local_experts, (node.target, args, kwargs, state), i)
+            out = self.emit(kernel_local_experts, (node.target, args, kwargs, state), i)
         elif opname(op) in GROUPED_MM:
-            out = self.emit(_k_grouped_product, (node.target, args, kwargs), i)
+            out = self.emit(kernel_grouped_product, (node.target, args, kwargs), i)
         elif c is not None and _SEEDED in getattr(node.target, "tags", ()) \
                 and any(p.kind == "S" for p in c.inputs + s.inputs):
             # a mask per piece over both axes (``kernels.split_random``)
             split = [node_ if any(p.kind == "S" for p in st.inputs) else None
                      for st, node_ in ((c, self.cp_node), (s, self.slot_node))]
-            out = self.emit(_k_split_random_axes, (node.target, args, kwargs, *split), i)
+            out = self.emit(kernel_split_random_axes, (node.target, args, kwargs, *split), i)
         elif self.t > 1 and _SEEDED in getattr(node.target, "tags", ()) \
                 and any(p.kind == "S" for p in s.inputs):
             # dropout of a split tensor: a mask per rank (``kernels.split_random``)
-            out = self.emit(_k_split_random, (node.target, args, kwargs, self.slot_node), i)
+            out = self.emit(kernel_split_random, (node.target, args, kwargs, self.slot_node), i)
         elif opname(op) == "batch_norm":
-            out = self.emit(_k_dp_batch_norm, (node.target, args, kwargs, self.slot_node), i)
+            out = self.emit(kernel_dp_batch_norm, (node.target, args, kwargs, self.slot_node), i)
         elif opname(op) in _NORMS:
-            out = self.emit(_k_norm, (node.target, args, kwargs), i)
+            out = self.emit(kernel_norm, (node.target, args, kwargs), i)
         else:
             target = node.target
             if target in _VIEWS:
@@ -346,7 +346,7 @@ class _Builder:
             y = self._output_action(output_action(self.eg, op, s, k), y, s, k,
                                     self.slot_node, i)
             if bias_node is not None and k == 0:
-                y = self.emit(_k_add_bias, (y, bias_node, node.target), i)
+                y = self.emit(kernel_add_bias, (y, bias_node, node.target), i)
             if c is not None:                   # then on the cp axis
                 y = self._output_action(output_action(self.eg, op, c, k), y, c, k,
                                         self.cp_node, i)
@@ -356,7 +356,7 @@ class _Builder:
                 if stacked:
                     self.stacked_held.add(vn)
                 if vn in self.regions.combine:
-                    self.env[vn] = self.emit(_k_combine, (y, state), i)
+                    self.env[vn] = self.emit(kernel_combine, (y, state), i)
         self.env.update(swapped)
 
     def _local_out(self, n: str, k: int, s: OpStrategy, c: OpStrategy | None
@@ -373,11 +373,11 @@ class _Builder:
     def _output_action(self, action: str, y: fx.Node, st: OpStrategy, k: int, slot: fx.Node,
                        i: int) -> fx.Node:
         if action == "reduce":
-            return self.emit(_c_reduce, (y, slot), i)
+            return self.emit(call_reduce, (y, slot), i)
         if action == "reduce_scatter":
-            return self.emit(_c_reduce_scatter, (y, slot, str(st.outputs[k])), i)
+            return self.emit(call_reduce_scatter, (y, slot, str(st.outputs[k])), i)
         if action == "gather":
-            return self.emit(_c_gather, (y, slot, str(st.local_output(k))), i)
+            return self.emit(call_gather, (y, slot, str(st.local_output(k))), i)
         return y
 
     def _move(self, x: fx.Node, op: Op, k: int, vn: str, src: Placement, want: Placement,
@@ -400,15 +400,15 @@ class _Builder:
         c = self.cp.strategy(i)
         if self.eg.value(op.inputs[k]).kind == "param":
             if (i, k) in self.whole_readers:
-                return self.emit(_k_grad_scale, (x, 1.0 / self.cp.c), i)
+                return self.emit(kernel_grad_scale, (x, 1.0 / self.cp.c), i)
             return x
         action = input_action(self.eg, op, c, k)
         if action == "gather":
-            return self.emit(_c_gather, (x, self.cp_node, str(c.inputs[k])), i)
+            return self.emit(call_gather, (x, self.cp_node, str(c.inputs[k])), i)
         if action == "gather_sp":
-            return self.emit(_c_gather_sp, (x, self.cp_node, str(c.inputs[k])), i)
+            return self.emit(call_gather_sp, (x, self.cp_node, str(c.inputs[k])), i)
         if action == "reduce_grad":
-            return self.emit(_c_reduce_grad, (x, self.cp_node), i)
+            return self.emit(call_reduce_grad, (x, self.cp_node), i)
         return x
 
     def _inputs(self, node: fx.Node, op: Op, s: OpStrategy, i: int) -> list[fx.Node]:
@@ -429,11 +429,11 @@ class _Builder:
                                                                             "gather_sp"):
                 action = ""                     # the kernel gathers (twice) itself
             if action == "gather":
-                x = self.emit(_c_gather, (x, self.slot_node, str(want)), i)
+                x = self.emit(call_gather, (x, self.slot_node, str(want)), i)
             elif action == "gather_sp":
-                x = self.emit(_c_gather_sp, (x, self.slot_node, str(want)), i)
+                x = self.emit(call_gather_sp, (x, self.slot_node, str(want)), i)
             elif action == "reduce_grad":
-                x = self.emit(_c_reduce_grad, (x, self.slot_node), i)
+                x = self.emit(call_reduce_grad, (x, self.slot_node), i)
             elif action == "step":
                 self.step_params.add(v.fqn)
             if self.cp is not None:

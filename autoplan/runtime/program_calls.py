@@ -79,127 +79,127 @@ def _p(text: str) -> Placement:
     return Placement.parse(text)
 
 
-def _c_gather(x, slot, p):
+def call_gather(x, slot, p):
     return tp_comm.gather(x, slot.comm, _p(p))
 
 
-def _c_gather_sp(x, slot, p):
+def call_gather_sp(x, slot, p):
     return tp_comm.gather_sp(x, slot.comm, _p(p))
 
 
-def _c_scatter(x, slot, p):
+def call_scatter(x, slot, p):
     return tp_comm.scatter(x, slot.comm, _p(p))
 
 
-def _c_reduce(x, slot):
+def call_reduce(x, slot):
     return tp_comm.reduce(x, slot.comm)
 
 
-def _c_reduce_scatter(x, slot, p):
+def call_reduce_scatter(x, slot, p):
     return tp_comm.reduce_scatter(x, slot.comm, _p(p))
 
 
-def _c_reduce_grad(x, slot):
+def call_reduce_grad(x, slot):
     return tp_comm.reduce_grad(x, slot.comm)
 
 
-def _c_reshard(x, slot, src, dst):
+def call_reshard(x, slot, src, dst):
     return tp_comm.reshard(x, slot.comm, _p(src), _p(dst))
 
 
 @register_kernel("vocab_embedding")
-def _k_vocab_embedding(target, args, kwargs, slot):
+def kernel_vocab_embedding(target, args, kwargs, slot):
     return kernels.vocab_embedding(target, args, kwargs, slot.comm)
 
 
 @register_kernel("vocab_cross_entropy")
-def _k_vocab_cross_entropy(target, args, kwargs, slot):
+def kernel_vocab_cross_entropy(target, args, kwargs, slot):
     return kernels.vocab_cross_entropy(target, args, kwargs, slot.comm)
 
 
 @register_kernel("split_loss")
-def _k_split_loss(target, args, kwargs, slot):
+def kernel_split_loss(target, args, kwargs, slot):
     return kernels.split_loss(target, args, kwargs, slot.comm)
 
 
 @register_kernel("sync_batch_norm")
-def _k_sync_batch_norm(target, args, kwargs, slot):
+def kernel_sync_batch_norm(target, args, kwargs, slot):
     """Batch norm split over the batch on the tp axis: statistics over tp (and dp)."""
     group = slot.dp_tp if slot.dp_tp is not None else slot.comm
     return kernels.batch_norm_over(group)(target, args, kwargs, slot.comm)
 
 
-def _k_dp_batch_norm(target, args, kwargs, slot):
+def kernel_dp_batch_norm(target, args, kwargs, slot):
     """Batch norm whose batch is split over data-parallel ranks only: statistics over dp."""
     if slot.dp is None:
         return target(*args, **kwargs)
     return kernels.batch_norm_over(slot.dp)(target, args, kwargs, slot.comm)
 
 
-def _k_dispatch(x, offs, local_experts, slot):
+def kernel_dispatch(x, offs, local_experts, slot):
     if slot.ep is None:
         raise PlanError("an expert-parallel grouped product ran without its expert-parallel "
                         "group: connect() the program first")
     return experts.dispatch(x, offs, local_experts, slot.ep)
 
 
-def _k_dispatch_stacked(x, slot):
+def kernel_dispatch_stacked(x, slot):
     if slot.ep is None:
         raise PlanError("an expert-parallel stacked product ran without its expert-parallel "
                         "group: connect() the program first")
     return experts.dispatch_stacked(x, slot.ep)
 
 
-def _k_local_experts(target, args, kwargs, d):
+def kernel_local_experts(target, args, kwargs, d):
     return experts.local_experts(target, args, kwargs, d)
 
 
-def _k_grouped_product(target, args, kwargs):
+def kernel_grouped_product(target, args, kwargs):
     return experts.grouped_product(target, args, kwargs)
 
 
-def _k_norm(target, args, kwargs):
+def kernel_norm(target, args, kwargs):
     return kernels.norm_in_input_dtype(target, list(args), dict(kwargs))
 
 
-def _k_combine(y, d):
+def kernel_combine(y, d):
     return experts.combine(y, d)
 
 
 @register_kernel("mean_partial")
-def _k_mean_partial(target, args, kwargs, slot):
+def kernel_mean_partial(target, args, kwargs, slot):
     return kernels.mean_partial(target, args, kwargs, slot.comm)
 
 
 @register_kernel("sp_linear", extra=_input_placement)
-def _k_sp_linear(target, args, kwargs, slot, p):
+def kernel_sp_linear(target, args, kwargs, slot, p):
     return kernels.sp_linear(target, args, kwargs, slot.comm, _p(p))
 
 
 @register_kernel("gathered_weight", extra=_gathered_placement)
-def _k_gathered_weight(target, args, kwargs, slot, p):
+def kernel_gathered_weight(target, args, kwargs, slot, p):
     return kernels.gathered_weight(target, args, kwargs, slot.comm, _p(p))
 
 
 @register_kernel("bias_after_reduce", returns_bias=True)
-def _k_without_bias(target, args, kwargs, slot):
+def kernel_without_bias(target, args, kwargs, slot):
     return kernels.without_bias(target, args, kwargs)
 
 
-def _k_add_bias(y, bias, target):
+def kernel_add_bias(y, bias, target):
     return kernels.add_bias(y, bias, target)
 
 
-def _k_split_random(target, args, kwargs, slot):
+def kernel_split_random(target, args, kwargs, slot):
     return kernels.split_random(target, args, kwargs, slot.comm)
 
 
 @register_kernel("ring_attention")
-def _k_ring_attention(target, args, kwargs, slot):
+def kernel_ring_attention(target, args, kwargs, slot):
     return ring_attention.ring_attention(target, args, kwargs, slot.comm)
 
 
-def _k_split_random_axes(target, args, kwargs, *slots):
+def kernel_split_random_axes(target, args, kwargs, *slots):
     """A random op on a tensor split over several axes (``slots``: theirs, outer first; None
     where the tensor is whole on it): a mask per piece, the seed offset by the piece's index
     over the axes that split it."""
@@ -225,7 +225,7 @@ class _TpKernel:
         return KERNEL_CALLS[self._kernel].fn(self._op, list(args), dict(kwargs), self._slot)
 
 
-def _k_composed(target, args, kwargs, outer_slot, outer, inner_slot, inner):
+def kernel_composed(target, args, kwargs, outer_slot, outer, inner_slot, inner):
     """An op both axes run a kernel for (``context_axis.COMPOSED``): one split loss over both
     groups, or the cp kernel around the tp one."""
     if outer == inner == "split_loss":
@@ -235,7 +235,7 @@ def _k_composed(target, args, kwargs, outer_slot, outer, inner_slot, inner):
                                   outer_slot)
 
 
-def _k_grad_scale(x, factor):
+def kernel_grad_scale(x, factor):
     """``x`` itself; its gradient times ``factor`` (a weight whose gradient is whole on every
     context-parallel rank: the dp x cp average would count it ``cp`` times)."""
     return kernels.grad_scale(x, factor)
@@ -247,13 +247,13 @@ def transition(g: fx.Graph, x: fx.Node, src: Placement, dst: Placement, slot: fx
     if src == dst:
         return x
     if src.kind == "R" and dst.kind == "S":
-        return g.call_function(_c_scatter, (x, slot, str(dst)))
+        return g.call_function(call_scatter, (x, slot, str(dst)))
     if src.kind == "S" and dst.kind == "R":
-        return g.call_function(_c_gather, (x, slot, str(src)))
+        return g.call_function(call_gather, (x, slot, str(src)))
     if src.kind == "S" and dst.kind == "S":
-        return g.call_function(_c_reshard, (x, slot, str(src), str(dst)))
+        return g.call_function(call_reshard, (x, slot, str(src), str(dst)))
     if src.kind == "P" and dst.kind == "R":
-        return g.call_function(_c_reduce, (x, slot))
+        return g.call_function(call_reduce, (x, slot))
     if src.kind == "P" and dst.kind == "S":
-        return g.call_function(_c_reduce_scatter, (x, slot, str(dst)))
+        return g.call_function(call_reduce_scatter, (x, slot, str(dst)))
     raise PlanError(f"no collective turns {src} into {dst}")

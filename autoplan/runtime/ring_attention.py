@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from autoplan.runtime import tp_comm
-from autoplan.runtime.kernels import _get
+from autoplan.runtime.kernels import get_arg
 
 aten = torch.ops.aten
 
@@ -36,9 +36,9 @@ def ring_attention(op: Any, args: list, kwargs: dict, comm: Any) -> torch.Tensor
     """``scaled_dot_product_attention`` on this rank's rows of a sequence split ``comm.size``
     ways (dropout 0, equal query and key lengths, as the ``seq`` strategy requires)."""
     q, k, v = args[0], args[1], args[2]
-    mask = _get(op, args, kwargs, "attn_mask")
-    causal = bool(_get(op, args, kwargs, "is_causal", False))
-    scale = _get(op, args, kwargs, "scale")
+    mask = get_arg(op, args, kwargs, "attn_mask")
+    causal = bool(get_arg(op, args, kwargs, "is_causal", False))
+    scale = get_arg(op, args, kwargs, "scale")
     if isinstance(comm, tp_comm.ShapeComm):       # shape check on fake tensors
         return (q @ k.transpose(-2, -1)) @ v
     # one dtype, as autocast gives attention (the kernels below are outside its lists): under

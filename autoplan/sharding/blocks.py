@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from autoplan.graph.opgraph import Op, OpGraph
 from autoplan.sharding import dims
-from autoplan.sharding.passthrough import SPLITS, _axis, is_elementwise, unary_map
+from autoplan.sharding.passthrough import SPLITS, dim_arg, is_elementwise, unary_map
 from autoplan.sharding.placement import shard
 from autoplan.sharding.strategy import call_args, opname
 
@@ -28,7 +28,7 @@ def _cuts(graph: OpGraph, op: Op, slot: int, d: int) -> set[int]:
     name = opname(op)
     args, kwargs = call_args(op)
     out: set[int] = set()
-    if name in SPLITS and name != "unbind" and _axis(op, len(x), i=2) == d:
+    if name in SPLITS and name != "unbind" and dim_arg(op, len(x), i=2) == d:
         sizes = [graph.value(n).meta.shape[d] for n in op.outputs]
         if len(sizes) > 1 and len(set(sizes)) == 1:
             out.add(len(sizes))

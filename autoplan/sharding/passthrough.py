@@ -55,7 +55,7 @@ def _arg(args: list, kwargs: dict, i: int, name: str, default=None):
     return kwargs.get(name, default)
 
 
-def _axis(op: Op, rank: int, i: int = 1, name: str = "dim", default: int = 0) -> int:
+def dim_arg(op: Op, rank: int, i: int = 1, name: str = "dim", default: int = 0) -> int:
     args, kwargs = call_args(op)
     a = _arg(args, kwargs, i, name, default)
     if isinstance(a, list):
@@ -113,7 +113,7 @@ def unary_map(graph: OpGraph, op: Op, slot: int, p: Placement, t: int
     if name == "view_as_real":
         return same(p)
     if name in SPLITS:
-        axis = _axis(op, rank, i=1 if name == "unbind" else 2)
+        axis = dim_arg(op, rank, i=1 if name == "unbind" else 2)
         if d != axis:
             if name == "unbind":
                 return same(p.with_dim(d - 1 if d > axis else d))
@@ -123,12 +123,12 @@ def unary_map(graph: OpGraph, op: Op, slot: int, p: Placement, t: int
             return same(shard(d))     # each block is one piece: plain splits of the pieces
         return None
     if name in ("slice", "narrow", "index_select"):
-        return same(p) if d != _axis(op, rank, default=0) else None
+        return same(p) if d != dim_arg(op, rank, default=0) else None
     if name == "select":
-        axis = _axis(op, rank)
+        axis = dim_arg(op, rank)
         return same(p.with_dim(d - 1 if d > axis else d)) if d != axis else None
     if name in SOFTMAX:
-        return same(p) if d != _axis(op, rank, default=-1) else None
+        return same(p) if d != dim_arg(op, rank, default=-1) else None
     if name in ("tril", "triu"):
         return same(p) if d < rank - 2 else None
     if name in ("flip", "roll"):
@@ -249,7 +249,7 @@ def concat(graph: OpGraph, op: Op, t: int) -> list[OpStrategy]:
     if any(len(graph.value(n).meta.shape) != rank_in for n in op.inputs):
         return []
     name = opname(op)
-    axis = _axis(op, len(out) if name == "stack" else rank_in)
+    axis = dim_arg(op, len(out) if name == "stack" else rank_in)
     res = []
     for d in range(rank_in):
         if d == axis and name == "cat":
