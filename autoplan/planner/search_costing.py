@@ -26,7 +26,7 @@ from autoplan.graph.opgraph import OpGraph
 from autoplan.planner import search_space
 from autoplan.planner.axis_costs import expert_exchanges
 from autoplan.planner.cost_context import CostContext, ExpertExchanges
-from autoplan.planner.dp_problem import whole_patterns, with_dp_terms
+from autoplan.planner.dp_problem import DpPricing, whole_patterns, with_dp_terms
 from autoplan.planner.ilp import ILPSolution, solve
 from autoplan.planner.options import SearchOptions
 from autoplan.planner.problem import reduce_graph, sharding_from_choice
@@ -210,8 +210,10 @@ def dp_sharding(sc: SearchContext, cand: Candidate
                  tuple(next((j for j, ch in enumerate(node.choices)
                              if all(st.name == "replicate" for st in ch)), 0)
                        for node in red.nodes))
-    dp = with_dp_terms(red, graph, cluster, config, m, ctx.compute, sc.profile, ctx.interference,
-                       reference, whole_extra_bytes=None if "dp_whole" in opts.force
+    pricing = DpPricing(config=config, cluster=cluster, microbatches=m, compute=ctx.compute,
+                        profile=sc.profile, interference=ctx.interference)
+    dp = with_dp_terms(red, graph, pricing, reference=reference,
+                       whole_extra_bytes=None if "dp_whole" in opts.force
                        else state(1, 0) - sharded)
     start = dp.lift(reference)
     if dp.problem.memory(start) > dp.problem.memory_budget:
