@@ -26,6 +26,7 @@ from autoplan.estimate.layout import chunks_for                            # noq
 from autoplan.estimate.overlap import overlap_interference                 # noqa: E402
 from autoplan.graph.analysis import analyze                                # noqa: E402
 from autoplan.planner.ilp import solve                                     # noqa: E402
+from autoplan.planner.dp_problem import DpPricing                          # noqa: E402
 from autoplan.planner.pipe_problem import build                            # noqa: E402
 from autoplan.planner.problem import reduce_graph, sharding_from_choice    # noqa: E402
 from tests.test_ilp_objective import PIPE_CASES, _pipe_case, walks         # noqa: E402
@@ -39,15 +40,16 @@ def main() -> None:
         chunks = chunks_for(CostInputs(graph=g, analysis=analyze(g), sharding=sh,
                                        compute=compute, cluster=cluster, config=config))
         interference = overlap_interference(cluster)
-        pipe = build(g, cluster, config, m, chunks, context_for, compute, None, interference,
-                     reference)
+        pricing = DpPricing(config=config, cluster=cluster, microbatches=m, compute=compute,
+                            interference=interference)
+        pipe = build(g, pricing, chunks=chunks, context_for=context_for, reference=reference)
         best = solve(pipe.problem, time_limit_s=30).choice
         gbs = config.dp * config.micro_batch_size * m
         closed_gap = ilp_gap = 0.0
         for choice in [best] + walks(reference, pipe.problem, pipe.problem.objective, rng, 10,
                                      3):
-            at = build(g, cluster, config, m, chunks, context_for, compute, None, interference,
-                       choice, made=pipe.terms)
+            at = build(g, pricing, chunks=chunks, context_for=context_for, reference=choice,
+                       made=pipe.terms)
             kw = dict(config=config, global_batch_size=gbs, profile=None,
                       sharding=sharding_from_choice(g, config.tp, pipe.red, choice))
             step = estimate(g, cluster, **kw).step_time_s

@@ -133,7 +133,7 @@ def test_with_its_dp_terms_the_ilp_objective_is_the_step_time_under_a_cp_axis(ze
     cp, hidden behind the compute the choice makes) prices a choice at the estimate's step
     time of the plan it makes, with the cp axis beside tp (within 0.1 %, as without it)."""
     from autoplan.cost.memory import model_state_bytes
-    from autoplan.planner.dp_problem import with_dp_terms
+    from autoplan.planner.dp_problem import DpPricing, with_dp_terms
     ex = build_example("llama-tiny", device="meta", batch_size=2)
     g = trace(ex.model, ex.example_inputs, loss_fn=ex.loss_fn, targets=ex.targets)
     cluster = Cluster.preset("dgx-h100", nodes=2)
@@ -151,7 +151,8 @@ def test_with_its_dp_terms_the_ilp_objective_is_the_step_time_under_a_cp_axis(ze
                              kind, nbytes, config.cp_group()))
     red = reduce_graph(ctx)
     reference = solve(red.problem, time_limit_s=30).choice
-    dp = with_dp_terms(red, g, cluster, config, m, compute, None, ctx.interference, reference)
+    pricing = DpPricing(config=config, cluster=cluster, microbatches=m, compute=compute, interference=ctx.interference)
+    dp = with_dp_terms(red, g, pricing, reference=reference)
     for choice in (dp.lift(reference), solve(dp.problem, time_limit_s=30).choice):
         sh = sharding_from_choice(g, 2, red, dp.strategies(choice))
         est = estimate(g, cluster, config=config, global_batch_size=2 * m, profile=None,

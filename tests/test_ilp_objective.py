@@ -216,7 +216,8 @@ def test_with_its_dp_terms_the_ilp_objective_is_the_estimated_step_time(seed):
 
     from autoplan import estimate
     from autoplan.cost.memory import model_state_bytes
-    from autoplan.planner.dp_problem import keeps_weights_whole, whole_patterns, with_dp_terms
+    from autoplan.planner.dp_problem import (DpPricing, keeps_weights_whole, whole_patterns,
+                                             with_dp_terms)
     rng, name, g, cluster, config, m = _dp_case(seed)
     compute = compute_model(g, cluster.device, config.precision, None)
     gbs = config.dp * config.micro_batch_size * m
@@ -231,7 +232,9 @@ def test_with_its_dp_terms_the_ilp_objective_is_the_estimated_step_time(seed):
                          step_shard=config.shard_degree if config.zero_stage >= 2 else 1)
     red = reduce_graph(ctx)
     reference = solve(red.problem, time_limit_s=30).choice
-    dp = with_dp_terms(red, g, cluster, config, m, compute, None, ctx.interference, reference,
+    pricing = DpPricing(config=config, cluster=cluster, microbatches=m, compute=compute,
+                        interference=ctx.interference)
+    dp = with_dp_terms(red, g, pricing, reference=reference,
                        whole_extra_bytes=state(1, 0) - ctx.state_bytes_per_param)
     problem = dp.problem
     assert problem.overlaps or config.offload_optimizer is False
@@ -330,14 +333,16 @@ def test_a_pipelined_configs_ilp_objective_is_its_estimated_step_time(seed):
     with its own recompute policy."""
     from autoplan import estimate
     from autoplan.estimate.layout import chunks_for
+    from autoplan.planner.dp_problem import DpPricing
     from autoplan.planner.pipe_problem import build
     rng, name, g, cluster, config, m, compute, context_for, reference = _pipe_case(seed)
     sh = sharding_from_choice(g, config.tp, reduce_graph(context_for("none")), reference)
     chunks = chunks_for(CostInputs(graph=g, analysis=analyze(g), sharding=sh, compute=compute,
                                    cluster=cluster, config=config))
     interference = overlap_interference(cluster)
-    pipe = build(g, cluster, config, m, chunks, context_for, compute, None, interference,
-                 reference)
+    pricing = DpPricing(config=config, cluster=cluster, microbatches=m, compute=compute,
+                        interference=interference)
+    pipe = build(g, pricing, chunks=chunks, context_for=context_for, reference=reference)
     problem = pipe.problem
     best = solve(problem, time_limit_s=30).choice
     choices = [best] + walks(reference, problem, problem.objective, rng, 10, 3)
@@ -345,8 +350,8 @@ def test_a_pipelined_configs_ilp_objective_is_its_estimated_step_time(seed):
     priced = 0
     for choice in choices:
         assert problem.objective(best) <= problem.objective(choice) + 1e-9
-        at = build(g, cluster, config, m, chunks, context_for, compute, None, interference,
-                   choice, made=pipe.terms)
+        at = build(g, pricing, chunks=chunks, context_for=context_for, reference=choice,
+                   made=pipe.terms)
         kw = dict(config=config, global_batch_size=gbs, profile=None,
                   sharding=sharding_from_choice(g, config.tp, pipe.red, choice))
         simulated = estimate(g, cluster, **kw)

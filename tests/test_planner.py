@@ -445,7 +445,7 @@ def test_ilp_with_dp_terms_equals_brute_force_on_a_model_graph(zero):
     it prices that choice at ``estimate``'s step time."""
     from autoplan.cost.compute import compute_model
     from autoplan.cost.dtypes import held_bytes
-    from autoplan.planner.dp_problem import whole_patterns, with_dp_terms
+    from autoplan.planner.dp_problem import DpPricing, whole_patterns, with_dp_terms
     g = _ffn_graph()
     cluster = Cluster.preset("pcie-8gpu", nodes=2)
     config = ParallelConfig(dp=8, tp=2, micro_batch_size=4, zero_stage=zero, precision="bf16")
@@ -459,8 +459,9 @@ def test_ilp_with_dp_terms_equals_brute_force_on_a_model_graph(zero):
                       held=held_bytes(g, "bf16", config.mixed_precision, cluster.device.kind))
     red = reduce_graph(ctx)
     reference = solve(red.problem, time_limit_s=20).choice
-    dp = with_dp_terms(red, g, cluster, config, 2, compute, None, ctx.interference, reference,
-                       whole_extra_bytes=2.0)
+    pricing = DpPricing(config=config, cluster=cluster, microbatches=2, compute=compute,
+                        interference=ctx.interference)
+    dp = with_dp_terms(red, g, pricing, reference=reference, whole_extra_bytes=2.0)
     p = dp.problem
     assert p.overlaps
     sol = solve(p, time_limit_s=20, start=dp.lift(reference))
@@ -511,6 +512,7 @@ def test_pipelined_ilp_equals_brute_force_on_a_model_graph(schedule, recompute):
     from autoplan.estimate.chunk_cost import CostInputs
     from autoplan.estimate.layout import chunks_for, with_layout
     from autoplan.graph.analysis import analyze
+    from autoplan.planner.dp_problem import DpPricing
     from autoplan.planner.pipe_problem import build
     x = torch.empty(4, 16, 64, device="meta")
     y = torch.empty(4, 16, dtype=torch.long, device="meta")
@@ -539,13 +541,15 @@ def test_pipelined_ilp_equals_brute_force_on_a_model_graph(schedule, recompute):
     sh = sharding_from_choice(g, 2, red, reference)
     chunks = chunks_for(CostInputs(graph=g, analysis=analyze(g), sharding=sh, compute=compute,
                                    cluster=cluster, config=config))
-    pipe = build(g, cluster, config, m, chunks, context_for, compute, None, 0.189, reference)
+    pricing = DpPricing(config=config, cluster=cluster, microbatches=m, compute=compute,
+                        interference=0.189)
+    pipe = build(g, pricing, chunks=chunks, context_for=context_for, reference=reference)
     p = pipe.problem
     sol = solve(p, time_limit_s=20, start=reference)
     best = brute_force(p)
     assert sol.status == "optimal"
     assert sol.objective == pytest.approx(best[1], rel=1e-9)
-    at = build(g, cluster, config, m, chunks, context_for, compute, None, 0.189, sol.choice)
+    at = build(g, pricing, chunks=chunks, context_for=context_for, reference=sol.choice)
     est = estimate(g, cluster, config=config, global_batch_size=config.dp * 4 * m,
                    profile=None, sharding=sharding_from_choice(g, 2, pipe.red, sol.choice))
     assert at.problem.objective(sol.choice) == pytest.approx(est.step_time_s, rel=0.02)

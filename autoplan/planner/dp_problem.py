@@ -38,6 +38,20 @@ from autoplan.planner.problem import INFEASIBLE_S, Reduction
 from autoplan.sharding.parallel_config import ParallelConfig
 
 
+@dataclass(frozen=True, kw_only=True)
+class DpPricing:
+    """What the data-parallel terms are priced with, for one configuration: its degrees and
+    ZeRO stage, the cluster, the micro-batches per step, the compute model, the measured
+    profile (None: none), and how much overlapped traffic slows the compute it hides behind."""
+
+    config: ParallelConfig
+    cluster: Any
+    microbatches: int
+    compute: Any
+    profile: Any = None
+    interference: float
+
+
 @dataclass(frozen=True)
 class Held:
     """Per node and choice, the parameter elements one rank holds, for all instances the node
@@ -152,15 +166,15 @@ def keeps_weights_whole(config: ParallelConfig) -> bool:
             and config.dp_shard is None and not config.offload_params and config.cp == 1)
 
 
-def with_dp_terms(red: Reduction, graph: OpGraph, cluster: Any, config: ParallelConfig,
-                  m: int, compute: Any, profile: Any, interference: float,
+def with_dp_terms(red: Reduction, graph: OpGraph, pricing: DpPricing, *,
                   reference: Sequence[int], whole_extra_bytes: float | None = None
                   ) -> DpProblem:
-    """``red``'s problem (built for ``config``'s recompute policy, ZeRO's tp step shard and its
-    state bytes per parameter) with ``config``'s dp, ZeRO, optimizer, offload and framework
+    """``red``'s problem (built for ``pricing.config``'s recompute policy, ZeRO's tp step shard
+    and its state bytes per parameter) with its dp, ZeRO, optimizer, offload and framework
     terms, linearized at the choice ``reference`` of ``red``'s problem (see the module doc).
     ``whole_extra_bytes``: under ZeRO-3, what keeping a weight whole adds per element to its
     state (the choice is offered where given, ``keeps_weights_whole``). pp must be 1."""
+    config = pricing.config
     if config.pp != 1:
         raise ValueError("the dp terms are priced for one pipeline stage (pp = 1)")
     held = held_params(graph, red, config.tp, config.ep)
@@ -173,20 +187,19 @@ def with_dp_terms(red: Reduction, graph: OpGraph, cluster: Any, config: Parallel
                                               whole_extra_bytes, _sharing(graph, red))
     out = DpProblem(problem, options)
     start = out.lift(reference)
-    rows, constant, overlaps, charges = dp_pieces(
-        problem, held, options, config, cluster, m, 0, compute, profile, interference, fwd,
-        bwd, start)
+    rows, constant, overlaps, charges = dp_pieces(problem, held, options, pricing,
+                                                  pp_index=0, fwd=fwd, bwd=bwd, start=start)
     costs = tuple(tuple(c + x for c, x in zip(cs, xs))
                   for cs, xs in zip(problem.node_costs, rows))
     return replace(out, problem=replace(
         problem, node_costs=costs, overlaps=problem.overlaps + overlaps,
-        constant_s=problem.constant_s + constant + framework_s(graph, profile, compute, m),
+        constant_s=problem.constant_s + constant + framework_s(
+            graph, pricing.profile, pricing.compute, pricing.microbatches),
         charges=problem.charges + charges))
 
 
-def dp_pieces(problem: ILPProblem, held: Held, options: Any, config: ParallelConfig,
-              cluster: Any, m: int, pp_index: int, compute: Any, profile: Any,
-              interference: float, fwd: Linear, bwd: Linear, start: Sequence[int]
+def dp_pieces(problem: ILPProblem, held: Held, options: Any, pricing: DpPricing, *,
+              pp_index: int, fwd: Linear, bwd: Linear, start: Sequence[int]
               ) -> tuple[list[list[float]], float, tuple[Overlap, ...], tuple]:
     """Pipeline rank ``pp_index``'s dp, ZeRO, optimizer and offload terms for the parameters
     ``held`` says each choice holds there, hidden behind its compute windows ``fwd`` / ``bwd``,
@@ -196,7 +209,8 @@ def dp_pieces(problem: ILPProblem, held: Held, options: Any, config: ParallelCon
         stage = StageParams(params=dense + experts + whole, experts=experts,
                             layer_params=in_layers, tensors=held.tensors, layers=held.layers,
                             whole=whole)
-        return stage_terms(config.grad_view(), cluster, stage, m, pp_index, compute, profile)
+        return stage_terms(pricing.config.grad_view(), pricing.cluster, stage,
+                           pricing.microbatches, pp_index, pricing.compute, pricing.profile)
     at = held.at(problem, start)
     # whole weights add a term (their all-reduce): the tangent is taken with some held whole
     probe = at if at[3] or not any(o[1] for opts in options for o in opts) else (
@@ -227,7 +241,7 @@ def dp_pieces(problem: ILPProblem, held: Held, options: Any, config: ParallelCon
                     rows[v][j] += term.times * c
             continue
         window = fwd if term.window == "fwd" else bwd
-        overlaps.append(Overlap(comm, window, first, interference, term.times))
+        overlaps.append(Overlap(comm, window, first, pricing.interference, term.times))
     return rows, constant, tuple(overlaps), tuple(charges)
 
 

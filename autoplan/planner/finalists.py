@@ -16,7 +16,7 @@ from autoplan.planner import pipe_problem
 from autoplan.planner.cost_context import CostContext
 from autoplan.planner.search_costing import (SearchContext, cost_context, counted, dp_sharding,
                                       evaluate)
-from autoplan.planner.dp_problem import keeps_weights_whole
+from autoplan.planner.dp_problem import DpPricing, keeps_weights_whole
 from autoplan.planner.ilp import ILPSolution, solve
 from autoplan.planner.problem import sharding_from_choice
 from autoplan.planner.candidates import Candidate
@@ -102,10 +102,13 @@ class _PipeSetting:
               paths: tuple = ()) -> pipe_problem.PipeProblem:
         """The problem linearized at ``reference``, pricing ``paths`` besides its own."""
         base = self.base
-        return pipe_problem.build(sc.graph, sc.cluster, self.config, self.m, self.chunks,
-                                  lambda pol: replace(base, recompute=pol), base.compute,
-                                  sc.profile, base.interference, reference, made=self.made,
-                                  memory_rows=self.rows, paths=paths)
+        pricing = DpPricing(config=self.config, cluster=sc.cluster, microbatches=self.m,
+                            compute=base.compute, profile=sc.profile,
+                            interference=base.interference)
+        return pipe_problem.build(sc.graph, pricing, chunks=self.chunks,
+                                  context_for=lambda pol: replace(base, recompute=pol),
+                                  reference=reference, made=self.made, memory_rows=self.rows,
+                                  paths=paths)
 
 
 def _pipelined_step_sharding(sc: SearchContext, c: Candidate, rounds: int

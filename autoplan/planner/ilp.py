@@ -378,14 +378,27 @@ def _solve(problem: ILPProblem, time_limit_s: float, start: tuple[int, ...] | No
     fixed = {v: 0 for v, c in enumerate(problem.node_costs) if len(c) == 1}
     free = [v for v in range(problem.num_nodes) if v not in fixed]
     if not free:
-        choice = tuple(0 for _ in problem.node_costs)
-        ok = problem.fits(choice)
-        obj = problem.objective(choice)
-        return ILPSolution(choice, "optimal" if ok else "infeasible", obj, obj, 0.0, 0, 0,
-                           time.perf_counter() - t0)
+        return _nothing_to_choose(problem, t0)
     # scale to milliseconds: CBC's tolerances are absolute, step times are seconds
     scale = 1e3
-    scaled = ILPProblem(
+    prob, x = _model(problem, scale, fixed, free, start)
+    log_text = _run_cbc(prob, time_limit_s, warm=start is not None,
+                        overlaps=bool(problem.overlaps))
+    return _solution(prob, problem, fixed, x, log_text=log_text, scale=scale, t0=t0)
+
+
+def _nothing_to_choose(problem: ILPProblem, t0: float) -> ILPSolution:
+    """Every node has one strategy: the choice is made, only its fit is in question."""
+    choice = tuple(0 for _ in problem.node_costs)
+    ok = problem.fits(choice)
+    obj = problem.objective(choice)
+    return ILPSolution(choice, "optimal" if ok else "infeasible", obj, obj, 0.0, 0, 0,
+                       time.perf_counter() - t0)
+
+
+def _scaled(problem: ILPProblem, scale: float) -> ILPProblem:
+    """``problem`` with its seconds times ``scale`` (its bytes as they are)."""
+    return ILPProblem(
         node_costs=tuple(tuple(c * scale for c in cs) for cs in problem.node_costs),
         node_memory=problem.node_memory,
         edges=tuple((u, v, tuple(tuple(c * scale for c in row) for row in r))
@@ -398,6 +411,14 @@ def _solve(problem: ILPProblem, time_limit_s: float, start: tuple[int, ...] | No
         charges=tuple((c * scale, when) for c, when in problem.charges),
         memory_rows=problem.memory_rows,
         maxima=tuple(tuple(f.scaled(scale) for f in group) for group in problem.maxima))
+
+
+def _model(problem: ILPProblem, scale: float, fixed: dict[int, int], free: list[int],
+           start: tuple[int, ...] | None) -> tuple[pulp.LpProblem, dict]:
+    """The PuLP model of ``problem`` in seconds times ``scale``: one binary per free node's
+    strategy, the objective's terms (edges, overlaps, maxima, charges), the memory rows; its
+    variables set at ``start`` where given."""
+    scaled = _scaled(problem, scale)
     prob = pulp.LpProblem("sharding", pulp.LpMinimize)
     x = _add_variables(prob, scaled, free)
     _add_one_strategy(prob, scaled, free, x)
@@ -406,7 +427,20 @@ def _solve(problem: ILPProblem, time_limit_s: float, start: tuple[int, ...] | No
     more, longer = _overlap_terms(prob, scaled, fixed, x, evars, _CANNOT_RUN_S * scale)
     terms += more
     terms += _maxima_terms(prob, scaled, fixed, x, evars)
-    for n, (cost, when) in enumerate(scaled.charges):
+    const = _add_charges(prob, scaled, fixed, x, terms, const)
+    if start is not None:
+        _warm_start(problem, start, x, longer)
+    prob += _sum(terms, const)
+    _add_memory(prob, scaled, fixed, x, evars)
+    return prob, x
+
+
+def _add_charges(prob: pulp.LpProblem, problem: ILPProblem, fixed: dict[int, int], x,
+                 terms: list, const: float) -> float:
+    """Each charge paid once where any of its strategies is chosen: into ``const`` where a
+    fixed node chose one, else a variable at least each of them (into ``terms``); returns
+    the constant."""
+    for n, (cost, when) in enumerate(problem.charges):
         if any(fixed.get(v) == j for v, j in when):
             const += cost
             continue
@@ -415,24 +449,38 @@ def _solve(problem: ILPProblem, time_limit_s: float, start: tuple[int, ...] | No
             if v not in fixed:
                 prob += (paid >= x[v, j], f"charge_{n}_{v}_{j}")
         terms.append(cost * paid)
-    if start is not None:
-        for (v, j), var in x.items():
-            var.setInitialValue(1 if start[v] == j else 0)
-        for n, b in longer.items():
-            o = problem.overlaps[n]
-            b.setInitialValue(1 if o.comm.value(problem, start) > o.window.value(problem, start)
-                              else 0)
-    prob += _sum(terms, const)
-    _add_memory(prob, scaled, fixed, x, evars)
+    return const
+
+
+def _warm_start(problem: ILPProblem, start: tuple[int, ...], x,
+                longer: dict[int, pulp.LpVariable]) -> None:
+    """CBC's first incumbent: the choice ``start`` and, per overlap, which side is longer
+    there."""
+    for (v, j), var in x.items():
+        var.setInitialValue(1 if start[v] == j else 0)
+    for n, b in longer.items():
+        o = problem.overlaps[n]
+        b.setInitialValue(1 if o.comm.value(problem, start) > o.window.value(problem, start)
+                          else 0)
+
+
+def _run_cbc(prob: pulp.LpProblem, time_limit_s: float, *, warm: bool, overlaps: bool) -> str:
+    """Solve with CBC (one thread, a fixed seed: the same answer each run); returns its log."""
     with tempfile.TemporaryDirectory() as tmp:
         log = os.path.join(tmp, "cbc.log")
         solver = pulp.PULP_CBC_CMD(msg=False, timeLimit=max(1, int(math.ceil(time_limit_s))),
                                    threads=1, logPath=log,
                                    options=["randomSeed 1"] + (_OVERLAP_OPTIONS
-                                                               if problem.overlaps else []),
-                                   warmStart=start is not None)
+                                                               if overlaps else []),
+                                   warmStart=warm)
         prob.solve(solver)
-        log_text = open(log).read() if os.path.exists(log) else ""
+        return open(log).read() if os.path.exists(log) else ""
+
+
+def _solution(prob: pulp.LpProblem, problem: ILPProblem, fixed: dict[int, int], x, *,
+              log_text: str, scale: float, t0: float) -> ILPSolution:
+    """What CBC found: the chosen strategy per node, its objective in seconds, and (stopped
+    short of optimal) the bound its log gives and the gap to it."""
     n_vars = len(prob.variables())
     n_cons = len(prob.constraints)
     elapsed = time.perf_counter() - t0

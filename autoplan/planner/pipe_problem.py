@@ -47,7 +47,7 @@ from autoplan.estimate.layout import in_flight
 from autoplan.graph.analysis import analyze
 from autoplan.graph.opgraph import OpGraph
 from autoplan.planner.cost_context import CostContext
-from autoplan.planner.dp_problem import Held, framework_s, dp_pieces, held_params
+from autoplan.planner.dp_problem import DpPricing, Held, dp_pieces, framework_s, held_params
 from autoplan.planner.ilp import ILPProblem, Linear
 from autoplan.planner.problem import INFEASIBLE_S, Reduction, reduce_graph
 from autoplan.sharding.mesh_axes import MeshAxis
@@ -216,24 +216,24 @@ def rank_memory(t: PipeTerms, config: ParallelConfig, m: int,
                  for r, (held, acts) in enumerate(zip(t.held, t.acts)))
 
 
-def build(graph: OpGraph, cluster: Any, config: ParallelConfig, m: int, chunks: Sequence[Any],
-          context_for: Callable[[str], CostContext], compute: Any, profile: Any,
-          interference: float, reference: Sequence[int], made: PipeTerms | None = None,
-          memory_rows: tuple[tuple[Linear, float], ...] = (),
+def build(graph: OpGraph, pricing: DpPricing, *, chunks: Sequence[Any],
+          context_for: Callable[[str], CostContext], reference: Sequence[int],
+          made: PipeTerms | None = None, memory_rows: tuple[tuple[Linear, float], ...] = (),
           paths: Sequence[CriticalPath] = ()) -> PipeProblem:
-    """The ILP of ``config`` (pipelined, its layout fixed: ``chunks``), linearized at the
-    choice ``reference``; ``context_for(policy)``: the cost context of a recompute policy (the
-    mesh's, with ``m`` micro-batches). The schedule's step is the longest of the critical path
-    at ``reference`` and ``paths`` (those found at other choices: a cutting plane each);
-    ``made``: the ``terms`` already made (a previous problem's); ``memory_rows``: per rank, its
-    ``rank_memory`` and the most it may be."""
+    """The ILP of ``pricing.config`` (pipelined, its layout fixed: ``chunks``), linearized at
+    the choice ``reference``; ``context_for(policy)``: the cost context of a recompute policy
+    (the mesh's, with ``pricing.microbatches``). The schedule's step is the longest of the
+    critical path at ``reference`` and ``paths`` (those found at other choices: a cutting
+    plane each); ``made``: the ``terms`` already made (a previous problem's); ``memory_rows``:
+    per rank, its ``rank_memory`` and the most it may be."""
+    config, cluster, m = pricing.config, pricing.cluster, pricing.microbatches
     p, v = config.pp, config.virtual_stages
     t = made or terms(graph, cluster, config, chunks, context_for)
     any_red, step = t.red, t.step
     problem = any_red.problem
     options = tuple(tuple((j, False) for j in range(len(row))) for row in problem.node_costs)
-    dp = [dp_pieces(problem, t.held[r], options, config, cluster, m, r, compute, profile,
-                    interference, t.fwd[r], t.bwd[r], reference) for r in range(p)]
+    dp = [dp_pieces(problem, t.held[r], options, pricing, pp_index=r, fwd=t.fwd[r],
+                    bwd=t.bwd[r], start=reference) for r in range(p)]
 
     def at(forms: Sequence[Linear]) -> list[float]:
         return [f.value(problem, reference) for f in forms]
@@ -248,7 +248,7 @@ def build(graph: OpGraph, cluster: Any, config: ParallelConfig, m: int, chunks: 
                           *((k, f) for k, f in zip(q.sends, t.sends))) for q in paths)
     rows, constant, overlaps, charges = dp[worst]
     ops = sum(chunks[c].stop - chunks[c].start for c in config.rank_chunks(bottleneck))
-    constant += framework_s(graph, profile, compute, m, ops)
+    constant += framework_s(graph, pricing.profile, pricing.compute, m, ops)
     # what cannot run stays so (a tied weight laid out two ways: the shared problem's terms)
     def cannot(x: float) -> float:
         return INFEASIBLE_S if x >= INFEASIBLE_S else 0.0

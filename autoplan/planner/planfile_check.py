@@ -92,7 +92,29 @@ def check_plan(d: Any) -> None:
     """Every rule of the format, on the JSON form; PlanError names the path of the first problem."""
     if not isinstance(d, Mapping):
         raise PlanError(f"a plan file holds one JSON object, got {kind(d)}")
-    version = d.get("schema_version")
+    version = _check_schema_version(d.get("schema_version"))
+    _keys({k: x for k, x in d.items() if k not in PLAN_OPTIONAL_KEYS}, "", PLAN_KEYS)
+    _str(d["autoplan_version"], "autoplan_version", limit=64)
+    _check_model(d["model"])
+    c = d["cluster"]
+    _check_cluster(c, version)
+    t = d["training"]
+    _check_training(t)
+    config = _config(d["config"], "config")
+    _check_schema_covers(version, config)
+    _check_training_matches(t, config)
+    _check_mesh(d["mesh"], config, c)
+    _check_placements(d["param_placements"])
+    _check_op_tables(d, version)
+    _check_offload(d["offload"], config)
+    _check_predicted(d, t)
+    _check_alternatives(d["alternatives"])
+    _check_solver(d["solver"])
+    _check_stages(d["stages"], c["world_size"])
+
+
+def _check_schema_version(version: Any) -> int:
+    """A schema this autoplan reads (a newer one: upgrade)."""
     if isinstance(version, int) and not isinstance(version, bool) \
             and version > PLAN_SCHEMA_VERSION:
         raise PlanError(f"schema_version {version}: this plan was written by a newer autoplan "
@@ -105,14 +127,18 @@ def check_plan(d: Any) -> None:
                         + ("" if isinstance(version, int) else
                            " (missing or not an integer: is this a plan file?)") +
                         "; re-plan with this autoplan version")
-    _keys({k: x for k, x in d.items() if k not in PLAN_OPTIONAL_KEYS}, "", PLAN_KEYS)
-    _str(d["autoplan_version"], "autoplan_version", limit=64)
-    m = _keys(d["model"], "model", MODEL_KEYS)
+    return version
+
+
+def _check_model(m: Any) -> None:
+    m = _keys(m, "model", MODEL_KEYS)
     _str(m["name"], "model.name", limit=1000)
     _str(m["fingerprint"], "model.fingerprint", pattern=_HEX)
     _int(m["num_params"], "model.num_params")
     _int(m["num_ops"], "model.num_ops")
-    c = d["cluster"]
+
+
+def _check_cluster(c: Any, version: int) -> None:
     _keys({k: x for k, x in c.items() if k not in CLUSTER_OPTIONAL_KEYS}
           if isinstance(c, Mapping) else c, "cluster", CLUSTER_KEYS)
     if "hardware" in c or version >= 6:
@@ -125,7 +151,9 @@ def check_plan(d: Any) -> None:
     if c["world_size"] != c["num_nodes"] * c["devices_per_node"]:
         fail("cluster.world_size", f"{c['world_size']} != num_nodes {c['num_nodes']} x "
               f"devices_per_node {c['devices_per_node']}")
-    t = d["training"]
+
+
+def _check_training(t: Any) -> None:
     _keys({k: x for k, x in t.items() if k not in TRAINING_OPTIONAL_KEYS}
           if isinstance(t, Mapping) else t, "training", TRAINING_KEYS)
     if "expert_capacity_factor" in t and not (
@@ -135,7 +163,10 @@ def check_plan(d: Any) -> None:
     _int(t["global_batch_size"], "training.global_batch_size", lo=1)
     _str(t["precision"], "training.precision", limit=64)
     _str(t["optimizer"], "training.optimizer", limit=64)
-    config = _config(d["config"], "config")
+
+
+def _check_schema_covers(version: int, config: ParallelConfig) -> None:
+    """The plan's schema version is at least the one that added each feature it uses."""
     if version == 1 and (config.dp_shard is not None or config.schedule in V_SCHEDULES):
         fail("schema_version", "1, but the plan uses what schema 2 added (config.dp_shard or "
              f"schedule {config.schedule!r}): set schema_version 2")
@@ -148,6 +179,10 @@ def check_plan(d: Any) -> None:
     if version < 5 and config.cp > 1:
         fail("schema_version", f"{version}, but the plan uses what schema 5 added "
              "(config.cp): set schema_version 5")
+
+
+def _check_training_matches(t: Mapping, config: ParallelConfig) -> None:
+    """``training`` agrees with ``config``, whose micro-batches split its global batch."""
     for k in ("precision", "optimizer"):
         if t[k] != getattr(config, k):
             fail(f"training.{k}", f"{t[k]!r} but config.{k} is {getattr(config, k)!r}")
@@ -155,8 +190,10 @@ def check_plan(d: Any) -> None:
         config.microbatches(t["global_batch_size"])
     except ConfigError as e:
         fail("config", f"{e} (training.global_batch_size {t['global_batch_size']})")
-    _check_mesh(d["mesh"], config, c)
-    _check_placements(d["param_placements"])
+
+
+def _check_op_tables(d: Mapping, version: int) -> None:
+    """Per-op strategies, module styles, op keys and recompute policies: names only."""
     for section in ("op_strategies", "module_styles"):
         for k, v in _map(d[section], section).items():
             _str(v, sub(section, k), pattern=_NAME)
@@ -164,7 +201,10 @@ def check_plan(d: Any) -> None:
         _check_op_keys(d["op_keys"], d["op_strategies"], version)
     for k, v in _map(d["recompute"], "recompute").items():
         _str(v, sub("recompute", k), choices=RECOMPUTE)
-    off = _keys(d["offload"], "offload", OFFLOAD_KEYS)
+
+
+def _check_offload(off: Any, config: ParallelConfig) -> None:
+    off = _keys(off, "offload", OFFLOAD_KEYS)
     for k in OFFLOAD_KEYS:
         _bool(off[k], f"offload.{k}")
     if off["optimizer"] != config.offload_optimizer:
@@ -173,6 +213,10 @@ def check_plan(d: Any) -> None:
     if off["params"] != config.offload_params:
         fail("offload.params", f"{off['params']} but config.offload_params is "
               f"{config.offload_params}")
+
+
+def _check_predicted(d: Mapping, t: Mapping) -> None:
+    """The prediction is of the chosen configuration and global batch."""
     _check_spec(d["predicted"], _PREDICTED, "predicted")
     p = d["predicted"]
     if p["config"] != d["config"]:
@@ -181,7 +225,10 @@ def check_plan(d: Any) -> None:
     if p["global_batch_size"] != t["global_batch_size"]:
         fail("predicted.global_batch_size", f"{p['global_batch_size']} but "
               f"training.global_batch_size is {t['global_batch_size']}")
-    for i, a in enumerate(_list(d["alternatives"], "alternatives")):
+
+
+def _check_alternatives(alternatives: Any) -> None:
+    for i, a in enumerate(_list(alternatives, "alternatives")):
         path = f"alternatives[{i}]"
         _keys(a, path, ALTERNATIVE_KEYS)
         _config(a["config"], f"{path}.config")
@@ -189,7 +236,10 @@ def check_plan(d: Any) -> None:
         _num(a["peak_memory_bytes"], f"{path}.peak_memory_bytes")
         _bool(a["fits"], f"{path}.fits")
         _str(a["why_lost"], f"{path}.why_lost", limit=1000, one_line=True)
-    s = _keys(d["solver"], "solver", SOLVER_KEYS)
+
+
+def _check_solver(s: Any) -> None:
+    s = _keys(s, "solver", SOLVER_KEYS)
     _str(s["solver"], "solver.solver", limit=64)
     _str(s["status"], "solver.status", choices=SOLVER_STATUSES)
     _num(s["objective_s"], "solver.objective_s")
@@ -197,7 +247,6 @@ def check_plan(d: Any) -> None:
     _num(s["gap"], "solver.gap", none_ok=True)
     for k in ("num_variables", "num_constraints", "ilps_solved", "candidates_evaluated"):
         _int(s[k], f"solver.{k}")
-    _check_stages(d["stages"], c["world_size"])
 
 
 _MISSING = object()

@@ -10,34 +10,34 @@ Graph reduction, so that a 96-layer model is one layer's problem:
    producer's strategy (when they cannot carry it, the node gathers the tensor first and pays).
 What is left is a few nodes per layer (linears, norms, attention products, residual adds, the
 loss), with the strategies of ``strategies.py``.
+
+What one strategy of one node costs is ``node_costs.py``'s; here the nodes and edges are
+tabulated (in all, and per pipeline rank), tied weights priced, and the tables made an ILP.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import NamedTuple
 
-from autoplan.graph.analysis import analyze
-from autoplan.cost.dtypes import own_sizes
-from autoplan.cost.memory import internal_anchor, meta_bytes
-from autoplan.estimate.chunk_cost import comm_bytes
-from autoplan.estimate.overlap import overlap_exposed_s
-from autoplan.graph.opgraph import OpGraph
 from autoplan.errors import ConfigError
-from autoplan.planner.axis_costs import cp_comms_s, cp_held, exchange_s, sent_again, value_bytes
+from autoplan.graph.analysis import analyze
+from autoplan.graph.opgraph import OpGraph
+from autoplan.planner.axis_costs import sent_again
 from autoplan.planner.cost_context import CostContext
 from autoplan.planner.folding import Node, group, representatives
-from autoplan.planner.kept_activations import activation_owners, layer_inputs
 from autoplan.planner.ilp import ILPProblem, Linear
+from autoplan.planner.kept_activations import activation_owners, layer_inputs
+from autoplan.planner.node_costs import (INFEASIBLE_S, collective_bytes, node_cost,
+                                         recomputes_comms, reshard_s)
 from autoplan.sharding.context_axis import ContextAxis, tp_allowed
 from autoplan.sharding.placement import REPLICATE, Placement
-from autoplan.sharding.sharding import Sharding, built_once, mutates_input, reshard_kind
+from autoplan.sharding.sharding import Sharding, built_once, mutates_input
 from autoplan.sharding.strategies import OpStrategy, strategies, strategies_by_name
-from autoplan.sharding.strategy import divided_split, replicate
+from autoplan.sharding.strategy import replicate
 
-# Choices that cannot run cost this much: an in-place op whose input would be resharded first
-# (the write would land on a copy), a tied weight laid out two ways.
-INFEASIBLE_S = 1.0e6
+__all__ = ["INFEASIBLE_S", "Reduction", "reduce_graph", "sharding_from_choice"]
 
 
 @dataclass(frozen=True)
@@ -60,31 +60,6 @@ class Reduction:
     stage_share: tuple[tuple[int, ...], ...] = ()    # per node, its instances on each rank
     # per rank, the activation bytes each choice keeps there per micro-batch (node terms)
     stage_acts: tuple[Linear, ...] = ()
-
-
-def _comm_bytes(ctx: CostContext, name: str, scale: float, phase: str, kind: str = "",
-                held: float = 1.0) -> float:
-    """Bytes of one collective, as the estimate takes them (``chunk_cost.comm_bytes``)."""
-    return comm_bytes(ctx.graph, analyze(ctx.graph), ctx.precision, name, scale, ctx.t,
-                      ctx.batch_scale, phase, ctx.step_shard if phase == "step" else 1, kind,
-                      held, own_sizes(ctx.held))
-
-
-def _reshard_s(ctx: CostContext, name: str, src: Placement, dst: Placement, consumer: int = -1
-               ) -> tuple[float, float]:
-    """(forward, backward): the forward reshard, and the backward one for tensors that carry
-    gradients (into op ``consumer``: the piece of ``name`` the cp axis leaves it)."""
-    held = cp_held(ctx, consumer, name) if consumer >= 0 else 1.0
-    out = [0.0, 0.0]
-    for p, (a, b, needed) in enumerate(((src, dst, True),
-                                        (dst, src, ctx.graph.value(name).requires_grad))):
-        if not needed:
-            continue
-        k = reshard_kind(a, b)
-        if k is not None:
-            kind, scale = k
-            out[p] = ctx.collective_s(kind, _comm_bytes(ctx, name, scale, "fwd", held=held))
-    return out[0], out[1]
 
 
 def _expand(graph: OpGraph, node: Node, t: int, cache: dict[int, list[OpStrategy]],
@@ -128,102 +103,79 @@ def _expand(graph: OpGraph, node: Node, t: int, cache: dict[int, list[OpStrategy
         node.internal.append(internal)
 
 
-def _recomputes_comms(ctx: CostContext, node: Node) -> bool:
-    """Full recomputation replays a layer's forward collectives too (``chunk_cost``)."""
-    return ctx.recompute == "full" and node.mult > 1
+# An edge of the full graph folded onto representatives: (producer node, consumer node, the
+# value as the producer's representative names it, the consumer's representative op, its input
+# slot)
+EdgeKey = tuple[int, int, str, int, int]
+Matrix = list[list[float]]
+EdgeTerms = dict[tuple[int, int], Matrix]
 
 
-def _node_cost(ctx: CostContext, node: Node, j: int, savers: dict[tuple[int, str], int],
-               part_of: list[int]) -> tuple[float, float, float, float, float]:
-    """(seconds per step, bytes per device, forward and backward seconds per micro-batch,
-    activation bytes kept per micro-batch) of strategy j, for all instances it stands for."""
-    graph = ctx.graph
-    a = analyze(graph)
-    fwd = bwd = fwd_comm = step = 0.0
-    params = acts = once = 0.0           # once: tensors several layers keep, held once
-    seen_params: set[str] = set()
-    in_block = node.mult > 1
-    for i, s in zip(node.ops, node.choices[j]):
-        op = graph.ops[i]
-        batch_dep = any(o in a.batch_dependent for o in op.outputs)
-        load = (ctx.experts.load if ctx.experts is not None and i in ctx.experts.members
-                else 1.0)
-        cp_share = ctx.context.op_scale(i) if ctx.context is not None else 1.0
-        c = ctx.compute.op_cost(i, load * (ctx.batch_scale if batch_dep else 1.0) * cp_share
-                                / s.work_divisor, divided_split(graph, op, s))
-        fwd += c.fwd_s
-        bwd += c.bwd_s
-        if ctx.recompute == "full" and in_block or ctx.recompute == "selective" and i in a.score_ops:
-            bwd += c.fwd_s
-        ring = {"fwd": 0.0, "bwd": 0.0}
-        for cm in s.comms:
-            held = cp_held(ctx, i, cm.value) if cm.phase != "step" else 1.0
-            t = ctx.collective_s(cm.kind, _comm_bytes(ctx, cm.value, cm.scale, cm.phase,
-                                                      cm.kind, held))
-            if cm.phase == "step":
-                step += t
-            elif s.kernel == "ring_attention":
-                ring[cm.phase] += t
-            elif cm.phase == "fwd":
-                fwd_comm += t
-            else:
-                bwd += t
-        cf, cb, rf, rb = cp_comms_s(ctx, i, s)
-        fwd_comm, bwd = fwd_comm + cf, bwd + cb
-        ring["fwd"], ring["bwd"] = ring["fwd"] + rf, ring["bwd"] + rb
-        if s.kernel == "ring_attention" or rf + rb > 0:
-            # passed on behind the blocks' attention, as priced
-            fwd_comm += overlap_exposed_s(ring["fwd"], c.fwd_s, 0.0, ctx.interference)
-            bwd += overlap_exposed_s(ring["bwd"], c.bwd_s, 0.0, ctx.interference)
-        if ctx.experts is not None:
-            ef, eb = exchange_s(ctx, i, s, node.placement[j])
-            fwd, bwd = fwd + ef, bwd + eb
-        for k, n in enumerate(op.inputs):
-            v = graph.value(n)
-            if v.kind == "param" and v.base not in seen_params:
-                seen_params.add(v.base)
-                split = k < len(s.inputs) and s.inputs[k].kind == "S"
-                params += v.meta.numel * ctx.state_bytes_per_param / (ctx.t if split else 1)
-        if ctx.recompute == "full" and in_block:
-            continue
-        if ctx.recompute == "selective" and i in a.score_ops:
-            continue
-        counted: set[str] = set()
-        for n in op.saved:
-            base = graph.value(graph.value(n).base)
-            if i not in (savers.get((part_of[i], base.name)), savers.get((-1, base.name))) \
-                    or base.name in counted:
-                continue           # dropped by the policy, or counted already
-            counted.add(base.name)
-            k = op.inputs.index(n) if n in op.inputs else -1
-            where = s.inputs[k] if 0 <= k < len(s.inputs) else node.placement[j].get(n, REPLICATE)
-            b = (value_bytes(ctx, base.name, "kept")
-                 * (1.0 / ctx.t if where.kind == "S" else 1.0)
-                 * (cp_held(ctx, i, n) if n == base.name else
-                    ctx.context.value_scale(base.name) if ctx.context is not None else 1.0))
-            if (-1, base.name) in savers:
-                once += b
-            else:
-                acts += b
-        if op.saved_internal:      # what a kernel keeps beside its outputs (softmax statistics)
-            anchor, on_input = internal_anchor(graph, op)
-            where = (s.inputs[op.inputs.index(anchor)] if on_input
-                     else node.placement[j].get(anchor, REPLICATE))
-            scale = ((ctx.batch_scale if anchor in a.batch_dependent else 1.0)
-                     * (1.0 / ctx.t if where.kind == "S" else 1.0) * cp_held(ctx, i, anchor))
-            acts += sum(meta_bytes(m, ctx.precision) for m in op.saved_internal) * scale
-    for i, name, src, dst in node.internal[j]:
-        if mutates_input(graph.ops[i].target):
-            bwd += INFEASIBLE_S
-        else:
-            rf, rb = _reshard_s(ctx, name, src, dst, i)
-            fwd_comm, bwd = fwd_comm + rf, bwd + rb
-    if _recomputes_comms(ctx, node):
-        bwd += fwd_comm
-    fwd += fwd_comm
-    time_s = node.mult * (ctx.microbatches * (fwd + bwd) + step)
-    mem = node.mult * (params + acts * ctx.activation_multiplier) + once
-    return time_s, mem, node.mult * fwd, node.mult * bwd, node.mult * acts + once
+@dataclass(frozen=True)
+class _Folded:
+    """The graph folded onto its first block instance and grouped into nodes
+    (``folding.py``)."""
+
+    rep: list[int]              # op -> representative op
+    mult: dict[int, int]        # representative op -> instances it stands for
+    inst: list[int]             # op -> block instance (-1: outside blocks)
+    nodes: list[Node]
+    node_of: dict[int, int]     # representative op -> node
+
+
+def _fold(graph: OpGraph) -> _Folded:
+    rep, mult, inst = representatives(graph)
+    nodes, node_of = group(graph, rep, mult, inst)
+    return _Folded(rep, mult, inst, nodes, node_of)
+
+
+@dataclass(frozen=True)
+class _StageMap:
+    """Where each op runs under a pipeline layout: per op its rank and its chunk's first op."""
+
+    stage_of: list[int]
+    chunk_of: list[int]
+    n_stages: int
+
+
+@dataclass
+class _Terms:
+    """Per node and strategy, the whole step's terms, and per edge their pair matrices
+    (mutable: edges inside a node, the experts' second sends and tied weights add to them)."""
+
+    costs: list[list[float]]
+    mems: list[list[float]]
+    fwds: list[list[float]]
+    bwds: list[list[float]]
+    acts: list[list[float]]
+    edge_costs: EdgeTerms = field(default_factory=dict)
+    edge_fwd: EdgeTerms = field(default_factory=dict)
+    edge_bwd: EdgeTerms = field(default_factory=dict)
+
+
+@dataclass
+class _RankTerms:
+    """Per pipeline rank, its share of each node's and edge's forward, backward and per-step
+    seconds and kept activation bytes (mutable accumulators, as ``_Terms``)."""
+
+    stage_of: list[int]
+    fwd: list[list[list[float]]]
+    bwd: list[list[list[float]]]
+    acts: list[list[list[float]]]
+    step: list[list[list[float]]]
+    edge_fwd: list[EdgeTerms]
+    edge_bwd: list[EdgeTerms]
+    edge_step: list[EdgeTerms]
+
+
+@dataclass(frozen=True)
+class _UnheldOps:
+    """The seconds per micro-batch of ops no node holds (no outputs: a metadata assert),
+    whatever the choice: in all, and per pipeline rank (forward, backward)."""
+
+    fwd_s: float
+    bwd_s: float
+    per_rank: list[list[float]]
 
 
 def reduce_graph(ctx: CostContext,
@@ -231,55 +183,91 @@ def reduce_graph(ctx: CostContext,
     """The sharding problem of ``ctx``; ``stages`` (per pipeline rank, the op ranges of its
     chunks): also each rank's share of the per-micro-batch and per-step seconds."""
     graph = ctx.graph
-    a = analyze(graph)
-    rep, mult, inst = representatives(graph)
-    nodes, node_of = group(graph, rep, mult, inst)
-    stage_of = [0] * len(graph.ops)
-    chunk_of = [0] * len(graph.ops)
+    folded = _fold(graph)
+    nodes = folded.nodes
+    where = _stage_map(len(graph.ops), stages)
+    share = _instance_share(folded, where)
+    cache: dict[int, list[OpStrategy]] = {}
+    for node in nodes:
+        _expand(graph, node, ctx.t, cache, ctx.micro_batch, ctx.pinned, ctx.context)
+    terms = _node_terms(ctx, nodes)
+    ranks = _rank_shares(ctx, nodes, terms, share, where)
+    if ctx.recompute == "full":     # the layers keep only their inputs, on their layer's rank
+        for start, u, j, b in layer_inputs(graph, nodes, folded.rep, folded.node_of, ctx,
+                                           where.chunk_of):
+            terms.mems[u][j] += b * ctx.activation_multiplier
+            if where.n_stages:
+                ranks.acts[where.stage_of[start]][u][j] += b
+    counts, rank_counts = _count_edges(graph, folded, where)
+    for key, count in sorted(counts.items()):
+        per_mb = _edge_reshard_s(ctx, nodes, key, count)
+        _add_edge_to_ranks(ranks, nodes, key, per_mb, count, rank_counts.get(key, ()))
+        _add_edge(ctx, terms, nodes, key, per_mb)
+    if ctx.experts is not None:
+        sent_again(ctx, nodes, folded.node_of, terms.edge_costs, terms.costs)
+    _tie_shared_weights(ctx, nodes, terms.edge_costs, terms.costs,
+                        ranks if where.n_stages else None)
+    return _reduction(ctx, folded, share, terms, ranks, _unheld_ops(ctx, folded, where))
+
+
+def _stage_map(n_ops: int, stages: Sequence[Sequence[tuple[int, int]]] | None) -> _StageMap:
+    stage_of = [0] * n_ops
+    chunk_of = [0] * n_ops
     for r, ranges in enumerate(stages or ()):
         for start, stop in ranges:
             stage_of[start:stop] = [r] * (stop - start)
             chunk_of[start:stop] = [start] * (stop - start)
-    n_stages = len(stages or ())
-    # per node: how many of its instances each rank runs (by the instance's leading op)
-    share = [[0] * n_stages for _ in nodes]
-    if n_stages:
-        for i in range(len(graph.ops)):
+    return _StageMap(stage_of, chunk_of, len(stages or ()))
+
+
+def _instance_share(folded: _Folded, where: _StageMap) -> list[list[int]]:
+    """Per node: how many of its instances each rank runs (by the instance's leading op)."""
+    rep, nodes, node_of = folded.rep, folded.nodes, folded.node_of
+    share = [[0] * where.n_stages for _ in nodes]
+    if where.n_stages:
+        for i in range(len(rep)):
             v = node_of.get(rep[i])
             if v is not None and nodes[v].ops[0] == rep[i]:
-                share[v][stage_of[i]] += 1
-    cache: dict[int, list[OpStrategy]] = {}
-    for node in nodes:
-        _expand(graph, node, ctx.t, cache, ctx.micro_batch, ctx.pinned, ctx.context)
-    costs = [[0.0] * len(n.choices) for n in nodes]
-    mems = [[0.0] * len(n.choices) for n in nodes]
-    fwds = [[0.0] * len(n.choices) for n in nodes]
-    bwds = [[0.0] * len(n.choices) for n in nodes]
-    acts = [[0.0] * len(n.choices) for n in nodes]
-    savers, part_of = activation_owners(graph, ctx.recompute)
-    for v, node in enumerate(nodes):
-        for j in range(len(node.choices)):
-            costs[v][j], mems[v][j], fwds[v][j], bwds[v][j], acts[v][j] = _node_cost(
-                ctx, node, j, savers, part_of)
-    # per rank: its instances' share of each node's seconds (instances cost alike)
-    s_fwd = [[[f * share[v][r] / nodes[v].mult for f in fwds[v]] for v in range(len(nodes))]
-             for r in range(n_stages)]
-    s_bwd = [[[b * share[v][r] / nodes[v].mult for b in bwds[v]] for v in range(len(nodes))]
-             for r in range(n_stages)]
-    s_acts = [[[x * share[v][r] / nodes[v].mult for x in acts[v]] for v in range(len(nodes))]
-              for r in range(n_stages)]
-    if ctx.recompute == "full":     # the layers keep only their inputs, on their layer's rank
-        for start, u, j, b in layer_inputs(graph, nodes, rep, node_of, ctx, chunk_of):
-            mems[u][j] += b * ctx.activation_multiplier
-            if n_stages:
-                s_acts[stage_of[start]][u][j] += b
-    s_step = [[[(c - ctx.microbatches * (f + b)) * share[v][r] / nodes[v].mult
-                for c, f, b in zip(costs[v], fwds[v], bwds[v])] for v in range(len(nodes))]
-              for r in range(n_stages)]
+                share[v][where.stage_of[i]] += 1
+    return share
 
-    # edges: every (producer, consumer) pair of the full graph, folded onto representatives
-    counts: dict[tuple[int, int, str, int, int], int] = {}
-    stage_counts: dict[tuple[int, int, str, int, int], list[int]] = {}
+
+def _node_terms(ctx: CostContext, nodes: list[Node]) -> _Terms:
+    """Every strategy of every node costed (``node_costs.node_cost``)."""
+    savers, part_of = activation_owners(ctx.graph, ctx.recompute)
+    per = [[node_cost(ctx, node, j, savers, part_of) for j in range(len(node.choices))]
+           for node in nodes]
+    return _Terms(costs=[[c.time_s for c in row] for row in per],
+                  mems=[[c.memory_bytes for c in row] for row in per],
+                  fwds=[[c.fwd_s for c in row] for row in per],
+                  bwds=[[c.bwd_s for c in row] for row in per],
+                  acts=[[c.act_bytes for c in row] for row in per])
+
+
+def _rank_shares(ctx: CostContext, nodes: list[Node], terms: _Terms, share: list[list[int]],
+                 where: _StageMap) -> _RankTerms:
+    """Per rank: its instances' share of each node's terms (instances cost alike)."""
+    n, ranks = len(nodes), range(where.n_stages)
+
+    def shared(rows: list[list[float]]) -> list[list[list[float]]]:
+        return [[[x * share[v][r] / nodes[v].mult for x in rows[v]] for v in range(n)]
+                for r in ranks]
+    step = [[[(c - ctx.microbatches * (f + b)) * share[v][r] / nodes[v].mult
+              for c, f, b in zip(terms.costs[v], terms.fwds[v], terms.bwds[v])]
+             for v in range(n)] for r in ranks]
+    return _RankTerms(stage_of=where.stage_of, fwd=shared(terms.fwds), bwd=shared(terms.bwds),
+                      acts=shared(terms.acts), step=step, edge_fwd=[{} for _ in ranks],
+                      edge_bwd=[{} for _ in ranks], edge_step=[{} for _ in ranks])
+
+
+def _count_edges(graph: OpGraph, folded: _Folded, where: _StageMap
+                 ) -> tuple[dict[EdgeKey, int], dict[EdgeKey, list[int]]]:
+    """Every (producer, consumer) pair of the full graph, folded onto representatives: how
+    many instances each edge stands for, in all and per rank (by the consumer)."""
+    a = analyze(graph)
+    rep, inst, node_of = folded.rep, folded.inst, folded.node_of
+    counts: dict[EdgeKey, int] = {}
+    rank_counts: dict[EdgeKey, list[int]] = {}
     for c, op in enumerate(graph.ops):
         if not op.outputs:
             continue
@@ -297,195 +285,254 @@ def reduce_graph(ctx: CostContext,
             x_rep = graph.ops[rp].outputs[graph.ops[p].outputs.index(n)]
             key = (u, v, x_rep, rc, k)
             counts[key] = counts.get(key, 0) + 1
-            if n_stages:
-                stage_counts.setdefault(key, [0] * n_stages)[stage_of[c]] += 1
-    edge_mats: dict[tuple[int, int], list[list[float]]] = {}
-    edge_fwd: dict[tuple[int, int], list[list[float]]] = {}
-    edge_bwd: dict[tuple[int, int], list[list[float]]] = {}
-    st_edge_fwd: list[dict[tuple[int, int], list[list[float]]]] = [{} for _ in range(n_stages)]
-    st_edge_bwd: list[dict[tuple[int, int], list[list[float]]]] = [{} for _ in range(n_stages)]
-    for (u, v, x_rep, rc, k), count in sorted(counts.items()):
-        pos = nodes[v].ops.index(rc)
-        ku, kv = len(nodes[u].choices), len(nodes[v].choices)
-        per_mb = [[(0.0, 0.0)] * kv for _ in range(ku)]     # (forward, backward)
-        again = _recomputes_comms(ctx, nodes[v])   # a reshard into a layer: the consumer's
-        for i in range(ku):
-            src = nodes[u].placement[i].get(x_rep, REPLICATE)
-            for j in range(kv):
-                s = nodes[v].choices[j][pos]
-                dst = s.inputs[k] if k < len(s.inputs) else REPLICATE
-                if src != dst:
-                    f, b = ((0.0, INFEASIBLE_S) if k == 0 and mutates_input(graph.ops[rc].target)
-                            else _reshard_s(ctx, x_rep, src, dst, rc))
-                    per_mb[i][j] = (count * f, count * (b + f * again))
-        for r, n_r in enumerate(stage_counts.get((u, v, x_rep, rc, k), ())):
-            if not n_r:
-                continue
-            if u == v:
-                for j in range(kv):
-                    s_fwd[r][v][j] += per_mb[j][j][0] * n_r / count
-                    s_bwd[r][v][j] += per_mb[j][j][1] * n_r / count
-                continue
-            for acc, pick in ((st_edge_fwd[r], 0), (st_edge_bwd[r], 1)):
-                mat = acc.setdefault((u, v), [[0.0] * kv for _ in range(ku)])
-                for i in range(ku):
-                    for j in range(kv):
-                        mat[i][j] += per_mb[i][j][pick] * n_r / count
+            if where.n_stages:
+                rank_counts.setdefault(key, [0] * where.n_stages)[where.stage_of[c]] += 1
+    return counts, rank_counts
+
+
+def _edge_reshard_s(ctx: CostContext, nodes: list[Node], key: EdgeKey, count: int
+                    ) -> list[list[tuple[float, float]]]:
+    """Per (producer choice, consumer choice): the (forward, backward) reshard seconds per
+    micro-batch of the ``count`` instances of edge ``key`` (a reshard into a layer replays
+    under full recomputation, as the consumer's collectives do)."""
+    u, v, x_rep, rc, k = key
+    pos = nodes[v].ops.index(rc)
+    ku, kv = len(nodes[u].choices), len(nodes[v].choices)
+    per_mb = [[(0.0, 0.0)] * kv for _ in range(ku)]
+    again = recomputes_comms(ctx, nodes[v])
+    in_place = k == 0 and mutates_input(ctx.graph.ops[rc].target)
+    for i in range(ku):
+        src = nodes[u].placement[i].get(x_rep, REPLICATE)
+        for j in range(kv):
+            s = nodes[v].choices[j][pos]
+            dst = s.inputs[k] if k < len(s.inputs) else REPLICATE
+            if src != dst:
+                f, b = (0.0, INFEASIBLE_S) if in_place else reshard_s(ctx, x_rep, src, dst, rc)
+                per_mb[i][j] = (count * f, count * (b + f * again))
+    return per_mb
+
+
+def _add_edge_to_ranks(ranks: _RankTerms, nodes: list[Node], key: EdgeKey,
+                       per_mb: list[list[tuple[float, float]]], count: int,
+                       per_rank: Sequence[int]) -> None:
+    """Each rank's share of the edge (by its consumers there): on the node's own choices
+    where the edge joins two instances of one node."""
+    u, v = key[0], key[1]
+    ku, kv = len(nodes[u].choices), len(nodes[v].choices)
+    for r, n_r in enumerate(per_rank):
+        if not n_r:
+            continue
         if u == v:
             for j in range(kv):
-                f, b = per_mb[j][j]
-                costs[v][j] += ctx.microbatches * (f + b)
-                fwds[v][j] += f
-                bwds[v][j] += b
+                ranks.fwd[r][v][j] += per_mb[j][j][0] * n_r / count
+                ranks.bwd[r][v][j] += per_mb[j][j][1] * n_r / count
             continue
-        for acc, pick in ((edge_mats, lambda fb: ctx.microbatches * (fb[0] + fb[1])),
-                          (edge_fwd, lambda fb: fb[0]), (edge_bwd, lambda fb: fb[1])):
+        for acc, pick in ((ranks.edge_fwd[r], 0), (ranks.edge_bwd[r], 1)):
             mat = acc.setdefault((u, v), [[0.0] * kv for _ in range(ku)])
             for i in range(ku):
                 for j in range(kv):
-                    mat[i][j] += pick(per_mb[i][j])
-    if ctx.experts is not None:
-        sent_again(ctx, nodes, node_of, edge_mats, costs)
-    st_edge_step: list[dict[tuple[int, int], list[list[float]]]] = [{} for _ in range(n_stages)]
-    _tie_shared_weights(ctx, nodes, edge_mats, costs,
-                        _StageSinks(stage_of, s_bwd, s_step, st_edge_bwd, st_edge_step)
-                        if n_stages else None)
-    # ops no node holds (no outputs: a metadata assert) cost what the estimate prices them,
-    # whatever the choice
-    fixed_fwd = fixed_bwd = 0.0
-    s_fixed = [[0.0, 0.0] for _ in range(n_stages)]
-    for i, op in enumerate(graph.ops):
+                    mat[i][j] += per_mb[i][j][pick] * n_r / count
+
+
+def _add_edge(ctx: CostContext, terms: _Terms, nodes: list[Node], key: EdgeKey,
+              per_mb: list[list[tuple[float, float]]]) -> None:
+    """The edge's step seconds and per-micro-batch forward and backward: a pair matrix, or
+    the node's own terms where it joins two instances of one node."""
+    u, v = key[0], key[1]
+    ku, kv = len(nodes[u].choices), len(nodes[v].choices)
+    if u == v:
+        for j in range(kv):
+            f, b = per_mb[j][j]
+            terms.costs[v][j] += ctx.microbatches * (f + b)
+            terms.fwds[v][j] += f
+            terms.bwds[v][j] += b
+        return
+    for acc, pick in ((terms.edge_costs, lambda fb: ctx.microbatches * (fb[0] + fb[1])),
+                      (terms.edge_fwd, lambda fb: fb[0]), (terms.edge_bwd, lambda fb: fb[1])):
+        mat = acc.setdefault((u, v), [[0.0] * kv for _ in range(ku)])
+        for i in range(ku):
+            for j in range(kv):
+                mat[i][j] += pick(per_mb[i][j])
+
+
+def _unheld_ops(ctx: CostContext, folded: _Folded, where: _StageMap) -> _UnheldOps:
+    """Ops no node holds cost what the estimate prices them, whatever the choice."""
+    rep, mult, node_of = folded.rep, folded.mult, folded.node_of
+    fwd_s = bwd_s = 0.0
+    per_rank = [[0.0, 0.0] for _ in range(where.n_stages)]
+    for i in range(len(ctx.graph.ops)):
         if rep[i] not in node_of:
             c = ctx.compute.op_cost(i)
             again = c.fwd_s if ctx.recompute == "full" and mult[rep[i]] > 1 else 0.0
-            fixed_fwd, fixed_bwd = fixed_fwd + c.fwd_s, fixed_bwd + c.bwd_s + again
-            if n_stages:
-                s_fixed[stage_of[i]][0] += c.fwd_s
-                s_fixed[stage_of[i]][1] += c.bwd_s + again
-    problem = ILPProblem(
-        node_costs=tuple(tuple(c) for c in costs), node_memory=tuple(tuple(m) for m in mems),
-        edges=tuple((u, v, tuple(tuple(r) for r in mat)) for (u, v), mat in sorted(edge_mats.items())),
-        memory_budget=ctx.memory_budget,
-        constant_s=ctx.microbatches * (fixed_fwd + fixed_bwd))
+            fwd_s, bwd_s = fwd_s + c.fwd_s, bwd_s + c.bwd_s + again
+            if where.n_stages:
+                per_rank[where.stage_of[i]][0] += c.fwd_s
+                per_rank[where.stage_of[i]][1] += c.bwd_s + again
+    return _UnheldOps(fwd_s, bwd_s, per_rank)
 
-    def aligned(fixed: float, nodes_s: list[list[float]],
-                edges_s: dict[tuple[int, int], list[list[float]]]) -> Linear:
+
+def _reduction(ctx: CostContext, folded: _Folded, share: list[list[int]], terms: _Terms,
+               ranks: _RankTerms, unheld: _UnheldOps) -> Reduction:
+    """The ILP of the tables, and the linear forms of the forward, backward and per-rank
+    terms aligned with its edges."""
+    problem = ILPProblem(
+        node_costs=tuple(tuple(c) for c in terms.costs),
+        node_memory=tuple(tuple(m) for m in terms.mems),
+        edges=tuple((u, v, tuple(tuple(r) for r in mat))
+                    for (u, v), mat in sorted(terms.edge_costs.items())),
+        memory_budget=ctx.memory_budget,
+        constant_s=ctx.microbatches * (unheld.fwd_s + unheld.bwd_s))
+
+    def aligned(fixed: float, nodes_s: Matrix, edges_s: EdgeTerms) -> Linear:
         return Linear(fixed, tuple(tuple(c) for c in nodes_s),
                       tuple(tuple(tuple(r) for r in edges_s.get((u, v), [[0.0] * len(mat[0])]
                                                                 * len(mat)))
                             for u, v, mat in problem.edges))
-    return Reduction(rep=tuple(rep), node_of=node_of, nodes=tuple(nodes), problem=problem,
-                     fwd=aligned(fixed_fwd, fwds, edge_fwd),
-                     bwd=aligned(fixed_bwd, bwds, edge_bwd),
-                     stage_fwd=tuple(aligned(s_fixed[r][0], s_fwd[r], st_edge_fwd[r])
-                                     for r in range(n_stages)),
-                     stage_bwd=tuple(aligned(s_fixed[r][1], s_bwd[r], st_edge_bwd[r])
-                                     for r in range(n_stages)),
-                     stage_step=tuple(aligned(0.0, s_step[r], st_edge_step[r])
+    n_stages = len(ranks.fwd)
+    return Reduction(rep=tuple(folded.rep), node_of=folded.node_of, nodes=tuple(folded.nodes),
+                     problem=problem,
+                     fwd=aligned(unheld.fwd_s, terms.fwds, terms.edge_fwd),
+                     bwd=aligned(unheld.bwd_s, terms.bwds, terms.edge_bwd),
+                     stage_fwd=tuple(aligned(unheld.per_rank[r][0], ranks.fwd[r],
+                                             ranks.edge_fwd[r]) for r in range(n_stages)),
+                     stage_bwd=tuple(aligned(unheld.per_rank[r][1], ranks.bwd[r],
+                                             ranks.edge_bwd[r]) for r in range(n_stages)),
+                     stage_step=tuple(aligned(0.0, ranks.step[r], ranks.edge_step[r])
                                       for r in range(n_stages)),
                      stage_share=tuple(tuple(row) for row in share),
-                     stage_acts=tuple(Linear(0.0, tuple(tuple(c) for c in s_acts[r]))
+                     stage_acts=tuple(Linear(0.0, tuple(tuple(c) for c in ranks.acts[r]))
                                       for r in range(n_stages)))
 
 
-@dataclass(frozen=True)
-class _StageSinks:
-    """Where ``_tie_shared_weights`` also writes each pipeline rank's share: the partial
-    reader's rank gets its per-micro-batch all-reduce (backward) and loses its per-step one."""
+class _Reader(NamedTuple):
+    """An op reading a weight: its node, its position in the node, the input slot."""
 
-    stage_of: list[int]
-    bwd: list[list[list[float]]]
-    step: list[list[list[float]]]
-    edge_bwd: list[dict[tuple[int, int], list[list[float]]]]
-    edge_step: list[dict[tuple[int, int], list[list[float]]]]
+    node: int
+    pos: int
+    slot: int
 
 
-def _tie_shared_weights(ctx: CostContext, nodes: list[Node],
-                        edge_mats: dict[tuple[int, int], list[list[float]]],
-                        costs: list[list[float]], sinks: _StageSinks | None = None) -> None:
-    """A weight read by several ops (an LM head tied to the embedding) is one tensor with one
-    placement: strategy pairs that would lay it out differently cannot run. And where one
-    reader's gradient is partial (all-reduced once per step) and another's whole, the partial
-    one is all-reduced every micro-batch instead (``sharding._mixed_weight_grads``): the pair
-    pays the difference (``sinks``: on the partial reader's pipeline rank)."""
-    graph = ctx.graph
-    readers: dict[str, list[tuple[int, int, int]]] = {}      # weight -> [(node, pos, slot)]
+def _weight_readers(graph: OpGraph, nodes: list[Node]) -> dict[str, list[_Reader]]:
+    readers: dict[str, list[_Reader]] = {}
     for v, node in enumerate(nodes):
         for pos, i in enumerate(node.ops):
             for k, n in enumerate(graph.ops[i].inputs):
                 val = graph.value(n)
                 if val.kind == "param":
-                    readers.setdefault(val.base or n, []).append((v, pos, k))
+                    readers.setdefault(val.base or n, []).append(_Reader(v, pos, k))
+    return readers
 
-    def where(v: int, j: int, pos: int, k: int) -> Placement:
-        s = nodes[v].choices[j][pos]
-        return s.inputs[k] if k < len(s.inputs) else REPLICATE
 
-    def parts(v: int, j: int, pos: int, weight: str) -> tuple[float, float] | None:
-        """Reader (v, pos)'s gradient all-reduce of ``weight`` under strategy j: (per
+@dataclass(frozen=True, eq=False)
+class _TiedWeight:
+    """The terms of one weight several ops read, per pair of their strategies."""
+
+    ctx: CostContext
+    nodes: list[Node]
+    weight: str
+
+    def placed(self, r: _Reader, j: int) -> Placement:
+        s = self.nodes[r.node].choices[j][r.pos]
+        return s.inputs[r.slot] if r.slot < len(s.inputs) else REPLICATE
+
+    def grad_all_reduce_s(self, r: _Reader, j: int) -> tuple[float, float] | None:
+        """Reader ``r``'s gradient all-reduce of the weight under strategy j: (per
         micro-batch when it runs in backward, once per step) seconds (None: its gradient is
         whole)."""
-        comms = [c for c in nodes[v].choices[j][pos].comms
-                 if c.phase == "step" and graph.value(c.value).base == weight]
+        ctx = self.ctx
+        comms = [c for c in self.nodes[r.node].choices[j][r.pos].comms
+                 if c.phase == "step" and ctx.graph.value(c.value).base == self.weight]
         if not comms:
             return None
-        return (sum(ctx.collective_s(c.kind, _comm_bytes(ctx, c.value, c.scale, "bwd"))
+        return (sum(ctx.collective_s(c.kind, collective_bytes(ctx, c.value, c.scale, "bwd"))
                     for c in comms),
-                sum(ctx.collective_s(c.kind, _comm_bytes(ctx, c.value, c.scale, "step"))
+                sum(ctx.collective_s(c.kind, collective_bytes(ctx, c.value, c.scale, "step"))
                     for c in comms))
 
-    def step_s(v: int, j: int, pos: int, weight: str) -> float | None:
+    def every_microbatch_s(self, r: _Reader, j: int) -> float | None:
         """What that all-reduce adds when it runs every micro-batch instead of once per step."""
-        x = parts(v, j, pos, weight)
-        return None if x is None else ctx.microbatches * x[0] - x[1]
+        x = self.grad_all_reduce_s(r, j)
+        return None if x is None else self.ctx.microbatches * x[0] - x[1]
 
-    def to_stage(u: int, i: int, pu: int, ku: int, v: int, j: int, pv: int, kv: int,
-                 weight: str, a: int, b: int, flip: bool) -> None:
-        """The pair's per-rank share (``sinks``), on edge (a, b) (or node a where a == b)."""
-        if sinks is None or where(u, i, pu, ku) != where(v, j, pv, kv):
+    def pair_s(self, r: _Reader, i: int, q: _Reader, j: int) -> float:
+        """Reader ``r`` under strategy i beside reader ``q`` under j: cannot run where they
+        place the weight differently; else what a mixed partial/whole gradient adds."""
+        if self.placed(r, i) != self.placed(q, j):
+            return INFEASIBLE_S
+        a, b = self.every_microbatch_s(r, i), self.every_microbatch_s(q, j)
+        if (a is None) == (b is None):
+            return 0.0
+        return a if a is not None else b
+
+    def add_rank_share(self, ranks: _RankTerms, r: _Reader, i: int, q: _Reader, j: int,
+                       on: tuple[int, int]) -> None:
+        """The pair's per-rank share, on edge ``on`` (a, b) (or node a where a == b; (q's
+        node, r's node): the matrix is indexed the other way round): the partial reader's
+        rank gets its per-micro-batch all-reduce (backward) and loses its per-step one."""
+        a, b = on
+        flip = on != (r.node, q.node)
+        if self.placed(r, i) != self.placed(q, j):
             return
-        x, y = parts(u, i, pu, weight), parts(v, j, pv, weight)
+        x, y = self.grad_all_reduce_s(r, i), self.grad_all_reduce_s(q, j)
         if (x is None) == (y is None):
             return
-        (mb, once), op = (x, nodes[u].ops[pu]) if x is not None else (y, nodes[v].ops[pv])
-        r = sinks.stage_of[op]
+        nodes = self.nodes
+        (mb, once), op = ((x, nodes[r.node].ops[r.pos]) if x is not None
+                          else (y, nodes[q.node].ops[q.pos]))
+        rank = ranks.stage_of[op]
         if a == b:
-            sinks.bwd[r][a][i] += mb
-            sinks.step[r][a][i] -= once
+            ranks.bwd[rank][a][i] += mb
+            ranks.step[rank][a][i] -= once
             return
-        for acc, amount in ((sinks.edge_bwd[r], mb), (sinks.edge_step[r], -once)):
+        for acc, amount in ((ranks.edge_bwd[rank], mb), (ranks.edge_step[rank], -once)):
             mat = acc.setdefault((a, b), [[0.0] * len(nodes[b].choices)
                                           for _ in range(len(nodes[a].choices))])
             mat[j if flip else i][i if flip else j] += amount
 
-    def pair_s(u: int, i: int, pu: int, ku: int, v: int, j: int, pv: int, kv: int,
-               weight: str) -> float:
-        if where(u, i, pu, ku) != where(v, j, pv, kv):
-            return INFEASIBLE_S
-        a, b = step_s(u, i, pu, weight), step_s(v, j, pv, weight)
-        if (a is None) == (b is None):
-            return 0.0
-        return a if a is not None else b
-    for weight, occ in sorted(readers.items()):
-        (u, pu, ku), rest = occ[0], occ[1:]
-        for v, pv, kv in rest:
-            nu, nv = len(nodes[u].choices), len(nodes[v].choices)
-            if u == v:
-                for j in range(nu):
-                    costs[u][j] += pair_s(u, j, pu, ku, v, j, pv, kv, weight)
-                    to_stage(u, j, pu, ku, v, j, pv, kv, weight, u, u, False)
-                continue
-            a, b = (u, v) if (u, v) in edge_mats or (v, u) not in edge_mats else (v, u)
-            acc = edge_mats.setdefault((a, b), [[0.0] * len(nodes[b].choices)
-                                                for _ in range(len(nodes[a].choices))])
-            for i in range(nu):
-                for j in range(nv):
-                    x = pair_s(u, i, pu, ku, v, j, pv, kv, weight)
-                    to_stage(u, i, pu, ku, v, j, pv, kv, weight, a, b, (a, b) != (u, v))
-                    if (a, b) == (u, v):
-                        acc[i][j] += x
-                    else:
-                        acc[j][i] += x
+
+def _tie_shared_weights(ctx: CostContext, nodes: list[Node], edge_mats: EdgeTerms,
+                        costs: list[list[float]], ranks: _RankTerms | None = None) -> None:
+    """A weight read by several ops (an LM head tied to the embedding) is one tensor with one
+    placement: strategy pairs that would lay it out differently cannot run. And where one
+    reader's gradient is partial (all-reduced once per step) and another's whole, the partial
+    one is all-reduced every micro-batch instead (``sharding._mixed_weight_grads``): the pair
+    pays the difference (``ranks``: on the partial reader's pipeline rank)."""
+    for weight, occ in sorted(_weight_readers(ctx.graph, nodes).items()):
+        tie = _TiedWeight(ctx, nodes, weight)
+        first = occ[0]
+        for other in occ[1:]:
+            if first.node == other.node:
+                _tie_inside_node(tie, costs, ranks, first, other)
+            else:
+                _tie_across_nodes(tie, edge_mats, ranks, first, other)
+
+
+def _tie_inside_node(tie: _TiedWeight, costs: list[list[float]], ranks: _RankTerms | None,
+                     first: _Reader, other: _Reader) -> None:
+    u = first.node
+    for j in range(len(tie.nodes[u].choices)):
+        costs[u][j] += tie.pair_s(first, j, other, j)
+        if ranks is not None:
+            tie.add_rank_share(ranks, first, j, other, j, (u, u))
+
+
+def _tie_across_nodes(tie: _TiedWeight, edge_mats: EdgeTerms, ranks: _RankTerms | None,
+                      first: _Reader, other: _Reader) -> None:
+    """On the pair's edge matrix (the existing one, either way round, else a new one)."""
+    nodes, u, v = tie.nodes, first.node, other.node
+    a, b = (u, v) if (u, v) in edge_mats or (v, u) not in edge_mats else (v, u)
+    acc = edge_mats.setdefault((a, b), [[0.0] * len(nodes[b].choices)
+                                        for _ in range(len(nodes[a].choices))])
+    flip = (a, b) != (u, v)
+    for i in range(len(nodes[u].choices)):
+        for j in range(len(nodes[v].choices)):
+            x = tie.pair_s(first, i, other, j)
+            if ranks is not None:
+                tie.add_rank_share(ranks, first, i, other, j, (a, b))
+            if flip:
+                acc[j][i] += x
+            else:
+                acc[i][j] += x
 
 
 def sharding_from_choice(graph: OpGraph, t: int, red: Reduction,

@@ -302,8 +302,9 @@ def _shared_sharding(sc: SearchContext, shape: Any, cfg: ParallelConfig, m: int,
             return None
         return ctx, None
     try:
-        return ilp_sharding(sc, cfg, ilp_microbatches(sc.cluster, shape, cfg.micro_batch_size,
-                                                      sc.global_batch_size, m))
+        return ilp_sharding(sc, cfg, ilp_microbatches(
+            shape, micro_batch_size=cfg.micro_batch_size,
+            global_batch_size=sc.global_batch_size, m=m))
     except ConfigError as e:        # a pin that cannot hold at this size
         stats.say(f"{where}: {e}")
         return None
@@ -324,8 +325,9 @@ def _cost_mesh(sc: SearchContext, shape: Any, cfg: ParallelConfig, m: int, layer
         if ep > 1 and sol is not None:     # the ILP prices the experts' exchanges
             if key + (ep,) not in shared:
                 shared[key + (ep,)] = ilp_sharding(
-                    sc, ecfg, ilp_microbatches(sc.cluster, shape, cfg.micro_batch_size,
-                                               sc.global_batch_size, m))
+                    sc, ecfg, ilp_microbatches(
+                        shape, micro_batch_size=cfg.micro_batch_size,
+                        global_batch_size=sc.global_batch_size, m=m))
             sh, sol = shared[key + (ep,)]
         found += _cost_group(sc, ecfg, group, sh, sol, m, behind)
     return found

@@ -26,12 +26,13 @@ from autoplan.graph.opgraph import OpGraph
 from autoplan.planner import search_space
 from autoplan.planner.axis_costs import expert_exchanges
 from autoplan.planner.cost_context import CostContext, ExpertExchanges
-from autoplan.planner.dp_problem import whole_patterns, with_dp_terms
+from autoplan.planner.dp_problem import DpPricing, whole_patterns, with_dp_terms
 from autoplan.planner.ilp import ILPSolution, solve
 from autoplan.planner.options import SearchOptions
 from autoplan.planner.problem import reduce_graph, sharding_from_choice
 from autoplan.planner.candidates import Candidate
 from autoplan.sharding.context_axis import context_axis
+from autoplan.sharding.mesh_axes import MeshAxis, ParallelDims
 from autoplan.sharding.parallel_config import ParallelConfig, strongest_recompute
 from autoplan.sharding.sharding import Sharding, replicated_on
 
@@ -90,12 +91,14 @@ def frugal(configs: list[ParallelConfig], m: int, opts: SearchOptions, graph: Op
                    strongest_recompute(search_space.recompute_options(opts, graph)))
 
 
-def ilp_microbatches(cluster: Any, shape: Any, mbs: int, gbs: int, m: int) -> int:
-    """The micro-batches the tp-axis problem weighs per-step costs with: those of the mesh
-    without pipeline (dp x mbs over the whole cluster), whichever mesh asks first, so that
-    forcing pp or dp never changes the sharding a free search finds."""
-    flat = cluster.world_size // (shape.tp * shape.cp) * mbs
-    return gbs // flat if gbs % flat == 0 else m
+def ilp_microbatches(dims: ParallelDims, *, micro_batch_size: int, global_batch_size: int,
+                     m: int) -> int:
+    """The micro-batches the tp-axis problem weighs per-step costs with: those of ``dims``'s
+    mesh without pipeline (its pp and dp ranks all data-parallel, ``micro_batch_size`` each),
+    whichever mesh asks first, so that forcing pp or dp never changes the sharding a free
+    search finds; ``m`` where the global batch does not split so."""
+    flat = dims.degree((MeshAxis.PP, MeshAxis.DP)) * micro_batch_size
+    return global_batch_size // flat if global_batch_size % flat == 0 else m
 
 
 def exchanges(graph: OpGraph, cluster: Any, config: ParallelConfig, opts: SearchOptions
@@ -207,8 +210,10 @@ def dp_sharding(sc: SearchContext, cand: Candidate
                  tuple(next((j for j, ch in enumerate(node.choices)
                              if all(st.name == "replicate" for st in ch)), 0)
                        for node in red.nodes))
-    dp = with_dp_terms(red, graph, cluster, config, m, ctx.compute, sc.profile, ctx.interference,
-                       reference, whole_extra_bytes=None if "dp_whole" in opts.force
+    pricing = DpPricing(config=config, cluster=cluster, microbatches=m, compute=ctx.compute,
+                        profile=sc.profile, interference=ctx.interference)
+    dp = with_dp_terms(red, graph, pricing, reference=reference,
+                       whole_extra_bytes=None if "dp_whole" in opts.force
                        else state(1, 0) - sharded)
     start = dp.lift(reference)
     if dp.problem.memory(start) > dp.problem.memory_budget:
