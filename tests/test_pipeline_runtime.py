@@ -167,7 +167,8 @@ def test_chunks_of_the_rank_program_keep_fqns_and_compose_to_the_model():
     the user's names (a tied LM head on both ends), and run one after the other they compute
     the model's loss."""
     from autoplan.graph.trace import export_program
-    from autoplan.runtime.program import build_program, check_shapes
+    from autoplan.runtime.program import build_program
+    from autoplan.runtime.program_check import check_shapes
     from autoplan.runtime.program_modules import layer_ranges, split_chunks
     from autoplan.runtime.state import LocalState
     from autoplan.sharding.sharding import replicated

@@ -345,100 +345,19 @@ def _strip(path: str, prefix: str) -> str:
 
 def _to_opgraph(ep: torch.export.ExportedProgram, model_name: str, prefix: str,
                 model: nn.Module) -> OpGraph:
-    from torch.export.graph_signature import InputKind
-
-    requires_grad = {n: p.requires_grad for n, p in model.named_parameters(remove_duplicate=False)}
-    spec_of = {s.arg.name: s for s in ep.graph_signature.input_specs if hasattr(s.arg, "name")}
-    values: dict[str, Value] = {}
-    storage_owner: dict[StorageWeakRef, str] = {}
-    node_value: dict[str, str] = {}          # fx node name -> value name (getitem resolves)
-    ops: list[Op] = []
-    instance_of_op: list[str | None] = []
-    module_types: dict[str, str] = {}
-    user_inputs: list[str] = []
-
-    def add_value(name: str, t: torch.Tensor, kind: str, grad: bool, fqn: str = "") -> None:
-        try:
-            ref = StorageWeakRef(t.untyped_storage())
-            base = storage_owner.setdefault(ref, name)
-        except (RuntimeError, NotImplementedError):
-            base = name
-        if base != name and values[base].meta.nbytes < _meta_of(t).nbytes:
-            base = name  # a view larger than its recorded owner: treat it as its own storage
-        values[name] = Value(name=name, kind=kind, meta=_meta_of(t), base=base,
-                             requires_grad=grad, fqn=fqn)
-
-    def resolve(n: torch.fx.Node) -> str | None:
-        return node_value.get(n.name)
-
+    """The OpGraph of an exported program: its nodes read in order (``_GraphReader``), then
+    its outputs, the batch size and the repeated blocks; refused when it has no samples or
+    computes nothing."""
+    reader = _GraphReader(ep, prefix, model)
     for node in ep.graph.nodes:
-        val = node.meta.get("val")
-        if node.op == "placeholder":
-            spec = spec_of.get(node.name)
-            if not isinstance(val, torch.Tensor):
-                continue
-            if spec is not None and spec.kind == InputKind.PARAMETER:
-                fqn = _strip(spec.target, prefix)
-                add_value(node.name, val, "param", val.is_floating_point()
-                          and requires_grad.get(fqn, requires_grad.get(spec.target, True)), fqn)
-            elif spec is not None and spec.kind == InputKind.BUFFER:
-                add_value(node.name, val, "buffer", False, _strip(spec.target, prefix))
-            elif spec is not None and spec.kind in (InputKind.CONSTANT_TENSOR,):
-                add_value(node.name, val, "constant", False, str(spec.target))
-            else:
-                add_value(node.name, val, "input", False)
-                user_inputs.append(node.name)
-            node_value[node.name] = node.name
-            continue
-        if node.op == "get_attr":
-            if isinstance(val, torch.Tensor):
-                add_value(node.name, val, "constant", False, str(node.target))
-                node_value[node.name] = node.name
-            continue
-        if node.op != "call_function":
-            continue
-        if node.target is operator.getitem:
-            src, idx = node.args
-            src_outs = getattr(src, "_autoplan_outputs", None)
-            if src_outs is not None and idx < len(src_outs) and src_outs[idx] is not None:
-                node_value[node.name] = src_outs[idx]
-            continue
-        if node.target in TRANSPARENT and isinstance(node.args[0], torch.fx.Node) \
-                and resolve(node.args[0]) is not None:
-            src = resolve(node.args[0])
-            node_value[node.name] = src                        # the same value
-            if isinstance(val, torch.Tensor):                  # and, where it copied, its storage
-                try:
-                    storage_owner.setdefault(StorageWeakRef(val.untyped_storage()),
-                                             values[src].base)
-                except (RuntimeError, NotImplementedError):
-                    pass
-            continue
-        try:
-            ops.append(_make_op(node, val, values, add_value, resolve, node_value, prefix))
-        except TraceError:
-            raise
-        except Exception as e:      # e.g. a shape that depends on tensor values (unbacked)
-            stack = node.meta.get("nn_module_stack") or {}
-            where = list(stack.values())[-1][0] if stack else "<root>"
-            raise TraceError(
-                f"cannot read op {node.name} ({node.target}) in module {_strip(where, prefix)!r}: "
-                f"{type(e).__name__}: {str(e).splitlines()[0][:200]}. autoplan needs every "
-                "tensor's shape at trace time; an output whose size depends on tensor values "
-                "(nonzero, masked_select, unique, boolean indexing) cannot be planned: pad to a "
-                "fixed size or use torch.where") from e
-        stack = node.meta.get("nn_module_stack") or {}
-        paths = [_strip(p, prefix) for p, _t in stack.values()]
-        for (p, t) in stack.values():
-            module_types[_strip(p, prefix)] = t if isinstance(t, str) else getattr(t, "__qualname__", str(t))
-        instance_of_op.append(outermost_indexed([p for p in paths if p]))
-
+        reader.read(node)
     outputs = []
     for node in ep.graph.nodes:
         if node.op == "output":
             for a in _tensor_nodes(node.args, {}):
-                if resolve(a) is not None:
-                    outputs.append(resolve(a))
+                if reader.resolve(a) is not None:
+                    outputs.append(reader.resolve(a))
+    values, ops, user_inputs = reader.values, reader.ops, reader.user_inputs
     first = values[user_inputs[0]].meta if user_inputs else None
     batch = first.shape[0] if first is not None and first.shape else 1
     if batch < 1:
@@ -447,10 +366,120 @@ def _to_opgraph(ep: torch.export.ExportedProgram, model_name: str, prefix: str,
     if not any(op.fwd_flops or op.bytes_written for op in ops):
         raise TraceError(f"{model_name!r} computes nothing (no op reads or writes data): an "
                          "empty nn.Sequential or an identity has nothing to plan")
-    blocks = find_blocks(ops, instance_of_op, values, module_types)
+    blocks = find_blocks(ops, reader.instance_of_op, values, reader.module_types)
     return OpGraph(name=model_name, ops=tuple(ops), values=tuple(values.values()),
                    inputs=tuple(user_inputs), outputs=tuple(outputs), blocks=blocks,
                    batch_size=int(batch))
+
+
+class _GraphReader:
+    """Reads an exported program's nodes in order into values and ops: parameters, buffers,
+    constants and user inputs become values; ``getitem`` and layout-only ops name values
+    already read; every other call becomes an op (with the module instance it runs in)."""
+
+    def __init__(self, ep: torch.export.ExportedProgram, prefix: str, model: nn.Module):
+        self.prefix = prefix
+        self.requires_grad = {n: p.requires_grad
+                              for n, p in model.named_parameters(remove_duplicate=False)}
+        self.spec_of = {s.arg.name: s for s in ep.graph_signature.input_specs
+                        if hasattr(s.arg, "name")}
+        self.values: dict[str, Value] = {}
+        self.storage_owner: dict[StorageWeakRef, str] = {}
+        self.node_value: dict[str, str] = {}     # fx node name -> value name (getitem resolves)
+        self.ops: list[Op] = []
+        self.instance_of_op: list[str | None] = []
+        self.module_types: dict[str, str] = {}
+        self.user_inputs: list[str] = []
+
+    def add_value(self, name: str, t: torch.Tensor, kind: str, grad: bool,
+                  fqn: str = "") -> None:
+        try:
+            ref = StorageWeakRef(t.untyped_storage())
+            base = self.storage_owner.setdefault(ref, name)
+        except (RuntimeError, NotImplementedError):
+            base = name
+        if base != name and self.values[base].meta.nbytes < _meta_of(t).nbytes:
+            base = name  # a view larger than its recorded owner: treat it as its own storage
+        self.values[name] = Value(name=name, kind=kind, meta=_meta_of(t), base=base,
+                                  requires_grad=grad, fqn=fqn)
+
+    def resolve(self, n: torch.fx.Node) -> str | None:
+        return self.node_value.get(n.name)
+
+    def read(self, node: torch.fx.Node) -> None:
+        val = node.meta.get("val")
+        if node.op == "placeholder":
+            if isinstance(val, torch.Tensor):
+                self._input(node, val)
+        elif node.op == "get_attr":
+            if isinstance(val, torch.Tensor):
+                self.add_value(node.name, val, "constant", False, str(node.target))
+                self.node_value[node.name] = node.name
+        elif node.op != "call_function":
+            return
+        elif node.target is operator.getitem:
+            src, idx = node.args
+            src_outs = getattr(src, "_autoplan_outputs", None)
+            if src_outs is not None and idx < len(src_outs) and src_outs[idx] is not None:
+                self.node_value[node.name] = src_outs[idx]
+        elif node.target in TRANSPARENT and isinstance(node.args[0], torch.fx.Node) \
+                and self.resolve(node.args[0]) is not None:
+            self._same_value(node, val)
+        else:
+            self._op(node, val)
+
+    def _input(self, node: torch.fx.Node, val: torch.Tensor) -> None:
+        """A placeholder: a parameter, buffer, constant or user input."""
+        from torch.export.graph_signature import InputKind
+        spec = self.spec_of.get(node.name)
+        if spec is not None and spec.kind == InputKind.PARAMETER:
+            fqn = _strip(spec.target, self.prefix)
+            grad = self.requires_grad.get(fqn, self.requires_grad.get(spec.target, True))
+            self.add_value(node.name, val, "param", val.is_floating_point() and grad, fqn)
+        elif spec is not None and spec.kind == InputKind.BUFFER:
+            self.add_value(node.name, val, "buffer", False, _strip(spec.target, self.prefix))
+        elif spec is not None and spec.kind in (InputKind.CONSTANT_TENSOR,):
+            self.add_value(node.name, val, "constant", False, str(spec.target))
+        else:
+            self.add_value(node.name, val, "input", False)
+            self.user_inputs.append(node.name)
+        self.node_value[node.name] = node.name
+
+    def _same_value(self, node: torch.fx.Node, val: Any) -> None:
+        """A layout-only op (``TRANSPARENT``): the same value, and where it copied, its
+        storage."""
+        src = self.resolve(node.args[0])
+        self.node_value[node.name] = src
+        if isinstance(val, torch.Tensor):
+            try:
+                self.storage_owner.setdefault(StorageWeakRef(val.untyped_storage()),
+                                              self.values[src].base)
+            except (RuntimeError, NotImplementedError):
+                pass
+
+    def _op(self, node: torch.fx.Node, val: Any) -> None:
+        """An op, with the module instance it runs in (and its modules' types)."""
+        try:
+            self.ops.append(_make_op(node, val, self.values, self.add_value, self.resolve,
+                                     self.node_value, self.prefix))
+        except TraceError:
+            raise
+        except Exception as e:      # e.g. a shape that depends on tensor values (unbacked)
+            stack = node.meta.get("nn_module_stack") or {}
+            where = list(stack.values())[-1][0] if stack else "<root>"
+            raise TraceError(
+                f"cannot read op {node.name} ({node.target}) in module "
+                f"{_strip(where, self.prefix)!r}: "
+                f"{type(e).__name__}: {str(e).splitlines()[0][:200]}. autoplan needs every "
+                "tensor's shape at trace time; an output whose size depends on tensor values "
+                "(nonzero, masked_select, unique, boolean indexing) cannot be planned: pad to a "
+                "fixed size or use torch.where") from e
+        stack = node.meta.get("nn_module_stack") or {}
+        paths = [_strip(p, self.prefix) for p, _t in stack.values()]
+        for (p, t) in stack.values():
+            self.module_types[_strip(p, self.prefix)] = (
+                t if isinstance(t, str) else getattr(t, "__qualname__", str(t)))
+        self.instance_of_op.append(outermost_indexed([p for p in paths if p]))
 
 
 def _make_op(node: torch.fx.Node, val: Any, values: dict[str, Value], add_value, resolve,

@@ -48,11 +48,10 @@ from torch.distributed.tensor import DTensor
 
 from autoplan.errors import CheckpointError
 from autoplan.sharding.mesh_axes import MeshAxis
-from autoplan.runtime.checkpoint_files import (DTYPES, FORMAT, LATEST, META_FILE,  # noqa: F401
-                                               VERSION, model_mismatch, write_atomic,
-                                               export, prune, read_meta, remove_step, resolve,
-                                               step_dir)
-from autoplan.runtime.checkpoint_pieces import Pieces, layout_of
+from autoplan.runtime.checkpoint_files import (DTYPES, FORMAT, LATEST, META_FILE, VERSION,
+                                               model_mismatch, prune, read_meta, remove_step,
+                                               resolve, step_dir, write_atomic)
+from autoplan.runtime.checkpoint_pieces import Layout, Pieces, layout_of
 from autoplan.runtime.optim import wait_gathers
 
 
@@ -390,14 +389,42 @@ def load(trainer: Any, path: str | os.PathLike[str], *,
          lr_schedulers: list[Any] | None = None) -> Path:
     """Load the checkpoint at ``path`` into ``trainer``, whatever plan saved it (a collective:
     every rank calls it). Refuses a checkpoint of another model or optimizer, saying what
-    differs."""
+    differs.
+
+    In order: nothing in flight may overwrite what is loaded (pending gathers waited for); the
+    checks, each an all-gather so every rank refuses alike; the state dict to fill (this rank's
+    pieces of each tensor, its optimizer state made empty in the saved kinds and dtypes, its
+    RNG); DCP's load, which reshards from whatever plan saved it; then what DCP does not hold
+    in tensors (hyper-parameters, host copies, RNG, step, schedulers, loss scaler)."""
     step = resolve(path)
     meta = read_meta(step)
-    wait_gathers(trainer.optimizer)          # nothing in flight may overwrite what is loaded
+    wait_gathers(trainer.optimizer)
     t, tp_rank = _tp(trainer)
     held = held_state(trainer)
     layouts = {fqn: layout_of(h.tensor, h.placement, t, tp_rank, _expert(trainer, fqn))
                for fqn, h in held.items()}
+    _check_same_model(step, meta, held, layouts)
+    slots = optimizer_slots(trainer.optimizer)
+    _check_same_optimizer(step, meta, slots)
+    sd: dict[str, Any] = {f"model.{fqn}": layouts[fqn].pieces(h.tensor)
+                          for fqn, h in held.items()}
+    hparams = _empty_optimizer_state(step, meta, slots, held, layouts, sd)
+    rank, _ = _world()
+    src = rank if rank < meta["world_size"] else 0
+    rng = torch.empty_like(torch.get_rng_state())
+    sd[f"rng.rank{src}"] = rng
+    dcp.load(sd, storage_reader=FileSystemReader(step), planner=_LoadPlanner())
+    _set_hparams(hparams)
+    _refresh_host_copies(trainer.optimizer)
+    torch.set_rng_state(rng)
+    _restore_counters(trainer, step, meta, lr_schedulers)
+    return step
+
+
+def _check_same_model(step: Path, meta: dict[str, Any], held: dict[str, Held],
+                      layouts: dict[str, Layout]) -> None:
+    """CheckpointError unless the checkpoint holds the model every rank holds (names, global
+    shapes, dtypes; gathered, so each rank sees the whole model)."""
     live = {fqn: {"shape": list(layouts[fqn].global_shape),
                   "dtype": str(h.tensor.dtype).removeprefix("torch.")}
             for fqn, h in held.items()}
@@ -407,8 +434,12 @@ def load(trainer: Any, path: str | os.PathLike[str], *,
     what = model_mismatch(meta["model"], everything)
     if what:
         raise CheckpointError(f"checkpoint {step} is of another model: {what}")
+
+
+def _check_same_optimizer(step: Path, meta: dict[str, Any], slots: list[Any]) -> None:
+    """CheckpointError when the checkpoint holds optimizer state of other optimizer classes
+    than this run's (over all ranks)."""
     saved_opt = meta["optimizer"]
-    slots = optimizer_slots(trainer.optimizer)
     classes = sorted({type(o).__name__ for o, _ in slots})
     all_classes = sorted({c for part in _gather_objects(classes) for c in part})
     saved_classes = saved_opt.get("classes") or []
@@ -417,10 +448,19 @@ def load(trainer: Any, path: str | os.PathLike[str], *,
         raise CheckpointError(f"checkpoint {step} holds {'/'.join(saved_classes)} state; this "
                               f"run's optimizer is {'/'.join(all_classes) or 'none'}. Resume with "
                               "the optimizer that saved it")
-    sd: dict[str, Any] = {f"model.{fqn}": layouts[fqn].pieces(h.tensor)
-                          for fqn, h in held.items()}
+
+
+def _empty_optimizer_state(step: Path, meta: dict[str, Any], slots: list[Any],
+                           held: dict[str, Held], layouts: dict[str, Layout],
+                           sd: dict[str, Any]) -> list[tuple[dict, dict]]:
+    """Each held parameter's optimizer state as the checkpoint describes it, made empty in
+    ``opt.state`` and entered in ``sd`` for DCP to fill (elementwise state as this rank's
+    pieces, scalars whole). Returns the (param group, saved hyper-parameters) pairs to set
+    once loaded."""
+    saved_opt = meta["optimizer"]
+    saved_state = saved_opt.get("state") or {}
     by_id = {id(h.tensor): h for h in held.values()}
-    after: list[Any] = []
+    hparams: list[tuple[dict, dict]] = []
     for opt, mirror in slots:
         for group in opt.param_groups:
             for key_tensor in group["params"]:
@@ -431,38 +471,48 @@ def load(trainer: Any, path: str | os.PathLike[str], *,
                 if not isinstance(kinds, dict):
                     raise CheckpointError(f"{step / META_FILE}: optimizer state of {h.fqn} is "
                                           "malformed")
-                state: dict[str, torch.Tensor] = {}
-                for key, k in sorted(kinds.items()):
-                    dtype = DTYPES.get(k.get("dtype"))
-                    if dtype is None:
-                        raise CheckpointError(f"{step / META_FILE}: {h.fqn}.{key} has dtype "
-                                              f"{k.get('dtype')!r}")
-                    if k.get("kind") == "elementwise":
-                        state[key] = torch.zeros_like(key_tensor, dtype=dtype)
-                        sd[f"optim.{h.fqn}.{key}"] = layouts[h.fqn].pieces(state[key])
-                    else:
-                        device = key_tensor.device if k.get("on_param_device") else "cpu"
-                        state[key] = torch.zeros(k.get("shape") or [], dtype=dtype,
-                                                 device=device)
-                        sd[f"optim.{h.fqn}.{key}"] = state[key]
+                state = _empty_state_of(step, h.fqn, kinds, key_tensor, layouts[h.fqn], sd)
                 if state:
                     opt.state[key_tensor] = state
                 hp = (saved_opt.get("hparams") or {}).get(h.fqn)
                 if isinstance(hp, dict):
-                    after.append((group, hp))
-    rank, _ = _world()
-    src = rank if rank < meta["world_size"] else 0
-    rng = torch.empty_like(torch.get_rng_state())
-    sd[f"rng.rank{src}"] = rng
-    dcp.load(sd, storage_reader=FileSystemReader(step), planner=_LoadPlanner())
-    for group, hp in after:
+                    hparams.append((group, hp))
+    return hparams
+
+
+def _empty_state_of(step: Path, fqn: str, kinds: dict[str, Any], key_tensor: torch.Tensor,
+                    layout: Layout, sd: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """One parameter's optimizer state tensors, empty, in the saved dtypes (entered in ``sd``)."""
+    state: dict[str, torch.Tensor] = {}
+    for key, k in sorted(kinds.items()):
+        dtype = DTYPES.get(k.get("dtype"))
+        if dtype is None:
+            raise CheckpointError(f"{step / META_FILE}: {fqn}.{key} has dtype "
+                                  f"{k.get('dtype')!r}")
+        if k.get("kind") == "elementwise":
+            state[key] = torch.zeros_like(key_tensor, dtype=dtype)
+            sd[f"optim.{fqn}.{key}"] = layout.pieces(state[key])
+        else:
+            device = key_tensor.device if k.get("on_param_device") else "cpu"
+            state[key] = torch.zeros(k.get("shape") or [], dtype=dtype, device=device)
+            sd[f"optim.{fqn}.{key}"] = state[key]
+    return state
+
+
+def _set_hparams(hparams: list[tuple[dict, dict]]) -> None:
+    """The saved hyper-parameters (learning rate, betas, ...) into their param groups; a
+    tensor-valued one in place."""
+    for group, hp in hparams:
         for k, v in hp.items():
             if k in group and not isinstance(group[k], torch.Tensor):
                 group[k] = tuple(v) if isinstance(group[k], tuple) else v
             elif k in group:
                 group[k].fill_(v)
-    _refresh_host_copies(trainer.optimizer)
-    torch.set_rng_state(rng)
+
+
+def _restore_counters(trainer: Any, step: Path, meta: dict[str, Any],
+                      lr_schedulers: list[Any] | None) -> None:
+    """The step count, the LR schedulers' and the loss scaler's state, from the description."""
     trainer.steps_done = meta["step"]
     sched = meta.get("lr_scheduler")
     if lr_schedulers and isinstance(sched, dict):
@@ -474,7 +524,6 @@ def load(trainer: Any, path: str | os.PathLike[str], *,
             scaler.load_state_dict(meta["loss_scaler"])
         except (KeyError, TypeError, ValueError) as e:
             raise CheckpointError(f"{step / META_FILE}: loss_scaler is malformed ({e})") from None
-    return step
 
 
 def _refresh_host_copies(opt: Any) -> None:

@@ -26,7 +26,8 @@ from autoplan.graph.experts import find_experts
 from autoplan.graph.opgraph import OpGraph
 from autoplan.graph.trace import export_program
 from autoplan.planner.op_binding import bind_strategies
-from autoplan.runtime.program import Program, build_program, check_shapes
+from autoplan.runtime.program import Program, build_program
+from autoplan.runtime.program_check import check_shapes
 from autoplan.runtime.program_modules import layer_ranges, split_layers
 from autoplan.runtime.state import (LocalState, keep_out_of_state_dict,
                                     non_persistent_buffers, register_aliases, tied_names)

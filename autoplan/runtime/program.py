@@ -13,9 +13,11 @@ tensor-parallel axis, ``build_program``:
 3. copies the graph node by node: each input moved from where its producer left it to where
    the op needs it, the input-side collective of the strategy, the op itself (or its local
    kernel) with shape arguments rewritten to local sizes (``view(b, s, 16, 64)`` becomes
-   ``view(b, s, 8, 64)`` on 2 ranks), and the output-side collective (``tp_comm``);
-4. checks the result on fake tensors: every op's local output must have the shape its
-   placement says, else the plan is refused before any collective runs.
+   ``view(b, s, 8, 64)`` on 2 ranks; ``local_args.py``), and the output-side collective
+   (``tp_comm``);
+4. ``program_check.check_shapes`` then checks the result on fake tensors: every op's local
+   output must have the shape its placement says, else the plan is refused before any
+   collective runs.
 
 With context parallelism on its own axis (``ParallelConfig.cp``) every op also takes its
 strategy on that axis (``sharding/context_axis.py``), applied outside the tp one: an input is
@@ -29,7 +31,6 @@ program is checked with ``ShapeComm`` and then run with the real group.
 
 from __future__ import annotations
 
-import contextlib
 import operator
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -42,7 +43,8 @@ from autoplan.errors import PlanError
 from autoplan.graph.opgraph import Op, OpGraph
 from autoplan.graph.trace import TRANSPARENT
 from autoplan.graph.experts import GROUPED_MM, find_experts
-from autoplan.runtime import tp_comm
+from autoplan.runtime.local_args import (has_many_outputs, local_shape_args, map_devices,
+                                        map_tensors, output_index)
 from autoplan.runtime.program_calls import (KERNEL_CALLS, call_gather, call_gather_sp, call_reduce,
                                             call_reduce_grad, call_reduce_scatter,
                                             kernel_add_bias, kernel_combine, kernel_composed, kernel_dispatch,
@@ -56,7 +58,6 @@ from autoplan.sharding.placement import REPLICATE, Placement, local_shape
 from autoplan.sharding.sharding import Sharding, mutates_input
 from autoplan.sharding.strategy import OpStrategy, input_action, opname, output_action
 
-SHAPE_ARG = {"view": 1, "_unsafe_view": 1, "reshape": 1, "expand": 1}
 _VIEWS = {torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default}
 _SEEDED = torch.Tag.nondeterministic_seeded     # random ops: dropout, attention's dropout
 # norms whose weights may arrive in another dtype than their input (``kernels``)
@@ -94,28 +95,24 @@ SHAPE = "autoplan_shape"    # node.meta key: the local shape the op's placement 
 VAL = "autoplan_val"        # node.meta key: (shape, dtype, requires_grad) seen by the check
 
 
-# ---- argument walking (the order trace.py reads tensor inputs in) ------------------------------
+@dataclass(frozen=True)
+class _OpSite:
+    """One op of the graph as the builder copies it."""
 
-def _map_tensors(args: Any, kwargs: dict, fn: Callable[[fx.Node], Any]) -> tuple[Any, dict]:
-    def walk(a):
-        if isinstance(a, fx.Node):
-            return fn(a)
-        if isinstance(a, (list, tuple)):
-            return type(a)(walk(x) for x in a)
-        return a
-    new_args = walk(list(args))
-    new_kwargs = {k: walk(v) for k, v in kwargs.items()}
-    return new_args, new_kwargs
+    node: fx.Node               # its node in the exported graph
+    i: int                      # its index in the OpGraph
+    op: Op
+    s: OpStrategy               # its strategy on the tensor-parallel axis
+    c: OpStrategy | None        # on the context-parallel axis (None: no cp axis)
 
 
-def _map_devices(a: Any, device: torch.device) -> Any:
-    if isinstance(a, torch.device):
-        return device
-    if isinstance(a, (list, tuple)):
-        return type(a)(_map_devices(x, device) for x in a)
-    if isinstance(a, dict):
-        return {k: _map_devices(v, device) for k, v in a.items()}
-    return a
+@dataclass(frozen=True)
+class _ExpertSite:
+    """An op inside an expert region (values held as the rows dispatched to the experts)."""
+
+    expert_op: bool             # the experts' product itself
+    stacked: bool               # rows held stacked: (experts / ep, ep * rows, ...)
+    to_dispatch: frozenset[str]  # its inputs dispatched at this op
 
 
 # ---- the builder ---------------------------------------------------------------------------------
@@ -222,13 +219,33 @@ class _Builder:
         self.env[node.name] = self.g.get_attr(fqn)
 
     def _call(self, node: fx.Node) -> None:
+        """Copy one op of the graph: its strategies on the axes, expert regions' held rows in
+        place of its inputs, its inputs moved to where it takes them, its arguments made local,
+        the op (or its kernel), then its outputs' collectives."""
+        site = self._site(node)
+        if site is None:
+            return
+        experts = self._expert_site(site) if self.regions is not None else None
+        swapped = self._read_held(site, experts) if experts is not None else {}
+        inputs = self._inputs(node, site.op, site.s, site.i)
+        state = self._expert_state(site, experts, inputs) if experts is not None else None
+        args, kwargs = self._local_args(site, inputs)
+        local_outs = self._local_outs(site)
+        args = local_shape_args(site.op, self.eg, args, local_outs)
+        out, bias = self._emit_op(site, args, kwargs, experts, state)
+        self._emit_outputs(site, out, bias, local_outs, experts, state)
+        self.env.update(swapped)
+
+    def _site(self, node: fx.Node) -> _OpSite | None:
+        """The op of ``node`` with its strategies (None: a shape assert, not for local tensors).
+        A PlanError when its tp strategy cannot run under its cp one."""
         i = self.eg.op_index(node.name)
         self.last_op = i
         op = self.eg.ops[i]
         s = self.sh.op_strategy[i]
         if not op.outputs:
             if "assert" in opname(op) or "constrain" in opname(op):
-                return          # metadata checks on the global shapes: not for local tensors
+                return None     # metadata checks on the global shapes: not for local tensors
         c = self.cp.strategy(i) if self.cp is not None else None
         if c is not None:
             why = self.cp.tp_conflict(i, s, self.t)
@@ -236,39 +253,69 @@ class _Builder:
                 raise PlanError(f"op {op.name} ({op.target}): its tp strategy {s.name} does "
                                 f"not run under context parallelism over cp={self.cp.c} "
                                 f"({why}); re-plan")
-        region = self.regions is not None and i in self.regions.members
-        expert_op = region and i in self.experts.ops
-        to_dispatch = {x for j, x in self.regions.dispatch if j == i} if region else set()
-        swapped = {}
-        if region:              # dispatched inputs are read as the rows the experts hold
-            for k, vn in enumerate(op.inputs):
-                if vn in self.held and not (expert_op and k == 0 and vn in to_dispatch):
-                    swapped[vn] = self.env[vn]
-                    self.env[vn] = self.held[vn]
-        inputs = self._inputs(node, op, s, i)
-        state = None
-        if expert_op:
-            x = op.inputs[0]
-            if x in to_dispatch:
-                key = (x, str(s.inputs[0]))
-                if key not in self.dispatched and i in self.experts.stacked:
-                    pair = self.emit(kernel_dispatch_stacked, (inputs[0], self.slot_node), i)
-                    self.dispatched[key] = (self.emit(operator.getitem, (pair, 0), i),
-                                            self.emit(operator.getitem, (pair, 1), i))
-                elif key not in self.dispatched:
-                    pair = self.emit(kernel_dispatch, (inputs[0], inputs[2], self.experts.num_experts
-                                                   // self.ep_size, self.slot_node), i)
-                    self.dispatched[key] = (self.emit(operator.getitem, (pair, 0), i),
-                                            self.emit(operator.getitem, (pair, 1), i))
-                inputs[0], state = self.dispatched[key]
-            else:
-                state = self.held_state[x]
-        elif region:
-            state = next(self.held_state[vn] for vn in op.inputs if vn in self.held_state)
+        return _OpSite(node=node, i=i, op=op, s=s, c=c)
+
+    def _expert_site(self, site: _OpSite) -> _ExpertSite | None:
+        """Where op ``site`` stands in expert parallelism (None: outside the regions where
+        values are held as dispatched rows)."""
+        i, op = site.i, site.op
+        if i not in self.regions.members:
+            return None
+        expert_op = i in self.experts.ops
         # stacked rows are held as (experts / ep, ep * rows, ...): every peer's rows of this
         # rank's experts
-        stacked = region and (i in self.experts.stacked if expert_op else
-                              any(vn in self.stacked_held for vn in op.inputs))
+        stacked = (i in self.experts.stacked if expert_op else
+                   any(vn in self.stacked_held for vn in op.inputs))
+        return _ExpertSite(expert_op=expert_op, stacked=stacked,
+                           to_dispatch=frozenset(x for j, x in self.regions.dispatch if j == i))
+
+    def _read_held(self, site: _OpSite, experts: _ExpertSite | None) -> dict[str, fx.Node]:
+        """Inside an expert region, inputs are read as the rows the experts hold (all but the
+        expert product's own input still to dispatch); returns the nodes to put back."""
+        swapped: dict[str, fx.Node] = {}
+        if experts is None:
+            return swapped
+        for k, vn in enumerate(site.op.inputs):
+            if vn in self.held and not (experts.expert_op and k == 0
+                                        and vn in experts.to_dispatch):
+                swapped[vn] = self.env[vn]
+                self.env[vn] = self.held[vn]
+        return swapped
+
+    def _expert_state(self, site: _OpSite, experts: _ExpertSite | None,
+                      inputs: list[fx.Node]) -> fx.Node | None:
+        """The exchange state the held rows of this op go with (what ``kernel_combine`` needs
+        to bring them home). An expert product's input to dispatch is dispatched here, once
+        per value and placement, and ``inputs[0]`` becomes its rows."""
+        if experts is None:
+            return None
+        op, s = site.op, site.s
+        if not experts.expert_op:
+            return next(self.held_state[vn] for vn in op.inputs if vn in self.held_state)
+        x = op.inputs[0]
+        if x not in experts.to_dispatch:
+            return self.held_state[x]
+        key = (x, str(s.inputs[0]))
+        if key not in self.dispatched:
+            self.dispatched[key] = self._dispatch(site, inputs)
+        inputs[0], state = self.dispatched[key]
+        return state
+
+    def _dispatch(self, site: _OpSite, inputs: list[fx.Node]) -> tuple[fx.Node, fx.Node]:
+        """(rows, state): the expert product's input sent to the ranks of its experts."""
+        i = site.i
+        if i in self.experts.stacked:
+            pair = self.emit(kernel_dispatch_stacked, (inputs[0], self.slot_node), i)
+        else:
+            pair = self.emit(kernel_dispatch, (inputs[0], inputs[2], self.experts.num_experts
+                                               // self.ep_size, self.slot_node), i)
+        return (self.emit(operator.getitem, (pair, 0), i),
+                self.emit(operator.getitem, (pair, 1), i))
+
+    def _local_args(self, site: _OpSite, inputs: list[fx.Node]) -> tuple[Any, dict]:
+        """The node's arguments with its tensor inputs replaced by their local nodes (in the
+        order ``_inputs`` made them) and devices by this rank's."""
+        node = site.node
         it = iter(inputs)
 
         def take(a: fx.Node):
@@ -276,10 +323,14 @@ class _Builder:
             if name in self.env and name in self.eg._values_by_name:
                 return next(it)
             return self.env.get(name, a)
-        args, kwargs = _map_tensors(node.args, dict(node.kwargs), take)
-        args = _map_devices(args, self.device)
-        kwargs = _map_devices(kwargs, self.device)
-        local_outs = [self._local_out(n, k, s, c) for k, n in enumerate(op.outputs)]
+        args, kwargs = map_tensors(node.args, dict(node.kwargs), take)
+        return map_devices(args, self.device), map_devices(kwargs, self.device)
+
+    def _local_outs(self, site: _OpSite) -> list[tuple[int, ...]]:
+        """This rank's shape of each output (expert weights' views: this rank's experts);
+        PlanError when the strategy splits one unevenly."""
+        op, s = site.op, site.s
+        local_outs = [self._local_out(n, k, s, site.c) for k, n in enumerate(op.outputs)]
         if any(shape is None for shape in local_outs):
             raise PlanError(f"op {op.name} ({op.target}): strategy {s.name} splits an output "
                             "unevenly; re-plan")
@@ -287,77 +338,104 @@ class _Builder:
             local_outs = [(shape[0] // self.ep_size,) + tuple(shape[1:])
                           if n in self.experts.chain else shape
                           for shape, n in zip(local_outs, op.outputs)]
-        args = _local_shape_args(op, self.eg, args, local_outs)
-        bias_node = None
+        return local_outs
+
+    def _emit_op(self, site: _OpSite, args: list, kwargs: dict,
+                 experts: _ExpertSite | None, state: fx.Node | None
+                 ) -> tuple[fx.Node, fx.Node | None]:
+        """(output, bias or None) of the op itself: a strategy's kernel (the cp axis's around
+        tp's), a local kernel the op needs whatever its strategy, or the op as traced. A kernel
+        that returns its bias apart has it added after the output's tp collective."""
+        node, i, op, s, c = site.node, site.i, site.op, site.s, site.c
         if c is not None and c.kernel:            # the cp axis's kernel (around tp's own)
             if s.kernel:
-                out = self.emit(kernel_composed, (node.target, args, kwargs, self.cp_node,
-                                              c.kernel, self.slot_node, s.kernel), i)
-            else:
-                call = KERNEL_CALLS[c.kernel]
-                if call.returns_bias:
-                    raise PlanError(f"op {op.name} ({op.target}): kernel {c.kernel} does not "
-                                    "run on the context-parallel axis; re-plan")
-                out = self.emit(call.fn, (node.target, args, kwargs, self.cp_node,
-                                          *call.extra(self.eg, op, c)), i)
-        elif s.kernel:                             # the strategy's local kernel
+                return self.emit(kernel_composed, (node.target, args, kwargs, self.cp_node,
+                                                   c.kernel, self.slot_node, s.kernel), i), None
+            call = KERNEL_CALLS[c.kernel]
+            if call.returns_bias:
+                raise PlanError(f"op {op.name} ({op.target}): kernel {c.kernel} does not "
+                                "run on the context-parallel axis; re-plan")
+            return self.emit(call.fn, (node.target, args, kwargs, self.cp_node,
+                                       *call.extra(self.eg, op, c)), i), None
+        if s.kernel:                               # the strategy's local kernel
             call = KERNEL_CALLS[s.kernel]
             out = self.emit(call.fn, (node.target, args, kwargs, self.slot_node,
                                       *call.extra(self.eg, op, s)), i)
-            if call.returns_bias:               # (output without bias, bias): added below
-                pair = out
-                out = self.emit(operator.getitem, (pair, 0), i)
-                bias_node = self.emit(operator.getitem, (pair, 1), i)
-        elif expert_op:
-            out = self.emit(kernel_local_experts, (node.target, args, kwargs, state), i)
-        elif opname(op) in GROUPED_MM:
-            out = self.emit(kernel_grouped_product, (node.target, args, kwargs), i)
-        elif c is not None and _SEEDED in getattr(node.target, "tags", ()) \
-                and any(p.kind == "S" for p in c.inputs + s.inputs):
+            if not call.returns_bias:
+                return out, None
+            # (output without bias, bias): the bias is added after the output's collective
+            return (self.emit(operator.getitem, (out, 0), i),
+                    self.emit(operator.getitem, (out, 1), i))
+        local = self._local_kernel(site, experts, state)
+        if local is not None:
+            fn, extra = local
+            return self.emit(fn, (node.target, args, kwargs, *extra), i), None
+        target = node.target
+        if target in _VIEWS:
+            # a view the trace could take may need a copy here: a split of a transposed
+            # tensor is not contiguous where the whole one is, and a kernel may lay its
+            # output out otherwise at run time than when traced (CPU SDPA in bf16 under
+            # autocast against its fake kernel): reshape views when it can, copies when
+            # it must
+            target = torch.ops.aten.reshape.default
+        out = self.g.call_function(target, tuple(args), kwargs)
+        out.meta[OP] = i
+        return out, None
+
+    def _local_kernel(self, site: _OpSite, experts: _ExpertSite | None,
+                      state: fx.Node | None) -> tuple[Callable, tuple] | None:
+        """(kernel, its arguments after the op's) for an op that needs one whatever its
+        strategy: this rank's experts, a grouped product, random ops on split tensors, batch
+        and other norms. None: the op runs as traced."""
+        node, op, s, c = site.node, site.op, site.s, site.c
+        name = opname(op)
+        seeded = _SEEDED in getattr(node.target, "tags", ())
+        if experts is not None and experts.expert_op:
+            return kernel_local_experts, (state,)
+        if name in GROUPED_MM:
+            return kernel_grouped_product, ()
+        if c is not None and seeded and any(p.kind == "S" for p in c.inputs + s.inputs):
             # a mask per piece over both axes (``kernels.split_random``)
-            split = [node_ if any(p.kind == "S" for p in st.inputs) else None
-                     for st, node_ in ((c, self.cp_node), (s, self.slot_node))]
-            out = self.emit(kernel_split_random_axes, (node.target, args, kwargs, *split), i)
-        elif self.t > 1 and _SEEDED in getattr(node.target, "tags", ()) \
-                and any(p.kind == "S" for p in s.inputs):
+            return kernel_split_random_axes, tuple(
+                node_ if any(p.kind == "S" for p in st.inputs) else None
+                for st, node_ in ((c, self.cp_node), (s, self.slot_node)))
+        if self.t > 1 and seeded and any(p.kind == "S" for p in s.inputs):
             # dropout of a split tensor: a mask per rank (``kernels.split_random``)
-            out = self.emit(kernel_split_random, (node.target, args, kwargs, self.slot_node), i)
-        elif opname(op) == "batch_norm":
-            out = self.emit(kernel_dp_batch_norm, (node.target, args, kwargs, self.slot_node), i)
-        elif opname(op) in _NORMS:
-            out = self.emit(kernel_norm, (node.target, args, kwargs), i)
-        else:
-            target = node.target
-            if target in _VIEWS:
-                # a view the trace could take may need a copy here: a split of a transposed
-                # tensor is not contiguous where the whole one is, and a kernel may lay its
-                # output out otherwise at run time than when traced (CPU SDPA in bf16 under
-                # autocast against its fake kernel): reshape views when it can, copies when
-                # it must
-                target = torch.ops.aten.reshape.default
-            out = self.g.call_function(target, tuple(args), kwargs)
-            out.meta[OP] = i
+            return kernel_split_random, (self.slot_node,)
+        if name == "batch_norm":
+            return kernel_dp_batch_norm, (self.slot_node,)
+        if name in _NORMS:
+            return kernel_norm, ()
+        return None
+
+    def _emit_outputs(self, site: _OpSite, out: fx.Node, bias: fx.Node | None,
+                      local_outs: list[tuple[int, ...]], experts: _ExpertSite | None,
+                      state: fx.Node | None) -> None:
+        """Each output taken from the op's result with its local shape, its tp collective,
+        the bias, then its cp collective; inside an expert region held as dispatched rows and
+        brought home (combined) where read from outside."""
+        node, i, op, s, c = site.node, site.i, site.op, site.s, site.c
+        stacked = experts is not None and experts.stacked
         for k, vn in enumerate(op.outputs):
-            y = out if len(op.outputs) == 1 and not _multi(node) else \
-                self.emit(operator.getitem, (out, _out_index(node, vn)), i)
+            y = out if len(op.outputs) == 1 and not has_many_outputs(node) else \
+                self.emit(operator.getitem, (out, output_index(node, vn)), i)
             y.meta[SHAPE] = local_outs[k] if not stacked else (
                 local_outs[k][0] // self.ep_size, local_outs[k][1] * self.ep_size,
                 *local_outs[k][2:])
             y = self._output_action(output_action(self.eg, op, s, k), y, s, k,
                                     self.slot_node, i)
-            if bias_node is not None and k == 0:
-                y = self.emit(kernel_add_bias, (y, bias_node, node.target), i)
+            if bias is not None and k == 0:
+                y = self.emit(kernel_add_bias, (y, bias, node.target), i)
             if c is not None:                   # then on the cp axis
                 y = self._output_action(output_action(self.eg, op, c, k), y, c, k,
                                         self.cp_node, i)
             self.env[vn] = y
-            if region:          # held dispatched; brought home where read from outside
+            if experts is not None:     # held dispatched; brought home where read from outside
                 self.held[vn], self.held_state[vn] = y, state
                 if stacked:
                     self.stacked_held.add(vn)
                 if vn in self.regions.combine:
                     self.env[vn] = self.emit(kernel_combine, (y, state), i)
-        self.env.update(swapped)
 
     def _local_out(self, n: str, k: int, s: OpStrategy, c: OpStrategy | None
                    ) -> tuple[int, ...] | None:
@@ -451,7 +529,7 @@ class _Builder:
             if self.cp is not None:          # tp's pieces first, then cp's
                 x = transition(self.g, x, self.cp.placement(vn), REPLICATE, self.cp_node)
             return x
-        args, _ = _map_tensors(node.args, {}, whole)
+        args, _ = map_tensors(node.args, {}, whole)
         outs = args[0]
         if isinstance(outs, (list, tuple)) and len(outs) == 1:
             outs = outs[0]
@@ -488,40 +566,6 @@ def _without_dtype_asserts(obj: Any) -> Any:
     return fx.GraphModule(root, graph, class_name=type(obj).__name__)
 
 
-def _multi(node: fx.Node) -> bool:
-    return isinstance(node.meta.get("val"), (tuple, list))
-
-
-def _out_index(node: fx.Node, value_name: str) -> int:
-    for u in node.users:
-        if u.target is operator.getitem and u.name == value_name:
-            return int(u.args[1])
-    raise PlanError(f"op {node.name}: no output {value_name}")
-
-
-def _local_shape_args(op: Op, graph: OpGraph, args: list, local_outs: list) -> list:
-    """Shape arguments written with global sizes, rewritten to this rank's sizes."""
-    name = opname(op)
-    glob = [graph.value(n).meta.shape for n in op.outputs]
-    if all(tuple(a) == tuple(b) for a, b in zip(glob, local_outs)):
-        return args
-    args = list(args)
-    if name in SHAPE_ARG:
-        args[SHAPE_ARG[name]] = list(local_outs[0])
-        return args
-    x = graph.value(op.inputs[0]).meta.shape
-    if name == "split":
-        axis = (args[2] if len(args) > 2 else 0) % len(x)
-        args[1] = local_outs[0][axis]
-    elif name == "split_with_sizes":
-        axis = (args[2] if len(args) > 2 else 0) % len(x)
-        args[1] = [o[axis] for o in local_outs]
-    elif name == "unflatten":
-        axis = args[1] % len(x)
-        args[2] = list(local_outs[0][axis:axis + len(args[2])])
-    return args
-
-
 # ---- entry point -----------------------------------------------------------------------------
 
 def build_program(ep: Any, graph: OpGraph, sharding: Sharding, *, prefix: str, t: int,
@@ -541,67 +585,4 @@ def build_program(ep: Any, graph: OpGraph, sharding: Sharding, *, prefix: str, t
                    state=dict(sharding.state), cp_slot=b.cp_slot)
 
 
-def check_shapes(program: Program, example_inputs: tuple, t: int,
-                 device: torch.device | None = None,
-                 autocast_dtype: torch.dtype | None = None) -> None:
-    """Run the program on fake tensors with shape-only collectives: every op must produce the
-    local shape its placement says (else PlanError naming the op). Each node keeps what it
-    produced (``node.meta[VAL]``: pipeline stages declare their inputs and outputs with it),
-    under the step's autocast (``autocast_dtype``) so the dtypes are the step's."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    gm = program.graph_module
-    device = device or next((x.device for x in example_inputs
-                             if isinstance(x, torch.Tensor) and not x.is_meta),
-                            torch.device("cpu"))
-    real, real_ep = program.comm_slot.comm, program.comm_slot.ep
-    program.comm_slot.comm = tp_comm.ShapeComm(size=t)
-    if program.comm_slot.ep_size > 1:
-        program.comm_slot.ep = tp_comm.ShapeComm(size=program.comm_slot.ep_size)
-    cp = program.cp_slot
-    real_cp = cp.comm if cp is not None else None
-    if cp is not None:
-        cp.comm = tp_comm.ShapeComm(size=cp.size)
-    mode = FakeTensorMode(allow_non_fake_inputs=True)
-    amp = (torch.autocast(device.type, dtype=autocast_dtype)
-           if autocast_dtype is not None and device.type != "meta" else contextlib.nullcontext())
-
-    class Check(fx.Interpreter):
-        def fetch_attr(self, target):
-            obj = super().fetch_attr(target)
-            if not isinstance(obj, torch.Tensor):
-                return obj
-            if obj.is_meta and device.type != "meta":
-                # another pipeline rank's weight: its shape and dtype, on this rank's device
-                return torch.empty(obj.shape, dtype=obj.dtype, device=device,
-                                   requires_grad=obj.requires_grad)
-            # a fake copy: in-place ops (batch norm's counters) must not touch the real one
-            return mode.from_tensor(obj)
-
-        def run_node(self, n):
-            try:
-                out = super().run_node(n)
-            except PlanError:
-                raise
-            except Exception as e:
-                raise PlanError(f"the rank program fails at {n.format_node()}: "
-                                f"{type(e).__name__}: {str(e).splitlines()[0][:300]}") from e
-            if isinstance(out, torch.Tensor):
-                n.meta[VAL] = (tuple(out.shape), out.dtype, out.requires_grad)
-            want = n.meta.get(SHAPE)
-            if want is not None and isinstance(out, torch.Tensor) and tuple(out.shape) != want:
-                raise PlanError(f"the rank program computes shape {tuple(out.shape)} at "
-                                f"{n.format_node()}, the plan says {want}")
-            return out
-    try:
-        with mode, amp:
-            fake = [(torch.empty(x.shape, dtype=x.dtype, device=device) if x.is_meta
-                     else mode.from_tensor(x)) if isinstance(x, torch.Tensor) else x
-                    for x in example_inputs]
-            Check(gm).run(*fake)
-    finally:
-        program.comm_slot.comm, program.comm_slot.ep = real, real_ep
-        if cp is not None:
-            cp.comm = real_cp
-
-
-__all__ = ["CommSlot", "Program", "build_program", "check_shapes"]
+__all__ = ["CommSlot", "OP", "Program", "SHAPE", "VAL", "build_program"]

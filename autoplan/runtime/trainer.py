@@ -28,7 +28,7 @@ from autoplan.planner.planfile import Plan
 from autoplan.runtime.batch_check import BatchSpec
 from autoplan.runtime.checkpoint import optimizer_slots
 from autoplan.runtime.grads import LossScaler
-from autoplan.runtime.steps import Trainer  # noqa: F401  (autoplan.Trainer)
+from autoplan.runtime.steps import Trainer
 
 COLLECTIVE_TIMEOUT_S = int(os.environ.get("AUTOPLAN_COLLECTIVE_TIMEOUT_S", "120"))
 
@@ -154,10 +154,13 @@ def _compile(model: nn.Module, cluster: Any, *, example_inputs: Sequence[Any],
              plan: Plan | str | os.PathLike | None, precision: str, seed: int,
              allow_cluster_mismatch: bool = False,
              **plan_kwargs: Any) -> Any:
+    """The rank's Trainer, in order: the arguments checked; the model traced and the plan made,
+    loaded or checked against it; what this runtime cannot run refused; the job's batch and
+    world size checked: all before any collective, so a wrong plan fails on every rank with
+    the same message. Then the process group and device, and ``build.build_rank``."""
     from autoplan.cluster import Cluster
     from autoplan.estimate.arguments import batch_arg, cluster_arg
     from autoplan.graph.trace import trace
-    from autoplan.planner.search import plan as make_plan
     world_env = int(os.environ.get("WORLD_SIZE", "1"))
     global_batch_size = batch_arg(global_batch_size, "compile()")
     if not callable(optimizer):
@@ -168,7 +171,29 @@ def _compile(model: nn.Module, cluster: Any, *, example_inputs: Sequence[Any],
     graph = trace(model, example_inputs,
                   loss_fn=loss_fn if example_targets is not None else None,
                   targets=example_targets)
+    plan = _plan_for(graph, cluster, plan, global_batch_size=global_batch_size,
+                     precision=precision, allow_cluster_mismatch=allow_cluster_mismatch,
+                     **plan_kwargs)
+    _refuse_unrunnable(plan, has_loss=loss_fn is not None and example_targets is not None)
+    _check_job(plan, global_batch_size=global_batch_size, world_env=world_env)
+    rank, device = _join(cluster, plan)
+    if not any(p.is_meta for p in model.parameters()):
+        model.to(device)
+    from autoplan.runtime.build import BuildInputs, build_rank
+    return build_rank(BuildInputs(model=model, graph=graph, plan=plan,
+                                  example_inputs=example_inputs,
+                                  example_targets=example_targets, loss_fn=loss_fn,
+                                  optimizer=optimizer, device=device, rank=rank, seed=seed))
+
+
+def _plan_for(graph: Any, cluster: Any, plan: Plan | str | os.PathLike | None, *,
+              global_batch_size: int, precision: str, allow_cluster_mismatch: bool,
+              **plan_kwargs: Any) -> Plan:
+    """The plan to run: made now (None), loaded from a file, or a given Plan checked to be for
+    this model and cluster; then checked op by op against the traced graph (a hand-edited plan
+    is refused before any collective)."""
     if plan is None:
+        from autoplan.planner.search import plan as make_plan
         plan = make_plan(graph, cluster, global_batch_size=global_batch_size,
                          precision=precision, **plan_kwargs)
     elif not isinstance(plan, Plan):
@@ -181,22 +206,27 @@ def _compile(model: nn.Module, cluster: Any, *, example_inputs: Sequence[Any],
         if what:
             raise PlanError(f"{what}. Re-plan with autoplan.plan(...) for this model and "
                             "cluster (or compile(..., plan=None) to plan now)")
-    check_plan_against(plan, graph)          # a hand-edited plan: refused before any collective
-    if plan.config.tp_comm_overlap:
+    check_plan_against(plan, graph)
+    return plan
+
+
+def _refuse_unrunnable(plan: Plan, *, has_loss: bool) -> None:
+    """PlanError for what the planner may price but this runtime cannot run."""
+    cfg = plan.config
+    if cfg.tp_comm_overlap:
         raise PlanError("the plan prices tensor-parallel communication pipelined with its GEMMs "
                         "(tp_comm_overlap, as Megatron-LM's --tp-comm-overlap), which this "
                         "runtime cannot run: it needs fused GEMM + collective kernels (CUDA "
                         "symmetric memory). Re-plan without forcing tp_comm_overlap")
-    if plan.config.mixed_precision != "autocast" and plan.config.precision != "fp32":
-        raise PlanError(f"the plan prices {plan.config.precision} weights and activations with an "
+    if cfg.mixed_precision != "autocast" and cfg.precision != "fp32":
+        raise PlanError(f"the plan prices {cfg.precision} weights and activations with an "
                         f"fp32 master copy in the optimizer (mixed_precision="
-                        f"{plan.config.mixed_precision!r}, as Megatron-LM's --bf16), which this "
+                        f"{cfg.mixed_precision!r}, as Megatron-LM's --bf16), which this "
                         "runtime does not run: it keeps fp32 weights and trains under "
                         "torch.autocast. Re-plan without forcing mixed_precision")
-    if plan.config.pp > 1 and (loss_fn is None or example_targets is None):
+    if cfg.pp > 1 and not has_loss:
         raise PlanError("a pipelined plan needs loss_fn and example_targets: the last stage "
                         "computes the loss")
-    cfg = plan.config
     if cfg.split_backward_on_fsdp_unsupported:
         raise PlanError(f"this plan runs the {cfg.schedule} schedule on FSDP2-sharded stages "
                         f"(zero_stage {cfg.zero_stage}" + (", offload_params" if
@@ -207,12 +237,17 @@ def _compile(model: nn.Module, cluster: Any, *, example_inputs: Sequence[Any],
                         "with zero_stage <= 1, ZeRO-2 with zero_bubble, or another schedule "
                         "(force schedule=1f1b or interleaved_1f1b)")
     from autoplan.planner.search_space import selective_compiles
-    if "selective" in plan.recompute.values() and not selective_compiles(plan.config):
+    if "selective" in plan.recompute.values() and not selective_compiles(cfg):
         raise PlanError("the plan compiles its layers and recomputes some selectively while "
                         "they hold collectives (tp, cp or ep > 1): torch.compile cannot trace "
                         "such a layer whole, and the selective policy cannot run inside "
                         "compiled code. Re-plan (the planner offers recompute 'full' or 'none' "
                         "there), or force compiled=false or recompute=full")
+
+
+def _check_job(plan: Plan, *, global_batch_size: int, world_env: int) -> None:
+    """PlanError when the plan is for another global batch or another number of processes
+    than this job launched (checked before the process group starts)."""
     if plan.training.global_batch_size != global_batch_size:
         raise PlanError(f"the plan is for a global batch of {plan.training.global_batch_size}, "
                         f"compile() got {global_batch_size}")
@@ -220,6 +255,11 @@ def _compile(model: nn.Module, cluster: Any, *, example_inputs: Sequence[Any],
         raise PlanError(f"the plan needs {plan.config.world_size} processes but this job has "
                         f"{world_env}; launch with torchrun --nproc-per-node "
                         f"{plan.config.world_size} (or `autoplan run`)")
+
+
+def _join(cluster: Any, plan: Plan) -> tuple[int, torch.device]:
+    """(rank, device): this process joins the job's process group (a one-process group for an
+    offloading plan alone) and takes its device (its local GPU on a GPU cluster)."""
     if cluster.device.kind == "cpu":
         keep_freed_host_memory()   # gradients and activations stay mapped between steps
     rank, world = init_distributed(cluster.backend, single=plan.config.offload_params)
@@ -230,10 +270,8 @@ def _compile(model: nn.Module, cluster: Any, *, example_inputs: Sequence[Any],
               else torch.device("cpu"))
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    if not any(p.is_meta for p in model.parameters()):
-        model.to(device)
-    from autoplan.runtime.build import BuildInputs, build_rank
-    return build_rank(BuildInputs(model=model, graph=graph, plan=plan,
-                                  example_inputs=example_inputs,
-                                  example_targets=example_targets, loss_fn=loss_fn,
-                                  optimizer=optimizer, device=device, rank=rank, seed=seed))
+    return rank, device
+
+
+# Trainer: re-exported for ``autoplan.Trainer`` (``autoplan/__init__.py`` takes it from here)
+__all__ = ["COLLECTIVE_TIMEOUT_S", "Trainer", "compile", "init_distributed"]

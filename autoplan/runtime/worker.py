@@ -118,6 +118,44 @@ def build_run_model(spec: str, *, batch: int, layers: int | None = None,
 
 
 def _main(argv: list[str] | None = None) -> int:
+    """The rank's run, in order: the checkpoint folder claimed (before the model: a refusal
+    costs nothing), the model built and the plan compiled (resuming where asked), the steps,
+    the last checkpoint committed and the folder released, the profile, and rank 0's report."""
+    args = _arguments().parse_args(argv)
+
+    import torch.distributed as dist
+
+    from autoplan.planner.planfile import plan_from_file
+    from autoplan.runtime.trainer import compile
+    torch.set_num_threads(1)
+    if args.run_id:
+        from autoplan.runtime.checkpoint_dir import RUN_ID_ENV
+        os.environ[RUN_ID_ENV] = args.run_id
+    plan = plan_from_file(args.plan)
+    gbs = plan.training.global_batch_size
+    resume = _start(args)           # before the model: a refusal costs nothing
+    built = build_run_model(args.model, batch=gbs, layers=args.layers, seq_len=args.seq_len,
+                            meta=args.meta)
+    data, model, small = built.data, built.model, built.small
+    trainer = compile(model, args.cluster or "local", example_inputs=small.example_inputs,
+                      example_targets=small.targets, loss_fn=data.loss_fn,
+                      optimizer=lambda ps: torch.optim.AdamW(ps, lr=args.lr),
+                      global_batch_size=gbs, plan=plan, resume=resume,
+                      allow_cluster_mismatch=args.allow_cluster_mismatch)
+    if resume is not None and trainer.rank == 0:
+        print(f"resumed from {resume} at step {trainer.steps_done}", flush=True)
+    batch = tuple(data.example_inputs) + (data.targets,)
+    run = _train(trainer, batch, args)
+    _close_checkpoints(trainer, args)
+    if args.profile_dir:
+        _profile(trainer, batch, args, world=plan.config.world_size)
+    if trainer.rank == 0:
+        _print_summary(trainer, plan, run, args)
+    _finish(dist)
+    return 0
+
+
+def _arguments() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="autoplan.runtime.worker")
     ap.add_argument("--plan", required=True)
     ap.add_argument("--model", required=True,
@@ -143,30 +181,22 @@ def _main(argv: list[str] | None = None) -> int:
                     help="after the steps, profile --profile-steps more; each rank writes its "
                          "events to DIR/rank<r>.json (`autoplan calibrate`)")
     ap.add_argument("--profile-steps", type=int, default=5)
-    args = ap.parse_args(argv)
+    return ap
 
-    import torch.distributed as dist
 
-    from autoplan.planner.planfile import plan_from_file
-    from autoplan.runtime.trainer import compile
-    torch.set_num_threads(1)
-    if args.run_id:
-        from autoplan.runtime.checkpoint_dir import RUN_ID_ENV
-        os.environ[RUN_ID_ENV] = args.run_id
-    plan = plan_from_file(args.plan)
-    gbs = plan.training.global_batch_size
-    resume = _start(args)           # before the model: a refusal costs nothing
-    built = build_run_model(args.model, batch=gbs, layers=args.layers, seq_len=args.seq_len,
-                            meta=args.meta)
-    data, model, small = built.data, built.model, built.small
-    trainer = compile(model, args.cluster or "local", example_inputs=small.example_inputs,
-                      example_targets=small.targets, loss_fn=data.loss_fn,
-                      optimizer=lambda ps: torch.optim.AdamW(ps, lr=args.lr),
-                      global_batch_size=gbs, plan=plan, resume=resume,
-                      allow_cluster_mismatch=args.allow_cluster_mismatch)
-    if resume is not None and trainer.rank == 0:
-        print(f"resumed from {resume} at step {trainer.steps_done}", flush=True)
-    batch = tuple(data.example_inputs) + (data.targets,)
+@dataclass(frozen=True)
+class StepsRun:
+    """What the steps of this run measured."""
+
+    first_step: int              # the step the run started at (after a resume)
+    steps: int                   # --steps: the step the run trains up to
+    losses: list[float]
+    times_s: list[float]         # each step's wall time
+
+
+def _train(trainer: Any, batch: tuple, args: argparse.Namespace) -> StepsRun:
+    """Train up to step ``--steps``, rank 0 printing each step's loss and time; saves every
+    ``--checkpoint-every`` steps and after the last one."""
     losses, times = [], []
     first = trainer.steps_done
     while trainer.steps_done < args.steps:
@@ -184,41 +214,52 @@ def _main(argv: list[str] | None = None) -> int:
             if trainer.rank == 0:
                 note = " (writing in the background)" if args.async_checkpoint else ""
                 print(f"checkpoint {path}{note}", flush=True)
+    return StepsRun(first_step=first, steps=args.steps, losses=losses, times_s=times)
+
+
+def _close_checkpoints(trainer: Any, args: argparse.Namespace) -> None:
+    """The last (async) save committed; rank 0 releases the folder's claim."""
     trainer.wait_for_checkpoint()
     if args.checkpoint_dir and trainer.rank == 0:
         from autoplan.runtime.checkpoint_dir import release, run_id
         release(Path(args.checkpoint_dir), run_id())
-    if args.profile_dir:
-        from autoplan.runtime.step_trace import record_steps
-        rec = record_steps(trainer, batch, args.profile_steps)
-        rec.update(rank=trainer.rank, world=plan.config.world_size)
-        os.makedirs(args.profile_dir, exist_ok=True)
-        with open(os.path.join(args.profile_dir, f"rank{trainer.rank}.json"), "w") as f:
-            json.dump(rec, f)
+
+
+def _profile(trainer: Any, batch: tuple, args: argparse.Namespace, *, world: int) -> None:
+    """``--profile-steps`` more steps recorded; each rank writes ``rank<r>.json`` under
+    ``--profile-dir`` (read by ``autoplan calibrate``)."""
+    from autoplan.runtime.step_trace import record_steps
+    rec = record_steps(trainer, batch, args.profile_steps)
+    rec.update(rank=trainer.rank, world=world)
+    os.makedirs(args.profile_dir, exist_ok=True)
+    with open(os.path.join(args.profile_dir, f"rank{trainer.rank}.json"), "w") as f:
+        json.dump(rec, f)
+
+
+def _print_summary(trainer: Any, plan: Any, run: StepsRun, args: argparse.Namespace) -> None:
+    """Rank 0's report: the median step time beside the plan's prediction, the peak memory
+    beside its prediction (on CUDA), and the ``--json`` record."""
+    times = run.times_s
     if not times:
-        if trainer.rank == 0:
-            print(f"nothing to do: the checkpoint is at step {first}, --steps is {args.steps}")
-        _finish(dist)
-        return 0
+        print(f"nothing to do: the checkpoint is at step {run.first_step}, --steps is "
+              f"{run.steps}")
+        return
     measured = statistics.median(times[1:] if len(times) > 2 else times)
     predicted = plan.predicted["step_time_s"]
-    if trainer.rank == 0:
-        print(f"measured step time {measured * 1e3:.1f} ms (median), predicted "
-              f"{predicted * 1e3:.1f} ms, ratio {measured / predicted:.2f}"
-              + (" (the prediction is stale: made for other hardware)"
-                 if trainer.stale_prediction else ""), flush=True)
-        peak = _peak_memory(plan)
-        if peak:
-            print(f"measured peak memory {peak['measured_peak_memory_bytes'] / 2**30:.2f} GiB "
-                  f"allocated ({peak['measured_reserved_bytes'] / 2**30:.2f} GiB reserved by "
-                  f"torch's allocator), predicted {peak['predicted_peak_memory_bytes'] / 2**30:.2f}"
-                  " GiB", flush=True)
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump({"first_step": first, "losses": losses, "times_s": times,
-                           "measured_s": measured, "predicted_s": predicted, **peak}, f)
-    _finish(dist)
-    return 0
+    print(f"measured step time {measured * 1e3:.1f} ms (median), predicted "
+          f"{predicted * 1e3:.1f} ms, ratio {measured / predicted:.2f}"
+          + (" (the prediction is stale: made for other hardware)"
+             if trainer.stale_prediction else ""), flush=True)
+    peak = _peak_memory(plan)
+    if peak:
+        print(f"measured peak memory {peak['measured_peak_memory_bytes'] / 2**30:.2f} GiB "
+              f"allocated ({peak['measured_reserved_bytes'] / 2**30:.2f} GiB reserved by "
+              f"torch's allocator), predicted {peak['predicted_peak_memory_bytes'] / 2**30:.2f}"
+              " GiB", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"first_step": run.first_step, "losses": run.losses, "times_s": times,
+                       "measured_s": measured, "predicted_s": predicted, **peak}, f)
 
 
 def _peak_memory(plan: Any) -> dict[str, float]:

@@ -20,6 +20,7 @@ shards, the worst thing a parallelizer can do.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import NamedTuple
 
 from autoplan.graph.opgraph import Op, OpGraph
 from autoplan.sharding import dims
@@ -69,103 +70,190 @@ def _ok(shape, p: Placement, t: int) -> bool:
 
 # ---- one activation input: where its split goes ----------------------------------------------
 
+class UnaryCall(NamedTuple):
+    """One question to a unary rule: where does input split ``p`` go through ``op``?"""
+
+    op: Op
+    x: tuple[int, ...]                  # the input's shape
+    outs: list[tuple[int, ...]]         # the outputs' shapes
+    p: Placement                        # the input's split
+    t: int                              # the axis's ranks
+    args: list                          # the op's arguments (``call_args``)
+    kwargs: dict
+
+
+# op name -> its rule: the placement every output takes (None: the op cannot run on that split;
+# ``PARTIAL``: partial sums). One rule per op family, registered beside its definition; a name
+# listed twice keeps its first rule.
+UNARY_RULES: dict[str, Callable[[UnaryCall], Placement | None]] = {}
+
+
+def _unary_rule(*names: str):
+    def register(fn: Callable[[UnaryCall], Placement | None]):
+        for n in names:
+            UNARY_RULES.setdefault(n, fn)
+        return fn
+    return register
+
+
 def unary_map(graph: OpGraph, op: Op, slot: int, p: Placement, t: int
               ) -> tuple[Placement, ...] | None:
     """Per output, its placement when input ``slot`` arrives placed ``p`` (other inputs stay
     whole); ``None`` when the op cannot run on that split. ``P`` marks a partial sum."""
-    x = graph.value(op.inputs[slot]).meta.shape
     outs = [graph.value(n).meta.shape for n in op.outputs]
     if not outs:
         return None
-    rank = len(x)
-    name = opname(op)
+    rule = UNARY_RULES.get(opname(op))
+    if rule is None:
+        return None
     args, kwargs = call_args(op)
-    d = p.dim
-
-    def same(q: Placement | None) -> tuple[Placement, ...] | None:
-        if q is None or not all(_ok(o, q, t) for o in outs):
-            return None
-        return tuple(q for _ in outs)
-
-    if name in RESHAPES:
-        return same(dims.reshape_placement(x, outs[0], p, t))
-    if name in ("expand", "expand_as"):
-        off = len(outs[0]) - rank
-        return same(p.with_dim(d + off)) if x[d] == outs[0][d + off] else None
-    if name in ("transpose", "swapaxes"):
-        return same(p.with_dim(dims.transpose_dim(rank, args[1], args[2], d)))
-    if name == "t":
-        return same(p.with_dim(dims.transpose_dim(rank, 0, 1, d) if rank == 2 else d))
-    if name == "permute":
-        return same(p.with_dim(dims.permute_dim(args[1], d)))
-    if name in ("movedim", "moveaxis"):
-        src, dst = args[1], args[2]
-        src, dst = ([src], [dst]) if isinstance(src, int) else (src, dst)
-        perm = [i for i in range(rank) if i not in [s % rank for s in src]]
-        for s_, d_ in sorted(zip([s % rank for s in src], [x_ % rank for x_ in dst]),
-                             key=lambda z: z[1]):
-            perm.insert(d_, s_)
-        return same(p.with_dim(perm.index(d)))
-    if name in SAME_SHAPE:
-        return same(p) if all(o == x for o in outs) else None
-    if name == "view_as_complex":        # (..., 2) real pairs -> (...) complex
-        return same(p) if d < rank - 1 else None
-    if name == "view_as_real":
-        return same(p)
-    if name in SPLITS:
-        axis = dim_arg(op, rank, i=1 if name == "unbind" else 2)
-        if d != axis:
-            if name == "unbind":
-                return same(p.with_dim(d - 1 if d > axis else d))
-            return same(p)
-        if p.blocks > 1 and len(outs) == p.blocks and all(o == outs[0] for o in outs) \
-                and name != "unbind":
-            return same(shard(d))     # each block is one piece: plain splits of the pieces
+    q = rule(UnaryCall(op, graph.value(op.inputs[slot]).meta.shape, outs, p, t, args, kwargs))
+    if q is None or not all(_ok(o, q, t) for o in outs):
         return None
-    if name in ("slice", "narrow", "index_select"):
-        return same(p) if d != dim_arg(op, rank, default=0) else None
-    if name == "select":
-        axis = dim_arg(op, rank)
-        return same(p.with_dim(d - 1 if d > axis else d)) if d != axis else None
-    if name in SOFTMAX:
-        return same(p) if d != dim_arg(op, rank, default=-1) else None
-    if name in ("tril", "triu"):
-        return same(p) if d < rank - 2 else None
-    if name in ("flip", "roll"):
-        which = _arg(args, kwargs, 1 if name == "flip" else 2, "dims", None)
-        if which is None or (isinstance(which, list) and not which):
-            return None                     # roll without dims acts on the flattened tensor
-        which = [w % rank for w in (which if isinstance(which, list) else [which])]
-        return same(p) if d not in which else None
-    if name == "constant_pad_nd":
-        pad = args[1] if len(args) > 1 else kwargs.get("pad", [])
-        padded = {rank - 1 - i for i in range(len(pad) // 2) if pad[2 * i] or pad[2 * i + 1]}
-        return same(p) if d not in padded and outs[0][d] == x[d] else None
-    if name == "repeat":
-        reps = args[1]
-        off = len(reps) - rank
-        return same(p.with_dim(d + off)) if p.blocks == 1 and reps[d + off] == 1 else None
-    if name == "repeat_interleave":
-        if _arg(args, kwargs, 2, "dim") is None or p.blocks > 1:
-            return None                     # without dim it flattens the tensor
-        return same(p)
-    if name in SUMS | MEANS | OTHER_REDUCTIONS:
-        at = 2 if name in ("norm", "linalg_vector_norm") else 1   # (x, p/ord, dim, keepdim)
-        dims_arg = _arg(args, kwargs, at, "dim")
-        if not (dims_arg is None or isinstance(dims_arg, int) or (
-                isinstance(dims_arg, list) and all(isinstance(x, int) for x in dims_arg))):
-            return None          # not a reduction over dims (max(a, b), a dtype argument)
-        if op.target.split(".")[-1] in ("other", "binary"):
-            return None
-        keep = _arg(args, kwargs, at + 1, "keepdim", False)
-        if name in ("var", "std", "var_mean", "std_mean"):      # (x, dim, unbiased, keepdim)
-            keep = kwargs.get("keepdim", args[3] if len(args) > 3 else False)
-        od = dims.reduced_dim(rank, dims_arg, bool(keep), d)
-        if od is not None:
-            return same(p.with_dim(od))
-        if name in SUMS | MEANS and len(outs) == 1:
-            return (PARTIAL,)
+    return tuple(q for _ in outs)
+
+
+@_unary_rule(*RESHAPES)
+def _reshape(c: UnaryCall) -> Placement | None:
+    return dims.reshape_placement(c.x, c.outs[0], c.p, c.t)
+
+
+@_unary_rule("expand", "expand_as")
+def _expand(c: UnaryCall) -> Placement | None:
+    d, off = c.p.dim, len(c.outs[0]) - len(c.x)
+    return c.p.with_dim(d + off) if c.x[d] == c.outs[0][d + off] else None
+
+
+@_unary_rule("transpose", "swapaxes")
+def _transpose(c: UnaryCall) -> Placement | None:
+    return c.p.with_dim(dims.transpose_dim(len(c.x), c.args[1], c.args[2], c.p.dim))
+
+
+@_unary_rule("t")
+def _t(c: UnaryCall) -> Placement | None:
+    d = c.p.dim
+    return c.p.with_dim(dims.transpose_dim(len(c.x), 0, 1, d) if len(c.x) == 2 else d)
+
+
+@_unary_rule("permute")
+def _permute(c: UnaryCall) -> Placement | None:
+    return c.p.with_dim(dims.permute_dim(c.args[1], c.p.dim))
+
+
+@_unary_rule("movedim", "moveaxis")
+def _movedim(c: UnaryCall) -> Placement | None:
+    rank = len(c.x)
+    src, dst = c.args[1], c.args[2]
+    src, dst = ([src], [dst]) if isinstance(src, int) else (src, dst)
+    perm = [i for i in range(rank) if i not in [s % rank for s in src]]
+    for s_, d_ in sorted(zip([s % rank for s in src], [x_ % rank for x_ in dst]),
+                         key=lambda z: z[1]):
+        perm.insert(d_, s_)
+    return c.p.with_dim(perm.index(c.p.dim))
+
+
+@_unary_rule(*SAME_SHAPE)
+def _same_shape(c: UnaryCall) -> Placement | None:
+    return c.p if all(o == c.x for o in c.outs) else None
+
+
+@_unary_rule("view_as_complex")
+def _view_as_complex(c: UnaryCall) -> Placement | None:
+    return c.p if c.p.dim < len(c.x) - 1 else None      # (..., 2) real pairs -> (...) complex
+
+
+@_unary_rule("view_as_real")
+def _view_as_real(c: UnaryCall) -> Placement | None:
+    return c.p
+
+
+@_unary_rule(*SPLITS)
+def _split(c: UnaryCall) -> Placement | None:
+    name, d = opname(c.op), c.p.dim
+    axis = dim_arg(c.op, len(c.x), i=1 if name == "unbind" else 2)
+    if d != axis:
+        if name == "unbind":
+            return c.p.with_dim(d - 1 if d > axis else d)
+        return c.p
+    if c.p.blocks > 1 and len(c.outs) == c.p.blocks and all(o == c.outs[0] for o in c.outs) \
+            and name != "unbind":
+        return shard(d)     # each block is one piece: plain splits of the pieces
+    return None
+
+
+@_unary_rule("slice", "narrow", "index_select")
+def _slice(c: UnaryCall) -> Placement | None:
+    return c.p if c.p.dim != dim_arg(c.op, len(c.x), default=0) else None
+
+
+@_unary_rule("select")
+def _select(c: UnaryCall) -> Placement | None:
+    d, axis = c.p.dim, dim_arg(c.op, len(c.x))
+    return c.p.with_dim(d - 1 if d > axis else d) if d != axis else None
+
+
+@_unary_rule(*SOFTMAX)
+def _softmax(c: UnaryCall) -> Placement | None:
+    return c.p if c.p.dim != dim_arg(c.op, len(c.x), default=-1) else None
+
+
+@_unary_rule("tril", "triu")
+def _triangle(c: UnaryCall) -> Placement | None:
+    return c.p if c.p.dim < len(c.x) - 2 else None
+
+
+@_unary_rule("flip", "roll")
+def _flip(c: UnaryCall) -> Placement | None:
+    rank = len(c.x)
+    which = _arg(c.args, c.kwargs, 1 if opname(c.op) == "flip" else 2, "dims", None)
+    if which is None or (isinstance(which, list) and not which):
+        return None                     # roll without dims acts on the flattened tensor
+    which = [w % rank for w in (which if isinstance(which, list) else [which])]
+    return c.p if c.p.dim not in which else None
+
+
+@_unary_rule("constant_pad_nd")
+def _pad(c: UnaryCall) -> Placement | None:
+    rank, d = len(c.x), c.p.dim
+    pad = c.args[1] if len(c.args) > 1 else c.kwargs.get("pad", [])
+    padded = {rank - 1 - i for i in range(len(pad) // 2) if pad[2 * i] or pad[2 * i + 1]}
+    return c.p if d not in padded and c.outs[0][d] == c.x[d] else None
+
+
+@_unary_rule("repeat")
+def _repeat(c: UnaryCall) -> Placement | None:
+    reps, d = c.args[1], c.p.dim
+    off = len(reps) - len(c.x)
+    return c.p.with_dim(d + off) if c.p.blocks == 1 and reps[d + off] == 1 else None
+
+
+@_unary_rule("repeat_interleave")
+def _repeat_interleave(c: UnaryCall) -> Placement | None:
+    if _arg(c.args, c.kwargs, 2, "dim") is None or c.p.blocks > 1:
+        return None                     # without dim it flattens the tensor
+    return c.p
+
+
+@_unary_rule(*SUMS, *MEANS, *OTHER_REDUCTIONS)
+def _reduction(c: UnaryCall) -> Placement | None:
+    """Every dim it does not reduce; over the split dim, partial sums (a sum or mean with one
+    output), else it cannot run."""
+    name, args, kwargs = opname(c.op), c.args, c.kwargs
+    at = 2 if name in ("norm", "linalg_vector_norm") else 1   # (x, p/ord, dim, keepdim)
+    dims_arg = _arg(args, kwargs, at, "dim")
+    if not (dims_arg is None or isinstance(dims_arg, int) or (
+            isinstance(dims_arg, list) and all(isinstance(x, int) for x in dims_arg))):
+        return None          # not a reduction over dims (max(a, b), a dtype argument)
+    if c.op.target.split(".")[-1] in ("other", "binary"):
         return None
+    keep = _arg(args, kwargs, at + 1, "keepdim", False)
+    if name in ("var", "std", "var_mean", "std_mean"):      # (x, dim, unbiased, keepdim)
+        keep = kwargs.get("keepdim", args[3] if len(args) > 3 else False)
+    od = dims.reduced_dim(len(c.x), dims_arg, bool(keep), c.p.dim)
+    if od is not None:
+        return c.p.with_dim(od)
+    if name in SUMS | MEANS and len(c.outs) == 1:
+        return PARTIAL
     return None
 
 
