@@ -193,6 +193,33 @@ def test_modules_use_only_each_others_public_names():
                          + "\n".join(private))
 
 
+MAX_FUNCTION_LINES = 80       # an orchestration function past this wants named steps
+
+
+def _long_functions(root: pathlib.Path) -> list[str]:
+    out = []
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                lines = node.end_lineno - node.lineno + 1
+                if lines > MAX_FUNCTION_LINES:
+                    out.append(f"{path.relative_to(root)}:{node.lineno} {node.name} "
+                               f"({lines} lines)")
+    return out
+
+
+def test_no_function_is_longer_than_80_lines():
+    """Long functions read as one step each (issue 38): split a function past the limit into
+    steps whose names say their job, with typed values between them."""
+    long = _long_functions(ROOT)
+    assert not long, "functions over 80 lines:\n" + "\n".join(long)
+
+
+def test_the_length_check_sees_a_long_function(tmp_path):
+    (tmp_path / "m.py").write_text("def f():\n" + "    x = 1\n" * 80)
+    assert _long_functions(tmp_path) == ["m.py:1 f (81 lines)"]
+
+
 def test_the_checks_see_circles_and_arrows_up(tmp_path):
     """The two checks above find what they are for, in a package made to have both."""
     pkg = tmp_path / "autoplan"

@@ -25,9 +25,11 @@ make it cheaper, depend on the factors:
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 from autoplan.graph.experts import find_experts
-from autoplan.graph.opgraph import Op, OpGraph, Value
+from autoplan.graph.opgraph import Op, OpGraph, TensorMeta, Value
 from autoplan.graph.products import (ProductSpec, expert_dim, product_names, product_spec,
                                      weight_slot)
 from autoplan.sharding.blocks import block_counts
@@ -196,89 +198,170 @@ def _act_product(graph: OpGraph, op: Op, spec: ProductSpec, t: int) -> list[OpSt
     return res
 
 
+@dataclass(frozen=True)
+class _WeightCall:
+    """One weight-times-activation product, as the splits below read it: which input is the
+    weight (``w``), the activation (``x``) and the bias (``b``), the weight's output letter
+    ``n`` and contracted letter ``k``, and the sequence split the kernels can run."""
+
+    graph: OpGraph
+    op: Op
+    spec: ProductSpec
+    t: int
+    w: int
+    x: int
+    b: int | None
+    n: str
+    k: str
+    f: Any                      # _Factors
+    megatron: bool              # the weight-call kernels can run it
+    sp_p: Placement             # the token split sequence parallelism keeps
+    can_sp: bool
+    merged: Any                 # merged_rows of a 2-D activation, or None
+
+    @property
+    def x_meta(self) -> TensorMeta:
+        return self.graph.value(self.op.inputs[self.x]).meta
+
+    @property
+    def rank(self) -> int:
+        return len(self.f.out)
+
+    def placements(self, x_p: Placement, w_p: Placement, b_p: Placement
+                   ) -> tuple[Placement, ...]:
+        """The op's input placements: x_p on the activation, w_p on the weight, b_p on the
+        bias, every other input whole."""
+        return tuple(x_p if i == self.x else w_p if i == self.w else b_p if i == self.b
+                     else REPLICATE for i in range(len(self.op.inputs)))
+
+
 def _weight_product(graph: OpGraph, op: Op, spec: ProductSpec, w: int, t: int
                     ) -> list[OpStrategy]:
     """A weight (2-D) times an activation: Megatron's splits, then the activation's rows.
     The variants with a kernel (``sp_linear``, ``gathered_weight``; ``rowwise_sp`` with them)
     are offered where the kernels read the call (``ProductSpec.weight_call``)."""
+    c = _weight_call(graph, op, spec, w, t)
+    if c is None:
+        return []
+    tokens = _token_placements(c)
+    return (_column_splits(c) + _row_splits(c) + _token_splits(c, tokens)
+            + _gathered_weight_splits(c, tokens))
+
+
+def _weight_call(graph: OpGraph, op: Op, spec: ProductSpec, w: int, t: int
+                 ) -> _WeightCall | None:
+    """The product read as a weight call, or None where no weight rule applies (the other
+    factor is not an activation, the weight is not 2-D with one output and one contracted
+    letter, or a bias lies along the activation's dim)."""
     x = spec.lhs_slot if w == spec.rhs_slot else spec.rhs_slot
     if not is_activation(graph.value(op.inputs[x])):
-        return []
+        return None
     sub_w, sub_x = spec.subscripts(w), spec.subscripts(x)
     d = spec.dims()
     n = [c for c in sub_w if c in spec.out]
     k = [c for c in sub_w if c in d.contracted]
     if len(sub_w) != 2 or len(n) != 1 or len(k) != 1:
-        return []
-    n, k = n[0], k[0]
+        return None
     megatron = w == spec.rhs_slot and spec.weight_call != ""      # the kernels can run it
     b = bias_slot(graph, op)
     if b in (x, w):
         b = None
     if b is not None and not megatron:
-        return []               # a bias along the activation's dim: no rule splits it here
+        return None             # a bias along the activation's dim: no rule splits it here
     f = _Factors(graph, op, spec, b)
-    xm, wm = graph.value(op.inputs[x]).meta, graph.value(op.inputs[w]).meta
-    out = f.out
-    rank = len(out)
-
-    def ps(x_p: Placement, w_p: Placement, b_p: Placement) -> tuple[Placement, ...]:
-        return tuple(x_p if i == x else w_p if i == w else b_p if i == b else REPLICATE
-                     for i in range(len(op.inputs)))
-    res = []
+    xm = graph.value(op.inputs[x]).meta
     # the token split sequence parallelism keeps: the sequence of (b, s, h), the rows of
     # (tokens, h), one block per sample where the rows are (b, s) merged
     sp = seq_dim(xm.shape)
     can_sp = (megatron and len(xm.shape) >= 2 and divides(xm.shape[sp], t)
-              and len(xm.shape) == rank and sub_x[sp] in spec.out)
+              and len(xm.shape) == len(f.out) and sub_x[sp] in spec.out)
     merged = merged_rows(graph, op.inputs[x]) if len(xm.shape) == 2 else None
     sp_p = shard(sp)
     if merged is not None:
         sp_p = shard(0, merged[0])
         can_sp = can_sp and divides(merged[1], t)
-    n_out = spec.out.index(n)
-    for blocks in (1,) + _blocks(graph)(op.outputs[0], n_out):
-        if not divides(f.size(n), t, blocks):
+    return _WeightCall(graph=graph, op=op, spec=spec, t=t, w=w, x=x, b=b, n=n[0], k=k[0], f=f,
+                       megatron=megatron, sp_p=sp_p, can_sp=can_sp, merged=merged)
+
+
+def _column_splits(c: _WeightCall) -> list[OpStrategy]:
+    """The weight's output letter split (whole, or in fused blocks): ``colwise``, and
+    Megatron's sequence-parallel linear where it can run."""
+    graph, op, f, t = c.graph, c.op, c.f, c.t
+    res = []
+    for blocks in (1,) + _blocks(graph)(op.outputs[0], c.spec.out.index(c.n)):
+        if not divides(f.size(c.n), t, blocks):
             continue
         sfx = "" if blocks == 1 else f"_blocks{blocks}"
-        col_in = f.inputs(n, blocks)
-        res.append(make(graph, op, "colwise" + sfx, col_in, (f.output(n, blocks),), t,
+        col_in = f.inputs(c.n, blocks)
+        res.append(make(graph, op, "colwise" + sfx, col_in, (f.output(c.n, blocks),), t,
                         style="colwise"))
-        if can_sp:
+        if c.can_sp:
             # Megatron's sequence-parallel linear: the input is gathered inside the product
             # and again in backward, so only its shard is kept for backward
-            regather = ((Comm("all_gather", op.inputs[x], "bwd"),)
-                        if graph.value(op.inputs[w]).requires_grad else ())
+            regather = ((Comm("all_gather", op.inputs[c.x], "bwd"),)
+                        if graph.value(op.inputs[c.w]).requires_grad else ())
             res.append(make(graph, op, "colwise_sp" + sfx,
-                            ps(sp_p, col_in[w], col_in[b] if b is not None else REPLICATE),
-                            (f.output(n, blocks),), t, style="colwise_sp",
+                            c.placements(c.sp_p, col_in[c.w],
+                                         col_in[c.b] if c.b is not None else REPLICATE),
+                            (f.output(c.n, blocks),), t, style="colwise_sp",
                             local_inputs=col_in, kernel=SP_LINEAR, extra=regather))
-    if divides(f.size(k), t):
-        row_in = f.inputs(k, bias=REPLICATE)
-        kernel = BIAS_AFTER_REDUCE if b is not None else ""
-        res.append(make(graph, op, "rowwise", row_in, (REPLICATE,), t, style="rowwise",
-                        kernel=kernel, local_outputs=(PARTIAL,)))
-        if can_sp or (megatron and len(xm.shape) == rank and rank >= 2 and divides(out[sp], t)
-                      and merged is None and sub_x[sp] in spec.out):
-            res.append(make(graph, op, "rowwise_sp", row_in, (sp_p,), t,
-                            style="rowwise_sp", kernel=kernel, local_outputs=(PARTIAL,)))
-    # token splits: the batch, the sequence (the rows of a 2-D input: ``row_splits``)
-    tokens: list[tuple[str, Placement, Placement]] = []
-    if rank == 2 and len(xm.shape) == rank and sub_x.find(spec.out[0]) == 0:
-        tokens = [(label, p, p) for label, p in row_splits(out[0], merged, t)]
-    elif rank >= 3 and len(xm.shape) == rank:
-        tokens = [(label, shard(sub_x.index(spec.out[j])), shard(j))
-                  for j, label in ((0, "batch"), (1, "seq"))
-                  if spec.out[j] in sub_x and divides(out[j], t)]
-    for label, p_x, p_out in tokens:
-        res.append(make(graph, op, label, ps(p_x, REPLICATE, REPLICATE), (p_out,), t,
-                        style=label))
-    weight = graph.value(op.inputs[w])
-    if megatron and weight.kind == "param" and divides(wm.shape[0], t):
-        # the weight stored split, gathered for the product (FSDP on this axis) and in backward
-        regather = ((Comm("all_gather", op.inputs[w], "bwd"),) if weight.requires_grad else ())
-        for label, p_x, p_out in tokens:
-            res.append(make(graph, op, f"{label}_gathered", ps(p_x, shard(0), REPLICATE),
-                            (p_out,), t, style=label, kernel=GATHERED_WEIGHT,
-                            local_inputs=ps(p_x, REPLICATE, REPLICATE), extra=regather))
     return res
+
+
+def _row_splits(c: _WeightCall) -> list[OpStrategy]:
+    """The contracted letter split: partial sums reduced after the product (``rowwise``), or
+    reduce-scattered onto the sequence (``rowwise_sp``)."""
+    graph, op, f, t = c.graph, c.op, c.f, c.t
+    if not divides(f.size(c.k), t):
+        return []
+    row_in = f.inputs(c.k, bias=REPLICATE)
+    kernel = BIAS_AFTER_REDUCE if c.b is not None else ""
+    res = [make(graph, op, "rowwise", row_in, (REPLICATE,), t, style="rowwise",
+                kernel=kernel, local_outputs=(PARTIAL,))]
+    xm, out, rank = c.x_meta, f.out, c.rank
+    sp = seq_dim(xm.shape)
+    if c.can_sp or (c.megatron and len(xm.shape) == rank and rank >= 2
+                    and divides(out[sp], t) and c.merged is None
+                    and c.spec.subscripts(c.x)[sp] in c.spec.out):
+        res.append(make(graph, op, "rowwise_sp", row_in, (c.sp_p,), t,
+                        style="rowwise_sp", kernel=kernel, local_outputs=(PARTIAL,)))
+    return res
+
+
+def _token_placements(c: _WeightCall) -> list[tuple[str, Placement, Placement]]:
+    """(label, activation placement, output placement) of each token split: the batch, the
+    sequence (the rows of a 2-D input: ``row_splits``)."""
+    spec, out, rank, t = c.spec, c.f.out, c.rank, c.t
+    sub_x = spec.subscripts(c.x)
+    if len(c.x_meta.shape) != rank:
+        return []
+    if rank == 2 and sub_x.find(spec.out[0]) == 0:
+        return [(label, p, p) for label, p in row_splits(out[0], c.merged, t)]
+    if rank >= 3:
+        return [(label, shard(sub_x.index(spec.out[j])), shard(j))
+                for j, label in ((0, "batch"), (1, "seq"))
+                if spec.out[j] in sub_x and divides(out[j], t)]
+    return []
+
+
+def _token_splits(c: _WeightCall, tokens: list[tuple[str, Placement, Placement]]
+                  ) -> list[OpStrategy]:
+    """The activation's tokens split, the weight whole."""
+    return [make(c.graph, c.op, label, c.placements(p_x, REPLICATE, REPLICATE), (p_out,), c.t,
+                 style=label) for label, p_x, p_out in tokens]
+
+
+def _gathered_weight_splits(c: _WeightCall, tokens: list[tuple[str, Placement, Placement]]
+                            ) -> list[OpStrategy]:
+    """The token splits with the weight stored split, gathered for the product (FSDP on this
+    axis) and again in backward."""
+    weight = c.graph.value(c.op.inputs[c.w])
+    if not (c.megatron and weight.kind == "param" and divides(weight.meta.shape[0], c.t)):
+        return []
+    regather = ((Comm("all_gather", c.op.inputs[c.w], "bwd"),) if weight.requires_grad
+                else ())
+    return [make(c.graph, c.op, f"{label}_gathered", c.placements(p_x, shard(0), REPLICATE),
+                 (p_out,), c.t, style=label, kernel=GATHERED_WEIGHT,
+                 local_inputs=c.placements(p_x, REPLICATE, REPLICATE), extra=regather)
+            for label, p_x, p_out in tokens]
