@@ -25,9 +25,9 @@ __all__ = ["AutoplanError", "Cluster", "ClusterError", "ConfigError", "Estimate"
 
 def __getattr__(name: str):
     if name in ("compile", "Trainer"):
-        from autoplan.runtime import trainer
+        from autoplan.runtime import trainer    # lazily: planning never loads the runtime
         return getattr(trainer, name)
     if name == "Example":
-        from autoplan.models.registry import Example
+        from autoplan.models.registry import Example    # lazily: the models need torch.nn
         return Example
     raise AttributeError(f"module 'autoplan' has no attribute {name!r}")

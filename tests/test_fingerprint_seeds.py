@@ -4,7 +4,7 @@ in. Hugging Face Gemma 3 and ModernBERT loop over a ``set`` of layer types, so t
 rotary-embedding chains swap places with ``PYTHONHASHSEED``: a plan made in one process must
 load and run in processes with other hash seeds.
 
-Run as a script (``python tests/test_fingerprint_seeds.py plan|run|check DIR``), this file is the
+Run as a script (``python tests/test_fingerprint_seeds.py plan|check DIR``), this file is the
 subprocess the last test starts under each hash seed."""
 
 import hashlib
@@ -135,21 +135,10 @@ def _trace(name):
     return trace(model, (ids,), loss_fn=_loss, targets=ids)
 
 
-def _rank(rank, world, name, plan_path):
-    import torch
-    import autoplan
-    model, ids = _model(name)
-    trainer = autoplan.compile(model, "local", example_inputs=(ids,), example_targets=ids,
-                               loss_fn=_loss, optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3),
-                               global_batch_size=GBS, plan=plan_path)
-    return [trainer.step((ids, ids)) for _ in range(2)]
-
-
 def _subprocess(step, folder):
     """One step in this process (its PYTHONHASHSEED is the test's choice)."""
     import autoplan
     from autoplan.planner.loading import load_plan
-    out = {}
     for name in MODELS:
         graph = _trace(name)
         (folder / f"{name}.{step}.graph.json").write_text(graph.to_json())
@@ -157,12 +146,8 @@ def _subprocess(step, folder):
         if step == "plan":
             autoplan.plan(graph, autoplan.Cluster.local(2), global_batch_size=GBS, profile=None,
                           force={"tp": 2}).save(plan_path)
-        elif step == "check":
-            load_plan(plan_path, graph=graph)
         else:
-            from tests.distributed import run_ranks
-            out[name] = run_ranks(_rank, 2, name, str(plan_path))
-    (folder / f"{step}.json").write_text(json.dumps(out))
+            load_plan(plan_path, graph=graph)
 
 
 def _start(step, folder, seed):
@@ -172,21 +157,20 @@ def _start(step, folder, seed):
     assert done.returncode == 0, f"{step} under PYTHONHASHSEED={seed}:\n{done.stderr[-3000:]}"
 
 
-def test_gemma3_and_modernbert_plans_run_under_other_hash_seeds(tmp_path):
+def test_gemma3_and_modernbert_plans_load_under_other_hash_seeds(tmp_path):
+    """A plan made under one hash seed loads (fingerprint checked) in a process under another,
+    whose trace has the rotary chains the other way round. (That such ranks also train like one
+    process, each under a seed of its own, is tests/test_plan_seeds.py's.)"""
     pytest.importorskip("transformers")
     # seeds 1 and 0 iterate {"sliding_attention", "full_attention"} in opposite orders
     _start("plan", tmp_path, seed=1)
-    _start("run", tmp_path, seed=0)
-    _start("check", tmp_path, seed=7)
+    _start("check", tmp_path, seed=0)
     for name in MODELS:
-        planned, ran = (json.loads((tmp_path / f"{name}.{s}.graph.json").read_text())
-                        for s in ("plan", "run"))
-        # the traces really differ in order (the old, positional fingerprint refused them) ...
-        assert [op["params"] for op in planned["ops"]] != [op["params"] for op in ran["ops"]]
-        assert _positional_fingerprint(planned) != _positional_fingerprint(ran)
-        # ... and the plan ran: every rank the same finite losses
-        losses = json.loads((tmp_path / "run.json").read_text())[name]
-        assert losses[0] == losses[1] and all(x == x and x < 1e3 for x in losses[0])
+        planned, checked = (json.loads((tmp_path / f"{name}.{s}.graph.json").read_text())
+                            for s in ("plan", "check"))
+        # the traces really differ in order (the old, positional fingerprint refused them)
+        assert [op["params"] for op in planned["ops"]] != [op["params"] for op in checked["ops"]]
+        assert _positional_fingerprint(planned) != _positional_fingerprint(checked)
 
 
 if __name__ == "__main__":

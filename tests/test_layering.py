@@ -16,6 +16,7 @@ Python runs on the way are not counted. An import inside a function (made when f
 kept only for a reason written beside it: import time of ``autoplan``, an optional dependency.
 Such an import may close a circle only when its line says so, with a comment holding
 ``lazily:`` and the reason (``from autoplan.x import y  # lazily: ...``); none does today.
+Outside ``cli/`` every import of an autoplan module inside a function carries such a reason.
 
 What a module's neighbours use it exports under a public name: no module takes a private name
 (``_x``, not ``__x__``) of another, by ``from autoplan.m import _x`` or as ``m._x``.
@@ -191,6 +192,45 @@ def test_modules_use_only_each_others_public_names():
     assert not private, ("private names used across modules (make them public where a "
                          "neighbour needs them, or move the code to where it is used):\n"
                          + "\n".join(private))
+
+
+def _unexplained_lazy_imports(root: pathlib.Path = ROOT) -> list[str]:
+    """Imports of the package's own modules made inside a function without a ``lazily:``
+    reason on their line, outside ``cli/`` (whose commands import what they run when they run:
+    its package docstring says why)."""
+    out = []
+    for path in sorted(root.rglob("*.py")):
+        rel = path.relative_to(root).as_posix()
+        if rel.startswith("cli/"):
+            continue
+        source = path.read_text()
+        lines = source.splitlines()
+        for f in ast.walk(ast.parse(source)):
+            if not isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            for node in ast.walk(f):
+                if (isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0]
+                        == root.name and LAZY_REASON not in lines[node.lineno - 1]):
+                    out.append(f"{rel}:{node.lineno} {lines[node.lineno - 1].strip()}")
+    return sorted(set(out))
+
+
+def test_imports_inside_functions_say_why():
+    """An import made when first needed hides an edge of the import graph from a reader: it is
+    kept only where its line says why (``# lazily: import time of autoplan``, an optional
+    dependency); everything else imports at the top of its module."""
+    lazy = _unexplained_lazy_imports()
+    assert not lazy, ("imports inside functions without a '# lazily: <reason>' (move them to "
+                      "the top of the module, or say why):\n" + "\n".join(lazy))
+
+
+def test_the_lazy_import_check_sees_one(tmp_path):
+    pkg = tmp_path / "autoplan"
+    (pkg / "cli").mkdir(parents=True)
+    (pkg / "a.py").write_text("def f():\n    from autoplan import b\n")
+    (pkg / "b.py").write_text("def f():\n    from autoplan import a  # lazily: a test\n")
+    (pkg / "cli" / "c.py").write_text("def f():\n    from autoplan import a\n")
+    assert _unexplained_lazy_imports(pkg) == ["a.py:2 from autoplan import b"]
 
 
 MAX_FUNCTION_LINES = 80       # an orchestration function past this wants named steps

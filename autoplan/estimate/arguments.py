@@ -24,6 +24,10 @@ from typing import Any
 
 from autoplan.cluster import Cluster
 from autoplan.errors import AutoplanError, ConfigError
+from autoplan.cluster.profile_db import ProfileDB
+from autoplan.sharding.sharding import Sharding
+from autoplan.sharding.parallel_config import ParallelConfig
+from autoplan.sharding.parallel_config import RECOMPUTE
 
 MAX_GLOBAL_BATCH = 1 << 24
 MAX_PIPELINE_MICROBATCHES = 4096
@@ -84,7 +88,6 @@ def capacity_arg(factor: Any) -> float:
 def profile_arg(profile: Any, cluster: Cluster, who: str) -> Any:
     """A ProfileDB, None (roofline only), "auto" (the installed profile of the cluster's device)
     or a path to a profile file."""
-    from autoplan.cluster.profile_db import ProfileDB
     if profile is None or isinstance(profile, ProfileDB):
         return profile
     if profile == "auto":
@@ -122,7 +125,6 @@ def margin_arg(margin: Any, who: str) -> float | None:
 def estimate_options_arg(*, memory_margin_bytes: Any, sharding: Any, simulate_pipeline: Any,
                          who: str = "estimate()") -> None:
     """``estimate``'s keyword options other than the model, the cluster and the batch."""
-    from autoplan.sharding.sharding import Sharding
     margin_arg(memory_margin_bytes, who)
     if sharding is not None and not isinstance(sharding, Sharding):
         raise ConfigError(f"{who}: sharding must be None (Megatron-LM's rule for config.tp) or "
@@ -135,7 +137,6 @@ def estimate_options_arg(*, memory_margin_bytes: Any, sharding: Any, simulate_pi
 
 def config_fields() -> list[str]:
     """The ParallelConfig fields ``force`` may pin, in declaration order."""
-    from autoplan.sharding.parallel_config import ParallelConfig
     return [f.name for f in fields(ParallelConfig)]
 
 
@@ -144,7 +145,6 @@ def force_arg(force: Any, who: str) -> dict:
     fields are refused listing the valid ones (with the nearest name when one is close)."""
     import difflib
 
-    from autoplan.sharding.parallel_config import ParallelConfig
     if not isinstance(force, dict):
         raise ConfigError(f"{who}: force must be a dict of ParallelConfig fields, e.g. "
                           f"{{'tp': 2, 'zero_stage': 3}}, got {force!r:.60}")
@@ -195,8 +195,6 @@ def _is_kind(value: Any, kind: str) -> bool:
 
 def search_options_arg(opts: Any, *, progress: Any, who: str = "plan()") -> None:
     """``plan``'s search options (``SearchOptions`` fields) and its ``progress`` callback."""
-    from autoplan.sharding.parallel_config import RECOMPUTE
-    from autoplan.sharding.sharding import Sharding
 
     def refuse(name: str, want: str) -> None:
         raise ConfigError(f"{who}: {name} must be {want}, got {getattr(opts, name)!r:.60}")

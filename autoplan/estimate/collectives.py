@@ -19,6 +19,7 @@ from autoplan.estimate.chunk_cost import comm_bytes
 from autoplan.graph.opgraph import OpGraph
 from autoplan.sharding.parallel_config import ParallelConfig
 from autoplan.sharding.sharding import Sharding
+from autoplan.cost.dtypes import held_bytes, own_sizes
 
 
 @dataclass(frozen=True)
@@ -30,7 +31,6 @@ class Expected:
 def expected_collectives(graph: OpGraph, config: ParallelConfig, sh: Sharding, *,
                          global_batch_size: int, layer_ranges: list[tuple[int, int]],
                          fsdp_units: int, device_kind: str = "cpu") -> dict[str, Expected]:
-    from autoplan.cost.dtypes import held_bytes, own_sizes
     a = analyze(graph)
     held = held_bytes(graph, config.precision, config.mixed_precision, device_kind)
     m = config.microbatches(global_batch_size)

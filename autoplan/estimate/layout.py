@@ -25,6 +25,9 @@ from autoplan.sharding.parallel_config import (MULTI_CHUNK_SCHEDULES, RECOMPUTE,
 from autoplan.estimate.partition import (Chunk, Split, UnitChoice, chunks_from_counts,
                                          min_max_split, partition, pipeline_units)
 from autoplan.estimate.schedule_orders import W_KEEPS, order_peak_chunks
+from autoplan.sharding.parallel_config import SPLIT_BACKWARD
+from autoplan.estimate.pipeline_sim import W_FRACTION
+from autoplan.estimate.chunk_cost import chunk_parts
 
 
 def in_flight(config: ParallelConfig, m: int, stage: int) -> float:
@@ -172,8 +175,6 @@ def step_floor_s(ci: CostInputs, m: int, policies: Sequence[str]) -> float:
     forwards, at least the smallest forward share of any part under the costliest policy (a
     stage's share is a weighted mean of its parts'). Communication beyond the tp axis, the
     optimizer step and the overheads only add to it."""
-    from autoplan.sharding.parallel_config import SPLIT_BACKWARD
-    from autoplan.estimate.pipeline_sim import W_FRACTION
     config = ci.config
     p, v = config.pp, config.virtual_stages
     order = [r for r in RECOMPUTE if r in policies] or ["none"]
@@ -189,7 +190,6 @@ def step_floor_s(ci: CostInputs, m: int, policies: Sequence[str]) -> float:
 def _floor_parts(ci: CostInputs, cheapest: str, costliest: str) -> tuple[float, float]:
     """The model's seconds per micro-batch (its layers under ``cheapest``, the ops around them
     as they are), and the smallest forward share of any of those parts under ``costliest``."""
-    from autoplan.estimate.chunk_cost import chunk_parts
     (whole,) = chunks_from_counts(ci.graph, [len(pipeline_units(ci.graph))])
     like = {(u.start, u.stop): u.like for u in whole.units}
 

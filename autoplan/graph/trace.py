@@ -31,6 +31,7 @@ from autoplan.gc_pause import with_fewer_collections
 from autoplan.graph.blocks import find_blocks, outermost_indexed
 from autoplan.graph.opgraph import Op, OpGraph, TensorMeta, Value
 from autoplan.graph.oprules import OpCall, io_bytes, rule_for
+from autoplan.graph import stamp
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
 
@@ -181,7 +182,6 @@ def trace(model: nn.Module, example_inputs: Sequence[Any], *,
     Raises ``TraceError`` naming the failing module and source line when export fails.
     """
     if fold_repeats and isinstance(model, nn.Module):
-        from autoplan.graph import stamp
         found = stamp.repeated_list(model)
         if found is not None:
             container, _mod, n = found

@@ -28,6 +28,8 @@ from autoplan.models.llama import LLAMA_CONFIGS, Llama
 from autoplan.models.mlp import MLP, MLP_CONFIGS, MLPConfig
 from autoplan.models.resnet import RESNET_CONFIGS, ResNet, ResNetConfig
 from autoplan.models.zoo import ZOO_CONFIGS, ZooConfig, build_zoo, inputs_kind
+from autoplan.errors import AutoplanError
+from autoplan.errors import ConfigError
 
 LossFn = Callable[[Any, Any], torch.Tensor]
 
@@ -61,7 +63,6 @@ class Example:
         rest of an Example (``family``, ``config``) describes autoplan's own example models
         and is filled in. A function of no arguments returning this is what ``autoplan plan``,
         ``run``, ``verify`` and ``emulate`` take as ``--model package.module:function``."""
-        from autoplan.errors import ConfigError
         if not isinstance(model, nn.Module):
             raise ConfigError(f"Example.from_model: model must be a torch.nn.Module, got "
                               f"{type(model).__name__}")
@@ -380,7 +381,6 @@ def load_user_example(spec: str) -> Example:
     import inspect
     import sys
 
-    from autoplan.errors import AutoplanError
     mod_name, _, fn_name = spec.partition(":")
     usage = "give 'package.module:function', e.g. 'mymodels:make_example'"
     if not (all(p.isidentifier() for p in mod_name.split(".")) and fn_name.isidentifier()):

@@ -56,6 +56,8 @@ from autoplan.runtime.steps import LocalSteps, PipelineSteps, Trainer
 from autoplan.sharding.mesh_axes import STAGE_AXES
 from autoplan.sharding.mesh_axes import MeshAxis as A
 from autoplan.sharding.parallel_config import SPLIT_BACKWARD
+from autoplan.runtime.program import OP
+from autoplan.runtime.program_calls import call_scatter
 
 
 @dataclass(frozen=True)
@@ -183,8 +185,6 @@ def program_digest(ex: Exported, program: Program) -> str:
     as their ops' canonical keys (``OpGraph.op_keys``): equal on every rank of a plan."""
     import hashlib
 
-    from autoplan.runtime.program import OP
-    from autoplan.runtime.program_calls import call_scatter
     keys = ex.graph.op_keys()
     names = [op.name for op in ex.graph.ops]
     slots = {"_autoplan_comm", "_autoplan_cp_comm"}      # what a communicating call reads

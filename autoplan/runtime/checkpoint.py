@@ -53,6 +53,9 @@ from autoplan.runtime.checkpoint_files import (DTYPES, FORMAT, LATEST, META_FILE
                                                resolve, step_dir, write_atomic)
 from autoplan.runtime.checkpoint_pieces import Layout, Pieces, layout_of
 from autoplan.runtime.optim import wait_gathers
+from autoplan.runtime.optim import HostOffloadOptimizer, TensorShardedOptimizer
+from autoplan.runtime.optim import local_tensor as _local
+from autoplan.runtime.checkpoint_dir import claim
 
 
 
@@ -96,7 +99,6 @@ def held_state(trainer: Any) -> dict[str, Held]:
 def optimizer_slots(opt: Any) -> list[tuple[torch.optim.Optimizer, dict[int, torch.Tensor]]]:
     """Each torch optimizer inside ``opt`` with, per tensor it steps (by id), the model
     parameter that tensor stands for (itself, or the one a host-offloaded copy mirrors)."""
-    from autoplan.runtime.optim import HostOffloadOptimizer, TensorShardedOptimizer
     if isinstance(opt, TensorShardedOptimizer):
         return optimizer_slots(opt.inner) if opt.inner is not None else []
     if isinstance(opt, HostOffloadOptimizer):
@@ -528,8 +530,6 @@ def _restore_counters(trainer: Any, step: Path, meta: dict[str, Any],
 
 def _refresh_host_copies(opt: Any) -> None:
     """Host-offloaded master weights take the loaded parameters' values."""
-    from autoplan.runtime.optim import HostOffloadOptimizer, TensorShardedOptimizer
-    from autoplan.runtime.optim import local_tensor as _local
     if isinstance(opt, TensorShardedOptimizer):
         if opt.inner is not None:
             _refresh_host_copies(opt.inner)
@@ -565,7 +565,6 @@ class Checkpointing:
 
     def _claim(self, root: Path, *, overwrite: bool) -> None:
         """Rank 0 claims ``root`` once per trainer; every rank raises its refusal alike."""
-        from autoplan.runtime.checkpoint_dir import claim
         claimed = self.__dict__.setdefault("_claimed_dirs", set())
         key = str(root.resolve())
         if key in claimed:

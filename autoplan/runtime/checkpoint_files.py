@@ -15,6 +15,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 
 from autoplan.errors import CheckpointError
+from autoplan.safe_io import parse_json, read_text
+from autoplan.safe_io import integer, number, text
 
 FORMAT = "autoplan-checkpoint"
 VERSION = 1
@@ -102,7 +104,6 @@ def prune(root: Path, *, keep_last: int, just_written: Path) -> list[Path]:
 def read_meta(step: Path) -> dict[str, Any]:
     """The checkpoint's description, read with the hardened reader and checked all through
     (a hand-edited or damaged file is refused with where it is wrong)."""
-    from autoplan.safe_io import parse_json, read_text
     what = "checkpoint description"
     meta = parse_json(read_text(step / META_FILE, what=what, error=CheckpointError), what=what,
                       error=CheckpointError)
@@ -117,7 +118,6 @@ def read_meta(step: Path) -> dict[str, Any]:
 
 def check_meta(meta: dict[str, Any], where: str) -> None:
     """Every field ``load`` and ``export`` read has the type and range they need."""
-    from autoplan.safe_io import integer, number, text
     err = CheckpointError
 
     def obj(v: Any, path: str) -> dict[str, Any]:

@@ -33,6 +33,9 @@ from autoplan.runtime.state import (LocalState, keep_out_of_state_dict,
                                     non_persistent_buffers, register_aliases, tied_names)
 from autoplan.sharding.sharding import Sharding, as_inputs_come
 from autoplan.sharding.strategies import strategies_by_name
+from autoplan.errors import ConfigError
+from autoplan.sharding.context_axis import context_axis
+from autoplan.runtime.tp_comm import AxisComm
 
 
 @dataclass
@@ -199,8 +202,6 @@ def lower(model: nn.Module, ex: Exported, *, t: int, tp_rank: int, device: torch
     pipeline rank holds it) and stays an unallocated placeholder. ``ep`` (size, index): the
     expert-parallel group, whose experts this rank holds. ``cp``: the context-parallel
     degree (the sequence split over an axis of its own)."""
-    from autoplan.errors import ConfigError
-    from autoplan.sharding.context_axis import context_axis
     try:
         axis = context_axis(ex.graph, cp)
     except ConfigError as e:
@@ -242,7 +243,6 @@ def connect(slot: Any, *, tp: tuple[Any, int, int], dp: tuple[Any, int, int],
     data x tensor-parallel group (the whole job when not pipelined), the expert-parallel
     group of the grouped products' token exchanges, and the context-parallel axis (its own
     slot, ``cp_slot``)."""
-    from autoplan.runtime.tp_comm import AxisComm
     if cp_slot is not None and cp is not None and cp[1] > 1:
         cp_slot.comm = AxisComm(*cp)
     if ep is not None and ep[1] > 1:

@@ -29,6 +29,11 @@ import torch.distributed as dist
 
 from autoplan.errors import PlanError
 from autoplan.sharding.mesh_axes import MeshAxis
+from autoplan.runtime.optim import local_tensor
+from autoplan.runtime.trainer import compile
+from autoplan.cluster import Cluster
+from autoplan.errors import ClusterError
+from autoplan.estimate.arguments import cluster_arg
 
 
 @dataclass(frozen=True)
@@ -186,7 +191,6 @@ def _alive(trainer: Any) -> list[torch.Tensor]:
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
-    from autoplan.runtime.optim import local_tensor
     return local_tensor(t)
 
 
@@ -207,7 +211,6 @@ def emulate(plan: Any, model: torch.nn.Module, *, example_inputs: Sequence[Any],
     where it came from a file (a preset's is rebuilt from the plan)."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from autoplan.runtime.trainer import compile
     cfg = plan.config
     world = cfg.world_size
     if not (isinstance(rank, int) and 0 <= rank < world):
@@ -269,9 +272,6 @@ def plan_cluster(plan: Any, spec: Any = None) -> Any:
     when it came from a file), else the plan's preset rebuilt at its node count, else this
     machine with the plan's world (the plan then runs with its prediction marked stale, which
     is what is compared anyway)."""
-    from autoplan.cluster import Cluster
-    from autoplan.errors import ClusterError
-    from autoplan.estimate.arguments import cluster_arg
     if spec is not None:
         return cluster_arg(spec, "emulate()")
     try:

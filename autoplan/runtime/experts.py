@@ -39,6 +39,9 @@ import torch
 
 from autoplan.runtime import tp_comm
 from autoplan.runtime.kernels import set_arg
+from autoplan.graph.experts import find_experts
+from autoplan.runtime.tp_comm import no_grad_gather
+from autoplan.sharding.placement import shard
 
 
 @dataclass
@@ -167,7 +170,6 @@ def expert_parameters(modules: Any, graph: Any, ep: int) -> dict[str, torch.nn.P
     trainable ones only; none when ``ep`` is 1."""
     if ep == 1:
         return {}
-    from autoplan.graph.experts import find_experts
     found = find_experts(graph)
     names = set(found.params) if found is not None else set()
     out: dict[str, torch.nn.Parameter] = {}
@@ -184,8 +186,6 @@ def gather_slabs(sd: dict[str, torch.Tensor], names: Any, comm: Any) -> dict[str
     group (a collective over it)."""
     if comm is None:
         return sd
-    from autoplan.runtime.tp_comm import no_grad_gather
-    from autoplan.sharding.placement import shard
     out = dict(sd)
     for name in sorted(set(names) & set(sd)):
         out[name] = no_grad_gather(sd[name].contiguous(), comm, shard(0))

@@ -22,6 +22,7 @@ from torch.distributed.tensor import DTensor
 
 from autoplan.errors import PlanError
 from autoplan.sharding.mesh_axes import MeshAxis
+from autoplan.runtime.checkpoint import held_state
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -59,7 +60,6 @@ class GradSet:
 def grad_set(trainer: Any, *, shared_elsewhere: set[str] = frozenset()) -> GradSet:
     """The parameters of ``trainer`` (this rank) with the counting rule above.
     ``shared_elsewhere``: names of weights a lower pipeline rank also holds."""
-    from autoplan.runtime.checkpoint import held_state
     cfg = trainer.config
     tp_index = cfg.dims.index(trainer.rank, MeshAxis.TP)
     dp_index = trainer.dp_index

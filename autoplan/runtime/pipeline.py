@@ -34,6 +34,9 @@ from autoplan.graph.opgraph import OpGraph
 from autoplan.planner.plan_vs_model import chunks_in_model_order
 from autoplan.runtime.optim import local_tensor
 from autoplan.sharding.mesh_axes import MeshAxis
+from autoplan.runtime.program_modules import layer_ranges
+from autoplan.runtime.checkpoint import canonical_name
+from autoplan.runtime.program import VAL
 
 SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B",
              "interleaved_1f1b": "ScheduleInterleaved1F1B",
@@ -70,7 +73,6 @@ def chunk_specs(plan: Any) -> list[ChunkSpec]:
 
 def chunk_cuts(graph: OpGraph, specs: Sequence[ChunkSpec]) -> list[int]:
     """Op indices where the chunks start (and the op count at the end)."""
-    from autoplan.runtime.program_modules import layer_ranges
     start = {path: s for path, s, _ in layer_ranges(graph)}
     cuts = [0]
     for spec in specs[1:]:
@@ -178,7 +180,6 @@ def shared_elsewhere(held: list[list[str]], cfg: Any, pp_index: int,
                       ) -> frozenset[str]:
     """Checkpoint names of the weights this rank holds that a lower pipeline rank holds too
     (counted once in the global gradient norm: there)."""
-    from autoplan.runtime.checkpoint import canonical_name
     first: dict[str, int] = {}
     mine: set[str] = set()
     for c, names in enumerate(held):
@@ -193,7 +194,6 @@ def shared_elsewhere(held: list[list[str]], cfg: Any, pp_index: int,
 
 def metas(nodes: Sequence[Any]) -> tuple[torch.Tensor, ...]:
     """Meta tensors standing for what program nodes carry (recorded by the shape check)."""
-    from autoplan.runtime.program import VAL
     out = []
     for n in nodes:
         shape, dtype, grad = n.meta[VAL]

@@ -27,6 +27,7 @@ from torch import fx
 
 from autoplan.errors import PlanError
 from autoplan.runtime.program import OP
+from autoplan.estimate.partition import pipeline_units
 
 
 def op_of(node: fx.Node, seen: dict[fx.Node, int | None]) -> int | None:
@@ -231,5 +232,4 @@ def split_chunks(gm: fx.GraphModule, cuts: Sequence[int]) -> list[Chunk]:
 
 def layer_ranges(graph: Any) -> list[tuple[str, int, int]]:
     """(path, start, stop) of every pipeline unit (a child of the layer container)."""
-    from autoplan.estimate.partition import pipeline_units
     return [(u.path, u.start, u.stop) for u in pipeline_units(graph)]

@@ -17,6 +17,7 @@ from torch import nn
 from autoplan.errors import PlanError
 from autoplan.runtime.tp_comm import local_piece
 from autoplan.sharding.placement import Placement, local_shape
+from autoplan.runtime.tp_comm import no_grad_gather
 
 
 class LocalState:
@@ -171,7 +172,6 @@ def gather_tensor_parallel(sd: dict[str, torch.Tensor], placements: dict[str, Pl
                            aliases: dict[str, tuple[str, ...]], comm: Any) -> dict[str, torch.Tensor]:
     """The state dict with every tensor split over the tensor-parallel axis gathered whole
     (a collective over that axis: every rank of it must call it, in the same order)."""
-    from autoplan.runtime.tp_comm import no_grad_gather
     out = {}
     for name in sorted(sd):
         t = sd[name]

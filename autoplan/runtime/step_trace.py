@@ -15,6 +15,7 @@ import time
 from typing import Any
 
 import torch
+from autoplan.estimate.attribution import MATMUL_OPS
 
 
 def record_steps(trainer: Any, batch: Any, steps: int) -> dict[str, Any]:
@@ -27,7 +28,6 @@ def record_steps(trainer: Any, batch: Any, steps: int) -> dict[str, Any]:
             t0 = time.perf_counter()
             trainer.step(batch)
             step_s.append(time.perf_counter() - t0)
-    from autoplan.estimate.attribution import MATMUL_OPS
 
     def under_matmul(e: Any) -> bool:
         p = e.cpu_parent

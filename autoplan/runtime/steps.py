@@ -33,6 +33,9 @@ from autoplan.runtime.batch_check import BatchSpec, check_batch
 from autoplan.runtime.checkpoint import Checkpointing
 from autoplan.runtime.grads import GradientStep, LossScaler, finish_step
 from autoplan.runtime.optim import local_tensor, wait_gathers
+from autoplan.runtime.experts import gather_slabs
+from autoplan.runtime.parallelize import full_state_dict
+from autoplan.runtime.state import gather_tensor_parallel
 
 
 @dataclass
@@ -225,9 +228,6 @@ class Trainer(Checkpointing, GradientStep):
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Parameters and buffers as full tensors (gathered over dp, tp and ep), on the CPU,
         on every rank of this rank's pipeline stage (a collective: every rank calls it)."""
-        from autoplan.runtime.experts import gather_slabs
-        from autoplan.runtime.parallelize import full_state_dict
-        from autoplan.runtime.state import gather_tensor_parallel
         wait_gathers(self.optimizer)
         modules = (self.runner.chunks[c] for c in sorted(self.runner.chunks)) \
             if isinstance(self.runner, PipelineSteps) else (self.runner.module,)

@@ -29,6 +29,13 @@ from autoplan.runtime.batch_check import BatchSpec
 from autoplan.runtime.checkpoint import optimizer_slots
 from autoplan.runtime.grads import LossScaler
 from autoplan.runtime.steps import Trainer
+from autoplan.cluster import Cluster
+from autoplan.estimate.arguments import batch_arg, cluster_arg
+from autoplan.planner.planfile import plan_mismatch, stale_prediction
+from autoplan.graph.trace import trace
+from autoplan.runtime.build import BuildInputs, build_rank
+from autoplan.planner.search import plan as make_plan
+from autoplan.planner.search_space import selective_compiles
 
 COLLECTIVE_TIMEOUT_S = int(os.environ.get("AUTOPLAN_COLLECTIVE_TIMEOUT_S", "120"))
 
@@ -119,9 +126,6 @@ def compile(model: nn.Module, cluster: Any = "local", *, example_inputs: Sequenc
     latest is taken, or one step directory), saved under this plan or any other: the model,
     optimizer, step count, RNG and scheduler continue from it.
     """
-    from autoplan.cluster import Cluster
-    from autoplan.estimate.arguments import cluster_arg
-    from autoplan.planner.planfile import stale_prediction
     cluster = Cluster.local_job() if cluster == "local" else cluster_arg(cluster, "compile()")
     trainer = _compile(model, cluster, example_inputs=example_inputs, optimizer=optimizer,
                        global_batch_size=global_batch_size, loss_fn=loss_fn,
@@ -158,9 +162,6 @@ def _compile(model: nn.Module, cluster: Any, *, example_inputs: Sequence[Any],
     loaded or checked against it; what this runtime cannot run refused; the job's batch and
     world size checked: all before any collective, so a wrong plan fails on every rank with
     the same message. Then the process group and device, and ``build.build_rank``."""
-    from autoplan.cluster import Cluster
-    from autoplan.estimate.arguments import batch_arg, cluster_arg
-    from autoplan.graph.trace import trace
     world_env = int(os.environ.get("WORLD_SIZE", "1"))
     global_batch_size = batch_arg(global_batch_size, "compile()")
     if not callable(optimizer):
@@ -179,7 +180,6 @@ def _compile(model: nn.Module, cluster: Any, *, example_inputs: Sequence[Any],
     rank, device = _join(cluster, plan)
     if not any(p.is_meta for p in model.parameters()):
         model.to(device)
-    from autoplan.runtime.build import BuildInputs, build_rank
     return build_rank(BuildInputs(model=model, graph=graph, plan=plan,
                                   example_inputs=example_inputs,
                                   example_targets=example_targets, loss_fn=loss_fn,
@@ -193,14 +193,12 @@ def _plan_for(graph: Any, cluster: Any, plan: Plan | str | os.PathLike | None, *
     this model and cluster; then checked op by op against the traced graph (a hand-edited plan
     is refused before any collective)."""
     if plan is None:
-        from autoplan.planner.search import plan as make_plan
         plan = make_plan(graph, cluster, global_batch_size=global_batch_size,
                          precision=precision, **plan_kwargs)
     elif not isinstance(plan, Plan):
         plan = load_plan(plan, graph=graph, cluster=cluster,
                          allow_cluster_mismatch=allow_cluster_mismatch)
     else:
-        from autoplan.planner.planfile import plan_mismatch
         what = plan_mismatch(plan, graph=graph, cluster=cluster,
                              allow_cluster_mismatch=allow_cluster_mismatch)
         if what:
@@ -236,7 +234,6 @@ def _refuse_unrunnable(plan: Plan, *, has_loss: bool) -> None:
                         "forward, or shared by two chunks of a rank (torch 2.13). Re-plan "
                         "with zero_stage <= 1, ZeRO-2 with zero_bubble, or another schedule "
                         "(force schedule=1f1b or interleaved_1f1b)")
-    from autoplan.planner.search_space import selective_compiles
     if "selective" in plan.recompute.values() and not selective_compiles(cfg):
         raise PlanError("the plan compiles its layers and recomputes some selectively while "
                         "they hold collectives (tp, cp or ep > 1): torch.compile cannot trace "

@@ -19,6 +19,11 @@ import torch
 from torch import nn
 
 from autoplan.errors import AutoplanError
+from autoplan.models import load_user_example
+from autoplan.models import build_example, get_config
+from autoplan.models.registry import layer_overrides
+from autoplan.planner.planfile import plan_from_file
+from autoplan.runtime.trainer import compile
 
 
 def truncate_layers(model: nn.Module, layers: int) -> int:
@@ -74,7 +79,6 @@ def user_example(spec: str, *, batch: int | None, layers: int | None = None):
     repeated and varied; None: theirs as they are)."""
     import dataclasses
 
-    from autoplan.models import load_user_example
     torch.manual_seed(0)
     ex = load_user_example(spec)
     if layers is not None and not truncate_layers(ex.model, layers):
@@ -91,8 +95,6 @@ def _build(spec: str, *, layers: int, batch: int, seq_len: int | None, device: s
     torch.manual_seed(0)
     if ":" in spec:
         return user_example(spec, batch=batch, layers=layers)
-    from autoplan.models import build_example, get_config
-    from autoplan.models.registry import layer_overrides
     kw: dict[str, Any] = dict(batch_size=batch, seed=0, seq_len=seq_len, device=device)
     known = {f for f in getattr(get_config(spec), "__dataclass_fields__", {})}
     shrink = layer_overrides(spec, layers, strict=False)
@@ -157,8 +159,6 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch.distributed as dist
 
-    from autoplan.planner.planfile import plan_from_file
-    from autoplan.runtime.trainer import compile
     torch.set_num_threads(1)
     plan = plan_from_file(args.plan)
     gbs = plan.training.global_batch_size

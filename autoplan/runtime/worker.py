@@ -33,6 +33,16 @@ from typing import Any
 import torch
 
 from autoplan.errors import AutoplanError, CheckpointError
+from autoplan.models import build_example
+from autoplan.models.registry import layer_overrides
+from autoplan.runtime.verify import user_example
+from autoplan.planner.planfile import plan_from_file
+from autoplan.runtime.trainer import compile
+from autoplan.runtime.checkpoint_dir import RUN_ID_ENV
+from autoplan.runtime.checkpoint_dir import release, run_id
+from autoplan.runtime.step_trace import record_steps
+from autoplan.runtime.checkpoint_dir import claim, plan_start
+from autoplan.runtime.checkpoint_files import resolve
 
 LAUNCHED_ENV = "AUTOPLAN_LAUNCHER"      # set by `autoplan run`: it reports the ranks' errors
 
@@ -91,9 +101,6 @@ def build_run_model(spec: str, *, batch: int, layers: int | None = None,
     """Build ``spec`` (an example name or ``package.module:function``) as a rank does: seeded,
     so every rank starts from the same weights; ``small`` is what ``compile`` traces.
     ``traced_only``: just ``small`` (the pre-flight check of ``autoplan run``)."""
-    from autoplan.models import build_example
-    from autoplan.models.registry import layer_overrides
-    from autoplan.runtime.verify import user_example
     if ":" in spec:                  # a user's package.module:function
         if meta or seq_len:
             raise AutoplanError(f"--meta and --seq-len take example names; {spec} builds its "
@@ -125,11 +132,8 @@ def _main(argv: list[str] | None = None) -> int:
 
     import torch.distributed as dist
 
-    from autoplan.planner.planfile import plan_from_file
-    from autoplan.runtime.trainer import compile
     torch.set_num_threads(1)
     if args.run_id:
-        from autoplan.runtime.checkpoint_dir import RUN_ID_ENV
         os.environ[RUN_ID_ENV] = args.run_id
     plan = plan_from_file(args.plan)
     gbs = plan.training.global_batch_size
@@ -221,14 +225,12 @@ def _close_checkpoints(trainer: Any, args: argparse.Namespace) -> None:
     """The last (async) save committed; rank 0 releases the folder's claim."""
     trainer.wait_for_checkpoint()
     if args.checkpoint_dir and trainer.rank == 0:
-        from autoplan.runtime.checkpoint_dir import release, run_id
         release(Path(args.checkpoint_dir), run_id())
 
 
 def _profile(trainer: Any, batch: tuple, args: argparse.Namespace, *, world: int) -> None:
     """``--profile-steps`` more steps recorded; each rank writes ``rank<r>.json`` under
     ``--profile-dir`` (read by ``autoplan calibrate``)."""
-    from autoplan.runtime.step_trace import record_steps
     rec = record_steps(trainer, batch, args.profile_steps)
     rec.update(rank=trainer.rank, world=world)
     os.makedirs(args.profile_dir, exist_ok=True)
@@ -278,8 +280,6 @@ def _start(args: argparse.Namespace) -> str | None:
     a restart by torchrun after a failure resumes the newest one if there is one. Rank 0
     claims the folder (``checkpoint_dir.claim``), deleting what ``--overwrite`` replaces, once:
     a restart keeps what this job wrote."""
-    from autoplan.runtime.checkpoint_dir import claim, plan_start
-    from autoplan.runtime.checkpoint_files import resolve
     restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
     root = args.checkpoint_dir
     if not root:

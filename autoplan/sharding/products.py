@@ -37,6 +37,8 @@ from autoplan.sharding.placement import PARTIAL, REPLICATE, Placement, shard
 from autoplan.sharding.registry import declare_kernel, register_op_strategy
 from autoplan.sharding.strategy import (BIAS_AFTER_REDUCE, Comm, OpStrategy, bias_slot, make,
                                         opname)
+from autoplan.graph.analysis import analyze
+from autoplan.sharding.passthrough import RESHAPES
 
 SP_LINEAR = declare_kernel(
     "sp_linear", "a product with a weight whose sequence-split input is gathered inside it and "
@@ -68,8 +70,6 @@ def merged_rows(graph: OpGraph, name: str) -> tuple[int, int] | None:
     arrive as one block per sample (``dims.reshape_placement``): the products and losses on
     such rows offer that split as ``seq`` and the split of the samples as ``batch``, under the
     same names at every batch size."""
-    from autoplan.graph.analysis import analyze
-    from autoplan.sharding.passthrough import RESHAPES
     i = analyze(graph).producer.get(name)
     if i is None or opname(graph.ops[i]) not in RESHAPES or not graph.ops[i].inputs:
         return None

@@ -46,6 +46,7 @@ from autoplan.sharding.registry import (KERNELS, declare_kernel, fallbacks, regi
                                         rule_for)
 from autoplan.sharding.strategy import (BIAS_AFTER_REDUCE, Comm, OpStrategy, call_args, make,
                                         opname, replicate)
+from autoplan.graph.analysis import analyze
 
 SPLIT_LOSSES = frozenset({"cross_entropy_loss", "nll_loss", "mse_loss", "l1_loss",
                           "smooth_l1_loss", "huber_loss", "binary_cross_entropy_with_logits",
@@ -474,7 +475,6 @@ def _warn_once(op: Op, e: Exception) -> None:
 def _even_at(graph: OpGraph, op: Op, s: OpStrategy, t: int, micro_batch: int) -> bool:
     """Whether every split of ``s`` stays even when dims that are multiples of the traced batch
     scale to ``micro_batch``."""
-    from autoplan.graph.analysis import analyze
     dependent = analyze(graph).batch_dependent
     B = graph.batch_size
     for names, ps in ((op.inputs, s.inputs), (op.outputs, s.outputs)):
