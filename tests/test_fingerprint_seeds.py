@@ -92,8 +92,9 @@ def test_the_fingerprint_ignores_names_and_the_order_of_independent_ops():
 
 
 # ================================================================ Gemma 3 and ModernBERT
-def _model(name):
-    import torch
+def hf_lm(name, *, vocab, hidden, ffn, layers, heads, kv_heads, head_dim, seq, window):
+    """HF Gemma 3 (sliding and full layers in turn) or ModernBERT (a global layer every second)
+    built from a config at these sizes, returning logits of ``input_ids``."""
     import torch.nn as nn
     import transformers as T
 
@@ -105,21 +106,26 @@ def _model(name):
         def forward(self, ids):
             return self.inner(input_ids=ids, **self.kw).logits
 
-    torch.manual_seed(0)
     if name == "gemma3":
         config = T.Gemma3TextConfig(
-            vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-            max_position_embeddings=SEQ, sliding_window=8,
-            layer_types=["sliding_attention", "full_attention"])
-        model = Logits(T.Gemma3ForCausalLM(config), use_cache=False)
-    else:
-        config = T.ModernBertConfig(
-            vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
-            num_attention_heads=4, max_position_embeddings=SEQ, local_attention=8,
-            global_attn_every_n_layers=2, pad_token_id=0, eos_token_id=1, bos_token_id=2,
-            cls_token_id=3, sep_token_id=4)
-        model = Logits(T.ModernBertForMaskedLM(config))
+            vocab_size=vocab, hidden_size=hidden, intermediate_size=ffn,
+            num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+            head_dim=head_dim, max_position_embeddings=seq, sliding_window=window,
+            layer_types=["sliding_attention", "full_attention"] * (layers // 2))
+        return Logits(T.Gemma3ForCausalLM(config), use_cache=False)
+    config = T.ModernBertConfig(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=ffn, num_hidden_layers=layers,
+        num_attention_heads=heads, max_position_embeddings=seq, local_attention=window,
+        global_attn_every_n_layers=2, pad_token_id=0, eos_token_id=1, bos_token_id=2,
+        cls_token_id=3, sep_token_id=4)
+    return Logits(T.ModernBertForMaskedLM(config))
+
+
+def _model(name):
+    import torch
+    torch.manual_seed(0)
+    model = hf_lm(name, vocab=VOCAB, hidden=64, ffn=128, layers=2 if name == "gemma3" else 3,
+                  heads=4, kv_heads=2, head_dim=16, seq=SEQ, window=8)
     ids = torch.randint(0, VOCAB, (GBS, SEQ), generator=torch.Generator().manual_seed(1))
     return model, ids
 

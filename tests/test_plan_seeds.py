@@ -38,7 +38,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from tests.test_fingerprint_seeds import (GBS, MODELS, _loss, _model, _renamed,  # noqa: E402
-                                          _swap_independent)
+                                          _swap_independent, hf_lm)
 
 STEPS = 3
 # PYTHONHASHSEED values: under PLAN_SEED and SAME_ORDER a set {"sliding_attention",
@@ -366,33 +366,10 @@ def _mid_size(name):
     """``name`` at sizes where the planner splits weights (4 layers, hidden 512, 256 tokens),
     built on the meta device: (model, example ids)."""
     import torch
-    import torch.nn as nn
-    import transformers as T
-
-    class Logits(nn.Module):
-        def __init__(self, inner, **kw):
-            super().__init__()
-            self.inner, self.kw = inner, kw
-
-        def forward(self, ids):
-            return self.inner(input_ids=ids, **self.kw).logits
-
     seq = 256
     with torch.device("meta"):
-        if name == "gemma3":
-            config = T.Gemma3TextConfig(
-                vocab_size=8192, hidden_size=512, intermediate_size=2048, num_hidden_layers=4,
-                num_attention_heads=8, num_key_value_heads=4, head_dim=64,
-                max_position_embeddings=seq, sliding_window=64,
-                layer_types=["sliding_attention", "full_attention"] * 2)
-            model = Logits(T.Gemma3ForCausalLM(config), use_cache=False)
-        else:
-            config = T.ModernBertConfig(
-                vocab_size=8192, hidden_size=512, intermediate_size=2048, num_hidden_layers=4,
-                num_attention_heads=8, max_position_embeddings=seq, local_attention=64,
-                global_attn_every_n_layers=2, pad_token_id=0, eos_token_id=1, bos_token_id=2,
-                cls_token_id=3, sep_token_id=4)
-            model = Logits(T.ModernBertForMaskedLM(config))
+        model = hf_lm(name, vocab=8192, hidden=512, ffn=2048, layers=4, heads=8, kv_heads=4,
+                      head_dim=64, seq=seq, window=64)
     return model, torch.zeros(1, seq, dtype=torch.long, device="meta")
 
 
