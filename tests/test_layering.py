@@ -194,24 +194,29 @@ def test_modules_use_only_each_others_public_names():
                          + "\n".join(private))
 
 
+def _functions(root: pathlib.Path):
+    """(file relative to ``root``, its lines, a function node) for every function of every
+    module under ``root``."""
+    for path in sorted(root.rglob("*.py")):
+        source = path.read_text()
+        lines = source.splitlines()
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                yield path.relative_to(root).as_posix(), lines, node
+
+
 def _unexplained_lazy_imports(root: pathlib.Path = ROOT) -> list[str]:
     """Imports of the package's own modules made inside a function without a ``lazily:``
     reason on their line, outside ``cli/`` (whose commands import what they run when they run:
     its package docstring says why)."""
     out = []
-    for path in sorted(root.rglob("*.py")):
-        rel = path.relative_to(root).as_posix()
+    for rel, lines, f in _functions(root):
         if rel.startswith("cli/"):
             continue
-        source = path.read_text()
-        lines = source.splitlines()
-        for f in ast.walk(ast.parse(source)):
-            if not isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                continue
-            for node in ast.walk(f):
-                if (isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0]
-                        == root.name and LAZY_REASON not in lines[node.lineno - 1]):
-                    out.append(f"{rel}:{node.lineno} {lines[node.lineno - 1].strip()}")
+        for node in ast.walk(f):
+            if (isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0]
+                    == root.name and LAZY_REASON not in lines[node.lineno - 1]):
+                out.append(f"{rel}:{node.lineno} {lines[node.lineno - 1].strip()}")
     return sorted(set(out))
 
 
@@ -238,13 +243,10 @@ MAX_FUNCTION_LINES = 80       # an orchestration function past this wants named 
 
 def _long_functions(root: pathlib.Path) -> list[str]:
     out = []
-    for path in sorted(root.rglob("*.py")):
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                lines = node.end_lineno - node.lineno + 1
-                if lines > MAX_FUNCTION_LINES:
-                    out.append(f"{path.relative_to(root)}:{node.lineno} {node.name} "
-                               f"({lines} lines)")
+    for rel, _, f in _functions(root):
+        length = f.end_lineno - f.lineno + 1
+        if length > MAX_FUNCTION_LINES:
+            out.append(f"{rel}:{f.lineno} {f.name} ({length} lines)")
     return out
 
 
