@@ -48,15 +48,13 @@ from autoplan.runtime.optim import (DataParallelGrads, HostOffloadOptimizer,
                                     TensorParallelGrads, TensorShardedOptimizer)
 from autoplan.runtime.pipeline import (LossPassesThrough, build_schedule, chunk_cuts,
                                        chunk_specs, metas, shared_elsewhere, tie_across_ranks)
-from autoplan.runtime.program import Program
+from autoplan.runtime.program import COMM_SLOTS, OP, Program
 from autoplan.runtime.program_modules import layer_ranges, split_chunks, split_layers
 from autoplan.runtime.state import (keep_out_of_state_dict, non_persistent_buffers,
                                     register_aliases, tied_names)
 from autoplan.runtime.steps import LocalSteps, PipelineSteps, Trainer
-from autoplan.sharding.mesh_axes import STAGE_AXES
-from autoplan.sharding.mesh_axes import MeshAxis as A
+from autoplan.sharding.mesh_axes import STAGE_AXES, MeshAxis as A
 from autoplan.sharding.parallel_config import SPLIT_BACKWARD
-from autoplan.runtime.program import OP
 from autoplan.runtime.program_calls import call_scatter
 
 
@@ -187,12 +185,11 @@ def program_digest(ex: Exported, program: Program) -> str:
 
     keys = ex.graph.op_keys()
     names = [op.name for op in ex.graph.ops]
-    slots = {"_autoplan_comm", "_autoplan_cp_comm"}      # what a communicating call reads
     h = hashlib.sha256()
     for n in program.graph_module.graph.nodes:
         i = n.meta.get(OP)
         if i is None or n.target is call_scatter or not any(    # (a scatter slices locally)
-                getattr(a, "op", None) == "get_attr" and a.target in slots for a in n.args):
+                getattr(a, "op", None) == "get_attr" and a.target in COMM_SLOTS for a in n.args):
             continue
         h.update(f"{keys[names[i]]}:{getattr(n.target, '__name__', n.target)};".encode())
     return h.hexdigest()

@@ -93,6 +93,8 @@ class Program:
 OP = "autoplan_op"          # node.meta key: the index of the graph op a node belongs to
 SHAPE = "autoplan_shape"    # node.meta key: the local shape the op's placement gives
 VAL = "autoplan_val"        # node.meta key: (shape, dtype, requires_grad) seen by the check
+# the program attributes its communicating calls read: the tp axis's group, the cp axis's
+COMM_SLOTS = ("_autoplan_comm", "_autoplan_cp_comm")
 
 
 @dataclass(frozen=True)
@@ -148,13 +150,13 @@ class _Builder:
         self.attrs: dict[str, Any] = {}
         self.step_params: set[str] = set()
         self.slot = CommSlot(comm=None, ep_size=ep_size)
-        self.attrs["_autoplan_comm"] = self.slot
-        self.slot_node = self.g.get_attr("_autoplan_comm")
+        self.attrs[COMM_SLOTS[0]] = self.slot
+        self.slot_node = self.g.get_attr(COMM_SLOTS[0])
         self.cp_slot = self.cp_node = None
         if cp is not None:
             self.cp_slot = CommSlot(comm=None, size=cp.c)
-            self.attrs["_autoplan_cp_comm"] = self.cp_slot
-            self.cp_node = self.g.get_attr("_autoplan_cp_comm")
+            self.attrs[COMM_SLOTS[1]] = self.cp_slot
+            self.cp_node = self.g.get_attr(COMM_SLOTS[1])
             self.whole_readers = cp.whole_weight_readers()
 
     # -- helpers --
