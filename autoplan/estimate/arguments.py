@@ -26,8 +26,7 @@ from autoplan.cluster import Cluster
 from autoplan.errors import AutoplanError, ConfigError
 from autoplan.cluster.profile_db import ProfileDB
 from autoplan.sharding.sharding import Sharding
-from autoplan.sharding.parallel_config import ParallelConfig
-from autoplan.sharding.parallel_config import RECOMPUTE
+from autoplan.sharding.parallel_config import ParallelConfig, RECOMPUTE
 
 MAX_GLOBAL_BATCH = 1 << 24
 MAX_PIPELINE_MICROBATCHES = 4096

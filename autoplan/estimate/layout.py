@@ -18,16 +18,14 @@ from collections.abc import Sequence
 from dataclasses import replace
 
 from autoplan.cost.memory import PRECISION_BYTES, model_state_bytes
-from autoplan.estimate.chunk_cost import (CostInputs, RangeCost, cached_on_graph,
-                                          range_cost, unit_costs)
+from autoplan.estimate.chunk_cost import (CostInputs, RangeCost, cached_on_graph, range_cost,
+                                          unit_costs, chunk_parts)
 from autoplan.sharding.parallel_config import (MULTI_CHUNK_SCHEDULES, RECOMPUTE, V_SCHEDULES,
-                                      ParallelConfig, strongest_recompute)
+                                               ParallelConfig, strongest_recompute, SPLIT_BACKWARD)
 from autoplan.estimate.partition import (Chunk, Split, UnitChoice, chunks_from_counts,
                                          min_max_split, partition, pipeline_units)
 from autoplan.estimate.schedule_orders import W_KEEPS, order_peak_chunks
-from autoplan.sharding.parallel_config import SPLIT_BACKWARD
 from autoplan.estimate.pipeline_sim import W_FRACTION
-from autoplan.estimate.chunk_cost import chunk_parts
 
 
 def in_flight(config: ParallelConfig, m: int, stage: int) -> float:

@@ -28,8 +28,7 @@ from autoplan.models.llama import LLAMA_CONFIGS, Llama
 from autoplan.models.mlp import MLP, MLP_CONFIGS, MLPConfig
 from autoplan.models.resnet import RESNET_CONFIGS, ResNet, ResNetConfig
 from autoplan.models.zoo import ZOO_CONFIGS, ZooConfig, build_zoo, inputs_kind
-from autoplan.errors import AutoplanError
-from autoplan.errors import ConfigError
+from autoplan.errors import AutoplanError, ConfigError
 
 LossFn = Callable[[Any, Any], torch.Tensor]
 

@@ -47,7 +47,7 @@ from autoplan.graph.analysis import analyze
 from autoplan.graph.experts import find_experts
 from autoplan.graph.opgraph import OpGraph
 from autoplan.graph.trace import as_graph
-from autoplan.planner import mesh as meshes
+from autoplan.planner import mesh as meshes, pins, search_space
 from autoplan.planner.assemble import assemble
 from autoplan.planner.search_costing import (CLOSED_FORM_SLACK, SearchContext, Stats, evaluate,
                                       frugal, ilp_microbatches, ilp_sharding)
@@ -57,7 +57,6 @@ from autoplan.planner.planfile import Plan
 from autoplan.planner.finalists import refine_dp, refine_pipe_ilp, refine_pipelined
 from autoplan.planner.candidates import (Candidate, alternatives, honours, infeasible,
                                        too_few_layers, why_none_honours)
-from autoplan.planner import pins, search_space
 from autoplan.sharding.mesh_axes import BASE_AXES
 from autoplan.sharding.parallel_config import ParallelConfig
 from autoplan.sharding.sharding import Sharding, context_sharding, megatron_sharding, replicated

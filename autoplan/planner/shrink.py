@@ -18,8 +18,7 @@ from typing import Any
 from autoplan.errors import PlanError
 from autoplan.estimate.partition import pipeline_units
 from autoplan.graph.opgraph import OpGraph
-from autoplan.sharding.mesh_axes import BASE_AXES
-from autoplan.sharding.mesh_axes import MeshAxis as A
+from autoplan.sharding.mesh_axes import BASE_AXES, MeshAxis as A
 from autoplan.sharding.parallel_config import ParallelConfig
 from autoplan.sharding.sharding import Sharding, as_inputs_come
 from autoplan.sharding.strategies import strategies_by_name

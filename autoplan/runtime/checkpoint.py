@@ -52,9 +52,8 @@ from autoplan.runtime.checkpoint_files import (DTYPES, FORMAT, LATEST, META_FILE
                                                model_mismatch, prune, read_meta, remove_step,
                                                resolve, step_dir, write_atomic)
 from autoplan.runtime.checkpoint_pieces import Layout, Pieces, layout_of
-from autoplan.runtime.optim import wait_gathers
-from autoplan.runtime.optim import HostOffloadOptimizer, TensorShardedOptimizer
-from autoplan.runtime.optim import local_tensor as _local
+from autoplan.runtime.optim import (wait_gathers, HostOffloadOptimizer, TensorShardedOptimizer,
+                                    local_tensor as _local)
 from autoplan.runtime.checkpoint_dir import claim
 
 

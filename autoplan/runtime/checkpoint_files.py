@@ -15,8 +15,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 
 from autoplan.errors import CheckpointError
-from autoplan.safe_io import parse_json, read_text
-from autoplan.safe_io import integer, number, text
+from autoplan.safe_io import parse_json, read_text, integer, number, text
 
 FORMAT = "autoplan-checkpoint"
 VERSION = 1

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from autoplan.errors import PlanError
+from autoplan.errors import PlanError, ConfigError
 from autoplan.graph.experts import find_experts
 from autoplan.graph.opgraph import OpGraph
 from autoplan.graph.trace import export_program
@@ -33,7 +33,6 @@ from autoplan.runtime.state import (LocalState, keep_out_of_state_dict,
                                     non_persistent_buffers, register_aliases, tied_names)
 from autoplan.sharding.sharding import Sharding, as_inputs_come
 from autoplan.sharding.strategies import strategies_by_name
-from autoplan.errors import ConfigError
 from autoplan.sharding.context_axis import context_axis
 from autoplan.runtime.tp_comm import AxisComm
 

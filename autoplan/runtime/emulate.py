@@ -27,12 +27,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from autoplan.errors import PlanError
+from autoplan.errors import PlanError, ClusterError
 from autoplan.sharding.mesh_axes import MeshAxis
 from autoplan.runtime.optim import local_tensor
 from autoplan.runtime.trainer import compile
 from autoplan.cluster import Cluster
-from autoplan.errors import ClusterError
 from autoplan.estimate.arguments import cluster_arg
 
 

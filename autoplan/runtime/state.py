@@ -15,9 +15,8 @@ import torch
 from torch import nn
 
 from autoplan.errors import PlanError
-from autoplan.runtime.tp_comm import local_piece
+from autoplan.runtime.tp_comm import local_piece, no_grad_gather
 from autoplan.sharding.placement import Placement, local_shape
-from autoplan.runtime.tp_comm import no_grad_gather
 
 
 class LocalState:

@@ -24,14 +24,13 @@ from autoplan.cost.host_allocator import keep_freed_host_memory
 from autoplan.errors import PlanError
 from autoplan.planner.loading import load_plan
 from autoplan.planner.plan_vs_model import check_plan_against
-from autoplan.planner.planfile import Plan
+from autoplan.planner.planfile import Plan, plan_mismatch, stale_prediction
 from autoplan.runtime.batch_check import BatchSpec
 from autoplan.runtime.checkpoint import optimizer_slots
 from autoplan.runtime.grads import LossScaler
 from autoplan.runtime.steps import Trainer
 from autoplan.cluster import Cluster
 from autoplan.estimate.arguments import batch_arg, cluster_arg
-from autoplan.planner.planfile import plan_mismatch, stale_prediction
 from autoplan.graph.trace import trace
 from autoplan.runtime.build import BuildInputs, build_rank
 from autoplan.planner.search import plan as make_plan

@@ -19,8 +19,7 @@ import torch
 from torch import nn
 
 from autoplan.errors import AutoplanError
-from autoplan.models import load_user_example
-from autoplan.models import build_example, get_config
+from autoplan.models import load_user_example, build_example, get_config
 from autoplan.models.registry import layer_overrides
 from autoplan.planner.planfile import plan_from_file
 from autoplan.runtime.trainer import compile

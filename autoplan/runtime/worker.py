@@ -38,10 +38,8 @@ from autoplan.models.registry import layer_overrides
 from autoplan.runtime.verify import user_example
 from autoplan.planner.planfile import plan_from_file
 from autoplan.runtime.trainer import compile
-from autoplan.runtime.checkpoint_dir import RUN_ID_ENV
-from autoplan.runtime.checkpoint_dir import release, run_id
+from autoplan.runtime.checkpoint_dir import RUN_ID_ENV, release, run_id, claim, plan_start
 from autoplan.runtime.step_trace import record_steps
-from autoplan.runtime.checkpoint_dir import claim, plan_start
 from autoplan.runtime.checkpoint_files import resolve
 
 LAUNCHED_ENV = "AUTOPLAN_LAUNCHER"      # set by `autoplan run`: it reports the ranks' errors

@@ -14,8 +14,7 @@ from functools import cached_property, lru_cache
 from typing import Any
 
 from autoplan.errors import ConfigError
-from autoplan.sharding.mesh_axes import MeshAxis as A
-from autoplan.sharding.mesh_axes import ParallelDims
+from autoplan.sharding.mesh_axes import MeshAxis as A, ParallelDims
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble", "zbv", "dualpipev")
 MULTI_CHUNK_SCHEDULES = ("interleaved_1f1b", "zero_bubble", "zbv", "dualpipev")
