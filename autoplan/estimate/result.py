@@ -109,10 +109,10 @@ class Estimate:
                 and self.peak_nvme_bytes <= self.nvme_per_device_bytes)
 
     def to_dict(self) -> dict[str, Any]:
-        """The fields, the NVMe ones only where not zero (older plans read back byte for
-        byte)."""
+        """The fields, the NVMe ones only where the plan puts bytes on NVMe (older plans read
+        back byte for byte)."""
         d = asdict(self)
-        if not self.nvme_per_device_bytes:
+        if not self.peak_nvme_bytes:
             del d["nvme_per_device_bytes"]
         for st in d["stages"]:
             if not st["memory"]["nvme_bytes"]:
