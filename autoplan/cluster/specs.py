@@ -205,14 +205,27 @@ class LinkSpec:
         )
 
 
+_HOST_REQUIRED = ("memory_bytes", "device_to_host_bandwidth_bytes_per_s", "cpu_adam_params_per_s")
+
+
 @dataclass(frozen=True, kw_only=True)
 class HostSpec:
-    """Host side of one node, as seen by each device (for offload)."""
+    """Host side of one node, as seen by each device (for offload).
+
+    NVMe (ZeRO-Infinity's third tier, Rajbhandari et al. 2021): ``nvme_bytes`` is the node's
+    local NVMe capacity usable for offload, ``nvme_read_bytes_per_s`` and
+    ``nvme_write_bytes_per_s`` the node's aggregate sequential rates (its drives striped, RAID
+    0); each device gets ``1 / devices_per_node`` of all three when every device offloads at
+    once. Optional: absent (0) means the node has no NVMe for offload, and old cluster files
+    read as before."""
 
     memory_bytes: int
     device_to_host_bandwidth_bytes_per_s: float
     cpu_adam_params_per_s: float
     source: str = "not given"
+    nvme_bytes: int = 0
+    nvme_read_bytes_per_s: float = 0.0
+    nvme_write_bytes_per_s: float = 0.0
 
     def __post_init__(self) -> None:
         where = "host"
@@ -220,14 +233,33 @@ class HostSpec:
         number(self.device_to_host_bandwidth_bytes_per_s, "device_to_host_bandwidth_bytes_per_s", where)
         number(self.cpu_adam_params_per_s, "cpu_adam_params_per_s", where)
         text(self.source, "source", where)
+        if self.nvme_bytes:
+            object.__setattr__(self, "nvme_bytes", integer(self.nvme_bytes, "nvme_bytes", where))
+            for k in ("nvme_read_bytes_per_s", "nvme_write_bytes_per_s"):
+                object.__setattr__(self, k, number(getattr(self, k), k, where))
+        elif self.nvme_read_bytes_per_s or self.nvme_write_bytes_per_s:
+            raise ClusterError(f"{where}: NVMe rates given without nvme_bytes; give the node's "
+                               "NVMe capacity too, or drop the rates (no NVMe)")
+
+    @property
+    def has_nvme(self) -> bool:
+        """Whether the node has NVMe drives for offload (``nvme_bytes`` given)."""
+        return self.nvme_bytes > 0
 
     def to_dict(self) -> dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
+        """The fields; the NVMe ones only where the node has NVMe (old descriptions and their
+        fingerprints unchanged)."""
+        out = {f.name: getattr(self, f.name) for f in fields(self)}
+        if not self.has_nvme:
+            for k in ("nvme_bytes", "nvme_read_bytes_per_s", "nvme_write_bytes_per_s"):
+                del out[k]
+        return out
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], *, where: str = "host") -> HostSpec:
         allowed = tuple(f.name for f in fields(cls)) + ("notes",)
-        check_keys(data, allowed, where, required=tuple(f.name for f in fields(cls) if f.name != "source"))
+        check_keys(data, allowed, where, required=tuple(f.name for f in fields(cls)
+                                                        if f.name in _HOST_REQUIRED))
         return cls(
             memory_bytes=integer(data["memory_bytes"], "memory_bytes", where),
             device_to_host_bandwidth_bytes_per_s=number(
@@ -235,6 +267,9 @@ class HostSpec:
             ),
             cpu_adam_params_per_s=number(data["cpu_adam_params_per_s"], "cpu_adam_params_per_s", where),
             source=text(data.get("source", "not given"), "source", where),
+            nvme_bytes=data.get("nvme_bytes", 0),
+            nvme_read_bytes_per_s=data.get("nvme_read_bytes_per_s", 0.0),
+            nvme_write_bytes_per_s=data.get("nvme_write_bytes_per_s", 0.0),
         )
 
 

@@ -42,6 +42,7 @@ class ModelStateBytes:
     grads_bytes: float
     optimizer_bytes: float          # on the device (0 when offloaded)
     offloaded_bytes: float = 0.0    # optimizer state kept in host memory instead
+    nvme_bytes: float = 0.0         # what is offloaded to NVMe instead (``offload_nvme``)
 
     @property
     def total_bytes(self) -> float:
@@ -71,8 +72,8 @@ def bytes_per_param(precision: str, optimizer: str, mixed_precision: str = "para
 
 def model_state_bytes(num_params: float, *, dp: int, zero_stage: int, precision: str,
                       optimizer: str = "adamw", offload_optimizer: bool = False,
-                      offload_params: bool = False, mixed_precision: str = "params"
-                      ) -> ModelStateBytes:
+                      offload_params: bool = False, mixed_precision: str = "params",
+                      offload_nvme: bool = False) -> ModelStateBytes:
     """Per-device bytes of weights, gradients and optimizer state for ``num_params`` parameters
     held by one data-parallel replica slot (already divided by TP/PP by the caller).
 
@@ -80,7 +81,9 @@ def model_state_bytes(num_params: float, *, dp: int, zero_stage: int, precision:
     and the weights' bytes include the 16-bit copies that stand beside them from a forward to
     its backward: autocast's casts for the products (ZeRO 0 and 1), or FSDP's unsharded
     16-bit weights kept after the forward (ZeRO-2); ZeRO-3 gathers them per layer (a
-    transient the estimate adds)."""
+    transient the estimate adds). ``offload_nvme``: what is offloaded lives on NVMe
+    (``nvme_bytes``), not in host memory (the estimate adds the host buffers it streams
+    through)."""
     if zero_stage not in (0, 1, 2, 3):
         raise ConfigError(f"zero_stage must be 0-3, got {zero_stage!r}")
     w, g, o = bytes_per_param(precision, optimizer, mixed_precision)
@@ -92,12 +95,30 @@ def model_state_bytes(num_params: float, *, dp: int, zero_stage: int, precision:
     if autocast and zero_stage < 3 and not offload_params:
         params += num_params * PRECISION_BYTES[precision]
     if offload_params:        # FSDP CPU offload: sharded weights, grads and state on the host
-        return ModelStateBytes(params_bytes=0.0, grads_bytes=0.0, optimizer_bytes=0.0,
-                               offloaded_bytes=params + grads + opt)
+        return _offloaded(ModelStateBytes(params_bytes=0.0, grads_bytes=0.0,
+                                          optimizer_bytes=0.0,
+                                          offloaded_bytes=params + grads + opt), offload_nvme)
     if offload_optimizer:
-        return ModelStateBytes(params_bytes=params, grads_bytes=grads, optimizer_bytes=0.0,
-                               offloaded_bytes=opt)
+        return _offloaded(ModelStateBytes(params_bytes=params, grads_bytes=grads,
+                                          optimizer_bytes=0.0, offloaded_bytes=opt),
+                          offload_nvme)
     return ModelStateBytes(params_bytes=params, grads_bytes=grads, optimizer_bytes=opt)
+
+
+def _offloaded(states: ModelStateBytes, nvme: bool) -> ModelStateBytes:
+    """``states`` with what it offloads moved from host memory to NVMe where ``nvme``."""
+    if not nvme:
+        return states
+    return ModelStateBytes(params_bytes=states.params_bytes, grads_bytes=states.grads_bytes,
+                           optimizer_bytes=states.optimizer_bytes, offloaded_bytes=0.0,
+                           nvme_bytes=states.offloaded_bytes)
+
+
+def nvme_host_buffer_bytes(nvme_bytes: float, layers: int) -> float:
+    """Host memory NVMe offload streams through (``offload_nvme``): two layers' share of what
+    lives on NVMe, one being moved while the next is prefetched (ZeRO-Infinity's pinned
+    buffers, Rajbhandari et al. 2021, Sec. 6.3)."""
+    return 2.0 * nvme_bytes / max(layers, 1) if nvme_bytes else 0.0
 
 
 def meta_bytes(meta: TensorMeta, precision: str) -> float:

@@ -16,7 +16,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from autoplan.cost.compute import ComputeModel
-from autoplan.cost.memory import GRAD_BYTES, PRECISION_BYTES
+from autoplan.cost.memory import GRAD_BYTES, PRECISION_BYTES, bytes_per_param
+from autoplan.cost.powersgd import ERROR_FEEDBACK_PASSES, powersgd_cost
 from autoplan.estimate.overlap import overlap_exposed_s
 from autoplan.sharding.parallel_config import ParallelConfig
 
@@ -68,6 +69,11 @@ def stage_terms(config: ParallelConfig, cluster: Any, stage: StageParams, m: int
     params, experts, layers, whole = stage.params, stage.experts, stage.layers, stage.whole
     grad_sync, ag, rs = dp_collectives(config, cluster, params - whole, layers, pp_index,
                                        experts)
+    if config.grad_compression == "powersgd" and grad_sync > 0:
+        # DDP's PowerSGD hook: the factors all-reduced instead, behind the backward as the
+        # buckets are; its products run on the compute stream, exposed
+        grad_sync, compress_s = powersgd_s(config, cluster, compute, params - whole, pp_index)
+        out.append(Term(compress_s, shares=(("dp_grad_sync", 1.0),)))
     w_bytes = PRECISION_BYTES[config.precision]
     if config.dp > 1 and config.zero_stage in (1, 2):   # updated shards, after the step
         # ZeRO-1 broadcasts the weights as the model holds them: fp32 under autocast (the
@@ -125,9 +131,58 @@ def stage_terms(config: ParallelConfig, cluster: Any, stage: StageParams, m: int
             moved = owned * (w_bytes + w_bytes)          # grads down, weights up
         out.append(Term(moved / host.device_to_host_bandwidth_bytes_per_s,
                         shares=(("offload", 1.0),)))
+        if config.offload_nvme:
+            out += nvme_terms(config, cluster, owned, m, layers)
     else:
         out.append(Term(optimizer_step_s(owned, stage.tensors, config, compute, profile),
                         shares=(("optimizer", 1.0),)))
+    return out
+
+
+def powersgd_s(config: ParallelConfig, cluster: Any, compute: ComputeModel, params: float,
+               pp_index: int) -> tuple[float, float]:
+    """(all-reduce seconds, compression seconds) of one step's rank-``powersgd_rank`` PowerSGD
+    (``cost/powersgd.py``) over the ``params`` gradient elements this rank holds: the
+    uncompressed gradients, the P factors and the Q factors all-reduced one after the other
+    (fp32), and the products, orthogonalisation and error feedback on the device (fp32
+    products at the device's fp32 rate)."""
+    c = powersgd_cost(compute.graph, config.powersgd_rank)
+    share = params / max(c.elements, 1.0)       # this rank's part (tensor parallelism)
+    group = config.dp_group(pp_index=pp_index)
+    sync = sum(cluster.collective_time_s("all_reduce", e * share * GRAD_BYTES, group)
+               for e in (c.whole_elements, c.p_elements, c.q_elements) if e > 0)
+    tput, device = compute.tput, cluster.device
+    fp32_rate = tput.matmul_flops_per_s * (device.peak_flops_for("fp32")
+                                           / device.peak_flops_for(config.precision))
+    work_s = share * (c.flops / fp32_rate + c.compressed_elements * ERROR_FEEDBACK_PASSES
+                      * GRAD_BYTES / tput.memory_bytes_per_s)
+    # per compressed gradient: three products, the copies, r Gram-Schmidt steps
+    launches = c.matrices * (6 + 2 * config.powersgd_rank)
+    return sync, work_s + launches * tput.launch_s
+
+
+def nvme_terms(config: ParallelConfig, cluster: Any, owned: float, m: int, layers: int
+               ) -> list[Term]:
+    """ZeRO-Infinity's NVMe traffic for the ``owned`` parameters this rank steps (its share of
+    the node's drives: ``1 / devices_per_node`` of their rates). The optimizer state (and, with
+    parameter offload, the weights and gradients) is read from NVMe and written back once a
+    step, pipelined with the CPU optimizer (the slower of the two counts: the host link term
+    prices the rest). With parameter offload each micro-batch reads the weight shards again
+    for its forward and its backward, prefetched a layer ahead: hidden behind that phase's
+    compute but for the first layer's read (Rajbhandari et al. 2021, Sec. 6)."""
+    host, share = cluster.host, cluster.devices_per_node
+    read_bw = host.nvme_read_bytes_per_s / share
+    write_bw = host.nvme_write_bytes_per_s / share
+    w, g, o = bytes_per_param(config.precision, config.optimizer, config.mixed_precision)
+    read = o + (w + g if config.offload_params else 0)
+    write = o + (w if config.offload_params else 0)
+    swap_s = owned * (read / read_bw + write / write_bw)
+    adam_s = owned / host.cpu_adam_params_per_s        # priced by the optimizer term
+    out = [Term(max(0.0, swap_s - adam_s), shares=(("offload", 1.0),))]
+    if config.offload_params:
+        stream = owned * w / read_bw
+        out += [Term(stream, "fwd", stream / layers, m, (("offload", 1.0),)),
+                Term(stream, "bwd", stream / layers, m, (("offload", 1.0),))]
     return out
 
 

@@ -25,8 +25,9 @@ from typing import Any
 
 from autoplan.graph.analysis import analyze
 from autoplan.cost.compute import compute_model
-from autoplan.cost.memory import (PRECISION_BYTES, activation_bytes,
+from autoplan.cost.memory import (PRECISION_BYTES, activation_bytes, nvme_host_buffer_bytes,
                                   model_state_bytes, sharding_for)
+from autoplan.cost.powersgd import powersgd_buffer_bytes
 from autoplan.errors import ConfigError
 from autoplan.estimate.arguments import (batch_arg, capacity_arg, cluster_arg,
                                         estimate_options_arg, microbatches_arg, profile_arg)
@@ -300,10 +301,15 @@ def stage_estimate(ci: CostInputs, costs: Sequence[RangeCost], chunks: Sequence[
     if config.zero_stage == 3 and config.grad_degree > 1:
         # two layers' weights gathered at once (prefetch) plus their unsharded gradients
         transient += 2 * ((params - whole) / layers) * PRECISION_BYTES[config.precision] * 2
-    mem = MemoryBreakdown(params_bytes=states.params_bytes, grads_bytes=states.grads_bytes,
+    mem = MemoryBreakdown(params_bytes=states.params_bytes,
+                          grads_bytes=states.grads_bytes + powersgd_buffer_bytes(
+                              ci.graph, config, params),
                           optimizer_bytes=states.optimizer_bytes,
                           activations_bytes=act_mb * flight, transient_bytes=transient,
-                          margin_bytes=margin, offloaded_bytes=states.offloaded_bytes)
+                          margin_bytes=margin,
+                          offloaded_bytes=states.offloaded_bytes + nvme_host_buffer_bytes(
+                              states.nvme_bytes, layers),
+                          nvme_bytes=states.nvme_bytes)
     mine = timing.stage_chunks[s]
     return StageEstimate(
         index=s, layers=tuple(l for c in mine for l in chunks[c].layers),
@@ -324,17 +330,20 @@ def _stage_states(config: ParallelConfig, cs: Sequence[RangeCost], params: float
         w = model_state_bytes(whole, dp=1, zero_stage=0, precision=config.precision,
                               optimizer=config.optimizer,
                               offload_optimizer=config.offload_optimizer,
-                              mixed_precision=config.mixed_precision)
+                              mixed_precision=config.mixed_precision,
+                              offload_nvme=config.offload_nvme)
         states = replace(states, params_bytes=states.params_bytes + w.params_bytes,
                          grads_bytes=states.grads_bytes + w.grads_bytes,
                          optimizer_bytes=states.optimizer_bytes + w.optimizer_bytes,
-                         offloaded_bytes=states.offloaded_bytes + w.offloaded_bytes)
+                         offloaded_bytes=states.offloaded_bytes + w.offloaded_bytes,
+                         nvme_bytes=states.nvme_bytes + w.nvme_bytes)
     if experts:          # expert weights' state: sharded over the ranks holding them
         e = _states(config, experts, config.dp // config.ep)
         states = replace(states, params_bytes=states.params_bytes + e.params_bytes,
                          grads_bytes=states.grads_bytes + e.grads_bytes,
                          optimizer_bytes=states.optimizer_bytes + e.optimizer_bytes,
-                         offloaded_bytes=states.offloaded_bytes + e.offloaded_bytes)
+                         offloaded_bytes=states.offloaded_bytes + e.offloaded_bytes,
+                         nvme_bytes=states.nvme_bytes + e.nvme_bytes)
     return states
 
 
@@ -364,6 +373,7 @@ def assemble_estimate(ci: CostInputs, chunks: Sequence[Any], stages: tuple[Stage
         step_time_s=step_s, time=time, peak_memory_bytes=peak,
         device_memory_bytes=float(cluster.device.memory_bytes),
         host_memory_per_device_bytes=cluster.host.memory_bytes / cluster.devices_per_node,
+        nvme_per_device_bytes=cluster.host.nvme_bytes / cluster.devices_per_node,
         stages=stages, per_device_memory_bytes=per_device,
         model_flops_per_step=model_flops, mfu=mfu, samples_per_s=global_batch_size / step_s,
         tokens_per_s=global_batch_size * tokens / step_s if tokens else None,
@@ -388,6 +398,11 @@ def _warnings(cluster: Any, config: ParallelConfig, stages: Sequence[StageEstima
     if offloaded > host_share:
         warnings.append(f"{offloaded / 2**30:.1f} GiB offloaded per device exceeds its share of "
                         f"host memory ({host_share / 2**30:.1f} GiB)")
+    nvme_share = cluster.host.nvme_bytes / cluster.devices_per_node
+    on_nvme = max((s.memory.nvme_bytes for s in stages), default=0.0)
+    if on_nvme > nvme_share:
+        warnings.append(f"{on_nvme / 2**30:.1f} GiB offloaded to NVMe per device exceeds its "
+                        f"share of the node's NVMe ({nvme_share / 2**30:.1f} GiB)")
     return tuple(warnings)
 
 
@@ -396,7 +411,8 @@ def _states(config: ParallelConfig, params: float, shard: int) -> Any:
                              precision=config.precision, optimizer=config.optimizer,
                              offload_optimizer=config.offload_optimizer,
                              offload_params=config.offload_params,
-                             mixed_precision=config.mixed_precision)
+                             mixed_precision=config.mixed_precision,
+                             offload_nvme=config.offload_nvme)
 
 
 def stage_params(costs: Sequence[RangeCost], chunks: Sequence[int],

@@ -48,6 +48,7 @@ class MemoryBreakdown:
     transient_bytes: float         # recompute working set, gathered FSDP weights, buffers
     margin_bytes: float            # workspace reserve (allocator, CUDA context, kernels)
     offloaded_bytes: float = 0.0   # optimizer state held in host memory instead
+    nvme_bytes: float = 0.0        # model state held on the node's NVMe (``offload_nvme``)
 
     @property
     def total_bytes(self) -> float:
@@ -89,19 +90,33 @@ class Estimate:
     activation_bytes_per_layer: float            # one block instance, one micro-batch
     warnings: tuple[str, ...] = field(default_factory=tuple)
     host_memory_per_device_bytes: float = float("inf")   # a device's share of its node's DRAM
+    nvme_per_device_bytes: float = 0.0   # a device's share of its node's NVMe (0: none)
 
     @property
     def peak_offloaded_bytes(self) -> float:
         return max((s.memory.offloaded_bytes for s in self.stages), default=0.0)
 
     @property
+    def peak_nvme_bytes(self) -> float:
+        return max((s.memory.nvme_bytes for s in self.stages), default=0.0)
+
+    @property
     def fits(self) -> bool:
-        """Device memory holds the peak, and host memory holds what was offloaded to it."""
+        """Device memory holds the peak, host memory what was offloaded to it, and the node's
+        NVMe what was offloaded there."""
         return (self.peak_memory_bytes <= self.device_memory_bytes
-                and self.peak_offloaded_bytes <= self.host_memory_per_device_bytes)
+                and self.peak_offloaded_bytes <= self.host_memory_per_device_bytes
+                and self.peak_nvme_bytes <= self.nvme_per_device_bytes)
 
     def to_dict(self) -> dict[str, Any]:
+        """The fields, the NVMe ones only where the plan puts bytes on NVMe (older plans read
+        back byte for byte)."""
         d = asdict(self)
+        if not self.peak_nvme_bytes:
+            del d["nvme_per_device_bytes"]
+        for st in d["stages"]:
+            if not st["memory"]["nvme_bytes"]:
+                del st["memory"]["nvme_bytes"]
         d["config"] = self.config.to_dict()
         d["fits"] = self.fits
         d["per_device_memory_bytes"] = list(self.per_device_memory_bytes)

@@ -109,9 +109,20 @@ def _chosen(plan: Plan) -> str:
     return "\n".join([
         f"chosen   {plan.config.short()}   ({p['num_microbatches']:,} micro-batch"
         f"{'es' * (p['num_microbatches'] != 1)} per step"
-        + (f", offload {' + '.join(off)} to host" if off else "") + ")",
+        + (f", offload {' + '.join(off)} to "
+           + ("NVMe" if plan.config.offload_nvme else "host") if off else "") + ")",
         line2,
-    ] + _dimensions(plan) + [f"warning: {w}" for w in p.get("warnings", ())])
+    ] + _dimensions(plan) + _lossy(plan) + [f"warning: {w}" for w in p.get("warnings", ())])
+
+
+def _lossy(plan: Plan) -> list[str]:
+    """Lines saying where the plan's numerics differ from exact training."""
+    cfg = plan.config
+    if cfg.grad_compression != "powersgd":
+        return []
+    return [f"lossy    PowerSGD rank {cfg.powersgd_rank} compresses the dp all-reduce (torch's "
+            f"DDP hook, error feedback): the gradients each step are a low-rank approximation, "
+            f"so the numerics differ from exact training (its loss is not the one device's)"]
 
 
 def _dimensions(plan: Plan) -> list[str]:
@@ -352,7 +363,12 @@ def _memory(plan: Plan) -> str:
                  f"({fmt_pct(total / device if device else 0.0)}): "
                  + ("fits" if total <= device else "DOES NOT FIT"))
     if mem.get("offloaded_bytes"):
-        lines.append(f"  offloaded to host memory: {fmt_bytes(mem['offloaded_bytes'])}")
+        lines.append(f"  offloaded to host memory: {fmt_bytes(mem['offloaded_bytes'])}"
+                     + ("   (buffers streaming to NVMe)" if mem.get("nvme_bytes") else ""))
+    if mem.get("nvme_bytes"):
+        lines.append(f"  offloaded to NVMe:        {fmt_bytes(mem['nvme_bytes'])}   of "
+                     f"{fmt_bytes(p.get('nvme_per_device_bytes', 0.0))} (a device's share of "
+                     f"its node's drives)")
     if len(stages) > 1:
         lines.append("  per stage: " + ", ".join(f"{st['index']}: {fmt_bytes(_stage_total(st))}"
                                                for st in stages[:8])

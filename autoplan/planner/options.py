@@ -28,3 +28,6 @@ class SearchOptions:
     memory_margin_bytes: float | None = None
     expert_capacity_factor: float = 1.0   # MoE routing imbalance priced (estimate() doc)
     pin: dict[str, str] = field(default_factory=dict)   # op pattern -> strategy (pins.py)
+    # lossy options (PowerSGD gradient compression, low-bit optimizer states) are searched only
+    # when the user allows them (``autoplan plan --allow-lossy``); forcing one works regardless
+    allow_lossy: bool = False

@@ -380,6 +380,7 @@ def _check_stages(stages: Any, world: int) -> None:
 # "f": finite float >= 0, "f?": or null, "i": int >= 0, "s": string, "b": bool, "c": config.
 _MEMORY = {k: "f" for k in ("params_bytes", "grads_bytes", "optimizer_bytes", "activations_bytes",
                             "transient_bytes", "margin_bytes", "offloaded_bytes")}
+_MEMORY["nvme_bytes"] = "f"          # only where the plan offloads to NVMe (_OPTIONAL)
 _STAGE = {"index": "i", "layers": ["s"], "num_ops": "i", "params_per_device": "f", "fwd_s": "f",
           "bwd_s": "f", "activation_bytes_per_microbatch": "f", "microbatches_in_flight": "f",
           "memory": _MEMORY}
@@ -390,14 +391,17 @@ _PREDICTED = {"config": "c", "global_batch_size": "i", "num_microbatches": "i",
               "device_memory_bytes": "f", "stages": [_STAGE], "model_flops_per_step": "f",
               "mfu": "f", "samples_per_s": "f", "tokens_per_s": "f?",
               "activation_bytes_per_layer": "f", "warnings": ["s"], "fits": "b",
-              "host_memory_per_device_bytes": "f"}
+              "host_memory_per_device_bytes": "f", "nvme_per_device_bytes": "f"}
+# keys an Estimate writes only when not zero (older plans have none)
+_OPTIONAL = frozenset({"nvme_bytes", "nvme_per_device_bytes"})
 
 
 def _check_spec(v: Any, spec: Any, path: str) -> None:
     if isinstance(spec, dict):
-        _keys(v, path, list(spec))
+        _keys(v, path, [k for k in spec if k not in _OPTIONAL or k in _map(v, path)])
         for k, item in spec.items():
-            _check_spec(v[k], item, sub(path, k))
+            if k in v:
+                _check_spec(v[k], item, sub(path, k))
     elif isinstance(spec, list):
         for i, x in enumerate(_list(v, path)):
             _check_spec(x, spec[0], f"{path}[{i}]")

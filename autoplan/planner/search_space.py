@@ -13,6 +13,7 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
+from autoplan.cost.memory import model_state_bytes
 from autoplan.errors import ConfigError
 from autoplan.graph.analysis import analyze
 from autoplan.graph.experts import find_experts
@@ -175,8 +176,69 @@ def policies(config: ParallelConfig, opts: SearchOptions, cluster: Any,
                                 if (c.split_backward_on_fsdp_unsupported
                                         and "schedule" not in opts.force):
                                     continue   # the runtime refuses it (runtime/trainer.py)
-                                out += with_compilation(c, opts, graph)
+                                for x in storage_and_wire(c, opts, cluster, graph):
+                                    out += with_compilation(x, opts, graph)
     return out
+
+
+# PowerSGD is offered where the dp group all-reduces slower than this (algorithm bandwidth):
+# 100 Gbit/s. Gradient compression pays on slow networks and not on fast ones (Agarwal et al.,
+# "On the Utility of Gradient Compression in Distributed Training Systems", MLSys 2022); the
+# cost model then weighs it against its products where it is offered.
+POWERSGD_MAX_BYTES_PER_S = 12.5e9
+# the PowerSGD rank the search offers (Vogels et al. 2019 reach full accuracy with rank 2 on
+# ResNet-18 / CIFAR-10 and rank 4 on an LSTM language model); force another with powersgd_rank
+POWERSGD_RANK = 4
+
+
+def storage_and_wire(c: ParallelConfig, opts: SearchOptions, cluster: Any, graph: OpGraph
+                     ) -> list[ParallelConfig]:
+    """``c`` and its variants with the offloaded state on NVMe (``offload_nvme``: where the
+    node has NVMe and its host memory is short) and with PowerSGD compressing the dp
+    all-reduce (``grad_compression``: where lossy options are allowed and the network binds);
+    a forced value of either field narrows it."""
+    out = [c]
+    if forced(opts, "offload_nvme", [host_short(c, cluster, graph)])[0]:
+        out = [dataclasses.replace(x, offload_nvme=True) for x in out
+               if x.offload_optimizer or x.offload_params]
+        if "offload_nvme" not in opts.force:
+            out = [c] + out
+    wants = opts.force.get("grad_compression", "powersgd" if opts.allow_lossy else "none")
+    if wants != "none" and compression_runs(c) and (
+            "grad_compression" in opts.force or network_binds(c, cluster)):
+        rank = opts.force.get("powersgd_rank", POWERSGD_RANK)
+        lossy = [dataclasses.replace(x, grad_compression=wants, powersgd_rank=rank)
+                 for x in out]
+        out = lossy if "grad_compression" in opts.force else out + lossy
+    elif wants != "none" and "grad_compression" in opts.force:
+        return []
+    return out
+
+
+def host_short(c: ParallelConfig, cluster: Any, graph: OpGraph) -> bool:
+    """Whether what ``c`` offloads outgrows a device's share of its node's host memory, on a
+    node with NVMe to take it instead."""
+    if not (cluster.host.has_nvme and (c.offload_optimizer or c.offload_params)):
+        return False
+    states = model_state_bytes(graph.num_params / (c.tp * c.pp), dp=c.shard_degree,
+                               zero_stage=c.zero_stage, precision=c.precision,
+                               optimizer=c.optimizer, offload_optimizer=c.offload_optimizer,
+                               offload_params=c.offload_params,
+                               mixed_precision=c.mixed_precision)
+    return states.offloaded_bytes > cluster.host.memory_bytes / cluster.devices_per_node
+
+
+def compression_runs(c: ParallelConfig) -> bool:
+    """Whether DDP's PowerSGD hook can take ``c``'s gradient sync (``ParallelConfig``'s
+    rule: DDP over dp > 1, ZeRO-0, no pipeline, no expert parallelism)."""
+    return c.grad_degree > 1 and c.zero_stage == 0 and c.pp == 1 and c.ep == 1
+
+
+def network_binds(c: ParallelConfig, cluster: Any) -> bool:
+    """Whether ``c``'s dp group all-reduces slower than ``POWERSGD_MAX_BYTES_PER_S``."""
+    probe = 2.0 ** 30
+    t = cluster.collective_time_s("all_reduce", probe, c.dp_group())
+    return t > 0 and probe / t < POWERSGD_MAX_BYTES_PER_S
 
 
 def ep_degrees(config: ParallelConfig, graph: OpGraph, opts: SearchOptions, zero_stage: int,

@@ -302,6 +302,9 @@ def data_parallel(b: BuildInputs, stages: list[Stage], ex: Exported, groups: Gro
                                                           groups.dp, cfg.grad_degree))
         else:
             modules = [par.ddp(m, groups.dp, expert_ids) for m in modules]
+            if cfg.grad_compression == "powersgd":     # lossy: the plan says so (inspect)
+                for m in modules:
+                    par.powersgd(m, groups.dp, rank=cfg.powersgd_rank, seed=b.seed)
     if experts and not (cfg.uses_fsdp and par.shards_experts(groups.mesh[A.EDP.value])):
         # the experts' gradients hold every ep peer's tokens: averaged over the ranks that
         # hold the same experts, not by DDP over all of dp (FSDP does it in its units)

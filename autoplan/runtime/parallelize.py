@@ -207,6 +207,23 @@ def _on_expert_mesh(experts: Any, mesh: Any) -> Any:
     return placement
 
 
+# PowerSGD's first step with compression: the hook's minimum with error feedback and warm start
+# (the step before all-reduces the gradients whole); Vogels et al. 2019 compress from the start
+POWERSGD_START_ITER = 2
+
+
+def powersgd(module: nn.Module, group: Any, *, rank: int, seed: int) -> None:
+    """Register torch's PowerSGD communication hook (rank ``rank``, error feedback and warm
+    start, the hook's defaults) on DDP ``module``: its gradient all-reduce sends low-rank
+    factors (lossy; ``cost/powersgd.py`` prices it). ``seed`` draws the first Q factors alike
+    on every rank."""
+    # lazily: PowerSGD plans only
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as hook
+    state = hook.PowerSGDState(process_group=group, matrix_approximation_rank=rank,
+                               start_powerSGD_iter=POWERSGD_START_ITER, random_seed=seed)
+    module.register_comm_hook(state, hook.powerSGD_hook)
+
+
 def ddp(module: nn.Module, group: Any, ignore: Any = frozenset()) -> nn.Module:
     """DDP over the dp ``group``, leaving out the parameters whose ids are in ``ignore``
     (expert weights: averaged over the ranks holding the same experts instead). The gradients

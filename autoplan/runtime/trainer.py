@@ -221,6 +221,13 @@ def _refuse_unrunnable(plan: Plan, *, has_loss: bool) -> None:
                         f"{cfg.mixed_precision!r}, as Megatron-LM's --bf16), which this "
                         "runtime does not run: it keeps fp32 weights and trains under "
                         "torch.autocast. Re-plan without forcing mixed_precision")
+    if cfg.offload_nvme:
+        raise PlanError("the plan keeps its offloaded model state on NVMe (offload_nvme, "
+                        "ZeRO-Infinity), which this runtime does not run: it offloads to host "
+                        "memory only (FSDP2's CPU offload). Re-plan with --force "
+                        "offload_nvme=false (force={'offload_nvme': False}), on more nodes or "
+                        "on nodes with more host memory, or run it with DeepSpeed's "
+                        "ZeRO-Infinity")
     if cfg.pp > 1 and not has_loss:
         raise PlanError("a pipelined plan needs loss_fn and example_targets: the last stage "
                         "computes the loss")

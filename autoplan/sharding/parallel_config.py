@@ -27,6 +27,9 @@ PRECISIONS = ("bf16", "fp16", "fp32")
 OPTIMIZERS = ("adamw", "adam", "sgd")
 # how 16-bit training holds its tensors (``cost/dtypes.py``, ``ParallelConfig.mixed_precision``)
 MIXED_PRECISION = ("autocast", "params")
+# how the dp all-reduce compresses gradients: "powersgd", torch's DDP communication hook (Vogels
+# et al. 2019, ``powerSGD_hook``), lossy
+GRAD_COMPRESSION = ("none", "powersgd")
 
 
 def strongest_recompute(policies: Sequence[str]) -> str:
@@ -103,6 +106,16 @@ class ParallelConfig:
     # torch.compile of the rank program, one layer at a time (regional, as torchtitan): each
     # layer's element-wise chains fused into single kernels, priced so (``cost/compute.py``)
     compiled: bool = False
+    # ZeRO-Infinity (Rajbhandari et al. 2021): what the plan offloads (optimizer state; with
+    # offload_params the weights and gradients too) lives on the node's NVMe drives, host
+    # memory holding only the buffers it streams through: priced, chosen where host memory is
+    # short, refused by this runtime
+    offload_nvme: bool = False
+    # gradient compression of DDP's all-reduce: "powersgd" sends rank-``powersgd_rank`` factors
+    # P (n x r) and Q (m x r) of each n x m gradient with error feedback (lossy: the numerics
+    # differ from exact training); 1-D gradients go uncompressed
+    grad_compression: str = "none"
+    powersgd_rank: int = 1
 
     def __post_init__(self) -> None:
         for name in ("dp", "tp", "pp", "micro_batch_size", "virtual_stages", "ep", "cp"):
@@ -118,6 +131,7 @@ class ParallelConfig:
         _one_of("precision", self.precision, PRECISIONS)
         _one_of("optimizer", self.optimizer, OPTIMIZERS)
         _one_of("mixed_precision", self.mixed_precision, MIXED_PRECISION)
+        _one_of("grad_compression", self.grad_compression, GRAD_COMPRESSION)
         if self.zero_stage not in (0, 1, 2, 3):
             raise ConfigError(f"zero_stage must be 0, 1, 2 or 3, got {self.zero_stage!r}")
         if self.virtual_stages > 1 and self.schedule not in MULTI_CHUNK_SCHEDULES:
@@ -133,6 +147,8 @@ class ParallelConfig:
                               "as FSDP shards and gathered to the device layer by layer")
         self._check_layout()
         self._check_dp_shard()
+        self._check_offload_nvme()
+        self._check_grad_compression()
         self._check_dp_whole()
         if self.dp % self.ep:
             raise ConfigError(f"ep={self.ep} must divide dp={self.dp}: expert-parallel groups "
@@ -196,6 +212,24 @@ class ParallelConfig:
         if self.zero_stage not in (2, 3):
             raise ConfigError(f"dp_shard={s} (HSDP) needs zero_stage 2 or 3: it is FSDP's "
                               f"sharding inside groups of {s} ranks, replicated across groups")
+
+    def _check_offload_nvme(self) -> None:
+        if self.offload_nvme and not (self.offload_optimizer or self.offload_params):
+            raise ConfigError("offload_nvme=True puts what the plan offloads on NVMe: it needs "
+                              "offload_optimizer=True or offload_params=True")
+
+    def _check_grad_compression(self) -> None:
+        r = self.powersgd_rank
+        if not isinstance(r, int) or isinstance(r, bool) or r < 1:
+            raise ConfigError(f"powersgd_rank must be a positive integer, got {r!r}")
+        if self.grad_compression == "none":
+            return
+        if self.grad_degree == 1 or self.zero_stage != 0 or self.pp > 1 or self.ep > 1:
+            raise ConfigError(f"grad_compression={self.grad_compression!r} is DDP's "
+                              f"communication hook: it needs dp > 1 with zero_stage=0, pp=1 and "
+                              f"ep=1 (got dp={self.dp}, cp={self.cp}, zero_stage="
+                              f"{self.zero_stage}, pp={self.pp}, ep={self.ep}); drop it or "
+                              f"plan for plain data parallelism")
 
     def _check_dp_whole(self) -> None:
         v = self.dp_whole
@@ -382,6 +416,12 @@ class ParallelConfig:
             del out["mixed_precision"]
         if not self.compiled:
             del out["compiled"]
+        if not self.offload_nvme:
+            del out["offload_nvme"]
+        if self.grad_compression == "none":
+            del out["grad_compression"]
+        if self.powersgd_rank == 1:
+            del out["powersgd_rank"]
         return out
 
     @staticmethod
@@ -421,6 +461,10 @@ class ParallelConfig:
             s += " offload-opt"
         if self.offload_params:
             s += " offload-params"
+        if self.offload_nvme:
+            s += " nvme"
+        if self.grad_compression == "powersgd":
+            s += f" powersgd{self.powersgd_rank}"
         if self.tp_comm_overlap:
             s += " tp-overlap"
         if self.compiled:
