@@ -20,7 +20,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--cluster", required=True,
                    help="preset[:nodes] (e.g. dgx-h100:4), 'local[:N]', or a cluster file")
     p.add_argument("--global-batch", type=int, required=True, help="global batch size (samples)")
-    p.add_argument("--precision", default="bf16", choices=("bf16", "fp16", "fp32"))
+    p.add_argument("--precision", default="bf16", choices=("bf16", "fp16", "fp32", "auto"),
+                   help="training precision (bf16); auto: the search also tries fp32 where "
+                        "16 bits gain nothing and fp8 linear layers (torchao's tensorwise and "
+                        "rowwise recipes) where the GPU has fp8, per linear where it pays")
     p.add_argument("--optimizer", default="adamw", choices=("adamw", "adam", "sgd"))
     p.add_argument("-o", "--output", default="plan.json", help="plan file to write (plan.json)")
     p.add_argument("--top-k", type=int, default=5, help="alternatives kept in the plan")
@@ -44,7 +47,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-_LIST_FIELDS = {"chunk_layers": int, "stage_recompute": str, "dp_whole": str}
+_LIST_FIELDS = {"chunk_layers": int, "stage_recompute": str, "dp_whole": str,
+                "fp8_skip": str}
 
 
 def parse_force(items: list[str]) -> dict:

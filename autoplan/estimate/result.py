@@ -89,6 +89,9 @@ class Estimate:
     activation_bytes_per_layer: float            # one block instance, one micro-batch
     warnings: tuple[str, ...] = field(default_factory=tuple)
     host_memory_per_device_bytes: float = float("inf")   # a device's share of its node's DRAM
+    # fp8 configs: per convertible linear, where fp8 pays (``estimate/float8_choice.py``):
+    # {"linear", "m", "n", "k", "bf16_s", "fp8_s", "pays"}; written only when there are some
+    fp8_linears: tuple[dict[str, Any], ...] = ()
 
     @property
     def peak_offloaded_bytes(self) -> float:
@@ -105,6 +108,10 @@ class Estimate:
         d["config"] = self.config.to_dict()
         d["fits"] = self.fits
         d["per_device_memory_bytes"] = list(self.per_device_memory_bytes)
+        if not self.fp8_linears:
+            del d["fp8_linears"]
+        else:
+            d["fp8_linears"] = [dict(r) for r in self.fp8_linears]
         return d
 
     def report(self) -> str:

@@ -28,3 +28,6 @@ class SearchOptions:
     memory_margin_bytes: float | None = None
     expert_capacity_factor: float = 1.0   # MoE routing imbalance priced (estimate() doc)
     pin: dict[str, str] = field(default_factory=dict)   # op pattern -> strategy (pins.py)
+    # precision="auto": the search also tries fp32 where 16 bits gain nothing, and fp8 linear
+    # layers (tensorwise, rowwise) where the device has fp8 (``search_space.precision_variants``)
+    precision_auto: bool = False

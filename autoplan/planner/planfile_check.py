@@ -217,8 +217,9 @@ def _check_offload(off: Any, config: ParallelConfig) -> None:
 
 def _check_predicted(d: Mapping, t: Mapping) -> None:
     """The prediction is of the chosen configuration and global batch."""
-    _check_spec(d["predicted"], _PREDICTED, "predicted")
     p = d["predicted"]
+    optional = {k: _FP8_ROW for k in ("fp8_linears",) if isinstance(p, Mapping) and k in p}
+    _check_spec(p, {**_PREDICTED, **{k: [v] for k, v in optional.items()}}, "predicted")
     if p["config"] != d["config"]:
         fail("predicted.config", "differs from config: the prediction must be of the chosen "
               "configuration")
@@ -392,6 +393,9 @@ _PREDICTED = {"config": "c", "global_batch_size": "i", "num_microbatches": "i",
               "activation_bytes_per_layer": "f", "warnings": ["s"], "fits": "b",
               "host_memory_per_device_bytes": "f"}
 
+_FP8_ROW = {"linear": "s", "m": "f", "n": "f", "k": "f", "bf16_s": "f", "fp8_s": "f",
+            "pays": "b"}
+
 
 def _check_spec(v: Any, spec: Any, path: str) -> None:
     if isinstance(spec, dict):
@@ -489,7 +493,7 @@ def _bool(v: Any, path: str) -> bool:
 
 
 _NULLABLE = ("num_microbatches", "chunk_layers", "stage_recompute")
-_LISTS = {"chunk_layers": int, "stage_recompute": str, "dp_whole": str}
+_LISTS = {"chunk_layers": int, "stage_recompute": str, "dp_whole": str, "fp8_skip": str}
 
 
 def _config(v: Any, path: str) -> ParallelConfig:

@@ -207,6 +207,20 @@ def _plan_for(graph: Any, cluster: Any, plan: Plan | str | os.PathLike | None, *
     return plan
 
 
+def _fp8_refusal(cfg: Any) -> str:
+    """Why an fp8 plan does not run here, and how to plan without it."""
+    where = ("this machine has no CUDA device: fp8 GEMMs (torch._scaled_mm) need an NVIDIA "
+             "GPU with fp8 tensor cores (compute capability 8.9 or later: H100, H200, L4, "
+             "B200)" if not torch.cuda.is_available() else
+             "this runtime does not yet run fp8 linear layers: its rank program executes the "
+             "traced aten graph, and torchao's Float8Linear (convert_to_float8_training) "
+             "converts nn.Linear modules, which that program no longer calls")
+    return (f"the plan runs its linear layers in fp8 (fp8={cfg.fp8!r}, torchao's float8 "
+            f"training, {len(cfg.fp8_skip)} linear pattern(s) kept in bf16), but {where}. "
+            "Re-plan without fp8: autoplan plan --precision bf16 (or plan(..., "
+            "precision='bf16') without force fp8)")
+
+
 def _refuse_unrunnable(plan: Plan, *, has_loss: bool) -> None:
     """PlanError for what the planner may price but this runtime cannot run."""
     cfg = plan.config
@@ -221,6 +235,8 @@ def _refuse_unrunnable(plan: Plan, *, has_loss: bool) -> None:
                         f"{cfg.mixed_precision!r}, as Megatron-LM's --bf16), which this "
                         "runtime does not run: it keeps fp32 weights and trains under "
                         "torch.autocast. Re-plan without forcing mixed_precision")
+    if cfg.fp8 != "none":
+        raise PlanError(_fp8_refusal(cfg))
     if cfg.pp > 1 and not has_loss:
         raise PlanError("a pipelined plan needs loss_fn and example_targets: the last stage "
                         "computes the loss")
