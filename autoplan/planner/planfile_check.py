@@ -218,8 +218,9 @@ def _check_offload(off: Any, config: ParallelConfig) -> None:
 def _check_predicted(d: Mapping, t: Mapping) -> None:
     """The prediction is of the chosen configuration and global batch."""
     p = d["predicted"]
-    optional = {k: _FP8_ROW for k in ("fp8_linears",) if isinstance(p, Mapping) and k in p}
-    _check_spec(p, {**_PREDICTED, **{k: [v] for k, v in optional.items()}}, "predicted")
+    # fp8_linears is written for fp8 plans only
+    absent = {k for k in _PREDICTED_OPTIONAL if not isinstance(p, Mapping) or k not in p}
+    _check_spec(p, {k: v for k, v in _PREDICTED.items() if k not in absent}, "predicted")
     if p["config"] != d["config"]:
         fail("predicted.config", "differs from config: the prediction must be of the chosen "
               "configuration")
@@ -391,10 +392,10 @@ _PREDICTED = {"config": "c", "global_batch_size": "i", "num_microbatches": "i",
               "device_memory_bytes": "f", "stages": [_STAGE], "model_flops_per_step": "f",
               "mfu": "f", "samples_per_s": "f", "tokens_per_s": "f?",
               "activation_bytes_per_layer": "f", "warnings": ["s"], "fits": "b",
-              "host_memory_per_device_bytes": "f"}
-
-_FP8_ROW = {"linear": "s", "m": "f", "n": "f", "k": "f", "bf16_s": "f", "fp8_s": "f",
-            "pays": "b"}
+              "host_memory_per_device_bytes": "f",
+              "fp8_linears": [{"linear": "s", "m": "f", "n": "f", "k": "f", "bf16_s": "f",
+                               "fp8_s": "f", "pays": "b"}]}
+_PREDICTED_OPTIONAL = ("fp8_linears",)
 
 
 def _check_spec(v: Any, spec: Any, path: str) -> None:
