@@ -128,3 +128,82 @@ def test_fp8_plan_refused_at_run_time_with_the_fix(graph):
              max_tp=1, max_pp=1, top_k=0)
     with pytest.raises(PlanError, match="--precision bf16"):
         _refuse_unrunnable(p, has_loss=False)
+
+
+# ---- the rank program: torchao's float8 product per converted linear ---------------------------
+
+def _float8_program(recipe, skip):
+    """A tiny HF Llama (every linear's sides divisible by 16), an fp8 plan of it on H100s with
+    the linears ``skip`` kept in 16 bits, its one-rank program on this CPU, and the model."""
+    from autoplan.models import build_example
+    from autoplan.runtime.emit import emit
+    ex = build_example("hf-llama-gqa-tiny", batch_size=1, seed=0)
+    g = trace(ex.model, ex.example_inputs, loss_fn=ex.loss_fn, targets=ex.targets)
+    p = plan(g, "dgx-h100", global_batch_size=8, max_tp=1, max_pp=1, top_k=0,
+             force={"fp8": recipe, "fp8_skip": skip, "zero_stage": 0, "recompute": "none"})
+    assert p.config.fp8 == recipe and p.config.fp8_skip == tuple(sorted(skip))
+    rp = emit(ex.model, p, g, example_inputs=ex.example_inputs, example_targets=ex.targets,
+              loss_fn=ex.loss_fn, t=1, tp_rank=0, device=torch.device("cpu"), seed=0)
+    return ex, rp
+
+
+def _linear_weights(rp):
+    """{weight fqn: "fp8" or "16"} of the program's products of linear layers."""
+    from autoplan.runtime.program_calls import kernel_float8_linear
+    out = {}
+    for n in rp.program.graph_module.graph.nodes:
+        if n.target is kernel_float8_linear:
+            out[n.args[1][1].target] = "fp8"
+        elif n.target is torch.ops.aten.linear.default:
+            out[n.args[1].target] = "16"
+    return out
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_program_runs_torchaos_float8_linear_where_the_plan_converts(recipe):
+    """The program calls torchao's float8 product for each converted linear and the plain
+    linear for the skipped ones; run here in fp32 (torch._scaled_mm runs fp8 products on this
+    CPU), its loss and gradients equal the same model converted by torchao's
+    convert_to_float8_training with the same recipe and filter, and differ from the model's
+    own by fp8's round-off."""
+    import copy
+
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    skip = ("*.mlp.down_proj",)
+    ex, rp = _float8_program(recipe, skip)
+    kinds = _linear_weights(rp)
+    assert kinds == {f"model.model.layers.{i}.{m}.weight": ("16" if m == "mlp.down_proj" else "fp8")
+                     for i in range(2) for m in ("self_attn.q_proj", "self_attn.k_proj",
+                                                 "self_attn.v_proj", "self_attn.o_proj",
+                                                 "mlp.gate_proj", "mlp.up_proj",
+                                                 "mlp.down_proj")} | {"model.lm_head.weight": "fp8"}
+    by_hand = copy.deepcopy(ex.model)
+    convert_to_float8_training(by_hand, config=Float8LinearConfig.from_recipe_name(recipe),
+                               module_filter_fn=lambda m, fqn: not fqn.endswith("down_proj"))
+    batch = [x[:1] for x in ex.example_inputs]
+    target = ex.targets[:1]
+
+    def run(fn, params):
+        loss = fn()
+        grads = torch.autograd.grad(loss, params)
+        return loss.detach(), grads
+    names = [n for n, _ in by_hand.named_parameters()]
+    prog = dict(rp.module.named_parameters())
+    got = run(lambda: rp.module(*batch, target), [prog[n] for n in names])
+    want = run(lambda: ex.loss_fn(by_hand(*batch), target), list(by_hand.parameters()))
+    plain = run(lambda: ex.loss_fn(ex.model(*batch), target), list(ex.model.parameters()))
+    assert got[0] == pytest.approx(want[0].item(), rel=1e-6)
+    for n, a, b, c in zip(names, got[1], want[1], plain[1]):
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-7), n
+    off = max(((a - c).norm() / c.norm()).item() for a, c in zip(got[1], plain[1]))
+    assert off > 1e-3              # fp8's round-off is there: the products did run in fp8
+
+
+def test_fp8_refused_on_cpu_and_under_tp_with_the_fix():
+    from autoplan.runtime.float8 import float8_refusal
+    cpu = torch.device("cpu")
+    assert float8_refusal(ParallelConfig(), cpu) is None
+    why = float8_refusal(ParallelConfig(fp8="rowwise"), cpu)
+    assert "compute capability 8.9" in why and "--precision bf16" in why
+    why = float8_refusal(ParallelConfig(fp8="tensorwise", tp=2), cpu)
+    assert "tp=2" in why and "max_tp=1" in why

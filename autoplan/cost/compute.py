@@ -180,6 +180,23 @@ def gemm_sides(graph: OpGraph, op: Op) -> tuple[float, float, float] | None:
     return m, float(out[-1]), float(a[-1])
 
 
+def fp8_linear_ops(graph: OpGraph) -> frozenset[int]:
+    """The ops of ``graph`` that torchao's float8 training would convert
+    (``cost/float8.convertible``): the products of ``nn.Linear`` layers with weight sides
+    divisible by 16."""
+    return frozenset(i for i, op in enumerate(graph.ops)
+                     if convertible(op, gemm_sides(graph, op)))
+
+
+def fp8_converted_ops(graph: OpGraph, skip: tuple[str, ...]) -> frozenset[int]:
+    """The linears an fp8 config runs in fp8: ``fp8_linear_ops`` but those whose module path
+    matches a pattern of ``skip`` (``ParallelConfig.fp8_skip``). The planner prices these
+    and the runtime emits torchao's float8 product for these (``runtime/float8.py``)."""
+    from fnmatch import fnmatchcase      # lazily: only fp8 configs match module paths
+    return frozenset(i for i in fp8_linear_ops(graph) if not any(
+        fnmatchcase(graph.ops[i].module_path, p) for p in skip))
+
+
 def _gemm_fractions(table: GemmShapeTable, sides: tuple[float, float, float],
                     bwd_parts: tuple[float, float], dgrad_chunks: int = 1
                     ) -> tuple[float, float]:
@@ -312,12 +329,9 @@ class ComputeModel:
         # and of them those the config runs in fp8 (not skipped)
         self.fp8 = fp8
         self.device = device
-        self.fp8_linears = frozenset(
-            i for i, op in enumerate(graph.ops) if convertible(op, gemm_sides(graph, op))
-        ) if fp8 is not None and fp8_flops_per_s(device) else frozenset()
-        from fnmatch import fnmatchcase      # lazily: only fp8 configs match module paths
-        self.fp8_ops = frozenset(i for i in self.fp8_linears if not any(
-            fnmatchcase(graph.ops[i].module_path, p) for p in fp8.skip))
+        self.fp8_linears = fp8_linear_ops(graph) if fp8 is not None and fp8_flops_per_s(
+            device) else frozenset()
+        self.fp8_ops = fp8_converted_ops(graph, fp8.skip) if self.fp8_linears else frozenset()
 
     def _byte_scale(self, op: Op) -> float:
         """Traced float tensors become training-precision tensors; under autocast each takes

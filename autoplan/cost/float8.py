@@ -24,9 +24,12 @@ the cast to fp8 (read h, write h; read h, write 1): 6h + 1 bytes per element in 
 The GEMMs run at the device's fp8 tensor-core rate (``peak_flops["fp8"]`` in
 ``cost_models/devices.yaml``; none on A100 or V100: fp8 is never priced there), shaped as
 the 16-bit product (the same GEMM-shape table), times ``ROWWISE_GEMM_FRACTION`` for rowwise
-scales. Under FSDP with tensorwise scaling, torchao's ``enable_fsdp_float8_all_gather`` casts
-each weight shard to fp8 before the all-gather: the gather moves one byte per element instead
-of two and the linear casts no weight (``Float8Setting.weight_cast``).
+scales. Under FSDP with tensorwise scaling, torchao's ``enable_fsdp_float8_all_gather`` would
+cast each weight shard to fp8 before the all-gather (the gather moving one byte per element
+instead of two, the linear casting no weight); autoplan's runtime does not set it (its FSDP2
+gathers the 16-bit weights and each fp8 linear casts its weight, ``runtime/float8.py``), so
+it is priced as not enabled: ``Float8Setting.weight_gathered_fp8`` is False, and the dp terms
+price FSDP's gathers at 16 bits (``estimate/dp_terms.py``), as the runtime moves them.
 """
 
 from __future__ import annotations
@@ -68,7 +71,8 @@ class Float8Setting:
         fsdp = config.uses_fsdp
         return Float8Setting(recipe=config.fp8, skip=tuple(config.fp8_skip),
                              weight_bytes=2 if fsdp else 4,
-                             weight_gathered_fp8=fsdp and config.fp8 == "tensorwise")
+                             # FSDP's fp8 all-gather: not run (module doc)
+                             weight_gathered_fp8=False)
 
     def weight_cast(self) -> bool:
         """Whether the linear itself casts its weight (not done before FSDP's gather)."""

@@ -202,7 +202,8 @@ def precision_variants(c: ParallelConfig, opts: SearchOptions, cluster: Any
     recipes = ([opts.force["fp8"]] if "fp8" in opts.force
                else ["tensorwise", "rowwise"] if opts.precision_auto
                and fp8_flops_per_s(device) and c.precision == "bf16" else [])
-    fp8 = [dataclasses.replace(c, fp8=r) for r in recipes
+    skip = tuple(opts.force.get("fp8_skip", ()))     # a forced fp8_skip, else the search's
+    fp8 = [dataclasses.replace(c, fp8=r, fp8_skip=skip) for r in recipes
            if r != "none" and c.precision == "bf16" and c.mixed_precision == "autocast"]
     return (fp8 if "fp8" in opts.force else out + fp8) or out
 

@@ -27,6 +27,7 @@ from autoplan.planner.plan_vs_model import check_plan_against
 from autoplan.planner.planfile import Plan, plan_mismatch, stale_prediction
 from autoplan.runtime.batch_check import BatchSpec
 from autoplan.runtime.checkpoint import optimizer_slots
+from autoplan.runtime.float8 import float8_refusal
 from autoplan.runtime.grads import LossScaler
 from autoplan.runtime.steps import Trainer
 from autoplan.cluster import Cluster
@@ -174,7 +175,8 @@ def _compile(model: nn.Module, cluster: Any, *, example_inputs: Sequence[Any],
     plan = _plan_for(graph, cluster, plan, global_batch_size=global_batch_size,
                      precision=precision, allow_cluster_mismatch=allow_cluster_mismatch,
                      **plan_kwargs)
-    _refuse_unrunnable(plan, has_loss=loss_fn is not None and example_targets is not None)
+    _refuse_unrunnable(plan, has_loss=loss_fn is not None and example_targets is not None,
+                       device=_rank_device(cluster))
     _check_job(plan, global_batch_size=global_batch_size, world_env=world_env)
     rank, device = _join(cluster, plan)
     if not any(p.is_meta for p in model.parameters()):
@@ -207,22 +209,10 @@ def _plan_for(graph: Any, cluster: Any, plan: Plan | str | os.PathLike | None, *
     return plan
 
 
-def _fp8_refusal(cfg: Any) -> str:
-    """Why an fp8 plan does not run here, and how to plan without it."""
-    where = ("this machine has no CUDA device: fp8 GEMMs (torch._scaled_mm) need an NVIDIA "
-             "GPU with fp8 tensor cores (compute capability 8.9 or later: H100, H200, L4, "
-             "B200)" if not torch.cuda.is_available() else
-             "this runtime does not yet run fp8 linear layers: its rank program executes the "
-             "traced aten graph, and torchao's Float8Linear (convert_to_float8_training) "
-             "converts nn.Linear modules, which that program no longer calls")
-    return (f"the plan runs its linear layers in fp8 (fp8={cfg.fp8!r}, torchao's float8 "
-            f"training, {len(cfg.fp8_skip)} linear pattern(s) kept in bf16), but {where}. "
-            "Re-plan without fp8: autoplan plan --precision bf16 (or plan(..., "
-            "precision='bf16') without force fp8)")
-
-
-def _refuse_unrunnable(plan: Plan, *, has_loss: bool) -> None:
-    """PlanError for what the planner may price but this runtime cannot run."""
+def _refuse_unrunnable(plan: Plan, *, has_loss: bool,
+                       device: torch.device = torch.device("cpu")) -> None:
+    """PlanError for what the planner may price but this runtime cannot run on ``device``
+    (the one this rank will take)."""
     cfg = plan.config
     if cfg.tp_comm_overlap:
         raise PlanError("the plan prices tensor-parallel communication pipelined with its GEMMs "
@@ -235,8 +225,9 @@ def _refuse_unrunnable(plan: Plan, *, has_loss: bool) -> None:
                         f"{cfg.mixed_precision!r}, as Megatron-LM's --bf16), which this "
                         "runtime does not run: it keeps fp32 weights and trains under "
                         "torch.autocast. Re-plan without forcing mixed_precision")
-    if cfg.fp8 != "none":
-        raise PlanError(_fp8_refusal(cfg))
+    why = float8_refusal(cfg, device)
+    if why:
+        raise PlanError(why)
     if cfg.pp > 1 and not has_loss:
         raise PlanError("a pipelined plan needs loss_fn and example_targets: the last stage "
                         "computes the loss")
@@ -269,6 +260,13 @@ def _check_job(plan: Plan, *, global_batch_size: int, world_env: int) -> None:
                         f"{plan.config.world_size} (or `autoplan run`)")
 
 
+def _rank_device(cluster: Any) -> torch.device:
+    """The device this rank runs on: its local GPU on a GPU cluster, else the CPU."""
+    return (torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+            if cluster.device.kind == "gpu" and torch.cuda.is_available()
+            else torch.device("cpu"))
+
+
 def _join(cluster: Any, plan: Plan) -> tuple[int, torch.device]:
     """(rank, device): this process joins the job's process group (a one-process group for an
     offloading plan alone) and takes its device (its local GPU on a GPU cluster)."""
@@ -277,9 +275,7 @@ def _join(cluster: Any, plan: Plan) -> tuple[int, torch.device]:
     rank, world = init_distributed(cluster.backend, single=plan.config.offload_params)
     if world != plan.config.world_size:
         raise PlanError(f"the plan needs {plan.config.world_size} ranks, the job has {world}")
-    device = (torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-              if cluster.device.kind == "gpu" and torch.cuda.is_available()
-              else torch.device("cpu"))
+    device = _rank_device(cluster)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     return rank, device
