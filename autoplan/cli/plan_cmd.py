@@ -136,6 +136,11 @@ def run(args: argparse.Namespace) -> int:
                   force=force, pin=pin)
     result.save(args.output)
     print(explain_plan(result))
+    if args.precision == "auto" and "fp8" not in cluster.device.peak_flops:
+        print(f"\nprecision auto: fp8 linear layers not tried: the cluster's "
+              f"{cluster.device.name} has no fp8 tensor cores (its rates: "
+              f"{', '.join(sorted(cluster.device.peak_flops))}); the plan keeps "
+              f"{result.config.precision}")
     print(f"\nwrote {args.output} (search {result.solver.time_s:.1f} s, "
           f"total {time.perf_counter() - t0:.1f} s)")
     return 0
