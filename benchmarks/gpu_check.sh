@@ -6,6 +6,8 @@
 #                   torch.compile by hand; step time, peak memory, autoplan's predictions
 #   emulate.json    one rank of two 64-GPU Llama-3-8B plans alone on this GPU
 #   full-step.json  the 1.7B validation row's whole step (benchmarks/gpu_full_step.py)
+#   fp8.txt, fp8.json  fp8 plans: the GPU test against torchao by hand, and bf16 against fp8
+#                   step times of HF Llama 0.89B (benchmarks/gpu_fp8.py)
 #   gpu-check.json, gpu-check.md   all of it, and one table
 #
 #   usage: bash benchmarks/gpu_check.sh OUTDIR
@@ -27,8 +29,9 @@ fi
 } 2>&1 | tee "$out/gpu.txt"
 step() { echo "== $*"; local t0=$SECONDS; "$@"; echo "== rc $? in $((SECONDS - t0)) s"; }
 step timeout 140 $py benchmarks/gpu_check.py zoo --out "$out/zoo.json"
-step timeout 200 $py benchmarks/gpu_check.py speed --steps 8 --out "$out/speed.json"
-step timeout 70 $py benchmarks/gpu_check.py emulate --out "$out/emulate.json"
+step timeout 170 $py benchmarks/gpu_check.py speed --steps 8 --out "$out/speed.json"
+step timeout 60 $py benchmarks/gpu_check.py emulate --out "$out/emulate.json"
 step timeout 50 $py benchmarks/gpu_full_step.py --measure "$out/full-step.json"
+step timeout 60 bash -c "$py -m pytest -q -p no:cacheprovider tests/test_fp8_precision.py -k one_gpu > '$out/fp8.txt' 2>&1; $py benchmarks/gpu_fp8.py --steps 4 --out '$out/fp8.json'"
 $py benchmarks/gpu_check.py table "$out/zoo.json" "$out/speed.json" "$out/emulate.json" \
   "$out/full-step.json" --out "$out/gpu-check.json"

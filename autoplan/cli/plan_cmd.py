@@ -20,7 +20,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--cluster", required=True,
                    help="preset[:nodes] (e.g. dgx-h100:4), 'local[:N]', or a cluster file")
     p.add_argument("--global-batch", type=int, required=True, help="global batch size (samples)")
-    p.add_argument("--precision", default="bf16", choices=("bf16", "fp16", "fp32"))
+    p.add_argument("--precision", default="bf16", choices=("bf16", "fp16", "fp32", "auto"),
+                   help="training precision (bf16); auto: the search also tries fp32 where "
+                        "16 bits gain nothing and fp8 linear layers (torchao's tensorwise and "
+                        "rowwise recipes) where the GPU has fp8, per linear where it pays")
     p.add_argument("--optimizer", default="adamw", choices=("adamw", "adam", "sgd"))
     p.add_argument("-o", "--output", default="plan.json", help="plan file to write (plan.json)")
     p.add_argument("--top-k", type=int, default=5, help="alternatives kept in the plan")
@@ -48,7 +51,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-_LIST_FIELDS = {"chunk_layers": int, "stage_recompute": str, "dp_whole": str}
+_LIST_FIELDS = {"chunk_layers": int, "stage_recompute": str, "dp_whole": str,
+                "fp8_skip": str}
 
 
 def parse_force(items: list[str]) -> dict:
@@ -136,6 +140,11 @@ def run(args: argparse.Namespace) -> int:
                   force=force, pin=pin, allow_lossy=args.allow_lossy)
     result.save(args.output)
     print(explain_plan(result))
+    if args.precision == "auto" and "fp8" not in cluster.device.peak_flops:
+        print(f"\nprecision auto: fp8 linear layers not tried: the cluster's "
+              f"{cluster.device.name} has no fp8 tensor cores (its rates: "
+              f"{', '.join(sorted(cluster.device.peak_flops))}); the plan keeps "
+              f"{result.config.precision}")
     print(f"\nwrote {args.output} (search {result.solver.time_s:.1f} s, "
           f"total {time.perf_counter() - t0:.1f} s)")
     return 0

@@ -26,7 +26,7 @@ from autoplan.cluster.values import check_keys, integer, number, text
 from autoplan.errors import ClusterError
 
 SCHEMA_VERSION = 1
-PRECISIONS = ("fp32", "tf32", "bf16", "fp16")
+PRECISIONS = ("fp32", "tf32", "bf16", "fp16", "fp8")
 DEVICE_KINDS = ("gpu", "cpu")
 
 

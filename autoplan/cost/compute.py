@@ -34,6 +34,8 @@ from typing import Any
 
 from autoplan.cluster.gemm_table import GemmShapeTable
 from autoplan.cost.dtypes import LOWER_PRECISION_OPS, autocast_on, value_itemsizes
+from autoplan.cost.float8 import (Float8Setting, cast_passes, convertible, float8_times,
+                                  fp8_flops_per_s, gemm_speedup)
 from autoplan.cost.memory import PRECISION_BYTES
 from autoplan.graph.analysis import analyze
 from autoplan.graph.opgraph import Op, OpGraph, opname
@@ -178,6 +180,23 @@ def gemm_sides(graph: OpGraph, op: Op) -> tuple[float, float, float] | None:
     return m, float(out[-1]), float(a[-1])
 
 
+def fp8_linear_ops(graph: OpGraph) -> frozenset[int]:
+    """The ops of ``graph`` that torchao's float8 training would convert
+    (``cost/float8.convertible``): the products of ``nn.Linear`` layers with weight sides
+    divisible by 16."""
+    return frozenset(i for i, op in enumerate(graph.ops)
+                     if convertible(op, gemm_sides(graph, op)))
+
+
+def fp8_converted_ops(graph: OpGraph, skip: tuple[str, ...]) -> frozenset[int]:
+    """The linears an fp8 config runs in fp8: ``fp8_linear_ops`` but those whose module path
+    matches a pattern of ``skip`` (``ParallelConfig.fp8_skip``). The planner prices these
+    and the runtime emits torchao's float8 product for these (``runtime/float8.py``)."""
+    from fnmatch import fnmatchcase      # lazily: only fp8 configs match module paths
+    return frozenset(i for i in fp8_linear_ops(graph) if not any(
+        fnmatchcase(graph.ops[i].module_path, p) for p in skip))
+
+
 def _gemm_fractions(table: GemmShapeTable, sides: tuple[float, float, float],
                     bwd_parts: tuple[float, float], dgrad_chunks: int = 1
                     ) -> tuple[float, float]:
@@ -204,14 +223,16 @@ def _bwd_parts(op: Op) -> tuple[float, float]:
 
 
 def compute_model(graph: OpGraph, device: Any, precision: str, profile: Any = None,
-                  mixed_precision: str = "autocast", fused: bool = False) -> ComputeModel:
-    """The ComputeModel for (graph, device, precision, profile, mixed_precision, fused), built
-    once and kept on the graph: the planner costs hundreds of configurations of one graph."""
+                  mixed_precision: str = "autocast", fused: bool = False,
+                  fp8: Float8Setting | None = None) -> ComputeModel:
+    """The ComputeModel for (graph, device, precision, profile, mixed_precision, fused, fp8),
+    built once and kept on the graph: the planner costs hundreds of configurations of one
+    graph."""
     cache = graph.__dict__.setdefault("_autoplan_compute", {})
-    key = (device, precision, id(profile), mixed_precision, fused)
+    key = (device, precision, id(profile), mixed_precision, fused, fp8)
     model = cache.get(key)
     if model is None or model.profile is not profile:
-        model = ComputeModel(graph, device, precision, profile, mixed_precision, fused)
+        model = ComputeModel(graph, device, precision, profile, mixed_precision, fused, fp8)
         cache[key] = model
     return model
 
@@ -285,7 +306,8 @@ class ComputeModel:
     """Op times for one (device, precision), optionally backed by a measured ProfileDB."""
 
     def __init__(self, graph: OpGraph, device: Any, precision: str, profile: Any = None,
-                 mixed_precision: str = "autocast", fused: bool = False):
+                 mixed_precision: str = "autocast", fused: bool = False,
+                 fp8: Float8Setting | None = None):
         if precision not in PRECISION_BYTES:
             raise ValueError(f"precision {precision!r} not in {sorted(PRECISION_BYTES)}")
         self.graph = graph
@@ -303,6 +325,13 @@ class ComputeModel:
         self._tabled: set[int] = set()      # ops priced by the device's GEMM table
         # a compiled program (``ParallelConfig.compiled``): element-wise chains fused
         self.fused = fused_traffic(graph) if fused else {}
+        # fp8 linear layers (``cost/float8.py``): those torchao would convert on this device,
+        # and of them those the config runs in fp8 (not skipped)
+        self.fp8 = fp8
+        self.device = device
+        self.fp8_linears = fp8_linear_ops(graph) if fp8 is not None and fp8_flops_per_s(
+            device) else frozenset()
+        self.fp8_ops = fp8_converted_ops(graph, fp8.skip) if self.fp8_linears else frozenset()
 
     def _byte_scale(self, op: Op) -> float:
         """Traced float tensors become training-precision tensors; under autocast each takes
@@ -411,7 +440,31 @@ class ComputeModel:
 
     def op_cost(self, index: int, work_scale: float = 1.0, split: tuple[str, int] = ("m", 1)
                 ) -> OpCost:
-        """Cost when the op's work is ``work_scale`` times the traced work (batch, TP shard).
+        """Cost when the op's work is ``work_scale`` times the traced work, with ``split`` (as
+        ``cost16``): an fp8 linear's (``fp8_ops``) as ``float8_cost`` prices it."""
+        if index in self.fp8_ops:
+            return self.float8_cost(index, work_scale, split)
+        return self.cost16(index, work_scale, split)
+
+    def float8_cost(self, index: int, work_scale: float = 1.0,
+                    split: tuple[str, int] = ("m", 1)) -> OpCost:
+        """Linear ``index`` run in fp8 under this model's fp8 recipe (``cost/float8.py``): its
+        GEMMs at the fp8 rate, plus the casts of its operands at its sides there."""
+        c = self.cost16(index, work_scale, split)
+        sides = self.product_sides(index, work_scale, split)
+        if self.fp8 is None or sides is None:
+            return c
+        passes = cast_passes(sides, self.fp8, compiled=bool(self.fused))
+        fwd, bwd = float8_times(
+            c.fwd_s, c.bwd_s, speedup=gemm_speedup(self.device, self.precision,
+                                                    self.fp8.recipe),
+            passes=passes, memory_bytes_per_s=self.tput.memory_bytes_per_s,
+            launch_s=self.tput.launch_s)
+        return OpCost(fwd_s=fwd, bwd_s=bwd)
+
+    def cost16(self, index: int, work_scale: float = 1.0, split: tuple[str, int] = ("m", 1)
+               ) -> OpCost:
+        """Cost in the training precision when the op's work is ``work_scale`` times the traced work (batch, TP shard).
         ``split``: the product side a sharding strategy divides and by how much ("m" its rows,
         "n" its columns, "k" its contraction: ``sharding.strategy.divided_split``); the rest
         of the scale is rows (the micro-batch, a context-parallel shard, an expert's load)."""

@@ -112,6 +112,13 @@ def _work_scale(a: GraphAnalysis, graph: OpGraph, sh: Sharding, i: int,
     return (batch_scale if batch_dep else 1.0) * cp / sh.work_divisor(i)
 
 
+def op_work(ci: CostInputs, i: int) -> tuple[float, tuple[str, int]]:
+    """Op ``i``'s work on one rank relative to its traced work, and the product side its tp
+    strategy divides (``ComputeModel.op_cost``'s arguments; expert load left out)."""
+    return (_work_scale(ci.analysis, ci.graph, ci.sharding, i, ci.batch_scale, ci.context),
+            divided_split(ci.graph, ci.graph.ops[i], ci.sharding.op_strategy[i]))
+
+
 def comm_bytes(graph: OpGraph, a: GraphAnalysis, precision: str, value: str, scale: float,
                t: int, batch_scale: float, phase: str = "fwd", grad_shard: int = 1,
                kind: str = "", held: float = 1.0, sizes: Mapping[str, int] | None = None

@@ -25,6 +25,7 @@ from typing import Any
 
 from autoplan.graph.analysis import analyze
 from autoplan.cost.compute import compute_model
+from autoplan.cost.float8 import Float8Setting, fp8_flops_per_s
 from autoplan.cost.memory import (PRECISION_BYTES, activation_bytes, nvme_host_buffer_bytes,
                                   model_state_bytes, sharding_for)
 from autoplan.cost.powersgd import powersgd_buffer_bytes
@@ -33,6 +34,7 @@ from autoplan.estimate.arguments import (batch_arg, capacity_arg, cluster_arg,
                                         estimate_options_arg, microbatches_arg, profile_arg)
 from autoplan.estimate.chunk_cost import CostInputs, RangeCost, chunk_cost
 from autoplan.estimate.dp_terms import StageParams, dp_collectives, price, stage_terms
+from autoplan.estimate.float8_choice import fp8_choices
 from autoplan.estimate.layout import chunks_for, in_flight
 from autoplan.estimate.overlap import overlap_interference
 from autoplan.estimate.partition import pipeline_units
@@ -74,6 +76,11 @@ def validate(graph: OpGraph, cluster: Any, config: ParallelConfig,
         if sum(config.chunk_layers) != units:
             raise ConfigError(f"chunk_layers {list(config.chunk_layers)} add up to "
                               f"{sum(config.chunk_layers)} layers, the model has {units}")
+    if config.fp8 != "none" and not fp8_flops_per_s(cluster.device):
+        raise ConfigError(f"fp8={config.fp8!r} needs fp8 tensor cores (H100, H200 and later); "
+                          f"the cluster's {cluster.device.name} has none (its rates: "
+                          f"{', '.join(sorted(cluster.device.peak_flops))}): plan with "
+                          "precision 'bf16' and fp8 'none'")
     return m
 
 
@@ -126,7 +133,7 @@ def cost_inputs(graph: OpGraph, cluster: Any, config: ParallelConfig, profile: A
     """What every chunk's cost reads: the device's compute model, the tp sharding (checked to
     be for ``config.tp`` and to compose with its context parallelism) and the expert load."""
     compute = compute_model(graph, cluster.device, config.precision, profile,
-                            config.mixed_precision, config.compiled)
+                            config.mixed_precision, config.compiled, Float8Setting.of(config))
     sh = sharding_for(graph, config.tp, config.sequence_parallel, sharding)
     if sh.t != config.tp:
         raise ConfigError(f"the sharding is for tp={sh.t} but the config has tp={config.tp}")
@@ -378,7 +385,8 @@ def assemble_estimate(ci: CostInputs, chunks: Sequence[Any], stages: tuple[Stage
         model_flops_per_step=model_flops, mfu=mfu, samples_per_s=global_batch_size / step_s,
         tokens_per_s=global_batch_size * tokens / step_s if tokens else None,
         activation_bytes_per_layer=layer_acts,
-        warnings=_warnings(cluster, config, stages, peak))
+        warnings=_warnings(cluster, config, stages, peak),
+        fp8_linears=tuple(c.to_dict() for c in fp8_choices(ci)))
 
 
 def _warnings(cluster: Any, config: ParallelConfig, stages: Sequence[StageEstimate],

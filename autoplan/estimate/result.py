@@ -91,6 +91,9 @@ class Estimate:
     warnings: tuple[str, ...] = field(default_factory=tuple)
     host_memory_per_device_bytes: float = float("inf")   # a device's share of its node's DRAM
     nvme_per_device_bytes: float = 0.0   # a device's share of its node's NVMe (0: none)
+    # fp8 configs: per convertible linear, where fp8 pays (``estimate/float8_choice.py``):
+    # {"linear", "m", "n", "k", "bf16_s", "fp8_s", "pays"}; written only when there are some
+    fp8_linears: tuple[dict[str, Any], ...] = ()
 
     @property
     def peak_offloaded_bytes(self) -> float:
@@ -120,6 +123,10 @@ class Estimate:
         d["config"] = self.config.to_dict()
         d["fits"] = self.fits
         d["per_device_memory_bytes"] = list(self.per_device_memory_bytes)
+        if not self.fp8_linears:
+            del d["fp8_linears"]
+        else:
+            d["fp8_linears"] = [dict(r) for r in self.fp8_linears]
         return d
 
     def report(self) -> str:

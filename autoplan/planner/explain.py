@@ -35,7 +35,7 @@ _DEVICE = re.compile(r"^n(\d+)\.(.+)$")
 def explain_plan(plan: Plan) -> str:
     """The text of ``autoplan inspect``: what the plan is, where it runs, what it costs, why."""
     sections = (_header(plan), _mesh_grid(plan), _chosen(plan), _blocks(plan),
-                _placements(plan), _stages(plan), _memory(plan), _time(plan),
+                _placements(plan), _stages(plan), _memory(plan), _time(plan), _fp8(plan),
                 _alternatives(plan), _solver(plan))
     return "\n\n".join(s for s in sections if s) + "\n"
 
@@ -389,6 +389,31 @@ def _time(plan: Plan) -> str:
         lines.append(f"  {name:<22} {fmt_s(v):>10}  {share}")
     lines.append(f"  {'= step time':<22} {fmt_s(step):>10}")
     return "\n".join(lines)
+
+
+def _fp8(plan: Plan) -> str:
+    """fp8 plans: per linear layer (a repeated block's instances as one row when they agree),
+    its (M, N, K) on one rank and one micro-batch's forward plus backward time in bf16 and in
+    fp8, and whether fp8 pays there (the layers where it does not stay in bf16: fp8_skip)."""
+    rows = plan.predicted.get("fp8_linears") or ()
+    if plan.config.fp8 == "none" or not rows:
+        return ""
+    groups: dict[tuple, list[str]] = {}
+    for r in rows:
+        key = (re.sub(r"(?<![^.])\d+(?=\.)", "*", r["linear"]), r["m"], r["n"], r["k"],
+               r["bf16_s"], r["fp8_s"], r["pays"])
+        groups.setdefault(key, []).append(r["linear"])
+    pays = sum(r["pays"] for r in rows)
+    lines = [f"fp8 linear layers ({plan.config.fp8} scaling, torchao float8): {pays} of "
+             f"{len(rows)} run in fp8, where the faster GEMMs outweigh the casts; the rest "
+             f"stay in bf16 (config.fp8_skip)",
+             f"  {'linear':<34} {'M x N x K (one rank)':>24} {'bf16':>10} {'fp8':>10}  pays"]
+    for (name, m, n, k, t16, t8, ok), paths in groups.items():
+        label = name if len(paths) > 1 else paths[0]
+        lines.append(f"  {label:<34} {f'{m:,.0f} x {n:,.0f} x {k:,.0f}':>24} "
+                     f"{fmt_s(t16):>10} {fmt_s(t8):>10}  {'yes' if ok else 'no'}"
+                     + (f"  (x{len(paths)})" if len(paths) > 1 else ""))
+    return "\n".join(elide_rows(lines))
 
 
 def _alternatives(plan: Plan) -> str:

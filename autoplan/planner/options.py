@@ -31,3 +31,6 @@ class SearchOptions:
     # lossy options (PowerSGD gradient compression, low-bit optimizer states) are searched only
     # when the user allows them (``autoplan plan --allow-lossy``); forcing one works regardless
     allow_lossy: bool = False
+    # precision="auto": the search also tries fp32 where 16 bits gain nothing, and fp8 linear
+    # layers (tensorwise, rowwise) where the device has fp8 (``search_space.precision_variants``)
+    precision_auto: bool = False

@@ -217,8 +217,8 @@ def _check_offload(off: Any, config: ParallelConfig) -> None:
 
 def _check_predicted(d: Mapping, t: Mapping) -> None:
     """The prediction is of the chosen configuration and global batch."""
-    _check_spec(d["predicted"], _PREDICTED, "predicted")
     p = d["predicted"]
+    _check_spec(p, _PREDICTED, "predicted")
     if p["config"] != d["config"]:
         fail("predicted.config", "differs from config: the prediction must be of the chosen "
               "configuration")
@@ -391,9 +391,12 @@ _PREDICTED = {"config": "c", "global_batch_size": "i", "num_microbatches": "i",
               "device_memory_bytes": "f", "stages": [_STAGE], "model_flops_per_step": "f",
               "mfu": "f", "samples_per_s": "f", "tokens_per_s": "f?",
               "activation_bytes_per_layer": "f", "warnings": ["s"], "fits": "b",
-              "host_memory_per_device_bytes": "f", "nvme_per_device_bytes": "f"}
-# keys an Estimate writes only when not zero (older plans have none)
-_OPTIONAL = frozenset({"nvme_bytes", "nvme_per_device_bytes"})
+              "host_memory_per_device_bytes": "f", "nvme_per_device_bytes": "f",
+              "fp8_linears": [{"linear": "s", "m": "f", "n": "f", "k": "f", "bf16_s": "f",
+                               "fp8_s": "f", "pays": "b"}]}
+# keys an Estimate writes only when not zero or empty (older plans have none; fp8_linears:
+# fp8 plans only)
+_OPTIONAL = frozenset({"nvme_bytes", "nvme_per_device_bytes", "fp8_linears"})
 
 
 def _check_spec(v: Any, spec: Any, path: str) -> None:
@@ -493,7 +496,7 @@ def _bool(v: Any, path: str) -> bool:
 
 
 _NULLABLE = ("num_microbatches", "chunk_layers", "stage_recompute")
-_LISTS = {"chunk_layers": int, "stage_recompute": str, "dp_whole": str}
+_LISTS = {"chunk_layers": int, "stage_recompute": str, "dp_whole": str, "fp8_skip": str}
 
 
 def _config(v: Any, path: str) -> ParallelConfig:

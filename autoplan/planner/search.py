@@ -141,6 +141,9 @@ def plan(model: Any, cluster: Any, *, global_batch_size: int, example_inputs: An
     graph = as_graph(model, example_inputs, loss_fn=loss_fn, targets=targets, who="plan()",
                      error=ConfigError)
     profile = profile_arg(profile, cluster, "plan()")
+    if precision == "auto":       # the search tries the precisions the device runs
+        precision = search_space.auto_precision(cluster)
+        opts = replace(opts, precision_auto=True)
     base = {"precision": precision, "optimizer": optimizer}
     if "mixed_precision" in opts.force:      # never searched: the runtime runs autocast only
         base["mixed_precision"] = opts.force["mixed_precision"]

@@ -14,10 +14,12 @@ from typing import Any
 
 from autoplan.cost.compute import compute_model
 from autoplan.cost.dtypes import held_bytes
+from autoplan.cost.float8 import Float8Setting
 from autoplan.cost.memory import model_state_bytes
 from autoplan.errors import ConfigError
 from autoplan.estimate.chunk_cost import CostInputs
 from autoplan.estimate.estimator import estimate, reserved_bytes
+from autoplan.estimate.float8_choice import fp8_choices, fp8_skip
 from autoplan.estimate.layout import chunks_for, in_flight, search_layout, step_floor_s, with_layout
 from autoplan.estimate.overlap import overlap_interference
 from autoplan.graph.analysis import analyze
@@ -157,7 +159,8 @@ def cost_context(sc: SearchContext, config: ParallelConfig, m: int,
     group = config.tp_group()
     cp_group = config.cp_group()
     compute = compute_model(graph, cluster.device, config.precision, sc.profile,
-                            config.mixed_precision, config.compiled)
+                            config.mixed_precision, config.compiled,
+                            Float8Setting.of(config))
     whole_state = model_state_bytes(1.0, dp=1, zero_stage=0, precision=config.precision,
                                     optimizer=config.optimizer,
                                     mixed_precision=config.mixed_precision).total_bytes
@@ -262,6 +265,10 @@ def evaluate(sc: SearchContext, configs: list[ParallelConfig], sh: Sharding,
         if c.sequence_parallel != sp or c.tp_comm_overlap != overlap:
             c = replace(c, sequence_parallel=sp, tp_comm_overlap=overlap)
         try:
+            if c.fp8 != "none" and "fp8_skip" not in opts.force:
+                # the linears where fp8 does not pay at this sharding stay in 16 bits
+                c = replace(c, fp8_skip=fp8_skip(fp8_choices(
+                    cost_inputs(sc, replace(c, fp8_skip=()), sh))))
             if c.pp > 1 and c.chunk_layers is None:
                 ci = cost_inputs(sc, c, sh)
                 if behind_s is not None and step_floor_s(
@@ -290,7 +297,7 @@ def cost_inputs(sc: SearchContext, config: ParallelConfig, sh: Sharding) -> Cost
     return CostInputs(graph=graph, analysis=analyze(graph), sharding=sh,
                       compute=compute_model(graph, cluster.device, config.precision,
                                             sc.profile, config.mixed_precision,
-                                            config.compiled),
+                                            config.compiled, Float8Setting.of(config)),
                       cluster=cluster, config=config,
                       expert_load=sc.opts.expert_capacity_factor,
                       context=context_axis(graph, config.cp))

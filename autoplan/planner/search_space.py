@@ -13,6 +13,7 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
+from autoplan.cost.float8 import fp8_flops_per_s
 from autoplan.cost.memory import model_state_bytes
 from autoplan.errors import ConfigError
 from autoplan.graph.analysis import analyze
@@ -177,7 +178,8 @@ def policies(config: ParallelConfig, opts: SearchOptions, cluster: Any,
                                         and "schedule" not in opts.force):
                                     continue   # the runtime refuses it (runtime/trainer.py)
                                 for x in storage_and_wire(c, opts, cluster, graph):
-                                    out += with_compilation(x, opts, graph)
+                                    out += [v for w in with_compilation(x, opts, graph)
+                                            for v in precision_variants(w, opts, cluster)]
     return out
 
 
@@ -239,6 +241,33 @@ def network_binds(c: ParallelConfig, cluster: Any) -> bool:
     probe = 2.0 ** 30
     t = cluster.collective_time_s("all_reduce", probe, c.dp_group())
     return t > 0 and probe / t < POWERSGD_MAX_BYTES_PER_S
+
+
+def auto_precision(cluster: Any) -> str:
+    """The 16-bit precision ``precision="auto"`` starts from: bf16 where the device has a bf16
+    rate, else fp16 (V100: its runtime scales the loss dynamically, ``runtime/grads.py``)."""
+    return "bf16" if "bf16" in cluster.device.peak_flops else "fp16"
+
+
+def precision_variants(c: ParallelConfig, opts: SearchOptions, cluster: Any
+                       ) -> list[ParallelConfig]:
+    """``c`` and the precisions the search may also try for it: with ``precision_auto``,
+    fp32 where the device's 16-bit rate is no faster (a CPU: autocast would only add casts),
+    and fp8 linear layers (``cost/float8.py``, tensorwise and rowwise) on bf16 where the device
+    has an fp8 rate; a forced ``fp8`` on every config. fp16 is not tried beside bf16: the same
+    rate, with loss scaling and a narrower range."""
+    device = cluster.device
+    out = [c]
+    if opts.precision_auto and c.precision != "fp32" and (
+            device.peak_flops.get("fp32", 0.0) >= device.peak_flops_for(c.precision)):
+        out.append(dataclasses.replace(c, precision="fp32"))
+    recipes = ([opts.force["fp8"]] if "fp8" in opts.force
+               else ["tensorwise", "rowwise"] if opts.precision_auto
+               and fp8_flops_per_s(device) and c.precision == "bf16" else [])
+    skip = tuple(opts.force.get("fp8_skip", ()))     # a forced fp8_skip, else the search's
+    fp8 = [dataclasses.replace(c, fp8=r, fp8_skip=skip) for r in recipes
+           if r != "none" and c.precision == "bf16" and c.mixed_precision == "autocast"]
+    return (fp8 if "fp8" in opts.force else out + fp8) or out
 
 
 def ep_degrees(config: ParallelConfig, graph: OpGraph, opts: SearchOptions, zero_stage: int,

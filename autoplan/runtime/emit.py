@@ -27,6 +27,7 @@ from autoplan.graph.opgraph import OpGraph
 from autoplan.graph.trace import export_program
 from autoplan.planner.op_binding import bind_strategies
 from autoplan.runtime.program import Program, build_program
+from autoplan.runtime.float8 import fp8_program_ops
 from autoplan.runtime.program_check import check_shapes
 from autoplan.runtime.program_modules import layer_ranges, split_layers
 from autoplan.runtime.state import (LocalState, keep_out_of_state_dict,
@@ -158,6 +159,8 @@ class Exported:
     inputs: tuple                     # the example micro-batch: inputs (and targets)
     with_loss: bool
     autocast_dtype: torch.dtype | None = None     # the step's autocast (16-bit plans)
+    # (recipe, ops): the linears the plan runs in fp8 (``runtime/float8.py``)
+    fp8: tuple[str, frozenset[int]] = ("none", frozenset())
 
 
 PRECISION_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -191,7 +194,8 @@ def export_for_plan(model: nn.Module, plan: Any, plan_graph: OpGraph, *,
     sh = strategies_by_position(plan_graph, named, graph, t)
     return Exported(ep=ep, graph=graph, prefix=prefix, sharding=sh,
                     inputs=inputs + ((targets,) if with_loss else ()), with_loss=with_loss,
-                    autocast_dtype=amp)
+                    autocast_dtype=amp,
+                    fp8=(plan.config.fp8, fp8_program_ops(graph, plan.config)))
 
 
 def lower(model: nn.Module, ex: Exported, *, t: int, tp_rank: int, device: torch.device,
@@ -209,7 +213,7 @@ def lower(model: nn.Module, ex: Exported, *, t: int, tp_rank: int, device: torch
     state = LocalState(model, t=t, rank=tp_rank, device=device, seed=seed, keep=keep,
                        experts=found.params if found is not None else (), ep=ep)
     program = build_program(ex.ep, ex.graph, ex.sharding, prefix=ex.prefix, t=t, device=device,
-                            state_tensor=state, ep_size=ep[0], cp=axis)
+                            state_tensor=state, ep_size=ep[0], cp=axis, fp8=ex.fp8)
     check_shapes(program, ex.inputs, t, device, autocast_dtype=ex.autocast_dtype)
     return program
 

@@ -49,6 +49,7 @@ from autoplan.runtime.program_calls import (KERNEL_CALLS, call_gather, call_gath
                                             call_reduce_grad, call_reduce_scatter,
                                             kernel_add_bias, kernel_combine, kernel_composed, kernel_dispatch,
                                             kernel_dispatch_stacked, kernel_dp_batch_norm,
+                                            kernel_float8_linear,
                                             kernel_grad_scale,
                                             kernel_grouped_product, kernel_local_experts, kernel_norm,
                                             kernel_split_random, kernel_split_random_axes, transition)
@@ -122,9 +123,12 @@ class _ExpertSite:
 class _Builder:
     def __init__(self, ep: Any, graph: OpGraph, sh: Sharding, *, prefix: str, t: int,
                  device: torch.device, state_tensor: Callable[[str, str, Placement], Any],
-                 ep_size: int = 1, cp: ContextAxis | None = None):
+                 ep_size: int = 1, cp: ContextAxis | None = None,
+                 fp8: tuple[str, frozenset[int]] = ("none", frozenset())):
         self.ep, self.eg, self.sh, self.prefix, self.t = ep, graph, sh, prefix, t
         self.cp = cp
+        # (recipe, ops): the linears run as torchao's Float8Linear (``runtime/float8.py``)
+        self.fp8_recipe, self.fp8_ops = fp8
         if cp is not None and ep_size > 1:
             raise PlanError("a plan with both context (cp) and expert (ep) parallelism cannot "
                             "run; re-plan with one of them")
@@ -349,6 +353,10 @@ class _Builder:
         tp's), a local kernel the op needs whatever its strategy, or the op as traced. A kernel
         that returns its bias apart has it added after the output's tp collective."""
         node, i, op, s, c = site.node, site.i, site.op, site.s, site.c
+        if i in self.fp8_ops and (s.kernel or (c is not None and c.kernel)):
+            raise PlanError(f"op {op.name} ({op.target}) of linear {op.module_path}: the plan "
+                            f"runs it in fp8 and with kernel {s.kernel or c.kernel}, which "
+                            "have no fp8 form; re-plan with max_tp=1 or without fp8")
         if c is not None and c.kernel:            # the cp axis's kernel (around tp's own)
             if s.kernel:
                 return self.emit(kernel_composed, (node.target, args, kwargs, self.cp_node,
@@ -396,6 +404,13 @@ class _Builder:
             return kernel_local_experts, (state,)
         if name in GROUPED_MM:
             return kernel_grouped_product, ()
+        if site.i in self.fp8_ops:
+            if node.target is not torch.ops.aten.linear.default:
+                raise PlanError(f"op {op.name} ({op.target}) of linear {op.module_path}: "
+                                "the plan runs it in fp8, but only an aten.linear on this "
+                                "rank's whole weight runs as torchao's Float8Linear; re-plan "
+                                f"with fp8_skip={op.module_path!r} or without fp8")
+            return kernel_float8_linear, (self.fp8_recipe,)
         if c is not None and seeded and any(p.kind == "S" for p in c.inputs + s.inputs):
             # a mask per piece over both axes (``kernels.split_random``)
             return kernel_split_random_axes, tuple(
@@ -573,14 +588,16 @@ def _without_dtype_asserts(obj: Any) -> Any:
 def build_program(ep: Any, graph: OpGraph, sharding: Sharding, *, prefix: str, t: int,
                   device: torch.device,
                   state_tensor: Callable[[str, str, Placement], Any],
-                  ep_size: int = 1, cp: ContextAxis | None = None) -> Program:
+                  ep_size: int = 1, cp: ContextAxis | None = None,
+                  fp8: tuple[str, frozenset[int]] = ("none", frozenset())) -> Program:
     """The rank program of ``sharding`` over ``graph`` (an OpGraph of ``ep``). ``state_tensor``
     (fqn, "param"|"buffer", placement) returns this rank's local tensor of a parameter or
     buffer (already sharded, expert weights to this rank's experts). ``ep_size`` > 1: the
     grouped products run expert-parallel (``runtime/experts.py``). ``cp``: the sequence split
-    over a context-parallel axis of its own as well."""
+    over a context-parallel axis of its own as well. ``fp8`` (recipe, ops): those linears run
+    as torchao's Float8Linear (``runtime/float8.py``)."""
     b = _Builder(ep, graph, sharding, prefix=prefix, t=t, device=device,
-                 state_tensor=state_tensor, ep_size=ep_size, cp=cp)
+                 state_tensor=state_tensor, ep_size=ep_size, cp=cp, fp8=fp8)
     g = b.build()
     gm = fx.GraphModule(b.attrs, g, class_name="RankProgram")
     return Program(graph_module=gm, comm_slot=b.slot, step_params=sorted(b.step_params),

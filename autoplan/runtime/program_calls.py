@@ -22,7 +22,7 @@ from torch import fx
 
 from autoplan.errors import PlanError
 from autoplan.graph.opgraph import Op, OpGraph
-from autoplan.runtime import experts, kernels, ring_attention, tp_comm
+from autoplan.runtime import experts, float8, kernels, ring_attention, tp_comm
 from autoplan.sharding.placement import Placement
 from autoplan.sharding.strategy import OpStrategy
 
@@ -160,6 +160,12 @@ def kernel_grouped_product(target, args, kwargs):
 
 def kernel_norm(target, args, kwargs):
     return kernels.norm_in_input_dtype(target, list(args), dict(kwargs))
+
+
+def kernel_float8_linear(target, args, kwargs, recipe):
+    """``aten.linear`` run as torchao's ``Float8Linear`` runs it under ``recipe``."""
+    x, w, *rest = args
+    return float8.float8_linear(x, w, rest[0] if rest else kwargs.get("bias"), recipe)
 
 
 def kernel_combine(y, d):

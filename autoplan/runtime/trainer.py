@@ -27,6 +27,7 @@ from autoplan.planner.plan_vs_model import check_plan_against
 from autoplan.planner.planfile import Plan, plan_mismatch, stale_prediction
 from autoplan.runtime.batch_check import BatchSpec
 from autoplan.runtime.checkpoint import optimizer_slots
+from autoplan.runtime.float8 import float8_refusal
 from autoplan.runtime.grads import LossScaler
 from autoplan.runtime.steps import Trainer
 from autoplan.cluster import Cluster
@@ -174,7 +175,8 @@ def _compile(model: nn.Module, cluster: Any, *, example_inputs: Sequence[Any],
     plan = _plan_for(graph, cluster, plan, global_batch_size=global_batch_size,
                      precision=precision, allow_cluster_mismatch=allow_cluster_mismatch,
                      **plan_kwargs)
-    _refuse_unrunnable(plan, has_loss=loss_fn is not None and example_targets is not None)
+    _refuse_unrunnable(plan, has_loss=loss_fn is not None and example_targets is not None,
+                       device=_rank_device(cluster))
     _check_job(plan, global_batch_size=global_batch_size, world_env=world_env)
     rank, device = _join(cluster, plan)
     if not any(p.is_meta for p in model.parameters()):
@@ -207,8 +209,10 @@ def _plan_for(graph: Any, cluster: Any, plan: Plan | str | os.PathLike | None, *
     return plan
 
 
-def _refuse_unrunnable(plan: Plan, *, has_loss: bool) -> None:
-    """PlanError for what the planner may price but this runtime cannot run."""
+def _refuse_unrunnable(plan: Plan, *, has_loss: bool,
+                       device: torch.device = torch.device("cpu")) -> None:
+    """PlanError for what the planner may price but this runtime cannot run on ``device``
+    (the one this rank will take)."""
     cfg = plan.config
     if cfg.tp_comm_overlap:
         raise PlanError("the plan prices tensor-parallel communication pipelined with its GEMMs "
@@ -228,6 +232,9 @@ def _refuse_unrunnable(plan: Plan, *, has_loss: bool) -> None:
                         "offload_nvme=false (force={'offload_nvme': False}), on more nodes or "
                         "on nodes with more host memory, or run it with DeepSpeed's "
                         "ZeRO-Infinity")
+    why = float8_refusal(cfg, device)
+    if why:
+        raise PlanError(why)
     if cfg.pp > 1 and not has_loss:
         raise PlanError("a pipelined plan needs loss_fn and example_targets: the last stage "
                         "computes the loss")
@@ -260,6 +267,13 @@ def _check_job(plan: Plan, *, global_batch_size: int, world_env: int) -> None:
                         f"{plan.config.world_size} (or `autoplan run`)")
 
 
+def _rank_device(cluster: Any) -> torch.device:
+    """The device this rank runs on: its local GPU on a GPU cluster, else the CPU."""
+    return (torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+            if cluster.device.kind == "gpu" and torch.cuda.is_available()
+            else torch.device("cpu"))
+
+
 def _join(cluster: Any, plan: Plan) -> tuple[int, torch.device]:
     """(rank, device): this process joins the job's process group (a one-process group for an
     offloading plan alone) and takes its device (its local GPU on a GPU cluster)."""
@@ -268,9 +282,7 @@ def _join(cluster: Any, plan: Plan) -> tuple[int, torch.device]:
     rank, world = init_distributed(cluster.backend, single=plan.config.offload_params)
     if world != plan.config.world_size:
         raise PlanError(f"the plan needs {plan.config.world_size} ranks, the job has {world}")
-    device = (torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-              if cluster.device.kind == "gpu" and torch.cuda.is_available()
-              else torch.device("cpu"))
+    device = _rank_device(cluster)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     return rank, device

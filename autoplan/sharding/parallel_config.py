@@ -30,6 +30,8 @@ MIXED_PRECISION = ("autocast", "params")
 # how the dp all-reduce compresses gradients: "powersgd", torch's DDP communication hook (Vogels
 # et al. 2019, ``powerSGD_hook``), lossy
 GRAD_COMPRESSION = ("none", "powersgd")
+# torchao's float8 training recipes for the linear layers (``ParallelConfig.fp8``)
+FP8_RECIPES = ("none", "tensorwise", "rowwise")
 
 
 def strongest_recompute(policies: Sequence[str]) -> str:
@@ -116,6 +118,13 @@ class ParallelConfig:
     # differ from exact training); 1-D gradients go uncompressed
     grad_compression: str = "none"
     powersgd_rank: int = 1
+    # fp8 linear layers on top of bf16 autocast (torchao's float8 training,
+    # ``convert_to_float8_training`` with the recipe named here): "none", "tensorwise" (one
+    # scale per tensor) or "rowwise" (one per row). ``fp8_skip``: the linear layers (module
+    # paths, fnmatch patterns) left in 16 bits where fp8 does not pay (``cost/float8.py``):
+    # torchao's ``module_filter_fn``. Needs a GPU with fp8 tensor cores (H100 and later)
+    fp8: str = "none"
+    fp8_skip: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("dp", "tp", "pp", "micro_batch_size", "virtual_stages", "ep", "cp"):
@@ -132,6 +141,7 @@ class ParallelConfig:
         _one_of("optimizer", self.optimizer, OPTIMIZERS)
         _one_of("mixed_precision", self.mixed_precision, MIXED_PRECISION)
         _one_of("grad_compression", self.grad_compression, GRAD_COMPRESSION)
+        self._check_fp8()
         if self.zero_stage not in (0, 1, 2, 3):
             raise ConfigError(f"zero_stage must be 0, 1, 2 or 3, got {self.zero_stage!r}")
         if self.virtual_stages > 1 and self.schedule not in MULTI_CHUNK_SCHEDULES:
@@ -200,6 +210,29 @@ class ParallelConfig:
                 raise ConfigError(f"with stage_recompute, recompute must be the most "
                                   f"memory-saving stage policy ({strongest!r}), got "
                                   f"{self.recompute!r}")
+
+    def _check_fp8(self) -> None:
+        _one_of("fp8", self.fp8, FP8_RECIPES)
+        v = self.fp8_skip
+        if isinstance(v, str) or not hasattr(v, "__iter__") or not all(
+                isinstance(x, str) and x for x in v):
+            raise ConfigError(f"fp8_skip must be a list of module paths or patterns, got {v!r}")
+        object.__setattr__(self, "fp8_skip", tuple(sorted(set(v))))
+        if self.fp8 != "none" and (self.precision != "bf16"
+                                   or self.mixed_precision != "autocast"):
+            raise ConfigError(f"fp8={self.fp8!r} runs its linear layers in fp8 inside bf16 "
+                              f"autocast (torchao's float8 training): it needs precision='bf16' "
+                              f"and mixed_precision='autocast', got precision="
+                              f"{self.precision!r}, mixed_precision={self.mixed_precision!r}")
+        if self.fp8_skip and self.fp8 == "none":
+            raise ConfigError("fp8_skip names linear layers kept in 16 bits under fp8; with "
+                              "fp8='none' there are none to skip: drop fp8_skip or set fp8")
+
+    def fp8_converts(self, module_path: str) -> bool:
+        """Whether the linear layer at ``module_path`` runs in fp8 (``fp8`` on, not skipped)."""
+        from fnmatch import fnmatchcase
+        return self.fp8 != "none" and not any(fnmatchcase(module_path, p)
+                                               for p in self.fp8_skip)
 
     def _check_dp_shard(self) -> None:
         s = self.dp_shard
@@ -422,6 +455,10 @@ class ParallelConfig:
             del out["grad_compression"]
         if self.powersgd_rank == 1:
             del out["powersgd_rank"]
+        if self.fp8 == "none":
+            del out["fp8"]
+        if not self.fp8_skip:
+            del out["fp8_skip"]
         return out
 
     @staticmethod
@@ -469,6 +506,8 @@ class ParallelConfig:
             s += " tp-overlap"
         if self.compiled:
             s += " compiled"
+        if self.fp8 != "none":
+            s += f" fp8-{self.fp8}" + (f"(skip{len(self.fp8_skip)})" if self.fp8_skip else "")
         if self.mixed_precision != "autocast" and self.precision != "fp32":
             s += f" {self.precision}-{self.mixed_precision}"
             return s
