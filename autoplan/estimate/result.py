@@ -47,7 +47,7 @@ class MemoryBreakdown:
     activations_bytes: float       # kept for backward, all micro-batches in flight
     transient_bytes: float         # recompute working set, gathered FSDP weights, buffers
     margin_bytes: float            # workspace reserve (allocator, CUDA context, kernels)
-    offloaded_bytes: float = 0.0   # optimizer state held in host memory instead
+    offloaded_bytes: float = 0.0   # model state and activations held in host memory instead
 
     @property
     def total_bytes(self) -> float:
@@ -69,6 +69,9 @@ class StageEstimate:
     microbatches_in_flight: float
     memory: MemoryBreakdown
     chunks: tuple[tuple[str, ...], ...] = ()   # layers per model chunk (virtual stage) here
+    # activation offload: bytes its layers copy to the host per micro-batch (and back); in
+    # ``to_dict`` only when offloading
+    offloaded_activation_bytes_per_microbatch: float = 0.0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -105,6 +108,9 @@ class Estimate:
         d["config"] = self.config.to_dict()
         d["fits"] = self.fits
         d["per_device_memory_bytes"] = list(self.per_device_memory_bytes)
+        for st in d["stages"]:
+            if not st["offloaded_activation_bytes_per_microbatch"]:
+                del st["offloaded_activation_bytes_per_microbatch"]
         return d
 
     def report(self) -> str:
@@ -134,6 +140,10 @@ class Estimate:
                 f"({s.microbatches_in_flight:g} micro-batches in flight) transient "
                 f"{m.transient_bytes / gib:.2f} margin {m.margin_bytes / gib:.2f} "
                 f"= {m.total_bytes / gib:.2f} GiB")
+            if s.offloaded_activation_bytes_per_microbatch:
+                lines.append(f"    activations offloaded to host: "
+                             f"{s.offloaded_activation_bytes_per_microbatch / gib:.3f} GiB per "
+                             f"micro-batch each way")
             if len(self.stages) > 8 and s.index == 3:
                 lines.append(f"  ... {len(self.stages) - 5} more stages ...")
                 break

@@ -103,6 +103,12 @@ class ParallelConfig:
     # torch.compile of the rank program, one layer at a time (regional, as torchtitan): each
     # layer's element-wise chains fused into single kernels, priced so (``cost/compute.py``)
     compiled: bool = False
+    # activation offload: the saved activations of the first ``offload_activations`` layers of
+    # every model chunk go to host memory in forward and come back for backward (Megatron-Core's
+    # --cpu-offloading-num-layers counts layers the same way); those layers' backward runs
+    # latest, so their prefetch hides behind the layers after them. A recomputed layer
+    # offloads what it keeps: its checkpoint's input. 0: none
+    offload_activations: int = 0
 
     def __post_init__(self) -> None:
         for name in ("dp", "tp", "pp", "micro_batch_size", "virtual_stages", "ep", "cp"):
@@ -128,6 +134,7 @@ class ParallelConfig:
             raise ConfigError(f"schedule {self.schedule!r} places exactly two chunks per "
                               f"pipeline rank in a V; set virtual_stages=2 (got "
                               f"{self.virtual_stages})")
+        self._check_offload_activations()
         if self.offload_params and self.zero_stage != 3:
             raise ConfigError("offload_params=True needs zero_stage=3: the weights are offloaded "
                               "as FSDP shards and gathered to the device layer by layer")
@@ -184,6 +191,29 @@ class ParallelConfig:
                 raise ConfigError(f"with stage_recompute, recompute must be the most "
                                   f"memory-saving stage policy ({strongest!r}), got "
                                   f"{self.recompute!r}")
+
+    def _check_offload_activations(self) -> None:
+        k = self.offload_activations
+        if not isinstance(k, int) or isinstance(k, bool) or k < 0:
+            raise ConfigError(f"offload_activations must be a layer count >= 0 (the first layers "
+                              f"of every model chunk whose activations go to host memory), "
+                              f"got {k!r}")
+        if k and self.compiled:
+            raise ConfigError("offload_activations does not run with compiled=True yet: its "
+                              "saved-tensor hooks would sit inside each layer's compiled "
+                              "region; drop one of the two")
+        policies = self.stage_recompute or (self.recompute,)
+        if k and "selective" in policies:
+            raise ConfigError("offload_activations runs with recompute 'none' or 'full', not "
+                              "'selective': selective checkpointing keeps its saved tensors in "
+                              "torch's caching dispatch mode, out of reach of the "
+                              "saved-tensor hooks that offload; use recompute='full' (its "
+                              "checkpoint input is offloaded) or 'none'")
+
+    def offloads_layer(self, position: int) -> bool:
+        """Whether the layer at ``position`` (0-based) in its model chunk offloads its saved
+        activations."""
+        return position < self.offload_activations
 
     def _check_dp_shard(self) -> None:
         s = self.dp_shard
@@ -363,7 +393,8 @@ class ParallelConfig:
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready fields (the layout tuples as lists); ``tp_comm_overlap``, ``dp_shard``,
-        ``ep``, ``dp_whole``, ``cp``, ``mixed_precision`` and ``compiled`` only when set (not the
+        ``ep``, ``dp_whole``, ``cp``, ``mixed_precision``, ``compiled`` and
+        ``offload_activations`` only when set (not the
         default),
         so plans written before they existed read back
         byte for byte."""
@@ -382,6 +413,8 @@ class ParallelConfig:
             del out["mixed_precision"]
         if not self.compiled:
             del out["compiled"]
+        if not self.offload_activations:
+            del out["offload_activations"]
         return out
 
     @staticmethod
@@ -421,6 +454,8 @@ class ParallelConfig:
             s += " offload-opt"
         if self.offload_params:
             s += " offload-params"
+        if self.offload_activations:
+            s += f" offload-act{self.offload_activations}"
         if self.tp_comm_overlap:
             s += " tp-overlap"
         if self.compiled:
