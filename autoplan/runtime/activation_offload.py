@@ -91,6 +91,9 @@ class _LayerCall:
     def __init__(self, path: str) -> None:
         self.path = path
         self.bases: dict[int, _Packed] = {}
+        # the device tensors copied, held until the layer's forward ends: a storage freed
+        # earlier could have its address reused within the call, and the address keys ``bases``
+        self.live: list[torch.Tensor] = []
 
 
 class ActivationOffloader:
@@ -120,12 +123,13 @@ class ActivationOffloader:
             ctx = torch.autograd.graph.saved_tensors_hooks(
                 lambda t: self._pack(t, call, shared), self._unpack)
             ctx.__enter__()
-            state["ctx"] = ctx
+            state["ctx"], state["call"] = ctx, call
 
         def leave(_mod: nn.Module, _args: Any, _kwargs: Any, _out: Any) -> None:
             ctx = state.pop("ctx", None)
             if ctx is not None:
                 ctx.__exit__(None, None, None)
+                state.pop("call").live.clear()
         module.register_forward_pre_hook(enter, with_kwargs=True)
         module.register_forward_hook(leave, with_kwargs=True, always_call=True)
 
@@ -141,6 +145,7 @@ class ActivationOffloader:
         if packed is None:
             packed = self._to_host(base, call)
             call.bases[ptr] = packed
+            call.live.append(base)
         return (packed, tuple(t.size()), tuple(t.stride()),
                 t.storage_offset() - base.storage_offset(), t.dtype, t.requires_grad)
 
