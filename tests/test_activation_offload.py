@@ -19,13 +19,12 @@ from tests.distributed import run_ranks
 from tests.test_zoo import GLOBAL_BATCH, STEPS, _optimizer, assert_equal_to_one_device
 
 # the hooks copy each saved storage once per layer call; the estimate counts each kept value
-# once per layer (``cost.memory.activation_parts``). They differ by what the cost model's op
-# rules keep and autograd does not, or the reverse: on gpt-tiny a layer copies 592,896 bytes
-# per micro-batch of 4 where 656,384 are predicted (-9.7 %): the traced attention dropout
-# (p = 0, 65,536 bytes) is counted but saves nothing at run time, and layer norm's mean and
-# rstd (2 x 2 x 512 bytes) are saved but not counted
-BYTES_TOLERANCE = 0.12
-
+# once per layer (``cost.memory.activation_parts``; under autocast each product's own 16-bit
+# copy of what it reads, ``cost.dtypes.cast_copies``). What the estimate misses: the float copy
+# of a boolean attention mask that CPU attention makes and keeps (HF Llama: 2,048 of 208,384
+# bytes per micro-batch of 4 in bf16, 1.0 %; 1.4 % in fp32). Under full recomputation a layer
+# copies its input alone: exact
+BYTES_TOLERANCE = 0.02
 
 def _plan(name, world, force, precision="fp32"):
     small = build_example(name, batch_size=1, seed=0)
@@ -55,25 +54,25 @@ def _rank(rank, world, name, plan_json):
 
 def _check_bytes(plan, results):
     """Each rank's copies in its last step against its stage's prediction per micro-batch
-    times the micro-batches it runs."""
+    times the micro-batches it runs; a stage after the first keeps its received input on the
+    device (the schedule holds it for backward): neither copied nor predicted."""
+    from autoplan.sharding.mesh_axes import MeshAxis
     cfg = plan.config
     m = cfg.microbatches(GLOBAL_BATCH)
     stages = plan.predicted["stages"]
     for _, _, rank, up, down in results:
-        stage = stages[cfg.dims.coords(rank)[next(iter(cfg.dims.coords(rank)))]
-                       if cfg.pp > 1 else 0]
-        want = stage["offloaded_activation_bytes_per_microbatch"] * m
-        assert want > 0
+        stage = stages[cfg.dims.index(rank, MeshAxis.PP)]
+        want = stage.get("offloaded_activation_bytes_per_microbatch", 0.0) * m
         assert up == down, (up, down)            # every copy came back
-        assert up == pytest.approx(want, rel=BYTES_TOLERANCE), (rank, up, want)
+        assert up > 0 and up == pytest.approx(want, rel=BYTES_TOLERANCE), (rank, up, want)
 
 
 CASES = [
-    ("hf-llama-gqa-tiny", dict(dp=2, recompute="full", offload_activations=1), "bf16"),
-    ("hf-llama-gqa-tiny", dict(dp=2, offload_activations=1), "bf16"),
-    ("gpt-tiny", dict(dp=2, offload_activations=2), "fp32"),
+    # a pipeline (the last stage's layer offloads what it saves, less its received input), an
+    # HF model under bf16 autocast (three 16-bit copies of the normed input for q, k and v)
+    ("hf-llama-gqa-tiny", dict(pp=2, schedule="1f1b", offload_activations=1), "bf16"),
+    # full recomputation offloads each checkpoint's input; under FSDP2
     ("gpt-tiny", dict(dp=2, zero_stage=3, recompute="full", offload_activations=1), "fp32"),
-    ("gpt-tiny", dict(pp=2, schedule="1f1b", recompute="full", offload_activations=1), "fp32"),
 ]
 
 
@@ -90,17 +89,17 @@ def test_an_offloading_plan_trains_like_one_device(name, force, precision):
         from tests.test_zoo_16bit import assert_like_eager_autocast
         assert_like_eager_autocast(name, precision, [r[:2] for r in results],
                                    plan.config.short())
-    if precision == "fp32" and plan.config.pp == 1:
-        _check_bytes(plan, results)
-    elif plan.config.pp > 1:
-        # known gap: the last stage's layer copies nothing under torch pipelining (its hooks
-        # do not run there yet); every copy made comes back
-        assert all(r[3] == r[4] for r in results) and any(r[3] > 0 for r in results)
-    else:
-        # under autocast the dtypes autograd saves differ from the ones the estimate holds
-        # (HF Llama bf16: 208,384 bytes copied against 181,248 predicted without
-        # recomputation, 8,192 against 16,384 under full recomputation): checked moved only
-        assert all(r[3] == r[4] > 0 for r in results)
+    _check_bytes(plan, results)
+
+
+def test_a_stage_offloads_none_of_its_received_input():
+    """Under full recomputation the first layer of a later pipeline stage keeps only its
+    input, which the schedule holds anyway: the estimate moves nothing there."""
+    plan = _plan("gpt-tiny", 2, dict(pp=2, schedule="1f1b", recompute="full",
+                                     offload_activations=1))
+    first, last = plan.predicted["stages"]
+    assert first["offloaded_activation_bytes_per_microbatch"] > 0
+    assert "offloaded_activation_bytes_per_microbatch" not in last
 
 
 def test_offload_saves_device_memory_and_prices_the_copies():

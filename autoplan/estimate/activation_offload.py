@@ -4,8 +4,11 @@
 Per micro-batch, a layer that offloads moves what it keeps for backward (``RangeCost.
 activation_bytes``: everything it saves without recomputation, its checkpoint's input under
 full recomputation), less the tensors made outside the layers that every layer reads (a mask,
-rotary tables: held once for the chunk, never offloaded), to the host in forward and back in
-backward, over the device's own link to the host (``HostSpec.device_to_host_bandwidth_bytes_
+rotary tables: held once for the chunk, never offloaded) and, for the first layer of a chunk
+that receives its input from another (a pipeline stage after the first), less that input: the
+schedule holds it for its backward whatever the layer does (``torch.distributed.pipelining``
+keeps each stage's inputs in its forward cache), so copying it would free nothing. The rest goes
+to the host in forward and back in backward, over the device's own link to the host (``HostSpec.device_to_host_bandwidth_bytes_
 per_s``, per device, as optimizer offload prices it). The device no longer holds those bytes
 between its forward and its backward; it holds one layer's copy in flight on top (the
 transient).
@@ -73,10 +76,15 @@ class ChunkOffload:
         return max((l.moved_bytes for l in self.layers), default=0.0)
 
 
-def layer_offload(cluster: Any, path: str, layer: Any, after: Any | None) -> LayerOffload:
+def layer_offload(cluster: Any, path: str, layer: Any, after: Any | None, *,
+                  received: bool = False) -> LayerOffload:
     """The offload of ``layer`` (its ``RangeCost``) whose copies hide behind ``after`` (the
-    ``RangeCost`` of the part after it in its chunk; None: nothing, exposed whole)."""
-    moved = max(0.0, layer.activation_bytes - sum(b for _, b in layer.shared_acts))
+    ``RangeCost`` of the part after it in its chunk; None: nothing, exposed whole).
+    ``received``: its inputs came from another chunk, which the pipeline holds (not moved)."""
+    held = sum(b for _, b in layer.shared_acts)
+    if received:
+        held += sum(b for _, b in layer.input_acts)
+    moved = max(0.0, layer.activation_bytes - held)
     copy_s = moved / cluster.host.device_to_host_bandwidth_bytes_per_s
     # copy engines: the overlapped compute is not slowed, but a CPU rank overlaps nothing
     x = 1.0 if overlap_interference(cluster) >= 1.0 else 0.0
@@ -88,9 +96,11 @@ def layer_offload(cluster: Any, path: str, layer: Any, after: Any | None) -> Lay
 
 
 def chunk_offload(cluster: Any, count: int, paths: Sequence[str],
-                  parts: Sequence[Any], is_layer: Sequence[bool]) -> ChunkOffload:
+                  parts: Sequence[Any], is_layer: Sequence[bool], *,
+                  received: bool = False) -> ChunkOffload:
     """The offload of the first ``count`` layers of a chunk whose parts (layers and the ops
-    around them, in order) cost ``parts``; ``paths``: its layers' module paths."""
+    around them, in order) cost ``parts``; ``paths``: its layers' module paths; ``received``:
+    the chunk's input comes from another chunk (its first part, if a layer, keeps it held)."""
     if count <= 0:
         return ChunkOffload()
     out = []
@@ -101,6 +111,6 @@ def chunk_offload(cluster: Any, count: int, paths: Sequence[str],
         if k >= count:
             break
         after = parts[i + 1] if i + 1 < len(parts) else None
-        out.append(layer_offload(cluster, paths[k], part, after))
+        out.append(layer_offload(cluster, paths[k], part, after, received=received and i == 0))
         k += 1
     return ChunkOffload(tuple(out))

@@ -83,6 +83,9 @@ class RangeCost:
     # of ``activation_bytes``, tensors made outside the layers and kept by several (a mask):
     # a chunk holds each once (``_chunk_cost``)
     shared_acts: tuple[tuple[str, float], ...] = ()
+    # of ``activation_bytes``, the range's inputs it keeps (made before it; shared ones aside):
+    # a chunk's received input, which the pipeline schedule holds anyway (``activation_offload``)
+    input_acts: tuple[tuple[str, float], ...] = ()
     # of ``params``: (FQN, elements held) per parameter storage (``ParallelConfig.dp_whole``
     # picks some by name)
     param_elements: tuple[tuple[str, float], ...] = ()
@@ -322,6 +325,8 @@ def _range_cost(ci: CostInputs, start: int, stop: int, policy: str) -> RangeCost
     acts = sum(kept.values())
     shared = shared_inputs(graph)
     shared_acts = tuple((n, b) for n, b in sorted(kept.items()) if n in shared)
+    input_acts = tuple((n, b) for n, b in sorted(kept.items())
+                       if n not in shared and a.producer.get(n, -1) < start)
     working = (working_set_bytes(graph, start, stop, micro_batch_size=mbs, sharding=sh,
                                  precision=config.precision, context=ci.context,
                                  held=ci.held)
@@ -351,7 +356,8 @@ def _range_cost(ci: CostInputs, start: int, stop: int, policy: str) -> RangeCost
     ep_fwd, ep_bwd = ep_comm_s(ci, start, stop)
     return RangeCost(fwd, bwd, recompute, tp_fwd, tp_bwd, tp_step, acts, working, params,
                      len(seen), ep_fwd_s=ep_fwd, ep_bwd_s=ep_bwd, expert_params=expert,
-                     cp_s=cp_s, shared_acts=shared_acts, param_elements=tuple(elements))
+                     cp_s=cp_s, shared_acts=shared_acts, param_elements=tuple(elements),
+                     input_acts=input_acts)
 
 
 # Transformer Engine's default pipelining of the sequence-parallel collectives with their GEMMs
@@ -420,7 +426,7 @@ def _chunk_cost(ci: CostInputs, chunk: Chunk, policy: str) -> RangeCost:
             shared.setdefault(n, []).append(b)
     twice = sum(sum(bs) - bs[0] for bs in shared.values())
     off = chunk_offload(ci.cluster, ci.config.offload_activations, chunk.layers, parts,
-                        [is_layer for _, _, is_layer in spans])
+                        [is_layer for _, _, is_layer in spans], received=chunk.start > 0)
     return RangeCost(
         fwd_s=sum(p.fwd_s for p in parts), bwd_s=sum(p.bwd_s for p in parts),
         recompute_s=sum(p.recompute_s for p in parts), tp_fwd_s=sum(p.tp_fwd_s for p in parts),

@@ -59,7 +59,10 @@ class OffloadCounter:
 
 
 def is_weight(t: torch.Tensor) -> bool:
-    """Whether ``t`` is a parameter, or reached from one through views and casts only."""
+    """Whether ``t`` is a leaf that requires grad, or reached from one through views and casts
+    only: a parameter, or a pipeline stage's received input (torch's pipelining makes it such
+    a leaf and holds it for the stage's backward): either stays on the device whatever the
+    hooks do, so neither is copied (the estimate moves neither)."""
     if isinstance(t, nn.Parameter) or (t.grad_fn is None and t.requires_grad):
         return True
     node = t.grad_fn
