@@ -100,6 +100,11 @@ def test_a_stage_offloads_none_of_its_received_input():
     first, last = plan.predicted["stages"]
     assert first["offloaded_activation_bytes_per_microbatch"] > 0
     assert "offloaded_activation_bytes_per_microbatch" not in last
+    # and inspect says which layers offload, the bytes per stage, the host memory and time
+    from autoplan.planner.explain import explain_plan
+    text = explain_plan(plan)
+    assert "activation offload (1 per chunk): layers.0, layers.1" in text, text
+    assert "stage 0: 16.00 KiB, stage 1: 0 B" in text and "host memory held" in text, text
 
 
 def test_offload_saves_device_memory_and_prices_the_copies():
