@@ -25,8 +25,9 @@ peaked 12.7 % above a model that held every activation in bf16.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import MappingProxyType
+from typing import Any
 
 from autoplan.graph.opgraph import OpGraph, opname
 
@@ -100,23 +101,45 @@ def value_itemsizes(graph: OpGraph, lower_bytes: int, device_kind: str) -> Mappi
 
 def kept_itemsizes(graph: OpGraph, lower_bytes: int, device_kind: str) -> Mapping[str, int]:
     """Bytes per element each activation (by its storage's base value) is kept in for
-    backward under autocast: a product keeps the 16-bit copy of what it reads, other ops keep
-    the value itself (the widest, where both keep it). Cached."""
+    backward under autocast, where backward keeps the value itself: an op other than a
+    product keeps it as it is, a product keeps it where it is already 16-bit (the widest,
+    where both keep it). A product that reads a wider value keeps its own 16-bit copy instead
+    (``cast_copies``): such a value is here only if another op keeps it too. Cached."""
+    return _kept_and_copies(graph, lower_bytes, device_kind)[0]
+
+
+def cast_copies(graph: OpGraph, lower_bytes: int, device_kind: str
+                ) -> Mapping[int, frozenset[str]]:
+    """Per product op (by index), the base values it reads in a wider dtype and keeps as its
+    own 16-bit copy for backward. autocast casts at every call and caches only the casts of
+    leaves that require grad (the weights: PyTorch's ``autocast`` docs, "the cast cache"), so
+    HF Llama's separate q, k and v projections keep three copies of the normed input, and
+    every layer's attention its own copy of the fp32 mask (measured on the CPU: the runtime's
+    offload hooks copy exactly these). Cached."""
+    return _kept_and_copies(graph, lower_bytes, device_kind)[1]
+
+
+def _kept_and_copies(graph: OpGraph, lower_bytes: int, device_kind: str) -> tuple[Any, Any]:
     cache = graph.__dict__.setdefault("_autoplan_autocast_kept", {})
     key = (lower_bytes, device_kind)
     if key in cache:
         return cache[key]
     own = value_itemsizes(graph, lower_bytes, device_kind)
     kept: dict[str, int] = {}
-    for op in graph.ops:
+    copies: dict[int, set[str]] = {}
+    for i, op in enumerate(graph.ops):
         product = op.kind in _PRODUCT_KINDS or opname(op) in LOWER_PRECISION_OPS
         for n in op.saved:
             base = graph.value(n).base
             if not graph.value(base).meta.is_float:
                 continue
+            if product and own.get(base, 4) > lower_bytes:
+                copies.setdefault(i, set()).add(base)
+                continue
             b = lower_bytes if product else own.get(base, 4)
             kept[base] = max(kept.get(base, 0), b)
-    result = MappingProxyType(kept)
+    result = (MappingProxyType(kept),
+              MappingProxyType({i: frozenset(c) for i, c in copies.items()}))
     cache[key] = result
     return result
 
@@ -130,6 +153,10 @@ class HeldBytes:
 
     kept: Mapping[str, int]
     own: Mapping[str, int]
+    # per product op (index), the values it keeps as its own 16-bit copy (``cast_copies``),
+    # each in ``lower_bytes`` per element
+    copies: Mapping[int, frozenset[str]] = field(default_factory=dict)
+    lower_bytes: int = 2
 
 
 def own_sizes(held: HeldBytes | None) -> Mapping[str, int] | None:
@@ -150,5 +177,7 @@ def held_bytes(graph: OpGraph, precision: str, mixed_precision: str, device_kind
     key = (lower, device_kind)
     if key not in cache:
         cache[key] = HeldBytes(kept=kept_itemsizes(graph, lower, device_kind),
-                               own=value_itemsizes(graph, lower, device_kind))
+                               own=value_itemsizes(graph, lower, device_kind),
+                               copies=cast_copies(graph, lower, device_kind),
+                               lower_bytes=lower)
     return cache[key]

@@ -236,10 +236,21 @@ def activation_parts(graph: OpGraph, start: int, stop: int, *, micro_batch_size:
         op = graph.ops[i]
         if recompute == "selective" and i in a.score_ops:
             continue
+        copied = held.copies.get(i, frozenset()) if held is not None else frozenset()
+        out = op.outputs[0] if op.outputs else ""
         for n in op.saved:
             v = graph.value(n)
             base = graph.value(v.base)
-            if base.kind != "activation" or base.name in drop_vals or base.name in bases:
+            if base.kind != "activation" or base.name in drop_vals:
+                continue
+            if base.name in copied:      # autocast's 16-bit copy, this op's own (cost.dtypes)
+                where = (sh.input_placement(graph, i, n) if n in op.inputs
+                         else sh.value_placement.get(n, REPLICATE))
+                total[out] = total.get(out, 0.0) + scaled(
+                    base.name, base.meta, where, i if n == base.name else -1,
+                    sizes={base.name: held.lower_bytes})
+                continue
+            if base.name in bases:
                 continue
             bases.add(base.name)
             where = (sh.input_placement(graph, i, n) if n in op.inputs
@@ -247,13 +258,14 @@ def activation_parts(graph: OpGraph, start: int, stop: int, *, micro_batch_size:
             total[base.name] = total.get(base.name, 0.0) + scaled(
                 base.name, base.meta, where, i if n == base.name else -1,
                 sizes=held.kept if held is not None else None)
-        out = op.outputs[0] if op.outputs else ""
         if op.saved_internal:
             anchor, on_input = internal_anchor(graph, op)
             where = (sh.input_placement(graph, i, anchor) if on_input
                      else sh.value_placement.get(anchor, REPLICATE))
             for m in op.saved_internal:
-                total[out] = total.get(out, 0.0) + scaled(anchor, m, where, i)
+                # under autocast a kernel keeps its statistics in their own dtype (fp32)
+                own = {anchor: m.itemsize} if held is not None and m.is_float else None
+                total[out] = total.get(out, 0.0) + scaled(anchor, m, where, i, sizes=own)
     return total
 
 

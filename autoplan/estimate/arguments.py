@@ -158,7 +158,7 @@ def force_arg(force: Any, who: str) -> dict:
         if want and not _is_kind(value, want):
             raise ConfigError(f"{who}: force {key}={value!r:.40} must be {want} (the type of "
                               f"ParallelConfig.{key}: {types[key]})")
-        least = 0 if key == "zero_stage" else 1
+        least = 0 if key in ("zero_stage", "offload_activations") else 1
         if want == "an integer" and value < least or key == "zero_stage" and value > 3:
             raise ConfigError(f"{who}: force {key}={value} is out of range: "
                               + ("ZeRO stages are 0 to 3" if key == "zero_stage"
@@ -220,6 +220,8 @@ def search_options_arg(opts: Any, *, progress: Any, who: str = "plan()") -> None
     choices("offload_optimizer", (False, True), "booleans")
     if not isinstance(opts.allow_lossy, bool):
         refuse("allow_lossy", "True or False (whether lossy options may be searched)")
+    if not isinstance(opts.offload_activations, bool):
+        refuse("offload_activations", "True (offer activation offload) or False")
     if not _number(opts.ilp_time_limit_s) or opts.ilp_time_limit_s <= 0:
         refuse("ilp_time_limit_s", "a positive, finite number of seconds (every solve has a "
                "time limit)")

@@ -19,6 +19,7 @@ from autoplan.cost.compute import ComputeModel
 from autoplan.cost.dtypes import HeldBytes, held_bytes, own_sizes
 from autoplan.cost.memory import (GRAD_BYTES, PRECISION_BYTES, activation_parts, held_meta_bytes,
                                   meta_bytes, shared_inputs, working_set_bytes)
+from autoplan.estimate.activation_offload import ChunkOffload, chunk_offload
 from autoplan.estimate.overlap import overlap_exposed_s, overlap_interference
 from autoplan.estimate.partition import Chunk
 from autoplan.graph.experts import find_experts
@@ -82,9 +83,15 @@ class RangeCost:
     # of ``activation_bytes``, tensors made outside the layers and kept by several (a mask):
     # a chunk holds each once (``_chunk_cost``)
     shared_acts: tuple[tuple[str, float], ...] = ()
+    # of ``activation_bytes``, the range's inputs it keeps (made before it; shared ones aside):
+    # a chunk's received input, which the pipeline schedule holds anyway (``activation_offload``)
+    input_acts: tuple[tuple[str, float], ...] = ()
     # of ``params``: (FQN, elements held) per parameter storage (``ParallelConfig.dp_whole``
     # picks some by name)
     param_elements: tuple[tuple[str, float], ...] = ()
+    # chunks: the layers whose saved activations go to host memory (``activation_offload``):
+    # ``activation_bytes`` is net of them, ``*_total_s`` include their exposed copies
+    offload: ChunkOffload = ChunkOffload()
 
     def elements_of(self, keep: Any) -> float:
         """Of ``params``, the elements of the parameters whose FQN ``keep`` accepts."""
@@ -92,11 +99,12 @@ class RangeCost:
 
     @property
     def fwd_total_s(self) -> float:
-        return self.fwd_s + self.tp_fwd_s + self.ep_fwd_s
+        return self.fwd_s + self.tp_fwd_s + self.ep_fwd_s + self.offload.fwd_exposed_s
 
     @property
     def bwd_total_s(self) -> float:
-        return self.bwd_s + self.tp_bwd_s + self.recompute_s + self.ep_bwd_s
+        return (self.bwd_s + self.tp_bwd_s + self.recompute_s + self.ep_bwd_s
+                + self.offload.bwd_exposed_s)
 
     @property
     def time_s(self) -> float:
@@ -254,7 +262,8 @@ def cached_on_graph(ci: CostInputs, what: str, where: tuple, make: Any) -> Any:
     cfg = ci.config
     key = (id(ci.sharding), id(ci.compute), id(ci.cluster), where, cfg.micro_batch_size,
            cfg.precision, cfg.mixed_precision, cfg.tp, cfg.tp_comm_overlap,
-           cfg.shard_degree if cfg.zero_stage >= 2 else 1, cfg.ep, ci.expert_load, cfg.cp)
+           cfg.shard_degree if cfg.zero_stage >= 2 else 1, cfg.ep, ci.expert_load, cfg.cp,
+           cfg.offload_activations)
     hit = cache.get(key)
     if (hit is not None and hit[0] is ci.sharding and hit[1] is ci.compute
             and hit[2] is ci.cluster):
@@ -323,6 +332,8 @@ def _range_cost(ci: CostInputs, start: int, stop: int, policy: str) -> RangeCost
     acts = sum(kept.values())
     shared = shared_inputs(graph)
     shared_acts = tuple((n, b) for n, b in sorted(kept.items()) if n in shared)
+    input_acts = tuple((n, b) for n, b in sorted(kept.items())
+                       if n not in shared and a.producer.get(n, -1) < start)
     working = (working_set_bytes(graph, start, stop, micro_batch_size=mbs, sharding=sh,
                                  precision=config.precision, context=ci.context,
                                  held=ci.held)
@@ -352,7 +363,8 @@ def _range_cost(ci: CostInputs, start: int, stop: int, policy: str) -> RangeCost
     ep_fwd, ep_bwd = ep_comm_s(ci, start, stop)
     return RangeCost(fwd, bwd, recompute, tp_fwd, tp_bwd, tp_step, acts, working, params,
                      len(seen), ep_fwd_s=ep_fwd, ep_bwd_s=ep_bwd, expert_params=expert,
-                     cp_s=cp_s, shared_acts=shared_acts, param_elements=tuple(elements))
+                     cp_s=cp_s, shared_acts=shared_acts, param_elements=tuple(elements),
+                     input_acts=input_acts)
 
 
 # Transformer Engine's default pipelining of the sequence-parallel collectives with their GEMMs
@@ -420,18 +432,21 @@ def _chunk_cost(ci: CostInputs, chunk: Chunk, policy: str) -> RangeCost:
         for n, b in p.shared_acts:
             shared.setdefault(n, []).append(b)
     twice = sum(sum(bs) - bs[0] for bs in shared.values())
+    off = chunk_offload(ci.cluster, ci.config.offload_activations, chunk.layers, parts,
+                        [is_layer for _, _, is_layer in spans], received=chunk.start > 0)
     return RangeCost(
         fwd_s=sum(p.fwd_s for p in parts), bwd_s=sum(p.bwd_s for p in parts),
         recompute_s=sum(p.recompute_s for p in parts), tp_fwd_s=sum(p.tp_fwd_s for p in parts),
         tp_bwd_s=sum(p.tp_bwd_s for p in parts), tp_step_s=sum(p.tp_step_s for p in parts),
-        activation_bytes=sum(p.activation_bytes for p in parts) - twice,
-        working_set_bytes=max((p.working_set_bytes for p in parts), default=0.0),
+        activation_bytes=sum(p.activation_bytes for p in parts) - twice - off.moved_bytes,
+        working_set_bytes=max((p.working_set_bytes for p in parts), default=0.0)
+        + off.in_flight_bytes,
         params=sum(p.params for p in parts), param_tensors=sum(p.param_tensors for p in parts),
         num_layers=len(chunk.layers), boundary_bytes=boundary_bytes(ci, chunk.stop),
         layer_params=sum(p.params for p, (_, _, is_layer) in zip(parts, spans) if is_layer),
         ep_fwd_s=sum(p.ep_fwd_s for p in parts), ep_bwd_s=sum(p.ep_bwd_s for p in parts),
         expert_params=sum(p.expert_params for p in parts), cp_s=sum(p.cp_s for p in parts),
-        param_elements=tuple(e for p in parts for e in p.param_elements))
+        param_elements=tuple(e for p in parts for e in p.param_elements), offload=off)
 
 
 def boundary_bytes(ci: CostInputs, cut: int) -> float:

@@ -259,6 +259,9 @@ def time_breakdown(ci: CostInputs, costs: Sequence[RangeCost], chunks: Sequence[
         comm_exposed["ep_all_to_all"] = ep_s
     if cp_s > 0:                      # context parallelism: ring attention's exposed passes
         comm_exposed["cp_ring"] = cp_s
+    offload_s = m * sum(c.offload.fwd_exposed_s + c.offload.bwd_exposed_s for c in bc)
+    if config.offload_activations:    # activation copies to the host and back, exposed
+        comm_exposed["activation_offload"] = offload_s
     return TimeBreakdown(compute_s=compute_s, recompute_s=recompute_s,
                          comm_exposed_s=comm_exposed, bubble_s=timing.bubble_s,
                          optimizer_s=opt_s, overhead_s=overhead_s)
@@ -308,6 +311,9 @@ def stage_estimate(ci: CostInputs, costs: Sequence[RangeCost], chunks: Sequence[
     if config.zero_stage == 3 and config.grad_degree > 1:
         # two layers' weights gathered at once (prefetch) plus their unsharded gradients
         transient += 2 * ((params - whole) / layers) * PRECISION_BYTES[config.precision] * 2
+    # offloaded activations: each micro-batch in flight holds its layers' copies in host memory
+    offloaded = sum(c.offload.moved_bytes for c in cs)
+    host_acts = offloaded * flight
     mem = MemoryBreakdown(params_bytes=states.params_bytes,
                           grads_bytes=states.grads_bytes + powersgd_buffer_bytes(
                               ci.graph, config, params),
@@ -315,7 +321,7 @@ def stage_estimate(ci: CostInputs, costs: Sequence[RangeCost], chunks: Sequence[
                           activations_bytes=act_mb * flight, transient_bytes=transient,
                           margin_bytes=margin,
                           offloaded_bytes=states.offloaded_bytes + nvme_host_buffer_bytes(
-                              states.nvme_bytes, layers),
+                              states.nvme_bytes, layers) + host_acts,
                           nvme_bytes=states.nvme_bytes)
     mine = timing.stage_chunks[s]
     return StageEstimate(
@@ -323,7 +329,8 @@ def stage_estimate(ci: CostInputs, costs: Sequence[RangeCost], chunks: Sequence[
         num_ops=sum(chunks[c].stop - chunks[c].start for c in mine),
         params_per_device=params, fwd_s=timing.stage_f[s], bwd_s=timing.stage_b[s],
         activation_bytes_per_microbatch=act_mb, microbatches_in_flight=flight,
-        memory=mem, chunks=tuple(chunks[c].layers for c in mine))
+        memory=mem, chunks=tuple(chunks[c].layers for c in mine),
+        offloaded_activation_bytes_per_microbatch=offloaded)
 
 
 def _stage_states(config: ParallelConfig, cs: Sequence[RangeCost], params: float,

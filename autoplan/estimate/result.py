@@ -47,7 +47,7 @@ class MemoryBreakdown:
     activations_bytes: float       # kept for backward, all micro-batches in flight
     transient_bytes: float         # recompute working set, gathered FSDP weights, buffers
     margin_bytes: float            # workspace reserve (allocator, CUDA context, kernels)
-    offloaded_bytes: float = 0.0   # optimizer state held in host memory instead
+    offloaded_bytes: float = 0.0   # model state and activations held in host memory instead
     nvme_bytes: float = 0.0        # model state held on the node's NVMe (``offload_nvme``)
 
     @property
@@ -70,6 +70,9 @@ class StageEstimate:
     microbatches_in_flight: float
     memory: MemoryBreakdown
     chunks: tuple[tuple[str, ...], ...] = ()   # layers per model chunk (virtual stage) here
+    # activation offload: bytes its layers copy to the host per micro-batch (and back); in
+    # ``to_dict`` only when offloading
+    offloaded_activation_bytes_per_microbatch: float = 0.0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -127,6 +130,9 @@ class Estimate:
             del d["fp8_linears"]
         else:
             d["fp8_linears"] = [dict(r) for r in self.fp8_linears]
+        for st in d["stages"]:
+            if not st["offloaded_activation_bytes_per_microbatch"]:
+                del st["offloaded_activation_bytes_per_microbatch"]
         return d
 
     def report(self) -> str:
@@ -156,6 +162,10 @@ class Estimate:
                 f"({s.microbatches_in_flight:g} micro-batches in flight) transient "
                 f"{m.transient_bytes / gib:.2f} margin {m.margin_bytes / gib:.2f} "
                 f"= {m.total_bytes / gib:.2f} GiB")
+            if s.offloaded_activation_bytes_per_microbatch:
+                lines.append(f"    activations offloaded to host: "
+                             f"{s.offloaded_activation_bytes_per_microbatch / gib:.3f} GiB per "
+                             f"micro-batch each way")
             if len(self.stages) > 8 and s.index == 3:
                 lines.append(f"  ... {len(self.stages) - 5} more stages ...")
                 break

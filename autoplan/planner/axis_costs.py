@@ -109,6 +109,7 @@ def value_bytes(ctx: CostContext, name: str, held: str | None = None) -> float:
     a = analyze(ctx.graph)
     meta = ctx.graph.value(name).meta
     sizes = (None if held is None or ctx.held is None
+             else {name: ctx.held.lower_bytes} if held == "copy"    # a product's 16-bit copy
              else ctx.held.kept if held == "kept" else ctx.held.own)
     b = held_meta_bytes(name, meta, ctx.precision, sizes)
     return b * ctx.batch_scale if name in a.batch_dependent else b

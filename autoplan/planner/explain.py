@@ -369,11 +369,29 @@ def _memory(plan: Plan) -> str:
         lines.append(f"  offloaded to NVMe:        {fmt_bytes(mem['nvme_bytes'])}   of "
                      f"{fmt_bytes(p.get('nvme_per_device_bytes', 0.0))} (a device's share of "
                      f"its node's drives)")
+    lines += _activation_offload(plan)
     if len(stages) > 1:
         lines.append("  per stage: " + ", ".join(f"{st['index']}: {fmt_bytes(_stage_total(st))}"
                                                for st in stages[:8])
                      + (" ..." if len(stages) > 8 else ""))
     return "\n".join(lines)
+
+
+def _activation_offload(plan: Plan) -> list[str]:
+    """Which layers send their saved activations to host memory, the bytes per micro-batch
+    each way per stage, the host memory they hold and the seconds the copies expose."""
+    layers = plan.offload.get("activations")
+    if not layers:
+        return []
+    p = plan.predicted
+    per_stage = [st.get("offloaded_activation_bytes_per_microbatch", 0.0) for st in p["stages"]]
+    held = max(b * st["microbatches_in_flight"] for b, st in zip(per_stage, p["stages"]))
+    exposed = p["time"]["comm_exposed_s"].get("activation_offload", 0.0)
+    shown = ", ".join(layers[:6]) + (f" ... ({len(layers)} layers)" if len(layers) > 6 else "")
+    return [f"  activation offload ({plan.config.offload_activations} per chunk): {shown}",
+            "    per micro-batch each way: " + ", ".join(
+                f"stage {i}: {fmt_bytes(b)}" for i, b in enumerate(per_stage[:8])),
+            f"    host memory held: {fmt_bytes(held)}; copies exposed {fmt_s(exposed)} per step"]
 
 
 def _time(plan: Plan) -> str:

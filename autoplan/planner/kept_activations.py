@@ -7,6 +7,7 @@ their producers' choices leave them). ``problem.reduce_graph`` prices node memor
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 from autoplan.cost.memory import shared_inputs
 from autoplan.errors import ConfigError
@@ -20,12 +21,14 @@ from autoplan.planner.folding import Node
 from autoplan.sharding.placement import REPLICATE
 
 
-def activation_owners(graph: OpGraph, recompute: str
+def activation_owners(graph: OpGraph, recompute: str, copies: Any = None
                        ) -> tuple[dict[tuple[int, str], int], list[int]]:
     """Which op counts each kept activation, as ``cost.memory.activation_bytes`` does over each
     part of the estimate's one chunk (a layer, or the ops around the layers): per (part, value)
     the first op of the part that keeps it, skipping what the policy drops (a tensor several
-    layers keep, made outside them, once for the whole chunk); and per op its part."""
+    layers keep, made outside them, once for the whole chunk); and per op its part. ``copies``:
+    per op, the values it keeps as its own 16-bit copy under autocast (``cost.dtypes.
+    cast_copies``), which it counts itself, not as the value."""
     a = analyze(graph)
     shared = shared_inputs(graph)        # kept by several layers, held once: one owner
     first: dict[tuple[int, str], int] = {}
@@ -39,6 +42,8 @@ def activation_owners(graph: OpGraph, recompute: str
                 continue
             for n in graph.ops[i].saved:
                 base = graph.value(graph.value(n).base)
+                if copies is not None and base.name in copies.get(i, ()):
+                    continue
                 if base.kind == "activation" and not (policy == "selective"
                                                       and base.name in a.score_values):
                     first.setdefault((-1 if base.name in shared else part, base.name), i)

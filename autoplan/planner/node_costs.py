@@ -209,19 +209,27 @@ def _add_saved_values(choice: _Choice, tally: _Tally, i: int, s: OpStrategy) -> 
     graph = ctx.graph
     op = graph.ops[i]
     counted: set[str] = set()
+    copied = ctx.held.copies.get(i, frozenset()) if ctx.held is not None else frozenset()
     for n in op.saved:
         base = graph.value(graph.value(n).base)
-        if i not in (savers.get((part_of[i], base.name)), savers.get((-1, base.name))) \
+        if base.kind == "activation" and base.name in copied:
+            if ctx.recompute == "selective" and (i in choice.analysis.score_ops
+                                                 or base.name in choice.analysis.score_values):
+                continue           # selective recomputation drops it
+            held = "copy"          # autocast's 16-bit copy, this op's own (cost.dtypes)
+        elif i not in (savers.get((part_of[i], base.name)), savers.get((-1, base.name))) \
                 or base.name in counted:
             continue           # dropped by the policy, or counted already
-        counted.add(base.name)
+        else:
+            held = "kept"
+            counted.add(base.name)
         k = op.inputs.index(n) if n in op.inputs else -1
         where = s.inputs[k] if 0 <= k < len(s.inputs) else choice.placement.get(n, REPLICATE)
-        b = (value_bytes(ctx, base.name, "kept")
+        b = (value_bytes(ctx, base.name, held)
              * (1.0 / ctx.t if where.kind == "S" else 1.0)
              * (cp_held(ctx, i, n) if n == base.name else
                 ctx.context.value_scale(base.name) if ctx.context is not None else 1.0))
-        if (-1, base.name) in savers:
+        if held == "kept" and (-1, base.name) in savers:
             tally.once_bytes += b
         else:
             tally.act_bytes += b
@@ -239,7 +247,9 @@ def _add_saved_internal(choice: _Choice, tally: _Tally, i: int, s: OpStrategy) -
              else choice.placement.get(anchor, REPLICATE))
     scale = ((ctx.batch_scale if anchor in a.batch_dependent else 1.0)
              * (1.0 / ctx.t if where.kind == "S" else 1.0) * cp_held(ctx, i, anchor))
-    tally.act_bytes += sum(meta_bytes(m, ctx.precision) for m in op.saved_internal) * scale
+    # under autocast a kernel keeps its statistics in their own dtype (as cost.memory counts)
+    tally.act_bytes += sum(m.numel * m.itemsize if ctx.held is not None and m.is_float
+                           else meta_bytes(m, ctx.precision) for m in op.saved_internal) * scale
 
 
 def _add_internal_gathers(choice: _Choice, tally: _Tally) -> None:

@@ -17,6 +17,7 @@ class SearchOptions:
     zero_stages: tuple[int, ...] = (0, 1, 2, 3)
     recompute: tuple[str, ...] = ("none", "selective", "full")
     offload_optimizer: tuple[bool, ...] = (False, True)
+    offload_activations: bool = True     # offer activation offload (search_space.py)
     max_tp: int | None = None
     max_pp: int | None = None    # pipeline degrees up to this (None: up to the layer count)
     force: dict[str, Any] = field(default_factory=dict)

@@ -225,7 +225,8 @@ class Plan:
     op_strategies: Mapping[str, str]        # op name -> strategy ("colwise", "batch", ...)
     module_styles: Mapping[str, str]        # module FQN -> runtime style ("colwise", ...)
     recompute: Mapping[str, str]            # block instance path -> "none"|"selective"|"full"
-    offload: Mapping[str, bool]             # {"optimizer": bool, "params": bool}
+    # {"optimizer": bool, "params": bool}, and "activations": [layer paths] when offloaded
+    offload: Mapping[str, Any]
     predicted: Mapping[str, Any]            # the chosen Estimate, see predicted_from_estimate
     alternatives: tuple[Alternative, ...]
     solver: SolverReport

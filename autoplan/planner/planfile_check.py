@@ -204,9 +204,15 @@ def _check_op_tables(d: Mapping, version: int) -> None:
 
 
 def _check_offload(off: Any, config: ParallelConfig) -> None:
-    off = _keys(off, "offload", OFFLOAD_KEYS)
+    acts = isinstance(off, Mapping) and "activations" in off
+    off = _keys(off, "offload", OFFLOAD_KEYS + (("activations",) if acts else ()))
     for k in OFFLOAD_KEYS:
         _bool(off[k], f"offload.{k}")
+    if acts != bool(config.offload_activations):
+        fail("offload.activations", f"{'present' if acts else 'absent'} but "
+             f"config.offload_activations is {config.offload_activations}")
+    for j, x in enumerate(_list(off["activations"], "offload.activations") if acts else ()):
+        _str(x, f"offload.activations[{j}]", limit=1000)
     if off["optimizer"] != config.offload_optimizer:
         fail("offload.optimizer", f"{off['optimizer']} but config.offload_optimizer is "
               f"{config.offload_optimizer}")
@@ -383,7 +389,7 @@ _MEMORY = {k: "f" for k in ("params_bytes", "grads_bytes", "optimizer_bytes", "a
 _MEMORY["nvme_bytes"] = "f"          # only where the plan offloads to NVMe (_OPTIONAL)
 _STAGE = {"index": "i", "layers": ["s"], "num_ops": "i", "params_per_device": "f", "fwd_s": "f",
           "bwd_s": "f", "activation_bytes_per_microbatch": "f", "microbatches_in_flight": "f",
-          "memory": _MEMORY}
+          "memory": _MEMORY, "offloaded_activation_bytes_per_microbatch": "f"}
 _TIME = {"compute_s": "f", "recompute_s": "f", "comm_exposed_s": ("map", "f"), "bubble_s": "f",
          "optimizer_s": "f", "overhead_s": "f"}
 _PREDICTED = {"config": "c", "global_batch_size": "i", "num_microbatches": "i",
@@ -396,7 +402,8 @@ _PREDICTED = {"config": "c", "global_batch_size": "i", "num_microbatches": "i",
                                "fp8_s": "f", "pays": "b"}]}
 # keys an Estimate writes only when not zero or empty (older plans have none; fp8_linears:
 # fp8 plans only)
-_OPTIONAL = frozenset({"nvme_bytes", "nvme_per_device_bytes", "fp8_linears"})
+_OPTIONAL = frozenset({"nvme_bytes", "nvme_per_device_bytes", "fp8_linears",
+                       "offloaded_activation_bytes_per_microbatch"})
 
 
 def _check_spec(v: Any, spec: Any, path: str) -> None:

@@ -234,7 +234,8 @@ def _instance_share(folded: _Folded, where: _StageMap) -> list[list[int]]:
 
 def _node_terms(ctx: CostContext, nodes: list[Node]) -> _Terms:
     """Every strategy of every node costed (``node_costs.node_cost``)."""
-    savers, part_of = activation_owners(ctx.graph, ctx.recompute)
+    savers, part_of = activation_owners(ctx.graph, ctx.recompute,
+                                        ctx.held.copies if ctx.held is not None else None)
     per = [[node_cost(ctx, node, j, savers, part_of) for j in range(len(node.choices))]
            for node in nodes]
     return _Terms(costs=[[c.time_s for c in row] for row in per],

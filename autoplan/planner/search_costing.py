@@ -254,11 +254,16 @@ def evaluate(sc: SearchContext, configs: list[ParallelConfig], sh: Sharding,
     graph, cluster, opts, stats = sc.graph, sc.cluster, sc.opts, sc.stats
     gbs = sc.global_batch_size
     out = []
-    fitting: dict[ParallelConfig, int] = {}     # the weakest policy that fits, per the rest
+    # per the rest of a config, the (policy rank, offloaded layers) pairs that fit: recomputing
+    # and offloading only add time, so a config that does both at least as much is no faster
+    fitting: dict[ParallelConfig, list[tuple[int, int]]] = {}
     sp = sh.t > 1 and any(s.style in SP_STYLES for s in sh.op_strategy)
     for c in configs:
-        rest = replace(c, recompute="none") if prune_dominated and c.pp == 1 else None
-        if rest is not None and fitting.get(rest, 3) <= _RECOMPUTE_RANK.get(c.recompute, 0):
+        rest = (replace(c, recompute="none", offload_activations=0)
+                if prune_dominated and c.pp == 1 else None)
+        rank = (_RECOMPUTE_RANK.get(c.recompute, 0), c.offload_activations)
+        if rest is not None and any(r <= rank[0] and k <= rank[1]
+                                    for r, k in fitting.get(rest, ())):
             continue
         # tp_comm_overlap only when asked for (the runtime cannot run it), and where it applies
         overlap = bool(opts.force.get("tp_comm_overlap")) and sp
@@ -287,7 +292,7 @@ def evaluate(sc: SearchContext, configs: list[ParallelConfig], sh: Sharding,
         stats.evaluated += 1
         out.append(Candidate(est, sh, sol, label))
         if rest is not None and est.fits:
-            fitting[rest] = min(fitting.get(rest, 3), _RECOMPUTE_RANK.get(c.recompute, 0))
+            fitting.setdefault(rest, []).append(rank)
     return out
 
 

@@ -98,8 +98,26 @@ def recompute_options(opts: SearchOptions, graph: OpGraph,
     layers are compiled and hold collectives (``selective_compiles``: ``with_compilation``
     gives such a config an eager twin that may recompute selectively)."""
     recompute = [r for r in opts.recompute if r != "selective" or (
-        analyze(graph).score_ops and (config is None or selective_compiles(config)))]
+        analyze(graph).score_ops and (config is None or selective_compiles(config))
+        and not opts.force.get("offload_activations"))]
     return forced(opts, "recompute", recompute)
+
+
+def activation_offloads(config: ParallelConfig, opts: SearchOptions, cluster: Any,
+                        graph: OpGraph, recompute: str) -> list[int]:
+    """Layers per chunk whose saved activations go to host memory
+    (``ParallelConfig.offload_activations``): as forced, else none or every layer, offered
+    beside recomputation on GPUs (``search_costing.evaluate`` skips it where the same config
+    fits without: it only adds copies) without pipelines, where the layers are not compiled
+    and do not recompute selectively (the runtime's hooks cannot reach what selective
+    checkpointing keeps). A CPU rank's activations are in host memory already."""
+    if "offload_activations" in opts.force:
+        return [opts.force["offload_activations"]]
+    layers = sum(len(b.instances) for b in graph.blocks)
+    if (cluster.device.kind == "cpu" or config.pp > 1 or config.compiled or not layers
+            or recompute == "selective" or not opts.offload_activations):
+        return [0]
+    return [0, layers]
 
 
 def selective_compiles(config: ParallelConfig) -> bool:
@@ -151,7 +169,8 @@ def policies(config: ParallelConfig, opts: SearchOptions, cluster: Any,
     offloads = (False,) if cluster.device.kind == "cpu" or config.pp > 1 \
         else opts.offload_optimizer
     for z in zeros:
-        for r in recompute:
+        for r, acts in ((r, k) for r in recompute
+                        for k in activation_offloads(config, opts, cluster, graph, r)):
             for off in forced(opts, "offload_optimizer", offloads):
                 params_off = forced(opts, "offload_params",
                                      (False, True) if z == 3 and True in offloads else (False,))
@@ -167,7 +186,7 @@ def policies(config: ParallelConfig, opts: SearchOptions, cluster: Any,
                                     **base, "zero_stage": z, "recompute": r,
                                     "offload_optimizer": off, "offload_params": off_p,
                                     "schedule": sched, "virtual_stages": v, "dp_shard": shard,
-                                    "ep": ep}
+                                    "ep": ep, "offload_activations": acts}
                                 if "dp_whole" in opts.force:    # ZeRO-3's weights kept whole
                                     fields["dp_whole"] = opts.force["dp_whole"]
                                 try:

@@ -16,7 +16,9 @@ the same reasons):
 3. **stages**: the program cut into the pipeline chunks this rank runs (without pipelines, one
    chunk: all of it), each chunk into one module per layer, the unit of every step below;
 4. **recomputation** per layer: inside FSDP's units, so that FSDP's all-gathers bracket the
-   recomputation too;
+   recomputation too; then activation offload's hooks around the layers the plan names
+   (``activation_offload.py``), outside the checkpoint wrapper (a checkpointed layer offloads
+   its input) and inside FSDP's units (FSDP's hooks gather before them);
 5. **compilation** per layer (regional, ``compile.py``): after recomputation, so that the
    compiled region is the checkpointed layer, and before data parallelism, so that FSDP's
    hooks and DDP's buckets stay outside the compiled graphs;
@@ -42,6 +44,7 @@ from autoplan.graph.loss import token_mean_loss
 from autoplan.graph.opgraph import OpGraph
 from autoplan.runtime import parallelize as par
 from autoplan.runtime.emit import Exported, autocast_dtype, connect, export_for_plan, lower
+from autoplan.runtime.activation_offload import apply_activation_offload
 from autoplan.runtime.experts import expert_parameters
 from autoplan.runtime.rank_failure import for_job
 from autoplan.runtime.optim import (DataParallelGrads, HostOffloadOptimizer,
@@ -357,9 +360,14 @@ def build_rank(b: BuildInputs) -> Trainer:
     groups = make_groups(b.device, cfg, place, world)                          # 1
     ex, program, cuts = rank_program(b, place, groups)                         # 2
     stages, held = cut_stages(b, ex, program, cuts, place)                     # 3
+    offloader = None
     for st in stages:                                                          # 4
         par.apply_recompute(st.module, {p: pol for p, pol in b.plan.recompute.items()
                                         if p in set(st.layers)})
+        # around each recompute wrapper, so that a checkpointed layer offloads its input
+        offloader = apply_activation_offload(
+            st.module, [p for p in b.plan.offload.get("activations", ()) if p in st.layers],
+            b.device, offloader)
     if cfg.compiled:                                                           # 5
         for st in stages:
             par.apply_compile(st.module, st.layers, b.plan.recompute)
@@ -379,6 +387,7 @@ def build_rank(b: BuildInputs) -> Trainer:
                             token_loss=token)
     opt = make_optimizer(b, stages, modules, groups, experts)                  # 8
     return Trainer(runner=runner, optimizer=opt, plan=b.plan, rank=b.rank,
+                   activation_offload=offloader.counter if offloader is not None else None,
                    dp_index=place.dp, cp_index=place.cp,
                    dp_group=groups.dp if cfg.grad_degree > 1 else None,
                    grad_syncs=syncs.in_order(), device=b.device,

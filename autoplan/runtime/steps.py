@@ -170,6 +170,9 @@ class Trainer(Checkpointing, GradientStep):
     ep_comm: Any = None                        # the expert-parallel group (ep > 1)
     batch_spec: BatchSpec | None = None        # what step() takes (runtime/batch_check.py)
     stale_prediction: str = ""                 # the plan was made for other hardware
+    # activation offload: the bytes this rank's hooks copied to the host and back
+    # (``runtime/activation_offload.OffloadCounter``), None when the plan offloads none
+    activation_offload: Any = None
 
     @property
     def config(self):

@@ -125,6 +125,12 @@ class ParallelConfig:
     # torchao's ``module_filter_fn``. Needs a GPU with fp8 tensor cores (H100 and later)
     fp8: str = "none"
     fp8_skip: tuple[str, ...] = ()
+    # activation offload: the saved activations of the first ``offload_activations`` layers of
+    # every model chunk go to host memory in forward and come back for backward (Megatron-Core's
+    # --cpu-offloading-num-layers counts layers the same way); those layers' backward runs
+    # latest, so their prefetch hides behind the layers after them. A recomputed layer
+    # offloads what it keeps: its checkpoint's input. 0: none
+    offload_activations: int = 0
 
     def __post_init__(self) -> None:
         for name in ("dp", "tp", "pp", "micro_batch_size", "virtual_stages", "ep", "cp"):
@@ -152,6 +158,7 @@ class ParallelConfig:
             raise ConfigError(f"schedule {self.schedule!r} places exactly two chunks per "
                               f"pipeline rank in a V; set virtual_stages=2 (got "
                               f"{self.virtual_stages})")
+        self._check_offload_activations()
         if self.offload_params and self.zero_stage != 3:
             raise ConfigError("offload_params=True needs zero_stage=3: the weights are offloaded "
                               "as FSDP shards and gathered to the device layer by layer")
@@ -233,6 +240,28 @@ class ParallelConfig:
         from fnmatch import fnmatchcase
         return self.fp8 != "none" and not any(fnmatchcase(module_path, p)
                                                for p in self.fp8_skip)
+    def _check_offload_activations(self) -> None:
+        k = self.offload_activations
+        if not isinstance(k, int) or isinstance(k, bool) or k < 0:
+            raise ConfigError(f"offload_activations must be a layer count >= 0 (the first layers "
+                              f"of every model chunk whose activations go to host memory), "
+                              f"got {k!r}")
+        if k and self.compiled:
+            raise ConfigError("offload_activations does not run with compiled=True yet: its "
+                              "saved-tensor hooks would sit inside each layer's compiled "
+                              "region; drop one of the two")
+        policies = self.stage_recompute or (self.recompute,)
+        if k and "selective" in policies:
+            raise ConfigError("offload_activations runs with recompute 'none' or 'full', not "
+                              "'selective': selective checkpointing keeps its saved tensors in "
+                              "torch's caching dispatch mode, out of reach of the "
+                              "saved-tensor hooks that offload; use recompute='full' (its "
+                              "checkpoint input is offloaded) or 'none'")
+
+    def offloads_layer(self, position: int) -> bool:
+        """Whether the layer at ``position`` (0-based) in its model chunk offloads its saved
+        activations."""
+        return position < self.offload_activations
 
     def _check_dp_shard(self) -> None:
         s = self.dp_shard
@@ -430,7 +459,8 @@ class ParallelConfig:
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready fields (the layout tuples as lists); ``tp_comm_overlap``, ``dp_shard``,
-        ``ep``, ``dp_whole``, ``cp``, ``mixed_precision`` and ``compiled`` only when set (not the
+        ``ep``, ``dp_whole``, ``cp``, ``mixed_precision``, ``compiled`` and
+        ``offload_activations`` only when set (not the
         default),
         so plans written before they existed read back
         byte for byte."""
@@ -459,6 +489,8 @@ class ParallelConfig:
             del out["fp8"]
         if not self.fp8_skip:
             del out["fp8_skip"]
+        if not self.offload_activations:
+            del out["offload_activations"]
         return out
 
     @staticmethod
@@ -502,6 +534,8 @@ class ParallelConfig:
             s += " nvme"
         if self.grad_compression == "powersgd":
             s += f" powersgd{self.powersgd_rank}"
+        if self.offload_activations:
+            s += f" offload-act{self.offload_activations}"
         if self.tp_comm_overlap:
             s += " tp-overlap"
         if self.compiled:
