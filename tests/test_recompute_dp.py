@@ -1,0 +1,121 @@
+"""The per-layer recomputation DP (planner/recompute_dp.py) against brute force, and Chen's
+sqrt(n) schedule coming out of it on a uniform chain."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import random
+
+import pytest
+
+from autoplan.planner.recompute_dp import (ChainLayer, LayerOption, solve_chain,
+                                           uniform_best)
+
+
+def _random_chain(rng: random.Random, n: int) -> list[ChainLayer]:
+    """Unlike layers with none / ops / full: ops keeps its input and its products' outputs
+    and replays the cheap ops; full keeps its input and replays its forward; both rebuild the
+    layer's activations in backward."""
+    layers = []
+    for _ in range(n):
+        acts = rng.uniform(1.0, 10.0)
+        inp = rng.uniform(0.05, 0.3) * acts
+        fwd = rng.uniform(0.5, 2.0)
+        layers.append(ChainLayer(options=(
+            LayerOption(policy="none", kept_bytes=acts, recompute_s=0.0),
+            LayerOption(policy="ops", kept_bytes=inp + rng.uniform(0.2, 0.6) * acts,
+                        recompute_s=rng.uniform(0.05, 0.3) * fwd, working_bytes=acts),
+            LayerOption(policy="full", kept_bytes=inp, recompute_s=fwd, working_bytes=acts),
+        ), input_bytes=inp, fwd_s=fwd))
+    return layers
+
+
+def _brute(layers, budget, flight):
+    best = None
+    for combo in itertools.product(*(layer.options for layer in layers)):
+        mem = flight * sum(o.kept_bytes for o in combo) + max(o.working_bytes for o in combo)
+        if mem <= budget:
+            t = sum(o.recompute_s for o in combo)
+            best = t if best is None else min(best, t)
+    return best
+
+
+def test_dp_matches_brute_force_on_random_chains():
+    rng = random.Random(7)
+    checked = infeasible = 0
+    for trial in range(60):
+        n = rng.randint(2, 7)
+        layers = _random_chain(rng, n)
+        flight = rng.choice([1.0, 2.0, 3.5])
+        most = flight * sum(l.none_bytes for l in layers)
+        least = flight * sum(min(o.kept_bytes for o in l.options) for l in layers) \
+            + max(l.none_bytes for l in layers)
+        budget = rng.uniform(0.8 * least, most)
+        exact = _brute(layers, budget, flight)
+        got = solve_chain(layers, budget_bytes=budget, in_flight=flight)
+        if exact is None:
+            assert got is None
+            infeasible += 1
+            continue
+        assert got is not None, f"trial {trial}: infeasible where the optimum is {exact}"
+        assert got.memory_bytes <= budget * (1 + 1e-9)
+        assert got.recompute_s <= exact * 1.05 + 1e-12, (trial, got.recompute_s, exact)
+        assert got.recompute_s >= exact - 1e-9        # and never better than the optimum
+        checked += 1
+    assert checked >= 40 and infeasible >= 1
+
+
+def test_thinned_fronts_stay_feasible_and_close():
+    """With small fronts (thinned from the fifth layer on) the answer still fits and stays near."""
+    rng = random.Random(3)
+    for _ in range(10):
+        layers = _random_chain(rng, 7)
+        budget = 0.6 * sum(l.none_bytes for l in layers)
+        exact = _brute(layers, budget, 1.0)
+        got = solve_chain(layers, budget_bytes=budget, max_states=32)
+        if exact is None:
+            continue
+        assert got is not None and got.memory_bytes <= budget * (1 + 1e-9)
+        assert got.recompute_s <= exact * 1.10 + 1e-12
+
+
+def test_mix_beats_the_best_uniform_policy():
+    """Where a uniform policy must recompute every layer, the DP recomputes only some."""
+    layers = [ChainLayer(options=(
+        LayerOption(policy="none", kept_bytes=10.0, recompute_s=0.0),
+        LayerOption(policy="full", kept_bytes=1.0, recompute_s=1.0, working_bytes=10.0)))
+        for _ in range(8)]
+    budget = 50.0
+    uni = uniform_best(layers, budget_bytes=budget)
+    got = solve_chain(layers, budget_bytes=budget)
+    assert uni.policies == ("full",) * 8 and uni.recompute_s == 8.0
+    # k layers kept whole: 10k + (8 - k) + 10 <= 50 -> k = 3
+    assert got.policies.count("none") == 3 and got.recompute_s == 5.0
+    assert got.memory_bytes <= budget
+
+
+@pytest.mark.parametrize("n", [16, 64, 100])
+def test_chen_sqrt_n_on_a_uniform_chain(n):
+    """Chen et al. 2016: a chain of n like layers whose inputs are as large as their
+    activations (1 unit each), checkpointed in segments: the least memory at one extra forward
+    is about 2 sqrt(n) units, with segments of about sqrt(n) layers."""
+    layers = [ChainLayer(options=(LayerOption(policy="none", kept_bytes=1.0, recompute_s=0.0),),
+                         input_bytes=1.0, fwd_s=1.0) for _ in range(n)]
+    root = math.sqrt(n)
+    # smallest budget the DP fits: search it
+    lo, hi = 1.0, float(n)
+    while hi - lo > 0.5:
+        mid = (lo + hi) / 2
+        if solve_chain(layers, budget_bytes=mid, max_segment=n) is None:
+            lo = mid
+        else:
+            hi = mid
+    sol = solve_chain(layers, budget_bytes=hi, max_segment=n)
+    assert sol is not None
+    assert hi <= 2 * root + 2                       # Chen's 2 sqrt(n) memory
+    lengths = [j - i for i, j in sol.segments]
+    assert lengths and all(abs(k - root) <= root / 2 + 1 for k in lengths)
+    assert sol.recompute_s <= n                     # at most one extra forward
+    # without segments nothing below n units fits (each layer keeps one unit)
+    assert solve_chain(layers, budget_bytes=n - 1, max_segment=1) is None
