@@ -68,6 +68,10 @@ def validate(graph: OpGraph, cluster: Any, config: ParallelConfig,
     if config.micro_batch_size > global_batch_size:
         raise ConfigError(f"micro_batch_size {config.micro_batch_size} exceeds the global batch "
                           f"{global_batch_size}")
+    if config.layer_recompute is not None and len(config.layer_recompute) != len(
+            pipeline_units(graph)):
+        raise ConfigError(f"layer_recompute names {len(config.layer_recompute)} policies, the "
+                          f"model has {len(pipeline_units(graph))} layers: give one per layer")
     if config.chunk_layers is not None:
         units = len(pipeline_units(graph))
         if sum(config.chunk_layers) != units:
@@ -109,7 +113,7 @@ def estimate(model: Any, cluster: Any, *, config: ParallelConfig, global_batch_s
     profile = profile_arg(profile, cluster, "estimate()")
     ci = cost_inputs(graph, cluster, config, profile, sharding, expert_capacity_factor)
     chunks = chunks_for(ci)
-    costs = [chunk_cost(ci, ch, config.chunk_policy(c)) for c, ch in enumerate(chunks)]
+    costs = [chunk_cost(ci, ch, chunk_policy(config, chunks, c)) for c, ch in enumerate(chunks)]
     # the model state, its gradient sync and ZeRO's traffic span the dp x cp ranks
     state_config = config.grad_view()
     schedule = pipeline_timing(ci, costs, m, state_config, simulate=simulate_pipeline)
@@ -118,6 +122,16 @@ def estimate(model: Any, cluster: Any, *, config: ParallelConfig, global_batch_s
     stages = tuple(stage_estimate(ci, costs, chunks, schedule, m, s, margin, state_config)
                    for s in range(config.pp))
     return assemble_estimate(ci, chunks, stages, time, global_batch_size, m)
+
+
+def chunk_policy(config: ParallelConfig, chunks: Sequence[Any], c: int
+                 ) -> str | tuple[str, ...]:
+    """The recompute policy of chunk ``c``: its stage's, or one per layer it holds
+    (``layer_recompute``, over the layers of all chunks in model order)."""
+    if config.layer_recompute is None:
+        return config.chunk_policy(c)
+    first = sum(len(ch.layer_ranges) for ch in chunks[:c])
+    return config.layer_recompute[first:first + len(chunks[c].layer_ranges)]
 
 
 def cost_inputs(graph: OpGraph, cluster: Any, config: ParallelConfig, profile: Any,

@@ -488,8 +488,9 @@ def _bool(v: Any, path: str) -> bool:
     return v
 
 
-_NULLABLE = ("num_microbatches", "chunk_layers", "stage_recompute")
-_LISTS = {"chunk_layers": int, "stage_recompute": str, "dp_whole": str}
+_NULLABLE = ("num_microbatches", "chunk_layers", "stage_recompute", "layer_recompute")
+_LISTS = {"chunk_layers": int, "stage_recompute": str, "dp_whole": str,
+          "layer_recompute": str}
 
 
 def _config(v: Any, path: str) -> ParallelConfig:

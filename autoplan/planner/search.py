@@ -55,6 +55,7 @@ from autoplan.planner.ilp import ILPSolution
 from autoplan.planner.options import SearchOptions  # (also imported from here by users)
 from autoplan.planner.planfile import Plan
 from autoplan.planner.finalists import refine_dp, refine_pipe_ilp, refine_pipelined
+from autoplan.planner.recompute_choice import refine_recompute
 from autoplan.planner.candidates import (Candidate, alternatives, honours, infeasible,
                                        too_few_layers, why_none_honours)
 from autoplan.sharding.mesh_axes import BASE_AXES
@@ -370,6 +371,7 @@ def _choose(sc: SearchContext, cands: list[Candidate], base: dict[str, Any],
     if opts.sharding == "ilp" and opts.fixed_sharding is None:
         cands = refine_pipe_ilp(sc, cands)
     cands = refine_pipelined(sc, cands)
+    cands = refine_recompute(sc, cands)
     # forced fields bind the choice; baselines that differ stay as alternatives
     fitting = sorted((c for c in cands if c.est.fits and honours(c.est.config, opts.force)),
                      key=Candidate.key)

@@ -22,7 +22,11 @@ MULTI_CHUNK_SCHEDULES = ("interleaved_1f1b", "zero_bubble", "zbv", "dualpipev")
 # the last chunk share rank 0 (Qi et al. 2024 Sec. 6; DeepSeek-V3's DualPipe, folded)
 V_SCHEDULES = ("zbv", "dualpipev")
 SPLIT_BACKWARD = ("zero_bubble", "zbv", "dualpipev")   # input and weight gradients apart
-RECOMPUTE = ("none", "selective", "full")
+# least to most memory-saving. "ops": op-level selective checkpointing of a whole layer: the
+# outputs of its products (matmuls, attention, convolutions: ``graph.oprules.OPS_POLICY_SAVES``)
+# are kept, everything else (norms, element-wise ops, dropout) is recomputed in backward
+# (torch.utils.checkpoint's selective checkpointing, as torchtitan's op-level SAC)
+RECOMPUTE = ("none", "selective", "ops", "full")
 PRECISIONS = ("bf16", "fp16", "fp32")
 OPTIMIZERS = ("adamw", "adam", "sgd")
 # how 16-bit training holds its tensors (``cost/dtypes.py``, ``ParallelConfig.mixed_precision``)
@@ -51,7 +55,10 @@ class ParallelConfig:
     ``chunk_layers`` (pipelines only): how many layers each of the ``pp * virtual_stages``
     chunks holds, in model order; ``None`` balances them. ``stage_recompute``: one recompute
     policy per pipeline stage where stages differ (the first stages hold the most micro-batches
-    in flight); ``recompute`` then names the most memory-saving of them.
+    in flight); ``recompute`` then names the most memory-saving of them. ``layer_recompute``:
+    one recompute policy per layer of the model (``partition.pipeline_units``, in model order),
+    chosen by ``planner/recompute_dp.py``; ``recompute`` then names the most memory-saving of
+    them, as with ``stage_recompute`` (the two are exclusive).
     """
 
     dp: int = 1
@@ -103,6 +110,8 @@ class ParallelConfig:
     # torch.compile of the rank program, one layer at a time (regional, as torchtitan): each
     # layer's element-wise chains fused into single kernels, priced so (``cost/compute.py``)
     compiled: bool = False
+    # one recompute policy per layer, in model order (None: the stage's or the config's)
+    layer_recompute: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
         for name in ("dp", "tp", "pp", "micro_batch_size", "virtual_stages", "ep", "cp"):
@@ -159,7 +168,7 @@ class ParallelConfig:
                               "with their GEMMs")
 
     def _check_layout(self) -> None:
-        for name in ("chunk_layers", "stage_recompute"):
+        for name in ("chunk_layers", "stage_recompute", "layer_recompute"):
             v = getattr(self, name)
             if v is not None:
                 if isinstance(v, (str, bytes)) or not hasattr(v, "__iter__"):
@@ -184,6 +193,29 @@ class ParallelConfig:
                 raise ConfigError(f"with stage_recompute, recompute must be the most "
                                   f"memory-saving stage policy ({strongest!r}), got "
                                   f"{self.recompute!r}")
+        self._check_layer_recompute()
+
+    def _check_layer_recompute(self) -> None:
+        if self.layer_recompute is None:
+            return
+        if self.stage_recompute is not None:
+            raise ConfigError("layer_recompute (one policy per layer) and stage_recompute (one "
+                              "per stage) are exclusive; give one of them")
+        if not self.layer_recompute:
+            raise ConfigError("layer_recompute must name one policy per layer, got []")
+        for r in self.layer_recompute:
+            _one_of("layer_recompute", r, RECOMPUTE)
+        strongest = strongest_recompute(self.layer_recompute)
+        if self.recompute != strongest:
+            raise ConfigError(f"with layer_recompute, recompute must be the most "
+                              f"memory-saving layer policy ({strongest!r}), got "
+                              f"{self.recompute!r}")
+
+    def layer_policy(self, layer: int, stage: int) -> str:
+        """The recompute policy of layer ``layer`` (model order) on pipeline stage ``stage``."""
+        if self.layer_recompute is not None:
+            return self.layer_recompute[layer]
+        return self.stage_policy(stage)
 
     def _check_dp_shard(self) -> None:
         s = self.dp_shard
@@ -363,8 +395,8 @@ class ParallelConfig:
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready fields (the layout tuples as lists); ``tp_comm_overlap``, ``dp_shard``,
-        ``ep``, ``dp_whole``, ``cp``, ``mixed_precision`` and ``compiled`` only when set (not the
-        default),
+        ``ep``, ``dp_whole``, ``cp``, ``mixed_precision``, ``compiled`` and ``layer_recompute``
+        only when set (not the default),
         so plans written before they existed read back
         byte for byte."""
         out = {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items()}
@@ -382,6 +414,8 @@ class ParallelConfig:
             del out["mixed_precision"]
         if not self.compiled:
             del out["compiled"]
+        if self.layer_recompute is None:
+            del out["layer_recompute"]
         return out
 
     @staticmethod
@@ -407,9 +441,9 @@ class ParallelConfig:
             s += f" whole{len(self.dp_whole)}"
         if self.sequence_parallel:
             s += " sp"
-        if self.stage_recompute is not None:
+        if self.stage_recompute is not None or self.layer_recompute is not None:
             runs: list[list] = []
-            for r in self.stage_recompute:
+            for r in self.stage_recompute or self.layer_recompute:
                 if runs and runs[-1][0] == r:
                     runs[-1][1] += 1
                 else:
