@@ -254,7 +254,8 @@ def evaluate(sc: SearchContext, configs: list[ParallelConfig], sh: Sharding,
     fitting: dict[ParallelConfig, int] = {}     # the weakest policy that fits, per the rest
     sp = sh.t > 1 and any(s.style in SP_STYLES for s in sh.op_strategy)
     for c in configs:
-        rest = replace(c, recompute="none") if prune_dominated and c.pp == 1 else None
+        rest = (replace(c, recompute="none") if prune_dominated and c.pp == 1
+                and c.layer_recompute is None else None)
         if rest is not None and fitting.get(rest, 4) <= _RECOMPUTE_RANK.get(c.recompute, 0):
             continue
         # tp_comm_overlap only when asked for (the runtime cannot run it), and where it applies

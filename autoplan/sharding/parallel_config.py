@@ -35,7 +35,7 @@ MIXED_PRECISION = ("autocast", "params")
 
 def strongest_recompute(policies: Sequence[str]) -> str:
     """The most memory-saving of ``policies`` (``RECOMPUTE`` runs from least to most)."""
-    return max(policies, key=RECOMPUTE.index)
+    return max(policies, key=lambda r: RECOMPUTE.index(r) if r in RECOMPUTE else -1)
 
 
 @dataclass(frozen=True, kw_only=True)
