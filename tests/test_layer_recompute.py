@@ -15,6 +15,7 @@ from autoplan import plan as make_plan
 from autoplan.graph import trace
 from autoplan.graph.oprules import OPS_POLICY_SAVES, RULES, ops_policy_names
 from autoplan.models import build_example
+from autoplan.planner.explain import explain_plan
 from autoplan.planner.planfile import Plan
 from tests.conftest import has_transformers
 from tests.distributed import run_ranks
@@ -99,7 +100,10 @@ def test_mixed_layer_policies_train_like_one_device(name, precision, force):
     p = _plan(name, 2, {**force, "layer_recompute": policies}, precision)
     assert p.config.layer_recompute == policies and p.config.recompute == "full"
     assert list(p.recompute.values()) == list(policies)
-    assert Plan.from_json(p.to_json()).config == p.config          # reads back
+    back = Plan.from_json(p.to_json())                               # reads back
+    assert back.config == p.config and back.to_json() == p.to_json()
+    shown = explain_plan(back)          # inspect: each layer's policy, and why
+    assert "recompute ops" in shown and "recompute full" in shown and "saves " in shown
     results = run_ranks(_rank, 2, name, p.to_json(), timeout_s=240.0)
     ref_losses, ref_w = _eager(name, precision)
     for losses, _ in results:

@@ -30,7 +30,7 @@ from autoplan.cost.memory import (PRECISION_BYTES, activation_bytes,
 from autoplan.errors import ConfigError
 from autoplan.estimate.arguments import (batch_arg, capacity_arg, cluster_arg,
                                         estimate_options_arg, microbatches_arg, profile_arg)
-from autoplan.estimate.chunk_cost import CostInputs, RangeCost, chunk_cost
+from autoplan.estimate.chunk_cost import CostInputs, RangeCost, chunk_cost, range_cost
 from autoplan.estimate.dp_terms import StageParams, dp_collectives, price, stage_terms
 from autoplan.estimate.layout import chunks_for, in_flight
 from autoplan.estimate.overlap import overlap_interference
@@ -121,7 +121,28 @@ def estimate(model: Any, cluster: Any, *, config: ParallelConfig, global_batch_s
     margin = reserved_bytes(cluster, memory_margin_bytes)
     stages = tuple(stage_estimate(ci, costs, chunks, schedule, m, s, margin, state_config)
                    for s in range(config.pp))
-    return assemble_estimate(ci, chunks, stages, time, global_batch_size, m)
+    est = assemble_estimate(ci, chunks, stages, time, global_batch_size, m)
+    if config.layer_recompute is None:
+        return est
+    return replace(est, layer_recompute=layer_recompute_costs(ci, chunks))
+
+
+def layer_recompute_costs(ci: CostInputs, chunks: Sequence[Any]) -> tuple[dict[str, Any], ...]:
+    """Per layer (model order) under ``layer_recompute``: its path and policy, the bytes it
+    keeps per micro-batch, the bytes it saves against recomputing nothing, and the seconds its
+    recomputation adds to each micro-batch's backward (what ``inspect`` shows)."""
+    out = []
+    policies = iter(ci.config.layer_recompute or ())
+    for ch in chunks:
+        like = {(u.start, u.stop): u.like for u in ch.units}
+        for path, span in zip(ch.layers, ch.layer_ranges):
+            policy = next(policies)
+            mine = range_cost(ci, *like.get(span, span), policy)
+            none = range_cost(ci, *like.get(span, span), "none")
+            out.append({"layer": path, "policy": policy, "kept_bytes": mine.activation_bytes,
+                        "saved_bytes": none.activation_bytes - mine.activation_bytes,
+                        "recompute_s": mine.recompute_s})
+    return tuple(out)
 
 
 def chunk_policy(config: ParallelConfig, chunks: Sequence[Any], c: int

@@ -89,6 +89,9 @@ class Estimate:
     activation_bytes_per_layer: float            # one block instance, one micro-batch
     warnings: tuple[str, ...] = field(default_factory=tuple)
     host_memory_per_device_bytes: float = float("inf")   # a device's share of its node's DRAM
+    # with ``config.layer_recompute``: per layer in model order, its policy, the bytes it keeps
+    # per micro-batch, what it saves against keeping everything and its recompute seconds
+    layer_recompute: tuple[dict[str, Any], ...] = ()
 
     @property
     def peak_offloaded_bytes(self) -> float:
@@ -105,6 +108,10 @@ class Estimate:
         d["config"] = self.config.to_dict()
         d["fits"] = self.fits
         d["per_device_memory_bytes"] = list(self.per_device_memory_bytes)
+        if not self.layer_recompute:          # plans without it read back byte for byte
+            del d["layer_recompute"]
+        else:
+            d["layer_recompute"] = [dict(x) for x in self.layer_recompute]
         return d
 
     def report(self) -> str:

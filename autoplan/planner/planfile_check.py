@@ -217,7 +217,13 @@ def _check_offload(off: Any, config: ParallelConfig) -> None:
 
 def _check_predicted(d: Mapping, t: Mapping) -> None:
     """The prediction is of the chosen configuration and global batch."""
-    _check_spec(d["predicted"], _PREDICTED, "predicted")
+    predicted = d["predicted"]
+    if isinstance(predicted, Mapping) and "layer_recompute" in predicted:   # optional
+        _check_spec(predicted["layer_recompute"], [_LAYER_COST], "predicted.layer_recompute")
+        for i, row in enumerate(predicted["layer_recompute"]):
+            _str(row["policy"], f"predicted.layer_recompute[{i}].policy", choices=RECOMPUTE)
+        predicted = {k: v for k, v in predicted.items() if k != "layer_recompute"}
+    _check_spec(predicted, _PREDICTED, "predicted")
     p = d["predicted"]
     if p["config"] != d["config"]:
         fail("predicted.config", "differs from config: the prediction must be of the chosen "
@@ -385,6 +391,8 @@ _STAGE = {"index": "i", "layers": ["s"], "num_ops": "i", "params_per_device": "f
           "memory": _MEMORY}
 _TIME = {"compute_s": "f", "recompute_s": "f", "comm_exposed_s": ("map", "f"), "bubble_s": "f",
          "optimizer_s": "f", "overhead_s": "f"}
+_LAYER_COST = {"layer": "s", "policy": "s", "kept_bytes": "f", "saved_bytes": "n",
+               "recompute_s": "f"}
 _PREDICTED = {"config": "c", "global_batch_size": "i", "num_microbatches": "i",
               "step_time_s": "f", "time": _TIME, "peak_memory_bytes": "f",
               "device_memory_bytes": "f", "stages": [_STAGE], "model_flops_per_step": "f",
@@ -406,6 +414,10 @@ def _check_spec(v: Any, spec: Any, path: str) -> None:
             _check_spec(x, spec[1], sub(path, k))
     elif spec in ("f", "f?"):
         _num(v, path, none_ok=spec == "f?")
+    elif spec == "n":                              # a finite float of either sign
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or v != v \
+                or v in (float("inf"), float("-inf")):
+            fail(path, f"expected a finite number, got {kind(v)}")
     elif spec == "i":
         _int(v, path)
     elif spec == "s":

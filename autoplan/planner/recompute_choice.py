@@ -39,7 +39,7 @@ def refine_recompute(sc: SearchContext, cands: list[Candidate], *, finalists: in
                           and not c.est.config.compiled), key=Candidate.key)
     out = list(cands)
     for c in recomputing[:finalists]:
-        new = per_layer_config(sc, c)
+        new = per_layer_config(cost_inputs(sc, c.est.config, c.sharding), c.est)
         if new is None or new == c.est.config:
             continue
         out += [r for r in evaluate(sc, [new], c.sharding, c.ilp, c.label,
@@ -47,15 +47,15 @@ def refine_recompute(sc: SearchContext, cands: list[Candidate], *, finalists: in
     return out
 
 
-def per_layer_config(sc: SearchContext, c: Candidate) -> ParallelConfig | None:
-    """``c``'s configuration with the policy of each layer chosen by the chain DP (its stage
-    split kept); None where a stage's chain has no answer."""
-    config = c.est.config
-    ci = cost_inputs(sc, config, c.sharding)
+def per_layer_config(ci: CostInputs, est: Any) -> ParallelConfig | None:
+    """The configuration of ``est`` (an ``Estimate`` of ``ci.config``) with the policy of each
+    layer chosen by the chain DP (its stage split kept); None where a stage's chain has no
+    answer."""
+    config = ci.config
     chunks = chunks_for(ci)
     policies: dict[int, str] = {}
     first = [sum(len(ch.layer_ranges) for ch in chunks[:k]) for k in range(len(chunks))]
-    for s, stage in enumerate(c.est.stages):
+    for s, stage in enumerate(est.stages):
         layers, index = stage_chain(ci, chunks, config.rank_chunks(s), stage, first)
         if not layers:
             continue

@@ -441,9 +441,12 @@ class ParallelConfig:
             s += f" whole{len(self.dp_whole)}"
         if self.sequence_parallel:
             s += " sp"
-        if self.stage_recompute is not None or self.layer_recompute is not None:
+        if self.layer_recompute is not None:      # how many layers each policy has
+            counts = {r: self.layer_recompute.count(r) for r in self.layer_recompute}
+            s += " recompute=layers:" + "/".join(f"{r}*{k}" for r, k in counts.items())
+        elif self.stage_recompute is not None:
             runs: list[list] = []
-            for r in self.stage_recompute or self.layer_recompute:
+            for r in self.stage_recompute:
                 if runs and runs[-1][0] == r:
                     runs[-1][1] += 1
                 else:
