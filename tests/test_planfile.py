@@ -218,11 +218,13 @@ def test_format_keys_match_the_dataclasses_and_the_schema():
     assert names(ParamPlacement) == check.PLACEMENT_KEYS + check.PLACEMENT_OPTIONAL_KEYS
     assert set(schema["$defs"]["parallel_config"]["properties"]) == set(names(ParallelConfig))
     # predicted = Estimate.to_dict() without the per-device list: keep the spec in step
-    assert set(check._PREDICTED) == (set(names(Estimate)) | {"fits"}) - {"per_device_memory_bytes"}
+    assert set(check._PREDICTED) | set(check.PREDICTED_OPTIONAL_KEYS) == (
+        set(names(Estimate)) | {"fits"}) - {"per_device_memory_bytes"}
     assert set(check._TIME) == set(names(TimeBreakdown))
     assert set(check._STAGE) == set(names(StageEstimate)) - {"chunks"}   # in Plan.stages
     assert set(check._MEMORY) == set(names(MemoryBreakdown))
-    assert set(schema["properties"]["predicted"]["properties"]) == set(check._PREDICTED)
+    assert set(schema["properties"]["predicted"]["properties"]) == set(check._PREDICTED) | set(
+        check.PREDICTED_OPTIONAL_KEYS)
 
 
 # ================================================================ malformed files

@@ -119,3 +119,33 @@ def test_chen_sqrt_n_on_a_uniform_chain(n):
     assert sol.recompute_s <= n                     # at most one extra forward
     # without segments nothing below n units fits (each layer keeps one unit)
     assert solve_chain(layers, budget_bytes=n - 1, max_segment=1) is None
+
+
+def test_the_search_chooses_per_layer_recomputation_with_weights_kept_whole():
+    """Llama-3-8B on one 8 x H100 node, ZeRO-3 with the attention weights kept whole
+    (``dp_whole``), micro-batches of 2: recomputation is needed to fit, and the plan's per-layer
+    choice recomputes less than any uniform policy that fits the same configuration; the plan
+    file carries it layer by layer."""
+    from dataclasses import replace
+
+    from autoplan import Cluster, estimate, plan
+    from autoplan.graph import trace
+    from autoplan.models import build_example
+    from autoplan.planner.compare import plan_sharding
+    ex = build_example("llama3-8b", device="meta", batch_size=1)
+    g = trace(ex.model, ex.example_inputs, loss_fn=ex.loss_fn, targets=ex.targets)
+    cluster = Cluster.preset("dgx-h100", nodes=1)
+    p = plan(g, cluster, global_batch_size=64, profile=None, max_pp=1,
+             force=dict(zero_stage=3, tp=1, micro_batch_size=2,
+                        dp_whole=["layers.*.attention.*"]))
+    cfg = p.config
+    assert cfg.dp_whole and cfg.layer_recompute is not None and p.predicted["fits"]
+    assert len(set(cfg.layer_recompute)) > 1
+    assert list(p.recompute.values()) == list(cfg.layer_recompute)
+    mine = p.predicted["time"]["recompute_s"]
+    sh = plan_sharding(p, g)
+    uniform = [estimate(g, cluster, config=replace(cfg, layer_recompute=None, recompute=r),
+                        global_batch_size=64, profile=None, sharding=sh)
+               for r in ("none", "selective", "ops", "full")]
+    fitting = [e.time.recompute_s for e in uniform if e.fits]
+    assert not uniform[0].fits and fitting and mine < min(fitting)

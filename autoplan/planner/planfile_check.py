@@ -391,6 +391,8 @@ _STAGE = {"index": "i", "layers": ["s"], "num_ops": "i", "params_per_device": "f
           "memory": _MEMORY}
 _TIME = {"compute_s": "f", "recompute_s": "f", "comm_exposed_s": ("map", "f"), "bubble_s": "f",
          "optimizer_s": "f", "overhead_s": "f"}
+# keys of the prediction written only when set (Estimate.to_dict drops them otherwise)
+PREDICTED_OPTIONAL_KEYS = ("layer_recompute",)
 _LAYER_COST = {"layer": "s", "policy": "s", "kept_bytes": "f", "saved_bytes": "n",
                "recompute_s": "f"}
 _PREDICTED = {"config": "c", "global_batch_size": "i", "num_microbatches": "i",
