@@ -220,7 +220,7 @@ def test_estimate_with_a_zero_degree_names_the_flag(capsys, files, flag):
 def test_estimate_stage_recompute_names_the_policies(capsys, files):
     rc, err = _cli(capsys, "estimate", files / "graph.json", "--cluster", "local:2",
                    "--global-batch", "8", "--pp", "2", "--stage-recompute", "full,bogus")
-    assert rc == 1 and "none, selective, full" in err
+    assert rc == 1 and "none, selective, ops, full" in err
 
 
 def test_outputs_that_cannot_be_written_are_refused_before_any_work(capsys, files):

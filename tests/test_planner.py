@@ -272,7 +272,7 @@ def test_tight_memory_chooses_recompute_or_offload():
     assert p.config.recompute != "none" or p.config.offload_optimizer
     # the same plan without either would not fit
     plain = ParallelConfig(**{**p.config.to_dict(), "recompute": "none",
-                              "offload_optimizer": False})
+                              "layer_recompute": None, "offload_optimizer": False})
     assert not estimate(g, cluster, config=plain, global_batch_size=64, profile=None).fits
 
 

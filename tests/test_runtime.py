@@ -176,6 +176,8 @@ COUNT_CASES = [
     ("mlp-tiny", 2, dict(tp=2), "megatron"),
     ("gpt-tiny", 4, dict(dp=2, tp=2, zero_stage=2, sequence_parallel=True), "megatron"),
     ("gpt-tiny", 4, dict(tp=1, zero_stage=3, dp_shard=2), "ilp"),
+    # op-level recomputation replays a layer's tp collectives as full recomputation does
+    ("gpt-tiny", 2, dict(tp=2, layer_recompute=("ops", "none")), "megatron"),
 ]
 
 

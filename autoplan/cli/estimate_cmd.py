@@ -25,9 +25,12 @@ def add_config_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--virtual-stages", type=int, default=1)
     g.add_argument("--zero", type=int, default=0, choices=(0, 1, 2, 3), help="ZeRO stage")
     g.add_argument("--sp", action="store_true", help="sequence parallelism (with tp > 1)")
-    g.add_argument("--recompute", default=None, choices=("none", "selective", "full"))
+    g.add_argument("--recompute", default=None, choices=("none", "selective", "ops", "full"))
     g.add_argument("--stage-recompute", default=None, metavar="P,P,...",
                    help="one recompute policy per pipeline stage, e.g. full,none "
+                        "(--recompute then defaults to the most memory-saving of them)")
+    g.add_argument("--layer-recompute", default=None, metavar="P,P,...",
+                   help="one recompute policy per layer, in model order, e.g. ops,full,none "
                         "(--recompute then defaults to the most memory-saving of them)")
     g.add_argument("--chunk-layers", default=None, metavar="N,N,...",
                    help="layers per pipeline chunk (pp x virtual-stages counts), e.g. 10,14; "
@@ -58,13 +61,19 @@ def config_from_args(args: argparse.Namespace, world_size: int):
     if stage is not None and (not stage or any(s not in RECOMPUTE for s in stage)):
         raise ConfigError(f"--stage-recompute takes one policy per pipeline stage from "
                           f"{', '.join(RECOMPUTE)}, e.g. full,none; got {args.stage_recompute!r}")
+    layers = comma_list(getattr(args, "layer_recompute", None), str, "--layer-recompute")
+    if layers is not None and (not layers or any(s not in RECOMPUTE for s in layers)):
+        raise ConfigError(f"--layer-recompute takes one policy per layer from "
+                          f"{', '.join(RECOMPUTE)}, e.g. ops,full,none; got "
+                          f"{args.layer_recompute!r}")
     chunks = comma_list(args.chunk_layers, int, "--chunk-layers")
-    recompute = args.recompute or (strongest_recompute(stage) if stage else "none")
+    recompute = args.recompute or strongest_recompute(stage or layers or ["none"])
     return ParallelConfig(dp=dp, tp=args.tp, pp=args.pp, micro_batch_size=args.micro_batch_size,
                           ep=args.ep, cp=args.cp, schedule=args.schedule,
                           virtual_stages=args.virtual_stages,
                           zero_stage=args.zero, sequence_parallel=args.sp,
                           recompute=recompute, stage_recompute=stage, chunk_layers=chunks,
+                          layer_recompute=layers,
                           offload_optimizer=args.offload_optimizer,
                           offload_params=args.offload_params,
                           precision=args.precision, optimizer=args.optimizer)

@@ -34,7 +34,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--force", action="append", default=[], metavar="FIELD=VALUE",
                    help="pin a ParallelConfig field, e.g. --force tp=2 --force zero_stage=3; "
                         "lists comma-separated: --force chunk_layers=10,12,12,14 "
-                        "--force stage_recompute=full,none; under ZeRO-3, weights kept whole: "
+                        "--force stage_recompute=full,none, one policy per layer: --force "
+                        "layer_recompute=none,ops,full,full; under ZeRO-3, weights kept whole: "
                         "--force dp_whole='layers.*.attention.*'. FIELD is one of: "
                         + ", ".join(config_fields()))
     p.add_argument("--pin", action="append", default=[], metavar="PATTERN=STRATEGY",
@@ -52,7 +53,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 _LIST_FIELDS = {"chunk_layers": int, "stage_recompute": str, "dp_whole": str,
-                "fp8_skip": str}
+                "fp8_skip": str, "layer_recompute": str}
 
 
 def parse_force(items: list[str]) -> dict:

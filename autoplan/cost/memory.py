@@ -10,7 +10,8 @@ by the op rules at trace time), counted once per storage (views share their base
 the traced batch to the micro-batch, converted to the training precision, and divided by the
 tensor-parallel degree where TP (or sequence parallelism) splits them. Recompute policies:
 ``selective`` drops what the attention-score region keeps (it is recomputed), ``full`` keeps
-only each block's input.
+only each block's input, ``ops`` keeps each block's input and the outputs of its products
+(matmuls, attention, convolutions), which selective checkpointing stores.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from autoplan.cost.dtypes import HeldBytes, autocast_on, own_sizes
 from autoplan.graph.analysis import analyze
 from autoplan.errors import ConfigError
 from autoplan.graph.opgraph import OpGraph, TensorMeta
+from autoplan.graph.oprules import OPS_POLICY_SAVES
 from autoplan.sharding.parallel_config import MIXED_PRECISION
 from autoplan.sharding.placement import REPLICATE, Placement
 from autoplan.sharding.sharding import Sharding, megatron_sharding
@@ -211,8 +213,9 @@ def activation_parts(graph: OpGraph, start: int, stop: int, *, micro_batch_size:
             b *= context.held_scale(i, name) if i >= 0 else context.value_scale(name)
         return b * batch_scale if name in a.batch_dependent else b
 
-    if recompute == "full":
+    if recompute in ("full", "ops"):
         # only the range's inputs stay: activations it reads that were produced before it
+        # (and, op-level, what selective checkpointing stores: ``ops_kept``)
         inputs: dict[str, Placement] = {}
         for i in range(start, stop):
             for n in graph.ops[i].inputs:
@@ -224,10 +227,15 @@ def activation_parts(graph: OpGraph, start: int, stop: int, *, micro_batch_size:
                     inputs.setdefault(v.base, sh.value_placement.get(v.base, sh.input_placement(
                         graph, i, n)))
         own = own_sizes(held)
-        return {n: scaled(n, graph.value(n).meta, p, sizes=own)
-                for n, p in sorted(inputs.items())}
+        out = {n: scaled(n, graph.value(n).meta, p, sizes=own)
+               for n, p in sorted(inputs.items())}
+        if recompute == "ops":
+            for n, b in ops_kept(graph, start, stop, sh, scaled, own).items():
+                out[n] = out.get(n, 0.0) + b
+        return out
     if recompute not in ("none", "selective"):
-        raise ConfigError(f"recompute must be none, selective or full, got {recompute!r}")
+        raise ConfigError(f"recompute must be one of none, selective, ops or full, got "
+                          f"{recompute!r}")
 
     drop_vals = a.score_values if recompute == "selective" else frozenset()
     bases: set[str] = set()
@@ -267,6 +275,31 @@ def activation_parts(graph: OpGraph, start: int, stop: int, *, micro_batch_size:
                 own = {anchor: m.itemsize} if held is not None and m.is_float else None
                 total[out] = total.get(out, 0.0) + scaled(anchor, m, where, i, sizes=own)
     return total
+
+
+def ops_kept(graph: OpGraph, start: int, stop: int, sh: Sharding, scaled: Any,
+             own: Any) -> dict[str, float]:
+    """What the op-level policy stores of ops[start:stop] besides the range's inputs: every
+    output of the ops whose kind it keeps (``oprules.OPS_POLICY_SAVES``: selective
+    checkpointing caches an op's outputs whole), the kernel's internal outputs too (attention's
+    log-sum-exp), in the dtype the op computes them in (``own``)."""
+    out: dict[str, float] = {}
+    for i in range(start, stop):
+        op = graph.ops[i]
+        if op.kind not in OPS_POLICY_SAVES or not op.outputs:
+            continue
+        for n in op.outputs:
+            v = graph.value(n)
+            if v.kind == "activation" and v.meta.is_float:
+                out[n] = out.get(n, 0.0) + scaled(n, v.meta, sh.value_placement.get(
+                    n, REPLICATE), i, sizes=own)
+        if op.saved_internal:
+            anchor, on_input = internal_anchor(graph, op)
+            where = (sh.input_placement(graph, i, anchor) if on_input
+                     else sh.value_placement.get(anchor, REPLICATE))
+            for m in op.saved_internal:
+                out[op.outputs[0]] = out.get(op.outputs[0], 0.0) + scaled(anchor, m, where, i)
+    return out
 
 
 def internal_anchor(graph: OpGraph, op: Any) -> tuple[str, bool]:

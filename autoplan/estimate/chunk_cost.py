@@ -24,6 +24,7 @@ from autoplan.estimate.overlap import overlap_exposed_s, overlap_interference
 from autoplan.estimate.partition import Chunk
 from autoplan.graph.experts import find_experts
 from autoplan.graph.opgraph import OpGraph
+from autoplan.graph.oprules import OPS_POLICY_SAVES
 from autoplan.sharding.expert_regions import expert_regions
 from autoplan.sharding.parallel_config import ParallelConfig
 from autoplan.sharding.placement import REPLICATE
@@ -281,6 +282,15 @@ def range_cost(ci: CostInputs, start: int, stop: int, policy: str) -> RangeCost:
                            lambda: _range_cost(ci, start, stop, policy))
 
 
+def replays(policy: str, kind: str, in_scores: bool) -> bool:
+    """Whether recompute ``policy`` runs an op of ``kind`` (``in_scores``: inside an attention
+    score region, ``analysis.score_ops``) forward again in backward: every op under ``full``,
+    the score region under ``selective``, all but the products under ``ops``
+    (``oprules.OPS_POLICY_SAVES``)."""
+    return (policy == "full" or policy == "selective" and in_scores
+            or policy == "ops" and kind not in OPS_POLICY_SAVES)
+
+
 def _loaded(ci: CostInputs) -> Any:
     """Under expert parallelism with unbalanced routing (``expert_load`` > 1), the regions whose
     work and activations grow with the busiest rank's rows; None otherwise."""
@@ -310,7 +320,7 @@ def _range_cost(ci: CostInputs, start: int, stop: int, policy: str) -> RangeCost
         if graph.ops[i].kind == "matmul":
             gemm_fwd += op_fwd
             gemm_bwd += op_bwd
-        if policy == "full" or policy == "selective" and i in a.score_ops:
+        if replays(policy, graph.ops[i].kind, i in a.score_ops):
             recompute += op_fwd
     tp_fwd, tp_bwd, tp_step, ring_s = tp_comm_s(ci, start, stop)
     ring_share = ring_s / (tp_fwd + tp_bwd) if ring_s > 0 else 0.0
@@ -322,7 +332,7 @@ def _range_cost(ci: CostInputs, start: int, stop: int, policy: str) -> RangeCost
         tp_fwd = overlap_exposed_s(tp_fwd, gemm_fwd, tp_fwd / sh.t, x)
         tp_bwd = overlap_exposed_s(tp_bwd, gemm_bwd, tp_bwd / sh.t, x)
     cp_s = ring_share * (tp_fwd + tp_bwd)
-    if policy == "full":
+    if policy in ("full", "ops"):     # the forward's collectives run again too
         recompute += tp_fwd
     kept = activation_parts(graph, start, stop, micro_batch_size=mbs, sharding=sh,
                             recompute=policy, precision=config.precision, context=ci.context,
@@ -337,7 +347,7 @@ def _range_cost(ci: CostInputs, start: int, stop: int, policy: str) -> RangeCost
     working = (working_set_bytes(graph, start, stop, micro_batch_size=mbs, sharding=sh,
                                  precision=config.precision, context=ci.context,
                                  held=ci.held)
-               if policy == "full" else 0.0)
+               if policy in ("full", "ops") else 0.0)
     # a weight stored split and gathered for its product is whole while the product runs, and
     # again in backward with its whole gradient before the reduce-scatter: the largest one
     working += max((_gathered_bytes(graph, sh, i, config.precision)
@@ -412,18 +422,20 @@ def _gathered_bytes(graph: OpGraph, sh: Sharding, i: int, precision: str) -> flo
     return max(whole, default=0) * (PRECISION_BYTES[precision] + GRAD_BYTES)
 
 
-def chunk_cost(ci: CostInputs, chunk: Chunk, policy: str) -> RangeCost:
-    """Sum of the chunk's layers (under ``policy``) and the ops around them (cached on the
-    graph: configs that differ in ZeRO stage or schedule share their chunks)."""
+def chunk_cost(ci: CostInputs, chunk: Chunk, policy: str | tuple[str, ...]) -> RangeCost:
+    """Sum of the chunk's layers (under ``policy``, or one policy per layer of the chunk) and
+    the ops around them (cached on the graph: configs that differ in ZeRO stage or schedule
+    share their chunks)."""
     return cached_on_graph(ci, "_autoplan_chunk_costs",
                            (chunk.start, chunk.stop, chunk.layer_ranges, policy),
                            lambda: _chunk_cost(ci, chunk, policy))
 
 
-def _chunk_cost(ci: CostInputs, chunk: Chunk, policy: str) -> RangeCost:
+def _chunk_cost(ci: CostInputs, chunk: Chunk, policy: str | tuple[str, ...]) -> RangeCost:
     like = {(u.start, u.stop): u.like for u in chunk.units}
     spans = chunk_parts(chunk)
-    parts = [range_cost(ci, *like.get((s, e), (s, e)), policy) if is_layer
+    policies = iter((policy,) * len(spans) if isinstance(policy, str) else policy)
+    parts = [range_cost(ci, *like.get((s, e), (s, e)), next(policies)) if is_layer
              else range_cost(ci, s, e, "none")
              for s, e, is_layer in spans]
     # a tensor several layers keep (a mask made once) is held once: as its first keeper has it

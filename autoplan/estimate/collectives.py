@@ -43,10 +43,10 @@ def expected_collectives(graph: OpGraph, config: ParallelConfig, sh: Sharding, *
         calls[kind] = None if (c is None or n is None) else c + n
         nbytes[kind] = nbytes.get(kind, 0.0) + b
 
-    in_layer = set()
-    for s, e in layer_ranges:
-        in_layer.update(range(s, e))
-    recomputed = config.recompute == "full"
+    # the layers whose forward runs again in backward, collectives included (full, ops)
+    policies = config.layer_recompute or (config.recompute,) * len(layer_ranges)
+    replayed = {i for (s, e), policy in zip(layer_ranges, policies)
+                if policy in ("full", "ops") for i in range(s, e)}
     if sh.t > 1:
         events = [(i, c.kind, c.value, c.scale, c.phase) for i, c in sh.comms()]
         events += [(r.op_index, r.kind, r.value, r.scale, r.phase) for r in sh.reshards]
@@ -59,7 +59,7 @@ def expected_collectives(graph: OpGraph, config: ParallelConfig, sh: Sharding, *
                 step_bytes += b
                 continue
             times = m
-            if phase == "fwd" and recomputed and i in in_layer:
+            if phase == "fwd" and i in replayed:
                 times *= 2            # the recomputed forward issues its collectives again
             add(kind, times, times * b)
         if step_bytes:

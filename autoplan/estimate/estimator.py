@@ -32,7 +32,7 @@ from autoplan.cost.powersgd import powersgd_buffer_bytes
 from autoplan.errors import ConfigError
 from autoplan.estimate.arguments import (batch_arg, capacity_arg, cluster_arg,
                                         estimate_options_arg, microbatches_arg, profile_arg)
-from autoplan.estimate.chunk_cost import CostInputs, RangeCost, chunk_cost
+from autoplan.estimate.chunk_cost import CostInputs, RangeCost, chunk_cost, range_cost
 from autoplan.estimate.dp_terms import StageParams, dp_collectives, price, stage_terms
 from autoplan.estimate.float8_choice import fp8_choices
 from autoplan.estimate.layout import chunks_for, in_flight
@@ -71,6 +71,10 @@ def validate(graph: OpGraph, cluster: Any, config: ParallelConfig,
     if config.micro_batch_size > global_batch_size:
         raise ConfigError(f"micro_batch_size {config.micro_batch_size} exceeds the global batch "
                           f"{global_batch_size}")
+    if config.layer_recompute is not None and len(config.layer_recompute) != len(
+            pipeline_units(graph)):
+        raise ConfigError(f"layer_recompute names {len(config.layer_recompute)} policies, the "
+                          f"model has {len(pipeline_units(graph))} layers: give one per layer")
     if config.chunk_layers is not None:
         units = len(pipeline_units(graph))
         if sum(config.chunk_layers) != units:
@@ -117,7 +121,7 @@ def estimate(model: Any, cluster: Any, *, config: ParallelConfig, global_batch_s
     profile = profile_arg(profile, cluster, "estimate()")
     ci = cost_inputs(graph, cluster, config, profile, sharding, expert_capacity_factor)
     chunks = chunks_for(ci)
-    costs = [chunk_cost(ci, ch, config.chunk_policy(c)) for c, ch in enumerate(chunks)]
+    costs = [chunk_cost(ci, ch, chunk_policy(config, chunks, c)) for c, ch in enumerate(chunks)]
     # the model state, its gradient sync and ZeRO's traffic span the dp x cp ranks
     state_config = config.grad_view()
     schedule = pipeline_timing(ci, costs, m, state_config, simulate=simulate_pipeline)
@@ -125,7 +129,38 @@ def estimate(model: Any, cluster: Any, *, config: ParallelConfig, global_batch_s
     margin = reserved_bytes(cluster, memory_margin_bytes)
     stages = tuple(stage_estimate(ci, costs, chunks, schedule, m, s, margin, state_config)
                    for s in range(config.pp))
-    return assemble_estimate(ci, chunks, stages, time, global_batch_size, m)
+    est = assemble_estimate(ci, chunks, stages, time, global_batch_size, m)
+    if config.layer_recompute is None:
+        return est
+    return replace(est, layer_recompute=layer_recompute_costs(ci, chunks))
+
+
+def layer_recompute_costs(ci: CostInputs, chunks: Sequence[Any]) -> tuple[dict[str, Any], ...]:
+    """Per layer (model order) under ``layer_recompute``: its path and policy, the bytes it
+    keeps per micro-batch, the bytes it saves against recomputing nothing, and the seconds its
+    recomputation adds to each micro-batch's backward (what ``inspect`` shows)."""
+    out = []
+    policies = iter(ci.config.layer_recompute or ())
+    for ch in chunks:
+        like = {(u.start, u.stop): u.like for u in ch.units}
+        for path, span in zip(ch.layers, ch.layer_ranges):
+            policy = next(policies)
+            mine = range_cost(ci, *like.get(span, span), policy)
+            none = range_cost(ci, *like.get(span, span), "none")
+            out.append({"layer": path, "policy": policy, "kept_bytes": mine.activation_bytes,
+                        "saved_bytes": none.activation_bytes - mine.activation_bytes,
+                        "recompute_s": mine.recompute_s})
+    return tuple(out)
+
+
+def chunk_policy(config: ParallelConfig, chunks: Sequence[Any], c: int
+                 ) -> str | tuple[str, ...]:
+    """The recompute policy of chunk ``c``: its stage's, or one per layer it holds
+    (``layer_recompute``, over the layers of all chunks in model order)."""
+    if config.layer_recompute is None:
+        return config.chunk_policy(c)
+    first = sum(len(ch.layer_ranges) for ch in chunks[:c])
+    return config.layer_recompute[first:first + len(chunks[c].layer_ranges)]
 
 
 def cost_inputs(graph: OpGraph, cluster: Any, config: ParallelConfig, profile: Any,

@@ -97,6 +97,9 @@ class Estimate:
     # fp8 configs: per convertible linear, where fp8 pays (``estimate/float8_choice.py``):
     # {"linear", "m", "n", "k", "bf16_s", "fp8_s", "pays"}; written only when there are some
     fp8_linears: tuple[dict[str, Any], ...] = ()
+    # with ``config.layer_recompute``: per layer in model order, its policy, the bytes it keeps
+    # per micro-batch, what it saves against keeping everything and its recompute seconds
+    layer_recompute: tuple[dict[str, Any], ...] = ()
 
     @property
     def peak_offloaded_bytes(self) -> float:
@@ -133,6 +136,10 @@ class Estimate:
         for st in d["stages"]:
             if not st["offloaded_activation_bytes_per_microbatch"]:
                 del st["offloaded_activation_bytes_per_microbatch"]
+        if not self.layer_recompute:          # plans without it read back byte for byte
+            del d["layer_recompute"]
+        else:
+            d["layer_recompute"] = [dict(x) for x in self.layer_recompute]
         return d
 
     def report(self) -> str:

@@ -208,7 +208,13 @@ RULES: dict[str, OpRule] = {
     **{n: _MATMUL for n in ("grouped_mm_fallback", "_grouped_mm", "grouped_mm")},
     **{n: _rule("conv", _conv_flops, _bwd_conv, _save_inputs_for_other)
        for n in ("convolution", "conv1d", "conv2d", "conv3d", "_convolution")},
-    "scaled_dot_product_attention": _rule("attention", _sdpa_flops, _bwd_factor(2.5), _save_sdpa),
+    # the fused kernels a CompositeImplicit ``scaled_dot_product_attention`` dispatches to (what
+    # a dispatch mode, such as selective checkpointing's policy, sees of it)
+    **{n: _rule("attention", _sdpa_flops, _bwd_factor(2.5), _save_sdpa)
+       for n in ("scaled_dot_product_attention", "_scaled_dot_product_flash_attention",
+                 "_scaled_dot_product_flash_attention_for_cpu",
+                 "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
+                 "_scaled_dot_product_fused_attention_overrideable")},
     # lookups
     "embedding": _rule("embedding", saves=_save_index_inputs),
     "embedding_bag": _rule("embedding", _per_out(1), saves=_save_index_inputs),
@@ -287,6 +293,21 @@ RULES: dict[str, OpRule] = {
 }
 
 # add/sub/neg/... are pointwise without saved tensors; found through torch's pointwise tag.
+# The op-level recompute policy ("ops", ``ParallelConfig.recompute``) keeps the outputs of these
+# kinds, the products that are expensive to run again (Korthikanti et al. 2022 keep GEMM
+# outputs; torchtitan's op-level SAC saves matmuls and attention), and recomputes every other
+# op of a checkpointed layer (norms, element-wise ops, dropout: cheap in FLOPs). The cost model
+# (``cost.memory``, ``estimate.chunk_cost``) and the runtime's policy
+# (``runtime.parallelize.ops_policy_saves``) both read it.
+OPS_POLICY_SAVES = frozenset({"matmul", "attention", "conv"})
+
+
+def ops_policy_names() -> frozenset[str]:
+    """The aten overload packets whose outputs the op-level policy keeps: every op with a rule
+    of a kind in ``OPS_POLICY_SAVES``."""
+    return frozenset(n for n, r in RULES.items() if r.kind in OPS_POLICY_SAVES)
+
+
 _POINTWISE = _rule("pointwise", _per_out(1), _bwd_factor(1.0), _save_nothing)
 _OTHER = _rule("other", _per_out(1), _bwd_factor(1.0), _save_float_inputs)
 

@@ -8,6 +8,7 @@ import time
 from typing import Any
 
 from autoplan.estimate.result import Estimate
+from autoplan.estimate.partition import pipeline_units
 from autoplan.graph.experts import find_experts
 from autoplan.graph.opgraph import OpGraph
 from autoplan.planner import mesh as meshes
@@ -53,6 +54,9 @@ def assemble(graph: OpGraph, cluster: Any, best: Any, alternatives: list[Alterna
     for stage in best.est.stages:          # pipelines: every layer, at its stage's policy
         for layer in stage.layers:
             recompute[layer] = cfg.stage_policy(stage.index)
+    if cfg.layer_recompute is not None:    # one policy per layer (pipeline_units' order)
+        for unit, policy in zip(pipeline_units(graph), cfg.layer_recompute):
+            recompute[unit.path] = policy
     recompute = dict(sorted(recompute.items(), key=lambda kv: _layer_order(kv[0])))
     sol = best.ilp
     if sol is not None:

@@ -201,14 +201,20 @@ def _blocks(plan: Plan) -> str:
     # stages recomputing differently keep different activations: there, a stage's average
     per_stage = {st["index"]: st["activation_bytes_per_microbatch"] / max(1, len(st["layers"]))
                  for st in plan.predicted.get("stages", ())} if plan.config.stage_recompute else {}
+    # recomputation chosen per layer: each layer's own bytes, and why (saved / time it costs)
+    per_layer = {row["layer"]: row for row in plan.predicted.get("layer_recompute", ())}
     rows = [(path, (_style_summary(inner[path]), plan.recompute.get(path, "-"),
-                    stage_of.get(path) if multi_stage else None)) for path in paths]
+                    stage_of.get(path) if multi_stage else None, _why(per_layer.get(path))))
+            for path in paths]
     lines = [(f"blocks   (module styles, recompute, activations kept per micro-batch"
-             f"{', pipeline stage' if multi_stage else ''})")]
+             f"{', pipeline stage' if multi_stage else ''}"
+             f"{'; per layer: memory saved, recompute time per micro-batch' if per_layer else ''})")]
     table = []
-    for label, (styles, recompute, stage) in _collapse(rows):
-        kept = (f"~{fmt_bytes(per_stage[stage])}" if stage in per_stage else fmt_bytes(act))
+    for label, (styles, recompute, stage, why) in _collapse(rows):
+        kept = (why[0] if why else f"~{fmt_bytes(per_stage[stage])}" if stage in per_stage
+                else fmt_bytes(act))
         table.append(f"  {label:<16} {styles}, recompute {recompute}, {kept} act"
+                     + (f" ({why[1]})" if why else "")
                      + (f", stage {stage}" if multi_stage and stage is not None else ""))
     if not table:
         table.append("  (no repeated blocks)")
@@ -277,6 +283,16 @@ def _placements(plan: Plan) -> str:
         lines.append(f"  ZeRO-{cfg.zero_stage}: {_STATE_NOTE[cfg.zero_stage]} sharded over "
                      f"{over}; the weights as above")
     return "\n".join(lines)
+
+
+def _why(row: Mapping[str, Any] | None) -> tuple[str, str] | None:
+    """(kept, "saves X, costs Y recompute") of a layer's chosen policy; None without one."""
+    if row is None:
+        return None
+    if row["policy"] == "none":
+        return fmt_bytes(row["kept_bytes"]), "recomputes nothing"
+    return (fmt_bytes(row["kept_bytes"]), f"saves {fmt_bytes(row['saved_bytes'])}, costs "
+            f"{fmt_s(row['recompute_s'])} recompute")
 
 
 def _collapse(rows: list[tuple[str, tuple[Any, ...]]]) -> list[tuple[str, tuple[Any, ...]]]:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from autoplan.cost.compute import OpCost
 from autoplan.cost.dtypes import own_sizes
 from autoplan.cost.memory import internal_anchor, meta_bytes
-from autoplan.estimate.chunk_cost import comm_bytes
+from autoplan.estimate.chunk_cost import comm_bytes, replays
 from autoplan.estimate.overlap import overlap_exposed_s
 from autoplan.graph.analysis import GraphAnalysis, analyze
 from autoplan.planner.axis_costs import cp_comms_s, cp_held, exchange_s, value_bytes
@@ -103,14 +103,16 @@ def reshard_s(ctx: CostContext, name: str, src: Placement, dst: Placement, consu
 
 def recomputes_comms(ctx: CostContext, node: Node) -> bool:
     """Full recomputation replays a layer's forward collectives too (``chunk_cost``)."""
-    return ctx.recompute == "full" and node.mult > 1
+    return ctx.recompute in ("full", "ops") and node.mult > 1
 
 
 def _recomputed(ctx: CostContext, a: GraphAnalysis, node: Node, i: int) -> bool:
     """Whether the policy replays op ``i``'s forward in backward (and so keeps nothing of it):
-    every op of a layer under full recomputation, the attention scores under selective."""
-    return (ctx.recompute == "full" and node.mult > 1
-            or ctx.recompute == "selective" and i in a.score_ops)
+    every op of a layer under full recomputation, the attention scores under selective, all
+    but the products of a layer under ops (``chunk_cost.replays``)."""
+    if node.mult == 1 and ctx.recompute in ("full", "ops"):
+        return False
+    return replays(ctx.recompute, ctx.graph.ops[i].kind, i in a.score_ops)
 
 
 def node_cost(ctx: CostContext, node: Node, j: int, savers: Savers, part_of: list[int]

@@ -225,6 +225,8 @@ def _check_predicted(d: Mapping, t: Mapping) -> None:
     """The prediction is of the chosen configuration and global batch."""
     p = d["predicted"]
     _check_spec(p, _PREDICTED, "predicted")
+    for i, row in enumerate(p.get("layer_recompute", ())):
+        _str(row["policy"], f"predicted.layer_recompute[{i}].policy", choices=RECOMPUTE)
     if p["config"] != d["config"]:
         fail("predicted.config", "differs from config: the prediction must be of the chosen "
               "configuration")
@@ -392,6 +394,8 @@ _STAGE = {"index": "i", "layers": ["s"], "num_ops": "i", "params_per_device": "f
           "memory": _MEMORY, "offloaded_activation_bytes_per_microbatch": "f"}
 _TIME = {"compute_s": "f", "recompute_s": "f", "comm_exposed_s": ("map", "f"), "bubble_s": "f",
          "optimizer_s": "f", "overhead_s": "f"}
+_LAYER_COST = {"layer": "s", "policy": "s", "kept_bytes": "f", "saved_bytes": "n",
+               "recompute_s": "f"}
 _PREDICTED = {"config": "c", "global_batch_size": "i", "num_microbatches": "i",
               "step_time_s": "f", "time": _TIME, "peak_memory_bytes": "f",
               "device_memory_bytes": "f", "stages": [_STAGE], "model_flops_per_step": "f",
@@ -399,11 +403,12 @@ _PREDICTED = {"config": "c", "global_batch_size": "i", "num_microbatches": "i",
               "activation_bytes_per_layer": "f", "warnings": ["s"], "fits": "b",
               "host_memory_per_device_bytes": "f", "nvme_per_device_bytes": "f",
               "fp8_linears": [{"linear": "s", "m": "f", "n": "f", "k": "f", "bf16_s": "f",
-                               "fp8_s": "f", "pays": "b"}]}
+                               "fp8_s": "f", "pays": "b"}],
+              "layer_recompute": [_LAYER_COST]}
 # keys an Estimate writes only when not zero or empty (older plans have none; fp8_linears:
-# fp8 plans only)
+# fp8 plans only; layer_recompute: per-layer recomputation only)
 _OPTIONAL = frozenset({"nvme_bytes", "nvme_per_device_bytes", "fp8_linears",
-                       "offloaded_activation_bytes_per_microbatch"})
+                       "offloaded_activation_bytes_per_microbatch", "layer_recompute"})
 
 
 def _check_spec(v: Any, spec: Any, path: str) -> None:
@@ -420,6 +425,10 @@ def _check_spec(v: Any, spec: Any, path: str) -> None:
             _check_spec(x, spec[1], sub(path, k))
     elif spec in ("f", "f?"):
         _num(v, path, none_ok=spec == "f?")
+    elif spec == "n":                              # a finite float of either sign
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or v != v \
+                or v in (float("inf"), float("-inf")):
+            fail(path, f"expected a finite number, got {kind(v)}")
     elif spec == "i":
         _int(v, path)
     elif spec == "s":
@@ -502,8 +511,9 @@ def _bool(v: Any, path: str) -> bool:
     return v
 
 
-_NULLABLE = ("num_microbatches", "chunk_layers", "stage_recompute")
-_LISTS = {"chunk_layers": int, "stage_recompute": str, "dp_whole": str, "fp8_skip": str}
+_NULLABLE = ("num_microbatches", "chunk_layers", "stage_recompute", "layer_recompute")
+_LISTS = {"chunk_layers": int, "stage_recompute": str, "dp_whole": str, "fp8_skip": str,
+          "layer_recompute": str}
 
 
 def _config(v: Any, path: str) -> ParallelConfig:

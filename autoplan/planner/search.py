@@ -55,10 +55,11 @@ from autoplan.planner.ilp import ILPSolution
 from autoplan.planner.options import SearchOptions  # (also imported from here by users)
 from autoplan.planner.planfile import Plan
 from autoplan.planner.finalists import refine_dp, refine_pipe_ilp, refine_pipelined
+from autoplan.planner.recompute_choice import refine_recompute
 from autoplan.planner.candidates import (Candidate, alternatives, honours, infeasible,
                                        too_few_layers, why_none_honours)
 from autoplan.sharding.mesh_axes import BASE_AXES
-from autoplan.sharding.parallel_config import ParallelConfig
+from autoplan.sharding.parallel_config import ParallelConfig, strongest_recompute
 from autoplan.sharding.sharding import Sharding, context_sharding, megatron_sharding, replicated
 
 
@@ -167,6 +168,10 @@ def _checked_options(opts: SearchOptions) -> SearchOptions:
     if "dp_whole" in opts.force:           # as a config holds it
         opts = replace(opts, force={**opts.force, "dp_whole": ParallelConfig(
             dp=2, zero_stage=3, dp_whole=opts.force["dp_whole"]).dp_whole})
+    if "layer_recompute" in opts.force:    # as a config holds it (and checked as one)
+        opts = replace(opts, force={**opts.force, "layer_recompute": ParallelConfig(
+            recompute=strongest_recompute(opts.force["layer_recompute"]),
+            layer_recompute=opts.force["layer_recompute"]).layer_recompute})
     if opts.sharding not in ("ilp", "megatron", "context"):
         raise ConfigError(f"sharding must be 'ilp', 'megatron' or 'context', got "
                           f"{opts.sharding!r}")
@@ -373,6 +378,7 @@ def _choose(sc: SearchContext, cands: list[Candidate], base: dict[str, Any],
     if opts.sharding == "ilp" and opts.fixed_sharding is None:
         cands = refine_pipe_ilp(sc, cands)
     cands = refine_pipelined(sc, cands)
+    cands = refine_recompute(sc, cands)
     # forced fields bind the choice; baselines that differ stay as alternatives
     fitting = sorted((c for c in cands if c.est.fits and honours(c.est.config, opts.force)),
                      key=Candidate.key)

@@ -233,7 +233,7 @@ def dp_sharding(sc: SearchContext, cand: Candidate
 # recomputation only trades step time for memory: a stronger policy is never faster
 # (``estimate`` adds its forward compute; tests/test_search_prune.py). Offload is not ordered:
 # an offloaded optimizer step can run faster than a launch-bound one on the device.
-_RECOMPUTE_RANK = {"none": 0, "selective": 1, "full": 2}
+_RECOMPUTE_RANK = {"none": 0, "selective": 1, "ops": 2, "full": 3}
 
 
 # how far below its closed form a pipelined config's simulated step may come: the search skips
@@ -260,7 +260,8 @@ def evaluate(sc: SearchContext, configs: list[ParallelConfig], sh: Sharding,
     sp = sh.t > 1 and any(s.style in SP_STYLES for s in sh.op_strategy)
     for c in configs:
         rest = (replace(c, recompute="none", offload_activations=0)
-                if prune_dominated and c.pp == 1 else None)
+                if prune_dominated and c.pp == 1 and c.layer_recompute is None
+                else None)
         rank = (_RECOMPUTE_RANK.get(c.recompute, 0), c.offload_activations)
         if rest is not None and any(r <= rank[0] and k <= rank[1]
                                     for r, k in fitting.get(rest, ())):
@@ -318,6 +319,9 @@ def with_stage_layout(sc: SearchContext, config: ParallelConfig, sh: Sharding,
     m = config.microbatches(sc.global_batch_size)
     policies = search_space.recompute_options(opts, graph, config)
     ci = ci or cost_inputs(sc, config, sh)
+    if "layer_recompute" in opts.force:         # the user's per-layer policies: time-balanced
+        return replace(config, chunk_layers=opts.force.get("chunk_layers") or tuple(
+            len(c.layers) for c in chunks_for(ci)))
     pinned = {k: tuple(opts.force[k]) for k in ("chunk_layers", "stage_recompute")
               if k in opts.force}
     if pinned:                                  # the user's split and/or per-stage policies

@@ -22,7 +22,7 @@ from autoplan.graph.opgraph import OpGraph
 from autoplan.graph.oprules import is_attention, uses_batch_statistics
 from autoplan.planner.options import SearchOptions
 from autoplan.sharding.context_axis import context_axis
-from autoplan.sharding.parallel_config import ParallelConfig
+from autoplan.sharding.parallel_config import ParallelConfig, strongest_recompute
 
 
 def batch_statistics(graph: OpGraph | None) -> bool:
@@ -100,6 +100,10 @@ def recompute_options(opts: SearchOptions, graph: OpGraph,
     recompute = [r for r in opts.recompute if r != "selective" or (
         analyze(graph).score_ops and (config is None or selective_compiles(config))
         and not opts.force.get("offload_activations"))]
+    recompute = [r for r in recompute if r != "ops" or config is None
+                 or selective_compiles(config)]
+    if "layer_recompute" in opts.force:     # forced per layer: recompute names the strongest
+        return [strongest_recompute(opts.force["layer_recompute"])]
     return forced(opts, "recompute", recompute)
 
 
@@ -189,6 +193,9 @@ def policies(config: ParallelConfig, opts: SearchOptions, cluster: Any,
                                     "ep": ep, "offload_activations": acts}
                                 if "dp_whole" in opts.force:    # ZeRO-3's weights kept whole
                                     fields["dp_whole"] = opts.force["dp_whole"]
+                                if "layer_recompute" in opts.force:
+                                    fields["layer_recompute"] = tuple(
+                                        opts.force["layer_recompute"])
                                 try:
                                     c = ParallelConfig(**fields)
                                 except ConfigError:

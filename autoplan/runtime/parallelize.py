@@ -5,13 +5,14 @@ applied in, and why, is in ``trainer.py``.
 
 from __future__ import annotations
 
-from functools import partial
+from functools import lru_cache, partial
 from typing import Any
 
 import torch
 from torch import nn
 
 from autoplan.errors import PlanError
+from autoplan.graph.oprules import ops_policy_names
 
 
 def recompute_policy(policy: str) -> dict[str, Any]:
@@ -32,7 +33,30 @@ def recompute_policy(policy: str) -> dict[str, Any]:
             return (CheckpointPolicy.PREFER_RECOMPUTE if op in recompute
                     else CheckpointPolicy.MUST_SAVE)
         return {"context_fn": partial(create_selective_checkpoint_contexts, policy_fn)}
+    if policy == "ops":
+        from torch.utils.checkpoint import create_selective_checkpoint_contexts
+        return {"context_fn": partial(create_selective_checkpoint_contexts, _ops_policy)}
     raise PlanError(f"unknown recompute policy {policy!r}")
+
+
+def ops_policy_saves(op: Any) -> bool:
+    """Whether the op-level policy ("ops") keeps the outputs of aten op ``op`` (an
+    OpOverload): the ops of the kinds ``graph.oprules.OPS_POLICY_SAVES`` names (products,
+    attention), which the cost model prices as kept; every other op is recomputed."""
+    return op.overloadpacket in _ops_policy_packets()
+
+
+@lru_cache(maxsize=1)
+def _ops_policy_packets() -> frozenset[Any]:
+    aten = torch.ops.aten
+    return frozenset(getattr(aten, n) for n in ops_policy_names() if hasattr(aten, n))
+
+
+def _ops_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
+    """Selective checkpointing's policy for "ops": save the products, recompute the rest."""
+    from torch.utils.checkpoint import CheckpointPolicy
+    return (CheckpointPolicy.MUST_SAVE if ops_policy_saves(op)
+            else CheckpointPolicy.PREFER_RECOMPUTE)
 
 
 def apply_recompute(model: nn.Module, recompute: dict[str, str]) -> None:
@@ -72,7 +96,7 @@ def apply_compile(model: nn.Module, layer_paths: list[str],
         inner = getattr(module, "_checkpoint_wrapped_module", None)
         if inner is None:
             module.compile()
-        elif recompute.get(path) == "selective":
+        elif recompute.get(path) in ("selective", "ops"):
             _quiet_selective_under_compile()
             module.compile(fullgraph=True)
         else:

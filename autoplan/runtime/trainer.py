@@ -247,8 +247,10 @@ def _refuse_unrunnable(plan: Plan, *, has_loss: bool,
                         "forward, or shared by two chunks of a rank (torch 2.13). Re-plan "
                         "with zero_stage <= 1, ZeRO-2 with zero_bubble, or another schedule "
                         "(force schedule=1f1b or interleaved_1f1b)")
-    if "selective" in plan.recompute.values() and not selective_compiles(cfg):
-        raise PlanError("the plan compiles its layers and recomputes some selectively while "
+    if ({"selective", "ops"} & set(plan.recompute.values())
+            and not selective_compiles(cfg)):
+        raise PlanError("the plan compiles its layers and recomputes some selectively (policy "
+                        "'selective' or 'ops') while "
                         "they hold collectives (tp, cp or ep > 1): torch.compile cannot trace "
                         "such a layer whole, and the selective policy cannot run inside "
                         "compiled code. Re-plan (the planner offers recompute 'full' or 'none' "

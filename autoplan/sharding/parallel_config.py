@@ -22,7 +22,11 @@ MULTI_CHUNK_SCHEDULES = ("interleaved_1f1b", "zero_bubble", "zbv", "dualpipev")
 # the last chunk share rank 0 (Qi et al. 2024 Sec. 6; DeepSeek-V3's DualPipe, folded)
 V_SCHEDULES = ("zbv", "dualpipev")
 SPLIT_BACKWARD = ("zero_bubble", "zbv", "dualpipev")   # input and weight gradients apart
-RECOMPUTE = ("none", "selective", "full")
+# least to most memory-saving. "ops": op-level selective checkpointing of a whole layer: the
+# outputs of its products (matmuls, attention, convolutions: ``graph.oprules.OPS_POLICY_SAVES``)
+# are kept, everything else (norms, element-wise ops, dropout) is recomputed in backward
+# (torch.utils.checkpoint's selective checkpointing, as torchtitan's op-level SAC)
+RECOMPUTE = ("none", "selective", "ops", "full")
 PRECISIONS = ("bf16", "fp16", "fp32")
 OPTIMIZERS = ("adamw", "adam", "sgd")
 # how 16-bit training holds its tensors (``cost/dtypes.py``, ``ParallelConfig.mixed_precision``)
@@ -36,7 +40,7 @@ FP8_RECIPES = ("none", "tensorwise", "rowwise")
 
 def strongest_recompute(policies: Sequence[str]) -> str:
     """The most memory-saving of ``policies`` (``RECOMPUTE`` runs from least to most)."""
-    return max(policies, key=RECOMPUTE.index)
+    return max(policies, key=lambda r: RECOMPUTE.index(r) if r in RECOMPUTE else -1)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -56,7 +60,10 @@ class ParallelConfig:
     ``chunk_layers`` (pipelines only): how many layers each of the ``pp * virtual_stages``
     chunks holds, in model order; ``None`` balances them. ``stage_recompute``: one recompute
     policy per pipeline stage where stages differ (the first stages hold the most micro-batches
-    in flight); ``recompute`` then names the most memory-saving of them.
+    in flight); ``recompute`` then names the most memory-saving of them. ``layer_recompute``:
+    one recompute policy per layer of the model (``partition.pipeline_units``, in model order),
+    chosen by ``planner/recompute_dp.py``; ``recompute`` then names the most memory-saving of
+    them, as with ``stage_recompute`` (the two are exclusive).
     """
 
     dp: int = 1
@@ -131,6 +138,8 @@ class ParallelConfig:
     # latest, so their prefetch hides behind the layers after them. A recomputed layer
     # offloads what it keeps: its checkpoint's input. 0: none
     offload_activations: int = 0
+    # one recompute policy per layer, in model order (None: the stage's or the config's)
+    layer_recompute: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
         for name in ("dp", "tp", "pp", "micro_batch_size", "virtual_stages", "ep", "cp"):
@@ -192,7 +201,7 @@ class ParallelConfig:
                               "with their GEMMs")
 
     def _check_layout(self) -> None:
-        for name in ("chunk_layers", "stage_recompute"):
+        for name in ("chunk_layers", "stage_recompute", "layer_recompute"):
             v = getattr(self, name)
             if v is not None:
                 if isinstance(v, (str, bytes)) or not hasattr(v, "__iter__"):
@@ -217,6 +226,29 @@ class ParallelConfig:
                 raise ConfigError(f"with stage_recompute, recompute must be the most "
                                   f"memory-saving stage policy ({strongest!r}), got "
                                   f"{self.recompute!r}")
+        self._check_layer_recompute()
+
+    def _check_layer_recompute(self) -> None:
+        if self.layer_recompute is None:
+            return
+        if self.stage_recompute is not None:
+            raise ConfigError("layer_recompute (one policy per layer) and stage_recompute (one "
+                              "per stage) are exclusive; give one of them")
+        if not self.layer_recompute:
+            raise ConfigError("layer_recompute must name one policy per layer, got []")
+        for r in self.layer_recompute:
+            _one_of("layer_recompute", r, RECOMPUTE)
+        strongest = strongest_recompute(self.layer_recompute)
+        if self.recompute != strongest:
+            raise ConfigError(f"with layer_recompute, recompute must be the most "
+                              f"memory-saving layer policy ({strongest!r}), got "
+                              f"{self.recompute!r}")
+
+    def layer_policy(self, layer: int, stage: int) -> str:
+        """The recompute policy of layer ``layer`` (model order) on pipeline stage ``stage``."""
+        if self.layer_recompute is not None:
+            return self.layer_recompute[layer]
+        return self.stage_policy(stage)
 
     def _check_fp8(self) -> None:
         _one_of("fp8", self.fp8, FP8_RECIPES)
@@ -459,9 +491,9 @@ class ParallelConfig:
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready fields (the layout tuples as lists); ``tp_comm_overlap``, ``dp_shard``,
-        ``ep``, ``dp_whole``, ``cp``, ``mixed_precision``, ``compiled`` and
-        ``offload_activations`` only when set (not the
-        default),
+        ``ep``, ``dp_whole``, ``cp``, ``mixed_precision``, ``compiled``,
+        ``offload_activations``, ``layer_recompute`` and the other newer fields only when set
+        (not the default),
         so plans written before they existed read back
         byte for byte."""
         out = {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items()}
@@ -491,6 +523,8 @@ class ParallelConfig:
             del out["fp8_skip"]
         if not self.offload_activations:
             del out["offload_activations"]
+        if self.layer_recompute is None:
+            del out["layer_recompute"]
         return out
 
     @staticmethod
@@ -516,7 +550,10 @@ class ParallelConfig:
             s += f" whole{len(self.dp_whole)}"
         if self.sequence_parallel:
             s += " sp"
-        if self.stage_recompute is not None:
+        if self.layer_recompute is not None:      # how many layers each policy has
+            counts = {r: self.layer_recompute.count(r) for r in self.layer_recompute}
+            s += " recompute=layers:" + "/".join(f"{r}*{k}" for r, k in counts.items())
+        elif self.stage_recompute is not None:
             runs: list[list] = []
             for r in self.stage_recompute:
                 if runs and runs[-1][0] == r:

@@ -1,0 +1,112 @@
+"""Recomputation chosen per layer for the search's finalists (``recompute_dp.solve_chain``).
+
+The search costs one policy per configuration (or per pipeline stage). For the fastest few
+configurations that recompute, each stage's layers become a chain: per layer and per policy
+(``none``, ``selective``, ``ops``, ``full``) its kept bytes, recompute seconds and working
+set, as ``chunk_cost.range_cost`` prices them on the configuration's sharding. The stage's
+budget is what its estimate leaves to its layers' activations: the device memory less the
+model states, the margin, ZeRO-3's gathered weights and the activations outside the layers
+(times the micro-batches in flight); the largest working set outside the layers floors every
+layer's. Where the chain's answer differs from the uniform policy, the configuration with
+``layer_recompute`` (its stage split kept) is estimated again and added to the candidates:
+the search's choice then takes it where it fits and is faster.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+from autoplan.estimate.chunk_cost import CostInputs, chunk_cost, chunk_parts, range_cost
+from autoplan.estimate.estimator import chunk_policy
+from autoplan.estimate.layout import chunks_for
+from autoplan.planner.candidates import Candidate
+from autoplan.planner.recompute_dp import ChainLayer, LayerOption, solve_chain
+from autoplan.planner.search_costing import SearchContext, cost_inputs, evaluate
+from autoplan.sharding.parallel_config import RECOMPUTE, ParallelConfig, strongest_recompute
+
+# forcing any of these pins the recomputation: nothing to choose
+_PINNED = ("recompute", "stage_recompute", "layer_recompute")
+
+
+def refine_recompute(sc: SearchContext, cands: list[Candidate], *, finalists: int = 4
+                     ) -> list[Candidate]:
+    """``cands`` and, for the ``finalists`` fastest fitting ones that recompute, the same
+    configuration with its recomputation chosen per layer, where that differs."""
+    if any(k in sc.opts.force for k in _PINNED):
+        return cands
+    recomputing = sorted((c for c in cands if c.est.fits and c.est.config.recompute != "none"
+                          and not c.est.config.compiled), key=Candidate.key)
+    out = list(cands)
+    for c in recomputing[:finalists]:
+        new = per_layer_config(cost_inputs(sc, c.est.config, c.sharding), c.est)
+        if new is None or new == c.est.config:
+            continue
+        out += [r for r in evaluate(sc, [new], c.sharding, c.ilp, c.label,
+                                    simulate=c.est.config.pp > 1) if r.est.fits]
+    return out
+
+
+def per_layer_config(ci: CostInputs, est: Any) -> ParallelConfig | None:
+    """The configuration of ``est`` (an ``Estimate`` of ``ci.config``) with the policy of each
+    layer chosen by the chain DP (its stage split kept); None where a stage's chain has no
+    answer."""
+    config = ci.config
+    chunks = chunks_for(ci)
+    policies: dict[int, str] = {}
+    first = [sum(len(ch.layer_ranges) for ch in chunks[:k]) for k in range(len(chunks))]
+    for s, stage in enumerate(est.stages):
+        layers, index = stage_chain(ci, chunks, config.rank_chunks(s), stage, first)
+        if not layers:
+            continue
+        budget = stage_budget(ci, chunks, config.rank_chunks(s), stage)
+        sol = solve_chain(layers, budget_bytes=budget, in_flight=stage.microbatches_in_flight)
+        if sol is None:
+            return None
+        policies.update(zip(index, sol.policies))
+    if not policies:
+        return None
+    chosen = tuple(policies[k] for k in range(len(policies)))
+    counts = tuple(len(ch.layers) for ch in chunks) if config.pp > 1 else None
+    if len(set(chosen)) == 1:
+        return replace(config, recompute=chosen[0], stage_recompute=None,
+                       layer_recompute=None, chunk_layers=counts)
+    return replace(config, recompute=strongest_recompute(chosen), stage_recompute=None,
+                   layer_recompute=chosen, chunk_layers=counts)
+
+
+def stage_chain(ci: CostInputs, chunks: Any, mine: tuple[int, ...], stage: Any,
+                first: list[int]) -> tuple[list[ChainLayer], list[int]]:
+    """The chain of a stage's layers (its chunks', in order) and their model-order indices;
+    every option's working set floored at the largest outside the layers."""
+    floor = 0.0
+    for k in mine:
+        for s, e, is_layer in chunk_parts(chunks[k]):
+            if not is_layer:
+                floor = max(floor, range_cost(ci, s, e, "none").working_set_bytes)
+    layers, index = [], []
+    for k in mine:
+        like = {(u.start, u.stop): u.like for u in chunks[k].units}
+        for j, span in enumerate(chunks[k].layer_ranges):
+            costs = {p: range_cost(ci, *like.get(span, span), p) for p in RECOMPUTE}
+            layers.append(ChainLayer(options=tuple(
+                LayerOption(policy=p, kept_bytes=rc.activation_bytes,
+                            recompute_s=rc.recompute_s,
+                            working_bytes=max(rc.working_set_bytes, floor))
+                for p, rc in costs.items())))
+            index.append(first[k] + j)
+    return layers, index
+
+
+def stage_budget(ci: CostInputs, chunks: Any, mine: tuple[int, ...], stage: Any) -> float:
+    """Bytes a stage's layers may keep and work in: the device memory less everything else
+    its estimate holds (model states, margin, ZeRO-3's gathered weights beyond the working
+    sets, the activations outside the layers for every micro-batch in flight)."""
+    mem = stage.memory
+    costs = [chunk_cost(ci, chunks[k], chunk_policy(ci.config, chunks, k)) for k in mine]
+    gathered = mem.transient_bytes - max(c.working_set_bytes for c in costs)
+    outside = sum(range_cost(ci, s, e, "none").activation_bytes
+                  for k in mine for s, e, is_layer in chunk_parts(chunks[k]) if not is_layer)
+    others = mem.params_bytes + mem.grads_bytes + mem.optimizer_bytes + mem.margin_bytes
+    return (float(ci.cluster.device.memory_bytes) - others - max(gathered, 0.0)
+            - stage.microbatches_in_flight * outside)
