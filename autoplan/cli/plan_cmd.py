@@ -39,6 +39,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "ILP plans the rest around them, e.g. --pin "
                         "'layers.*.attention.wo:linear=seq_gathered'")
     add_capacity_arg(p)
+    p.add_argument("--allow-lossy", action="store_true",
+                   help="also search options whose numerics differ from exact training "
+                        "(8-bit or bf16 Adam states); --force of one works without it")
     p.add_argument("--no-profile", action="store_true", help="roofline only, ignore profiles")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress lines")
     p.set_defaults(func=run)
@@ -129,7 +132,7 @@ def run(args: argparse.Namespace) -> int:
                   profile=None if args.no_profile else "auto", name=args.model,
                   progress=progress, top_k=args.top_k, max_tp=args.max_tp,
                   max_pp=args.max_pp, expert_capacity_factor=args.expert_capacity_factor,
-                  force=force, pin=pin)
+                  force=force, pin=pin, allow_lossy=args.allow_lossy)
     result.save(args.output)
     print(explain_plan(result))
     print(f"\nwrote {args.output} (search {result.solver.time_s:.1f} s, "

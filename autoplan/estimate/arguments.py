@@ -218,6 +218,9 @@ def search_options_arg(opts: Any, *, progress: Any, who: str = "plan()") -> None
     choices("zero_stages", (0, 1, 2, 3), "ZeRO stages")
     choices("recompute", tuple(RECOMPUTE), "recompute policies")
     choices("offload_optimizer", (False, True), "booleans")
+    if not isinstance(opts.allow_lossy, bool):
+        refuse("allow_lossy", "True or False (search options whose numerics differ from "
+               "exact training)")
     if not _number(opts.ilp_time_limit_s) or opts.ilp_time_limit_s <= 0:
         refuse("ilp_time_limit_s", "a positive, finite number of seconds (every solve has a "
                "time limit)")

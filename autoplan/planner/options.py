@@ -28,3 +28,7 @@ class SearchOptions:
     memory_margin_bytes: float | None = None
     expert_capacity_factor: float = 1.0   # MoE routing imbalance priced (estimate() doc)
     pin: dict[str, str] = field(default_factory=dict)   # op pattern -> strategy (pins.py)
+    # lossy options (8-bit / bf16 optimizer states, PowerSGD) searched only when the user allows
+    # numerics that differ from exact training (``autoplan plan --allow-lossy``); forcing one
+    # (``--force optimizer_state=8bit``) works regardless
+    allow_lossy: bool = False

@@ -175,8 +175,24 @@ def policies(config: ParallelConfig, opts: SearchOptions, cluster: Any,
                                 if (c.split_backward_on_fsdp_unsupported
                                         and "schedule" not in opts.force):
                                     continue   # the runtime refuses it (runtime/trainer.py)
-                                out += with_compilation(c, opts, graph)
+                                for state in optimizer_states(c, opts):
+                                    out += with_compilation(
+                                        dataclasses.replace(c, optimizer_state=state), opts,
+                                        graph)
     return out
+
+
+def optimizer_states(config: ParallelConfig, opts: SearchOptions) -> list[str]:
+    """How Adam's moments may be held (``ParallelConfig.optimizer_state``): as forced; else
+    fp32 alone unless the user allows lossy options (``allow_lossy``), then also bf16 and
+    8-bit for Adam/AdamW. Both change the numerics (rounded or quantised moments), so they are
+    never chosen behind the user's back; once allowed, the search takes whichever is fastest
+    (8-bit moves the fewest bytes per step and frees the most memory)."""
+    if "optimizer_state" in opts.force:
+        return [opts.force["optimizer_state"]]
+    if not opts.allow_lossy or config.optimizer not in ("adam", "adamw"):
+        return ["fp32"]
+    return ["fp32", "bf16", "8bit"]
 
 
 def ep_degrees(config: ParallelConfig, graph: OpGraph, opts: SearchOptions, zero_stage: int,

@@ -28,6 +28,7 @@ from autoplan.planner.planfile import Plan, plan_mismatch, stale_prediction
 from autoplan.runtime.batch_check import BatchSpec
 from autoplan.runtime.checkpoint import optimizer_slots
 from autoplan.runtime.grads import LossScaler
+from autoplan.runtime.lowbit_optim import require_library
 from autoplan.runtime.steps import Trainer
 from autoplan.cluster import Cluster
 from autoplan.estimate.arguments import batch_arg, cluster_arg
@@ -221,6 +222,7 @@ def _refuse_unrunnable(plan: Plan, *, has_loss: bool) -> None:
                         f"{cfg.mixed_precision!r}, as Megatron-LM's --bf16), which this "
                         "runtime does not run: it keeps fp32 weights and trains under "
                         "torch.autocast. Re-plan without forcing mixed_precision")
+    require_library(cfg.optimizer_state)      # torchao, for 8-bit or bf16 Adam states
     if cfg.pp > 1 and not has_loss:
         raise PlanError("a pipelined plan needs loss_fn and example_targets: the last stage "
                         "computes the loss")
