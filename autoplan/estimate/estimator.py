@@ -324,7 +324,8 @@ def _stage_states(config: ParallelConfig, cs: Sequence[RangeCost], params: float
         w = model_state_bytes(whole, dp=1, zero_stage=0, precision=config.precision,
                               optimizer=config.optimizer,
                               offload_optimizer=config.offload_optimizer,
-                              mixed_precision=config.mixed_precision)
+                              mixed_precision=config.mixed_precision,
+                              optimizer_state=config.optimizer_state)
         states = replace(states, params_bytes=states.params_bytes + w.params_bytes,
                          grads_bytes=states.grads_bytes + w.grads_bytes,
                          optimizer_bytes=states.optimizer_bytes + w.optimizer_bytes,
@@ -396,7 +397,8 @@ def _states(config: ParallelConfig, params: float, shard: int) -> Any:
                              precision=config.precision, optimizer=config.optimizer,
                              offload_optimizer=config.offload_optimizer,
                              offload_params=config.offload_params,
-                             mixed_precision=config.mixed_precision)
+                             mixed_precision=config.mixed_precision,
+                             optimizer_state=config.optimizer_state)
 
 
 def stage_params(costs: Sequence[RangeCost], chunks: Sequence[int],
