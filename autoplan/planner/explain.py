@@ -129,22 +129,26 @@ def _optimizer_state(plan: Plan) -> list[str]:
     cfg = plan.config
     if cfg.optimizer_state == "fp32":
         return []
-    held = bytes_per_param(cfg.precision, cfg.optimizer, cfg.mixed_precision,
-                           cfg.optimizer_state)[2]
+    w, g, held = bytes_per_param(cfg.precision, cfg.optimizer, cfg.mixed_precision,
+                                 cfg.optimizer_state)
     full = bytes_per_param(cfg.precision, cfg.optimizer, cfg.mixed_precision)[2]
     stages = plan.predicted.get("stages", ())
     opt_bytes = max((st["memory"]["optimizer_bytes"] for st in stages), default=0.0)
     off = max((st["memory"].get("offloaded_bytes", 0.0) for st in stages), default=0.0)
     where = "host" if cfg.offload_optimizer or cfg.offload_params else "device"
-    now = off if where == "host" else opt_bytes
+    # FSDP's CPU offload holds the weight and gradient shards on the host beside the state
+    now = (off * held / (w + g + held) if cfg.offload_params
+           else off if where == "host" else opt_bytes)
     step_s = plan.predicted["time"]["optimizer_s"]
     ratio = step_bytes_per_param(cfg) / step_bytes_per_param(replace(cfg, optimizer_state="fp32"))
+    step = (f"the step moves {ratio:.0%} of fp32's bytes: {fmt_s(step_s)} (about "
+            f"{fmt_s(step_s / ratio)} with fp32 moments)" if where == "device" else
+            f"the host's step is priced at its Adam rate, as with fp32 moments: {fmt_s(step_s)}")
     return [f"optimizer Adam's moments in {_STATE_LIBRARY[cfg.optimizer_state]}: "
             f"{held:g} bytes of optimizer state per parameter instead of {full:g}, "
-            f"{fmt_bytes(now)} on the fullest {where} instead of {fmt_bytes(now * full / held)} "
-            f"(saves {fmt_bytes(now * (full - held) / held)}); the step moves "
-            f"{ratio:.0%} of fp32's bytes: {fmt_s(step_s)} (about "
-            f"{fmt_s(step_s / ratio if where == 'device' else step_s)} with fp32 moments). "
+            f"{fmt_bytes(now)} per device{' in host memory' if where == 'host' else ''} "
+            f"instead of {fmt_bytes(now * full / held)} "
+            f"(saves {fmt_bytes(now * (full - held) / held)}); {step}. "
             "Lossy: numerics differ from exact AdamW"]
 
 
