@@ -24,6 +24,19 @@ from tests.distributed import run_ranks
 
 torchao = pytest.importorskip("torchao.optim")
 
+
+
+@pytest.fixture(autouse=True)
+def _inductor_in_process():
+    """torchao compiles its step with Inductor, whose compile workers are processes this one
+    starts: a rank forked after them and compiling a graph of its own waits on them forever
+    (seen with a cold Inductor cache). One compile thread compiles in the process, here and
+    in the ranks forked from it."""
+    from torch._inductor import config
+    with config.patch(compile_threads=1):
+        yield
+
+
 NAME = "mlp-tiny"
 SHAPE = dict(in_features=128, hidden_size=128, num_layers=2, num_classes=128, bias=False)
 GLOBAL_BATCH = 8
