@@ -40,6 +40,8 @@ def add_config_args(p: argparse.ArgumentParser) -> None:
                    help="weights and gradients in host memory (needs --zero 3)")
     g.add_argument("--precision", default="bf16", choices=("bf16", "fp16", "fp32"))
     g.add_argument("--optimizer", default="adamw", choices=("adamw", "adam", "sgd"))
+    g.add_argument("--optimizer-state", default="fp32", choices=("fp32", "bf16", "8bit"),
+                   help="Adam's moments in fp32, bf16 or 8 bits (torchao; lossy)")
 
 
 def config_from_args(args: argparse.Namespace, world_size: int):
@@ -76,7 +78,8 @@ def config_from_args(args: argparse.Namespace, world_size: int):
                           layer_recompute=layers,
                           offload_optimizer=args.offload_optimizer,
                           offload_params=args.offload_params,
-                          precision=args.precision, optimizer=args.optimizer)
+                          precision=args.precision, optimizer=args.optimizer,
+                          optimizer_state=args.optimizer_state)
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:

@@ -36,6 +36,13 @@ GRAD_BYTES = 4
 
 # bytes per parameter of optimizer state kept by the optimizer (fp32), excluding any master copy
 _OPTIMIZER_STATE_BYTES = {"adamw": 8, "adam": 8, "sgd": 4}
+# bytes per parameter of Adam's two moments as ``ParallelConfig.optimizer_state`` holds them:
+# fp32; bf16 (Megatron-Core's precision-aware optimizer, --exp-avg-dtype/--exp-avg-sq-dtype
+# bf16); 8-bit codes with one fp32 scale per block of 256 elements (torchao.optim.AdamW8bit's
+# default block_size, torchao/optim/adam.py; Dettmers et al. 2022, "8-bit Optimizers via
+# Block-wise Quantization", Sec. 2). torchao keeps fp32 moments for tensors under 4,096
+# elements (norms, biases: under 0.1 % of an LLM's parameters), not counted here
+MOMENT_BYTES = {"fp32": 8.0, "bf16": 4.0, "8bit": 2 * (1 + 4 / 256)}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -51,12 +58,13 @@ class ModelStateBytes:
         return self.params_bytes + self.grads_bytes + self.optimizer_bytes
 
 
-def bytes_per_param(precision: str, optimizer: str, mixed_precision: str = "params"
-                    ) -> tuple[int, int, int]:
+def bytes_per_param(precision: str, optimizer: str, mixed_precision: str = "params",
+                    optimizer_state: str = "fp32") -> tuple[int, int, float]:
     """(weight, gradient, optimizer-state) bytes per parameter for this precision and optimizer.
     ``mixed_precision="params"``: 16-bit weights and gradients, the fp32 master copy with the
     optimizer state; ``"autocast"`` (autoplan's runtime): fp32 weights and gradients, no master
-    copy (``model_state_bytes`` adds autocast's 16-bit weight copies)."""
+    copy (``model_state_bytes`` adds autocast's 16-bit weight copies). ``optimizer_state``:
+    Adam's moments in bf16 or 8 bits (``MOMENT_BYTES``); the master copy stays fp32."""
     if precision not in PRECISION_BYTES:
         raise ConfigError(f"precision must be one of {sorted(PRECISION_BYTES)}, got {precision!r}")
     if optimizer not in _OPTIMIZER_STATE_BYTES:
@@ -65,17 +73,23 @@ def bytes_per_param(precision: str, optimizer: str, mixed_precision: str = "para
     if mixed_precision not in MIXED_PRECISION:
         raise ConfigError(f"mixed_precision must be one of {list(MIXED_PRECISION)}, got "
                           f"{mixed_precision!r}")
+    if optimizer_state not in MOMENT_BYTES or optimizer_state != "fp32" and optimizer == "sgd":
+        raise ConfigError(f"optimizer_state must be one of {list(MOMENT_BYTES)} (not fp32 "
+                          f"for Adam/AdamW only), got {optimizer_state!r} with {optimizer!r}")
+    state = (_OPTIMIZER_STATE_BYTES[optimizer] if optimizer_state == "fp32"
+             else MOMENT_BYTES[optimizer_state])
     if autocast_on(precision, mixed_precision):
-        return 4, 4, _OPTIMIZER_STATE_BYTES[optimizer]
+        return 4, 4, state
     w = PRECISION_BYTES[precision]
     master = 4 if precision != "fp32" else 0      # fp32 master weights under mixed precision
-    return w, w, _OPTIMIZER_STATE_BYTES[optimizer] + master
+    return w, w, state + master
 
 
 def model_state_bytes(num_params: float, *, dp: int, zero_stage: int, precision: str,
                       optimizer: str = "adamw", offload_optimizer: bool = False,
                       offload_params: bool = False, mixed_precision: str = "params",
-                      offload_nvme: bool = False) -> ModelStateBytes:
+                      offload_nvme: bool = False, optimizer_state: str = "fp32"
+                      ) -> ModelStateBytes:
     """Per-device bytes of weights, gradients and optimizer state for ``num_params`` parameters
     held by one data-parallel replica slot (already divided by TP/PP by the caller).
 
@@ -88,7 +102,7 @@ def model_state_bytes(num_params: float, *, dp: int, zero_stage: int, precision:
     through)."""
     if zero_stage not in (0, 1, 2, 3):
         raise ConfigError(f"zero_stage must be 0-3, got {zero_stage!r}")
-    w, g, o = bytes_per_param(precision, optimizer, mixed_precision)
+    w, g, o = bytes_per_param(precision, optimizer, mixed_precision, optimizer_state)
     autocast = autocast_on(precision, mixed_precision)
     opt = num_params * o / (dp if zero_stage >= 1 else 1)
     grads = num_params * g / (dp if zero_stage >= 2 else 1)

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from autoplan.cost.compute import ComputeModel
-from autoplan.cost.memory import GRAD_BYTES, PRECISION_BYTES, bytes_per_param
+from autoplan.cost.memory import GRAD_BYTES, MOMENT_BYTES, PRECISION_BYTES, bytes_per_param
 from autoplan.cost.powersgd import ERROR_FEEDBACK_PASSES, powersgd_cost
 from autoplan.estimate.overlap import overlap_exposed_s
 from autoplan.sharding.parallel_config import ParallelConfig
@@ -173,7 +173,8 @@ def nvme_terms(config: ParallelConfig, cluster: Any, owned: float, m: int, layer
     host, share = cluster.host, cluster.devices_per_node
     read_bw = host.nvme_read_bytes_per_s / share
     write_bw = host.nvme_write_bytes_per_s / share
-    w, g, o = bytes_per_param(config.precision, config.optimizer, config.mixed_precision)
+    w, g, o = bytes_per_param(config.precision, config.optimizer, config.mixed_precision,
+                              config.optimizer_state)
     read = o + (w + g if config.offload_params else 0)
     write = o + (w if config.offload_params else 0)
     swap_s = owned * (read / read_bw + write / write_bw)
@@ -248,7 +249,20 @@ def optimizer_step_s(params: float, tensors: int, config: ParallelConfig,
     """Measured AdamW rates where calibrated (per parameter + per tensor), else memory-bound."""
     cal = getattr(profile, "calibration", None)
     if cal is not None and config.optimizer in ("adam", "adamw"):
-        return (params * cal.optimizer_s_per_param
+        # measured with fp32 moments: a low-bit step scaled by the bytes it moves
+        share = step_bytes_per_param(config) / OPT_STEP_BYTES[config.optimizer]
+        return (params * cal.optimizer_s_per_param * share
                 + tensors * cal.optimizer_s_per_tensor) * compute.slowdown
-    return (params * OPT_STEP_BYTES[config.optimizer] / compute.tput.memory_bytes_per_s
+    return (params * step_bytes_per_param(config) / compute.tput.memory_bytes_per_s
             + tensors * compute.tput.launch_s)
+
+
+def step_bytes_per_param(config: ParallelConfig) -> float:
+    """Bytes the optimizer step reads and writes per parameter: ``OPT_STEP_BYTES``, with
+    Adam's two moments read and written in their held form (``optimizer_state``: bf16, or
+    torchao's 8-bit codes and per-block scales). torchao's step is one compiled kernel per
+    tensor that dequantises, updates in fp32 and quantises in registers (its binary search
+    over the 256-entry code map is some 50 operations per element, under an H100's 20 per
+    byte moved), so the step stays memory-bound and costs the bytes it moves."""
+    moments = MOMENT_BYTES[config.optimizer_state] - MOMENT_BYTES["fp32"]
+    return OPT_STEP_BYTES[config.optimizer] + 2 * moments

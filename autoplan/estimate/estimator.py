@@ -380,7 +380,8 @@ def _stage_states(config: ParallelConfig, cs: Sequence[RangeCost], params: float
                               optimizer=config.optimizer,
                               offload_optimizer=config.offload_optimizer,
                               mixed_precision=config.mixed_precision,
-                              offload_nvme=config.offload_nvme)
+                              offload_nvme=config.offload_nvme,
+                              optimizer_state=config.optimizer_state)
         states = replace(states, params_bytes=states.params_bytes + w.params_bytes,
                          grads_bytes=states.grads_bytes + w.grads_bytes,
                          optimizer_bytes=states.optimizer_bytes + w.optimizer_bytes,
@@ -462,7 +463,8 @@ def _states(config: ParallelConfig, params: float, shard: int) -> Any:
                              offload_optimizer=config.offload_optimizer,
                              offload_params=config.offload_params,
                              mixed_precision=config.mixed_precision,
-                             offload_nvme=config.offload_nvme)
+                             offload_nvme=config.offload_nvme,
+                             optimizer_state=config.optimizer_state)
 
 
 def stage_params(costs: Sequence[RangeCost], chunks: Sequence[int],

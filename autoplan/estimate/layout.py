@@ -82,7 +82,8 @@ def _state_bytes_per_param(config: ParallelConfig, *, expert: bool = False) -> f
                              precision=config.precision, optimizer=config.optimizer,
                              offload_optimizer=config.offload_optimizer,
                              offload_params=config.offload_params,
-                             mixed_precision=config.mixed_precision).total_bytes
+                             mixed_precision=config.mixed_precision,
+                             optimizer_state=config.optimizer_state).total_bytes
 
 
 def _state_bytes(rc: RangeCost, config: ParallelConfig) -> float:

@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
+from autoplan.cost.memory import bytes_per_param
+from autoplan.estimate.dp_terms import step_bytes_per_param
 from autoplan.planner.planfile import Plan
 from autoplan.sharding.mesh_axes import MeshAxis as A
 
@@ -112,7 +115,8 @@ def _chosen(plan: Plan) -> str:
         + (f", offload {' + '.join(off)} to "
            + ("NVMe" if plan.config.offload_nvme else "host") if off else "") + ")",
         line2,
-    ] + _dimensions(plan) + _lossy(plan) + [f"warning: {w}" for w in p.get("warnings", ())])
+    ] + _dimensions(plan) + _lossy(plan) + _optimizer_state(plan)
+        + [f"warning: {w}" for w in p.get("warnings", ())])
 
 
 def _lossy(plan: Plan) -> list[str]:
@@ -123,6 +127,38 @@ def _lossy(plan: Plan) -> list[str]:
     return [f"lossy    PowerSGD rank {cfg.powersgd_rank} compresses the dp all-reduce (torch's "
             f"DDP hook, error feedback): the gradients each step are a low-rank approximation, "
             f"so the numerics differ from exact training (its loss is not the one device's)"]
+_STATE_LIBRARY = {"bf16": "bf16 (Megatron-Core's precision-aware optimizer; torchao's step)",
+                  "8bit": "8 bits (torchao's AdamW8bit: blocks of 256, one fp32 scale each)"}
+
+
+def _optimizer_state(plan: Plan) -> list[str]:
+    """The line for Adam's moments held in less memory: the optimizer memory saved on the
+    fullest device and the step's time against fp32 moments (the step is priced by the bytes
+    it moves, ``estimate.dp_terms.step_bytes_per_param``), and that it is lossy."""
+    cfg = plan.config
+    if cfg.optimizer_state == "fp32":
+        return []
+    w, g, held = bytes_per_param(cfg.precision, cfg.optimizer, cfg.mixed_precision,
+                                 cfg.optimizer_state)
+    full = bytes_per_param(cfg.precision, cfg.optimizer, cfg.mixed_precision)[2]
+    stages = plan.predicted.get("stages", ())
+    opt_bytes = max((st["memory"]["optimizer_bytes"] for st in stages), default=0.0)
+    off = max((st["memory"].get("offloaded_bytes", 0.0) for st in stages), default=0.0)
+    where = "host" if cfg.offload_optimizer or cfg.offload_params else "device"
+    # FSDP's CPU offload holds the weight and gradient shards on the host beside the state
+    now = (off * held / (w + g + held) if cfg.offload_params
+           else off if where == "host" else opt_bytes)
+    step_s = plan.predicted["time"]["optimizer_s"]
+    ratio = step_bytes_per_param(cfg) / step_bytes_per_param(replace(cfg, optimizer_state="fp32"))
+    step = (f"the step moves {ratio:.0%} of fp32's bytes: {fmt_s(step_s)} (about "
+            f"{fmt_s(step_s / ratio)} with fp32 moments)" if where == "device" else
+            f"the host's step is priced at its Adam rate, as with fp32 moments: {fmt_s(step_s)}")
+    return [f"optimizer Adam's moments in {_STATE_LIBRARY[cfg.optimizer_state]}: "
+            f"{held:g} bytes of optimizer state per parameter instead of {full:g}, "
+            f"{fmt_bytes(now)} per device{' in host memory' if where == 'host' else ''} "
+            f"instead of {fmt_bytes(now * full / held)} "
+            f"(saves {fmt_bytes(now * (full - held) / held)}); {step}. "
+            "Lossy: numerics differ from exact AdamW"]
 
 
 def _dimensions(plan: Plan) -> list[str]:

@@ -209,7 +209,8 @@ def rank_memory(t: PipeTerms, config: ParallelConfig, m: int,
                               precision=config.precision, optimizer=config.optimizer,
                               offload_optimizer=config.offload_optimizer,
                               offload_params=config.offload_params,
-                              mixed_precision=config.mixed_precision).total_bytes
+                              mixed_precision=config.mixed_precision,
+                              optimizer_state=config.optimizer_state).total_bytes
     flights = list(flight) if flight is not None else [in_flight(config, m, r)
                                                        for r in range(config.pp)]
     return tuple(_plus((state, held.dense), (flights[r], acts))

@@ -85,7 +85,8 @@ def frugal(configs: list[ParallelConfig], m: int, opts: SearchOptions, graph: Op
                                   precision=c.precision, optimizer=c.optimizer,
                                   offload_optimizer=c.offload_optimizer,
                                   offload_params=c.offload_params,
-                                  mixed_precision=c.mixed_precision).total_bytes / c.pp
+                                  mixed_precision=c.mixed_precision,
+                                  optimizer_state=c.optimizer_state).total_bytes / c.pp
                 for c in configs)
     # a stage holds 1/pp of the layers, its first stage in_flight micro-batches of them
     flight = min(in_flight(c, m, 0) / c.pp for c in configs)
@@ -163,7 +164,8 @@ def cost_context(sc: SearchContext, config: ParallelConfig, m: int,
                             Float8Setting.of(config))
     whole_state = model_state_bytes(1.0, dp=1, zero_stage=0, precision=config.precision,
                                     optimizer=config.optimizer,
-                                    mixed_precision=config.mixed_precision).total_bytes
+                                    mixed_precision=config.mixed_precision,
+                                    optimizer_state=config.optimizer_state).total_bytes
     return CostContext(graph=graph, t=t, compute=compute,
                       context=context_axis(graph, config.cp),
                       cp_collective_s=lambda kind, nbytes: cluster.collective_time_s(
@@ -200,7 +202,8 @@ def dp_sharding(sc: SearchContext, cand: Candidate
                                  optimizer=config.optimizer,
                                  offload_optimizer=config.offload_optimizer,
                                  offload_params=config.offload_params,
-                                 mixed_precision=config.mixed_precision).total_bytes
+                                 mixed_precision=config.mixed_precision,
+                                 optimizer_state=config.optimizer_state).total_bytes
     sharded = state(config.shard_degree, config.zero_stage)
     mem = cand.est.stages[0].memory
     ctx = replace(cost_context(sc, config, m),

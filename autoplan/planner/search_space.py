@@ -203,9 +203,11 @@ def policies(config: ParallelConfig, opts: SearchOptions, cluster: Any,
                                 if (c.split_backward_on_fsdp_unsupported
                                         and "schedule" not in opts.force):
                                     continue   # the runtime refuses it (runtime/trainer.py)
-                                for x in storage_and_wire(c, opts, cluster, graph):
-                                    out += [v for w in with_compilation(x, opts, graph)
-                                            for v in precision_variants(w, opts, cluster)]
+                                for state in optimizer_states(c, opts):
+                                    y = dataclasses.replace(c, optimizer_state=state)
+                                    for x in storage_and_wire(y, opts, cluster, graph):
+                                        out += [v for w in with_compilation(x, opts, graph)
+                                                for v in precision_variants(w, opts, cluster)]
     return out
 
 
@@ -252,7 +254,8 @@ def host_short(c: ParallelConfig, cluster: Any, graph: OpGraph) -> bool:
                                zero_stage=c.zero_stage, precision=c.precision,
                                optimizer=c.optimizer, offload_optimizer=c.offload_optimizer,
                                offload_params=c.offload_params,
-                               mixed_precision=c.mixed_precision)
+                               mixed_precision=c.mixed_precision,
+                               optimizer_state=c.optimizer_state)
     return states.offloaded_bytes > cluster.host.memory_bytes / cluster.devices_per_node
 
 
@@ -294,6 +297,19 @@ def precision_variants(c: ParallelConfig, opts: SearchOptions, cluster: Any
     fp8 = [dataclasses.replace(c, fp8=r, fp8_skip=skip) for r in recipes
            if r != "none" and c.precision == "bf16" and c.mixed_precision == "autocast"]
     return (fp8 if "fp8" in opts.force else out + fp8) or out
+
+
+def optimizer_states(config: ParallelConfig, opts: SearchOptions) -> list[str]:
+    """How Adam's moments may be held (``ParallelConfig.optimizer_state``): as forced; else
+    fp32 alone unless the user allows lossy options (``allow_lossy``), then also bf16 and
+    8-bit for Adam/AdamW. Both change the numerics (rounded or quantised moments), so they are
+    never chosen behind the user's back; once allowed, the search takes whichever is fastest
+    (8-bit moves the fewest bytes per step and frees the most memory)."""
+    if "optimizer_state" in opts.force:
+        return [opts.force["optimizer_state"]]
+    if not opts.allow_lossy or config.optimizer not in ("adam", "adamw"):
+        return ["fp32"]
+    return ["fp32", "bf16", "8bit"]
 
 
 def ep_degrees(config: ParallelConfig, graph: OpGraph, opts: SearchOptions, zero_stage: int,

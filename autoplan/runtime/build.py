@@ -47,6 +47,7 @@ from autoplan.runtime.emit import Exported, autocast_dtype, connect, export_for_
 from autoplan.runtime.activation_offload import apply_activation_offload
 from autoplan.runtime.experts import expert_parameters
 from autoplan.runtime.rank_failure import for_job
+from autoplan.runtime.lowbit_optim import state_factory
 from autoplan.runtime.optim import (DataParallelGrads, HostOffloadOptimizer,
                                     TensorParallelGrads, TensorShardedOptimizer)
 from autoplan.runtime.pipeline import (LossPassesThrough, build_schedule, chunk_cuts,
@@ -338,9 +339,11 @@ def make_optimizer(b: BuildInputs, stages: list[Stage], modules: list[nn.Module]
     cfg = b.plan.config
     params = list({id(p): p for m in modules for p in m.parameters()
                    if p.requires_grad}.values())
-    factory = b.optimizer
+    # Adam's moments as the plan holds them (torchao's 8-bit or bf16 states; lowbit_optim.py)
+    user = state_factory(b.optimizer, cfg.optimizer_state)
+    factory = user
     if cfg.offload_optimizer and not cfg.offload_params:   # FSDP's offload carries the state
-        factory = partial(HostOffloadOptimizer, factory=b.optimizer)
+        factory = partial(HostOffloadOptimizer, factory=user)
     if cfg.grad_degree > 1 and cfg.zero_stage == 1:
         opt = TensorShardedOptimizer(params, factory, groups.dp,
                                      groups={id(p): groups.edp for p in experts.values()})

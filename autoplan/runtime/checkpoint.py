@@ -52,6 +52,7 @@ from autoplan.runtime.checkpoint_files import (DTYPES, FORMAT, LATEST, META_FILE
                                                model_mismatch, prune, read_meta, remove_step,
                                                resolve, step_dir, write_atomic)
 from autoplan.runtime.checkpoint_pieces import Layout, Pieces, layout_of
+from autoplan.runtime.lowbit_optim import plain_state, requantize
 from autoplan.runtime.optim import (wait_gathers, HostOffloadOptimizer, TensorShardedOptimizer,
                                     local_tensor as _local)
 from autoplan.runtime.checkpoint_dir import claim
@@ -237,7 +238,7 @@ def state_to_save(trainer: Any, *, copy: bool) -> tuple[dict[str, Any], dict[str
                 state = opt.state.get(key_tensor, {})
                 kinds = {}
                 for key in sorted(state):
-                    value = state[key]
+                    value = plain_state(state[key])      # 8-bit moments as their fp32 values
                     kinds[key] = _state_kind(value, key_tensor, h.fqn, key, opt)
                     name = f"optim.{h.fqn}.{key}"
                     if kinds[key]["kind"] == "elementwise":
@@ -416,6 +417,8 @@ def load(trainer: Any, path: str | os.PathLike[str], *,
     sd[f"rng.rank{src}"] = rng
     dcp.load(sd, storage_reader=FileSystemReader(step), planner=_LoadPlanner())
     _set_hparams(hparams)
+    for opt, _ in slots:                 # fp32 values back into 8-bit moments
+        requantize(opt)
     _refresh_host_copies(trainer.optimizer)
     torch.set_rng_state(rng)
     _restore_counters(trainer, step, meta, lr_schedulers)

@@ -29,6 +29,7 @@ from autoplan.runtime.batch_check import BatchSpec
 from autoplan.runtime.checkpoint import optimizer_slots
 from autoplan.runtime.float8 import float8_refusal
 from autoplan.runtime.grads import LossScaler
+from autoplan.runtime.lowbit_optim import require_library
 from autoplan.runtime.steps import Trainer
 from autoplan.cluster import Cluster
 from autoplan.estimate.arguments import batch_arg, cluster_arg
@@ -235,6 +236,7 @@ def _refuse_unrunnable(plan: Plan, *, has_loss: bool,
     why = float8_refusal(cfg, device)
     if why:
         raise PlanError(why)
+    require_library(cfg.optimizer_state)      # torchao, for 8-bit or bf16 Adam states
     if cfg.pp > 1 and not has_loss:
         raise PlanError("a pipelined plan needs loss_fn and example_targets: the last stage "
                         "computes the loss")

@@ -29,6 +29,8 @@ SPLIT_BACKWARD = ("zero_bubble", "zbv", "dualpipev")   # input and weight gradie
 RECOMPUTE = ("none", "selective", "ops", "full")
 PRECISIONS = ("bf16", "fp16", "fp32")
 OPTIMIZERS = ("adamw", "adam", "sgd")
+# how the optimizer holds Adam's two moments (``ParallelConfig.optimizer_state``)
+OPTIMIZER_STATES = ("fp32", "bf16", "8bit")
 # how 16-bit training holds its tensors (``cost/dtypes.py``, ``ParallelConfig.mixed_precision``)
 MIXED_PRECISION = ("autocast", "params")
 # how the dp all-reduce compresses gradients: "powersgd", torch's DDP communication hook (Vogels
@@ -140,6 +142,11 @@ class ParallelConfig:
     offload_activations: int = 0
     # one recompute policy per layer, in model order (None: the stage's or the config's)
     layer_recompute: tuple[str, ...] | None = None
+    # Adam's two moments held in less memory (lossy: numerics differ from exact AdamW):
+    # "bf16" (Megatron-Core's precision-aware optimizer: moments in bf16, the weights' fp32
+    # update), "8bit" (torchao's AdamW8bit: block-wise quantised moments, Dettmers et al. 2022);
+    # "fp32" as torch.optim keeps them. Adam and AdamW only (``runtime/lowbit_optim.py``)
+    optimizer_state: str = "fp32"
 
     def __post_init__(self) -> None:
         for name in ("dp", "tp", "pp", "micro_batch_size", "virtual_stages", "ep", "cp"):
@@ -157,6 +164,12 @@ class ParallelConfig:
         _one_of("mixed_precision", self.mixed_precision, MIXED_PRECISION)
         _one_of("grad_compression", self.grad_compression, GRAD_COMPRESSION)
         self._check_fp8()
+        _one_of("optimizer_state", self.optimizer_state, OPTIMIZER_STATES)
+        if self.optimizer_state != "fp32" and self.optimizer not in ("adam", "adamw"):
+            raise ConfigError(f"optimizer_state={self.optimizer_state!r} holds Adam's two "
+                              f"moments in less memory (torchao's low-bit Adam/AdamW); "
+                              f"optimizer {self.optimizer!r} has no such form: use "
+                              f"optimizer_state='fp32' or optimizer 'adam'/'adamw'")
         if self.zero_stage not in (0, 1, 2, 3):
             raise ConfigError(f"zero_stage must be 0, 1, 2 or 3, got {self.zero_stage!r}")
         if self.virtual_stages > 1 and self.schedule not in MULTI_CHUNK_SCHEDULES:
@@ -525,6 +538,8 @@ class ParallelConfig:
             del out["offload_activations"]
         if self.layer_recompute is None:
             del out["layer_recompute"]
+        if self.optimizer_state == "fp32":       # plans written before it read back alike
+            del out["optimizer_state"]
         return out
 
     @staticmethod
@@ -579,6 +594,8 @@ class ParallelConfig:
             s += " compiled"
         if self.fp8 != "none":
             s += f" fp8-{self.fp8}" + (f"(skip{len(self.fp8_skip)})" if self.fp8_skip else "")
+        if self.optimizer_state != "fp32":
+            s += f" adam-{self.optimizer_state}"
         if self.mixed_precision != "autocast" and self.precision != "fp32":
             s += f" {self.precision}-{self.mixed_precision}"
             return s
