@@ -29,7 +29,7 @@ the same reasons):
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
@@ -41,7 +41,9 @@ from autoplan.errors import PlanError
 from autoplan.graph.loss import token_mean_loss
 from autoplan.graph.opgraph import OpGraph
 from autoplan.runtime import parallelize as par
-from autoplan.runtime.emit import Exported, autocast_dtype, connect, export_for_plan, lower
+from autoplan.runtime.emit import (Exported, autocast_dtype, compute_dtype, connect,
+                                   export_for_plan, lower, weights_dtype)
+from autoplan.runtime.master_weights import MasterWeightsOptimizer, keep_main_grads
 from autoplan.runtime.experts import expert_parameters
 from autoplan.runtime.rank_failure import for_job
 from autoplan.runtime.optim import (DataParallelGrads, HostOffloadOptimizer,
@@ -256,10 +258,11 @@ class GradSyncs:
     tied: list[Any]                     # weights read by chunks on two pipeline ranks
     split_backward: list[Any]           # ZeRO-0/1 under zero-bubble schedules
     experts: list[Any]                  # expert slabs, over the ranks that hold them
+    main_grads: list[Any] = field(default_factory=list)   # 16-bit weights' fp32 sums (no DDP)
 
     def in_order(self) -> list[Any]:
         return (self.tensor_parallel + self.whole + self.tied + self.split_backward
-                + self.experts)
+                + self.experts + self.main_grads)
 
 
 def data_parallel(b: BuildInputs, stages: list[Stage], ex: Exported, groups: Groups,
@@ -272,9 +275,12 @@ def data_parallel(b: BuildInputs, stages: list[Stage], ex: Exported, groups: Gro
     cfg = b.plan.config
     syncs = GradSyncs([], [], [], [], [])
     before = expert_parameters([s.module for s in stages], ex.graph, cfg.ep)
+    sixteen = weights_dtype(b.plan)
     if cfg.uses_fsdp:
         mp = None
-        precision = autocast_dtype(b.plan)
+        precision = compute_dtype(b.plan)
+        if sixteen is not None:       # FSDP's sharded fp32 parameters are the master copy
+            _cast_params([s.module for s in stages], torch.float32)
         if precision is not None:
             from torch.distributed.fsdp import MixedPrecisionPolicy
             mp = MixedPrecisionPolicy(param_dtype=precision, reduce_dtype=torch.float32)
@@ -293,7 +299,18 @@ def data_parallel(b: BuildInputs, stages: list[Stage], ex: Exported, groups: Gro
     experts = expert_parameters([s.module for s in stages], ex.graph, cfg.ep)
     expert_ids = {id(p) for p in experts.values()}
     modules = [s.module for s in stages]
-    if cfg.grad_degree > 1 and not cfg.uses_fsdp:
+    if sixteen is not None:
+        # the weights FSDP left whole run in 16 bits too; every 16-bit weight sums its
+        # micro-batches' gradients in fp32 (before any other hook reads them)
+        _cast_params(modules, sixteen)
+        held16 = keep_main_grads(p for m in modules for p in m.parameters())
+        if cfg.grad_degree > 1 and not cfg.uses_fsdp:
+            # DDP would reduce the 16-bit gradients: the fp32 sums are reduced instead, each
+            # bucket behind the last backward (Megatron-LM's DDP with fp32 grad buffers)
+            syncs.main_grads.append(DataParallelGrads([p for p in held16
+                                                       if id(p) not in expert_ids],
+                                                      groups.dp, cfg.grad_degree))
+    elif cfg.grad_degree > 1 and not cfg.uses_fsdp:
         if cfg.pp > 1 and cfg.schedule in SPLIT_BACKWARD:
             params = [p for s in stages for p in s.module.parameters()
                       if p.requires_grad and id(p) not in expert_ids]
@@ -307,6 +324,15 @@ def data_parallel(b: BuildInputs, stages: list[Stage], ex: Exported, groups: Gro
         # hold the same experts, not by DDP over all of dp (FSDP does it in its units)
         syncs.experts.append(DataParallelGrads(list(experts.values()), groups.edp, cfg.dp))
     return modules, syncs, experts
+
+
+def _cast_params(modules: list[nn.Module], dtype: torch.dtype) -> None:
+    """The floating, plain-tensor parameters of ``modules`` (not FSDP's sharded DTensors) cast to
+    ``dtype`` in place (16-bit -> fp32 -> 16-bit is exact)."""
+    from torch.distributed.tensor import DTensor
+    for p in {id(p): p for m in modules for p in m.parameters()}.values():
+        if p.is_floating_point() and p.dtype != dtype and not isinstance(p, DTensor):
+            p.data = p.data.to(dtype)
 
 
 def tensor_parallel_grads(program: Program, stages: list[Stage], groups: Groups, cfg: Any
@@ -333,6 +359,8 @@ def make_optimizer(b: BuildInputs, stages: list[Stage], modules: list[nn.Module]
     params = list({id(p): p for m in modules for p in m.parameters()
                    if p.requires_grad}.values())
     factory = b.optimizer
+    if weights_dtype(b.plan) is not None:       # the optimizer steps fp32 masters
+        factory = partial(MasterWeightsOptimizer, factory=b.optimizer)
     if cfg.offload_optimizer and not cfg.offload_params:   # FSDP's offload carries the state
         factory = partial(HostOffloadOptimizer, factory=b.optimizer)
     if cfg.grad_degree > 1 and cfg.zero_stage == 1:
@@ -369,11 +397,12 @@ def build_rank(b: BuildInputs) -> Trainer:
         runner = _pipeline_steps(b, stages, modules, program, cuts, place, groups, token)
     else:
         # the scalar and expert gradients go out behind the last backward, as DDP's buckets
-        for sync in syncs.whole + syncs.experts:
+        overlapped = syncs.whole + syncs.experts + syncs.main_grads
+        for sync in overlapped:
             sync.overlap_with_backward()
         runner = LocalSteps(module=modules[0], loss_in_program=ex.with_loss,
-                            loss_fn=b.loss_fn, overlapped=tuple(syncs.whole + syncs.experts),
-                            token_loss=token)
+                            loss_fn=b.loss_fn, overlapped=tuple(overlapped),
+                            token_loss=token, weights_dtype=weights_dtype(b.plan))
     opt = make_optimizer(b, stages, modules, groups, experts)                  # 8
     return Trainer(runner=runner, optimizer=opt, plan=b.plan, rank=b.rank,
                    dp_index=place.dp, cp_index=place.cp,

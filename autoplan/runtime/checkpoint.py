@@ -539,6 +539,19 @@ def _refresh_host_copies(opt: Any) -> None:
                 h.copy_(_local(p).to(h.device, h.dtype))
 
 
+def _refuse_master_copy(plan: Any) -> None:
+    """CheckpointError (on every rank alike, before any collective) for a plan whose weights
+    are 16-bit with an fp32 master copy in the optimizer: the checkpoint would keep only the
+    16-bit weights, and a resumed run would start its masters rounded."""
+    cfg = plan.config
+    if cfg.mixed_precision == "params" and cfg.precision != "fp32":
+        raise CheckpointError(
+            f"this plan holds {cfg.precision} weights with the fp32 master copy in the optimizer "
+            "(mixed_precision='params'), whose checkpoints this runtime does not write yet: "
+            "the master copy would be lost and a resumed run would start from rounded "
+            "weights. Re-plan with --force mixed_precision=autocast to checkpoint")
+
+
 class Checkpointing:
     """``save`` / ``load`` / ``wait_for_checkpoint`` for the trainers (``trainer.py``,
     ``pipeline.py``), which hold ``checkpointer`` and ``lr_schedulers``."""
@@ -554,6 +567,7 @@ class Checkpointing:
         The first save into ``root`` claims it (``checkpoint_dir.py``): refused while another
         job writes there, and where another run's checkpoints are, unless this run resumed
         from the newest of them or ``overwrite`` (which deletes them first)."""
+        _refuse_master_copy(self.plan)
         self._claim(Path(root), overwrite=overwrite)
         ck = self.checkpointer
         if ck is None or ck.root != Path(root) or ck.keep_last != keep_last:
@@ -588,6 +602,7 @@ class Checkpointing:
     def load(self, path: str | os.PathLike[str]) -> Path:
         """Resume from the checkpoint at ``path`` (a root: its newest; or a step directory),
         saved under this plan or any other (a collective)."""
+        _refuse_master_copy(self.plan)
         step = load(self, path, lr_schedulers=self.lr_schedulers)
         self.__dict__["_resumed_from"] = step
         return step

@@ -29,6 +29,7 @@ from torch import nn
 
 from autoplan.errors import AutoplanError, PlanError
 from autoplan.graph.loss import TokenMeanLoss, step_weights
+from autoplan.graph.trace import float_outputs, sixteen_bit_inputs
 from autoplan.runtime.batch_check import BatchSpec, check_batch
 from autoplan.runtime.checkpoint import Checkpointing
 from autoplan.runtime.grads import GradientStep, LossScaler, finish_step
@@ -47,6 +48,7 @@ class LocalSteps:
     loss_fn: Callable[[Any, Any], torch.Tensor] | None
     overlapped: tuple[Any, ...] = ()   # gradient syncs sent behind the last backward
     token_loss: TokenMeanLoss | None = None     # micro-batches weighted by counted targets
+    weights_dtype: torch.dtype | None = None    # 16-bit weights: 16-bit inputs, fp32 loss
 
     @property
     def model(self) -> nn.Module:
@@ -79,9 +81,16 @@ class LocalSteps:
         return total / len(chunks)
 
     def _loss(self, chunk: list[torch.Tensor]) -> torch.Tensor:
+        sixteen = self.weights_dtype
         if self.loss_in_program or self.loss_fn is None:
+            if sixteen is not None:      # (the targets too without a loss: the model's own)
+                last = [] if self.loss_fn is None else chunk[-1:]
+                chunk = [*sixteen_bit_inputs(chunk[:len(chunk) - len(last)], sixteen), *last]
             return self.module(*chunk)
-        return self.loss_fn(self.module(*chunk[:-1]), chunk[-1])
+        if sixteen is None:
+            return self.loss_fn(self.module(*chunk[:-1]), chunk[-1])
+        out = self.module(*sixteen_bit_inputs(chunk[:-1], sixteen))
+        return self.loss_fn(float_outputs(out), chunk[-1])
 
     def mean_loss(self, trainer: Trainer, local: torch.Tensor) -> torch.Tensor:
         return local

@@ -1,0 +1,176 @@
+"""Megatron-style master weights (``mixed_precision="params"``) run and equal one device running
+the same scheme by hand.
+
+The reference is written as a user would write Megatron-LM's --bf16 on one process: the model
+cast to bf16 (``model.to(torch.bfloat16)``), an fp32 copy of every weight given to AdamW, the
+micro-batches' bf16 gradients added into fp32 buffers, the loss read on fp32 outputs, AdamW on
+the fp32 copies, the bf16 weights copied back. The plan's training on 2 gloo ranks must give the
+same losses and the same fp32 masters.
+
+Tolerance, and why: every rank computes the same bf16 gradients of its micro-batches as the one
+device does (the same shapes, the same kernels; the 1/micro-batches factor is a power of two),
+so the schemes differ only in the order of the fp32 sums of those gradients (a rank sums its
+micro-batches, the all-reduce adds the ranks; one device sums the micro-batches in a row): an
+fp32 round-off, which AdamW's update passes on to the masters (1e-6 of them) and which may round
+a bf16 weight the other way (2^-8 of it), moving the next loss by about that much.
+"""
+
+import math
+
+import pytest
+import torch
+
+from autoplan import Cluster
+from autoplan.graph import trace
+from autoplan.models import build_example
+from autoplan.planner.planfile import Plan
+from autoplan.planner.search import plan as make_plan
+from autoplan.errors import PlanError
+from tests.conftest import has_transformers
+from tests.distributed import run_ranks
+
+GLOBAL_BATCH = 4
+MICRO_BATCH = 1
+STEPS = 3
+
+
+def _optimizer(params):
+    return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
+
+
+def _by_hand(name, micro_batches):
+    """Losses and fp32 masters of the scheme by hand on one process."""
+    ex = build_example(name, batch_size=GLOBAL_BATCH, seed=0)
+    model = ex.model.to(torch.bfloat16)
+    params = [p for p in model.parameters() if p.requires_grad]
+    masters = [p.detach().float().requires_grad_(True) for p in params]
+    start = [m.detach().clone() for m in masters]
+    opt = _optimizer(masters)
+    inputs = [x.to(torch.bfloat16) if x.is_floating_point() else x for x in ex.example_inputs]
+    losses = []
+    for _ in range(STEPS):
+        main = [torch.zeros_like(m) for m in masters]
+        total = 0.0
+        rows = GLOBAL_BATCH // micro_batches
+        for k in range(micro_batches):
+            part = [x[k * rows:(k + 1) * rows] for x in inputs]
+            out = model(*part)
+            out = out.float() if isinstance(out, torch.Tensor) else type(out)(
+                o.float() if o.is_floating_point() else o for o in out)
+            loss = ex.loss_fn(out, ex.targets[k * rows:(k + 1) * rows])
+            (loss / micro_batches).backward()
+            for b, p in zip(main, params):
+                b.add_(p.grad)
+                p.grad = None
+            total += loss.item()
+        for m, b in zip(masters, main):
+            m.grad = b
+        opt.step()
+        with torch.no_grad():
+            for p, m in zip(params, masters):
+                p.copy_(m)
+        losses.append(total / micro_batches)
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    return losses, dict(zip(names, (m.detach() for m in masters))), dict(zip(names, start))
+
+
+def _masters(trainer):
+    """This rank's fp32 masters by FQN (ZeRO-1: the tensors it owns; FSDP: its fp32 shards,
+    gathered)."""
+    from torch.distributed.tensor import DTensor
+    from autoplan.runtime.master_weights import MasterWeightsOptimizer
+    opt = trainer.optimizer
+    mw = opt.inner if hasattr(opt, "src") else opt        # ZeRO-1: what this rank owns
+    if mw is None:
+        return {}
+    assert isinstance(mw, MasterWeightsOptimizer)
+    names = {id(p): n for m in trainer.stage_modules for n, p in m.named_parameters()}
+    out = {}
+    for p, m in zip(mw.params, mw.masters):
+        assert m.dtype == torch.float32
+        m = m.full_tensor() if isinstance(m, DTensor) else m
+        out[names[id(p)]] = m.detach().tolist()
+    return out
+
+
+def _rank(rank, world, name, plan_json):
+    from autoplan.runtime.trainer import compile
+    ex = build_example(name, batch_size=GLOBAL_BATCH, seed=0)
+    small = build_example(name, batch_size=MICRO_BATCH, seed=0)
+    trainer = compile(ex.model, "local", example_inputs=small.example_inputs,
+                      example_targets=small.targets, loss_fn=ex.loss_fn, optimizer=_optimizer,
+                      global_batch_size=GLOBAL_BATCH, plan=Plan.from_json(plan_json))
+    batch = tuple(ex.example_inputs) + (ex.targets,)
+    losses = [trainer.step(batch) for _ in range(STEPS)]
+    masters = _masters(trainer) if trainer.config.tp == 1 else {}
+    weights = {k: (str(v.dtype), v.float().tolist())
+               for k, v in trainer.full_state_dict().items()}
+    return losses, masters, weights
+
+
+def _plan(name, world, force, max_pp=1):
+    small = build_example(name, batch_size=MICRO_BATCH, seed=0)
+    g = trace(small.model, small.example_inputs, loss_fn=small.loss_fn, targets=small.targets)
+    return make_plan(g, Cluster.local(world), global_batch_size=GLOBAL_BATCH, precision="bf16",
+                     profile=None, max_pp=max_pp,
+                     force={"mixed_precision": "params", "micro_batch_size": MICRO_BATCH,
+                            **force})
+
+
+def _check(name, world, force, *, update_error):
+    """Train the plan on ``world`` ranks; its losses and fp32 masters against the scheme by
+    hand: ``update_error`` bounds ||masters - by hand|| / ||by hand - start|| (0: bitwise)."""
+    p = _plan(name, world, force)
+    assert p.config.mixed_precision == "params" and p.config.precision == "bf16"
+    results = run_ranks(_rank, world, name, p.to_json())
+    ref_losses, ref_masters, start = _by_hand(name, GLOBAL_BATCH // MICRO_BATCH)
+    fsdp = p.config.zero_stage >= 2
+    seen = {}
+    for losses, masters, weights in results:
+        assert losses == results[0][0]                   # one loss on every rank
+        # the first loss: the same bf16 weights and inputs
+        assert losses[0] == pytest.approx(ref_losses[0], rel=1e-6, abs=1e-6)
+        assert losses == pytest.approx(ref_losses, rel=1e-3 if update_error else 0)
+        # the weights the program runs are bf16 (FSDP stores its fp32 masters)
+        stored = {"torch.float32" if fsdp else "torch.bfloat16", "torch.int64"}
+        assert {d for d, _ in weights.values()} <= stored
+        seen.update(masters)
+        if p.config.tp > 1:      # masters are tp shards here: the weights, gathered, rounded
+            seen.update({k: v for k, (_, v) in weights.items() if k in ref_masters})
+    assert set(seen) == set(ref_masters)                  # every master, on some rank
+    diff = moved = 0.0
+    for k, ref in ref_masters.items():
+        got = torch.tensor(seen[k], dtype=torch.float32).reshape(ref.shape)
+        if p.config.tp > 1:
+            ref = ref.bfloat16().float()
+        diff += (got - ref).double().pow(2).sum().item()
+        moved += (ref - start[k]).double().pow(2).sum().item()
+    assert math.sqrt(diff) <= update_error * math.sqrt(moved), \
+        f"{name} {force}: masters off by {math.sqrt(diff / moved):.2e} of the update"
+    return results
+
+
+CASES = [
+    ("mlp-tiny", dict(dp=2, tp=1, zero_stage=0)),      # fp32 sums all-reduced, no DDP
+    ("mlp-tiny", dict(dp=2, tp=1, zero_stage=1)),      # masters sharded over dp
+    ("mlp-tiny", dict(dp=1, tp=2)),
+    ("mlp-tiny", dict(dp=2, tp=1, zero_stage=3)),      # FSDP2's fp32 shards are the masters
+]
+
+
+@pytest.mark.parametrize("name,force", CASES, ids=[f"{c[0]}-{c[1]}" for c in CASES])
+def test_master_weights_equal_the_scheme_by_hand(name, force):
+    _check(name, 2, force, update_error=0.0)
+
+
+@pytest.mark.skipif(not has_transformers(), reason="transformers not installed")
+def test_hf_llama_master_weights_equal_the_scheme_by_hand():
+    """HF Llama in bf16 (it upcasts in RMSNorm and softmax itself), ZeRO-1 over 2 ranks."""
+    _check("hf-llama-gqa-tiny", 2, dict(dp=2, tp=1, zero_stage=1), update_error=0.1)
+
+
+def test_master_weights_refused_with_pipelines():
+    p = _plan("mlp-tiny", 2, dict(pp=2, dp=1, tp=1), max_pp=2)
+    from autoplan.runtime.trainer import _refuse_unrunnable
+    with pytest.raises(PlanError, match="pipelines"):
+        _refuse_unrunnable(p, has_loss=True)
