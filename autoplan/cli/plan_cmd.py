@@ -38,6 +38,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="fix the strategy of the ops matching 'module.path:op' (fnmatch), the "
                         "ILP plans the rest around them, e.g. --pin "
                         "'layers.*.attention.wo:linear=seq_gathered'")
+    p.add_argument("--search-mixed-precision", action="store_true",
+                   help="offer 16-bit weights with an fp32 master copy (mixed_precision=params, "
+                        "Megatron-LM's --bf16) beside autocast's fp32 weights; norms and "
+                        "softmax then run in 16 bits unless the model upcasts them")
     add_capacity_arg(p)
     p.add_argument("--no-profile", action="store_true", help="roofline only, ignore profiles")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress lines")
@@ -129,7 +133,9 @@ def run(args: argparse.Namespace) -> int:
                   profile=None if args.no_profile else "auto", name=args.model,
                   progress=progress, top_k=args.top_k, max_tp=args.max_tp,
                   max_pp=args.max_pp, expert_capacity_factor=args.expert_capacity_factor,
-                  force=force, pin=pin)
+                  force=force, pin=pin,
+                  mixed_precision=(("autocast", "params") if args.search_mixed_precision
+                                   else ("autocast",)))
     result.save(args.output)
     print(explain_plan(result))
     print(f"\nwrote {args.output} (search {result.solver.time_s:.1f} s, "

@@ -28,3 +28,6 @@ class SearchOptions:
     memory_margin_bytes: float | None = None
     expert_capacity_factor: float = 1.0   # MoE routing imbalance priced (estimate() doc)
     pin: dict[str, str] = field(default_factory=dict)   # op pattern -> strategy (pins.py)
+    # how 16-bit plans hold their weights (search_space.mixed_precision_choices): autocast
+    # alone unless the user offers "params" (other numerics: norms and softmax in 16 bits)
+    mixed_precision: tuple[str, ...] = ("autocast",)

@@ -61,6 +61,31 @@ def compiled_choice(opts: SearchOptions, cluster: Any) -> bool:
     return bool(opts.force.get("compiled", False))
 
 
+def mixed_precision_choices(opts: SearchOptions, precision: str) -> list[str]:
+    """How a plan may hold its weights (``ParallelConfig.mixed_precision``): as forced, else the
+    options' (autocast alone by default). "params" (Megatron-LM's --bf16: 16-bit weights and
+    activations, the fp32 master copy with the optimizer) saves the fp32 weights' memory and
+    autocast's casts, but runs norms and softmax in 16 bits where the model does not upcast
+    them itself: a change of numerics the user opts into (``mixed_precision=("autocast",
+    "params")``). An fp32 plan has one choice: "params" is fp32 there."""
+    from autoplan.sharding.parallel_config import MIXED_PRECISION
+    wanted = [opts.force["mixed_precision"]] if "mixed_precision" in opts.force \
+        else list(opts.mixed_precision)
+    bad = [m for m in wanted if m not in MIXED_PRECISION]
+    if bad or not wanted:
+        raise ConfigError(f"mixed_precision choices must be among {list(MIXED_PRECISION)}, got "
+                          f"{wanted}")
+    if precision == "fp32":
+        return wanted[:1] if "mixed_precision" in opts.force else ["autocast"]
+    return list(dict.fromkeys(wanted))
+
+
+def runs_master_weights(shape: Any) -> bool:
+    """Whether the runtime runs 16-bit weights with an fp32 master copy on a mesh of this
+    shape (not yet with pipelines, context or expert parallelism: ``trainer``'s refusal)."""
+    return shape.pp == 1 and shape.cp == 1 and getattr(shape, "ep", 1) == 1
+
+
 def forced(opts: SearchOptions, name: str, values: Sequence[Any]) -> list[Any]:
     if name in opts.force:
         return [opts.force[name]]
