@@ -20,7 +20,7 @@ from autoplan.graph.opgraph import OpGraph
 from autoplan.graph.oprules import is_attention, uses_batch_statistics
 from autoplan.planner.options import SearchOptions
 from autoplan.sharding.context_axis import context_axis
-from autoplan.sharding.parallel_config import ParallelConfig
+from autoplan.sharding.parallel_config import MIXED_PRECISION, ParallelConfig
 
 
 def batch_statistics(graph: OpGraph | None) -> bool:
@@ -68,7 +68,6 @@ def mixed_precision_choices(opts: SearchOptions, precision: str) -> list[str]:
     autocast's casts, but runs norms and softmax in 16 bits where the model does not upcast
     them itself: a change of numerics the user opts into (``mixed_precision=("autocast",
     "params")``). An fp32 plan has one choice: "params" is fp32 there."""
-    from autoplan.sharding.parallel_config import MIXED_PRECISION
     wanted = [opts.force["mixed_precision"]] if "mixed_precision" in opts.force \
         else list(opts.mixed_precision)
     bad = [m for m in wanted if m not in MIXED_PRECISION]
