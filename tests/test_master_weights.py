@@ -79,14 +79,16 @@ def _masters(trainer):
     gathered)."""
     from torch.distributed.tensor import DTensor
     from autoplan.runtime.master_weights import MasterWeightsOptimizer
+    from autoplan.runtime.optim import HostOffloadOptimizer
     opt = trainer.optimizer
     mw = opt.inner if hasattr(opt, "src") else opt        # ZeRO-1: what this rank owns
     if mw is None:
         return {}
-    assert isinstance(mw, MasterWeightsOptimizer)
+    assert isinstance(mw, (MasterWeightsOptimizer, HostOffloadOptimizer))
     names = {id(p): n for m in trainer.stage_modules for n, p in m.named_parameters()}
     out = {}
-    for p, m in zip(mw.params, mw.masters):
+    copies = mw.host if isinstance(mw, HostOffloadOptimizer) else mw.masters
+    for p, m in zip(mw.params, copies):
         assert m.dtype == torch.float32
         m = m.full_tensor() if isinstance(m, DTensor) else m
         out[names[id(p)]] = m.detach().tolist()
@@ -155,6 +157,8 @@ CASES = [
     ("mlp-tiny", dict(dp=2, tp=1, zero_stage=1)),      # masters sharded over dp
     ("mlp-tiny", dict(dp=1, tp=2)),
     ("mlp-tiny", dict(dp=2, tp=1, zero_stage=3)),      # FSDP2's fp32 shards are the masters
+    # the host copies are the masters (ZeRO-Offload), the optimizer steps them on the host
+    ("mlp-tiny", dict(dp=2, tp=1, zero_stage=0, offload_optimizer=True)),
 ]
 
 
@@ -174,3 +178,62 @@ def test_master_weights_refused_with_pipelines():
     from autoplan.runtime.trainer import _refuse_unrunnable
     with pytest.raises(PlanError, match="pipelines"):
         _refuse_unrunnable(p, has_loss=True)
+
+
+def _resume_rank(rank, world, name, plans, ckpt):
+    """In the same processes: plans[0] trains STEPS steps, saving after step 1, its fp32
+    masters noted after every step; plans[1] resumes from that checkpoint, runs step 2 and
+    saves; plans[2] resumes from that one and runs step 3. Returns each run's losses and the
+    weights right after its load (full, as the program holds them)."""
+    from autoplan.runtime.trainer import compile
+    out = []
+    for k, plan_json in enumerate(plans):
+        ex = build_example(name, batch_size=GLOBAL_BATCH, seed=0)
+        small = build_example(name, batch_size=MICRO_BATCH, seed=0)
+        trainer = compile(ex.model, "local", example_inputs=small.example_inputs,
+                          example_targets=small.targets, loss_fn=ex.loss_fn,
+                          optimizer=_optimizer, global_batch_size=GLOBAL_BATCH,
+                          plan=Plan.from_json(plan_json), resume=ckpt if k else None)
+        loaded = {n: (str(v.dtype), v.float().tolist())
+                  for n, v in trainer.full_state_dict().items()}
+        batch = tuple(ex.example_inputs) + (ex.targets,)
+        losses, masters = [], []
+        for _ in range(STEPS - trainer.steps_done if k != 1 else 1):
+            losses.append(trainer.step(batch))
+            masters.append(_masters(trainer) if k < 2 else {})
+            if trainer.steps_done == k + 1 and k < 2:
+                trainer.save(ckpt)
+        out.append((trainer.steps_done, losses, masters, loaded))
+    return out
+
+
+def test_checkpoints_hold_the_fp32_masters_and_reshard(tmp_path):
+    """Saved under params dp2 ZeRO-1 after step 1, resumed under params dp2 with the optimizer
+    offloaded (the same scheme: bitwise the same run), saved again after step 2, resumed under
+    autocast tp2: the checkpoints' weights are the fp32 masters, bitwise, whatever plan reads
+    them (autocast's fp32 weights are the masters; ``autoplan export`` writes them)."""
+    from autoplan.runtime.checkpoint_files import export
+    ckpt = str(tmp_path / "ckpt")
+    zero1 = _plan("mlp-tiny", 2, dict(dp=2, tp=1, zero_stage=1))
+    offload = _plan("mlp-tiny", 2, dict(dp=2, tp=1, zero_stage=1, offload_optimizer=True))
+    tp2 = _plan("mlp-tiny", 2, dict(dp=1, tp=2, mixed_precision="autocast"))
+    assert offload.config.offload_optimizer and tp2.config.mixed_precision == "autocast"
+    results = run_ranks(_resume_rank, 2, "mlp-tiny",
+                        [p.to_json() for p in (zero1, offload, tp2)], ckpt)
+    (end_a, full, masters_a, _), (end_b, resumed, masters_b, loaded_b), \
+        (end_c, other, _, loaded_c) = results[0]
+    assert (end_a, end_b, end_c) == (STEPS, 2, STEPS)
+    assert resumed == full[1:2]                           # bitwise: the same run
+    by_step = [{k: v for r in results for k, v in r[0][2][s].items()} for s in range(STEPS)]
+    after_b = {k: v for r in results for k, v in r[1][2][0].items()}
+    assert after_b == by_step[1]                          # the masters too, bitwise
+    # the 16-bit weights read back are the masters rounded; autocast's fp32 weights the masters
+    for k, m in by_step[0].items():
+        assert loaded_b[k] == ("torch.bfloat16",
+                               torch.tensor(m).bfloat16().float().tolist()), k
+    for k, m in by_step[1].items():
+        assert loaded_c[k] == ("torch.float32", m), k
+    assert other[0] == pytest.approx(full[2], rel=2e-2)   # autocast: norms in fp32
+    exported = torch.load(tmp_path / "model.pt") if export(ckpt, tmp_path / "model.pt") else {}
+    assert {k: v.dtype for k, v in exported.items()} == {k: torch.float32 for k in by_step[1]}
+    assert {k: v.tolist() for k, v in exported.items()} == by_step[1]

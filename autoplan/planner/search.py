@@ -158,13 +158,12 @@ def plan(model: Any, cluster: Any, *, global_batch_size: int, example_inputs: An
 def _search_held(sc: SearchContext, shapes: list[Any], base: dict[str, Any],
                  layers: int) -> list[Candidate]:
     """``_search_meshes`` for one way of holding the weights; 16-bit weights with an fp32
-    master copy only where the runtime runs them (no pipelines, cp, ep or offload), unless
-    forced (then the runtime refuses the plan with its reason)."""
+    master copy only where the runtime runs them (no pipelines, cp or ep), unless forced (then
+    the runtime refuses the plan with its reason)."""
     if base["mixed_precision"] != "params" or base["precision"] == "fp32" \
             or "mixed_precision" in sc.opts.force:
         return _search_meshes(sc, shapes, base, layers)
     mine = [s for s in shapes if search_space.runs_master_weights(s)]
-    sc = replace(sc, opts=replace(sc.opts, offload_optimizer=(False,)))
     return _search_meshes(sc, mine, base, layers) if mine else []
 
 

@@ -362,6 +362,7 @@ def make_optimizer(b: BuildInputs, stages: list[Stage], modules: list[nn.Module]
     if weights_dtype(b.plan) is not None:       # the optimizer steps fp32 masters
         factory = partial(MasterWeightsOptimizer, factory=b.optimizer)
     if cfg.offload_optimizer and not cfg.offload_params:   # FSDP's offload carries the state
+        # (its fp32 host copies are 16-bit weights' masters: ZeRO-Offload's master weights)
         factory = partial(HostOffloadOptimizer, factory=b.optimizer)
     if cfg.grad_degree > 1 and cfg.zero_stage == 1:
         opt = TensorShardedOptimizer(params, factory, groups.dp,

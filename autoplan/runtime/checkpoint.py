@@ -54,6 +54,8 @@ from autoplan.runtime.checkpoint_files import (DTYPES, FORMAT, LATEST, META_FILE
 from autoplan.runtime.checkpoint_pieces import Layout, Pieces, layout_of
 from autoplan.runtime.optim import (wait_gathers, HostOffloadOptimizer, TensorShardedOptimizer,
                                     local_tensor as _local)
+from autoplan.runtime.master_weights import MasterWeightsOptimizer
+from autoplan.runtime.checkpoint_masters import SIXTEEN_BIT, weights_to_load, weights_to_save
 from autoplan.runtime.checkpoint_dir import claim
 
 
@@ -100,9 +102,10 @@ def optimizer_slots(opt: Any) -> list[tuple[torch.optim.Optimizer, dict[int, tor
     parameter that tensor stands for (itself, or the one a host-offloaded copy mirrors)."""
     if isinstance(opt, TensorShardedOptimizer):
         return optimizer_slots(opt.inner) if opt.inner is not None else []
-    if isinstance(opt, HostOffloadOptimizer):
+    if isinstance(opt, (HostOffloadOptimizer, MasterWeightsOptimizer)):
         inner = optimizer_slots(opt.inner)
-        mirror = {id(h): p for h, p in zip(opt.host, opt.params)}
+        copies = opt.host if isinstance(opt, HostOffloadOptimizer) else opt.masters
+        mirror = {id(h): p for h, p in zip(copies, opt.params)}
         return [(o, {k: mirror.get(id(v), v) for k, v in m.items()}) for o, m in inner]
     if isinstance(opt, torch.optim.Optimizer):
         return [(opt, {id(p): p for g in opt.param_groups for p in g["params"]})]
@@ -217,10 +220,12 @@ def state_to_save(trainer: Any, *, copy: bool) -> tuple[dict[str, Any], dict[str
         return layouts[fqn].pieces(local.to("cpu", copy=True) if copy else local)
 
     model_desc = {}
-    for fqn, h in held.items():
-        sd[f"model.{fqn}"] = pieces(h.tensor, fqn)
+    for fqn, w in weights_to_save(trainer, held).items():
+        if w is None:                   # a master another rank holds (and writes)
+            continue
+        sd[f"model.{fqn}"] = pieces(w, fqn)
         model_desc[fqn] = {"shape": list(layouts[fqn].global_shape),
-                           "dtype": str(h.tensor.dtype).removeprefix("torch.")}
+                           "dtype": str(w.dtype).removeprefix("torch.")}
     by_id = {id(h.tensor): h for h in held.values()}
     opt_desc: dict[str, Any] = {}
     hparams: dict[str, Any] = {}
@@ -407,8 +412,8 @@ def load(trainer: Any, path: str | os.PathLike[str], *,
     _check_same_model(step, meta, held, layouts)
     slots = optimizer_slots(trainer.optimizer)
     _check_same_optimizer(step, meta, slots)
-    sd: dict[str, Any] = {f"model.{fqn}": layouts[fqn].pieces(h.tensor)
-                          for fqn, h in held.items()}
+    into, rounded = weights_to_load(trainer, held)
+    sd: dict[str, Any] = {f"model.{fqn}": layouts[fqn].pieces(t) for fqn, t in into.items()}
     hparams = _empty_optimizer_state(step, meta, slots, held, layouts, sd)
     rank, _ = _world()
     src = rank if rank < meta["world_size"] else 0
@@ -416,6 +421,9 @@ def load(trainer: Any, path: str | os.PathLike[str], *,
     sd[f"rng.rank{src}"] = rng
     dcp.load(sd, storage_reader=FileSystemReader(step), planner=_LoadPlanner())
     _set_hparams(hparams)
+    with torch.no_grad():
+        for weight, value in rounded:       # 16-bit weights from their fp32 values
+            weight.copy_(value.to(weight.device))
     _refresh_host_copies(trainer.optimizer)
     torch.set_rng_state(rng)
     _restore_counters(trainer, step, meta, lr_schedulers)
@@ -528,7 +536,8 @@ def _restore_counters(trainer: Any, step: Path, meta: dict[str, Any],
 
 
 def _refresh_host_copies(opt: Any) -> None:
-    """Host-offloaded master weights take the loaded parameters' values."""
+    """Host-offloaded master weights take the loaded fp32 parameters' values (a 16-bit
+    weight's host copy is its master, read from the checkpoint itself)."""
     if isinstance(opt, TensorShardedOptimizer):
         if opt.inner is not None:
             _refresh_host_copies(opt.inner)
@@ -536,20 +545,8 @@ def _refresh_host_copies(opt: Any) -> None:
     if isinstance(opt, HostOffloadOptimizer):
         with torch.no_grad():
             for p, h in zip(opt.params, opt.host):
-                h.copy_(_local(p).to(h.device, h.dtype))
-
-
-def _refuse_master_copy(plan: Any) -> None:
-    """CheckpointError (on every rank alike, before any collective) for a plan whose weights
-    are 16-bit with an fp32 master copy in the optimizer: the checkpoint would keep only the
-    16-bit weights, and a resumed run would start its masters rounded."""
-    cfg = plan.config
-    if cfg.mixed_precision == "params" and cfg.precision != "fp32":
-        raise CheckpointError(
-            f"this plan holds {cfg.precision} weights with the fp32 master copy in the optimizer "
-            "(mixed_precision='params'), whose checkpoints this runtime does not write yet: "
-            "the master copy would be lost and a resumed run would start from rounded "
-            "weights. Re-plan with --force mixed_precision=autocast to checkpoint")
+                if _local(p).dtype not in SIXTEEN_BIT:
+                    h.copy_(_local(p).to(h.device, h.dtype))
 
 
 class Checkpointing:
@@ -567,7 +564,6 @@ class Checkpointing:
         The first save into ``root`` claims it (``checkpoint_dir.py``): refused while another
         job writes there, and where another run's checkpoints are, unless this run resumed
         from the newest of them or ``overwrite`` (which deletes them first)."""
-        _refuse_master_copy(self.plan)
         self._claim(Path(root), overwrite=overwrite)
         ck = self.checkpointer
         if ck is None or ck.root != Path(root) or ck.keep_last != keep_last:
@@ -602,7 +598,6 @@ class Checkpointing:
     def load(self, path: str | os.PathLike[str]) -> Path:
         """Resume from the checkpoint at ``path`` (a root: its newest; or a step directory),
         saved under this plan or any other (a collective)."""
-        _refuse_master_copy(self.plan)
         step = load(self, path, lr_schedulers=self.lr_schedulers)
         self.__dict__["_resumed_from"] = step
         return step

@@ -239,17 +239,16 @@ def _refuse_unrunnable(plan: Plan, *, has_loss: bool) -> None:
 
 def _refuse_master_weights_with(cfg: Any) -> None:
     """PlanError for what 16-bit weights with an fp32 master copy (mixed_precision="params")
-    do not run with yet: pipelines, the sequence and expert axes, offload."""
+    do not run with yet: pipelines, the sequence and expert axes."""
     what = [name for name, on in (
         (f"pipelines (pp={cfg.pp})", cfg.pp > 1), (f"context parallelism (cp={cfg.cp})", cfg.cp > 1),
-        (f"expert parallelism (ep={cfg.ep})", cfg.ep > 1),
-        ("optimizer offload", cfg.offload_optimizer), ("parameter offload", cfg.offload_params))
-        if on]
+        (f"expert parallelism (ep={cfg.ep})", cfg.ep > 1)) if on]
     if what:
         raise PlanError(f"the plan holds {cfg.precision} weights with the fp32 master copy in "
                         "the optimizer (mixed_precision='params', as Megatron-LM's --bf16) "
                         f"together with {', '.join(what)}, which this runtime does not run "
-                        "with 16-bit weights yet (it runs them under dp, ZeRO-1/2/3 and tp). "
+                        "with 16-bit weights yet (it runs them under dp, ZeRO-1/2/3, tp and "
+                        "offload). "
                         "Re-plan with --force mixed_precision=autocast, or without "
                         f"{', '.join(what)}")
 
