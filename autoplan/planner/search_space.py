@@ -20,7 +20,7 @@ from autoplan.graph.opgraph import OpGraph
 from autoplan.graph.oprules import is_attention, uses_batch_statistics
 from autoplan.planner.options import SearchOptions
 from autoplan.sharding.context_axis import context_axis
-from autoplan.sharding.parallel_config import MIXED_PRECISION, ParallelConfig
+from autoplan.sharding.parallel_config import MIXED_PRECISION, SPLIT_BACKWARD, ParallelConfig
 
 
 def batch_statistics(graph: OpGraph | None) -> bool:
@@ -81,8 +81,9 @@ def mixed_precision_choices(opts: SearchOptions, precision: str) -> list[str]:
 
 def runs_master_weights(shape: Any) -> bool:
     """Whether the runtime runs 16-bit weights with an fp32 master copy on a mesh of this
-    shape (not yet with pipelines, context or expert parallelism: ``trainer``'s refusal)."""
-    return shape.pp == 1 and shape.cp == 1 and getattr(shape, "ep", 1) == 1
+    shape (not yet with context or expert parallelism, nor with the zero-bubble schedules,
+    which ``schedules`` leaves out: ``trainer``'s refusal)."""
+    return shape.cp == 1 and getattr(shape, "ep", 1) == 1
 
 
 def forced(opts: SearchOptions, name: str, values: Sequence[Any]) -> list[Any]:
@@ -108,6 +109,9 @@ def schedules(config: ParallelConfig, m: int, layers: int,
         out += [("zbv", 2)] + ([("dualpipev", 2)] if m >= 2 * config.pp else [])
     if "schedule" in opts.force:
         out = [s for s in out if s[0] == opts.force["schedule"]]
+    elif config.mixed_precision == "params" and config.precision != "fp32":
+        # their weight gradients skip the hooks that sum 16-bit weights' fp32 main grads
+        out = [s for s in out if s[0] not in SPLIT_BACKWARD]
     if "virtual_stages" in opts.force:
         out = [s for s in out if s[1] == opts.force["virtual_stages"]]
     return out

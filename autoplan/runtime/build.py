@@ -442,11 +442,14 @@ def _pipeline_steps(b: BuildInputs, stages: list[Stage], modules: list[nn.Module
                                  and token.target_input == len(b.graph.inputs) - 1 else None)
     in_two = sum(1 for st in stages for _ in st.module.parameters()) > len(
         {id(p) for st in stages for p in st.module.parameters()})
+    # 16-bit weights: torch scales p.grad, which is empty (the sums are the fp32 main grads)
+    sixteen = weights_dtype(b.plan)
     schedule = build_schedule(pipe_stages, cfg, per_replica // cfg.micro_batch_size, loss_out,
-                              scale_grads=not in_two)
+                              scale_grads=not in_two and sixteen is None)
     params = list({id(p): p for st in stages for p in st.module.parameters()
                    if p.requires_grad}.values())
     last = cfg.dims.group(A.PP, place.rank)[cfg.chunk_rank(n - 1)]
     return PipelineSteps(chunks={st.index: st.module for st in stages}, schedule=schedule,
                          loss_out=loss_out, pp_group=groups.pp, last_stage_rank=last,
-                         average_here=params if in_two else [])
+                         average_here=params if in_two or sixteen is not None else [],
+                         weights_dtype=sixteen)

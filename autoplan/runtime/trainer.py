@@ -35,6 +35,7 @@ from autoplan.graph.trace import trace
 from autoplan.runtime.build import BuildInputs, build_rank
 from autoplan.planner.search import plan as make_plan
 from autoplan.planner.search_space import selective_compiles
+from autoplan.sharding.parallel_config import SPLIT_BACKWARD
 
 COLLECTIVE_TIMEOUT_S = int(os.environ.get("AUTOPLAN_COLLECTIVE_TIMEOUT_S", "120"))
 
@@ -239,16 +240,18 @@ def _refuse_unrunnable(plan: Plan, *, has_loss: bool) -> None:
 
 def _refuse_master_weights_with(cfg: Any) -> None:
     """PlanError for what 16-bit weights with an fp32 master copy (mixed_precision="params")
-    do not run with yet: pipelines, the sequence and expert axes."""
+    do not run with yet: zero-bubble schedules, the sequence and expert axes."""
     what = [name for name, on in (
-        (f"pipelines (pp={cfg.pp})", cfg.pp > 1), (f"context parallelism (cp={cfg.cp})", cfg.cp > 1),
+        (f"the {cfg.schedule} schedule (its weight gradients bypass the fp32 main grads)",
+         cfg.pp > 1 and cfg.schedule in SPLIT_BACKWARD),
+        (f"context parallelism (cp={cfg.cp})", cfg.cp > 1),
         (f"expert parallelism (ep={cfg.ep})", cfg.ep > 1)) if on]
     if what:
         raise PlanError(f"the plan holds {cfg.precision} weights with the fp32 master copy in "
                         "the optimizer (mixed_precision='params', as Megatron-LM's --bf16) "
                         f"together with {', '.join(what)}, which this runtime does not run "
-                        "with 16-bit weights yet (it runs them under dp, ZeRO-1/2/3, tp and "
-                        "offload). "
+                        "with 16-bit weights yet (it runs them under dp, ZeRO-1/2/3, tp, offload "
+                        "and the 1F1B/GPipe/interleaved pipelines). "
                         "Re-plan with --force mixed_precision=autocast, or without "
                         f"{', '.join(what)}")
 
