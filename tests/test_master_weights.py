@@ -38,18 +38,23 @@ def _optimizer(params):
     return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
 
 
-def _by_hand(name, micro_batches):
-    """Losses and fp32 masters of the scheme by hand on one process."""
+def _by_hand(name, micro_batches, dtype=torch.bfloat16, scale=None, ranks=1):
+    """Losses and fp32 masters of the scheme by hand on one process (with ``scale``: fp16's
+    dynamic loss scaling from that scale, a step whose gradients overflow skipped and the
+    scale halved, as ``torch.amp.GradScaler`` and Megatron-LM's --fp16 do). Each micro-batch's
+    backward is scaled as on one of ``ranks`` data-parallel ranks (by 1 / its micro-batches,
+    the mean over the ranks taken on the fp32 sums, as Megatron-LM scales): where fp16
+    overflows depends on it; each rank sums its own micro-batches first."""
     ex = build_example(name, batch_size=GLOBAL_BATCH, seed=0)
-    model = ex.model.to(torch.bfloat16)
+    model = ex.model.to(dtype)
     params = [p for p in model.parameters() if p.requires_grad]
     masters = [p.detach().float().requires_grad_(True) for p in params]
     start = [m.detach().clone() for m in masters]
     opt = _optimizer(masters)
-    inputs = [x.to(torch.bfloat16) if x.is_floating_point() else x for x in ex.example_inputs]
-    losses = []
+    inputs = [x.to(dtype) if x.is_floating_point() else x for x in ex.example_inputs]
+    losses, skipped = [], 0
     for _ in range(STEPS):
-        main = [torch.zeros_like(m) for m in masters]
+        per_rank = [[torch.zeros_like(m) for m in masters] for _ in range(ranks)]
         total = 0.0
         rows = GLOBAL_BATCH // micro_batches
         for k in range(micro_batches):
@@ -58,23 +63,27 @@ def _by_hand(name, micro_batches):
             out = out.float() if isinstance(out, torch.Tensor) else type(out)(
                 o.float() if o.is_floating_point() else o for o in out)
             loss = ex.loss_fn(out, ex.targets[k * rows:(k + 1) * rows])
-            (loss / micro_batches).backward()
-            for b, p in zip(main, params):
+            (loss * ((scale or 1.0) * ranks / micro_batches)).backward()
+            for b, p in zip(per_rank[k * ranks // micro_batches], params):
                 b.add_(p.grad)
                 p.grad = None
             total += loss.item()
+        losses.append(total / micro_batches)
+        main = [sum(bs[1:], bs[0]) for bs in zip(*per_rank)]    # the all-reduce's sum
+        if scale is not None and not all(torch.isfinite(b).all() for b in main):
+            scale, skipped = scale / 2, skipped + 1
+            continue
         for m, b in zip(masters, main):
-            m.grad = b
+            m.grad = b / ranks / scale if scale is not None else b / ranks
         opt.step()
         with torch.no_grad():
             for p, m in zip(params, masters):
                 p.copy_(m)
-        losses.append(total / micro_batches)
     names = [n for n, p in model.named_parameters() if p.requires_grad]
     first = {id(p): n for n, p in model.named_parameters()}
     tied = {n: first[id(p)] for n, p in model.named_parameters(remove_duplicate=False)}
     return (losses, dict(zip(names, (m.detach() for m in masters))), dict(zip(names, start)),
-            tied)
+            tied, skipped)
 
 
 def _masters(trainer):
@@ -98,25 +107,28 @@ def _masters(trainer):
     return out
 
 
-def _rank(rank, world, name, plan_json):
+def _rank(rank, world, name, plan_json, init_scale=None):
+    from autoplan.runtime.grads import LossScaler
     from autoplan.runtime.trainer import compile
     ex = build_example(name, batch_size=GLOBAL_BATCH, seed=0)
     small = build_example(name, batch_size=MICRO_BATCH, seed=0)
     trainer = compile(ex.model, "local", example_inputs=small.example_inputs,
                       example_targets=small.targets, loss_fn=ex.loss_fn, optimizer=_optimizer,
-                      global_batch_size=GLOBAL_BATCH, plan=Plan.from_json(plan_json))
+                      global_batch_size=GLOBAL_BATCH, plan=Plan.from_json(plan_json),
+                      loss_scaler=LossScaler(init_scale=init_scale) if init_scale else None)
     batch = tuple(ex.example_inputs) + (ex.targets,)
     losses = [trainer.step(batch) for _ in range(STEPS)]
     masters = _masters(trainer) if trainer.config.tp == 1 else {}
     weights = {k: (str(v.dtype), v.float().tolist())
                for k, v in trainer.full_state_dict().items()}
-    return losses, masters, weights
+    skipped = trainer.loss_scaler.skipped_steps if trainer.loss_scaler else 0
+    return losses, masters, weights, skipped
 
 
-def _plan(name, world, force, max_pp=1):
+def _plan(name, world, force, max_pp=1, precision="bf16"):
     small = build_example(name, batch_size=MICRO_BATCH, seed=0)
     g = trace(small.model, small.example_inputs, loss_fn=small.loss_fn, targets=small.targets)
-    return make_plan(g, Cluster.local(world), global_batch_size=GLOBAL_BATCH, precision="bf16",
+    return make_plan(g, Cluster.local(world), global_batch_size=GLOBAL_BATCH, precision=precision,
                      profile=None, max_pp=max_pp,
                      force={"mixed_precision": "params", "micro_batch_size": MICRO_BATCH,
                             **force})
@@ -128,10 +140,10 @@ def _check(name, world, force, *, update_error):
     p = force if isinstance(force, Plan) else _plan(name, world, force)
     assert p.config.mixed_precision == "params" and p.config.precision == "bf16"
     results = run_ranks(_rank, world, name, p.to_json())
-    ref_losses, ref_masters, start, tied = _by_hand(name, GLOBAL_BATCH // MICRO_BATCH)
+    ref_losses, ref_masters, start, tied, _ = _by_hand(name, GLOBAL_BATCH // MICRO_BATCH)
     fsdp = p.config.zero_stage >= 2
     seen = {}
-    for losses, masters, weights in results:
+    for losses, masters, weights, _ in results:
         assert losses == results[0][0]                   # one loss on every rank
         # the first loss: the same bf16 weights and inputs
         assert losses[0] == pytest.approx(ref_losses[0], rel=1e-6, abs=1e-6)
@@ -185,6 +197,30 @@ def test_pipelined_master_weights_equal_the_scheme_by_hand():
     them in bf16 before the hook, a round-off the update carries (untied: bitwise equal)."""
     p = _plan("gpt-tiny", 2, dict(pp=2, dp=1, tp=1, schedule="1f1b"), max_pp=2)
     _check("gpt-tiny", 2, p, update_error=0.02)
+
+
+def test_fp16_master_weights_skip_overflowed_steps_as_by_hand():
+    """fp16 weights (Megatron-LM's --fp16) under ZeRO-1: the loss scaled, the scaled fp16
+    gradients summed in the fp32 main grads, an overflow found there skipping the step on
+    every rank and halving the scale, else the main grads unscaled for AdamW on the masters.
+    From 2^18 the first step overflows, the next two train: bitwise the scheme by hand with the
+    same scaler."""
+    scale = 2.0 ** 18
+    p = _plan("mlp-tiny", 2, dict(dp=2, tp=1, zero_stage=1), precision="fp16")
+    assert p.config.mixed_precision == "params" and p.config.precision == "fp16"
+    results = run_ranks(_rank, 2, "mlp-tiny", p.to_json(), scale)
+    ref_losses, ref_masters, start, _, ref_skipped = _by_hand(
+        "mlp-tiny", GLOBAL_BATCH // MICRO_BATCH, dtype=torch.float16, scale=scale, ranks=2)
+    assert ref_skipped == 1 and ref_losses[2] < ref_losses[1] == ref_losses[0]
+    seen = {}
+    for losses, masters, weights, skipped in results:
+        assert (losses, skipped) == (ref_losses, ref_skipped)
+        assert {d for d, _ in weights.values()} == {"torch.float16"}
+        seen.update(masters)
+    assert set(seen) == set(ref_masters)
+    for k, ref in ref_masters.items():
+        assert not torch.equal(ref, start[k])                  # the step taken moved them
+        assert torch.equal(torch.tensor(seen[k]).reshape(ref.shape), ref), k
 
 
 def test_master_weights_refused_with_zero_bubble_schedules():
