@@ -1,7 +1,9 @@
 """Memory and predicted step time of the two ways of holding 16-bit weights (issue 39 part 4):
 autocast (fp32 weights, 16-bit products) against "params" (Megatron-LM's --bf16: 16-bit weights
 and activations, the fp32 master copy with the optimizer), each the planner's best plan with the
-other fields searched, on the issue's three setups (bf16, AdamW, roofline).
+other fields searched, then both offered to one search (``mixed_precision=("autocast",
+"params")``, ``plan --search-mixed-precision``): its pick, on the issue's three setups (bf16,
+AdamW, roofline).
 
     python benchmarks/master_weights_figures.py [llama3-8b|llama3-70b|gpt3-175b ...]
 """
@@ -43,17 +45,20 @@ def main(names):
             cluster = autoplan.Cluster.from_dict({"name": f"{preset}-1gpu", **entry})
         else:
             cluster = autoplan.Cluster.preset(preset, nodes=nodes)
-        for held in ("autocast", "params"):
+        for held in ("autocast", "params", "either"):
             t0 = time.perf_counter()
+            offered = {"mixed_precision": ("autocast", "params")} if held == "either" \
+                else {"force": {"mixed_precision": held}}
             try:
                 p = plan(graph, cluster, global_batch_size=gbs, precision="bf16",
-                         profile=None, top_k=0, force={"mixed_precision": held},
-                         **({"max_pp": 1} if held == "params" else {}))
+                         profile=None, top_k=0, **offered)
             except autoplan.errors.AutoplanError as e:
-                print(f"{name:11s} {held:8s} no plan: {str(e)[:120]}")
+                print(f"{name:11s} {held:11s} no plan: {str(e)[:120]}")
                 continue
             pr = p.predicted
-            print(f"{name:11s} {held:8s} {p.config.short():60s} step "
+            if held == "either":
+                held = f"-> {p.config.mixed_precision}"
+            print(f"{name:11s} {held:11s} {p.config.short():60s} step "
                   f"{pr['step_time_s']:8.3f} s  peak {pr['peak_memory_bytes'] / 2**30:6.1f} GiB  "
                   f"(search {time.perf_counter() - t0:.0f} s)", flush=True)
 

@@ -287,3 +287,58 @@ def test_checkpoints_hold_the_fp32_masters_and_reshard(tmp_path):
     exported = torch.load(tmp_path / "model.pt") if export(ckpt, tmp_path / "model.pt") else {}
     assert {k: v.dtype for k, v in exported.items()} == {k: torch.float32 for k in by_step[1]}
     assert {k: v.tolist() for k, v in exported.items()} == by_step[1]
+
+
+def _one_gpu_of(preset):
+    """One GPU of ``preset``'s node, as benchmarks/master_weights_figures.py builds it."""
+    from autoplan.cluster import specs
+    entry = {**specs.preset_entry(preset), "num_nodes": 1, "devices_per_node": 1}
+    links = []
+    for link in entry["node"]["links"]:
+        a, b = link["a"], link["b"]
+        if isinstance(a, list) and str(a[0]).startswith("gpu"):
+            link = {**link, "a": a[:1], "b": b[:1] if isinstance(b, list) else b}
+        links.append(link)
+    entry["node"] = {**entry["node"], "links": links}
+    return Cluster.from_dict({"name": f"{preset}-1gpu", **entry})
+
+
+def _held_three_ways(graph, cluster, gbs):
+    """(best plan with fp32 weights or None where none fits, with 16-bit weights, with both
+    offered to one search)."""
+    from autoplan.errors import AutoplanError
+    kw = dict(global_batch_size=gbs, precision="bf16", profile=None, top_k=0)
+    try:
+        autocast = make_plan(graph, cluster, force={"mixed_precision": "autocast"}, **kw)
+    except AutoplanError as e:
+        assert "fits" in str(e)
+        autocast = None
+    params = make_plan(graph, cluster, force={"mixed_precision": "params"}, **kw)
+    either = make_plan(graph, cluster, mixed_precision=("autocast", "params"), **kw)
+    return autocast, params, either
+
+
+def test_search_holds_the_weights_as_priced_memory_and_time_say():
+    """Offered both ways of holding 16-bit weights, the search takes what its prices say.
+    Llama-3-8B on one H100 (80 GiB, global batch 8): with fp32 weights no plan fits (86 GiB at
+    least, even with the optimizer offloaded), with 16-bit weights and fp32 masters offloaded
+    one does: the search picks that one. gpt-tiny on a DGX H100: both fit, and 16-bit weights
+    are priced faster (no casts): picked, as fast as the best forced plan. Left to its default
+    (autocast alone) the search never offers them."""
+    from autoplan.models.registry import build_example as build
+    ex = build("llama3-8b", device="meta")
+    graph = trace(ex.model, ex.example_inputs, loss_fn=ex.loss_fn, targets=ex.targets)
+    autocast, params, either = _held_three_ways(graph, _one_gpu_of("dgx-h100"), 8)
+    assert autocast is None and params.config.offload_optimizer
+    assert either.config == params.config
+    small = build_example("gpt-tiny", batch_size=1, seed=0)
+    graph = trace(small.model, small.example_inputs, loss_fn=small.loss_fn,
+                  targets=small.targets)
+    dgx = Cluster.preset("dgx-h100", nodes=1)
+    autocast, params, either = _held_three_ways(graph, dgx, 8)
+    times = {p.config.mixed_precision: p.predicted["step_time_s"] for p in (autocast, params)}
+    assert either.config.mixed_precision == min(times, key=times.get) == "params"
+    assert either.predicted["step_time_s"] == min(times.values())
+    default = make_plan(graph, dgx, global_batch_size=8, precision="bf16", profile=None,
+                        top_k=0)
+    assert default.config.mixed_precision == "autocast"
