@@ -46,6 +46,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="let the search choose options whose numerics differ from exact "
                         "training (PowerSGD gradient compression, low-bit optimizer states); "
                         "--force of one works without it")
+    p.add_argument("--search-mixed-precision", action="store_true",
+                   help="offer 16-bit weights with an fp32 master copy (mixed_precision=params, "
+                        "Megatron-LM's --bf16) beside autocast's fp32 weights; norms and "
+                        "softmax then run in 16 bits unless the model upcasts them")
     add_capacity_arg(p)
     p.add_argument("--no-profile", action="store_true", help="roofline only, ignore profiles")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress lines")
@@ -138,7 +142,9 @@ def run(args: argparse.Namespace) -> int:
                   profile=None if args.no_profile else "auto", name=args.model,
                   progress=progress, top_k=args.top_k, max_tp=args.max_tp,
                   max_pp=args.max_pp, expert_capacity_factor=args.expert_capacity_factor,
-                  force=force, pin=pin, allow_lossy=args.allow_lossy)
+                  force=force, pin=pin, allow_lossy=args.allow_lossy,
+                  mixed_precision=(("autocast", "params") if args.search_mixed_precision
+                                   else ("autocast",)))
     result.save(args.output)
     print(explain_plan(result))
     if args.precision == "auto" and "fp8" not in cluster.device.peak_flops:

@@ -46,15 +46,42 @@ class _WithLoss(nn.Module):
     """Puts the loss inside the traced program so its ops are costed too."""
 
     def __init__(self, model: nn.Module, loss_fn: Callable[[Any, torch.Tensor], torch.Tensor],
-                 num_inputs: int):
+                 num_inputs: int, upcast: bool = False):
         super().__init__()
         self.model = model
         self.loss_fn = loss_fn
         self.num_inputs = num_inputs
+        self.upcast = upcast        # 16-bit weights: the loss reads the outputs in fp32
 
     def forward(self, *args):
         out = self.model(*args[: self.num_inputs])
+        if self.upcast:
+            out = float_outputs(out)
         return self.loss_fn(out, args[self.num_inputs])
+
+
+def _cast_floating(obj: Any, dtype: torch.dtype) -> Any:
+    """``obj`` with every floating-point tensor in it (tuples, lists, dicts, dataclass-like
+    outputs with ``__dict__`` left alone) cast to ``dtype``."""
+    if isinstance(obj, torch.Tensor):
+        return obj.to(dtype) if obj.is_floating_point() else obj
+    if isinstance(obj, (tuple, list)):
+        return type(obj)(_cast_floating(x, dtype) for x in obj)
+    if isinstance(obj, dict):
+        return type(obj)((k, _cast_floating(v, dtype)) for k, v in obj.items())
+    return obj
+
+
+def float_outputs(out: Any) -> Any:
+    """A 16-bit model's outputs in fp32, as Megatron-LM's ``Float16Module`` hands them to the
+    loss (its cross entropy reads fp32 logits)."""
+    return _cast_floating(out, torch.float32)
+
+
+def sixteen_bit_inputs(inputs: Sequence[Any], dtype: torch.dtype) -> tuple:
+    """A 16-bit model's inputs: the floating-point ones cast to ``dtype`` (Megatron-LM's
+    ``Float16Module`` casts them so), token ids and masks of other dtypes as they are."""
+    return tuple(_cast_floating(x, dtype) for x in inputs)
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -215,7 +242,8 @@ def export_program(model: nn.Module, example_inputs: Sequence[Any], *,
                    loss_fn: Callable[[Any, torch.Tensor], torch.Tensor] | None = None,
                    targets: torch.Tensor | None = None, train: bool = True,
                    name: str | None = None, autocast_dtype: torch.dtype | None = None,
-                   device: torch.device | None = None) -> tuple[Any, OpGraph, str]:
+                   device: torch.device | None = None,
+                   weights_dtype: torch.dtype | None = None) -> tuple[Any, OpGraph, str]:
     """Export ``model(*example_inputs)`` (plus the loss) with torch.export and read it into an
     OpGraph with one op per call node (every layer traced, nothing stamped). Returns the
     ExportedProgram, the graph (op names are the program's node names) and the prefix its
@@ -228,7 +256,12 @@ def export_program(model: nn.Module, example_inputs: Sequence[Any], *,
     (HF's rotary embeddings), and dtype-keyed branches are what eager ``torch.autocast`` would
     meet, not what an fp32 trace baked in. Torch keeps no autocast for meta tensors: a model
     on the meta device is exported as fake tensors on ``device`` (the device the step runs on;
-    nothing is allocated), so its graph is that device's 16-bit program too."""
+    nothing is allocated), so its graph is that device's 16-bit program too.
+
+    ``weights_dtype`` (16-bit weights, ``mixed_precision="params"``): the model is exported as
+    ``model.to(weights_dtype)`` would run (its floating parameters and buffers in that dtype,
+    swapped in for the export only), its floating inputs cast to it and, with a loss, its
+    outputs cast to fp32 before the loss, as Megatron-LM's ``Float16Module`` runs a model."""
     if not isinstance(model, nn.Module):
         raise TraceError(f"trace() needs an nn.Module, got {type(model).__name__}")
     if example_inputs is None:
@@ -242,8 +275,10 @@ def export_program(model: nn.Module, example_inputs: Sequence[Any], *,
     model_name = name or type(model).__name__
     root: nn.Module = model
     prefix = ""
+    if weights_dtype is not None:
+        inputs = sixteen_bit_inputs(inputs, weights_dtype)
     if loss_fn is not None:
-        root = _WithLoss(model, loss_fn, len(inputs))
+        root = _WithLoss(model, loss_fn, len(inputs), upcast=weights_dtype is not None)
         inputs = inputs + (targets,)
         prefix = "model."
     fakes = contextlib.nullcontext()
@@ -256,7 +291,8 @@ def export_program(model: nn.Module, example_inputs: Sequence[Any], *,
     model.train(train)
     t0 = time.perf_counter()
     try:
-        with _module_tracker(root) as stack, fakes as to_fake:
+        with _module_tracker(root) as stack, fakes as to_fake, \
+                _weights_in(model, weights_dtype):
             if to_fake is not None:
                 inputs = tuple(to_fake(x) for x in inputs)
             try:
@@ -276,6 +312,34 @@ def export_program(model: nn.Module, example_inputs: Sequence[Any], *,
                     outputs=graph.outputs, blocks=graph.blocks, batch_size=graph.batch_size,
                     meta=meta)
     return ep, graph, prefix
+
+
+@contextmanager
+def _weights_in(model: nn.Module, dtype: torch.dtype | None):
+    """``model``'s floating parameters and buffers swapped for copies in ``dtype`` while the
+    block runs (tied ones staying tied; nothing when ``dtype`` is None); the model's own tensors
+    are put back after."""
+    if dtype is None:
+        yield
+        return
+    made: dict[int, torch.Tensor] = {}
+    swapped: list[tuple[dict, str, torch.Tensor]] = []
+    for module in model.modules():
+        for table in (module._parameters, module._buffers):
+            for attr, t in list(table.items()):
+                if t is None or not t.is_floating_point() or t.dtype == dtype:
+                    continue
+                if id(t) not in made:
+                    c = t.detach().to(dtype)
+                    made[id(t)] = (nn.Parameter(c, requires_grad=t.requires_grad)
+                                   if isinstance(t, nn.Parameter) else c)
+                table[attr] = made[id(t)]
+                swapped.append((table, attr, t))
+    try:
+        yield
+    finally:
+        for table, attr, t in reversed(swapped):
+            table[attr] = t
 
 
 @contextmanager

@@ -55,7 +55,18 @@ def _header(plan: Plan) -> str:
         + (f", expert capacity factor {t.expert_capacity_factor:g}"
            if t.expert_capacity_factor != 1.0 else "") + "   "
         f"(autoplan {plan.autoplan_version}, plan schema {plan.schema_version})"),
-    ])
+    ] + _held_weights(plan))
+
+
+def _held_weights(plan: Plan) -> list[str]:
+    """A line for 16-bit weights with the fp32 master copy (``mixed_precision="params"``)."""
+    cfg = plan.config
+    if cfg.mixed_precision != "params" or cfg.precision == "fp32":
+        return []
+    return [f"weights  {cfg.precision} weights and activations, the fp32 master copy and "
+            "gradient sums with the optimizer (mixed_precision=params, Megatron-LM's "
+            f"--{cfg.precision}); no autocast: norms and softmax run in {cfg.precision} unless "
+            "the model upcasts them"]
 
 
 def _axis_labels(axes: Sequence[str]) -> list[str]:

@@ -35,3 +35,6 @@ class SearchOptions:
     # precision="auto": the search also tries fp32 where 16 bits gain nothing, and fp8 linear
     # layers (tensorwise, rowwise) where the device has fp8 (``search_space.precision_variants``)
     precision_auto: bool = False
+    # how 16-bit plans hold their weights (search_space.mixed_precision_choices): autocast
+    # alone unless the user offers "params" (other numerics: norms and softmax in 16 bits)
+    mixed_precision: tuple[str, ...] = ("autocast",)

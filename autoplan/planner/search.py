@@ -146,16 +146,29 @@ def plan(model: Any, cluster: Any, *, global_batch_size: int, example_inputs: An
         precision = search_space.auto_precision(cluster)
         opts = replace(opts, precision_auto=True)
     base = {"precision": precision, "optimizer": optimizer}
-    if "mixed_precision" in opts.force:      # never searched: the runtime runs autocast only
-        base["mixed_precision"] = opts.force["mixed_precision"]
+    holds = search_space.mixed_precision_choices(opts, precision)
     base["compiled"] = search_space.compiled_choice(opts, cluster)
     shapes, layers = _meshes(graph, cluster, opts)
     _check_forced_experts(graph, opts)
     sc = SearchContext(graph=graph, cluster=cluster, global_batch_size=global_batch_size,
                        profile=profile, opts=opts, stats=stats,
                        pinned=pins.resolve(graph, opts.pin) if opts.pin else {})
-    cands = _search_meshes(sc, shapes, base, layers)
-    return _choose(sc, cands, base, name)
+    cands = []
+    for held in holds:             # each way of holding 16-bit weights the options allow
+        cands += _search_held(sc, shapes, {**base, "mixed_precision": held}, layers)
+    return _choose(sc, cands, {**base, "mixed_precision": holds[0]}, name)
+
+
+def _search_held(sc: SearchContext, shapes: list[Any], base: dict[str, Any],
+                 layers: int) -> list[Candidate]:
+    """``_search_meshes`` for one way of holding the weights; 16-bit weights with an fp32
+    master copy only where the runtime runs them (no pipelines, cp or ep), unless forced (then
+    the runtime refuses the plan with its reason)."""
+    if base["mixed_precision"] != "params" or base["precision"] == "fp32" \
+            or "mixed_precision" in sc.opts.force:
+        return _search_meshes(sc, shapes, base, layers)
+    mine = [s for s in shapes if search_space.runs_master_weights(s)]
+    return _search_meshes(sc, mine, base, layers) if mine else []
 
 
 def _checked_options(opts: SearchOptions) -> SearchOptions:

@@ -22,7 +22,8 @@ from autoplan.graph.opgraph import OpGraph
 from autoplan.graph.oprules import is_attention, uses_batch_statistics
 from autoplan.planner.options import SearchOptions
 from autoplan.sharding.context_axis import context_axis
-from autoplan.sharding.parallel_config import ParallelConfig, strongest_recompute
+from autoplan.sharding.parallel_config import (MIXED_PRECISION, SPLIT_BACKWARD, ParallelConfig,
+                                               strongest_recompute)
 
 
 def batch_statistics(graph: OpGraph | None) -> bool:
@@ -63,6 +64,31 @@ def compiled_choice(opts: SearchOptions, cluster: Any) -> bool:
     return bool(opts.force.get("compiled", False))
 
 
+def mixed_precision_choices(opts: SearchOptions, precision: str) -> list[str]:
+    """How a plan may hold its weights (``ParallelConfig.mixed_precision``): as forced, else the
+    options' (autocast alone by default). "params" (Megatron-LM's --bf16: 16-bit weights and
+    activations, the fp32 master copy with the optimizer) saves the fp32 weights' memory and
+    autocast's casts, but runs norms and softmax in 16 bits where the model does not upcast
+    them itself: a change of numerics the user opts into (``mixed_precision=("autocast",
+    "params")``). An fp32 plan has one choice: "params" is fp32 there."""
+    wanted = [opts.force["mixed_precision"]] if "mixed_precision" in opts.force \
+        else list(opts.mixed_precision)
+    bad = [m for m in wanted if m not in MIXED_PRECISION]
+    if bad or not wanted:
+        raise ConfigError(f"mixed_precision choices must be among {list(MIXED_PRECISION)}, got "
+                          f"{wanted}")
+    if precision == "fp32":
+        return wanted[:1] if "mixed_precision" in opts.force else ["autocast"]
+    return list(dict.fromkeys(wanted))
+
+
+def runs_master_weights(shape: Any) -> bool:
+    """Whether the runtime runs 16-bit weights with an fp32 master copy on a mesh of this
+    shape (not yet with context or expert parallelism, nor with the zero-bubble schedules,
+    which ``schedules`` leaves out: ``trainer``'s refusal)."""
+    return shape.cp == 1 and getattr(shape, "ep", 1) == 1
+
+
 def forced(opts: SearchOptions, name: str, values: Sequence[Any]) -> list[Any]:
     if name in opts.force:
         return [opts.force[name]]
@@ -86,6 +112,9 @@ def schedules(config: ParallelConfig, m: int, layers: int,
         out += [("zbv", 2)] + ([("dualpipev", 2)] if m >= 2 * config.pp else [])
     if "schedule" in opts.force:
         out = [s for s in out if s[0] == opts.force["schedule"]]
+    elif config.mixed_precision == "params" and config.precision != "fp32":
+        # their weight gradients skip the hooks that sum 16-bit weights' fp32 main grads
+        out = [s for s in out if s[0] not in SPLIT_BACKWARD]
     if "virtual_stages" in opts.force:
         out = [s for s in out if s[1] == opts.force["virtual_stages"]]
     return out

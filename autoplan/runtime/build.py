@@ -31,7 +31,7 @@ the same reasons):
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
@@ -43,7 +43,9 @@ from autoplan.errors import PlanError
 from autoplan.graph.loss import token_mean_loss
 from autoplan.graph.opgraph import OpGraph
 from autoplan.runtime import parallelize as par
-from autoplan.runtime.emit import Exported, autocast_dtype, connect, export_for_plan, lower
+from autoplan.runtime.emit import (Exported, autocast_dtype, compute_dtype, connect,
+                                   export_for_plan, lower, weights_dtype)
+from autoplan.runtime.master_weights import MasterWeightsOptimizer, keep_main_grads
 from autoplan.runtime.activation_offload import apply_activation_offload
 from autoplan.runtime.experts import expert_parameters
 from autoplan.runtime.rank_failure import for_job
@@ -260,10 +262,11 @@ class GradSyncs:
     tied: list[Any]                     # weights read by chunks on two pipeline ranks
     split_backward: list[Any]           # ZeRO-0/1 under zero-bubble schedules
     experts: list[Any]                  # expert slabs, over the ranks that hold them
+    main_grads: list[Any] = field(default_factory=list)   # 16-bit weights' fp32 sums (no DDP)
 
     def in_order(self) -> list[Any]:
         return (self.tensor_parallel + self.whole + self.tied + self.split_backward
-                + self.experts)
+                + self.experts + self.main_grads)
 
 
 def data_parallel(b: BuildInputs, stages: list[Stage], ex: Exported, groups: Groups,
@@ -276,9 +279,12 @@ def data_parallel(b: BuildInputs, stages: list[Stage], ex: Exported, groups: Gro
     cfg = b.plan.config
     syncs = GradSyncs([], [], [], [], [])
     before = expert_parameters([s.module for s in stages], ex.graph, cfg.ep)
+    sixteen = weights_dtype(b.plan)
     if cfg.uses_fsdp:
         mp = None
-        precision = autocast_dtype(b.plan)
+        precision = compute_dtype(b.plan)
+        if sixteen is not None:       # FSDP's sharded fp32 parameters are the master copy
+            _cast_params([s.module for s in stages], torch.float32)
         if precision is not None:
             from torch.distributed.fsdp import MixedPrecisionPolicy
             mp = MixedPrecisionPolicy(param_dtype=precision, reduce_dtype=torch.float32)
@@ -297,7 +303,18 @@ def data_parallel(b: BuildInputs, stages: list[Stage], ex: Exported, groups: Gro
     experts = expert_parameters([s.module for s in stages], ex.graph, cfg.ep)
     expert_ids = {id(p) for p in experts.values()}
     modules = [s.module for s in stages]
-    if cfg.grad_degree > 1 and not cfg.uses_fsdp:
+    if sixteen is not None:
+        # the weights FSDP left whole run in 16 bits too; every 16-bit weight sums its
+        # micro-batches' gradients in fp32 (before any other hook reads them)
+        _cast_params(modules, sixteen)
+        held16 = keep_main_grads(p for m in modules for p in m.parameters())
+        if cfg.grad_degree > 1 and not cfg.uses_fsdp:
+            # DDP would reduce the 16-bit gradients: the fp32 sums are reduced instead, each
+            # bucket behind the last backward (Megatron-LM's DDP with fp32 grad buffers)
+            syncs.main_grads.append(DataParallelGrads([p for p in held16
+                                                       if id(p) not in expert_ids],
+                                                      groups.dp, cfg.grad_degree))
+    elif cfg.grad_degree > 1 and not cfg.uses_fsdp:
         if cfg.pp > 1 and cfg.schedule in SPLIT_BACKWARD:
             params = [p for s in stages for p in s.module.parameters()
                       if p.requires_grad and id(p) not in expert_ids]
@@ -314,6 +331,15 @@ def data_parallel(b: BuildInputs, stages: list[Stage], ex: Exported, groups: Gro
         # hold the same experts, not by DDP over all of dp (FSDP does it in its units)
         syncs.experts.append(DataParallelGrads(list(experts.values()), groups.edp, cfg.dp))
     return modules, syncs, experts
+
+
+def _cast_params(modules: list[nn.Module], dtype: torch.dtype) -> None:
+    """The floating, plain-tensor parameters of ``modules`` (not FSDP's sharded DTensors) cast to
+    ``dtype`` in place (16-bit -> fp32 -> 16-bit is exact)."""
+    from torch.distributed.tensor import DTensor
+    for p in {id(p): p for m in modules for p in m.parameters()}.values():
+        if p.is_floating_point() and p.dtype != dtype and not isinstance(p, DTensor):
+            p.data = p.data.to(dtype)
 
 
 def tensor_parallel_grads(program: Program, stages: list[Stage], groups: Groups, cfg: Any
@@ -342,7 +368,10 @@ def make_optimizer(b: BuildInputs, stages: list[Stage], modules: list[nn.Module]
     # Adam's moments as the plan holds them (torchao's 8-bit or bf16 states; lowbit_optim.py)
     user = state_factory(b.optimizer, cfg.optimizer_state)
     factory = user
+    if weights_dtype(b.plan) is not None:       # the optimizer steps fp32 masters
+        factory = partial(MasterWeightsOptimizer, factory=user)
     if cfg.offload_optimizer and not cfg.offload_params:   # FSDP's offload carries the state
+        # (its fp32 host copies are 16-bit weights' masters: ZeRO-Offload's master weights)
         factory = partial(HostOffloadOptimizer, factory=user)
     if cfg.grad_degree > 1 and cfg.zero_stage == 1:
         opt = TensorShardedOptimizer(params, factory, groups.dp,
@@ -383,11 +412,12 @@ def build_rank(b: BuildInputs) -> Trainer:
         runner = _pipeline_steps(b, stages, modules, program, cuts, place, groups, token)
     else:
         # the scalar and expert gradients go out behind the last backward, as DDP's buckets
-        for sync in syncs.whole + syncs.experts:
+        overlapped = syncs.whole + syncs.experts + syncs.main_grads
+        for sync in overlapped:
             sync.overlap_with_backward()
         runner = LocalSteps(module=modules[0], loss_in_program=ex.with_loss,
-                            loss_fn=b.loss_fn, overlapped=tuple(syncs.whole + syncs.experts),
-                            token_loss=token)
+                            loss_fn=b.loss_fn, overlapped=tuple(overlapped),
+                            token_loss=token, weights_dtype=weights_dtype(b.plan))
     opt = make_optimizer(b, stages, modules, groups, experts)                  # 8
     return Trainer(runner=runner, optimizer=opt, plan=b.plan, rank=b.rank,
                    activation_offload=offloader.counter if offloader is not None else None,
@@ -427,11 +457,14 @@ def _pipeline_steps(b: BuildInputs, stages: list[Stage], modules: list[nn.Module
                                  and token.target_input == len(b.graph.inputs) - 1 else None)
     in_two = sum(1 for st in stages for _ in st.module.parameters()) > len(
         {id(p) for st in stages for p in st.module.parameters()})
+    # 16-bit weights: torch scales p.grad, which is empty (the sums are the fp32 main grads)
+    sixteen = weights_dtype(b.plan)
     schedule = build_schedule(pipe_stages, cfg, per_replica // cfg.micro_batch_size, loss_out,
-                              scale_grads=not in_two)
+                              scale_grads=not in_two and sixteen is None)
     params = list({id(p): p for st in stages for p in st.module.parameters()
                    if p.requires_grad}.values())
     last = cfg.dims.group(A.PP, place.rank)[cfg.chunk_rank(n - 1)]
     return PipelineSteps(chunks={st.index: st.module for st in stages}, schedule=schedule,
                          loss_out=loss_out, pp_group=groups.pp, last_stage_rank=last,
-                         average_here=params if in_two else [])
+                         average_here=params if in_two or sixteen is not None else [],
+                         weights_dtype=sixteen)

@@ -55,6 +55,8 @@ from autoplan.runtime.checkpoint_pieces import Layout, Pieces, layout_of
 from autoplan.runtime.lowbit_optim import plain_state, requantize
 from autoplan.runtime.optim import (wait_gathers, HostOffloadOptimizer, TensorShardedOptimizer,
                                     local_tensor as _local)
+from autoplan.runtime.master_weights import MasterWeightsOptimizer
+from autoplan.runtime.checkpoint_masters import SIXTEEN_BIT, weights_to_load, weights_to_save
 from autoplan.runtime.checkpoint_dir import claim
 
 
@@ -101,9 +103,10 @@ def optimizer_slots(opt: Any) -> list[tuple[torch.optim.Optimizer, dict[int, tor
     parameter that tensor stands for (itself, or the one a host-offloaded copy mirrors)."""
     if isinstance(opt, TensorShardedOptimizer):
         return optimizer_slots(opt.inner) if opt.inner is not None else []
-    if isinstance(opt, HostOffloadOptimizer):
+    if isinstance(opt, (HostOffloadOptimizer, MasterWeightsOptimizer)):
         inner = optimizer_slots(opt.inner)
-        mirror = {id(h): p for h, p in zip(opt.host, opt.params)}
+        copies = opt.host if isinstance(opt, HostOffloadOptimizer) else opt.masters
+        mirror = {id(h): p for h, p in zip(copies, opt.params)}
         return [(o, {k: mirror.get(id(v), v) for k, v in m.items()}) for o, m in inner]
     if isinstance(opt, torch.optim.Optimizer):
         return [(opt, {id(p): p for g in opt.param_groups for p in g["params"]})]
@@ -218,10 +221,12 @@ def state_to_save(trainer: Any, *, copy: bool) -> tuple[dict[str, Any], dict[str
         return layouts[fqn].pieces(local.to("cpu", copy=True) if copy else local)
 
     model_desc = {}
-    for fqn, h in held.items():
-        sd[f"model.{fqn}"] = pieces(h.tensor, fqn)
+    for fqn, w in weights_to_save(trainer, held).items():
+        if w is None:                   # a master another rank holds (and writes)
+            continue
+        sd[f"model.{fqn}"] = pieces(w, fqn)
         model_desc[fqn] = {"shape": list(layouts[fqn].global_shape),
-                           "dtype": str(h.tensor.dtype).removeprefix("torch.")}
+                           "dtype": str(w.dtype).removeprefix("torch.")}
     by_id = {id(h.tensor): h for h in held.values()}
     opt_desc: dict[str, Any] = {}
     hparams: dict[str, Any] = {}
@@ -408,8 +413,8 @@ def load(trainer: Any, path: str | os.PathLike[str], *,
     _check_same_model(step, meta, held, layouts)
     slots = optimizer_slots(trainer.optimizer)
     _check_same_optimizer(step, meta, slots)
-    sd: dict[str, Any] = {f"model.{fqn}": layouts[fqn].pieces(h.tensor)
-                          for fqn, h in held.items()}
+    into, rounded = weights_to_load(trainer, held)
+    sd: dict[str, Any] = {f"model.{fqn}": layouts[fqn].pieces(t) for fqn, t in into.items()}
     hparams = _empty_optimizer_state(step, meta, slots, held, layouts, sd)
     rank, _ = _world()
     src = rank if rank < meta["world_size"] else 0
@@ -417,6 +422,9 @@ def load(trainer: Any, path: str | os.PathLike[str], *,
     sd[f"rng.rank{src}"] = rng
     dcp.load(sd, storage_reader=FileSystemReader(step), planner=_LoadPlanner())
     _set_hparams(hparams)
+    with torch.no_grad():
+        for weight, value in rounded:       # 16-bit weights from their fp32 values
+            weight.copy_(value.to(weight.device))
     for opt, _ in slots:                 # fp32 values back into 8-bit moments
         requantize(opt)
     _refresh_host_copies(trainer.optimizer)
@@ -531,7 +539,8 @@ def _restore_counters(trainer: Any, step: Path, meta: dict[str, Any],
 
 
 def _refresh_host_copies(opt: Any) -> None:
-    """Host-offloaded master weights take the loaded parameters' values."""
+    """Host-offloaded master weights take the loaded fp32 parameters' values (a 16-bit
+    weight's host copy is its master, read from the checkpoint itself)."""
     if isinstance(opt, TensorShardedOptimizer):
         if opt.inner is not None:
             _refresh_host_copies(opt.inner)
@@ -539,7 +548,8 @@ def _refresh_host_copies(opt: Any) -> None:
     if isinstance(opt, HostOffloadOptimizer):
         with torch.no_grad():
             for p, h in zip(opt.params, opt.host):
-                h.copy_(_local(p).to(h.device, h.dtype))
+                if _local(p).dtype not in SIXTEEN_BIT:
+                    h.copy_(_local(p).to(h.device, h.dtype))
 
 
 class Checkpointing:

@@ -24,7 +24,7 @@ from torch import nn
 from autoplan.errors import PlanError, ConfigError
 from autoplan.graph.experts import find_experts
 from autoplan.graph.opgraph import OpGraph
-from autoplan.graph.trace import export_program
+from autoplan.graph.trace import export_program, sixteen_bit_inputs
 from autoplan.planner.op_binding import bind_strategies
 from autoplan.runtime.program import Program, build_program
 from autoplan.runtime.float8 import fp8_program_ops
@@ -96,6 +96,11 @@ def pair_ops(plan_graph: OpGraph, graph: OpGraph) -> dict[int, int]:
     return pairs
 
 
+# the ops a change of dtype adds to a traced graph (a cast and the assert export writes before it)
+DTYPE_CASTS = frozenset({"aten.to.dtype", "aten._to_copy.default",
+                         "aten._assert_tensor_metadata.default"})
+
+
 def strategies_by_position(plan_graph: OpGraph, op_strategies: dict[str, str],
                            graph: OpGraph, t: int) -> Sharding:
     """The plan's per-op strategy names (keyed by ``plan_graph``'s op names: see
@@ -107,7 +112,9 @@ def strategies_by_position(plan_graph: OpGraph, op_strategies: dict[str, str],
     pairs = pair_ops(plan_graph, graph)
     a, b = plan_graph.ops, graph.ops
     matched = len(pairs)
-    if matched < 0.9 * max(len(a), len(b)):
+    # casts another precision adds (16-bit weights' fp32 outputs) say nothing of the batch
+    casts = sum(1 for j, op in enumerate(b) if j not in pairs and op.target in DTYPE_CASTS)
+    if matched < 0.9 * max(len(a), len(b) - casts):
         raise PlanError(f"the model exported at the micro-batch has {len(b)} ops, the planning "
                         f"graph {len(a)}, and only {matched} line up: its forward depends on the "
                         "batch size; plan with example inputs of the micro-batch size")
@@ -161,14 +168,34 @@ class Exported:
     autocast_dtype: torch.dtype | None = None     # the step's autocast (16-bit plans)
     # (recipe, ops): the linears the plan runs in fp8 (``runtime/float8.py``)
     fp8: tuple[str, frozenset[int]] = ("none", frozenset())
+    weights_dtype: torch.dtype | None = None      # 16-bit weights (mixed_precision "params")
 
 
 PRECISION_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 def autocast_dtype(plan: Any) -> torch.dtype | None:
-    """The dtype the plan's step runs ``torch.autocast`` in; None for fp32 plans."""
+    """The dtype the plan's step runs ``torch.autocast`` in; None for fp32 plans and for
+    16-bit weights (``mixed_precision="params"``: the model itself runs in 16 bits)."""
+    if weights_dtype(plan) is not None:
+        return None
+    return compute_dtype(plan)
+
+
+def compute_dtype(plan: Any) -> torch.dtype | None:
+    """The 16-bit dtype the plan's products run in (either way of holding the weights); None
+    for fp32 plans."""
     return None if plan.config.precision == "fp32" else PRECISION_DTYPES[plan.config.precision]
+
+
+def weights_dtype(plan: Any) -> torch.dtype | None:
+    """The dtype of the rank program's weights under ``mixed_precision="params"`` (Megatron-LM's
+    --bf16: weights and activations in 16 bits, the fp32 master copy with the optimizer); None
+    when the weights are fp32 (autocast, or an fp32 plan, where "params" is plain fp32)."""
+    cfg = plan.config
+    if cfg.mixed_precision != "params" or cfg.precision == "fp32":
+        return None
+    return PRECISION_DTYPES[cfg.precision]
 
 
 def export_for_plan(model: nn.Module, plan: Any, plan_graph: OpGraph, *,
@@ -186,15 +213,18 @@ def export_for_plan(model: nn.Module, plan: Any, plan_graph: OpGraph, *,
                else None)
     # exported under the step's autocast: the graph is the program the step runs (its casts,
     # its autocast-disabled regions), not the fp32 program the planner priced autocast over
-    amp = autocast_dtype(plan)
+    amp, weights = autocast_dtype(plan), weights_dtype(plan)
+    if weights is not None:     # the program takes them so (the step casts them alike)
+        inputs = sixteen_bit_inputs(inputs, weights)
     ep, graph, prefix = export_program(model, inputs, loss_fn=loss_fn if with_loss else None,
-                                       targets=targets, autocast_dtype=amp, device=device)
+                                       targets=targets, autocast_dtype=amp, device=device,
+                                       weights_dtype=weights)
     # the plan names ops as the planning process's trace did: found here by canonical key
     named = bind_strategies(plan, plan_graph).strategies
     sh = strategies_by_position(plan_graph, named, graph, t)
     return Exported(ep=ep, graph=graph, prefix=prefix, sharding=sh,
                     inputs=inputs + ((targets,) if with_loss else ()), with_loss=with_loss,
-                    autocast_dtype=amp,
+                    autocast_dtype=amp, weights_dtype=weights,
                     fp8=(plan.config.fp8, fp8_program_ops(graph, plan.config)))
 
 
@@ -211,7 +241,8 @@ def lower(model: nn.Module, ex: Exported, *, t: int, tp_rank: int, device: torch
         raise PlanError(f"{e} (the model exported at the micro-batch)") from None
     found = find_experts(ex.graph) if ep[0] > 1 else None
     state = LocalState(model, t=t, rank=tp_rank, device=device, seed=seed, keep=keep,
-                       experts=found.params if found is not None else (), ep=ep)
+                       experts=found.params if found is not None else (), ep=ep,
+                       dtype=ex.weights_dtype)
     program = build_program(ex.ep, ex.graph, ex.sharding, prefix=ex.prefix, t=t, device=device,
                             state_tensor=state, ep_size=ep[0], cp=axis, fp8=ex.fp8)
     check_shapes(program, ex.inputs, t, device, autocast_dtype=ex.autocast_dtype)

@@ -23,6 +23,7 @@ from torch.distributed.tensor import DTensor
 from autoplan.errors import PlanError
 from autoplan.sharding.mesh_axes import MeshAxis
 from autoplan.runtime.checkpoint import held_state
+from autoplan.runtime.master_weights import grad_of
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -39,22 +40,22 @@ class GradSet:
     def local_sum_of_squares(self) -> torch.Tensor:
         total = torch.zeros((), dtype=torch.float64)
         for p, c in zip(self.params, self.counted):
-            if c and p.grad is not None:
-                g = _local(p.grad)
+            if c and grad_of(p) is not None:
+                g = _local(grad_of(p))
                 total += g.detach().to(torch.float64).pow(2).sum().cpu()
         return total
 
     def any_non_finite(self) -> bool:
         for p in self.params:
-            if p.grad is not None and not torch.isfinite(_local(p.grad)).all():
+            if grad_of(p) is not None and not torch.isfinite(_local(grad_of(p))).all():
                 return True
         return False
 
     def scale_(self, factor: float) -> None:
         with torch.no_grad():
             for p in self.params:
-                if p.grad is not None:
-                    _local(p.grad).mul_(factor)
+                if grad_of(p) is not None:
+                    _local(grad_of(p)).mul_(factor)
 
 
 def grad_set(trainer: Any, *, shared_elsewhere: set[str] = frozenset()) -> GradSet:

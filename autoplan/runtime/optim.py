@@ -24,6 +24,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from autoplan.runtime.master_weights import clear_grad, grad_of
+
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
     """This rank's piece of ``t`` (a DTensor's local shard; a plain tensor as it is)."""
@@ -58,9 +60,9 @@ class DataParallelGrads:
         self._armed = bool(self._hooks)
 
     def _complete(self, p: torch.nn.Parameter) -> None:
-        if not self._armed or p.grad is None:
+        if not self._armed or grad_of(p) is None:
             return
-        g = local_tensor(p.grad)
+        g = local_tensor(grad_of(p))
         if self._ready and (g.dtype != self._ready[0].dtype or g.device != self._ready[0].device
                             or _nbytes(self._ready) + _nbytes([g]) > BUCKET_BYTES):
             self._send()
@@ -82,7 +84,7 @@ class DataParallelGrads:
                 work.wait()
                 _scatter(flat.div_(self.dp), bucket)
         self._sent, self._sent_ids, self._armed = [], set(), False
-        grads = [local_tensor(p.grad) for p in rest if p.grad is not None]
+        grads = [local_tensor(grad_of(p)) for p in rest if grad_of(p) is not None]
         for bucket in _buckets(grads, BUCKET_BYTES):
             flat = torch.cat([g.reshape(-1) for g in bucket])
             dist.all_reduce(flat, group=self.group)
@@ -136,7 +138,7 @@ class TensorParallelGrads:
         self.group = group
 
     def all_reduce(self) -> None:
-        grads = [local_tensor(p.grad) for p in self.params if p.grad is not None]
+        grads = [local_tensor(grad_of(p)) for p in self.params if grad_of(p) is not None]
         for dtype in sorted({g.dtype for g in grads}, key=str):
             same = [g for g in grads if g.dtype == dtype]
             flat = torch.cat([g.reshape(-1) for g in same])
@@ -221,7 +223,9 @@ class TensorShardedOptimizer:
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for p in self.params:
-            p.grad = None
+            clear_grad(p)
+        if self.inner is not None:      # (a master-weights optimizer's masters)
+            self.inner.zero_grad(set_to_none=True)
 
     @property
     def param_groups(self):
@@ -251,10 +255,10 @@ class HostOffloadOptimizer:
     def step(self) -> None:
         with torch.no_grad():
             for p, h in zip(self.params, self.host):
-                if p.grad is None:
+                if grad_of(p) is None:
                     h.grad = None
                     continue
-                g = local_tensor(p.grad)
+                g = local_tensor(grad_of(p))
                 h.grad = g.to("cpu", torch.float32, copy=True)
                 self.bytes_moved += g.numel() * g.element_size()
             self.inner.step()
@@ -265,7 +269,7 @@ class HostOffloadOptimizer:
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for p in self.params:
-            p.grad = None
+            clear_grad(p)
         for h in self.host:
             h.grad = None
 

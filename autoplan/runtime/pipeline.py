@@ -33,6 +33,7 @@ from autoplan.graph.loss import TokenMeanLoss
 from autoplan.graph.opgraph import OpGraph
 from autoplan.planner.plan_vs_model import chunks_in_model_order
 from autoplan.runtime.optim import local_tensor
+from autoplan.runtime.master_weights import MAIN_GRAD, grad_of
 from autoplan.sharding.mesh_axes import MeshAxis
 from autoplan.runtime.program_modules import layer_ranges
 from autoplan.runtime.checkpoint import canonical_name
@@ -96,9 +97,12 @@ class TiedGrads:
         # every holder joins every all-reduce (a copy without a gradient adds zeros and takes
         # the sum): a collective one rank skipped would leave its peers waiting forever
         for p, group in self.pairs:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            dist.all_reduce(local_tensor(p.grad), group=group)
+            if grad_of(p) is None:          # (a 16-bit weight's sum is its fp32 main grad)
+                if hasattr(p, MAIN_GRAD):
+                    setattr(p, MAIN_GRAD, torch.zeros_like(p, dtype=torch.float32))
+                else:
+                    p.grad = torch.zeros_like(p)
+            dist.all_reduce(local_tensor(grad_of(p)), group=group)
 
 
 def tie_across_ranks(held: list[list[str]], mine: dict[int, nn.Module], cfg: Any,

@@ -24,8 +24,9 @@ class LocalState:
 
     def __init__(self, model: nn.Module, *, t: int, rank: int, device: torch.device,
                  seed: int, keep: Any = None, experts: tuple[str, ...] = (),
-                 ep: tuple[int, int] = (1, 0)):
+                 ep: tuple[int, int] = (1, 0), dtype: torch.dtype | None = None):
         self.model = model
+        self.dtype = dtype          # floating tensors cast to it (16-bit weights), or as they are
         self.keep = keep
         # expert weights (FQNs) hold experts ep_index * E/ep ... of their leading dim
         self.experts, (self.ep, self.ep_index) = frozenset(experts), ep
@@ -49,7 +50,9 @@ class LocalState:
         if self.keep is not None and not self.keep(fqn):
             shape = self._experts_of(fqn, local_shape(tuple(full.shape), p, self.t)
                                      or tuple(full.shape))
-            other = torch.empty(shape, dtype=full.dtype, device="meta")   # another rank's
+            dtype = self.dtype if self.dtype is not None and full.is_floating_point() \
+                else full.dtype
+            other = torch.empty(shape, dtype=dtype, device="meta")   # another rank's
             return other.requires_grad_(kind == "param" and full.requires_grad)
         if full.is_meta:
             self._materialize(module)
@@ -66,6 +69,8 @@ class LocalState:
                 n = data.shape[0] // self.ep
                 data = data[self.ep_index * n:(self.ep_index + 1) * n].clone()
             data = data.clone() if data is full else data
+            if self.dtype is not None and data.is_floating_point():
+                data = data.to(self.dtype)
         local: Any
         if kind == "param":
             local = nn.Parameter(data, requires_grad=full.requires_grad)

@@ -29,10 +29,12 @@ from torch import nn
 
 from autoplan.errors import AutoplanError, PlanError
 from autoplan.graph.loss import TokenMeanLoss, step_weights
+from autoplan.graph.trace import float_outputs, sixteen_bit_inputs
 from autoplan.runtime.batch_check import BatchSpec, check_batch
 from autoplan.runtime.checkpoint import Checkpointing
 from autoplan.runtime.grads import GradientStep, LossScaler, finish_step
 from autoplan.runtime.optim import local_tensor, wait_gathers
+from autoplan.runtime.master_weights import grad_of
 from autoplan.runtime.experts import gather_slabs
 from autoplan.runtime.parallelize import full_state_dict
 from autoplan.runtime.state import gather_tensor_parallel
@@ -47,6 +49,7 @@ class LocalSteps:
     loss_fn: Callable[[Any, Any], torch.Tensor] | None
     overlapped: tuple[Any, ...] = ()   # gradient syncs sent behind the last backward
     token_loss: TokenMeanLoss | None = None     # micro-batches weighted by counted targets
+    weights_dtype: torch.dtype | None = None    # 16-bit weights: 16-bit inputs, fp32 loss
 
     @property
     def model(self) -> nn.Module:
@@ -79,9 +82,16 @@ class LocalSteps:
         return total / len(chunks)
 
     def _loss(self, chunk: list[torch.Tensor]) -> torch.Tensor:
+        sixteen = self.weights_dtype
         if self.loss_in_program or self.loss_fn is None:
+            if sixteen is not None:      # (the targets too without a loss: the model's own)
+                last = [] if self.loss_fn is None else chunk[-1:]
+                chunk = [*sixteen_bit_inputs(chunk[:len(chunk) - len(last)], sixteen), *last]
             return self.module(*chunk)
-        return self.loss_fn(self.module(*chunk[:-1]), chunk[-1])
+        if sixteen is None:
+            return self.loss_fn(self.module(*chunk[:-1]), chunk[-1])
+        out = self.module(*sixteen_bit_inputs(chunk[:-1], sixteen))
+        return self.loss_fn(float_outputs(out), chunk[-1])
 
     def mean_loss(self, trainer: Trainer, local: torch.Tensor) -> torch.Tensor:
         return local
@@ -100,6 +110,7 @@ class PipelineSteps:
     # embedding), torch's per-stage scaling would divide its gradient twice: these are then
     # averaged over the micro-batches here, once each, and the schedule scales nothing
     average_here: list[nn.Parameter] = field(default_factory=list)
+    weights_dtype: torch.dtype | None = None    # 16-bit weights: 16-bit inputs to chunk 0
 
     @property
     def model(self) -> nn.ModuleList:
@@ -112,6 +123,8 @@ class PipelineSteps:
         micro_batches = len(mine[0]) // cfg.micro_batch_size
         n_chunks = cfg.pp * cfg.virtual_stages
         args = mine if 0 in self.chunks else []     # the targets ride to the loss
+        if args and self.weights_dtype is not None:
+            args = [*sixteen_bit_inputs(args[:-1], self.weights_dtype), args[-1]]
         losses: list[torch.Tensor] = []
         kw: dict[str, Any] = {"return_outputs": False}
         if n_chunks - 1 in self.chunks:
@@ -123,8 +136,8 @@ class PipelineSteps:
         with trainer.autocast():
             self.schedule.step(*args, **kw)
         for p in self.average_here:
-            if p.grad is not None:
-                local_tensor(p.grad).div_(micro_batches)
+            if grad_of(p) is not None:
+                local_tensor(grad_of(p)).div_(micro_batches)
         return losses
 
     def mean_loss(self, trainer: Trainer, losses: list[torch.Tensor]) -> torch.Tensor:

@@ -37,6 +37,7 @@ from autoplan.graph.trace import trace
 from autoplan.runtime.build import BuildInputs, build_rank
 from autoplan.planner.search import plan as make_plan
 from autoplan.planner.search_space import selective_compiles
+from autoplan.sharding.parallel_config import SPLIT_BACKWARD
 
 COLLECTIVE_TIMEOUT_S = int(os.environ.get("AUTOPLAN_COLLECTIVE_TIMEOUT_S", "120"))
 
@@ -220,12 +221,8 @@ def _refuse_unrunnable(plan: Plan, *, has_loss: bool,
                         "(tp_comm_overlap, as Megatron-LM's --tp-comm-overlap), which this "
                         "runtime cannot run: it needs fused GEMM + collective kernels (CUDA "
                         "symmetric memory). Re-plan without forcing tp_comm_overlap")
-    if cfg.mixed_precision != "autocast" and cfg.precision != "fp32":
-        raise PlanError(f"the plan prices {cfg.precision} weights and activations with an "
-                        f"fp32 master copy in the optimizer (mixed_precision="
-                        f"{cfg.mixed_precision!r}, as Megatron-LM's --bf16), which this "
-                        "runtime does not run: it keeps fp32 weights and trains under "
-                        "torch.autocast. Re-plan without forcing mixed_precision")
+    if cfg.mixed_precision == "params" and cfg.precision != "fp32":
+        _refuse_master_weights_with(cfg)
     if cfg.offload_nvme:
         raise PlanError("the plan keeps its offloaded model state on NVMe (offload_nvme, "
                         "ZeRO-Infinity), which this runtime does not run: it offloads to host "
@@ -257,6 +254,24 @@ def _refuse_unrunnable(plan: Plan, *, has_loss: bool,
                         "such a layer whole, and the selective policy cannot run inside "
                         "compiled code. Re-plan (the planner offers recompute 'full' or 'none' "
                         "there), or force compiled=false or recompute=full")
+
+
+def _refuse_master_weights_with(cfg: Any) -> None:
+    """PlanError for what 16-bit weights with an fp32 master copy (mixed_precision="params")
+    do not run with yet: zero-bubble schedules, the sequence and expert axes."""
+    what = [name for name, on in (
+        (f"the {cfg.schedule} schedule (its weight gradients bypass the fp32 main grads)",
+         cfg.pp > 1 and cfg.schedule in SPLIT_BACKWARD),
+        (f"context parallelism (cp={cfg.cp})", cfg.cp > 1),
+        (f"expert parallelism (ep={cfg.ep})", cfg.ep > 1)) if on]
+    if what:
+        raise PlanError(f"the plan holds {cfg.precision} weights with the fp32 master copy in "
+                        "the optimizer (mixed_precision='params', as Megatron-LM's --bf16) "
+                        f"together with {', '.join(what)}, which this runtime does not run "
+                        "with 16-bit weights yet (it runs them under dp, ZeRO-1/2/3, tp, offload "
+                        "and the 1F1B/GPipe/interleaved pipelines). "
+                        "Re-plan with --force mixed_precision=autocast, or without "
+                        f"{', '.join(what)}")
 
 
 def _check_job(plan: Plan, *, global_batch_size: int, world_env: int) -> None:
