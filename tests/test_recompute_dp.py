@@ -144,7 +144,8 @@ def test_the_search_chooses_per_layer_recomputation_with_weights_kept_whole():
     assert list(p.recompute.values()) == list(cfg.layer_recompute)
     mine = p.predicted["time"]["recompute_s"]
     sh = plan_sharding(p, g)
-    uniform = [estimate(g, cluster, config=replace(cfg, layer_recompute=None, recompute=r),
+    uniform = [estimate(g, cluster, config=replace(cfg, layer_recompute=None, recompute=r,
+                                                   layer_offload=None),
                         global_batch_size=64, profile=None, sharding=sh)
                for r in ("none", "selective", "ops", "full")]
     fitting = [e.time.recompute_s for e in uniform if e.fits]

@@ -438,8 +438,8 @@ def _chunk_cost(ci: CostInputs, chunk: Chunk, policy: str | tuple[str, ...],
                 offload: tuple[bool, ...] | None) -> RangeCost:
     like = {(u.start, u.stop): u.like for u in chunk.units}
     spans = chunk_parts(chunk)
-    n = len(chunk.layer_ranges)
-    layer_policies = (policy,) * n if isinstance(policy, str) else tuple(policy)
+    count = len(chunk.layer_ranges)
+    layer_policies = (policy,) * count if isinstance(policy, str) else tuple(policy)
     policies = iter(layer_policies)
     parts = [range_cost(ci, *like.get((s, e), (s, e)), next(policies)) if is_layer
              else range_cost(ci, s, e, "none")
@@ -451,7 +451,7 @@ def _chunk_cost(ci: CostInputs, chunk: Chunk, policy: str | tuple[str, ...],
             shared.setdefault(n, []).append(b)
     twice = sum(sum(bs) - bs[0] for bs in shared.values())
     if offload is None:
-        offload = tuple(k < ci.config.offload_activations for k in range(n))
+        offload = tuple(k < ci.config.offload_activations for k in range(count))
     off = chunk_offload(ci.cluster, offload, chunk.layers, parts,
                         [is_layer for _, _, is_layer in spans], policies=layer_policies,
                         received=chunk.start > 0)
