@@ -269,10 +269,12 @@ def test_tight_memory_chooses_recompute_or_offload():
     cluster = Cluster.preset("dgx-a100-40gb", nodes=1)
     p = plan(g, cluster, global_batch_size=64, profile=None, force={"tp": 1})
     assert p.predicted["fits"]
-    assert p.config.recompute != "none" or p.config.offload_optimizer
-    # the same plan without either would not fit
+    assert (p.config.recompute != "none" or p.config.offload_optimizer
+            or p.config.offloads_activations)
+    # the same plan without any of them would not fit
     plain = ParallelConfig(**{**p.config.to_dict(), "recompute": "none",
-                              "layer_recompute": None, "offload_optimizer": False})
+                              "layer_recompute": None, "offload_optimizer": False,
+                              "layer_offload": None, "offload_activations": 0})
     assert not estimate(g, cluster, config=plain, global_batch_size=64, profile=None).fits
 
 

@@ -144,7 +144,8 @@ def test_the_search_chooses_per_layer_recomputation_with_weights_kept_whole():
     assert list(p.recompute.values()) == list(cfg.layer_recompute)
     mine = p.predicted["time"]["recompute_s"]
     sh = plan_sharding(p, g)
-    uniform = [estimate(g, cluster, config=replace(cfg, layer_recompute=None, recompute=r),
+    uniform = [estimate(g, cluster, config=replace(cfg, layer_recompute=None, recompute=r,
+                                                   layer_offload=None),
                         global_batch_size=64, profile=None, sharding=sh)
                for r in ("none", "selective", "ops", "full")]
     fitting = [e.time.recompute_s for e in uniform if e.fits]
@@ -180,3 +181,152 @@ def test_per_layer_choice_composes_with_the_stage_partition():
     assert mixed.fits and mixed.time.recompute_s < full.time.recompute_s
     first, last = new.layer_recompute[:12], new.layer_recompute[12:]
     assert sum(map(RECOMPUTE.index, first)) > sum(map(RECOMPUTE.index, last))
+
+
+# ---- activation offload in the same choice ---------------------------------------------------
+
+def _offload_chain(rng: random.Random, n: int, link: float) -> list[ChainLayer]:
+    """Unlike layers with the options the runtime runs: none / ops / full, each also offloaded
+    (what it keeps goes to the host: kept on the device drops by the bytes moved; its exposed
+    copy seconds grow with the bytes over ``link``, less what the next layer's compute hides),
+    and selective never offloaded."""
+    layers = []
+    for _ in range(n):
+        acts = rng.uniform(1.0, 10.0)
+        inp = rng.uniform(0.05, 0.3) * acts
+        fwd = rng.uniform(0.5, 2.0)
+        ops_keep = inp + rng.uniform(0.2, 0.6) * acts
+        plain = [("none", acts, 0.0, 0.0, acts), ("ops", ops_keep, 0.2 * fwd, acts, inp),
+                 ("full", inp, fwd, acts, inp)]
+        opts = [LayerOption(policy="selective", kept_bytes=0.7 * acts, recompute_s=0.1 * fwd,
+                            working_bytes=0.3 * acts)]
+        for policy, kept, rs, work, moved in plain:
+            opts.append(LayerOption(policy=policy, kept_bytes=kept, recompute_s=rs,
+                                    working_bytes=work))
+            hidden = rng.uniform(0.0, 1.0) * fwd
+            opts.append(LayerOption(policy=policy, kept_bytes=kept - moved, recompute_s=rs,
+                                    working_bytes=work, offload=True, moved_bytes=moved,
+                                    offload_s=max(0.0, 2 * moved / link - hidden)))
+        layers.append(ChainLayer(options=tuple(opts)))
+    return layers
+
+
+def _brute_joint(layers, budget, flight, host):
+    best = None
+    for combo in itertools.product(*(layer.options for layer in layers)):
+        moved = [o.moved_bytes for o in combo if o.offload]
+        mem = (flight * sum(o.kept_bytes for o in combo) + max(o.working_bytes for o in combo)
+               + max(moved, default=0.0))
+        if mem <= budget and flight * sum(moved) <= host:
+            t = sum(o.time_s for o in combo)
+            best = t if best is None else min(best, t)
+    return best
+
+
+def test_joint_recompute_and_offload_dp_matches_brute_force():
+    """Recomputation and offload chosen together under a device and a host budget: the DP's
+    time is the exact optimum's (within 5 %), its answer fits both budgets (the copy in flight
+    counted), and it never offloads a selective layer."""
+    rng = random.Random(11)
+    checked = infeasible = mixed = 0
+    for trial in range(40):
+        n = rng.randint(2, 5)
+        layers = _offload_chain(rng, n, link=rng.choice([2.0, 20.0, 200.0]))
+        flight = rng.choice([1.0, 2.0])
+        most = flight * sum(l.none_bytes for l in layers)
+        budget = rng.uniform(0.3, 1.0) * most
+        host = rng.choice([float("inf"), rng.uniform(0.0, 0.6) * most])
+        exact = _brute_joint(layers, budget, flight, host)
+        got = solve_chain(layers, budget_bytes=budget, in_flight=flight,
+                          host_budget_bytes=None if host == float("inf") else host)
+        if exact is None:
+            assert got is None, trial
+            infeasible += 1
+            continue
+        assert got is not None, f"trial {trial}: infeasible where the optimum is {exact}"
+        assert got.memory_bytes <= budget * (1 + 1e-9) and got.host_bytes <= host * (1 + 1e-9)
+        assert got.time_s <= exact * 1.05 + 1e-12, (trial, got.time_s, exact)
+        assert got.time_s >= exact - 1e-9
+        assert not any(o and p == "selective" for o, p in zip(got.offloads, got.policies))
+        mixed += any(got.offloads) and any(p != "none" for p in got.policies)
+        checked += 1
+    assert checked >= 25 and infeasible >= 1 and mixed >= 5
+
+
+def test_a_fast_host_link_offloads_some_layers_and_recomputes_the_rest():
+    """Eight like layers that must shed memory: recomputing one costs 1 s, offloading it
+    0.1 s of exposed copies (a fast host link), but the host holds only three layers' worth.
+    The optimum (brute force) offloads some layers and recomputes others; recomputation alone
+    costs more."""
+    def layer(offload_ok: bool) -> ChainLayer:
+        opts = [LayerOption(policy="none", kept_bytes=10.0, recompute_s=0.0),
+                LayerOption(policy="full", kept_bytes=1.0, recompute_s=1.0, working_bytes=10.0)]
+        if offload_ok:
+            opts += [LayerOption(policy="none", kept_bytes=0.0, recompute_s=0.0, offload=True,
+                                 moved_bytes=10.0, offload_s=0.1),
+                     LayerOption(policy="full", kept_bytes=0.0, recompute_s=1.0,
+                                 working_bytes=10.0, offload=True, moved_bytes=1.0,
+                                 offload_s=0.01)]
+        return ChainLayer(options=tuple(opts))
+    budget, host = 50.0, 30.0
+    joint = solve_chain([layer(True)] * 8, budget_bytes=budget, host_budget_bytes=host)
+    alone = solve_chain([layer(False)] * 8, budget_bytes=budget)
+    assert joint is not None and alone is not None
+    assert _brute_joint([layer(True)] * 8, budget, 1.0, host) == pytest.approx(joint.time_s)
+    # some layers offloaded whole, the rest kept or recomputed (their inputs offloaded too,
+    # where the host has room): a mix, faster than recomputation alone
+    whole = [o and p == "none" for o, p in zip(joint.offloads, joint.policies)]
+    assert 0 < sum(whole) < 8 and "full" in joint.policies
+    assert joint.time_s < 4.0 and alone.time_s == 5.0
+    assert joint.host_bytes <= host and joint.memory_bytes <= budget
+    # with room on the host, nothing is recomputed: four layers offloaded (4 x 10 kept and
+    # one copy of 10 in flight fill the 50)
+    free = solve_chain([layer(True)] * 8, budget_bytes=budget)
+    assert set(free.policies) == {"none"} and free.offloads.count(True) == 4
+    assert free.time_s == pytest.approx(0.4)
+
+
+def test_joint_choice_per_pipeline_stage_and_not_on_cpus():
+    """GPT-3 175B shapes, 24 layers over pp 2 x tp 8 on DGX A100s (the stage-partition test
+    above): with offload allowed, each stage chooses its own offloaded layers within its own
+    device and host budgets, the split kept; the result fits, recomputes less than the
+    recompute-only choice and is no slower. CPU clusters are not offered it."""
+    from dataclasses import replace
+
+    from autoplan import Cluster, ParallelConfig, estimate
+    from autoplan.estimate.estimator import cost_inputs
+    from autoplan.graph import trace
+    from autoplan.models import build_example
+    from autoplan.planner.options import SearchOptions
+    from autoplan.planner.recompute_choice import per_layer_config
+    from autoplan.planner.search_space import layer_offload_offered
+    ex = build_example("gpt3-175b", device="meta", batch_size=1, num_layers=24)
+    g = trace(ex.model, ex.example_inputs, loss_fn=ex.loss_fn, targets=ex.targets)
+    cluster = Cluster.preset("dgx-a100-80gb", nodes=2)
+    cfg = ParallelConfig(dp=1, tp=8, pp=2, micro_batch_size=16, sequence_parallel=True,
+                         recompute="full", chunk_layers=(12, 12))
+
+    def est(c):
+        return estimate(g, cluster, config=c, global_batch_size=64, profile=None)
+    full = est(cfg)
+    ci = cost_inputs(g, cluster, cfg, None, None, 1.0)
+    alone = est(per_layer_config(ci, full))
+    joint_cfg = per_layer_config(ci, full, offload=True)
+    assert joint_cfg.chunk_layers == (12, 12) and joint_cfg.layer_offload is not None
+    joint = est(joint_cfg)
+    assert joint.fits and joint.time.recompute_s < alone.time.recompute_s
+    assert joint.step_time_s <= alone.step_time_s
+    # the first stage (two micro-batches in flight) offloads; the last one's first layer
+    # never does under full recomputation: its input, all it keeps, is held by the schedule
+    first, last = joint_cfg.layer_offload[:12], joint_cfg.layer_offload[12:]
+    assert any(first) and not (last[0] and joint_cfg.layer_recompute[12] == "full")
+    host_share = cluster.host.memory_bytes / cluster.devices_per_node
+    assert all(s.memory.offloaded_bytes <= host_share for s in joint.stages)
+    # what the estimate moves per stage is what its layers' rows say
+    rows = joint.layer_recompute
+    assert sum(r["offloaded_bytes"] for r in rows[:12]) == pytest.approx(
+        joint.stages[0].offloaded_activation_bytes_per_microbatch)
+    opts = SearchOptions()
+    assert layer_offload_offered(cfg, opts, cluster)
+    assert not layer_offload_offered(cfg, opts, Cluster.local(2))
+    assert not layer_offload_offered(replace(cfg, compiled=True), opts, cluster)

@@ -35,7 +35,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="pin a ParallelConfig field, e.g. --force tp=2 --force zero_stage=3; "
                         "lists comma-separated: --force chunk_layers=10,12,12,14 "
                         "--force stage_recompute=full,none, one policy per layer: --force "
-                        "layer_recompute=none,ops,full,full; under ZeRO-3, weights kept whole: "
+                        "layer_recompute=none,ops,full,full, activation offload per layer: "
+                        "--force layer_offload=true,false,true,false; under ZeRO-3, weights "
+                        "kept whole: "
                         "--force dp_whole='layers.*.attention.*'. FIELD is one of: "
                         + ", ".join(config_fields()))
     p.add_argument("--pin", action="append", default=[], metavar="PATTERN=STRATEGY",
@@ -56,8 +58,16 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
+def _flag(text: str) -> bool:
+    """One item of a list of flags (``--force layer_offload=true,false``)."""
+    low = text.lower()
+    if low not in ("true", "false", "1", "0"):
+        raise ValueError(text)
+    return low in ("true", "1")
+
+
 _LIST_FIELDS = {"chunk_layers": int, "stage_recompute": str, "dp_whole": str,
-                "fp8_skip": str, "layer_recompute": str}
+                "fp8_skip": str, "layer_recompute": str, "layer_offload": _flag}
 
 
 def parse_force(items: list[str]) -> dict:

@@ -22,9 +22,16 @@ engines, not its compute units, so the compute they overlap is not slowed (CUDA 
 Guide, "Asynchronous Concurrent Execution": copies overlap kernels on devices with
 asyncEngineCount > 0); on a CPU rank (overlap interference 1) nothing overlaps.
 
-``layer_offload`` is the per-layer price (device bytes saved, seconds exposed) a per-layer
-search can weigh against recomputation; ``chunk_offload`` applies the config's rule (the first
-``offload_activations`` layers of every chunk).
+With recomputation: a fully recomputed layer keeps only its checkpoint's input, which is what
+it moves. Under the op-level policy (``ops``) torch's selective checkpointing keeps the
+products' outputs in its own cache, which saved-tensor hooks never see: such a layer moves its
+checkpoint's input alone, the products stay on the device (measured: the hooks copy the same
+bytes under ``ops`` as under ``full``).
+
+``layer_offload`` is the per-layer price (device bytes saved, seconds exposed) that the joint
+recompute/offload DP (``planner/recompute_dp.py``) weighs against recomputation;
+``chunk_offload`` applies the config's choice (the first ``offload_activations`` layers of
+every chunk, or the layers ``layer_offload`` marks).
 """
 
 from __future__ import annotations
@@ -77,13 +84,17 @@ class ChunkOffload:
 
 
 def layer_offload(cluster: Any, path: str, layer: Any, after: Any | None, *,
-                  received: bool = False) -> LayerOffload:
-    """The offload of ``layer`` (its ``RangeCost``) whose copies hide behind ``after`` (the
-    ``RangeCost`` of the part after it in its chunk; None: nothing, exposed whole).
-    ``received``: its inputs came from another chunk, which the pipeline holds (not moved)."""
+                  received: bool = False, policy: str = "none") -> LayerOffload:
+    """The offload of ``layer`` (its ``RangeCost`` under recompute ``policy``) whose copies
+    hide behind ``after`` (the ``RangeCost`` of the part after it in its chunk; None: nothing,
+    exposed whole). ``received``: its inputs came from another chunk, which the pipeline holds
+    (not moved)."""
     held = sum(b for _, b in layer.shared_acts)
     if received:
         held += sum(b for _, b in layer.input_acts)
+    if policy == "ops":          # the products stay in selective checkpointing's cache
+        held += layer.activation_bytes - sum(b for _, b in layer.shared_acts) - sum(
+            b for _, b in layer.input_acts)
     moved = max(0.0, layer.activation_bytes - held)
     copy_s = moved / cluster.host.device_to_host_bandwidth_bytes_per_s
     # copy engines: the overlapped compute is not slowed, but a CPU rank overlaps nothing
@@ -95,22 +106,24 @@ def layer_offload(cluster: Any, path: str, layer: Any, after: Any | None, *,
                         bwd_exposed_s=overlap_exposed_s(copy_s, bwd_window, 0.0, x))
 
 
-def chunk_offload(cluster: Any, count: int, paths: Sequence[str],
+def chunk_offload(cluster: Any, offloaded: Sequence[bool], paths: Sequence[str],
                   parts: Sequence[Any], is_layer: Sequence[bool], *,
-                  received: bool = False) -> ChunkOffload:
-    """The offload of the first ``count`` layers of a chunk whose parts (layers and the ops
-    around them, in order) cost ``parts``; ``paths``: its layers' module paths; ``received``:
-    the chunk's input comes from another chunk (its first part, if a layer, keeps it held)."""
-    if count <= 0:
+                  policies: Sequence[str] = (), received: bool = False) -> ChunkOffload:
+    """The offload of the chunk's layers ``offloaded`` marks (one flag per layer) whose parts
+    (layers and the ops around them, in order) cost ``parts``; ``paths``: its layers' module
+    paths; ``policies``: their recompute policies (default none); ``received``: the chunk's
+    input comes from another chunk (its first part, if a layer, keeps it held)."""
+    if not any(offloaded):
         return ChunkOffload()
     out = []
     k = 0
     for i, (part, layer) in enumerate(zip(parts, is_layer)):
         if not layer:
             continue
-        if k >= count:
-            break
-        after = parts[i + 1] if i + 1 < len(parts) else None
-        out.append(layer_offload(cluster, paths[k], part, after, received=received and i == 0))
+        if k < len(offloaded) and offloaded[k]:
+            after = parts[i + 1] if i + 1 < len(parts) else None
+            out.append(layer_offload(cluster, paths[k], part, after,
+                                     received=received and i == 0,
+                                     policy=policies[k] if k < len(policies) else "none"))
         k += 1
     return ChunkOffload(tuple(out))

@@ -172,7 +172,8 @@ def _field_kind(annotation: str) -> str:
     base = text.replace("|None", "")
     kind = {"int": "an integer", "bool": "True or False", "str": "a string",
             "tuple[int,...]": "a list of integers",
-            "tuple[str,...]": "a list of strings"}.get(base, "")
+            "tuple[str,...]": "a list of strings",
+            "tuple[bool,...]": "a list of True/False values"}.get(base, "")
     return f"{kind} or None" if kind and optional else kind
 
 
@@ -185,6 +186,8 @@ def _is_kind(value: Any, kind: str) -> bool:
         return isinstance(value, bool)
     if kind.startswith("a string"):
         return isinstance(value, str)
+    if kind.startswith("a list of True/False"):
+        return isinstance(value, (tuple, list)) and all(isinstance(x, bool) for x in value)
     item = int if kind.startswith("a list of integers") else str
     if isinstance(value, str):                 # dp_whole takes one pattern too
         return item is str

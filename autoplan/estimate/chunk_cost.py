@@ -264,7 +264,7 @@ def cached_on_graph(ci: CostInputs, what: str, where: tuple, make: Any) -> Any:
     key = (id(ci.sharding), id(ci.compute), id(ci.cluster), where, cfg.micro_batch_size,
            cfg.precision, cfg.mixed_precision, cfg.tp, cfg.tp_comm_overlap,
            cfg.shard_degree if cfg.zero_stage >= 2 else 1, cfg.ep, ci.expert_load, cfg.cp,
-           cfg.offload_activations)
+           cfg.offload_activations, cfg.layer_offload)
     hit = cache.get(key)
     if (hit is not None and hit[0] is ci.sharding and hit[1] is ci.compute
             and hit[2] is ci.cluster):
@@ -422,19 +422,25 @@ def _gathered_bytes(graph: OpGraph, sh: Sharding, i: int, precision: str) -> flo
     return max(whole, default=0) * (PRECISION_BYTES[precision] + GRAD_BYTES)
 
 
-def chunk_cost(ci: CostInputs, chunk: Chunk, policy: str | tuple[str, ...]) -> RangeCost:
+def chunk_cost(ci: CostInputs, chunk: Chunk, policy: str | tuple[str, ...],
+               offload: tuple[bool, ...] | None = None) -> RangeCost:
     """Sum of the chunk's layers (under ``policy``, or one policy per layer of the chunk) and
     the ops around them (cached on the graph: configs that differ in ZeRO stage or schedule
-    share their chunks)."""
+    share their chunks). ``offload``: per layer of the chunk, whether it offloads its saved
+    activations (``ParallelConfig.layer_offload``); None: the first
+    ``offload_activations``."""
     return cached_on_graph(ci, "_autoplan_chunk_costs",
-                           (chunk.start, chunk.stop, chunk.layer_ranges, policy),
-                           lambda: _chunk_cost(ci, chunk, policy))
+                           (chunk.start, chunk.stop, chunk.layer_ranges, policy, offload),
+                           lambda: _chunk_cost(ci, chunk, policy, offload))
 
 
-def _chunk_cost(ci: CostInputs, chunk: Chunk, policy: str | tuple[str, ...]) -> RangeCost:
+def _chunk_cost(ci: CostInputs, chunk: Chunk, policy: str | tuple[str, ...],
+                offload: tuple[bool, ...] | None) -> RangeCost:
     like = {(u.start, u.stop): u.like for u in chunk.units}
     spans = chunk_parts(chunk)
-    policies = iter((policy,) * len(spans) if isinstance(policy, str) else policy)
+    count = len(chunk.layer_ranges)
+    layer_policies = (policy,) * count if isinstance(policy, str) else tuple(policy)
+    policies = iter(layer_policies)
     parts = [range_cost(ci, *like.get((s, e), (s, e)), next(policies)) if is_layer
              else range_cost(ci, s, e, "none")
              for s, e, is_layer in spans]
@@ -444,8 +450,11 @@ def _chunk_cost(ci: CostInputs, chunk: Chunk, policy: str | tuple[str, ...]) -> 
         for n, b in p.shared_acts:
             shared.setdefault(n, []).append(b)
     twice = sum(sum(bs) - bs[0] for bs in shared.values())
-    off = chunk_offload(ci.cluster, ci.config.offload_activations, chunk.layers, parts,
-                        [is_layer for _, _, is_layer in spans], received=chunk.start > 0)
+    if offload is None:
+        offload = tuple(k < ci.config.offload_activations for k in range(count))
+    off = chunk_offload(ci.cluster, offload, chunk.layers, parts,
+                        [is_layer for _, _, is_layer in spans], policies=layer_policies,
+                        received=chunk.start > 0)
     return RangeCost(
         fwd_s=sum(p.fwd_s for p in parts), bwd_s=sum(p.bwd_s for p in parts),
         recompute_s=sum(p.recompute_s for p in parts), tp_fwd_s=sum(p.tp_fwd_s for p in parts),

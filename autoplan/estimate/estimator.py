@@ -75,6 +75,10 @@ def validate(graph: OpGraph, cluster: Any, config: ParallelConfig,
             pipeline_units(graph)):
         raise ConfigError(f"layer_recompute names {len(config.layer_recompute)} policies, the "
                           f"model has {len(pipeline_units(graph))} layers: give one per layer")
+    if config.layer_offload is not None and len(config.layer_offload) != len(
+            pipeline_units(graph)):
+        raise ConfigError(f"layer_offload has {len(config.layer_offload)} flags, the model "
+                          f"has {len(pipeline_units(graph))} layers: give one per layer")
     if config.chunk_layers is not None:
         units = len(pipeline_units(graph))
         if sum(config.chunk_layers) != units:
@@ -121,7 +125,8 @@ def estimate(model: Any, cluster: Any, *, config: ParallelConfig, global_batch_s
     profile = profile_arg(profile, cluster, "estimate()")
     ci = cost_inputs(graph, cluster, config, profile, sharding, expert_capacity_factor)
     chunks = chunks_for(ci)
-    costs = [chunk_cost(ci, ch, chunk_policy(config, chunks, c)) for c, ch in enumerate(chunks)]
+    costs = [chunk_cost(ci, ch, chunk_policy(config, chunks, c), chunk_offload_flags(
+        config, chunks, c)) for c, ch in enumerate(chunks)]
     # the model state, its gradient sync and ZeRO's traffic span the dp x cp ranks
     state_config = config.grad_view()
     schedule = pipeline_timing(ci, costs, m, state_config, simulate=simulate_pipeline)
@@ -130,27 +135,49 @@ def estimate(model: Any, cluster: Any, *, config: ParallelConfig, global_batch_s
     stages = tuple(stage_estimate(ci, costs, chunks, schedule, m, s, margin, state_config)
                    for s in range(config.pp))
     est = assemble_estimate(ci, chunks, stages, time, global_batch_size, m)
-    if config.layer_recompute is None:
+    if config.layer_recompute is None and config.layer_offload is None:
         return est
-    return replace(est, layer_recompute=layer_recompute_costs(ci, chunks))
+    return replace(est, layer_recompute=layer_recompute_costs(ci, chunks, costs))
 
 
-def layer_recompute_costs(ci: CostInputs, chunks: Sequence[Any]) -> tuple[dict[str, Any], ...]:
-    """Per layer (model order) under ``layer_recompute``: its path and policy, the bytes it
-    keeps per micro-batch, the bytes it saves against recomputing nothing, and the seconds its
-    recomputation adds to each micro-batch's backward (what ``inspect`` shows)."""
+def layer_recompute_costs(ci: CostInputs, chunks: Sequence[Any],
+                          costs: Sequence[RangeCost] = ()) -> tuple[dict[str, Any], ...]:
+    """Per layer (model order) under ``layer_recompute`` or ``layer_offload``: its path and
+    policy, the bytes it keeps on the device per micro-batch, the bytes it saves against
+    recomputing and offloading nothing, and the seconds its recomputation adds to each
+    micro-batch's backward; under ``layer_offload`` also the bytes it sends to host memory per
+    micro-batch and the seconds of those copies left exposed (what ``inspect`` shows)."""
     out = []
-    policies = iter(ci.config.layer_recompute or ())
-    for ch in chunks:
+    config = ci.config
+    for c, ch in enumerate(chunks):
         like = {(u.start, u.stop): u.like for u in ch.units}
-        for path, span in zip(ch.layers, ch.layer_ranges):
-            policy = next(policies)
+        pol = chunk_policy(config, chunks, c)
+        policies = (pol,) * len(ch.layers) if isinstance(pol, str) else pol
+        sent = {l.path: l for l in costs[c].offload.layers} if costs else {}
+        for path, span, policy in zip(ch.layers, ch.layer_ranges, policies):
             mine = range_cost(ci, *like.get(span, span), policy)
             none = range_cost(ci, *like.get(span, span), "none")
-            out.append({"layer": path, "policy": policy, "kept_bytes": mine.activation_bytes,
-                        "saved_bytes": none.activation_bytes - mine.activation_bytes,
-                        "recompute_s": mine.recompute_s})
+            moved = sent[path].moved_bytes if path in sent else 0.0
+            row = {"layer": path, "policy": policy,
+                   "kept_bytes": mine.activation_bytes - moved,
+                   "saved_bytes": none.activation_bytes - mine.activation_bytes + moved,
+                   "recompute_s": mine.recompute_s}
+            if config.layer_offload is not None:
+                row["offloaded_bytes"] = moved
+                row["offload_s"] = sent[path].exposed_s if path in sent else 0.0
+            out.append(row)
     return tuple(out)
+
+
+def chunk_offload_flags(config: ParallelConfig, chunks: Sequence[Any], c: int
+                        ) -> tuple[bool, ...] | None:
+    """Per layer of chunk ``c``, whether it offloads its saved activations
+    (``layer_offload``, over the layers of all chunks in model order); None: the config's
+    count per chunk."""
+    if config.layer_offload is None:
+        return None
+    first = sum(len(ch.layer_ranges) for ch in chunks[:c])
+    return config.layer_offload[first:first + len(chunks[c].layer_ranges)]
 
 
 def chunk_policy(config: ParallelConfig, chunks: Sequence[Any], c: int
@@ -295,7 +322,7 @@ def time_breakdown(ci: CostInputs, costs: Sequence[RangeCost], chunks: Sequence[
     if cp_s > 0:                      # context parallelism: ring attention's exposed passes
         comm_exposed["cp_ring"] = cp_s
     offload_s = m * sum(c.offload.fwd_exposed_s + c.offload.bwd_exposed_s for c in bc)
-    if config.offload_activations:    # activation copies to the host and back, exposed
+    if config.offloads_activations:   # activation copies to the host and back, exposed
         comm_exposed["activation_offload"] = offload_s
     return TimeBreakdown(compute_s=compute_s, recompute_s=recompute_s,
                          comm_exposed_s=comm_exposed, bubble_s=timing.bubble_s,

@@ -97,8 +97,10 @@ class Estimate:
     # fp8 configs: per convertible linear, where fp8 pays (``estimate/float8_choice.py``):
     # {"linear", "m", "n", "k", "bf16_s", "fp8_s", "pays"}; written only when there are some
     fp8_linears: tuple[dict[str, Any], ...] = ()
-    # with ``config.layer_recompute``: per layer in model order, its policy, the bytes it keeps
-    # per micro-batch, what it saves against keeping everything and its recompute seconds
+    # with ``config.layer_recompute`` or ``layer_offload``: per layer in model order, its
+    # policy, the bytes it keeps on the device per micro-batch, what it saves against keeping
+    # everything and its recompute seconds; under ``layer_offload`` also the bytes it sends to
+    # the host per micro-batch (``offloaded_bytes``) and their exposed seconds (``offload_s``)
     layer_recompute: tuple[dict[str, Any], ...] = ()
 
     @property

@@ -86,17 +86,22 @@ def assemble(graph: OpGraph, cluster: Any, best: Any, alternatives: list[Alterna
         op_strategies={op.name: s.name for op, s in zip(graph.ops, sh.op_strategy)},
         op_keys=dict(graph.op_keys()),
         module_styles=sh.module_styles(graph), recompute=recompute,
-        offload=_offload(best.est, cfg),
+        offload=_offload(best.est, cfg, graph),
         predicted=predicted_from_estimate(best.est), alternatives=tuple(alternatives),
         solver=solver, stages=_stages(best.est, cfg))
 
 
-def _offload(est: Estimate, cfg: ParallelConfig) -> dict[str, Any]:
+def _offload(est: Estimate, cfg: ParallelConfig, graph: OpGraph) -> dict[str, Any]:
     """What goes to host memory: the optimizer state, the parameters, and (only when the config
     offloads some) the layers whose saved activations do, by path in model order: the first
-    ``offload_activations`` of every chunk."""
+    ``offload_activations`` of every chunk, or those ``layer_offload`` marks."""
     out: dict[str, Any] = {"optimizer": cfg.offload_optimizer, "params": cfg.offload_params}
-    if cfg.offload_activations:
+    if cfg.layer_offload is not None and any(cfg.layer_offload):
+        # one flag per layer in model order (pipeline_units'), as layer_recompute
+        out["activations"] = sorted((u.path for u, on in zip(pipeline_units(graph),
+                                                             cfg.layer_offload) if on),
+                                    key=_layer_order)
+    elif cfg.offload_activations:
         out["activations"] = sorted((layer for s in est.stages for c in (s.chunks or (s.layers,))
                                      for layer in c[:cfg.offload_activations]),
                                     key=_layer_order)

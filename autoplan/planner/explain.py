@@ -336,10 +336,15 @@ def _why(row: Mapping[str, Any] | None) -> tuple[str, str] | None:
     """(kept, "saves X, costs Y recompute") of a layer's chosen policy; None without one."""
     if row is None:
         return None
+    # per-layer offload (``layer_offload``): what goes to the host and its exposed copies
+    sent = (f"offloads {fmt_bytes(row['offloaded_bytes'])} to host, "
+            f"{fmt_s(row['offload_s'])} exposed" if row.get("offloaded_bytes") else "")
     if row["policy"] == "none":
+        if sent:
+            return fmt_bytes(row["kept_bytes"]), f"recomputes nothing, {sent}"
         return fmt_bytes(row["kept_bytes"]), "recomputes nothing"
     return (fmt_bytes(row["kept_bytes"]), f"saves {fmt_bytes(row['saved_bytes'])}, costs "
-            f"{fmt_s(row['recompute_s'])} recompute")
+            f"{fmt_s(row['recompute_s'])} recompute" + (f", {sent}" if sent else ""))
 
 
 def _collapse(rows: list[tuple[str, tuple[Any, ...]]]) -> list[tuple[str, tuple[Any, ...]]]:
@@ -451,7 +456,9 @@ def _activation_offload(plan: Plan) -> list[str]:
     held = max(b * st["microbatches_in_flight"] for b, st in zip(per_stage, p["stages"]))
     exposed = p["time"]["comm_exposed_s"].get("activation_offload", 0.0)
     shown = ", ".join(layers[:6]) + (f" ... ({len(layers)} layers)" if len(layers) > 6 else "")
-    return [f"  activation offload ({plan.config.offload_activations} per chunk): {shown}",
+    rule = (f"{plan.config.offload_activations} per chunk" if plan.config.offload_activations
+            else f"chosen per layer: {len(layers)} of {len(plan.config.layer_offload or ())}")
+    return [f"  activation offload ({rule}): {shown}",
             "    per micro-batch each way: " + ", ".join(
                 f"stage {i}: {fmt_bytes(b)}" for i, b in enumerate(per_stage[:8])),
             f"    host memory held: {fmt_bytes(held)}; copies exposed {fmt_s(exposed)} per step"]

@@ -208,9 +208,10 @@ def _check_offload(off: Any, config: ParallelConfig) -> None:
     off = _keys(off, "offload", OFFLOAD_KEYS + (("activations",) if acts else ()))
     for k in OFFLOAD_KEYS:
         _bool(off[k], f"offload.{k}")
-    if acts != bool(config.offload_activations):
+    if acts != config.offloads_activations:
         fail("offload.activations", f"{'present' if acts else 'absent'} but "
-             f"config.offload_activations is {config.offload_activations}")
+             f"config.offload_activations is {config.offload_activations} and "
+             f"config.layer_offload {config.layer_offload}")
     for j, x in enumerate(_list(off["activations"], "offload.activations") if acts else ()):
         _str(x, f"offload.activations[{j}]", limit=1000)
     if off["optimizer"] != config.offload_optimizer:
@@ -395,7 +396,7 @@ _STAGE = {"index": "i", "layers": ["s"], "num_ops": "i", "params_per_device": "f
 _TIME = {"compute_s": "f", "recompute_s": "f", "comm_exposed_s": ("map", "f"), "bubble_s": "f",
          "optimizer_s": "f", "overhead_s": "f"}
 _LAYER_COST = {"layer": "s", "policy": "s", "kept_bytes": "f", "saved_bytes": "n",
-               "recompute_s": "f"}
+               "recompute_s": "f", "offloaded_bytes": "f", "offload_s": "f"}
 _PREDICTED = {"config": "c", "global_batch_size": "i", "num_microbatches": "i",
               "step_time_s": "f", "time": _TIME, "peak_memory_bytes": "f",
               "device_memory_bytes": "f", "stages": [_STAGE], "model_flops_per_step": "f",
@@ -406,9 +407,11 @@ _PREDICTED = {"config": "c", "global_batch_size": "i", "num_microbatches": "i",
                                "fp8_s": "f", "pays": "b"}],
               "layer_recompute": [_LAYER_COST]}
 # keys an Estimate writes only when not zero or empty (older plans have none; fp8_linears:
-# fp8 plans only; layer_recompute: per-layer recomputation only)
+# fp8 plans only; layer_recompute: per-layer recomputation or offload only; offloaded_bytes,
+# offload_s: per-layer offload only)
 _OPTIONAL = frozenset({"nvme_bytes", "nvme_per_device_bytes", "fp8_linears",
-                       "offloaded_activation_bytes_per_microbatch", "layer_recompute"})
+                       "offloaded_activation_bytes_per_microbatch", "layer_recompute",
+                       "offloaded_bytes", "offload_s"})
 
 
 def _check_spec(v: Any, spec: Any, path: str) -> None:
@@ -511,9 +514,11 @@ def _bool(v: Any, path: str) -> bool:
     return v
 
 
-_NULLABLE = ("num_microbatches", "chunk_layers", "stage_recompute", "layer_recompute")
+_NULLABLE = ("num_microbatches", "chunk_layers", "stage_recompute", "layer_recompute",
+             "layer_offload")
 _LISTS = {"chunk_layers": int, "stage_recompute": str, "dp_whole": str, "fp8_skip": str,
-          "layer_recompute": str}
+          "layer_recompute": str, "layer_offload": bool}
+_ITEM_NAMES = {int: "integers", str: "strings", bool: "true/false values"}
 
 
 def _config(v: Any, path: str) -> ParallelConfig:
@@ -526,9 +531,10 @@ def _config(v: Any, path: str) -> ParallelConfig:
         if f.name in _LISTS:
             item = _LISTS[f.name]
             if not isinstance(d[f.name], (list, tuple)) or any(
-                    isinstance(x, bool) or not isinstance(x, item) for x in d[f.name]):
+                    isinstance(x, bool) != (item is bool) or not isinstance(x, item)
+                    for x in d[f.name]):
                 fail(sub(path, f.name), f"expected null or an array of "
-                     f"{'integers' if item is int else 'strings'}, got {kind(d[f.name])}")
+                     f"{_ITEM_NAMES[item]}, got {kind(d[f.name])}")
             continue
         typ = type(f.default) if f.default is not None else int
         if isinstance(d[f.name], bool) != (typ is bool) or not isinstance(d[f.name], typ):

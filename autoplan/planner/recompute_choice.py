@@ -10,6 +10,16 @@ model states, the margin, ZeRO-3's gathered weights and the activations outside 
 layer's. Where the chain's answer differs from the uniform policy, the configuration with
 ``layer_recompute`` (its stage split kept) is estimated again and added to the candidates:
 the search's choice then takes it where it fits and is faster.
+
+Activation offload joins the choice where the search may offload layers
+(``search_space.layer_offload_offered``: GPUs, layers not compiled, offload neither forced nor
+turned off), pipelines included: each layer's options are then also its policies ``none``,
+``ops`` and ``full`` with what they keep sent to host memory (``estimate/activation_offload.
+layer_offload``: the bytes moved, the copies' exposed seconds behind the part after the layer
+as it costs recomputing nothing, so never less exposed than the estimate finds), and each
+stage's host budget is its devices' share of the node's host memory less what its estimate
+offloads there besides activations. The answer is written as ``layer_offload`` (one flag per
+layer in model order), and configurations that offload without recomputing are refined too.
 """
 
 from __future__ import annotations
@@ -17,13 +27,19 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
+from autoplan.estimate.activation_offload import layer_offload
 from autoplan.estimate.chunk_cost import CostInputs, chunk_cost, chunk_parts, range_cost
-from autoplan.estimate.estimator import chunk_policy
+from autoplan.estimate.estimator import chunk_offload_flags, chunk_policy
 from autoplan.estimate.layout import chunks_for
 from autoplan.planner.candidates import Candidate
 from autoplan.planner.recompute_dp import ChainLayer, LayerOption, solve_chain
 from autoplan.planner.search_costing import SearchContext, cost_inputs, evaluate
+from autoplan.planner.search_space import layer_offload_offered
 from autoplan.sharding.parallel_config import RECOMPUTE, ParallelConfig, strongest_recompute
+
+# the policies whose saved tensors the runtime's offload hooks reach (selective checkpointing
+# keeps its own, ``runtime/activation_offload.py``)
+_OFFLOADABLE = ("none", "ops", "full")
 
 # forcing any of these pins the recomputation: nothing to choose
 _PINNED = ("recompute", "stage_recompute", "layer_recompute")
@@ -35,11 +51,13 @@ def refine_recompute(sc: SearchContext, cands: list[Candidate], *, finalists: in
     configuration with its recomputation chosen per layer, where that differs."""
     if any(k in sc.opts.force for k in _PINNED):
         return cands
-    recomputing = sorted((c for c in cands if c.est.fits and c.est.config.recompute != "none"
-                          and not c.est.config.compiled), key=Candidate.key)
+    recomputing = sorted((c for c in cands if c.est.fits and (
+        c.est.config.recompute != "none" or c.est.config.offloads_activations)
+        and not c.est.config.compiled), key=Candidate.key)
     out = list(cands)
     for c in recomputing[:finalists]:
-        new = per_layer_config(cost_inputs(sc, c.est.config, c.sharding), c.est)
+        new = per_layer_config(cost_inputs(sc, c.est.config, c.sharding), c.est,
+                               offload=layer_offload_offered(c.est.config, sc.opts, sc.cluster))
         if new is None or new == c.est.config:
             continue
         out += [r for r in evaluate(sc, [new], c.sharding, c.ilp, c.label,
@@ -47,38 +65,49 @@ def refine_recompute(sc: SearchContext, cands: list[Candidate], *, finalists: in
     return out
 
 
-def per_layer_config(ci: CostInputs, est: Any) -> ParallelConfig | None:
+def per_layer_config(ci: CostInputs, est: Any, *, offload: bool = False
+                     ) -> ParallelConfig | None:
     """The configuration of ``est`` (an ``Estimate`` of ``ci.config``) with the policy of each
-    layer chosen by the chain DP (its stage split kept); None where a stage's chain has no
-    answer."""
+    layer chosen by the chain DP (its stage split kept), and with ``offload`` whether each
+    layer offloads too; None where a stage's chain has no answer."""
     config = ci.config
     chunks = chunks_for(ci)
     policies: dict[int, str] = {}
+    offloads: dict[int, bool] = {}
     first = [sum(len(ch.layer_ranges) for ch in chunks[:k]) for k in range(len(chunks))]
     for s, stage in enumerate(est.stages):
-        layers, index = stage_chain(ci, chunks, config.rank_chunks(s), stage, first)
+        layers, index = stage_chain(ci, chunks, config.rank_chunks(s), stage, first,
+                                    offload=offload)
         if not layers:
             continue
         budget = stage_budget(ci, chunks, config.rank_chunks(s), stage)
-        sol = solve_chain(layers, budget_bytes=budget, in_flight=stage.microbatches_in_flight)
+        sol = solve_chain(layers, budget_bytes=budget, in_flight=stage.microbatches_in_flight,
+                          host_budget_bytes=stage_host_budget(ci, stage) if offload else None)
         if sol is None:
             return None
         policies.update(zip(index, sol.policies))
+        offloads.update(zip(index, sol.offloads))
     if not policies:
         return None
     chosen = tuple(policies[k] for k in range(len(policies)))
+    flags = tuple(offloads[k] for k in range(len(offloads)))
+    # offload chosen per layer replaces the count per chunk (none offloading: neither)
+    sent = ({"offload_activations": 0, "layer_offload": flags if any(flags) else None}
+            if offload else {})
     counts = tuple(len(ch.layers) for ch in chunks) if config.pp > 1 else None
     if len(set(chosen)) == 1:
         return replace(config, recompute=chosen[0], stage_recompute=None,
-                       layer_recompute=None, chunk_layers=counts)
+                       layer_recompute=None, chunk_layers=counts, **sent)
     return replace(config, recompute=strongest_recompute(chosen), stage_recompute=None,
-                   layer_recompute=chosen, chunk_layers=counts)
+                   layer_recompute=chosen, chunk_layers=counts, **sent)
 
 
 def stage_chain(ci: CostInputs, chunks: Any, mine: tuple[int, ...], stage: Any,
-                first: list[int]) -> tuple[list[ChainLayer], list[int]]:
+                first: list[int], *, offload: bool = False
+                ) -> tuple[list[ChainLayer], list[int]]:
     """The chain of a stage's layers (its chunks', in order) and their model-order indices;
-    every option's working set floored at the largest outside the layers."""
+    every option's working set floored at the largest outside the layers; with ``offload``,
+    the offloaded twin of each policy the hooks reach (where it moves any bytes)."""
     floor = 0.0
     for k in mine:
         for s, e, is_layer in chunk_parts(chunks[k]):
@@ -87,15 +116,51 @@ def stage_chain(ci: CostInputs, chunks: Any, mine: tuple[int, ...], stage: Any,
     layers, index = [], []
     for k in mine:
         like = {(u.start, u.stop): u.like for u in chunks[k].units}
+        parts = chunk_parts(chunks[k])
         for j, span in enumerate(chunks[k].layer_ranges):
             costs = {p: range_cost(ci, *like.get(span, span), p) for p in RECOMPUTE}
-            layers.append(ChainLayer(options=tuple(
-                LayerOption(policy=p, kept_bytes=rc.activation_bytes,
-                            recompute_s=rc.recompute_s,
-                            working_bytes=max(rc.working_set_bytes, floor))
-                for p, rc in costs.items())))
+            options = [LayerOption(policy=p, kept_bytes=rc.activation_bytes,
+                                   recompute_s=rc.recompute_s,
+                                   working_bytes=max(rc.working_set_bytes, floor))
+                       for p, rc in costs.items()]
+            if offload:
+                options += _offloaded(ci, chunks[k], parts, parts.index((*span, True)), like,
+                                      costs, floor)
+            layers.append(ChainLayer(options=tuple(options)))
             index.append(first[k] + j)
     return layers, index
+
+
+def _offloaded(ci: CostInputs, chunk: Any, parts: list[tuple[int, int, bool]], at: int,
+               like: dict, costs: dict[str, Any], floor: float) -> list[LayerOption]:
+    """The offloaded options of the layer at ``parts[at]`` of ``chunk``: its copies hide
+    behind the next part's compute as it costs recomputing nothing (the estimate's window is
+    no smaller); the first part of a chunk after the first keeps its received input."""
+    after = None
+    if at + 1 < len(parts):
+        s, e, is_layer = parts[at + 1]
+        after = range_cost(ci, *(like.get((s, e), (s, e)) if is_layer else (s, e)), "none")
+    out = []
+    for p in _OFFLOADABLE:
+        rc = costs[p]
+        sent = layer_offload(ci.cluster, "", rc, after, received=at == 0 and chunk.start > 0,
+                             policy=p)
+        if sent.moved_bytes > 0:
+            out.append(LayerOption(policy=p, kept_bytes=rc.activation_bytes - sent.moved_bytes,
+                                   recompute_s=rc.recompute_s,
+                                   working_bytes=max(rc.working_set_bytes, floor),
+                                   offload=True, moved_bytes=sent.moved_bytes,
+                                   offload_s=sent.exposed_s))
+    return out
+
+
+def stage_host_budget(ci: CostInputs, stage: Any) -> float:
+    """Host bytes one device of a stage may fill with offloaded activations: its share of the
+    node's host memory (the node's devices share it) less what its estimate already offloads
+    there besides activations (optimizer state, weights, NVMe buffers)."""
+    share = ci.cluster.host.memory_bytes / ci.cluster.devices_per_node
+    acts = stage.offloaded_activation_bytes_per_microbatch * stage.microbatches_in_flight
+    return share - (stage.memory.offloaded_bytes - acts)
 
 
 def stage_budget(ci: CostInputs, chunks: Any, mine: tuple[int, ...], stage: Any) -> float:
@@ -103,7 +168,8 @@ def stage_budget(ci: CostInputs, chunks: Any, mine: tuple[int, ...], stage: Any)
     its estimate holds (model states, margin, ZeRO-3's gathered weights beyond the working
     sets, the activations outside the layers for every micro-batch in flight)."""
     mem = stage.memory
-    costs = [chunk_cost(ci, chunks[k], chunk_policy(ci.config, chunks, k)) for k in mine]
+    costs = [chunk_cost(ci, chunks[k], chunk_policy(ci.config, chunks, k),
+                        chunk_offload_flags(ci.config, chunks, k)) for k in mine]
     gathered = mem.transient_bytes - max(c.working_set_bytes for c in costs)
     outside = sum(range_cost(ci, s, e, "none").activation_bytes
                   for k in mine for s, e, is_layer in chunk_parts(chunks[k]) if not is_layer)

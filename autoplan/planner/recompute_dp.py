@@ -25,6 +25,25 @@ of ``max_states / 2`` cells over the budget, each cell keeping its fastest and i
 pair: the smallest pair of the prefix always survives (so a feasible chain is always found
 when one exists), and the time lost is bounded by what one cell's bytes can buy per layer.
 
+Activation offload (``ParallelConfig.layer_offload``) joins the same choice: a layer's options
+are its policies, each with or without sending what it keeps to host memory, as the runtime
+runs them (``none``, ``ops``, ``full`` offloaded or not; ``selective`` never offloaded). An
+offloaded option's ``kept_bytes`` is what stays on the device, ``moved_bytes`` what goes to the
+host per micro-batch, ``offload_s`` the copies' seconds that compute does not hide. With
+    m[l][j]  bytes moved to the host per micro-batch (0 unless offloaded), and
+    e[l][j]  exposed copy seconds,
+the problem becomes
+    minimise    sum_l r[l][x_l] + e[l][x_l]
+    subject to  F * sum_l a[l][x_l] + max_l w[l][x_l] + max_l m[l][x_l] <= B  (device)
+                F * sum_l m[l][x_l] <= H                                      (host)
+the device holding one layer's copy in flight on top of its working set, and H the host
+memory the stage's devices may fill (their share of the node's, less what the plan already
+offloads there). The second max is handled as the first: each value M the largest copy can
+take caps the offloaded options, with (B - W - M) / F left to the chain. Where the host budget
+can bind (F times the largest moves of every layer exceed it), the fronts are over (kept
+bytes, host bytes, seconds), a state dominated when another has no more of any; else host bytes
+are left out of the dominance and the fronts stay two-dimensional, as without offload.
+
 Chen et al. 2016 ("Training Deep Nets with Sublinear Memory Cost"): with ``max_segment > 1`` a
 run of up to that many consecutive layers may share one checkpoint, keeping only the first
 layer's input (``ChainLayer.input_bytes``), replaying all their forwards, and rebuilding all
@@ -45,12 +64,22 @@ from autoplan.errors import ConfigError
 
 @dataclass(frozen=True, kw_only=True)
 class LayerOption:
-    """One policy of one layer: its kept bytes, recompute seconds and working bytes."""
+    """One policy of one layer: its kept bytes (on the device), recompute seconds and working
+    bytes; offloaded (``offload``): the bytes it sends to host memory per micro-batch and the
+    copies' exposed seconds."""
 
     policy: str
     kept_bytes: float
     recompute_s: float
     working_bytes: float = 0.0
+    offload: bool = False
+    moved_bytes: float = 0.0
+    offload_s: float = 0.0
+
+    @property
+    def time_s(self) -> float:
+        """What the option adds to a micro-batch's step: recomputation and exposed copies."""
+        return self.recompute_s + self.offload_s
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -81,20 +110,29 @@ class ChainSolution:
     policies: tuple[str, ...]
     recompute_s: float
     kept_bytes: float               # per micro-batch
-    working_bytes: float            # the largest working set
+    working_bytes: float            # the largest working set (and copy in flight)
     memory_bytes: float             # in_flight * kept_bytes + working_bytes
     segments: tuple[tuple[int, int], ...] = ()
+    offloads: tuple[bool, ...] = ()  # per layer: sends what it keeps to the host
+    offload_s: float = 0.0          # the copies' exposed seconds per micro-batch
+    host_bytes: float = 0.0         # in_flight * the bytes moved per micro-batch
+
+    @property
+    def time_s(self) -> float:
+        return self.recompute_s + self.offload_s
 
 
-# a state of the prefix: (kept bytes, recompute seconds, the state before it, its step)
-_State = tuple[float, float, object, object]
+# a state of the prefix: (kept bytes, host bytes, seconds, the state before it, its step)
+_State = tuple[float, float, float, object, object]
 
 
 def solve_chain(layers: Sequence[ChainLayer], *, budget_bytes: float,
                 in_flight: float = 1.0, max_states: int = 4096,
-                max_segment: int = 1) -> ChainSolution | None:
-    """The policies of ``layers`` that recompute least within ``budget_bytes`` (see the module
-    docstring); None when even the most frugal choice does not fit."""
+                max_segment: int = 1, host_budget_bytes: float | None = None
+                ) -> ChainSolution | None:
+    """The options of ``layers`` that cost least time within ``budget_bytes`` of device memory
+    and ``host_budget_bytes`` of host memory (None: unbounded) (see the module docstring);
+    None when even the most frugal choice does not fit."""
     if in_flight <= 0:
         raise ConfigError(f"in_flight must be positive, got {in_flight}")
     if max_states < 4 or max_segment < 1:
@@ -103,18 +141,24 @@ def solve_chain(layers: Sequence[ChainLayer], *, budget_bytes: float,
     if not layers:
         return ChainSolution(policies=(), recompute_s=0.0, kept_bytes=0.0, working_bytes=0.0,
                              memory_bytes=0.0)
+    host_room = (float("inf") if host_budget_bytes is None
+                 else max(host_budget_bytes, 0.0) / in_flight)
+    # the host dimension matters only where taking every layer's largest move could bind
+    binds = sum(max(o.moved_bytes for o in l.options) for l in layers) > host_room
     best: ChainSolution | None = None
     for w_cap in _working_caps(layers, max_segment):
-        room = (budget_bytes - w_cap) / in_flight
-        if room < 0:
-            continue
-        got = _knapsack(layers, room, w_cap, max_states, max_segment)
-        if got is None:
-            continue
-        sol = _solution(layers, got, in_flight)
-        if best is None or (sol.recompute_s, sol.memory_bytes) < (best.recompute_s,
-                                                                  best.memory_bytes):
-            best = sol
+        for m_cap in _move_caps(layers):
+            room = (budget_bytes - w_cap - m_cap) / in_flight
+            if room < 0:
+                continue
+            got = _knapsack(layers, (room, host_room, binds), w_cap, m_cap, max_states,
+                            max_segment)
+            if got is None:
+                continue
+            sol = _solution(layers, got, in_flight)
+            if best is None or (sol.time_s, sol.memory_bytes) < (best.time_s,
+                                                                 best.memory_bytes):
+                best = sol
     return best
 
 
@@ -130,26 +174,33 @@ def _working_caps(layers: Sequence[ChainLayer], max_segment: int) -> list[float]
     return sorted(caps)
 
 
-def _knapsack(layers: Sequence[ChainLayer], room: float, w_cap: float, max_states: int,
-              max_segment: int) -> _State | None:
-    """The fastest state of the whole chain keeping at most ``room`` bytes, with no working
-    set over ``w_cap``; None if none fits."""
+def _move_caps(layers: Sequence[ChainLayer]) -> list[float]:
+    """The values the largest copy in flight can take: none, and every offloaded option's."""
+    return sorted({0.0} | {o.moved_bytes for layer in layers for o in layer.options
+                           if o.offload})
+
+
+def _knapsack(layers: Sequence[ChainLayer], rooms: tuple[float, float, bool], w_cap: float,
+              m_cap: float, max_states: int, max_segment: int) -> _State | None:
+    """The fastest state of the whole chain keeping at most ``rooms[0]`` device bytes and
+    ``rooms[1]`` host bytes (per micro-batch), with no working set over ``w_cap`` and no copy
+    over ``m_cap``; None if none fits. ``rooms[2]``: whether host bytes enter the dominance."""
     n = len(layers)
     fronts: list[list[_State]] = [[] for _ in range(n + 1)]
-    fronts[0] = [(0.0, 0.0, None, None)]
+    fronts[0] = [(0.0, 0.0, 0.0, None, None)]
     for i in range(n):
-        front = _pareto(fronts[i], room, max_states)
+        front = _pareto(fronts[i], rooms, max_states)
         fronts[i] = front
         if not front:
             return None
         for o in layers[i].options:
-            if o.working_bytes <= w_cap:
-                fronts[i + 1].extend((st[0] + o.kept_bytes, st[1] + o.recompute_s, st,
-                                      o.policy) for st in front)
+            if o.working_bytes <= w_cap and (not o.offload or o.moved_bytes <= m_cap):
+                fronts[i + 1].extend((st[0] + o.kept_bytes, st[1] + o.moved_bytes,
+                                      st[2] + o.time_s, st, o) for st in front)
         if max_segment > 1:
             _segments_from(layers, i, front, fronts, w_cap, max_segment)
-    final = _pareto(fronts[n], room, max_states)
-    return final[-1] if final else None     # the fastest: times fall as bytes grow
+    final = _pareto(fronts[n], rooms, max_states)
+    return min(final, key=lambda s: (s[2], s[0])) if final else None
 
 
 def _segments_from(layers: Sequence[ChainLayer], i: int, front: list[_State],
@@ -163,20 +214,28 @@ def _segments_from(layers: Sequence[ChainLayer], i: int, front: list[_State],
         working += layers[j].none_bytes
         if working > w_cap:
             break
-        fronts[j + 1].extend((st[0] + kept, st[1] + replay, st, ("segment", i, j + 1))
+        fronts[j + 1].extend((st[0] + kept, st[1], st[2] + replay, st, ("segment", i, j + 1))
                              for st in front)
 
 
-def _pareto(states: list[_State], room: float, max_states: int) -> list[_State]:
-    """``states`` within ``room`` bytes, dominated ones dropped, by growing bytes (so falling
-    time); thinned on a grid of the budget past ``max_states`` (the module docstring)."""
+def _pareto(states: list[_State], rooms: tuple[float, float, bool],
+            max_states: int) -> list[_State]:
+    """``states`` within the rooms, dominated ones dropped, by growing bytes; thinned on a
+    grid of the device budget past ``max_states`` (the module docstring)."""
+    room, host_room, binds = rooms
     out: list[_State] = []
-    best_t = float("inf")
-    for st in sorted((s for s in states if s[0] <= room * (1 + 1e-12) + 1e-9),
-                     key=lambda s: (s[0], s[1])):
-        if st[1] < best_t:
-            out.append(st)
-            best_t = st[1]
+    inside = (s for s in states if s[0] <= room * (1 + 1e-12) + 1e-9
+              and s[1] <= host_room * (1 + 1e-12) + 1e-9)
+    if not binds:                         # two dimensions: times fall as bytes grow
+        best_t = float("inf")
+        for st in sorted(inside, key=lambda s: (s[0], s[2])):
+            if st[2] < best_t:
+                out.append(st)
+                best_t = st[2]
+    else:                                 # three: no earlier state has less host and time
+        for st in sorted(inside, key=lambda s: (s[0], s[1], s[2])):
+            if not any(o[1] <= st[1] and o[2] <= st[2] for o in out):
+                out.append(st)
     if len(out) <= max_states:
         return out
     cells = max_states // 2
@@ -187,57 +246,75 @@ def _pareto(states: list[_State], room: float, max_states: int) -> list[_State]:
     thin = []
     for cell in sorted(kept):
         group = kept[cell]
-        thin.append(group[0])                 # the smallest of the cell
-        if len(group) > 1:
-            thin.append(group[-1])            # and its fastest
+        picks = {id(group[0]): group[0]}                       # the smallest of the cell
+        fast = min(group, key=lambda s: s[2])                  # its fastest
+        picks[id(fast)] = fast
+        if binds:
+            light = min(group, key=lambda s: s[1])             # and its lightest on the host
+            picks[id(light)] = light
+        thin += picks.values()
     return thin
 
 
 def _solution(layers: Sequence[ChainLayer], last: _State, in_flight: float) -> ChainSolution:
-    """Walk the states back to the policy of every layer."""
+    """Walk the states back to the option of every layer."""
     steps = []
     st: object = last
-    while st is not None and st[2] is not None:     # type: ignore[index]
-        steps.append(st[3])                         # type: ignore[index]
-        st = st[2]                                  # type: ignore[index]
+    while st is not None and st[3] is not None:     # type: ignore[index]
+        steps.append(st[4])                         # type: ignore[index]
+        st = st[3]                                  # type: ignore[index]
     steps.reverse()
     policies: list[str] = []
+    offloads: list[bool] = []
     segments = []
-    working = 0.0
+    working = moving = recompute = exposed = 0.0
     for step in steps:
         if isinstance(step, tuple):
             _, i, j = step
             segments.append((i, j))
             policies += ["full"] * (j - i)
+            offloads += [False] * (j - i)
             working = max(working, sum(layers[k].none_bytes for k in range(i, j)))
+            recompute += sum(layers[k].fwd_s for k in range(i, j))
         else:
-            opt = next(o for o in layers[len(policies)].options if o.policy == step)
+            opt: LayerOption = step                 # type: ignore[assignment]
             working = max(working, opt.working_bytes)
-            policies.append(step)
-    kept, time_s = last[0], last[1]
-    return ChainSolution(policies=tuple(policies), recompute_s=time_s, kept_bytes=kept,
-                         working_bytes=working, memory_bytes=in_flight * kept + working,
-                         segments=tuple(segments))
+            if opt.offload:
+                moving = max(moving, opt.moved_bytes)
+            policies.append(opt.policy)
+            offloads.append(opt.offload)
+            recompute += opt.recompute_s
+            exposed += opt.offload_s
+    kept = last[0]
+    return ChainSolution(policies=tuple(policies), recompute_s=recompute, kept_bytes=kept,
+                         working_bytes=working + moving,
+                         memory_bytes=in_flight * kept + working + moving,
+                         segments=tuple(segments), offloads=tuple(offloads),
+                         offload_s=exposed, host_bytes=in_flight * last[1])
 
 
 def uniform_best(layers: Sequence[ChainLayer], *, budget_bytes: float,
                  in_flight: float = 1.0) -> ChainSolution | None:
-    """The fastest single policy for every layer that fits (the search's uniform choice), for
-    comparison with ``solve_chain``; None if none fits."""
-    names = [o.policy for o in layers[0].options] if layers else []
+    """The fastest single option (policy, offloaded or not) for every layer that fits (the
+    search's uniform choice), for comparison with ``solve_chain``; None if none fits."""
+    names = [(o.policy, o.offload) for o in layers[0].options] if layers else []
     best = None
     for name in names:
-        opts = [next((o for o in layer.options if o.policy == name), None) for layer in layers]
+        opts = [next((o for o in layer.options if (o.policy, o.offload) == name), None)
+                for layer in layers]
         if any(o is None for o in opts):
             continue
         kept = sum(o.kept_bytes for o in opts)
-        working = max(o.working_bytes for o in opts)
+        working = max(o.working_bytes for o in opts) + max(o.moved_bytes for o in opts)
         mem = in_flight * kept + working
         if mem > budget_bytes:
             continue
-        sol = ChainSolution(policies=(name,) * len(layers),
+        sol = ChainSolution(policies=(name[0],) * len(layers),
                             recompute_s=sum(o.recompute_s for o in opts), kept_bytes=kept,
-                            working_bytes=working, memory_bytes=mem)
-        if best is None or sol.recompute_s < best.recompute_s:
+                            working_bytes=working, memory_bytes=mem,
+                            offloads=(name[1],) * len(layers),
+                            offload_s=sum(o.offload_s for o in opts),
+                            host_bytes=in_flight * sum(o.moved_bytes for o in opts))
+        if best is None or sol.time_s < best.time_s:
             best = sol
     return best

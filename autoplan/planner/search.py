@@ -185,6 +185,9 @@ def _checked_options(opts: SearchOptions) -> SearchOptions:
         opts = replace(opts, force={**opts.force, "layer_recompute": ParallelConfig(
             recompute=strongest_recompute(opts.force["layer_recompute"]),
             layer_recompute=opts.force["layer_recompute"]).layer_recompute})
+    if "layer_offload" in opts.force:      # as a config holds it (checked as one)
+        opts = replace(opts, force={**opts.force, "layer_offload": ParallelConfig(
+            layer_offload=opts.force["layer_offload"]).layer_offload})
     if opts.sharding not in ("ilp", "megatron", "context"):
         raise ConfigError(f"sharding must be 'ilp', 'megatron' or 'context', got "
                           f"{opts.sharding!r}")

@@ -264,7 +264,7 @@ def evaluate(sc: SearchContext, configs: list[ParallelConfig], sh: Sharding,
     for c in configs:
         rest = (replace(c, recompute="none", offload_activations=0)
                 if prune_dominated and c.pp == 1 and c.layer_recompute is None
-                else None)
+                and c.layer_offload is None else None)
         rank = (_RECOMPUTE_RANK.get(c.recompute, 0), c.offload_activations)
         if rest is not None and any(r <= rank[0] and k <= rank[1]
                                     for r, k in fitting.get(rest, ())):

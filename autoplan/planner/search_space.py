@@ -128,7 +128,8 @@ def recompute_options(opts: SearchOptions, graph: OpGraph,
     gives such a config an eager twin that may recompute selectively)."""
     recompute = [r for r in opts.recompute if r != "selective" or (
         analyze(graph).score_ops and (config is None or selective_compiles(config))
-        and not opts.force.get("offload_activations"))]
+        and not opts.force.get("offload_activations")
+        and not any(opts.force.get("layer_offload") or ()))]
     recompute = [r for r in recompute if r != "ops" or config is None
                  or selective_compiles(config)]
     if "layer_recompute" in opts.force:     # forced per layer: recompute names the strongest
@@ -143,14 +144,26 @@ def activation_offloads(config: ParallelConfig, opts: SearchOptions, cluster: An
     beside recomputation on GPUs (``search_costing.evaluate`` skips it where the same config
     fits without: it only adds copies) without pipelines, where the layers are not compiled
     and do not recompute selectively (the runtime's hooks cannot reach what selective
-    checkpointing keeps). A CPU rank's activations are in host memory already."""
+    checkpointing keeps). A CPU rank's activations are in host memory already. Offload per
+    layer, with pipelines too, is the joint recompute/offload DP's
+    (``recompute_choice.refine_recompute``, where ``layer_offload_offered``)."""
     if "offload_activations" in opts.force:
         return [opts.force["offload_activations"]]
+    if "layer_offload" in opts.force:       # the user's flags per layer (the config's field)
+        return [0]
     layers = sum(len(b.instances) for b in graph.blocks)
     if (cluster.device.kind == "cpu" or config.pp > 1 or config.compiled or not layers
             or recompute == "selective" or not opts.offload_activations):
         return [0]
     return [0, layers]
+
+
+def layer_offload_offered(config: ParallelConfig, opts: SearchOptions, cluster: Any) -> bool:
+    """Whether the per-layer DP may offload layers of ``config``: on GPUs (a CPU rank's
+    activations are in host memory already), layers not compiled (the hooks would sit inside
+    compiled regions), offload allowed and neither of its forms forced."""
+    return (cluster.device.kind != "cpu" and not config.compiled and opts.offload_activations
+            and "offload_activations" not in opts.force and "layer_offload" not in opts.force)
 
 
 def selective_compiles(config: ParallelConfig) -> bool:
@@ -225,6 +238,9 @@ def policies(config: ParallelConfig, opts: SearchOptions, cluster: Any,
                                 if "layer_recompute" in opts.force:
                                     fields["layer_recompute"] = tuple(
                                         opts.force["layer_recompute"])
+                                if "layer_offload" in opts.force:
+                                    fields["layer_offload"] = tuple(
+                                        opts.force["layer_offload"])
                                 try:
                                     c = ParallelConfig(**fields)
                                 except ConfigError:

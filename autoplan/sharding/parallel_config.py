@@ -142,6 +142,11 @@ class ParallelConfig:
     offload_activations: int = 0
     # one recompute policy per layer, in model order (None: the stage's or the config's)
     layer_recompute: tuple[str, ...] | None = None
+    # activation offload per layer, in model order (``partition.pipeline_units``), as the
+    # joint recompute/offload DP (``planner/recompute_dp.py``) chooses it: True where the
+    # layer's saved activations go to host memory. None: ``offload_activations``'s count per
+    # chunk (the form users force); the two are exclusive
+    layer_offload: tuple[bool, ...] | None = None
     # Adam's two moments held in less memory (lossy: numerics differ from exact AdamW):
     # "bf16" (Megatron-Core's precision-aware optimizer: moments in bf16, the weights' fp32
     # update), "8bit" (torchao's AdamW8bit: block-wise quantised moments, Dettmers et al. 2022);
@@ -181,6 +186,7 @@ class ParallelConfig:
                               f"pipeline rank in a V; set virtual_stages=2 (got "
                               f"{self.virtual_stages})")
         self._check_offload_activations()
+        self._check_layer_offload()
         if self.offload_params and self.zero_stage != 3:
             raise ConfigError("offload_params=True needs zero_stage=3: the weights are offloaded "
                               "as FSDP shards and gathered to the device layer by layer")
@@ -295,7 +301,7 @@ class ParallelConfig:
             raise ConfigError("offload_activations does not run with compiled=True yet: its "
                               "saved-tensor hooks would sit inside each layer's compiled "
                               "region; drop one of the two")
-        policies = self.stage_recompute or (self.recompute,)
+        policies = self.stage_recompute or self.layer_recompute or (self.recompute,)
         if k and "selective" in policies:
             raise ConfigError("offload_activations runs with recompute 'none' or 'full', not "
                               "'selective': selective checkpointing keeps its saved tensors in "
@@ -303,10 +309,50 @@ class ParallelConfig:
                               "saved-tensor hooks that offload; use recompute='full' (its "
                               "checkpoint input is offloaded) or 'none'")
 
-    def offloads_layer(self, position: int) -> bool:
-        """Whether the layer at ``position`` (0-based) in its model chunk offloads its saved
-        activations."""
+    def offloads_layer(self, position: int, layer: int | None = None) -> bool:
+        """Whether the layer at ``position`` (0-based) in its model chunk, ``layer`` in model
+        order, offloads its saved activations (``layer_offload``'s flag where set)."""
+        if self.layer_offload is not None and layer is not None:
+            return self.layer_offload[layer]
         return position < self.offload_activations
+
+    @property
+    def offloads_activations(self) -> bool:
+        """Whether any layer offloads its saved activations (either form)."""
+        return bool(self.offload_activations) or any(self.layer_offload or ())
+
+    def _check_layer_offload(self) -> None:
+        v = self.layer_offload
+        if v is None:
+            return
+        if isinstance(v, (str, bytes)) or not hasattr(v, "__iter__") or not all(
+                isinstance(x, bool) for x in v) or not v:
+            raise ConfigError(f"layer_offload must list true/false per layer (model order) or "
+                              f"be None, got {v!r}")
+        object.__setattr__(self, "layer_offload", tuple(v))
+        if self.offload_activations:
+            raise ConfigError(f"layer_offload (a flag per layer) and offload_activations="
+                              f"{self.offload_activations} (the first layers of every chunk) "
+                              f"are exclusive; give one of them")
+        if any(v) and self.compiled:
+            raise ConfigError("layer_offload does not run with compiled=True yet: its "
+                              "saved-tensor hooks would sit inside each layer's compiled "
+                              "region; drop one of the two")
+        # under stage_recompute, a layer's policy depends on its stage: any selective one
+        # counts for every layer
+        worst = ("selective" if "selective" in (self.stage_recompute or ())
+                 else self.recompute)
+        policies = self.layer_recompute or (worst,) * len(v)
+        if len(policies) != len(v):
+            raise ConfigError(f"layer_offload has {len(v)} flags, layer_recompute "
+                              f"{len(policies)} policies: give one of each per layer")
+        bad = [i for i, (off, pol) in enumerate(zip(v, policies)) if off and pol == "selective"]
+        if bad:
+            raise ConfigError(f"layers {bad} offload and recompute selectively: selective "
+                              f"checkpointing keeps its saved tensors in torch's caching "
+                              f"dispatch mode, out of reach of the saved-tensor hooks that "
+                              f"offload; give them recompute 'none', 'ops' or 'full', or no "
+                              f"offload")
 
     def _check_dp_shard(self) -> None:
         s = self.dp_shard
@@ -538,6 +584,8 @@ class ParallelConfig:
             del out["offload_activations"]
         if self.layer_recompute is None:
             del out["layer_recompute"]
+        if self.layer_offload is None:
+            del out["layer_offload"]
         if self.optimizer_state == "fp32":       # plans written before it read back alike
             del out["optimizer_state"]
         return out
@@ -588,6 +636,8 @@ class ParallelConfig:
             s += f" powersgd{self.powersgd_rank}"
         if self.offload_activations:
             s += f" offload-act{self.offload_activations}"
+        if self.layer_offload is not None:        # how many layers offload, of how many
+            s += f" offload-act=layers:{sum(self.layer_offload)}/{len(self.layer_offload)}"
         if self.tp_comm_overlap:
             s += " tp-overlap"
         if self.compiled:
