@@ -5,14 +5,14 @@ pipeline)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from autoplan.errors import PlanError
 from autoplan.estimate.result import Estimate
 from autoplan.planner.ilp import ILPSolution
 from autoplan.planner.planfile import Alternative
-from autoplan.sharding.parallel_config import ParallelConfig
+from autoplan.sharding.parallel_config import RECOMPUTE, ParallelConfig
 from autoplan.sharding.sharding import Sharding
 
 
@@ -134,6 +134,38 @@ def why_none_honours(cands: list[Candidate], force: dict[str, Any], stats: Any) 
     return "; ".join(reasons) or "every forced field was seen, but never all together"
 
 
+def memory_work(config: ParallelConfig) -> tuple[int, int]:
+    """What ``config`` adds to plain training to save memory: its strongest recomputation
+    (``RECOMPUTE``'s order) and how many layers offload their activations."""
+    offloaded = config.offload_activations or sum(config.layer_offload or ())
+    return RECOMPUTE.index(config.recompute), offloaded
+
+
+def without_memory_work(config: ParallelConfig) -> ParallelConfig:
+    """``config`` recomputing and offloading nothing, every weight ZeRO-3 shards sharded (which
+    to keep whole is the finalists' refinement of a config, ``finalists.refine_dp``)."""
+    return replace(config, recompute="none", stage_recompute=None, layer_recompute=None,
+                   offload_activations=0, layer_offload=None, dp_whole=())
+
+
+def only_adds_work(c: Candidate, fitting: list[Candidate]) -> bool:
+    """Whether a fitting candidate differs from ``c`` only in recomputing or offloading less,
+    and is no slower: ``c`` is then no alternative worth listing (the search's pruning skips
+    such configs before costing them, ``search_costing.evaluate``; an exhaustive search
+    lists neither). Without pipelines, as that pruning."""
+    cfg = c.est.config
+    if cfg.pp > 1 or memory_work(cfg) == (0, 0):
+        return False
+    rest, (rank, layers) = without_memory_work(cfg), memory_work(cfg)
+    for o in fitting:
+        r, n = memory_work(o.est.config)
+        if ((r, n) != (rank, layers) and r <= rank and n <= layers
+                and o.est.step_time_s <= c.est.step_time_s
+                and without_memory_work(o.est.config) == rest):
+            return True
+    return False
+
+
 def honours(config: ParallelConfig, force: dict[str, Any]) -> bool:
     return all(getattr(config, k) == v for k, v in force.items())
 
@@ -143,8 +175,10 @@ def alternatives(cands: list[Candidate], best: Candidate, k: int,
     """The next ``k`` configurations of the search, then every baseline, each with why it lost."""
     seen = {best.est.config}
     picked: list[Candidate] = []
-    for c in sorted((c for c in cands if c.est.fits), key=Candidate.key):
-        if c.label == "search" and c.est.config not in seen and len(picked) < k:
+    fitting = sorted((c for c in cands if c.est.fits), key=Candidate.key)
+    for c in fitting:
+        if (c.label == "search" and c.est.config not in seen and len(picked) < k
+                and not only_adds_work(c, fitting)):
             seen.add(c.est.config)
             picked.append(c)
     for c in sorted((c for c in cands if c.label != "search"), key=lambda c: c.label):

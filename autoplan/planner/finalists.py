@@ -19,7 +19,7 @@ from autoplan.planner.search_costing import (SearchContext, cost_context, counte
 from autoplan.planner.dp_problem import DpPricing, keeps_weights_whole
 from autoplan.planner.ilp import ILPSolution, solve
 from autoplan.planner.problem import sharding_from_choice
-from autoplan.planner.candidates import Candidate
+from autoplan.planner.candidates import Candidate, only_adds_work
 from autoplan.sharding.parallel_config import ParallelConfig
 
 
@@ -33,10 +33,13 @@ def refine_dp(sc: SearchContext, cands: list[Candidate], *, finalists: int = 3,
     out = list(cands)
     done: set[ParallelConfig] = set()
     best = min((c.est.step_time_s for c in cands if c.est.fits), default=None)
+    fitting = [c for c in cands if c.est.fits]
     for k, c in sorted(enumerate(cands), key=lambda kc: kc[1].key()):
         cfg = c.est.config
         if len(done) == finalists or best is None or c.est.step_time_s > best * (1 + within):
             break
+        if only_adds_work(c, fitting):   # a twin that saves no memory it needs (not refined
+            continue                     # where the search's pruning never costed it)
         # tp 1 has no sharding to choose, but under ZeRO-3 which weights to keep whole
         fsdp_only = (c.ilp is None and cfg.tp == 1 and keeps_weights_whole(cfg)
                      and "dp_whole" not in sc.opts.force and sc.opts.fixed_sharding is None)
