@@ -15,7 +15,7 @@ import pytest
 from autoplan import trace
 from autoplan.cost.dtypes import cast_copies, held_bytes, kept_itemsizes, value_itemsizes
 from autoplan.cost.memory import model_state_bytes
-from autoplan.errors import ConfigError, PlanError
+from autoplan.errors import ConfigError
 from autoplan.graph.opgraph import opname
 from autoplan.models import build_example
 from autoplan.sharding.parallel_config import ParallelConfig
@@ -108,22 +108,6 @@ def test_the_h100_runtime_peak_is_predicted_within_two_per_cent():
     e4 = estimate(graph, part_of_a_node("dgx-h100", 1), config=ParallelConfig(
         micro_batch_size=4), global_batch_size=run["global_batch"], profile=None)
     assert e4.peak_memory_bytes > e4.device_memory_bytes
-
-
-def test_the_runtime_refuses_weights_held_in_16_bits():
-    import torch
-
-    from autoplan import Cluster, compile, plan
-    ex = build_example("gpt-tiny", batch_size=2)
-    cluster = Cluster.local(1)
-    p = plan(ex.model, cluster, example_inputs=ex.example_inputs, loss_fn=ex.loss_fn,
-             targets=ex.targets, global_batch_size=2, precision="bf16",
-             force={"mixed_precision": "params"}, top_k=1)
-    assert p.config.mixed_precision == "params"
-    with pytest.raises(PlanError, match="mixed_precision"):
-        compile(ex.model, cluster, example_inputs=ex.example_inputs,
-                example_targets=ex.targets, loss_fn=ex.loss_fn,
-                optimizer=lambda ps: torch.optim.AdamW(ps), global_batch_size=2, plan=p)
 
 
 def test_under_autocast_ops_move_the_bytes_of_their_dtypes(gpt):
