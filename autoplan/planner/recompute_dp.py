@@ -56,6 +56,7 @@ one layer per checkpoint, so the planner solves with ``max_segment=1``.
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -233,9 +234,7 @@ def _pareto(states: list[_State], rooms: tuple[float, float, bool],
                 out.append(st)
                 best_t = st[2]
     else:                                 # three: no earlier state has less host and time
-        for st in sorted(inside, key=lambda s: (s[0], s[1], s[2])):
-            if not any(o[1] <= st[1] and o[2] <= st[2] for o in out):
-                out.append(st)
+        out = _skyline(sorted(inside, key=lambda s: (s[0], s[1], s[2])))
     if len(out) <= max_states:
         return out
     cells = max_states // 2
@@ -254,6 +253,27 @@ def _pareto(states: list[_State], rooms: tuple[float, float, bool],
             picks[id(light)] = light
         thin += picks.values()
     return thin
+
+
+def _skyline(states: list[_State]) -> list[_State]:
+    """Of ``states`` sorted by device bytes, those no earlier state matches or beats on both
+    host bytes and time. The earlier ones' best times kept as a staircase (host bytes up, times
+    down), so each state is one binary search: n log n where comparing with every kept state
+    was quadratic (the 3-D fronts of long chains)."""
+    hosts: list[float] = []               # the staircase: host bytes rising ...
+    times: list[float] = []               # ... and the least time within them falling
+    out: list[_State] = []
+    for st in states:
+        k = bisect_right(hosts, st[1])
+        if k and times[k - 1] <= st[2]:
+            continue                      # an earlier state has no more host bytes nor time
+        out.append(st)
+        end = k
+        while end < len(hosts) and times[end] >= st[2]:
+            end += 1                      # steps it now beats on both
+        hosts[k:end] = [st[1]]
+        times[k:end] = [st[2]]
+    return out
 
 
 def _solution(layers: Sequence[ChainLayer], last: _State, in_flight: float) -> ChainSolution:

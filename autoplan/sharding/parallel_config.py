@@ -8,42 +8,22 @@ runtime speak of (who averages gradients, who shares a parameter shard) in its t
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass, fields
 from functools import cached_property, lru_cache
 from typing import Any
 
 from autoplan.errors import ConfigError
+# the rules the newer memory and precision fields obey, and the values each field may take
+# (re-exported here for the layers above: the config's vocabulary)
+from autoplan.sharding.config_rules import (check_fp8, check_grad_compression,
+                                            check_layer_offload, check_layer_recompute,
+                                            check_offload_activations, check_offload_nvme)
+from autoplan.sharding.config_values import (ALWAYS_WRITTEN, GRAD_COMPRESSION, MIXED_PRECISION,
+                                             MULTI_CHUNK_SCHEDULES, OPTIMIZER_STATES,
+                                             OPTIMIZERS, PRECISIONS, RECOMPUTE, SCHEDULES,
+                                             SPLIT_BACKWARD, V_SCHEDULES, one_of,
+                                             strongest_recompute)
 from autoplan.sharding.mesh_axes import MeshAxis as A, ParallelDims
-
-SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble", "zbv", "dualpipev")
-MULTI_CHUNK_SCHEDULES = ("interleaved_1f1b", "zero_bubble", "zbv", "dualpipev")
-# two chunks per rank placed in a V: rank r holds chunks r and 2p - 1 - r, so the first and
-# the last chunk share rank 0 (Qi et al. 2024 Sec. 6; DeepSeek-V3's DualPipe, folded)
-V_SCHEDULES = ("zbv", "dualpipev")
-SPLIT_BACKWARD = ("zero_bubble", "zbv", "dualpipev")   # input and weight gradients apart
-# least to most memory-saving. "ops": op-level selective checkpointing of a whole layer: the
-# outputs of its products (matmuls, attention, convolutions: ``graph.oprules.OPS_POLICY_SAVES``)
-# are kept, everything else (norms, element-wise ops, dropout) is recomputed in backward
-# (torch.utils.checkpoint's selective checkpointing, as torchtitan's op-level SAC)
-RECOMPUTE = ("none", "selective", "ops", "full")
-PRECISIONS = ("bf16", "fp16", "fp32")
-OPTIMIZERS = ("adamw", "adam", "sgd")
-# how the optimizer holds Adam's two moments (``ParallelConfig.optimizer_state``)
-OPTIMIZER_STATES = ("fp32", "bf16", "8bit")
-# how 16-bit training holds its tensors (``cost/dtypes.py``, ``ParallelConfig.mixed_precision``)
-MIXED_PRECISION = ("autocast", "params")
-# how the dp all-reduce compresses gradients: "powersgd", torch's DDP communication hook (Vogels
-# et al. 2019, ``powerSGD_hook``), lossy
-GRAD_COMPRESSION = ("none", "powersgd")
-# torchao's float8 training recipes for the linear layers (``ParallelConfig.fp8``)
-FP8_RECIPES = ("none", "tensorwise", "rowwise")
-
-
-def strongest_recompute(policies: Sequence[str]) -> str:
-    """The most memory-saving of ``policies`` (``RECOMPUTE`` runs from least to most)."""
-    return max(policies, key=lambda r: RECOMPUTE.index(r) if r in RECOMPUTE else -1)
-
 
 @dataclass(frozen=True, kw_only=True)
 class ParallelConfig:
@@ -162,14 +142,14 @@ class ParallelConfig:
                 not isinstance(self.num_microbatches, int) or self.num_microbatches < 1):
             raise ConfigError(f"num_microbatches must be a positive integer or None, "
                               f"got {self.num_microbatches!r}")
-        _one_of("schedule", self.schedule, SCHEDULES)
-        _one_of("recompute", self.recompute, RECOMPUTE)
-        _one_of("precision", self.precision, PRECISIONS)
-        _one_of("optimizer", self.optimizer, OPTIMIZERS)
-        _one_of("mixed_precision", self.mixed_precision, MIXED_PRECISION)
-        _one_of("grad_compression", self.grad_compression, GRAD_COMPRESSION)
-        self._check_fp8()
-        _one_of("optimizer_state", self.optimizer_state, OPTIMIZER_STATES)
+        one_of("schedule", self.schedule, SCHEDULES)
+        one_of("recompute", self.recompute, RECOMPUTE)
+        one_of("precision", self.precision, PRECISIONS)
+        one_of("optimizer", self.optimizer, OPTIMIZERS)
+        one_of("mixed_precision", self.mixed_precision, MIXED_PRECISION)
+        one_of("grad_compression", self.grad_compression, GRAD_COMPRESSION)
+        check_fp8(self)
+        one_of("optimizer_state", self.optimizer_state, OPTIMIZER_STATES)
         if self.optimizer_state != "fp32" and self.optimizer not in ("adam", "adamw"):
             raise ConfigError(f"optimizer_state={self.optimizer_state!r} holds Adam's two "
                               f"moments in less memory (torchao's low-bit Adam/AdamW); "
@@ -185,15 +165,15 @@ class ParallelConfig:
             raise ConfigError(f"schedule {self.schedule!r} places exactly two chunks per "
                               f"pipeline rank in a V; set virtual_stages=2 (got "
                               f"{self.virtual_stages})")
-        self._check_offload_activations()
-        self._check_layer_offload()
+        check_offload_activations(self)
+        check_layer_offload(self)
         if self.offload_params and self.zero_stage != 3:
             raise ConfigError("offload_params=True needs zero_stage=3: the weights are offloaded "
                               "as FSDP shards and gathered to the device layer by layer")
         self._check_layout()
         self._check_dp_shard()
-        self._check_offload_nvme()
-        self._check_grad_compression()
+        check_offload_nvme(self)
+        check_grad_compression(self)
         self._check_dp_whole()
         if self.dp % self.ep:
             raise ConfigError(f"ep={self.ep} must divide dp={self.dp}: expert-parallel groups "
@@ -239,29 +219,13 @@ class ParallelConfig:
                 raise ConfigError(f"stage_recompute must name one policy per pipeline stage "
                                   f"({self.pp}), got {list(self.stage_recompute)}")
             for r in self.stage_recompute:
-                _one_of("stage_recompute", r, RECOMPUTE)
+                one_of("stage_recompute", r, RECOMPUTE)
             strongest = strongest_recompute(self.stage_recompute)
             if self.recompute != strongest:
                 raise ConfigError(f"with stage_recompute, recompute must be the most "
                                   f"memory-saving stage policy ({strongest!r}), got "
                                   f"{self.recompute!r}")
-        self._check_layer_recompute()
-
-    def _check_layer_recompute(self) -> None:
-        if self.layer_recompute is None:
-            return
-        if self.stage_recompute is not None:
-            raise ConfigError("layer_recompute (one policy per layer) and stage_recompute (one "
-                              "per stage) are exclusive; give one of them")
-        if not self.layer_recompute:
-            raise ConfigError("layer_recompute must name one policy per layer, got []")
-        for r in self.layer_recompute:
-            _one_of("layer_recompute", r, RECOMPUTE)
-        strongest = strongest_recompute(self.layer_recompute)
-        if self.recompute != strongest:
-            raise ConfigError(f"with layer_recompute, recompute must be the most "
-                              f"memory-saving layer policy ({strongest!r}), got "
-                              f"{self.recompute!r}")
+        check_layer_recompute(self)
 
     def layer_policy(self, layer: int, stage: int) -> str:
         """The recompute policy of layer ``layer`` (model order) on pipeline stage ``stage``."""
@@ -269,46 +233,11 @@ class ParallelConfig:
             return self.layer_recompute[layer]
         return self.stage_policy(stage)
 
-    def _check_fp8(self) -> None:
-        _one_of("fp8", self.fp8, FP8_RECIPES)
-        v = self.fp8_skip
-        if isinstance(v, str) or not hasattr(v, "__iter__") or not all(
-                isinstance(x, str) and x for x in v):
-            raise ConfigError(f"fp8_skip must be a list of module paths or patterns, got {v!r}")
-        object.__setattr__(self, "fp8_skip", tuple(sorted(set(v))))
-        if self.fp8 != "none" and (self.precision != "bf16"
-                                   or self.mixed_precision != "autocast"):
-            raise ConfigError(f"fp8={self.fp8!r} runs its linear layers in fp8 inside bf16 "
-                              f"autocast (torchao's float8 training): it needs precision='bf16' "
-                              f"and mixed_precision='autocast', got precision="
-                              f"{self.precision!r}, mixed_precision={self.mixed_precision!r}")
-        if self.fp8_skip and self.fp8 == "none":
-            raise ConfigError("fp8_skip names linear layers kept in 16 bits under fp8; with "
-                              "fp8='none' there are none to skip: drop fp8_skip or set fp8")
-
     def fp8_converts(self, module_path: str) -> bool:
         """Whether the linear layer at ``module_path`` runs in fp8 (``fp8`` on, not skipped)."""
         from fnmatch import fnmatchcase
         return self.fp8 != "none" and not any(fnmatchcase(module_path, p)
                                                for p in self.fp8_skip)
-    def _check_offload_activations(self) -> None:
-        k = self.offload_activations
-        if not isinstance(k, int) or isinstance(k, bool) or k < 0:
-            raise ConfigError(f"offload_activations must be a layer count >= 0 (the first layers "
-                              f"of every model chunk whose activations go to host memory), "
-                              f"got {k!r}")
-        if k and self.compiled:
-            raise ConfigError("offload_activations does not run with compiled=True yet: its "
-                              "saved-tensor hooks would sit inside each layer's compiled "
-                              "region; drop one of the two")
-        policies = self.stage_recompute or self.layer_recompute or (self.recompute,)
-        if k and "selective" in policies:
-            raise ConfigError("offload_activations runs with recompute 'none' or 'full', not "
-                              "'selective': selective checkpointing keeps its saved tensors in "
-                              "torch's caching dispatch mode, out of reach of the "
-                              "saved-tensor hooks that offload; use recompute='full' (its "
-                              "checkpoint input is offloaded) or 'none'")
-
     def offloads_layer(self, position: int, layer: int | None = None) -> bool:
         """Whether the layer at ``position`` (0-based) in its model chunk, ``layer`` in model
         order, offloads its saved activations (``layer_offload``'s flag where set)."""
@@ -321,39 +250,6 @@ class ParallelConfig:
         """Whether any layer offloads its saved activations (either form)."""
         return bool(self.offload_activations) or any(self.layer_offload or ())
 
-    def _check_layer_offload(self) -> None:
-        v = self.layer_offload
-        if v is None:
-            return
-        if isinstance(v, (str, bytes)) or not hasattr(v, "__iter__") or not all(
-                isinstance(x, bool) for x in v) or not v:
-            raise ConfigError(f"layer_offload must list true/false per layer (model order) or "
-                              f"be None, got {v!r}")
-        object.__setattr__(self, "layer_offload", tuple(v))
-        if self.offload_activations:
-            raise ConfigError(f"layer_offload (a flag per layer) and offload_activations="
-                              f"{self.offload_activations} (the first layers of every chunk) "
-                              f"are exclusive; give one of them")
-        if any(v) and self.compiled:
-            raise ConfigError("layer_offload does not run with compiled=True yet: its "
-                              "saved-tensor hooks would sit inside each layer's compiled "
-                              "region; drop one of the two")
-        # under stage_recompute, a layer's policy depends on its stage: any selective one
-        # counts for every layer
-        worst = ("selective" if "selective" in (self.stage_recompute or ())
-                 else self.recompute)
-        policies = self.layer_recompute or (worst,) * len(v)
-        if len(policies) != len(v):
-            raise ConfigError(f"layer_offload has {len(v)} flags, layer_recompute "
-                              f"{len(policies)} policies: give one of each per layer")
-        bad = [i for i, (off, pol) in enumerate(zip(v, policies)) if off and pol == "selective"]
-        if bad:
-            raise ConfigError(f"layers {bad} offload and recompute selectively: selective "
-                              f"checkpointing keeps its saved tensors in torch's caching "
-                              f"dispatch mode, out of reach of the saved-tensor hooks that "
-                              f"offload; give them recompute 'none', 'ops' or 'full', or no "
-                              f"offload")
-
     def _check_dp_shard(self) -> None:
         s = self.dp_shard
         if s is None:
@@ -365,24 +261,6 @@ class ParallelConfig:
         if self.zero_stage not in (2, 3):
             raise ConfigError(f"dp_shard={s} (HSDP) needs zero_stage 2 or 3: it is FSDP's "
                               f"sharding inside groups of {s} ranks, replicated across groups")
-
-    def _check_offload_nvme(self) -> None:
-        if self.offload_nvme and not (self.offload_optimizer or self.offload_params):
-            raise ConfigError("offload_nvme=True puts what the plan offloads on NVMe: it needs "
-                              "offload_optimizer=True or offload_params=True")
-
-    def _check_grad_compression(self) -> None:
-        r = self.powersgd_rank
-        if not isinstance(r, int) or isinstance(r, bool) or r < 1:
-            raise ConfigError(f"powersgd_rank must be a positive integer, got {r!r}")
-        if self.grad_compression == "none":
-            return
-        if self.grad_degree == 1 or self.zero_stage != 0 or self.pp > 1 or self.ep > 1:
-            raise ConfigError(f"grad_compression={self.grad_compression!r} is DDP's "
-                              f"communication hook: it needs dp > 1 with zero_stage=0, pp=1 and "
-                              f"ep=1 (got dp={self.dp}, cp={self.cp}, zero_stage="
-                              f"{self.zero_stage}, pp={self.pp}, ep={self.ep}); drop it or "
-                              f"plan for plain data parallelism")
 
     def _check_dp_whole(self) -> None:
         v = self.dp_whole
@@ -549,45 +427,14 @@ class ParallelConfig:
         return d.group(d.data_axes(), d.rank_at({A.PP: pp_index, A.TP: tp_index}))
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-ready fields (the layout tuples as lists); ``tp_comm_overlap``, ``dp_shard``,
-        ``ep``, ``dp_whole``, ``cp``, ``mixed_precision``, ``compiled``,
-        ``offload_activations``, ``layer_recompute`` and the other newer fields only when set
-        (not the default),
-        so plans written before they existed read back
-        byte for byte."""
-        out = {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items()}
-        if not self.tp_comm_overlap:
-            del out["tp_comm_overlap"]
-        if self.dp_shard is None:
-            del out["dp_shard"]
-        if self.ep == 1:
-            del out["ep"]
-        if not self.dp_whole:
-            del out["dp_whole"]
-        if self.cp == 1:
-            del out["cp"]
-        if self.mixed_precision == "autocast":
-            del out["mixed_precision"]
-        if not self.compiled:
-            del out["compiled"]
-        if not self.offload_nvme:
-            del out["offload_nvme"]
-        if self.grad_compression == "none":
-            del out["grad_compression"]
-        if self.powersgd_rank == 1:
-            del out["powersgd_rank"]
-        if self.fp8 == "none":
-            del out["fp8"]
-        if not self.fp8_skip:
-            del out["fp8_skip"]
-        if not self.offload_activations:
-            del out["offload_activations"]
-        if self.layer_recompute is None:
-            del out["layer_recompute"]
-        if self.layer_offload is None:
-            del out["layer_offload"]
-        if self.optimizer_state == "fp32":       # plans written before it read back alike
-            del out["optimizer_state"]
+        """JSON-ready fields (the layout tuples as lists): those of the first plan files
+        (``ALWAYS_WRITTEN``) always, every later one only where it differs from its default,
+        so plans written before it existed read back byte for byte."""
+        out = {}
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if f.name in ALWAYS_WRITTEN or v != f.default:
+                out[f.name] = list(v) if isinstance(v, tuple) else v
         return out
 
     @staticmethod
@@ -670,8 +517,3 @@ def rank_chunks(schedule: str, p: int, v: int) -> tuple[tuple[int, ...], ...]:
     """Per pipeline rank, the chunks it runs in model order (``chunk_ranks`` inverted)."""
     ranks = chunk_ranks(schedule, p, v)
     return tuple(tuple(c for c in range(p * v) if ranks[c] == r) for r in range(p))
-
-
-def _one_of(name: str, value: Any, allowed: tuple[str, ...]) -> None:
-    if value not in allowed:
-        raise ConfigError(f"{name} must be one of {list(allowed)}, got {value!r}")

@@ -1,0 +1,119 @@
+"""The rules the newer memory and precision fields of a ParallelConfig obey, alone and together
+(per-layer recomputation and activation offload, fp8, NVMe offload, gradient compression):
+each a function of the config, called by ``ParallelConfig.__post_init__``. Each raises a
+ConfigError that says what is wrong and what to do."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from autoplan.errors import ConfigError
+from autoplan.sharding.config_values import FP8_RECIPES, RECOMPUTE, one_of, strongest_recompute
+
+
+def check_layer_recompute(c: Any) -> None:
+    if c.layer_recompute is None:
+        return
+    if c.stage_recompute is not None:
+        raise ConfigError("layer_recompute (one policy per layer) and stage_recompute (one "
+                          "per stage) are exclusive; give one of them")
+    if not c.layer_recompute:
+        raise ConfigError("layer_recompute must name one policy per layer, got []")
+    for r in c.layer_recompute:
+        one_of("layer_recompute", r, RECOMPUTE)
+    strongest = strongest_recompute(c.layer_recompute)
+    if c.recompute != strongest:
+        raise ConfigError(f"with layer_recompute, recompute must be the most "
+                          f"memory-saving layer policy ({strongest!r}), got "
+                          f"{c.recompute!r}")
+
+
+def check_fp8(c: Any) -> None:
+    one_of("fp8", c.fp8, FP8_RECIPES)
+    v = c.fp8_skip
+    if isinstance(v, str) or not hasattr(v, "__iter__") or not all(
+            isinstance(x, str) and x for x in v):
+        raise ConfigError(f"fp8_skip must be a list of module paths or patterns, got {v!r}")
+    object.__setattr__(c, "fp8_skip", tuple(sorted(set(v))))
+    if c.fp8 != "none" and (c.precision != "bf16"
+                               or c.mixed_precision != "autocast"):
+        raise ConfigError(f"fp8={c.fp8!r} runs its linear layers in fp8 inside bf16 "
+                          f"autocast (torchao's float8 training): it needs precision='bf16' "
+                          f"and mixed_precision='autocast', got precision="
+                          f"{c.precision!r}, mixed_precision={c.mixed_precision!r}")
+    if c.fp8_skip and c.fp8 == "none":
+        raise ConfigError("fp8_skip names linear layers kept in 16 bits under fp8; with "
+                          "fp8='none' there are none to skip: drop fp8_skip or set fp8")
+
+
+def check_offload_activations(c: Any) -> None:
+    k = c.offload_activations
+    if not isinstance(k, int) or isinstance(k, bool) or k < 0:
+        raise ConfigError(f"offload_activations must be a layer count >= 0 (the first layers "
+                          f"of every model chunk whose activations go to host memory), "
+                          f"got {k!r}")
+    if k and c.compiled:
+        raise ConfigError("offload_activations does not run with compiled=True yet: its "
+                          "saved-tensor hooks would sit inside each layer's compiled "
+                          "region; drop one of the two")
+    policies = c.stage_recompute or c.layer_recompute or (c.recompute,)
+    if k and "selective" in policies:
+        raise ConfigError("offload_activations runs with recompute 'none' or 'full', not "
+                          "'selective': selective checkpointing keeps its saved tensors in "
+                          "torch's caching dispatch mode, out of reach of the "
+                          "saved-tensor hooks that offload; use recompute='full' (its "
+                          "checkpoint input is offloaded) or 'none'")
+
+
+def check_layer_offload(c: Any) -> None:
+    v = c.layer_offload
+    if v is None:
+        return
+    if isinstance(v, (str, bytes)) or not hasattr(v, "__iter__") or not all(
+            isinstance(x, bool) for x in v) or not v:
+        raise ConfigError(f"layer_offload must list true/false per layer (model order) or "
+                          f"be None, got {v!r}")
+    object.__setattr__(c, "layer_offload", tuple(v))
+    if c.offload_activations:
+        raise ConfigError(f"layer_offload (a flag per layer) and offload_activations="
+                          f"{c.offload_activations} (the first layers of every chunk) "
+                          f"are exclusive; give one of them")
+    if any(v) and c.compiled:
+        raise ConfigError("layer_offload does not run with compiled=True yet: its "
+                          "saved-tensor hooks would sit inside each layer's compiled "
+                          "region; drop one of the two")
+    # under stage_recompute, a layer's policy depends on its stage: any selective one
+    # counts for every layer
+    worst = ("selective" if "selective" in (c.stage_recompute or ())
+             else c.recompute)
+    policies = c.layer_recompute or (worst,) * len(v)
+    if len(policies) != len(v):
+        raise ConfigError(f"layer_offload has {len(v)} flags, layer_recompute "
+                          f"{len(policies)} policies: give one of each per layer")
+    bad = [i for i, (off, pol) in enumerate(zip(v, policies)) if off and pol == "selective"]
+    if bad:
+        raise ConfigError(f"layers {bad} offload and recompute selectively: selective "
+                          f"checkpointing keeps its saved tensors in torch's caching "
+                          f"dispatch mode, out of reach of the saved-tensor hooks that "
+                          f"offload; give them recompute 'none', 'ops' or 'full', or no "
+                          f"offload")
+
+
+def check_offload_nvme(c: Any) -> None:
+    if c.offload_nvme and not (c.offload_optimizer or c.offload_params):
+        raise ConfigError("offload_nvme=True puts what the plan offloads on NVMe: it needs "
+                          "offload_optimizer=True or offload_params=True")
+
+
+def check_grad_compression(c: Any) -> None:
+    r = c.powersgd_rank
+    if not isinstance(r, int) or isinstance(r, bool) or r < 1:
+        raise ConfigError(f"powersgd_rank must be a positive integer, got {r!r}")
+    if c.grad_compression == "none":
+        return
+    if c.grad_degree == 1 or c.zero_stage != 0 or c.pp > 1 or c.ep > 1:
+        raise ConfigError(f"grad_compression={c.grad_compression!r} is DDP's "
+                          f"communication hook: it needs dp > 1 with zero_stage=0, pp=1 and "
+                          f"ep=1 (got dp={c.dp}, cp={c.cp}, zero_stage="
+                          f"{c.zero_stage}, pp={c.pp}, ep={c.ep}); drop it or "
+                          f"plan for plain data parallelism")
