@@ -69,7 +69,7 @@ def seeds() -> dict[str, bytes]:
     plan = autoplan.plan(g, Cluster.local(2), global_batch_size=4, precision="fp32",
                          profile=None, force={"tp": 2}, max_pp=1)
     import yaml
-    cluster = {"preset": "dgx-h100", "num_nodes": 2,
+    cluster = {"preset": "dgx-h100/4", "num_nodes": 2,
                "host": {"memory_bytes": 2 * 10 ** 12}, "description": "fuzz seed"}
     cal = Calibration(matmul_flops_per_s=5e10, memory_bandwidth_bytes_per_s=1e10, launch_s=3e-6,
                       optimizer_s_per_param=5e-9, optimizer_s_per_tensor=2e-5,

@@ -15,7 +15,7 @@ Call = tuple[str, Callable[[], Any]]
 def clusters(fx: Any) -> list[str]:
     """CLUSTER arguments that name no cluster."""
     return ["", "no-such-cluster", "local:0", "local:-1", "local:x", "dgx-h100:0",
-            "dgx-h100:99999999", "local:1:2", os.path.join(fx.tmp, "missing.yaml"), fx.folder,
+            "dgx-h100:99999999", "local:1:2", "dgx-h100/0", "dgx-h100/9", "dgx-h100/x:2", os.path.join(fx.tmp, "missing.yaml"), fx.folder,
             fx.plan, fx.binary]
 
 

@@ -372,6 +372,45 @@ def test_from_spec(tmp_path, dgx):
     assert Cluster.from_spec(str(path)) == dgx
 
 
+def test_part_of_a_node_by_name(tmp_path):
+    """``PRESET/K``: the preset's node with its first K devices, named as written in specs,
+    files, plans and fingerprints; the host shares grow to the devices left."""
+    one = Cluster.from_spec("dgx-h100/1")
+    full = Cluster.preset("dgx-h100")
+    assert (one.name, one.world_size, one.devices_per_node) == ("dgx-h100/1", 1, 1)
+    assert one.device == full.device and one.host.memory_bytes == full.host.memory_bytes
+    # two GPUs share a PCIe switch's uplink in a DGX: alone, the first gets all of it
+    assert one.host.device_to_host_bandwidth_bytes_per_s == 2 * full.host.device_to_host_bandwidth_bytes_per_s
+    assert one.host.cpu_adam_params_per_s == 8 * full.host.cpu_adam_params_per_s
+    assert Cluster.from_spec("pcie-8gpu/1").host.device_to_host_bandwidth_bytes_per_s == \
+        4 * Cluster.preset("pcie-8gpu").host.device_to_host_bandwidth_bytes_per_s
+    assert one.hardware().node_links == full.hardware().node_links
+    four = Cluster.from_spec("dgx-a100-80gb/2:4")
+    assert (four.name, four.num_nodes, four.world_size) == ("dgx-a100-80gb/2", 4, 8)
+    assert four.host.device_to_host_bandwidth_bytes_per_s == \
+        Cluster.preset("dgx-a100-80gb").host.device_to_host_bandwidth_bytes_per_s
+    assert four.collective_time_s("all_reduce", GIB, [0, 1]) < four.collective_time_s("all_reduce", GIB, [0, 2])
+    # the same cluster however it is named; read back from its description and from a plan
+    assert Cluster.preset("dgx-h100/1") == one == Cluster.from_dict(json.loads(json.dumps(one.to_dict())))
+    assert Cluster.from_spec("dgx-h100/1:1") == one
+    from autoplan.planner.planfile import ClusterInfo
+    info = ClusterInfo.of(one)
+    assert Cluster.from_spec(f"{info.name}:{info.num_nodes}").fingerprint() == info.fingerprint
+    # a cluster file starting from it overrides the host key by key: 1 TB of host memory
+    path = tmp_path / "one-h100.yaml"
+    path.write_text("preset: dgx-h100/1\nhost: {memory_bytes: 1099511627776}\n")
+    mine = Cluster.from_file(path)
+    assert mine.name == "dgx-h100/1" and mine.host.memory_bytes == 1 << 40
+    assert mine.host.device_to_host_bandwidth_bytes_per_s == one.host.device_to_host_bandwidth_bytes_per_s
+    for bad, match in (("dgx-h100/0", "keep 1 to 8"), ("dgx-h100/9", "keep 1 to 8"),
+                       ("dgx-h100/01", "not a device count"), ("dgx-h100/x", "PRESET/K"),
+                       ("dgx-z/1", "neither a file nor a preset")):
+        with pytest.raises(ClusterError, match=match):
+            Cluster.from_spec(bad)
+    with pytest.raises(ClusterError, match="not a device count"):
+        Cluster.preset("dgx-h100/-1")
+
+
 # --------------------------------------------------------------------------- specs and data
 def test_device_specs():
     a100 = specs.load_device("A100-SXM4-80GB")

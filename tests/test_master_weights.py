@@ -323,16 +323,19 @@ def _held_three_ways(graph, cluster, gbs):
 
 def test_search_holds_the_weights_as_priced_memory_and_time_say():
     """Offered both ways of holding 16-bit weights, the search takes what its prices say.
-    Llama-3-8B on one H100 (80 GiB, global batch 8): with fp32 weights no plan fits (86 GiB at
-    least, even with the optimizer offloaded), with 16-bit weights and fp32 masters offloaded
-    one does: the search picks that one. gpt-tiny on a DGX H100: both fit, and 16-bit weights
+    Llama-3-8B on one H100 (80 GiB, global batch 8): with fp32 weights a plan fits only with
+    the weights offloaded too (86 GiB at least with the optimizer alone offloaded; FSDP2's
+    parameter offload at dp 1), with 16-bit weights and fp32 masters offloaded one fits
+    faster (no weights streamed in): the search picks that one. gpt-tiny on a DGX H100: both fit, and 16-bit weights
     are priced faster (no casts): picked, as fast as the best forced plan. Left to its default
     (autocast alone) the search never offers them."""
     from autoplan.models.registry import build_example as build
     ex = build("llama3-8b", device="meta")
     graph = trace(ex.model, ex.example_inputs, loss_fn=ex.loss_fn, targets=ex.targets)
     autocast, params, either = _held_three_ways(graph, _one_gpu_of("dgx-h100"), 8)
-    assert autocast is None and params.config.offload_optimizer
+    assert autocast.config.offload_params and autocast.config.zero_stage == 3
+    assert params.config.offload_optimizer and not params.config.offload_params
+    assert params.predicted["step_time_s"] < autocast.predicted["step_time_s"]
     assert either.config == params.config
     small = build_example("gpt-tiny", batch_size=1, seed=0)
     graph = trace(small.model, small.example_inputs, loss_fn=small.loss_fn,

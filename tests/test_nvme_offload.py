@@ -54,3 +54,12 @@ def test_compile_refuses_nvme_plans():
     cfg = ParallelConfig(dp=2, zero_stage=3, offload_optimizer=True, offload_nvme=True)
     with pytest.raises(PlanError, match="offload_nvme=false"):
         _refuse_unrunnable(SimpleNamespace(config=cfg, recompute={}), has_loss=True)
+
+
+def test_estimate_refuses_nvme_on_a_node_without_drives(gpt_1t):
+    """A DGX H100 has no NVMe described: an NVMe config is refused with the fix, not priced
+    over a zero drive rate."""
+    cfg = ParallelConfig(dp=2, tp=4, sequence_parallel=True, zero_stage=3, recompute="full",
+                         offload_params=True, offload_optimizer=True, offload_nvme=True)
+    with pytest.raises(ConfigError, match="has none: give its host nvme_bytes"):
+        estimate(gpt_1t, Cluster.preset("dgx-h100", nodes=1), config=cfg, global_batch_size=8)

@@ -278,6 +278,19 @@ def test_tight_memory_chooses_recompute_or_offload():
     assert not estimate(g, cluster, config=plain, global_batch_size=64, profile=None).fits
 
 
+def test_one_gpu_offloads_the_weights_where_they_do_not_fit():
+    """GPT-3 6.7B on one A100 40 GB: fp32 weights and gradients alone (54 GB) overflow it, so
+    only FSDP2's parameter offload at dp 1 (ZeRO-3 over one rank, weights and gradients in
+    host memory) fits; the default search offers it."""
+    g = _graph("gpt3-6.7b")
+    cluster = Cluster.from_spec("dgx-a100-40gb/1")
+    p = plan(g, cluster, global_batch_size=8, profile=None, top_k=3)
+    assert p.predicted["fits"] and p.config.dp == 1
+    assert p.config.zero_stage == 3 and p.config.offload_params and p.config.offload_optimizer
+    kept = ParallelConfig(**{**p.config.to_dict(), "zero_stage": 0, "offload_params": False})
+    assert not estimate(g, cluster, config=kept, global_batch_size=8, profile=None).fits
+
+
 def test_nothing_fits_says_what_would(gpt3_175b):
     # a node without NVMe (on a DGX A100's drives ZeRO-Infinity fits it: tests/test_nvme_offload)
     with pytest.raises(NoFeasiblePlanError) as info:

@@ -76,6 +76,25 @@ def test_pruning_finds_the_plan_the_full_enumeration_finds(monkeypatch, name, pr
     assert pruned.solver.candidates_evaluated < full.solver.candidates_evaluated
 
 
+def test_pruning_keeps_recomputation_that_shrinks_offloaded_copies(monkeypatch):
+    """Llama-3-8B on one H100 at micro-batch 8 fits only with its activations offloaded; full
+    recomputation leaves each layer only its input to copy, so recomputing *and* offloading
+    (97 s) beats offloading alone (150 s): the pruning must not take the fitting offload-only
+    config as dominating it."""
+    graph = _graph("llama3-8b")
+    cluster = Cluster.from_spec("dgx-h100/1")
+    kw = dict(global_batch_size=64, profile=None, force={"micro_batch_size": 8})
+    pruned = search.plan(graph, cluster, **kw)
+    full_evaluate = search_costing.evaluate
+
+    def every_config(*args, **kwargs):
+        return full_evaluate(*args, **{**kwargs, "prune_dominated": False, "behind_s": None})
+    monkeypatch.setattr(search, "evaluate", every_config)
+    full = search.plan(graph, cluster, **kw)
+    assert full.config.recompute == "full" and full.config.offload_activations
+    assert pruned.config == full.config
+
+
 # ---- the floor of a pipelined config (layout.step_floor_s) ------------------------------
 
 FLOOR_MODELS = ["llama-tiny", "gpt-tiny", "nanogpt-tiny", "torch-encoder-tiny", "hf-t5-tiny",

@@ -16,7 +16,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "show", help="print a cluster's summary (or its JSON description)",
         description="Print devices, links, fabric, per-group ring bandwidths and collective times.")
     show.add_argument("spec", metavar="SPEC",
-                      help="a preset name (e.g. dgx-a100-80gb), PRESET:NODES, 'local', 'local:NPROC', "
+                      help="a preset name (e.g. dgx-a100-80gb), PRESET:NODES, PRESET/GPUS[:NODES] (the "
+                           "node's first GPUS devices, e.g. dgx-h100/1), 'local', 'local:NPROC', "
                            "or a cluster file (.yaml/.yml/.json)")
     show.add_argument("--nodes", type=int, default=None, metavar="N",
                       help="number of nodes for a preset (same as PRESET:N), or ranks for 'local'")
@@ -26,7 +27,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from autoplan.cluster import Cluster
-    from autoplan.cluster.specs import preset_names
+    from autoplan.cluster.specs import is_preset
 
     if getattr(args, "cluster_command", None) != "show":
         args.cluster_parser.print_help()
@@ -36,7 +37,7 @@ def run(args: argparse.Namespace) -> int:
         head, sep, tail = spec.partition(":")
         if sep and tail != str(args.nodes):
             raise ClusterError(f"cluster spec {spec!r} says {tail} but --nodes says {args.nodes}; give one of them")
-        if head != "local" and head not in preset_names():
+        if head != "local" and not is_preset(head):
             raise ClusterError(f"--nodes applies to a preset or 'local', not to {spec!r}; "
                                "set num_nodes in the cluster file instead")
         spec = f"{head}:{args.nodes}"

@@ -88,7 +88,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                                    "and their breakdowns for one parallel configuration.")
     add_model_args(p)
     p.add_argument("--cluster", required=True,
-                   help="preset[:nodes] (e.g. dgx-a100-80gb:4), 'local[:N]', or a cluster file")
+                   help="preset[:nodes] (e.g. dgx-a100-80gb:4; dgx-h100/1: one GPU of the "
+                        "node), 'local[:N]', or a cluster file")
     p.add_argument("--global-batch", type=int, required=True, help="global batch size (samples)")
     add_config_args(p)
     add_capacity_arg(p)

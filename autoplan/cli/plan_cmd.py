@@ -18,7 +18,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                                    "cluster, and write the best plan as JSON.")
     add_model_args(p)
     p.add_argument("--cluster", required=True,
-                   help="preset[:nodes] (e.g. dgx-h100:4), 'local[:N]', or a cluster file")
+                   help="preset[:nodes] (e.g. dgx-h100:4; dgx-h100/1: one GPU of the node), "
+                        "'local[:N]', or a cluster file")
     p.add_argument("--global-batch", type=int, required=True, help="global batch size (samples)")
     p.add_argument("--precision", default="bf16", choices=("bf16", "fp16", "fp32", "auto"),
                    help="training precision (bf16); auto: the search also tries fp32 where "

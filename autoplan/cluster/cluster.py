@@ -338,7 +338,8 @@ class Cluster:
 
     @classmethod
     def preset(cls, name: str, nodes: int = 1) -> Cluster:
-        """A preset from ``cost_models/clusters.yaml`` with ``nodes`` nodes."""
+        """A preset from ``cost_models/clusters.yaml`` with ``nodes`` nodes; ``"NAME/K"``: its
+        nodes with only their first ``K`` devices (``cluster/node_part.py``)."""
         entry = specs.preset_entry(name)
         entry["num_nodes"] = integer(nodes, "nodes", f"preset {name!r}", maximum=values.MAX_NODES)
         return cls.from_dict({"name": name, **entry}, where=f"preset {name!r}")
@@ -376,8 +377,9 @@ class Cluster:
 
     @classmethod
     def from_spec(cls, spec: str) -> Cluster:
-        """CLI helper: ``"dgx-a100-80gb:4"`` (preset:nodes), a preset name, ``"local"``, ``"local:4"``,
-        or a path to a cluster file."""
+        """CLI helper: ``"dgx-a100-80gb:4"`` (preset:nodes), a preset name, ``"dgx-h100/1"`` (one
+        node with only its first GPU; ``"dgx-h100/2:4"``: four such nodes of two GPUs),
+        ``"local"``, ``"local:4"``, or a path to a cluster file."""
         spec = text(spec, "cluster spec", "cluster spec").strip()
         if os.path.exists(spec):
             return cls.from_file(spec)
@@ -391,10 +393,11 @@ class Cluster:
                                    "(write NAME:NODES, e.g. dgx-a100-80gb:4, or local:NPROC)") from None
         if head == "local":
             return cls.local(count)
-        if head in specs.preset_names():
+        if specs.is_preset(head):
             return cls.preset(head, count if count is not None else 1)
         raise ClusterError(f"cluster spec {spec!r} is neither a file nor a preset; presets: "
-                           f"{', '.join(specs.preset_names())}; or 'local', 'local:NPROC', or a .yaml/.json path")
+                           f"{', '.join(specs.preset_names())} (PRESET/K: the node's first K "
+                           "devices, e.g. dgx-h100/1); or 'local', 'local:NPROC', or a .yaml/.json path")
 
     # ------------------------------------------------------------------ summary
     def describe(self) -> str:

@@ -21,6 +21,7 @@ from typing import Any
 
 import yaml
 
+from autoplan.cluster import node_part
 from autoplan.cluster.gemm_table import GemmShapeTable
 from autoplan.cluster.values import check_keys, integer, number, text
 from autoplan.errors import ClusterError
@@ -351,11 +352,21 @@ def load_link(name: str) -> LinkSpec:
 
 
 def preset_entry(name: str) -> dict[str, Any]:
-    """A deep copy of one preset description from ``cost_models/clusters.yaml``."""
+    """A deep copy of one preset description from ``cost_models/clusters.yaml``;
+    ``PRESET/K``: the preset's node with only its first ``K`` devices (``node_part.py``)."""
     presets = _load_yaml("clusters.yaml")["presets"]
-    if name not in presets:
-        raise ClusterError(f"unknown cluster preset {name!r}; presets: {', '.join(presets)}")
-    return copy.deepcopy(presets[name])
+    base, count = node_part.split_name(name)
+    if base not in presets:
+        raise ClusterError(f"unknown cluster preset {base!r}; presets: {', '.join(presets)} "
+                           "(PRESET/K: its first K devices, e.g. dgx-h100/1)")
+    entry = copy.deepcopy(presets[base])
+    return entry if count is None else node_part.first_devices(entry, count, name=name)
+
+
+def is_preset(name: str) -> bool:
+    """Whether ``name`` names a preset or part of one's node (``dgx-h100/1``)."""
+    base, sep, tail = name.partition("/")
+    return base in preset_names() and (not sep or tail.isdigit())
 
 
 __all__ = [
@@ -373,6 +384,7 @@ __all__ = [
     "load_device",
     "load_link",
     "number",
+    "is_preset",
     "preset_entry",
     "preset_names",
     "raw_data",

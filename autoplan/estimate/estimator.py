@@ -89,6 +89,11 @@ def validate(graph: OpGraph, cluster: Any, config: ParallelConfig,
                           f"the cluster's {cluster.device.name} has none (its rates: "
                           f"{', '.join(sorted(cluster.device.peak_flops))}): plan with "
                           "precision 'bf16' and fp8 'none'")
+    if config.offload_nvme and not cluster.host.has_nvme:
+        raise ConfigError(f"offload_nvme=True keeps the offloaded state on the node's NVMe, but "
+                          f"cluster {cluster.name!r} has none: give its host nvme_bytes, "
+                          "nvme_read_bytes_per_s and nvme_write_bytes_per_s in a cluster file, "
+                          "or drop offload_nvme")
     return m
 
 

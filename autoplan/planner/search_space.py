@@ -120,6 +120,14 @@ def schedules(config: ParallelConfig, m: int, layers: int,
     return out
 
 
+def dp1_zero_stages(zero_options: Sequence[int], offloads: Sequence[bool]) -> tuple[int, ...]:
+    """ZeRO stages to try without data parallelism: 0, and 3 where offload is offered, for
+    FSDP2's parameter offload, which runs at dp = 1 too (weights and gradients in host memory,
+    streamed in layer by layer: ZeRO-Offload/Infinity's way of training a model larger than
+    one GPU)."""
+    return (0, 3) if 3 in zero_options and True in offloads else (0,)
+
+
 def recompute_options(opts: SearchOptions, graph: OpGraph,
                       config: ParallelConfig | None = None) -> list[str]:
     """Recomputation policies worth costing. Selective recomputation drops attention scores,
@@ -209,11 +217,12 @@ def policies(config: ParallelConfig, opts: SearchOptions, cluster: Any,
     # with pipeline stages, ZeRO-2/3 would reduce-scatter and gather every micro-batch
     zero_options = opts.zero_stages if config.pp == 1 else tuple(
         z for z in opts.zero_stages if z <= 1)
-    zeros = forced(opts, "zero_stage", zero_options if config.grad_degree > 1 else (0,))
     # CPU ranks already keep their optimizer state in host memory: nothing to offload; pipeline
     # stages already split the model state, so offload is searched without them
     offloads = (False,) if cluster.device.kind == "cpu" or config.pp > 1 \
         else opts.offload_optimizer
+    zeros = forced(opts, "zero_stage", zero_options if config.grad_degree > 1
+                   else dp1_zero_stages(zero_options, offloads))
     for z in zeros:
         for r, acts in ((r, k) for r in recompute
                         for k in activation_offloads(config, opts, cluster, graph, r)):
@@ -223,6 +232,9 @@ def policies(config: ParallelConfig, opts: SearchOptions, cluster: Any,
                 for off_p in params_off:
                     if off_p and z != 3:
                         continue   # parameter offload is FSDP's (ZeRO-3)
+                    if z == 3 and config.grad_degree == 1 and not off_p \
+                            and "zero_stage" not in opts.force:
+                        continue   # ZeRO-3 over one rank shards nothing: only its offload
                     for shard in shard_sizes(config, cluster, opts, z):
                         if shard is not None and off_p and "dp_shard" not in opts.force:
                             continue     # offloaded weights: no device memory for HSDP to save
