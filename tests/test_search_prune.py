@@ -91,7 +91,7 @@ def test_pruning_keeps_recomputation_that_shrinks_offloaded_copies(monkeypatch):
         return full_evaluate(*args, **{**kwargs, "prune_dominated": False, "behind_s": None})
     monkeypatch.setattr(search, "evaluate", every_config)
     full = search.plan(graph, cluster, **kw)
-    assert full.config.recompute == "full" and full.config.offload_activations
+    assert full.config.recompute == "full" and full.config.offloads_activations
     assert pruned.config == full.config
 
 
