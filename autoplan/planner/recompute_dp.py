@@ -128,7 +128,7 @@ _State = tuple[float, float, float, object, object]
 
 
 def solve_chain(layers: Sequence[ChainLayer], *, budget_bytes: float,
-                in_flight: float = 1.0, max_states: int = 4096,
+                in_flight: float = 1.0, max_states: int = 512,
                 max_segment: int = 1, host_budget_bytes: float | None = None
                 ) -> ChainSolution | None:
     """The options of ``layers`` that cost least time within ``budget_bytes`` of device memory
