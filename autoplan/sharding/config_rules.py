@@ -19,13 +19,7 @@ def check_layer_recompute(c: Any) -> None:
                           "per stage) are exclusive; give one of them")
     if not c.layer_recompute:
         raise ConfigError("layer_recompute must name one policy per layer, got []")
-    for r in c.layer_recompute:
-        one_of("layer_recompute", r, RECOMPUTE)
-    strongest = strongest_recompute(c.layer_recompute)
-    if c.recompute != strongest:
-        raise ConfigError(f"with layer_recompute, recompute must be the most "
-                          f"memory-saving layer policy ({strongest!r}), got "
-                          f"{c.recompute!r}")
+    check_policies(c, "layer_recompute", "layer")
 
 
 def check_fp8(c: Any) -> None:
@@ -117,3 +111,15 @@ def check_grad_compression(c: Any) -> None:
                           f"ep=1 (got dp={c.dp}, cp={c.cp}, zero_stage="
                           f"{c.zero_stage}, pp={c.pp}, ep={c.ep}); drop it or "
                           f"plan for plain data parallelism")
+
+
+def check_policies(c: Any, field: str, unit: str) -> None:
+    """Every policy of ``c.<field>`` (one per ``unit``: stage or layer) is a recompute policy,
+    and ``c.recompute`` names the most memory-saving of them."""
+    policies = getattr(c, field)
+    for r in policies:
+        one_of(field, r, RECOMPUTE)
+    strongest = strongest_recompute(policies)
+    if c.recompute != strongest:
+        raise ConfigError(f"with {field}, recompute must be the most memory-saving {unit} "
+                          f"policy ({strongest!r}), got {c.recompute!r}")

@@ -15,7 +15,7 @@ from typing import Any
 from autoplan.errors import ConfigError
 # the rules the newer memory and precision fields obey, and the values each field may take
 # (re-exported here for the layers above: the config's vocabulary)
-from autoplan.sharding.config_rules import (check_fp8, check_grad_compression,
+from autoplan.sharding.config_rules import (check_fp8, check_policies, check_grad_compression,
                                             check_layer_offload, check_layer_recompute,
                                             check_offload_activations, check_offload_nvme)
 from autoplan.sharding.config_values import (ALWAYS_WRITTEN, GRAD_COMPRESSION, MIXED_PRECISION,
@@ -218,13 +218,7 @@ class ParallelConfig:
             if len(self.stage_recompute) != self.pp:
                 raise ConfigError(f"stage_recompute must name one policy per pipeline stage "
                                   f"({self.pp}), got {list(self.stage_recompute)}")
-            for r in self.stage_recompute:
-                one_of("stage_recompute", r, RECOMPUTE)
-            strongest = strongest_recompute(self.stage_recompute)
-            if self.recompute != strongest:
-                raise ConfigError(f"with stage_recompute, recompute must be the most "
-                                  f"memory-saving stage policy ({strongest!r}), got "
-                                  f"{self.recompute!r}")
+            check_policies(self, "stage_recompute", "stage")
         check_layer_recompute(self)
 
     def layer_policy(self, layer: int, stage: int) -> str:
