@@ -152,24 +152,32 @@ def test_the_search_chooses_per_layer_recomputation_with_weights_kept_whole():
     assert not uniform[0].fits and fitting and mine < min(fitting)
 
 
-def test_per_layer_choice_composes_with_the_stage_partition():
+@pytest.fixture(scope="module")
+def gpt3_pp2():
+    """GPT-3 175B shapes with 24 layers (traced on meta), two DGX A100 nodes, and a pp 2 x tp 8
+    config at micro-batch 16 that fits only with full recomputation."""
+    from autoplan import Cluster, ParallelConfig
+    from autoplan.graph import trace
+    from autoplan.models import build_example
+    ex = build_example("gpt3-175b", device="meta", batch_size=1, num_layers=24)
+    g = trace(ex.model, ex.example_inputs, loss_fn=ex.loss_fn, targets=ex.targets)
+    cfg = ParallelConfig(dp=1, tp=8, pp=2, micro_batch_size=16, sequence_parallel=True,
+                         recompute="full", chunk_layers=(12, 12))
+    return g, Cluster.preset("dgx-a100-80gb", nodes=2), cfg
+
+
+def test_per_layer_choice_composes_with_the_stage_partition(gpt3_pp2):
     """GPT-3 175B shapes, 24 layers over pp 2 x tp 8, micro-batches of 16 (1F1B: the first
     stage holds two in flight, the last one); no uniform policy but full fits. The chain DP
     gives each stage its own policies within its own budget, keeps the split, and the result
     fits and recomputes less; the first stage recomputes more than the last."""
     from dataclasses import replace
 
-    from autoplan import Cluster, ParallelConfig, estimate
+    from autoplan import estimate
     from autoplan.estimate.estimator import cost_inputs
-    from autoplan.graph import trace
-    from autoplan.models import build_example
     from autoplan.planner.recompute_choice import per_layer_config
     from autoplan.sharding.parallel_config import RECOMPUTE
-    ex = build_example("gpt3-175b", device="meta", batch_size=1, num_layers=24)
-    g = trace(ex.model, ex.example_inputs, loss_fn=ex.loss_fn, targets=ex.targets)
-    cluster = Cluster.preset("dgx-a100-80gb", nodes=2)
-    cfg = ParallelConfig(dp=1, tp=8, pp=2, micro_batch_size=16, sequence_parallel=True,
-                         recompute="full", chunk_layers=(12, 12))
+    g, cluster, cfg = gpt3_pp2
 
     def est(c):
         return estimate(g, cluster, config=c, global_batch_size=64, profile=None)
@@ -286,25 +294,19 @@ def test_a_fast_host_link_offloads_some_layers_and_recomputes_the_rest():
     assert free.time_s == pytest.approx(0.4)
 
 
-def test_joint_choice_per_pipeline_stage_and_not_on_cpus():
+def test_joint_choice_per_pipeline_stage_and_not_on_cpus(gpt3_pp2):
     """GPT-3 175B shapes, 24 layers over pp 2 x tp 8 on DGX A100s (the stage-partition test
     above): with offload allowed, each stage chooses its own offloaded layers within its own
     device and host budgets, the split kept; the result fits, recomputes less than the
     recompute-only choice and is no slower. CPU clusters are not offered it."""
     from dataclasses import replace
 
-    from autoplan import Cluster, ParallelConfig, estimate
+    from autoplan import Cluster, estimate
     from autoplan.estimate.estimator import cost_inputs
-    from autoplan.graph import trace
-    from autoplan.models import build_example
     from autoplan.planner.options import SearchOptions
     from autoplan.planner.recompute_choice import per_layer_config
     from autoplan.planner.search_space import layer_offload_offered
-    ex = build_example("gpt3-175b", device="meta", batch_size=1, num_layers=24)
-    g = trace(ex.model, ex.example_inputs, loss_fn=ex.loss_fn, targets=ex.targets)
-    cluster = Cluster.preset("dgx-a100-80gb", nodes=2)
-    cfg = ParallelConfig(dp=1, tp=8, pp=2, micro_batch_size=16, sequence_parallel=True,
-                         recompute="full", chunk_layers=(12, 12))
+    g, cluster, cfg = gpt3_pp2
 
     def est(c):
         return estimate(g, cluster, config=c, global_batch_size=64, profile=None)
