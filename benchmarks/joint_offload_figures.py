@@ -39,22 +39,15 @@ def _row(label: str, e) -> str:
 def one(key: str) -> None:
     import torch
 
-    from autoplan import Cluster, estimate, plan
+    from autoplan import estimate, plan
     from autoplan.estimate.estimator import cost_inputs
-    from autoplan.graph import trace
-    from autoplan.models import build_example
     from autoplan.planner.compare import plan_sharding
     from autoplan.planner.recompute_choice import per_layer_config
+    sys.path.insert(0, __file__.rsplit("/", 1)[0])
+    from recompute_per_layer import case
     torch.set_num_threads(1)
     model, preset, nodes, gpus, gbs, force = CASES[key]
-    if gpus is None:
-        cluster = Cluster.preset(preset, nodes=nodes)
-    else:
-        sys.path.insert(0, __file__.rsplit("/", 1)[0])
-        from validate import part_of_a_node
-        cluster = part_of_a_node(preset, gpus)
-    ex = build_example(model, device="meta", batch_size=1)
-    g = trace(ex.model, ex.example_inputs, loss_fn=ex.loss_fn, targets=ex.targets)
+    g, cluster = case(model, preset, nodes, gpus)
     print(f"{key}: {cluster.world_size} x {cluster.device.name}, global batch {gbs}")
     plans = {}
     for label, offload in (("plan, recompute-only DP", False), ("plan, joint DP", True)):

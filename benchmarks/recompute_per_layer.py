@@ -22,17 +22,12 @@ CASES = {   # name: (model, preset, nodes, gpus of the node (None: all), global 
 }
 
 
-def one(key: str) -> None:
-    import torch
-
-    from autoplan import Cluster, estimate, plan
-    from autoplan.estimate.estimator import cost_inputs
+def case(model: str, preset: str, nodes: int, gpus: int | None) -> tuple:
+    """(graph, cluster) of a case: ``model`` traced on meta, ``nodes`` nodes of ``preset`` or,
+    with ``gpus``, its first ``gpus`` GPUs of one node (``validate.part_of_a_node``)."""
+    from autoplan import Cluster
     from autoplan.graph import trace
     from autoplan.models import build_example
-    from autoplan.planner.compare import plan_sharding
-    from autoplan.planner.recompute_choice import per_layer_config
-    torch.set_num_threads(1)
-    model, preset, nodes, gpus, gbs, force = CASES[key]
     if gpus is None:
         cluster = Cluster.preset(preset, nodes=nodes)
     else:
@@ -40,12 +35,26 @@ def one(key: str) -> None:
         from validate import part_of_a_node
         cluster = part_of_a_node(preset, gpus)
     ex = build_example(model, device="meta", batch_size=1)
-    g = trace(ex.model, ex.example_inputs, loss_fn=ex.loss_fn, targets=ex.targets)
+    return trace(ex.model, ex.example_inputs, loss_fn=ex.loss_fn, targets=ex.targets), cluster
+
+
+def one(key: str) -> None:
+    import torch
+
+    from autoplan import estimate, plan
+    from autoplan.estimate.estimator import cost_inputs
+    from autoplan.planner.compare import plan_sharding
+    from autoplan.planner.recompute_choice import per_layer_config
+    torch.set_num_threads(1)
+    model, preset, nodes, gpus, gbs, force = CASES[key]
+    g, cluster = case(model, preset, nodes, gpus)
     p = plan(g, cluster, global_batch_size=gbs, profile=None, force=force)
     sh = plan_sharding(p, g)
     print(f"{key}: plan {p.config.short()}  step {p.predicted['step_time_s']:.3f} s")
-    base = replace(p.config, layer_recompute=None, stage_recompute=None,
-                   chunk_layers=p.config.chunk_layers)
+    # recomputation alone: the plan's offloaded layers (the joint DP's) dropped, since the
+    # uniform selective policy cannot offload (benchmarks/joint_offload_figures.py compares both)
+    base = replace(p.config, layer_recompute=None, stage_recompute=None, layer_offload=None,
+                   offload_activations=0, chunk_layers=p.config.chunk_layers)
     rows = []
 
     def est_of(cfg):
