@@ -198,7 +198,10 @@ def _by_hand(example: Any, mbs: int, compiled: bool) -> Callable[[], None]:
     return step
 
 
-def speed(small: bool, steps: int) -> list[dict[str, Any]]:
+def speed(small: bool, steps: int, save: Callable[[list[dict[str, Any]]], None] = lambda rows: None
+          ) -> list[dict[str, Any]]:
+    """Each model's four variants; ``save`` gets the rows so far after each variant, so a run
+    cut off by its time limit keeps what it measured."""
     from autoplan.graph import trace
     from autoplan.models import build_example
     from autoplan.runtime.trainer import compile
@@ -233,6 +236,7 @@ def speed(small: bool, steps: int) -> list[dict[str, Any]]:
                 row[variant] = dict(error=f"{type(e).__name__}: "
                                     + (str(e).splitlines() or [""])[0][:300])
             print(label, variant, row[variant], flush=True)
+            save(out + [row])
             torch.compiler.reset() if hasattr(torch, "compiler") else None
         out.append(row)
     return out
@@ -383,11 +387,13 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.out).with_suffix(".md").write_text(text + "\n")
         print(text)
         return 0
-    run = {"zoo": lambda: zoo(args.small), "speed": lambda: speed(args.small, args.steps),
+    def save(results: list[dict[str, Any]]) -> None:
+        Path(args.out).write_text(json.dumps(dict(part=args.part, device=_dev_name(),
+                                                  results=results), indent=1, default=str))
+    run = {"zoo": lambda: zoo(args.small),
+           "speed": lambda: speed(args.small, args.steps, save),
            "emulate": lambda: emulate_plans(args.small)}[args.part]
-    results = run()
-    Path(args.out).write_text(json.dumps(dict(part=args.part, device=_dev_name(),
-                                              results=results), indent=1, default=str))
+    save(run())
     return 0
 
 
