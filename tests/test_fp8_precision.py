@@ -260,3 +260,18 @@ def test_fp8_plan_trains_as_torchao_by_hand_on_one_gpu(recipe):
         moved = (p.detach() - start[n]).norm()
         diff = (got[n].to(p.device, p.dtype) - p.detach()).norm()
         assert diff <= 2e-2 * moved + 1e-6, n
+
+
+def test_auto_precision_also_weighs_16bit_weights_with_a_master_copy(graph):
+    """precision="auto" hands the numerics to the search: 16-bit weights with an fp32 master
+    copy (mixed_precision="params") are costed beside autocast, never with fp8 (which runs
+    inside autocast), and a bf16 search without it keeps autocast alone."""
+    p = plan(graph, "dgx-h100", global_batch_size=8, precision="auto", max_tp=1, max_pp=1,
+             force={"zero_stage": 0, "compiled": True}, top_k=40)
+    configs = [p.config] + [a.config for a in p.alternatives]
+    assert {c.mixed_precision for c in configs} == {"autocast", "params"}
+    assert all(c.fp8 == "none" for c in configs if c.mixed_precision == "params")
+    plain = plan(graph, "dgx-h100", global_batch_size=8, max_tp=1, max_pp=1,
+                 force={"zero_stage": 0, "compiled": True}, top_k=40)
+    assert {a.config.mixed_precision for a in plain.alternatives} | {
+        plain.config.mixed_precision} == {"autocast"}

@@ -23,7 +23,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--global-batch", type=int, required=True, help="global batch size (samples)")
     p.add_argument("--precision", default="bf16", choices=("bf16", "fp16", "fp32", "auto"),
                    help="training precision (bf16); auto: the search also tries fp32 where "
-                        "16 bits gain nothing and fp8 linear layers (torchao's tensorwise and "
+                        "16 bits gain nothing, 16-bit weights with an fp32 master copy (as "
+                        "--search-mixed-precision) and fp8 linear layers (torchao's tensorwise and "
                         "rowwise recipes) where the GPU has fp8, per linear where it pays")
     p.add_argument("--optimizer", default="adamw", choices=("adamw", "adam", "sgd"))
     p.add_argument("-o", "--output", default="plan.json", help="plan file to write (plan.json)")

@@ -36,5 +36,6 @@ class SearchOptions:
     # layers (tensorwise, rowwise) where the device has fp8 (``search_space.precision_variants``)
     precision_auto: bool = False
     # how 16-bit plans hold their weights (search_space.mixed_precision_choices): autocast
-    # alone unless the user offers "params" (other numerics: norms and softmax in 16 bits)
+    # alone unless the user offers "params" (other numerics: norms and softmax in 16 bits);
+    # precision_auto offers it too
     mixed_precision: tuple[str, ...] = ("autocast",)

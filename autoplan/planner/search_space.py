@@ -70,9 +70,10 @@ def mixed_precision_choices(opts: SearchOptions, precision: str) -> list[str]:
     activations, the fp32 master copy with the optimizer) saves the fp32 weights' memory and
     autocast's casts, but runs norms and softmax in 16 bits where the model does not upcast
     them itself: a change of numerics the user opts into (``mixed_precision=("autocast",
-    "params")``). An fp32 plan has one choice: "params" is fp32 there."""
+    "params")``, or ``precision="auto"``, which hands the numerics to the search). An fp32
+    plan has one choice: "params" is fp32 there."""
     wanted = [opts.force["mixed_precision"]] if "mixed_precision" in opts.force \
-        else list(opts.mixed_precision)
+        else list(opts.mixed_precision) + (["params"] if opts.precision_auto else [])
     bad = [m for m in wanted if m not in MIXED_PRECISION]
     if bad or not wanted:
         raise ConfigError(f"mixed_precision choices must be among {list(MIXED_PRECISION)}, got "
@@ -344,7 +345,7 @@ def precision_variants(c: ParallelConfig, opts: SearchOptions, cluster: Any
     rate, with loss scaling and a narrower range."""
     device = cluster.device
     out = [c]
-    if opts.precision_auto and c.precision != "fp32" and (
+    if opts.precision_auto and c.precision != "fp32" and c.mixed_precision == "autocast" and (
             device.peak_flops.get("fp32", 0.0) >= device.peak_flops_for(c.precision)):
         out.append(dataclasses.replace(c, precision="fp32"))
     recipes = ([opts.force["fp8"]] if "fp8" in opts.force
