@@ -64,7 +64,8 @@ SETUPS = {
 # every memory option off: the plain layout the options are switched on over, one at a time
 PLAIN = dict(recompute="none", layer_recompute=None, stage_recompute=None,
              offload_optimizer=False, offload_params=False, offload_nvme=False,
-             offload_activations=0, optimizer_state="fp32", mixed_precision="autocast",
+             offload_activations=0, layer_offload=None, optimizer_state="fp32",
+             mixed_precision="autocast",
              fp8="none", fp8_skip=(), grad_compression="none", powersgd_rank=1)
 
 
