@@ -224,3 +224,17 @@ def test_lossy_states_are_searched_only_when_allowed():
     from autoplan.planner.explain import explain_plan
     assert "Lossy: numerics differ from exact AdamW" in explain_plan(lossy)
     assert "Lossy" not in explain_plan(exact)
+
+
+def test_torchao_imports_without_torch_pytree_notices():
+    """torchao's first import logs a pytree deprecation notice per Enum under torch 2.12+; the
+    runtime's import drops them (every rank of a run printed them), and still raises what
+    a broken install raises."""
+    import subprocess
+    import sys
+    code = ("from autoplan.runtime.lowbit_optim import require_library, lowbit_class; "
+            "require_library('8bit'); lowbit_class('bf16', True)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "register_constant" not in r.stderr

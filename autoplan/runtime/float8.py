@@ -31,6 +31,7 @@ import torch
 
 from autoplan.cost.compute import fp8_converted_ops
 from autoplan.graph.opgraph import OpGraph
+from autoplan.runtime.torchao_quiet import quiet_torchao_import
 
 # fp8 tensor cores: Ada (8.9) and Hopper (9.0) and later; torch._scaled_mm needs them on CUDA
 MIN_CUDA_CAPABILITY = (8, 9)
@@ -72,8 +73,9 @@ def fp8_program_ops(graph: OpGraph, config: Any) -> frozenset[int]:
 @functools.lru_cache(maxsize=None)
 def _configs(recipe: str) -> tuple[Any, Any]:
     """(Float8LinearConfig, LinearMMConfig) of ``recipe``, the pair ``Float8Linear`` keeps."""
-    from torchao.float8.config import Float8LinearConfig  # lazily: torchao loads its kernels
-    from torchao.float8.float8_training_tensor import LinearMMConfig, ScaledMMConfig
+    with quiet_torchao_import():
+        from torchao.float8.config import Float8LinearConfig  # lazily: it loads its kernels
+        from torchao.float8.float8_training_tensor import LinearMMConfig, ScaledMMConfig
     config = Float8LinearConfig.from_recipe_name(recipe)
     gemms = (config.gemm_config_output, config.gemm_config_grad_input,
              config.gemm_config_grad_weight)

@@ -36,6 +36,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from autoplan.errors import PlanError
+from autoplan.runtime.torchao_quiet import quiet_torchao_import
 
 # what one asks pip for when torchao is missing
 INSTALL = "pip install 'autoplan[lowbit]'"
@@ -48,7 +49,8 @@ def require_library(optimizer_state: str) -> None:
     if optimizer_state == "fp32":
         return
     try:
-        import torchao.optim  # noqa: F401  # lazily: an optional dependency, 1.3 s to import
+        with quiet_torchao_import():
+            import torchao.optim  # noqa: F401  # lazily: an optional dependency, 1.3 s to import
     except ImportError as e:
         raise PlanError(f"the plan holds Adam's moments in {optimizer_state} "
                         f"(optimizer_state={optimizer_state!r}), which runs on torchao's "
