@@ -348,3 +348,22 @@ def test_search_holds_the_weights_as_priced_memory_and_time_say():
     default = make_plan(graph, dgx, global_batch_size=8, precision="bf16", profile=None,
                         top_k=0)
     assert default.config.mixed_precision == "autocast"
+
+
+def test_forced_master_weights_search_only_meshes_that_run_them():
+    """Forcing 16-bit weights with fp32 masters keeps the search on meshes the runtime runs
+    them on: Llama-3-8B at sequence 8192 on a DGX H100 is offered context parallelism, which
+    the forced search leaves out (it planned a cp mesh the runtime then refused); forcing cp
+    too still plans it, for the runtime to refuse with its reason."""
+    from autoplan.models.registry import build_example as build
+    ex = build("llama3-8b", device="meta")
+    graph = trace(ex.model, ex.example_inputs, loss_fn=ex.loss_fn, targets=ex.targets)
+    dgx = Cluster.preset("dgx-h100", nodes=1)
+    kw = dict(global_batch_size=8, precision="bf16", profile=None, top_k=60, max_pp=1)
+    offered = make_plan(graph, dgx, **kw)
+    assert any(a.config.cp > 1 for a in offered.alternatives)     # cp is in the search
+    params = make_plan(graph, dgx, force={"mixed_precision": "params"}, **kw)
+    assert all(c.cp == 1 and c.mixed_precision == "params"
+               for c in [params.config] + [a.config for a in params.alternatives])
+    both = make_plan(graph, dgx, force={"mixed_precision": "params", "cp": 2}, **kw)
+    assert both.config.cp == 2

@@ -162,12 +162,14 @@ def plan(model: Any, cluster: Any, *, global_batch_size: int, example_inputs: An
 def _search_held(sc: SearchContext, shapes: list[Any], base: dict[str, Any],
                  layers: int) -> list[Candidate]:
     """``_search_meshes`` for one way of holding the weights; 16-bit weights with an fp32
-    master copy only where the runtime runs them (no pipelines, cp or ep), unless forced (then
-    the runtime refuses the plan with its reason)."""
-    if base["mixed_precision"] != "params" or base["precision"] == "fp32" \
-            or "mixed_precision" in sc.opts.force:
+    master copy only on meshes the runtime runs them on (no cp or ep), also when forced,
+    unless the user forced such a mesh too (then the runtime refuses the plan with its
+    reason)."""
+    if base["mixed_precision"] != "params" or base["precision"] == "fp32":
         return _search_meshes(sc, shapes, base, layers)
     mine = [s for s in shapes if search_space.runs_master_weights(s)]
+    if "mixed_precision" in sc.opts.force and not mine:
+        return _search_meshes(sc, shapes, base, layers)
     return _search_meshes(sc, mine, base, layers) if mine else []
 
 
