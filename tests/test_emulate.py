@@ -70,3 +70,58 @@ def test_the_emulated_rank_holds_its_shards_and_compares_with_its_stage():
     with pytest.raises(PlanError, match="ranks 0 to 7"):
         emulate(p, small.model, example_inputs=small.example_inputs,
                 example_targets=small.targets, loss_fn=small.loss_fn, rank=8)
+
+
+def test_a_bf16_rank_holds_its_fp32_weights_as_predicted():
+    """Under autocast the plan's weights count the 16-bit copies each forward makes (kept to
+    backward, in the peak); between steps the rank holds its fp32 shards alone, and that is
+    what the measured weights are compared with (the H200 check compared them with the plan's
+    weights, copies included: 6.74 vs 10.12 GiB)."""
+    from autoplan.runtime.emulate import emulate, predicted_for_rank
+    small = build_example("gpt-tiny", batch_size=1, device="meta")
+    g = trace(small.model, small.example_inputs, loss_fn=small.loss_fn, targets=small.targets)
+    p = make_plan(g, Cluster.local(8), global_batch_size=8, precision="bf16", profile=None,
+                  force=dict(dp=2, tp=2, pp=2, zero_stage=1), max_pp=2)
+    e = emulate(p, small.model, example_inputs=small.example_inputs,
+                example_targets=small.targets, loss_fn=small.loss_fn, rank=5, steps=2)
+    want = predicted_for_rank(p, 5)
+    mem = p.predicted["stages"][want.stage]["memory"]
+    assert want.copy_bytes == pytest.approx(float(mem["params_bytes"]) / 3)   # 2 of 4 + 2
+    assert e.weight_bytes == pytest.approx(want.weight_bytes, rel=1e-3)
+    assert "autocast's 16-bit copies" in e.report()
+
+
+def test_vocab_parallel_cross_entropy_holds_one_fp32_copy_of_the_logits():
+    """The vocabulary-parallel loss works in place (Megatron-LM's): over its bf16 logits it
+    holds one fp32 copy (the softmax, then the gradient) and the bf16 gradient. Out of place it
+    held four fp32 copies at once: rank 0 of the dp8 x tp8 ZeRO-3 Llama-3-8B plan ran out of
+    an H200's memory allocating the fourth (3.91 GiB: 8 x 8192 tokens x 128256/8 x 4 bytes)."""
+    import torch
+    import torch.nn.functional as F
+
+    from autoplan.runtime.emulate import LiveBytes
+    from autoplan.runtime.kernels import _VocabCrossEntropy
+
+    class OneRank:                       # a vocabulary split one way: all-reduces are copies
+        rank = 0
+
+        def all_reduce(self, x, op=None):
+            return x.clone()
+
+    torch.manual_seed(0)
+    rows, vocab = 256, 1000
+    logits = torch.randn(rows, vocab, dtype=torch.bfloat16, requires_grad=True)
+    target = torch.randint(0, vocab, (rows,))
+    target[3] = -100
+    live = LiveBytes([logits, target])
+    with live.mode:
+        loss = _VocabCrossEntropy.apply(logits, target, OneRank(), -100).sum()
+        loss.backward()
+    fp32_copy = rows * vocab * 4
+    extra = live.peak - logits.nbytes - target.nbytes
+    assert fp32_copy <= extra <= 1.5 * fp32_copy + 64 * rows, (extra, fp32_copy)
+    ref_logits = logits.detach().float().requires_grad_(True)
+    ref = F.cross_entropy(ref_logits, target, reduction="sum")
+    ref.backward()
+    assert float(loss) == pytest.approx(float(ref), rel=1e-5)
+    assert torch.allclose(logits.grad.float(), ref_logits.grad, atol=1e-2, rtol=0)

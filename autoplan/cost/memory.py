@@ -108,8 +108,9 @@ def model_state_bytes(num_params: float, *, dp: int, zero_stage: int, precision:
     grads = num_params * g / (dp if zero_stage >= 2 else 1)
     # the runtime's FSDP (ZeRO-2 and 3) shards its fp32 weights themselves
     params = num_params * w / (dp if zero_stage >= (2 if autocast else 3) else 1)
-    if autocast and zero_stage < 3 and not offload_params:
-        params += num_params * PRECISION_BYTES[precision]
+    params += autocast_copy_bytes(num_params, precision=precision,
+                                  mixed_precision=mixed_precision, zero_stage=zero_stage,
+                                  offload_params=offload_params)
     if offload_params:        # FSDP CPU offload: sharded weights, grads and state on the host
         return _offloaded(ModelStateBytes(params_bytes=0.0, grads_bytes=0.0,
                                           optimizer_bytes=0.0,
@@ -119,6 +120,17 @@ def model_state_bytes(num_params: float, *, dp: int, zero_stage: int, precision:
                                           optimizer_bytes=0.0, offloaded_bytes=opt),
                           offload_nvme)
     return ModelStateBytes(params_bytes=params, grads_bytes=grads, optimizer_bytes=opt)
+
+
+def autocast_copy_bytes(num_params: float, *, precision: str, mixed_precision: str,
+                        zero_stage: int, offload_params: bool = False) -> float:
+    """The part of ``model_state_bytes``' weights that is autocast's 16-bit copies of
+    ``num_params`` fp32 weights, standing beside them from a forward to its backward (ZeRO 0
+    to 2; ZeRO-3 gathers them per layer, a transient). They are made by each step, not held
+    between steps: what a rank holds between steps is the rest."""
+    if (autocast_on(precision, mixed_precision) and zero_stage < 3 and not offload_params):
+        return num_params * PRECISION_BYTES[precision]
+    return 0.0
 
 
 def _offloaded(states: ModelStateBytes, nvme: bool) -> ModelStateBytes:

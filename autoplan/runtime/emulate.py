@@ -32,6 +32,7 @@ from autoplan.sharding.mesh_axes import MeshAxis
 from autoplan.runtime.optim import local_tensor
 from autoplan.runtime.trainer import compile
 from autoplan.cluster import Cluster
+from autoplan.cost.memory import autocast_copy_bytes
 from autoplan.estimate.arguments import cluster_arg
 
 
@@ -42,8 +43,9 @@ class RankPrediction:
     stage: int
     compute_s: float              # forward, backward, recomputation, optimizer: one step
     peak_memory_bytes: float
-    weight_bytes: float           # the weights the rank holds (its shards)
-    what: str                     # how ``compute_s`` was read off the plan
+    weight_bytes: float           # the weights the rank holds between steps (its shards)
+    what: str
+    copy_bytes: float = 0.0       # autocast's 16-bit weight copies the plan's weights count                     # how ``compute_s`` was read off the plan
 
 
 @dataclass(frozen=True)
@@ -77,7 +79,9 @@ class Emulation:
         else:
             lines.append("  peak memory       not measured")
         lines.append(f"  weights held      measured {_size(self.weight_bytes)}   "
-                     f"predicted {_size(self.predicted.weight_bytes)}")
+                     f"predicted {_size(self.predicted.weight_bytes)}   between steps"
+                     + (f" (the plan's weights also count {_size(p.copy_bytes).strip()} of "
+                        "autocast's 16-bit copies, in the peak)" if p.copy_bytes else ""))
         return "\n".join(x for x in lines if x)
 
 
@@ -105,8 +109,14 @@ def predicted_for_rank(plan: Any, rank: int) -> RankPrediction:
         compute = m * (float(st["fwd_s"]) + float(st["bwd_s"])) + float(t["optimizer_s"])
         what = (f"{m} micro-batches x this stage's forward + backward (its tensor-parallel "
                 "communication inside, as priced) + optimizer")
+    # the plan's weights include autocast's 16-bit copies, made by each step's forward and
+    # kept to its backward (in the peak): the rank holds the fp32 weights alone between steps
+    copies = autocast_copy_bytes(float(st["params_per_device"]), precision=cfg.precision,
+                                 mixed_precision=cfg.mixed_precision,
+                                 zero_stage=cfg.zero_stage, offload_params=cfg.offload_params)
     return RankPrediction(stage=stage, compute_s=compute, peak_memory_bytes=peak,
-                          weight_bytes=float(mem["params_bytes"]), what=what)
+                          weight_bytes=float(mem["params_bytes"]) - copies, what=what,
+                          copy_bytes=copies)
 
 
 def _pipeline_as_declared(trainer: Any) -> None:

@@ -69,36 +69,42 @@ def vocab_embedding(op: Any, args: list, kwargs: dict, comm) -> Any:
 class _VocabCrossEntropy(torch.autograd.Function):
     """Per-row cross entropy of logits split over the vocabulary (Megatron-LM's
     ``vocab_parallel_cross_entropy``): the row max, the sum of exponentials and the target's
-    logit are all-reduced; the gradient is local."""
+    logit are all-reduced; the gradient is local.
+
+    In place, as Megatron-LM's is: one fp32 copy of the logits shard becomes the softmax kept
+    for backward, and backward turns that softmax into the gradient. The logits shard is the
+    rank's largest tensor (tokens x vocabulary / tp); out of place, the forward held four fp32
+    copies of it at once (the cast, less the row max, its exponentials, the softmax) and
+    backward three (measured on the CPU, ``tests/test_emulate.py``)."""
 
     @staticmethod
     def forward(ctx, logits, target, comm, ignore_index):
         v = logits.shape[-1]
         start = comm.rank * v
-        x = logits.float()
-        row_max = comm.all_reduce(x.max(dim=-1).values, dist.ReduceOp.MAX)
-        z = x - row_max.unsqueeze(-1)
-        exp = z.exp()
-        sum_exp = comm.all_reduce(exp.sum(dim=-1))
+        x = logits.to(torch.float32, copy=True)      # a copy even of fp32 logits: x is
+        row_max = comm.all_reduce(x.max(dim=-1).values, dist.ReduceOp.MAX)   # changed in place
+        x.sub_(row_max.unsqueeze(-1))
         outside = (target < start) | (target >= start + v)
         local_t = (target - start).masked_fill(outside, 0)
-        picked = z.gather(-1, local_t.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
+        picked = x.gather(-1, local_t.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
         picked = comm.all_reduce(picked)
+        x.exp_()
+        sum_exp = comm.all_reduce(x.sum(dim=-1))
         loss = sum_exp.log() - picked
         ignored = target == ignore_index
         loss = loss.masked_fill(ignored, 0.0)
-        softmax = exp / sum_exp.unsqueeze(-1)
-        ctx.save_for_backward(softmax, local_t, outside, ignored)
+        x.div_(sum_exp.unsqueeze(-1))                  # the softmax
+        ctx.save_for_backward(x, local_t, outside, ignored)
         ctx.dtype = logits.dtype
         return loss
 
     @staticmethod
     def backward(ctx, g):
-        softmax, local_t, outside, ignored = ctx.saved_tensors
-        grad = softmax.clone()
-        hit = torch.zeros_like(grad).scatter_(-1, local_t.unsqueeze(-1), 1.0)
-        grad -= hit * (~outside).unsqueeze(-1).to(grad.dtype)
-        grad *= (g.masked_fill(ignored, 0.0)).unsqueeze(-1)
+        # the saved softmax becomes the gradient (backward runs once: no retain_graph here)
+        grad, local_t, outside, ignored = ctx.saved_tensors
+        inside = (~outside).to(grad.dtype).unsqueeze(-1)
+        grad.scatter_add_(-1, local_t.unsqueeze(-1), -inside)
+        grad.mul_(g.masked_fill(ignored, 0.0).unsqueeze(-1))
         return grad.to(ctx.dtype), None, None, None
 
 
