@@ -1,7 +1,9 @@
 """fp8 against bf16 on one GPU (issue 39, part 5): HF Llama 0.89B (hidden 2048, 16 layers,
 16/8 heads, ffn 5632, vocab 32000: every linear's sides divisible by 16), 8 x 2048 tokens in
 one micro-batch, trained by two one-GPU autoplan plans that differ only in fp8 (none against
-torchao's tensorwise recipe on every linear), eager (not compiled), fused AdamW. Per plan: ms
+torchao's tensorwise recipe on every linear), both compiled (fp8 needs compiled=True:
+torchao's float8 training is fast only with its casts fused; eager it was 1.88x slower than
+bf16 on an H200, benchmarks/data/h200-gpu-check-20261127/fp8.json), fused AdamW. Per plan: ms
 per step (median of ``--steps`` after two warm-up steps), peak memory, and autoplan's
 predicted step time and memory beside them.
 
@@ -43,7 +45,7 @@ def _run(fp8: str, over: dict[str, Any], gbs: int, steps: int) -> dict[str, Any]
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     meta = build_example("hf-llama-gqa-tiny", batch_size=1, device="meta", **over)
     g = trace(meta.model, meta.example_inputs, loss_fn=meta.loss_fn, targets=meta.targets)
-    force = dict(micro_batch_size=gbs, zero_stage=0, recompute="none", compiled=False)
+    force = dict(micro_batch_size=gbs, zero_stage=0, recompute="none", compiled=True)
     if fp8 != "none":
         force.update(fp8=fp8, fp8_skip=())
     p = plan(g, Cluster.local(1), global_batch_size=gbs, precision="bf16", force=force,

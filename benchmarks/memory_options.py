@@ -82,8 +82,8 @@ def options(layers_per_stage: int) -> list[tuple[str, dict[str, Any], bool]]:
         ("Adam states bf16", dict(optimizer_state="bf16"), True),
         ("Adam states 8-bit", dict(optimizer_state="8bit"), True),
         ("master weights (params)", dict(mixed_precision="params"), False),
-        ("fp8 tensorwise", dict(fp8="tensorwise"), False),
-        ("fp8 rowwise", dict(fp8="rowwise"), False),
+        ("fp8 tensorwise", dict(fp8="tensorwise", compiled=True), False),
+        ("fp8 rowwise", dict(fp8="rowwise", compiled=True), False),
         ("NVMe (ZeRO-Infinity)", dict(offload_optimizer=True, offload_nvme=True), False),
         ("PowerSGD rank 4", dict(grad_compression="powersgd", powersgd_rank=4), True),
     ]

@@ -19,6 +19,11 @@ ops, casts, norms and reductions as one kernel (what inductor does): an op of su
 only the bytes that cross the chain's edge (``fused_traffic``), and only the chain's first op
 pays a launch. Products, attention and the loss are priced as before.
 
+An eager program on a GPU runs each element-wise op, cast, norm and reduction as its own
+PyTorch kernel, and those reach less of the memory bandwidth than a large copy or inductor's
+fused kernels do: ``EAGER_ELEMENTWISE_SHARE`` of the device's achieved bytes/s
+(``eager_elementwise_share``, derived there from measured eager steps on two Hopper GPUs).
+
 A profile entry is used as measured when the op runs at its traced shape and dtype; when the
 planner scales the work (another micro-batch size, a TP shard) the measured time above the
 launch overhead scales linearly with the work.
@@ -45,6 +50,36 @@ _PRODUCT_KINDS = frozenset({"matmul", "conv", "attention"})
 _FREE_KINDS = frozenset({"view"})            # metadata only: no kernel on GPU
 # Non-matmul arithmetic runs on vector units: this fraction of the matmul peak bounds it.
 _VECTOR_FRACTION = 0.25
+
+# The share of a GPU's achieved memory bandwidth (``memory_efficiency`` x peak, or a calibrated
+# large copy's) that eager PyTorch's unfused element-wise kernels, casts, norms and reductions
+# reach in a training step. Derived from three measured eager steps on two Hopper GPUs, each's
+# unfused memory-bound work being what the measured step leaves after the products, attention,
+# loss and optimizer as priced (benchmarks/gpu_predictions.py prints them):
+#   gpt3-1.3b, H200, mbs 4:  (731.2 - 215.6 - 77.9 - 10.5 - 11.8) / 280.7 ms priced = 1.48x
+#   gpt3-1.3b, H100, mbs 2:  (947.7 - 214.4 - 96.6 - 15.1 - ~25 AdamW) / 422.7 ms   = 1.41x
+#   HF Llama 0.89B, H200, mbs 8: (308.6 - 144.3 - 29.3 - 6.6 - 7.2) / 85.3 ms        = 1.42x
+# (benchmarks/data/h200-gpu-check-20261127/speed.json, h100-sxm5-runtime.json): 1.41-1.48x
+# the price at the achieved bandwidth, so a share of 1 / 1.43 = 0.70 (about 0.56 of the HBM
+# peak). The H100's per-part layer timings (h100-sxm5-layers.json) bracket it: a lone GELU or
+# add reaches 0.76 of the peak, a layer norm 0.31-0.46; a step's mix lies between. A launch
+# floor per kernel does not explain the rows: the GPT step would need 47 us per kernel (136 ms
+# over about 2,900 kernels), the Llama step 18 us, and these kernels run tens to hundreds of
+# microseconds each. Inductor's fused kernels (``fused_traffic``) keep the achieved rate: the
+# compiled steps are within 2-7 % of their prices with it. Plain eager PyTorch runs the HF
+# Llama 42 ms faster than autoplan's eager program (flash attention where the exported graph
+# passes SDPA a materialised causal mask), so its step is over-priced by this share.
+EAGER_ELEMENTWISE_SHARE = 0.70
+
+
+def eager_elementwise_share(device_kind: str, compiled: bool, autocast: bool) -> float:
+    """The share of the achieved memory bandwidth an op of ``FUSIBLE_KINDS`` (and autocast's
+    casts) runs at: ``EAGER_ELEMENTWISE_SHARE`` in an eager autocast program on a GPU (what the
+    three rows measured); 1 where inductor fuses it (``compiled``), on a CPU (its calibration
+    times such ops directly), and for 16-bit tensors held without autocast (Megatron-LM's
+    ``mixed_precision="params"``: the H100's lone bf16 GELU and add reach the achieved rate)."""
+    return (EAGER_ELEMENTWISE_SHARE if autocast and not compiled and device_kind != "cpu"
+            else 1.0)
 
 
 @dataclass(frozen=True)
@@ -325,6 +360,9 @@ class ComputeModel:
         self._tabled: set[int] = set()      # ops priced by the device's GEMM table
         # a compiled program (``ParallelConfig.compiled``): element-wise chains fused
         self.fused = fused_traffic(graph) if fused else {}
+        # eager PyTorch's own element-wise kernels reach less bandwidth than fused ones
+        self.eager_share = eager_elementwise_share(self.tput.device_kind, fused,
+                                                   self.sizes is not None)
         # fp8 linear layers (``cost/float8.py``): those torchao would convert on this device,
         # and of them those the config runs in fp8 (not skipped)
         self.fp8 = fp8
@@ -366,7 +404,8 @@ class ComputeModel:
         for n in op.inputs:
             v = self.graph.value(n)
             if v.kind == "activation" and v.meta.is_float and self.sizes.get(n, 4) > lower:
-                moved = v.meta.numel * (self.sizes[n] + lower) / self.tput.memory_bytes_per_s
+                moved = v.meta.numel * (self.sizes[n] + lower) / (
+                    self.tput.memory_bytes_per_s * self.eager_share)
                 fwd += moved + self.tput.launch_s
                 bwd += moved + self.tput.launch_s
         return fwd, (bwd if op.differentiable else 0.0)
@@ -404,6 +443,8 @@ class ComputeModel:
         fused = self.fused.get(index)
         if fused is not None:          # one pass of its chain's kernel, backward's too
             bytes_, bwd_bytes = bytes_ * fused.moved, bwd_bytes * fused.moved
+        elif op.kind in FUSIBLE_KINDS:  # eager PyTorch's kernel of its own
+            bytes_, bwd_bytes = bytes_ / self.eager_share, bwd_bytes / self.eager_share
         # a measured element-wise function: its arithmetic is a third ceiling
         key = elementwise_key(self.graph, op) if tp.elementwise_s_per_element else None
         per_fwd, per_bwd = (0.0, 0.0)

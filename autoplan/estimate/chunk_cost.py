@@ -17,6 +17,7 @@ from typing import Any
 from autoplan.graph.analysis import GraphAnalysis
 from autoplan.cost.compute import ComputeModel
 from autoplan.cost.dtypes import HeldBytes, held_bytes, own_sizes
+from autoplan.cost.float8 import backward_buffer_bytes
 from autoplan.cost.memory import (GRAD_BYTES, PRECISION_BYTES, activation_parts, held_meta_bytes,
                                   meta_bytes, shared_inputs, working_set_bytes)
 from autoplan.estimate.activation_offload import ChunkOffload, chunk_offload
@@ -352,6 +353,10 @@ def _range_cost(ci: CostInputs, start: int, stop: int, policy: str) -> RangeCost
     # again in backward with its whole gradient before the reduce-scatter: the largest one
     working += max((_gathered_bytes(graph, sh, i, config.precision)
                     for i in range(start, stop)), default=0.0)
+    # an fp8 linear's backward holds its fp8 operand copies (``cost/float8.py``): the largest
+    working += max((backward_buffer_bytes(ci.compute.product_sides(i, *op_work(ci, i)),
+                                          compiled=config.compiled)
+                    for i in range(start, stop) if i in ci.compute.fp8_ops), default=0.0)
     # parameters the range reads, each storage once (a tied weight on two stages is held by
     # both, as Megatron-LM does with the embedding and the LM head)
     params = expert = 0.0

@@ -352,9 +352,30 @@ def precision_variants(c: ParallelConfig, opts: SearchOptions, cluster: Any
                else ["tensorwise", "rowwise"] if opts.precision_auto
                and fp8_flops_per_s(device) and c.precision == "bf16" else [])
     skip = tuple(opts.force.get("fp8_skip", ()))     # a forced fp8_skip, else the search's
-    fp8 = [dataclasses.replace(c, fp8=r, fp8_skip=skip) for r in recipes
-           if r != "none" and c.precision == "bf16" and c.mixed_precision == "autocast"]
+    recipes = [r for r in recipes
+               if r != "none" and c.precision == "bf16" and c.mixed_precision == "autocast"]
+    if recipes and opts.force.get("compiled") is False:
+        raise ConfigError(f"fp8={recipes[0]!r} needs compiled=True (torchao's float8 training "
+                          f"is fast only under torch.compile), but compiled=false is forced: "
+                          f"drop --force compiled=false, or drop fp8")
+    fp8 = [v for v in (fp8_variant(c, r, skip) for r in recipes) if v is not None]
     return (fp8 if "fp8" in opts.force else out + fp8) or out
+
+
+def fp8_variant(c: ParallelConfig, recipe: str, skip: tuple[str, ...]
+                ) -> ParallelConfig | None:
+    """``c`` with its linears in fp8 under ``recipe``: compiled (``check_fp8``: torchao's
+    float8 training is only fast under torch.compile), so priced as compiled; None where a
+    compiled ``c`` cannot run (activation offload's hooks, or a selective policy in a layer
+    split over tp, cp or ep: ``selective_compiles``)."""
+    try:
+        v = dataclasses.replace(c, fp8=recipe, fp8_skip=skip, compiled=True)
+    except ConfigError:
+        return None     # offload_activations / layer_offload do not run compiled
+    policies = v.stage_recompute or v.layer_recompute or (v.recompute,)
+    if not selective_compiles(v) and ({"selective", "ops"} & set(policies)):
+        return None
+    return v
 
 
 def optimizer_states(config: ParallelConfig, opts: SearchOptions) -> list[str]:
