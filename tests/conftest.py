@@ -39,3 +39,21 @@ def gpt3_two_layers():
     from autoplan.models import build_example
     ex = build_example("gpt3-175b", device="meta", batch_size=1, num_layers=2)
     return trace(ex.model, ex.example_inputs, loss_fn=ex.loss_fn, targets=ex.targets)
+
+
+@pytest.fixture(scope="session")
+def gpt_tiny_two_rank_plan_path(tmp_path_factory):
+    """gpt-tiny planned for two local ranks (global batch 8, fp32, tp 1, ZeRO-1, the ILP),
+    saved once: the plan the torchrun tests of the checkpoint folder and of restarts run."""
+    from autoplan import Cluster
+    from autoplan import plan as make_plan
+    from autoplan.graph import trace
+    from autoplan.models import build_example
+    small = build_example("gpt-tiny", batch_size=1, seed=0)
+    g = trace(small.model, small.example_inputs, loss_fn=small.loss_fn, targets=small.targets,
+              name="gpt-tiny")
+    plan = make_plan(g, Cluster.local(2), global_batch_size=8, precision="fp32", profile=None,
+                     force=dict(tp=1, zero_stage=1), sharding="ilp")
+    path = tmp_path_factory.mktemp("plan") / "plan.json"
+    plan.save(str(path))
+    return str(path)

@@ -21,16 +21,12 @@ from pathlib import Path
 
 import pytest
 
-from autoplan import Cluster
-from autoplan import plan as make_plan
 from autoplan.errors import CheckpointError
-from autoplan.graph import trace
-from autoplan.models import build_example
 from autoplan.runtime import checkpoint as ck
 from autoplan.runtime.checkpoint_dir import LOCK, claim, plan_start
 from autoplan.runtime.checkpoint_files import META_FILE, complete_steps, prune, resolve
 from tests.distributed import free_port
-from tests.test_fault_tolerance import _workers
+from tests.test_fault_tolerance import _export, _workers
 from tests.test_checkpoint import _plan, _train
 
 
@@ -165,15 +161,8 @@ ENV = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
 
 
 @pytest.fixture(scope="module")
-def plan_path(tmp_path_factory):
-    small = build_example("gpt-tiny", batch_size=1, seed=0)
-    g = trace(small.model, small.example_inputs, loss_fn=small.loss_fn, targets=small.targets,
-              name="gpt-tiny")
-    plan = make_plan(g, Cluster.local(2), global_batch_size=8, precision="fp32", profile=None,
-                     force=dict(tp=1, zero_stage=1), sharding="ilp")
-    path = tmp_path_factory.mktemp("plan") / "plan.json"
-    plan.save(str(path))
-    return str(path)
+def plan_path(gpt_tiny_two_rank_plan_path):
+    return gpt_tiny_two_rank_plan_path
 
 
 def _run(plan_path: str, ckpt: Path, *extra: str, steps: int = 30) -> subprocess.CompletedProcess:
@@ -183,7 +172,7 @@ def _run(plan_path: str, ckpt: Path, *extra: str, steps: int = 30) -> subprocess
                           capture_output=True, text=True, env=ENV, timeout=600)
 
 
-def test_cli_refuses_overwrites_and_resumes_as_told(plan_path, tmp_path):
+def test_cli_refuses_overwrites_and_resumes_as_told(plan_path, tmp_path, capsys):
     ckpt = tmp_path / "ckpt"
     a = _run(plan_path, ckpt, "--checkpoint-every", "10")
     assert a.returncode == 0, a.stderr[-3000:]
@@ -205,9 +194,10 @@ def test_cli_refuses_overwrites_and_resumes_as_told(plan_path, tmp_path):
     assert c.returncode == 0, c.stderr[-3000:]
     assert "deleting the checkpoints of steps 10, 20, 30" in c.stdout
     assert _names(ckpt) == ["step-00000010", "step-00000020"] and _latest(ckpt) == "step-00000020"
-    e = subprocess.run(_autoplan("export", str(ckpt), "-o", str(tmp_path / "m.pt")),
-                       capture_output=True, text=True, env=ENV, timeout=300)
-    assert e.returncode == 0 and "at step 20" in e.stdout, e.stderr[-2000:]
+    capsys.readouterr()
+    rc = _export(ckpt, tmp_path / "m.pt")
+    out, err = capsys.readouterr()
+    assert rc == 0 and "at step 20" in out, err[-2000:]
 
     # --resume where there is nothing: one message, no rank started; --resume-or-start starts
     empty = tmp_path / "empty"

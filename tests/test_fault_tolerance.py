@@ -11,9 +11,6 @@ from pathlib import Path
 
 import torch
 
-from autoplan import Cluster
-from autoplan import plan as make_plan
-from autoplan.graph import trace
 from autoplan.models import build_example
 from tests.distributed import free_port
 
@@ -51,21 +48,20 @@ def _workers(root_pid: int) -> dict[int, int]:
     return out
 
 
+def _export(ckpt: Path, out: Path) -> int:
+    """``autoplan export CKPT -o OUT`` in this process (the CLI's own parser and command: a
+    subprocess would only add its interpreter's and torch's start-up, 3 s)."""
+    from autoplan.cli.main import main
+    return main(["export", str(ckpt), "-o", str(out)])
+
+
 def _final_state(ckpt: Path, out: Path) -> dict[str, torch.Tensor]:
-    r = subprocess.run(_autoplan("export", str(ckpt), "-o", str(out)), capture_output=True,
-                       text=True, timeout=120)
-    assert r.returncode == 0, r.stderr[-2000:]
+    assert _export(ckpt, out) == 0
     return torch.load(out, weights_only=True)
 
 
-def test_killed_rank_restarts_from_the_last_checkpoint(tmp_path):
-    small = build_example("gpt-tiny", batch_size=1, seed=0)
-    g = trace(small.model, small.example_inputs, loss_fn=small.loss_fn, targets=small.targets,
-              name="gpt-tiny")
-    plan = make_plan(g, Cluster.local(2), global_batch_size=8, precision="fp32", profile=None,
-                     force=dict(tp=1, zero_stage=1), sharding="ilp")
-    plan_path = tmp_path / "plan.json"
-    plan.save(str(plan_path))
+def test_killed_rank_restarts_from_the_last_checkpoint(tmp_path, gpt_tiny_two_rank_plan_path):
+    plan_path = gpt_tiny_two_rank_plan_path
     # a restarted attempt whose gloo rendezvous hangs exits after 60 s and is restarted
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1",
            "AUTOPLAN_COLLECTIVE_TIMEOUT_S": "60"}
@@ -122,9 +118,7 @@ def test_export_loads_into_the_unparallelized_model(tmp_path):
     plan = _plan(2, dict(tp=2, sequence_parallel=True))
     ckpt = tmp_path / "ckpt"
     results = _run(2, plan.to_json(), str(ckpt), steps=2, save_at=2)
-    r = subprocess.run(_autoplan("export", str(ckpt), "-o", str(tmp_path / "m.safetensors")),
-                       capture_output=True, text=True, timeout=120)
-    assert r.returncode == 0, r.stderr[-2000:]
+    assert _export(ckpt, tmp_path / "m.safetensors") == 0
     from safetensors.torch import load_file
     sd = load_file(str(tmp_path / "m.safetensors"))
     model = build_example("gpt-tiny", batch_size=1, seed=1, num_layers=4, num_heads=2).model

@@ -32,7 +32,7 @@ from autoplan.estimate.chunk_cost import CostInputs, chunk_cost, chunk_parts, ra
 from autoplan.estimate.estimator import chunk_offload_flags, chunk_policy
 from autoplan.estimate.layout import chunks_for
 from autoplan.planner.candidates import Candidate
-from autoplan.planner.recompute_dp import ChainLayer, LayerOption, solve_chain
+from autoplan.planner.recompute_dp import ChainLayer, ChainSolution, LayerOption, solve_chain
 from autoplan.planner.search_costing import SearchContext, cost_inputs, evaluate
 from autoplan.planner.search_space import layer_offload_offered
 from autoplan.sharding.parallel_config import RECOMPUTE, ParallelConfig, strongest_recompute
@@ -81,8 +81,8 @@ def per_layer_config(ci: CostInputs, est: Any, *, offload: bool = False
         if not layers:
             continue
         budget = stage_budget(ci, chunks, config.rank_chunks(s), stage)
-        sol = solve_chain(layers, budget_bytes=budget, in_flight=stage.microbatches_in_flight,
-                          host_budget_bytes=stage_host_budget(ci, stage) if offload else None)
+        sol = solved_chain(ci, layers, budget, stage.microbatches_in_flight,
+                           stage_host_budget(ci, stage) if offload else None)
         if sol is None:
             return None
         policies.update(zip(index, sol.policies))
@@ -100,6 +100,21 @@ def per_layer_config(ci: CostInputs, est: Any, *, offload: bool = False
                        layer_recompute=None, chunk_layers=counts, **sent)
     return replace(config, recompute=strongest_recompute(chosen), stage_recompute=None,
                    layer_recompute=chosen, chunk_layers=counts, **sent)
+
+
+def solved_chain(ci: CostInputs, layers: list[ChainLayer], budget_bytes: float,
+                 in_flight: float, host_budget_bytes: float | None) -> ChainSolution | None:
+    """``solve_chain``'s answer for the chain, kept on the graph: the search's finalists and
+    the searches of one model (a schedule each, say) often pose the same chain and budgets.
+    The key is every value the answer depends on, so a kept answer is the one it would give."""
+    cache = ci.graph.__dict__.setdefault("_autoplan_chain_solutions", {})
+    key = (tuple(layers), budget_bytes, in_flight, host_budget_bytes)
+    if key not in cache:
+        if len(cache) > 4096:
+            cache.clear()
+        cache[key] = solve_chain(layers, budget_bytes=budget_bytes, in_flight=in_flight,
+                                 host_budget_bytes=host_budget_bytes)
+    return cache[key]
 
 
 def stage_chain(ci: CostInputs, chunks: Any, mine: tuple[int, ...], stage: Any,

@@ -59,6 +59,7 @@ from __future__ import annotations
 from bisect import bisect_right
 from collections.abc import Sequence
 from dataclasses import dataclass
+from operator import itemgetter
 
 from autoplan.errors import ConfigError
 
@@ -125,6 +126,9 @@ class ChainSolution:
 
 # a state of the prefix: (kept bytes, host bytes, seconds, the state before it, its step)
 _State = tuple[float, float, float, object, object]
+_bytes_then_time = itemgetter(0, 2)
+_bytes_host_time = itemgetter(0, 1, 2)
+_time_then_bytes = itemgetter(2, 0)
 
 
 def solve_chain(layers: Sequence[ChainLayer], *, budget_bytes: float,
@@ -185,8 +189,10 @@ def _knapsack(layers: Sequence[ChainLayer], rooms: tuple[float, float, bool], w_
               m_cap: float, max_states: int, max_segment: int) -> _State | None:
     """The fastest state of the whole chain keeping at most ``rooms[0]`` device bytes and
     ``rooms[1]`` host bytes (per micro-batch), with no working set over ``w_cap`` and no copy
-    over ``m_cap``; None if none fits. ``rooms[2]``: whether host bytes enter the dominance."""
+    over ``m_cap``; None if none fits. ``rooms[2]``: whether host bytes enter the dominance.
+    A state over a room is never made (``_fits``), so ``_pareto`` sees only states inside."""
     n = len(layers)
+    fits = _fits(rooms)
     fronts: list[list[_State]] = [[] for _ in range(n + 1)]
     fronts[0] = [(0.0, 0.0, 0.0, None, None)]
     for i in range(n):
@@ -194,18 +200,37 @@ def _knapsack(layers: Sequence[ChainLayer], rooms: tuple[float, float, bool], w_
         fronts[i] = front
         if not front:
             return None
+        nxt = fronts[i + 1]
         for o in layers[i].options:
             if o.working_bytes <= w_cap and (not o.offload or o.moved_bytes <= m_cap):
-                fronts[i + 1].extend((st[0] + o.kept_bytes, st[1] + o.moved_bytes,
-                                      st[2] + o.time_s, st, o) for st in front)
+                _extend(nxt, front, fits, o.kept_bytes, o.moved_bytes, o.time_s, o)
         if max_segment > 1:
-            _segments_from(layers, i, front, fronts, w_cap, max_segment)
+            _segments_from(layers, i, front, fronts, fits, w_cap, max_segment)
     final = _pareto(fronts[n], rooms, max_states)
-    return min(final, key=lambda s: (s[2], s[0])) if final else None
+    return min(final, key=_time_then_bytes) if final else None
+
+
+def _fits(rooms: tuple[float, float, bool]) -> tuple[float, float]:
+    """The most device and host bytes a state may keep: the rooms, with a rounding margin."""
+    return (rooms[0] * (1 + 1e-12) + 1e-9, rooms[1] * (1 + 1e-12) + 1e-9)
+
+
+def _extend(out: list[_State], front: list[_State], fits: tuple[float, float], kept: float,
+            moved: float, time_s: float, step: object) -> None:
+    """``out`` extended by every state of ``front`` followed by ``step`` (its kept bytes, host
+    bytes, seconds) that stays within ``fits``, in the order of ``front``."""
+    dev, host = fits
+    if moved:
+        out.extend((a, h, st[2] + time_s, st, step) for st in front
+                   if (a := st[0] + kept) <= dev and (h := st[1] + moved) <= host)
+    else:                                 # host bytes unchanged: the front's are inside
+        out.extend((a, st[1], st[2] + time_s, st, step) for st in front
+                   if (a := st[0] + kept) <= dev)
 
 
 def _segments_from(layers: Sequence[ChainLayer], i: int, front: list[_State],
-                   fronts: list[list[_State]], w_cap: float, max_segment: int) -> None:
+                   fronts: list[list[_State]], fits: tuple[float, float], w_cap: float,
+                   max_segment: int) -> None:
     """Chen's segments starting at layer ``i``: layers i..j-1 under one checkpoint."""
     kept = layers[i].input_bytes
     replay = layers[i].fwd_s
@@ -215,26 +240,23 @@ def _segments_from(layers: Sequence[ChainLayer], i: int, front: list[_State],
         working += layers[j].none_bytes
         if working > w_cap:
             break
-        fronts[j + 1].extend((st[0] + kept, st[1], st[2] + replay, st, ("segment", i, j + 1))
-                             for st in front)
+        _extend(fronts[j + 1], front, fits, kept, 0.0, replay, ("segment", i, j + 1))
 
 
 def _pareto(states: list[_State], rooms: tuple[float, float, bool],
             max_states: int) -> list[_State]:
-    """``states`` within the rooms, dominated ones dropped, by growing bytes; thinned on a
-    grid of the device budget past ``max_states`` (the module docstring)."""
-    room, host_room, binds = rooms
+    """``states`` (all within the rooms), dominated ones dropped, by growing bytes; thinned on
+    a grid of the device budget past ``max_states`` (the module docstring)."""
+    room, _, binds = rooms
     out: list[_State] = []
-    inside = (s for s in states if s[0] <= room * (1 + 1e-12) + 1e-9
-              and s[1] <= host_room * (1 + 1e-12) + 1e-9)
     if not binds:                         # two dimensions: times fall as bytes grow
         best_t = float("inf")
-        for st in sorted(inside, key=lambda s: (s[0], s[2])):
+        for st in sorted(states, key=_bytes_then_time):
             if st[2] < best_t:
                 out.append(st)
                 best_t = st[2]
     else:                                 # three: no earlier state has less host and time
-        out = _skyline(sorted(inside, key=lambda s: (s[0], s[1], s[2])))
+        out = _skyline(sorted(states, key=_bytes_host_time))
     if len(out) <= max_states:
         return out
     cells = max_states // 2
