@@ -591,3 +591,23 @@ def test_a_model_with_batch_statistics_is_planned_on_whole_per_replica_batches()
         p = plan(cnn, Cluster.local(world), global_batch_size=16, precision="fp32",
                  profile=None)
         assert p.config.micro_batch_size == 16 // p.config.dp, p.config
+
+
+def test_a_pipeline_that_fits_on_megatron_sharding_is_found():
+    """The tp axis's ILP is solved once per micro-batch for every pp, with the whole model's
+    memory: on GPT-3 175B over 128 A100 at tp4 it keeps the vocabulary whole, and a 16-stage
+    pipeline's first and last stages cannot hold that. Full recomputation on Megatron's
+    sharding fits (the estimator: about 45 GiB), so the search must find it rather than say
+    nothing fits."""
+    ex = build_example("gpt3-175b", device="meta")
+    g = trace(ex.model, ex.example_inputs, loss_fn=ex.loss_fn, targets=ex.targets)
+    cluster = Cluster.from_spec("dgx-a100-80gb:16")
+    force = dict(dp=2, tp=4, pp=16, recompute="full", schedule="1f1b", zero_stage=1)
+    p = plan(g, cluster, global_batch_size=1536, precision="bf16", profile=None, top_k=0,
+             force=force)
+    assert p.predicted["fits"] and p.config.pp == 16
+    est = estimate(g, cluster, config=ParallelConfig(
+        dp=2, tp=4, pp=16, micro_batch_size=1, schedule="1f1b", zero_stage=1,
+        sequence_parallel=True, recompute="full", precision="bf16"),
+        global_batch_size=1536, profile=None)
+    assert p.predicted["peak_memory_bytes"] <= est.peak_memory_bytes * 1.05

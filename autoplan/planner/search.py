@@ -362,7 +362,8 @@ def _cost_group(sc: SearchContext, ecfg: ParallelConfig, group: list[ParallelCon
                 sh: Sharding, sol: ILPSolution | None, m: int,
                 behind: float | None) -> list[Candidate]:
     """``group`` (one ep degree) costed on ``sh``; where nothing fits on the ILP's sharding,
-    also on the memory-constrained ILP's (its budget the device less the margin)."""
+    also on the memory-constrained ILP's (its budget the device less the margin), and for a
+    pipeline still without a fit, on Megatron's sharding (the vocabulary split)."""
     opts, stats = sc.opts, sc.stats
     below = stats.below_floor
     found = evaluate(sc, group, sh, sol, "search", prune_dominated=True, behind_s=behind)
@@ -376,6 +377,12 @@ def _cost_group(sc: SearchContext, ecfg: ParallelConfig, group: list[ParallelCon
         if sol2.status in ("optimal", "feasible"):
             found += evaluate(sc, group, sh2, sol2, "search", prune_dominated=True,
                               behind_s=behind)
+        if ecfg.pp > 1 and not any(c.est.fits for c in found):
+            # the tp axis's ILP is solved once per micro-batch for every pp (its memory the
+            # whole model's): it may keep the vocabulary whole, which a pipeline's first and
+            # last stages then cannot hold; Megatron's sharding splits it
+            found += evaluate(sc, group, megatron_sharding(sc.graph, ecfg.tp, True), None,
+                              "search", prune_dominated=True, behind_s=behind)
     return found
 
 
