@@ -43,6 +43,8 @@ from autoplan.errors import PlanError
 from autoplan.graph.opgraph import Op, OpGraph
 from autoplan.graph.trace import TRANSPARENT
 from autoplan.graph.experts import GROUPED_MM, find_experts
+from autoplan.runtime.causal_mask import as_causal, causal_attention_nodes, drop_unused
+from autoplan.runtime.kernels import get_arg
 from autoplan.runtime.local_args import (has_many_outputs, local_shape_args, map_devices,
                                         map_tensors, output_index)
 from autoplan.runtime.program_calls import (KERNEL_CALLS, call_gather, call_gather_sp, call_reduce,
@@ -146,6 +148,9 @@ class _Builder:
         self.dispatched: dict[tuple[str, str], tuple[fx.Node, fx.Node]] = {}
         self.stacked_held: set[str] = set()
         self.device = device
+        # attention whose mask is proven causal: run with is_causal=True, no mask (flash)
+        self.causal = causal_attention_nodes(ep.graph, device)
+        self.dropped_masks: list[fx.Node] = []
         self.state_tensor = state_tensor
         self.g = fx.Graph()
         self.env: dict[str, fx.Node] = {}          # value name -> local node
@@ -217,6 +222,7 @@ class _Builder:
                 self._call(node)
             elif node.op == "output":
                 self._output(node)
+        drop_unused(self.g, self.dropped_masks)     # the masks no attention reads any more
         return self.g
 
     def _state(self, node: fx.Node, fqn: str, kind: str) -> None:
@@ -236,6 +242,10 @@ class _Builder:
         inputs = self._inputs(node, site.op, site.s, site.i)
         state = self._expert_state(site, experts, inputs) if experts is not None else None
         args, kwargs = self._local_args(site, inputs)
+        if node.name in self.causal:
+            mask = get_arg(node.target, args, kwargs, "attn_mask")
+            self.dropped_masks += [mask] if isinstance(mask, fx.Node) else []
+            args, kwargs = as_causal(args, kwargs)
         local_outs = self._local_outs(site)
         args = local_shape_args(site.op, self.eg, args, local_outs)
         out, bias = self._emit_op(site, args, kwargs, experts, state)
