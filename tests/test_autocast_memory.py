@@ -127,11 +127,12 @@ def test_under_autocast_ops_move_the_bytes_of_their_dtypes(gpt):
     assert auto.op_cost(qkv).fwd_s == pytest.approx(pure.op_cost(qkv).fwd_s + fwd)
 
 
-def test_the_h100_runtime_step_is_predicted_within_a_third():
-    """The one measured step of the runtime on an H100 (0.948 s): priced with autocast's dtypes
-    0.760 s (with every tensor in bf16 it was 0.587 s). What is left (weights' casts, the
-    unfused attention's element-wise kernels, dropout's random numbers) is not priced yet; the
-    bounds keep it from getting worse unnoticed."""
+def test_the_h100_runtime_step_is_predicted_within_a_tenth():
+    """The one measured step of the runtime on an H100 (0.948 s), an eager autocast program:
+    priced with autocast's dtypes 0.760 s (with every tensor in bf16 it was 0.587 s), then
+    0.952 s once eager element-wise kernels were priced at the share of the bandwidth that
+    three measured eager steps show (``cost.compute.EAGER_ELEMENTWISE_SHARE``; this step is
+    one of the three). Issue 36 asks 10 %: the bounds keep it there, both ways."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from validate import part_of_a_node
 
@@ -142,4 +143,4 @@ def test_the_h100_runtime_step_is_predicted_within_a_third():
     graph = trace(ex.model, ex.example_inputs, loss_fn=ex.loss_fn, targets=ex.targets)
     e = estimate(graph, part_of_a_node("dgx-h100", 1), config=ParallelConfig(
         micro_batch_size=2), global_batch_size=run["global_batch"], profile=None)
-    assert 1.0 <= measured / e.step_time_s <= 1.3, measured / e.step_time_s
+    assert 0.9 <= measured / e.step_time_s <= 1.1, measured / e.step_time_s
