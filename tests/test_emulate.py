@@ -48,21 +48,28 @@ def test_one_rank_of_an_8_rank_plan_runs_alone(force, world, rank, tmp_path):
     assert 0.5 <= ratio <= 2.0, text
 
 
+def _rank_5_of_dp2_tp2_pp2(precision, zero_stage):
+    """(the example on meta, the dp2 x tp2 x pp2 plan of gpt-tiny on 8 CPU ranks, rank 5's
+    emulation over 2 steps, that rank's prediction)."""
+    from autoplan.runtime.emulate import emulate, predicted_for_rank
+    small = build_example("gpt-tiny", batch_size=1, device="meta")
+    g = trace(small.model, small.example_inputs, loss_fn=small.loss_fn, targets=small.targets)
+    p = make_plan(g, Cluster.local(8), global_batch_size=8, precision=precision, profile=None,
+                  force=dict(dp=2, tp=2, pp=2, zero_stage=zero_stage), max_pp=2)
+    e = emulate(p, small.model, example_inputs=small.example_inputs,
+                example_targets=small.targets, loss_fn=small.loss_fn, rank=5, steps=2)
+    return small, p, e, predicted_for_rank(p, 5)
+
+
 def test_the_emulated_rank_holds_its_shards_and_compares_with_its_stage():
     """In process: rank 5 of a dp2 x tp2 x pp2 plan holds exactly the weights of its pipeline
     stage's tensor-parallel shard (the plan's weight bytes for that stage), and the prediction
     it is compared with is that stage's."""
     import torch.distributed as dist
 
-    from autoplan.runtime.emulate import emulate, predicted_for_rank
-    small = build_example("gpt-tiny", batch_size=1, device="meta")
-    g = trace(small.model, small.example_inputs, loss_fn=small.loss_fn, targets=small.targets)
-    p = make_plan(g, Cluster.local(8), global_batch_size=8, precision="fp32", profile=None,
-                  force=dict(dp=2, tp=2, pp=2, zero_stage=0), max_pp=2)
-    e = emulate(p, small.model, example_inputs=small.example_inputs,
-                example_targets=small.targets, loss_fn=small.loss_fn, rank=5, steps=2)
+    from autoplan.runtime.emulate import emulate
+    small, p, e, want = _rank_5_of_dp2_tp2_pp2("fp32", zero_stage=0)
     assert not dist.is_initialized()                   # its fake group is gone
-    want = predicted_for_rank(p, 5)
     assert e.predicted == want and want.stage == p.config.dims.index(5, MeshAxis.PP) == 1
     assert e.weight_bytes == want.weight_bytes
     assert e.peak_memory_bytes > e.weight_bytes and len(e.step_s) == 1
@@ -77,14 +84,7 @@ def test_a_bf16_rank_holds_its_fp32_weights_as_predicted():
     backward, in the peak); between steps the rank holds its fp32 shards alone, and that is
     what the measured weights are compared with (the H200 check compared them with the plan's
     weights, copies included: 6.74 vs 10.12 GiB)."""
-    from autoplan.runtime.emulate import emulate, predicted_for_rank
-    small = build_example("gpt-tiny", batch_size=1, device="meta")
-    g = trace(small.model, small.example_inputs, loss_fn=small.loss_fn, targets=small.targets)
-    p = make_plan(g, Cluster.local(8), global_batch_size=8, precision="bf16", profile=None,
-                  force=dict(dp=2, tp=2, pp=2, zero_stage=1), max_pp=2)
-    e = emulate(p, small.model, example_inputs=small.example_inputs,
-                example_targets=small.targets, loss_fn=small.loss_fn, rank=5, steps=2)
-    want = predicted_for_rank(p, 5)
+    _, p, e, want = _rank_5_of_dp2_tp2_pp2("bf16", zero_stage=1)
     mem = p.predicted["stages"][want.stage]["memory"]
     assert want.copy_bytes == pytest.approx(float(mem["params_bytes"]) / 3)   # 2 of 4 + 2
     assert e.weight_bytes == pytest.approx(want.weight_bytes, rel=1e-3)
