@@ -8,6 +8,7 @@ keeps compile time bounded at any depth.
 """
 
 import json
+from dataclasses import dataclass
 
 import pytest
 
@@ -16,6 +17,7 @@ from autoplan import plan as make_plan
 from autoplan.graph import trace
 from autoplan.models import build_example
 from autoplan.planner.planfile import Plan
+from autoplan.runtime.program_modules import OUTSIDE
 from tests.conftest import has_transformers
 from tests.distributed import run_ranks
 from tests.test_zoo import GLOBAL_BATCH, STEPS, _optimizer, assert_equal_to_one_device
@@ -36,18 +38,46 @@ def _rank(rank, world, name, plan_json, ckpt):
     trainer = compile(ex.model, "local", example_inputs=small.example_inputs,
                       example_targets=small.targets, loss_fn=ex.loss_fn, optimizer=_optimizer,
                       global_batch_size=GLOBAL_BATCH, plan=Plan.from_json(plan_json))
-    compiled = [type(m) for m in trainer.model.modules()
-                if getattr(m, "_compiled_call_impl", None) is not None]
+    compiled = {n.replace("_checkpoint_wrapped_module.", ""): type(m)
+                for n, m in trainer.model.named_modules()
+                if getattr(m, "_compiled_call_impl", None) is not None}
     from torch._dynamo.utils import counters
     counters.clear()
     batch = tuple(ex.example_inputs) + (ex.targets,)
-    losses = [trainer.step(batch) for _ in range(STEPS)]
+    losses = [trainer.step(batch)]
+    first = counters["stats"]["unique_graphs"]
+    losses += [trainer.step(batch) for _ in range(STEPS - 1)]
     graphs = counters["stats"]["unique_graphs"]
     if ckpt:
         trainer.save(ckpt)                      # the weights keep the user's names
     state = trainer.full_state_dict()
-    return losses, {k: v.tolist() for k, v in state.items()}, len(compiled), \
-        len(set(compiled)), graphs
+    return losses, {k: v.tolist() for k, v in state.items()}, Compiled(
+        sorted(compiled), len(set(compiled.values())), first, graphs,
+        sorted(str(k) for k in counters["graph_break"]))
+
+
+@dataclass(frozen=True)
+class Compiled:
+    """What one rank compiled: the modules (paths), their classes (layers of one kind share
+    one, so do identical parts between layers), dynamo's graphs after the first step and after
+    the last (equal: nothing recompiled), and the graph breaks' reasons."""
+
+    modules: list[str]
+    kinds: int
+    graphs_first_step: int
+    graphs: int
+    breaks: list[str]
+
+    def check(self, label: str, collectives: bool) -> None:
+        outside = [m for m in self.modules if m.rpartition(".")[2].startswith(OUTSIDE)]
+        # the layers and the parts between them (embedding, head, loss) compiled: a part left
+        # out would run eagerly, silently
+        assert outside and len(outside) < len(self.modules), (label, self.modules)
+        assert self.graphs == self.graphs_first_step, (label, "recompiled", self)
+        if collectives:         # tp: each collective a graph break, pieces compiled around it
+            assert self.graphs >= self.kinds, (label, self)
+        else:                   # one graph per kind of region: none stayed eager
+            assert self.graphs == self.kinds and not self.breaks, (label, self)
 
 
 CASES = [
@@ -56,6 +86,11 @@ CASES = [
     # pipeline whose one-layer stages recompute selectively (compiled with the checkpoint)
     ("gpt-tiny", 2, dict(tp=2, recompute="full"), "megatron"),
     ("gpt-tiny", 2, dict(pp=2, schedule="1f1b", stage_recompute=("selective", "none")), "ilp"),
+    # FSDP2 (ZeRO-3): the root unit's weights (embedding, final norm, head) gathered by the
+    # root and read by the compiled parts between layers; an HF model from its config under
+    # tp (vocabulary-parallel embedding and loss: eager calls inside the compiled parts)
+    ("gpt-tiny", 2, dict(tp=1, zero_stage=3), "ilp"),
+    ("hf-llama-gqa-tiny", 2, dict(tp=2), "megatron"),
 ]
 
 
@@ -67,11 +102,9 @@ def test_a_compiled_plan_trains_like_one_device(name, world, force, sharding, tm
     assert plan.config.compiled and "compiled" in plan.config.short()
     results = run_ranks(_rank, world, name, plan.to_json(), str(tmp_path / "ckpt"),
                         timeout_s=600.0)
-    for _, _, modules, kinds, graphs in results:
-        # every layer compiled; the layers of one kind share one class, hence their graphs
-        # (and dynamo made graphs: a layer it cannot trace would run eagerly, silently)
-        assert modules >= 1 and kinds == 1 and graphs >= 1, (modules, kinds, graphs)
-        print(f"{plan.config.short()}: {modules} modules compiled, {graphs} graphs")
+    for _, _, compiled in results:
+        compiled.check(plan.config.short(), collectives=plan.config.tp > 1)
+        print(f"{plan.config.short()}: {compiled}")
     assert_equal_to_one_device(name, [r[:2] for r in results], plan.config.short())
     assert (tmp_path / "ckpt" / "latest").exists()
 
@@ -85,7 +118,8 @@ def test_a_compiled_zero3_bf16_plan_of_hf_llama_trains_as_eager_autocast():
     name = "hf-llama-gqa-tiny"
     p = _plan(name, 2, dict(tp=1, zero_stage=3, compiled=True), precision="bf16")
     res = run_ranks(_rank, 2, name, p.to_json(), "", timeout_s=600.0)
-    assert all(r[2] >= 1 and r[4] >= 1 for r in res), "nothing was compiled"
+    for r in res:
+        r[2].check(p.config.short(), collectives=False)
     assert_like_eager_autocast(name, "bf16", [r[:2] for r in res], p.config.short())
 
 

@@ -14,12 +14,14 @@ the same reasons):
    strategies on local tensors (``emit.py``); it shards the weights, which every later step
    must see;
 3. **stages**: the program cut into the pipeline chunks this rank runs (without pipelines, one
-   chunk: all of it), each chunk into one module per layer, the unit of every step below;
+   chunk: all of it), each chunk into one module per layer, the unit of every step below (and,
+   compiled, one per part between layers: embedding, final norm, head and loss);
 4. **recomputation** per layer: inside FSDP's units, so that FSDP's all-gathers bracket the
    recomputation too; then activation offload's hooks around the layers the plan names
    (``activation_offload.py``), outside the checkpoint wrapper (a checkpointed layer offloads
    its input) and inside FSDP's units (FSDP's hooks gather before them);
-5. **compilation** per layer (regional, ``compile.py``): after recomputation, so that the
+5. **compilation** per layer and per part between layers (regional, ``parallelize.
+   apply_compile``): after recomputation, so that the
    compiled region is the checkpointed layer, and before data parallelism, so that FSDP's
    hooks and DDP's buckets stay outside the compiled graphs;
 6. **data parallelism** per stage: FSDP2 per layer then the stage (ZeRO-2/3), or DDP / a
@@ -55,7 +57,8 @@ from autoplan.runtime.optim import (DataParallelGrads, HostOffloadOptimizer,
 from autoplan.runtime.pipeline import (LossPassesThrough, build_schedule, chunk_cuts,
                                        chunk_specs, metas, shared_elsewhere, tie_across_ranks)
 from autoplan.runtime.program import COMM_SLOTS, OP, Program
-from autoplan.runtime.program_modules import layer_ranges, split_chunks, split_layers
+from autoplan.runtime.program_modules import (layer_ranges, split_chunks, split_layers,
+                                              split_outside)
 from autoplan.runtime.state import (keep_out_of_state_dict, non_persistent_buffers,
                                     register_aliases, tied_names)
 from autoplan.runtime.steps import LocalSteps, PipelineSteps, Trainer
@@ -125,6 +128,8 @@ class Stage:
     held: list[str]                     # FQNs of the weights it reads
     inputs: list[Any]                   # program nodes it takes (pipeline stages)
     outputs: list[Any]
+    # compiled plans: the parts between its layers (``program_modules.split_outside``)
+    outside: list[str] = field(default_factory=list)
 
 
 # ---- 1. mesh ---------------------------------------------------------------------------------
@@ -244,10 +249,13 @@ def cut_stages(b: BuildInputs, ex: Exported, program: Program, cuts: list[int],
     for c, gm, inputs, outputs in pieces:
         inside = [r for r in ranges if cuts[c] <= r[1] < cuts[c + 1]]
         module = split_layers(gm, inside)
+        outside: list[str] = []
+        if cfg.compiled and inside:     # what runs between the layers, compiled too (5)
+            module, outside = split_outside(module)
         register_aliases(module, aliases)
         keep_out_of_state_dict(module, transient)
         stages.append(Stage(index=c, module=module, layers=[p for p, _, _ in inside],
-                            held=held[c], inputs=inputs, outputs=outputs))
+                            held=held[c], inputs=inputs, outputs=outputs, outside=outside))
     return stages, held
 
 
@@ -402,7 +410,7 @@ def build_rank(b: BuildInputs) -> Trainer:
             b.device, offloader)
     if cfg.compiled:                                                           # 5
         for st in stages:
-            par.apply_compile(st.module, st.layers, b.plan.recompute)
+            par.apply_compile(st.module, st.layers, b.plan.recompute, outside=st.outside)
     modules, syncs, experts = data_parallel(b, stages, ex, groups)            # 6
     syncs.tensor_parallel = tensor_parallel_grads(program, stages, groups, cfg)
     token = token_mean_loss(b.graph)

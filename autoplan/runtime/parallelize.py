@@ -5,6 +5,7 @@ applied in, and why, is in ``trainer.py``.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from functools import lru_cache, partial
 from typing import Any
 
@@ -75,7 +76,7 @@ def apply_recompute(model: nn.Module, recompute: dict[str, str]) -> None:
 
 
 def apply_compile(model: nn.Module, layer_paths: list[str],
-                  recompute: dict[str, str] | None = None) -> None:
+                  recompute: dict[str, str] | None = None, outside: Sequence[str] = ()) -> None:
     """``torch.compile`` one layer at a time (regional compilation, as torchtitan's
     ``apply_compile``): compile time stays one layer's, whatever the depth (``segments.
     share_code`` gives layers of one kind one compiled graph), and what runs between layers
@@ -88,7 +89,13 @@ def apply_compile(model: nn.Module, layer_paths: list[str],
     layer's collectives are graph breaks (the whole layer would run eagerly, silently). A
     selectively recomputed layer is compiled with its checkpoint, whole (``fullgraph``: a
     graph break is an error, never a silent eager layer);
-    ``planner/search_space.selective_compiles`` keeps it to layers without collectives."""
+    ``planner/search_space.selective_compiles`` keeps it to layers without collectives.
+
+    ``outside``: the parts between the layers (``program_modules.split_outside``: embedding,
+    final norm, LM head, loss), compiled each as a region of its own, at static shapes (every
+    micro-batch has one shape), so what runs between the layers is not left eager. A part's
+    collectives (a vocabulary-parallel embedding or loss under tp) are graph breaks, run
+    eagerly between the compiled pieces, as in a tensor-parallel layer."""
     recompute = recompute or {}
     paths = list(layer_paths) or [""]
     for path in paths:
@@ -101,6 +108,8 @@ def apply_compile(model: nn.Module, layer_paths: list[str],
             module.compile(fullgraph=True)
         else:
             inner.compile()
+    for name in outside:
+        model.get_submodule(name).compile(dynamic=False)
 
 
 def _quiet_selective_under_compile() -> None:

@@ -17,6 +17,7 @@ the op they belong to (``node.meta["autoplan_op"]``).
 
 from __future__ import annotations
 
+import functools
 import operator
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -26,7 +27,7 @@ import torch
 from torch import fx
 
 from autoplan.errors import PlanError
-from autoplan.runtime.program import OP
+from autoplan.runtime.program import COMM_SLOTS, OP
 from autoplan.estimate.partition import pipeline_units
 
 
@@ -179,6 +180,90 @@ def split_layers(gm: fx.GraphModule, ranges: Sequence[tuple[str, int, int]]
     root.lint()
     share_code(layers)
     return fx.GraphModule(root_attrs, root, class_name=type(gm).__name__)
+
+
+OUTSIDE = "_autoplan_outside"      # the parts between layers: ``_autoplan_outside_0``, ...
+
+
+def split_outside(root: fx.GraphModule) -> tuple[fx.GraphModule, list[str]]:
+    """The parts of ``root`` (``split_layers``'s) that run between its layer calls, before the
+    first (embedding, rotary tables, masks) and after the last (final norm, LM head, loss),
+    each moved into a GraphModule of its own at ``_autoplan_outside_k``, so that regional
+    compilation compiles them too (``parallelize.apply_compile``). A part holds no weight: the
+    root reads them (``get_attr``, every FQN unchanged, FSDP's root unit gathers them) and
+    passes them in; it holds only the process-group slots its collectives read. A part whose
+    only ops are ``getitem`` stays in the root. Parts of the same text share one class
+    (``share_code``), so the number of compiled graphs stays bounded at any depth. Returns the
+    new root and the parts' attribute names, in order."""
+    nodes = list(root.graph.nodes)
+    layer_calls = {n for n in nodes if n.op == "call_module"}
+    parts: list[list[fx.Node]] = [[]]
+    for n in nodes:
+        if n in layer_calls:
+            parts.append([])
+        elif n.op in ("call_function", "call_method") and not (
+                n.target is operator.getitem and n.args[0] in layer_calls):
+            parts[-1].append(n)
+    parts = [p for p in parts if any(n.target is not operator.getitem for n in p)]
+    if not parts:
+        return root, []
+    attrs = _attrs(root)
+    last = {p[-1]: k for k, p in enumerate(parts)}
+    inside = {n for p in parts for n in p}
+    g = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    mods: dict[str, Any] = dict(attrs)
+    names: list[str] = []
+    made: list[fx.GraphModule] = []
+    for n in nodes:
+        if n.op == "call_module":
+            mods[n.target] = root.get_submodule(n.target)
+        if n not in inside:
+            env[n] = g.node_copy(n, env.__getitem__)
+            continue
+        k = last.get(n)
+        if k is None:
+            continue
+        # non-tensor attributes (the collectives' process-group slots) live in the part
+        module, inputs, outputs = extract(
+            parts[k], attrs, own=lambda t: None if isinstance(attrs[t], torch.Tensor) else t,
+            class_name="OutsideProgram")
+        _communicating_calls_eager(module)
+        name = f"{OUTSIDE}_{k}"
+        mods[name] = module
+        names.append(name)
+        made.append(module)
+        call = g.call_module(name, tuple(env[x] for x in inputs))
+        for j, out in enumerate(outputs):
+            env[out] = g.call_function(operator.getitem, (call, j))
+    for n in [n for n in g.nodes if n.op == "get_attr" and not n.users]:
+        g.erase_node(n)                 # read by a part only (a slot it holds)
+    g.lint()
+    share_code(made)
+    return fx.GraphModule(mods, g, class_name=type(root).__name__), names
+
+
+def _communicating_calls_eager(part: fx.GraphModule) -> None:
+    """The calls of ``part`` that read a process-group slot (collectives, a vocabulary-parallel
+    embedding or loss, per-rank random masks) run eagerly under ``torch.compile``, each a
+    graph break with its reason recorded (``torch._dynamo.utils.counters["graph_break"]``,
+    ``TORCH_LOGS=graph_breaks``); the part's other ops compile around them."""
+    for n in part.graph.nodes:
+        if n.op == "call_function" and any(
+                isinstance(a, fx.Node) and a.op == "get_attr" and a.target in COMM_SLOTS
+                for a in n.args):
+            n.target = eager_call(n.target)
+    part.recompile()
+
+
+@functools.lru_cache(maxsize=None)
+def eager_call(fn: Callable) -> Callable:
+    """``fn`` run eagerly under ``torch.compile`` (one wrapper per function, so that parts of
+    the same text still share their code)."""
+    return torch.compiler.disable(
+        fn, reason=f"autoplan: {fn.__name__} communicates over a process group (dynamo "
+        "cannot trace its kernel's schema checks or the gloo/NCCL call): it runs eagerly "
+        "between the compiled pieces")
 
 
 @dataclass(frozen=True)
