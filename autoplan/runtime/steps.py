@@ -61,7 +61,9 @@ class LocalSteps:
         cfg = trainer.config
         mbs = cfg.micro_batch_size
         chunks = [[t[k * mbs:(k + 1) * mbs] for t in mine] for k in range(len(mine[0]) // mbs)]
-        total = torch.zeros((), dtype=torch.float64)
+        # summed where the loss is (float64, as Python floats sum): reading it per micro-batch
+        # would wait for the device before the next micro-batch's kernels are queued
+        total = torch.zeros((), dtype=torch.float64, device=mine[0].device)
         no_sync = getattr(self.module, "no_sync", None)
         weights = _weights(self.token_loss, batch, trainer.dp_index, cfg)
         for k, chunk in enumerate(chunks):
@@ -78,7 +80,7 @@ class LocalSteps:
                 with trainer.autocast():
                     loss = self._loss(chunk)
                 (loss * (f / len(chunks)) if f != 1.0 else loss / len(chunks)).backward()
-            total += float(loss.detach()) * (weights[k] if weights else 1.0)
+            total += loss.detach().to(torch.float64) * (weights[k] if weights else 1.0)
         return total / len(chunks)
 
     def _loss(self, chunk: list[torch.Tensor]) -> torch.Tensor:
