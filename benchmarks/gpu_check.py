@@ -12,7 +12,9 @@
 - ``speed``: HF Llama (0.89B: hidden 2048, 16 layers, 16/8 heads, 8 x 2048 tokens) and the own
   GPT-3 1.3B in bf16, fused AdamW: autoplan's program eager and compiled, plain eager PyTorch,
   and ``torch.compile`` by hand, the same micro-batches each; ms per step (median) and peak
-  memory, and autoplan's predicted step time and memory beside its own runs;
+  memory, and autoplan's predicted step time and memory beside its own runs, with the
+  compiled regions (layers and the parts between them), their kinds, dynamo's graphs and graph
+  breaks (a part left eager shows as fewer graphs than kinds);
 - ``emulate``: one rank of two 64-GPU plans of Llama-3-8B (dp8 x tp8 under ZeRO-3 over the 64,
   and dp2 x tp8 x pp4) alone on this GPU (``autoplan emulate``);
 - ``table``: the results as one markdown table (and one JSON, ``--out``).
@@ -224,11 +226,12 @@ def speed(small: bool, steps: int, save: Callable[[list[dict[str, Any]]], None] 
                                  optimizer=lambda ps: _adamw(ps, lr=1e-5),
                                  global_batch_size=gbs, plan=p)
                     batch = tuple(ex.example_inputs) + (ex.targets,)
+                    graphs = _dynamo_graphs()
                     s, peak = _timed(lambda: tr.step(batch), steps)
                     row[variant] = dict(step_s=s, peak_bytes=peak,
                                         predicted_step_s=p.predicted["step_time_s"],
                                         predicted_peak_bytes=p.predicted["peak_memory_bytes"],
-                                        plan=p.config.short())
+                                        plan=p.config.short(), **graphs(tr.model))
                 else:
                     s, peak = _timed(_by_hand(ex, mbs, variant == "torch.compile"), steps)
                     row[variant] = dict(step_s=s, peak_bytes=peak)
@@ -240,6 +243,22 @@ def speed(small: bool, steps: int, save: Callable[[list[dict[str, Any]]], None] 
             torch.compiler.reset() if hasattr(torch, "compiler") else None
         out.append(row)
     return out
+
+
+def _dynamo_graphs() -> Callable[[Any], dict[str, Any]]:
+    """Counts dynamo's graphs from now; the returned function reads them with the compiled
+    regions of a trainer's model (its layers and the parts between them: a part that stayed
+    eager shows as fewer graphs than region kinds) and the graph breaks' count."""
+    from torch._dynamo.utils import counters
+    counters.clear()
+
+    def read(model: Any) -> dict[str, Any]:
+        regions = [type(m) for m in model.modules()
+                   if getattr(m, "_compiled_call_impl", None) is not None]
+        return dict(compiled_regions=len(regions), region_kinds=len(set(regions)),
+                    graphs=counters["stats"]["unique_graphs"],
+                    graph_breaks=sum(counters["graph_break"].values()))
+    return read
 
 
 def _dev_name() -> str:

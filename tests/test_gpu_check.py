@@ -60,3 +60,29 @@ def test_the_table_reads_every_part(tmp_path):
     assert "500.0 / 450.0" in text and "0.336" in text
     merged = json.loads((tmp_path / "all.json").read_text())
     assert set(merged) >= {"zoo", "speed", "emulate", "full_step"}
+
+
+def test_the_speed_rows_count_the_compiled_regions_and_their_graphs():
+    """What the speed part records beside an autoplan compiled step: regions of one class
+    share a graph, and a region that stays eager shows as fewer graphs than region kinds
+    (dynamo's eager backend: no C++ build)."""
+    import torch
+    model = torch.nn.Sequential(_Region(), _Region(), _Other())
+    model[0].compile(backend="eager")
+    model[2].compile(backend="eager")
+    read = gpu_check._dynamo_graphs()
+    model(torch.ones(2, 4))
+    assert read(model) == dict(compiled_regions=2, region_kinds=2, graphs=2, graph_breaks=0)
+    model[1].compile(backend="eager")            # its class's graph serves it
+    model(torch.ones(2, 4))
+    assert read(model) == dict(compiled_regions=3, region_kinds=2, graphs=2, graph_breaks=0)
+
+
+class _Region(__import__("torch").nn.Module):     # dynamo skips torch's own modules' code
+    def forward(self, x):
+        return (x * 2).relu()
+
+
+class _Other(_Region):
+    def forward(self, x):
+        return x + 1
