@@ -79,8 +79,8 @@ def apply_compile(model: nn.Module, layer_paths: list[str],
                   recompute: dict[str, str] | None = None, outside: Sequence[str] = ()) -> None:
     """``torch.compile`` one layer at a time (regional compilation, as torchtitan's
     ``apply_compile``): compile time stays one layer's, whatever the depth (``segments.
-    share_code`` gives layers of one kind one compiled graph), and what runs between layers
-    stays eager. In place (``nn.Module.compile``), so every parameter keeps its name. A model
+    share_code`` gives layers of one kind one compiled graph), and each part between them
+    (``outside``, below) as a region of its own. In place (``nn.Module.compile``), so every parameter keeps its name. A model
     without layers is compiled whole.
 
     Under recomputation (``recompute``: layer path -> policy), a fully recomputed layer is
