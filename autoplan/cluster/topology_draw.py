@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from autoplan.cluster.topology_view import (KIND_NAMES, AxisGroup, fmt_ranks, gbps,
+from autoplan.cluster.topology_view import (KIND_NAMES, AxisGroup, edge_use, fmt_ranks, gbps,
                                             shown_nodes)
 from autoplan.errors import ClusterError
 
@@ -330,7 +330,6 @@ def _switches(ax: Any, cluster: Any, lay: _Layout, columns: list[tuple[Any, floa
 # ---------------------------------------------------------------- legends and entry point
 def _link_entries(cluster: Any) -> list[tuple[dict[str, Any], str]]:
     """(line style, label) per link type and lane count: where it is, its peak bandwidth."""
-    from autoplan.cluster.topology_view import _use
     edges = [(f"n0.{li.a}", f"n0.{li.b}") for li in cluster.node_topology.links]
     g = cluster.graph
     if cluster.num_nodes > 1 and cluster.fabric is not None:
@@ -340,7 +339,7 @@ def _link_entries(cluster: Any) -> list[tuple[dict[str, Any], str]]:
             edges.append(("leaf0", "spine0"))
     joined: dict[tuple[str, float, float], list[str]] = {}
     for u, v in edges:
-        use = _use(cluster, u, v)
+        use = edge_use(cluster, u, v)
         key = (use.link, use.lanes, use.bandwidth_bytes_per_s)
         if use.joins not in joined.setdefault(key, []):
             joined[key].append(use.joins)

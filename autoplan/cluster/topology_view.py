@@ -107,7 +107,7 @@ def _kind_name(cluster: Any, kind: str) -> str:
     return cluster.device.kind.upper() if kind == "device" else KIND_NAMES.get(kind, kind)
 
 
-def _use(cluster: Any, u: str, v: str) -> LinkUse:
+def edge_use(cluster: Any, u: str, v: str) -> LinkUse:
     """The LinkUse of the graph edge u-v (full vertex names)."""
     attrs = cluster.graph.edges[u, v]
     ends = sorted((_kind(cluster, u), _kind(cluster, v)), key=_KIND_ORDER.index)
@@ -129,15 +129,15 @@ def _fabric_uses(cluster: Any, ranks: Sequence[int]) -> list[LinkUse]:
     for r in ranks:
         local = r % per
         edges |= set(node.path_edges(local, node.nearest_nics[local][0]))
-    uses = [_use(cluster, f"n0.{u}", f"n0.{v}") for u, v in sorted(edges)]
+    uses = [edge_use(cluster, f"n0.{u}", f"n0.{v}") for u, v in sorted(edges)]
     nic = f"n0.{node.nearest_nics[0][0]}"
     leaf = next(v for v in cluster.graph.neighbors(nic) if _kind(cluster, v) == "leaf")
-    uses.append(_use(cluster, nic, leaf))
+    uses.append(edge_use(cluster, nic, leaf))
     nodes = {r // per for r in ranks}
     first = min(cluster.leaves_of_node(n)[0] for n in nodes)
     last = max(cluster.leaves_of_node(n)[1] for n in nodes)
     if first != last:
-        uses.append(_use(cluster, "leaf0", "spine0"))
+        uses.append(edge_use(cluster, "leaf0", "spine0"))
     return uses
 
 
@@ -161,7 +161,7 @@ def links_crossed(cluster: Any, ranks: Sequence[int], pattern: str) -> tuple[Lin
         crossing = list(ranks) if len(by_node) > 1 else []
     else:
         raise ClusterError(f"unknown traffic pattern {pattern!r}; use ring, all_to_all or p2p")
-    uses = [_use(cluster, f"n0.{u}", f"n0.{v}") for u, v in sorted(_local_edges(cluster, pairs))]
+    uses = [edge_use(cluster, f"n0.{u}", f"n0.{v}") for u, v in sorted(_local_edges(cluster, pairs))]
     if crossing:
         uses += _fabric_uses(cluster, crossing)
     return tuple(sorted(set(uses), key=lambda x: (-x.bandwidth_bytes_per_s, x.link, x.joins)))
@@ -214,8 +214,7 @@ def axis_groups_text(cluster: Any, groups: Sequence[AxisGroup]) -> str:
     for g in groups:
         where = fmt_nodes(g.nodes)
         lines.append(f"  {g.axis:<3} {g.size:>5,} ranks x {g.num_groups:,} group"
-                     f"{'s' * (g.num_groups != 1)}   rank 0's: {fmt_ranks(g.example)} "
-                     f"({where})")
+                     f"{'s' * (g.num_groups != 1)}   rank 0's: {fmt_ranks(g.example)}; {where}")
         lines.append(f"        {g.traffic}")
         lines.append("        crosses " + "; ".join(u.describe() for u in g.links))
         per_rank = ("each send" if g.pattern == "p2p" else "per rank")
