@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 
 from autoplan.errors import ClusterError
 
@@ -22,16 +23,24 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     show.add_argument("--nodes", type=int, default=None, metavar="N",
                       help="number of nodes for a preset (same as PRESET:N), or ranks for 'local'")
     show.add_argument("--json", action="store_true", help="print the full description (to_dict) as JSON")
+    show.add_argument("--png", metavar="FILE", default=None,
+                      help="also draw the topology to this image file (PNG, SVG or PDF by its "
+                           "suffix; needs matplotlib): nodes with their GPUs, NVSwitches, PCIe "
+                           "switches, CPU sockets and NICs, the fabric's leaf and spine "
+                           "switches; a large cluster keeps 3 nodes in detail")
     p.set_defaults(func=run, cluster_parser=p)
 
 
 def run(args: argparse.Namespace) -> int:
+    from autoplan.cli.common import figure_suffixes, output_arg
     from autoplan.cluster import Cluster
     from autoplan.cluster.specs import is_preset
 
     if getattr(args, "cluster_command", None) != "show":
         args.cluster_parser.print_help()
         return 2
+    if args.png is not None:
+        output_arg(args.png, "--png", figure_suffixes())
     spec = args.spec
     if args.nodes is not None:
         head, sep, tail = spec.partition(":")
@@ -47,4 +56,10 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(cluster.describe())
         print(f"fingerprint {cluster.fingerprint()[:16]}")
+    if args.png is not None:
+        # matplotlib (an optional dependency) loads only when a picture is drawn
+        from autoplan.cluster.topology_draw import draw_topology
+        shown = draw_topology(cluster, args.png)
+        print(f"wrote {args.png} (nodes drawn in detail: {', '.join(map(str, shown))})",
+              file=sys.stderr if args.json else sys.stdout)
     return 0

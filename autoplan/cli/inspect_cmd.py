@@ -26,8 +26,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "and both predicted step times under the plan's configuration.")
     add_model_args(g, flag=True)
     g.add_argument("--cluster", default=None,
-                   help="the plan's cluster (preset[:nodes] or a file); default: the plan's "
-                        "preset")
+                   help="the plan's cluster (preset[:nodes] or a file), for the comparison "
+                        "and for --topology; default: the plan's preset")
     g.add_argument("--no-profile", action="store_true",
                    help="roofline only (the measured profile of the device type otherwise)")
     p.set_defaults(func=run)
@@ -39,18 +39,25 @@ def _add_figure_args(p: argparse.ArgumentParser) -> None:
                    help="draw the per-rank pipeline timeline (Gantt chart) to this file")
     p.add_argument("--memory", metavar="PNG",
                    help="draw memory per pipeline rank over one step to this file")
+    p.add_argument("--topology", metavar="PNG",
+                   help="draw the cluster's topology with the mesh axes on it to this file "
+                        "(rank 0's TP, CP, EP, DP and PP groups outlined, the links they "
+                        "cross), and print per axis the group size, rank 0's group, the links "
+                        "and their bandwidth; the cluster is the plan's preset or --cluster")
 
 
 def run(args: argparse.Namespace) -> int:
     from autoplan.errors import AutoplanError
     from autoplan.planner.planfile import plan_from_file
-    for flag, path in (("--timeline", args.timeline), ("--memory", args.memory)):
+    for flag, path in (("--timeline", args.timeline), ("--memory", args.memory),
+                       ("--topology", args.topology)):
         if path is not None:
             output_arg(path, flag, figure_suffixes())
-    if args.cluster and not args.model:
+    if args.cluster and not (args.model or args.topology):
         raise AutoplanError("--cluster is the plan's cluster for the comparison with "
-                            "Megatron-LM: give --model too")
+                            "Megatron-LM or for --topology: give --model or --topology too")
     plan = plan_from_file(args.plan)
+    cluster = _plan_cluster(args, plan) if args.topology else None
     if args.json:
         sys.stdout.write(plan.to_json())
     else:
@@ -59,14 +66,34 @@ def run(args: argparse.Namespace) -> int:
         if args.model:
             sys.stdout.write("\n" + _vs_megatron(args, plan))
     _write_figures(args, plan)
+    if cluster is not None:
+        _write_topology(args, plan, cluster)
     return 0
 
 
-def _vs_megatron(args: argparse.Namespace, plan) -> str:
+def _write_topology(args: argparse.Namespace, plan, cluster) -> None:
+    """The mesh axes on the cluster: their text (not under --json) and the picture."""
+    from autoplan.cluster.topology_draw import draw_topology
+    from autoplan.cluster.topology_view import axis_groups_text, mesh_axis_groups
+    from autoplan.errors import PlanError
+    if tuple(plan.mesh.rank_to_device) != tuple(cluster.device_names):
+        raise PlanError("the plan places its ranks on other devices than rank r on the "
+                        "cluster's r-th device; --topology draws that layout only")
+    groups = mesh_axis_groups(cluster, plan.config.dims)
+    if not args.json:
+        print("\n" + axis_groups_text(cluster, groups))
+    title = (f"{plan.model.name} on {cluster.name} ({cluster.num_nodes:,} x "
+             f"{cluster.devices_per_node} {cluster.device.name}): "
+             f"{plan.config.short()}")
+    shown = draw_topology(cluster, args.topology, groups=groups, title=title)
+    print(f"wrote {args.topology} (nodes drawn in detail: {', '.join(map(str, shown))})",
+          file=sys.stderr if args.json else sys.stdout)
+
+
+def _plan_cluster(args: argparse.Namespace, plan):
+    """The plan's cluster: --cluster, or the plan's preset, checked by fingerprint."""
     from autoplan.cluster import Cluster
     from autoplan.errors import AutoplanError, PlanError
-    from autoplan.planner.compare import explain_comparison, vs_megatron
-    graph = graph_from_args(args)
     if args.cluster:
         cluster = Cluster.from_spec(args.cluster)
     else:
@@ -76,9 +103,17 @@ def _vs_megatron(args: argparse.Namespace, plan) -> str:
             raise PlanError(f"the plan's cluster {plan.cluster.name!r} is not a preset: pass "
                             "the cluster with --cluster") from None
     if cluster.fingerprint() != plan.cluster.fingerprint:
-        raise PlanError(f"--cluster is not the plan's cluster (fingerprint "
+        given = "--cluster" if args.cluster else f"the preset {plan.cluster.name!r} today"
+        raise PlanError(f"{given} is not the plan's cluster (fingerprint "
                         f"{cluster.fingerprint()[:12]}, the plan's "
                         f"{plan.cluster.fingerprint[:12]})")
+    return cluster
+
+
+def _vs_megatron(args: argparse.Namespace, plan) -> str:
+    from autoplan.planner.compare import explain_comparison, vs_megatron
+    graph = graph_from_args(args)
+    cluster = _plan_cluster(args, plan)
     cmp = vs_megatron(plan, graph, cluster, profile=None if args.no_profile else "auto")
     return explain_comparison(plan, cmp)
 

@@ -140,6 +140,15 @@ class Cluster:
         """Graph vertex of each rank, in rank order (node-major)."""
         return self._device_names
 
+    @property
+    def node_model(self) -> NodeModel:
+        """The analysis of one (template) node: paths, rings, nearest NICs."""
+        return self._node
+
+    def leaves_of_node(self, node: int) -> tuple[int, int]:
+        """The first and last fabric leaf node ``node``'s NICs attach to ((0, 0) without one)."""
+        return self._leaves[node]
+
     def node_of(self, rank: int) -> int:
         return self._check_rank(rank) // self.devices_per_node
 
@@ -181,16 +190,24 @@ class Cluster:
             raise ClusterError(f"nbytes must be a number >= 0, got {nbytes!r}")
         if src_rank == dst_rank:
             return 0.0
+        bw, lat = self._p2p(src_rank, dst_rank)
+        return nbytes / bw + lat + STEP_OVERHEAD_S[self.backend]
+
+    def p2p_bandwidth_bytes_per_s(self, src_rank: int, dst_rank: int) -> float:
+        """Effective bandwidth of a send from one rank to another; inf to itself."""
+        src_rank, dst_rank = self._check_rank(src_rank), self._check_rank(dst_rank)
+        return math.inf if src_rank == dst_rank else self._p2p(src_rank, dst_rank)[0]
+
+    def _p2p(self, src_rank: int, dst_rank: int) -> tuple[float, float]:
+        """(bandwidth, latency) of the path between two different ranks."""
         (n_src, l_src), (n_dst, l_dst) = divmod(src_rank, self.devices_per_node), divmod(dst_rank, self.devices_per_node)
-        overhead = STEP_OVERHEAD_S[self.backend]
         if n_src == n_dst:
-            bw, lat = self._node.p2p(l_src, l_dst)
-            return nbytes / bw + lat + overhead
+            return self._node.p2p(l_src, l_dst)
         spans = self._spans_leaves((n_src, n_dst))
         shares = self._node.nic_share_bytes_per_s
         bw = min(shares[l_src], shares[l_dst]) * self._fabric_factor(spans)
         lat = self._node.nic_latency_s[l_src] + self._node.nic_latency_s[l_dst] + self._fabric_latency_s(spans)
-        return nbytes / bw + lat + overhead
+        return bw, lat
 
     def group_profile(self, ranks: Sequence[int]) -> GroupProfile:
         """The contracted view of a group: bandwidths and per-step latencies (cached)."""

@@ -214,6 +214,7 @@ class NodeModel:
         self.nics = tuple(name for name, kind in topology.components if kind == "nic")
         self.nic_share_bytes_per_s: tuple[float, ...] = ()
         self.nic_latency_s: tuple[float, ...] = ()
+        self.nearest_nics: tuple[tuple[str, ...], ...] = ()   # per local device, ties kept
         if nic_link is not None and self.nics:
             self._nic_shares(nic_link, where)
 
@@ -241,6 +242,12 @@ class NodeModel:
                     best[v] = (bw, new_lat, u)
                     heapq.heappush(heap, (-bw, new_lat, v))
         return best
+
+    def path_edges(self, src: int, dst: int | str) -> list[tuple[str, str]]:
+        """The directed edges of the widest path from local device ``src`` to local device
+        ``dst`` (an index) or to a component (a name, e.g. a NIC), source end first."""
+        target = self.devices[dst] if isinstance(dst, int) else dst
+        return self._edges(self._full[self.devices[src]], target)[::-1]
 
     @staticmethod
     def _edges(tree: Mapping[str, tuple[float, float, str | None]], dst: str) -> list[tuple[str, str]]:
@@ -404,6 +411,7 @@ class NodeModel:
             latencies.append(min(tree[nic][1] for nic in nearest[dev]))
         self.nic_share_bytes_per_s = tuple(shares)
         self.nic_latency_s = tuple(latencies)
+        self.nearest_nics = tuple(tuple(nearest[dev]) for dev in self.devices)
 
     def _hops(self, src: str) -> dict[str, int]:
         hops, queue = {src: 0}, deque([src])
