@@ -40,8 +40,12 @@ from autoplan.sharding.placement import Placement
 # 7: op_keys, each op's canonical key (OpGraph.op_keys): a process whose trace named the ops
 # otherwise (another PYTHONHASHSEED) finds the plan's ops by it. An older plan, or one without
 # the table, is matched by op name as before.
-PLAN_SCHEMA_VERSION = 7
-READABLE_PLAN_SCHEMAS = (1, 2, 3, 4, 5, 6, 7)
+# 8: objectives, the device-count search's figures (time, cost, energy per count, the Pareto
+# front, the winners: planner/objectives.py). Written only by plans that carry it; every other
+# plan is still written as schema 7, byte for byte as before.
+PLAN_SCHEMA_VERSION = 7           # what a plan is written as (without objectives)
+OBJECTIVES_SCHEMA = 8
+READABLE_PLAN_SCHEMAS = (1, 2, 3, 4, 5, 6, 7, 8)
 MAX_FILE_BYTES = 256 << 20        # refuse larger files before reading them
 MAX_DEPTH = 64                    # JSON nesting (a valid plan needs about 6)
 MAX_STRING_CHARS = 1 << 20        # any one string or key
@@ -54,7 +58,8 @@ TP_DOMAINS = ("nvswitch", "nvlink", "pcie", "node", "network", "none")
 PLAN_KEYS = ("autoplan_version", "model", "cluster", "training", "mesh", "config",
              "param_placements", "op_strategies", "module_styles", "recompute", "offload",
              "predicted", "alternatives", "solver", "stages", "schema_version")
-PLAN_OPTIONAL_KEYS = ("op_keys",)         # schema 7: op name -> canonical key (the search's)
+PLAN_OPTIONAL_KEYS = ("op_keys",          # schema 7: op name -> canonical key (the search's)
+                      "objectives")       # schema 8: the objectives search (objectives_check)
 MODEL_KEYS = ("name", "fingerprint", "num_params", "num_ops")
 CLUSTER_KEYS = ("name", "fingerprint", "world_size", "device", "num_nodes", "devices_per_node")
 CLUSTER_OPTIONAL_KEYS = ("hardware",)      # schema 6 writes it (HARDWARE_KEYS)
@@ -111,12 +116,18 @@ def check_plan(d: Any) -> None:
     _check_alternatives(d["alternatives"])
     _check_solver(d["solver"])
     _check_stages(d["stages"], c["world_size"])
+    if "objectives" in d:
+        if version < OBJECTIVES_SCHEMA:
+            fail("schema_version", f"{version}, but the plan uses what schema 8 added "
+                 "(objectives): set schema_version 8")
+        from autoplan.planner.objectives_check import check_objectives
+        check_objectives(d["objectives"], c["world_size"])
 
 
 def _check_schema_version(version: Any) -> int:
     """A schema this autoplan reads (a newer one: upgrade)."""
     if isinstance(version, int) and not isinstance(version, bool) \
-            and version > PLAN_SCHEMA_VERSION:
+            and version > max(READABLE_PLAN_SCHEMAS):
         raise PlanError(f"schema_version {version}: this plan was written by a newer autoplan "
                         f"than this one, which reads plan schemas "
                         f"{', '.join(map(str, READABLE_PLAN_SCHEMAS))}; upgrade autoplan or "
