@@ -170,10 +170,8 @@ def _trace_for(cluster, args: argparse.Namespace):
 
 
 def _print_objectives(result, args: argparse.Namespace) -> None:
-    """The front as a table, and drawn (where matplotlib is installed)."""
+    """The front drawn (where matplotlib is installed); explain_plan printed its table."""
     from autoplan.errors import PlanError
-    from autoplan.planner.objectives_report import table
-    print("\n" + table(result.objectives))
     png = args.pareto_png or f"{args.output.removesuffix('.json')}.pareto.png"
     try:
         from autoplan.planner.objectives_figure import draw_front

@@ -39,8 +39,16 @@ def explain_plan(plan: Plan) -> str:
     """The text of ``autoplan inspect``: what the plan is, where it runs, what it costs, why."""
     sections = (_header(plan), _mesh_grid(plan), _chosen(plan), _blocks(plan),
                 _placements(plan), _stages(plan), _memory(plan), _time(plan), _fp8(plan),
-                _alternatives(plan), _solver(plan))
+                _alternatives(plan), _solver(plan), _objectives(plan))
     return "\n\n".join(s for s in sections if s) + "\n"
+
+
+def _objectives(plan: Plan) -> str:
+    """The device-count search's front (plans of ``--objective`` and its options only)."""
+    if plan.objectives is None:
+        return ""
+    from autoplan.planner.objectives_report import table
+    return table(plan.objectives)
 
 
 def _header(plan: Plan) -> str:

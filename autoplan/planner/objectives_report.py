@@ -68,11 +68,14 @@ def _usd(x: float | None) -> str:
     return f"${x:,.2f}" if x >= 100 else f"${x:.4g}"
 
 
-def _energy(j: float | None) -> str:
+def _energy(j: float | None, kwh: bool = True) -> str:
+    """Kilowatt-hours for a run, joules for a step (``kwh`` False)."""
     if j is None:
         return "n/a"
-    kwh = j / JOULES_PER_KWH
-    return f"{kwh:,.1f} kWh" if kwh >= 100 else f"{kwh:.4g} kWh"
+    if not kwh:
+        return f"{j:,.4g} J"
+    x = j / JOULES_PER_KWH
+    return f"{x:,.1f} kWh" if x >= 100 else f"{x:.4g} kWh"
 
 
 def table(sec: Mapping[str, Any]) -> str:
@@ -80,6 +83,12 @@ def table(sec: Mapping[str, Any]) -> str:
     plan), the winner under each objective, what was excluded and the prices used."""
     per = (f"a run of {sec['tokens']:,} tokens" if "tokens" in sec else "one step")
     e = sec["economics"]
+    kwh = max((p.get("energy_joules", 0.0) for p in sec["points"]), default=0.0) \
+        >= 0.1 * JOULES_PER_KWH
+
+    def energy(j: float | None) -> str:
+        return _energy(j, kwh)
+
     lines = [f"objectives: {sec['objective']} (figures for {per}; * on the Pareto front over "
              "time, cost and energy, > the plan)"]
     head = f"    {'GPUs':>5}  {'time':>12}  {'cost':>12}  {'energy':>13}  config"
@@ -87,14 +96,20 @@ def table(sec: Mapping[str, Any]) -> str:
     for p in sec["points"]:
         mark = (">" if p["gpus"] == sec["chosen_gpus"] else " ") + ("*" if p["pareto"] else " ")
         lines.append(f"  {mark}{p['gpus']:>5}  {_duration(p['run_time_s']):>12}  "
-                     f"{_usd(p.get('cost_usd')):>12}  {_energy(p.get('energy_joules')):>13}  "
+                     f"{_usd(p.get('cost_usd')):>12}  {energy(p.get('energy_joules')):>13}  "
                      f"{p['config']}" + (f"  [excluded: {p['excluded']}]" if p["excluded"]
                                          else ""))
     for s in sec.get("skipped", ()):
         lines.append(f"    {s['gpus']:>5}  no plan: {s['why'][:100]}")
+    chosen = next(p for p in sec["points"] if p["gpus"] == sec["chosen_gpus"])
+    if "energy_joules" in chosen and chosen["energy_joules"] > 0:
+        lines.append(f"  the plan's energy: " + ", ".join(
+            f"{part} {energy(chosen[part + '_joules'])} "
+            f"({chosen[part + '_joules'] / chosen['energy_joules'] * 100:.0f}%)"
+            for part in _PARTS))
     wins = sec.get("winners", {})
     lines.append("  wins: " + ", ".join(
-        f"{k} -> {v} GPUs" for k, v in wins.items()) + (
+        f"{k} -> {wins[k]} GPUs" for k in ("time", "cost", "energy") if k in wins) + (
         "" if len(wins) == 3 else " (no price or power known for the others)"))
     bounds = [f"deadline {sec['deadline_days']:g} days" if "deadline_days" in sec else "",
               f"budget ${sec['budget_usd']:,.2f}" if "budget_usd" in sec else "",
