@@ -82,7 +82,7 @@ def check_overrides(data: Any, where: str, error: type[Exception] = ClusterError
         low_ok = key in FRACTIONS
         if value < 0 or (value == 0 and not low_ok) or value > top:
             raise error(f"{where}: {key} {value!r} out of range: "
-                        + (f"a fraction of the TDP, 0 to 1" if key in FRACTIONS else
+                        + ("a fraction of the TDP, 0 to 1" if key in FRACTIONS else
                            f"a positive number up to {top:g}"))
         out[key] = float(value)
     return out

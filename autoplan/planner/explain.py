@@ -14,6 +14,7 @@ from typing import Any
 
 from autoplan.cost.memory import bytes_per_param
 from autoplan.estimate.dp_terms import step_bytes_per_param
+from autoplan.planner.objectives_report import table as objectives_table
 from autoplan.planner.planfile import Plan
 from autoplan.sharding.mesh_axes import MeshAxis as A
 
@@ -47,8 +48,7 @@ def _objectives(plan: Plan) -> str:
     """The device-count search's front (plans of ``--objective`` and its options only)."""
     if plan.objectives is None:
         return ""
-    from autoplan.planner.objectives_report import table
-    return table(plan.objectives)
+    return objectives_table(plan.objectives)
 
 
 def _header(plan: Plan) -> str:

@@ -25,10 +25,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
+from autoplan.cluster.cluster import Cluster
 from autoplan.cluster.economics import (Economics, check_overrides, economics, no_power,
                                         no_price)
+from autoplan.cluster.node_part import first_devices
 from autoplan.errors import AutoplanError, ConfigError
 from autoplan.estimate.energy import StepEnergy, step_energy
+from autoplan.planner.objectives_report import section
 
 OBJECTIVES = ("time", "cost", "energy")
 SECONDS_PER_DAY = 86_400.0
@@ -77,7 +80,7 @@ def device_counts(cluster: Any, max_gpus: int | None) -> list[int]:
     """The device counts searched, ascending: powers of two up to one node, then whole nodes
     (a power of two of them, and the most that ``max_gpus`` allows), none over ``max_gpus``
     or the cluster. Bounded: about log2(devices) counts."""
-    per_node, nodes = cluster.devices_per_node, cluster.num_nodes
+    per_node = cluster.devices_per_node
     limit = min(max_gpus or cluster.world_size, cluster.world_size)
     counts = {1 << i for i in range(per_node.bit_length()) if (1 << i) <= min(per_node, limit)}
     most = limit // per_node
@@ -88,8 +91,6 @@ def device_counts(cluster: Any, max_gpus: int | None) -> list[int]:
 def sub_cluster(cluster: Any, n: int) -> Any:
     """The cluster's first ``n`` devices: ``n / devices_per_node`` whole nodes, or one node
     with its first ``n`` devices (``cluster/node_part.py``)."""
-    from autoplan.cluster import Cluster
-    from autoplan.cluster.node_part import first_devices
     if n == cluster.world_size:
         return cluster
     d = cluster.to_dict()
@@ -229,7 +230,6 @@ def search_counts(cluster: Any, opts: Any, plan_on: Callable[[Any, Any], Any],
     """Every count of :func:`device_counts` planned with ``plan_on(sub_cluster, inner_opts)``
     (the step-time search), scored, the front marked and the winner chosen. Returns (winner,
     points, the plan file's ``objectives`` section)."""
-    from autoplan.planner.objectives_report import section
     econ = economics(cluster, opts.economics)
     inner = replace(opts, objective="time", max_gpus=None, budget_usd=None, tokens=None,
                     deadline_days=None, economics={})
@@ -249,4 +249,4 @@ def search_counts(cluster: Any, opts: Any, plan_on: Callable[[Any, Any], Any],
                           f"gives a plan: {skipped[-1]['why'] if skipped else 'none searched'}")
     points = pareto(points)
     best = choose(points, opts, econ)
-    return best, points, section(best, points, skipped, opts, econ)
+    return best, points, section(best, points, skipped, opts, econ, winners(points))

@@ -3,13 +3,14 @@ point per device count, drawn from the plan file's ``objectives`` section
 (``objectives_report.section``). Filled points are on the Pareto front over (time, cost,
 energy), hollow ones are beaten on all three, crosses were excluded (deadline, budget); the
 plan's count is ringed; the deadline and the budget are drawn as lines. matplotlib is imported
-when drawing (``figures_draw._pyplot``)."""
+when drawing (``figures_draw.pyplot``)."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from typing import Any
 
+from autoplan.planner.figures_draw import WIDTH_IN, pyplot, save_figure
 from autoplan.planner.objectives_report import JOULES_PER_KWH
 
 FRONT, BEATEN, EXCLUDED, CHOSEN = "#2E4A7D", "#8C8C8C", "#C44E52", "#F28E2B"
@@ -59,9 +60,8 @@ def _panel(ax: Any, sec: Mapping[str, Any], key: str, scale: float, ylabel: str,
 
 def draw_front(sec: Mapping[str, Any], path: str) -> None:
     """Draw the objectives section ``sec`` to ``path`` (PNG, SVG or PDF by its suffix)."""
-    from matplotlib.lines import Line2D
-    from autoplan.planner.figures_draw import WIDTH_IN, _pyplot, _save
-    plt = _pyplot()
+    plt = pyplot()
+    from matplotlib.lines import Line2D    # lazily: matplotlib is optional (pyplot says so)
     e = sec["economics"]
     tdiv, tname = _time_unit([p["run_time_s"] for p in sec["points"]])
     panels = [(k, s, lab) for k, s, lab in (
@@ -96,5 +96,5 @@ def draw_front(sec: Mapping[str, Any], path: str) -> None:
                 if e.get("usd_per_gpu_hour") is not None else "no price"),
              fontsize=8, color="#555555")
     fig.tight_layout(rect=(0, 0.08, 1, 0.98))
-    _save(fig, path)
+    save_figure(fig, path)
     plt.close(fig)

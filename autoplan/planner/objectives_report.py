@@ -17,10 +17,10 @@ def _r(x: float) -> float:
 
 
 def section(best: Any, points: list[Any], skipped: list[dict[str, Any]], opts: Any,
-            econ: Any) -> dict[str, Any]:
+            econ: Any, winners: Mapping[str, Any]) -> dict[str, Any]:
     """The plan file's ``objectives``: the request, the prices and power used, every device
-    count's figures (``Point``), the winner under each objective and the counts with no plan."""
-    from autoplan.planner.objectives import winners
+    count's figures (``objectives.Point``), the winner under each objective (``winners``) and
+    the counts with no plan."""
     rows = []
     for p in points:
         row: dict[str, Any] = {"gpus": p.gpus, "config": p.plan.config.short(),
@@ -40,7 +40,7 @@ def section(best: Any, points: list[Any], skipped: list[dict[str, Any]], opts: A
     out: dict[str, Any] = {
         "objective": opts.objective, "chosen_gpus": best.gpus,
         "economics": econ_d, "points": rows,
-        "winners": {k: p.gpus for k, p in winners(points).items()},
+        "winners": {k: p.gpus for k, p in winners.items()},
         "skipped": [dict(s) for s in skipped],
     }
     for key in ("max_gpus", "tokens", "deadline_days", "budget_usd"):
@@ -103,7 +103,7 @@ def table(sec: Mapping[str, Any]) -> str:
         lines.append(f"    {s['gpus']:>5}  no plan: {s['why'][:100]}")
     chosen = next(p for p in sec["points"] if p["gpus"] == sec["chosen_gpus"])
     if "energy_joules" in chosen and chosen["energy_joules"] > 0:
-        lines.append(f"  the plan's energy: " + ", ".join(
+        lines.append("  the plan's energy: " + ", ".join(
             f"{part} {energy(chosen[part + '_joules'])} "
             f"({chosen[part + '_joules'] / chosen['energy_joules'] * 100:.0f}%)"
             for part in _PARTS))
