@@ -52,7 +52,12 @@ def _panel(ax: Any, sec: Mapping[str, Any], key: str, scale: float, ylabel: str,
     if key == "cost_usd" and "budget_usd" in sec:
         ax.axhline(sec["budget_usd"] / scale, color=EXCLUDED, linestyle=":", linewidth=1.2,
                    label=f"budget ${sec['budget_usd']:,.0f}")
-    ax.set_xlabel(f"run time ({tname})")
+    times = [p["run_time_s"] for p in pts]
+    if times and max(times) > 8 * min(times) > 0:     # counts over decades: a log axis
+        from matplotlib.ticker import FuncFormatter  # lazily: matplotlib is optional
+        ax.set_xscale("log")
+        ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: f"{x:g}"))
+    ax.set_xlabel(f"run time ({tname}{', log scale' if ax.get_xscale() == 'log' else ''})")
     ax.set_ylabel(ylabel)
     ax.grid(True, alpha=0.3)
     ax.margins(0.15)
@@ -73,7 +78,8 @@ def draw_front(sec: Mapping[str, Any], path: str) -> None:
     for ax, (key, scale, label) in zip(axes[0], panels):
         _panel(ax, sec, key, scale, label, tdiv, tname)
     per = f"{sec['tokens']:,} tokens" if "tokens" in sec else "one step"
-    wins = ", ".join(f"{k}: {v} GPUs" for k, v in sec.get("winners", {}).items())
+    won = sec.get("winners", {})
+    wins = ", ".join(f"{k}: {won[k]} GPUs" for k in ("time", "cost", "energy") if k in won)
     fig.suptitle(f"Device counts for {per}: objective {sec['objective']}, plan on "
                  f"{sec['chosen_gpus']} GPUs (ringed)\nbest by {wins}", fontsize=12)
     handles = [Line2D([], [], marker="o", linestyle="", color=FRONT, label="Pareto front"),

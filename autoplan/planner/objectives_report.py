@@ -33,8 +33,9 @@ def section(best: Any, points: list[Any], skipped: list[dict[str, Any]], opts: A
             row["cost_usd"] = _r(p.cost_usd)
         if p.energy is not None:
             row["energy_joules"] = _r(p.energy.total_joules)
-            for part in _PARTS:
-                row[f"{part}_joules"] = _r(getattr(p.energy, f"{part}_joules"))
+            for part in _PARTS:      # a part under 1e-9 of the whole is rounding: 0
+                j = getattr(p.energy, f"{part}_joules")
+                row[f"{part}_joules"] = _r(j) if j > 1e-9 * p.energy.total_joules else 0.0
         rows.append(row)
     econ_d = {k: (_r(v) if isinstance(v, float) else v) for k, v in econ.to_dict().items()}
     out: dict[str, Any] = {
