@@ -35,7 +35,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-FORMATS = ("plan", "cluster-yaml", "cluster-json", "profile", "opgraph", "checkpoint-meta")
+FORMATS = ("plan", "plan-objectives", "cluster-yaml", "cluster-json", "profile", "opgraph", "checkpoint-meta")
 EXTREMES = ["0", "-1", "1e38", "-1e308", "1" * 40, "9" * 5000, "NaN", "Infinity", "-Infinity",
             "0.5", "true", "null", '"x"', "[]", "{}"]
 SENTINEL = os.path.join(tempfile.gettempdir(), "autoplan-fuzz-executed")
@@ -68,6 +68,10 @@ def seeds() -> dict[str, bytes]:
                        targets=torch.randint(0, 4, (4,)))
     plan = autoplan.plan(g, Cluster.local(2), global_batch_size=4, precision="fp32",
                          profile=None, force={"tp": 2}, max_pp=1)
+    # a plan of the objectives search (plan schema 8: its objectives section)
+    chosen = autoplan.plan(g, Cluster.local(2), global_batch_size=4, precision="fp32",
+                           profile=None, max_pp=1, max_gpus=2, objective="energy",
+                           economics={"usd_per_gpu_hour": 1.5, "tdp_watt": 100.0})
     import yaml
     cluster = {"preset": "dgx-h100/4", "num_nodes": 2,
                "host": {"memory_bytes": 2 * 10 ** 12}, "description": "fuzz seed"}
@@ -80,7 +84,7 @@ def seeds() -> dict[str, bytes]:
                      calibration=cal, sources=("fuzz",),
                      entries={"aten.linear.default|x": OpTiming(fwd_s=1e-5, bwd_s=2e-5, fwd_cv=0.1,
                                                                 bwd_cv=0.1, repeats=5)})
-    return {"plan": plan.to_json().encode(),
+    return {"plan": plan.to_json().encode(), "plan-objectives": chosen.to_json().encode(),
             "cluster-yaml": yaml.safe_dump(cluster, sort_keys=False).encode(),
             "cluster-json": json.dumps(Cluster.preset("dgx-h100", nodes=2).to_dict(),
                                        indent=1).encode(),
@@ -239,7 +243,7 @@ def readers() -> dict[str, Callable[[bytes], Any]]:
         meta = read_meta(step)
         return model_mismatch(meta["model"], {})        # what a resume compares
 
-    return {"plan": lambda d: Plan.from_json(d),
+    return {"plan": lambda d: Plan.from_json(d), "plan-objectives": lambda d: Plan.from_json(d),
             "checkpoint-meta": checkpoint_meta,
             "cluster-yaml": lambda d: cluster(d, ".yaml"),
             "cluster-json": lambda d: cluster(d, ".json"),

@@ -87,6 +87,16 @@ def _plan_calls(fx: Any) -> list[Call]:
     bad += [dict(expert_capacity_factor=v) for v in (0, float("nan"), "x")]
     bad += [dict(sharding=v) for v in ("x", 3)]
     bad += [dict(progress=3), dict(name=3), dict(fixed_sharding=3), dict(bogus=1)]
+    bad += [dict(objective=v) for v in ("speed", 3, None)]
+    bad += [dict(max_gpus=v) for v in (0, -1, 2.5, "4", True, 10 ** 30)]
+    bad += [dict(tokens=v) for v in (0, -5, 1.5, "1e9", float("nan"), 10 ** 40)]
+    bad += [dict(deadline_days=3), dict(budget_usd=5)]          # without tokens
+    bad += [dict(tokens=10 ** 9, deadline_days=v) for v in (0, -1, float("inf"), "x")]
+    bad += [dict(tokens=10 ** 9, budget_usd=v) for v in (0, float("nan"), "x")]
+    bad += [dict(economics=v) for v in (3, {"bogus": 1}, {"tdp_watt": -1},
+                                        {"usd_per_gpu_hour": float("inf")},
+                                        {"idle_fraction": 1.5}, {"tdp_watt": "700"})]
+    bad += [dict(objective="cost"), dict(objective="energy")]    # a CPU: no price, no power
     out = []
     for kw in bad:
         full = {"global_batch_size": 8, "profile": None, **kw}

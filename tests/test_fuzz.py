@@ -1,5 +1,5 @@
-"""Every file format fails cleanly: 300 mutants per format (plan, cluster YAML and JSON,
-profile, OpGraph, checkpoint description), each read as autoplan reads it and, when accepted,
+"""Every file format fails cleanly: 300 mutants per format (plan, a plan with an objectives
+section, cluster YAML and JSON, profile, OpGraph, checkpoint description), each read as autoplan reads it and, when accepted,
 used. None may raise an untyped exception, hang, or run code. The mutations and outcomes are ``benchmarks/fuzz.py``'s,
 which runs 10,000 per format and prints the counts.
 

@@ -254,7 +254,7 @@ def _op_keys(**changed):
 
 
 MALFORMED = [
-    ("newer version", _set(["schema_version"], 8), "written by a newer autoplan"),
+    ("newer version", _set(["schema_version"], 9), "written by a newer autoplan"),
     ("unknown version", _set(["schema_version"], 0), "reads plan schemas 1, 2, 3, 4, 5, 6, 7"),
     ("no version", _delete(["schema_version"]), "reads plan schemas 1, 2, 3, 4, 5, 6, 7"),
     ("op keys in a schema-6 plan",

@@ -55,9 +55,59 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "Megatron-LM's --bf16) beside autocast's fp32 weights; norms and "
                         "softmax then run in 16 bits unless the model upcasts them")
     add_capacity_arg(p)
+    _add_objective_args(p)
     p.add_argument("--no-profile", action="store_true", help="roofline only, ignore profiles")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress lines")
     p.set_defaults(func=run)
+
+
+def _add_objective_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group(
+        "objectives", "with --objective cost or energy, or any of --max-gpus, --tokens, "
+        "--deadline, --budget-usd, the search also chooses how many of the cluster's devices "
+        "to use (whole nodes, and powers of two inside one) and prints the Pareto front over "
+        "time, cost and energy (also in the plan file, and drawn to --pareto-png)")
+    g.add_argument("--objective", default="time", choices=("time", "cost", "energy"),
+                   help="what the plan is best at: the fastest step or run (time, the "
+                        "default), the cheapest run at list prices (cost), or the least GPU "
+                        "energy (energy)")
+    g.add_argument("--max-gpus", type=int, default=None, metavar="N",
+                   help="use at most N of the cluster's devices")
+    g.add_argument("--tokens", type=_count, default=None, metavar="N",
+                   help="the run's length in tokens (e.g. 2e12): run time = N / tokens per "
+                        "second; without it the figures are per step")
+    g.add_argument("--deadline", type=float, default=None, metavar="DAYS",
+                   help="plans whose run takes longer are excluded (needs --tokens)")
+    g.add_argument("--budget-usd", type=float, default=None, metavar="X",
+                   help="plans whose run costs more are excluded (needs --tokens)")
+    g.add_argument("--usd-per-gpu-hour", type=float, default=None, metavar="X",
+                   help="price per GPU-hour (default: the list price in "
+                        "cost_models/economics.yaml, or the cluster file's economics)")
+    g.add_argument("--tdp-watt", type=float, default=None, metavar="W",
+                   help="board power of one device (default: its datasheet TDP)")
+    g.add_argument("--pareto-png", default=None, metavar="PNG",
+                   help="where to draw the front (default: the plan file's name with "
+                        ".pareto.png, when the objectives search runs)")
+
+
+def _count(text: str) -> int:
+    """A whole count written as digits or in e-notation (``2e12``)."""
+    try:
+        value = float(text) if any(c in text for c in ".eE") else int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a count (write 2000000000 or 2e9)") from None
+    if not (isinstance(value, int) or (value == value and abs(value) < 1e30
+                                       and value == int(value))):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole count")
+    return int(value)
+
+
+def objective_options(args: argparse.Namespace) -> dict:
+    """The plan() options of the objectives group."""
+    economics = {k: v for k, v in (("usd_per_gpu_hour", args.usd_per_gpu_hour),
+                                   ("tdp_watt", args.tdp_watt)) if v is not None}
+    return dict(objective=args.objective, max_gpus=args.max_gpus, tokens=args.tokens,
+                deadline_days=args.deadline, budget_usd=args.budget_usd, economics=economics)
 
 
 def _flag(text: str) -> bool:
@@ -119,6 +169,18 @@ def _trace_for(cluster, args: argparse.Namespace):
     return graph_from_args(args)
 
 
+def _print_objectives(result, args: argparse.Namespace) -> None:
+    """The front drawn (where matplotlib is installed); explain_plan printed its table."""
+    from autoplan.errors import PlanError
+    png = args.pareto_png or f"{args.output.removesuffix('.json')}.pareto.png"
+    try:
+        from autoplan.planner.objectives_figure import draw_front
+        draw_front(result.objectives, png)
+        print(f"wrote {png}")
+    except PlanError as e:          # no matplotlib: the table says it all
+        print(f"(front not drawn: {e})")
+
+
 def check_args(args: argparse.Namespace) -> tuple[dict, dict]:
     """Everything but the model, checked before the trace (which may take minutes): the
     output file, the batch, the counts, ``--force`` and ``--pin``. Returns (force, pin)."""
@@ -133,7 +195,26 @@ def check_args(args: argparse.Namespace) -> tuple[dict, dict]:
         if v is not None and v < 1:
             raise ConfigError(f"{flag} takes a degree >= 1 ({flag} 1 turns that axis off), "
                               f"got {v}")
+    from autoplan.planner import objectives
+    from autoplan.planner.options import SearchOptions
+    try:
+        objectives.check_request(SearchOptions(**objective_options(args)))
+    except ConfigError as e:
+        raise ConfigError(_cli_words(str(e))) from None
+    if args.pareto_png is not None:
+        from autoplan.cli.common import figure_suffixes
+        output_arg(args.pareto_png, "--pareto-png", figure_suffixes())
     return parse_force(args.force), parse_pins(args.pin)
+
+
+def _cli_words(msg: str) -> str:
+    """plan()'s option names as the command line spells them."""
+    for api, flag in (("plan(): ", ""), ("max_gpus", "--max-gpus"), ("deadline_days", "--deadline"),
+                      ("budget_usd", "--budget-usd"), ("objective", "--objective"),
+                      ("economics: usd_per_gpu_hour", "--usd-per-gpu-hour"),
+                      ("economics: tdp_watt", "--tdp-watt"), ("tokens must", "--tokens must")):
+        msg = msg.replace(api, flag)
+    return msg
 
 
 def run(args: argparse.Namespace) -> int:
@@ -156,9 +237,11 @@ def run(args: argparse.Namespace) -> int:
                   max_pp=args.max_pp, expert_capacity_factor=args.expert_capacity_factor,
                   force=force, pin=pin, allow_lossy=args.allow_lossy,
                   mixed_precision=(("autocast", "params") if args.search_mixed_precision
-                                   else ("autocast",)))
+                                   else ("autocast",)), **objective_options(args))
     result.save(args.output)
     print(explain_plan(result))
+    if result.objectives is not None:
+        _print_objectives(result, args)
     if args.precision == "auto" and "fp8" not in cluster.device.peak_flops:
         print(f"\nprecision auto: fp8 linear layers not tried: the cluster's "
               f"{cluster.device.name} has no fp8 tensor cores (its rates: "

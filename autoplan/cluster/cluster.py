@@ -38,6 +38,7 @@ from autoplan.cluster.collectives import (
     estimate_time_s,
 )
 from autoplan.cluster.collectives import collective_bytes_per_rank as _bytes_per_rank
+from autoplan.cluster.economics import check_overrides
 from autoplan.cluster.local import job_shape, local_cluster_dict
 from autoplan.cluster.specs import DeviceSpec, HostSpec, LinkSpec
 from autoplan.cluster.values import check_keys, integer, text
@@ -55,8 +56,10 @@ from autoplan.safe_io import Limits
 
 BACKENDS = ("nccl", "gloo")
 TOP_KEYS = ("schema_version", "name", "description", "preset", "num_nodes", "devices_per_node", "backend",
-            "device", "host", "links", "node", "fabric", "unseen", "source")
-_DESCRIPTIVE_KEYS = ("description", "source", "notes")  # left out of the fingerprint
+            "device", "host", "links", "node", "fabric", "unseen", "source", "economics")
+# left out of the fingerprint: words, and the prices and power the cost and energy objectives
+# read (cluster/economics.py), which change no step time
+_DESCRIPTIVE_KEYS = ("description", "source", "notes", "economics")
 _GIB = 1 << 30
 
 
@@ -70,11 +73,12 @@ class Cluster:
 
     __slots__ = ("name", "num_nodes", "devices_per_node", "device", "host", "backend", "graph", "links",
                  "node_topology", "fabric", "description", "source", "unseen", "_node", "_leaves", "_names",
-                 "_group_cache", "_profile", "_fingerprint", "_device_names")
+                 "_group_cache", "_profile", "_fingerprint", "_device_names", "economics")
 
     def __init__(self, *, name: str, num_nodes: int, devices_per_node: int, device: DeviceSpec, host: HostSpec,
                  backend: str, node: NodeTopology, links: Mapping[str, LinkSpec], fabric: FabricSpec | None = None,
-                 description: str = "", source: str = "", unseen: Sequence[str] = ()) -> None:
+                 description: str = "", source: str = "", unseen: Sequence[str] = (),
+                 economics: Mapping[str, float] | None = None) -> None:
         where = f"cluster {name!r}"
         set_ = functools.partial(object.__setattr__, self)
         set_("name", text(name, "name", "cluster"))
@@ -98,7 +102,9 @@ class Cluster:
                                f"{', '.join(UNSEEN_ASPECTS)}; got {bad[0]!r:.80}")
         for attr, value in (("device", device), ("host", host), ("backend", backend), ("node_topology", node),
                             ("fabric", fabric), ("description", description), ("source", source),
-                            ("unseen", tuple(sorted(set(unseen))))):
+                            ("unseen", tuple(sorted(set(unseen)))),
+                            ("economics", types.MappingProxyType(dict(check_overrides(
+                                economics, f"{where}: economics"))) if economics else None)):
             set_(attr, value)
         set_("links", types.MappingProxyType({k: links[k] for k in sorted(used)}))
         set_("_names", tuple(f"{device.kind}{i}" for i in range(self.devices_per_node)))
@@ -283,6 +289,7 @@ class Cluster:
             "links": {name: link.to_dict() for name, link in self.links.items()},
             "node": self.node_topology.to_dict(), "fabric": self.fabric.to_dict() if self.fabric else None,
             **({"unseen": list(self.unseen)} if self.unseen else {}),
+            **({"economics": dict(self.economics)} if self.economics else {}),
             "source": self.source,
         }
 
@@ -351,6 +358,7 @@ class Cluster:
             description=text(data.get("description", ""), "description", where, allow_empty=True),
             source=text(data.get("source", ""), "source", where, allow_empty=True),
             unseen=data.get("unseen") or (),
+            economics=data.get("economics"),
         )
 
     @classmethod

@@ -30,7 +30,7 @@ from typing import Any
 from autoplan.errors import ClusterError
 
 _SEPARATOR = "/"
-_DEVICE = re.compile(r"^gpu(\d+)$")
+_DEVICE = re.compile(r"^(?:gpu|cpu)(\d+)$")   # a device of the node (GPUs; CPU rank processes)
 
 
 def split_name(name: str) -> tuple[str, int | None]:

@@ -14,6 +14,7 @@ from typing import Any
 
 from autoplan.cost.memory import bytes_per_param
 from autoplan.estimate.dp_terms import step_bytes_per_param
+from autoplan.planner.objectives_report import table as objectives_table
 from autoplan.planner.planfile import Plan
 from autoplan.sharding.mesh_axes import MeshAxis as A
 
@@ -39,8 +40,15 @@ def explain_plan(plan: Plan) -> str:
     """The text of ``autoplan inspect``: what the plan is, where it runs, what it costs, why."""
     sections = (_header(plan), _mesh_grid(plan), _chosen(plan), _blocks(plan),
                 _placements(plan), _stages(plan), _memory(plan), _time(plan), _fp8(plan),
-                _alternatives(plan), _solver(plan))
+                _alternatives(plan), _solver(plan), _objectives(plan))
     return "\n\n".join(s for s in sections if s) + "\n"
+
+
+def _objectives(plan: Plan) -> str:
+    """The device-count search's front (plans of ``--objective`` and its options only)."""
+    if plan.objectives is None:
+        return ""
+    return objectives_table(plan.objectives)
 
 
 def _header(plan: Plan) -> str:

@@ -19,7 +19,7 @@ IDLE_FACE, IDLE_HATCH = "#F7F7F7", "#F09A9B"
 GIB = 2 ** 30
 
 
-def _pyplot() -> Any:
+def pyplot() -> Any:
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -41,7 +41,7 @@ def _share(x: float, whole: float) -> str:
 
 # ================================================================ timeline
 def timeline(fig_data: TimelineFigure, path: str) -> None:
-    plt = _pyplot()
+    plt = pyplot()
     from matplotlib.patches import Patch, Rectangle
     f = fig_data
     p = f.ranks
@@ -86,7 +86,7 @@ def timeline(fig_data: TimelineFigure, path: str) -> None:
         fig.text(0.01, 0.08 / fig.get_figheight(), "\n".join(notes), fontsize=7,
                  va="bottom", ha="left", color="#333333")
     fig.tight_layout(rect=(0, foot / fig.get_figheight(), 1, 1))
-    _save(fig, path)
+    save_figure(fig, path)
     plt.close(fig)
 
 
@@ -207,7 +207,7 @@ MEMORY_COLORS = ("#4C72B0", "#DD8452", "#59A14F", "#BAB0AC", "#E15759")
 def memory(fig_data: MemoryFigure, path: str) -> None:
     """Left: the fullest stage over the step, stacked. Right (with a pipeline): every stage at
     its peak, stacked the same way."""
-    plt = _pyplot()
+    plt = pyplot()
     f = fig_data
     many = len(f.series) > 1
     fig, axes = plt.subplots(1, 2 if many else 1, figsize=(WIDTH_IN, 5.2), squeeze=False,
@@ -246,7 +246,7 @@ def memory(fig_data: MemoryFigure, path: str) -> None:
         _stage_peaks(axes[0][1], f)
     fig.suptitle(f.title, fontsize=11)
     fig.tight_layout()
-    _save(fig, path)
+    save_figure(fig, path)
     plt.close(fig)
 
 
@@ -277,7 +277,7 @@ def _time_axis(ax: Any, end_s: float, label: bool = True) -> None:
         ax.set_xlabel(f"time in the step ({'ms' if ms else 's'})")
 
 
-def _save(fig: Any, path: str) -> None:
+def save_figure(fig: Any, path: str) -> None:
     fig.savefig(path, dpi=120)
 
 

@@ -39,3 +39,16 @@ class SearchOptions:
     # alone unless the user offers "params" (other numerics: norms and softmax in 16 bits);
     # precision_auto offers it too
     mixed_precision: tuple[str, ...] = ("autocast",)
+    # what the plan is best at (planner/objectives.py): "time" (the fastest step), "cost"
+    # (the cheapest run, at list prices) or "energy"; with any of these objective options the
+    # search also chooses how many of the cluster's devices to use (up to max_gpus), and the
+    # plan records the Pareto front over time, cost and energy. tokens: the run's length
+    # (run time = tokens / tokens per second); deadline_days and budget_usd bound the run.
+    objective: str = "time"
+    max_gpus: int | None = None
+    budget_usd: float | None = None
+    tokens: int | None = None
+    deadline_days: float | None = None
+    # prices and power over cost_models/economics.yaml and the cluster file's (keys:
+    # usd_per_gpu_hour, tdp_watt, compute_fraction, communication_fraction, idle_fraction)
+    economics: dict[str, float] = field(default_factory=dict)

@@ -41,6 +41,7 @@ from autoplan.sharding.parallel_config import ParallelConfig
 from autoplan.sharding.placement import Placement
 from autoplan.planner.planfile_check import (
     MAX_FILE_BYTES,
+    OBJECTIVES_SCHEMA,
     PLAN_SCHEMA_VERSION,
     SOLVER_STATUSES,
     TP_DOMAINS,
@@ -50,7 +51,7 @@ from autoplan.planner.planfile_check import (
     sub,
 )
 
-__all__ = ["PLAN_SCHEMA_VERSION", "SOLVER_STATUSES", "TP_DOMAINS", "Alternative", "ClusterInfo",
+__all__ = ["OBJECTIVES_SCHEMA", "PLAN_SCHEMA_VERSION", "SOLVER_STATUSES", "TP_DOMAINS", "Alternative", "ClusterInfo",
            "MeshInfo", "ModelInfo", "ParamPlacement", "Plan", "SolverReport", "TrainingInfo",
            "cluster_differences", "model_fingerprint", "plan_from_file", "plan_mismatch",
            "predicted_from_estimate", "stale_prediction"]
@@ -235,6 +236,9 @@ class Plan:
     # op name -> the op's canonical key (OpGraph.op_keys, schema 7): how a process whose trace
     # named the ops otherwise finds them (planner/op_binding.py); empty: matched by name
     op_keys: Mapping[str, str] = field(default_factory=dict)
+    # schema 8: the objectives search (planner/objectives.py): per device count its time, cost
+    # and energy, the Pareto front, the winners; None: a plan of the step-time search alone
+    objectives: Mapping[str, Any] | None = None
 
     def __post_init__(self) -> None:
         for name, typ in (("model", ModelInfo), ("cluster", ClusterInfo),
@@ -261,6 +265,8 @@ class Plan:
             set_(self, name, types.MappingProxyType(dict(getattr(self, name))))
         set_(self, "predicted", _freeze(self.predicted, "predicted"))
         set_(self, "stages", tuple(_freeze(s, f"stages[{i}]") for i, s in enumerate(self.stages)))
+        if self.objectives is not None:
+            set_(self, "objectives", _freeze(self.objectives, "objectives"))
         try:
             d = self.to_dict()
         except (TypeError, AttributeError, ValueError) as e:
@@ -298,6 +304,7 @@ class Plan:
             "solver": {k: v for k, v in _fields_dict(self.solver).items() if k != "time_s"},
             "stages": [_thaw(s) for s in self.stages],
             **({"op_keys": dict(self.op_keys)} if self.op_keys else {}),
+            **({"objectives": _thaw(self.objectives)} if self.objectives is not None else {}),
         }
 
     def to_json(self) -> str:
@@ -341,7 +348,7 @@ class Plan:
             alternatives=tuple(Alternative(**{**a, "config": ParallelConfig.from_dict(a["config"])})
                                for a in d["alternatives"]),
             solver=SolverReport(**d["solver"]), stages=tuple(d["stages"]),
-            op_keys=d.get("op_keys", {}))
+            op_keys=d.get("op_keys", {}), objectives=d.get("objectives"))
 
     @staticmethod
     def from_json(text: str | bytes) -> Plan:

@@ -12,7 +12,6 @@ over-long numbers, then depth- and string-length-checked iteratively.
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from collections.abc import Mapping
@@ -27,6 +26,11 @@ from autoplan.errors import AutoplanError, ConfigError, PlanError
 from autoplan.sharding.mesh_axes import BASE_AXES, DP_SPLITS, MeshAxis
 from autoplan.sharding.parallel_config import RECOMPUTE, V_SCHEDULES, ParallelConfig
 from autoplan.sharding.placement import Placement
+from autoplan.planner.objectives_check import check_objectives
+from autoplan.planner.planfile_values import MAX_STRING_CHARS, fail, kind, sub
+from autoplan.planner.planfile_values import a_bool as _bool, a_list as _list, a_map as _map
+from autoplan.planner.planfile_values import a_num as _num, a_str as _str, an_int as _int
+from autoplan.planner.planfile_values import clip as _clip, closed_keys as _keys
 
 # 2: HSDP (config.dp_shard, mesh axes dp_replicate x dp_shard) and the V-shaped schedules
 # (zbv, dualpipev). A version-1 plan has none of them and reads as it did.
@@ -40,11 +44,14 @@ from autoplan.sharding.placement import Placement
 # 7: op_keys, each op's canonical key (OpGraph.op_keys): a process whose trace named the ops
 # otherwise (another PYTHONHASHSEED) finds the plan's ops by it. An older plan, or one without
 # the table, is matched by op name as before.
-PLAN_SCHEMA_VERSION = 7
-READABLE_PLAN_SCHEMAS = (1, 2, 3, 4, 5, 6, 7)
+# 8: objectives, the device-count search's figures (time, cost, energy per count, the Pareto
+# front, the winners: planner/objectives.py). Written only by plans that carry it; every other
+# plan is still written as schema 7, byte for byte as before.
+PLAN_SCHEMA_VERSION = 7           # what a plan is written as (without objectives)
+OBJECTIVES_SCHEMA = 8
+READABLE_PLAN_SCHEMAS = (1, 2, 3, 4, 5, 6, 7, 8)
 MAX_FILE_BYTES = 256 << 20        # refuse larger files before reading them
 MAX_DEPTH = 64                    # JSON nesting (a valid plan needs about 6)
-MAX_STRING_CHARS = 1 << 20        # any one string or key
 MAX_NUMBER_CHARS = 40             # characters of one JSON number
 
 SOLVER_STATUSES = ("optimal", "feasible", "infeasible", "not_solved")
@@ -54,7 +61,8 @@ TP_DOMAINS = ("nvswitch", "nvlink", "pcie", "node", "network", "none")
 PLAN_KEYS = ("autoplan_version", "model", "cluster", "training", "mesh", "config",
              "param_placements", "op_strategies", "module_styles", "recompute", "offload",
              "predicted", "alternatives", "solver", "stages", "schema_version")
-PLAN_OPTIONAL_KEYS = ("op_keys",)         # schema 7: op name -> canonical key (the search's)
+PLAN_OPTIONAL_KEYS = ("op_keys",          # schema 7: op name -> canonical key (the search's)
+                      "objectives")       # schema 8: the objectives search (objectives_check)
 MODEL_KEYS = ("name", "fingerprint", "num_params", "num_ops")
 CLUSTER_KEYS = ("name", "fingerprint", "world_size", "device", "num_nodes", "devices_per_node")
 CLUSTER_OPTIONAL_KEYS = ("hardware",)      # schema 6 writes it (HARDWARE_KEYS)
@@ -73,7 +81,6 @@ _NAME = re.compile(r"^[a-z][a-z0-9_]{0,63}$")        # axis, strategy and style 
 _HEX = re.compile(r"^[0-9a-f]{8,128}$")               # fingerprints
 _OP_KEY = re.compile(r"^[0-9a-f]{20}(\.[1-9][0-9]{0,8})?$")   # canonical.canonical_op_keys
 _DEVICE = re.compile(r"^n([0-9]{1,9})\.([A-Za-z0-9_\-]{1,128})$")   # "n3.gpu5"
-_IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
 PLAN_LIMITS = safe_io.Limits(max_bytes=MAX_FILE_BYTES, max_depth=MAX_DEPTH,
@@ -111,12 +118,17 @@ def check_plan(d: Any) -> None:
     _check_alternatives(d["alternatives"])
     _check_solver(d["solver"])
     _check_stages(d["stages"], c["world_size"])
+    if "objectives" in d:
+        if version < OBJECTIVES_SCHEMA:
+            fail("schema_version", f"{version}, but the plan uses what schema 8 added "
+                 "(objectives): set schema_version 8")
+        check_objectives(d["objectives"], c["world_size"])
 
 
 def _check_schema_version(version: Any) -> int:
     """A schema this autoplan reads (a newer one: upgrade)."""
     if isinstance(version, int) and not isinstance(version, bool) \
-            and version > PLAN_SCHEMA_VERSION:
+            and version > max(READABLE_PLAN_SCHEMAS):
         raise PlanError(f"schema_version {version}: this plan was written by a newer autoplan "
                         f"than this one, which reads plan schemas "
                         f"{', '.join(map(str, READABLE_PLAN_SCHEMAS))}; upgrade autoplan or "
@@ -442,78 +454,6 @@ def _check_spec(v: Any, spec: Any, path: str) -> None:
         _config(v, path)
 
 
-# ---- small checkers: each returns the value or raises PlanError naming the path -----------
-def fail(path: str, msg: str) -> None:
-    raise PlanError(f"{path or 'top level'}: {msg}")
-
-
-def _keys(d: Any, path: str, known: Any) -> Mapping[str, Any]:
-    if not isinstance(d, Mapping):
-        fail(path, f"expected a JSON object, got {kind(d)}")
-    unknown = [k for k in d if k not in known]
-    if unknown:
-        fail(path, f"unknown key(s) {', '.join(sub(path, _clip(k)) for k in sorted(unknown))}; "
-              f"the keys are {', '.join(known)}")
-    missing = [k for k in known if k not in d]
-    if missing:
-        fail(path, f"missing key(s) {', '.join(sub(path, k) for k in missing)}")
-    return d
-
-
-def _map(d: Any, path: str) -> Mapping[str, Any]:
-    if not isinstance(d, Mapping):
-        fail(path, f"expected a JSON object, got {kind(d)}")
-    for k in d:
-        if not k:
-            fail(path, "an empty key; keys are module, op or parameter names")
-    return d
-
-
-def _list(v: Any, path: str) -> list[Any]:
-    if not isinstance(v, (list, tuple)):
-        fail(path, f"expected a JSON array, got {kind(v)}")
-    return list(v)
-
-
-def _int(v: Any, path: str, *, lo: int = 0) -> int:
-    if isinstance(v, bool) or not isinstance(v, int):
-        fail(path, f"expected an integer, got {kind(v)}")
-    if v < lo:
-        fail(path, f"must be >= {lo}, got {v}")
-    return v
-
-
-def _num(v: Any, path: str, *, none_ok: bool = False) -> float | None:
-    if v is None and none_ok:
-        return None
-    if isinstance(v, bool) or not isinstance(v, (int, float)):
-        fail(path, f"expected a number{' or null' if none_ok else ''}, got {kind(v)}")
-    if not math.isfinite(v) or v < 0:
-        fail(path, f"must be a finite number >= 0, got {v!r}")
-    return v
-
-
-def _str(v: Any, path: str, *, choices: Any = None, pattern: Any = None,
-         limit: int = MAX_STRING_CHARS, one_line: bool = False) -> str:
-    if not isinstance(v, str):
-        fail(path, f"expected a string, got {kind(v)}")
-    if len(v) > limit:
-        fail(path, f"a string of {len(v):,} characters; the limit is {limit:,}")
-    if choices is not None and v not in choices:
-        fail(path, f"{_clip(v)!r} is not one of {', '.join(choices)}")
-    if pattern is not None and not pattern.match(v):
-        fail(path, f"{_clip(v)!r} does not match {pattern.pattern}")
-    if one_line and ("\n" in v or "\r" in v):
-        fail(path, "must be one line")
-    return v
-
-
-def _bool(v: Any, path: str) -> bool:
-    if not isinstance(v, bool):
-        fail(path, f"expected true or false, got {kind(v)}")
-    return v
-
-
 _NULLABLE = ("num_microbatches", "chunk_layers", "stage_recompute", "layer_recompute",
              "layer_offload")
 _LISTS = {"chunk_layers": int, "stage_recompute": str, "dp_whole": str, "fp8_skip": str,
@@ -545,23 +485,3 @@ def _config(v: Any, path: str) -> ParallelConfig:
     except (ConfigError, TypeError) as e:
         fail(path, f"not a valid ParallelConfig: {e}")
     raise AssertionError("unreachable")
-
-
-def sub(path: str, key: str) -> str:
-    if _IDENT.match(key):
-        return f"{path}.{key}" if path else key
-    return f"{path}[{json.dumps(key)}]"
-
-
-def _clip(v: Any, n: int = 80) -> Any:
-    return v[:n] + "..." if isinstance(v, str) and len(v) > n else v
-
-
-def kind(v: Any) -> str:
-    if isinstance(v, Mapping):
-        return "an object"
-    if isinstance(v, (list, tuple)):
-        return "an array"
-    names = {str: "a string", bool: "a boolean", int: "an integer", float: "a number",
-             type(None): "null"}
-    return f"{names.get(type(v), type(v).__name__)} {_clip(repr(v), 60)}"

@@ -47,13 +47,13 @@ from autoplan.graph.analysis import analyze
 from autoplan.graph.experts import find_experts
 from autoplan.graph.opgraph import OpGraph
 from autoplan.graph.trace import as_graph
-from autoplan.planner import mesh as meshes, pins, search_space
+from autoplan.planner import mesh as meshes, objectives, pins, search_space
 from autoplan.planner.assemble import assemble
 from autoplan.planner.search_costing import (CLOSED_FORM_SLACK, SearchContext, Stats, evaluate,
                                       frugal, ilp_microbatches, ilp_sharding)
 from autoplan.planner.ilp import ILPSolution
 from autoplan.planner.options import SearchOptions  # (also imported from here by users)
-from autoplan.planner.planfile import Plan
+from autoplan.planner.planfile import OBJECTIVES_SCHEMA, Plan
 from autoplan.planner.finalists import refine_dp, refine_pipe_ilp, refine_pipelined
 from autoplan.planner.recompute_choice import refine_recompute
 from autoplan.planner.candidates import (Candidate, alternatives, honours, infeasible,
@@ -129,6 +129,10 @@ def plan(model: Any, cluster: Any, *, global_batch_size: int, example_inputs: An
     """Find the fastest configuration that fits and return it as a ``Plan`` (see module doc).
 
     ``options`` are ``SearchOptions`` fields (``force={...}``, ``top_k``, ``max_tp``...).
+    With ``objective="cost"`` or ``"energy"``, ``max_gpus``, ``tokens``, ``deadline_days`` or
+    ``budget_usd``, it also chooses how many of the cluster's devices to use
+    (``planner/objectives.py``): the plan is then for those devices, and its ``objectives``
+    holds the figures of every device count searched and the Pareto front.
     """
     try:
         opts = SearchOptions(**options)
@@ -136,11 +140,30 @@ def plan(model: Any, cluster: Any, *, global_batch_size: int, example_inputs: An
         raise options_error(e, "plan()", [f.name for f in fields(SearchOptions)]) from None
     global_batch_size = batch_arg(global_batch_size, "plan()")
     search_options_arg(opts, progress=progress)
+    objectives.check_request(opts)
     cluster = cluster_arg(cluster, "plan()")
     opts = _checked_options(opts)
-    stats = Stats(say=progress or (lambda _msg: None))
     graph = as_graph(model, example_inputs, loss_fn=loss_fn, targets=targets, who="plan()",
                      error=ConfigError)
+
+    def plan_on(where: Any, o: SearchOptions) -> Plan:
+        return _plan_on(graph, where, o, global_batch_size=global_batch_size,
+                        precision=precision, optimizer=optimizer, profile=profile, name=name,
+                        progress=progress)
+
+    if not objectives.wanted(opts):
+        return plan_on(cluster, opts)
+    # the objectives: every device count searched for its fastest plan, then scored
+    best, _points, section = objectives.search_counts(
+        cluster, opts, plan_on, progress or (lambda _msg: None))
+    return replace(best.plan, objectives=section, schema_version=OBJECTIVES_SCHEMA)
+
+
+def _plan_on(graph: OpGraph, cluster: Any, opts: SearchOptions, *, global_batch_size: int,
+             precision: str, optimizer: str, profile: Any, name: str | None,
+             progress: Callable[[str], None] | None) -> Plan:
+    """The fastest plan of ``graph`` on ``cluster`` (the search of the module docstring)."""
+    stats = Stats(say=progress or (lambda _msg: None))
     profile = profile_arg(profile, cluster, "plan()")
     if precision == "auto":       # the search tries the precisions the device runs
         precision = search_space.auto_precision(cluster)
