@@ -265,6 +265,7 @@ def cached_on_graph(ci: CostInputs, what: str, where: tuple, make: Any) -> Any:
     key = (id(ci.sharding), id(ci.compute), id(ci.cluster), where, cfg.micro_batch_size,
            cfg.precision, cfg.mixed_precision, cfg.tp, cfg.tp_comm_overlap,
            cfg.shard_degree if cfg.zero_stage >= 2 else 1, cfg.ep, ci.expert_load, cfg.cp,
+           cfg.cp_layout,
            cfg.offload_activations, cfg.layer_offload)
     hit = cache.get(key)
     if (hit is not None and hit[0] is ci.sharding and hit[1] is ci.compute

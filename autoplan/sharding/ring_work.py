@@ -21,11 +21,13 @@ whole: ``4c`` units either way, ``1 / c``. The runtime's per-step parts
 (``runtime/ring_attention.block_parts``) add up to these counts (``tests/test_cp_zigzag.py``).
 
 Which attention is causal: an ``is_causal=True`` call, or one whose mask is built from the
-traced shapes alone (it reads no input, weight, buffer or constant, and draws nothing random),
-as Hugging Face models build their causal mask under ``torch.export``. The runtime proves such a
-mask causal before it skips blocks (``runtime/causal_mask.py``); a constant mask that is not
-the causal one (a sliding window shorter than the sequence) runs every block, priced here as
-causal: its critical path is then up to 2x the price under zigzag.
+traced shapes alone (it reads no input, weight, buffer or constant, and draws nothing random)
+by comparing two position tensors, as Hugging Face causal LMs build theirs under
+``torch.export`` (HF BERT's all-visible mask compares positions with a scalar only: not
+causal). The runtime proves such a mask causal before it skips blocks
+(``runtime/causal_mask.py``); one that is not the causal mask (a sliding window shorter than
+the sequence) runs every block, priced here as causal: its critical path is then up to 2x the
+price under zigzag.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from autoplan.sharding.config_values import CP_LAYOUTS
 _SDPA_IS_CAUSAL = 5          # aten.scaled_dot_product_attention's positional is_causal
 _SEEDED_KINDS = frozenset({"dropout"})
 _SEEDED_WORDS = ("rand", "bernoulli", "dropout", "multinomial", "normal")
+_POSITION_COMPARISONS = frozenset(f"aten.{c}.Tensor" for c in ("le", "lt", "ge", "gt"))
 
 
 def rank_units(c: int, layout: str, causal: bool) -> tuple[float, ...]:
@@ -74,12 +77,16 @@ def is_causal_attention(graph: OpGraph, op: Op) -> bool:
         return True
     if len(op.inputs) < 4:
         return False
-    return _built_from_shapes(graph, op.inputs[3])
+    return _orders_positions(graph, op.inputs[3])
 
 
-def _built_from_shapes(graph: OpGraph, name: str) -> bool:
+def _orders_positions(graph: OpGraph, name: str) -> bool:
+    """Whether value ``name`` is built from the traced shapes alone (no input, weight, buffer,
+    constant or random draw reaches it) and compares two position tensors on the way
+    (``q >= k``: ``aten.le/lt/ge/gt.Tensor``), as a causal mask does; an all-visible mask
+    (HF BERT's without a padding input) compares positions with a scalar only."""
     producers = _producers(graph)
-    seen, todo = set(), [name]
+    seen, todo, compares = set(), [name], False
     while todo:
         n = todo.pop()
         if n in seen:
@@ -91,8 +98,9 @@ def _built_from_shapes(graph: OpGraph, name: str) -> bool:
         op = graph.ops[i]
         if op.kind in _SEEDED_KINDS or any(w in op.target for w in _SEEDED_WORDS):
             return False
+        compares = compares or op.target in _POSITION_COMPARISONS
         todo.extend(op.inputs)
-    return True
+    return compares
 
 
 def _producers(graph: OpGraph) -> dict[str, int]:
