@@ -29,6 +29,7 @@ from autoplan.graph.oprules import OPS_POLICY_SAVES
 from autoplan.sharding.expert_regions import expert_regions
 from autoplan.sharding.parallel_config import ParallelConfig
 from autoplan.sharding.placement import REPLICATE
+from autoplan.sharding.ring_work import tp_work_share
 from autoplan.sharding.context_axis import ContextAxis, share_at
 from autoplan.sharding.sharding import Sharding
 from autoplan.sharding.strategy import divided_split
@@ -119,7 +120,9 @@ def _work_scale(a: GraphAnalysis, graph: OpGraph, sh: Sharding, i: int,
     its cp shard)."""
     batch_dep = any(o in a.batch_dependent for o in graph.ops[i].outputs)
     cp = context.op_scale(i) if context is not None else 1.0
-    return (batch_scale if batch_dep else 1.0) * cp / sh.work_divisor(i)
+    s = sh.op_strategy[i]
+    return ((batch_scale if batch_dep else 1.0) * cp
+            * tp_work_share(graph, i, s.kernel, s.work_divisor))
 
 
 def op_work(ci: CostInputs, i: int) -> tuple[float, tuple[str, int]]:

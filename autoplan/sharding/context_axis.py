@@ -38,7 +38,7 @@ from functools import cached_property
 from autoplan.errors import AutoplanError, ConfigError
 from autoplan.graph.opgraph import Op, OpGraph
 from autoplan.sharding.placement import REPLICATE, Placement, local_shape
-from autoplan.sharding.ring_work import CP_LAYOUTS, critical_share, is_causal_attention
+from autoplan.sharding.ring_work import CP_LAYOUTS, causal_at, critical_share
 from autoplan.sharding.sharding import STATE_KINDS, Sharding, context_sharding
 from autoplan.sharding.strategy import OpStrategy, input_action, needs_grad, output_action
 
@@ -82,10 +82,7 @@ class ContextAxis:
 
     def causal(self, i: int) -> bool:
         """Whether attention op ``i`` is causal as the ring runs it (``ring_work``)."""
-        found = self.__dict__.setdefault("_causal", {})
-        if i not in found:
-            found[i] = is_causal_attention(self.graph, self.graph.ops[i])
-        return found[i]
+        return causal_at(self.graph, i)
 
     def rings(self) -> list[int]:
         """The ops that run as ring attention over the axis."""

@@ -67,6 +67,23 @@ def imbalance(c: int, layout: str, causal: bool) -> float:
     return critical_share(c, layout, causal) * c
 
 
+def tp_work_share(graph: OpGraph, i: int, kernel: str, divisor: int) -> float:
+    """The share of op ``i``'s work one rank of the tp axis does under a strategy with
+    ``kernel`` and ``work_divisor`` ``divisor``: ``1 / divisor``, but for ring attention on the
+    tp axis (``sharding="context"``), which runs contiguous pieces: its slowest rank's."""
+    if kernel != "ring_attention" or divisor == 1:
+        return 1.0 / divisor
+    return critical_share(divisor, "contiguous", causal_at(graph, i))
+
+
+def causal_at(graph: OpGraph, i: int) -> bool:
+    """Whether attention op ``i`` of ``graph`` is causal (``is_causal_attention``, kept)."""
+    found = graph.__dict__.setdefault("_autoplan_causal_attention", {})
+    if i not in found:
+        found[i] = is_causal_attention(graph, graph.ops[i])
+    return found[i]
+
+
 def is_causal_attention(graph: OpGraph, op: Op) -> bool:
     """Whether attention ``op`` is causal as the ring runs it (module docstring)."""
     call = json.loads(op.args)
@@ -125,4 +142,4 @@ def describe(c: int, layout: str, causal: bool) -> str:
 
 
 __all__ = ["CP_LAYOUTS", "critical_share", "describe", "imbalance", "is_causal_attention",
-           "rank_units"]
+           "causal_at", "rank_units", "tp_work_share"]
