@@ -174,6 +174,10 @@ def test_a_non_causal_ring_stays_contiguous_and_zigzag_needs_2c_chunks():
     assert ax.rings() and all(ax.causal(i) for i in ax.rings())
     with pytest.raises(ConfigError, match="cp_layout='contiguous'"):
         context_axis(g, 4, "zigzag")             # 12 tokens do not cut into 8 chunks
+    # a ring on the tp axis runs contiguous pieces: priced at its last rank's share too
+    ring = ax.rings()[0]
+    assert ring_work.tp_work_share(g, ring, "ring_attention", 4) == pytest.approx(7 / 16)
+    assert ring_work.tp_work_share(g, ring, "", 4) == pytest.approx(1 / 4)
     with pytest.raises(ConfigError, match="cp_layout"):
         ParallelConfig(cp=2, cp_layout="roundrobin")
     if has_transformers():                       # BERT: a padding mask read from the input

@@ -4,7 +4,8 @@ micro-batch split over ``cp`` ranks, under whatever the tensor-parallel axis doe
 On the cp axis every op takes the context sharding (``context_sharding``: activations split on
 the sequence, weights whole, attention as ring attention over the cp ranks); on the tp axis each
 op takes the plan's own strategy. The rank program applies both, cp outer (DTensor's order on a
-(cp, tp) mesh): a tensor split on one dim by both holds piece ``cp_index * tp + tp_index`` of it.
+(cp, tp) mesh): a tensor split on one dim by both holds piece ``tp_index`` of its cp piece
+(``cp_index * tp + tp_index`` in the contiguous layout; under zigzag the cp piece is two chunks).
 
 Not every tp strategy composes with the cp one. ``tp_conflict`` says why one does not, and the
 sharding ILP offers only those that do (the rank program checks the same):
