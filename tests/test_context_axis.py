@@ -171,16 +171,20 @@ def test_a_cp_axis_keeps_a_piece_of_the_sequence_and_pays_its_ring():
     kw = dict(tp=8, zero_stage=3, recompute="full", micro_batch_size=1)
     flat = estimate(g, cluster, config=ParallelConfig(dp=2, **kw), global_batch_size=2,
                     profile=None)
-    ring = estimate(g, cluster, config=ParallelConfig(dp=1, cp=2, **kw), global_batch_size=2,
-                    profile=None)
+    ring = estimate(g, cluster, config=ParallelConfig(dp=1, cp=2, cp_layout="zigzag", **kw),
+                    global_batch_size=2, profile=None)
     acts = [e.stages[0].memory.activations_bytes for e in (flat, ring)]
     # half, but for what every rank holds whole: HF's causal mask (s x s booleans, 1 GiB at
     # 32K tokens), made whole on every rank and sliced by its rows for the ring
     mask = 32768 ** 2
     assert acts[1] - mask == pytest.approx((acts[0] - mask) / 2, rel=0.02)
     assert ring.time.comm_exposed_s["cp_ring"] >= 0 and "cp_ring" not in flat.time.comm_exposed_s
-    # two sequences over 16 ranks each, or one over each 8: the same work per rank
+    # two sequences over 16 ranks each, or one over each 8: the same work per rank, where the
+    # ring is balanced (zigzag); in contiguous pieces its last rank does 3/4 of the attention
     assert ring.time.compute_s == pytest.approx(flat.time.compute_s, rel=0.05)
+    uneven = estimate(g, cluster, config=ParallelConfig(dp=1, cp=2, **kw), global_batch_size=2,
+                      profile=None)
+    assert uneven.time.compute_s > ring.time.compute_s * 1.05
     states = [e.stages[0].memory.params_bytes for e in (flat, ring)]
     assert states[1] == pytest.approx(states[0])      # sharded over dp x cp = 2 either way
 
@@ -190,7 +194,8 @@ def test_a_cp_axis_keeps_a_piece_of_the_sequence_and_pays_its_ring():
 RUN_CASES = [
     # (model, world, forced fields, family[, tp sharding rule])
     ("llama-tiny", 2, dict(cp=2, zero_stage=0), "causal attention over a 2-way ring"),
-    ("llama-tiny", 4, dict(cp=4, micro_batch_size=1), "a 4-way ring"),
+    ("llama-tiny", 4, dict(cp=4, micro_batch_size=1, cp_layout="contiguous"),
+     "a 4-way ring, contiguous pieces"),
     ("llama-tiny", 4, dict(cp=2, tp=2, sequence_parallel=True),
      "Megatron TP + SP x cp2", "megatron"),
     ("nanogpt-tiny", 4, dict(cp=2, tp=2), "fused qkv: cp2 x the ILP's tp2"),
@@ -206,6 +211,8 @@ def test_a_cp_axis_trains_like_one_device(case):
     p = _plan(name, world, force, *case[4:])
     for k, v in force.items():
         assert getattr(p.config, k) == v, (k, p.config)
+    # every model here is causal: its ring balanced in the zigzag layout unless forced
+    assert p.config.cp_layout == force.get("cp_layout", "zigzag"), p.config
     assert_equals_one_device(run_ranks(_rank, world, name, p.to_json()), name, family)
 
 

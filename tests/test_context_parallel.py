@@ -101,7 +101,9 @@ def test_long_sequences_plan_context_parallel(tmp_path):
     """Llama-3-8B at 131,072 tokens on 8 x 8 H100: the search splits the sequence (ring
     attention), on the tensor-parallel axis or on a cp axis of its own, with FSDP over the
     rest, and beats every Megatron-LM tensor + sequence parallel configuration that fits (tp 2,
-    4, 8; ZeRO-1 or 3) and the best plan that has only the tp axis to split it on."""
+    4, 8; ZeRO-1 or 3) and the best plan that has only the tp axis to split it on. A ring on
+    the tp axis runs contiguous pieces, priced at its last rank's (2t-1)/t^2 of the causal
+    attention (``sharding/ring_work.py``): there heads beside sequence parallelism win."""
     if not has_transformers():
         pytest.skip("transformers not installed")
     g = _graph("hf-llama3-8b", device="meta", seq_len=131072, max_positions=131072)
@@ -117,8 +119,7 @@ def test_long_sequences_plan_context_parallel(tmp_path):
         assert f"over cp ({p.config.cp} ranks)" in explain_plan(p)
         assert Plan.from_json(p.to_json()).to_json() == p.to_json()
     on_tp = plan(g, cluster, global_batch_size=64, profile=None, force={"cp": 1})
-    rings = {v for k, v in on_tp.op_strategies.items() if k.startswith("scaled_dot_product")}
-    assert rings == {"seq"} and on_tp.config.tp > 1, (rings, on_tp.config.short())
+    assert on_tp.config.cp == 1 and on_tp.predicted["fits"]
     assert p.predicted["step_time_s"] <= on_tp.predicted["step_time_s"]
     # ring attention's exposed passes have their own key, and the timeline draws them
     assert p.predicted["time"]["comm_exposed_s"]["cp_ring"] > 0

@@ -20,6 +20,10 @@ def add_config_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--cp", type=int, default=1,
                    help="context-parallel degree: each sequence split over an axis of its own "
                         "(attention as ring attention over it)")
+    g.add_argument("--cp-layout", default="contiguous", choices=("contiguous", "zigzag"),
+                   help="how the cp axis lays the sequence out: contiguous pieces, or zigzag "
+                        "head-tail chunks (rank r holds chunks r and 2cp-1-r), which balance "
+                        "causal attention over the ring; plan picks zigzag for causal models")
     g.add_argument("--micro-batch-size", "--mbs", type=int, default=1)
     g.add_argument("--schedule", default="1f1b", choices=SCHEDULES)
     g.add_argument("--virtual-stages", type=int, default=1)
@@ -71,7 +75,8 @@ def config_from_args(args: argparse.Namespace, world_size: int):
     chunks = comma_list(args.chunk_layers, int, "--chunk-layers")
     recompute = args.recompute or strongest_recompute(stage or layers or ["none"])
     return ParallelConfig(dp=dp, tp=args.tp, pp=args.pp, micro_batch_size=args.micro_batch_size,
-                          ep=args.ep, cp=args.cp, schedule=args.schedule,
+                          ep=args.ep, cp=args.cp, cp_layout=args.cp_layout,
+                          schedule=args.schedule,
                           virtual_stages=args.virtual_stages,
                           zero_stage=args.zero, sequence_parallel=args.sp,
                           recompute=recompute, stage_recompute=stage, chunk_layers=chunks,

@@ -29,6 +29,7 @@ from autoplan.graph.oprules import OPS_POLICY_SAVES
 from autoplan.sharding.expert_regions import expert_regions
 from autoplan.sharding.parallel_config import ParallelConfig
 from autoplan.sharding.placement import REPLICATE
+from autoplan.sharding.ring_work import tp_work_share
 from autoplan.sharding.context_axis import ContextAxis, share_at
 from autoplan.sharding.sharding import Sharding
 from autoplan.sharding.strategy import divided_split
@@ -119,7 +120,9 @@ def _work_scale(a: GraphAnalysis, graph: OpGraph, sh: Sharding, i: int,
     its cp shard)."""
     batch_dep = any(o in a.batch_dependent for o in graph.ops[i].outputs)
     cp = context.op_scale(i) if context is not None else 1.0
-    return (batch_scale if batch_dep else 1.0) * cp / sh.work_divisor(i)
+    s = sh.op_strategy[i]
+    return ((batch_scale if batch_dep else 1.0) * cp
+            * tp_work_share(graph, i, s.kernel, s.work_divisor))
 
 
 def op_work(ci: CostInputs, i: int) -> tuple[float, tuple[str, int]]:
@@ -265,6 +268,7 @@ def cached_on_graph(ci: CostInputs, what: str, where: tuple, make: Any) -> Any:
     key = (id(ci.sharding), id(ci.compute), id(ci.cluster), where, cfg.micro_batch_size,
            cfg.precision, cfg.mixed_precision, cfg.tp, cfg.tp_comm_overlap,
            cfg.shard_degree if cfg.zero_stage >= 2 else 1, cfg.ep, ci.expert_load, cfg.cp,
+           cfg.cp_layout,
            cfg.offload_activations, cfg.layer_offload)
     hit = cache.get(key)
     if (hit is not None and hit[0] is ci.sharding and hit[1] is ci.compute

@@ -207,7 +207,7 @@ def cost_inputs(graph: OpGraph, cluster: Any, config: ParallelConfig, profile: A
     ci = CostInputs(graph=graph, analysis=analyze(graph), sharding=sh, compute=compute,
                     cluster=cluster, config=config,
                     expert_load=capacity_arg(expert_capacity_factor),
-                    context=context_axis(graph, config.cp))
+                    context=context_axis(graph, config.cp, config.cp_layout))
     why = ci.context.conflicts(sh) if ci.context is not None else []
     if why:
         raise ConfigError(f"the tp sharding does not run under cp={config.cp}: {why[0]}"

@@ -16,6 +16,7 @@ from autoplan.cost.memory import bytes_per_param
 from autoplan.estimate.dp_terms import step_bytes_per_param
 from autoplan.planner.objectives_report import table as objectives_table
 from autoplan.planner.planfile import Plan
+from autoplan.sharding import ring_work
 from autoplan.sharding.mesh_axes import MeshAxis as A
 
 _GRID_NODES = 4            # nodes shown before "...", then the last one
@@ -197,6 +198,11 @@ def _dimensions(plan: Plan) -> list[str]:
                    f"axis of its own between dp and tp: {attn} attention op(s) run as ring "
                    "attention over it, every other op on its sequence piece; weights whole on "
                    f"it, gradients averaged over dp x cp ({cfg.grad_degree} ranks)")
+        out.append(f"context  sequence layout {ring_work.describe(cfg.cp, cfg.cp_layout, True)}"
+                   + (" (with a causal mask; without one every rank computes 1/cp)"
+                      if cfg.cp_layout == "contiguous" else
+                      "; inputs, labels, positions and masks are sliced so and gathers put "
+                      "the sequence back in order"))
     if cfg.ep > 1:
         experts = sum(1 for p in plan.param_placements.values() if p.ep != "R")
         edp = cfg.dp // cfg.ep

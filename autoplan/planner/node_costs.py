@@ -23,6 +23,7 @@ from autoplan.planner.axis_costs import cp_comms_s, cp_held, exchange_s, value_b
 from autoplan.planner.cost_context import CostContext
 from autoplan.planner.folding import Node
 from autoplan.sharding.placement import REPLICATE, Placement
+from autoplan.sharding.ring_work import tp_work_share
 from autoplan.sharding.sharding import mutates_input, reshard_kind
 from autoplan.sharding.strategies import OpStrategy
 from autoplan.sharding.strategy import divided_split
@@ -155,7 +156,8 @@ def _add_compute(choice: _Choice, tally: _Tally, i: int, s: OpStrategy) -> OpCos
             else 1.0)
     cp_share = ctx.context.op_scale(i) if ctx.context is not None else 1.0
     c = ctx.compute.op_cost(i, load * (ctx.batch_scale if batch_dep else 1.0) * cp_share
-                            / s.work_divisor, divided_split(graph, op, s))
+                            * tp_work_share(graph, i, s.kernel, s.work_divisor),
+                            divided_split(graph, op, s))
     tally.fwd_s += c.fwd_s
     tally.bwd_s += c.bwd_s
     if _recomputed(ctx, a, choice.node, i):

@@ -283,6 +283,7 @@ def _search_meshes(sc: SearchContext, shapes: list[Any], base: dict[str, Any],
             mbs_options = mbs_options[:1]
         for mbs in search_space.forced(opts, "micro_batch_size", mbs_options):
             cfg = ParallelConfig(pp=shape.pp, dp=shape.dp, tp=shape.tp, cp=shape.cp,
+                                 cp_layout=search_space.context_layout(graph, shape.cp, opts),
                                  micro_batch_size=mbs, **base)
             try:
                 m = validate(graph, sc.cluster, cfg, gbs)

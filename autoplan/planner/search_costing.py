@@ -167,7 +167,7 @@ def cost_context(sc: SearchContext, config: ParallelConfig, m: int,
                                     mixed_precision=config.mixed_precision,
                                     optimizer_state=config.optimizer_state).total_bytes
     return CostContext(graph=graph, t=t, compute=compute,
-                      context=context_axis(graph, config.cp),
+                      context=context_axis(graph, config.cp, config.cp_layout),
                       cp_collective_s=lambda kind, nbytes: cluster.collective_time_s(
                           kind, nbytes, cp_group),
                       collective_s=lambda kind, nbytes: cluster.collective_time_s(kind, nbytes,
@@ -312,7 +312,7 @@ def cost_inputs(sc: SearchContext, config: ParallelConfig, sh: Sharding) -> Cost
                                             config.compiled, Float8Setting.of(config)),
                       cluster=cluster, config=config,
                       expert_load=sc.opts.expert_capacity_factor,
-                      context=context_axis(graph, config.cp))
+                      context=context_axis(graph, config.cp, config.cp_layout))
 
 
 def with_stage_layout(sc: SearchContext, config: ParallelConfig, sh: Sharding,

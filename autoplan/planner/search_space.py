@@ -429,8 +429,8 @@ def context_degrees(graph: OpGraph, cluster: Any, opts: SearchOptions) -> list[i
     attention, and more data parallelism does the same work with no ring)."""
     if "cp" in opts.force:
         cp = opts.force["cp"]
-        if cp != 1:
-            context_axis(graph, cp)         # ConfigError: why the model cannot take it
+        if cp != 1:                         # ConfigError: why the model cannot take it
+            context_axis(graph, cp, opts.force.get("cp_layout", "contiguous"))
         return [cp]
     seq = sequence_length(graph)
     out, c = [], 2
@@ -442,6 +442,26 @@ def context_degrees(graph: OpGraph, cluster: Any, opts: SearchOptions) -> list[i
         out.append(c)
         c *= 2
     return out
+
+
+def context_layout(graph: OpGraph, cp: int, opts: SearchOptions) -> str:
+    """How a ``cp``-way axis lays the sequence out (``ParallelConfig.cp_layout``): as forced,
+    else ``zigzag`` where the model has causal ring attention and its split dims cut into
+    ``2 cp`` chunks, else ``contiguous``. Not searched: the two move the same bytes and zigzag
+    never does more attention work on any rank (``sharding/ring_work.py``), so it wins
+    wherever the work differs, and contiguous stays where it does not (no causal mask)."""
+    if "cp_layout" in opts.force:
+        return opts.force["cp_layout"]
+    if cp == 1:
+        return "contiguous"
+    ax = context_axis(graph, cp)
+    if ax is None or not any(ax.causal(i) for i in ax.rings()):
+        return "contiguous"
+    try:
+        context_axis(graph, cp, "zigzag")
+    except ConfigError:
+        return "contiguous"
+    return "zigzag"
 
 
 # the shortest sequence piece a context-parallel rank is offered (``context_degrees``)

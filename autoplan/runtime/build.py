@@ -176,7 +176,7 @@ def rank_program(b: BuildInputs, place: Place, groups: Groups
                 used.update(op.params)
         keep = used.__contains__          # other ranks' weights stay unallocated
     program = lower(b.model, ex, t=cfg.tp, tp_rank=place.tp, device=b.device, seed=b.seed,
-                    keep=keep, ep=(cfg.ep, place.ep), cp=cfg.cp)
+                    keep=keep, ep=(cfg.ep, place.ep), cp=cfg.cp, cp_layout=cfg.cp_layout)
     dims = cfg.dims
     connect(program.comm_slot, tp=(groups.tp, cfg.tp, place.tp),
             dp=(groups.dp, cfg.grad_degree, dims.index(place.rank, dims.data_axes())),

@@ -230,13 +230,14 @@ def export_for_plan(model: nn.Module, plan: Any, plan_graph: OpGraph, *,
 
 def lower(model: nn.Module, ex: Exported, *, t: int, tp_rank: int, device: torch.device,
           seed: int, keep: Callable[[str], bool] | None = None,
-          ep: tuple[int, int] = (1, 0), cp: int = 1) -> Program:
+          ep: tuple[int, int] = (1, 0), cp: int = 1, cp_layout: str = "contiguous"
+          ) -> Program:
     """The checked rank program. ``keep(fqn)`` False: that weight is not this rank's (another
     pipeline rank holds it) and stays an unallocated placeholder. ``ep`` (size, index): the
     expert-parallel group, whose experts this rank holds. ``cp``: the context-parallel
-    degree (the sequence split over an axis of its own)."""
+    degree (the sequence split over an axis of its own), laid out as ``cp_layout`` says."""
     try:
-        axis = context_axis(ex.graph, cp)
+        axis = context_axis(ex.graph, cp, cp_layout)
     except ConfigError as e:
         raise PlanError(f"{e} (the model exported at the micro-batch)") from None
     found = find_experts(ex.graph) if ep[0] > 1 else None
@@ -278,7 +279,7 @@ def connect(slot: Any, *, tp: tuple[Any, int, int], dp: tuple[Any, int, int],
     group of the grouped products' token exchanges, and the context-parallel axis (its own
     slot, ``cp_slot``)."""
     if cp_slot is not None and cp is not None and cp[1] > 1:
-        cp_slot.comm = AxisComm(*cp)
+        cp_slot.comm = AxisComm(*cp, zigzag=cp_slot.zigzag)
     if ep is not None and ep[1] > 1:
         slot.ep = AxisComm(*ep)
     if tp[1] > 1:

@@ -82,6 +82,7 @@ class CommSlot:
     ep: Any = None              # the expert-parallel group (``ep_size`` > 1)
     ep_size: int = 1
     size: int = 1               # the axis's ranks (the cp slot's: shape checks stand in)
+    zigzag: bool = False        # the cp slot's layout is head-tail (``tp_comm``)
 
 
 @dataclass
@@ -163,7 +164,7 @@ class _Builder:
         self.slot_node = self.g.get_attr(COMM_SLOTS[0])
         self.cp_slot = self.cp_node = None
         if cp is not None:
-            self.cp_slot = CommSlot(comm=None, size=cp.c)
+            self.cp_slot = CommSlot(comm=None, size=cp.c, zigzag=cp.layout == "zigzag")
             self.attrs[COMM_SLOTS[1]] = self.cp_slot
             self.cp_node = self.g.get_attr(COMM_SLOTS[1])
             self.whole_readers = cp.whole_weight_readers()

@@ -32,7 +32,7 @@ def check_shapes(program: Program, example_inputs: tuple, t: int,
     cp = program.cp_slot
     real_cp = cp.comm if cp is not None else None
     if cp is not None:
-        cp.comm = tp_comm.ShapeComm(size=cp.size)
+        cp.comm = tp_comm.ShapeComm(size=cp.size, zigzag=cp.zigzag)
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     amp = (torch.autocast(device.type, dtype=autocast_dtype)
            if autocast_dtype is not None and device.type != "meta" else contextlib.nullcontext())

@@ -9,6 +9,14 @@ passes the block on to the next rank, the transfer in flight while the block's a
 computes. With a causal mask, the blocks after its own are skipped (still passed on); with an
 explicit mask, each block takes its columns of the rank's mask rows.
 
+Under the zigzag layout (``ParallelConfig.cp_layout="zigzag"``, the comm's ``zigzag``) rank ``r``
+holds sequence chunks ``r`` and ``2t - 1 - r`` of ``2t`` (``tp_comm.zigzag_order``), and so does
+every key/value block. With a causal mask each step then computes half a block's work on every
+rank (``block_parts``): its own block causally; an earlier rank's block (``j < r``): all its
+queries against the block's first chunk; a later rank's (``j > r``): its second chunk of
+queries against the whole block. Every rank does the same work, where in the contiguous layout
+rank ``r`` computes ``r`` blocks and a causal diagonal (``sharding/ring_work.py`` prices both).
+
 The backward runs the ring again: each block's gradients come from the fused attention backward
 given the merged output and log-sum-exp (the softmax over all blocks), the query's gradient
 adds up here, and the key/value gradients travel with their blocks and come home after one more
@@ -99,13 +107,49 @@ class _Pass:
         return self.recv
 
 
-def _mask_block(mask, causal, r, j, rows):
-    """(mask columns of block j, causal flag, skip) for rank r's queries."""
-    if mask is not None:
-        return mask[..., j * rows:(j + 1) * rows], False, False
-    if causal:
-        return None, j == r, j > r
-    return None, False, False
+ALL = slice(None)
+
+
+def block_parts(zigzag: bool, causal: bool, has_mask: bool, t: int, r: int, j: int, rows: int
+                ) -> list[tuple[slice, slice, bool]]:
+    """What rank ``r`` of ``t`` (``rows`` local query rows) computes against the key/value
+    block rank ``j`` held: ``(query rows, key rows, causal)`` parts, none where the block lies
+    wholly above the diagonal. With a mask (``has_mask``) every block is computed whole, with
+    its columns of the mask (``_mask_columns``)."""
+    if has_mask or not causal:
+        return [(ALL, ALL, False)]
+    if j == r:                    # its own block: causal in either layout (chunks ascend)
+        return [(ALL, ALL, True)]
+    if not zigzag:
+        return [] if j > r else [(ALL, ALL, False)]
+    half = rows // 2
+    if j < r:                     # chunk j precedes both of r's, chunk 2t-1-j follows both
+        return [(ALL, slice(0, half), False)]
+    return [(slice(half, None), ALL, False)]   # only chunk 2t-1-r follows both of j's
+
+
+def _mask_columns(mask, zigzag: bool, t: int, j: int, rows: int):
+    """The columns of the rank's mask rows (whole keys, in sequence order) that block ``j``
+    holds."""
+    if mask is None:
+        return None
+    if not zigzag:
+        return mask[..., j * rows:(j + 1) * rows]
+    h = rows // 2
+    return torch.cat([mask[..., j * h:(j + 1) * h],
+                      mask[..., (2 * t - 1 - j) * h:(2 * t - j) * h]], dim=-1)
+
+
+def _parts(mask, causal, comm, j, rows):
+    """(query rows, key rows, mask, causal) of each part this rank computes against block j."""
+    zz = tp_comm.is_zigzag(comm)
+    m = _mask_columns(mask, zz, comm.size, j, rows)
+    out = []
+    for qs, ks, diag in block_parts(zz, causal, mask is not None, comm.size, comm.rank, j,
+                                    rows):
+        out.append((qs, ks, None if m is None else m[..., qs, ks] if m.shape[-2] > 1
+                    else m[..., ks], diag))
+    return out
 
 
 class _Ring(torch.autograd.Function):
@@ -118,14 +162,15 @@ class _Ring(torch.autograd.Function):
         for i in range(t):
             j = (r - i) % t
             pending = _Pass(kv, comm) if i < t - 1 else None
-            m, diag, skip = _mask_block(mask, causal, r, j, rows)
-            if not skip:
-                o_i, lse_i = _block(q, kv[0], kv[1], m, diag, scale)
-                new = torch.logaddexp(lse, lse_i)
-                keep = torch.exp(lse - new).nan_to_num(0.0).unsqueeze(-1)
+            for qs, ks, m, diag in _parts(mask, causal, comm, j, rows):
+                o_i, lse_i = _block(q[:, :, qs].contiguous(), kv[0][:, :, ks].contiguous(),
+                                    kv[1][:, :, ks].contiguous(), m, diag, scale)
+                old = lse[:, :, qs]
+                new = torch.logaddexp(old, lse_i)
+                keep = torch.exp(old - new).nan_to_num(0.0).unsqueeze(-1)
                 add = torch.exp(lse_i - new).nan_to_num(0.0).unsqueeze(-1)
-                out = out * keep + o_i.float() * add
-                lse = new
+                out[:, :, qs] = out[:, :, qs] * keep + o_i.float() * add
+                lse[:, :, qs] = new
             if pending is not None:
                 kv = pending.wait()
         out = out.to(q.dtype)
@@ -151,17 +196,19 @@ class _Ring(torch.autograd.Function):
         for i in range(t):
             j = (r - i) % t
             pending = _Pass(kv, comm) if i < t - 1 else None
-            m, diag, skip = _mask_block(mask, ctx.causal, r, j, rows)
-            grads = None
-            if not skip:
-                gq, gk, gv = _block_backward(dout, q, kv[0], kv[1], out, lse, m, diag,
-                                             ctx.scale)
-                dq += gq.float()
-                grads = (gk.float(), gv.float())
+            grads = []
+            for qs, ks, m, diag in _parts(mask, ctx.causal, comm, j, rows):
+                gq, gk, gv = _block_backward(
+                    dout[:, :, qs].contiguous(), q[:, :, qs].contiguous(),
+                    kv[0][:, :, ks].contiguous(), kv[1][:, :, ks].contiguous(),
+                    out[:, :, qs].contiguous(), lse[:, :, qs].contiguous(), m, diag, ctx.scale)
+                dq[:, :, qs] += gq.float()
+                grads.append((ks, gk.float(), gv.float()))
             if inflight is not None:
-                acc = inflight.wait()
-            if grads is not None:
-                acc = (acc[0] + grads[0], acc[1] + grads[1])
+                acc = inflight.wait()     # fresh buffers: added to in place
+            for ks, gk, gv in grads:
+                acc[0][:, :, ks] += gk
+                acc[1][:, :, ks] += gv
             inflight = _Pass(acc, comm)
             if pending is not None:
                 kv = pending.wait()

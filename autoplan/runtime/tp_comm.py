@@ -17,6 +17,12 @@ placement; ``strategy.derive_comms`` says which function goes where):
 Block splits (``S(d)[k]``) are handled by laying the tensor out rank-major first. Collectives go
 through an ``AxisComm``; ``ShapeComm`` stands in for it when the program is only checked for
 shapes (no process group, fake tensors).
+
+An axis whose comm says ``zigzag`` (a context-parallel axis with ``cp_layout="zigzag"``) lays
+every split dim out head-tail: each block of the dim is cut into ``2t`` chunks and rank ``r``
+holds chunks ``r`` and ``2t - 1 - r``, in that order (``zigzag_order``). Every slice, gather and
+reduce-scatter on that axis uses it, so all the values split on it agree, and a gather gives
+the whole tensor back in its own order.
 """
 
 from __future__ import annotations
@@ -43,6 +49,7 @@ class AxisComm:
     group: Any
     size: int
     rank: int
+    zigzag: bool = False        # split dims laid out head-tail (module docstring)
 
     # rank-major layout: [t, ...] with rank r's piece at index r, contiguous
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
@@ -73,6 +80,7 @@ class ShapeComm:
 
     size: int
     rank: int = 0
+    zigzag: bool = False
 
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
         return x.unsqueeze(0).expand((self.size,) + tuple(x.shape)).contiguous()
@@ -117,31 +125,59 @@ class Ranked:
 
 # ---- layouts ---------------------------------------------------------------------------------
 
-def rank_major(full: torch.Tensor, p: Placement, t: int) -> torch.Tensor:
+def zigzag_order(t: int) -> list[int]:
+    """The ``2t`` chunks of a block in the order the ranks of a zigzag axis hold them: rank
+    ``r`` holds chunks ``r`` and ``2t - 1 - r`` (``[0, 2t-1, 1, 2t-2, ...]``)."""
+    return [c for r in range(t) for c in (r, 2 * t - 1 - r)]
+
+
+def is_zigzag(comm: Any) -> bool:
+    """Whether ``comm``'s axis lays split dims out head-tail (module docstring)."""
+    return bool(getattr(comm, "zigzag", False))
+
+
+def _chunks_in(y: torch.Tensor, dim: int, order: list[int]) -> torch.Tensor:
+    index = torch.tensor(order, dtype=torch.long, device=y.device)
+    return y.index_select(dim, index)
+
+
+def rank_major(full: torch.Tensor, p: Placement, t: int, zigzag: bool = False
+               ) -> torch.Tensor:
     """[t, ...local] from the whole tensor: piece r is what rank r holds under ``p``."""
     d, k = p.dim, p.blocks
     shape = list(full.shape)
+    if zigzag:              # each block's 2t chunks put in the ranks' order first
+        m = shape[d] // (k * 2 * t)
+        full = _chunks_in(full.reshape(shape[:d] + [k, 2 * t, m] + shape[d + 1:]), d + 1,
+                          zigzag_order(t))
     m = shape[d] // (k * t)
     y = full.reshape(shape[:d] + [k, t, m] + shape[d + 1:])
     y = y.movedim(d + 1, 0)
     return y.reshape([t] + shape[:d] + [k * m] + shape[d + 1:])
 
 
-def from_rank_major(y: torch.Tensor, p: Placement, t: int) -> torch.Tensor:
+def from_rank_major(y: torch.Tensor, p: Placement, t: int, zigzag: bool = False
+                    ) -> torch.Tensor:
     """The whole tensor from its rank-major pieces (inverse of ``rank_major``)."""
     d, k = p.dim, p.blocks
     local = list(y.shape[1:])
     m = local[d] // k
     z = y.reshape([t] + local[:d] + [k, m] + local[d + 1:])
     z = z.movedim(0, d + 1)
+    if zigzag:              # back from the ranks' order of each block's 2t chunks
+        order = zigzag_order(t)
+        inverse = sorted(range(2 * t), key=order.__getitem__)
+        z = _chunks_in(z.reshape(local[:d] + [k, 2 * t, m // 2] + local[d + 1:]), d + 1,
+                       inverse)
     return z.reshape(local[:d] + [k * t * m] + local[d + 1:])
 
 
-def local_piece(full: torch.Tensor, p: Placement, t: int, rank: int) -> torch.Tensor:
+def local_piece(full: torch.Tensor, p: Placement, t: int, rank: int, zigzag: bool = False
+                ) -> torch.Tensor:
     """This rank's piece of a whole tensor under ``p`` (a copy, contiguous)."""
     if p.kind != "S" or t == 1:
         return full
-    return rank_major(full, p, t)[rank].contiguous()
+    return rank_major(full, p, t, zigzag)[rank].contiguous()
 
 
 def autocast_dtype(t: torch.Tensor) -> torch.dtype | None:
@@ -155,11 +191,11 @@ def autocast_dtype(t: torch.Tensor) -> torch.dtype | None:
 # ---- autograd functions ------------------------------------------------------------------------
 
 def _gather(comm, x: torch.Tensor, p: Placement) -> torch.Tensor:
-    return from_rank_major(comm.all_gather(x), p, comm.size)
+    return from_rank_major(comm.all_gather(x), p, comm.size, is_zigzag(comm))
 
 
 def _reduce_scatter(comm, x: torch.Tensor, p: Placement) -> torch.Tensor:
-    return comm.reduce_scatter(rank_major(x, p, comm.size))
+    return comm.reduce_scatter(rank_major(x, p, comm.size, is_zigzag(comm)))
 
 
 rank_major_reduce_scatter = _reduce_scatter
@@ -175,14 +211,15 @@ class _Gather(torch.autograd.Function):
     def backward(ctx, g):
         if ctx.partial_grad:
             return _reduce_scatter(ctx.comm, g, ctx.p), None, None, None
-        return local_piece(g, ctx.p, ctx.comm.size, ctx.comm.rank), None, None, None
+        return (local_piece(g, ctx.p, ctx.comm.size, ctx.comm.rank, is_zigzag(ctx.comm)),
+                None, None, None)
 
 
 class _Scatter(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, comm, p):
         ctx.comm, ctx.p = comm, p
-        return local_piece(x, p, comm.size, comm.rank)
+        return local_piece(x, p, comm.size, comm.rank, is_zigzag(comm))
 
     @staticmethod
     def backward(ctx, g):

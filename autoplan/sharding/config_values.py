@@ -30,6 +30,9 @@ MIXED_PRECISION = ("autocast", "params")
 # how the dp all-reduce compresses gradients: "powersgd", torch's DDP communication hook (Vogels
 # et al. 2019, ``powerSGD_hook``), lossy
 GRAD_COMPRESSION = ("none", "powersgd")
+# how a context-parallel axis lays the sequence out (``ParallelConfig.cp_layout``,
+# ``sharding/ring_work.py``): contiguous pieces, or head-tail chunks that balance causal attention
+CP_LAYOUTS = ("contiguous", "zigzag")
 # torchao's float8 training recipes for the linear layers (``ParallelConfig.fp8``)
 FP8_RECIPES = ("none", "tensorwise", "rowwise")
 

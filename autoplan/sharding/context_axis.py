@@ -4,7 +4,8 @@ micro-batch split over ``cp`` ranks, under whatever the tensor-parallel axis doe
 On the cp axis every op takes the context sharding (``context_sharding``: activations split on
 the sequence, weights whole, attention as ring attention over the cp ranks); on the tp axis each
 op takes the plan's own strategy. The rank program applies both, cp outer (DTensor's order on a
-(cp, tp) mesh): a tensor split on one dim by both holds piece ``cp_index * tp + tp_index`` of it.
+(cp, tp) mesh): a tensor split on one dim by both holds piece ``tp_index`` of its cp piece
+(``cp_index * tp + tp_index`` in the contiguous layout; under zigzag the cp piece is two chunks).
 
 Not every tp strategy composes with the cp one. ``tp_conflict`` says why one does not, and the
 sharding ILP offers only those that do (the rank program checks the same):
@@ -23,7 +24,11 @@ rank's backward seeded by ``cp``: the parts then sum to the gradient, and the wh
 scaled by ``1 / cp`` where they are read (``whole_weight_readers``).
 
 Costs (``estimate``, the ILP): an op's work is divided by both axes (``op_scale``); a value the
-cp axis splits weighs ``1 / cp`` of its bytes wherever tp moves it (``value_scale``).
+cp axis splits weighs ``1 / cp`` of its bytes wherever tp moves it (``value_scale``). Ring
+attention's share is its slowest rank's (``ring_work.critical_share``): under the contiguous
+layout a causal ring's last rank does ``(2c - 1) / c^2`` of the work, under ``zigzag``
+(``layout``: every split dim cut into ``2c`` chunks, rank ``r`` holding chunks ``r`` and
+``2c - 1 - r``; the runtime's cp axis slices and gathers so) every rank ``1 / c``.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ from functools import cached_property
 from autoplan.errors import AutoplanError, ConfigError
 from autoplan.graph.opgraph import Op, OpGraph
 from autoplan.sharding.placement import REPLICATE, Placement, local_shape
+from autoplan.sharding.ring_work import CP_LAYOUTS, causal_at, critical_share
 from autoplan.sharding.sharding import STATE_KINDS, Sharding, context_sharding
 from autoplan.sharding.strategy import OpStrategy, input_action, needs_grad, output_action
 
@@ -52,6 +58,7 @@ class ContextAxis:
     graph: OpGraph
     c: int
     sharding: Sharding
+    layout: str = "contiguous"          # ``ParallelConfig.cp_layout``
 
     def placement(self, name: str) -> Placement:
         """Where value ``name`` lies on the cp axis before a consumer moves it: weights and
@@ -68,8 +75,33 @@ class ContextAxis:
         return self._value_scales.get(name, 1.0)
 
     def op_scale(self, i: int) -> float:
-        """The share of op ``i``'s work one cp rank does."""
+        """The share of op ``i``'s work one cp rank does: the slowest rank's, for ring
+        attention (module docstring)."""
+        if self.strategy(i).kernel == "ring_attention":
+            return critical_share(self.c, self.layout, self.causal(i))
         return 1.0 / self.sharding.work_divisor(i)
+
+    def causal(self, i: int) -> bool:
+        """Whether attention op ``i`` is causal as the ring runs it (``ring_work``)."""
+        return causal_at(self.graph, i)
+
+    def rings(self) -> list[int]:
+        """The ops that run as ring attention over the axis."""
+        return [i for i, s in enumerate(self.sharding.op_strategy)
+                if s.kernel == "ring_attention"]
+
+    def uneven_for_layout(self) -> list[str]:
+        """The values split over the axis whose split dim does not cut into the layout's
+        chunks (zigzag: ``2c`` per block)."""
+        if self.layout != "zigzag":
+            return []
+        out = []
+        for n, p in self.sharding.value_placement.items():
+            if p.kind == "S":
+                size = self.graph.value(n).meta.shape[p.dim]
+                if size % (2 * self.c * p.blocks):
+                    out.append(f"{n} (dim {p.dim} of {size})")
+        return out
 
     def held_scale(self, i: int, name: str) -> float:
         """The share of value ``name`` one cp rank holds where op ``i`` reads or makes it (a
@@ -205,15 +237,19 @@ def _even(shape: tuple[int, ...], outer: Placement, c: int, inner: Placement, t:
     return mid is not None and local_shape(mid, inner, t) is not None
 
 
-def context_axis(graph: OpGraph, c: int) -> ContextAxis | None:
-    """The cp axis of ``c`` ranks over ``graph`` (None for c = 1); ConfigError where the model
-    cannot run context-parallel (no attention to run as ring attention, or an op that needs
-    the whole sequence in a way the runtime does not run)."""
+def context_axis(graph: OpGraph, c: int, layout: str = "contiguous") -> ContextAxis | None:
+    """The cp axis of ``c`` ranks over ``graph`` with its sequence ``layout`` (None for c =
+    1); ConfigError where the model cannot run context-parallel (no attention to run as ring
+    attention, or an op that needs the whole sequence in a way the runtime does not run), or
+    not in that layout (a split dim that does not cut into ``2c`` chunks)."""
     if c == 1:
         return None
+    if layout not in CP_LAYOUTS:
+        raise ConfigError(f"cp_layout must be one of {list(CP_LAYOUTS)}, got {layout!r}")
     cache = graph.__dict__.setdefault("_autoplan_context_axes", {})
-    if c in cache:
-        found = cache[c]
+    key = (c, layout)
+    if key in cache:
+        found = cache[key]
         if isinstance(found, str):
             raise ConfigError(found)
         return found
@@ -224,15 +260,20 @@ def context_axis(graph: OpGraph, c: int) -> ContextAxis | None:
                f"{c} ranks (self-attention through scaled_dot_product_attention, sequence "
                f"divisible by {c}, no dropout on it); use cp=1")
     else:
-        ax = ContextAxis(graph=graph, c=c, sharding=sh)
+        ax = ContextAxis(graph=graph, c=c, sharding=sh, layout=layout)
         problems = ax.problems()
+        uneven = ax.uneven_for_layout()
         if problems:
             why = (f"cp={c}: the sequence cannot be split over its own axis: "
                    + "; ".join(problems[:3]) + "; use cp=1")
+        elif uneven:
+            why = (f"cp={c} with cp_layout='zigzag' cuts every split dim into {2 * c} chunks "
+                   f"per block, and {', '.join(uneven[:3])} does not divide so; use "
+                   f"cp_layout='contiguous' or a sequence length divisible by {2 * c}")
     if why:
-        cache[c] = why
+        cache[key] = why
         raise ConfigError(why)
-    cache[c] = ax
+    cache[key] = ax
     return ax
 
 

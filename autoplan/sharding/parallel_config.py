@@ -18,7 +18,8 @@ from autoplan.errors import ConfigError
 from autoplan.sharding.config_rules import (check_fp8, check_policies, check_grad_compression,
                                             check_layer_offload, check_layer_recompute,
                                             check_offload_activations, check_offload_nvme)
-from autoplan.sharding.config_values import (ALWAYS_WRITTEN, GRAD_COMPRESSION, MIXED_PRECISION,
+from autoplan.sharding.config_values import (ALWAYS_WRITTEN, CP_LAYOUTS, GRAD_COMPRESSION,
+                                             MIXED_PRECISION,
                                              MULTI_CHUNK_SCHEDULES, OPTIMIZER_STATES,
                                              OPTIMIZERS, PRECISIONS, RECOMPUTE, SCHEDULES,
                                              SPLIT_BACKWARD, V_SCHEDULES, one_of,
@@ -88,6 +89,13 @@ class ParallelConfig:
     # gradients are averaged over dp x cp and ZeRO shards the model state over dp x cp (as
     # torchtitan's dp_shard_cp). 1: no such axis (ring attention may still run on the tp axis)
     cp: int = 1
+    # how the cp axis lays the sequence out (``sharding/ring_work.py``): "contiguous" (rank r
+    # holds piece r of cp: a causal ring's last rank computes 2cp - 1 times the first's
+    # attention), or "zigzag" (head-tail: the sequence cut into 2 cp chunks, rank r holding
+    # chunks r and 2cp - 1 - r, every rank the same causal work; torch's context_parallel
+    # load balancer). Inputs, labels, positions and masks all take it; gathers undo it.
+    # Moot at cp = 1; plan files without it are contiguous
+    cp_layout: str = "contiguous"
     # how 16-bit training holds its tensors (``cost/dtypes.py``): "autocast", autoplan's
     # runtime: fp32 weights, gradients and optimizer state, products in ``precision`` under
     # torch.autocast (its fp32 ops, softmax and norms on CUDA, keep fp32 activations);
@@ -148,6 +156,7 @@ class ParallelConfig:
         one_of("optimizer", self.optimizer, OPTIMIZERS)
         one_of("mixed_precision", self.mixed_precision, MIXED_PRECISION)
         one_of("grad_compression", self.grad_compression, GRAD_COMPRESSION)
+        one_of("cp_layout", self.cp_layout, CP_LAYOUTS)
         check_fp8(self)
         one_of("optimizer_state", self.optimizer_state, OPTIMIZER_STATES)
         if self.optimizer_state != "fp32" and self.optimizer not in ("adam", "adamw"):
