@@ -12,6 +12,7 @@ The pieces each rank writes are checked on their own too: put back together from
 they are the whole tensor, for every placement and FSDP slab.
 """
 
+import functools
 import json
 
 import pytest
@@ -37,9 +38,15 @@ def _example(batch, name=NAME, **overrides):
     return build_example(name, batch_size=batch, seed=0, **(overrides or OVERRIDES))
 
 
+@functools.lru_cache(maxsize=None)
+def _graph(name, overrides):
+    """The model traced at batch 1, once per model: every plan of it is made from this graph."""
+    small = _example(1, name, **dict(overrides))
+    return trace(small.model, small.example_inputs, loss_fn=small.loss_fn, targets=small.targets)
+
+
 def _plan(world, force, sharding="megatron", max_pp=1, name=NAME, overrides=None):
-    small = _example(1, name, **(overrides or {}))
-    g = trace(small.model, small.example_inputs, loss_fn=small.loss_fn, targets=small.targets)
+    g = _graph(name, tuple(sorted((overrides or {}).items())))
     return make_plan(g, Cluster.local(world), global_batch_size=GLOBAL_BATCH, precision="fp32",
                      profile=None, force=force, sharding=sharding, max_pp=max_pp)
 
