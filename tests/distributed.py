@@ -77,19 +77,11 @@ def run_ranks(fn, world: int, *args, timeout_s: float = 180.0) -> list:
     results: dict[int, object] = {}
     errors = []
     try:
-        for _ in range(world):
-            # once a rank failed, its peers are likely stuck in a collective: do not wait long
-            try:
-                rank, status, value = queue.get(timeout=10.0 if errors else timeout_s)
-            except queue_module.Empty:
-                missing = sorted(set(range(world)) - set(results))
-                errors.append(f"ranks {missing}: no result within the time limit (hung?)")
-                break
-            if status == "ok":
-                results[rank] = value
-            else:
-                errors.append(f"rank {rank}:\n{value}")
+        _collect(procs, queue, results, errors, timeout_s)
     finally:
+        if errors:     # a rank that died never counts itself finished: rank 0 need not wait
+            with finished.get_lock():
+                finished.value = world
         for p in procs:
             p.join(timeout=10)
             if p.is_alive():
@@ -97,3 +89,53 @@ def run_ranks(fn, world: int, *args, timeout_s: float = 180.0) -> list:
     if errors:
         raise RuntimeError("\n".join(errors))
     return [results[r] for r in range(world)]
+
+
+def _collect(procs, queue, results: dict, errors: list, timeout_s: float) -> None:
+    """Every rank's result or error from ``queue`` into ``results`` and ``errors``, each within
+    ``timeout_s`` of the previous one. Once a rank failed, its peers are likely stuck in a
+    collective: they get 10 s more. A rank whose process ended without a word (``os._exit``, a
+    signal) is an error as soon as the queue is drained, not after the time limit."""
+    world = len(procs)
+    deadline = time.monotonic() + timeout_s
+    reported: set[int] = set()
+    while len(reported) < world:
+        try:
+            rank, status, value = queue.get(timeout=0.2)
+        except queue_module.Empty:
+            silent = [r for r in range(world)
+                      if r not in reported and procs[r].exitcode is not None]
+            if silent:
+                _drain(queue, results, errors, reported)       # what it wrote before ending
+                silent = [r for r in silent if r not in reported]
+                for r in silent:
+                    errors.append(f"rank {r}: exited with code {procs[r].exitcode} and "
+                                  "no result")
+                    reported.add(r)
+                if silent:
+                    deadline = min(deadline, time.monotonic() + 10.0)
+                continue
+            if time.monotonic() > deadline:
+                missing = sorted(set(range(world)) - reported)
+                errors.append(f"ranks {missing}: no result within the time limit (hung?)")
+                return
+            continue
+        _record(rank, status, value, results, errors, reported)
+        deadline = time.monotonic() + (10.0 if errors else timeout_s)   # for the next one
+
+
+def _drain(queue, results: dict, errors: list, reported: set) -> None:
+    while True:
+        try:
+            rank, status, value = queue.get(timeout=1.0)
+        except queue_module.Empty:
+            return
+        _record(rank, status, value, results, errors, reported)
+
+
+def _record(rank: int, status: str, value, results: dict, errors: list, reported: set) -> None:
+    reported.add(rank)
+    if status == "ok":
+        results[rank] = value
+    else:
+        errors.append(f"rank {rank}:\n{value}")

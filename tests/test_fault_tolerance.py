@@ -14,7 +14,9 @@ import torch
 from autoplan.models import build_example
 from tests.distributed import free_port
 
-STEPS, EVERY, KILL_AFTER = 120, 20, 30
+# the kill lands after step 30 and before the save of step 40 (a rank that ran on to 40 first
+# would resume from there); the run then redoes steps 21-30 and goes on to the end
+STEPS, EVERY, KILL_AFTER = 60, 20, 30
 
 
 def _autoplan(*args, **kw):
