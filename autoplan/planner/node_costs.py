@@ -157,7 +157,9 @@ def _add_compute(choice: _Choice, tally: _Tally, i: int, s: OpStrategy,
     (``copies``) are priced as the estimate prices them (``partition.priced_ops``): where
     they cost differently (a compiled program's first layer, whose input comes from outside
     the fused chains), at their mean, each instance's difference from it kept in
-    ``tally.extra`` (what a pipeline rank's share of the node adds, ``problem``)."""
+    ``tally.extra`` (what a pipeline rank's share of the node adds, ``problem``). The cost
+    returned is the mean: ring attention hides its passes behind it, exact while attention,
+    no fused op, costs alike in every instance."""
     ctx = choice.ctx
     c = _op_seconds(choice, i, i, s)
     priced = priced_ops(ctx.graph)
