@@ -97,7 +97,8 @@ def test_plan_file_records_the_weights_kept_whole(tmp_path):
         Plan.from_json(old)
 
 
-def test_the_ilp_keeps_weights_whole_where_memory_allows():
+@pytest.mark.parametrize("compiled", [False, True])
+def test_the_ilp_keeps_weights_whole_where_memory_allows(compiled):
     """Llama-3-8B on one 8 x H100 node under ZeRO-3 at tp2, 16 micro-batches: keeping every
     weight whole does not fit in 80 GB, sharding every one gathers each 16 times a step. The
     configuration's ILP keeps some whole (a knapsack over the weights' gathers and bytes) and
@@ -105,7 +106,7 @@ def test_the_ilp_keeps_weights_whole_where_memory_allows():
     ex = build_example("llama3-8b", device="meta", batch_size=1)
     g = trace(ex.model, ex.example_inputs, loss_fn=ex.loss_fn, targets=ex.targets)
     cluster = Cluster.preset("dgx-h100", nodes=1)
-    force = dict(zero_stage=3, tp=2, micro_batch_size=1)
+    force = dict(zero_stage=3, tp=2, micro_batch_size=1, compiled=compiled)
     mixed = plan(g, cluster, global_batch_size=64, profile=None, force=force, max_pp=1)
     sharded = plan(g, cluster, global_batch_size=64, profile=None, max_pp=1,
                    force={**force, "dp_whole": []})

@@ -75,6 +75,21 @@ def pipeline_units(graph: OpGraph) -> tuple[Unit, ...]:
     return units
 
 
+def priced_ops(graph: OpGraph) -> tuple[int, ...]:
+    """Per op, the op whose cost the estimate charges for it (``chunk_cost``): a unit's ops
+    are priced as the ops at the same place in its ``like`` range, every other op as itself.
+    Instances of one block need not cost alike: in a compiled program the first layer's input
+    comes from outside the fused chains, the others' from the previous layer's residual add
+    (``cost.compute.fused_traffic``). Kept on the graph."""
+    cache = graph.__dict__.get("_autoplan_priced_ops")
+    if cache is None:
+        out = list(range(len(graph.ops)))
+        for u in pipeline_units(graph):
+            out[u.start:u.stop] = range(u.like[0], u.like[0] + u.stop - u.start)
+        cache = graph.__dict__["_autoplan_priced_ops"] = tuple(out)
+    return cache
+
+
 def _all_container_units(graph: OpGraph) -> tuple[Unit, ...]:
     containers: dict[str, Block] = {}
     for b in graph.blocks:

@@ -28,6 +28,8 @@ class Node:
     choices: list[list[OpStrategy]] = None           # per strategy j: one per op in ops
     placement: list[dict[str, Placement]] = None     # per strategy j: value -> placement
     internal: list[list[tuple[int, str, Placement, Placement]]] = None  # gathers inside it
+    # per op in ops: the graph's ops it stands for, one per instance in order (itself first)
+    copies: list[tuple[int, ...]] = None
 
 
 def representatives(graph: OpGraph) -> tuple[list[int], dict[int, int], list[int]]:
@@ -51,6 +53,9 @@ def representatives(graph: OpGraph) -> tuple[list[int], dict[int, int], list[int
 def group(graph: OpGraph, rep: list[int], mult: dict[int, int],
            inst: list[int]) -> tuple[list[Node], dict[int, int]]:
     a = analyze(graph)
+    members: dict[int, list[int]] = {}
+    for i, r in enumerate(rep):
+        members.setdefault(r, []).append(i)
     nodes: list[Node] = []
     node_of: dict[int, int] = {}
     for i in sorted(set(rep)):
@@ -62,8 +67,9 @@ def group(graph: OpGraph, rep: list[int], mult: dict[int, int],
             p = a.producer.get(acts[0])
             if p is not None and rep[p] == p and p in node_of and inst[p] == inst[i]:
                 nodes[node_of[p]].ops.append(i)
+                nodes[node_of[p]].copies.append(tuple(members[i]))
                 node_of[i] = node_of[p]
                 continue
         node_of[i] = len(nodes)
-        nodes.append(Node(ops=[i], mult=mult[i]))
+        nodes.append(Node(ops=[i], mult=mult[i], copies=[tuple(members[i])]))
     return nodes, node_of

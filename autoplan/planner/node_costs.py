@@ -11,13 +11,14 @@ itself where a follower cannot carry the leader's sharding.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from autoplan.cost.compute import OpCost
 from autoplan.cost.dtypes import own_sizes
 from autoplan.cost.memory import internal_anchor, meta_bytes
 from autoplan.estimate.chunk_cost import comm_bytes, replays
 from autoplan.estimate.overlap import overlap_exposed_s
+from autoplan.estimate.partition import priced_ops
 from autoplan.graph.analysis import GraphAnalysis, analyze
 from autoplan.planner.axis_costs import cp_comms_s, cp_held, exchange_s, value_bytes
 from autoplan.planner.cost_context import CostContext
@@ -46,6 +47,9 @@ class NodeCost:
     fwd_s: float            # forward seconds per micro-batch
     bwd_s: float            # backward seconds per micro-batch (recomputation included)
     act_bytes: float        # activation bytes kept per micro-batch
+    # per instance, the (forward, backward) seconds per micro-batch it costs beyond an even
+    # share of fwd_s and bwd_s (empty: its instances cost alike; ``_add_compute``)
+    instance_extra: tuple[tuple[float, float], ...] = ()
 
 
 @dataclass
@@ -59,6 +63,8 @@ class _Tally:
     param_bytes: float = 0.0
     act_bytes: float = 0.0
     once_bytes: float = 0.0     # tensors several layers keep, held once
+    # per instance, its (forward, backward) seconds beyond the mean (``_add_compute``)
+    extra: list[tuple[float, float]] = field(default_factory=list)
 
 
 @dataclass(frozen=True, eq=False)
@@ -123,8 +129,8 @@ def node_cost(ctx: CostContext, node: Node, j: int, savers: Savers, part_of: lis
     choice = _Choice(ctx, a, node, j, savers, part_of)
     tally = _Tally()
     seen_params: set[str] = set()
-    for i, s in zip(node.ops, node.choices[j]):
-        compute = _add_compute(choice, tally, i, s)
+    for i, s, copies in zip(node.ops, node.choices[j], node.copies):
+        compute = _add_compute(choice, tally, i, s, copies)
         _add_collectives(ctx, tally, i, s, compute)
         if ctx.experts is not None:
             ef, eb = exchange_s(ctx, i, s, choice.placement)
@@ -142,27 +148,55 @@ def node_cost(ctx: CostContext, node: Node, j: int, savers: Savers, part_of: lis
     mem = node.mult * (tally.param_bytes + tally.act_bytes * ctx.activation_multiplier) \
         + tally.once_bytes
     return NodeCost(time_s, mem, node.mult * fwd, node.mult * bwd,
-                    node.mult * tally.act_bytes + tally.once_bytes)
+                    node.mult * tally.act_bytes + tally.once_bytes, tuple(tally.extra))
 
 
-def _add_compute(choice: _Choice, tally: _Tally, i: int, s: OpStrategy) -> OpCost:
+def _add_compute(choice: _Choice, tally: _Tally, i: int, s: OpStrategy,
+                 copies: tuple[int, ...]) -> OpCost:
     """Op ``i``'s kernel seconds under ``s`` (its batch, expert load and cp share), the forward
-    again in backward where the policy replays it; returns the op's cost."""
+    again in backward where the policy replays it; returns the op's cost. Its instances
+    (``copies``) are priced as the estimate prices them (``partition.priced_ops``): where
+    they cost differently (a compiled program's first layer, whose input comes from outside
+    the fused chains), at their mean, each instance's difference from it kept in
+    ``tally.extra`` (what a pipeline rank's share of the node adds, ``problem``). The cost
+    returned is the mean: ring attention hides its passes behind it, exact while attention,
+    no fused op, costs alike in every instance."""
+    ctx = choice.ctx
+    c = _op_seconds(choice, i, i, s)
+    priced = priced_ops(ctx.graph)
+    if any(priced[o] != i for o in copies):
+        per = {p: _op_seconds(choice, i, p, s) for p in sorted({priced[o] for o in copies})}
+        if any(x != c for x in per.values()):
+            n = len(copies)
+            each = [per[priced[o]] for o in copies]
+            c = OpCost(fwd_s=sum(x.fwd_s for x in each) / n,
+                       bwd_s=sum(x.bwd_s for x in each) / n)
+            again = 1.0 if _recomputed(ctx, choice.analysis, choice.node, i) else 0.0
+            if not tally.extra:
+                tally.extra = [(0.0, 0.0)] * n
+            tally.extra = [(f + x.fwd_s - c.fwd_s,
+                            b + x.bwd_s - c.bwd_s + again * (x.fwd_s - c.fwd_s))
+                           for (f, b), x in zip(tally.extra, each)]
+    tally.fwd_s += c.fwd_s
+    tally.bwd_s += c.bwd_s
+    if _recomputed(ctx, choice.analysis, choice.node, i):
+        tally.bwd_s += c.fwd_s
+    return c
+
+
+def _op_seconds(choice: _Choice, i: int, p: int, s: OpStrategy) -> OpCost:
+    """The kernel seconds of op ``p``, an instance of node op ``i`` (or ``i`` itself), run
+    under ``i``'s strategy ``s``: at its batch, expert load and cp share."""
     ctx, a = choice.ctx, choice.analysis
     graph = ctx.graph
-    op = graph.ops[i]
+    op = graph.ops[p]
     batch_dep = any(o in a.batch_dependent for o in op.outputs)
     load = (ctx.experts.load if ctx.experts is not None and i in ctx.experts.members
             else 1.0)
-    cp_share = ctx.context.op_scale(i) if ctx.context is not None else 1.0
-    c = ctx.compute.op_cost(i, load * (ctx.batch_scale if batch_dep else 1.0) * cp_share
-                            * tp_work_share(graph, i, s.kernel, s.work_divisor),
-                            divided_split(graph, op, s))
-    tally.fwd_s += c.fwd_s
-    tally.bwd_s += c.bwd_s
-    if _recomputed(ctx, a, choice.node, i):
-        tally.bwd_s += c.fwd_s
-    return c
+    cp_share = ctx.context.op_scale(p) if ctx.context is not None else 1.0
+    return ctx.compute.op_cost(p, load * (ctx.batch_scale if batch_dep else 1.0) * cp_share
+                               * tp_work_share(graph, p, s.kernel, s.work_divisor),
+                               divided_split(graph, op, s))
 
 
 def _add_collectives(ctx: CostContext, tally: _Tally, i: int, s: OpStrategy,

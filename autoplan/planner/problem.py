@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from autoplan.errors import ConfigError
+from autoplan.estimate.partition import priced_ops
 from autoplan.graph.analysis import analyze
 from autoplan.graph.opgraph import OpGraph
 from autoplan.planner.axis_costs import sent_again
@@ -148,6 +149,8 @@ class _Terms:
     fwds: list[list[float]]
     bwds: list[list[float]]
     acts: list[list[float]]
+    # per node and strategy, per instance its (forward, backward) beyond an even share
+    extras: list[list[tuple[tuple[float, float], ...]]] = field(default_factory=list)
     edge_costs: EdgeTerms = field(default_factory=dict)
     edge_fwd: EdgeTerms = field(default_factory=dict)
     edge_bwd: EdgeTerms = field(default_factory=dict)
@@ -242,12 +245,15 @@ def _node_terms(ctx: CostContext, nodes: list[Node]) -> _Terms:
                   mems=[[c.memory_bytes for c in row] for row in per],
                   fwds=[[c.fwd_s for c in row] for row in per],
                   bwds=[[c.bwd_s for c in row] for row in per],
-                  acts=[[c.act_bytes for c in row] for row in per])
+                  acts=[[c.act_bytes for c in row] for row in per],
+                  extras=[[c.instance_extra for c in row] for row in per])
 
 
 def _rank_shares(ctx: CostContext, nodes: list[Node], terms: _Terms, share: list[list[int]],
                  where: _StageMap) -> _RankTerms:
-    """Per rank: its instances' share of each node's terms (instances cost alike)."""
+    """Per rank: its instances' share of each node's terms (an even share per instance, and
+    the forward and backward seconds an instance costs beyond it where instances differ,
+    ``NodeCost.instance_extra``, on the rank that runs it)."""
     n, ranks = len(nodes), range(where.n_stages)
 
     def shared(rows: list[list[float]]) -> list[list[list[float]]]:
@@ -256,7 +262,13 @@ def _rank_shares(ctx: CostContext, nodes: list[Node], terms: _Terms, share: list
     step = [[[(c - ctx.microbatches * (f + b)) * share[v][r] / nodes[v].mult
               for c, f, b in zip(terms.costs[v], terms.fwds[v], terms.bwds[v])]
              for v in range(n)] for r in ranks]
-    return _RankTerms(stage_of=where.stage_of, fwd=shared(terms.fwds), bwd=shared(terms.bwds),
+    fwd, bwd = shared(terms.fwds), shared(terms.bwds)
+    for v, row in enumerate(terms.extras if where.n_stages else ()):
+        for j, extra in enumerate(row):
+            for o, (f, b) in zip(nodes[v].copies[0], extra):
+                fwd[where.stage_of[o]][v][j] += f
+                bwd[where.stage_of[o]][v][j] += b
+    return _RankTerms(stage_of=where.stage_of, fwd=fwd, bwd=bwd,
                       acts=shared(terms.acts), step=step, edge_fwd=[{} for _ in ranks],
                       edge_bwd=[{} for _ in ranks], edge_step=[{} for _ in ranks])
 
@@ -357,13 +369,15 @@ def _add_edge(ctx: CostContext, terms: _Terms, nodes: list[Node], key: EdgeKey,
 
 
 def _unheld_ops(ctx: CostContext, folded: _Folded, where: _StageMap) -> _UnheldOps:
-    """Ops no node holds cost what the estimate prices them, whatever the choice."""
+    """Ops no node holds cost what the estimate prices them (``partition.priced_ops``),
+    whatever the choice."""
     rep, mult, node_of = folded.rep, folded.mult, folded.node_of
+    priced = priced_ops(ctx.graph)
     fwd_s = bwd_s = 0.0
     per_rank = [[0.0, 0.0] for _ in range(where.n_stages)]
     for i in range(len(ctx.graph.ops)):
         if rep[i] not in node_of:
-            c = ctx.compute.op_cost(i)
+            c = ctx.compute.op_cost(priced[i])
             again = c.fwd_s if ctx.recompute == "full" and mult[rep[i]] > 1 else 0.0
             fwd_s, bwd_s = fwd_s + c.fwd_s, bwd_s + c.bwd_s + again
             if where.n_stages:
