@@ -4,7 +4,7 @@ configuration whose floor, a lower bound on the closed form of any of its stage 
 more than ``CLOSED_FORM_SLACK`` behind the best found (``behind_s``). These tests hold the
 premises (``estimate`` never prices a stronger recomputation policy faster; the floor is below
 every layout's closed form) and the conclusion (the plan and alternatives the full enumeration
-finds, fewer configs costed)."""
+finds, and its alternatives within the slack, fewer configs costed)."""
 
 from __future__ import annotations
 
@@ -48,15 +48,19 @@ def test_a_stronger_recomputation_policy_is_never_faster(name):
 
 
 def _summary(p):
+    """The plan and its fitting alternatives within the floor's slack of it: a pipelined
+    config further behind is skipped by design, so the alternatives beyond may differ."""
+    bar = p.predicted["step_time_s"] * (1 + search_costing.CLOSED_FORM_SLACK)
     return (p.config.to_dict(), p.predicted["step_time_s"],
-            [(a.config.short(), a.why_lost) for a in p.alternatives])
+            [(a.config.short(), a.why_lost) for a in p.alternatives
+             if a.fits and a.step_time_s <= bar])
 
 
 @pytest.mark.parametrize("name,preset,nodes,gbs,skips", [
     ("llama-tiny", "dgx-a100-80gb", 1, 64, True),      # data parallel wins
     ("gpt3-6.7b", "dgx-a100-40gb", 1, 64, True),       # memory-tight
     ("gpt3-13b", "dgx-a100-40gb", 2, 32, True),        # a pipeline (ZB-V) wins
-    ("gpt3-13b", "dgx-a100-40gb", 1, 64, False),       # only pipelines fit
+    ("gpt3-13b", "dgx-a100-40gb", 1, 64, True),        # only pipelines fit (eager twins skipped)
 ])
 def test_pruning_finds_the_plan_the_full_enumeration_finds(monkeypatch, name, preset, nodes,
                                                            gbs, skips):

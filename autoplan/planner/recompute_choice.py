@@ -34,7 +34,7 @@ from autoplan.estimate.layout import chunks_for
 from autoplan.planner.candidates import Candidate
 from autoplan.planner.recompute_dp import ChainLayer, ChainSolution, LayerOption, solve_chain
 from autoplan.planner.search_costing import SearchContext, cost_inputs, evaluate
-from autoplan.planner.search_space import layer_offload_offered
+from autoplan.planner.search_space import layer_offload_offered, selective_compiles
 from autoplan.sharding.parallel_config import RECOMPUTE, ParallelConfig, strongest_recompute
 
 # the policies whose saved tensors the runtime's offload hooks reach (selective checkpointing
@@ -47,22 +47,51 @@ _PINNED = ("recompute", "stage_recompute", "layer_recompute")
 
 def refine_recompute(sc: SearchContext, cands: list[Candidate], *, finalists: int = 4
                      ) -> list[Candidate]:
-    """``cands`` and, for the ``finalists`` fastest fitting ones that recompute, the same
-    configuration with its recomputation chosen per layer, where that differs."""
+    """``cands`` and, for the ``finalists`` fastest fitting ones that recompute (of the compiled
+    and of the eager ones each), the same
+    configuration with its recomputation chosen per layer, where that differs. A compiled
+    configuration chooses among the policies its compiled layers run (``compiled_policies``);
+    where compilation is not forced, its eager twin is refined too with offload per layer
+    (``layer_offload_offered``), which the compiled layers cannot take."""
     if any(k in sc.opts.force for k in _PINNED):
         return cands
     recomputing = sorted((c for c in cands if c.est.fits and (
-        c.est.config.recompute != "none" or c.est.config.offloads_activations)
-        and not c.est.config.compiled), key=Candidate.key)
+        c.est.config.recompute != "none" or c.est.config.offloads_activations)),
+        key=Candidate.key)
+    # the fastest of each family: compiled layers choose among fewer policies (and cannot
+    # offload), so an eager configuration behind them uniformly may be ahead per layer
+    chosen = [c for compiled in (True, False)
+              for c in [c for c in recomputing if c.est.config.compiled == compiled][:finalists]]
     out = list(cands)
-    for c in recomputing[:finalists]:
-        new = per_layer_config(cost_inputs(sc, c.est.config, c.sharding), c.est,
-                               offload=layer_offload_offered(c.est.config, sc.opts, sc.cluster))
-        if new is None or new == c.est.config:
-            continue
-        out += [r for r in evaluate(sc, [new], c.sharding, c.ilp, c.label,
-                                    simulate=c.est.config.pp > 1) if r.est.fits]
+    for c in chosen:
+        for start in _refined_starts(sc, c):
+            offload = layer_offload_offered(start.est.config, sc.opts, sc.cluster)
+            new = per_layer_config(cost_inputs(sc, start.est.config, start.sharding), start.est,
+                                   offload=offload)
+            if new is None or new == start.est.config:
+                continue
+            out += [r for r in evaluate(sc, [new], start.sharding, start.ilp, start.label,
+                                        simulate=new.pp > 1) if r.est.fits]
     return out
+
+
+def _refined_starts(sc: SearchContext, c: Candidate) -> list[Candidate]:
+    """``c`` and, where ``c`` is compiled by the search's choice (not forced) and its eager twin
+    could offload layers that ``c`` cannot, that twin estimated (its own stages and memory)."""
+    config = c.est.config
+    if not config.compiled or "compiled" in sc.opts.force:
+        return [c]
+    twin = replace(config, compiled=False)
+    if not layer_offload_offered(twin, sc.opts, sc.cluster):
+        return [c]
+    return [c] + evaluate(sc, [twin], c.sharding, c.ilp, c.label, simulate=twin.pp > 1)
+
+
+def compiled_policies(config: ParallelConfig) -> tuple[str, ...]:
+    """The recomputation policies ``config``'s layers can run: every one eagerly or where its
+    compiled layers hold no collectives; else none and full (``search_space.
+    selective_compiles``: a selectively checkpointed compiled layer must hold no graph break)."""
+    return RECOMPUTE if selective_compiles(config) else ("none", "full")
 
 
 def per_layer_config(ci: CostInputs, est: Any, *, offload: bool = False
@@ -77,7 +106,7 @@ def per_layer_config(ci: CostInputs, est: Any, *, offload: bool = False
     first = [sum(len(ch.layer_ranges) for ch in chunks[:k]) for k in range(len(chunks))]
     for s, stage in enumerate(est.stages):
         layers, index = stage_chain(ci, chunks, config.rank_chunks(s), stage, first,
-                                    offload=offload)
+                                    offload=offload, policies=compiled_policies(config))
         if not layers:
             continue
         budget = stage_budget(ci, chunks, config.rank_chunks(s), stage)
@@ -118,10 +147,10 @@ def solved_chain(ci: CostInputs, layers: list[ChainLayer], budget_bytes: float,
 
 
 def stage_chain(ci: CostInputs, chunks: Any, mine: tuple[int, ...], stage: Any,
-                first: list[int], *, offload: bool = False
-                ) -> tuple[list[ChainLayer], list[int]]:
-    """The chain of a stage's layers (its chunks', in order) and their model-order indices;
-    every option's working set floored at the largest outside the layers; with ``offload``,
+                first: list[int], *, offload: bool = False,
+                policies: tuple[str, ...] = RECOMPUTE) -> tuple[list[ChainLayer], list[int]]:
+    """The chain of a stage's layers (its chunks', in order) and their model-order indices,
+    each with an option per policy of ``policies``; every option's working set floored at the largest outside the layers; with ``offload``,
     the offloaded twin of each policy the hooks reach (where it moves any bytes)."""
     floor = 0.0
     for k in mine:
@@ -133,7 +162,7 @@ def stage_chain(ci: CostInputs, chunks: Any, mine: tuple[int, ...], stage: Any,
         like = {(u.start, u.stop): u.like for u in chunks[k].units}
         parts = chunk_parts(chunks[k])
         for j, span in enumerate(chunks[k].layer_ranges):
-            costs = {p: range_cost(ci, *like.get(span, span), p) for p in RECOMPUTE}
+            costs = {p: range_cost(ci, *like.get(span, span), p) for p in policies}
             options = [LayerOption(policy=p, kept_bytes=rc.activation_bytes,
                                    recompute_s=rc.recompute_s,
                                    working_bytes=max(rc.working_set_bytes, floor))
@@ -156,7 +185,7 @@ def _offloaded(ci: CostInputs, chunk: Any, parts: list[tuple[int, int, bool]], a
         s, e, is_layer = parts[at + 1]
         after = range_cost(ci, *(like.get((s, e), (s, e)) if is_layer else (s, e)), "none")
     out = []
-    for p in _OFFLOADABLE:
+    for p in (p for p in _OFFLOADABLE if p in costs):
         rc = costs[p]
         sent = layer_offload(ci.cluster, "", rc, after, received=at == 0 and chunk.start > 0,
                              policy=p)

@@ -293,13 +293,8 @@ def _search_meshes(sc: SearchContext, shapes: list[Any], base: dict[str, Any],
             if shape.pp > 1 and "micro_batch_size" not in opts.force and (
                     m < shape.pp or mbs > 4):
                 break                 # few micro-batches per stage: mostly bubble
-            # the tp-axis problem depends on the micro-batch, not on pp or dp
-            key = (shape.tp, mbs, shape.cp)
-            if key not in shared:
-                got = _shared_sharding(sc, shape, cfg, m, f"{where} mbs {mbs}")
-                if got is None:
-                    continue
-                shared[key] = got
+            if _sharding_of(sc, shape, cfg, m, shared, f"{where} mbs {mbs}") is None:
+                continue
             skipped = stats.below_floor
             # a pipelined config whose floor is this far behind the best cannot win, even
             # simulated (search_costing.CLOSED_FORM_SLACK)
@@ -321,6 +316,23 @@ def _search_meshes(sc: SearchContext, shapes: list[Any], base: dict[str, Any],
             if best is None and not skipped:
                 break       # larger micro-batches only need more memory
     return cands
+
+
+def _sharding_of(sc: SearchContext, shape: Any, cfg: ParallelConfig, m: int,
+                 shared: SharedShardings, where: str
+                 ) -> tuple[Sharding, ILPSolution | None] | None:
+    """``_shared_sharding`` for ``cfg``'s mesh, kept in ``shared``: the tp-axis problem depends
+    on the micro-batch and on whether the program is compiled (which prices its element-wise
+    ops), not on pp or dp. Each compiled family gets its own: an eager twin
+    (``search_space.with_compilation``) on the compiled program's sharding may not fit where
+    on its own it does. None: no tp axis here (said why)."""
+    key = (shape.tp, cfg.micro_batch_size, shape.cp, cfg.compiled)
+    if key not in shared:
+        got = _shared_sharding(sc, shape, cfg, m, where)
+        if got is None:
+            return None
+        shared[key] = got
+    return shared[key]
 
 
 def _shared_sharding(sc: SearchContext, shape: Any, cfg: ParallelConfig, m: int,
@@ -361,25 +373,70 @@ def _shared_sharding(sc: SearchContext, shape: Any, cfg: ParallelConfig, m: int,
 
 def _cost_mesh(sc: SearchContext, shape: Any, cfg: ParallelConfig, m: int, layers: int,
                shared: SharedShardings, behind: float | None) -> list[Candidate]:
-    """Every policy of ``cfg``'s mesh and micro-batch costed, per expert-parallel degree on
-    the shared sharding (solved again with the experts' exchanges priced where ep > 1)."""
-    key = (shape.tp, cfg.micro_batch_size, shape.cp)
+    """Every policy of ``cfg``'s mesh and micro-batch costed, per expert-parallel degree and
+    compiled family, each family on the mesh's sharding solved at its own prices (solved again
+    with the experts' exchanges priced where ep > 1). The search's own family (``cfg.compiled``)
+    goes first; its eager twins (``search_space.with_compilation``: what compiled layers cannot
+    run, selective recomputation under collectives and activation offload) follow, less those
+    a fitting compiled config beats outright (``_needs_eager``)."""
     policies = search_space.policies(cfg, sc.opts, sc.cluster, sc.graph,
                               search_space.schedules(cfg, m, layers, sc.opts))
-    found = []
-    for ep in sorted({c.ep for c in policies}):
-        group = [c for c in policies if c.ep == ep]
-        ecfg = replace(cfg, ep=ep)
-        sh, sol = shared[key]
-        if ep > 1 and sol is not None:     # the ILP prices the experts' exchanges
-            if key + (ep,) not in shared:
-                shared[key + (ep,)] = ilp_sharding(
-                    sc, ecfg, ilp_microbatches(
-                        shape, micro_batch_size=cfg.micro_batch_size,
-                        global_batch_size=sc.global_batch_size, m=m))
-            sh, sol = shared[key + (ep,)]
-        found += _cost_group(sc, ecfg, group, sh, sol, m, behind)
+    where = f"mesh {shape.describe()} mbs {cfg.micro_batch_size}"
+    found: list[Candidate] = []
+    for ep, compiled in sorted({(c.ep, c.compiled) for c in policies},
+                               key=lambda k: (k[1] != cfg.compiled, k[0])):
+        group = [c for c in policies if c.ep == ep and c.compiled == compiled]
+        if compiled != cfg.compiled:
+            group = [c for c in group if _needs_eager(c, found)]
+        ecfg = replace(cfg, ep=ep, compiled=compiled)
+        got = _family_sharding(sc, shape, ecfg, m, shared, where) if group else None
+        if got is not None:
+            found += _cost_group(sc, ecfg, group, *got, m, behind)
     return found
+
+
+def _needs_eager(c: ParallelConfig, found: list[Candidate]) -> bool:
+    """Whether eager ``c`` could beat the compiled configs ``found``: not where a compiled
+    twin fits recomputing and offloading nothing, at ``c``'s ZeRO stage or another of 0-2
+    (which move the same bytes: an all-reduce is a reduce-scatter and an all-gather). That
+    one is no slower than ``c`` (compiled prices are no higher, on a sharding solved for them)
+    and recomputation and offload only add time, so ``c`` would be there only to save memory
+    that is not short."""
+    return not any(x.est.fits and _plain(x.est.config) == _plain(c) and _keeps_all(x.est.config)
+                   for x in found)
+
+
+def _keeps_all(c: ParallelConfig) -> bool:
+    """Whether ``c`` recomputes nothing and offloads no activations, in any layer or stage."""
+    return (c.recompute == "none" and not c.offloads_activations
+            and not any(p != "none" for p in (c.stage_recompute or ()))
+            and not any(p != "none" for p in (c.layer_recompute or ())))
+
+
+def _plain(c: ParallelConfig) -> tuple:
+    """``c``'s fields but its compilation, recomputation, activation offload, stage layout and
+    what its sharding sets, with ZeRO stages 0-2 as one."""
+    skip = {"compiled", "recompute", "offload_activations", "layer_recompute", "layer_offload",
+            "stage_recompute", "chunk_layers", "sequence_parallel", "tp_comm_overlap",
+            "zero_stage"}
+    return (min(c.zero_stage, 3 if c.zero_stage > 2 else 0),
+            *(getattr(c, f.name) for f in fields(c) if f.name not in skip))
+
+
+def _family_sharding(sc: SearchContext, shape: Any, ecfg: ParallelConfig, m: int,
+                     shared: SharedShardings, where: str
+                     ) -> tuple[Sharding, ILPSolution | None] | None:
+    """The mesh's shared sharding solved at ``ecfg``'s prices (compiled or not), at its
+    expert degree (solved again with the experts' exchanges priced where ep > 1)."""
+    got = _sharding_of(sc, shape, replace(ecfg, ep=1), m, shared, where)
+    if got is None or ecfg.ep == 1 or got[1] is None:
+        return got
+    key = (shape.tp, ecfg.micro_batch_size, shape.cp, ecfg.compiled, ecfg.ep)
+    if key not in shared:
+        shared[key] = ilp_sharding(sc, ecfg, ilp_microbatches(
+            shape, micro_batch_size=ecfg.micro_batch_size,
+            global_batch_size=sc.global_batch_size, m=m))
+    return shared[key]
 
 
 def _cost_group(sc: SearchContext, ecfg: ParallelConfig, group: list[ParallelConfig],

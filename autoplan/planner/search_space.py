@@ -53,15 +53,17 @@ def mbs_options(per_replica: int, opts: SearchOptions,
 
 def compiled_choice(opts: SearchOptions, cluster: Any) -> bool:
     """Whether the rank program runs ``torch.compile``'d (``ParallelConfig.compiled``): as
-    forced (``--force compiled=true``), else not yet. Compiled layers cannot recompute
-    selectively where they hold collectives (``selective_compiles``), and there eager selective
-    recomputation can win: on GPT-3 175B over 1,024 A100 the best compiled plan is priced
-    24.67 s, the best eager one 22.46 s, and with both families offered (``with_compilation``)
-    the search's closed-form screening still keeps the compiled one (its closed form is the
-    more optimistic). On by default needs autoplan's collectives traceable by torch.compile
-    (one graph per layer, selective recomputation inside it), and a GPU run that shows the
-    fused pricing holds."""
-    return bool(opts.force.get("compiled", False))
+    forced (``--force compiled=true|false``), else on GPUs and not on CPU ranks. On one H200 the
+    compiled program ran 0.81x (HF Llama 0.89B) and 0.61x (GPT-3 1.3B) of its eager step
+    (``benchmarks/data/h200-gpu-check-20261127``), and the cost model prices it so (element-wise
+    chains fused, ``cost/compute.py``). A CPU rank compiles slowly and its prices are calibrated
+    eagerly. Where compilation rules an option out, the search offers the option's eager twin
+    beside the compiled config: selective recomputation of layers that hold collectives
+    (``with_compilation``), activation offload (``activation_offloads``), and offload per layer
+    (``recompute_choice.refine_recompute``); the faster wins."""
+    if "compiled" in opts.force:
+        return bool(opts.force["compiled"])
+    return cluster.device.kind != "cpu"
 
 
 def mixed_precision_choices(opts: SearchOptions, precision: str) -> list[str]:
@@ -151,8 +153,9 @@ def activation_offloads(config: ParallelConfig, opts: SearchOptions, cluster: An
     """Layers per chunk whose saved activations go to host memory
     (``ParallelConfig.offload_activations``): as forced, else none or every layer, offered
     beside recomputation on GPUs (``search_costing.evaluate`` skips it where the same config
-    fits without: it only adds copies) without pipelines, where the layers are not compiled
-    and do not recompute selectively (the runtime's hooks cannot reach what selective
+    fits without: it only adds copies) without pipelines, where compilation is not forced (the
+    hooks cannot sit inside compiled regions: ``policies`` runs an offloading config eagerly)
+    and the layers do not recompute selectively (the runtime's hooks cannot reach what selective
     checkpointing keeps). A CPU rank's activations are in host memory already. Offload per
     layer, with pipelines too, is the joint recompute/offload DP's
     (``recompute_choice.refine_recompute``, where ``layer_offload_offered``)."""
@@ -161,8 +164,8 @@ def activation_offloads(config: ParallelConfig, opts: SearchOptions, cluster: An
     if "layer_offload" in opts.force:       # the user's flags per layer (the config's field)
         return [0]
     layers = sum(len(b.instances) for b in graph.blocks)
-    if (cluster.device.kind == "cpu" or config.pp > 1 or config.compiled or not layers
-            or recompute == "selective" or not opts.offload_activations):
+    if (cluster.device.kind == "cpu" or config.pp > 1 or opts.force.get("compiled") is True
+            or not layers or recompute == "selective" or not opts.offload_activations):
         return [0]
     return [0, layers]
 
@@ -245,7 +248,8 @@ def policies(config: ParallelConfig, opts: SearchOptions, cluster: Any,
                                     **base, "zero_stage": z, "recompute": r,
                                     "offload_optimizer": off, "offload_params": off_p,
                                     "schedule": sched, "virtual_stages": v, "dp_shard": shard,
-                                    "ep": ep, "offload_activations": acts}
+                                    "ep": ep, "offload_activations": acts,
+                                    "compiled": base["compiled"] and not acts}
                                 if "dp_whole" in opts.force:    # ZeRO-3's weights kept whole
                                     fields["dp_whole"] = opts.force["dp_whole"]
                                 if "layer_recompute" in opts.force:
