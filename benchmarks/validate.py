@@ -177,6 +177,9 @@ def predict(row: Row, graphs: dict | None = None) -> Result:
     # Megatron-LM holds 16-bit weights and activations (fp32 master copy in its optimizer), not
     # autoplan's runtime's fp32 weights under torch.autocast
     force["mixed_precision"] = "params"
+    # and ran it eagerly, with its own fused kernels (the prices under "params" were fitted to
+    # these runs): not torch.compile'd, which the planner chooses by default on GPUs
+    force["compiled"] = False
     if row.overlap_tp_comm:
         force["tp_comm_overlap"] = True
     if row.recompute is not None:

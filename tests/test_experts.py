@@ -196,11 +196,16 @@ def test_a_capacity_factor_prices_the_busiest_expert_rank(mixtral8x7b, tmp_path)
 
 
 def test_the_planner_chooses_ep_for_mixtral_and_writes_its_axes(mixtral8x7b, tmp_path):
-    """On 2 x 8 H100 the free search picks expert parallelism (over pipelines only) and the
-    plan file records its axes."""
+    """On 2 x 8 H100, among eager programs, the free search picks expert parallelism (over
+    pipelines only) and the plan file records its axes. (Compiled, a pipeline of 16 stages
+    wins there, 15.7 s against ep's 18.6 s: compilation shrinks the compute the experts'
+    all-to-all hides behind, and a compiled layer that exchanges tokens cannot recompute
+    selectively.)"""
     cluster = Cluster.preset("dgx-h100", nodes=2)
-    p = plan(mixtral8x7b, cluster, global_batch_size=256, profile=None)
-    no_ep = plan(mixtral8x7b, cluster, global_batch_size=256, profile=None, force={"ep": 1})
+    eager = {"compiled": False}
+    p = plan(mixtral8x7b, cluster, global_batch_size=256, profile=None, force=eager)
+    no_ep = plan(mixtral8x7b, cluster, global_batch_size=256, profile=None,
+                 force={**eager, "ep": 1})
     assert p.config.ep > 1, p.config.short()
     assert p.predicted["step_time_s"] < no_ep.predicted["step_time_s"]
     from autoplan.planner.explain import explain_plan
