@@ -4,7 +4,7 @@ repeated layers (``layers.7``, ``transformer.h.3``), each a contiguous op range 
 A pipeline stage holds whole units (``estimate/partition``), the runtime installs one module per
 unit and compiles each on its own (``runtime/program_modules.split_layers``, regional
 compilation), and a compiled program's fused element-wise chains end at a unit's edge
-(``cost/compute.fused_traffic``): one definition of a layer for all three.
+(``cost/fused.compiled_regions``): one definition of a layer for all three.
 """
 
 from __future__ import annotations

@@ -55,10 +55,10 @@ def compiled_choice(opts: SearchOptions, cluster: Any) -> bool:
     """Whether the rank program runs ``torch.compile``'d (``ParallelConfig.compiled``): as
     forced (``--force compiled=true``), else not yet. Compiled layers cannot recompute
     selectively where they hold collectives (``selective_compiles``), and there eager selective
-    recomputation can win: on GPT-3 175B over 1,024 A100 the best compiled plan is priced
-    24.67 s, the best eager one 22.46 s, and with both families offered (``with_compilation``)
-    the search's closed-form screening still keeps the compiled one (its closed form is the
-    more optimistic). On by default needs autoplan's collectives traceable by torch.compile
+    recomputation can win (``with_compilation`` offers both). On GPT-3 175B over 1,024 A100
+    (global batch 1,536) the best compiled plan is priced 22.13 s (dp8 tp8 pp16, ZB-V x2, no
+    recomputation), the best eager one 23.98 s (dp16 tp4 pp16, DualPipeV x2, selective
+    recomputation in 80 of 96 layers). On by default needs autoplan's collectives traceable by torch.compile
     (one graph per layer, selective recomputation inside it), and a GPU run that shows the
     fused pricing holds."""
     return bool(opts.force.get("compiled", False))
