@@ -486,3 +486,27 @@ def test_a_compiled_program_runs_element_wise_chains_as_one_pass():
     cfg = ParallelConfig(dp=8, precision="bf16", compiled=True)
     assert ParallelConfig.from_dict(cfg.to_dict()) == cfg and "compiled" in cfg.short()
     assert "compiled" not in ParallelConfig(dp=8).to_dict()      # old plans read back as written
+
+
+def test_a_compiled_programs_chains_end_at_every_layers_edge():
+    """The runtime compiles each layer, and each run of ops between layers, as a region of its
+    own (``runtime/program_modules.split_outside``): a region reads its inputs and writes its
+    outputs, so no chain runs from one layer into the next. Every layer then prices alike
+    (Llama's first cast once read the embedding's output for free, the others' not), a layer's
+    last residual add writes its output and its first op reads its input."""
+    from autoplan.cost.compute import compute_model
+    from autoplan.cost.fused import compiled_regions, fused_traffic
+    from autoplan.estimate.partition import pipeline_units
+    ex = build_example("llama-tiny", device="meta", batch_size=1)
+    g = trace(ex.model, ex.example_inputs, loss_fn=ex.loss_fn, targets=ex.targets)
+    units, regions, traffic = pipeline_units(g), compiled_regions(g), fused_traffic(g)
+    assert len(units) >= 2
+    for u in units:
+        assert len(set(regions[u.start:u.stop])) == 1
+        assert regions[u.start - 1] != regions[u.start] != regions[u.stop]
+        ends = [i for i in range(u.start, u.stop) if i in traffic]
+        assert traffic[ends[0]].launches and traffic[ends[-1]].moved > 0.0
+    cm = compute_model(g, Cluster.preset("dgx-h100", nodes=1).device, "bf16", fused=True)
+    first = [cm.base_cost(i) for i in range(units[0].start, units[0].stop)]
+    for u in units[1:]:
+        assert [cm.base_cost(i) for i in range(u.start, u.stop)] == first, u.path

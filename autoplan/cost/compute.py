@@ -16,8 +16,11 @@ input gradients).
 
 A compiled program (``ParallelConfig.compiled``, ``fused=True``) runs each chain of element-wise
 ops, casts, norms and reductions as one kernel (what inductor does): an op of such a chain moves
-only the bytes that cross the chain's edge (``fused_traffic``), and only the chain's first op
-pays a launch. Products, attention and the loss are priced as before.
+only the bytes that cross the chain's edge (``cost/fused.fused_traffic``), and only the chain's
+first op pays a launch. The runtime compiles regionally (each layer, each run of ops between
+layers), so a chain ends at a region's edge (``fused.compiled_regions``): every layer of a block
+prices alike.
+Products, attention and the loss are priced as before.
 
 An eager program on a GPU runs each element-wise op, cast, norm and reduction as its own
 PyTorch kernel, and those reach less of the memory bandwidth than a large copy or inductor's
@@ -41,8 +44,8 @@ from autoplan.cluster.gemm_table import GemmShapeTable
 from autoplan.cost.dtypes import LOWER_PRECISION_OPS, autocast_on, value_itemsizes
 from autoplan.cost.float8 import (Float8Setting, cast_passes, convertible, float8_times,
                                   fp8_flops_per_s, gemm_speedup)
+from autoplan.cost.fused import FUSIBLE_KINDS, fused_traffic, identity_dropout
 from autoplan.cost.memory import PRECISION_BYTES
-from autoplan.graph.analysis import analyze
 from autoplan.graph.opgraph import Op, OpGraph, opname
 from autoplan.graph.products import product_spec
 
@@ -66,9 +69,10 @@ _VECTOR_FRACTION = 0.25
 # floor per kernel does not explain the rows: the GPT step would need 47 us per kernel (136 ms
 # over about 2,900 kernels), the Llama step 18 us, and these kernels run tens to hundreds of
 # microseconds each. Inductor's fused kernels (``fused_traffic``) keep the achieved rate: the
-# compiled steps are within 2-7 % of their prices with it. Plain eager PyTorch runs the HF
-# Llama 42 ms faster than autoplan's eager program (flash attention where the exported graph
-# passes SDPA a materialised causal mask), so its step is over-priced by this share.
+# compiled steps are within 1-5 % of their prices with it (HF Llama -0.6 %, GPT -4.5 %). Plain
+# eager PyTorch runs the HF Llama 42 ms faster than autoplan's eager program (flash attention
+# where the exported graph passes SDPA a materialised causal mask), so its step is over-priced
+# by this share.
 EAGER_ELEMENTWISE_SHARE = 0.70
 
 
@@ -272,70 +276,6 @@ def compute_model(graph: OpGraph, device: Any, precision: str, profile: Any = No
     return model
 
 
-# What torch.compile's inductor fuses: element-wise arithmetic, casts and copies, the
-# reductions and norms around them (a norm is reductions and element-wise ops to it), dropout.
-FUSIBLE_KINDS = frozenset({"pointwise", "norm", "dropout", "reduction", "copy", "creation"})
-
-
-@dataclass(frozen=True)
-class FusedTraffic:
-    """One fusible op as a compiled program runs it: the share of its traced bytes that
-    still moves through memory (inputs made outside its fused kernel, outputs read outside
-    it) and whether it opens a kernel of its own (a launch)."""
-
-    moved: float
-    launches: bool
-
-
-def fused_traffic(graph: OpGraph) -> dict[int, FusedTraffic]:
-    """Per fusible op (``FUSIBLE_KINDS``), its traffic in a compiled program: a chain of such
-    ops runs as one kernel that reads what the chain takes from outside (products' outputs,
-    weights, inputs) and writes what is read outside it, once; views pass through. Kept on the
-    graph."""
-    cached = graph.__dict__.get("_autoplan_fused")
-    if cached is not None:
-        return cached
-    a = analyze(graph)
-    ops = graph.ops
-
-    def source(n: str) -> int | None:       # the op that computed n, through views
-        i = a.producer.get(n)
-        while i is not None and ops[i].kind == "view" and ops[i].inputs:
-            i = a.producer.get(ops[i].inputs[0])
-        return i
-
-    def readers(n: str) -> list[int]:       # the ops that read n, through views
-        out: list[int] = []
-        for j in a.consumers.get(n, ()):
-            if ops[j].kind == "view":
-                for o in ops[j].outputs:
-                    out += readers(o)
-            else:
-                out.append(j)
-        return out
-    fused = {i for i, op in enumerate(ops) if op.kind in FUSIBLE_KINDS}
-    outputs = set(graph.outputs)
-    out: dict[int, FusedTraffic] = {}
-    for i in fused:
-        op = ops[i]
-        total = moved = 0.0
-        inside = True
-        for n in op.inputs:
-            b = graph.value(n).meta.nbytes
-            total += b
-            if source(n) not in fused:
-                moved += b
-                inside = False
-        for n in op.outputs:
-            b = graph.value(n).meta.nbytes
-            total += b
-            if n in outputs or not readers(n) or any(j not in fused for j in readers(n)):
-                moved += b
-        out[i] = FusedTraffic(moved=moved / total if total else 1.0,
-                              launches=not inside or not op.inputs)
-    graph.__dict__["_autoplan_fused"] = out
-    return out
-
 
 class ComputeModel:
     """Op times for one (device, precision), optionally backed by a measured ProfileDB."""
@@ -420,7 +360,7 @@ class ComputeModel:
 
     def _roofline(self, op: Op, index: int = -1) -> OpCost:
         tp = self.tput
-        if op.kind in _FREE_KINDS or op.kind == "dropout" and _identity_dropout(op):
+        if op.kind in _FREE_KINDS or op.kind == "dropout" and identity_dropout(op):
             # a view is a few microseconds of dispatch on CPU, nothing on a GPU
             t = tp.launch_s * 0.25 if tp.device_kind == "cpu" else 0.0
             return OpCost(fwd_s=t, bwd_s=0.0)
@@ -611,15 +551,3 @@ def _cross_entropy_bytes(graph: OpGraph, op: Op, precision: str) -> tuple[float,
     n = graph.value(op.inputs[0]).meta.numel
     cast = 0.0 if PRECISION_BYTES[precision] >= 4 else PRECISION_BYTES[precision] + 4.0
     return (cast + 16.0) * n, (cast + 20.0) * n
-
-
-def _identity_dropout(op: Op) -> bool:
-    """Dropout with p = 0 (or not training) returns its input: torch launches no kernel."""
-    try:
-        call = json.loads(op.args)
-        args, kwargs = call.get("args", []), call.get("kwargs", {})
-        p = args[1] if len(args) > 1 else kwargs.get("p", 0.5)
-        train = args[2] if len(args) > 2 else kwargs.get("train", True)
-        return float(p) == 0.0 or train is False
-    except (ValueError, TypeError, AttributeError, IndexError):
-        return False

@@ -156,9 +156,10 @@ def _add_compute(choice: _Choice, tally: _Tally, i: int, s: OpStrategy,
     """Op ``i``'s kernel seconds under ``s`` (its batch, expert load and cp share), the forward
     again in backward where the policy replays it; returns the op's cost. Its instances
     (``copies``) are priced as the estimate prices them (``partition.priced_ops``): where
-    they cost differently (a compiled program's first layer, whose input comes from outside
-    the fused chains), at their mean, each instance's difference from it kept in
-    ``tally.extra`` (what a pipeline rank's share of the node adds, ``problem``). The cost
+    they cost differently, at their mean, each instance's difference from it kept in
+    ``tally.extra`` (what a pipeline rank's share of the node adds, ``problem``; a compiled
+    program's first layer no longer differs: its fused chains end at every layer's edge,
+    ``cost.fused.compiled_regions``). The cost
     returned is the mean: ring attention hides its passes behind it, exact while attention,
     no fused op, costs alike in every instance."""
     ctx = choice.ctx
