@@ -8,9 +8,12 @@
 #   full-step.json  the 1.7B validation row's whole step (benchmarks/gpu_full_step.py)
 #   fp8.txt, fp8.json  fp8 plans: the GPU test against torchao by hand, and bf16 against fp8
 #                   step times of HF Llama 0.89B (benchmarks/gpu_fp8.py); only with PARTS=...fp8
+#   calibrate.txt, profiles/  `autoplan calibrate` of a one-GPU GPT-3 1.3B plan (eager, bf16):
+#                   its phases read off the CUDA kernels, and this GPU's refit profile; only
+#                   with PARTS=...calibrate (its time is unmeasured: a limit of 180 s)
 #   gpu-check.json, gpu-check.md   all of it, and one table
 #
-#   usage: [PARTS="zoo speed emulate full fp8"] bash benchmarks/gpu_check.sh OUTDIR
+#   usage: [PARTS="zoo speed emulate full fp8 calibrate"] bash benchmarks/gpu_check.sh OUTDIR
 # PARTS picks the parts (default: zoo speed emulate full, about 8 minutes on an H200; fp8 adds 1).
 # On the first H200 run (benchmarks/data/h200-gpu-check-20261127) compiling took most of the
 # speed part: HF Llama's four variants 171 s, GPT-3 1.3B's 271 s.
@@ -38,5 +41,6 @@ has speed && step timeout 320 $py benchmarks/gpu_check.py speed --steps 5 --out 
 has emulate && step timeout 60 $py benchmarks/gpu_check.py emulate --out "$out/emulate.json"
 has full && step timeout 30 $py benchmarks/gpu_full_step.py --measure "$out/full-step.json"
 has fp8 && step timeout 60 bash -c "$py -m pytest -q -p no:cacheprovider tests/test_fp8_precision.py -k one_gpu > '$out/fp8.txt' 2>&1; $py benchmarks/gpu_fp8.py --steps 4 --out '$out/fp8.json'"
+has calibrate && step timeout 180 bash -c "export AUTOPLAN_PROFILE_DIR='$out/profiles'; $py -m autoplan.cli.main plan gpt3-1.3b --cluster local:1 --global-batch 8 --precision bf16 --force compiled=false --force micro_batch_size=4 -q -o '$out/calibrate-plan.json' && $py -m autoplan.cli.main calibrate '$out/calibrate-plan.json' --model gpt3-1.3b --steps 3 --warmup 2 > '$out/calibrate.txt' 2>&1"
 $py benchmarks/gpu_check.py table "$out/zoo.json" "$out/speed.json" "$out/emulate.json" \
   "$out/full-step.json" --out "$out/gpu-check.json"

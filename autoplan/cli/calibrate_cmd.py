@@ -23,6 +23,18 @@ Ranks that outnumber the cores ran with a share of a core: the figures are kept 
 (``Cluster.local`` scales them by the share of the run it describes). They are written to this
 CPU's profile, which later `plan`, `estimate` and `Cluster.local()` pick up; the plans are then
 re-estimated with them.
+
+On a machine with CUDA the plans are for its GPUs (``--cluster local:N``, one GPU a rank) and
+what is read is the GPUs' own timeline: the profiled CUDA kernels, each attributed to the CPU
+op that launched it (``runtime/step_trace.py``). The phases are the GPU's time (``other``: where
+it waited), and the refit is over the kernels (``cost.refit.refit_device``): the products' rate
+in the profile's matmul dtype (its fraction of the datasheet peak is printed), the bandwidth the
+eager element-wise kernels reach, as a large copy's (divided by the share the plan priced them
+at), a kernel's fixed time on the device, the optimizer's GPU time per parameter, and the
+residual per op and pass. NCCL's links are not refitted (they come from ``cost_models/links.yaml``;
+with one GPU there are none). The figures go to this GPU's profile (``autoplan profile --device
+cuda`` makes one; without one its device figures are measured first), which planning for this
+GPU then prices with in place of the datasheet.
 """
 
 from __future__ import annotations
@@ -68,8 +80,15 @@ class Measured:
     unprofiled_s: float | None
 
     @property
+    def cuda(self) -> bool:
+        """Whether the ranks ran on GPUs (their records hold the kernels)."""
+        return self.records[0].get("device") == "cuda"
+
+    @property
     def share(self) -> float:
-        """The share of a core each rank had."""
+        """The share of a core each rank had (a whole GPU each on CUDA)."""
+        if self.cuda:
+            return 1.0
         threads = max(1, int(self.records[0].get("threads", 1)))
         return min(1.0, (os.cpu_count() or 1) / (self.plan.config.world_size * threads))
 
@@ -81,11 +100,6 @@ def run(args: argparse.Namespace) -> int:
         raise PlanError("--steps takes at least 2 (a fit needs a spread), --warmup at least 1")
     from autoplan.cli.common import output_arg
     output_arg(args.output, "-o")             # before the runs, which take minutes
-    import torch
-    if torch.cuda.is_available():
-        raise PlanError("calibrate measures CPU ranks so far: on GPUs the kernels run on CUDA "
-                        "streams, which its attribution does not read yet; use `autoplan "
-                        "profile --device cuda` for the device figures")
     runs = []
     plans = [(path, plan_from_file(path)) for path in args.plans]   # all read before any run
     for path, plan in plans:
@@ -131,13 +145,14 @@ def _measure(path: str, plan: Any, args: argparse.Namespace) -> Measured | None:
 def _report(m: Measured) -> dict[str, float]:
     """Print one plan's phases, predicted next to measured; the measured ones."""
     from autoplan.estimate.attribution import attribute, measured_summary, predicted_phases
-    phases = [attribute(r["events"], r["step_s"]) for r in m.records]
+    phases = [attribute(timeline(r), r["step_s"]) for r in m.records]
     slowest = max(range(len(phases)), key=lambda i: phases[i].step_s)
     measured = measured_summary(phases[slowest])
     predicted = predicted_phases(m.plan.predicted)
     cfg = m.plan.config
+    each = "one GPU each, its kernels" if m.cuda else f"{m.share:.2f} of a core each"
     print(f"\n  dp{cfg.dp} tp{cfg.tp} pp{cfg.pp} zero{cfg.zero_stage} mbs{cfg.micro_batch_size} "
-          f"on {cfg.world_size} rank(s), {m.share:.2f} of a core each")
+          f"on {cfg.world_size} rank(s), {each}")
     print(f"  phase (rank {slowest}, per step)   predicted    measured   measured/predicted")
     for k in ("compute", "collectives", "p2p", "optimizer", "other", "step"):
         p, x = predicted[k], measured[k]
@@ -152,9 +167,23 @@ def _report(m: Measured) -> dict[str, float]:
     return measured
 
 
+def timeline(record: dict[str, Any]) -> list[dict[str, Any]]:
+    """The events a rank's phases are read from: its GPU's kernels on CUDA, else its ops."""
+    return record["kernels"] if record.get("device") == "cuda" else record["events"]
+
+
 def report_and_refit(runs: list[Measured], *, output: str | None, dry_run: bool) -> int:
+    from autoplan.errors import PlanError
+    if len({m.cuda for m in runs}) > 1:
+        raise PlanError("calibrate: some plans ran on GPUs and some on CPU ranks; give plans "
+                        "for one kind of device at a time")
     summaries = [_report(m) for m in runs]
-    fits = refit(runs, [s["optimizer_max"] for s in summaries], _current_size_curve())
+    optimizer_s = [s["optimizer_max"] for s in summaries]
+    if runs[0].cuda:
+        from autoplan.cli.calibrate_cuda import refit_cuda
+        fits = refit_cuda(runs, optimizer_s)
+    else:
+        fits = refit(runs, optimizer_s, _current_size_curve())
     if dry_run:
         _print_fits(fits)
         return 0
@@ -163,7 +192,8 @@ def report_and_refit(runs: list[Measured], *, output: str | None, dry_run: bool)
     if link is not None:     # the link itself first; the waits come from the steps below
         fits["link"] = dataclasses.replace(link, latency_s=link.latency_s - link.wait_s,
                                            wait_s=0.0)
-    floor = _current_framework_s_per_op()      # the first-use measurement, if any
+    floor = (fits["base"].calibration.framework_s_per_op if "base" in fits
+             else _current_framework_s_per_op())      # the first-use measurement, if any
     path = write_profile(fits, output)
     base = [_estimate_here(m.plan) for m in runs]
     if all(b is not None for b in base):
@@ -308,6 +338,10 @@ def _group(kind: str, cfg: Any) -> int:
 
 
 def _print_fits(fits: dict[str, Any]) -> None:
+    if "base" in fits:
+        from autoplan.cli.calibrate_cuda import print_cuda_fits
+        print_cuda_fits(fits)
+        return
     c, link = fits["compute"], fits["link"]
 
     def show(x: float | None, scale: float, unit: str) -> str:
@@ -333,7 +367,11 @@ def _print_fits(fits: dict[str, Any]) -> None:
 
 
 def write_profile(fits: dict[str, Any], output: str | None) -> str:
-    """This CPU's profile with the refit figures (its measured ops kept)."""
+    """This CPU's profile with the refit figures (its measured ops kept); this GPU's where
+    the fits are a GPU's."""
+    if "base" in fits:
+        from autoplan.cli.calibrate_cuda import write_cuda_profile
+        return write_cuda_profile(fits, output)
 
     from autoplan.cluster.local import auto_calibration, local_cpu_device_name
     from autoplan.machine.first_use import rank_calibration_db

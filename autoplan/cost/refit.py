@@ -14,6 +14,14 @@ calibrate`).
   gives the link's figures. A blocking transfer's time also holds the wait for its latest peer
   (the ranks' jitter, a core shared with another rank's threads), which a step pays on every
   transfer: its mean per message step is added to the latency.
+- On a GPU (``refit_device``) the same two lines over the GPU's kernels, each timed on the
+  device and sized by the op that launched it in its own dtypes: the products in the dtype the
+  profile's rate is for (another dtype's products run at another rate), the memory-bound
+  kernels by the bytes of their dtypes. The eager program's element-wise kernels reach
+  ``eager_elementwise_share`` of the bandwidth the profile holds (a large copy's, which the
+  pricing scales by that share), so the fitted bandwidth is divided by the share the plan was
+  priced with. The launch figure is a kernel's fixed time on the device (the smallest tenth's
+  median), which is what a step pays per kernel while the host launches ahead of it.
 Each fit needs a spread of sizes; with too few points (or a fit that comes out non-physical)
 the coefficient is reported as not fitted and the old one is kept.
 """
@@ -191,3 +199,58 @@ def refit_link(samples: Sequence[tuple[float, float, float]],
     wait = max(0.0, sum(waits) / len(waits)) if waits else 0.0
     return LinkFit(latency_s=latency + wait, bandwidth_bytes_per_s=1.0 / inv_bw,
                    points=len(samples), sizes=len(envelope), wait_s=wait, bandwidth_kept=kept)
+
+
+# bytes per element of the dtypes ``runtime/step_trace.py`` records
+DTYPE_BYTES = {"float64": 8, "int64": 8, "float32": 4, "int32": 4, "bfloat16": 2, "float16": 2,
+               "int16": 2, "int8": 1, "uint8": 1, "bool": 1, "float8_e4m3fn": 1,
+               "float8_e5m2": 1}
+
+
+def typed_bytes(shapes: Sequence[Sequence[int]], dtypes: Sequence[str | None]) -> float | None:
+    """``op_bytes`` in the inputs' own dtypes: the inputs read, an output the size of the
+    largest written; None when a tensor's dtype is not known."""
+    sizes = []
+    for shape, dtype in zip(shapes, dtypes):
+        if not shape:
+            continue
+        if dtype not in DTYPE_BYTES:
+            return None
+        sizes.append(_numel(shape) * DTYPE_BYTES[dtype])
+    return float(sum(sizes) + max(sizes)) if sizes else None
+
+
+def refit_device(kernels: Iterable[Mapping[str, Any]], size_curve: Sequence[tuple[float, float]],
+                 matmul_dtype: str, elementwise_share: float = 1.0) -> ComputeFit:
+    """Achieved matmul rate (of ``matmul_dtype`` products, on ``size_curve``), memory
+    bandwidth (as a large copy's: the fit over the memory-bound kernels divided by
+    ``elementwise_share``) and a kernel's fixed time, from a GPU's kernel events
+    (``runtime/step_trace.device_kernels``)."""
+    if not 0 < elementwise_share <= 1:
+        raise ValueError(f"elementwise_share must be in (0, 1], got {elementwise_share!r}")
+    mm_x, mm_y, mem_x, mem_y = [], [], [], []
+    for e in kernels:
+        if not e.get("leaf"):               # the optimizer's and the collectives' kernels
+            continue
+        shapes, dtypes = e.get("shapes", []), e.get("dtypes", [])
+        if e.get("kind") == "matmul":
+            f = matmul_flops(e["name"], shapes)
+            if f is None or not dtypes or dtypes[-1] != matmul_dtype:
+                continue                    # attention, another dtype's products
+            size = matmul_size(e["name"], shapes)
+            mm_x.append(f / size_efficiency(size_curve, size))
+            mm_y.append(e["dur_s"])
+        elif e.get("kind") == "other":
+            b = typed_bytes(shapes, dtypes)
+            if b:
+                mem_x.append(b)
+                mem_y.append(e["dur_s"])
+    mm = fit_line(mm_x, mm_y)
+    mem = fit_line(mem_x, mem_y)
+    small = sorted(zip(mem_x, mem_y))[:max(1, len(mem_x) // 10)]
+    launch = sorted(t for _, t in small)[len(small) // 2] if small else None
+    return ComputeFit(matmul_flops_per_s=1.0 / mm[1] if mm and mm[1] > 0 else None,
+                      memory_bandwidth_bytes_per_s=(1.0 / mem[1] / elementwise_share
+                                                    if mem and mem[1] > 0 else None),
+                      launch_s=launch if launch and launch > 0 else None,
+                      points={"matmul": len(mm_x), "memory": len(mem_x)})

@@ -13,6 +13,11 @@ name, thread, start, duration, leaf flag). Per step, on the rank's main thread:
 - ``other``: the rest of the measured step (framework overhead, waiting on a pipeline's
   neighbour: the bubble, Python), so that the phases add up to the step.
 
+On a CUDA rank the events are the GPU's kernels (``step_trace.device_kernels``: one timeline,
+each kernel named for the op that launched it, ``kind`` saying whether it is a product's), so the
+phases are the GPU's time: ``other`` is then where the GPU waited (for the host to launch, for
+a pipeline's neighbour).
+
 ``predicted_phases`` maps a plan's ``predicted.time`` onto the same phases.
 """
 
@@ -120,7 +125,8 @@ def attribute(events: Sequence[Mapping[str, Any]], step_s: Sequence[float]) -> P
         if kind is not None:
             comm.setdefault(kind, []).append(iv)
         elif e.get("leaf") and e["thread"] == main:
-            compute["matmul" if e["name"] in MATMUL_OPS else "other"].append(iv)
+            matmul = e["kind"] == "matmul" if "kind" in e else e["name"] in MATMUL_OPS
+            compute["matmul" if matmul else "other"].append(iv)
     opt_u = _union(opt)
     comp_u = {k: _minus(_union(v), opt_u) for k, v in compute.items()}
     busy = _union([iv for v in comp_u.values() for iv in v] + opt_u)
