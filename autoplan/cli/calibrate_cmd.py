@@ -192,8 +192,9 @@ def report_and_refit(runs: list[Measured], *, output: str | None, dry_run: bool)
     if link is not None:     # the link itself first; the waits come from the steps below
         fits["link"] = dataclasses.replace(link, latency_s=link.latency_s - link.wait_s,
                                            wait_s=0.0)
-    floor = (fits["base"].calibration.framework_s_per_op if "base" in fits
-             else _current_framework_s_per_op())      # the first-use measurement, if any
+    # the first-use measurement, if any (a GPU has none: a calibration's residual from an
+    # earlier run is refitted, not kept as a floor)
+    floor = 0.0 if "base" in fits else _current_framework_s_per_op()
     path = write_profile(fits, output)
     base = [_estimate_here(m.plan) for m in runs]
     if all(b is not None for b in base):
