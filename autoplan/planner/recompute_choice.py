@@ -48,8 +48,8 @@ _PINNED = ("recompute", "stage_recompute", "layer_recompute")
 def refine_recompute(sc: SearchContext, cands: list[Candidate], *, finalists: int = 4
                      ) -> list[Candidate]:
     """``cands`` and, for the ``finalists`` fastest fitting ones that recompute (of the compiled
-    and of the eager ones each), the same
-    configuration with its recomputation chosen per layer, where that differs. A compiled
+    and of the eager ones each), the same configuration with its recomputation chosen per
+    layer, where that differs. A compiled
     configuration chooses among the policies its compiled layers run (``compiled_policies``);
     where compilation is not forced, its eager twin is refined too with offload per layer
     (``layer_offload_offered``), which the compiled layers cannot take."""
@@ -150,8 +150,8 @@ def stage_chain(ci: CostInputs, chunks: Any, mine: tuple[int, ...], stage: Any,
                 first: list[int], *, offload: bool = False,
                 policies: tuple[str, ...] = RECOMPUTE) -> tuple[list[ChainLayer], list[int]]:
     """The chain of a stage's layers (its chunks', in order) and their model-order indices,
-    each with an option per policy of ``policies``; every option's working set floored at the largest outside the layers; with ``offload``,
-    the offloaded twin of each policy the hooks reach (where it moves any bytes)."""
+    each with an option per policy of ``policies``; every option's working set floored at the
+    largest outside the layers; with ``offload``, the offloaded twin of each policy the hooks reach (where it moves any bytes)."""
     floor = 0.0
     for k in mine:
         for s, e, is_layer in chunk_parts(chunks[k]):

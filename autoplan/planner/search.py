@@ -378,7 +378,7 @@ def _cost_mesh(sc: SearchContext, shape: Any, cfg: ParallelConfig, m: int, layer
     with the experts' exchanges priced where ep > 1). The search's own family (``cfg.compiled``)
     goes first; its eager twins (``search_space.with_compilation``: what compiled layers cannot
     run, selective recomputation under collectives and activation offload) follow, less those
-    a fitting compiled config beats outright (``_needs_eager``)."""
+    a fitting compiled config beats outright (``_beaten_twins``)."""
     policies = search_space.policies(cfg, sc.opts, sc.cluster, sc.graph,
                               search_space.schedules(cfg, m, layers, sc.opts))
     where = f"mesh {shape.describe()} mbs {cfg.micro_batch_size}"
@@ -387,7 +387,8 @@ def _cost_mesh(sc: SearchContext, shape: Any, cfg: ParallelConfig, m: int, layer
                                key=lambda k: (k[1] != cfg.compiled, k[0])):
         group = [c for c in policies if c.ep == ep and c.compiled == compiled]
         if compiled != cfg.compiled:
-            group = [c for c in group if _needs_eager(c, found)]
+            beaten = _beaten_twins(found)
+            group = [c for c in group if _plain(c) not in beaten]
         ecfg = replace(cfg, ep=ep, compiled=compiled)
         got = _family_sharding(sc, shape, ecfg, m, shared, where) if group else None
         if got is not None:
@@ -395,15 +396,14 @@ def _cost_mesh(sc: SearchContext, shape: Any, cfg: ParallelConfig, m: int, layer
     return found
 
 
-def _needs_eager(c: ParallelConfig, found: list[Candidate]) -> bool:
-    """Whether eager ``c`` could beat the compiled configs ``found``: not where a compiled
-    twin fits recomputing and offloading nothing, at ``c``'s ZeRO stage or another of 0-2
-    (which move the same bytes: an all-reduce is a reduce-scatter and an all-gather). That
-    one is no slower than ``c`` (compiled prices are no higher, on a sharding solved for them)
-    and recomputation and offload only add time, so ``c`` would be there only to save memory
-    that is not short."""
-    return not any(x.est.fits and _plain(x.est.config) == _plain(c) and _keeps_all(x.est.config)
-                   for x in found)
+def _beaten_twins(found: list[Candidate]) -> set[tuple]:
+    """The ``_plain`` keys of the eager configs the compiled ones ``found`` beat outright: where
+    a compiled config fits recomputing and offloading nothing, at the eager one's ZeRO stage or
+    another of 0-2 (which move the same bytes: an all-reduce is a reduce-scatter and an
+    all-gather). That one is no slower (compiled prices are no higher, on a sharding solved for
+    them) and recomputation and offload only add time, so the eager twin would be there only to
+    save memory that is not short."""
+    return {_plain(x.est.config) for x in found if x.est.fits and _keeps_all(x.est.config)}
 
 
 def _keeps_all(c: ParallelConfig) -> bool:
@@ -419,7 +419,7 @@ def _plain(c: ParallelConfig) -> tuple:
     skip = {"compiled", "recompute", "offload_activations", "layer_recompute", "layer_offload",
             "stage_recompute", "chunk_layers", "sequence_parallel", "tp_comm_overlap",
             "zero_stage"}
-    return (min(c.zero_stage, 3 if c.zero_stage > 2 else 0),
+    return (3 if c.zero_stage == 3 else 0,
             *(getattr(c, f.name) for f in fields(c) if f.name not in skip))
 
 
