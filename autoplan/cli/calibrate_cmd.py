@@ -377,6 +377,7 @@ def write_profile(fits: dict[str, Any], output: str | None) -> str:
     from autoplan.cluster.local import auto_calibration, local_cpu_device_name
     from autoplan.machine.first_use import rank_calibration_db
     from autoplan.cluster.profile_db import ProfileDB
+    from autoplan.cost.refit import calibration_changes
     device = local_cpu_device_name()
     base = ProfileDB.find(device)
     if base is None:
@@ -392,19 +393,8 @@ def write_profile(fits: dict[str, Any], output: str | None) -> str:
                   f"thread(s), the ranks ran {fits['threads']}: they are left out of the new "
                   "profile (re-measure them with `autoplan profile`)", file=sys.stderr)
         base = dataclasses.replace(base, threads=fits["threads"], entries={})
-    c = fits["compute"]
     cal = base.calibration
-    changes: dict[str, float] = {}
-    if c.matmul_flops_per_s:
-        changes["matmul_flops_per_s"] = c.matmul_flops_per_s
-    if c.memory_bandwidth_bytes_per_s:
-        changes["memory_bandwidth_bytes_per_s"] = c.memory_bandwidth_bytes_per_s
-    if c.launch_s:
-        changes["launch_s"] = c.launch_s
-    if fits.get("framework_s_per_op") is not None:
-        changes["framework_s_per_op"] = fits["framework_s_per_op"]
-    if fits.get("optimizer_s_per_param"):
-        changes["optimizer_s_per_param"] = max(1e-12, fits["optimizer_s_per_param"])
+    changes = calibration_changes(fits, optimizer_floor_s_per_param=1e-12)
     links = dict(base.links)
     if fits["link"] is not None:
         links["loopback"] = {"bandwidth_bytes_per_s": fits["link"].bandwidth_bytes_per_s,

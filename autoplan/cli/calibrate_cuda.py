@@ -103,18 +103,9 @@ def print_cuda_fits(fits: dict[str, Any]) -> None:
 def write_cuda_profile(fits: dict[str, Any], output: str | None) -> str:
     """This GPU's profile with the refit figures (its measured ops and the rest kept)."""
     from autoplan.cluster.profile_db import ProfileDB
-    base, c = fits["base"], fits["compute"]
-    changes: dict[str, float] = {}
-    if c.matmul_flops_per_s:
-        changes["matmul_flops_per_s"] = c.matmul_flops_per_s
-    if c.memory_bandwidth_bytes_per_s:
-        changes["memory_bandwidth_bytes_per_s"] = c.memory_bandwidth_bytes_per_s
-    if c.launch_s:
-        changes["launch_s"] = c.launch_s
-    if fits.get("framework_s_per_op") is not None:
-        changes["framework_s_per_op"] = fits["framework_s_per_op"]
-    if fits.get("optimizer_s_per_param"):
-        changes["optimizer_s_per_param"] = max(1e-15, fits["optimizer_s_per_param"])
+    from autoplan.cost.refit import calibration_changes
+    base = fits["base"]
+    changes = calibration_changes(fits, optimizer_floor_s_per_param=1e-15)
     sources = tuple(base.sources)
     if "autoplan calibrate" not in sources:
         sources += ("autoplan calibrate",)

@@ -150,14 +150,23 @@ def refit_compute(events: Iterable[Mapping[str, Any]], thread: Any,
             if b > 0:
                 mem_x.append(b)
                 mem_y.append(e["dur_s"])
+    return _compute_fit(mm_x, mm_y, mem_x, mem_y)
+
+
+def _compute_fit(mm_x: Sequence[float], mm_y: Sequence[float], mem_x: Sequence[float],
+                 mem_y: Sequence[float], elementwise_share: float = 1.0) -> ComputeFit:
+    """The rates fitted to products (size-scaled FLOPs -> seconds) and memory-bound ops
+    (bytes -> seconds): the bandwidth divided by ``elementwise_share``, the share of it the
+    kernels were priced to reach; and the fixed cost of one kernel: the median of the smallest
+    tenth (by bytes), whose moving time is negligible (a fit's intercept is too sensitive to
+    the large kernels)."""
     mm = fit_line(mm_x, mm_y)
     mem = fit_line(mem_x, mem_y)
-    # the fixed cost of one kernel: the median of the smallest tenth (by bytes), whose moving
-    # time is negligible (a fit's intercept is too sensitive to the large kernels)
     small = sorted(zip(mem_x, mem_y))[:max(1, len(mem_x) // 10)]
     launch = sorted(t for _, t in small)[len(small) // 2] if small else None
     return ComputeFit(matmul_flops_per_s=1.0 / mm[1] if mm and mm[1] > 0 else None,
-                      memory_bandwidth_bytes_per_s=1.0 / mem[1] if mem and mem[1] > 0 else None,
+                      memory_bandwidth_bytes_per_s=(1.0 / mem[1] / elementwise_share
+                                                    if mem and mem[1] > 0 else None),
                       launch_s=launch if launch and launch > 0 else None,
                       points={"matmul": len(mm_x), "memory": len(mem_x)})
 
@@ -245,12 +254,26 @@ def refit_device(kernels: Iterable[Mapping[str, Any]], size_curve: Sequence[tupl
             if b:
                 mem_x.append(b)
                 mem_y.append(e["dur_s"])
-    mm = fit_line(mm_x, mm_y)
-    mem = fit_line(mem_x, mem_y)
-    small = sorted(zip(mem_x, mem_y))[:max(1, len(mem_x) // 10)]
-    launch = sorted(t for _, t in small)[len(small) // 2] if small else None
-    return ComputeFit(matmul_flops_per_s=1.0 / mm[1] if mm and mm[1] > 0 else None,
-                      memory_bandwidth_bytes_per_s=(1.0 / mem[1] / elementwise_share
-                                                    if mem and mem[1] > 0 else None),
-                      launch_s=launch if launch and launch > 0 else None,
-                      points={"matmul": len(mm_x), "memory": len(mem_x)})
+    return _compute_fit(mm_x, mm_y, mem_x, mem_y, elementwise_share)
+
+
+def calibration_changes(fits: Mapping[str, Any], *, optimizer_floor_s_per_param: float
+                        ) -> dict[str, float]:
+    """The profile's ``Calibration`` fields a calibration's ``fits`` replace (its
+    ``ComputeFit`` under "compute", the framework residual and the optimizer's time per
+    parameter), each only where it was fitted; the optimizer's floored at
+    ``optimizer_floor_s_per_param``."""
+    c = fits["compute"]
+    changes: dict[str, float] = {}
+    if c.matmul_flops_per_s:
+        changes["matmul_flops_per_s"] = c.matmul_flops_per_s
+    if c.memory_bandwidth_bytes_per_s:
+        changes["memory_bandwidth_bytes_per_s"] = c.memory_bandwidth_bytes_per_s
+    if c.launch_s:
+        changes["launch_s"] = c.launch_s
+    if fits.get("framework_s_per_op") is not None:
+        changes["framework_s_per_op"] = fits["framework_s_per_op"]
+    if fits.get("optimizer_s_per_param"):
+        changes["optimizer_s_per_param"] = max(optimizer_floor_s_per_param,
+                                               fits["optimizer_s_per_param"])
+    return changes
