@@ -21,6 +21,7 @@ from typing import Any
 
 from autoplan.cluster.topology_view import (KIND_NAMES, AxisGroup, edge_use, fmt_ranks, gbps,
                                             shown_nodes)
+from autoplan import plotting
 from autoplan.errors import ClusterError
 
 UNIT_IN = 0.42                      # inches per layout unit (one device slot)
@@ -38,13 +39,7 @@ SHORT = {"nvswitch": "NVSwitch", "pcie_switch": "PCIe", "socket": "CPU", "nic": 
 
 
 def _pyplot() -> Any:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError as e:
-        raise ClusterError("drawing needs matplotlib: pip install 'autoplan[plot]'") from e
-    return plt
+    return plotting.pyplot(ClusterError)
 
 
 @dataclass(frozen=True)

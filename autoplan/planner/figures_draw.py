@@ -9,6 +9,7 @@ from __future__ import annotations
 import textwrap
 from typing import Any
 
+from autoplan import plotting
 from autoplan.errors import PlanError
 from autoplan.planner.explain import fmt_bytes, fmt_s
 from autoplan.planner.figures import (BLOCK_COLORS, BLOCK_NAMES, PARTS, MemoryFigure, Part,
@@ -20,13 +21,7 @@ GIB = 2 ** 30
 
 
 def pyplot() -> Any:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError as e:
-        raise PlanError("drawing needs matplotlib: pip install 'autoplan[plot]'") from e
-    return plt
+    return plotting.pyplot(PlanError)
 
 
 def _ink(color: str) -> str:
