@@ -220,6 +220,15 @@ def test_plan_command_prints_the_front_and_draws_it(tmp_path, capsys):
     pytest.importorskip("matplotlib")
     png = tmp_path / "p.pareto.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    again = tmp_path / "again.png"          # inspect draws the same front from the plan file
+    assert main(["inspect", str(out), "--pareto", str(again)]) == 0
+    assert f"wrote {again}" in capsys.readouterr().out
+    assert again.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    plain = tmp_path / "plain.json"
+    assert main(["plan", "gpt-tiny", "--cluster", "dgx-h100/1", "--global-batch", "16",
+                 "-q", "-o", str(plain)]) == 0
+    assert main(["inspect", str(plain), "--pareto", str(again)]) == 1
+    assert "holds no objectives search to draw" in capsys.readouterr().err
     assert main(["plan", "gpt-tiny", "--cluster", "dgx-h100/1", "--global-batch", "16",
                  "--deadline", "3", "-q", "-o", str(out)]) == 1
     assert "--deadline bounds a whole run" in capsys.readouterr().err

@@ -44,19 +44,29 @@ def _add_figure_args(p: argparse.ArgumentParser) -> None:
                         "(rank 0's TP, CP, EP, DP and PP groups outlined, the links they "
                         "cross), and print per axis the group size, rank 0's group, the links "
                         "and their bandwidth; the cluster is the plan's preset or --cluster")
+    p.add_argument("--pareto", metavar="PNG",
+                   help="draw the plan's objectives search (run time against cost and against "
+                        "energy, one point per device count, the Pareto front filled) to this "
+                        "file; the plan must come from `autoplan plan` with --objective cost or "
+                        "energy, --max-gpus, --tokens, --deadline or --budget-usd")
 
 
 def run(args: argparse.Namespace) -> int:
     from autoplan.errors import AutoplanError
     from autoplan.planner.planfile import plan_from_file
     for flag, path in (("--timeline", args.timeline), ("--memory", args.memory),
-                       ("--topology", args.topology)):
+                       ("--topology", args.topology), ("--pareto", args.pareto)):
         if path is not None:
             output_arg(path, flag, figure_suffixes())
     if args.cluster and not (args.model or args.topology):
         raise AutoplanError("--cluster is the plan's cluster for the comparison with "
                             "Megatron-LM or for --topology: give --model or --topology too")
     plan = plan_from_file(args.plan)
+    if args.pareto and plan.objectives is None:
+        from autoplan.errors import PlanError
+        raise PlanError(f"{args.plan} holds no objectives search to draw: plan it with "
+                        "`autoplan plan ... --objective cost` (or energy, or with --max-gpus, "
+                        "--tokens/--deadline, --budget-usd), then inspect that plan")
     cluster = _plan_cluster(args, plan) if args.topology else None
     if args.json:
         sys.stdout.write(plan.to_json())
@@ -127,3 +137,7 @@ def _write_figures(args: argparse.Namespace, plan) -> None:
     if args.memory:
         figures.draw_memory(plan, args.memory)
         print(f"wrote {args.memory}")
+    if args.pareto:
+        from autoplan.planner.objectives_figure import draw_front
+        draw_front(plan.objectives, args.pareto)
+        print(f"wrote {args.pareto}")

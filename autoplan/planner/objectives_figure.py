@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from autoplan.planner.figures_draw import WIDTH_IN, pyplot, save_figure
-from autoplan.planner.objectives_report import JOULES_PER_KWH
+from autoplan.planner.objectives_report import JOULES_PER_KWH, gpus_text
 
 FRONT, BEATEN, EXCLUDED, CHOSEN = "#2E4A7D", "#8C8C8C", "#C44E52", "#F28E2B"
 
@@ -79,9 +79,9 @@ def draw_front(sec: Mapping[str, Any], path: str) -> None:
         _panel(ax, sec, key, scale, label, tdiv, tname)
     per = f"{sec['tokens']:,} tokens" if "tokens" in sec else "one step"
     won = sec.get("winners", {})
-    wins = ", ".join(f"{k}: {won[k]} GPUs" for k in ("time", "cost", "energy") if k in won)
+    wins = ", ".join(f"{k}: {gpus_text(won[k])}" for k in ("time", "cost", "energy") if k in won)
     fig.suptitle(f"Device counts for {per}: objective {sec['objective']}, plan on "
-                 f"{sec['chosen_gpus']} GPUs (ringed)\nbest by {wins}", fontsize=12)
+                 f"{gpus_text(sec['chosen_gpus'])} (ringed)\nbest by {wins}", fontsize=12)
     handles = [Line2D([], [], marker="o", linestyle="", color=FRONT, label="Pareto front"),
                Line2D([], [], marker="o", linestyle="", markerfacecolor="white",
                       markeredgecolor=BEATEN, label="beaten on time, cost and energy"),

@@ -51,6 +51,11 @@ def section(best: Any, points: list[Any], skipped: list[dict[str, Any]], opts: A
     return out
 
 
+def gpus_text(n: int) -> str:
+    """``1 GPU``, ``1,024 GPUs``."""
+    return f"{n:,} GPU" + ("" if n == 1 else "s")
+
+
 def _duration(s: float) -> str:
     if s >= 2 * 86_400:
         return f"{s / 86_400:,.2f} d"
@@ -110,7 +115,7 @@ def table(sec: Mapping[str, Any]) -> str:
             for part in _PARTS))
     wins = sec.get("winners", {})
     lines.append("  wins: " + ", ".join(
-        f"{k} -> {wins[k]} GPUs" for k in ("time", "cost", "energy") if k in wins) + (
+        f"{k} -> {gpus_text(wins[k])}" for k in ("time", "cost", "energy") if k in wins) + (
         "" if len(wins) == 3 else " (no price or power known for the others)"))
     bounds = [f"deadline {sec['deadline_days']:g} days" if "deadline_days" in sec else "",
               f"budget ${sec['budget_usd']:,.2f}" if "budget_usd" in sec else "",
