@@ -42,6 +42,11 @@ def test_shares_name_each_replicas_rows_of_the_global_batch():
     (dict(dp=2, dp_shares=(1, 3), num_microbatches=3), "leave num_microbatches None"),
     (dict(dp=2, ep=2, dp_shares=(1, 3)), "all-to-all"),
     (dict(dp=2, pp=2, zero_stage=3, dp_shares=(1, 3)), "pp > 1 with ZeRO-3"),
+    (dict(dp=2, pp=2, dp_shares=(1, 3)), r"'1f1b' needs at least pp=2 .* \[1\]"),
+    (dict(dp=2, pp=2, schedule="dualpipev", virtual_stages=2, dp_shares=(4, 3)),
+     r"at least 2 x pp=4 .* \[3\]"),
+    (dict(dp=2, pp=2, schedule="interleaved_1f1b", virtual_stages=2, dp_shares=(4, 3)),
+     "a multiple of pp=2"),
 ])
 def test_shares_are_refused_where_they_cannot_run(kw, match):
     with pytest.raises(ConfigError, match=match):
@@ -50,7 +55,8 @@ def test_shares_are_refused_where_they_cannot_run(kw, match):
 
 def test_zero_ddp_hsdp_and_pipelines_take_shares():
     for kw in (dict(zero_stage=0), dict(zero_stage=1), dict(zero_stage=3),
-               dict(zero_stage=3, dp_shard=2), dict(pp=2), dict(pp=2, zero_stage=1),
+               dict(zero_stage=3, dp_shard=2), dict(pp=2, schedule="gpipe"),
+               dict(pp=2, zero_stage=1, schedule="gpipe"),
                dict(tp=2, sequence_parallel=True), dict(cp=2)):
         dp = 4 if "dp_shard" in kw else 2
         ParallelConfig(dp=dp, dp_shares=tuple(range(1, dp + 1)), **kw)

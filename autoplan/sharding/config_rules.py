@@ -162,3 +162,24 @@ def check_dp_shares(c: Any) -> None:
                           f"where the dp ranks meet once a step, not with "
                           f"{'; '.join(every_micro_batch)}: drop dp_shares (even shares) or "
                           f"those")
+    if c.pp > 1:
+        _check_share_schedules(c)
+
+
+def _check_share_schedules(c: Any) -> None:
+    """Each replica's pipeline runs its own count through the schedule, which must take it:
+    torch's 1F1B needs at least pp micro-batches, DualPipeV 2 pp, the interleaved schedules a
+    multiple of pp (as ``estimate`` asks of an even count)."""
+    p, sched = c.pp, c.schedule
+    if sched == "1f1b":
+        bad, need = [m for m in c.dp_shares if m < p], f"at least pp={p}"
+    elif sched == "dualpipev":
+        bad, need = [m for m in c.dp_shares if m < 2 * p], f"at least 2 x pp={2 * p}"
+    elif sched == "interleaved_1f1b" or (sched == "zero_bubble" and c.virtual_stages > 1):
+        bad, need = [m for m in c.dp_shares if m % p], f"a multiple of pp={p}"
+    else:
+        return
+    if bad:
+        raise ConfigError(f"dp_shares={list(c.dp_shares)}: schedule {sched!r} needs {need} "
+                          f"micro-batches in every replica's pipeline, and {bad} are not; "
+                          f"raise those shares or use schedule 'gpipe'")
