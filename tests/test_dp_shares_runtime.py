@@ -11,6 +11,7 @@ from dataclasses import replace
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from autoplan import Cluster
 from autoplan import plan as make_plan
@@ -32,6 +33,29 @@ def _example(name, batch):
                                                             if name == "gpt-tiny" else {}))
 
 
+def _summed(out, y):
+    """The token mean written as a sum over the count: not a token mean to autoplan
+    (``graph/loss.token_mean_loss``), so its micro-batches weigh dp x share / sum each."""
+    return F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1),
+                           reduction="sum") / y.numel()
+
+
+def _loss_fn(ex, loss):
+    return _summed if loss == "summed" else ex.loss_fn
+
+
+def _targets(ex, padded):
+    """The example's targets, or with 0-6 trailing tokens of each sample ignored (a token
+    mean then weighs each micro-batch by its counted targets)."""
+    y = ex.targets.clone()
+    if padded:
+        for i in range(y.shape[0]):
+            pad = (3 * i) % 7
+            if pad:
+                y[i, -pad:] = -100
+    return y
+
+
 def with_shares(plan: Plan, shares: tuple[int, ...]) -> Plan:
     """``plan`` (micro-batch size 1 here) with uneven dp shares and the global batch they
     make; its prediction is left the even plan's (these tests run the plan, they do not price
@@ -45,12 +69,13 @@ def with_shares(plan: Plan, shares: tuple[int, ...]) -> Plan:
                    training=replace(plan.training, global_batch_size=gbs))
 
 
-def _plan(name, world, shares, precision="fp32", **force):
+def _plan(name, world, shares, precision="fp32", loss=None, **force):
     """The planner's plan with micro-batches of 1 over ``len(shares)`` replicas, given those
     shares; ``shares=(k, k, ...)`` and ``even=True``: the even plan of that batch."""
     even = force.pop("even", False)
     small = _example(name, 1)
-    g = trace(small.model, small.example_inputs, loss_fn=small.loss_fn, targets=small.targets)
+    g = trace(small.model, small.example_inputs, loss_fn=_loss_fn(small, loss),
+              targets=small.targets)
     dp = len(shares)
     p = make_plan(g, Cluster.local(world), global_batch_size=shares[0] * dp if even else 2 * dp,
                   precision=precision, profile=None,
@@ -58,7 +83,7 @@ def _plan(name, world, shares, precision="fp32", **force):
     return p if even else with_shares(p, shares)
 
 
-def _reference(name, gbs, precision, clip):
+def _reference(name, gbs, precision, clip, loss=None, padded=False):
     """One device, STEPS AdamW steps: in fp32 the whole batch in one forward and backward; in
     bf16 (CPU autocast) one sample at a time, gradients accumulated, as the plans' micro-batches
     of 1 run (a product's bf16 rounding depends on the batch it runs in: one forward of the
@@ -66,7 +91,7 @@ def _reference(name, gbs, precision, clip):
     parallelism as far)."""
     ex = _example(name, gbs)
     opt = _optimizer(ex.model.parameters())
-    x, y = ex.example_inputs, ex.targets
+    x, y = ex.example_inputs, _targets(ex, padded)
     micro = [(tuple(t[i:i + 1] for t in x), y[i:i + 1]) for i in range(gbs)] \
         if precision == "bf16" else [(x, y)]
     losses = []
@@ -74,9 +99,9 @@ def _reference(name, gbs, precision, clip):
         total = 0.0
         for xs, ys in micro:
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
-                loss = ex.loss_fn(ex.model(*xs), ys)
-            (loss / len(micro)).backward()
-            total += loss.item() / len(micro)
+                value = _loss_fn(ex, loss)(ex.model(*xs), ys)
+            (value / len(micro)).backward()
+            total += value.item() / len(micro)
         if clip:
             torch.nn.utils.clip_grad_norm_(ex.model.parameters(), clip)
         opt.step()
@@ -95,12 +120,13 @@ def _rank(rank, world, jobs, ckpt):
         gbs = plan.training.global_batch_size
         ex, small = _example(job["name"], gbs), _example(job["name"], 1)
         trainer = compile(ex.model, "local", example_inputs=small.example_inputs,
-                          example_targets=small.targets, loss_fn=ex.loss_fn,
+                          example_targets=small.targets,
+                          loss_fn=_loss_fn(ex, job.get("loss")),
                           optimizer=_optimizer, global_batch_size=gbs, plan=plan,
                           max_grad_norm=job.get("clip"),
                           resume=ckpt if job.get("resume") else None)
         start = trainer.steps_done
-        batch = tuple(ex.example_inputs) + (ex.targets,)
+        batch = tuple(ex.example_inputs) + (_targets(ex, job.get("padded")),)
         losses = []
         while trainer.steps_done < job.get("steps", STEPS):
             losses.append(trainer.step(batch))
@@ -147,8 +173,9 @@ def _check(results, jobs, refs):
 
 def test_uneven_shares_train_as_one_device_on_two_ranks(tmp_path):
     jobs = [
-        dict(label="DDP 1:3", name="gpt-tiny", precision="fp32",
-             plan=_plan("gpt-tiny", 2, (1, 3), tp=1, zero_stage=0), ref="gpt4"),
+        # a token mean over padded targets: each micro-batch weighs its counted targets
+        dict(label="DDP 1:3, padded", name="gpt-tiny", precision="fp32", padded=True,
+             plan=_plan("gpt-tiny", 2, (1, 3), tp=1, zero_stage=0), ref="gpt4padded"),
         dict(label="FSDP2 ZeRO-3 2:1, clipped", name="gpt-tiny", precision="fp32",
              plan=_plan("gpt-tiny", 2, (2, 1), tp=1, zero_stage=3), ref="gpt3clip",
              clip=CLIP),
@@ -175,6 +202,7 @@ def test_uneven_shares_train_as_one_device_on_two_ranks(tmp_path):
     for job in jobs:
         job["plan"] = job["plan"].to_json()
     refs = {"gpt4": _reference("gpt-tiny", 4, "fp32", None),
+            "gpt4padded": _reference("gpt-tiny", 4, "fp32", None, padded=True),
             "gpt3clip": _reference("gpt-tiny", 3, "fp32", CLIP),
             "gpt4bf16": _reference("gpt-tiny", 4, "bf16", None)}
     results = run_ranks(_rank, 2, jobs, str(tmp_path / "ckpt"), timeout_s=300.0)
@@ -183,10 +211,14 @@ def test_uneven_shares_train_as_one_device_on_two_ranks(tmp_path):
 
 def test_uneven_shares_with_tensor_and_pipeline_parallelism(tmp_path):
     jobs = [
-        dict(label="tp2 x dp2 1:3", name="gpt-tiny", precision="fp32",
-             plan=_plan("gpt-tiny", 4, (1, 3), tp=2, zero_stage=0), ref="gpt4"),
-        dict(label="pp2 x dp2 3:2 1F1B", name="gpt-tiny", precision="fp32",
-             plan=_plan("gpt-tiny", 4, (3, 2), tp=1, pp=2, schedule="1f1b"), ref="gpt5"),
+        # a loss autoplan does not read as a token mean: each replica's micro-batches weigh
+        # dp x share / sum (in the loop, and in the pipeline's loss function)
+        dict(label="tp2 x dp2 1:3, summed", name="gpt-tiny", precision="fp32", loss="summed",
+             plan=_plan("gpt-tiny", 4, (1, 3), tp=2, zero_stage=0, loss="summed"),
+             ref="gpt4summed"),
+        dict(label="pp2 x dp2 3:2 1F1B, summed", name="gpt-tiny", precision="fp32",
+             loss="summed", ref="gpt5summed",
+             plan=_plan("gpt-tiny", 4, (3, 2), tp=1, pp=2, schedule="1f1b", loss="summed")),
         dict(label="pp2 x dp2 ZeRO-2 2:3 1F1B", name="gpt-tiny", precision="fp32",
              plan=_plan("gpt-tiny", 4, (2, 3), tp=1, pp=2, zero_stage=2, schedule="1f1b"),
              ref="gpt5"),
@@ -199,7 +231,8 @@ def test_uneven_shares_with_tensor_and_pipeline_parallelism(tmp_path):
     ]
     for job in jobs:
         job["plan"] = job["plan"].to_json()
-    refs = {"gpt4": _reference("gpt-tiny", 4, "fp32", None),
+    refs = {"gpt4summed": _reference("gpt-tiny", 4, "fp32", None, loss="summed"),
+            "gpt5summed": _reference("gpt-tiny", 5, "fp32", None, loss="summed"),
             "gpt5": _reference("gpt-tiny", 5, "fp32", None),
             "gpt8": _reference("gpt-tiny", 8, "fp32", None)}
     results = run_ranks(_rank, 4, jobs, str(tmp_path / "ckpt"), timeout_s=300.0)
