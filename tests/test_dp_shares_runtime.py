@@ -2,7 +2,7 @@
 micro-batches of the global batch, its losses weighted by ``dp x share / sum`` so that the
 gradients averaged over dp are one device's mean over the whole batch. Under DDP, ZeRO-1 and
 FSDP2 (ZeRO-3), beside tensor and pipeline parallelism, in fp32 and bf16 (CPU autocast), an own
-GPT and HF Llama built from its config, ZeRO-2 and HSDP too; the reported loss is the global batch's mean, the
+GPT and Llama and HF Llama built from its config, ZeRO-2, HSDP and context parallelism too; the reported loss is the global batch's mean, the
 gradient clipped on its global norm; a checkpoint saved under one split resumes under another
 at the same step. One launch per world size runs every plan of it in turn."""
 
@@ -209,7 +209,7 @@ def test_uneven_shares_train_as_one_device_on_two_ranks(tmp_path):
     _check(results, jobs, refs)
 
 
-def test_uneven_shares_with_tensor_and_pipeline_parallelism(tmp_path):
+def test_uneven_shares_with_tensor_pipeline_and_context_parallelism(tmp_path):
     jobs = [
         # a loss autoplan does not read as a token mean: each replica's micro-batches weigh
         # dp x share / sum (in the loop, and in the pipeline's loss function)
@@ -222,6 +222,11 @@ def test_uneven_shares_with_tensor_and_pipeline_parallelism(tmp_path):
         dict(label="pp2 x dp2 ZeRO-2 2:3 1F1B", name="gpt-tiny", precision="fp32",
              plan=_plan("gpt-tiny", 4, (2, 3), tp=1, pp=2, zero_stage=2, schedule="1f1b"),
              ref="gpt5"),
+        # context parallelism: the cp ranks of a replica share its count (own Llama, whose
+        # attention runs as ring attention; padded targets)
+        dict(label="cp2 x dp2 ZeRO-3 3:1, padded", name="llama-tiny", precision="fp32",
+             padded=True, ref="llama4padded",
+             plan=_plan("llama-tiny", 4, (3, 1), tp=1, cp=2, zero_stage=3)),
         # shares of 8: weights 1/2 and 3/2, exact in binary (with 1:3:2:1, weights in
         # sevenths, a layer norm bias whose gradient is near zero ended 0.65-1.25e-5 off
         # after Adam's three steps, against 1.5e-6 for the even plan: rounding of the weights)
@@ -234,6 +239,7 @@ def test_uneven_shares_with_tensor_and_pipeline_parallelism(tmp_path):
     refs = {"gpt4summed": _reference("gpt-tiny", 4, "fp32", None, loss="summed"),
             "gpt5summed": _reference("gpt-tiny", 5, "fp32", None, loss="summed"),
             "gpt5": _reference("gpt-tiny", 5, "fp32", None),
-            "gpt8": _reference("gpt-tiny", 8, "fp32", None)}
+            "gpt8": _reference("gpt-tiny", 8, "fp32", None),
+            "llama4padded": _reference("llama-tiny", 4, "fp32", None, padded=True)}
     results = run_ranks(_rank, 4, jobs, str(tmp_path / "ckpt"), timeout_s=300.0)
     _check(results, jobs, refs)
