@@ -68,6 +68,11 @@ def seeds() -> dict[str, bytes]:
                        targets=torch.randint(0, 4, (4,)))
     plan = autoplan.plan(g, Cluster.local(2), global_batch_size=4, precision="fp32",
                          profile=None, force={"tp": 2}, max_pp=1)
+    # with its one replica's share written out (config.dp_shares), so mutants reach the field
+    from dataclasses import replace
+    shares = replace(plan.config, dp_shares=(plan.config.microbatches(4),))
+    plan = replace(plan, config=shares, predicted={**json.loads(plan.to_json())["predicted"],
+                                                   "config": shares.to_dict()})
     # a plan of the objectives search (plan schema 8: its objectives section)
     chosen = autoplan.plan(g, Cluster.local(2), global_batch_size=4, precision="fp32",
                            profile=None, max_pp=1, max_gpus=2, objective="energy",

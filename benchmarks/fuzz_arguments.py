@@ -168,7 +168,8 @@ def _models(fx: Fixtures) -> list[str]:
 
 FORCE = ["bogus=1", "tp", "=2", "tp=", "tp=x", "tp=0", "tp=-1", "zero_stage=9", "schedule=x",
          "chunk_layers=a,b", "micro_batch_size=0", "tp=99999999999999999999", "precision=fp8",
-         "Tp=2", " =1", "dp_whole=", "stage_recompute=bogus"]
+         "Tp=2", " =1", "dp_whole=", "stage_recompute=bogus", "dp_shares=0,1",
+         "dp_shares=x"]
 PINS = ["x", "=y", "x=", "nomatch:op=linear", "*:linear=no_such_strategy", "=", "a=b=c"]
 
 
@@ -195,6 +196,7 @@ def cli_slots(fx: Fixtures) -> dict[str, tuple[list[str], dict[str, list[str]]]]
                       "--zero": ["4", "-1"], "--schedule": ["x"],
                       "--stage-recompute": ["bogus", ",", "full,x"],
                       "--chunk-layers": ["a,b", "0", "-1,-1", ",", "99999999999999999999"],
+                      "--dp-shares": ["1", "0,8", "a,b", ",", "99999999999999999999,1"],
                       "--expert-capacity-factor": FLOATS}),
         "plan": (["plan", fx.graph, "--cluster", "local:1", "--global-batch", "8",
                   "-o", os.path.join(fx.tmp, "plan-out.json"), "-q"],

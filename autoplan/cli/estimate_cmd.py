@@ -25,6 +25,11 @@ def add_config_args(p: argparse.ArgumentParser) -> None:
                         "head-tail chunks (rank r holds chunks r and 2cp-1-r), which balance "
                         "causal attention over the ring; plan picks zigzag for causal models")
     g.add_argument("--micro-batch-size", "--mbs", type=int, default=1)
+    g.add_argument("--dp-shares", default=None, metavar="N,N,...",
+                   help="uneven data parallelism: micro-batches each data-parallel replica "
+                        "runs per step, in dp-index order, e.g. 1,3 (--global-batch is then "
+                        "the micro-batch size x their sum); priced as the replica with the "
+                        "most, the slowest on equal devices")
     g.add_argument("--schedule", default="1f1b", choices=SCHEDULES)
     g.add_argument("--virtual-stages", type=int, default=1)
     g.add_argument("--zero", type=int, default=0, choices=(0, 1, 2, 3), help="ZeRO stage")
@@ -73,6 +78,7 @@ def config_from_args(args: argparse.Namespace, world_size: int):
                           f"{', '.join(RECOMPUTE)}, e.g. ops,full,none; got "
                           f"{args.layer_recompute!r}")
     chunks = comma_list(args.chunk_layers, int, "--chunk-layers")
+    shares = comma_list(getattr(args, "dp_shares", None), int, "--dp-shares")
     recompute = args.recompute or strongest_recompute(stage or layers or ["none"])
     return ParallelConfig(dp=dp, tp=args.tp, pp=args.pp, micro_batch_size=args.micro_batch_size,
                           ep=args.ep, cp=args.cp, cp_layout=args.cp_layout,
@@ -84,7 +90,8 @@ def config_from_args(args: argparse.Namespace, world_size: int):
                           offload_optimizer=args.offload_optimizer,
                           offload_params=args.offload_params,
                           precision=args.precision, optimizer=args.optimizer,
-                          optimizer_state=args.optimizer_state)
+                          optimizer_state=args.optimizer_state,
+                          dp_shares=tuple(shares) if shares is not None else None)
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:

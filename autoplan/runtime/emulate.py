@@ -106,6 +106,8 @@ def predicted_for_rank(plan: Any, rank: int) -> RankPrediction:
         what = "compute + recomputation + optimizer of the step"
     else:
         m = int(pred["num_microbatches"])
+        if cfg.dp_shares is not None:      # this rank's replica's own count
+            m = cfg.dp_shares[cfg.dims.index(rank, MeshAxis.DP)]
         compute = m * (float(st["fwd_s"]) + float(st["bwd_s"])) + float(t["optimizer_s"])
         what = (f"{m} micro-batches x this stage's forward + backward (its tensor-parallel "
                 "communication inside, as priced) + optimizer")
