@@ -212,3 +212,17 @@ def test_cli_estimate_shows_the_gain(capsys):
     assert "micro-batches per replica [2, 2, 4, 4]" in out and "as its slowest GPU" in out
     assert main(["cluster", "show", MIXED]) == 0
     assert "pool 1: dgx-h100/1:2" in capsys.readouterr().out
+
+
+def test_cli_plan_on_pools_writes_the_hetero_result(tmp_path, capsys):
+    import json
+    # GPT-3 1.3B's layers: at gpt-tiny's shapes the H100's measured matmul efficiency per
+    # shape makes it slower than the A100's flat 70 % of peak, and the pools could not gain
+    out = tmp_path / "tiny.plan.json"
+    assert main(["plan", "gpt3-1.3b", "--layers", "2", "--cluster", MIXED, "--global-batch", "16",
+                 "--no-profile", "--quiet", "-o", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "The cluster as its slowest GPU" in text and "Heterogeneous plan" in text
+    written = json.loads((tmp_path / "tiny.plan.hetero.json").read_text())
+    assert written["cluster"] == MIXED and written["step_time_s"] <= written["slowest_gpu_step_s"]
+    assert not out.exists()          # no plan file `autoplan run` would take for the pools

@@ -165,7 +165,8 @@ def _run_hetero(graph, cluster, args: argparse.Namespace, kw: dict, t0: float) -
     from autoplan.planner.hetero import plan_hetero
     from autoplan.planner.search import plan
     from autoplan.errors import ConfigError
-    if any(kw.get(k) is not None for k in ("objective", "max_gpus", "tokens", "budget_usd")):
+    if kw.get("objective") not in (None, "time") or any(
+            kw.get(k) is not None for k in ("max_gpus", "tokens", "budget_usd")):
         raise ConfigError("--objective, --max-gpus, --tokens and --budget-usd are not yet "
                           "searched on a heterogeneous cluster; plan it for step time")
     result = plan_hetero(graph, cluster, plan_fn=plan, **kw)
