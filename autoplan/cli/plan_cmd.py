@@ -42,7 +42,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "layer_recompute=none,ops,full,full, activation offload per layer: "
                         "--force layer_offload=true,false,true,false; under ZeRO-3, weights "
                         "kept whole: "
-                        "--force dp_whole='layers.*.attention.*'. FIELD is one of: "
+                        "--force dp_whole='layers.*.attention.*', uneven micro-batches per dp "
+                        "replica: --force dp_shares=1,3. FIELD is one of: "
                         + ", ".join(config_fields()))
     p.add_argument("--pin", action="append", default=[], metavar="PATTERN=STRATEGY",
                    help="fix the strategy of the ops matching 'module.path:op' (fnmatch), the "
@@ -121,7 +122,8 @@ def _flag(text: str) -> bool:
 
 
 _LIST_FIELDS = {"chunk_layers": int, "stage_recompute": str, "dp_whole": str,
-                "fp8_skip": str, "layer_recompute": str, "layer_offload": _flag}
+                "fp8_skip": str, "layer_recompute": str, "layer_offload": _flag,
+                "dp_shares": int}
 
 
 def parse_force(items: list[str]) -> dict:

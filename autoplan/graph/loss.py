@@ -127,22 +127,27 @@ def _arg(call: dict, i: int, name: str, default: Any) -> Any:
 
 
 def step_weights(loss: TokenMeanLoss | None, global_targets: Any, dp_index: int, dp: int,
-                 micro_batch_rows: int) -> list[float] | None:
+                 micro_batch_rows: int, shares: tuple[int, ...] | None = None
+                 ) -> list[float] | None:
     """Per micro-batch of data-parallel rank ``dp_index``, the factor on its mean loss that
     makes the average over every rank's micro-batches (what the runtime computes: gradients
     averaged over micro-batches and dp) the mean over the global batch's counted targets, as
     one device computes it: ``counted * dp * micro_batches / counted in the global batch``.
-    Exactly 1 where every micro-batch counts as many; None where there is nothing to weigh
-    (not a token mean, or nothing counted)."""
+    ``shares``: the micro-batches each rank runs, where they differ (``dp_shares``; rank d then
+    holds the ``shares[d]`` micro-batches after those of ranks 0..d-1), else the batch splits
+    evenly. Exactly 1 where every micro-batch counts as many and the shares are even; None
+    where there is nothing to weigh (not a token mean, or nothing counted)."""
     if loss is None:
         return None
     total = loss.counted(global_targets)
-    rows = global_targets.shape[0]
-    per = rows // dp
-    k = per // micro_batch_rows
+    if shares is None:
+        k = global_targets.shape[0] // dp // micro_batch_rows
+        lo = dp_index * k * micro_batch_rows
+    else:
+        k = shares[dp_index]
+        lo = sum(shares[:dp_index]) * micro_batch_rows
     if total == 0 or k == 0:
         return None
-    lo = dp_index * per
     counts = [loss.counted(global_targets[lo + j * micro_batch_rows:
                                           lo + (j + 1) * micro_batch_rows]) for j in range(k)]
     return [c * dp * k / total for c in counts]

@@ -455,9 +455,9 @@ def _check_spec(v: Any, spec: Any, path: str) -> None:
 
 
 _NULLABLE = ("num_microbatches", "chunk_layers", "stage_recompute", "layer_recompute",
-             "layer_offload")
+             "layer_offload", "dp_shares")
 _LISTS = {"chunk_layers": int, "stage_recompute": str, "dp_whole": str, "fp8_skip": str,
-          "layer_recompute": str, "layer_offload": bool}
+          "layer_recompute": str, "layer_offload": bool, "dp_shares": int}
 _ITEM_NAMES = {int: "integers", str: "strings", bool: "true/false values"}
 
 

@@ -44,6 +44,7 @@ from torch import nn
 from autoplan.errors import PlanError
 from autoplan.graph.loss import token_mean_loss
 from autoplan.graph.opgraph import OpGraph
+from autoplan.graph.oprules import uses_batch_statistics
 from autoplan.runtime import parallelize as par
 from autoplan.runtime.emit import (Exported, autocast_dtype, compute_dtype, connect,
                                    export_for_plan, lower, weights_dtype)
@@ -163,6 +164,14 @@ def rank_program(b: BuildInputs, place: Place, groups: Groups
     ex = export_for_plan(b.model, b.plan, b.graph, example_inputs=b.example_inputs,
                          example_targets=b.example_targets, loss_fn=b.loss_fn, t=cfg.tp,
                          device=b.device)
+    if cfg.dp_shares is not None and cfg.dp > 1 and ex.graph.meta.get("train", True) \
+            is not False and any(uses_batch_statistics(op) for op in ex.graph.ops):
+        # its statistics are all-reduced over dp in every micro-batch: uneven counts would
+        # leave a rank waiting for a peer's micro-batch that never comes
+        raise PlanError(f"dp_shares={list(cfg.dp_shares)} (uneven data parallelism) cannot run "
+                        f"a model with batch statistics (a batch norm in training mode): its "
+                        f"statistics are shared over the dp ranks in every micro-batch; "
+                        f"re-plan with even shares (no dp_shares) or train in eval mode")
     keep = None
     cuts = [0, len(ex.graph.ops)]
     if cfg.pp > 1:
@@ -460,7 +469,8 @@ def _pipeline_steps(b: BuildInputs, stages: list[Stage], modules: list[nn.Module
     pipe_stages = [PipelineStage(m, st.index, n, b.device, input_args=metas(st.inputs),
                                  output_args=metas(st.outputs), group=groups.pp)
                    for st, m in zip(stages, modules)]
-    per_replica = b.plan.training.global_batch_size // cfg.dp
+    # this pipeline's micro-batches (its replica's share under dp_shares)
+    _, per_replica = cfg.replica_rows(b.plan.training.global_batch_size, place.dp)
     loss_out = LossPassesThrough(token if token is not None
                                  and token.target_input == len(b.graph.inputs) - 1 else None)
     in_two = sum(1 for st in stages for _ in st.module.parameters()) > len(
@@ -468,7 +478,10 @@ def _pipeline_steps(b: BuildInputs, stages: list[Stage], modules: list[nn.Module
     # 16-bit weights: torch scales p.grad, which is empty (the sums are the fp32 main grads)
     sixteen = weights_dtype(b.plan)
     schedule = build_schedule(pipe_stages, cfg, per_replica // cfg.micro_batch_size, loss_out,
-                              scale_grads=not in_two and sixteen is None)
+                              # uneven dp shares: the loss carries 1 / micro-batches, as
+                              # torch would divide after the replicas' reduction
+                              scale_grads=not in_two and sixteen is None
+                              and cfg.dp_shares is None)
     params = list({id(p): p for st in stages for p in st.module.parameters()
                    if p.requires_grad}.values())
     last = cfg.dims.group(A.PP, place.rank)[cfg.chunk_rank(n - 1)]

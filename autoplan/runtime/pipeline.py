@@ -146,24 +146,37 @@ class LossPassesThrough:
     multiplied by fp16's loss scale (1 otherwise) and, where the loss is a mean over counted
     targets (``graph/loss.py``), by the micro-batch's share of the global batch's count
     (``counted * dp * micro_batches / total``: its micro-batch is the one ``target`` holds, in
-    whatever order the schedule runs them)."""
+    whatever order the schedule runs them). Under uneven dp shares without a token mean, by
+    ``dp * micro_batches / sum(shares)`` (the replica's share of the global batch); and under
+    uneven shares, divided by the replica's micro-batches (``per_loss``): torch's schedule
+    would divide the gradients by them after DDP or FSDP averaged them over replicas of other
+    counts, so the schedule scales nothing there and the loss carries the division."""
 
     def __init__(self, token_loss: TokenMeanLoss | None = None) -> None:
         self.scale = 1.0
         self.token_loss = token_loss
         self.shares = 0                  # dp * micro-batches
         self.total = 0                   # the global batch's count (0: no weighting)
+        self.replica = 1.0               # uneven dp shares: dp * micro-batches / sum(shares)
+        self.per_loss = 1                # uneven dp shares: the replica's micro-batches
 
     def __call__(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         f = self.scale
         if self.total:                   # integers first: exactly 1 for equal counts
             f *= self.token_loss.counted(target) * self.shares / self.total
+        else:
+            f *= self.replica
+        f /= self.per_loss
         return output * f if f != 1.0 else output
 
-    def weigh(self, global_targets: torch.Tensor, dp: int, micro_batches: int) -> None:
-        """Set the step's count (before the schedule runs it)."""
+    def weigh(self, global_targets: torch.Tensor, dp: int, micro_batches: int,
+              dp_shares: tuple[int, ...] | None = None) -> None:
+        """Set the step's count (before the schedule runs it). ``micro_batches``: this
+        replica's; ``dp_shares``: every replica's, where they differ."""
         self.shares = dp * micro_batches
         self.total = self.token_loss.counted(global_targets) if self.token_loss else 0
+        self.replica = 1.0 if dp_shares is None else dp * micro_batches / sum(dp_shares)
+        self.per_loss = 1 if dp_shares is None else micro_batches
 
 
 def build_schedule(stages: list[Any], cfg: Any, n_microbatches: int,

@@ -71,6 +71,9 @@ class LocalSteps:
             if last:                  # their buckets go out as the last backward fills them
                 for grads in self.overlapped:
                     grads.arm()
+            if cfg.dp_shares is not None:
+                fsdp_once_a_step(self.module, first=k == 0, last=last,
+                                 zero3=cfg.zero_stage == 3 or cfg.offload_params)
             ctx = no_sync() if (no_sync is not None and not last) else contextlib.nullcontext()
             f = trainer.loss_scale * weights[k] if weights else trainer.loss_scale
             # context parallelism: each cp rank's gradient is its tokens' part, and the dp x cp
@@ -134,20 +137,22 @@ class PipelineSteps:
         # context parallelism: each cp rank's gradient is its tokens' part, and the dp x cp
         # average divides by cp as well (``sharding/context_axis.py``)
         self.loss_out.scale = trainer.loss_scale * cfg.cp
-        self.loss_out.weigh(batch[-1], cfg.dp, micro_batches)
+        self.loss_out.weigh(batch[-1], cfg.dp, micro_batches, cfg.dp_shares)
         with trainer.autocast():
             self.schedule.step(*args, **kw)
-        for p in self.average_here:
-            if grad_of(p) is not None:
-                local_tensor(grad_of(p)).div_(micro_batches)
+        if cfg.dp_shares is None:        # (uneven shares: the loss divided, as scaled)
+            for p in self.average_here:
+                if grad_of(p) is not None:
+                    local_tensor(grad_of(p)).div_(micro_batches)
         return losses
 
     def mean_loss(self, trainer: Trainer, losses: list[torch.Tensor]) -> torch.Tensor:
         """The micro-batches' mean loss, from the last stage to every rank of the pipeline."""
         mean = torch.zeros((), dtype=torch.float64)
         if losses:
+            # (under uneven dp shares each loss was divided by the micro-batches: a sum)
             mean += (sum(float(local_tensor(x).detach()) for x in losses) / len(losses)
-                     / self.loss_out.scale)
+                     * self.loss_out.per_loss / self.loss_out.scale)
         if self.pp_group is not None:
             t = mean.reshape(1)
             dist.broadcast(t, src=self.last_stage_rank, group=self.pp_group)
@@ -229,8 +234,7 @@ class Trainer(Checkpointing, GradientStep):
         if rows != self.plan.training.global_batch_size:
             raise PlanError(f"step() got a batch of {rows} samples; the plan is for a global "
                             f"batch of {self.plan.training.global_batch_size}")
-        per = rows // self.config.dp
-        lo = self.dp_index * per
+        lo, per = self.config.replica_rows(rows, self.dp_index)    # (dp_shares: uneven)
         mine = [t[lo:lo + per].to(self.device) for t in batch]
         local = self.runner.forward_backward(self, batch, mine)
         for sync in self.grad_syncs:
@@ -282,8 +286,36 @@ def _peer_failure(e: BaseException) -> bool:
 
 def _weights(loss: TokenMeanLoss | None, batch: Sequence[torch.Tensor], dp_index: int,
              cfg: Any) -> list[float] | None:
-    """Per micro-batch of this rank, the factor on its mean loss (``graph/loss.py``)."""
-    if loss is None or loss.target_input >= len(batch):
+    """Per micro-batch of this rank, the factor on its mean loss (``graph/loss.py``): the
+    share of the global batch's counted targets it holds, or under ``dp_shares`` without a
+    token mean, ``dp x share / sum(shares)`` (the gradients are averaged over dp, each rank's
+    over its own micro-batches: so weighted, they average to the global batch's mean). None:
+    every factor is 1."""
+    shares = cfg.dp_shares
+    if loss is not None and loss.target_input < len(batch):
+        w = step_weights(loss, batch[loss.target_input], dp_index, cfg.dp,
+                         cfg.micro_batch_size, shares)
+        if w is not None:
+            return w
+    if shares is None:
         return None
-    return step_weights(loss, batch[loss.target_input], dp_index, cfg.dp,
-                        cfg.micro_batch_size)
+    return [cfg.dp * shares[dp_index] / sum(shares)] * shares[dp_index]
+
+
+def fsdp_once_a_step(module: nn.Module, *, first: bool, last: bool, zero3: bool) -> None:
+    """Under ``dp_shares`` the dp ranks run different numbers of micro-batches, so FSDP2 must
+    meet its peers the same number of times whatever the count: it gathers the weights in the
+    first micro-batch's forward and keeps them whole until the last one (no reshard after a
+    forward or backward before it), and reduce-scatters the gradients, accumulated unsharded
+    meanwhile, in the last backward only (as torch's pipelining does for its micro-batches).
+    Every rank's last micro-batch then runs exactly as with even shares. The price: a rank
+    with several micro-batches holds the whole weights and their gradients until its last
+    backward. Nothing for a module FSDP does not shard (DDP, ZeRO-0/1)."""
+    from torch.distributed.fsdp import FSDPModule
+    if not isinstance(module, FSDPModule) or not (first or last):
+        return
+    module.set_is_last_backward(last)
+    module.set_requires_gradient_sync(last)
+    module.set_reshard_after_backward(last)
+    if zero3:
+        module.set_reshard_after_forward(last)

@@ -129,3 +129,57 @@ def check_policies(c: Any, field: str, unit: str) -> None:
     if c.recompute != strongest:
         raise ConfigError(f"with {field}, recompute must be the most memory-saving {unit} "
                           f"policy ({strongest!r}), got {c.recompute!r}")
+
+
+def check_dp_shares(c: Any) -> None:
+    """``dp_shares``: one positive micro-batch count per dp replica. Every collective a
+    micro-batch issues over the dp ranks must then be one the replicas issue equally often, so
+    uneven shares run where the dp ranks meet once a step (DDP's all-reduce behind the last
+    backward, ZeRO-1's reduce-scatter, FSDP's gathers and reduce-scatters held to the first and
+    last micro-batch: ``runtime/steps.py``), not where they meet in every micro-batch."""
+    v = c.dp_shares
+    if v is None:
+        return
+    if isinstance(v, (str, bytes)) or not hasattr(v, "__iter__") or not all(
+            isinstance(x, int) and not isinstance(x, bool) and x >= 1 for x in v):
+        raise ConfigError(f"dp_shares must list one positive micro-batch count per dp "
+                          f"replica, or be None (even shares), got {v!r}")
+    object.__setattr__(c, "dp_shares", tuple(v))
+    if len(c.dp_shares) != c.dp:
+        raise ConfigError(f"dp_shares has {len(c.dp_shares)} counts for dp={c.dp} replicas: "
+                          f"give one per replica, in dp-index order")
+    if c.num_microbatches is not None:
+        raise ConfigError(f"num_microbatches={c.num_microbatches} and dp_shares="
+                          f"{list(c.dp_shares)} both say how many micro-batches a replica "
+                          f"runs; with dp_shares leave num_microbatches None")
+    every_micro_batch = [what for what, on in (
+        ("ep > 1 (the experts' all-to-all runs over dp ranks in every micro-batch)", c.ep > 1),
+        ("pp > 1 with ZeRO-3 or parameter offload (FSDP gathers the weights again for every "
+         "micro-batch's forward in the pipeline schedule)",
+         c.pp > 1 and (c.zero_stage == 3 or c.offload_params))) if on]
+    if every_micro_batch:
+        raise ConfigError(f"dp_shares={list(c.dp_shares)} (uneven data parallelism) runs "
+                          f"where the dp ranks meet once a step, not with "
+                          f"{'; '.join(every_micro_batch)}: drop dp_shares (even shares) or "
+                          f"those")
+    if c.pp > 1:
+        _check_share_schedules(c)
+
+
+def _check_share_schedules(c: Any) -> None:
+    """Each replica's pipeline runs its own count through the schedule, which must take it:
+    torch's 1F1B needs at least pp micro-batches, DualPipeV 2 pp, the interleaved schedules a
+    multiple of pp (as ``estimate`` asks of an even count)."""
+    p, sched = c.pp, c.schedule
+    if sched == "1f1b":
+        bad, need = [m for m in c.dp_shares if m < p], f"at least pp={p}"
+    elif sched == "dualpipev":
+        bad, need = [m for m in c.dp_shares if m < 2 * p], f"at least 2 x pp={2 * p}"
+    elif sched == "interleaved_1f1b" or (sched == "zero_bubble" and c.virtual_stages > 1):
+        bad, need = [m for m in c.dp_shares if m % p], f"a multiple of pp={p}"
+    else:
+        return
+    if bad:
+        raise ConfigError(f"dp_shares={list(c.dp_shares)}: schedule {sched!r} needs {need} "
+                          f"micro-batches in every replica's pipeline, and {bad} are not; "
+                          f"raise those shares or use schedule 'gpipe'")

@@ -15,7 +15,8 @@ from typing import Any
 from autoplan.errors import ConfigError
 # the rules the newer memory and precision fields obey, and the values each field may take
 # (re-exported here for the layers above: the config's vocabulary)
-from autoplan.sharding.config_rules import (check_fp8, check_policies, check_grad_compression,
+from autoplan.sharding.config_rules import (check_dp_shares, check_fp8, check_policies,
+                                            check_grad_compression,
                                             check_layer_offload, check_layer_recompute,
                                             check_offload_activations, check_offload_nvme)
 from autoplan.sharding.config_values import (ALWAYS_WRITTEN, CP_LAYOUTS, GRAD_COMPRESSION,
@@ -140,6 +141,15 @@ class ParallelConfig:
     # update), "8bit" (torchao's AdamW8bit: block-wise quantised moments, Dettmers et al. 2022);
     # "fp32" as torch.optim keeps them. Adam and AdamW only (``runtime/lowbit_optim.py``)
     optimizer_state: str = "fp32"
+    # uneven data parallelism (heterogeneous clusters: a faster replica takes more of the
+    # batch): how many micro-batches each dp replica runs per step, in dp-index order; the
+    # global batch is micro_batch_size x sum(dp_shares), replica d takes the contiguous
+    # micro-batches sum(dp_shares[:d]) .. sum(dp_shares[:d + 1]) - 1 of it, and each replica's
+    # losses are weighted by dp x dp_shares[d] / sum(dp_shares), so that the gradients averaged
+    # over dp are one device's mean over the global batch. None: even, global batch / dp each.
+    # num_microbatches is then None (the shares are the counts); rules in
+    # ``config_rules.check_dp_shares``
+    dp_shares: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         for name in ("dp", "tp", "pp", "micro_batch_size", "virtual_stages", "ep", "cp"):
@@ -184,6 +194,7 @@ class ParallelConfig:
         check_offload_nvme(self)
         check_grad_compression(self)
         self._check_dp_whole()
+        check_dp_shares(self)
         if self.dp % self.ep:
             raise ConfigError(f"ep={self.ep} must divide dp={self.dp}: expert-parallel groups "
                               "are made of data-parallel ranks")
@@ -397,7 +408,10 @@ class ParallelConfig:
         return self.dims.world_size
 
     def microbatches(self, global_batch_size: int) -> int:
-        """Micro-batches per step per pipeline; raises ConfigError if the batch does not divide."""
+        """Micro-batches per step per pipeline; raises ConfigError if the batch does not divide.
+        Under ``dp_shares``, the largest replica's count (the most any pipeline runs)."""
+        if self.dp_shares is not None:
+            return max(self.replica_microbatches(global_batch_size))
         per_replica, rem = divmod(global_batch_size, self.dp)
         if rem:
             raise ConfigError(f"global batch {global_batch_size} does not divide into dp={self.dp} "
@@ -412,6 +426,27 @@ class ParallelConfig:
                               f"{global_batch_size} / (dp {self.dp} x micro_batch_size "
                               f"{self.micro_batch_size}) = {m}; drop num_microbatches or fix it")
         return m
+
+    def replica_microbatches(self, global_batch_size: int) -> tuple[int, ...]:
+        """Micro-batches each dp replica runs per step, in dp-index order: ``dp_shares``, or
+        the even count on every replica. Raises ConfigError if the batch does not fit them."""
+        if self.dp_shares is None:
+            return (self.microbatches(global_batch_size),) * self.dp
+        want = self.micro_batch_size * sum(self.dp_shares)
+        if global_batch_size != want:
+            raise ConfigError(f"dp_shares={list(self.dp_shares)} with micro_batch_size "
+                              f"{self.micro_batch_size} make a global batch of {want} "
+                              f"(micro_batch_size x sum of the shares), got "
+                              f"{global_batch_size}; scale the shares or the batch to agree")
+        return self.dp_shares
+
+    def replica_rows(self, global_batch_size: int, dp_index: int) -> tuple[int, int]:
+        """The rows of the global batch replica ``dp_index`` takes: (first row, row count), a
+        contiguous slice in dp-index order, so that the replicas together hold the global
+        batch in one device's order."""
+        counts = self.replica_microbatches(global_batch_size)
+        mbs = self.micro_batch_size
+        return sum(counts[:dp_index]) * mbs, counts[dp_index] * mbs
 
     def tp_group(self, pp_index: int = 0, dp_index: int = 0, cp_index: int = 0
                  ) -> tuple[int, ...]:
@@ -461,6 +496,8 @@ class ParallelConfig:
             s += f" ep{self.ep}"
         if self.dp_whole:
             s += f" whole{len(self.dp_whole)}"
+        if self.dp_shares is not None:
+            s += " shares" + ":".join(map(str, self.dp_shares))
         if self.sequence_parallel:
             s += " sp"
         if self.layer_recompute is not None:      # how many layers each policy has
