@@ -108,16 +108,19 @@ def estimate_hetero(model: Any, cluster: Any, *, config: ParallelConfig, global_
                     sharding: Any = None, simulate_pipeline: bool = True,
                     expert_capacity_factor: float = 1.0) -> HeteroEstimate:
     """Price ``config`` on a heterogeneous ``cluster`` (see the module docstring); ``dp_shares``
-    (pp = 1): micro-batches per dp replica, in dp-rank order, or the config's own
-    ``dp_shares`` where it has the field."""
+    (pp = 1): micro-batches per dp replica, in dp-rank order, where the config has none of its
+    own (``ParallelConfig.dp_shares``); the Estimate's config carries them."""
     cluster = cluster_arg(cluster, "estimate_hetero()")
     if not cluster.pools:
         raise ConfigError("estimate_hetero() prices heterogeneous clusters (pools); use "
                           "autoplan.estimate() for a homogeneous one")
     global_batch_size = batch_arg(global_batch_size, "estimate_hetero()")
     graph = as_graph(model, example_inputs, who="estimate_hetero()", error=ConfigError)
-    if dp_shares is None:
-        dp_shares = getattr(config, "dp_shares", None)
+    if config.dp_shares is not None:
+        if dp_shares is not None and tuple(dp_shares) != config.dp_shares:
+            raise ConfigError(f"dp_shares {list(dp_shares)} differ from the config's "
+                              f"{list(config.dp_shares)}; give them once")
+        dp_shares, config = config.dp_shares, replace(config, dp_shares=None)
     where, pool_of_unit = placement(cluster, config)
     if where == STAGES and dp_shares is not None:
         raise ConfigError("dp_shares split micro-batches between replicas on different pools; "
@@ -161,7 +164,8 @@ def estimate_hetero(model: Any, cluster: Any, *, config: ParallelConfig, global_
                       if slow.tokens_per_s else None),
         peak_memory_bytes=max(e.peak_memory_bytes for e in runs.values()),
         device_memory_bytes=min(e.device_memory_bytes for e in runs.values()))
-    est = replace(est, mfu=_mfu(est, cluster, config, pool_of_unit))
+    est = replace(est, mfu=_mfu(est, cluster, config, pool_of_unit),
+                  config=config if dp_shares is None else replace(config, dp_shares=shares))
     return HeteroEstimate(estimate=est, placement=REPLICAS, pool_of_unit=pool_of_unit,
                           dp_shares=None if dp_shares is None else shares, pool_step_s=per_pool)
 

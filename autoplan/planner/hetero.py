@@ -159,6 +159,7 @@ def balance(graph: Any, cluster: Any, config: ParallelConfig, global_batch_size:
         return estimate_hetero(graph, cluster, config=cfg, global_batch_size=global_batch_size,
                                dp_shares=shares, profile=profile)
 
+    config = replace(config, dp_shares=None)
     even = price(replace(config, chunk_layers=None) if config.pp > 1 else config)
     if even.placement == STAGES:
         best = _balance_stages(graph, config, even, price)
@@ -205,6 +206,10 @@ def _balance_replicas(config: ParallelConfig, global_batch_size: int, even: Hete
                       price: Callable[..., HeteroEstimate]) -> HeteroEstimate:
     total, rem = divmod(global_batch_size, config.micro_batch_size)
     if rem or total < config.dp:
+        return even
+    try:                # uneven shares run where the dp ranks meet once a step (not ep > 1)
+        replace(config, dp_shares=(1,) * config.dp)
+    except ConfigError:
         return even
     m = even.estimate.num_microbatches
     t = [even.pool_step_s[p] / m for p in even.pool_of_unit]
