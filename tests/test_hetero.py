@@ -198,7 +198,7 @@ def test_min_max_split_is_exact():
 
 def test_plan_hetero_beats_the_slowest_gpu(graph):
     cluster = Cluster.from_spec(MIXED)
-    result = plan_hetero(graph, cluster, global_batch_size=16, plan_fn=plan, profile=None)
+    result = plan_hetero(graph, cluster, global_batch_size=16, profile=None)
     assert result.baseline.cluster.name.endswith("as slowest")
     assert result.step_time_s < result.baseline_step_s and result.speedup > 1.2
     assert result.best.balanced.estimate.fits
@@ -226,3 +226,17 @@ def test_cli_plan_on_pools_writes_the_hetero_result(tmp_path, capsys):
     written = json.loads((tmp_path / "tiny.plan.hetero.json").read_text())
     assert written["cluster"] == MIXED and written["step_time_s"] <= written["slowest_gpu_step_s"]
     assert not out.exists()          # no plan file `autoplan run` would take for the pools
+
+
+def test_estimate_and_plan_refuse_pools_rather_than_price_them_as_one_device(graph):
+    """``autoplan.estimate`` and ``autoplan.plan`` on pools would price every rank as the
+    slowest pool's device: they refuse and name estimate_hetero / plan_hetero."""
+    cluster = Cluster.from_spec(MIXED)
+    config = ParallelConfig(dp=1, tp=1, pp=4, micro_batch_size=1, chunk_layers=(1, 1, 2, 2))
+    with pytest.raises(ConfigError, match="estimate_hetero"):
+        estimate(graph, cluster, config=config, global_batch_size=8, profile=None)
+    het = estimate_hetero(graph, cluster, config=config, global_batch_size=8, profile=None)
+    assert het.step_time_s < estimate(graph, cluster.slowest(), config=config,
+                                      global_batch_size=8, profile=None).step_time_s
+    with pytest.raises(ConfigError, match="plan_hetero"):
+        plan(graph, cluster, global_batch_size=8, profile=None)

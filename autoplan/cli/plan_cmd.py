@@ -165,13 +165,12 @@ def _run_hetero(graph, cluster, args: argparse.Namespace, kw: dict, t0: float) -
     from pathlib import Path
     from autoplan.planner.explain import explain_plan
     from autoplan.planner.hetero import plan_hetero
-    from autoplan.planner.search import plan
     from autoplan.errors import ConfigError
     if kw.get("objective") not in (None, "time") or any(
             kw.get(k) is not None for k in ("max_gpus", "tokens", "budget_usd")):
         raise ConfigError("--objective, --max-gpus, --tokens and --budget-usd are not yet "
                           "searched on a heterogeneous cluster; plan it for step time")
-    result = plan_hetero(graph, cluster, plan_fn=plan, **kw)
+    result = plan_hetero(graph, cluster, **kw)
     print(f"The cluster as its slowest GPU ({cluster.slowest().device.name} on all "
           f"{cluster.world_size} ranks):")
     print(explain_plan(result.baseline))

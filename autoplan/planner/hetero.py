@@ -32,10 +32,11 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from autoplan.errors import ConfigError
-from autoplan.estimate.hetero import (REPLICAS, STAGES, HeteroEstimate, estimate_hetero,
+from autoplan.estimate.hetero import (STAGES, HeteroEstimate, estimate_hetero,
                                       placement)
 from autoplan.estimate.partition import pipeline_units
 from autoplan.graph.trace import as_graph
+from autoplan.planner.search import plan
 from autoplan.sharding.parallel_config import ParallelConfig
 
 MAX_MOVES = 64            # local-search steps per candidate (each one estimate per neighbour)
@@ -103,11 +104,12 @@ def _label(c: ParallelConfig) -> str:
             + (f" zero{c.zero_stage}" if c.zero_stage else ""))
 
 
-def plan_hetero(model: Any, cluster: Any, *, global_batch_size: int, plan_fn: Callable[..., Any],
+def plan_hetero(model: Any, cluster: Any, *, global_batch_size: int,
+                plan_fn: Callable[..., Any] = plan,
                 example_inputs: Any = None, profile: Any = "auto", pipelines: bool = True,
                 progress: Callable[[str], None] | None = None, **plan_options: Any) -> HeteroPlan:
-    """The search of the module docstring. ``plan_fn``: ``autoplan.plan`` (passed in so this
-    module stays below the search it calls; ``plan_options`` go to it, ``force`` included).
+    """The search of the module docstring. ``plan_fn``: the homogeneous search
+    (``autoplan.plan``); ``plan_options`` go to it, ``force`` included.
     ``pipelines``: also search the slowest GPU with pp = the number of pools (one more
     ``plan_fn`` call) for candidates whose stages fall on the pools."""
     if not getattr(cluster, "pools", ()):
