@@ -104,6 +104,7 @@ def shares_arg(dp_shares: Any, config: ParallelConfig, global_batch_size: int) -
 
 def estimate_hetero(model: Any, cluster: Any, *, config: ParallelConfig, global_batch_size: int,
                     dp_shares: Sequence[int] | None = None, example_inputs: Any = None,
+                    loss_fn: Any = None, targets: Any = None,
                     profile: Any = "auto", memory_margin_bytes: float | None = None,
                     sharding: Any = None, simulate_pipeline: bool = True,
                     expert_capacity_factor: float = 1.0) -> HeteroEstimate:
@@ -115,7 +116,8 @@ def estimate_hetero(model: Any, cluster: Any, *, config: ParallelConfig, global_
         raise ConfigError("estimate_hetero() prices heterogeneous clusters (pools); use "
                           "autoplan.estimate() for a homogeneous one")
     global_batch_size = batch_arg(global_batch_size, "estimate_hetero()")
-    graph = as_graph(model, example_inputs, who="estimate_hetero()", error=ConfigError)
+    graph = as_graph(model, example_inputs, loss_fn=loss_fn, targets=targets, who="estimate_hetero()",
+                     error=ConfigError)
     if config.dp_shares is not None:
         if dp_shares is not None and tuple(dp_shares) != config.dp_shares:
             raise ConfigError(f"dp_shares {list(dp_shares)} differ from the config's "

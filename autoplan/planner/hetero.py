@@ -106,7 +106,8 @@ def _label(c: ParallelConfig) -> str:
 
 def plan_hetero(model: Any, cluster: Any, *, global_batch_size: int,
                 plan_fn: Callable[..., Any] = plan,
-                example_inputs: Any = None, profile: Any = "auto", pipelines: bool = True,
+                example_inputs: Any = None, loss_fn: Any = None, targets: Any = None,
+                profile: Any = "auto", pipelines: bool = True,
                 progress: Callable[[str], None] | None = None, **plan_options: Any) -> HeteroPlan:
     """The search of the module docstring. ``plan_fn``: the homogeneous search
     (``autoplan.plan``); ``plan_options`` go to it, ``force`` included.
@@ -116,7 +117,8 @@ def plan_hetero(model: Any, cluster: Any, *, global_batch_size: int,
         raise ConfigError("plan_hetero() plans heterogeneous clusters (pools, e.g. "
                           "dgx-a100-80gb:4+dgx-h100:4); use autoplan.plan() for this one")
     say = progress or (lambda _msg: None)
-    graph = as_graph(model, example_inputs, who="plan_hetero()", error=ConfigError)
+    graph = as_graph(model, example_inputs, loss_fn=loss_fn, targets=targets, who="plan_hetero()",
+                     error=ConfigError)
     say(f"planning {cluster.name} as its slowest GPU ({cluster.slowest().device.name})")
     baseline = plan_fn(graph, cluster.slowest(), global_batch_size=global_batch_size,
                        profile=profile, **plan_options)
