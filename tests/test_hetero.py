@@ -134,8 +134,13 @@ def test_one_pool_is_that_cluster(tiny):
 def test_identical_pools_price_as_the_homogeneous_cluster(graph, config):
     """Two pools of one node type: every term priced per pool must come out as on the
     homogeneous cluster (the composition adds nothing of its own)."""
-    pools = Cluster.from_spec("dgx-h100/2:1+dgx-h100/2:1")
     plain = Cluster.preset("dgx-h100/2", 2)
+    node = Cluster.preset("dgx-h100/2", 1)
+    pools = Cluster.heterogeneous([node, node], name="two pools", merge=False)
+    assert len(pools.pools) == 2
+    # written as a spec, pools of one node type are that homogeneous cluster
+    assert Cluster.from_spec("dgx-h100/2:1+dgx-h100/2:1").fingerprint() == Cluster.from_dict(
+        {**plain.to_dict(), "name": "dgx-h100/2:1+dgx-h100/2:1"}).fingerprint()
     het = estimate_hetero(graph, pools, config=config, global_batch_size=16, profile=None)
     ref = estimate(graph, plain, config=config, global_batch_size=16, profile=None)
     assert het.step_time_s == pytest.approx(ref.step_time_s, rel=1e-9)
@@ -209,7 +214,7 @@ def test_cli_estimate_shows_the_gain(capsys):
     assert main(["estimate", "gpt-tiny", "--cluster", MIXED, "--global-batch", "12",
                  "--dp", "4", "--dp-shares", "2,2,4,4"]) == 0
     out = capsys.readouterr().out
-    assert "micro-batches per replica [2, 2, 4, 4]" in out and "as its slowest GPU" in out
+    assert "micro-batches per replica [2 x2, 4 x2]" in out and "as its slowest GPU" in out
     assert main(["cluster", "show", MIXED]) == 0
     assert "pool 1: dgx-h100/1:2" in capsys.readouterr().out
 

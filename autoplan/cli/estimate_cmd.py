@@ -162,9 +162,10 @@ def _run_hetero(graph, cluster, config, shares, args: argparse.Namespace) -> int
     print(f"model {graph.name}: {graph.num_params / 1e9:,.2f} B parameters, {len(graph.ops)} "
           f"ops; cluster {cluster.name}: {cluster.world_size} ranks in pools {pools}")
     print(het.estimate.report())
-    units = "stage" if het.placement == "stages" else "dp replica"
-    print(f"\nPools: {units} i on pool {list(het.pool_of_unit)}[i]"
-          + (f"; micro-batches per replica {list(het.dp_shares)}" if het.dp_shares else ""))
+    from autoplan.planner.hetero import runs
+    units = "stages" if het.placement == "stages" else "dp replicas"
+    print(f"\nPools of the {units} in order: {runs(het.pool_of_unit)}"
+          + (f"; micro-batches per replica {runs(het.dp_shares)}" if het.dp_shares else ""))
     print(f"The same config on the cluster as its slowest GPU ({cluster.slowest().device.name} "
           f"x {cluster.world_size}, even split): {slow.step_time_s:.6g} s; on the pools "
           f"{het.step_time_s:.6g} s: {gain:.3f}x")

@@ -402,13 +402,18 @@ class Cluster:
 
     @classmethod
     def heterogeneous(cls, pools: Sequence[Cluster], *, name: str, description: str = "",
-                      source: str = "") -> Cluster:
-        """Pools of homogeneous nodes, ranks numbered pool after pool; one pool: that pool
-        itself (a homogeneous cluster written as one pool plans as that cluster)."""
+                      source: str = "", merge: bool = True) -> Cluster:
+        """Pools of homogeneous nodes, ranks numbered pool after pool. One pool, or (with
+        ``merge``) pools of one node type: the homogeneous cluster of all their nodes, which
+        plans as it always did."""
         where = f"heterogeneous cluster {name!r}"
         check_pools(pools, where)
         if len(pools) == 1:
             return pools[0]
+        if merge and len({_node_type(p) for p in pools}) == 1:
+            whole = pools[0].to_dict()
+            whole["num_nodes"] = sum(p.num_nodes for p in pools)
+            return cls.from_dict({**whole, "name": name}, where=where)
         base = slowest_dict(pools, name)
         base["description"] = description
         base["source"] = source
@@ -598,6 +603,14 @@ class Cluster:
             groups.append((f"one rank per node ({self.num_nodes} ranks)", [i * n for i in range(self.num_nodes)]))
             groups.append((f"whole cluster ({self.world_size} ranks)", list(range(self.world_size))))
         return groups or [("single rank", [0])]
+
+
+def _node_type(cluster: Cluster) -> str:
+    """A pool's description without its name and node count: equal for pools of one type."""
+    d = _strip_descriptive(cluster.to_dict())
+    d.pop("name", None)
+    d.pop("num_nodes", None)
+    return json.dumps(d, sort_keys=True)
 
 
 def _strip_descriptive(value: Any) -> Any:

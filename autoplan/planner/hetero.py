@@ -76,10 +76,10 @@ class HeteroPlan:
     def summary_lines(self) -> list[str]:
         b, c = self.best.balanced, self.best.config
         lines = [f"Heterogeneous plan ({len(self.best.balanced.pool_of_unit)} "
-                 f"{b.placement} on pools {list(b.pool_of_unit)}):",
+                 f"{b.placement} on pools {runs(b.pool_of_unit)}):",
                  f"  config {_label(c)}" + (f", chunk_layers {list(c.chunk_layers)}"
                                             if c.chunk_layers else "")
-                 + (f", dp_shares {list(b.dp_shares)}" if b.dp_shares else ""),
+                 + (f", dp_shares {runs(b.dp_shares)}" if b.dp_shares else ""),
                  f"  predicted step {self.step_time_s:.6g} s (even split on the pools "
                  f"{self.best.even_step_s:.6g} s)",
                  f"  the cluster as its slowest GPU: {self.baseline_step_s:.6g} s "
@@ -95,6 +95,17 @@ class HeteroPlan:
                 "dp_shares": list(b.dp_shares) if b.dp_shares else None,
                 "step_time_s": self.step_time_s, "even_step_s": self.best.even_step_s,
                 "slowest_gpu_step_s": self.baseline_step_s, "speedup": self.speedup}
+
+
+def runs(values: Sequence[Any]) -> str:
+    """``[4, 4, 4, 12, 12]`` as ``[4 x3, 12 x2]``: a long per-replica list, readable."""
+    out: list[list[Any]] = []
+    for v in values:
+        if out and out[-1][0] == v:
+            out[-1][1] += 1
+        else:
+            out.append([v, 1])
+    return "[" + ", ".join(f"{v} x{n}" if n > 1 else f"{v}" for v, n in out) + "]"
 
 
 def _label(c: ParallelConfig) -> str:
@@ -263,4 +274,4 @@ def _climb(start: tuple[int, ...], price: Callable[[tuple[int, ...]], HeteroEsti
     return best
 
 
-__all__ = ["HeteroCandidate", "HeteroPlan", "balance", "min_max_split", "plan_hetero"]
+__all__ = ["HeteroCandidate", "HeteroPlan", "balance", "min_max_split", "plan_hetero", "runs"]
