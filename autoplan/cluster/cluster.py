@@ -39,8 +39,8 @@ from autoplan.cluster.collectives import (
 )
 from autoplan.cluster.collectives import collective_bytes_per_rank as _bytes_per_rank
 from autoplan.cluster.economics import check_overrides
-from autoplan.cluster.pools import (POOL_TOP_KEYS, check_pools, describe_pools, parse_pool_list,
-                                    place, pool_of_rank, slowest_dict, split_spec, worst_profile)
+from autoplan.cluster.pools import (describe_pools, from_pools_dict, join, place, pool_of_rank,
+                                    slowest_dict, split_spec, worst_profile)
 from autoplan.cluster.local import job_shape, local_cluster_dict
 from autoplan.cluster.specs import DeviceSpec, HostSpec, LinkSpec
 from autoplan.cluster.values import check_keys, integer, text
@@ -338,7 +338,7 @@ class Cluster:
                                f"this autoplan reads version {specs.SCHEMA_VERSION}")
         data = dict(data)
         if "pools" in data:
-            return cls._from_pools(data, where)
+            return from_pools_dict(cls, data, where)
         if "preset" in data:
             base_name = text(data.pop("preset"), "preset", where)
             base = specs.preset_entry(base_name)
@@ -385,47 +385,12 @@ class Cluster:
         )
 
     @classmethod
-    def _from_pools(cls, data: Mapping[str, Any], where: str) -> Cluster:
-        """A ``pools:`` description: each entry a homogeneous cluster description."""
-        check_keys(data, POOL_TOP_KEYS, f"{where} (with pools: only these keys at the top; "
-                   "put device, node and fabric inside each pool)")
-        raw = parse_pool_list(data["pools"], where)
-        name = text(data.get("name", "heterogeneous"), "name", where)
-        members = [cls.from_dict({"name": f"pool{i}", **entry} if "name" not in entry
-                                 and "preset" not in entry else entry,
-                                 where=f"{where}: pools[{i}]") for i, entry in enumerate(raw)]
-        return cls.heterogeneous(members, name=name,
-                                 description=text(data.get("description", ""), "description",
-                                                  where, allow_empty=True),
-                                 source=text(data.get("source", ""), "source", where,
-                                             allow_empty=True))
-
-    @classmethod
     def heterogeneous(cls, pools: Sequence[Cluster], *, name: str, description: str = "",
                       source: str = "", merge: bool = True) -> Cluster:
         """Pools of homogeneous nodes, ranks numbered pool after pool. One pool, or (with
         ``merge``) pools of one node type: the homogeneous cluster of all their nodes, which
-        plans as it always did."""
-        where = f"heterogeneous cluster {name!r}"
-        check_pools(pools, where)
-        if len(pools) == 1:
-            return pools[0]
-        if merge and len({_node_type(p) for p in pools}) == 1:
-            whole = pools[0].to_dict()
-            whole["num_nodes"] = sum(p.num_nodes for p in pools)
-            return cls.from_dict({**whole, "name": name}, where=where)
-        base = slowest_dict(pools, name)
-        base["description"] = description
-        base["source"] = source
-        world = sum(p.world_size for p in pools)
-        if world > values.MAX_WORLD_SIZE:
-            raise ClusterError(f"{where}: {world:,} devices, over autoplan's limit of "
-                               f"{values.MAX_WORLD_SIZE:,}")
-        slow = cls.from_dict(base, where=where)
-        kw = {k: getattr(slow, k) for k in ("num_nodes", "devices_per_node", "device", "host",
-                                            "backend", "fabric", "unseen")}
-        return cls(name=name, node=slow.node_topology, links=dict(slow.links),
-                   description=description, source=source, pools=tuple(pools), **kw)
+        plans as it always did (``pools.join``)."""
+        return join(cls, pools, name=name, description=description, source=source, merge=merge)
 
     # ------------------------------------------------------------------ pools
     @property
@@ -603,14 +568,6 @@ class Cluster:
             groups.append((f"one rank per node ({self.num_nodes} ranks)", [i * n for i in range(self.num_nodes)]))
             groups.append((f"whole cluster ({self.world_size} ranks)", list(range(self.world_size))))
         return groups or [("single rank", [0])]
-
-
-def _node_type(cluster: Cluster) -> str:
-    """A pool's description without its name and node count: equal for pools of one type."""
-    d = _strip_descriptive(cluster.to_dict())
-    d.pop("name", None)
-    d.pop("num_nodes", None)
-    return json.dumps(d, sort_keys=True)
 
 
 def _strip_descriptive(value: Any) -> Any:

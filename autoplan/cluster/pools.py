@@ -23,11 +23,14 @@ a tensor-parallel group inside one node mean the same thing in every pool).
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from autoplan.cluster import values
 from autoplan.cluster.collectives import GroupProfile
+from autoplan.cluster.values import check_keys, text
 from autoplan.errors import ClusterError
 
 # the keys a heterogeneous description may hold at its top level
@@ -158,6 +161,54 @@ def split_spec(spec: str) -> list[str]:
     return parts
 
 
+def from_pools_dict(cls: Any, data: Mapping[str, Any], where: str) -> Any:
+    """A ``pools:`` description (``cls``: Cluster): each entry a homogeneous description."""
+    check_keys(data, POOL_TOP_KEYS, f"{where} (with pools: only these keys at the top; "
+               "put device, node and fabric inside each pool)")
+    raw = parse_pool_list(data["pools"], where)
+    name = text(data.get("name", "heterogeneous"), "name", where)
+    members = [cls.from_dict({"name": f"pool{i}", **entry} if "name" not in entry
+                             and "preset" not in entry else entry,
+                             where=f"{where}: pools[{i}]") for i, entry in enumerate(raw)]
+    return join(cls, members, name=name,
+                description=text(data.get("description", ""), "description", where,
+                                 allow_empty=True),
+                source=text(data.get("source", ""), "source", where, allow_empty=True))
+
+
+def join(cls: Any, pools: Sequence[Any], *, name: str, description: str = "",
+         source: str = "", merge: bool = True) -> Any:
+    """``Cluster.heterogeneous``: the pools as one Cluster whose own description is the
+    slowest pool's node type over all the nodes; one pool, or (``merge``) pools of one node
+    type, give the homogeneous cluster of all their nodes."""
+    where = f"heterogeneous cluster {name!r}"
+    check_pools(pools, where)
+    if len(pools) == 1:
+        return pools[0]
+    if merge and len({_node_type(p) for p in pools}) == 1:
+        whole = pools[0].to_dict()
+        whole["num_nodes"] = sum(p.num_nodes for p in pools)
+        return cls.from_dict({**whole, "name": name}, where=where)
+    world = sum(p.world_size for p in pools)
+    if world > values.MAX_WORLD_SIZE:
+        raise ClusterError(f"{where}: {world:,} devices, over autoplan's limit of "
+                           f"{values.MAX_WORLD_SIZE:,}")
+    base = {**slowest_dict(pools, name), "description": description, "source": source}
+    slow = cls.from_dict(base, where=where)
+    kw = {k: getattr(slow, k) for k in ("num_nodes", "devices_per_node", "device", "host",
+                                        "backend", "fabric", "unseen")}
+    return cls(name=name, node=slow.node_topology, links=dict(slow.links),
+               description=description, source=source, pools=tuple(pools), **kw)
+
+
+def _node_type(cluster: Any) -> str:
+    """A pool's description without its words, name and node count: equal for pools of one
+    node type."""
+    d = {k: v for k, v in cluster.to_dict().items()
+         if k not in ("name", "num_nodes", "description", "source", "notes")}
+    return json.dumps(d, sort_keys=True)
+
+
 def describe_pools(cluster: Any) -> list[str]:
     """Lines for ``cluster show``: each pool, its ranks, device and rate, and what crosses."""
     lines = [f"Heterogeneous: {len(cluster.pools)} pools, ranks numbered pool after pool "
@@ -178,5 +229,6 @@ def describe_pools(cluster: Any) -> list[str]:
 
 
 __all__ = ["MAX_POOLS", "POOL_TOP_KEYS", "Pool", "check_pools", "describe_pools",
-           "device_speed_flops", "parse_pool_list", "place", "pool_of_rank", "slowest_dict",
+           "device_speed_flops", "from_pools_dict", "join", "parse_pool_list", "place",
+           "pool_of_rank", "slowest_dict",
            "slowest_index", "split_spec", "worst_profile"]
