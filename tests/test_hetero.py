@@ -245,3 +245,13 @@ def test_estimate_and_plan_refuse_pools_rather_than_price_them_as_one_device(gra
                                       global_batch_size=8, profile=None).step_time_s
     with pytest.raises(ConfigError, match="plan_hetero"):
         plan(graph, cluster, global_batch_size=8, profile=None)
+
+
+def test_mixed_nics_are_pools_and_crossing_groups_take_the_slower():
+    c = Cluster.from_dict({"name": "nics", "pools": [
+        {"preset": "dgx-h100", "num_nodes": 2, "fabric": {"link": "ib-hdr"}},
+        {"preset": "dgx-h100", "num_nodes": 2}]})
+    assert [p.cluster.fabric.link for p in c.pools] == ["ib-hdr", "ib-ndr"]
+    hdr, ndr = c.group_bandwidth_bytes_per_s([0, 8]), c.group_bandwidth_bytes_per_s([16, 24])
+    assert hdr < ndr and c.group_bandwidth_bytes_per_s([8, 16]) == hdr
+    assert c.p2p_time_s(1e9, 8, 16) == c.p2p_time_s(1e9, 0, 8) > c.p2p_time_s(1e9, 16, 24)
