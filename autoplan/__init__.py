@@ -9,17 +9,18 @@ from autoplan.version import __version__
 from autoplan.errors import (AutoplanError, ClusterError, ConfigError, PlanError,
                              ProfileError, TraceError)
 from autoplan.cluster import Cluster
-from autoplan.estimate import Estimate, estimate
+from autoplan.estimate import Estimate, HeteroEstimate, estimate, estimate_hetero
 from autoplan.graph import OpGraph, trace
 from autoplan.planner.loading import load_plan
 from autoplan.planner.planfile import Plan
 from autoplan.planner.search import plan
+from autoplan.planner.hetero import HeteroPlan, plan_hetero
 from autoplan.planner.candidates import NoFeasiblePlanError
 from autoplan.sharding.parallel_config import ParallelConfig
 
-__all__ = ["AutoplanError", "Cluster", "ClusterError", "ConfigError", "Estimate", "Example",
+__all__ = ["AutoplanError", "Cluster", "ClusterError", "ConfigError", "Estimate", "Example", "HeteroEstimate", "HeteroPlan",
            "NoFeasiblePlanError", "OpGraph", "ParallelConfig", "Plan", "PlanError", "ProfileError",
-           "TraceError", "Trainer", "compile", "estimate", "load_plan", "plan", "trace",
+           "TraceError", "Trainer", "compile", "estimate", "estimate_hetero", "load_plan", "plan", "plan_hetero", "trace",
            "__version__"]
 
 

@@ -104,6 +104,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "node), 'local[:N]', or a cluster file")
     p.add_argument("--global-batch", type=int, required=True, help="global batch size (samples)")
     add_config_args(p)
+    p.add_argument("--dp-shares", default=None, metavar="N,N,...",
+                   help="heterogeneous clusters with pp 1: micro-batches each dp replica runs "
+                        "per step, in dp-rank order (micro-batch size x their sum = the global "
+                        "batch); default: even")
     add_capacity_arg(p)
     p.add_argument("--no-profile", action="store_true",
                    help="ignore measured profiles; use the roofline only")
@@ -118,7 +122,15 @@ def run(args: argparse.Namespace) -> int:
     cluster = Cluster.from_spec(args.cluster)
     batch_arg(args.global_batch, "--global-batch")
     config = config_from_args(args, cluster.world_size)     # before the trace: cheap first
+    shares = comma_list(args.dp_shares, int, "--dp-shares")
+    if shares is not None and not cluster.pools:
+        from autoplan.errors import ConfigError
+        raise ConfigError("--dp-shares splits micro-batches between replicas on different pools "
+                          "of a heterogeneous cluster (e.g. --cluster dgx-a100-80gb:4+dgx-h100:4);"
+                          f" {cluster.name} is homogeneous: drop it")
     graph = graph_from_args(args)
+    if cluster.pools:
+        return _run_hetero(graph, cluster, config, shares, args)
     est = estimate(graph, cluster, config=config, global_batch_size=args.global_batch,
                    profile=None if args.no_profile else "auto",
                    expert_capacity_factor=args.expert_capacity_factor)
@@ -129,4 +141,39 @@ def run(args: argparse.Namespace) -> int:
               f"{len(graph.ops)} ops; cluster {cluster.name}: {cluster.world_size} x "
               f"{cluster.device.name}")
         print(est.report())
+    return 0
+
+
+def _run_hetero(graph, cluster, config, shares, args: argparse.Namespace) -> int:
+    """A heterogeneous cluster: the config priced on the pools, and the same config on the
+    cluster as its slowest GPU (even split, balanced layers) for the gain."""
+    from dataclasses import replace
+    from autoplan.estimate.estimator import estimate
+    from autoplan.estimate.hetero import estimate_hetero
+    profile = None if args.no_profile else "auto"
+    het = estimate_hetero(graph, cluster, config=config, global_batch_size=args.global_batch,
+                          dp_shares=shares, profile=profile,
+                          expert_capacity_factor=args.expert_capacity_factor)
+    slow = estimate(graph, cluster.slowest(), config=replace(config, chunk_layers=None),
+                    global_batch_size=args.global_batch, profile=profile,
+                    expert_capacity_factor=args.expert_capacity_factor)
+    gain = slow.step_time_s / het.step_time_s
+    if args.json:
+        print(json.dumps({**het.estimate.to_dict(), "heterogeneous": {
+            "placement": het.placement, "pool_of_unit": list(het.pool_of_unit),
+            "dp_shares": list(het.dp_shares) if het.dp_shares else None,
+            "slowest_gpu_step_s": slow.step_time_s, "speedup": gain}}, indent=1,
+            sort_keys=True))
+        return 0
+    pools = " + ".join(f"{p.label()} ({p.device.name})" for p in cluster.pools)
+    print(f"model {graph.name}: {graph.num_params / 1e9:,.2f} B parameters, {len(graph.ops)} "
+          f"ops; cluster {cluster.name}: {cluster.world_size} ranks in pools {pools}")
+    print(het.estimate.report())
+    from autoplan.planner.hetero import runs
+    units = "stages" if het.placement == "stages" else "dp replicas"
+    print(f"\nPools of the {units} in order: {runs(het.pool_of_unit)}"
+          + (f"; micro-batches per replica {runs(het.dp_shares)}" if het.dp_shares else ""))
+    print(f"The same config on the cluster as its slowest GPU ({cluster.slowest().device.name} "
+          f"x {cluster.world_size}, even split): {slow.step_time_s:.6g} s; on the pools "
+          f"{het.step_time_s:.6g} s: {gain:.3f}x")
     return 0

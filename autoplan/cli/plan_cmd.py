@@ -19,7 +19,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     add_model_args(p)
     p.add_argument("--cluster", required=True,
                    help="preset[:nodes] (e.g. dgx-h100:4; dgx-h100/1: one GPU of the node), "
-                        "'local[:N]', or a cluster file")
+                        "'local[:N]', or a cluster file; pools of different nodes joined by "
+                        "'+' (dgx-a100-80gb:4+dgx-h100:4): a heterogeneous cluster, planned "
+                        "against its slowest GPU")
     p.add_argument("--global-batch", type=int, required=True, help="global batch size (samples)")
     p.add_argument("--precision", default="bf16", choices=("bf16", "fp16", "fp32", "auto"),
                    help="training precision (bf16); auto: the search also tries fp32 where "
@@ -156,6 +158,34 @@ def parse_pins(items: list[str]) -> dict:
     return out
 
 
+def _run_hetero(graph, cluster, args: argparse.Namespace, kw: dict, t0: float) -> int:
+    """A heterogeneous cluster (pools): the slowest-GPU plan, then its candidates balanced on
+    the pools (``planner/hetero.py``); writes the result beside ``--output`` as .hetero.json."""
+    import json
+    from pathlib import Path
+    from autoplan.planner.explain import explain_plan
+    from autoplan.planner.hetero import plan_hetero
+    from autoplan.errors import ConfigError
+    if kw.get("objective") not in (None, "time") or any(
+            kw.get(k) is not None for k in ("max_gpus", "tokens", "budget_usd")):
+        raise ConfigError("--objective, --max-gpus, --tokens and --budget-usd are not yet "
+                          "searched on a heterogeneous cluster; plan it for step time")
+    result = plan_hetero(graph, cluster, **kw)
+    print(f"The cluster as its slowest GPU ({cluster.slowest().device.name} on all "
+          f"{cluster.world_size} ranks):")
+    print(explain_plan(result.baseline))
+    print()
+    print("\n".join(result.summary_lines()))
+    out = Path(args.output)
+    out = out.with_name(out.stem + ".hetero.json")
+    out.write_text(json.dumps({"cluster": cluster.name, **result.to_dict(),
+                               "slowest_gpu_plan": result.baseline.to_dict()},
+                              indent=1, sort_keys=True) + "\n")
+    print(f"\nwrote {out} (the heterogeneous plan's figures and the slowest-GPU plan; "
+          f"`autoplan run` does not run pools yet; total {time.perf_counter() - t0:.1f} s)")
+    return 0
+
+
 def _trace_for(cluster, args: argparse.Namespace):
     """The model traced where it will run: a CPU cluster's plan is traced on the CPU (HF
     Mixtral, for one, routes with float counts on the CPU and int counts elsewhere, and a plan
@@ -232,14 +262,16 @@ def run(args: argparse.Namespace) -> int:
         progress(f"traced {graph.name}: {len(graph.ops)} ops in "
                  f"{time.perf_counter() - t0:.1f} s; searching {cluster.world_size} x "
                  f"{cluster.device.name}")
-    result = plan(graph, cluster, global_batch_size=args.global_batch,
-                  precision=args.precision, optimizer=args.optimizer,
-                  profile=None if args.no_profile else "auto", name=args.model,
-                  progress=progress, top_k=args.top_k, max_tp=args.max_tp,
-                  max_pp=args.max_pp, expert_capacity_factor=args.expert_capacity_factor,
-                  force=force, pin=pin, allow_lossy=args.allow_lossy,
-                  mixed_precision=(("autocast", "params") if args.search_mixed_precision
-                                   else ("autocast",)), **objective_options(args))
+    kw = dict(global_batch_size=args.global_batch, precision=args.precision,
+              optimizer=args.optimizer, profile=None if args.no_profile else "auto",
+              name=args.model, progress=progress, top_k=args.top_k, max_tp=args.max_tp,
+              max_pp=args.max_pp, expert_capacity_factor=args.expert_capacity_factor,
+              force=force, pin=pin, allow_lossy=args.allow_lossy,
+              mixed_precision=(("autocast", "params") if args.search_mixed_precision
+                               else ("autocast",)), **objective_options(args))
+    if cluster.pools:
+        return _run_hetero(graph, cluster, args, kw, t0)
+    result = plan(graph, cluster, **kw)
     result.save(args.output)
     print(explain_plan(result))
     if result.objectives is not None:

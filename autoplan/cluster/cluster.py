@@ -39,6 +39,8 @@ from autoplan.cluster.collectives import (
 )
 from autoplan.cluster.collectives import collective_bytes_per_rank as _bytes_per_rank
 from autoplan.cluster.economics import check_overrides
+from autoplan.cluster.pools import (describe_pools, from_pools_dict, join, place, pool_of_rank,
+                                    slowest_dict, split_spec, worst_profile)
 from autoplan.cluster.local import job_shape, local_cluster_dict
 from autoplan.cluster.specs import DeviceSpec, HostSpec, LinkSpec
 from autoplan.cluster.values import check_keys, integer, text
@@ -56,7 +58,7 @@ from autoplan.safe_io import Limits
 
 BACKENDS = ("nccl", "gloo")
 TOP_KEYS = ("schema_version", "name", "description", "preset", "num_nodes", "devices_per_node", "backend",
-            "device", "host", "links", "node", "fabric", "unseen", "source", "economics")
+            "device", "host", "links", "node", "fabric", "unseen", "source", "economics", "pools")
 # left out of the fingerprint: words, and the prices and power the cost and energy objectives
 # read (cluster/economics.py), which change no step time
 _DESCRIPTIVE_KEYS = ("description", "source", "notes", "economics")
@@ -73,14 +75,19 @@ class Cluster:
 
     __slots__ = ("name", "num_nodes", "devices_per_node", "device", "host", "backend", "graph", "links",
                  "node_topology", "fabric", "description", "source", "unseen", "_node", "_leaves", "_names",
-                 "_group_cache", "_profile", "_fingerprint", "_device_names", "economics")
+                 "_group_cache", "_profile", "_fingerprint", "_device_names", "economics", "pools",
+                 "_views")
 
     def __init__(self, *, name: str, num_nodes: int, devices_per_node: int, device: DeviceSpec, host: HostSpec,
                  backend: str, node: NodeTopology, links: Mapping[str, LinkSpec], fabric: FabricSpec | None = None,
                  description: str = "", source: str = "", unseen: Sequence[str] = (),
-                 economics: Mapping[str, float] | None = None) -> None:
+                 economics: Mapping[str, float] | None = None, pools: Sequence[Cluster] = ()) -> None:
         where = f"cluster {name!r}"
         set_ = functools.partial(object.__setattr__, self)
+        # heterogeneous: the pools with their ranks; this object's own description is the
+        # slowest pool's node type over all their nodes (cluster/pools.py)
+        set_("pools", place(pools) if pools else ())
+        set_("_views", {})
         set_("name", text(name, "name", "cluster"))
         set_("num_nodes", integer(num_nodes, "num_nodes (nodes)", where))
         set_("devices_per_node", integer(devices_per_node, "devices_per_node", where))
@@ -196,12 +203,18 @@ class Cluster:
             raise ClusterError(f"nbytes must be a number >= 0, got {nbytes!r}")
         if src_rank == dst_rank:
             return 0.0
+        if self.pools:
+            return max(self.pool_view(i).p2p_time_s(nbytes, src_rank, dst_rank)
+                       for i in sorted({self.pool_of(src_rank), self.pool_of(dst_rank)}))
         bw, lat = self._p2p(src_rank, dst_rank)
         return nbytes / bw + lat + STEP_OVERHEAD_S[self.backend]
 
     def p2p_bandwidth_bytes_per_s(self, src_rank: int, dst_rank: int) -> float:
         """Effective bandwidth of a send from one rank to another; inf to itself."""
         src_rank, dst_rank = self._check_rank(src_rank), self._check_rank(dst_rank)
+        if self.pools and src_rank != dst_rank:
+            return min(self.pool_view(i).p2p_bandwidth_bytes_per_s(src_rank, dst_rank)
+                       for i in sorted({self.pool_of(src_rank), self.pool_of(dst_rank)}))
         return math.inf if src_rank == dst_rank else self._p2p(src_rank, dst_rank)[0]
 
     def _p2p(self, src_rank: int, dst_rank: int) -> tuple[float, float]:
@@ -230,8 +243,12 @@ class Cluster:
         if sum(len(v) for v in by_node.values()) != len(set(key)):
             dupes = sorted(r for r, c in Counter(key).items() if c > 1)
             raise ClusterError(f"ranks {dupes} appear more than once in the group; list each rank once")
-        signature = tuple(sorted(Counter(tuple(sorted(v)) for v in by_node.values()).items()))
-        profile = self._profile(signature, self._spans_leaves(by_node))
+        if self.pools:      # on the pools it touches, at the pace of the slowest
+            profile = worst_profile([self.pool_view(i).group_profile(key)
+                                     for i in sorted({self.pool_of(r) for r in key})])
+        else:
+            signature = tuple(sorted(Counter(tuple(sorted(v)) for v in by_node.values()).items()))
+            profile = self._profile(signature, self._spans_leaves(by_node))
         if len(self._group_cache) >= 8192:
             self._group_cache.clear()
         self._group_cache[key] = profile
@@ -282,6 +299,10 @@ class Cluster:
     # ------------------------------------------------------------------ serialisation
     def to_dict(self) -> dict[str, Any]:
         """Self-contained description (device, host and link specs inlined); from_dict reads it back."""
+        if self.pools:
+            return {"schema_version": specs.SCHEMA_VERSION, "name": self.name,
+                    "description": self.description,
+                    "pools": [p.cluster.to_dict() for p in self.pools], "source": self.source}
         return {
             "schema_version": specs.SCHEMA_VERSION, "name": self.name, "description": self.description,
             "num_nodes": self.num_nodes, "devices_per_node": self.devices_per_node, "backend": self.backend,
@@ -316,6 +337,8 @@ class Cluster:
             raise ClusterError(f"{where}: schema_version {data['schema_version']!r} unsupported; "
                                f"this autoplan reads version {specs.SCHEMA_VERSION}")
         data = dict(data)
+        if "pools" in data:
+            return from_pools_dict(cls, data, where)
         if "preset" in data:
             base_name = text(data.pop("preset"), "preset", where)
             base = specs.preset_entry(base_name)
@@ -360,6 +383,49 @@ class Cluster:
             unseen=data.get("unseen") or (),
             economics=data.get("economics"),
         )
+
+    @classmethod
+    def heterogeneous(cls, pools: Sequence[Cluster], *, name: str, description: str = "",
+                      source: str = "", merge: bool = True) -> Cluster:
+        """Pools of homogeneous nodes, ranks numbered pool after pool. One pool, or (with
+        ``merge``) pools of one node type: the homogeneous cluster of all their nodes, which
+        plans as it always did (``pools.join``)."""
+        return join(cls, pools, name=name, description=description, source=source, merge=merge)
+
+    # ------------------------------------------------------------------ pools
+    @property
+    def is_heterogeneous(self) -> bool:
+        return bool(self.pools)
+
+    def pool_of(self, rank: int) -> int:
+        """The index of the pool holding ``rank`` (0 on a homogeneous cluster)."""
+        rank = self._check_rank(rank)
+        return pool_of_rank(self.pools, rank) if self.pools else 0
+
+    def device_of(self, rank: int) -> DeviceSpec:
+        """The device spec of ``rank``."""
+        return self.pools[self.pool_of(rank)].device if self.pools else self.device
+
+    def pool_view(self, index: int) -> Cluster:
+        """The whole cluster as if every node were pool ``index``'s type (homogeneous; the
+        cluster itself when it has no pools)."""
+        if not self.pools:
+            return self
+        view = self._views.get(index)
+        if view is None:
+            entry = self.pools[index].cluster.to_dict()
+            entry["num_nodes"] = self.num_nodes
+            entry.pop("economics", None)
+            view = self._views[index] = Cluster.from_dict(entry, where=f"{self.name}: pool {index}")
+        return view
+
+    def slowest(self) -> Cluster:
+        """The cluster as its slowest pool's node type over all the nodes (itself when
+        homogeneous): the baseline a heterogeneous plan is compared with."""
+        if not self.pools:
+            return self
+        return Cluster.from_dict(slowest_dict([p.cluster for p in self.pools],
+                                              f"{self.name} as slowest"), where=self.name)
 
     @classmethod
     def preset(cls, name: str, nodes: int = 1) -> Cluster:
@@ -408,6 +474,13 @@ class Cluster:
         spec = text(spec, "cluster spec", "cluster spec").strip()
         if os.path.exists(spec):
             return cls.from_file(spec)
+        if "+" in spec:        # pools, e.g. dgx-a100-80gb:4+dgx-h100:4
+            parts = split_spec(spec)
+            if any(p.partition(":")[0] == "local" for p in parts):
+                raise ClusterError(f"cluster spec {spec!r}: 'local' cannot be a pool; join "
+                                   "presets (PRESET:NODES+PRESET:NODES) or write a cluster file "
+                                   "with pools:")
+            return cls.heterogeneous([cls.from_spec(p) for p in parts], name=spec)
         head, sep, tail = spec.partition(":")
         count = None
         if sep:
@@ -427,6 +500,13 @@ class Cluster:
     # ------------------------------------------------------------------ summary
     def describe(self) -> str:
         """A multi-line human summary (for ``autoplan cluster show``)."""
+        if self.pools:
+            return "\n".join([f"Cluster {self.name}: {self.world_size} ranks in "
+                              f"{len(self.pools)} pools", *describe_pools(self),
+                              *self._describe_homogeneous().splitlines()[1:]])
+        return self._describe_homogeneous()
+
+    def _describe_homogeneous(self) -> str:
         d, h, n = self.device, self.host, self.devices_per_node
         rates = ", ".join(f"{k} {v / 1e12:g}" for k, v in sorted(d.peak_flops.items(), key=lambda kv: -kv[1]))
         lines = [

@@ -64,7 +64,11 @@ class Hardware:
         links = sorted({li.link if li.lanes == 1 else f"{li.link} x{li.lanes}"
                         for li in cluster.node_topology.links if li.a in devices or li.b in devices})
         fabric = cluster.fabric.link if cluster.fabric is not None and cluster.num_nodes > 1 else ""
-        return Hardware(device=cluster.device.name, num_nodes=cluster.num_nodes,
+        pools = getattr(cluster, "pools", ())
+        # heterogeneous: the pools in order, so a plan for them matches only the same pools
+        device = (" + ".join(f"{p.cluster.num_nodes}x {p.device.name}" for p in pools) if pools
+                  else cluster.device.name)
+        return Hardware(device=device, num_nodes=cluster.num_nodes,
                         devices_per_node=cluster.devices_per_node,
                         device_kind=cluster.device.kind,
                         device_memory_bytes=int(cluster.device.memory_bytes),

@@ -126,6 +126,12 @@ def estimate(model: Any, cluster: Any, *, config: ParallelConfig, global_batch_s
     cluster = cluster_arg(cluster, "estimate()")
     graph = as_graph(model, example_inputs, loss_fn=loss_fn, targets=targets, who="estimate()",
                      error=ConfigError)
+    if cluster.pools:     # priced here, every rank would be the slowest pool's device
+        raise ConfigError(f"estimate() prices homogeneous clusters; {cluster.name} has "
+                          f"{len(cluster.pools)} pools of different nodes: use "
+                          "autoplan.estimate_hetero(model, cluster, config=..., "
+                          "global_batch_size=...), which prices each stage or replica on its "
+                          "pool's device (or cluster.slowest() for the slowest-GPU figure)")
     m = validate(graph, cluster, config, global_batch_size)
     profile = profile_arg(profile, cluster, "estimate()")
     ci = cost_inputs(graph, cluster, config, profile, sharding, expert_capacity_factor)

@@ -142,6 +142,12 @@ def plan(model: Any, cluster: Any, *, global_batch_size: int, example_inputs: An
     search_options_arg(opts, progress=progress)
     objectives.check_request(opts)
     cluster = cluster_arg(cluster, "plan()")
+    if cluster.pools:
+        raise ConfigError(f"plan() searches homogeneous clusters; {cluster.name} has "
+                          f"{len(cluster.pools)} pools of different nodes: use "
+                          "autoplan.plan_hetero(model, cluster, global_batch_size=...) (or "
+                          "`autoplan plan`), which plans it against its slowest GPU and "
+                          "balances the work on the pools")
     opts = _checked_options(opts)
     graph = as_graph(model, example_inputs, loss_fn=loss_fn, targets=targets, who="plan()",
                      error=ConfigError)
