@@ -28,8 +28,9 @@ def add_config_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dp-shares", default=None, metavar="N,N,...",
                    help="uneven data parallelism: micro-batches each data-parallel replica "
                         "runs per step, in dp-index order, e.g. 1,3 (--global-batch is then "
-                        "the micro-batch size x their sum); priced as the replica with the "
-                        "most, the slowest on equal devices")
+                        "the micro-batch size x their sum); on equal devices priced as the "
+                        "replica with the most, on a heterogeneous cluster each replica on "
+                        "its pool's device")
     g.add_argument("--schedule", default="1f1b", choices=SCHEDULES)
     g.add_argument("--virtual-stages", type=int, default=1)
     g.add_argument("--zero", type=int, default=0, choices=(0, 1, 2, 3), help="ZeRO stage")
@@ -104,10 +105,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "node), 'local[:N]', or a cluster file")
     p.add_argument("--global-batch", type=int, required=True, help="global batch size (samples)")
     add_config_args(p)
-    p.add_argument("--dp-shares", default=None, metavar="N,N,...",
-                   help="heterogeneous clusters with pp 1: micro-batches each dp replica runs "
-                        "per step, in dp-rank order (micro-batch size x their sum = the global "
-                        "batch); default: even")
     add_capacity_arg(p)
     p.add_argument("--no-profile", action="store_true",
                    help="ignore measured profiles; use the roofline only")
@@ -122,15 +119,9 @@ def run(args: argparse.Namespace) -> int:
     cluster = Cluster.from_spec(args.cluster)
     batch_arg(args.global_batch, "--global-batch")
     config = config_from_args(args, cluster.world_size)     # before the trace: cheap first
-    shares = comma_list(args.dp_shares, int, "--dp-shares")
-    if shares is not None and not cluster.pools:
-        from autoplan.errors import ConfigError
-        raise ConfigError("--dp-shares splits micro-batches between replicas on different pools "
-                          "of a heterogeneous cluster (e.g. --cluster dgx-a100-80gb:4+dgx-h100:4);"
-                          f" {cluster.name} is homogeneous: drop it")
     graph = graph_from_args(args)
     if cluster.pools:
-        return _run_hetero(graph, cluster, config, shares, args)
+        return _run_hetero(graph, cluster, config, args)
     est = estimate(graph, cluster, config=config, global_batch_size=args.global_batch,
                    profile=None if args.no_profile else "auto",
                    expert_capacity_factor=args.expert_capacity_factor)
@@ -144,7 +135,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _run_hetero(graph, cluster, config, shares, args: argparse.Namespace) -> int:
+def _run_hetero(graph, cluster, config, args: argparse.Namespace) -> int:
     """A heterogeneous cluster: the config priced on the pools, and the same config on the
     cluster as its slowest GPU (even split, balanced layers) for the gain."""
     from dataclasses import replace
@@ -152,9 +143,10 @@ def _run_hetero(graph, cluster, config, shares, args: argparse.Namespace) -> int
     from autoplan.estimate.hetero import estimate_hetero
     profile = None if args.no_profile else "auto"
     het = estimate_hetero(graph, cluster, config=config, global_batch_size=args.global_batch,
-                          dp_shares=shares, profile=profile,
+                          profile=profile,
                           expert_capacity_factor=args.expert_capacity_factor)
-    slow = estimate(graph, cluster.slowest(), config=replace(config, chunk_layers=None),
+    slow = estimate(graph, cluster.slowest(),
+                    config=replace(config, chunk_layers=None, dp_shares=None),
                     global_batch_size=args.global_batch, profile=profile,
                     expert_capacity_factor=args.expert_capacity_factor)
     gain = slow.step_time_s / het.step_time_s
