@@ -6,13 +6,19 @@ import sys
 
 
 def test_demo_plans_trains_and_plans_gpt3(tmp_path):
+    """`autoplan demo`, every step of it, at the suite's size: 2 ranks instead of 4, 4 steps
+    instead of 10, and GPT-3 175B traced with 8 layers (--quick) instead of 96. The options
+    change counts only; the full-depth GPT-3 plan on 1,024 A100 is tests/test_planner.py's
+    test_dgx_a100_gets_tensor_parallel_in_node_and_pipeline_across_nodes."""
     out = subprocess.run([sys.executable, "-m", "autoplan.cli.main", "demo", "--out",
-                          str(tmp_path)], capture_output=True, text=True, timeout=300)
+                          str(tmp_path), "--ranks", "2", "--steps", "4", "--quick"],
+                         capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     text = out.stdout
     losses = [float(line.split()[3]) for line in text.splitlines() if line.startswith("step ")]
-    assert len(losses) == 15 and losses[-1] < losses[0]          # the loss goes down
-    assert "resumed from" in text and "at step 10" in text        # and goes on after a resume
+    assert len(losses) == 6 and losses[-1] < losses[0]           # the loss goes down
+    assert "resumed from" in text and "at step 4" in text         # and goes on after a resume
+    assert "2 CPU ranks" in text and "8 layers traced" in text
     assert (tmp_path / "checkpoints" / "latest").exists()
     assert "measured step time" in text and "predicted" in text
     assert "gpt3-175b" in text and "solver" in text

@@ -25,7 +25,8 @@ the repository's (the pages' commands run from the repository root):
   benchmark scripts tens of minutes more).
 - ``<!-- docs-test: gpu (WHY) -->``: needs a CUDA GPU; checked as parse-only, never run here.
 - ``make demo`` / ``make test`` are only checked to be Makefile targets: the first runs
-  ``autoplan demo`` (tests/test_cli_smoke.py runs it), the second is this suite.
+  ``autoplan demo`` (tests/test_cli_smoke.py runs it at 2 ranks, 4 steps, ``--quick``), the
+  second is this suite.
 
 Outputs of identical ``autoplan plan``/``trace`` commands on several pages are computed once and
 reused. Any other fenced language (```text, ```yaml) is not run; ```sh, ```shell and ```console

@@ -23,12 +23,14 @@ What a module's neighbours use it exports under a public name: no module takes a
 """
 
 import ast
+import functools
 import pathlib
 import subprocess
 import sys
 
 ROOT = pathlib.Path(__file__).resolve().parents[1] / "autoplan"
-LAYER = {"version": 0, "errors": 0, "safe_io": 0.5, "gc_pause": 0.5, "plotting": 0.5, "models": 1, "graph": 1,
+LAYER = {"version": 0, "errors": 0, "safe_io": 0.5, "gc_pause": 0.5, "plotting": 0.5,
+         "process_exit": 0.5, "models": 1, "graph": 1,
          "sharding": 2, "cluster": 3, "cost": 4, "cost_models": 4, "profiles": 4, "machine": 5,
          "estimate": 6, "planner": 7, "runtime": 8, "cli": 9, "__init__": 10}
 # (importing file, imported package): each with its reason
@@ -37,6 +39,13 @@ ALLOWED = {
     ("runtime/worker.py", "models"),
 }
 LAZY_REASON = "lazily:"
+
+
+@functools.lru_cache(maxsize=None)
+def _parse(source: str) -> ast.Module:
+    """The syntax tree of ``source``, parsed once for all the checks of this file (keyed by
+    the text itself, so an edited file is parsed again; no check changes a tree)."""
+    return ast.parse(source)
 
 
 def _modules(root: pathlib.Path) -> dict[str, pathlib.Path]:
@@ -58,7 +67,7 @@ def _imports(root: pathlib.Path = ROOT):
         source = f.read_text()
         lines = source.splitlines()
         package = name if f.name == "__init__.py" else name.rpartition(".")[0]
-        for node in ast.walk(ast.parse(source)):
+        for node in ast.walk(_parse(source)):
             if isinstance(node, ast.Import):
                 targets = [a.name for a in node.names]
             elif isinstance(node, ast.ImportFrom):
@@ -83,7 +92,7 @@ def _private_uses(root: pathlib.Path = ROOT) -> list[str]:
     out = []
     for name, f in modules.items():
         package = name if f.name == "__init__.py" else name.rpartition(".")[0]
-        tree = ast.parse(f.read_text())
+        tree = _parse(f.read_text())
         aliases: dict[str, str] = {}          # local name -> the autoplan module it is
         rel = f.relative_to(root).as_posix()
         for node in ast.walk(tree):
@@ -200,7 +209,7 @@ def _functions(root: pathlib.Path):
     for path in sorted(root.rglob("*.py")):
         source = path.read_text()
         lines = source.splitlines()
-        for node in ast.walk(ast.parse(source)):
+        for node in ast.walk(_parse(source)):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 yield path.relative_to(root).as_posix(), lines, node
 
@@ -311,7 +320,9 @@ def test_planning_does_not_load_the_runtime():
             "targets=ex.targets)\n"
             "autoplan.plan(g, autoplan.Cluster.local(2), global_batch_size=4, profile=None)\n"
             "bad = [m for m in sys.modules if m.startswith('autoplan.runtime')]\n"
-            "print(bad)\n")
+            "print(bad)\n"
+            "from autoplan.process_exit import exit_now\n"
+            "exit_now(0)\n")              # without the teardown of the traced graph: seconds
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
 import sys
 import tempfile
 import time
+import uuid
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -34,7 +34,7 @@ def _headline(text: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from autoplan.cli.run_cmd import torchrun_command
+    from autoplan.cli.run_cmd import launch_torchrun, torchrun_command
     from autoplan.cluster import Cluster
     from autoplan.graph import trace
     from autoplan.models import build_example
@@ -68,22 +68,27 @@ def run(args: argparse.Namespace) -> int:
     _headline(f"2. train it with the plan: torchrun, {args.ranks} processes, {args.steps} steps, "
               f"global batch {gbs}")
     ckpt = os.path.join(out, "checkpoints")
+    run_id = uuid.uuid4().hex[:12]
     cmd = torchrun_command(path, "gpt-small-cpu", nproc=args.ranks, steps=args.steps, lr=1e-3,
                            master_port=free_port(), checkpoint_dir=ckpt,
-                           checkpoint_every=args.steps, overwrite=True)   # the demo's own folder
+                           checkpoint_every=args.steps, overwrite=True,   # the demo's own folder
+                           run_id=run_id)
     print("$ " + " ".join(cmd[2:]), flush=True)
-    code = subprocess.call(cmd, env=rank_env())
+    # torchrun in this process, as `autoplan run` starts it (no second interpreter importing
+    # torch for the launcher); its ranks' failures are summarized once
+    code = launch_torchrun(cmd, run_id=run_id, checkpoint_dir=ckpt)
     if code:
         print(f"training failed (exit {code})", file=sys.stderr)
         return code
 
     more = max(1, args.steps // 2)
     _headline(f"2b. new processes resume from the checkpoint and train {more} more steps")
+    run_id = uuid.uuid4().hex[:12]
     cmd = torchrun_command(path, "gpt-small-cpu", nproc=args.ranks, steps=args.steps + more,
                            lr=1e-3, master_port=free_port(), checkpoint_dir=ckpt,
-                           resume=True)
+                           resume=True, run_id=run_id)
     print("$ " + " ".join(cmd[2:]), flush=True)
-    code = subprocess.call(cmd, env=rank_env())
+    code = launch_torchrun(cmd, run_id=run_id, checkpoint_dir=ckpt)
     if code:
         print(f"resuming failed (exit {code})", file=sys.stderr)
         return code

@@ -8,6 +8,7 @@ import sys
 
 from autoplan.version import __version__
 from autoplan.errors import AutoplanError
+from autoplan.process_exit import exit_now
 
 _COMMANDS = ("demo_cmd", "trace_cmd", "cluster_cmd", "profile_cmd", "estimate_cmd", "plan_cmd",
              "inspect_cmd", "diff_cmd", "run_cmd", "export_cmd", "verify_cmd",
@@ -96,5 +97,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
 
+def entry() -> None:
+    """The ``autoplan`` console script: ``main``, then the process ends without the
+    interpreter's teardown (``process_exit``: seconds after a command that traced a model)."""
+    exit_now(main())
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

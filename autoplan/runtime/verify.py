@@ -12,13 +12,13 @@ from __future__ import annotations
 import argparse
 import json
 import re
-import sys
 from typing import Any
 
 import torch
 from torch import nn
 
 from autoplan.errors import AutoplanError
+from autoplan.process_exit import exit_now
 from autoplan.models import load_user_example, build_example, get_config
 from autoplan.models.registry import layer_overrides
 from autoplan.planner.planfile import plan_from_file
@@ -195,4 +195,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_now(main())         # without the interpreter's teardown: seconds per rank
