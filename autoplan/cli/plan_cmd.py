@@ -6,8 +6,8 @@ import argparse
 import sys
 import time
 
-from autoplan.cli.common import (add_capacity_arg, add_model_args, comma_list, graph_from_args,
-                                 output_arg)
+from autoplan.cli.common import (add_capacity_arg, add_model_args, add_seq_lengths_arg,
+                                 comma_list, graph_from_args, output_arg, seq_lengths_arg)
 from autoplan.estimate.arguments import config_fields
 
 
@@ -55,6 +55,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "Megatron-LM's --bf16) beside autocast's fp32 weights; norms and "
                         "softmax then run in 16 bits unless the model upcasts them")
     add_capacity_arg(p)
+    add_seq_lengths_arg(p)
     _add_objective_args(p)
     p.add_argument("--no-profile", action="store_true", help="roofline only, ignore profiles")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress lines")
@@ -222,6 +223,7 @@ def run(args: argparse.Namespace) -> int:
     from autoplan.planner.explain import explain_plan
     from autoplan.planner.search import plan
     force, pin = check_args(args)
+    seq_lengths = seq_lengths_arg(args)
     cluster = Cluster.from_spec(args.cluster)
     t0 = time.perf_counter()
     graph = _trace_for(cluster, args)
@@ -237,7 +239,8 @@ def run(args: argparse.Namespace) -> int:
                   max_pp=args.max_pp, expert_capacity_factor=args.expert_capacity_factor,
                   force=force, pin=pin, allow_lossy=args.allow_lossy,
                   mixed_precision=(("autocast", "params") if args.search_mixed_precision
-                                   else ("autocast",)), **objective_options(args))
+                                   else ("autocast",)), seq_lengths=seq_lengths,
+                  **objective_options(args))
     result.save(args.output)
     print(explain_plan(result))
     if result.objectives is not None:

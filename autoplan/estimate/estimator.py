@@ -43,6 +43,7 @@ from autoplan.estimate.result import Estimate, MemoryBreakdown, StageEstimate, T
 from autoplan.graph.opgraph import OpGraph
 from autoplan.graph.trace import as_graph
 from autoplan.sharding.context_axis import context_axis
+from autoplan.sharding.doc_work import PackedWork, packed_work
 from autoplan.sharding.mesh_axes import STAGE_AXES, MeshAxis
 from autoplan.sharding.parallel_config import SPLIT_BACKWARD, ParallelConfig
 from autoplan.sharding.sharding import Sharding
@@ -102,7 +103,7 @@ def estimate(model: Any, cluster: Any, *, config: ParallelConfig, global_batch_s
              targets: Any = None, profile: Any = "auto",
              memory_margin_bytes: float | None = None,
              sharding: Sharding | None = None, simulate_pipeline: bool = True,
-             expert_capacity_factor: float = 1.0) -> Estimate:
+             expert_capacity_factor: float = 1.0, seq_lengths: Any = None) -> Estimate:
     """Predict step time, memory per device, and their breakdowns for ``config``.
 
     ``model`` is an ``nn.Module`` (traced with ``example_inputs``, on meta or real device) or an
@@ -116,7 +117,10 @@ def estimate(model: Any, cluster: Any, *, config: ParallelConfig, global_batch_s
     the planner screens with it and simulates the finalists. ``expert_capacity_factor``
     (MoE, >= 1): the router's capacity factor, read as how far above the balanced share of
     routed rows the busiest expert-parallel rank may get (its expert compute, activations and
-    all-to-all grow by it); 1 prices perfectly balanced routing.
+    all-to-all grow by it); 1 prices perfectly balanced routing. ``seq_lengths`` (a file
+    path or a ``LengthHistogram``, ``sharding/seq_lengths``): the data's document lengths,
+    packed into the traced sequence behind a document mask; attention is priced at its
+    expected masked work, on a ring at its expected slowest rank's (``sharding/doc_work``).
     """
     if not isinstance(config, ParallelConfig):
         raise ConfigError(f"config must be an autoplan.ParallelConfig, got {type(config).__name__}")
@@ -128,7 +132,8 @@ def estimate(model: Any, cluster: Any, *, config: ParallelConfig, global_batch_s
                      error=ConfigError)
     m = validate(graph, cluster, config, global_batch_size)
     profile = profile_arg(profile, cluster, "estimate()")
-    ci = cost_inputs(graph, cluster, config, profile, sharding, expert_capacity_factor)
+    ci = cost_inputs(graph, cluster, config, profile, sharding, expert_capacity_factor,
+                     packed_work(graph, seq_lengths))
     chunks = chunks_for(ci)
     costs = [chunk_cost(ci, ch, chunk_policy(config, chunks, c), chunk_offload_flags(
         config, chunks, c)) for c, ch in enumerate(chunks)]
@@ -196,7 +201,8 @@ def chunk_policy(config: ParallelConfig, chunks: Sequence[Any], c: int
 
 
 def cost_inputs(graph: OpGraph, cluster: Any, config: ParallelConfig, profile: Any,
-                sharding: Sharding | None, expert_capacity_factor: float) -> CostInputs:
+                sharding: Sharding | None, expert_capacity_factor: float,
+                documents: PackedWork | None = None) -> CostInputs:
     """What every chunk's cost reads: the device's compute model, the tp sharding (checked to
     be for ``config.tp`` and to compose with its context parallelism) and the expert load."""
     compute = compute_model(graph, cluster.device, config.precision, profile,
@@ -207,7 +213,8 @@ def cost_inputs(graph: OpGraph, cluster: Any, config: ParallelConfig, profile: A
     ci = CostInputs(graph=graph, analysis=analyze(graph), sharding=sh, compute=compute,
                     cluster=cluster, config=config,
                     expert_load=capacity_arg(expert_capacity_factor),
-                    context=context_axis(graph, config.cp, config.cp_layout))
+                    context=context_axis(graph, config.cp, config.cp_layout),
+                    documents=documents)
     why = ci.context.conflicts(sh) if ci.context is not None else []
     if why:
         raise ConfigError(f"the tp sharding does not run under cp={config.cp}: {why[0]}"
