@@ -157,3 +157,60 @@ def test_short_documents_make_attention_cheap_and_rings_unbalanced():
         assert dense / c < zig < cont
     with pytest.raises(ConfigError, match="divisible"):
         w.ring_share(3, "zigzag")
+
+
+def _meta_llama(seq_len=2048):
+    from autoplan.graph import trace
+    from autoplan.models import build_example
+    ex = build_example("llama-tiny", batch_size=1, seq_len=seq_len, device="meta",
+                       hidden_size=512, num_heads=8, num_kv_heads=8)
+    return trace(ex.model, ex.example_inputs, loss_fn=ex.loss_fn, targets=ex.targets)
+
+
+def test_estimates_price_attention_at_the_documents_work():
+    """One document per sequence prices as no --seq-lengths (data parallel, and on a zigzag
+    ring); short documents make the step cheaper, by attention's work only, and MFU counts the
+    masked FLOPs."""
+    from autoplan import Cluster, ParallelConfig, estimate
+    g = _meta_llama()
+    cluster = Cluster.from_spec("dgx-h100/2")
+    whole = histogram_of([(2048, 1)])
+    short = histogram_of([(128, 1)])
+    for cfg in (ParallelConfig(), ParallelConfig(cp=2, cp_layout="zigzag", dp=1)):
+        c = replace_world(cfg, cluster)
+        base = estimate(g, cluster, config=c, global_batch_size=8, profile=None)
+        same = estimate(g, cluster, config=c, global_batch_size=8, profile=None,
+                        seq_lengths=whole)
+        cheap = estimate(g, cluster, config=c, global_batch_size=8, profile=None,
+                         seq_lengths=short)
+        assert same.step_time_s == pytest.approx(base.step_time_s, rel=1e-3)
+        assert cheap.step_time_s < base.step_time_s
+        attention = sum(op.fwd_flops + op.bwd_flops for op in g.ops
+                        if op.kind == "attention") * 8
+        assert base.model_flops_per_step - cheap.model_flops_per_step == pytest.approx(
+            attention * (1 - 16 * 128 * 129 / (2048 * 2049)), rel=1e-6)
+
+
+def replace_world(cfg, cluster):
+    from dataclasses import replace
+    return replace(cfg, dp=cluster.world_size // cfg.cp)
+
+
+def test_the_plan_for_documents_is_priced_as_its_estimate():
+    """plan(seq_lengths=...) prices its choice as estimate(..., seq_lengths=...) does, and is
+    no slower on the data than the plan made for full-length sequences."""
+    from autoplan import Cluster, estimate, plan
+    from autoplan.planner.compare import plan_sharding
+    g = _meta_llama()
+    cluster = Cluster.from_spec("dgx-h100/2")
+    h = histogram_of([(64, 20), (512, 4), (2048, 1)])
+    aware = plan(g, cluster, global_batch_size=8, profile=None, seq_lengths=h, max_pp=1,
+                 top_k=0)
+    fixed = plan(g, cluster, global_batch_size=8, profile=None, max_pp=1, top_k=0)
+    on_data = {}
+    for label, p in (("aware", aware), ("fixed", fixed)):
+        on_data[label] = estimate(g, cluster, config=p.config, sharding=plan_sharding(p, g),
+                                  global_batch_size=8, profile=None,
+                                  seq_lengths=h).step_time_s
+    assert on_data["aware"] == pytest.approx(aware.predicted["step_time_s"], rel=1e-4)
+    assert on_data["aware"] <= on_data["fixed"] * (1 + 1e-6)

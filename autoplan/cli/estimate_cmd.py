@@ -6,7 +6,8 @@ import argparse
 import json
 
 from autoplan.cli.common import (add_capacity_arg, add_model_args, add_seq_lengths_arg,
-                                 comma_list, graph_from_args, seq_lengths_arg)
+                                 comma_list, documents_note, graph_from_args,
+                                 seq_lengths_arg)
 from autoplan.sharding.parallel_config import SCHEDULES
 
 
@@ -126,4 +127,6 @@ def run(args: argparse.Namespace) -> int:
               f"{len(graph.ops)} ops; cluster {cluster.name}: {cluster.world_size} x "
               f"{cluster.device.name}")
         print(est.report())
+        if seq_lengths is not None:
+            print(documents_note(graph, seq_lengths, config))
     return 0

@@ -7,7 +7,8 @@ import sys
 import time
 
 from autoplan.cli.common import (add_capacity_arg, add_model_args, add_seq_lengths_arg,
-                                 comma_list, graph_from_args, output_arg, seq_lengths_arg)
+                                 comma_list, documents_note, graph_from_args, output_arg,
+                                 seq_lengths_arg)
 from autoplan.estimate.arguments import config_fields
 
 
@@ -243,6 +244,8 @@ def run(args: argparse.Namespace) -> int:
                   **objective_options(args))
     result.save(args.output)
     print(explain_plan(result))
+    if seq_lengths is not None:
+        print(documents_note(graph, seq_lengths, result.config))
     if result.objectives is not None:
         _print_objectives(result, args)
     if args.precision == "auto" and "fp8" not in cluster.device.peak_flops:

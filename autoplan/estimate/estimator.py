@@ -43,7 +43,7 @@ from autoplan.estimate.result import Estimate, MemoryBreakdown, StageEstimate, T
 from autoplan.graph.opgraph import OpGraph
 from autoplan.graph.trace import as_graph
 from autoplan.sharding.context_axis import context_axis
-from autoplan.sharding.doc_work import PackedWork, packed_work
+from autoplan.sharding.doc_work import PackedWork, attention_share, packed_work
 from autoplan.sharding.mesh_axes import STAGE_AXES, MeshAxis
 from autoplan.sharding.parallel_config import SPLIT_BACKWARD, ParallelConfig
 from autoplan.sharding.sharding import Sharding
@@ -436,6 +436,20 @@ def _stage_states(config: ParallelConfig, cs: Sequence[RangeCost], params: float
     return states
 
 
+def _model_flops(ci: CostInputs) -> float:
+    """The traced batch's forward and backward FLOPs; under packed documents attention's are
+    their masked share (``doc_work``), the work a document-masked step does."""
+    graph, docs = ci.graph, ci.documents
+    total = float(graph.fwd_flops + graph.bwd_flops)
+    if docs is None:
+        return total
+    for i, op in enumerate(graph.ops):
+        share = attention_share(graph, i, docs, 1, "", 1)
+        if share is not None:
+            total -= (1.0 - share) * (op.fwd_flops + op.bwd_flops)
+    return total
+
+
 def assemble_estimate(ci: CostInputs, chunks: Sequence[Any], stages: tuple[StageEstimate, ...],
                       time: TimeBreakdown, global_batch_size: int, m: int) -> Estimate:
     """The Estimate of the step: memory per device, throughput and MFU, what to warn about,
@@ -446,7 +460,7 @@ def assemble_estimate(ci: CostInputs, chunks: Sequence[Any], stages: tuple[Stage
     per_device = tuple(chain.from_iterable(
         repeat(s.memory.total_bytes, config.dims.degree(STAGE_AXES)) for s in stages))
     peak = max(s.memory.total_bytes for s in stages)
-    model_flops = (graph.fwd_flops + graph.bwd_flops) * global_batch_size / graph.batch_size
+    model_flops = _model_flops(ci) * global_batch_size / graph.batch_size
     peak_flops = cluster.device.peak_flops_for(config.precision) * config.world_size
     mfu = model_flops / (step_s * peak_flops) if step_s > 0 else 0.0
     tokens = _tokens_per_sample(graph)
