@@ -3,6 +3,7 @@ attention work priced over it (issue 40 item 4)."""
 
 import json
 import random
+import re
 
 import pytest
 
@@ -214,3 +215,27 @@ def test_the_plan_for_documents_is_priced_as_its_estimate():
                                   seq_lengths=h).step_time_s
     assert on_data["aware"] == pytest.approx(aware.predicted["step_time_s"], rel=1e-4)
     assert on_data["aware"] <= on_data["fixed"] * (1 + 1e-6)
+    # the plan records what it was priced for, reads back, explains it, and is re-planned so
+    from autoplan.planner.explain import explain_plan
+    from autoplan.planner.planfile import Plan
+    back = Plan.from_json(aware.to_json())
+    assert back.training.seq_lengths == ((64, 20), (512, 4), (2048, 1))
+    assert back.to_json() == aware.to_json()
+    assert "packed documents" in explain_plan(back)
+    assert "seq_lengths" not in fixed.to_json() and "packed documents" not in explain_plan(fixed)
+    bad = json.loads(aware.to_json())
+    for rows, says in (([[64, 1], [64, 1]], "must be >="), ([[64, 0]], "every count is 0"),
+                       ([[64]], "expected [length, count]"), ([], "1 to 256")):
+        bad["training"]["seq_lengths"] = rows
+        with pytest.raises(Exception, match=re.escape(says)):
+            Plan.from_json(json.dumps(bad))
+
+
+def test_many_lengths_are_priced_in_bins():
+    h = histogram_of([(n, 1 + n % 3) for n in range(100, 5000, 7)])
+    b = h.binned()
+    assert len(h.lengths) > 256 >= len(b.lengths)
+    assert b.documents == h.documents
+    assert b.tokens == pytest.approx(h.tokens, rel=1e-3)
+    assert PackedWork(b, 8192).dense_share() == pytest.approx(
+        PackedWork(h, 8192).dense_share(), rel=0.03)

@@ -498,4 +498,5 @@ def _choose(sc: SearchContext, cands: list[Candidate], base: dict[str, Any],
     best = fitting[0]
     return assemble(sc.graph, sc.cluster, best,
                     alternatives(cands, best, opts.top_k, opts.force),
-                    stats, sc.global_batch_size, name, opts.expert_capacity_factor)
+                    stats, sc.global_batch_size, name, opts.expert_capacity_factor,
+                    opts.seq_lengths)

@@ -184,7 +184,8 @@ def _below(x: np.ndarray, k0: np.ndarray, k1: np.ndarray) -> np.ndarray:
 
 def packed_work(graph: OpGraph, seq_lengths: Any) -> PackedWork | None:
     """``seq_lengths`` (a file path, a ``LengthHistogram`` or a ``PackedWork``; None: none) as
-    the packing of ``graph``'s sequences: their length is its attention's query length."""
+    the packing of ``graph``'s sequences: their length is its attention's query length; a
+    histogram of many lengths in ``MAX_BINS`` bins (``LengthHistogram.binned``)."""
     if seq_lengths is None or isinstance(seq_lengths, PackedWork):
         return seq_lengths
     if isinstance(seq_lengths, (str, os.PathLike)):
@@ -199,7 +200,7 @@ def packed_work(graph: OpGraph, seq_lengths: Any) -> PackedWork | None:
                           f"{graph.name!r} has " + ("no attention" if not lengths else
                                                     f"attention over lengths {sorted(lengths)}")
                           + "; plan it without --seq-lengths")
-    return PackedWork(seq_lengths, lengths.pop())
+    return PackedWork(seq_lengths.binned(), lengths.pop())
 
 
 def attention_share(graph: OpGraph, i: int, documents: PackedWork | None, cp: int,

@@ -19,6 +19,7 @@ entry, the value seen, and the form expected.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 from dataclasses import dataclass
@@ -30,6 +31,7 @@ from autoplan.safe_io import Limits, clip, decode, parse_json, read_text
 MAX_LENGTH = 1 << 24           # tokens in one document (16.7M: far past any context window)
 MAX_COUNT = 1 << 50            # documents in one bin
 MAX_ROWS = 1_000_000           # histogram bins or sampled documents in one file
+MAX_BINS = 256                 # bins the planner prices and a plan records
 _LIMITS = Limits(max_bytes=32 << 20)
 _SPLIT = re.compile(r"[,\t ;]+")
 _FORMS = ("each row 'LENGTH,COUNT' (a histogram) or 'LENGTH' (a sample of document lengths), "
@@ -80,6 +82,22 @@ class LengthHistogram:
             if c and seen >= need:
                 return n
         return self.max_length
+
+    def binned(self, max_bins: int = MAX_BINS) -> LengthHistogram:
+        """At most ``max_bins`` bins, as the planner prices and a plan records the data: the
+        lengths as they are where they are few, else log-spaced bins from the shortest length
+        to the longest, each at its documents' mean length (the tokens kept)."""
+        if len(self.lengths) <= max_bins:
+            return self
+        lo, hi = self.lengths[0], self.lengths[-1]
+        tokens: dict[int, int] = {}
+        docs: dict[int, int] = {}
+        for n, c in zip(self.lengths, self.counts):
+            k = min(max_bins - 1, int(max_bins * math.log(n / lo) / math.log(hi / lo + 1e-12)))
+            tokens[k] = tokens.get(k, 0) + n * c
+            docs[k] = docs.get(k, 0) + c
+        return histogram_of([(max(1, round(tokens[k] / docs[k])) if docs[k] else
+                              self.lengths[0], docs[k]) for k in sorted(docs)], self.source)
 
     def describe(self) -> str:
         return (f"{self.documents:,} documents, {self.tokens:,} tokens: lengths "
@@ -195,5 +213,5 @@ def _int(v: Any, where: str, lo: int, hi: int) -> int:
     return v
 
 
-__all__ = ["LengthHistogram", "MAX_COUNT", "MAX_LENGTH", "MAX_ROWS", "histogram_of",
+__all__ = ["LengthHistogram", "MAX_BINS", "MAX_COUNT", "MAX_LENGTH", "MAX_ROWS", "histogram_of",
            "parse_seq_lengths", "read_seq_lengths"]
