@@ -35,7 +35,8 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-FORMATS = ("plan", "plan-objectives", "cluster-yaml", "cluster-json", "profile", "opgraph", "checkpoint-meta")
+FORMATS = ("plan", "plan-objectives", "cluster-yaml", "cluster-json", "profile", "opgraph", "checkpoint-meta",
+           "seq-lengths")
 EXTREMES = ["0", "-1", "1e38", "-1e308", "1" * 40, "9" * 5000, "NaN", "Infinity", "-Infinity",
             "0.5", "true", "null", '"x"', "[]", "{}"]
 SENTINEL = os.path.join(tempfile.gettempdir(), "autoplan-fuzz-executed")
@@ -95,7 +96,8 @@ def seeds() -> dict[str, bytes]:
                                        indent=1).encode(),
             "profile": prof.to_json().encode(),
             "opgraph": g.to_json(indent=1).encode(),
-            "checkpoint-meta": json.dumps(_checkpoint_meta(), indent=1).encode()}
+            "checkpoint-meta": json.dumps(_checkpoint_meta(), indent=1).encode(),
+            "seq-lengths": b"# tokens,documents\nlength,count\n300,120\n2000,40\n16384,3\n"}
 
 
 def _checkpoint_meta() -> dict:
@@ -248,12 +250,18 @@ def readers() -> dict[str, Callable[[bytes], Any]]:
         meta = read_meta(step)
         return model_mismatch(meta["model"], {})        # what a resume compares
 
+    def seq_lengths(data: bytes) -> Any:
+        from autoplan.sharding.doc_work import PackedWork
+        from autoplan.sharding.seq_lengths import parse_seq_lengths
+        work = PackedWork(parse_seq_lengths(data), 256, samples=4)   # packed and priced
+        return work.dense_share(), work.ring_share(4, "zigzag")
+
     return {"plan": lambda d: Plan.from_json(d), "plan-objectives": lambda d: Plan.from_json(d),
             "checkpoint-meta": checkpoint_meta,
             "cluster-yaml": lambda d: cluster(d, ".yaml"),
             "cluster-json": lambda d: cluster(d, ".json"),
             "profile": lambda d: ProfileDB.from_text(d),
-            "opgraph": graph}
+            "opgraph": graph, "seq-lengths": seq_lengths}
 
 
 def run(formats=FORMATS, mutants: int = 1000, seed: int = 0, time_limit_s: float = 5.0,

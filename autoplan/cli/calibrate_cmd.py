@@ -437,5 +437,6 @@ def _estimate_here(plan: Any) -> float | None:
     est = estimate(g, Cluster.local(plan.config.world_size), config=plan.config,
                    global_batch_size=plan.training.global_batch_size, profile="auto",
                    sharding=sharding,
-                   expert_capacity_factor=plan.training.expert_capacity_factor)
+                   expert_capacity_factor=plan.training.expert_capacity_factor,
+                   seq_lengths=plan.training.length_histogram())
     return est.step_time_s

@@ -65,6 +65,39 @@ def add_capacity_arg(p: argparse.ArgumentParser) -> None:
                         "factor allows (default 1: balanced routing)")
 
 
+def add_seq_lengths_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--seq-lengths", default=None, metavar="FILE",
+                   help="the data's document lengths: a histogram (LENGTH,COUNT rows, CSV or "
+                        "whitespace) or a sample (one LENGTH a row), or JSON {\"histogram\": "
+                        "[[LENGTH, COUNT], ...]} / {\"lengths\": [...]}. Documents are packed "
+                        "into the sequence length behind a document mask, and attention is "
+                        "priced at its expected masked work (on a cp ring, its slowest rank's)")
+
+
+def seq_lengths_arg(args: argparse.Namespace) -> Any:
+    """``--seq-lengths FILE`` read and checked (before the trace: cheap first), or None."""
+    if getattr(args, "seq_lengths", None) is None:
+        return None
+    from autoplan.sharding.seq_lengths import read_seq_lengths
+    return read_seq_lengths(args.seq_lengths)
+
+
+def documents_note(graph: Any, seq_lengths: Any, config: Any) -> str:
+    """What ``--seq-lengths`` priced: the data, its packing, and attention's share per rank."""
+    from autoplan.sharding.doc_work import packed_work
+    work = packed_work(graph, seq_lengths)
+    lines = [f"\ndata     {seq_lengths.describe()}", f"packing  {work.describe()}"]
+    if config.cp > 1:
+        ring = work.ring_share(config.cp, config.cp_layout)
+        lines.append(f"ring     cp{config.cp} {config.cp_layout}: the slowest rank's expected "
+                     f"share {ring:.4g} of an unmasked sequence's attention, "
+                     f"{ring * config.cp / work.dense_share():.3g}x the balanced "
+                     f"{work.dense_share() / config.cp:.4g} (where document boundaries fall)")
+    lines.append("         (priced for a kernel that skips masked-out work: flash-attention "
+                 "varlen or flex attention with a block mask)")
+    return "\n".join(lines)
+
+
 # sizes of an example model the CLI builds: beyond these, building and tracing take minutes to
 # hours (10^9 layers hung) or overflow torch's int64 sizes
 MAX_LAYERS = 1024          # 8x the deepest published LLMs (GPT-3 96, Llama-3 405B 126 layers)

@@ -5,7 +5,9 @@ from __future__ import annotations
 import argparse
 import json
 
-from autoplan.cli.common import add_capacity_arg, add_model_args, comma_list, graph_from_args
+from autoplan.cli.common import (add_capacity_arg, add_model_args, add_seq_lengths_arg,
+                                 comma_list, documents_note, graph_from_args,
+                                 seq_lengths_arg)
 from autoplan.sharding.parallel_config import SCHEDULES
 
 
@@ -106,6 +108,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--global-batch", type=int, required=True, help="global batch size (samples)")
     add_config_args(p)
     add_capacity_arg(p)
+    add_seq_lengths_arg(p)
     p.add_argument("--no-profile", action="store_true",
                    help="ignore measured profiles; use the roofline only")
     p.add_argument("--json", action="store_true", help="print the estimate as JSON")
@@ -119,12 +122,14 @@ def run(args: argparse.Namespace) -> int:
     cluster = Cluster.from_spec(args.cluster)
     batch_arg(args.global_batch, "--global-batch")
     config = config_from_args(args, cluster.world_size)     # before the trace: cheap first
+    seq_lengths = seq_lengths_arg(args)
     graph = graph_from_args(args)
     if cluster.pools:
         return _run_hetero(graph, cluster, config, args)
     est = estimate(graph, cluster, config=config, global_batch_size=args.global_batch,
                    profile=None if args.no_profile else "auto",
-                   expert_capacity_factor=args.expert_capacity_factor)
+                   expert_capacity_factor=args.expert_capacity_factor,
+                   seq_lengths=seq_lengths)
     if args.json:
         print(json.dumps(est.to_dict(), indent=1, sort_keys=True))
     else:
@@ -132,6 +137,8 @@ def run(args: argparse.Namespace) -> int:
               f"{len(graph.ops)} ops; cluster {cluster.name}: {cluster.world_size} x "
               f"{cluster.device.name}")
         print(est.report())
+        if seq_lengths is not None:
+            print(documents_note(graph, seq_lengths, config))
     return 0
 
 

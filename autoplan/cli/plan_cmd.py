@@ -6,8 +6,9 @@ import argparse
 import sys
 import time
 
-from autoplan.cli.common import (add_capacity_arg, add_model_args, comma_list, graph_from_args,
-                                 output_arg)
+from autoplan.cli.common import (add_capacity_arg, add_model_args, add_seq_lengths_arg,
+                                 comma_list, documents_note, graph_from_args, output_arg,
+                                 seq_lengths_arg)
 from autoplan.estimate.arguments import config_fields
 
 
@@ -58,6 +59,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "Megatron-LM's --bf16) beside autocast's fp32 weights; norms and "
                         "softmax then run in 16 bits unless the model upcasts them")
     add_capacity_arg(p)
+    add_seq_lengths_arg(p)
     _add_objective_args(p)
     p.add_argument("--no-profile", action="store_true", help="roofline only, ignore profiles")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress lines")
@@ -170,6 +172,10 @@ def _run_hetero(graph, cluster, args: argparse.Namespace, kw: dict, t0: float) -
             kw.get(k) is not None for k in ("max_gpus", "tokens", "budget_usd")):
         raise ConfigError("--objective, --max-gpus, --tokens and --budget-usd are not yet "
                           "searched on a heterogeneous cluster; plan it for step time")
+    if kw.get("seq_lengths") is not None:
+        raise ConfigError("--seq-lengths is not yet priced on a heterogeneous cluster (its "
+                          "candidates are re-priced per pool at one fixed length): drop it, or "
+                          "plan one pool's cluster with it")
     result = plan_hetero(graph, cluster, **kw)
     print(f"The cluster as its slowest GPU ({cluster.slowest().device.name} on all "
           f"{cluster.world_size} ranks):")
@@ -254,6 +260,7 @@ def run(args: argparse.Namespace) -> int:
     from autoplan.planner.explain import explain_plan
     from autoplan.planner.search import plan
     force, pin = check_args(args)
+    seq_lengths = seq_lengths_arg(args)
     cluster = Cluster.from_spec(args.cluster)
     t0 = time.perf_counter()
     graph = _trace_for(cluster, args)
@@ -268,12 +275,15 @@ def run(args: argparse.Namespace) -> int:
               max_pp=args.max_pp, expert_capacity_factor=args.expert_capacity_factor,
               force=force, pin=pin, allow_lossy=args.allow_lossy,
               mixed_precision=(("autocast", "params") if args.search_mixed_precision
-                               else ("autocast",)), **objective_options(args))
+                               else ("autocast",)), seq_lengths=seq_lengths,
+              **objective_options(args))
     if cluster.pools:
         return _run_hetero(graph, cluster, args, kw, t0)
     result = plan(graph, cluster, **kw)
     result.save(args.output)
     print(explain_plan(result))
+    if seq_lengths is not None:
+        print(documents_note(graph, seq_lengths, result.config))
     if result.objectives is not None:
         _print_objectives(result, args)
     if args.precision == "auto" and "fp8" not in cluster.device.peak_flops:

@@ -31,8 +31,9 @@ from autoplan.sharding.parallel_config import ParallelConfig
 from autoplan.sharding.placement import REPLICATE
 from autoplan.sharding.ring_work import tp_work_share
 from autoplan.sharding.context_axis import ContextAxis, share_at
+from autoplan.sharding.doc_work import PackedWork, attention_share
 from autoplan.sharding.sharding import Sharding
-from autoplan.sharding.strategy import divided_split
+from autoplan.sharding.strategy import OpStrategy, divided_split
 
 
 @dataclass(frozen=True)
@@ -50,6 +51,8 @@ class CostInputs:
     expert_load: float = 1.0
     # context parallelism on an axis of its own (config.cp > 1): the sequence split over it
     context: ContextAxis | None = None
+    # packed documents behind a document mask (``--seq-lengths``): attention's work is theirs
+    documents: PackedWork | None = None
 
     @property
     def batch_scale(self) -> float:
@@ -115,20 +118,34 @@ class RangeCost:
 
 
 def _work_scale(a: GraphAnalysis, graph: OpGraph, sh: Sharding, i: int,
-                batch_scale: float, context: ContextAxis | None = None) -> float:
+                batch_scale: float, context: ContextAxis | None = None,
+                documents: PackedWork | None = None) -> float:
     """Work of op ``i`` relative to its traced work: the micro-batch, then its tp shard (and
-    its cp shard)."""
+    its cp shard), attention under packed ``documents`` at its slowest rank's masked share."""
     batch_dep = any(o in a.batch_dependent for o in graph.ops[i].outputs)
+    return (batch_scale if batch_dep else 1.0) * shard_share(graph, sh.op_strategy[i], i,
+                                                             context, documents)
+
+
+def shard_share(graph: OpGraph, s: OpStrategy, i: int, context: ContextAxis | None,
+                documents: PackedWork | None) -> float:
+    """The share of op ``i``'s traced work (one micro-batch) its slowest rank does under tp
+    strategy ``s`` and the cp axis ``context``: attention under packed ``documents`` at its
+    ring's expected slowest share (``doc_work``), divided by the heads tp splits."""
+    ring = s.work_divisor if s.kernel == "ring_attention" else 1
+    docs = attention_share(graph, i, documents, context.c if context is not None else 1,
+                           context.layout if context is not None else "", ring)
+    if docs is not None:
+        return docs / (s.work_divisor // ring)
     cp = context.op_scale(i) if context is not None else 1.0
-    s = sh.op_strategy[i]
-    return ((batch_scale if batch_dep else 1.0) * cp
-            * tp_work_share(graph, i, s.kernel, s.work_divisor))
+    return cp * tp_work_share(graph, i, s.kernel, s.work_divisor)
 
 
 def op_work(ci: CostInputs, i: int) -> tuple[float, tuple[str, int]]:
     """Op ``i``'s work on one rank relative to its traced work, and the product side its tp
     strategy divides (``ComputeModel.op_cost``'s arguments; expert load left out)."""
-    return (_work_scale(ci.analysis, ci.graph, ci.sharding, i, ci.batch_scale, ci.context),
+    return (_work_scale(ci.analysis, ci.graph, ci.sharding, i, ci.batch_scale, ci.context,
+                        ci.documents),
             divided_split(ci.graph, ci.graph.ops[i], ci.sharding.op_strategy[i]))
 
 
@@ -207,7 +224,8 @@ def tp_comm_s(ci: CostInputs, start: int, stop: int) -> tuple[float, float, floa
     for i, parts in ring.items():
         # ring attention passes each block on while the previous one computes: only what
         # the attention's own compute does not cover is exposed
-        c = ci.compute.op_cost(i, _work_scale(a, graph, sh, i, ci.batch_scale, cx),
+        c = ci.compute.op_cost(i, _work_scale(a, graph, sh, i, ci.batch_scale, cx,
+                                              ci.documents),
                                divided_split(graph, graph.ops[i], sh.op_strategy[i]))
         x = overlap_interference(ci.cluster)
         exposed = (overlap_exposed_s(parts["fwd"], c.fwd_s, 0.0, x),
@@ -261,23 +279,23 @@ def ep_comm_s(ci: CostInputs, start: int, stop: int) -> tuple[float, float]:
 
 def cached_on_graph(ci: CostInputs, what: str, where: tuple, make: Any) -> Any:
     """``make()``, kept on the graph under ``where`` and every input a range's cost reads: the
-    sharding, device model and cluster objects, and the config fields used (ZeRO-2/3 shard the
-    tp step's gradient over dp; autocast's dtypes set what is kept)."""
+    sharding, device model, cluster and packed-documents objects, and the config fields used
+    (ZeRO-2/3 shard the tp step's gradient over dp; autocast's dtypes set what is kept)."""
     cache = ci.graph.__dict__.setdefault(what, {})
     cfg = ci.config
     key = (id(ci.sharding), id(ci.compute), id(ci.cluster), where, cfg.micro_batch_size,
            cfg.precision, cfg.mixed_precision, cfg.tp, cfg.tp_comm_overlap,
            cfg.shard_degree if cfg.zero_stage >= 2 else 1, cfg.ep, ci.expert_load, cfg.cp,
            cfg.cp_layout,
-           cfg.offload_activations, cfg.layer_offload)
+           cfg.offload_activations, cfg.layer_offload, id(ci.documents))
     hit = cache.get(key)
     if (hit is not None and hit[0] is ci.sharding and hit[1] is ci.compute
-            and hit[2] is ci.cluster):
-        return hit[3]
+            and hit[2] is ci.cluster and hit[3] is ci.documents):
+        return hit[4]
     cost = make()
     if len(cache) > 16384:
         cache.clear()
-    cache[key] = (ci.sharding, ci.compute, ci.cluster, cost)
+    cache[key] = (ci.sharding, ci.compute, ci.cluster, ci.documents, cost)
     return cost
 
 
@@ -311,7 +329,7 @@ def _range_cost(ci: CostInputs, start: int, stop: int, policy: str) -> RangeCost
     loaded = _loaded(ci)
     for i in range(start, stop):
         load = ci.expert_load if loaded is not None and i in loaded.members else 1.0
-        scale = load * _work_scale(a, graph, sh, i, ci.batch_scale, ci.context)
+        scale = load * _work_scale(a, graph, sh, i, ci.batch_scale, ci.context, ci.documents)
         split = divided_split(graph, graph.ops[i], sh.op_strategy[i])
         c = ci.compute.op_cost(i, scale, split)
         op_fwd, op_bwd = c.fwd_s, c.bwd_s

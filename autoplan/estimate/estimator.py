@@ -43,6 +43,7 @@ from autoplan.estimate.result import Estimate, MemoryBreakdown, StageEstimate, T
 from autoplan.graph.opgraph import OpGraph
 from autoplan.graph.trace import as_graph
 from autoplan.sharding.context_axis import context_axis
+from autoplan.sharding.doc_work import PackedWork, attention_share, packed_work
 from autoplan.sharding.mesh_axes import STAGE_AXES, MeshAxis
 from autoplan.sharding.parallel_config import SPLIT_BACKWARD, ParallelConfig
 from autoplan.sharding.sharding import Sharding
@@ -102,7 +103,7 @@ def estimate(model: Any, cluster: Any, *, config: ParallelConfig, global_batch_s
              targets: Any = None, profile: Any = "auto",
              memory_margin_bytes: float | None = None,
              sharding: Sharding | None = None, simulate_pipeline: bool = True,
-             expert_capacity_factor: float = 1.0) -> Estimate:
+             expert_capacity_factor: float = 1.0, seq_lengths: Any = None) -> Estimate:
     """Predict step time, memory per device, and their breakdowns for ``config``.
 
     ``model`` is an ``nn.Module`` (traced with ``example_inputs``, on meta or real device) or an
@@ -116,7 +117,10 @@ def estimate(model: Any, cluster: Any, *, config: ParallelConfig, global_batch_s
     the planner screens with it and simulates the finalists. ``expert_capacity_factor``
     (MoE, >= 1): the router's capacity factor, read as how far above the balanced share of
     routed rows the busiest expert-parallel rank may get (its expert compute, activations and
-    all-to-all grow by it); 1 prices perfectly balanced routing.
+    all-to-all grow by it); 1 prices perfectly balanced routing. ``seq_lengths`` (a file
+    path or a ``LengthHistogram``, ``sharding/seq_lengths``): the data's document lengths,
+    packed into the traced sequence behind a document mask; attention is priced at its
+    expected masked work, on a ring at its expected slowest rank's (``sharding/doc_work``).
     """
     if not isinstance(config, ParallelConfig):
         raise ConfigError(f"config must be an autoplan.ParallelConfig, got {type(config).__name__}")
@@ -134,7 +138,8 @@ def estimate(model: Any, cluster: Any, *, config: ParallelConfig, global_batch_s
                           "pool's device (or cluster.slowest() for the slowest-GPU figure)")
     m = validate(graph, cluster, config, global_batch_size)
     profile = profile_arg(profile, cluster, "estimate()")
-    ci = cost_inputs(graph, cluster, config, profile, sharding, expert_capacity_factor)
+    ci = cost_inputs(graph, cluster, config, profile, sharding, expert_capacity_factor,
+                     packed_work(graph, seq_lengths))
     chunks = chunks_for(ci)
     costs = [chunk_cost(ci, ch, chunk_policy(config, chunks, c), chunk_offload_flags(
         config, chunks, c)) for c, ch in enumerate(chunks)]
@@ -202,7 +207,8 @@ def chunk_policy(config: ParallelConfig, chunks: Sequence[Any], c: int
 
 
 def cost_inputs(graph: OpGraph, cluster: Any, config: ParallelConfig, profile: Any,
-                sharding: Sharding | None, expert_capacity_factor: float) -> CostInputs:
+                sharding: Sharding | None, expert_capacity_factor: float,
+                documents: PackedWork | None = None) -> CostInputs:
     """What every chunk's cost reads: the device's compute model, the tp sharding (checked to
     be for ``config.tp`` and to compose with its context parallelism) and the expert load."""
     compute = compute_model(graph, cluster.device, config.precision, profile,
@@ -213,7 +219,8 @@ def cost_inputs(graph: OpGraph, cluster: Any, config: ParallelConfig, profile: A
     ci = CostInputs(graph=graph, analysis=analyze(graph), sharding=sh, compute=compute,
                     cluster=cluster, config=config,
                     expert_load=capacity_arg(expert_capacity_factor),
-                    context=context_axis(graph, config.cp, config.cp_layout))
+                    context=context_axis(graph, config.cp, config.cp_layout),
+                    documents=documents)
     why = ci.context.conflicts(sh) if ci.context is not None else []
     if why:
         raise ConfigError(f"the tp sharding does not run under cp={config.cp}: {why[0]}"
@@ -435,6 +442,20 @@ def _stage_states(config: ParallelConfig, cs: Sequence[RangeCost], params: float
     return states
 
 
+def _model_flops(ci: CostInputs) -> float:
+    """The traced batch's forward and backward FLOPs; under packed documents attention's are
+    their masked share (``doc_work``), the work a document-masked step does."""
+    graph, docs = ci.graph, ci.documents
+    total = float(graph.fwd_flops + graph.bwd_flops)
+    if docs is None:
+        return total
+    for i, op in enumerate(graph.ops):
+        share = attention_share(graph, i, docs, 1, "", 1)
+        if share is not None:
+            total -= (1.0 - share) * (op.fwd_flops + op.bwd_flops)
+    return total
+
+
 def assemble_estimate(ci: CostInputs, chunks: Sequence[Any], stages: tuple[StageEstimate, ...],
                       time: TimeBreakdown, global_batch_size: int, m: int) -> Estimate:
     """The Estimate of the step: memory per device, throughput and MFU, what to warn about,
@@ -445,7 +466,7 @@ def assemble_estimate(ci: CostInputs, chunks: Sequence[Any], stages: tuple[Stage
     per_device = tuple(chain.from_iterable(
         repeat(s.memory.total_bytes, config.dims.degree(STAGE_AXES)) for s in stages))
     peak = max(s.memory.total_bytes for s in stages)
-    model_flops = (graph.fwd_flops + graph.bwd_flops) * global_batch_size / graph.batch_size
+    model_flops = _model_flops(ci) * global_batch_size / graph.batch_size
     peak_flops = cluster.device.peak_flops_for(config.precision) * config.world_size
     mfu = model_flops / (step_s * peak_flops) if step_s > 0 else 0.0
     tokens = _tokens_per_sample(graph)

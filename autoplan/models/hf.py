@@ -97,8 +97,16 @@ class HFWrapper(nn.Module):
         self.model = model
         self.output = output
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        result = self.model(input_ids=input_ids, use_cache=False)
+    def forward(self, input_ids: torch.Tensor,
+                position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """``position_ids`` (packed documents, restarting at 0 in each): Hugging Face builds a
+        document mask from them (``masking_utils.find_packed_sequence_indices``) when no
+        attention mask is given, so attention never crosses documents."""
+        if position_ids is None:
+            result = self.model(input_ids=input_ids, use_cache=False)
+        else:
+            result = self.model(input_ids=input_ids, position_ids=position_ids,
+                                use_cache=False)
         return getattr(result, self.output)
 
 

@@ -121,6 +121,18 @@ def rotary_cos_sin(seq_len: int, head_dim: int, theta: float, device: torch.devi
     return angles.cos().to(dtype), angles.sin().to(dtype)
 
 
+def rotary_at(position_ids: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of shape (b, 1, s, head_dim) at ``position_ids`` (b, s): packed documents'
+    positions, restarting in each."""
+    exponents = torch.arange(0, head_dim, 2, device=position_ids.device,
+                             dtype=torch.float32) / head_dim
+    inv_freq = 1.0 / (theta ** exponents)
+    freqs = position_ids.to(torch.float32)[..., None] * inv_freq
+    angles = torch.cat((freqs, freqs), dim=-1)[:, None]
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)
@@ -143,13 +155,16 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(h, config.num_kv_heads * d, bias=False)
         self.o_proj = nn.Linear(config.num_heads * d, h, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor | None = None
+                ) -> torch.Tensor:
         q = self.q_proj(x)
         b, s, _ = q.shape
         d = self.head_dim
         q = q.view(b, s, -1, d).transpose(1, 2)                     # (b, heads, s, d)
         k = self.k_proj(x).view(b, s, -1, d).transpose(1, 2)        # (b, kv_heads, s, d)
         v = self.v_proj(x).view(b, s, -1, d).transpose(1, 2)
+        if position_ids is not None:          # packed documents: their own positions and mask
+            return self._documents(q, k, v, position_ids)
         cos, sin = rotary_cos_sin(s, d, self.rope_theta, q.device, q.dtype)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         n_rep = q.shape[1] // k.shape[1]
@@ -163,6 +178,25 @@ class Attention(nn.Module):
             causal = torch.ones(s, s, dtype=torch.bool, device=scores.device).tril()
             scores = scores.masked_fill(~causal, float("-inf"))
             y = torch.matmul(torch.softmax(scores.float(), dim=-1).type_as(q), v)
+        return self.o_proj(y.transpose(1, 2).reshape(b, s, -1))
+
+    def _documents(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   position_ids: torch.Tensor) -> torch.Tensor:
+        """Attention within each packed document (``models/packing.py``): rotary positions
+        restart per document, and a block-diagonal causal mask keeps queries to keys of their
+        own document."""
+        b, _, s, d = q.shape
+        cos, sin = rotary_at(position_ids, d, self.rope_theta, q.dtype)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        n_rep = q.shape[1] // k.shape[1]
+        if n_rep > 1:
+            k = k.repeat_interleave(n_rep, dim=1)
+            v = v.repeat_interleave(n_rep, dim=1)
+        first = position_ids[:, :1] - 1
+        doc = (torch.diff(position_ids, prepend=first, dim=-1) != 1).cumsum(-1)
+        idx = torch.arange(s, device=q.device)
+        mask = (doc[:, :, None] == doc[:, None, :]) & (idx[None, :] <= idx[:, None])
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None])
         return self.o_proj(y.transpose(1, 2).reshape(b, s, -1))
 
 
@@ -187,13 +221,17 @@ class DecoderLayer(nn.Module):
         self.ffn_norm = RMSNorm(config.hidden_size, config.norm_eps)
         self.feed_forward = FeedForward(config)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attention(self.attention_norm(x))
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor | None = None
+                ) -> torch.Tensor:
+        x = x + (self.attention(self.attention_norm(x)) if position_ids is None else
+                 self.attention(self.attention_norm(x), position_ids))
         return x + self.feed_forward(self.ffn_norm(x))
 
 
 class Llama(nn.Module):
-    """``forward(tokens: (b, s) int64) -> logits (b, s, vocab_size)``."""
+    """``forward(tokens: (b, s) int64) -> logits (b, s, vocab_size)``; with ``position_ids``
+    (b, s), packed documents (positions restarting at 0 in each, ``models/packing.py``)
+    attend within their own document only."""
 
     def __init__(self, config: LlamaConfig):
         super().__init__()
@@ -228,10 +266,11 @@ class Llama(nn.Module):
             nn.init.normal_(layer.attention.o_proj.weight, mean=0.0, std=resid_std)
             nn.init.normal_(layer.feed_forward.down_proj.weight, mean=0.0, std=resid_std)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, position_ids: torch.Tensor | None = None
+                ) -> torch.Tensor:
         x = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         for layer in self.layers:
-            x = layer(x)
+            x = layer(x) if position_ids is None else layer(x, position_ids)
         if self.norm is not None:
             x = self.norm(x)
         if self.lm_head is not None:

@@ -30,9 +30,10 @@ def _expert_fqns(graph: OpGraph, cfg: Any) -> set[str]:
 
 
 def assemble(graph: OpGraph, cluster: Any, best: Any, alternatives: list[Alternative],
-             stats: Any, gbs: int, name: str | None, expert_capacity_factor: float = 1.0
-             ) -> Plan:
-    """The plan of candidate ``best`` (``candidates.Candidate``), with the search's ``stats``."""
+             stats: Any, gbs: int, name: str | None, expert_capacity_factor: float = 1.0,
+             documents: Any = None) -> Plan:
+    """The plan of candidate ``best`` (``candidates.Candidate``), with the search's ``stats``;
+    ``documents``: the packing it was priced for (``doc_work.PackedWork``), recorded."""
     cfg = best.est.config
     sh = best.sharding
     tp_group = cfg.tp_group()
@@ -78,7 +79,9 @@ def assemble(graph: OpGraph, cluster: Any, best: Any, alternatives: list[Alterna
         cluster=ClusterInfo.of(cluster),
         training=TrainingInfo(global_batch_size=gbs, precision=cfg.precision,
                               optimizer=cfg.optimizer,
-                              expert_capacity_factor=expert_capacity_factor),
+                              expert_capacity_factor=expert_capacity_factor,
+                              seq_lengths=() if documents is None else tuple(zip(
+                                  documents.histogram.lengths, documents.histogram.counts))),
         mesh=MeshInfo(axes=cfg.mesh_axes(), shape=cfg.mesh_shape(),
                       rank_to_device=meshes.rank_to_device(cluster, cfg.world_size),
                       tp_domain=meshes.tp_domain(cluster, tp_group)),

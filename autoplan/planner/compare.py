@@ -74,10 +74,11 @@ def vs_megatron(plan: Plan, graph: OpGraph, cluster: Any,
     theirs = megatron_sharding(graph, cfg.tp, cfg.sequence_parallel)
     gbs = plan.training.global_batch_size
     cf = plan.training.expert_capacity_factor
+    docs = plan.training.length_histogram()
     a = estimate(graph, cluster, config=cfg, global_batch_size=gbs, profile=profile,
-                 sharding=mine, expert_capacity_factor=cf)
+                 sharding=mine, expert_capacity_factor=cf, seq_lengths=docs)
     b = estimate(graph, cluster, config=cfg, global_batch_size=gbs, profile=profile,
-                 sharding=theirs, expert_capacity_factor=cf)
+                 sharding=theirs, expert_capacity_factor=cf, seq_lengths=docs)
     params = [(fqn, plan.param_placements[fqn].tp, meg)
               for fqn, meg in theirs.param_placement_text(graph).items()
               if fqn in plan.param_placements and plan.param_placements[fqn].tp != meg]

@@ -14,6 +14,7 @@ from autoplan.cost.dtypes import HeldBytes
 from autoplan.estimate.overlap import OVERLAP_INTERFERENCE
 from autoplan.graph.opgraph import OpGraph
 from autoplan.sharding.context_axis import ContextAxis
+from autoplan.sharding.doc_work import PackedWork
 
 
 @dataclass(frozen=True)
@@ -60,6 +61,7 @@ class CostContext:
     context: ContextAxis | None = None
     cp_collective_s: Callable[[str, float], float] | None = None
     held: HeldBytes | None = None     # the dtypes autocast holds activations in (cost.dtypes)
+    documents: PackedWork | None = None   # packed documents (``--seq-lengths``: doc_work)
 
     @property
     def micro_batch(self) -> int:

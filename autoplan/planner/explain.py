@@ -64,7 +64,17 @@ def _header(plan: Plan) -> str:
         + (f", expert capacity factor {t.expert_capacity_factor:g}"
            if t.expert_capacity_factor != 1.0 else "") + "   "
         f"(autoplan {plan.autoplan_version}, plan schema {plan.schema_version})"),
-    ] + _held_weights(plan))
+    ] + _documents(plan) + _held_weights(plan))
+
+
+def _documents(plan: Plan) -> list[str]:
+    """What a plan for packed documents was priced for (``--seq-lengths``)."""
+    h = plan.training.length_histogram()
+    if h is None:
+        return []
+    return [f"data     priced for packed documents behind a document mask: "
+            f"{h.describe().split(' (')[0]} in {len(h.lengths)} bins (training.seq_lengths); "
+            f"attention at its expected masked work, a ring at its expected slowest rank's"]
 
 
 def _held_weights(plan: Plan) -> list[str]:

@@ -152,7 +152,8 @@ def _pipe_setting(sc: SearchContext, c: Candidate, simulated: Estimate) -> _Pipe
     base = cost_context(sc, cfg, m)
     chunks = chunks_for(CostInputs(graph=sc.graph, analysis=analyze(sc.graph),
                                    sharding=c.sharding, compute=base.compute,
-                                   cluster=sc.cluster, config=cfg))
+                                   cluster=sc.cluster, config=cfg,
+                                   documents=sc.opts.seq_lengths))
     made = pipe_problem.terms(sc.graph, sc.cluster, cfg, chunks,
                               lambda pol: replace(base, recompute=pol))
     held = pipe_problem.rank_memory(made, cfg, m, [st.microbatches_in_flight

@@ -57,5 +57,7 @@ def load_plan(path: str | os.PathLike[str], *, model: Any = None, cluster: Any =
                         "or graph=) and the cluster (cluster=)")
     kwargs = {"global_batch_size": plan.training.global_batch_size,
               "precision": plan.training.precision, "optimizer": plan.training.optimizer,
-              "expert_capacity_factor": plan.training.expert_capacity_factor, **plan_kwargs}
+              "expert_capacity_factor": plan.training.expert_capacity_factor,
+              **({"seq_lengths": plan.training.length_histogram()}
+                 if plan.training.seq_lengths else {}), **plan_kwargs}
     return search.plan(graph, cluster, **kwargs)

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from autoplan.cost.compute import OpCost
 from autoplan.cost.dtypes import own_sizes
 from autoplan.cost.memory import internal_anchor, meta_bytes
-from autoplan.estimate.chunk_cost import comm_bytes, replays
+from autoplan.estimate.chunk_cost import comm_bytes, replays, shard_share
 from autoplan.estimate.overlap import overlap_exposed_s
 from autoplan.estimate.partition import priced_ops
 from autoplan.graph.analysis import GraphAnalysis, analyze
@@ -24,7 +24,6 @@ from autoplan.planner.axis_costs import cp_comms_s, cp_held, exchange_s, value_b
 from autoplan.planner.cost_context import CostContext
 from autoplan.planner.folding import Node
 from autoplan.sharding.placement import REPLICATE, Placement
-from autoplan.sharding.ring_work import tp_work_share
 from autoplan.sharding.sharding import mutates_input, reshard_kind
 from autoplan.sharding.strategies import OpStrategy
 from autoplan.sharding.strategy import divided_split
@@ -194,9 +193,8 @@ def _op_seconds(choice: _Choice, i: int, p: int, s: OpStrategy) -> OpCost:
     batch_dep = any(o in a.batch_dependent for o in op.outputs)
     load = (ctx.experts.load if ctx.experts is not None and i in ctx.experts.members
             else 1.0)
-    cp_share = ctx.context.op_scale(p) if ctx.context is not None else 1.0
-    return ctx.compute.op_cost(p, load * (ctx.batch_scale if batch_dep else 1.0) * cp_share
-                               * tp_work_share(graph, p, s.kernel, s.work_divisor),
+    return ctx.compute.op_cost(p, load * (ctx.batch_scale if batch_dep else 1.0)
+                               * shard_share(graph, s, p, ctx.context, ctx.documents),
                                divided_split(graph, op, s))
 
 

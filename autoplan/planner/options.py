@@ -52,3 +52,7 @@ class SearchOptions:
     # prices and power over cost_models/economics.yaml and the cluster file's (keys:
     # usd_per_gpu_hour, tdp_watt, compute_fraction, communication_fraction, idle_fraction)
     economics: dict[str, float] = field(default_factory=dict)
+    # the data's document lengths (``--seq-lengths``: a file path, a LengthHistogram, or the
+    # PackedWork ``plan`` makes of either): documents packed into the traced sequence length
+    # behind a document mask, attention priced at its expected masked work (sharding/doc_work)
+    seq_lengths: Any = None

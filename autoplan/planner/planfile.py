@@ -39,6 +39,7 @@ from autoplan.cluster.hardware import Difference, Hardware, compare, from_extras
 from autoplan.errors import AutoplanError, PlanError
 from autoplan.sharding.parallel_config import ParallelConfig
 from autoplan.sharding.placement import Placement
+from autoplan.sharding.seq_lengths import histogram_of
 from autoplan.planner.planfile_check import (
     MAX_FILE_BYTES,
     OBJECTIVES_SCHEMA,
@@ -127,6 +128,16 @@ class TrainingInfo:
     optimizer: str
     # MoE routing imbalance the plan was priced with (estimate()); written when not 1
     expert_capacity_factor: float = 1.0
+    # the document lengths the plan was priced for (``--seq-lengths``, packed behind a
+    # document mask: sharding/doc_work), as (length, count) bins; written when given
+    seq_lengths: tuple[tuple[int, int], ...] = ()
+
+    def length_histogram(self) -> Any:
+        """``seq_lengths`` as a LengthHistogram (None where the plan has none): what the plan's
+        prices are re-made with."""
+        if not self.seq_lengths:
+            return None
+        return histogram_of(list(self.seq_lengths), source="the plan's seq_lengths")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -285,8 +296,10 @@ class Plan:
             "autoplan_version": self.autoplan_version,
             "model": _fields_dict(self.model),
             "cluster": self.cluster.to_dict(),
-            "training": {k: v for k, v in _fields_dict(self.training).items()
-                         if k != "expert_capacity_factor" or v != 1.0},
+            "training": {k: ([list(b) for b in v] if k == "seq_lengths" else v)
+                         for k, v in _fields_dict(self.training).items()
+                         if (k != "expert_capacity_factor" or v != 1.0)
+                         and (k != "seq_lengths" or v)},
             "mesh": {"axes": list(self.mesh.axes), "shape": list(self.mesh.shape),
                      "rank_to_device": list(self.mesh.rank_to_device),
                      "tp_domain": self.mesh.tp_domain},
@@ -335,7 +348,8 @@ class Plan:
         return Plan(
             schema_version=d["schema_version"], autoplan_version=d["autoplan_version"],
             model=ModelInfo(**d["model"]), cluster=ClusterInfo(**d["cluster"]),
-            training=TrainingInfo(**d["training"]),
+            training=TrainingInfo(**{**d["training"], "seq_lengths": tuple(
+                (int(n), int(c)) for n, c in d["training"].get("seq_lengths", ()))}),
             mesh=MeshInfo(axes=tuple(d["mesh"]["axes"]), shape=tuple(d["mesh"]["shape"]),
                           rank_to_device=tuple(d["mesh"]["rank_to_device"]),
                           tp_domain=d["mesh"]["tp_domain"]),

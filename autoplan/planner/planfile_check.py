@@ -26,6 +26,7 @@ from autoplan.errors import AutoplanError, ConfigError, PlanError
 from autoplan.sharding.mesh_axes import BASE_AXES, DP_SPLITS, MeshAxis
 from autoplan.sharding.parallel_config import RECOMPUTE, V_SCHEDULES, ParallelConfig
 from autoplan.sharding.placement import Placement
+from autoplan.sharding.seq_lengths import MAX_BINS, MAX_COUNT, MAX_LENGTH
 from autoplan.planner.objectives_check import check_objectives
 from autoplan.planner.planfile_values import MAX_STRING_CHARS, fail, kind, sub
 from autoplan.planner.planfile_values import a_bool as _bool, a_list as _list, a_map as _map
@@ -67,7 +68,8 @@ MODEL_KEYS = ("name", "fingerprint", "num_params", "num_ops")
 CLUSTER_KEYS = ("name", "fingerprint", "world_size", "device", "num_nodes", "devices_per_node")
 CLUSTER_OPTIONAL_KEYS = ("hardware",)      # schema 6 writes it (HARDWARE_KEYS)
 TRAINING_KEYS = ("global_batch_size", "precision", "optimizer")
-TRAINING_OPTIONAL_KEYS = ("expert_capacity_factor",)   # MoE plans priced with imbalance
+TRAINING_OPTIONAL_KEYS = ("expert_capacity_factor",   # MoE plans priced with imbalance
+                          "seq_lengths")              # plans priced for packed documents
 MESH_KEYS = ("axes", "shape", "rank_to_device", "tp_domain")
 PLACEMENT_KEYS = ("tp", "dp", "shape")
 PLACEMENT_OPTIONAL_KEYS = ("ep",)         # schema 3: expert weights of expert-parallel plans
@@ -165,6 +167,28 @@ def _check_cluster(c: Any, version: int) -> None:
               f"devices_per_node {c['devices_per_node']}")
 
 
+def _check_seq_lengths(bins: Any) -> None:
+    """``training.seq_lengths``: 1 to MAX_BINS [length, count] pairs, lengths distinct and
+    increasing, some document counted."""
+    path = "training.seq_lengths"
+    rows = _list(bins, path)
+    if not 1 <= len(rows) <= MAX_BINS:
+        fail(path, f"{len(rows)} bins; a plan records 1 to {MAX_BINS}")
+    last = 0
+    for k, row in enumerate(rows):
+        pair = _list(row, f"{path}[{k}]")
+        if len(pair) != 2:
+            fail(f"{path}[{k}]", f"expected [length, count], got {len(pair)} values")
+        n = _int(pair[0], f"{path}[{k}][0]", lo=last + 1)
+        if n > MAX_LENGTH:
+            fail(f"{path}[{k}][0]", f"{n} tokens is over {MAX_LENGTH}")
+        if _int(pair[1], f"{path}[{k}][1]") > MAX_COUNT:
+            fail(f"{path}[{k}][1]", f"over {MAX_COUNT} documents")
+        last = n
+    if not any(row[1] for row in rows):
+        fail(path, "every count is 0")
+
+
 def _check_training(t: Any) -> None:
     _keys({k: x for k, x in t.items() if k not in TRAINING_OPTIONAL_KEYS}
           if isinstance(t, Mapping) else t, "training", TRAINING_KEYS)
@@ -172,6 +196,8 @@ def _check_training(t: Any) -> None:
             _num(t["expert_capacity_factor"], "training.expert_capacity_factor") >= 1.0):
         fail("training.expert_capacity_factor", f"{t['expert_capacity_factor']!r}: a capacity "
              "factor is >= 1 (1: balanced routing)")
+    if "seq_lengths" in t:
+        _check_seq_lengths(t["seq_lengths"])
     _int(t["global_batch_size"], "training.global_batch_size", lo=1)
     _str(t["precision"], "training.precision", limit=64)
     _str(t["optimizer"], "training.optimizer", limit=64)

@@ -58,6 +58,7 @@ from autoplan.planner.finalists import refine_dp, refine_pipe_ilp, refine_pipeli
 from autoplan.planner.recompute_choice import refine_recompute
 from autoplan.planner.candidates import (Candidate, alternatives, honours, infeasible,
                                        too_few_layers, why_none_honours)
+from autoplan.sharding.doc_work import packed_work
 from autoplan.sharding.mesh_axes import BASE_AXES
 from autoplan.sharding.parallel_config import ParallelConfig, strongest_recompute
 from autoplan.sharding.sharding import Sharding, context_sharding, megatron_sharding, replicated
@@ -151,6 +152,7 @@ def plan(model: Any, cluster: Any, *, global_batch_size: int, example_inputs: An
     opts = _checked_options(opts)
     graph = as_graph(model, example_inputs, loss_fn=loss_fn, targets=targets, who="plan()",
                      error=ConfigError)
+    opts = replace(opts, seq_lengths=packed_work(graph, opts.seq_lengths))
 
     def plan_on(where: Any, o: SearchOptions) -> Plan:
         return _plan_on(graph, where, o, global_batch_size=global_batch_size,
@@ -502,4 +504,5 @@ def _choose(sc: SearchContext, cands: list[Candidate], base: dict[str, Any],
     best = fitting[0]
     return assemble(sc.graph, sc.cluster, best,
                     alternatives(cands, best, opts.top_k, opts.force),
-                    stats, sc.global_batch_size, name, opts.expert_capacity_factor)
+                    stats, sc.global_batch_size, name, opts.expert_capacity_factor,
+                    opts.seq_lengths)

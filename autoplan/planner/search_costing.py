@@ -168,6 +168,7 @@ def cost_context(sc: SearchContext, config: ParallelConfig, m: int,
                                     optimizer_state=config.optimizer_state).total_bytes
     return CostContext(graph=graph, t=t, compute=compute,
                       context=context_axis(graph, config.cp, config.cp_layout),
+                      documents=sc.opts.seq_lengths,
                       cp_collective_s=lambda kind, nbytes: cluster.collective_time_s(
                           kind, nbytes, cp_group),
                       collective_s=lambda kind, nbytes: cluster.collective_time_s(kind, nbytes,
@@ -292,7 +293,8 @@ def evaluate(sc: SearchContext, configs: list[ParallelConfig], sh: Sharding,
             est = estimate(graph, cluster, config=c, global_batch_size=gbs, profile=sc.profile,
                            sharding=sh, memory_margin_bytes=opts.memory_margin_bytes,
                            simulate_pipeline=simulate,
-                           expert_capacity_factor=opts.expert_capacity_factor)
+                           expert_capacity_factor=opts.expert_capacity_factor,
+                           seq_lengths=opts.seq_lengths)
         except ConfigError as e:
             stats.rejected = str(e)
             continue
@@ -312,7 +314,8 @@ def cost_inputs(sc: SearchContext, config: ParallelConfig, sh: Sharding) -> Cost
                                             config.compiled, Float8Setting.of(config)),
                       cluster=cluster, config=config,
                       expert_load=sc.opts.expert_capacity_factor,
-                      context=context_axis(graph, config.cp, config.cp_layout))
+                      context=context_axis(graph, config.cp, config.cp_layout),
+                      documents=sc.opts.seq_lengths)
 
 
 def with_stage_layout(sc: SearchContext, config: ParallelConfig, sh: Sharding,

@@ -453,13 +453,22 @@ def context_layout(graph: OpGraph, cp: int, opts: SearchOptions) -> str:
     else ``zigzag`` where the model has causal ring attention and its split dims cut into
     ``2 cp`` chunks, else ``contiguous``. Not searched: the two move the same bytes and zigzag
     never does more attention work on any rank (``sharding/ring_work.py``), so it wins
-    wherever the work differs, and contiguous stays where it does not (no causal mask)."""
+    wherever the work differs, and contiguous stays where it does not (no causal mask). Under
+    packed documents (``seq_lengths``) the layout whose ring has the smaller expected slowest
+    step (``doc_work.PackedWork.ring_share``), zigzag on a tie."""
     if "cp_layout" in opts.force:
         return opts.force["cp_layout"]
     if cp == 1:
         return "contiguous"
     ax = context_axis(graph, cp)
-    if ax is None or not any(ax.causal(i) for i in ax.rings()):
+    if ax is None:
+        return "contiguous"
+    causal = any(ax.causal(i) for i in ax.rings())
+    if opts.seq_lengths is not None and opts.seq_lengths.seq_len % (2 * cp) == 0 and (
+            opts.seq_lengths.ring_share(cp, "contiguous", causal)
+            < opts.seq_lengths.ring_share(cp, "zigzag", causal)):
+        return "contiguous"
+    if not causal and opts.seq_lengths is None:
         return "contiguous"
     try:
         context_axis(graph, cp, "zigzag")

@@ -1,0 +1,223 @@
+"""Attention work of packed documents (``--seq-lengths``): what one rank's attention costs when
+each micro-batch sequence of ``S`` tokens holds several documents behind a document mask.
+
+Packing. Documents are drawn from the length histogram (independently, in proportion to their
+counts), laid end to end and cut every ``S`` tokens, as torchtitan's and Megatron-LM's data
+loaders pack pre-training text: no padding, and a document that runs past a sequence's end
+continues as its own document at the start of the next (its positions restart at 0 there,
+``position_ids``). ``PackedWork`` simulates ``samples`` such sequences with a fixed seed, so
+the same histogram always prices the same.
+
+Work. Under a document mask a query sees only keys of its own document (and, causal, not
+after it): a packed sequence's attention is the sum over its documents of their own causal
+attention, ``sum d (d + 1) / 2`` query-key pairs, not one causal square's ``S (S + 1) / 2``.
+``dense_share`` is their ratio's expectation: the factor on the traced (one fixed-length
+sequence's) attention. Non-causal attention counts ``sum d^2`` against ``S^2``.
+
+Rings. On a ``c``-way context-parallel ring (``ring_work``) rank ``r`` holds its layout's
+chunks of the sequence, and at ring step ``s`` computes its queries against the keys rank
+``(r - s) mod c`` holds (``runtime/ring_attention``). The ranks wait for each other every step,
+so a sequence's ring time is the sum over steps of the slowest rank's pairs at that step;
+``ring_share`` is its expectation over the packed sequences against one device's causal
+square, the price of ring attention under the document mask. Where documents are short, every
+step but the first (each rank's own block) has little work, and which rank is the slowest
+depends on where boundaries fall: zigzag still halves the contiguous ring's worst step on long
+documents; on short ones both are near the balanced ``dense_share / c``.
+
+What the price assumes: a kernel that skips masked-out work at fine grain (flash attention's
+variable-length kernels, or flex attention with a block mask of 128-token blocks, whose
+partly-masked blocks this count leaves out). A dense-mask kernel (SDPA with a materialised
+boolean mask, the CPU runtime's) computes the whole square: the price is then optimistic.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Any
+
+import numpy as np
+
+from autoplan.errors import ConfigError
+from autoplan.graph.opgraph import OpGraph
+from autoplan.graph.oprules import is_attention
+from autoplan.sharding.config_values import CP_LAYOUTS
+from autoplan.sharding.ring_work import causal_at
+from autoplan.sharding.seq_lengths import LengthHistogram, read_seq_lengths
+
+_MAX_SAMPLES = 4096
+
+
+@dataclass(frozen=True)
+class PackedWork:
+    """Documents of ``histogram`` packed into sequences of ``seq_len`` tokens (module doc)."""
+
+    histogram: LengthHistogram
+    seq_len: int
+    samples: int = 256               # packed sequences simulated
+    seed: int = 0
+    _cache: dict = field(default_factory=dict, compare=False, repr=False, hash=False)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.seq_len, bool) or not isinstance(self.seq_len, int) \
+                or self.seq_len < 1:
+            raise ConfigError(f"PackedWork: seq_len must be a positive int (tokens per packed "
+                              f"sequence), got {self.seq_len!r}")
+        if not 1 <= self.samples <= _MAX_SAMPLES:
+            raise ConfigError(f"PackedWork: samples must be 1..{_MAX_SAMPLES}, got "
+                              f"{self.samples!r}")
+
+    @cached_property
+    def sequences(self) -> tuple[tuple[int, ...], ...]:
+        """The simulated packed sequences, each as its documents' lengths in order (they sum to
+        ``seq_len``)."""
+        h = self.histogram
+        p = np.asarray(h.counts, dtype=np.float64)
+        rng = np.random.default_rng(self.seed)
+        need = self.samples * self.seq_len
+        lengths: list[int] = []
+        total = 0
+        while total < need:
+            draw = rng.choice(np.asarray(h.lengths), size=max(16, int(
+                (need - total) / h.mean_length * 1.2) + 1), p=p / p.sum())
+            lengths.extend(int(x) for x in draw)
+            total += int(draw.sum())
+        out, cur, room = [], [], self.seq_len
+        for d in lengths:
+            while d > 0 and len(out) < self.samples:
+                take = min(d, room)
+                cur.append(take)
+                d -= take
+                room -= take
+                if room == 0:
+                    out.append(tuple(cur))
+                    cur, room = [], self.seq_len
+            if len(out) == self.samples:
+                break
+        return tuple(out)
+
+    @cached_property
+    def documents_per_sequence(self) -> float:
+        return sum(len(s) for s in self.sequences) / len(self.sequences)
+
+    def dense_share(self, causal: bool = True) -> float:
+        """The expected attention work of a packed sequence over one unmasked sequence's."""
+        return self.ring_share(1, "contiguous", causal)
+
+    def ring_share(self, c: int, layout: str, causal: bool = True) -> float:
+        """Ring attention's expected critical path on ``c`` ranks under ``layout``, as a share
+        of one device's attention over one unmasked sequence (module doc)."""
+        if layout not in CP_LAYOUTS:
+            raise ConfigError(f"cp_layout must be one of {list(CP_LAYOUTS)}, got {layout!r}")
+        if c < 1 or self.seq_len % (2 * c if layout == "zigzag" else c):
+            raise ConfigError(f"a {c}-way {layout} ring needs seq_len {self.seq_len} divisible "
+                              f"by {2 * c if layout == 'zigzag' else c}")
+        key = (c, layout if c > 1 else "contiguous", causal)
+        if key not in self._cache:
+            total = sum(ring_critical_pairs(s, self.seq_len, c, key[1], causal)
+                        for s in self.sequences)
+            s = self.seq_len
+            self._cache[key] = total / len(self.sequences) / (s * (s + 1) / 2 if causal
+                                                               else s * s)
+        return self._cache[key]
+
+    def describe(self) -> str:
+        return (f"documents packed into {self.seq_len:,}-token sequences "
+                f"({self.documents_per_sequence:.3g} per sequence on average): attention "
+                f"{self.dense_share():.3g} of an unmasked sequence's")
+
+
+def rank_chunks(s: int, c: int, layout: str) -> list[list[tuple[int, int]]]:
+    """Each rank's token intervals ``[lo, hi)`` of a sequence of ``s`` tokens."""
+    if layout == "zigzag":
+        w = s // (2 * c)
+        return [[(r * w, (r + 1) * w), ((2 * c - 1 - r) * w, (2 * c - r) * w)]
+                for r in range(c)]
+    w = s // c
+    return [[(r * w, (r + 1) * w)] for r in range(c)]
+
+
+def ring_critical_pairs(docs: tuple[int, ...], s: int, c: int, layout: str,
+                        causal: bool) -> float:
+    """Sum over the ring's ``c`` steps of the slowest rank's masked query-key pairs, for one
+    packed sequence of documents ``docs`` (lengths in order)."""
+    ends = np.cumsum(np.asarray(docs, dtype=np.int64))
+    starts = ends - np.asarray(docs, dtype=np.int64)
+    chunks = rank_chunks(s, c, layout)
+    owner = np.asarray([r for r, cs in enumerate(chunks) for _ in cs])
+    lo = np.asarray([a for cs in chunks for a, _ in cs], dtype=np.int64)
+    hi = np.asarray([b for cs in chunks for _, b in cs], dtype=np.int64)
+    pairs = _pairs(lo, hi, starts, ends, causal)          # (query chunk, key chunk)
+    member = (owner[None, :] == np.arange(c)[:, None]).astype(np.float64)
+    work = member @ pairs @ member.T                      # (query rank, key rank)
+    ranks = np.arange(c)
+    return float(sum(work[ranks, (ranks - step) % c].max() for step in range(c)))
+
+
+def _pairs(lo: np.ndarray, hi: np.ndarray, starts: np.ndarray, ends: np.ndarray,
+           causal: bool) -> np.ndarray:
+    """Per (query chunk, key chunk) of the chunks ``[lo, hi)``, the pairs (query in the one,
+    key in the other, same document, key not after the query where ``causal``), summed over
+    the documents ``[starts, ends)``."""
+    a0 = np.maximum(lo[:, None], starts[None, :])          # (chunk, document)
+    a1 = np.minimum(hi[:, None], ends[None, :])
+    n = np.clip(a1 - a0, 0, None)
+    if not causal:
+        return np.einsum("qd,kd->qk", n.astype(np.float64), n.astype(np.float64))
+    q0, q1 = a0[:, None, :], a1[:, None, :]
+    k0, k1 = a0[None, :, :], a1[None, :, :]
+    got = _below(q1, k0, k1) - _below(q0, k0, k1)
+    return np.where(n[:, None, :] > 0, got, 0.0).sum(axis=-1)
+
+
+def _below(x: np.ndarray, k0: np.ndarray, k1: np.ndarray) -> np.ndarray:
+    """Sum over queries ``q < x`` of the keys in ``[k0, k1)`` at or before ``q``."""
+    nk = np.clip(k1 - k0, 0, None)
+    m = np.clip(x - k0, 0, None)
+    inside = m * (m + 1) // 2
+    past = nk * (nk + 1) // 2 + (x - k1) * nk
+    return np.where(x <= k1, np.where(m <= nk, inside, past), past).astype(np.float64)
+
+
+
+
+def packed_work(graph: OpGraph, seq_lengths: Any) -> PackedWork | None:
+    """``seq_lengths`` (a file path, a ``LengthHistogram`` or a ``PackedWork``; None: none) as
+    the packing of ``graph``'s sequences: their length is its attention's query length; a
+    histogram of many lengths in ``MAX_BINS`` bins (``LengthHistogram.binned``)."""
+    if seq_lengths is None or isinstance(seq_lengths, PackedWork):
+        return seq_lengths
+    if isinstance(seq_lengths, (str, os.PathLike)):
+        seq_lengths = read_seq_lengths(seq_lengths)
+    if not isinstance(seq_lengths, LengthHistogram):
+        raise ConfigError(f"seq_lengths must be a file path, a LengthHistogram or a "
+                          f"PackedWork, got {type(seq_lengths).__name__}")
+    lengths = {graph.value(op.inputs[0]).meta.shape[-2] for op in graph.ops
+               if is_attention(op)}
+    if len(lengths) != 1:
+        raise ConfigError(f"--seq-lengths packs documents into the model's sequences, but "
+                          f"{graph.name!r} has " + ("no attention" if not lengths else
+                                                    f"attention over lengths {sorted(lengths)}")
+                          + "; plan it without --seq-lengths")
+    return PackedWork(seq_lengths.binned(), lengths.pop())
+
+
+def attention_share(graph: OpGraph, i: int, documents: PackedWork | None, cp: int,
+                    layout: str, tp_ring: int) -> float | None:
+    """Under packed ``documents``, the share of attention op ``i``'s traced work its slowest
+    rank does: on a ``cp``-way ring in ``layout``, or a ``tp_ring``-way contiguous ring on the
+    tp axis (1: none), else the masked share of one device's. None: not priced so (no
+    documents, or not attention)."""
+    if documents is None or not is_attention(graph.ops[i]):
+        return None
+    causal = causal_at(graph, i)
+    if cp > 1:
+        return documents.ring_share(cp, layout, causal)
+    if tp_ring > 1:
+        return documents.ring_share(tp_ring, "contiguous", causal)
+    return documents.dense_share(causal)
+
+
+__all__ = ["PackedWork", "attention_share", "packed_work", "rank_chunks",
+           "ring_critical_pairs"]
