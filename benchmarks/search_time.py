@@ -31,6 +31,9 @@ CASES = {   # name: (model, preset, nodes, global batch, largest pipeline degree
     # the full joint search (pipeline degrees up to the layer count, every schedule)
     "gpt3-175b": ("gpt3-175b", "dgx-a100-80gb", 128, 1536, None),
     "llama3-70b": ("llama3-70b", "dgx-h100", 32, 1024, None),
+    # the scale issue (40, item 6): Llama 3 405B on 16,384 H100 (2,048 DGX nodes), its
+    # pre-training batch of 16M tokens (2,048 x 8,192), every dimension the search has
+    "llama3-405b": ("llama3-405b", "dgx-h100", 2048, 2048, None),
 }
 
 
