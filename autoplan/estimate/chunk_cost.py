@@ -544,5 +544,10 @@ def _lifetimes(graph: OpGraph) -> list[tuple[int, list[tuple[int, int]], str]]:
 
 
 def unit_costs(ci: CostInputs, units: Sequence[Any], policy: str) -> list[RangeCost]:
-    """Per unit (``partition.Unit``), its cost under ``policy``."""
-    return [range_cost(ci, *u.like, policy) for u in units]
+    """Per unit (``partition.Unit``), its cost under ``policy`` (the list kept on the graph
+    as ``range_cost`` keeps each, for the same ``units`` object: every pipelined config the
+    search lays out asks for all of them)."""
+    def make() -> tuple[Sequence[Any], list[RangeCost]]:
+        return units, [range_cost(ci, *u.like, policy) for u in units]
+    kept, costs = cached_on_graph(ci, "_autoplan_unit_costs", (policy, id(units)), make)
+    return costs if kept is units else make()[1]
