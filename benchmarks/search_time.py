@@ -14,11 +14,15 @@ search. The modules torch.export imports on its first use (torch._dynamo, ~0.9 s
 torch.export._trace with aot_autograd, ~0.2 s) are timed apart ("imports"): a process pays
 them once, whatever it traces after; so is building the model (on the meta device, ~0.1 s):
 the user's code, which hands autoplan a model.
+
+Times are wall seconds and, beside them, CPU seconds of the process and of its children (CBC
+runs as one): on a shared machine the CPU seconds are the ones to compare.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -31,12 +35,21 @@ CASES = {   # name: (model, preset, nodes, global batch, largest pipeline degree
     # the full joint search (pipeline degrees up to the layer count, every schedule)
     "gpt3-175b": ("gpt3-175b", "dgx-a100-80gb", 128, 1536, None),
     "llama3-70b": ("llama3-70b", "dgx-h100", 32, 1024, None),
+    # the scale issue (40, item 6): Llama 3 405B on 16,384 H100 (2,048 DGX nodes), its
+    # pre-training batch of 16M tokens (2,048 x 8,192), every dimension the search has
+    "llama3-405b": ("llama3-405b", "dgx-h100", 2048, 2048, None),
 }
 
 
 # the growth sweep (GPT-3 175B shapes, global batch 1,536): (label, nodes of 8 A100, layers)
 SWEEP = ([(f"{8 * n} GPUs, 96 layers", n, 96) for n in (8, 32, 128, 512, 2048)]
          + [(f"1,024 GPUs, {layers} layers", 128, layers) for layers in (24, 48, 192)])
+
+
+def _cpu_s() -> float:
+    """CPU seconds of this process and its finished children (CBC), user and system."""
+    t = os.times()
+    return t.user + t.system + t.children_user + t.children_system
 
 
 def one(key: str) -> dict:
@@ -62,14 +75,14 @@ def one(key: str) -> dict:
     t_build = time.perf_counter()
     imports_s = t_build - t_import
     ex = build_example(model, device="meta", batch_size=1, **sizes)   # the user's model
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), _cpu_s()
     graph = trace(ex.model, ex.example_inputs, loss_fn=ex.loss_fn, targets=ex.targets, name=model)
-    t1 = time.perf_counter()
+    t1, c1 = time.perf_counter(), _cpu_s()
     cluster = Cluster.preset(preset, nodes=nodes)
     solves: list[str] = []
     p = plan(graph, cluster, global_batch_size=gbs, profile=None, name=model, max_pp=max_pp,
              progress=lambda msg: solves.append(msg.strip()) if msg.startswith("  ILP (") else None)
-    t2 = time.perf_counter()
+    t2, c2 = time.perf_counter(), _cpu_s()
     times = [float(line.split(" s, ")[0].rsplit(", ", 1)[1]) for line in solves]
     gaps = [float(line.rsplit("gap ", 1)[1].rstrip("%")) for line in solves if "gap " in line]
     return {"case": key, "imports_s": imports_s, "build_s": t0 - t_build, "solves": solves,
@@ -77,6 +90,8 @@ def one(key: str) -> dict:
             "worst_gap": max(gaps, default=None), "world": cluster.world_size,
             "ops": len(graph.ops),
             "trace_s": t1 - t0, "search_s": t2 - t1, "total_s": t2 - t0,
+            "trace_cpu_s": c1 - c0, "search_cpu_s": c2 - c1, "total_cpu_s": c2 - c0,
+            "worst_gap_plan": p.solver.worst_gap,
             "ilps": p.solver.ilps_solved, "candidates": p.solver.candidates_evaluated,
             "vars": p.solver.num_variables, "constraints": p.solver.num_constraints,
             "status": p.solver.status, "config": p.config.short(),
@@ -107,6 +122,8 @@ def main(argv: list[str]) -> int:
               f"and torch.export {r['imports_s']:.1f} s and building the model on meta "
               f"{r['build_s']:.1f} s apart); {r['ilps']} ILPs ({which}), "
               f"{r['candidates']} configurations costed")
+        print(f"    CPU: trace {r['trace_cpu_s']:.2f} s + search {r['search_cpu_s']:.2f} s = "
+              f"{r['total_cpu_s']:.2f} s")
         gap = (f", largest gap {r['worst_gap']:.2f}%" if r["worst_gap"] is not None
                else ", every one optimal or infeasible")
         print(f"    ILPs: {r['ilp_s']:.2f} s of solving in all, the slowest "

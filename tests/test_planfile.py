@@ -211,7 +211,8 @@ def test_format_keys_match_the_dataclasses_and_the_schema():
                             (TrainingInfo, check.TRAINING_KEYS + check.TRAINING_OPTIONAL_KEYS,
                              "training"),
                             (MeshInfo, check.MESH_KEYS, "mesh"),
-                            (SolverReport, check.SOLVER_KEYS + ("time_s",), "solver")):
+                            (SolverReport, check.SOLVER_KEYS + check.SOLVER_OPTIONAL_KEYS
+                             + ("time_s",), "solver")):
         assert names(cls) == keys
         assert set(schema["properties"][prop]["properties"]) == set(keys) - {"time_s"}
     assert names(Alternative) == check.ALTERNATIVE_KEYS

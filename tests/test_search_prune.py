@@ -1,10 +1,14 @@
 """The search skips what cannot win (``search_costing.evaluate``): a configuration that only
 recomputes more than one that fits (``prune_dominated``: it would be no faster), and a pipelined
 configuration whose floor, a lower bound on the closed form of any of its stage layouts, is
-more than ``CLOSED_FORM_SLACK`` behind the best found (``behind_s``). These tests hold the
-premises (``estimate`` never prices a stronger recomputation policy faster; the floor is below
-every layout's closed form) and the conclusion (the plan and alternatives the full enumeration
-finds, and its alternatives within the slack, fewer configs costed)."""
+more than ``CLOSED_FORM_SLACK`` behind the best found (``behind_s``); and it does not solve a
+memory-constrained ILP no sharding can fit (``search_costing.frugal_sharding``: its least
+memory, or a floor scaled from a problem of its memory family, over the budget). These tests
+hold the premises (``estimate`` never prices a stronger recomputation policy faster; the floor
+is below every layout's closed form; a frugal problem's bytes per strategy are ``s P + a A + O``
+with the same nonnegative ``P, A, O`` across its family) and the conclusion (the plan and
+alternatives the full enumeration finds, and its alternatives within the slack, fewer configs
+costed and fewer ILPs solved)."""
 
 from __future__ import annotations
 
@@ -56,28 +60,75 @@ def _summary(p):
              if a.fits and a.step_time_s <= bar])
 
 
-@pytest.mark.parametrize("name,preset,nodes,gbs,skips", [
-    ("llama-tiny", "dgx-a100-80gb", 1, 64, True),      # data parallel wins
-    ("gpt3-6.7b", "dgx-a100-40gb", 1, 64, True),       # memory-tight
-    ("gpt3-13b", "dgx-a100-40gb", 2, 32, True),        # a pipeline (ZB-V) wins
-    ("gpt3-13b", "dgx-a100-40gb", 1, 64, True),        # only pipelines fit (eager twins skipped)
+def _unpruned(monkeypatch):
+    """The search with no pruning: every config costed, every memory-constrained ILP solved."""
+    full_evaluate = search_costing.evaluate
+
+    def every_config(*args, **kwargs):
+        return full_evaluate(*args, **{**kwargs, "prune_dominated": False, "behind_s": None})
+
+    def every_ilp(sc, config, m, frugal):
+        return search_costing.ilp_sharding(sc, config, m, frugal=frugal)
+    monkeypatch.setattr(search, "evaluate", every_config)
+    monkeypatch.setattr(search, "frugal_sharding", every_ilp)
+
+
+@pytest.mark.parametrize("name,preset,nodes,gbs,skips,over_budget", [
+    ("llama-tiny", "dgx-a100-80gb", 1, 64, True, False),     # data parallel wins
+    ("gpt3-6.7b", "dgx-a100-40gb", 1, 64, True, False),      # memory-tight
+    ("gpt3-13b", "dgx-a100-40gb", 2, 32, True, True),        # tp meshes that cannot fit
+    ("gpt3-13b", "dgx-a100-40gb", 1, 64, True, True),        # (eager twins skipped)
 ])
 def test_pruning_finds_the_plan_the_full_enumeration_finds(monkeypatch, name, preset, nodes,
-                                                           gbs, skips):
+                                                           gbs, skips, over_budget):
     graph = _graph(name)
     cluster = Cluster.preset(preset, nodes=nodes)
     said: list[str] = []
     pruned = search.plan(graph, cluster, global_batch_size=gbs, profile=None,
                          progress=said.append)
     assert any(" skipped (floor over " in msg for msg in said) == skips
-    full_evaluate = search_costing.evaluate
-
-    def every_config(*args, **kwargs):
-        return full_evaluate(*args, **{**kwargs, "prune_dominated": False, "behind_s": None})
-    monkeypatch.setattr(search, "evaluate", every_config)
+    assert any("not solved, no sharding fits" in msg for msg in said) == over_budget
+    _unpruned(monkeypatch)
     full = search.plan(graph, cluster, global_batch_size=gbs, profile=None)
     assert _summary(pruned) == _summary(full)
     assert pruned.solver.candidates_evaluated < full.solver.candidates_evaluated
+    assert pruned.solver.ilps_solved <= full.solver.ilps_solved
+    assert pruned.solver.worst_gap == full.solver.worst_gap == 0.0
+
+
+@pytest.mark.parametrize("name,tp,cp", [("gpt3-13b", 4, 1), ("llama-tiny", 2, 2),
+                                        ("titan-moe-tiny", 2, 1)])
+def test_a_frugal_problems_bytes_scale_as_its_floor_assumes(name, tp, cp):
+    """Per strategy, the memory-constrained problem's bytes at (state bytes per parameter s,
+    activation multiplier a) are ``s P + a A + O``, ``P, A, O >= 0``, whatever pp, dp or the
+    compiled program's prices (not in ``_memory_family``): what makes the floor
+    ``frugal_sharding`` scales from one problem to another of the family exact."""
+    from autoplan.planner.problem import reduce_graph
+    from autoplan.planner.search_costing import (Frugal, SearchContext, Stats, cost_context,
+                                                 _memory_family)
+    from autoplan.planner.search import SearchOptions
+    graph = _graph(name, seq_len=64) if name == "llama-tiny" else _graph(name)
+    cluster = Cluster.preset("dgx-a100-40gb", nodes=2)
+    sc = SearchContext(graph=graph, cluster=cluster, global_batch_size=64, profile=None,
+                       opts=SearchOptions(), stats=Stats())
+
+    def mem(s, a, **fields):
+        cfg = ParallelConfig(**{"dp": 16 // (tp * cp), "tp": tp, "cp": cp,
+                                "micro_batch_size": 1, **fields})
+        ctx = cost_context(sc, cfg, 4, Frugal(1e12, s, a, "full"))
+        return cfg, reduce_graph(ctx).problem.node_memory
+    cfg, base = mem(0.0, 0.0)
+    _, per_s = mem(1.0, 0.0)
+    _, per_a = mem(0.0, 1.0)
+    for fields, (s, a) in [({}, (5.0, 0.75)), ({"pp": 2, "dp": 8 // (tp * cp)}, (2.5, 0.625)),
+                           ({"compiled": True}, (1.25, 1.0))]:
+        other, got = mem(s, a, **fields)
+        assert _memory_family(other, Frugal(0, s, a, "full")) == _memory_family(
+            cfg, Frugal(0, s, a, "full"))
+        for row0, rows, rowa, row in zip(base, per_s, per_a, got):
+            for o, ps, pa, m in zip(row0, rows, rowa, row):
+                assert o >= 0 and ps >= o and pa >= o
+                assert m == pytest.approx(s * (ps - o) + a * (pa - o) + o, rel=1e-9, abs=1.0)
 
 
 def test_pruning_keeps_recomputation_that_shrinks_offloaded_copies(monkeypatch):

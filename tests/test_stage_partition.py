@@ -215,3 +215,25 @@ def test_estimate_cli_takes_a_split_and_stage_policies(capsys):
     assert "recompute=full/none" in out
     assert main(args + ["--chunk-layers", "1,x"]) == 1
     assert "comma-separated" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", ["llama-tiny", "hf-t5-tiny", "titan-moe-tiny"])
+def test_the_values_crossing_a_cut_are_those_made_before_it_and_read_after(name):
+    """``chunk_cost.boundary_values`` (what a stage sends on) against its definition, at every
+    cut: the bases of float values an op before the cut makes and one at or after it reads,
+    in the order of those reads, each base once."""
+    from autoplan.estimate.chunk_cost import boundary_values
+    from autoplan.models import build_example
+    if name.startswith("hf-"):
+        pytest.importorskip("transformers")
+    ex = build_example(name, device="meta", batch_size=2)
+    graph = trace(ex.model, ex.example_inputs, loss_fn=ex.loss_fn, targets=ex.targets)
+    for cut in range(len(graph.ops) + 1):
+        made = {n for op in graph.ops[:cut] for n in op.outputs}
+        want: list[str] = []
+        for op in graph.ops[cut:]:
+            for n in op.inputs:
+                v = graph.value(n)
+                if n in made and v.meta.is_float and v.base not in want:
+                    want.append(v.base)
+        assert boundary_values(graph, cut) == want, cut

@@ -230,9 +230,16 @@ class Cluster:
 
     def group_profile(self, ranks: Sequence[int]) -> GroupProfile:
         """The contracted view of a group: bandwidths and per-step latencies (cached)."""
+        # the planner asks again and again with the same (memoized) group object: found by
+        # its identity before hashing every rank of it
+        by_id = self._group_cache.get(("id", id(ranks)))
+        if by_id is not None and by_id[0] is ranks:
+            return by_id[1]
         key = tuple(ranks)
         cached = self._group_cache.get(key)
         if cached is not None:
+            if isinstance(ranks, tuple):
+                self._group_cache[("id", id(ranks))] = (ranks, cached)
             return cached
         if not key:
             raise ClusterError("a collective needs at least one rank, got an empty group")

@@ -10,6 +10,8 @@ same, so a unit's cost is that of the range standing for it (``Unit.like``), com
 
 from __future__ import annotations
 
+import bisect
+
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -523,22 +525,47 @@ def boundary_values(graph: OpGraph, cut: int) -> list[str]:
 
 
 def _crossing(graph: OpGraph, cut: int) -> list[str]:
+    """The bases of the float values an op before ``cut`` makes and one at or after it reads,
+    in the order those reads come (op, then input slot), each base once."""
     if cut >= len(graph.ops):
         return []
-    produced_before = set()
-    for op in graph.ops[:cut]:
-        produced_before.update(op.outputs)
+    found = []
+    for made, reads, n in _lifetimes(graph):
+        if made < cut <= reads[-1][0]:
+            found.append((reads[bisect.bisect_left(reads, (cut, -1))], n))
     crossing = []
     seen = set()
-    for op in graph.ops[cut:]:
-        for n in op.inputs:
-            v = graph.value(n)
-            if n in produced_before and v.base not in seen and v.meta.is_float:
-                seen.add(v.base)
-                crossing.append(v.base)
+    for _, n in sorted(found):
+        base = graph.value(n).base
+        if base not in seen:
+            seen.add(base)
+            crossing.append(base)
     return crossing
 
 
+def _lifetimes(graph: OpGraph) -> list[tuple[int, list[tuple[int, int]], str]]:
+    """Per float value an op makes and another reads: the op that makes it, the (op, input
+    slot) of every read, ascending, and its name; kept on the graph (every cut asks)."""
+    found = graph.__dict__.get("_autoplan_lifetimes")
+    if found is None:
+        made: dict[str, int] = {}
+        reads: dict[str, list[tuple[int, int]]] = {}
+        for i, op in enumerate(graph.ops):
+            for k, n in enumerate(op.inputs):
+                if n in made:
+                    reads.setdefault(n, []).append((i, k))
+            for n in op.outputs:
+                made.setdefault(n, i)
+        found = graph.__dict__["_autoplan_lifetimes"] = [
+            (made[n], r, n) for n, r in reads.items() if graph.value(n).meta.is_float]
+    return found
+
+
 def unit_costs(ci: CostInputs, units: Sequence[Any], policy: str) -> list[RangeCost]:
-    """Per unit (``partition.Unit``), its cost under ``policy``."""
-    return [range_cost(ci, *u.like, policy) for u in units]
+    """Per unit (``partition.Unit``), its cost under ``policy`` (the list kept on the graph
+    as ``range_cost`` keeps each, for the same ``units`` object: every pipelined config the
+    search lays out asks for all of them)."""
+    def make() -> tuple[Sequence[Any], list[RangeCost]]:
+        return units, [range_cost(ci, *u.like, policy) for u in units]
+    kept, costs = cached_on_graph(ci, "_autoplan_unit_costs", (policy, id(units)), make)
+    return costs if kept is units else make()[1]

@@ -292,4 +292,7 @@ LLAMA_CONFIGS: dict[str, LlamaConfig] = {
     # Llama 3 Herd, Table 3 "70B" (70.6B parameters).
     "llama3-70b": LlamaConfig(num_layers=80, hidden_size=8192, num_heads=64, num_kv_heads=8,
                               ffn_hidden_size=28672, vocab_size=128256, seq_len=8192),
+    # Llama 3 Herd, Table 3 "405B" (405.9B parameters).
+    "llama3-405b": LlamaConfig(num_layers=126, hidden_size=16384, num_heads=128, num_kv_heads=8,
+                               ffn_hidden_size=53248, vocab_size=128256, seq_len=8192),
 }

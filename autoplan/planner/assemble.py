@@ -65,6 +65,7 @@ def assemble(graph: OpGraph, cluster: Any, best: Any, alternatives: list[Alterna
             solver="CBC", status=sol.status, objective_s=sol.objective, bound_s=sol.bound,
             gap=sol.gap, num_variables=sol.num_variables, num_constraints=sol.num_constraints,
             ilps_solved=stats.ilps, candidates_evaluated=stats.evaluated,
+            worst_gap=None if stats.gap_unknown else stats.worst_gap,
             time_s=time.perf_counter() - stats.t0)
     else:
         # the chosen plan's sharding came from no ILP (tp=1, or a baseline won): report the
@@ -73,6 +74,7 @@ def assemble(graph: OpGraph, cluster: Any, best: Any, alternatives: list[Alterna
             solver="CBC", status="not_solved", objective_s=best.est.step_time_s, bound_s=None,
             gap=None, num_variables=stats.largest[0], num_constraints=stats.largest[1],
             ilps_solved=stats.ilps, candidates_evaluated=stats.evaluated,
+            worst_gap=None if stats.gap_unknown else stats.worst_gap,
             time_s=time.perf_counter() - stats.t0)
     return Plan(
         autoplan_version=__version__, model=ModelInfo.of(graph, name=name),

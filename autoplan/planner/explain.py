@@ -567,7 +567,15 @@ def _solver(plan: Plan) -> str:
          if s.status != "not_solved" else f"  step time {fmt_s(s.objective_s)}"),
         (f"  problem {s.num_variables:,} variables, {s.num_constraints:,} constraints; search "
         f"{s.ilps_solved:,} ILPs solved, {s.candidates_evaluated:,} candidates evaluated"),
+        *([f"  worst gap of the search's ILPs {_worst_gap(s.worst_gap)}"]
+          if s.ilps_solved else []),
     ])
+
+
+def _worst_gap(gap: float | None) -> str:
+    if gap is None:
+        return "unknown (an ILP stopped at its time limit with no bound to read)"
+    return "0 (each proven optimal or infeasible)" if gap == 0 else f"{gap * 100:.2f}%"
 
 
 # ================================================================ formatting helpers

@@ -219,10 +219,14 @@ class SolverReport:
     num_constraints: int
     ilps_solved: int            # over the whole search
     candidates_evaluated: int
+    # the largest relative gap of every ILP the search solved (0.0 where each was proven
+    # optimal or infeasible; None: one stopped at its time limit with no bound to read);
+    # written only where the search solved one
+    worst_gap: float | None = None
     time_s: float = field(default=0.0, compare=False)   # wall time: never written, 0.0 loaded
 
     def __post_init__(self) -> None:
-        _round_fields(self, ("objective_s", "bound_s", "gap"))
+        _round_fields(self, ("objective_s", "bound_s", "gap", "worst_gap"))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -314,7 +318,8 @@ class Plan:
             "predicted": _thaw(self.predicted),
             "alternatives": [{**_fields_dict(a), "config": a.config.to_dict()}
                              for a in self.alternatives],
-            "solver": {k: v for k, v in _fields_dict(self.solver).items() if k != "time_s"},
+            "solver": {k: v for k, v in _fields_dict(self.solver).items()
+                       if k != "time_s" and (k != "worst_gap" or self.solver.ilps_solved)},
             "stages": [_thaw(s) for s in self.stages],
             **({"op_keys": dict(self.op_keys)} if self.op_keys else {}),
             **({"objectives": _thaw(self.objectives)} if self.objectives is not None else {}),

@@ -77,6 +77,7 @@ OFFLOAD_KEYS = ("optimizer", "params")
 ALTERNATIVE_KEYS = ("config", "step_time_s", "peak_memory_bytes", "fits", "why_lost")
 SOLVER_KEYS = ("solver", "status", "objective_s", "bound_s", "gap", "num_variables",
                "num_constraints", "ilps_solved", "candidates_evaluated")   # time_s: not written
+SOLVER_OPTIONAL_KEYS = ("worst_gap",)     # where the search solved an ILP
 STAGE_KEYS = ("index", "layers", "chunks", "ranks")
 
 _NAME = re.compile(r"^[a-z][a-z0-9_]{0,63}$")        # axis, strategy and style names
@@ -286,7 +287,10 @@ def _check_alternatives(alternatives: Any) -> None:
 
 
 def _check_solver(s: Any) -> None:
-    s = _keys(s, "solver", SOLVER_KEYS)
+    optional = tuple(k for k in SOLVER_OPTIONAL_KEYS if isinstance(s, dict) and k in s)
+    s = _keys(s, "solver", SOLVER_KEYS + optional)
+    if optional:
+        _num(s["worst_gap"], "solver.worst_gap", none_ok=True)
     _str(s["solver"], "solver.solver", limit=64)
     _str(s["status"], "solver.status", choices=SOLVER_STATUSES)
     _num(s["objective_s"], "solver.objective_s")

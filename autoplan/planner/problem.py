@@ -201,7 +201,8 @@ def reduce_graph(ctx: CostContext,
             terms.mems[u][j] += b * ctx.activation_multiplier
             if where.n_stages:
                 ranks.acts[where.stage_of[start]][u][j] += b
-    counts, rank_counts = _count_edges(graph, folded, where)
+    counts, rank_counts = (_count_edges(graph, folded, where) if where.n_stages
+                           else _edge_counts(graph, folded))
     for key, count in sorted(counts.items()):
         per_mb = _edge_reshard_s(ctx, nodes, key, count)
         _add_edge_to_ranks(ranks, nodes, key, per_mb, count, rank_counts.get(key, ()))
@@ -301,6 +302,17 @@ def _count_edges(graph: OpGraph, folded: _Folded, where: _StageMap
             if where.n_stages:
                 rank_counts.setdefault(key, [0] * where.n_stages)[where.stage_of[c]] += 1
     return counts, rank_counts
+
+
+def _edge_counts(graph: OpGraph, folded: _Folded
+                 ) -> tuple[dict[EdgeKey, int], dict[EdgeKey, list[int]]]:
+    """``_count_edges`` with no pipeline, kept on the graph (the folding is the graph's own:
+    every tp-axis problem of the search counts the same edges)."""
+    found = graph.__dict__.get("_autoplan_edge_counts")
+    if found is None or found[0] != folded.rep:
+        found = graph.__dict__["_autoplan_edge_counts"] = (
+            folded.rep, *_count_edges(graph, folded, _stage_map(len(graph.ops), None)))
+    return found[1], found[2]
 
 
 def _edge_reshard_s(ctx: CostContext, nodes: list[Node], key: EdgeKey, count: int

@@ -50,7 +50,8 @@ from autoplan.graph.trace import as_graph
 from autoplan.planner import mesh as meshes, objectives, pins, search_space
 from autoplan.planner.assemble import assemble
 from autoplan.planner.search_costing import (CLOSED_FORM_SLACK, SearchContext, Stats, evaluate,
-                                      frugal, ilp_microbatches, ilp_sharding)
+                                      frugal, frugal_sharding, ilp_microbatches,
+                                      ilp_sharding)
 from autoplan.planner.ilp import ILPSolution
 from autoplan.planner.options import SearchOptions  # (also imported from here by users)
 from autoplan.planner.planfile import OBJECTIVES_SCHEMA, Plan
@@ -461,10 +462,9 @@ def _cost_group(sc: SearchContext, ecfg: ParallelConfig, group: list[ParallelCon
             and (found or stats.below_floor == below)):
         budget = sc.cluster.device.memory_bytes - (
             found[0].est.stages[0].memory.margin_bytes if found else 0.0)
-        sh2, sol2 = ilp_sharding(sc, ecfg, m,
-                                 frugal=frugal(group, m, opts, sc.graph, budget))
-        if sol2.status in ("optimal", "feasible"):
-            found += evaluate(sc, group, sh2, sol2, "search", prune_dominated=True,
+        got = frugal_sharding(sc, ecfg, m, frugal(group, m, opts, sc.graph, budget))
+        if got is not None and got[1].status in ("optimal", "feasible"):
+            found += evaluate(sc, group, *got, "search", prune_dominated=True,
                               behind_s=behind)
         if ecfg.pp > 1 and not any(c.est.fits for c in found):
             # the tp axis's ILP is solved once per micro-batch for every pp (its memory the

@@ -7,6 +7,7 @@ again.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
@@ -48,6 +49,15 @@ class Stats:
     rejected: str = ""            # why the last config could not be costed (ConfigError)
     largest: tuple[int, int] = (0, 0)     # variables, constraints of the largest ILP solved
     below_floor: int = 0          # pipelined configs skipped: their floor behind the best
+    # the largest relative gap of the ILPs solved (0.0: every one proven optimal or
+    # infeasible; None: none solved yet); ``gap_unknown``: one stopped with no bound to read
+    worst_gap: float | None = None
+    gap_unknown: bool = False
+    # memory-constrained ILPs not solved: no sharding can fit their budget (``frugal_sharding``)
+    over_budget: int = 0
+    # per memory family (``_memory_family``), what its frugal problems needed at the least:
+    # (state bytes per parameter, activation multiplier, least bytes over every choice)
+    least_memory: dict[tuple, list[tuple[float, float, float]]] = field(default_factory=dict)
     t0: float = field(default_factory=time.perf_counter)
     say: Callable[[str], None] = lambda _msg: None    # the caller's progress messages
 
@@ -121,20 +131,74 @@ def ilp_sharding(sc: SearchContext, config: ParallelConfig, m: int, *,
     """The tp-axis sharding for ``config``'s mesh and ``m`` micro-batches: the fastest, or
     under ``frugal`` the fastest whose model state and activations fit its budget; the
     search's pinned ops keep their strategy."""
-    ctx = cost_context(sc, config, m, frugal)
-    red = reduce_graph(ctx)
+    return _solved_ilp(sc, config, reduce_graph(cost_context(sc, config, m, frugal)),
+                       frugal is not None)
+
+
+def _solved_ilp(sc: SearchContext, config: ParallelConfig, red: Any, frugal: bool
+                ) -> tuple[Sharding, ILPSolution]:
     sol = solve(red.problem, time_limit_s=sc.opts.ilp_time_limit_s)
     what = ("tp axis, memory-constrained" if frugal else "tp axis") + (
         f", ep{config.ep}" if config.ep > 1 else "")
     return solved(sc.graph, config.tp, red, counted(sol, sc.stats, config, what))
 
 
+def frugal_sharding(sc: SearchContext, config: ParallelConfig, m: int, frugal: Frugal
+                    ) -> tuple[Sharding, ILPSolution] | None:
+    """``ilp_sharding`` under ``frugal``, or None where no choice of strategies fits its
+    budget, found without CBC: the problem's least memory (each node at its smallest) over
+    the budget, or a floor on it from a problem of the same memory family solved before.
+
+    The floor is exact: a strategy's bytes are ``s P + a A + O`` (``node_costs.node_cost``:
+    state bytes per parameter ``s`` times its parameters, the activation multiplier ``a``
+    times the activations it keeps, and what it keeps once; ``P, A, O >= 0`` and the same
+    for every problem of the family, whose strategies, shapes and kept values are the same),
+    so at ``(s2, a2)`` each strategy needs at least ``r = min(s2 / s1, a2 / a1, 1)`` times
+    what it needed at ``(s1, a1)``, and the least sum at least ``r`` times that one's."""
+    family = sc.stats.least_memory.setdefault(_memory_family(config, frugal), [])
+    s2, a2 = frugal.state_bytes_per_param, frugal.activation_multiplier
+    floor = max((least * min(s2 / s1 if s1 else math.inf, a2 / a1 if a1 else math.inf, 1.0)
+                 for s1, a1, least in family), default=0.0)
+    if floor > frugal.budget_bytes:
+        return _over_budget(sc, config, floor, frugal, "a floor from a problem solved before")
+    red = reduce_graph(cost_context(sc, config, m, frugal))
+    least = sum(min(row) for row in red.problem.node_memory)
+    family.append((s2, a2, least))
+    if least > frugal.budget_bytes:
+        return _over_budget(sc, config, least, frugal, "each node at its smallest")
+    return _solved_ilp(sc, config, red, True)
+
+
+def _memory_family(config: ParallelConfig, frugal: Frugal) -> tuple:
+    """What a frugal problem's bytes per strategy depend on beyond ``s`` and ``a``: the tp
+    degree and micro-batch (the strategies and their shapes), the cp axis, the experts, the
+    dtypes held and the recomputation; not pp, dp or the compiled program's prices."""
+    return (config.tp, config.micro_batch_size, config.cp, config.cp_layout, config.ep,
+            config.precision, config.mixed_precision, frugal.recompute)
+
+
+def _over_budget(sc: SearchContext, config: ParallelConfig, need: float, frugal: Frugal,
+                 how: str) -> None:
+    sc.stats.over_budget += 1
+    sc.stats.say(f"  ILP (tp axis, memory-constrained) for mesh {config.dims.describe()} "
+                 f"mbs {config.micro_batch_size}: not solved, no sharding fits: it needs at "
+                 f"least {need / 2**30:,.1f} GiB ({how}), the budget is "
+                 f"{frugal.budget_bytes / 2**30:,.1f} GiB")
+    return None
+
+
 def counted(sol: ILPSolution, stats: Stats, config: ParallelConfig, what: str
              ) -> ILPSolution:
-    """``sol``, counted in the search's statistics (ILPs solved, the largest) and reported to
-    the progress callback (its mesh, size, time and gap)."""
+    """``sol``, counted in the search's statistics (ILPs solved, the largest, the worst gap)
+    and reported to the progress callback (its mesh, size, time and gap)."""
     stats.ilps += 1
     stats.largest = max(stats.largest, (sol.num_variables, sol.num_constraints))
+    # proven optimal or infeasible: no gap; stopped by the time limit: the log's, if any
+    gap = 0.0 if sol.status in ("optimal", "infeasible") else sol.gap
+    if gap is None:
+        stats.gap_unknown = True
+    else:
+        stats.worst_gap = max(stats.worst_gap or 0.0, gap)
     gap = "" if sol.gap is None else f", gap {sol.gap * 100:.2f}%"
     stats.say(f"  ILP ({what}) for mesh {config.dims.describe()} "
               f"mbs {config.micro_batch_size}: {sol.num_variables} "

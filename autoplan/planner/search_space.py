@@ -30,8 +30,14 @@ def batch_statistics(graph: OpGraph | None) -> bool:
     """The model normalizes with its batch's statistics (a batch norm traced in training mode):
     one device computes them over the whole per-replica batch, so a plan that accumulates
     gradients over smaller micro-batches would train another model."""
-    return (graph is not None and graph.meta.get("train", True) is not False
-            and any(uses_batch_statistics(op) for op in graph.ops))
+    if graph is None or graph.meta.get("train", True) is False:
+        return False
+    # asked for every mesh and micro-batch: the ops are read once per graph (frozen)
+    found = graph.__dict__.get("_autoplan_batch_statistics")
+    if found is None:
+        found = graph.__dict__["_autoplan_batch_statistics"] = any(
+            uses_batch_statistics(op) for op in graph.ops)
+    return found
 
 
 def mbs_options(per_replica: int, opts: SearchOptions,

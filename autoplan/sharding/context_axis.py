@@ -138,7 +138,17 @@ class ContextAxis:
         return {n: frozenset(d) for n, d in out.items()}
 
     def tp_conflict(self, i: int, s: OpStrategy, t: int) -> str:
-        """Why tp strategy ``s`` of op ``i`` cannot run under this cp axis ("" when it can)."""
+        """Why tp strategy ``s`` of op ``i`` cannot run under this cp axis ("" when it can);
+        kept per op and what of ``s`` it reads (every sharding the search costs asks again
+        for most of its ops)."""
+        cache = self.__dict__.setdefault("_tp_conflicts", {})
+        key = (i, t, s.kernel, s.inputs, s.outputs, s.local_inputs, s.local_outputs)
+        why = cache.get(key)
+        if why is None:
+            why = cache[key] = self._tp_conflict(i, s, t)
+        return why
+
+    def _tp_conflict(self, i: int, s: OpStrategy, t: int) -> str:
         graph, op, c = self.graph, self.graph.ops[i], self.strategy(i)
         if not op.outputs:
             return ""
