@@ -21,6 +21,7 @@ from autoplan.graph.experts import find_experts
 from autoplan.graph.opgraph import OpGraph
 from autoplan.graph.oprules import is_attention, uses_batch_statistics
 from autoplan.planner.options import SearchOptions
+from autoplan.sharding.config_rules import compression_refusal
 from autoplan.sharding.context_axis import context_axis
 from autoplan.sharding.parallel_config import (MIXED_PRECISION, SPLIT_BACKWARD, ParallelConfig,
                                                strongest_recompute)
@@ -323,8 +324,9 @@ def host_short(c: ParallelConfig, cluster: Any, graph: OpGraph) -> bool:
 
 def compression_runs(c: ParallelConfig) -> bool:
     """Whether DDP's PowerSGD hook can take ``c``'s gradient sync (``ParallelConfig``'s
-    rule: DDP over dp > 1, ZeRO-0, no pipeline, no expert parallelism)."""
-    return c.grad_degree > 1 and c.zero_stage == 0 and c.pp == 1 and c.ep == 1
+    rule, ``compression_refusal``: DDP over dp > 1, ZeRO-0, no pipeline, no expert
+    parallelism, weights not held in 16 bits)."""
+    return compression_refusal(c) is None
 
 
 def network_binds(c: ParallelConfig, cluster: Any) -> bool:
