@@ -347,13 +347,19 @@ def precision_variants(c: ParallelConfig, opts: SearchOptions, cluster: Any
     """``c`` and the precisions the search may also try for it: with ``precision_auto``,
     fp32 where the device's 16-bit rate is no faster (a CPU: autocast would only add casts),
     and fp8 linear layers (``cost/float8.py``, tensorwise and rowwise) on bf16 where the device
-    has an fp8 rate; a forced ``fp8`` on every config. fp16 is not tried beside bf16: the same
-    rate, with loss scaling and a narrower range."""
+    has an fp8 rate, at tp 1 (where the runtime runs them); a forced ``fp8`` on every config
+    of tp 1 (or of a forced tp, which the runtime then refuses with its reason). fp16 is not
+    tried beside bf16: the same rate, with loss scaling and a narrower range."""
     device = cluster.device
     out = [c]
     if opts.precision_auto and c.precision != "fp32" and c.mixed_precision == "autocast" and (
             device.peak_flops.get("fp32", 0.0) >= device.peak_flops_for(c.precision)):
         out.append(dataclasses.replace(c, precision="fp32"))
+    forced_fp8 = opts.force.get("fp8", "none") != "none"
+    if c.tp > 1 and "tp" not in opts.force:
+        # the runtime runs fp8 linears at tp 1 only (``runtime/float8.float8_refusal``): not
+        # offered beside tp, and a forced fp8 is planned on the meshes without it
+        return [] if forced_fp8 else out
     recipes = ([opts.force["fp8"]] if "fp8" in opts.force
                else ["tensorwise", "rowwise"] if opts.precision_auto
                and fp8_flops_per_s(device) and c.precision == "bf16" else [])
