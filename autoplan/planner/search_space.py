@@ -199,13 +199,17 @@ def with_compilation(c: ParallelConfig, opts: SearchOptions, graph: OpGraph
         return [c]
     forced_on = opts.force.get("compiled") is True
     eager = [] if forced_on else [dataclasses.replace(c, compiled=False)]
-    wants = (opts.force.get("recompute") == "selective"
-             or "selective" in (opts.force.get("stage_recompute") or ()))
-    if c.pp == 1 and c.recompute == "selective" or wants:
+    chosen = {opts.force.get("recompute")} | set(opts.force.get("stage_recompute") or ())
+    wants = bool(_SELECTIVE & chosen)     # "ops" keeps a set too: the same rule as selective
+    if c.pp == 1 and c.recompute in _SELECTIVE or wants:
         return eager
-    if c.pp > 1 and "selective" in recompute_options(opts, graph):
+    if c.pp > 1 and _SELECTIVE & set(recompute_options(opts, graph)):
         return [c] + eager
     return [c]
+
+
+# the policies that checkpoint selectively (torch's selective activation checkpointing)
+_SELECTIVE = frozenset({"selective", "ops"})
 
 
 def policies(config: ParallelConfig, opts: SearchOptions, cluster: Any,
