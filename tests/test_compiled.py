@@ -160,3 +160,25 @@ def _refused(rank, world, name, plan_json):
         assert not dist.is_initialized()            # refused before any process group
         return str(e)
     return "not refused"
+
+
+def test_ops_recomputation_is_selective_too_for_compiled_tp_layers():
+    """Recomputing by ops (keep the products) runs on torch's selective checkpointing, which
+    compiled layers with collectives cannot run (``selective_compiles``) as much as
+    'selective': a forced or chosen 'ops' on a compiled tp config becomes its eager twin, where
+    the runtime used to refuse the plan the search made (GPT-3 175B / 128 A100 with
+    recompute=ops forced: dp1 tp8 pp16 compiled)."""
+    from autoplan.graph import trace
+    from autoplan.planner.options import SearchOptions
+    from autoplan.planner.search_space import with_compilation
+    from autoplan.sharding.parallel_config import ParallelConfig
+    ex = build_example("gpt-tiny", batch_size=1, seed=0)
+    g = trace(ex.model, ex.example_inputs, loss_fn=ex.loss_fn, targets=ex.targets)
+    for pp in (1, 2):
+        c = ParallelConfig(tp=2, pp=pp, compiled=True, recompute="ops")
+        out = with_compilation(c, SearchOptions(force={"recompute": "ops"}), g)
+        assert [x.compiled for x in out] == [False], (pp, out)
+    one = ParallelConfig(tp=2, compiled=True, recompute="ops")
+    assert [x.compiled for x in with_compilation(one, SearchOptions(), g)] == [False]
+    full = ParallelConfig(tp=2, compiled=True, recompute="full")
+    assert with_compilation(full, SearchOptions(force={"recompute": "full"}), g) == [full]

@@ -285,3 +285,22 @@ def test_auto_precision_also_weighs_16bit_weights_with_a_master_copy(graph):
                  force={"zero_stage": 0, "compiled": True}, top_k=40)
     assert {a.config.mixed_precision for a in plain.alternatives} | {
         plain.config.mixed_precision} == {"autocast"}
+
+
+def test_fp8_offered_only_where_it_runs(graph):
+    """The runtime runs fp8 linears at tp 1 only: ``--precision auto`` never offers them beside
+    tp (a plan ``compile`` would refuse), a forced fp8 is planned on the meshes without tp,
+    and a forced tp keeps the user's choice (the runtime then says why)."""
+    from dataclasses import replace
+
+    from autoplan.planner.options import SearchOptions
+    from autoplan.planner.search_space import precision_variants
+    h100 = Cluster.from_spec("dgx-h100")
+    tp2 = ParallelConfig(dp=4, tp=2, precision="bf16")
+    auto = SearchOptions(precision_auto=True)
+    assert [v.fp8 for v in precision_variants(tp2, auto, h100)] == ["none"]
+    assert {v.fp8 for v in precision_variants(replace(tp2, tp=1, dp=8), auto, h100)} == {
+        "none", "tensorwise", "rowwise"}
+    assert precision_variants(tp2, SearchOptions(force={"fp8": "tensorwise"}), h100) == []
+    kept = precision_variants(tp2, SearchOptions(force={"fp8": "tensorwise", "tp": 2}), h100)
+    assert [v.fp8 for v in kept] == ["tensorwise"]

@@ -238,3 +238,29 @@ def test_torchao_imports_without_torch_pytree_notices():
                        timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
     assert "register_constant" not in r.stderr
+
+
+def test_the_host_step_is_priced_as_torchaos_on_cpu_tensors():
+    """Under optimizer offload the step runs torchao's low-bit Adam on the host's CPU tensors,
+    slower than the host's fp32 CPU Adam (``benchmarks/host_adam_states.py``), not faster as on
+    a GPU; the estimate prices it so and the explanation says so."""
+    from autoplan import estimate
+    from autoplan.estimate.dp_terms import HOST_STEP_SLOWDOWN
+    from autoplan.planner.explain import explain_plan
+    from autoplan.planner.search import plan
+    small = _example(1)
+    g = trace(small.model, small.example_inputs, loss_fn=small.loss_fn, targets=small.targets)
+    cluster = Cluster.from_spec("dgx-h100/1")
+    host, device = {}, {}
+    for state in ("fp32", "bf16", "8bit"):
+        for where, off in ((host, True), (device, False)):
+            c = ParallelConfig(micro_batch_size=GLOBAL_BATCH, offload_optimizer=off,
+                               optimizer_state=state)
+            where[state] = estimate(g, cluster, config=c, global_batch_size=GLOBAL_BATCH,
+                                    profile=None).time.optimizer_s
+    assert device["8bit"] < device["bf16"] < device["fp32"]   # on the device: fewer bytes
+    assert host["8bit"] / host["fp32"] == pytest.approx(HOST_STEP_SLOWDOWN["8bit"], rel=0.05)
+    assert host["fp32"] < host["bf16"] < host["8bit"]
+    p = plan(g, cluster, global_batch_size=GLOBAL_BATCH, profile=None, max_pp=1,
+             force=dict(tp=1, offload_optimizer=True, optimizer_state="8bit"))
+    assert "slower than the host's fp32 Adam" in explain_plan(p)

@@ -53,3 +53,31 @@ def test_activations_scale_with_micro_batch(gpt3_two_layers):
 def test_parameter_offload_keeps_weights_and_gradients_on_the_host():
     s = model_state_bytes(1e9, dp=8, zero_stage=3, precision="bf16", offload_params=True)
     assert s.total_bytes == 0 and s.offloaded_bytes == pytest.approx(16e9 / 8)
+
+
+def test_the_host_runs_torchs_adam_fused_as_priced():
+    """Optimizer offload's host step is priced at a vectorised CPU Adam's rate: torch's Adam
+    and AdamW run fused on the host copies where the user chose no implementation (the same
+    hyper-parameters and, to fp32 rounding, the same step); a chosen implementation or another
+    optimizer stays as made."""
+    import torch
+
+    from autoplan.runtime.optim import vectorised_on_host
+
+    def made(cls, **kw):
+        gen = torch.Generator().manual_seed(0)
+        p = torch.nn.Parameter(torch.randn(64, 64, generator=gen))
+        p.grad = torch.randn(64, 64, generator=gen)
+        return p, cls([p], lr=1e-2, eps=1e-6, weight_decay=0.1, **kw)
+    p, fused = made(torch.optim.AdamW)
+    fused = vectorised_on_host(fused)
+    q, loop = made(torch.optim.AdamW, foreach=False)
+    assert vectorised_on_host(loop) is loop                  # chosen: kept
+    g = fused.param_groups[0]
+    assert (g["fused"], g["lr"], g["eps"], g["weight_decay"]) == (True, 1e-2, 1e-6, 0.1)
+    for _ in range(3):
+        fused.step()
+        loop.step()
+    assert torch.allclose(p, q, rtol=1e-6, atol=1e-7)
+    sgd = torch.optim.SGD([p], lr=0.1)
+    assert vectorised_on_host(sgd) is sgd

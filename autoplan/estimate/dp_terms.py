@@ -24,6 +24,13 @@ from autoplan.sharding.parallel_config import ParallelConfig
 # Bytes an optimizer step reads and writes per parameter (grad, weights, states; Adam keeps
 # fp32 master + two moments under mixed precision). The step is memory-bound.
 OPT_STEP_BYTES = {"adamw": 28, "adam": 28, "sgd": 20}
+# How many times slower the host's optimizer step is with Adam's moments in bf16 or 8 bits than
+# the fp32 CPU Adam the host's rate (``cpu_adam_params_per_s``) describes: torchao's steps on CPU
+# tensors, as optimizer offload runs them, against torch's fused fp32 AdamW on the same tensors
+# (``python benchmarks/host_adam_states.py``: 8-bit 15.5-18.7x, bf16 1.3-2.0x over three runs
+# on this project's CPU, ``benchmarks/data/host_adam_states.txt``). Unlike a GPU's, a CPU's
+# 8-bit step is bound by its per-element search of the code map, not by the bytes it moves.
+HOST_STEP_SLOWDOWN = {"fp32": 1.0, "bf16": 1.7, "8bit": 17.0}
 
 
 @dataclass(frozen=True)
@@ -122,7 +129,7 @@ def stage_terms(config: ParallelConfig, cluster: Any, stage: StageParams, m: int
              + experts / (config.dp // config.ep if config.zero_stage >= 1 else 1) + whole)
     if config.offload_params or config.offload_optimizer:
         host = cluster.host
-        out.append(Term(owned / host.cpu_adam_params_per_s, shares=(("optimizer", 1.0),)))
+        out.append(Term(host_step_s(owned, config, host), shares=(("optimizer", 1.0),)))
         if config.offload_params:
             # weight shards go up for the forward and again for the backward gather of every
             # micro-batch, gradient shards come down; the optimizer steps on the host
@@ -178,13 +185,19 @@ def nvme_terms(config: ParallelConfig, cluster: Any, owned: float, m: int, layer
     read = o + (w + g if config.offload_params else 0)
     write = o + (w if config.offload_params else 0)
     swap_s = owned * (read / read_bw + write / write_bw)
-    adam_s = owned / host.cpu_adam_params_per_s        # priced by the optimizer term
+    adam_s = host_step_s(owned, config, host)          # priced by the optimizer term
     out = [Term(max(0.0, swap_s - adam_s), shares=(("offload", 1.0),))]
     if config.offload_params:
         stream = owned * w / read_bw
         out += [Term(stream, "fwd", stream / layers, m, (("offload", 1.0),)),
                 Term(stream, "bwd", stream / layers, m, (("offload", 1.0),))]
     return out
+
+
+def host_step_s(owned: float, config: ParallelConfig, host: Any) -> float:
+    """Seconds of the host's optimizer step over ``owned`` parameters: its CPU-Adam rate, slowed
+    by ``HOST_STEP_SLOWDOWN`` where Adam's moments are held in bf16 or 8 bits."""
+    return owned / host.cpu_adam_params_per_s * HOST_STEP_SLOWDOWN[config.optimizer_state]
 
 
 def price(terms: list[Term], fwd_s: float, bwd_s: float, interference: float

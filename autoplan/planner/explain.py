@@ -13,7 +13,7 @@ from dataclasses import replace
 from typing import Any
 
 from autoplan.cost.memory import bytes_per_param
-from autoplan.estimate.dp_terms import step_bytes_per_param
+from autoplan.estimate.dp_terms import HOST_STEP_SLOWDOWN, step_bytes_per_param
 from autoplan.planner.objectives_report import table as objectives_table
 from autoplan.planner.planfile import Plan
 from autoplan.sharding import ring_work
@@ -163,8 +163,9 @@ _STATE_LIBRARY = {"bf16": "bf16 (Megatron-Core's precision-aware optimizer; torc
 
 def _optimizer_state(plan: Plan) -> list[str]:
     """The line for Adam's moments held in less memory: the optimizer memory saved on the
-    fullest device and the step's time against fp32 moments (the step is priced by the bytes
-    it moves, ``estimate.dp_terms.step_bytes_per_param``), and that it is lossy."""
+    fullest device and the step's time against fp32 moments (on the device priced by the
+    bytes it moves, ``estimate.dp_terms.step_bytes_per_param``; on the host slower than fp32,
+    ``HOST_STEP_SLOWDOWN``), and that it is lossy."""
     cfg = plan.config
     if cfg.optimizer_state == "fp32":
         return []
@@ -180,9 +181,11 @@ def _optimizer_state(plan: Plan) -> list[str]:
            else off if where == "host" else opt_bytes)
     step_s = plan.predicted["time"]["optimizer_s"]
     ratio = step_bytes_per_param(cfg) / step_bytes_per_param(replace(cfg, optimizer_state="fp32"))
+    slow = HOST_STEP_SLOWDOWN[cfg.optimizer_state]
     step = (f"the step moves {ratio:.0%} of fp32's bytes: {fmt_s(step_s)} (about "
             f"{fmt_s(step_s / ratio)} with fp32 moments)" if where == "device" else
-            f"the host's step is priced at its Adam rate, as with fp32 moments: {fmt_s(step_s)}")
+            f"the host's step runs torchao's on CPU tensors, {slow:g}x slower than the host's "
+            f"fp32 Adam: {fmt_s(step_s)} (about {fmt_s(step_s / slow)} with fp32 moments)")
     return [f"optimizer Adam's moments in {_STATE_LIBRARY[cfg.optimizer_state]}: "
             f"{held:g} bytes of optimizer state per parameter instead of {full:g}, "
             f"{fmt_bytes(now)} per device{' in host memory' if where == 'host' else ''} "

@@ -51,7 +51,11 @@ their activations at once in backward (its working set: the sum of their ``none`
 uniform chain of n layers whose inputs are as large as their activations, the smallest memory
 at one extra forward is then 2 sqrt(n) layers' worth, with runs of about sqrt(n) layers:
 Chen's sqrt(n) schedule, as a special case (tests/test_recompute_dp.py). The runtime wraps
-one layer per checkpoint, so the planner solves with ``max_segment=1``.
+one layer per checkpoint, so the planner solves with ``max_segment=1``: what is priced runs.
+Segments would buy little there (``benchmarks/recompute_segments.py``: 0.1 GiB less at least
+for a GPT-3 175B stage with 16 micro-batches in flight, none for Llama-3-8B on one H100), since
+they replay what per-layer ``full`` replays and the working set outside the layers floors the
+memory.
 """
 
 from __future__ import annotations

@@ -21,6 +21,7 @@ from autoplan.graph.experts import find_experts
 from autoplan.graph.opgraph import OpGraph
 from autoplan.graph.oprules import is_attention, uses_batch_statistics
 from autoplan.planner.options import SearchOptions
+from autoplan.sharding.config_rules import compression_refusal
 from autoplan.sharding.context_axis import context_axis
 from autoplan.sharding.parallel_config import (MIXED_PRECISION, SPLIT_BACKWARD, ParallelConfig,
                                                strongest_recompute)
@@ -204,13 +205,17 @@ def with_compilation(c: ParallelConfig, opts: SearchOptions, graph: OpGraph
         return [c]
     forced_on = opts.force.get("compiled") is True
     eager = [] if forced_on else [dataclasses.replace(c, compiled=False)]
-    wants = (opts.force.get("recompute") == "selective"
-             or "selective" in (opts.force.get("stage_recompute") or ()))
-    if c.pp == 1 and c.recompute == "selective" or wants:
+    chosen = {opts.force.get("recompute")} | set(opts.force.get("stage_recompute") or ())
+    wants = bool(_SELECTIVE & chosen)     # "ops" keeps a set too: the same rule as selective
+    if c.pp == 1 and c.recompute in _SELECTIVE or wants:
         return eager
-    if c.pp > 1 and "selective" in recompute_options(opts, graph):
+    if c.pp > 1 and _SELECTIVE & set(recompute_options(opts, graph)):
         return [c] + eager
     return [c]
+
+
+# the policies that checkpoint selectively (torch's selective activation checkpointing)
+_SELECTIVE = frozenset({"selective", "ops"})
 
 
 def policies(config: ParallelConfig, opts: SearchOptions, cluster: Any,
@@ -329,8 +334,9 @@ def host_short(c: ParallelConfig, cluster: Any, graph: OpGraph) -> bool:
 
 def compression_runs(c: ParallelConfig) -> bool:
     """Whether DDP's PowerSGD hook can take ``c``'s gradient sync (``ParallelConfig``'s
-    rule: DDP over dp > 1, ZeRO-0, no pipeline, no expert parallelism)."""
-    return c.grad_degree > 1 and c.zero_stage == 0 and c.pp == 1 and c.ep == 1
+    rule, ``compression_refusal``: DDP over dp > 1, ZeRO-0, no pipeline, no expert
+    parallelism, weights not held in 16 bits)."""
+    return compression_refusal(c) is None
 
 
 def network_binds(c: ParallelConfig, cluster: Any) -> bool:
@@ -351,13 +357,19 @@ def precision_variants(c: ParallelConfig, opts: SearchOptions, cluster: Any
     """``c`` and the precisions the search may also try for it: with ``precision_auto``,
     fp32 where the device's 16-bit rate is no faster (a CPU: autocast would only add casts),
     and fp8 linear layers (``cost/float8.py``, tensorwise and rowwise) on bf16 where the device
-    has an fp8 rate; a forced ``fp8`` on every config. fp16 is not tried beside bf16: the same
-    rate, with loss scaling and a narrower range."""
+    has an fp8 rate, at tp 1 (where the runtime runs them); a forced ``fp8`` on every config
+    of tp 1 (or of a forced tp, which the runtime then refuses with its reason). fp16 is not
+    tried beside bf16: the same rate, with loss scaling and a narrower range."""
     device = cluster.device
     out = [c]
     if opts.precision_auto and c.precision != "fp32" and c.mixed_precision == "autocast" and (
             device.peak_flops.get("fp32", 0.0) >= device.peak_flops_for(c.precision)):
         out.append(dataclasses.replace(c, precision="fp32"))
+    forced_fp8 = opts.force.get("fp8", "none") != "none"
+    if c.tp > 1 and "tp" not in opts.force:
+        # the runtime runs fp8 linears at tp 1 only (``runtime/float8.float8_refusal``): not
+        # offered beside tp, and a forced fp8 is planned on the meshes without it
+        return [] if forced_fp8 else out
     recipes = ([opts.force["fp8"]] if "fp8" in opts.force
                else ["tensorwise", "rowwise"] if opts.precision_auto
                and fp8_flops_per_s(device) and c.precision == "bf16" else [])

@@ -111,12 +111,28 @@ def check_grad_compression(c: Any) -> None:
         raise ConfigError(f"powersgd_rank must be a positive integer, got {r!r}")
     if c.grad_compression == "none":
         return
+    why = compression_refusal(c)
+    if why is not None:
+        raise ConfigError(f"grad_compression={c.grad_compression!r} is DDP's communication "
+                          f"hook: {why}")
+
+
+def compression_refusal(c: Any) -> str | None:
+    """Why DDP's PowerSGD hook cannot take ``c``'s gradient sync, with the fix; None where it
+    can (whatever ``c.grad_compression`` says): the runtime registers the hook on DDP, which
+    runs over dp > 1 with ZeRO-0, no pipeline and no expert parallelism, and not where 16-bit
+    weights keep fp32 gradient sums (``mixed_precision="params"``): those are reduced in the
+    runtime's own buckets (Megatron-LM's fp32 grad buffers), which no DDP hook sees."""
     if c.grad_degree == 1 or c.zero_stage != 0 or c.pp > 1 or c.ep > 1:
-        raise ConfigError(f"grad_compression={c.grad_compression!r} is DDP's "
-                          f"communication hook: it needs dp > 1 with zero_stage=0, pp=1 and "
-                          f"ep=1 (got dp={c.dp}, cp={c.cp}, zero_stage="
-                          f"{c.zero_stage}, pp={c.pp}, ep={c.ep}); drop it or "
-                          f"plan for plain data parallelism")
+        return (f"it needs dp > 1 with zero_stage=0, pp=1 and ep=1 (got dp={c.dp}, "
+                f"cp={c.cp}, zero_stage={c.zero_stage}, pp={c.pp}, ep={c.ep}); drop it or "
+                f"plan for plain data parallelism")
+    if c.mixed_precision == "params" and c.precision != "fp32":
+        return (f"with {c.precision} weights (mixed_precision='params') the fp32 gradient "
+                f"sums are reduced in autoplan's own buckets (Megatron-LM's fp32 grad "
+                f"buffers), not by DDP, so the hook would never run; drop it or use "
+                f"mixed_precision='autocast'")
+    return None
 
 
 def check_policies(c: Any, field: str, unit: str) -> None:
