@@ -22,7 +22,7 @@ import torch
 
 from autoplan import Cluster
 from autoplan import plan as make_plan
-from autoplan.errors import PlanError
+from autoplan.errors import ConfigError
 from autoplan.graph import trace
 from autoplan.models import build_example
 from autoplan.planner.replan import nearest_batch, replan, warm_force
@@ -70,6 +70,37 @@ def test_replan_warm_start_full_search_and_nearest_batch(tiny_graph):
                   global_batch_size=GBS)
     assert not five.batch_kept and five.plan.training.global_batch_size == 10
     assert "cannot be kept" in five.batch_note and "10" in five.batch_note
+
+
+def test_replan_nearest_batch_keeps_the_layout_where_asked(tiny_graph):
+    """On 3 devices a dp-4 plan's warm start (dp 3) cannot split a batch of 8: "keep" finds
+    another layout that can (tp 3, by the full search), "nearest" keeps dp and takes 9."""
+    four = make_plan(tiny_graph, Cluster.local(4), global_batch_size=8, precision="fp32",
+                     profile=None, force=dict(dp=4, tp=1, zero_stage=1))
+    keep = replan(tiny_graph, Cluster.local(3), last=four.config, global_batch_size=8)
+    assert keep.how == "full search" and keep.batch_kept and keep.plan.config.dp in (1, 2)
+    near = replan(tiny_graph, Cluster.local(3), last=four.config, global_batch_size=8,
+                  batch="nearest")
+    assert near.how == "warm start" and near.plan.config.dp == 3
+    assert near.plan.training.global_batch_size == 9 and "using 9" in near.batch_note
+    with pytest.raises(ConfigError, match="keep"):
+        replan(tiny_graph, Cluster.local(3), last=four.config, global_batch_size=8,
+               batch="most")
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--nnodes", "2:4"], "add --elastic"),
+    (["--rdzv-conf", "last_call_timeout=1"], "--rdzv-conf configure an elastic job"),
+    (["--elastic-batch", "nearest"], "--elastic-batch configure an elastic job"),
+    (["--elastic", "--nnodes", "4:2"], "1 <= MIN <= MAX"),
+    (["--elastic", "--nnodes", "two"], "--nnodes takes a count N, or MIN:MAX"),
+])
+def test_run_refuses_elastic_options_that_do_not_go_together(capsys, argv, says):
+    """Refused before the plan is read or any rank starts: one line, what to do."""
+    from autoplan.cli.main import main
+    assert main(["run", "no-such.plan.json", "--model", "gpt-tiny", *argv]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and says in err[0], err
 
 
 def _plan_for_four_nodes(path: Path, graph) -> None:

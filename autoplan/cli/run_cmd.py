@@ -75,6 +75,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "lost, a resume on more or fewer devices), warm-started from the last "
                         "plan, and resume from the latest checkpoint keeping the global batch "
                         "(or the nearest, stated), the LR schedule and the data position")
+    p.add_argument("--elastic-batch", choices=("keep", "nearest"), default="keep",
+                   help="with --elastic, where the new world's warm-started plan cannot split "
+                        "the global batch: keep it (another layout, found by a full search; "
+                        "default) or take the nearest batch that layout splits (faster to "
+                        "re-plan, the batch stated)")
     p.add_argument("--rdzv-conf", default=None,
                    help="with --elastic: torchrun's --rdzv-conf (e.g. last_call_timeout=5,"
                         "keep_alive_interval=2), how long the rendezvous waits for nodes")
@@ -96,6 +101,7 @@ def torchrun_command(plan_path: str, model: str, *, nproc: int, nnodes: int = 1,
                      run_id: str | None = None, cluster: str | None = None,
                      allow_cluster_mismatch: bool = False, min_nodes: int | None = None,
                      rdzv_conf: str | None = None, warmup_steps: int = 0,
+                     elastic_batch: str = "keep",
                      extra: list[str] | None = None) -> list[str]:
     """The torchrun command of a job; ``min_nodes`` (elastic): the job runs on ``min_nodes``
     to ``nnodes`` nodes under the c10d rendezvous at ``master_addr:master_port``, each rank
@@ -133,6 +139,8 @@ def torchrun_command(plan_path: str, model: str, *, nproc: int, nnodes: int = 1,
         cmd += ["--run-id", run_id]
     if min_nodes is not None:
         cmd.append("--elastic")
+        if elastic_batch != "keep":
+            cmd += ["--elastic-batch", elastic_batch]
     if warmup_steps:
         cmd += ["--warmup-steps", str(warmup_steps)]
     return cmd + (extra or [])
@@ -141,6 +149,11 @@ def torchrun_command(plan_path: str, model: str, *, nproc: int, nnodes: int = 1,
 def run(args: argparse.Namespace) -> int:
     from autoplan.cli.preflight import check_launch
     args.min_nodes, args.nnodes = node_range(args.nnodes, elastic=args.elastic)
+    elastic_only = [f for f, on in (("--rdzv-conf", args.rdzv_conf),
+                                    ("--elastic-batch", args.elastic_batch != "keep")) if on]
+    if elastic_only and not args.elastic:
+        from autoplan.errors import PlanError
+        raise PlanError(f"{', '.join(elastic_only)} configure an elastic job: add --elastic")
     launch = check_launch(args, local=not args.print_command)
     run_id = elastic_run_id(args) if args.elastic else uuid.uuid4().hex[:12]
     cmd = torchrun_command(args.plan, args.model, nproc=launch.nproc, nnodes=args.nnodes,
@@ -154,7 +167,8 @@ def run(args: argparse.Namespace) -> int:
                            run_id=run_id, cluster=args.cluster,
                            allow_cluster_mismatch=args.allow_cluster_mismatch,
                            min_nodes=args.min_nodes if args.elastic else None,
-                           rdzv_conf=args.rdzv_conf, warmup_steps=args.warmup_steps, extra=[
+                           rdzv_conf=args.rdzv_conf, warmup_steps=args.warmup_steps,
+                           elastic_batch=args.elastic_batch, extra=[
                                *(["--layers", str(args.layers)] if args.layers else []),
                                *(["--seq-len", str(args.seq_len)] if args.seq_len else [])])
     if args.print_command:       # with the environment launch_torchrun gives the ranks

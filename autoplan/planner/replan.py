@@ -14,6 +14,12 @@ global batch. In order, the first that gives a plan that fits:
    fits): the nearest multiple of the warm-start dp (of the world when the warm mesh does not
    exist), ties to the larger, first warm-started, then by a full search. Stated, never silent.
 
+``batch="nearest"`` puts the warm start at the nearest batch before the full search (order 1,
+3 warm, 2, 3 full): the layout family kept and the re-plan fast (no full search) where the new
+dp does not divide the batch, at the price of training on another global batch from there on.
+Keeping the batch (the default) may need another layout (Llama-3-8B's batch of 16 on 56 GPUs:
+a pipeline of 7, since every dp of 56 devices without one is a multiple of 7) and a full search.
+
 Every step keeps the numerics of the last plan (precision, 16-bit weight policy, fp8, gradient
 compression, optimizer-state format): a re-plan changes the layout, not what is computed. The
 planner is deterministic, so every rank that calls ``replan`` with the same graph, cluster and
@@ -37,6 +43,7 @@ NUMERICS = ("mixed_precision", "fp8", "grad_compression", "optimizer_state")
 # the layout family a warm start keeps (dp and what depends on it are re-solved)
 FAMILY = ("tp", "cp", "pp", "ep", "sequence_parallel", "cp_layout")
 PIPELINE_FAMILY = ("schedule", "virtual_stages")
+BATCH_POLICIES = ("keep", "nearest")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -79,17 +86,21 @@ def nearest_batch(batch: int, multiple_of: int) -> int:
 
 
 def replan(graph: Any, cluster: Any, *, last: ParallelConfig, global_batch_size: int,
-           profile: Any = None, name: str | None = None,
+           batch: str = "keep", profile: Any = None, name: str | None = None,
            progress: Callable[[str], None] | None = None) -> Replan:
     """A plan of ``graph`` on ``cluster`` warm-started from ``last`` (the config the run
-    trained under), for the run's ``global_batch_size`` (see the module docstring)."""
+    trained under), for the run's ``global_batch_size``; ``batch``: "keep" the global batch
+    wherever any plan can, or take the "nearest" the warm start can before a full search (see
+    the module docstring)."""
+    if batch not in BATCH_POLICIES:
+        raise ConfigError(f"replan(): batch must be one of {BATCH_POLICIES}, got {batch!r}")
     world = cluster.world_size
     warm = warm_force(last, world)
     numerics = {k: getattr(last, k) for k in NUMERICS}
 
-    def attempt(force: dict[str, Any], batch: int) -> Plan | None:
+    def attempt(force: dict[str, Any], size: int) -> Plan | None:
         try:
-            return make_plan(graph, cluster, global_batch_size=batch, precision=last.precision,
+            return make_plan(graph, cluster, global_batch_size=size, precision=last.precision,
                              optimizer=last.optimizer, profile=profile, name=name,
                              progress=progress, force=force)
         except (NoFeasiblePlanError, ConfigError):
@@ -100,20 +111,26 @@ def replan(graph: Any, cluster: Any, *, last: ParallelConfig, global_batch_size:
         found = attempt(warm, gbs)
         if found is not None:
             return Replan(plan=found, how="warm start", requested_batch=gbs, batch_note="")
+    step = warm["dp"] if warm is not None else world
+    near = nearest_batch(gbs, step)
+    if batch == "nearest" and warm is not None and near != gbs:
+        found = attempt(warm, near)
+        if found is not None:
+            return Replan(plan=found, how="warm start", requested_batch=gbs, batch_note=(
+                f"the global batch {gbs} is no multiple of the warm start's dp {step} on "
+                f"{world} devices; using {near}, the nearest (--elastic-batch nearest)"))
     found = attempt(numerics, gbs)
     if found is not None:
         return Replan(plan=found, how="full search", requested_batch=gbs, batch_note="")
-    step = warm["dp"] if warm is not None else world
-    near = nearest_batch(gbs, step)
     note = (f"the global batch {gbs} cannot be kept on {world} devices (no plan whose data-"
             f"parallel degree divides it fits); using {near}, the nearest multiple of dp "
             f"{step}")
-    if warm is not None:
+    if warm is not None and batch == "keep":
         found = attempt(warm, near)
         if found is not None:
             return Replan(plan=found, how="warm start", requested_batch=gbs, batch_note=note)
     found = attempt(numerics, near)
     if found is not None:
         return Replan(plan=found, how="full search", requested_batch=gbs, batch_note=note)
-    raise PlanError(f"no plan of this model fits on {world} devices, for the global "
-                              f"batch {gbs} or {near}: resume on more devices")
+    raise PlanError(f"no plan of this model fits on {world} devices, for the global batch "
+                    f"{gbs} or {near}: resume on more devices")

@@ -88,9 +88,11 @@ class ElasticPlan:
     report: tuple[str, ...]
 
 
-def plan_for_world(plan: Any, last: LastRun, *, graph: Any, cluster: Any) -> ElasticPlan:
+def plan_for_world(plan: Any, last: LastRun, *, graph: Any, cluster: Any,
+                   batch: str = "keep") -> ElasticPlan:
     """The plan file's ``plan`` where it is for ``cluster`` (its world and hardware), else a
-    re-plan warm-started from ``last`` for the run's global batch (the plan file's)."""
+    re-plan warm-started from ``last`` for the run's global batch (the plan file's; ``batch``:
+    ``replan``'s policy where the new world cannot keep it)."""
     from autoplan.planner.planfile import plan_mismatch
     from autoplan.planner.replan import replan
     world = cluster.world_size
@@ -100,7 +102,7 @@ def plan_for_world(plan: Any, last: LastRun, *, graph: Any, cluster: Any) -> Ela
         t0 = time.process_time()
         found = replan(graph, cluster, last=last.config,
                        global_batch_size=plan.training.global_batch_size,
-                       name=plan.model.name)
+                       batch=batch, name=plan.model.name)
         took = time.process_time() - t0
         chosen, how, note = found.plan, found.how, found.batch_note
     if chosen.config == last.config and world == last.world:

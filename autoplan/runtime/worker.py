@@ -195,6 +195,9 @@ def _arguments() -> argparse.ArgumentParser:
     ap.add_argument("--elastic", action="store_true",
                     help="re-plan for the world this attempt has (runtime/elastic.py); the "
                          "data is a stream of samples whose position checkpoints keep")
+    ap.add_argument("--elastic-batch", choices=("keep", "nearest"), default="keep",
+                    help="keep the global batch wherever a plan can, or take the nearest the "
+                         "warm-started layout can (planner/replan.py)")
     ap.add_argument("--warmup-steps", type=int, default=0,
                     help="the learning rate rises linearly over this many steps (0: none)")
     ap.add_argument("--profile-dir", default=None,
@@ -265,7 +268,8 @@ def _elastic_plan(plan: Any, resume: str | None, small: Any,
     graph = trace(small.model, small.example_inputs,
                   loss_fn=small.loss_fn if small.targets is not None else None,
                   targets=small.targets, name=plan.model.name)
-    return plan_for_world(plan, last_run(plan, resume), graph=graph, cluster=cluster)
+    return plan_for_world(plan, last_run(plan, resume), graph=graph, cluster=cluster,
+                          batch=args.elastic_batch)
 
 
 def _close_checkpoints(trainer: Any, args: argparse.Namespace) -> None:
