@@ -59,6 +59,10 @@ def test_replan_warm_start_full_search_and_nearest_batch(tiny_graph):
     assert warm.how == "warm start" and warm.batch_kept and not warm.batch_note
     assert (warm.plan.config.tp, warm.plan.config.dp) == (2, 1)
     assert warm.plan.config.precision == "fp32"
+    # the warm start skips the baselines (another layout, which force rules out): same plan
+    same = make_plan(tiny_graph, Cluster.local(2), global_batch_size=GBS, precision="fp32",
+                     profile=None, force=warm_force(four.config, 2))
+    assert same.config == warm.plan.config
     # 3 nodes of one device: tp 2 does not divide them; a full search keeps the batch (dp 3)
     full = replan(tiny_graph, Cluster.local(1, nodes=3), last=four.config,
                   global_batch_size=GBS)
@@ -86,6 +90,27 @@ def test_replan_nearest_batch_keeps_the_layout_where_asked(tiny_graph):
     with pytest.raises(ConfigError, match="keep"):
         replan(tiny_graph, Cluster.local(3), last=four.config, global_batch_size=8,
                batch="most")
+
+
+def test_plan_for_world_keeps_a_fitting_plan_and_reports_a_change(tiny_graph):
+    """The plan file's plan where it is for the world; else a re-plan, and the four lines rank 0
+    prints (world, plan, predicted step, batch and data position)."""
+    from autoplan.runtime.elastic import LastRun, last_run, plan_for_world, plan_digest
+    four = make_plan(tiny_graph, Cluster.local(1, nodes=4), global_batch_size=GBS,
+                     precision="fp32", profile=None, force=dict(dp=4, tp=1, zero_stage=1))
+    same = plan_for_world(four, last_run(four, None), graph=tiny_graph,
+                          cluster=Cluster.local(1, nodes=4))
+    assert same.plan is four and same.report == ()
+    last = LastRun(config=four.config, world=4, batch=GBS, predicted_step_s=0.0125,
+                   samples_seen=48)
+    three = plan_for_world(four, last, graph=tiny_graph, cluster=Cluster.local(1, nodes=3))
+    world, plan_line, step, batch = three.report
+    assert world.startswith("elastic: world 4 -> 3 devices (re-planned by warm start in ")
+    assert plan_line == (f"elastic: plan {four.config.short()} -> "
+                         f"{three.plan.config.short()}") and three.plan.config.dp == 3
+    assert step.startswith("elastic: predicted step 12.5 ms -> ")
+    assert batch == f"elastic: global batch {GBS} kept; resuming at sample 48"
+    assert plan_digest(three.plan) != plan_digest(four)
 
 
 @pytest.mark.parametrize("argv, says", [

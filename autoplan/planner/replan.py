@@ -99,10 +99,11 @@ def replan(graph: Any, cluster: Any, *, last: ParallelConfig, global_batch_size:
     numerics = {k: getattr(last, k) for k in NUMERICS}
 
     def attempt(force: dict[str, Any], size: int) -> Plan | None:
+        # a warm start pins the layout: no baseline of another layout could be chosen
         try:
             return make_plan(graph, cluster, global_batch_size=size, precision=last.precision,
                              optimizer=last.optimizer, profile=profile, name=name,
-                             progress=progress, force=force)
+                             progress=progress, force=force, baselines="dp" not in force)
         except (NoFeasiblePlanError, ConfigError):
             return None
 
