@@ -37,7 +37,7 @@ from autoplan.models import build_example
 from autoplan.models.registry import layer_overrides
 from autoplan.runtime.verify import user_example
 from autoplan.planner.planfile import plan_from_file
-from autoplan.runtime.trainer import compile
+from autoplan.runtime.trainer import compile, init_distributed
 from autoplan.runtime.checkpoint_dir import RUN_ID_ENV, release, run_id, claim, plan_start
 from autoplan.runtime.step_trace import record_steps
 from autoplan.runtime.checkpoint_files import resolve
@@ -151,8 +151,6 @@ def _main(argv: list[str] | None = None) -> int:
                       global_batch_size=gbs, plan=plan, resume=resume,
                       lr_scheduler=_warmup(args.warmup_steps),
                       allow_cluster_mismatch=args.allow_cluster_mismatch)
-    if args.elastic:
-        check_agreement(plan)
     if trainer.rank == 0:
         for line in report:
             print(line, flush=True)
@@ -255,7 +253,8 @@ def _warmup(steps: int) -> Any:
 def _elastic_plan(plan: Any, resume: str | None, small: Any,
                   args: argparse.Namespace) -> ElasticPlan:
     """The plan for this attempt's world (``elastic.plan_for_world``), on the cluster
-    ``compile`` will describe: discovered, or ``--cluster`` where its world is this job's."""
+    ``compile`` will describe (discovered, or ``--cluster`` where its world is this job's),
+    checked to be every rank's."""
     from autoplan.cluster import Cluster
     from autoplan.estimate.arguments import cluster_arg
     from autoplan.graph.trace import trace
@@ -268,8 +267,13 @@ def _elastic_plan(plan: Any, resume: str | None, small: Any,
     graph = trace(small.model, small.example_inputs,
                   loss_fn=small.loss_fn if small.targets is not None else None,
                   targets=small.targets, name=plan.model.name)
-    return plan_for_world(plan, last_run(plan, resume), graph=graph, cluster=cluster,
-                          batch=args.elastic_batch)
+    chosen = plan_for_world(plan, last_run(plan, resume), graph=graph, cluster=cluster,
+                            batch=args.elastic_batch)
+    # the process group compile joins, started here so that the ranks agree on the plan before
+    # any collective of the program (a disagreement would hang or fail inside one)
+    init_distributed(cluster.backend)
+    check_agreement(chosen.plan)
+    return chosen
 
 
 def _close_checkpoints(trainer: Any, args: argparse.Namespace) -> None:
