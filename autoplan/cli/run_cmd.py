@@ -171,11 +171,13 @@ def run(args: argparse.Namespace) -> int:
                            elastic_batch=args.elastic_batch, extra=[
                                *(["--layers", str(args.layers)] if args.layers else []),
                                *(["--seq-len", str(args.seq_len)] if args.seq_len else [])])
+    env = {**RANK_ENV_DEFAULTS, **(ELASTIC_ENV_DEFAULTS if args.elastic else {})}
     if args.print_command:       # with the environment launch_torchrun gives the ranks
-        env = {k: os.environ.get(k) or v for k, v in RANK_ENV_DEFAULTS.items()}
+        env = {k: os.environ.get(k) or v for k, v in env.items()}
         print(" ".join(f"{k}={shlex.quote(v)}" for k, v in env.items()), shlex.join(cmd))
         return 0
-    return launch_torchrun(cmd, run_id=run_id, checkpoint_dir=args.checkpoint_dir)
+    return launch_torchrun(cmd, run_id=run_id, checkpoint_dir=args.checkpoint_dir,
+                           defaults=env)
 
 
 def node_range(text: str, *, elastic: bool) -> tuple[int, int]:
@@ -208,9 +210,14 @@ def elastic_run_id(args: argparse.Namespace) -> str:
 
 # What every rank's environment gets unless the user set it (see launch_torchrun).
 RANK_ENV_DEFAULTS = {"OMP_NUM_THREADS": "1", "PYTHONHASHSEED": "0"}
+# and under --elastic: torchrun's c10d rendezvous otherwise keeps one store for the workers
+# across rounds, hosted by the first round's rank-0 node (gone with it), and the keys of an
+# earlier round's ranks stay in it; with this, each round's rank 0 hosts a fresh one
+ELASTIC_ENV_DEFAULTS = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 
 
-def launch_torchrun(cmd: list[str], *, run_id: str, checkpoint_dir: str | None = None) -> int:
+def launch_torchrun(cmd: list[str], *, run_id: str, checkpoint_dir: str | None = None,
+                    defaults: dict[str, str] | None = None) -> int:
     """Run ``cmd`` (a ``python -m torch.distributed.run ...`` command) with torch's launcher
     in this process, so that its ranks' failures arrive as data (``ChildFailedError``) and are
     reported once (``summarize``); restarts (``--max-restarts``) are torchrun's own."""
@@ -223,8 +230,8 @@ def launch_torchrun(cmd: list[str], *, run_id: str, checkpoint_dir: str | None =
 
     from autoplan.runtime.checkpoint_dir import RUN_ID_ENV
     from autoplan.runtime.worker import LAUNCHED_ENV
-    saved = {k: os.environ.get(k) for k in (RUN_ID_ENV, LAUNCHED_ENV, "OMP_NUM_THREADS",
-                                            "PYTHONHASHSEED")}
+    defaults = RANK_ENV_DEFAULTS if defaults is None else defaults
+    saved = {k: os.environ.get(k) for k in (RUN_ID_ENV, LAUNCHED_ENV, *defaults)}
     # OMP_NUM_THREADS: torchrun's own default for its ranks, set here so it needs no banner.
     # PYTHONHASHSEED: every Python process draws its own string-hash seed, and a model that
     # loops over a set (HF Gemma 3, ModernBERT) traces its forward in an order that follows
@@ -232,7 +239,7 @@ def launch_torchrun(cmd: list[str], *, run_id: str, checkpoint_dir: str | None =
     # but ranks that also trace alike run their independent ops, and so their collectives,
     # in one order. A seed the user set is kept.
     os.environ.update({RUN_ID_ENV: run_id, LAUNCHED_ENV: "1",
-                       **{k: saved[k] or v for k, v in RANK_ENV_DEFAULTS.items()}})
+                       **{k: saved[k] or v for k, v in defaults.items()}})
     quiet = logging.getLogger("torch.distributed.elastic.multiprocessing.api")
     level = quiet.level
     quiet.setLevel(logging.CRITICAL)        # per-process exit lines: summarized below

@@ -37,7 +37,7 @@ from autoplan.models import build_example
 from autoplan.models.registry import layer_overrides
 from autoplan.runtime.verify import user_example
 from autoplan.planner.planfile import plan_from_file
-from autoplan.runtime.trainer import compile, init_distributed
+from autoplan.runtime.trainer import ELASTIC_ENV, compile, init_distributed
 from autoplan.runtime.checkpoint_dir import RUN_ID_ENV, release, run_id, claim, plan_start
 from autoplan.runtime.step_trace import record_steps
 from autoplan.runtime.checkpoint_files import resolve
@@ -143,6 +143,7 @@ def _main(argv: list[str] | None = None) -> int:
     data, model, small = built.data, built.model, built.small
     report: tuple[str, ...] = ()
     if args.elastic:                # the plan for the world this attempt has
+        os.environ[ELASTIC_ENV] = "1"
         chosen = _elastic_plan(plan, resume, small, args)
         plan, report, gbs = chosen.plan, chosen.report, chosen.plan.training.global_batch_size
     trainer = compile(model, args.cluster or "local", example_inputs=small.example_inputs,
