@@ -46,13 +46,13 @@ def check_launch(args: argparse.Namespace, *, local: bool = True) -> Launch:
     from autoplan.planner.planfile import plan_from_file
     plan = plan_from_file(args.plan)
     _check_arguments(args)
-    nproc = _check_world(plan, args)
+    nproc = _check_world(plan, args) if not args.elastic else _elastic_nproc(plan, args)
     start = None
     if local and args.checkpoint_dir:
         from autoplan.runtime.checkpoint_dir import plan_start
         start = plan_start(args.checkpoint_dir, resume=args.resume,
                            resume_or_start=args.resume_or_start, overwrite=args.overwrite)
-    if local:
+    if local and not args.elastic:       # elastic ranks re-plan for the cluster they find
         _check_cluster(plan, nproc, args)
     _check_model(plan, args)
     gc.collect()                      # the model built here is not the ranks' to keep
@@ -71,6 +71,7 @@ def _check_arguments(args: argparse.Namespace) -> None:
     for flag, value, low in (("--checkpoint-every", args.checkpoint_every, 0),
                              ("--max-restarts", args.max_restarts, 0),
                              ("--steps", args.steps, 0), ("--nnodes", args.nnodes, 1),
+                             ("--warmup-steps", args.warmup_steps, 0),
                              ("--nproc-per-node", args.nproc_per_node, 1),
                              ("--layers", args.layers, 1), ("--seq-len", args.seq_len, 1)):
         if value is not None and value < low:
@@ -99,6 +100,12 @@ def _check_world(plan: Any, args: argparse.Namespace) -> int:
                         f"for {nproc * args.nnodes} ranks (autoplan plan ... --cluster "
                         f"local:{nproc * args.nnodes})")
     return nproc
+
+
+def _elastic_nproc(plan: Any, args: argparse.Namespace) -> int:
+    """The ranks per node of an elastic job: ``--nproc-per-node``, else the plan's devices per
+    node. Any number of nodes in ``--nnodes`` goes: the ranks re-plan for the world they get."""
+    return args.nproc_per_node or plan.config.world_size // plan.cluster.num_nodes
 
 
 def _check_cluster(plan: Any, nproc: int, args: argparse.Namespace) -> None:

@@ -6,6 +6,11 @@ checking the plan against the model, the cluster, the world size and the checkpo
 whose ranks fail is reported once: the first error, with the ranks it hit (``summarize``). On
 several nodes run the printed torchrun command on every node (``--print-command``), with
 ``--nnodes``, ``--node-rank`` and the rendezvous address of node 0.
+
+``--elastic --nnodes MIN:MAX`` runs under torchrun's elastic rendezvous (c10d, hosted at
+``--master-addr:--master-port``): a job whose node dies is restarted (``--max-restarts``) on the
+nodes left, and a run resumed on another number of devices, each re-planned for the devices it
+has and resumed from the latest checkpoint (``runtime/elastic.py``).
 """
 
 from __future__ import annotations
@@ -25,8 +30,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     add_plan_model_args(p)
     p.add_argument("--nproc-per-node", type=int, default=None,
                    help="ranks per node (default: the plan's world size / --nnodes)")
-    p.add_argument("--nnodes", type=int, default=1,
-                   help="nodes the job spans (run the printed command on each; default 1)")
+    p.add_argument("--nnodes", default="1",
+                   help="nodes the job spans (run the printed command on each; default 1); "
+                        "with --elastic a range MIN:MAX, as torchrun's")
     p.add_argument("--node-rank", type=int, default=0,
                    help="this node's index, 0 to --nnodes - 1 (default 0)")
     p.add_argument("--master-addr", default="127.0.0.1",
@@ -64,6 +70,22 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-restarts", type=int, default=0,
                    help="torchrun restarts the job this many times after a failure; with "
                         "--checkpoint-dir it resumes from the latest checkpoint")
+    p.add_argument("--elastic", action="store_true",
+                   help="elastic: the ranks re-plan for the world each attempt has (a node "
+                        "lost, a resume on more or fewer devices), warm-started from the last "
+                        "plan, and resume from the latest checkpoint keeping the global batch "
+                        "(or the nearest, stated), the LR schedule and the data position")
+    p.add_argument("--elastic-batch", choices=("keep", "nearest"), default="keep",
+                   help="with --elastic, where the new world's warm-started plan cannot split "
+                        "the global batch: keep it (another layout, found by a full search; "
+                        "default) or take the nearest batch that layout splits (faster to "
+                        "re-plan, the batch stated)")
+    p.add_argument("--rdzv-conf", default=None,
+                   help="with --elastic: torchrun's --rdzv-conf (e.g. last_call_timeout=5,"
+                        "keep_alive_interval=2), how long the rendezvous waits for nodes")
+    p.add_argument("--warmup-steps", type=int, default=0,
+                   help="the learning rate rises linearly to --lr over this many steps "
+                        "(default 0: constant); checkpoints keep the schedule's position")
     p.add_argument("--print-command", action="store_true",
                    help="print the torchrun command instead of running it")
     p.set_defaults(func=run)
@@ -77,11 +99,22 @@ def torchrun_command(plan_path: str, model: str, *, nproc: int, nnodes: int = 1,
                      async_checkpoint: bool = False, max_restarts: int = 0,
                      resume_or_start: bool = False, overwrite: bool = False,
                      run_id: str | None = None, cluster: str | None = None,
-                     allow_cluster_mismatch: bool = False,
+                     allow_cluster_mismatch: bool = False, min_nodes: int | None = None,
+                     rdzv_conf: str | None = None, warmup_steps: int = 0,
+                     elastic_batch: str = "keep",
                      extra: list[str] | None = None) -> list[str]:
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
-           f"--nnodes={nnodes}", f"--node-rank={node_rank}", f"--master-addr={master_addr}",
-           f"--master-port={master_port}"]
+    """The torchrun command of a job; ``min_nodes`` (elastic): the job runs on ``min_nodes``
+    to ``nnodes`` nodes under the c10d rendezvous at ``master_addr:master_port``, each rank
+    re-planning for the world it gets (``--elastic``)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}"]
+    if min_nodes is None:
+        cmd += [f"--nnodes={nnodes}", f"--node-rank={node_rank}", f"--master-addr={master_addr}",
+                f"--master-port={master_port}"]
+    else:
+        cmd += [f"--nnodes={min_nodes}:{nnodes}", "--rdzv-backend=c10d",
+                f"--rdzv-endpoint={master_addr}:{master_port}", f"--rdzv-id={run_id}"]
+        if rdzv_conf:
+            cmd.append(f"--rdzv-conf={rdzv_conf}")
     if max_restarts:
         cmd.append(f"--max-restarts={max_restarts}")
     cmd += ["-m", "autoplan.runtime.worker", "--plan", plan_path, "--model", model,
@@ -104,13 +137,25 @@ def torchrun_command(plan_path: str, model: str, *, nproc: int, nnodes: int = 1,
             cmd.append("--async-checkpoint")
     if run_id:
         cmd += ["--run-id", run_id]
+    if min_nodes is not None:
+        cmd.append("--elastic")
+        if elastic_batch != "keep":
+            cmd += ["--elastic-batch", elastic_batch]
+    if warmup_steps:
+        cmd += ["--warmup-steps", str(warmup_steps)]
     return cmd + (extra or [])
 
 
 def run(args: argparse.Namespace) -> int:
     from autoplan.cli.preflight import check_launch
+    args.min_nodes, args.nnodes = node_range(args.nnodes, elastic=args.elastic)
+    elastic_only = [f for f, on in (("--rdzv-conf", args.rdzv_conf),
+                                    ("--elastic-batch", args.elastic_batch != "keep")) if on]
+    if elastic_only and not args.elastic:
+        from autoplan.errors import PlanError
+        raise PlanError(f"{', '.join(elastic_only)} configure an elastic job: add --elastic")
     launch = check_launch(args, local=not args.print_command)
-    run_id = uuid.uuid4().hex[:12]
+    run_id = elastic_run_id(args) if args.elastic else uuid.uuid4().hex[:12]
     cmd = torchrun_command(args.plan, args.model, nproc=launch.nproc, nnodes=args.nnodes,
                            node_rank=args.node_rank, master_addr=args.master_addr,
                            master_port=args.master_port, steps=args.steps, lr=args.lr,
@@ -120,21 +165,59 @@ def run(args: argparse.Namespace) -> int:
                            max_restarts=args.max_restarts,
                            resume_or_start=args.resume_or_start, overwrite=args.overwrite,
                            run_id=run_id, cluster=args.cluster,
-                           allow_cluster_mismatch=args.allow_cluster_mismatch, extra=[
+                           allow_cluster_mismatch=args.allow_cluster_mismatch,
+                           min_nodes=args.min_nodes if args.elastic else None,
+                           rdzv_conf=args.rdzv_conf, warmup_steps=args.warmup_steps,
+                           elastic_batch=args.elastic_batch, extra=[
                                *(["--layers", str(args.layers)] if args.layers else []),
                                *(["--seq-len", str(args.seq_len)] if args.seq_len else [])])
+    env = {**RANK_ENV_DEFAULTS, **(ELASTIC_ENV_DEFAULTS if args.elastic else {})}
     if args.print_command:       # with the environment launch_torchrun gives the ranks
-        env = {k: os.environ.get(k) or v for k, v in RANK_ENV_DEFAULTS.items()}
+        env = {k: os.environ.get(k) or v for k, v in env.items()}
         print(" ".join(f"{k}={shlex.quote(v)}" for k, v in env.items()), shlex.join(cmd))
         return 0
-    return launch_torchrun(cmd, run_id=run_id, checkpoint_dir=args.checkpoint_dir)
+    return launch_torchrun(cmd, run_id=run_id, checkpoint_dir=args.checkpoint_dir,
+                           defaults=env)
+
+
+def node_range(text: str, *, elastic: bool) -> tuple[int, int]:
+    """(fewest, most) nodes of ``--nnodes``: N, or MIN:MAX with --elastic."""
+    from autoplan.errors import PlanError
+    low, sep, high = str(text).partition(":")
+    try:
+        low_n, high_n = int(low), int(high if sep else low)
+    except ValueError:
+        raise PlanError(f"--nnodes takes a count N, or MIN:MAX with --elastic; got {text!r}"
+                        ) from None
+    if sep and not elastic:
+        raise PlanError(f"--nnodes {text} is a range: add --elastic (the job then runs on "
+                        f"{low_n} to {high_n} nodes, re-planning for those it has), or give one "
+                        "count")
+    if not 1 <= low_n <= high_n:
+        raise PlanError(f"--nnodes {text}: want 1 <= MIN <= MAX")
+    return low_n, high_n
+
+
+def elastic_run_id(args: argparse.Namespace) -> str:
+    """One id for every node of an elastic job (each runs its own `autoplan run`): from where
+    the job meets and where it saves, so that the nodes name the same rendezvous and claim the
+    checkpoint folder as one job."""
+    import hashlib
+    where = f"{args.master_addr}:{args.master_port}:" + (
+        os.path.abspath(args.checkpoint_dir) if args.checkpoint_dir else "")
+    return "elastic-" + hashlib.sha256(where.encode()).hexdigest()[:12]
 
 
 # What every rank's environment gets unless the user set it (see launch_torchrun).
 RANK_ENV_DEFAULTS = {"OMP_NUM_THREADS": "1", "PYTHONHASHSEED": "0"}
+# and under --elastic: torchrun's c10d rendezvous otherwise keeps one store for the workers
+# across rounds, hosted by the first round's rank-0 node (gone with it), and the keys of an
+# earlier round's ranks stay in it; with this, each round's rank 0 hosts a fresh one
+ELASTIC_ENV_DEFAULTS = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 
 
-def launch_torchrun(cmd: list[str], *, run_id: str, checkpoint_dir: str | None = None) -> int:
+def launch_torchrun(cmd: list[str], *, run_id: str, checkpoint_dir: str | None = None,
+                    defaults: dict[str, str] | None = None) -> int:
     """Run ``cmd`` (a ``python -m torch.distributed.run ...`` command) with torch's launcher
     in this process, so that its ranks' failures arrive as data (``ChildFailedError``) and are
     reported once (``summarize``); restarts (``--max-restarts``) are torchrun's own."""
@@ -147,8 +230,8 @@ def launch_torchrun(cmd: list[str], *, run_id: str, checkpoint_dir: str | None =
 
     from autoplan.runtime.checkpoint_dir import RUN_ID_ENV
     from autoplan.runtime.worker import LAUNCHED_ENV
-    saved = {k: os.environ.get(k) for k in (RUN_ID_ENV, LAUNCHED_ENV, "OMP_NUM_THREADS",
-                                            "PYTHONHASHSEED")}
+    defaults = RANK_ENV_DEFAULTS if defaults is None else defaults
+    saved = {k: os.environ.get(k) for k in (RUN_ID_ENV, LAUNCHED_ENV, *defaults)}
     # OMP_NUM_THREADS: torchrun's own default for its ranks, set here so it needs no banner.
     # PYTHONHASHSEED: every Python process draws its own string-hash seed, and a model that
     # loops over a set (HF Gemma 3, ModernBERT) traces its forward in an order that follows
@@ -156,7 +239,7 @@ def launch_torchrun(cmd: list[str], *, run_id: str, checkpoint_dir: str | None =
     # but ranks that also trace alike run their independent ops, and so their collectives,
     # in one order. A seed the user set is kept.
     os.environ.update({RUN_ID_ENV: run_id, LAUNCHED_ENV: "1",
-                       **{k: saved[k] or v for k, v in RANK_ENV_DEFAULTS.items()}})
+                       **{k: saved[k] or v for k, v in defaults.items()}})
     quiet = logging.getLogger("torch.distributed.elastic.multiprocessing.api")
     level = quiet.level
     quiet.setLevel(logging.CRITICAL)        # per-process exit lines: summarized below

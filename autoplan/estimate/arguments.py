@@ -223,6 +223,8 @@ def search_options_arg(opts: Any, *, progress: Any, who: str = "plan()") -> None
     choices("offload_optimizer", (False, True), "booleans")
     if not isinstance(opts.allow_lossy, bool):
         refuse("allow_lossy", "True or False (whether lossy options may be searched)")
+    if not isinstance(opts.baselines, bool):
+        refuse("baselines", "True (cost the baselines beside the search) or False")
     if not isinstance(opts.offload_activations, bool):
         refuse("offload_activations", "True (offer activation offload) or False")
     if not _number(opts.ilp_time_limit_s) or opts.ilp_time_limit_s <= 0:

@@ -22,6 +22,11 @@ class SearchOptions:
     max_pp: int | None = None    # pipeline degrees up to this (None: up to the layer count)
     force: dict[str, Any] = field(default_factory=dict)
     top_k: int = 5
+    # the baselines (pure DP, FSDP, Megatron-style, context parallel) costed beside the search,
+    # so the plan is never predicted slower than them, and listed as alternatives. A search
+    # whose force pins the layout cannot choose those that differ: an elastic re-plan's warm
+    # start (``replan.py``) skips them (half its time on Llama-3-8B)
+    baselines: bool = True
     ilp_time_limit_s: float = 20.0
     sharding: str = "ilp"        # "ilp", "megatron" (Megatron-LM's rule, for comparisons) or
                                  # "context" (the sequence split everywhere: ring attention)

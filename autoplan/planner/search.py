@@ -483,8 +483,8 @@ def _choose(sc: SearchContext, cands: list[Candidate], base: dict[str, Any],
     opts, stats = sc.opts, sc.stats
     if opts.sharding == "ilp" and opts.fixed_sharding is None:
         cands = refine_dp(sc, cands)
-    if opts.fixed_sharding is None and not opts.pin:   # a given sharding is the one to use
-        cands += _baselines(sc, base)
+    if opts.fixed_sharding is None and not opts.pin and opts.baselines:
+        cands += _baselines(sc, base)     # (a given sharding is the one to use)
     if not cands:
         raise ConfigError("no configuration could be costed; check the batch size and the "
                           "cluster size" + (f" (the last one refused: {stats.rejected})"

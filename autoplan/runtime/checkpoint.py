@@ -374,11 +374,13 @@ def _describe(trainer: Any, merged: dict[str, Any], world: int) -> dict[str, Any
     plan = trainer.plan
     cfg = plan.config
     return {"format": FORMAT, "version": VERSION, "step": trainer.steps_done,
-            "samples_seen": trainer.steps_done * plan.training.global_batch_size,
+            "samples_seen": trainer.samples_seen,
             "world_size": world,
             "plan": {"model": plan.model.name, "model_fingerprint": plan.model.fingerprint,
                      "config": cfg.to_dict(),
-                     "global_batch_size": plan.training.global_batch_size},
+                     "global_batch_size": plan.training.global_batch_size,
+                     "summary": cfg.short(),
+                     "predicted_step_time_s": plan.predicted.get("step_time_s")},
             "aliases": {k: list(v) for k, v in sorted(trainer.aliases.items())},
             "model": merged["model"], "optimizer": {"classes": merged["optimizer"],
                                                     "state": merged["state"],
@@ -526,6 +528,9 @@ def _restore_counters(trainer: Any, step: Path, meta: dict[str, Any],
                       lr_schedulers: list[Any] | None) -> None:
     """The step count, the LR schedulers' and the loss scaler's state, from the description."""
     trainer.steps_done = meta["step"]
+    seen = meta.get("samples_seen")       # older checkpoints: every step at this batch
+    trainer.samples_seen = (int(seen) if isinstance(seen, int) else
+                            meta["step"] * trainer.plan.training.global_batch_size)
     sched = meta.get("lr_scheduler")
     if lr_schedulers and isinstance(sched, dict):
         for s in lr_schedulers:

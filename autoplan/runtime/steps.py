@@ -180,6 +180,8 @@ class Trainer(Checkpointing, GradientStep):
     aliases: dict[str, tuple[str, ...]] = field(default_factory=dict)
     health: Any = None                         # names a dead peer (runtime/rank_failure.py)
     steps_done: int = 0
+    samples_seen: int = 0             # samples trained on: the data position (a re-plan may
+                                      # change the global batch, so not steps x batch)
     lr_schedulers: list[Any] = field(default_factory=list)
     checkpointer: Any = None
     max_grad_norm: float | None = None
@@ -275,6 +277,7 @@ def guarded(trainer: Any, step: Callable[[Any], float], batch: Any) -> float:
             raise trainer.health.fail(status, e) from e
         raise
     trainer.steps_done += 1
+    trainer.samples_seen += trainer.plan.training.global_batch_size
     return loss
 
 

@@ -40,6 +40,7 @@ from autoplan.planner.search_space import selective_compiles
 from autoplan.sharding.parallel_config import SPLIT_BACKWARD
 
 COLLECTIVE_TIMEOUT_S = int(os.environ.get("AUTOPLAN_COLLECTIVE_TIMEOUT_S", "120"))
+ELASTIC_ENV = "AUTOPLAN_ELASTIC"     # set by the worker under --elastic (runtime/elastic.py)
 
 
 def init_distributed(backend: str, *, single: bool = False) -> tuple[int, int]:
@@ -83,6 +84,12 @@ def _attempt_store(timeout: datetime.timedelta) -> Any:
     if attempt is None or "MASTER_ADDR" not in os.environ:
         return None
     agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True)
+    if os.environ.get(ELASTIC_ENV) and not agent:
+        # elastic: the agents' restart counts differ (a restart for a node that joins counts
+        # none), so no prefix of them is one every rank takes; `autoplan run --elastic` has
+        # rank 0 host a fresh store on a fresh port every round
+        # (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1), where no earlier attempt left a key
+        return None
     rank = int(os.environ["RANK"])
     tcp = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
                         int(os.environ["WORLD_SIZE"]), is_master=not agent and rank == 0,

@@ -38,10 +38,12 @@ from autoplan.models import build_example
 from autoplan.models.registry import layer_overrides
 from autoplan.runtime.verify import user_example
 from autoplan.planner.planfile import plan_from_file
-from autoplan.runtime.trainer import compile
+from autoplan.runtime.trainer import ELASTIC_ENV, compile, init_distributed
 from autoplan.runtime.checkpoint_dir import RUN_ID_ENV, release, run_id, claim, plan_start
 from autoplan.runtime.step_trace import record_steps
 from autoplan.runtime.checkpoint_files import resolve
+from autoplan.runtime.elastic import (POOL_BATCHES, ElasticPlan, SampleStream, check_agreement,
+                                      last_run, plan_for_world)
 
 LAUNCHED_ENV = "AUTOPLAN_LAUNCHER"      # set by `autoplan run`: it reports the ranks' errors
 
@@ -137,21 +139,31 @@ def _main(argv: list[str] | None = None) -> int:
     plan = plan_from_file(args.plan)
     gbs = plan.training.global_batch_size
     resume = _start(args)           # before the model: a refusal costs nothing
-    built = build_run_model(args.model, batch=gbs, layers=args.layers, seq_len=args.seq_len,
-                            meta=args.meta)
+    built = build_run_model(args.model, batch=gbs * POOL_BATCHES if args.elastic else gbs,
+                            layers=args.layers, seq_len=args.seq_len, meta=args.meta)
     data, model, small = built.data, built.model, built.small
+    report: tuple[str, ...] = ()
+    if args.elastic:                # the plan for the world this attempt has
+        os.environ[ELASTIC_ENV] = "1"
+        chosen = _elastic_plan(plan, resume, small, args)
+        plan, report, gbs = chosen.plan, chosen.report, chosen.plan.training.global_batch_size
     trainer = compile(model, args.cluster or "local", example_inputs=small.example_inputs,
                       example_targets=small.targets, loss_fn=data.loss_fn,
                       optimizer=lambda ps: torch.optim.AdamW(ps, lr=args.lr),
                       global_batch_size=gbs, plan=plan, resume=resume,
+                      lr_scheduler=_warmup(args.warmup_steps),
                       allow_cluster_mismatch=args.allow_cluster_mismatch)
+    if trainer.rank == 0:
+        for line in report:
+            print(line, flush=True)
     if resume is not None and trainer.rank == 0:
         print(f"resumed from {resume} at step {trainer.steps_done}", flush=True)
-    batch = tuple(data.example_inputs) + (data.targets,)
+    rows = tuple(data.example_inputs) + (data.targets,)
+    batch = SampleStream(rows) if args.elastic else rows
     run = _train(trainer, batch, args)
     _close_checkpoints(trainer, args)
     if args.profile_dir:
-        _profile(trainer, batch, args, world=plan.config.world_size)
+        _profile(trainer, rows, args, world=plan.config.world_size)
     if trainer.rank == 0:
         _print_summary(trainer, plan, run, args)
     _finish(dist)
@@ -180,6 +192,14 @@ def _arguments() -> argparse.ArgumentParser:
     ap.add_argument("--overwrite", action="store_true")
     ap.add_argument("--run-id", default=None, help="the job's id (kept by torchrun restarts)")
     ap.add_argument("--async-checkpoint", action="store_true")
+    ap.add_argument("--elastic", action="store_true",
+                    help="re-plan for the world this attempt has (runtime/elastic.py); the "
+                         "data is a stream of samples whose position checkpoints keep")
+    ap.add_argument("--elastic-batch", choices=("keep", "nearest"), default="keep",
+                    help="keep the global batch wherever a plan can, or take the nearest the "
+                         "warm-started layout can (planner/replan.py)")
+    ap.add_argument("--warmup-steps", type=int, default=0,
+                    help="the learning rate rises linearly over this many steps (0: none)")
     ap.add_argument("--profile-dir", default=None,
                     help="after the steps, profile --profile-steps more; each rank writes its "
                          "events to DIR/rank<r>.json (`autoplan calibrate`)")
@@ -197,14 +217,17 @@ class StepsRun:
     times_s: list[float]         # each step's wall time
 
 
-def _train(trainer: Any, batch: tuple, args: argparse.Namespace) -> StepsRun:
+def _train(trainer: Any, batch: Any, args: argparse.Namespace) -> StepsRun:
     """Train up to step ``--steps``, rank 0 printing each step's loss and time; saves every
-    ``--checkpoint-every`` steps and after the last one."""
+    ``--checkpoint-every`` steps and after the last one. ``batch``: one fixed batch, or a
+    SampleStream (--elastic) whose next global batch each step takes."""
     losses, times = [], []
     first = trainer.steps_done
+    gbs = trainer.plan.training.global_batch_size
     while trainer.steps_done < args.steps:
         t0 = time.perf_counter()
-        loss = trainer.step(batch)
+        loss = trainer.step(batch.batch(trainer.samples_seen, gbs)
+                            if isinstance(batch, SampleStream) else batch)
         times.append(time.perf_counter() - t0)
         losses.append(loss)
         if trainer.rank == 0:
@@ -218,6 +241,41 @@ def _train(trainer: Any, batch: tuple, args: argparse.Namespace) -> StepsRun:
                 note = " (writing in the background)" if args.async_checkpoint else ""
                 print(f"checkpoint {path}{note}", flush=True)
     return StepsRun(first_step=first, steps=args.steps, losses=losses, times_s=times)
+
+
+def _warmup(steps: int) -> Any:
+    """The LR scheduler factory of ``--warmup-steps`` (None: a constant learning rate): the
+    rate rises linearly from lr / steps to lr; checkpoints keep its position."""
+    if steps <= 0:
+        return None
+    return lambda opt: torch.optim.lr_scheduler.LinearLR(opt, start_factor=1.0 / steps,
+                                                         total_iters=steps)
+
+
+def _elastic_plan(plan: Any, resume: str | None, small: Any,
+                  args: argparse.Namespace) -> ElasticPlan:
+    """The plan for this attempt's world (``elastic.plan_for_world``), on the cluster
+    ``compile`` will describe (discovered, or ``--cluster`` where its world is this job's),
+    checked to be every rank's."""
+    from autoplan.cluster import Cluster
+    from autoplan.estimate.arguments import cluster_arg
+    from autoplan.graph.trace import trace
+    cluster = Cluster.local_job() if not args.cluster else cluster_arg(args.cluster, "--cluster")
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if cluster.world_size != world:
+        raise AutoplanError(f"--elastic: --cluster {args.cluster} has {cluster.world_size} "
+                            f"devices, this attempt of the job {world}; drop --cluster (the "
+                            "ranks then describe the machines they run on)")
+    graph = trace(small.model, small.example_inputs,
+                  loss_fn=small.loss_fn if small.targets is not None else None,
+                  targets=small.targets, name=plan.model.name)
+    chosen = plan_for_world(plan, last_run(plan, resume), graph=graph, cluster=cluster,
+                            batch=args.elastic_batch)
+    # the process group compile joins, started here so that the ranks agree on the plan before
+    # any collective of the program (a disagreement would hang or fail inside one)
+    init_distributed(cluster.backend)
+    check_agreement(chosen.plan)
+    return chosen
 
 
 def _close_checkpoints(trainer: Any, args: argparse.Namespace) -> None:

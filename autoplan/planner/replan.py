@@ -1,0 +1,137 @@
+"""``replan``: a plan for the devices a job has now, warm-started from the plan it ran on.
+
+When the world of a run changes (a node died and torchrun's elastic rendezvous re-formed it
+smaller, or the run is resumed on more or fewer devices), the job needs a plan for the new
+world that trains the same thing: the same model, the same numerics and, where it can, the same
+global batch. In order, the first that gives a plan that fits:
+
+1. **warm start**: the last plan's layout family kept (its tp, cp, pp and ep degrees, pipeline
+   schedule and chunks per rank, sequence parallelism, cp layout), dp derived from the new
+   world, the global batch kept; the search re-solves what depends on dp (micro-batch size,
+   ZeRO stage, recomputation, offload, compilation). A small search: a handful of configs.
+2. **full search**, the global batch kept: any mesh of the new world whose dp divides it.
+3. **nearest batch**: no mesh of the new world divides the global batch (or none that does
+   fits): the nearest multiple of the warm-start dp (of the world when the warm mesh does not
+   exist), ties to the larger, first warm-started, then by a full search. Stated, never silent.
+
+``batch="nearest"`` puts the warm start at the nearest batch before the full search (order 1,
+3 warm, 2, 3 full): the layout family kept and the re-plan fast (no full search) where the new
+dp does not divide the batch, at the price of training on another global batch from there on.
+Keeping the batch (the default) may need another layout (Llama-3-8B's batch of 16 on 56 GPUs:
+a pipeline of 7, since every dp of 56 devices without one is a multiple of 7) and a full search.
+
+Every step keeps the numerics of the last plan (precision, 16-bit weight policy, fp8, gradient
+compression, optimizer-state format): a re-plan changes the layout, not what is computed. The
+planner is deterministic, so every rank that calls ``replan`` with the same graph, cluster and
+last config gets the same plan (the runtime checks that they agree).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from autoplan.errors import ConfigError, PlanError
+from autoplan.planner.candidates import NoFeasiblePlanError
+from autoplan.planner.planfile import Plan
+from autoplan.planner.search import plan as make_plan
+from autoplan.sharding.parallel_config import ParallelConfig
+
+# what a re-plan never changes: the numerics of the run
+NUMERICS = ("mixed_precision", "fp8", "grad_compression", "optimizer_state")
+# the layout family a warm start keeps (dp and what depends on it are re-solved)
+FAMILY = ("tp", "cp", "pp", "ep", "sequence_parallel", "cp_layout")
+PIPELINE_FAMILY = ("schedule", "virtual_stages")
+BATCH_POLICIES = ("keep", "nearest")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Replan:
+    """A plan for the new world and how it was found."""
+
+    plan: Plan
+    how: str                    # "warm start", "full search"
+    requested_batch: int        # the run's global batch
+    batch_note: str             # "" when the global batch is kept, else why and what instead
+
+    @property
+    def batch_kept(self) -> bool:
+        return self.plan.training.global_batch_size == self.requested_batch
+
+
+def warm_force(last: ParallelConfig, world: int) -> dict[str, Any] | None:
+    """The ParallelConfig fields a warm start pins for ``world`` devices: the last plan's
+    numerics and layout family, dp = world / (tp cp pp); None where that does not divide."""
+    rest = last.tp * last.cp * last.pp
+    if world % rest:
+        return None
+    dp = world // rest
+    if last.ep > 1 and dp % last.ep:
+        return None
+    force = {k: getattr(last, k) for k in NUMERICS + FAMILY}
+    if last.pp > 1:
+        force.update({k: getattr(last, k) for k in PIPELINE_FAMILY})
+    force["dp"] = dp
+    return force
+
+
+def nearest_batch(batch: int, multiple_of: int) -> int:
+    """The multiple of ``multiple_of`` nearest ``batch`` (ties to the larger; at least one)."""
+    below = batch // multiple_of * multiple_of
+    above = below + multiple_of
+    if below == 0 or above - batch <= batch - below:
+        return above
+    return below
+
+
+def replan(graph: Any, cluster: Any, *, last: ParallelConfig, global_batch_size: int,
+           batch: str = "keep", profile: Any = None, name: str | None = None,
+           progress: Callable[[str], None] | None = None) -> Replan:
+    """A plan of ``graph`` on ``cluster`` warm-started from ``last`` (the config the run
+    trained under), for the run's ``global_batch_size``; ``batch``: "keep" the global batch
+    wherever any plan can, or take the "nearest" the warm start can before a full search (see
+    the module docstring)."""
+    if batch not in BATCH_POLICIES:
+        raise ConfigError(f"replan(): batch must be one of {BATCH_POLICIES}, got {batch!r}")
+    world = cluster.world_size
+    warm = warm_force(last, world)
+    numerics = {k: getattr(last, k) for k in NUMERICS}
+
+    def attempt(force: dict[str, Any], size: int) -> Plan | None:
+        # a warm start pins the layout: no baseline of another layout could be chosen
+        try:
+            return make_plan(graph, cluster, global_batch_size=size, precision=last.precision,
+                             optimizer=last.optimizer, profile=profile, name=name,
+                             progress=progress, force=force, baselines="dp" not in force)
+        except (NoFeasiblePlanError, ConfigError):
+            return None
+
+    gbs = global_batch_size
+    if warm is not None and gbs % warm["dp"] == 0:
+        found = attempt(warm, gbs)
+        if found is not None:
+            return Replan(plan=found, how="warm start", requested_batch=gbs, batch_note="")
+    step = warm["dp"] if warm is not None else world
+    near = nearest_batch(gbs, step)
+    if batch == "nearest" and warm is not None and near != gbs:
+        found = attempt(warm, near)
+        if found is not None:
+            return Replan(plan=found, how="warm start", requested_batch=gbs, batch_note=(
+                f"the global batch {gbs} is no multiple of the warm start's dp {step} on "
+                f"{world} devices; using {near}, the nearest (--elastic-batch nearest)"))
+    found = attempt(numerics, gbs)
+    if found is not None:
+        return Replan(plan=found, how="full search", requested_batch=gbs, batch_note="")
+    note = (f"the global batch {gbs} cannot be kept on {world} devices (no plan whose data-"
+            f"parallel degree divides it fits); using {near}, the nearest multiple of dp "
+            f"{step}")
+    if warm is not None and batch == "keep":
+        found = attempt(warm, near)
+        if found is not None:
+            return Replan(plan=found, how="warm start", requested_batch=gbs, batch_note=note)
+    found = attempt(numerics, near)
+    if found is not None:
+        return Replan(plan=found, how="full search", requested_batch=gbs, batch_note=note)
+    raise PlanError(f"no plan of this model fits on {world} devices, for the global batch "
+                    f"{gbs} or {near}: resume on more devices")
