@@ -7,7 +7,7 @@ import torch
 
 from autoplan import Cluster, ParallelConfig, estimate
 from autoplan import plan as make_plan
-from autoplan.errors import ConfigError, PlanError
+from autoplan.errors import ConfigError
 from autoplan.graph import trace
 from autoplan.models import build_example
 from autoplan.planner.options import SearchOptions

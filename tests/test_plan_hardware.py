@@ -7,7 +7,6 @@ other hardware is refused on every rank before any collective, naming what diffe
 ``allow_cluster_mismatch`` and its prediction marked stale."""
 
 import json
-import os
 
 import pytest
 import torch

@@ -162,7 +162,6 @@ SCHEDULES = [("1f1b", 1), ("zero_bubble", 1), ("interleaved_1f1b", 2), ("zero_bu
 def test_the_floor_is_below_the_closed_form_of_every_stage_layout(name):
     """Random pipelined configs, random stage splits and per-stage policies: the closed-form
     step is never below the floor, which sees neither the split nor the policies."""
-    from autoplan.cost.compute import compute_model
     from autoplan.estimate.layout import step_floor_s, with_layout
     from autoplan.estimate.partition import pipeline_units
     from autoplan.planner.search_costing import SearchContext, Stats, cost_inputs
