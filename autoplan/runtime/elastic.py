@@ -31,6 +31,10 @@ from typing import Any
 import torch
 
 from autoplan.errors import PlanError
+from autoplan.planner.planfile import plan_mismatch
+from autoplan.planner.replan import replan
+from autoplan.runtime.checkpoint_files import read_meta, resolve
+from autoplan.sharding.parallel_config import ParallelConfig
 
 POOL_BATCHES = 8           # the stream's pool: this many of the run's global batches
 
@@ -66,8 +70,6 @@ class LastRun:
 def last_run(plan: Any, checkpoint: str | None) -> LastRun:
     """The latest checkpoint's plan and position (``checkpoint``: a root to resume), else
     ``plan``'s (a new run)."""
-    from autoplan.runtime.checkpoint_files import read_meta, resolve
-    from autoplan.sharding.parallel_config import ParallelConfig
     if checkpoint is not None:
         meta = read_meta(resolve(checkpoint))
         saved = meta["plan"]
@@ -93,8 +95,6 @@ def plan_for_world(plan: Any, last: LastRun, *, graph: Any, cluster: Any,
     """The plan file's ``plan`` where it is for ``cluster`` (its world and hardware), else a
     re-plan warm-started from ``last`` for the run's global batch (the plan file's; ``batch``:
     ``replan``'s policy where the new world cannot keep it)."""
-    from autoplan.planner.planfile import plan_mismatch
-    from autoplan.planner.replan import replan
     world = cluster.world_size
     if not plan_mismatch(plan, graph=graph, cluster=cluster):
         chosen, how, note, took = plan, "the plan file's", "", 0.0

@@ -257,9 +257,9 @@ def _elastic_plan(plan: Any, resume: str | None, small: Any,
     """The plan for this attempt's world (``elastic.plan_for_world``), on the cluster
     ``compile`` will describe (discovered, or ``--cluster`` where its world is this job's),
     checked to be every rank's."""
-    from autoplan.cluster import Cluster
-    from autoplan.estimate.arguments import cluster_arg
-    from autoplan.graph.trace import trace
+    from autoplan.cluster import Cluster  # lazily: only elastic attempts re-plan
+    from autoplan.estimate.arguments import cluster_arg  # lazily: only elastic attempts re-plan
+    from autoplan.graph.trace import trace  # lazily: only elastic attempts re-plan
     cluster = Cluster.local_job() if not args.cluster else cluster_arg(args.cluster, "--cluster")
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if cluster.world_size != world:
