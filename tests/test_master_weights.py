@@ -183,7 +183,10 @@ CASES = [
 
 @pytest.mark.parametrize("name,force", CASES, ids=[f"{c[0]}-{c[1]}" for c in CASES])
 def test_master_weights_equal_the_scheme_by_hand(name, force):
-    _check(name, 2, force, update_error=0.0)
+    # bitwise, but for the host optimizer: it runs torch's fused CPU Adam (vectorised, as the
+    # host rate prices it), whose arithmetic order differs from the by-hand loop's in fp32
+    # round-off (1e-8 of the update seen); 1e-6 still catches a wrong master
+    _check(name, 2, force, update_error=1e-6 if force.get("offload_optimizer") else 0.0)
 
 
 @pytest.mark.skipif(not has_transformers(), reason="transformers not installed")
