@@ -83,7 +83,9 @@ def one(key: str) -> dict:
     p = plan(graph, cluster, global_batch_size=gbs, profile=None, name=model, max_pp=max_pp,
              progress=lambda msg: solves.append(msg.strip()) if msg.startswith("  ILP (") else None)
     t2, c2 = time.perf_counter(), _cpu_s()
-    times = [float(line.split(" s, ")[0].rsplit(", ", 1)[1]) for line in solves]
+    # solved ones (those shown unfittable without CBC say "not solved" and take no time)
+    times = [float(line.split(" s, ")[0].rsplit(", ", 1)[1]) for line in solves
+             if " variables, " in line]
     gaps = [float(line.rsplit("gap ", 1)[1].rstrip("%")) for line in solves if "gap " in line]
     return {"case": key, "imports_s": imports_s, "build_s": t0 - t_build, "solves": solves,
             "ilp_s": sum(times), "slowest_ilp_s": max(times, default=0.0),

@@ -33,8 +33,8 @@ layout a causal ring's last rank does ``(2c - 1) / c^2`` of the work, under ``zi
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from functools import cached_property
+from dataclasses import dataclass, field, replace
+from typing import Any
 
 from autoplan.errors import AutoplanError, ConfigError
 from autoplan.graph.opgraph import Op, OpGraph
@@ -59,6 +59,20 @@ class ContextAxis:
     c: int
     sharding: Sharding
     layout: str = "contiguous"          # ``ParallelConfig.cp_layout``
+    # what does not depend on the layout (tp conflicts, moved dims, value scales), kept per
+    # axis and shared by its layouts (``in_layout``)
+    caches: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    def in_layout(self, layout: str) -> ContextAxis:
+        """The same axis with the sequence laid out as ``layout``: only ring attention's work
+        differs (``op_scale``), so it shares this one's sharding and caches."""
+        return replace(self, layout=layout)
+
+    def _cached(self, name: str, make: Any) -> Any:
+        found = self.caches.get(name)
+        if found is None:
+            found = self.caches[name] = make()
+        return found
 
     def placement(self, name: str) -> Placement:
         """Where value ``name`` lies on the cp axis before a consumer moves it: weights and
@@ -72,7 +86,7 @@ class ContextAxis:
 
     def value_scale(self, name: str) -> float:
         """The share of ``name``'s bytes one cp rank holds (``1 / c`` where cp splits it)."""
-        return self._value_scales.get(name, 1.0)
+        return self._cached("value_scales", self._value_scales).get(name, 1.0)
 
     def op_scale(self, i: int) -> float:
         """The share of op ``i``'s work one cp rank does: the slowest rank's, for ring
@@ -109,15 +123,17 @@ class ContextAxis:
         found = share_at(self.graph.ops[i], self.strategy(i), name, self.c)
         return self.value_scale(name) if found is None else found
 
-    @cached_property
     def _value_scales(self) -> dict[str, float]:
         return {n: 1.0 / self.c for n, p in self.sharding.value_placement.items()
                 if p.kind == "S"}
 
-    @cached_property
+    @property
     def moved_dims(self) -> dict[str, frozenset[int]]:
         """Per value, the dims the cp axis moves it on somewhere (a consumer's transition, or
         an op's own gather or scatter of it): tp must not split them where it is moved."""
+        return self._cached("moved_dims", self._moved_dims)
+
+    def _moved_dims(self) -> dict[str, frozenset[int]]:
         out: dict[str, set[int]] = {}
         graph = self.graph
         for i, op in enumerate(graph.ops):
@@ -139,25 +155,47 @@ class ContextAxis:
 
     def tp_conflict(self, i: int, s: OpStrategy, t: int) -> str:
         """Why tp strategy ``s`` of op ``i`` cannot run under this cp axis ("" when it can);
-        kept per op and what of ``s`` it reads (every sharding the search costs asks again
-        for most of its ops)."""
-        cache = self.__dict__.setdefault("_tp_conflicts", {})
-        key = (i, t, s.kernel, s.inputs, s.outputs, s.local_inputs, s.local_outputs)
+        decided once per op class (``_op_classes``: one op of every layer) and what of ``s``
+        it reads (every sharding the search costs asks again for all of its ops)."""
+        cache = self.caches.setdefault("tp_conflicts", {})
+        key = (self._cached("op_classes", self._op_classes)[i], t, s.kernel, s.inputs,
+               s.outputs, s.local_inputs, s.local_outputs)
         why = cache.get(key)
         if why is None:
             why = cache[key] = self._tp_conflict(i, s, t)
-        return why
+        head, side, k, tail = why
+        if not side:
+            return head
+        op = self.graph.ops[i]
+        return head + (op.inputs if side == "in" else op.outputs)[k] + tail
 
-    def _tp_conflict(self, i: int, s: OpStrategy, t: int) -> str:
+    def _op_classes(self) -> list[int]:
+        """Per op, the class of ops alike in all ``_tp_conflict`` reads of them but their
+        values' names (the cp strategy; per value its kind, shape and the dims cp moves it on):
+        the ops at one place in every instance of a repeated layer, mostly."""
+        graph, moved, ids, out = self.graph, self.moved_dims, {}, []
+        for i, op in enumerate(graph.ops):
+            c = self.strategy(i)
+            ins = tuple((v.kind in STATE_KINDS, tuple(v.meta.shape), moved.get(n))
+                        for n in op.inputs for v in (graph.value(n),))
+            outs = tuple((tuple(graph.value(n).meta.shape), moved.get(n)) for n in op.outputs)
+            sig = (c.kernel, c.split, c.inputs, c.outputs, c.local_inputs, c.local_outputs,
+                   ins, outs)
+            out.append(ids.setdefault(sig, len(ids)))
+        return out
+
+    def _tp_conflict(self, i: int, s: OpStrategy, t: int) -> tuple[str, str, int, str]:
+        """``tp_conflict``'s answer as (text, "in" or "out" or "", slot, text): the value's
+        name, where it names one, goes between (ops of one class differ in their names)."""
         graph, op, c = self.graph, self.graph.ops[i], self.strategy(i)
         if not op.outputs:
-            return ""
+            return "", "", 0, ""
         if c.kernel and s.kernel and (c.kernel, s.kernel) not in COMPOSED:
-            return f"both axes run a kernel ({c.kernel} on cp, {s.kernel} on tp)"
+            return f"both axes run a kernel ({c.kernel} on cp, {s.kernel} on tp)", "", 0, ""
         if c.kernel == "ring_attention" and s.kernel:
-            return "ring attention over cp runs the attention itself"
+            return "ring attention over cp runs the attention itself", "", 0, ""
         if s.kernel not in _TP_KERNELS_ANY_PIECE and c.split:
-            return f"the tp kernel {s.kernel} needs the whole sequence"
+            return f"the tp kernel {s.kernel} needs the whole sequence", "", 0, ""
         moved = self.moved_dims
         for k, n in enumerate(op.inputs):
             if k >= len(s.inputs):
@@ -170,24 +208,24 @@ class ContextAxis:
                 dims.update(p.dim for p in (c.inputs[k], c.local_input(k)) if p.kind == "S")
                 held.append(s.local_input(k))
             if any(p.kind == "S" and p.dim in dims for p in held):
-                return f"cp moves input {n} on a dim tp splits"
+                return "cp moves input ", "in", k, " on a dim tp splits"
             if not _even(graph.value(n).meta.shape, c.inputs[k], self.c, s.inputs[k], t):
-                return f"input {n} does not split evenly over both axes"
+                return "input ", "in", k, " does not split evenly over both axes"
         for k, n in enumerate(op.outputs):
             if k >= len(s.outputs):
                 continue
             p = s.outputs[k]
             if p.kind == "S" and p.dim in moved.get(n, frozenset()):
-                return f"cp moves output {n} on dim {p.dim}, which tp splits"
+                return "cp moves output ", "out", k, f" on dim {p.dim}, which tp splits"
             if not _even(graph.value(n).meta.shape, c.local_output(k), self.c,
                          s.local_output(k), t):
-                return f"output {n} does not split evenly over both axes"
-        return ""
+                return "output ", "out", k, " does not split evenly over both axes"
+        return "", "", 0, ""
 
     def conflicts(self, sh: Sharding) -> list[str]:
         """Why tp sharding ``sh`` cannot run under this cp axis, op by op (empty when it can;
         kept per sharding)."""
-        cache = self.__dict__.setdefault("_conflicts", {})
+        cache = self.caches.setdefault("conflicts", {})
         hit = cache.get(id(sh))
         if hit is None or hit[0] is not sh:
             found = [f"op {self.graph.ops[i].name}: {why}"
@@ -263,6 +301,18 @@ def context_axis(graph: OpGraph, c: int, layout: str = "contiguous") -> ContextA
         if isinstance(found, str):
             raise ConfigError(found)
         return found
+    if layout != "contiguous":
+        # the same axis as the contiguous one (its errors too), laid out anew: share its work
+        ax = context_axis(graph, c).in_layout(layout)
+        uneven = ax.uneven_for_layout()
+        why = (f"cp={c} with cp_layout='zigzag' cuts every split dim into {2 * c} chunks "
+               f"per block, and {', '.join(uneven[:3])} does not divide so; use "
+               f"cp_layout='contiguous' or a sequence length divisible by {2 * c}"
+               ) if uneven else ""
+        cache[key] = why or ax
+        if why:
+            raise ConfigError(why)
+        return ax
     sh = context_sharding(graph, c)
     why = ""
     if sh is None:
@@ -272,14 +322,9 @@ def context_axis(graph: OpGraph, c: int, layout: str = "contiguous") -> ContextA
     else:
         ax = ContextAxis(graph=graph, c=c, sharding=sh, layout=layout)
         problems = ax.problems()
-        uneven = ax.uneven_for_layout()
         if problems:
             why = (f"cp={c}: the sequence cannot be split over its own axis: "
                    + "; ".join(problems[:3]) + "; use cp=1")
-        elif uneven:
-            why = (f"cp={c} with cp_layout='zigzag' cuts every split dim into {2 * c} chunks "
-                   f"per block, and {', '.join(uneven[:3])} does not divide so; use "
-                   f"cp_layout='contiguous' or a sequence length divisible by {2 * c}")
     if why:
         cache[key] = why
         raise ConfigError(why)
