@@ -133,6 +133,22 @@ def autocast_copy_bytes(num_params: float, *, precision: str, mixed_precision: s
     return 0.0
 
 
+def unsharded_step_bytes(num_params: float, *, precision: str, zero_stage: int,
+                         offload_params: bool = False) -> tuple[float, float]:
+    """(weights, gradients) bytes FSDP2 holds unsharded through a whole step where it meets
+    its dp peers once a step (``dp_shares``: ``runtime/steps.fsdp_once_a_step``), on a rank
+    running two micro-batches or more, for the ``num_params`` parameters it shards. The
+    gradients are accumulated unsharded in fp32 (its reduce dtype, ``GRAD_BYTES``) from the
+    first backward to the last one's reduce-scatter, on the device even under parameter
+    offload. Under ZeRO-3 and parameter offload the weights gathered in the training precision
+    (``MixedPrecisionPolicy.param_dtype``) in the first forward stay on the device until the
+    last micro-batch; ZeRO-2 keeps them from each forward to its backward anyway, as
+    ``model_state_bytes`` counts, so they add nothing there."""
+    gathers = zero_stage == 3 or offload_params
+    weights = num_params * PRECISION_BYTES[precision] if gathers else 0.0
+    return weights, num_params * GRAD_BYTES
+
+
 def _offloaded(states: ModelStateBytes, nvme: bool) -> ModelStateBytes:
     """``states`` with what it offloads moved from host memory to NVMe where ``nvme``."""
     if not nvme:
