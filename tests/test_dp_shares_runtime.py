@@ -155,7 +155,7 @@ def _unsharded_bytes(module):
 def _check_held(results, jobs, i, rank):
     """Job ``i`` on ``rank`` (a share of 2 or more, fp32) holds, from its second micro-batch's
     forward on, the whole weights and gradients the estimate counts for a rank of its share
-    (``estimator.holds_step_whole``): ``cost.memory.unsharded_step_bytes`` of its parameters
+    (``cost.memory.holds_step_whole``): ``cost.memory.unsharded_step_bytes`` of its parameters
     (ZeRO-2: its weights whole as ``model_state_bytes`` counts them, gradients whole)."""
     from autoplan.cost.memory import model_state_bytes, unsharded_step_bytes
     plan = Plan.from_json(jobs[i]["plan"])

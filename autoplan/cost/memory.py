@@ -149,6 +149,35 @@ def unsharded_step_bytes(num_params: float, *, precision: str, zero_stage: int,
     return weights, num_params * GRAD_BYTES
 
 
+def holds_step_whole(state_config: Any, m: int) -> bool:
+    """Whether FSDP2 holds a stage's state unsharded for the whole step on its busiest rank
+    (``unsharded_step_bytes``): under ``dp_shares`` it meets its peers once a step
+    (``runtime/steps.fsdp_once_a_step``; with pipelines torch's schedule does so), so a rank
+    of ``m`` >= 2 micro-batches keeps it from its first micro-batch to its last backward; with
+    one it runs as an even config does. ``state_config``: ``ParallelConfig.grad_view()``."""
+    return state_config.dp_shares is not None and state_config.uses_fsdp and m >= 2
+
+
+def step_whole_states(states: ModelStateBytes, params: float, config: Any,
+                      shard_degree: int) -> ModelStateBytes:
+    """``states`` with the ``params`` FSDP shards (over ``shard_degree`` ranks) held unsharded
+    for the step (``unsharded_step_bytes``): whole gradients in place of their shard, the
+    gathered weights beside their shard (ZeRO-3, parameter offload)."""
+    shard = model_state_bytes(params, dp=shard_degree, zero_stage=config.zero_stage,
+                              precision=config.precision, optimizer=config.optimizer,
+                              offload_params=config.offload_params,
+                              mixed_precision=config.mixed_precision,
+                              optimizer_state=config.optimizer_state)
+    w, g = unsharded_step_bytes(params, precision=config.precision,
+                                zero_stage=config.zero_stage,
+                                offload_params=config.offload_params)
+    return ModelStateBytes(params_bytes=states.params_bytes + w,
+                           grads_bytes=states.grads_bytes - shard.grads_bytes + g,
+                           optimizer_bytes=states.optimizer_bytes,
+                           offloaded_bytes=states.offloaded_bytes,
+                           nvme_bytes=states.nvme_bytes)
+
+
 def _offloaded(states: ModelStateBytes, nvme: bool) -> ModelStateBytes:
     """``states`` with what it offloads moved from host memory to NVMe where ``nvme``."""
     if not nvme:

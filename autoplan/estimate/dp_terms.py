@@ -133,22 +133,30 @@ def stage_terms(config: ParallelConfig, cluster: Any, stage: StageParams, m: int
     owned = ((params - experts - whole) / (config.shard_degree if config.zero_stage >= 1 else 1)
              + experts / (config.dp // config.ep if config.zero_stage >= 1 else 1) + whole)
     if config.offload_params or config.offload_optimizer:
-        host = cluster.host
-        out.append(Term(host_step_s(owned, config, host), shares=(("optimizer", 1.0),)))
-        if config.offload_params:
-            # weight shards go up for the forward and again for the backward gather of every
-            # micro-batch (under dp_shares: of the first and the last), gradient shards come
-            # down; the optimizer steps on the host
-            moved = fsdp_times * owned * (2 * w_bytes + w_bytes)
-        else:
-            moved = owned * (w_bytes + w_bytes)          # grads down, weights up
-        out.append(Term(moved / host.device_to_host_bandwidth_bytes_per_s,
-                        shares=(("offload", 1.0),)))
-        if config.offload_nvme:
-            out += nvme_terms(config, cluster, owned, fsdp_times, layers)
+        out += host_terms(config, cluster, owned, fsdp_times, layers)
     else:
         out.append(Term(optimizer_step_s(owned, stage.tensors, config, compute, profile),
                         shares=(("optimizer", 1.0),)))
+    return out
+
+
+def host_terms(config: ParallelConfig, cluster: Any, owned: float, times: int, layers: int
+               ) -> list[Term]:
+    """Offload's terms for the ``owned`` parameters this rank steps: the host's optimizer
+    step, the copies over the host link and (``offload_nvme``) the NVMe traffic. Parameter
+    offload copies the weight shards up for the forward and again for the backward gather,
+    and the gradient shards down, ``times`` a step (every micro-batch; under dp_shares once,
+    for the first forward and the last backward)."""
+    host, w_bytes = cluster.host, PRECISION_BYTES[config.precision]
+    out = [Term(host_step_s(owned, config, host), shares=(("optimizer", 1.0),))]
+    if config.offload_params:
+        moved = times * owned * (2 * w_bytes + w_bytes)
+    else:
+        moved = owned * (w_bytes + w_bytes)          # grads down, weights up
+    out.append(Term(moved / host.device_to_host_bandwidth_bytes_per_s,
+                    shares=(("offload", 1.0),)))
+    if config.offload_nvme:
+        out += nvme_terms(config, cluster, owned, times, layers)
     return out
 
 

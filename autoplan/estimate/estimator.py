@@ -27,8 +27,8 @@ from autoplan.graph.analysis import analyze
 from autoplan.cost.compute import compute_model
 from autoplan.cost.float8 import Float8Setting, fp8_flops_per_s
 from autoplan.cost.memory import (PRECISION_BYTES, activation_bytes, nvme_host_buffer_bytes,
-                                  model_state_bytes, sharding_for,
-                                  unsharded_step_bytes)
+                                  holds_step_whole, model_state_bytes, sharding_for,
+                                  step_whole_states)
 from autoplan.cost.powersgd import powersgd_buffer_bytes
 from autoplan.errors import ConfigError
 from autoplan.estimate.arguments import (batch_arg, capacity_arg, cluster_arg,
@@ -383,9 +383,9 @@ def stage_estimate(ci: CostInputs, costs: Sequence[RangeCost], chunks: Sequence[
     whole = _whole(config, cs)
     states = _stage_states(config, cs, params, whole, state_config.shard_degree)
     step_whole = holds_step_whole(state_config, m)
-    if step_whole:
-        states = _step_whole_states(config, cs, params - whole, state_config.shard_degree,
-                                    states)
+    if step_whole:       # (experts never run under dp_shares; ``whole`` is not FSDP's)
+        states = step_whole_states(states, params - whole, config,
+                                   state_config.shard_degree)
     act_mb = sum(c.activation_bytes for c in cs)
     if timing.sim is not None and act_mb > 0:   # the simulated peak of the schedule
         flight = timing.sim.peak_activation_bytes[s] / act_mb
@@ -447,30 +447,6 @@ def _stage_states(config: ParallelConfig, cs: Sequence[RangeCost], params: float
                          offloaded_bytes=states.offloaded_bytes + e.offloaded_bytes,
                          nvme_bytes=states.nvme_bytes + e.nvme_bytes)
     return states
-
-
-def holds_step_whole(state_config: ParallelConfig, m: int) -> bool:
-    """Whether FSDP2 holds the gradients (ZeRO-3, parameter offload: and the weights)
-    unsharded for the whole step on the stage's busiest rank: under ``dp_shares`` it meets its
-    peers once a step (``runtime/steps.fsdp_once_a_step``; with pipelines torch's schedule
-    does so), so a rank with ``m`` >= 2 micro-batches keeps them from its first micro-batch
-    to its last backward. With one micro-batch it runs as an even config does."""
-    return state_config.dp_shares is not None and state_config.uses_fsdp and m >= 2
-
-
-def _step_whole_states(config: ParallelConfig, cs: Sequence[RangeCost], params: float,
-                       shard_degree: int, states: Any) -> Any:
-    """``states`` with what FSDP shards of the stage's ``params`` (the experts are never
-    under ``dp_shares``; the weights kept whole already are not in ``params``) held unsharded
-    for the step (``cost.memory.unsharded_step_bytes``): whole gradients in place of their
-    shard, the gathered weights beside their shard (ZeRO-3, parameter offload)."""
-    sharded = params - sum(c.expert_params for c in cs)
-    shard = _states(config, sharded, shard_degree)
-    w, g = unsharded_step_bytes(sharded, precision=config.precision,
-                                zero_stage=config.zero_stage,
-                                offload_params=config.offload_params)
-    return replace(states, params_bytes=states.params_bytes + w,
-                   grads_bytes=states.grads_bytes - shard.grads_bytes + g)
 
 
 def _model_flops(ci: CostInputs) -> float:

@@ -149,8 +149,8 @@ def estimate_hetero(model: Any, cluster: Any, *, config: ParallelConfig, global_
     runs = {}                 # (pool, share) -> Estimate of a replica there with that share
     for pool, share in sorted(set(zip(pool_of_unit, shares))):
         batch = config.micro_batch_size * share * config.dp
-        # under shares, priced as shares (FSDP meets its peers once a step: the estimator's
-        # ``holds_step_whole``), each replica as if every one ran its count
+        # under shares, priced as shares (FSDP meets its peers once a step:
+        # ``cost.memory.holds_step_whole``), each replica as if every one ran its count
         run = config if dp_shares is None else replace(config, dp_shares=(share,) * config.dp)
         validate(graph, views[pool], run, batch)
         est, _ = _stages_on_pools(config=run, global_batch_size=batch,
