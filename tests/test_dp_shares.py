@@ -113,3 +113,80 @@ def test_force_parses_a_list_of_shares():
     from autoplan.cli.plan_cmd import parse_force
     assert parse_force(["dp_shares=1,3"]) == {"dp_shares": (1, 3)} or \
         parse_force(["dp_shares=1,3"]) == {"dp_shares": [1, 3]}
+
+
+# --- what a rank holds under shares (the estimate) ---------------------------------------
+
+@pytest.fixture(scope="module")
+def gpt():
+    """Six layers of GPT-3 1.3B's shape on the meta device: model states dominate."""
+    ex = build_example("gpt3-1.3b", device="meta", batch_size=1, num_layers=6)
+    return trace(ex.model, ex.example_inputs, loss_fn=ex.loss_fn, targets=ex.targets,
+                 name="gpt3-1.3b-6")
+
+
+def _pair(graph, shares, **kw):
+    """(even, shares) estimates of one config on 4 H100s at the batch the shares make."""
+    from autoplan import estimate
+    cluster = Cluster.preset("dgx-h100/2", 2)
+    even = ParallelConfig(dp=4, tp=1, micro_batch_size=1, **kw)
+    gbs = sum(shares)
+    return (estimate(graph, cluster, config=even, global_batch_size=gbs, profile=None),
+            estimate(graph, cluster, config=replace(even, dp_shares=shares),
+                     global_batch_size=gbs, profile=None))
+
+
+@pytest.mark.parametrize("kw, weights_bytes, grads_bytes", [
+    (dict(zero_stage=0), 0, 0),
+    (dict(zero_stage=1, precision="fp32"), 0, 0),
+    # whole fp32 gradients in place of a quarter of them; ZeRO-2's weights are whole anyway
+    (dict(zero_stage=2), 0, 4 * 3 / 4),
+    (dict(zero_stage=3), 2, 4 * 3 / 4),            # + the bf16 weights gathered
+    (dict(zero_stage=3, precision="fp32"), 4, 4 * 3 / 4),
+    (dict(zero_stage=3, dp_shard=2), 2, 4 * 1 / 2),    # HSDP: half the gradients each
+    (dict(zero_stage=3, offload_params=True), 2, 4),   # on the device, out of the host's
+])
+def test_shares_hold_fsdp_gradients_and_weights_whole_for_the_step(gpt, kw, weights_bytes,
+                                                                   grads_bytes):
+    """A rank of 3 micro-batches under FSDP holds, per parameter, the gathered weights
+    (ZeRO-3) and fp32 gradients unsharded for the step (runtime/steps.fsdp_once_a_step):
+    the peak over the even config's grows by exactly that (less ZeRO-3's two-layer gather
+    buffer it no longer needs); DDP and ZeRO-1 hold what they did."""
+    even, shares = _pair(gpt, (3, 3, 3, 3), **kw)
+    params = even.stages[0].params_per_device
+    a, b = even.stages[0].memory, shares.stages[0].memory
+    assert b.params_bytes - a.params_bytes == pytest.approx(params * weights_bytes)
+    assert b.grads_bytes - a.grads_bytes == pytest.approx(params * grads_bytes)
+    assert b.activations_bytes == a.activations_bytes
+    assert b.optimizer_bytes == a.optimizer_bytes and b.offloaded_bytes == a.offloaded_bytes
+    gathered = a.transient_bytes - b.transient_bytes
+    assert gathered == pytest.approx(0 if kw.get("zero_stage") != 3 else
+                                     2 * params / 6 * weights_bytes * 2)
+    assert shares.peak_memory_bytes - even.peak_memory_bytes == pytest.approx(
+        params * (weights_bytes + grads_bytes) - gathered)
+
+
+def test_shares_of_one_micro_batch_hold_what_the_even_config_does(gpt):
+    for z in (2, 3):
+        even, shares = _pair(gpt, (1, 1, 1, 1), zero_stage=z)
+        assert shares.peak_memory_bytes == even.peak_memory_bytes
+        assert shares.step_time_s == pytest.approx(even.step_time_s, rel=1e-12)
+
+
+def test_zero3_under_shares_gathers_once_a_step(gpt):
+    """ZeRO-3's gathers and reduce-scatter run once a step under shares, not per micro-batch:
+    the exposed gather time is the one-micro-batch config's, the step shorter than the even
+    config's; ZeRO-2's reduce-scatter and gather were priced once a step already."""
+    one, _ = _pair(gpt, (1, 1, 1, 1), zero_stage=3)
+    even, shares = _pair(gpt, (3, 3, 3, 3), zero_stage=3)
+    gather = "zero_param_gather"
+    assert shares.time.comm_exposed_s[gather] == pytest.approx(one.time.comm_exposed_s[gather])
+    assert shares.time.comm_exposed_s[gather] < even.time.comm_exposed_s[gather]
+    assert shares.step_time_s < even.step_time_s
+    even2, shares2 = _pair(gpt, (3, 3, 3, 3), zero_stage=2)
+    assert shares2.step_time_s == pytest.approx(even2.step_time_s, rel=1e-12)
+
+
+def test_context_parallel_ranks_share_their_replicas_count():
+    c = ParallelConfig(dp=2, cp=2, zero_stage=3, dp_shares=(3, 1))
+    assert c.grad_view().dp_shares == (3, 3, 1, 1) and c.grad_view().dp == 4

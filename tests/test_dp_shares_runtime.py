@@ -127,15 +127,51 @@ def _rank(rank, world, jobs, ckpt):
                           resume=ckpt if job.get("resume") else None)
         start = trainer.steps_done
         batch = tuple(ex.example_inputs) + (_targets(ex, job.get("padded")),)
-        losses = []
+        losses, held = [], []
+        if job.get("probe"):
+            hook = trainer.runner.model.register_forward_pre_hook(
+                lambda module, args: held.append(_unsharded_bytes(module)))
         while trainer.steps_done < job.get("steps", STEPS):
             losses.append(trainer.step(batch))
+            if job.get("probe") and trainer.steps_done == 1:
+                hook.remove()
             if trainer.steps_done == job.get("save_at"):
                 trainer.save(ckpt)
         trainer.wait_for_checkpoint()
         sd = trainer.full_state_dict()
-        out.append((start, losses, {k: v.tolist() for k, v in sd.items()}))
+        out.append((start, losses, {k: v.tolist() for k, v in sd.items()}, held))
     return out
+
+
+def _unsharded_bytes(module):
+    """(bytes of the weights FSDP2 holds unsharded, bytes of their gradients) as a micro-batch's
+    forward starts: its unsharded parameters are plain tensors, its shards DTensors."""
+    from torch.distributed.tensor import DTensor
+    whole = [p for p in module.parameters() if not isinstance(p, DTensor)]
+    return (sum(p.numel() * p.element_size() for p in whole),
+            sum(p.grad.numel() * p.grad.element_size() for p in whole if p.grad is not None))
+
+
+def _check_held(results, jobs, i, rank):
+    """Job ``i`` on ``rank`` (a share of 2 or more, fp32) holds, from its second micro-batch's
+    forward on, the whole weights and gradients the estimate counts for a rank of its share
+    (``cost.memory.holds_step_whole``): ``cost.memory.unsharded_step_bytes`` of its parameters
+    (ZeRO-2: its weights whole as ``model_state_bytes`` counts them, gradients whole)."""
+    from autoplan.cost.memory import model_state_bytes, unsharded_step_bytes
+    plan = Plan.from_json(jobs[i]["plan"])
+    cfg = plan.config
+    small = _example(jobs[i]["name"], 1)
+    params = sum(p.numel() for p in small.model.parameters())
+    weights, grads = unsharded_step_bytes(params, precision=cfg.precision,
+                                          zero_stage=cfg.zero_stage)
+    if cfg.zero_stage == 2:
+        weights = model_state_bytes(params, dp=cfg.dp, zero_stage=2,
+                                    precision=cfg.precision).params_bytes
+    held = results[rank][i][3]
+    assert len(held) == cfg.dp_shares[rank] >= 2, jobs[i]["label"]
+    assert held[0][1] == 0, jobs[i]["label"]        # no gradient before the first backward
+    for step_held in held[1:]:
+        assert step_held == (weights, grads), (jobs[i]["label"], held, weights, grads)
 
 
 def _whole(results, i):
@@ -156,7 +192,7 @@ def _check(results, jobs, refs):
         ref_losses, ref_sd = _whole(results, ref) if isinstance(ref, int) else refs[ref]
         whole = {}
         for per_rank in results:
-            start, losses, sd = per_rank[i]
+            start, losses, sd, _ = per_rank[i]
             assert start == job.get("start", 0), job["label"]
             want = ref_losses[start:]
             assert losses == pytest.approx(want, rel=1e-6), (job["label"], losses, want)
@@ -178,9 +214,9 @@ def test_uneven_shares_train_as_one_device_on_two_ranks(tmp_path):
              plan=_plan("gpt-tiny", 2, (1, 3), tp=1, zero_stage=0), ref="gpt4padded"),
         dict(label="FSDP2 ZeRO-3 2:1, clipped", name="gpt-tiny", precision="fp32",
              plan=_plan("gpt-tiny", 2, (2, 1), tp=1, zero_stage=3), ref="gpt3clip",
-             clip=CLIP),
+             clip=CLIP, probe=True),
         dict(label="FSDP2 ZeRO-2 1:3", name="gpt-tiny", precision="fp32",
-             plan=_plan("gpt-tiny", 2, (1, 3), tp=1, zero_stage=2), ref="gpt4"),
+             plan=_plan("gpt-tiny", 2, (1, 3), tp=1, zero_stage=2), ref="gpt4", probe=True),
         dict(label="ZeRO-1 1:3 bf16", name="gpt-tiny", precision="bf16",
              plan=_plan("gpt-tiny", 2, (1, 3), "bf16", tp=1, zero_stage=1), ref="gpt4bf16"),
         # HF Llama under ZeRO-3 in bf16, whose gathers round the weights to bf16 where eager
@@ -207,6 +243,8 @@ def test_uneven_shares_train_as_one_device_on_two_ranks(tmp_path):
             "gpt4bf16": _reference("gpt-tiny", 4, "bf16", None)}
     results = run_ranks(_rank, 2, jobs, str(tmp_path / "ckpt"), timeout_s=300.0)
     _check(results, jobs, refs)
+    _check_held(results, jobs, 1, 0)        # ZeRO-3, rank 0's share of 2
+    _check_held(results, jobs, 2, 1)        # ZeRO-2, rank 1's share of 3
 
 
 def test_uneven_shares_with_tensor_pipeline_and_context_parallelism(tmp_path):

@@ -255,3 +255,20 @@ def test_mixed_nics_are_pools_and_crossing_groups_take_the_slower():
     hdr, ndr = c.group_bandwidth_bytes_per_s([0, 8]), c.group_bandwidth_bytes_per_s([16, 24])
     assert hdr < ndr and c.group_bandwidth_bytes_per_s([8, 16]) == hdr
     assert c.p2p_time_s(1e9, 8, 16) == c.p2p_time_s(1e9, 0, 8) > c.p2p_time_s(1e9, 16, 24)
+
+
+def test_shares_on_pools_hold_fsdp_state_whole(graph):
+    """On pools, a replica of two micro-batches or more under ZeRO-3 holds its bf16 weights and
+    fp32 gradients unsharded for the step (``runtime/steps.fsdp_once_a_step``), as on one
+    device type: the peak over the even split's grows by that, less the two-layer gather
+    buffer it no longer needs."""
+    cluster = Cluster.from_spec(MIXED)
+    config = ParallelConfig(dp=4, tp=1, pp=1, micro_batch_size=1, zero_stage=3)
+    even = estimate_hetero(graph, cluster, config=config, global_batch_size=12, profile=None)
+    uneven = estimate_hetero(graph, cluster, config=config, global_batch_size=12,
+                             dp_shares=(2, 2, 4, 4), profile=None)
+    params = even.estimate.stages[0].params_per_device
+    held = params * (2 + 4 * 3 / 4) - 2 * params / 6 * 2 * 2
+    assert uneven.estimate.peak_memory_bytes - even.estimate.peak_memory_bytes == \
+        pytest.approx(held)
+    assert uneven.estimate.config.dp_shares == (2, 2, 4, 4)

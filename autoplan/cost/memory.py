@@ -133,6 +133,51 @@ def autocast_copy_bytes(num_params: float, *, precision: str, mixed_precision: s
     return 0.0
 
 
+def unsharded_step_bytes(num_params: float, *, precision: str, zero_stage: int,
+                         offload_params: bool = False) -> tuple[float, float]:
+    """(weights, gradients) bytes FSDP2 holds unsharded through a whole step where it meets
+    its dp peers once a step (``dp_shares``: ``runtime/steps.fsdp_once_a_step``), on a rank
+    running two micro-batches or more, for the ``num_params`` parameters it shards. The
+    gradients are accumulated unsharded in fp32 (its reduce dtype, ``GRAD_BYTES``) from the
+    first backward to the last one's reduce-scatter, on the device even under parameter
+    offload. Under ZeRO-3 and parameter offload the weights gathered in the training precision
+    (``MixedPrecisionPolicy.param_dtype``) in the first forward stay on the device until the
+    last micro-batch; ZeRO-2 keeps them from each forward to its backward anyway, as
+    ``model_state_bytes`` counts, so they add nothing there."""
+    gathers = zero_stage == 3 or offload_params
+    weights = num_params * PRECISION_BYTES[precision] if gathers else 0.0
+    return weights, num_params * GRAD_BYTES
+
+
+def holds_step_whole(state_config: Any, m: int) -> bool:
+    """Whether FSDP2 holds a stage's state unsharded for the whole step on its busiest rank
+    (``unsharded_step_bytes``): under ``dp_shares`` it meets its peers once a step
+    (``runtime/steps.fsdp_once_a_step``; with pipelines torch's schedule does so), so a rank
+    of ``m`` >= 2 micro-batches keeps it from its first micro-batch to its last backward; with
+    one it runs as an even config does. ``state_config``: ``ParallelConfig.grad_view()``."""
+    return state_config.dp_shares is not None and state_config.uses_fsdp and m >= 2
+
+
+def step_whole_states(states: ModelStateBytes, params: float, config: Any,
+                      shard_degree: int) -> ModelStateBytes:
+    """``states`` with the ``params`` FSDP shards (over ``shard_degree`` ranks) held unsharded
+    for the step (``unsharded_step_bytes``): whole gradients in place of their shard, the
+    gathered weights beside their shard (ZeRO-3, parameter offload)."""
+    shard = model_state_bytes(params, dp=shard_degree, zero_stage=config.zero_stage,
+                              precision=config.precision, optimizer=config.optimizer,
+                              offload_params=config.offload_params,
+                              mixed_precision=config.mixed_precision,
+                              optimizer_state=config.optimizer_state)
+    w, g = unsharded_step_bytes(params, precision=config.precision,
+                                zero_stage=config.zero_stage,
+                                offload_params=config.offload_params)
+    return ModelStateBytes(params_bytes=states.params_bytes + w,
+                           grads_bytes=states.grads_bytes - shard.grads_bytes + g,
+                           optimizer_bytes=states.optimizer_bytes,
+                           offloaded_bytes=states.offloaded_bytes,
+                           nvme_bytes=states.nvme_bytes)
+
+
 def _offloaded(states: ModelStateBytes, nvme: bool) -> ModelStateBytes:
     """``states`` with what it offloads moved from host memory to NVMe where ``nvme``."""
     if not nvme:

@@ -74,6 +74,11 @@ def stage_terms(config: ParallelConfig, cluster: Any, stage: StageParams, m: int
     are left out here."""
     out: list[Term] = []
     params, experts, layers, whole = stage.params, stage.experts, stage.layers, stage.whole
+    # FSDP's gathers, reduce-scatters and host copies run in every micro-batch, but under
+    # dp_shares once a step: the weights gathered in the first forward, the gradients
+    # reduce-scattered (ZeRO-3: the weights gathered again) in the last backward
+    # (runtime/steps.fsdp_once_a_step), whatever the rank's share
+    fsdp_times = 1 if config.dp_shares is not None else m
     grad_sync, ag, rs = dp_collectives(config, cluster, params - whole, layers, pp_index,
                                        experts)
     if config.grad_compression == "powersgd" and grad_sync > 0:
@@ -111,9 +116,9 @@ def stage_terms(config: ParallelConfig, cluster: Any, stage: StageParams, m: int
             out.append(Term(grad_sync, "bwd", grad_sync / layers,
                             shares=(("dp_grad_sync", 1.0),)))
         if ag + rs > 0:              # FSDP, each phase's traffic behind its compute
-            out.append(Term(layers * ag, "fwd", ag, m, (("zero_param_gather", 1.0),)))
+            out.append(Term(layers * ag, "fwd", ag, fsdp_times, (("zero_param_gather", 1.0),)))
             share = ag / (ag + rs)
-            out.append(Term(layers * (ag + rs), "bwd", ag + rs, m,
+            out.append(Term(layers * (ag + rs), "bwd", ag + rs, fsdp_times,
                             (("zero_param_gather", share), ("dp_grad_sync", 1.0 - share))))
     if whole:
         # weights ZeRO-3 keeps whole: their gradients all-reduced over dp once a step in
@@ -128,21 +133,30 @@ def stage_terms(config: ParallelConfig, cluster: Any, stage: StageParams, m: int
     owned = ((params - experts - whole) / (config.shard_degree if config.zero_stage >= 1 else 1)
              + experts / (config.dp // config.ep if config.zero_stage >= 1 else 1) + whole)
     if config.offload_params or config.offload_optimizer:
-        host = cluster.host
-        out.append(Term(host_step_s(owned, config, host), shares=(("optimizer", 1.0),)))
-        if config.offload_params:
-            # weight shards go up for the forward and again for the backward gather of every
-            # micro-batch, gradient shards come down; the optimizer steps on the host
-            moved = m * owned * (2 * w_bytes + w_bytes)
-        else:
-            moved = owned * (w_bytes + w_bytes)          # grads down, weights up
-        out.append(Term(moved / host.device_to_host_bandwidth_bytes_per_s,
-                        shares=(("offload", 1.0),)))
-        if config.offload_nvme:
-            out += nvme_terms(config, cluster, owned, m, layers)
+        out += host_terms(config, cluster, owned, fsdp_times, layers)
     else:
         out.append(Term(optimizer_step_s(owned, stage.tensors, config, compute, profile),
                         shares=(("optimizer", 1.0),)))
+    return out
+
+
+def host_terms(config: ParallelConfig, cluster: Any, owned: float, times: int, layers: int
+               ) -> list[Term]:
+    """Offload's terms for the ``owned`` parameters this rank steps: the host's optimizer
+    step, the copies over the host link and (``offload_nvme``) the NVMe traffic. Parameter
+    offload copies the weight shards up for the forward and again for the backward gather,
+    and the gradient shards down, ``times`` a step (every micro-batch; under dp_shares once,
+    for the first forward and the last backward)."""
+    host, w_bytes = cluster.host, PRECISION_BYTES[config.precision]
+    out = [Term(host_step_s(owned, config, host), shares=(("optimizer", 1.0),))]
+    if config.offload_params:
+        moved = times * owned * (2 * w_bytes + w_bytes)
+    else:
+        moved = owned * (w_bytes + w_bytes)          # grads down, weights up
+    out.append(Term(moved / host.device_to_host_bandwidth_bytes_per_s,
+                    shares=(("offload", 1.0),)))
+    if config.offload_nvme:
+        out += nvme_terms(config, cluster, owned, times, layers)
     return out
 
 
@@ -218,7 +232,8 @@ def dp_collectives(config: ParallelConfig, cluster: Any, params: float, layers: 
     layers: (per-step gradient reduction, per-layer gather, per-layer reduce-scatter). FSDP
     (ZeRO-3) gathers each layer before its forward and again before its backward, then
     reduce-scatters its gradients, every micro-batch (the runtime does not skip gradient sync
-    between micro-batches); ZeRO-0 all-reduces the gradients once a step, ZeRO-1/2
+    between micro-batches, but under ``dp_shares``: ``stage_terms`` counts them once); ZeRO-0
+    all-reduces the gradients once a step, ZeRO-1/2
     reduce-scatter them. Under HSDP the gathers and reduce-scatters span a shard group and each
     reduced shard is then all-reduced over the replicas holding it (FSDP2 on a 2-D mesh).
     Under expert parallelism the ``expert_params`` of ``params`` go over the ranks holding the

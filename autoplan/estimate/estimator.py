@@ -27,7 +27,8 @@ from autoplan.graph.analysis import analyze
 from autoplan.cost.compute import compute_model
 from autoplan.cost.float8 import Float8Setting, fp8_flops_per_s
 from autoplan.cost.memory import (PRECISION_BYTES, activation_bytes, nvme_host_buffer_bytes,
-                                  model_state_bytes, sharding_for)
+                                  holds_step_whole, model_state_bytes, sharding_for,
+                                  step_whole_states)
 from autoplan.cost.powersgd import powersgd_buffer_bytes
 from autoplan.errors import ConfigError
 from autoplan.estimate.arguments import (batch_arg, capacity_arg, cluster_arg,
@@ -381,6 +382,10 @@ def stage_estimate(ci: CostInputs, costs: Sequence[RangeCost], chunks: Sequence[
     params = sum(c.params for c in cs)
     whole = _whole(config, cs)
     states = _stage_states(config, cs, params, whole, state_config.shard_degree)
+    step_whole = holds_step_whole(state_config, m)
+    if step_whole:       # (experts never run under dp_shares; ``whole`` is not FSDP's)
+        states = step_whole_states(states, params - whole, config,
+                                   state_config.shard_degree)
     act_mb = sum(c.activation_bytes for c in cs)
     if timing.sim is not None and act_mb > 0:   # the simulated peak of the schedule
         flight = timing.sim.peak_activation_bytes[s] / act_mb
@@ -388,8 +393,10 @@ def stage_estimate(ci: CostInputs, costs: Sequence[RangeCost], chunks: Sequence[
         flight = in_flight(config, m, s)
     transient = max(c.working_set_bytes for c in cs)
     layers = max(1, sum(c.num_layers for c in cs))
-    if config.zero_stage == 3 and config.grad_degree > 1:
+    if config.zero_stage == 3 and config.grad_degree > 1 and not step_whole:
         # two layers' weights gathered at once (prefetch) plus their unsharded gradients
+        # (held whole for the step, the weights and gradients are counted whole instead: the
+        # last backward's gathers run with the weights of the last forward freed)
         transient += 2 * ((params - whole) / layers) * PRECISION_BYTES[config.precision] * 2
     # offloaded activations: each micro-batch in flight holds its layers' copies in host memory
     offloaded = sum(c.offload.moved_bytes for c in cs)

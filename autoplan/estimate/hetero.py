@@ -18,7 +18,9 @@ config places its work on the pools in one of two ways, and any other way is ref
 What is not priced per stage's pool with stages on pools (the optimizer step, the framework's
 overhead per op): the first stage's device prices them for every stage (replicas on pools: each
 replica's own device).
-Memory: each stage (or replica) is held against its own device's memory; the Estimate's
+Memory: each stage (or replica) is held against its own device's memory (under ``dp_shares``
+with FSDP, a replica of two micro-batches or more holds its gradients, under ZeRO-3 its
+weights too, unsharded for the step, as the runtime does); the Estimate's
 ``device_memory_bytes`` is the smallest of the devices used, its peak the largest stage's.
 A homogeneous cluster never comes here: ``estimate()`` prices it as before.
 """
@@ -147,8 +149,11 @@ def estimate_hetero(model: Any, cluster: Any, *, config: ParallelConfig, global_
     runs = {}                 # (pool, share) -> Estimate of a replica there with that share
     for pool, share in sorted(set(zip(pool_of_unit, shares))):
         batch = config.micro_batch_size * share * config.dp
-        validate(graph, views[pool], config, batch)
-        est, _ = _stages_on_pools(config=config, global_batch_size=batch,
+        # under shares, priced as shares (FSDP meets its peers once a step:
+        # ``cost.memory.holds_step_whole``), each replica as if every one ran its count
+        run = config if dp_shares is None else replace(config, dp_shares=(share,) * config.dp)
+        validate(graph, views[pool], run, batch)
+        est, _ = _stages_on_pools(config=run, global_batch_size=batch,
                                   pool_of_stage=(pool,), chunk_pool=pool,
                                   main=replace(inputs[pool], cluster=cluster), **kw)
         runs[pool, share] = est

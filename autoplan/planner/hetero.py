@@ -19,6 +19,9 @@ The search, in order:
    - replicas on pools: micro-batches per replica (``dp_shares``, summing to global batch /
      micro-batch size): the same greedy at each device's seconds per micro-batch, then single
      micro-batch moves from the slowest replica to another while the estimate improves.
+   A split that fits the devices' memory beats one that does not (under FSDP a replica of
+   several micro-batches holds its gradients, under ZeRO-3 its weights, unsharded for the
+   step: ``estimate/hetero.py``), and the even split beats a balanced one that does not fit.
 4. The fastest balanced candidate wins; the even split of the baseline's config is always among
    them, so the result is never slower than running the baseline's config on the pools as is.
 
@@ -180,7 +183,7 @@ def balance(graph: Any, cluster: Any, config: ParallelConfig, global_batch_size:
         best = _balance_stages(graph, config, even, price)
     else:
         best = _balance_replicas(config, global_batch_size, even, price)
-    if best.step_time_s > even.step_time_s:
+    if _better(even, best):
         best = even
     return HeteroCandidate(config=best.estimate.config, even_step_s=even.step_time_s,
                            balanced=best)
@@ -247,6 +250,15 @@ def _balance_replicas(config: ParallelConfig, global_batch_size: int, even: Hete
     return _climb(start, lambda shares: price(config, shares), minimum=1, moves=moves)
 
 
+def _better(a: HeteroEstimate, b: HeteroEstimate) -> bool:
+    """Whether split ``a`` beats ``b``: it fits where ``b`` does not, or fits alike and is
+    faster (a replica of more micro-batches may hold FSDP's state unsharded for the step, so
+    moving work to it can trade memory for time)."""
+    if a.estimate.fits != b.estimate.fits:
+        return a.estimate.fits
+    return a.step_time_s < b.step_time_s * (1 - 1e-12)
+
+
 def _all_pairs(split: Sequence[int]) -> list[tuple[int, int]]:
     return [(a, b) for a in range(len(split)) for b in range(len(split)) if a != b]
 
@@ -266,7 +278,7 @@ def _climb(start: tuple[int, ...], price: Callable[[tuple[int, ...]], HeteroEsti
                 split[a] -= 1
                 split[b] += 1
                 est = price(tuple(split))
-                if est.step_time_s < (improved or best).step_time_s * (1 - 1e-12):
+                if _better(est, improved or best):
                     improved, improved_split = est, tuple(split)
         if improved is None:
             break
