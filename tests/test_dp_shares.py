@@ -113,3 +113,11 @@ def test_force_parses_a_list_of_shares():
     from autoplan.cli.plan_cmd import parse_force
     assert parse_force(["dp_shares=1,3"]) == {"dp_shares": (1, 3)} or \
         parse_force(["dp_shares=1,3"]) == {"dp_shares": [1, 3]}
+
+
+def test_grad_view_gives_each_cp_rank_its_replica_share():
+    """The model state's view folds cp into dp (index d * cp + c): each of a replica's cp
+    ranks runs that replica's share (the estimate of a cp plan with uneven shares)."""
+    from autoplan.sharding.parallel_config import ParallelConfig
+    view = ParallelConfig(dp=2, cp=2, dp_shares=(2, 1)).grad_view()
+    assert (view.dp, view.cp, view.dp_shares) == (4, 1, (2, 2, 1, 1))

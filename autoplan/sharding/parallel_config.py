@@ -333,11 +333,14 @@ class ParallelConfig:
     def grad_view(self) -> ParallelConfig:
         """This config as its model state sees it: the dp x cp ranks that average gradients and
         share ZeRO's shards as one data-parallel axis of dp x cp (their rank layout is the
-        same: dp index ``d * cp + c``), cp 1. Itself when cp is 1."""
+        same: dp index ``d * cp + c``), cp 1; under ``dp_shares`` each of a replica's cp ranks
+        runs its replica's share. Itself when cp is 1."""
         if self.cp == 1:
             return self
         from dataclasses import replace
-        return replace(self, dp=self.dp * self.cp, cp=1,
+        shares = (None if self.dp_shares is None
+                  else tuple(s for s in self.dp_shares for _ in range(self.cp)))
+        return replace(self, dp=self.dp * self.cp, cp=1, dp_shares=shares,
                        dp_shard=None if self.dp_shard is None else self.dp_shard * self.cp)
 
     @cached_property
