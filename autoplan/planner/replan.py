@@ -20,10 +20,10 @@ global batch. In order, the first that gives a plan that fits:
    not divide it), ties to the larger, first with the last layout (its family kept), then by a
    full search. Stated, never silent.
 
-``batch="nearest"`` keeps the last layout instead (``warm_force``: its tp, cp, pp and ep
-degrees, pipeline schedule, sequence parallelism and cp layout; dp derived) at the nearest
-batch it splits, before the full search (order 1 on that one layout, 3 warm, 2, 3 full): the
-run then trains on another global batch from there on. Keeping the batch (the default) may
+``batch="nearest"``, where the last layout's dp does not divide the batch, keeps that layout
+(``warm_force``: its tp, cp, pp and ep degrees, pipeline schedule, sequence parallelism and cp
+layout; dp derived) at the nearest batch it splits, before anything else (order 3 warm, 1, 2,
+3 full): the run then trains on another global batch from there on. Keeping the batch (the default) may
 need another layout (Llama-3-8B's batch of 16 on 56 GPUs: a pipeline of 7, since every dp of
 56 devices without one is a multiple of 7), which the neighbourhood finds without a full
 search (``benchmarks/replan_time.py``).
@@ -151,14 +151,6 @@ def replan(graph: Any, cluster: Any, *, last: ParallelConfig, global_batch_size:
             return None
 
     gbs = global_batch_size
-    if batch == "keep":
-        found = warm_neighbourhood(graph, cluster, last, gbs, warm, numerics, attempt)
-        if found is not None:
-            return Replan(plan=found, how="warm start", requested_batch=gbs, batch_note="")
-    elif warm is not None and gbs % warm["dp"] == 0:
-        found = attempt(warm, gbs)
-        if found is not None:
-            return Replan(plan=found, how="warm start", requested_batch=gbs, batch_note="")
     step = warm["dp"] if warm is not None else world
     near = nearest_batch(gbs, step)
     if batch == "nearest" and warm is not None and near != gbs:
@@ -167,6 +159,9 @@ def replan(graph: Any, cluster: Any, *, last: ParallelConfig, global_batch_size:
             return Replan(plan=found, how="warm start", requested_batch=gbs, batch_note=(
                 f"the global batch {gbs} is no multiple of the warm start's dp {step} on "
                 f"{world} devices; using {near}, the nearest (--elastic-batch nearest)"))
+    found = warm_neighbourhood(graph, cluster, last, gbs, warm, numerics, attempt)
+    if found is not None:
+        return Replan(plan=found, how="warm start", requested_batch=gbs, batch_note="")
     found = attempt(numerics, gbs)
     if found is not None:
         return Replan(plan=found, how="full search", requested_batch=gbs, batch_note="")
