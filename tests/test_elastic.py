@@ -25,7 +25,8 @@ from autoplan import plan as make_plan
 from autoplan.errors import ConfigError
 from autoplan.graph import trace
 from autoplan.models import build_example
-from autoplan.planner.replan import nearest_batch, replan, warm_force
+from autoplan.planner.replan import (even_shares, nearest_batch, neighbourhood, replan,
+                                     warm_force)
 from autoplan.sharding.parallel_config import ParallelConfig
 from tests.distributed import free_port
 
@@ -37,6 +38,13 @@ def tiny_graph():
     small = build_example("gpt-tiny", batch_size=1, seed=0)
     return trace(small.model, small.example_inputs, loss_fn=small.loss_fn,
                  targets=small.targets, name="gpt-tiny")
+
+
+@pytest.fixture(scope="module")
+def tiny_llama():
+    small = build_example("llama-tiny", batch_size=1, seed=0)
+    return trace(small.model, small.example_inputs, loss_fn=small.loss_fn,
+                 targets=small.targets, name="llama-tiny")
 
 
 def test_warm_force_keeps_the_family_and_derives_dp():
@@ -51,25 +59,63 @@ def test_warm_force_keeps_the_family_and_derives_dp():
     assert nearest_batch(21, 14) == 28             # a tie goes to the larger
 
 
+def test_neighbourhood_of_a_mesh():
+    """tp and cp halved, kept, doubled (tp inside a node); per (tp, cp) the pipeline degrees
+    nearest the last whose dp splits the world and the batch, each stage with a micro-batch."""
+    last = ParallelConfig(dp=16, cp=4, tp=1, zero_stage=3)
+    # Llama-3-8B's 64-GPU plan on 56 GPUs, batch 16: every dp without a pipeline is a multiple
+    # of 7, so pipelines of 7 (cp 2 at tp 1 would need pp 7 at dp 4: 4 micro-batches for
+    # 7 stages)
+    assert neighbourhood(last, 56, 16, 32, 8) == (
+        (7, 1, 4, 2), (7, 1, 8, 1), (7, 2, 2, 2), (7, 2, 4, 1))
+    # 32 GPUs: the last pp (1) works at every cp; the nearest pipeline above it too
+    assert (1, 16, 2, 1) in neighbourhood(last, 32, 16, 32, 8)
+    assert (2, 4, 4, 1) in neighbourhood(last, 32, 16, 32, 8)
+    # tp 2 does not fit nodes of one device; 5 devices split a batch of 12 no way
+    assert neighbourhood(ParallelConfig(dp=2, tp=2), 5, 12, 2, 1) == ()
+    assert even_shares(8, 3) == (3, 3, 2) and even_shares(16, 14) == (2, 2) + (1,) * 12
+
+
+def test_warm_start_picks_the_best_of_its_neighbourhood(tiny_llama):
+    """The warm start's plan is the fastest of the full search forced to each mesh of its
+    neighbourhood in turn (the same machinery, one search over them all)."""
+    eight = make_plan(tiny_llama, Cluster.local(2, nodes=4), global_batch_size=GBS,
+                      precision="fp32", profile=None, force=dict(dp=4, tp=2, zero_stage=1))
+    four = Cluster.local(2, nodes=2)
+    meshes = neighbourhood(eight.config, 4, GBS, 2, 2)
+    assert len(meshes) >= 4 and (1, 2, 1, 2) in meshes
+    warm = replan(tiny_llama, four, last=eight.config, global_batch_size=GBS)
+    assert warm.how == "warm start" and warm.batch_kept
+    each = []
+    for pp, dp, cp, tp in meshes:
+        try:
+            each.append(make_plan(tiny_llama, four, global_batch_size=GBS, precision="fp32",
+                                  profile=None, baselines=False,
+                                  force=dict(pp=pp, dp=dp, cp=cp, tp=tp)))
+        except ConfigError:
+            continue              # no plan on that mesh (a cp the model cannot take)
+    best = min(each, key=lambda p: p.predicted["step_time_s"])
+    assert warm.plan.predicted["step_time_s"] == pytest.approx(best.predicted["step_time_s"],
+                                                               rel=1e-9)
+    c = warm.plan.config
+    assert (c.pp, c.dp, c.cp, c.tp) in meshes and c.dp_shares is None
+
+
 def test_replan_warm_start_full_search_and_nearest_batch(tiny_graph):
     four = make_plan(tiny_graph, Cluster.local(4), global_batch_size=GBS, precision="fp32",
                      profile=None, force=dict(dp=2, tp=2, zero_stage=1))
-    # 2 devices: tp 2 kept, dp 1, the batch kept
+    # 2 devices: a neighbour of dp 2 tp 2, the batch kept, the numerics kept
     warm = replan(tiny_graph, Cluster.local(2), last=four.config, global_batch_size=GBS)
     assert warm.how == "warm start" and warm.batch_kept and not warm.batch_note
-    assert (warm.plan.config.tp, warm.plan.config.dp) == (2, 1)
-    assert warm.plan.config.precision == "fp32"
-    # the warm start skips the baselines (another layout, which force rules out): same plan
-    same = make_plan(tiny_graph, Cluster.local(2), global_batch_size=GBS, precision="fp32",
-                     profile=None, force=warm_force(four.config, 2))
-    assert same.config == warm.plan.config
-    # 3 nodes of one device: tp 2 does not divide them; a full search keeps the batch (dp 3)
-    full = replan(tiny_graph, Cluster.local(1, nodes=3), last=four.config,
-                  global_batch_size=GBS)
-    assert full.how == "full search" and full.batch_kept
-    assert full.plan.config.world_size == 3
+    assert warm.plan.config.world_size == 2 and warm.plan.config.precision == "fp32"
+    # 3 nodes of one device: tp 2 does not fit a node; tp 1 with dp 3 keeps the batch
+    three = replan(tiny_graph, Cluster.local(1, nodes=3), last=four.config,
+                   global_batch_size=GBS)
+    assert three.how == "warm start" and three.batch_kept
+    assert (three.plan.config.dp, three.plan.config.tp) == (3, 1)
     # 5 nodes of one device: only dp 5 (tp stays in a node, pp 5 > 2 layers), which 12 is no
-    # multiple of: the nearest multiple, 10, stated
+    # multiple of, and the last layout (tp 2) does not divide 5 for uneven shares: the full
+    # search, then the nearest multiple, 10, stated
     five = replan(tiny_graph, Cluster.local(1, nodes=5), last=four.config,
                   global_batch_size=GBS)
     assert not five.batch_kept and five.plan.training.global_batch_size == 10
@@ -77,12 +123,14 @@ def test_replan_warm_start_full_search_and_nearest_batch(tiny_graph):
 
 
 def test_replan_nearest_batch_keeps_the_layout_where_asked(tiny_graph):
-    """On 3 devices a dp-4 plan's warm start (dp 3) cannot split a batch of 8: "keep" finds
-    another layout that can (tp 3, by the full search), "nearest" keeps dp and takes 9."""
+    """On 3 devices a dp-4 plan's layout (dp 3) cannot split a batch of 8 evenly: "keep" runs
+    it with uneven shares (3, 3, 2 micro-batches), "nearest" keeps dp and takes 9."""
     four = make_plan(tiny_graph, Cluster.local(4), global_batch_size=8, precision="fp32",
                      profile=None, force=dict(dp=4, tp=1, zero_stage=1))
     keep = replan(tiny_graph, Cluster.local(3), last=four.config, global_batch_size=8)
-    assert keep.how == "full search" and keep.batch_kept and keep.plan.config.dp in (1, 2)
+    assert keep.how == "warm start" and keep.batch_kept
+    assert keep.plan.config.dp == 3 and keep.plan.config.dp_shares == (3, 3, 2)
+    assert keep.plan.config.microbatches(8) == 3
     near = replan(tiny_graph, Cluster.local(3), last=four.config, global_batch_size=8,
                   batch="nearest")
     assert near.how == "warm start" and near.plan.config.dp == 3

@@ -76,10 +76,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "plan, and resume from the latest checkpoint keeping the global batch "
                         "(or the nearest, stated), the LR schedule and the data position")
     p.add_argument("--elastic-batch", choices=("keep", "nearest"), default="keep",
-                   help="with --elastic, where the new world's warm-started plan cannot split "
-                        "the global batch: keep it (another layout, found by a full search; "
-                        "default) or take the nearest batch that layout splits (faster to "
-                        "re-plan, the batch stated)")
+                   help="with --elastic, where the last plan's layout cannot split the global "
+                        "batch on the new world: keep it (default: the fastest neighbouring "
+                        "layout that splits it, or uneven micro-batches per replica, else a "
+                        "full search) or take the nearest batch that layout splits (the layout "
+                        "kept, the batch stated)")
     p.add_argument("--rdzv-conf", default=None,
                    help="with --elastic: torchrun's --rdzv-conf (e.g. last_call_timeout=5,"
                         "keep_alive_interval=2), how long the rendezvous waits for nodes")

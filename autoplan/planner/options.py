@@ -20,6 +20,10 @@ class SearchOptions:
     offload_activations: bool = True     # offer activation offload (search_space.py)
     max_tp: int | None = None
     max_pp: int | None = None    # pipeline degrees up to this (None: up to the layer count)
+    # the meshes searched, as (pp, dp, cp, tp) degrees (None: every mesh force allows): an
+    # elastic re-plan's neighbourhood of the last plan's mesh (``replan.py``), searched in one
+    # call so that its meshes share the tp-axis shardings and the floor of the best found
+    meshes: tuple[tuple[int, int, int, int], ...] | None = None
     force: dict[str, Any] = field(default_factory=dict)
     top_k: int = 5
     # the baselines (pure DP, FSDP, Megatron-style, context parallel) costed beside the search,

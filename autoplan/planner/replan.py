@@ -5,20 +5,28 @@ smaller, or the run is resumed on more or fewer devices), the job needs a plan f
 world that trains the same thing: the same model, the same numerics and, where it can, the same
 global batch. In order, the first that gives a plan that fits:
 
-1. **warm start**: the last plan's layout family kept (its tp, cp, pp and ep degrees, pipeline
-   schedule and chunks per rank, sequence parallelism, cp layout), dp derived from the new
-   world, the global batch kept; the search re-solves what depends on dp (micro-batch size,
-   ZeRO stage, recomputation, offload, compilation). A small search: a handful of configs.
+1. **warm start**: a small neighbourhood of the last plan's mesh, searched in one ``plan``
+   call restricted to its meshes (``SearchOptions.meshes``) with the numerics pinned: tp and
+   cp each halved, kept or doubled (tp inside a node), and per (tp, cp) the pipeline degrees
+   nearest the last one whose dp divides the new world and the global batch (``neighbourhood``);
+   the search re-solves the rest (expert parallelism, schedule, micro-batch size, ZeRO stage,
+   recomputation, offload, compilation). Where the last layout's dp (tp, cp, pp kept) does not
+   divide the batch, that layout with uneven data-parallel shares (``dp_shares``: the
+   batch's micro-batches spread as evenly as they go, the fullest replica pricing the step)
+   is a candidate too. The fastest that fits wins.
 2. **full search**, the global batch kept: any mesh of the new world whose dp divides it.
 3. **nearest batch**: no mesh of the new world divides the global batch (or none that does
-   fits): the nearest multiple of the warm-start dp (of the world when the warm mesh does not
-   exist), ties to the larger, first warm-started, then by a full search. Stated, never silent.
+   fits): the nearest multiple of the warm-start dp (of the world when the last layout does
+   not divide it), ties to the larger, first with the last layout (its family kept), then by a
+   full search. Stated, never silent.
 
-``batch="nearest"`` puts the warm start at the nearest batch before the full search (order 1,
-3 warm, 2, 3 full): the layout family kept and the re-plan fast (no full search) where the new
-dp does not divide the batch, at the price of training on another global batch from there on.
-Keeping the batch (the default) may need another layout (Llama-3-8B's batch of 16 on 56 GPUs:
-a pipeline of 7, since every dp of 56 devices without one is a multiple of 7) and a full search.
+``batch="nearest"``, where the last layout's dp does not divide the batch, keeps that layout
+(``warm_force``: its tp, cp, pp and ep degrees, pipeline schedule, sequence parallelism and cp
+layout; dp derived) at the nearest batch it splits, before anything else (order 3 warm, 1, 2,
+3 full): the run then trains on another global batch from there on. Keeping the batch (the default) may
+need another layout (Llama-3-8B's batch of 16 on 56 GPUs: a pipeline of 7, since every dp of
+56 devices without one is a multiple of 7), which the neighbourhood finds without a full
+search (``benchmarks/replan_time.py``).
 
 Every step keeps the numerics of the last plan (precision, 16-bit weight policy, fp8, gradient
 compression, optimizer-state format): a re-plan changes the layout, not what is computed. The
@@ -33,6 +41,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from autoplan.errors import ConfigError, PlanError
+from autoplan.estimate.partition import main_block
+from autoplan.graph.oprules import uses_batch_statistics
 from autoplan.planner.candidates import NoFeasiblePlanError
 from autoplan.planner.planfile import Plan
 from autoplan.planner.search import plan as make_plan
@@ -85,6 +95,37 @@ def nearest_batch(batch: int, multiple_of: int) -> int:
     return below
 
 
+def even_shares(total: int, dp: int) -> tuple[int, ...]:
+    """``total`` micro-batches over ``dp`` replicas as evenly as they go, the fuller first."""
+    q, r = divmod(total, dp)
+    return (q + 1,) * r + (q,) * (dp - r)
+
+
+def neighbourhood(last: ParallelConfig, world: int, global_batch_size: int, layers: int,
+                  devices_per_node: int) -> tuple[tuple[int, int, int, int], ...]:
+    """The meshes a warm start searches, as (pp, dp, cp, tp): tp and cp each halved, kept or
+    doubled (tp inside a node); per (tp, cp), the pipeline degrees nearest the last one (the
+    last itself or the nearest below, and the nearest above) among those whose dp divides the
+    world and the global batch, with at most ``layers`` stages and at least as many
+    micro-batches as stages (the search's rule: fewer is mostly bubble). Sorted."""
+    out = set()
+    for tp in sorted({last.tp // 2 or 1, last.tp, last.tp * 2}):
+        if tp > devices_per_node:
+            continue
+        for cp in sorted({last.cp // 2 or 1, last.cp, last.cp * 2}):
+            if world % (tp * cp):
+                continue
+            rest = world // (tp * cp)
+            pps = [pp for pp in range(1, min(rest, layers) + 1)
+                   if rest % pp == 0 and global_batch_size % (rest // pp) == 0
+                   and (pp == 1 or global_batch_size // (rest // pp) >= pp)]
+            below = [pp for pp in pps if pp <= last.pp]
+            above = [pp for pp in pps if pp > last.pp]
+            for pp in below[-1:] + above[:1]:
+                out.add((pp, rest // pp, cp, tp))
+    return tuple(sorted(out))
+
+
 def replan(graph: Any, cluster: Any, *, last: ParallelConfig, global_batch_size: int,
            batch: str = "keep", profile: Any = None, name: str | None = None,
            progress: Callable[[str], None] | None = None) -> Replan:
@@ -98,20 +139,18 @@ def replan(graph: Any, cluster: Any, *, last: ParallelConfig, global_batch_size:
     warm = warm_force(last, world)
     numerics = {k: getattr(last, k) for k in NUMERICS}
 
-    def attempt(force: dict[str, Any], size: int) -> Plan | None:
+    def attempt(force: dict[str, Any], size: int, **options: Any) -> Plan | None:
         # a warm start pins the layout: no baseline of another layout could be chosen
         try:
             return make_plan(graph, cluster, global_batch_size=size, precision=last.precision,
                              optimizer=last.optimizer, profile=profile, name=name,
-                             progress=progress, force=force, baselines="dp" not in force)
+                             progress=progress, force=force,
+                             baselines="dp" not in force and "meshes" not in options,
+                             **options)
         except (NoFeasiblePlanError, ConfigError):
             return None
 
     gbs = global_batch_size
-    if warm is not None and gbs % warm["dp"] == 0:
-        found = attempt(warm, gbs)
-        if found is not None:
-            return Replan(plan=found, how="warm start", requested_batch=gbs, batch_note="")
     step = warm["dp"] if warm is not None else world
     near = nearest_batch(gbs, step)
     if batch == "nearest" and warm is not None and near != gbs:
@@ -120,6 +159,9 @@ def replan(graph: Any, cluster: Any, *, last: ParallelConfig, global_batch_size:
             return Replan(plan=found, how="warm start", requested_batch=gbs, batch_note=(
                 f"the global batch {gbs} is no multiple of the warm start's dp {step} on "
                 f"{world} devices; using {near}, the nearest (--elastic-batch nearest)"))
+    found = warm_neighbourhood(graph, cluster, last, gbs, warm, numerics, attempt)
+    if found is not None:
+        return Replan(plan=found, how="warm start", requested_batch=gbs, batch_note="")
     found = attempt(numerics, gbs)
     if found is not None:
         return Replan(plan=found, how="full search", requested_batch=gbs, batch_note="")
@@ -135,3 +177,32 @@ def replan(graph: Any, cluster: Any, *, last: ParallelConfig, global_batch_size:
         return Replan(plan=found, how="full search", requested_batch=gbs, batch_note=note)
     raise PlanError(f"no plan of this model fits on {world} devices, for the global batch "
                     f"{gbs} or {near}: resume on more devices")
+
+
+def warm_neighbourhood(graph: Any, cluster: Any, last: ParallelConfig, gbs: int,
+                       warm: dict[str, Any] | None, numerics: dict[str, Any],
+                       attempt: Callable[..., Plan | None]) -> Plan | None:
+    """The warm start keeping the global batch: the fastest fitting plan of the neighbourhood
+    (``neighbourhood``: one search over its meshes, tp and the numerics pinned, the rest
+    re-solved) and, where the last layout's dp does not divide the batch, of that layout with
+    uneven data-parallel shares (``dp_shares``: the batch's micro-batches spread as evenly as
+    they go; the step is the fullest replica's). None: nothing there fits."""
+    block = main_block(graph)
+    meshes = neighbourhood(last, cluster.world_size, gbs, len(block.instances) if block else 1,
+                           cluster.devices_per_node)
+    found = [p for p in [attempt(numerics, gbs, meshes=meshes) if meshes else None]
+             if p is not None]
+    # uneven shares cannot run a model whose batch statistics are shared over dp in every
+    # micro-batch (runtime/build.py refuses them)
+    statistics = graph.meta.get("train", True) is not False and any(
+        uses_batch_statistics(op) for op in graph.ops)
+    if warm is not None and gbs % warm["dp"] and not statistics:
+        dp = warm["dp"]
+        for mbs in (m for m in (1, 2, 4, 8) if gbs % m == 0 and gbs // m >= dp):
+            uneven = attempt({**warm, "micro_batch_size": mbs,
+                              "dp_shares": even_shares(gbs // mbs, dp)}, gbs)
+            if uneven is not None:
+                found.append(uneven)
+                break           # a larger micro-batch only evens the shares less
+    # (plan() returns only plans that fit)
+    return min(found, key=lambda p: p.predicted["step_time_s"]) if found else None

@@ -242,6 +242,13 @@ def _meshes(graph: OpGraph, cluster: Any, opts: SearchOptions) -> tuple[list[Any
                                                                                   opts))
     shapes = [s for s in shapes if all(s.degree(a) == opts.force[a.value] for a in BASE_AXES
                                        if a.value in opts.force)]
+    if opts.meshes is not None:
+        allowed = {tuple(m) for m in opts.meshes}
+        shapes = [s for s in shapes if tuple(s.degree(a) for a in BASE_AXES) in allowed]
+        if not shapes:
+            raise ConfigError(f"no mesh of {cluster.world_size} devices among meshes="
+                              f"{list(opts.meshes)} (pp, dp, cp, tp) matches force={opts.force}"
+                              f" and the model's {layers} layers: widen meshes or drop it")
     if not shapes:
         raise ConfigError(f"no mesh of {cluster.world_size} devices matches force={opts.force}"
                           + too_few_layers(opts.force.get("pp", 1), layers, block))
@@ -283,17 +290,26 @@ def _search_meshes(sc: SearchContext, shapes: list[Any], base: dict[str, Any],
         if why:
             say(f"{where}: the pins cannot hold ({why}), skipped")
             continue
-        if gbs % shape.dp:
+        shares = opts.force.get("dp_shares")
+        if shares is not None:      # uneven replicas: the micro-batch makes up the batch
+            total = sum(shares)
+            if len(shares) != shape.dp or gbs % total:
+                say(f"{where}: dp_shares {list(shares)} do not split global batch {gbs} over "
+                    f"dp, skipped")
+                continue
+            mbs_options = [gbs // total]
+        elif gbs % shape.dp:
             say(f"{where}: global batch {gbs} does not split over dp, skipped")
             continue
-        mbs_options = search_space.mbs_options(gbs // shape.dp, opts, graph)
+        else:
+            mbs_options = search_space.mbs_options(gbs // shape.dp, opts, graph)
         if shape.cp > 1:
             # a micro-batch of several sequences splits over dp instead, with no ring
             mbs_options = mbs_options[:1]
         for mbs in search_space.forced(opts, "micro_batch_size", mbs_options):
             cfg = ParallelConfig(pp=shape.pp, dp=shape.dp, tp=shape.tp, cp=shape.cp,
                                  cp_layout=search_space.context_layout(graph, shape.cp, opts),
-                                 micro_batch_size=mbs, **base)
+                                 micro_batch_size=mbs, dp_shares=shares, **base)
             try:
                 m = validate(graph, sc.cluster, cfg, gbs)
             except ConfigError as e:
