@@ -23,7 +23,8 @@ from autoplan.estimate.result import (
 from autoplan.graph import trace
 from autoplan.models import build_example
 from autoplan.planner import planfile_check as check
-from autoplan.planner.explain import explain_plan, fmt_ranges
+from autoplan.planner.explain import explain_plan
+from autoplan.planner.text_format import fmt_ranges
 from autoplan.planner.plan_diff import diff_plans
 from autoplan.planner import loading
 from autoplan.planner.loading import load_plan

@@ -16,7 +16,8 @@ from typing import Any
 from autoplan.errors import PlanError
 from autoplan.estimate.estimator import estimate
 from autoplan.graph.opgraph import OpGraph
-from autoplan.planner.explain import fmt_bytes, fmt_s, generic_name
+from autoplan.planner.explain import generic_name
+from autoplan.planner.text_format import fmt_bytes, fmt_s
 from autoplan.planner.op_binding import bind_strategies
 from autoplan.planner.planfile import Plan, model_fingerprint
 from autoplan.sharding.sharding import Sharding, megatron_sharding

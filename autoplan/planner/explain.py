@@ -16,6 +16,8 @@ from autoplan.cost.memory import bytes_per_param
 from autoplan.estimate.dp_terms import HOST_STEP_SLOWDOWN, step_bytes_per_param
 from autoplan.planner.objectives_report import table as objectives_table
 from autoplan.planner.planfile import Plan
+from autoplan.planner.text_format import (fmt_bytes, fmt_change, fmt_pct, fmt_ranges, fmt_s,
+                                          natural_key)
 from autoplan.sharding import ring_work
 from autoplan.sharding.mesh_axes import MeshAxis as A
 
@@ -581,51 +583,6 @@ def _worst_gap(gap: float | None) -> str:
     return "0 (each proven optimal or infeasible)" if gap == 0 else f"{gap * 100:.2f}%"
 
 
-# ================================================================ formatting helpers
-def fmt_s(x: float) -> str:
-    if x == 0:
-        return "0 s"
-    if x >= 100:
-        return f"{x:,.0f} s"
-    if x >= 1:
-        return f"{x:.2f} s"
-    if x >= 1e-3:
-        return f"{x * 1e3:.2f} ms"
-    if x >= 1e-6:
-        return f"{x * 1e6:.1f} us"
-    return f"{x * 1e9:.0f} ns"
-
-
-def fmt_bytes(n: float) -> str:
-    for unit, size in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if n >= size:
-            return f"{n / size:,.2f} {unit}"
-    return f"{n:,.0f} B"
-
-
-def fmt_pct(x: float) -> str:
-    return f"{x * 100:.1f}%" if x * 100 >= 0.1 or x == 0 else f"{x * 100:.2g}%"
-
-
-def fmt_change(a: float, b: float) -> str:
-    if a == 0:
-        return "same" if b == 0 else "new"
-    return f"{(b - a) / a * 100:+.1f}%"
-
-
-def fmt_ranges(values: Iterable[int]) -> str:
-    """[0, 1, 2, 3, 8, 9] -> "0-3,8-9"."""
-    out: list[str] = []
-    for v in sorted(values):
-        if out and "-" in out[-1] and int(out[-1].split("-")[1]) + 1 == v:
-            out[-1] = f"{out[-1].split('-')[0]}-{v}"
-        elif out and "-" not in out[-1] and int(out[-1]) + 1 == v:
-            out[-1] = f"{out[-1]}-{v}"
-        else:
-            out.append(str(v))
-    return ",".join(out) or "none"
-
-
 def collapse_names(paths: Iterable[str]) -> str:
     """Module paths as few labels: the instances of a repeated block as one range."""
     rows = [(p, ()) for p in sorted(paths, key=natural_key)]
@@ -637,11 +594,6 @@ def elide_rows(rows: list[str]) -> list[str]:
     if len(rows) <= _ROWS:
         return rows
     return rows[:12] + [f"  ... {len(rows) - 16:,} more"] + rows[-4:]
-
-
-def natural_key(text: str) -> tuple[Any, ...]:
-    """Sort key: "layers.10" after "layers.9", "gpu10" after "gpu2"."""
-    return tuple(int(t) if t.isdigit() else t for t in re.split(r"(\d+)", text))
 
 
 def _style_key(style: str) -> tuple[int, str]:

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from autoplan.estimate.pipeline_sim import Event, PipelineResult, simulate
-from autoplan.planner.explain import fmt_s as _fmt_s
+from autoplan.planner.text_format import fmt_s as _fmt_s
 from autoplan.sharding.parallel_config import SPLIT_BACKWARD
 
 MAX_BLOCKS = 60        # blocks per rank drawn one by one; more: the whole step grouped + a window

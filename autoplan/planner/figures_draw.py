@@ -11,7 +11,7 @@ from typing import Any
 
 from autoplan import plotting
 from autoplan.errors import PlanError
-from autoplan.planner.explain import fmt_bytes, fmt_s
+from autoplan.planner.text_format import fmt_bytes, fmt_s
 from autoplan.planner.figures import (BLOCK_COLORS, BLOCK_NAMES, PARTS, MemoryFigure, Part,
                                       TimelineFigure, memory_figure, timeline_figure)
 

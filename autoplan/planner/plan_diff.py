@@ -7,8 +7,8 @@ from collections.abc import Mapping
 from dataclasses import fields
 from typing import Any
 
-from autoplan.planner.explain import (collapse_names, elide_rows, fmt_bytes, fmt_change, fmt_pct,
-                                      fmt_s, natural_key)
+from autoplan.planner.explain import collapse_names, elide_rows
+from autoplan.planner.text_format import fmt_bytes, fmt_change, fmt_pct, fmt_s, natural_key
 from autoplan.planner.planfile import Plan
 
 _FIRST = 5                 # changed items named in a diff
