@@ -15,7 +15,7 @@ from autoplan.planner.planfile import Plan
 from autoplan.sharding.seq_lengths import histogram_of
 from tests.conftest import has_transformers
 from tests.distributed import run_ranks
-from tests.test_runtime import GLOBAL_BATCH, STEPS, _optimizer
+from tests.test_runtime import GLOBAL_BATCH, STEPS, _optimizer, train_one_device
 
 # one row per sample of the global batch: documents crossing no row, of uneven lengths
 ROWS = [[5, 11, 16], [32], [1, 31], [20, 12], [8, 8, 8, 8], [3, 29], [31, 1], [16, 16]]
@@ -29,14 +29,7 @@ def _packed(name, batch):
 def _reference(name):
     ex = _packed(name, GLOBAL_BATCH)
     opt = _optimizer(ex.model.parameters())
-    losses = []
-    for _ in range(STEPS):
-        loss = ex.loss_fn(ex.model(*ex.example_inputs), ex.targets)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses, {k: v.detach().clone() for k, v in ex.model.state_dict().items()}
+    return train_one_device(ex, opt)
 
 
 def _rank(rank, world, name, plan_json):

@@ -32,8 +32,13 @@ def _reference(name, optimizer=None, **overrides):
     """Losses and final state of single-process training (STEPS AdamW steps)."""
     ex = build_example(name, batch_size=GLOBAL_BATCH, seed=0, **overrides)
     opt = (optimizer or _optimizer)(ex.model.parameters())
+    return train_one_device(ex, opt)
+
+
+def train_one_device(ex, opt, steps=STEPS):
+    """``steps`` plain steps of ``ex`` on one device: the losses and the final state dict."""
     losses = []
-    for _ in range(STEPS):
+    for _ in range(steps):
         loss = ex.loss_fn(ex.model(*ex.example_inputs), ex.targets)
         loss.backward()
         opt.step()
