@@ -162,11 +162,11 @@ def parse_pins(items: list[str]) -> dict:
 
 def _run_hetero(graph, cluster, args: argparse.Namespace, kw: dict, t0: float) -> int:
     """A heterogeneous cluster (pools): the slowest-GPU plan, then its candidates balanced on
-    the pools (``planner/hetero.py``); writes the result beside ``--output`` as .hetero.json."""
-    import json
-    from pathlib import Path
+    the pools (``planner/hetero.py``), the winner written to ``--output`` as a runnable plan
+    (``planner/hetero_planfile.py``) that `autoplan run` and `inspect` take."""
     from autoplan.planner.explain import explain_plan
     from autoplan.planner.hetero import plan_hetero
+    from autoplan.planner.hetero_planfile import hetero_plan
     from autoplan.errors import ConfigError
     if kw.get("objective") not in (None, "time") or any(
             kw.get(k) is not None for k in ("max_gpus", "tokens", "budget_usd")):
@@ -182,13 +182,11 @@ def _run_hetero(graph, cluster, args: argparse.Namespace, kw: dict, t0: float) -
     print(explain_plan(result.baseline))
     print()
     print("\n".join(result.summary_lines()))
-    out = Path(args.output)
-    out = out.with_name(out.stem + ".hetero.json")
-    out.write_text(json.dumps({"cluster": cluster.name, **result.to_dict(),
-                               "slowest_gpu_plan": result.baseline.to_dict()},
-                              indent=1, sort_keys=True) + "\n")
-    print(f"\nwrote {out} (the heterogeneous plan's figures and the slowest-GPU plan; "
-          f"`autoplan run` does not run pools yet; total {time.perf_counter() - t0:.1f} s)")
+    written = hetero_plan(result, graph, cluster, **kw)
+    written.save(args.output)
+    print(f"\nwrote {args.output} (the heterogeneous plan: `autoplan inspect {args.output}` "
+          f"explains it, `autoplan run {args.output} --model ...` runs it; total "
+          f"{time.perf_counter() - t0:.1f} s)")
     return 0
 
 

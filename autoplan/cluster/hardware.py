@@ -47,10 +47,14 @@ class Hardware:
     backend: str | None = None            # "nccl" | "gloo"
     node_links: tuple[str, ...] | None = None   # links at a device: ("nvlink4 x18", "pcie5-x16")
     fabric: str | None = None             # the link between nodes ("ib-ndr"); "" for one node
+    # a heterogeneous cluster's pools in rank order, each one line (:func:`pool_line`): nodes,
+    # device and memory, links in a node, NIC; None for a homogeneous cluster
+    pools: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
-        if isinstance(self.node_links, list):
-            object.__setattr__(self, "node_links", tuple(self.node_links))
+        for name in ("node_links", "pools"):
+            if isinstance(getattr(self, name), list):
+                object.__setattr__(self, name, tuple(getattr(self, name)))
 
     @property
     def world_size(self) -> int:
@@ -74,7 +78,9 @@ class Hardware:
                         device_memory_bytes=int(cluster.device.memory_bytes),
                         backend=cluster.backend,
                         node_links=None if "node_links" in unseen else tuple(links),
-                        fabric=None if "fabric" in unseen else fabric)
+                        fabric=None if "fabric" in unseen else fabric,
+                        pools=tuple(pool_line(p.cluster, cluster.num_nodes > 1)
+                                    for p in pools) if pools else None)
 
     def summary(self) -> str:
         """One line: ``2 nodes x 8 H100-SXM5-80GB (80.0 GiB), nvlink4 x18 + pcie5-x16, ib-ndr``."""
@@ -89,15 +95,32 @@ class Hardware:
         return ", ".join(parts)
 
     def extras(self) -> dict[str, Any]:
-        """The fields a plan file keeps under ``cluster.hardware`` (the others are beside it)."""
+        """The fields a plan file keeps under ``cluster.hardware`` (the others are beside it;
+        ``pools`` only where the cluster has them, so other plans read as before)."""
         return {"device_kind": self.device_kind, "device_memory_bytes": self.device_memory_bytes,
                 "backend": self.backend,
                 "node_links": None if self.node_links is None else list(self.node_links),
-                "fabric": self.fabric}
+                "fabric": self.fabric,
+                **({"pools": list(self.pools)} if self.pools is not None else {})}
 
 
+def pool_line(cluster: Any, networked: bool) -> str:
+    """One pool of a heterogeneous cluster as plans are matched by: ``2 nodes x 8
+    H100-SXM5-80GB (80.0 GiB), nvlink4 x18 + pcie5-x16, NIC ib-ndr`` (the NIC where the whole
+    cluster has more than one node)."""
+    h = Hardware.of(cluster)
+    line = (f"{h.num_nodes} node{'s' if h.num_nodes != 1 else ''} x {h.devices_per_node} "
+            f"{h.device} ({(h.device_memory_bytes or 0) / _GIB:.1f} GiB), "
+            + (" + ".join(h.node_links or ()) or "no links"))
+    if networked and cluster.fabric is not None:
+        line += f", NIC {cluster.fabric.link}"
+    return line
+
+
+# the fields under ``cluster.hardware``: always written, and written only for pools
 EXTRA_KEYS = tuple(f.name for f in fields(Hardware)
-                   if f.name not in ("device", "num_nodes", "devices_per_node"))
+                   if f.name not in ("device", "num_nodes", "devices_per_node", "pools"))
+OPTIONAL_EXTRA_KEYS = ("pools",)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -139,7 +162,15 @@ def compare(planned: Hardware, here: Hardware) -> tuple[Difference, ...]:
            lambda v: " + ".join(v) or "none")
     if planned.num_nodes > 1 and here.num_nodes > 1:
         differ("network", planned.fabric, here.fabric, not cpu)
+    if planned.pools != here.pools and (planned.pools is not None or here.pools is not None):
+        out.append(Difference(what="pools", planned=_pools_text(planned.pools),
+                              here=_pools_text(here.pools), refuses=not cpu))
     return tuple(out)
+
+
+def _pools_text(pools: tuple[str, ...] | None) -> str:
+    return ("[" + "; ".join(f"pool {i}: {p}" for i, p in enumerate(pools)) + "]" if pools
+            else "one node type")
 
 
 def from_extras(*, device: str, num_nodes: int, devices_per_node: int,
@@ -149,5 +180,5 @@ def from_extras(*, device: str, num_nodes: int, devices_per_node: int,
                     **dict(extras or {}))
 
 
-__all__ = ["Difference", "EXTRA_KEYS", "Hardware", "MEMORY_TOLERANCE", "UNSEEN_ASPECTS",
-           "compare", "from_extras"]
+__all__ = ["Difference", "EXTRA_KEYS", "Hardware", "MEMORY_TOLERANCE", "OPTIONAL_EXTRA_KEYS",
+           "UNSEEN_ASPECTS", "compare", "from_extras", "pool_line"]

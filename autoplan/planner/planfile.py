@@ -104,10 +104,13 @@ class ClusterInfo:
 
     @staticmethod
     def of(cluster: Any) -> ClusterInfo:
+        """``device``: the device type's name, or a heterogeneous cluster's pools
+        ("4x A100-SXM4-80GB + 4x H100-SXM5-80GB": nodes of each, ``Hardware.of``)."""
+        hardware = cluster.hardware()
         return ClusterInfo(name=cluster.name, fingerprint=cluster.fingerprint(),
-                           world_size=cluster.world_size, device=cluster.device.name,
+                           world_size=cluster.world_size, device=hardware.device,
                            num_nodes=cluster.num_nodes, devices_per_node=cluster.devices_per_node,
-                           hardware=cluster.hardware())
+                           hardware=hardware)
 
     def planned_hardware(self) -> Hardware:
         """The hardware the plan was made for (of an older plan: device name and sizes only)."""
@@ -254,6 +257,9 @@ class Plan:
     # schema 8: the objectives search (planner/objectives.py): per device count its time, cost
     # and energy, the Pareto front, the winners; None: a plan of the step-time search alone
     objectives: Mapping[str, Any] | None = None
+    # schema 9: a plan for a heterogeneous cluster's pools (planner/hetero_check.py): each
+    # stage's or dp replica's pool, work and memory, and the cluster as its slowest GPU
+    hetero: Mapping[str, Any] | None = None
 
     def __post_init__(self) -> None:
         for name, typ in (("model", ModelInfo), ("cluster", ClusterInfo),
@@ -280,13 +286,24 @@ class Plan:
             set_(self, name, types.MappingProxyType(dict(getattr(self, name))))
         set_(self, "predicted", _freeze(self.predicted, "predicted"))
         set_(self, "stages", tuple(_freeze(s, f"stages[{i}]") for i, s in enumerate(self.stages)))
-        if self.objectives is not None:
-            set_(self, "objectives", _freeze(self.objectives, "objectives"))
+        for name in ("objectives", "hetero"):
+            if getattr(self, name) is not None:
+                set_(self, name, _freeze(getattr(self, name), name))
         try:
             d = self.to_dict()
         except (TypeError, AttributeError, ValueError) as e:
             raise PlanError(f"Plan holds a value of the wrong type: {e}") from None
         check_plan(d)
+
+    def pool_of_rank(self, rank: int) -> Mapping[str, Any] | None:
+        """The pool ``rank`` runs on (its ``hetero.pools`` entry, with ``index``), None where
+        the plan is for one node type."""
+        if self.hetero is None:
+            return None
+        for i, p in enumerate(self.hetero["pools"]):
+            if p["first_rank"] <= rank < p["first_rank"] + p["num_ranks"]:
+                return {"index": i, **p}
+        raise PlanError(f"rank {rank} is past the plan's {self.cluster.world_size} ranks")
 
     def __reduce__(self) -> tuple[Any, ...]:
         # copy.deepcopy (and multiprocessing) go through the canonical JSON text: the frozen
@@ -323,6 +340,7 @@ class Plan:
             "stages": [_thaw(s) for s in self.stages],
             **({"op_keys": dict(self.op_keys)} if self.op_keys else {}),
             **({"objectives": _thaw(self.objectives)} if self.objectives is not None else {}),
+            **({"hetero": _thaw(self.hetero)} if self.hetero is not None else {}),
         }
 
     def to_json(self) -> str:
@@ -367,7 +385,8 @@ class Plan:
             alternatives=tuple(Alternative(**{**a, "config": ParallelConfig.from_dict(a["config"])})
                                for a in d["alternatives"]),
             solver=SolverReport(**d["solver"]), stages=tuple(d["stages"]),
-            op_keys=d.get("op_keys", {}), objectives=d.get("objectives"))
+            op_keys=d.get("op_keys", {}), objectives=d.get("objectives"),
+            hetero=d.get("hetero"))
 
     @staticmethod
     def from_json(text: str | bytes) -> Plan:

@@ -21,12 +21,14 @@ from typing import Any
 from autoplan import safe_io
 from autoplan.cluster.cluster import BACKENDS
 from autoplan.cluster.hardware import EXTRA_KEYS as HARDWARE_KEYS
+from autoplan.cluster.hardware import OPTIONAL_EXTRA_KEYS as HARDWARE_OPTIONAL_KEYS
 from autoplan.cluster.specs import DEVICE_KINDS
 from autoplan.errors import AutoplanError, ConfigError, PlanError
 from autoplan.sharding.mesh_axes import BASE_AXES, DP_SPLITS, MeshAxis
 from autoplan.sharding.parallel_config import RECOMPUTE, V_SCHEDULES, ParallelConfig
 from autoplan.sharding.placement import Placement
 from autoplan.sharding.seq_lengths import MAX_BINS, MAX_COUNT, MAX_LENGTH
+from autoplan.planner.hetero_check import HETERO_SCHEMA, check_hetero
 from autoplan.planner.objectives_check import check_objectives
 from autoplan.planner.planfile_values import MAX_STRING_CHARS, fail, kind, sub
 from autoplan.planner.planfile_values import a_bool as _bool, a_list as _list, a_map as _map
@@ -48,9 +50,13 @@ from autoplan.planner.planfile_values import clip as _clip, closed_keys as _keys
 # 8: objectives, the device-count search's figures (time, cost, energy per count, the Pareto
 # front, the winners: planner/objectives.py). Written only by plans that carry it; every other
 # plan is still written as schema 7, byte for byte as before.
+# 9: hetero, a plan for a heterogeneous cluster's pools (planner/hetero_check.py: which pool each
+# stage or dp replica runs on, its work and memory, the cluster as its slowest GPU), with
+# cluster.hardware.pools (each pool's nodes, device, links and NIC) it is matched by. Written
+# only by such plans; every other plan reads and writes as before.
 PLAN_SCHEMA_VERSION = 7           # what a plan is written as (without objectives)
 OBJECTIVES_SCHEMA = 8
-READABLE_PLAN_SCHEMAS = (1, 2, 3, 4, 5, 6, 7, 8)
+READABLE_PLAN_SCHEMAS = (1, 2, 3, 4, 5, 6, 7, 8, 9)
 MAX_FILE_BYTES = 256 << 20        # refuse larger files before reading them
 MAX_DEPTH = 64                    # JSON nesting (a valid plan needs about 6)
 MAX_NUMBER_CHARS = 40             # characters of one JSON number
@@ -63,7 +69,8 @@ PLAN_KEYS = ("autoplan_version", "model", "cluster", "training", "mesh", "config
              "param_placements", "op_strategies", "module_styles", "recompute", "offload",
              "predicted", "alternatives", "solver", "stages", "schema_version")
 PLAN_OPTIONAL_KEYS = ("op_keys",          # schema 7: op name -> canonical key (the search's)
-                      "objectives")       # schema 8: the objectives search (objectives_check)
+                      "objectives",       # schema 8: the objectives search (objectives_check)
+                      "hetero")           # schema 9: a plan on pools (hetero_check)
 MODEL_KEYS = ("name", "fingerprint", "num_params", "num_ops")
 CLUSTER_KEYS = ("name", "fingerprint", "world_size", "device", "num_nodes", "devices_per_node")
 CLUSTER_OPTIONAL_KEYS = ("hardware",)      # schema 6 writes it (HARDWARE_KEYS)
@@ -126,6 +133,14 @@ def check_plan(d: Any) -> None:
             fail("schema_version", f"{version}, but the plan uses what schema 8 added "
                  "(objectives): set schema_version 8")
         check_objectives(d["objectives"], c["world_size"])
+    if "hetero" in d or "pools" in (c.get("hardware") or {}):
+        if version < HETERO_SCHEMA:
+            fail("schema_version", f"{version}, but the plan uses what schema 9 added (hetero, "
+                 "cluster.hardware.pools): set schema_version 9")
+        if ("hetero" in d) != ("pools" in (c.get("hardware") or {})):
+            fail("hetero", "a plan for pools has both the hetero section and "
+                 "cluster.hardware.pools, any other plan neither")
+        check_hetero(d["hetero"], c["world_size"], config, _config)
 
 
 def _check_schema_version(version: Any) -> int:
@@ -308,7 +323,11 @@ def _check_hardware(h: Any) -> None:
     if h is _MISSING:
         fail("cluster", "missing key(s) cluster.hardware (schema 6 plans record the hardware "
              "they were made for)")
-    _keys(h, "cluster.hardware", HARDWARE_KEYS)
+    _keys(h, "cluster.hardware", HARDWARE_KEYS
+          + tuple(k for k in HARDWARE_OPTIONAL_KEYS if isinstance(h, Mapping) and k in h))
+    if isinstance(h, Mapping) and "pools" in h:
+        for i, x in enumerate(_list(h["pools"], "cluster.hardware.pools")):
+            _str(x, f"cluster.hardware.pools[{i}]", limit=1000, one_line=True)
     for k, choices in (("device_kind", DEVICE_KINDS), ("backend", BACKENDS)):
         if h[k] is not None:
             _str(h[k], f"cluster.hardware.{k}", choices=choices)
