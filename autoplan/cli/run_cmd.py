@@ -87,6 +87,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--warmup-steps", type=int, default=0,
                    help="the learning rate rises linearly to --lr over this many steps "
                         "(default 0: constant); checkpoints keep the schedule's position")
+    p.add_argument("--json", default=None, metavar="FILE",
+                   help="rank 0 writes each step's loss and wall time, and the measured and "
+                        "predicted step time, to FILE (JSON)")
     p.add_argument("--print-command", action="store_true",
                    help="print the torchrun command instead of running it")
     p.set_defaults(func=run)
@@ -171,7 +174,8 @@ def run(args: argparse.Namespace) -> int:
                            rdzv_conf=args.rdzv_conf, warmup_steps=args.warmup_steps,
                            elastic_batch=args.elastic_batch, extra=[
                                *(["--layers", str(args.layers)] if args.layers else []),
-                               *(["--seq-len", str(args.seq_len)] if args.seq_len else [])])
+                               *(["--seq-len", str(args.seq_len)] if args.seq_len else []),
+                               *(["--json", os.path.abspath(args.json)] if args.json else [])])
     env = {**RANK_ENV_DEFAULTS, **(ELASTIC_ENV_DEFAULTS if args.elastic else {})}
     if args.print_command:       # with the environment launch_torchrun gives the ranks
         env = {k: os.environ.get(k) or v for k, v in env.items()}

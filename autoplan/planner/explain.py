@@ -14,6 +14,7 @@ from typing import Any
 
 from autoplan.cost.memory import bytes_per_param
 from autoplan.estimate.dp_terms import HOST_STEP_SLOWDOWN, step_bytes_per_param
+from autoplan.planner.hetero_explain import hetero_text
 from autoplan.planner.objectives_report import table as objectives_table
 from autoplan.planner.planfile import Plan
 from autoplan.planner.text_format import (fmt_bytes, fmt_change, fmt_pct, fmt_ranges, fmt_s,
@@ -41,7 +42,7 @@ _DEVICE = re.compile(r"^n(\d+)\.(.+)$")
 # ================================================================ inspect
 def explain_plan(plan: Plan) -> str:
     """The text of ``autoplan inspect``: what the plan is, where it runs, what it costs, why."""
-    sections = (_header(plan), _mesh_grid(plan), _chosen(plan), _blocks(plan),
+    sections = (_header(plan), hetero_text(plan), _mesh_grid(plan), _chosen(plan), _blocks(plan),
                 _placements(plan), _stages(plan), _memory(plan), _time(plan), _fp8(plan),
                 _alternatives(plan), _solver(plan), _objectives(plan))
     return "\n\n".join(s for s in sections if s) + "\n"
@@ -60,7 +61,8 @@ def _header(plan: Plan) -> str:
         (f"model    {m.name!r}: {m.num_params:,} parameters, {m.num_ops:,} ops "
         f"(fingerprint {m.fingerprint[:12]})"),
         (f"cluster  {c.name!r}: {c.num_nodes} node{'s' * (c.num_nodes != 1)} x "
-        f"{c.devices_per_node} {c.device} = {c.world_size:,} devices "
+        f"{c.devices_per_node} {c.device if plan.hetero is None else 'devices: ' + c.device}"
+        f" = {c.world_size:,} devices "
         f"(fingerprint {c.fingerprint[:12]})"),
         (f"training global batch {t.global_batch_size:,}, {t.precision}, {t.optimizer}"
         + (f", expert capacity factor {t.expert_capacity_factor:g}"

@@ -154,7 +154,7 @@ def _main(argv: list[str] | None = None) -> int:
                       lr_scheduler=_warmup(args.warmup_steps),
                       allow_cluster_mismatch=args.allow_cluster_mismatch)
     if trainer.rank == 0:
-        for line in report:
+        for line in report + _on_pools(plan):
             print(line, flush=True)
     if resume is not None and trainer.rank == 0:
         print(f"resumed from {resume} at step {trainer.steps_done}", flush=True)
@@ -168,6 +168,15 @@ def _main(argv: list[str] | None = None) -> int:
         _print_summary(trainer, plan, run, args)
     _finish(dist)
     return 0
+
+
+def _on_pools(plan: Any) -> tuple[str, ...]:
+    """A plan for a heterogeneous cluster: where its stages or replicas run (each rank finds
+    its own pool in the plan: ``Plan.pool_of_rank``)."""
+    if plan.hetero is None:
+        return ()
+    from autoplan.planner.hetero_explain import units_lines
+    return tuple(f"on pools: {line}" for line in units_lines(plan))
 
 
 def _arguments() -> argparse.ArgumentParser:

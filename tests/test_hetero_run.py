@@ -1,0 +1,142 @@
+"""Heterogeneous plans run (issue 40 item 1, the runtime half): on a mixed CPU cluster (two pools
+of two CPU ranks whose devices differ 3x in peak rate and whose NICs differ,
+examples/mixed-cpu.yaml), `autoplan plan` writes a runnable plan file, `inspect` says which
+pool each stage or replica runs on, and `autoplan run` under a real torchrun (gloo, 4 ranks as
+2+2) trains (a) pp2 with uneven layers per stage and (b) dp4 with uneven micro-batches per
+replica to one device's losses. The plan file's format, its matching to the same pools only
+and the refusal elsewhere are checked without launching."""
+
+import json
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from autoplan import Cluster
+from autoplan.cli.main import main
+from autoplan.errors import PlanError
+from autoplan.graph import trace
+from autoplan.models import build_example
+from autoplan.planner.hetero import plan_hetero
+from autoplan.planner.hetero_planfile import hetero_plan
+from autoplan.planner.planfile import Plan, plan_mismatch
+from tests.distributed import free_port
+
+MIXED = str(Path(__file__).resolve().parents[1] / "examples" / "mixed-cpu.yaml")
+GBS, LAYERS, STEPS, LR = 8, 4, 3, 3e-3
+
+
+def _plan_cli(tmp_path, capsys, name, *force):
+    out = tmp_path / f"{name}.json"
+    assert main(["plan", "gpt-tiny", "--layers", str(LAYERS), "--cluster", MIXED,
+                 "--global-batch", str(GBS), "--precision", "fp32", "--no-profile", "-q",
+                 *[x for f in force for x in ("--force", f)], "-o", str(out)]) == 0
+    capsys.readouterr()
+    return out, Plan.from_json(out.read_text())
+
+
+@pytest.fixture(scope="module")
+def graph():
+    ex = build_example("gpt-tiny", batch_size=1, num_layers=LAYERS)
+    return trace(ex.model, ex.example_inputs, loss_fn=ex.loss_fn, targets=ex.targets,
+                 name="gpt-tiny")
+
+
+def _one_device():
+    """The worker's model and batch (seeded as every rank builds them), trained on one
+    process: the full batch per step, AdamW at the run's learning rate."""
+    ex = build_example("gpt-tiny", batch_size=GBS, seed=0, device="cpu", num_layers=LAYERS)
+    opt = torch.optim.AdamW(ex.model.parameters(), lr=LR)
+    losses = []
+    for _ in range(STEPS):
+        loss = ex.loss_fn(ex.model(*ex.example_inputs), ex.targets)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def _run(plan_path, tmp_path, name):
+    """`autoplan run` as a user types it (torchrun, 4 CPU ranks, gloo); rank 0's losses."""
+    losses = tmp_path / f"{name}.losses.json"
+    out = subprocess.run([sys.executable, "-m", "autoplan.cli.main", "run", str(plan_path),
+                          "--model", "gpt-tiny", "--layers", str(LAYERS), "--cluster", MIXED,
+                          "--steps", str(STEPS), "--lr", str(LR), "--master-port",
+                          str(free_port()), "--json", str(losses)],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(losses.read_text())["losses"], out.stdout
+
+
+def test_plans_on_pools_run_as_one_device(tmp_path, capsys):
+    """(a) the planner's pipeline: the faster pool's stage takes more layers; (b) data
+    parallelism forced (pp 1): the faster pool's replicas take more micro-batches. Each runs
+    under torchrun to the losses of one process on the same samples."""
+    piped, pp = _plan_cli(tmp_path, capsys, "pp")
+    assert pp.hetero["placement"] == "stages" and pp.config.pp == 2
+    assert [u["pool"] for u in pp.hetero["units"]] == [0, 1]
+    slow, fast = (u["layers"] for u in pp.hetero["units"])
+    assert fast > slow and list(pp.config.chunk_layers) == [slow, fast]
+    assert [len(s["layers"]) for s in pp.stages] == [slow, fast]
+    shared, dp = _plan_cli(tmp_path, capsys, "dp", "pp=1")
+    assert dp.hetero["placement"] == "replicas" and dp.config.dp == 4
+    shares = dp.config.dp_shares
+    assert shares[0] == shares[1] < shares[2] == shares[3]
+    assert [u["microbatches"] for u in dp.hetero["units"]] == list(shares)
+    for plan in (pp, dp):            # never slower than the cluster as its slowest GPU
+        assert plan.predicted["step_time_s"] <= plan.hetero["slowest_gpu"]["step_time_s"]
+    assert main(["inspect", str(piped)]) == 0
+    text = capsys.readouterr().out
+    assert f"stage 1 (ranks 2-3) on pool 1: {fast} layer(s)" in text
+    assert "the cluster as its slowest GPU (4 x cpu-slow)" in text and "gain" in text
+    want = _one_device()
+    for path, name in ((piped, "pp"), (shared, "dp")):
+        got, out = _run(path, tmp_path, name)
+        assert got == pytest.approx(want, rel=1e-5, abs=1e-6), name
+        assert "on pools: " in out
+
+
+def test_the_plan_matches_the_same_pools_only(graph, tmp_path):
+    """Round trip byte for byte; the same pools from another file match; on GPU pools another
+    mix, or the same devices with another NIC, is refused naming what differs."""
+    cluster = Cluster.from_spec(MIXED)
+    result = plan_hetero(graph, cluster, global_batch_size=GBS, precision="fp32", profile=None)
+    plan = hetero_plan(result, graph, cluster, global_batch_size=GBS, precision="fp32",
+                       profile=None)
+    assert Plan.from_json(plan.to_json()).to_json() == plan.to_json()
+    assert plan.schema_version == 9 and plan.pool_of_rank(3)["name"] == "cpu-fast"
+    assert plan_mismatch(plan, graph=graph, cluster=cluster) == ""
+    # a homogeneous CPU job of the same size runs it, its prediction stale (CPU ranks)
+    assert plan_mismatch(plan, cluster=Cluster.local(4)) == ""
+    gpus = Cluster.from_spec("dgx-a100-80gb/1:2+dgx-h100/1:2")
+    gplan = replace(plan, cluster=type(plan.cluster).of(gpus))
+    swapped = Cluster.from_spec("dgx-h100/1:2+dgx-a100-80gb/1:2")
+    said = plan_mismatch(gplan, cluster=swapped)
+    assert "pools: [pool 0: 2 nodes x 1 A100" in said and "--allow-cluster-mismatch" in said
+    nics = Cluster.from_dict({"name": "nics", "pools": [
+        {"preset": "dgx-a100-80gb/1", "num_nodes": 2, "fabric": {"link": "ib-ndr"}},
+        {"preset": "dgx-h100/1", "num_nodes": 2}]})
+    said = plan_mismatch(gplan, cluster=nics)
+    assert "NIC ib-hdr; pool 1" in said and "NIC ib-ndr; pool 1" in said
+
+
+def test_bad_hetero_sections_are_refused_by_path(graph):
+    cluster = Cluster.from_spec(MIXED)
+    result = plan_hetero(graph, cluster, global_batch_size=GBS, precision="fp32", profile=None,
+                         force={"pp": 1})
+    d = json.loads(hetero_plan(result, graph, cluster, global_batch_size=GBS,
+                               precision="fp32", profile=None).to_json())
+    for mutate, said in (
+            (lambda d: d["hetero"]["units"][0].update(microbatches=7), "hetero.units[0]"),
+            (lambda d: d["hetero"]["units"][2]["ranks"].append(0), "not in pool 1"),
+            (lambda d: d["hetero"]["pools"][1].update(first_rank=3), "first_rank"),
+            (lambda d: d.update(schema_version=8), "schema 9"),
+            (lambda d: d.pop("hetero"), "neither")):
+        bad = json.loads(json.dumps(d))
+        mutate(bad)
+        with pytest.raises(PlanError, match=said.replace("[", r"\[").replace("]", r"\]")):
+            Plan.from_dict(bad)
