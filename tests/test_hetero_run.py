@@ -105,9 +105,13 @@ def test_the_plan_matches_the_same_pools_only(graph, tmp_path):
     mix, or the same devices with another NIC, is refused naming what differs."""
     cluster = Cluster.from_spec(MIXED)
     result = plan_hetero(graph, cluster, global_batch_size=GBS, precision="fp32", profile=None)
-    plan = hetero_plan(result, graph, cluster, global_batch_size=GBS, precision="fp32",
-                       profile=None)
+    plan = result.to_plan(graph, cluster, global_batch_size=GBS, precision="fp32",
+                          profile=None)
     assert Plan.from_json(plan.to_json()).to_json() == plan.to_json()
+    jsonschema = pytest.importorskip("jsonschema")
+    schema = json.loads((Path(__file__).resolve().parents[1] / "autoplan" / "planner"
+                         / "plan.schema.json").read_text())
+    jsonschema.Draft202012Validator(schema).validate(json.loads(plan.to_json()))
     assert plan.schema_version == 9 and plan.pool_of_rank(3)["name"] == "cpu-fast"
     assert plan_mismatch(plan, graph=graph, cluster=cluster) == ""
     # a homogeneous CPU job of the same size runs it, its prediction stale (CPU ranks)
@@ -140,3 +144,24 @@ def test_bad_hetero_sections_are_refused_by_path(graph):
         mutate(bad)
         with pytest.raises(PlanError, match=said.replace("[", r"\[").replace("]", r"\]")):
             Plan.from_dict(bad)
+
+
+def test_pictures_draw_every_pool(tmp_path, capsys):
+    """`cluster show --png` and `inspect --topology` on pools: every pool's first node drawn as
+    its own node type and labelled with its device (SVG text kept as text to read it back)."""
+    pytest.importorskip("matplotlib")
+    import matplotlib
+    matplotlib.rcParams["svg.fonttype"] = "none"
+    svg = tmp_path / "gpus.svg"
+    assert main(["cluster", "show", "dgx-a100-80gb:4+dgx-h100:4", "--png", str(svg)]) == 0
+    assert "nodes drawn in detail: 0, 1, 4, 7" in capsys.readouterr().out
+    text = svg.read_text()
+    assert "pool 0: A100-SXM4-80GB" in text and "pool 1: H100-SXM5-80GB" in text
+    assert "nvlink3 x12" in text and "nvlink4 x18" in text       # each pool's links
+    assert "2 of pool 0, each like node 0" in text
+    piped, _ = _plan_cli(tmp_path, capsys, "pp")
+    topo = tmp_path / "topo.svg"
+    assert main(["inspect", str(piped), "--cluster", MIXED, "--topology", str(topo)]) == 0
+    assert "pp      2 ranks x 2 groups" in capsys.readouterr().out
+    text = topo.read_text()
+    assert "pool 0: cpu-slow" in text and "pool 1: cpu-fast" in text

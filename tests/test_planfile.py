@@ -256,7 +256,7 @@ def _op_keys(**changed):
 
 
 MALFORMED = [
-    ("newer version", _set(["schema_version"], 9), "written by a newer autoplan"),
+    ("newer version", _set(["schema_version"], 10), "written by a newer autoplan"),
     ("unknown version", _set(["schema_version"], 0), "reads plan schemas 1, 2, 3, 4, 5, 6, 7"),
     ("no version", _delete(["schema_version"]), "reads plan schemas 1, 2, 3, 4, 5, 6, 7"),
     ("op keys in a schema-6 plan",
@@ -544,7 +544,7 @@ def test_schema_enums_match_the_code():
     hardware = _schema()["properties"]["cluster"]["properties"]["hardware"]["properties"]
     assert hardware["device_kind"]["enum"] == [*check.DEVICE_KINDS, None]
     assert hardware["backend"]["enum"] == [*check.BACKENDS, None]
-    assert set(hardware) == set(check.HARDWARE_KEYS)
+    assert set(hardware) == set(check.HARDWARE_KEYS + check.HARDWARE_OPTIONAL_KEYS)
 
 
 # ================================================================ a plan against its model

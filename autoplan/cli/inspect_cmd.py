@@ -92,23 +92,27 @@ def _write_topology(args: argparse.Namespace, plan, cluster) -> None:
     groups = mesh_axis_groups(cluster, plan.config.dims)
     if not args.json:
         print("\n" + axis_groups_text(cluster, groups))
+    devices = (f"devices: {cluster.hardware().device}" if cluster.pools
+               else cluster.device.name)
     title = (f"{plan.model.name} on {cluster.name} ({cluster.num_nodes:,} x "
-             f"{cluster.devices_per_node} {cluster.device.name}): "
-             f"{plan.config.short()}")
+             f"{cluster.devices_per_node} {devices}): {plan.config.short()}")
     shown = draw_topology(cluster, args.topology, groups=groups, title=title)
     print(f"wrote {args.topology} (nodes drawn in detail: {', '.join(map(str, shown))})",
           file=sys.stderr if args.json else sys.stdout)
 
 
 def _plan_cluster(args: argparse.Namespace, plan):
-    """The plan's cluster: --cluster, or the plan's preset, checked by fingerprint."""
+    """The plan's cluster: --cluster, or the plan's preset (presets joined by '+' for a
+    plan on pools), checked by fingerprint."""
     from autoplan.cluster import Cluster
     from autoplan.errors import AutoplanError, PlanError
     if args.cluster:
         cluster = Cluster.from_spec(args.cluster)
     else:
         try:
-            cluster = Cluster.from_spec(f"{plan.cluster.name}:{plan.cluster.num_nodes}")
+            name = plan.cluster.name
+            cluster = Cluster.from_spec(name if plan.hetero is not None and "+" in name
+                                        else f"{name}:{plan.cluster.num_nodes}")
         except AutoplanError:
             raise PlanError(f"the plan's cluster {plan.cluster.name!r} is not a preset: pass "
                             "the cluster with --cluster") from None

@@ -7,7 +7,9 @@ axis's size, ranks, links and bandwidth).
 What is drawn is decided in ``topology_view``; the node's inside is laid out here, by rows:
 NVSwitch, devices, PCIe switches, sockets, NICs, each component under the mean position of
 the components above it that it links to. Large clusters keep a few nodes in detail
-(``topology_view.shown_nodes``) and one box for the rest.
+(``topology_view.shown_nodes``) and one box for the rest. On a heterogeneous cluster each
+node is drawn as its pool's node type (``Cluster.pool_view``), labelled with its device, and
+the first node of every pool is among those drawn.
 
 matplotlib is imported inside the functions: it is an optional dependency
 (``pip install 'autoplan[plot]'``), and importing the cluster must not need it.
@@ -30,6 +32,7 @@ BOX_W, BOX_H = 0.74, 0.56           # a device or component box
 NODE_GAP = 0.9
 SUMMARY_W = 3.4
 MIN_NODE_W = 3.4
+POOL_ROW = 0.3                      # a heterogeneous cluster's nodes: room for the pool's line
 ROWS = ("nvswitch", "device", "pcie_switch", "socket", "nic")
 AXIS_COLORS = {"tp": "#E15759", "cp": "#F28E2B", "ep": "#B07AA1", "dp": "#4E79A7",
                "pp": "#59A14F"}
@@ -118,18 +121,22 @@ def _box(ax: Any, x: float, y: float, w: float, h: float, face: str, text: str =
 
 
 def _draw_node(ax: Any, cluster: Any, lay: _Layout, node: int, x0: float,
-               members: dict[str, set[int]]) -> None:
-    """Node ``node`` with its left device at ``x0``; ``members``: axis -> ranks to outline."""
+               members: dict[str, set[int]], pool: str = "") -> None:
+    """Node ``node`` with its left device at ``x0``; ``members``: axis -> ranks to outline;
+    ``pool``: its pool and device type, on a heterogeneous cluster."""
     kinds = dict(cluster.node_topology.components)
     nrows = max(r for _, r in lay.pos.values()) + 1
     per = cluster.devices_per_node
-    top, bottom = 0.85, -(nrows - 1) * ROW - 0.55
+    top, bottom = 0.85 + (POOL_ROW if pool else 0.0), -(nrows - 1) * ROW - 0.55
     from matplotlib.patches import FancyBboxPatch
     ax.add_patch(FancyBboxPatch((x0 - 0.6, bottom), lay.width + 1.2, top - bottom,
                                 boxstyle="round,pad=0,rounding_size=0.15", fc="#FAFAFA",
                                 ec="#777777", lw=1.0, zorder=1))
     ax.text(x0 - 0.45, top - 0.2, f"node {node}   ranks {node * per}-{node * per + per - 1}",
             ha="left", va="center", fontsize=7.5, weight="bold", zorder=4)
+    if pool:
+        ax.text(x0 - 0.45, top - 0.5, pool, ha="left", va="center", fontsize=6.5,
+                color="#8B2252", weight="bold", zorder=4)
 
     def xy(name: str) -> tuple[float, float]:
         x, r = lay.pos[name]
@@ -209,7 +216,8 @@ def _outline_groups(ax: Any, cluster: Any, node: int, xy: Any,
 
 
 # ---------------------------------------------------------------- the cluster
-def _plan_columns(cluster: Any, shown: Sequence[int], lay: _Layout) -> list[tuple[Any, float]]:
+def _plan_columns(cluster: Any, shown: Sequence[int], lays: dict[int, _Layout]
+                  ) -> list[tuple[Any, float]]:
     """Left to right: (node index, or None for the summary box, its left x)."""
     hidden = cluster.num_nodes - len(shown)
     order: list[Any] = list(shown)
@@ -220,7 +228,7 @@ def _plan_columns(cluster: Any, shown: Sequence[int], lay: _Layout) -> list[tupl
     out, x = [], 0.0
     for item in order:
         out.append((item, x))
-        x += (SUMMARY_W if item is None else lay.width + 1.2) + NODE_GAP
+        x += (SUMMARY_W if item is None else lays[item].width + 1.2) + NODE_GAP
     return out
 
 
@@ -231,9 +239,17 @@ def _summary(ax: Any, cluster: Any, shown: Sequence[int], x: float, bottom: floa
     ax.add_patch(FancyBboxPatch((x, bottom), SUMMARY_W, 0.85 - bottom,
                                 boxstyle="round,pad=0,rounding_size=0.15", fc="#F0F0F0",
                                 ec="#777777", lw=1.0, ls="--", zorder=1))
-    lines = [f"... {len(hidden):,} more node{'s' * (len(hidden) != 1)}",
-             f"({_node_ranges(hidden)})", f"each like node {shown[0]}"]
     per = cluster.devices_per_node
+    lines = [f"... {len(hidden):,} more node{'s' * (len(hidden) != 1)}",
+             f"({_node_ranges(hidden)})"]
+    if cluster.pools:              # per pool: how many hidden, like which drawn node
+        for i, p in enumerate(cluster.pools):
+            mine = [n for n in hidden if cluster.pool_of(n * per) == i]
+            like = next(n for n in shown if cluster.pool_of(n * per) == i)
+            if mine:
+                lines.append(f"{len(mine):,} of pool {i}, each like node {like}")
+    else:
+        lines.append(f"each like node {shown[0]}")
     inside = {g.axis: sum(1 for r in g.example if r // per in set(hidden)) for g in groups}
     if any(inside.values()):
         lines += ["", "rank 0's groups here:"]
@@ -253,7 +269,7 @@ def _node_ranges(nodes: Sequence[int]) -> str:
     return text + (", ..." if len(runs) > 3 else "")
 
 
-def _fabric(ax: Any, cluster: Any, lay: _Layout, columns: list[tuple[Any, float]],
+def _fabric(ax: Any, cluster: Any, lays: dict[int, _Layout], columns: list[tuple[Any, float]],
             bottom: float, groups: Sequence[AxisGroup]) -> float:
     """Under the nodes: a bus per axis whose example spans nodes, the leaf switches the shown
     nodes' NICs plug into, and the spine tier. Returns the lowest y drawn."""
@@ -266,7 +282,7 @@ def _fabric(ax: Any, cluster: Any, lay: _Layout, columns: list[tuple[Any, float]
             involved = (item in g.nodes) if item is not None else any(
                 n not in shown for n in g.nodes)
             if involved:
-                centre = x + (SUMMARY_W if item is None else lay.width + 1.2) / 2
+                centre = x + (SUMMARY_W if item is None else lays[item].width + 1.2) / 2
                 cx = centre + (k - (len(multi) - 1) / 2) * 0.5
                 ax.plot([cx, cx], [bottom, y], color=AXIS_COLORS[g.axis], lw=2.0, zorder=8)
                 xs.append(cx)
@@ -277,27 +293,33 @@ def _fabric(ax: Any, cluster: Any, lay: _Layout, columns: list[tuple[Any, float]
     if cluster.num_nodes < 2 or cluster.fabric is None:
         return bottom - 0.45 - 0.38 * len(multi)
     leaf_y = bottom - 0.45 - 0.38 * len(multi) - 0.75
-    return _switches(ax, cluster, lay, columns, leaf_y)
+    return _switches(ax, cluster, lays, columns, leaf_y)
 
 
-def _switches(ax: Any, cluster: Any, lay: _Layout, columns: list[tuple[Any, float]],
+def _switches(ax: Any, cluster: Any, lays: dict[int, _Layout], columns: list[tuple[Any, float]],
               leaf_y: float) -> float:
-    """The leaves the shown nodes' NICs plug into (NIC-leaf cables drawn), one box for the
-    other leaves, and the spine tier under them."""
+    """The leaves the shown nodes' NICs plug into (NIC-leaf cables drawn, each in its pool's
+    NIC link on a heterogeneous cluster), one box for the other leaves, and the spine tier
+    under them."""
     g = cluster.graph
     style = _link_style(cluster, cluster.fabric.link)
-    nics = [n for n, k in cluster.node_topology.components if k == "nic"]
-    nic_row = max(r for _, r in lay.pos.values())
-    leaves: dict[str, list[float]] = {}
+    leaves: dict[str, list[tuple[float, float, dict[str, Any]]]] = {}
     for item, x in columns:
-        for nic in nics if item is not None else ():
-            leaf = next(v for v in g.neighbors(f"n{item}.{nic}") if g.nodes[v]["kind"] == "leaf")
-            leaves.setdefault(leaf, []).append(x + 0.6 + lay.pos[nic][0])
+        if item is None:
+            continue
+        node = node_cluster(cluster, item)
+        lay = lays[item]
+        nic_row = max(r for _, r in lay.pos.values())
+        cable = (_link_style(node, node.fabric.link) if node.fabric is not None else style)
+        for nic in (n for n, k in node.node_topology.components if k == "nic"):
+            gn = node.graph
+            leaf = next(v for v in gn.neighbors(f"n{item}.{nic}") if gn.nodes[v]["kind"] == "leaf")
+            leaves.setdefault(leaf, []).append((x + 0.6 + lay.pos[nic][0], nic_row, cable))
     boxes = []
-    for leaf, xs in leaves.items():
-        cx = sum(xs) / len(xs)
-        for x in xs:
-            ax.plot([x, cx], [-nic_row * ROW - BOX_H / 2, leaf_y + 0.22], zorder=2, **style)
+    for leaf, ends in leaves.items():
+        cx = sum(x for x, _, _ in ends) / len(ends)
+        for x, nic_row, cable in ends:
+            ax.plot([x, cx], [-nic_row * ROW - BOX_H / 2, leaf_y + 0.22], zorder=2, **cable)
         _box(ax, cx, leaf_y, 2.2, 0.44, FACE["leaf"], f"leaf switch {_index(leaf)}", size=6.5)
         boxes.append(cx)
     num_leaves = sum(1 for v in g if g.nodes[v]["kind"] == "leaf")
@@ -324,7 +346,14 @@ def _switches(ax: Any, cluster: Any, lay: _Layout, columns: list[tuple[Any, floa
 
 # ---------------------------------------------------------------- legends and entry point
 def _link_entries(cluster: Any) -> list[tuple[dict[str, Any], str]]:
-    """(line style, label) per link type and lane count: where it is, its peak bandwidth."""
+    """(line style, label) per link type and lane count: where it is, its peak bandwidth;
+    on a heterogeneous cluster, those of every pool's node type."""
+    if cluster.pools:
+        out: dict[str, dict[str, Any]] = {}
+        for i in range(len(cluster.pools)):
+            for style, label in _link_entries(cluster.pool_view(i)):
+                out.setdefault(label, style)
+        return [(style, label) for label, style in out.items()]
     edges = [(f"n0.{li.a}", f"n0.{li.b}") for li in cluster.node_topology.links]
     g = cluster.graph
     if cluster.num_nodes > 1 and cluster.fabric is not None:
@@ -376,23 +405,28 @@ def draw_topology(cluster: Any, path: str, *, groups: Sequence[AxisGroup] = (),
     """Draw ``cluster`` (and ``groups``, the mesh axes on it) to ``path`` (PNG, SVG or PDF
     by its suffix); returns the nodes drawn in detail."""
     plt = _pyplot()
-    lay = node_layout(cluster)
-    shown = shown_nodes(cluster.num_nodes, groups, limit=max_nodes)
-    columns = _plan_columns(cluster, shown, lay)
+    shown = _shown(cluster, groups, max_nodes)
+    by_type: dict[int, _Layout] = {}        # one layout per node type (pool)
+    lays = {n: by_type.setdefault(_pool(cluster, n), node_layout(node_cluster(cluster, n)))
+            for n in shown}
+    columns = _plan_columns(cluster, shown, lays)
     members = {g.axis: set(g.example) for g in groups}
-    nrows = max(r for _, r in lay.pos.values()) + 1
+    nrows = max(r for lay in lays.values() for _, r in lay.pos.values()) + 1
     bottom = -(nrows - 1) * ROW - 0.55
-    right = columns[-1][1] + (SUMMARY_W if columns[-1][0] is None else lay.width + 1.2)
+    right = columns[-1][1] + (SUMMARY_W if columns[-1][0] is None
+                              else lays[columns[-1][0]].width + 1.2)
     fig = plt.figure()
     ax = fig.add_axes((0, 0, 1, 1))
     for item, x in columns:
         if item is None:
             _summary(ax, cluster, shown, x, bottom, groups)
         else:
-            _draw_node(ax, cluster, lay, item, x + 0.6, members)
-    low = _fabric(ax, cluster, lay, columns, bottom, groups)
+            _draw_node(ax, node_cluster(cluster, item), lays[item], item, x + 0.6, members,
+                       _pool_label(cluster, item))
+    low = _fabric(ax, cluster, lays, columns, bottom, groups)
     left = -0.9 if not any(len(g.nodes) > 1 for g in groups) else -1.3
-    width_in, height_in = (right - left + 0.3) * UNIT_IN, (1.1 - low) * UNIT_IN
+    top = 1.1 + (POOL_ROW if cluster.pools else 0.0)
+    width_in, height_in = (right - left + 0.3) * UNIT_IN, (top - low) * UNIT_IN
     link_rows = len(_link_entries(cluster))
     legend_in = 0.4 + 0.17 * max(link_rows, 2.5 * len(groups))
     fig_w = max(width_in + 0.3, 11.0)
@@ -401,7 +435,7 @@ def draw_topology(cluster: Any, path: str, *, groups: Sequence[AxisGroup] = (),
     ax.set_position(((fig_w - width_in) / 2 / fig_w, legend_in / fig_h, width_in / fig_w,
                      height_in / fig_h))
     ax.set_xlim(left, right + 0.3)
-    ax.set_ylim(low, 1.1)
+    ax.set_ylim(low, top)
     ax.set_axis_off()
     fig.suptitle(title or _title(cluster), fontsize=10, y=1 - 0.12 / fig_h, va="top")
     _legends(fig, cluster, groups, legend_in)
@@ -410,7 +444,37 @@ def draw_topology(cluster: Any, path: str, *, groups: Sequence[AxisGroup] = (),
     return shown
 
 
+def node_cluster(cluster: Any, node: int) -> Any:
+    """The cluster as node ``node``'s type: its pool's view on a heterogeneous cluster."""
+    return cluster.pool_view(_pool(cluster, node)) if cluster.pools else cluster
+
+
+def _pool(cluster: Any, node: int) -> int:
+    return cluster.pool_of(node * cluster.devices_per_node) if cluster.pools else 0
+
+
+def _pool_label(cluster: Any, node: int) -> str:
+    if not cluster.pools:
+        return ""
+    i = _pool(cluster, node)
+    return f"pool {i}: {cluster.pools[i].device.name}"
+
+
+def _shown(cluster: Any, groups: Sequence[AxisGroup], limit: int) -> tuple[int, ...]:
+    """``shown_nodes``, and on a heterogeneous cluster the first node of every pool too."""
+    shown = shown_nodes(cluster.num_nodes, groups, limit=limit)
+    if not cluster.pools:
+        return shown
+    per = cluster.devices_per_node
+    return tuple(sorted(set(shown) | {p.first_rank // per for p in cluster.pools}))
+
+
 def _title(cluster: Any) -> str:
+    if cluster.pools:
+        return (f"{cluster.name}: {cluster.num_nodes:,} nodes x {cluster.devices_per_node} "
+                f"devices in {len(cluster.pools)} pools ("
+                + " + ".join(f"{p.cluster.num_nodes} x {p.device.name}" for p in cluster.pools)
+                + f") = {cluster.world_size:,} devices")
     kinds = ", ".join(_plural(KIND_NAMES.get(k, k)) for k in dict.fromkeys(
         k for _, k in cluster.node_topology.components))
     return (f"{cluster.name}: {cluster.num_nodes:,} node{'s' * (cluster.num_nodes != 1)} x "

@@ -91,6 +91,19 @@ class HeteroPlan:
             lines.append(f"  also tried {_label(cand.config)}: {cand.balanced.step_time_s:.6g} s")
         return lines
 
+    def to_plan(self, model: Any, cluster: Any, *, global_batch_size: int,
+                **plan_options: Any) -> Any:
+        """This result as a runnable Plan (``planner/hetero_planfile.py``) that
+        ``autoplan.compile(model, cluster, plan=...)`` and ``autoplan run`` take: ``model`` (or
+        its OpGraph), ``cluster`` and the options as given to ``plan_hetero``."""
+        from autoplan.planner.hetero_planfile import hetero_plan
+        graph = as_graph(model, plan_options.pop("example_inputs", None),
+                         loss_fn=plan_options.pop("loss_fn", None),
+                         targets=plan_options.pop("targets", None), who="HeteroPlan.to_plan()",
+                         error=ConfigError)
+        return hetero_plan(self, graph, cluster, global_batch_size=global_batch_size,
+                           **plan_options)
+
     def to_dict(self) -> dict[str, Any]:
         b, c = self.best.balanced, self.best.config
         return {"placement": b.placement, "pool_of_unit": list(b.pool_of_unit),
