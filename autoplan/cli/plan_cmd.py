@@ -21,8 +21,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--cluster", required=True,
                    help="preset[:nodes] (e.g. dgx-h100:4; dgx-h100/1: one GPU of the node), "
                         "'local[:N]', or a cluster file; pools of different nodes joined by "
-                        "'+' (dgx-a100-80gb:4+dgx-h100:4): a heterogeneous cluster, planned "
-                        "against its slowest GPU")
+                        "'+' (dgx-a100-80gb:4+dgx-h100:4), or a file with pools: a "
+                        "heterogeneous cluster, its work balanced on the pools against the "
+                        "plan of its slowest GPU; the plan file runs on those pools")
     p.add_argument("--global-batch", type=int, required=True, help="global batch size (samples)")
     p.add_argument("--precision", default="bf16", choices=("bf16", "fp16", "fp32", "auto"),
                    help="training precision (bf16); auto: the search also tries fp32 where "

@@ -39,6 +39,7 @@ from autoplan.estimate.hetero import (STAGES, HeteroEstimate, estimate_hetero,
                                       placement)
 from autoplan.estimate.partition import pipeline_units
 from autoplan.graph.trace import as_graph
+from autoplan.planner.hetero_planfile import hetero_plan
 from autoplan.planner.search import plan
 from autoplan.sharding.parallel_config import ParallelConfig
 
@@ -96,7 +97,6 @@ class HeteroPlan:
         """This result as a runnable Plan (``planner/hetero_planfile.py``) that
         ``autoplan.compile(model, cluster, plan=...)`` and ``autoplan run`` take: ``model`` (or
         its OpGraph), ``cluster`` and the options as given to ``plan_hetero``."""
-        from autoplan.planner.hetero_planfile import hetero_plan
         graph = as_graph(model, plan_options.pop("example_inputs", None),
                          loss_fn=plan_options.pop("loss_fn", None),
                          targets=plan_options.pop("targets", None), who="HeteroPlan.to_plan()",

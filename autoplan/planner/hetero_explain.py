@@ -10,6 +10,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from autoplan.planner.text_format import fmt_bytes, fmt_ranges, fmt_s
+from autoplan.sharding.parallel_config import ParallelConfig
 
 
 def hetero_text(plan: Any) -> str:
@@ -82,7 +83,6 @@ def _rate(flops: float) -> str:
 
 
 def _short(config: Mapping[str, Any]) -> str:
-    from autoplan.sharding.parallel_config import ParallelConfig
     return ParallelConfig.from_dict(dict(config)).short()
 
 

@@ -37,6 +37,7 @@ from autoplan.process_exit import exit_now
 from autoplan.models import build_example
 from autoplan.models.registry import layer_overrides
 from autoplan.runtime.verify import user_example
+from autoplan.planner import hetero_explain
 from autoplan.planner.planfile import plan_from_file
 from autoplan.runtime.trainer import ELASTIC_ENV, compile, init_distributed
 from autoplan.runtime.checkpoint_dir import RUN_ID_ENV, release, run_id, claim, plan_start
@@ -175,8 +176,7 @@ def _on_pools(plan: Any) -> tuple[str, ...]:
     its own pool in the plan: ``Plan.pool_of_rank``)."""
     if plan.hetero is None:
         return ()
-    from autoplan.planner.hetero_explain import units_lines
-    return tuple(f"on pools: {line}" for line in units_lines(plan))
+    return tuple(f"on pools: {line}" for line in hetero_explain.units_lines(plan))
 
 
 def _arguments() -> argparse.ArgumentParser:
