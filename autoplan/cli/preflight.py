@@ -88,10 +88,11 @@ def _check_arguments(args: argparse.Namespace) -> None:
 def _check_world(plan: Any, args: argparse.Namespace) -> int:
     """The ranks per node: the plan's world size over ``--nnodes`` unless given."""
     world, c = plan.config.world_size, plan.cluster
-    # CPU rank processes: any split of the ranks over machines runs the plan (its prediction
-    # is then stale, cluster/hardware.py), e.g. a mixed CPU cluster's nodes on one machine
+    # a CPU plan's nodes (a mixed CPU cluster's pools, say) may run on one machine: CPU rank
+    # processes run a plan on any split of its ranks, its prediction then stale
+    # (cluster/hardware.py)
     cpu = c.hardware is not None and c.hardware.device_kind == "cpu"
-    if args.nnodes != c.num_nodes and not cpu:
+    if args.nnodes != c.num_nodes and not (cpu and args.nnodes == 1):
         raise PlanError(f"the plan is for {c.num_nodes} node(s) of {c.devices_per_node} devices "
                         f"({c.name}); --nnodes {args.nnodes} does not match: launch on "
                         f"{c.num_nodes} node(s) or re-plan for {args.nnodes}")
