@@ -101,8 +101,9 @@ def test_plans_on_pools_run_as_one_device(tmp_path, capsys):
 
 
 def test_the_plan_matches_the_same_pools_only(graph, tmp_path):
-    """Round trip byte for byte; the same pools from another file match; on GPU pools another
-    mix, or the same devices with another NIC, is refused naming what differs."""
+    """Round trip byte for byte and valid under the shipped schema; the same pools match, a CPU
+    job of the same size runs it (stale); on GPU pools another order, or the same devices with
+    another NIC, is refused naming the pools on both sides."""
     cluster = Cluster.from_spec(MIXED)
     result = plan_hetero(graph, cluster, global_batch_size=GBS, precision="fp32", profile=None)
     plan = result.to_plan(graph, cluster, global_batch_size=GBS, precision="fp32",
