@@ -40,6 +40,7 @@ from autoplan.estimate.hetero import (STAGES, HeteroEstimate, estimate_hetero,
 from autoplan.estimate.partition import pipeline_units
 from autoplan.graph.trace import as_graph
 from autoplan.planner.search import plan
+from autoplan.sharding.doc_work import packed_work
 from autoplan.sharding.parallel_config import ParallelConfig
 
 MAX_MOVES = 64            # local-search steps per candidate (each one estimate per neighbour)
@@ -133,6 +134,10 @@ def plan_hetero(model: Any, cluster: Any, *, global_batch_size: int,
     say = progress or (lambda _msg: None)
     graph = as_graph(model, example_inputs, loss_fn=loss_fn, targets=targets, who="plan_hetero()",
                      error=ConfigError)
+    # the data's lengths, read once: the slowest-GPU search and every pool price them
+    documents = packed_work(graph, plan_options.pop("seq_lengths", None))
+    if documents is not None:
+        plan_options["seq_lengths"] = documents
     say(f"planning {cluster.name} as its slowest GPU ({cluster.slowest().device.name})")
     baseline = plan_fn(graph, cluster.slowest(), global_batch_size=global_batch_size,
                        profile=profile, **plan_options)
@@ -157,7 +162,8 @@ def plan_hetero(model: Any, cluster: Any, *, global_batch_size: int,
             continue          # a stage or replica would straddle pools
         say(f"balancing {_label(config)} on the pools")
         try:
-            found.append(balance(graph, cluster, config, global_batch_size, profile=profile))
+            found.append(balance(graph, cluster, config, global_batch_size, profile=profile,
+                                 seq_lengths=documents))
         except ConfigError:
             continue
     if not found:
@@ -171,11 +177,12 @@ def plan_hetero(model: Any, cluster: Any, *, global_batch_size: int,
 
 
 def balance(graph: Any, cluster: Any, config: ParallelConfig, global_batch_size: int, *,
-            profile: Any = "auto") -> HeteroCandidate:
-    """``config`` with its work split in proportion to each pool's speed (module docstring)."""
+            profile: Any = "auto", seq_lengths: Any = None) -> HeteroCandidate:
+    """``config`` with its work split in proportion to each pool's speed (module docstring);
+    ``seq_lengths``: the data's document lengths, priced per pool (``estimate_hetero``)."""
     def price(cfg: ParallelConfig, shares: Sequence[int] | None = None) -> HeteroEstimate:
         return estimate_hetero(graph, cluster, config=cfg, global_batch_size=global_batch_size,
-                               dp_shares=shares, profile=profile)
+                               dp_shares=shares, profile=profile, seq_lengths=seq_lengths)
 
     config = replace(config, dp_shares=None)
     even = price(replace(config, chunk_layers=None) if config.pp > 1 else config)
