@@ -70,7 +70,8 @@ def _add_objective_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group(
         "objectives", "with --objective cost or energy, or any of --max-gpus, --tokens, "
         "--deadline, --budget-usd, the search also chooses how many of the cluster's devices "
-        "to use (whole nodes, and powers of two inside one) and prints the Pareto front over "
+        "to use (whole nodes, and powers of two inside one; on a heterogeneous cluster also "
+        "which pools: each alone, and the pools together) and prints the Pareto front over "
         "time, cost and energy (also in the plan file, and drawn to --pareto-png)")
     g.add_argument("--objective", default="time", choices=("time", "cost", "energy"),
                    help="what the plan is best at: the fastest step or run (time, the "
@@ -167,15 +168,10 @@ def _run_hetero(graph, cluster, args: argparse.Namespace, kw: dict, t0: float) -
     from pathlib import Path
     from autoplan.planner.explain import explain_plan
     from autoplan.planner.hetero import plan_hetero
-    from autoplan.errors import ConfigError
-    if kw.get("objective") not in (None, "time") or any(
-            kw.get(k) is not None for k in ("max_gpus", "tokens", "budget_usd")):
-        raise ConfigError("--objective, --max-gpus, --tokens and --budget-usd are not yet "
-                          "searched on a heterogeneous cluster; plan it for step time")
-    if kw.get("seq_lengths") is not None:
-        raise ConfigError("--seq-lengths is not yet priced on a heterogeneous cluster (its "
-                          "candidates are re-priced per pool at one fixed length): drop it, or "
-                          "plan one pool's cluster with it")
+    from autoplan.planner import objectives_pools
+    if objectives_pools.wanted(kw):        # which pools and nodes to use, by the objective
+        return _run_pools(graph, cluster, args, kw, t0)
+    kw = {k: v for k, v in kw.items() if k not in ("economics", "objective")}
     result = plan_hetero(graph, cluster, **kw)
     print(f"The cluster as its slowest GPU ({cluster.slowest().device.name} on all "
           f"{cluster.world_size} ranks):")
@@ -189,6 +185,37 @@ def _run_hetero(graph, cluster, args: argparse.Namespace, kw: dict, t0: float) -
                               indent=1, sort_keys=True) + "\n")
     print(f"\nwrote {out} (the heterogeneous plan's figures and the slowest-GPU plan; "
           f"`autoplan run` does not run pools yet; total {time.perf_counter() - t0:.1f} s)")
+    return 0
+
+
+def _run_pools(graph, cluster, args: argparse.Namespace, kw: dict, t0: float) -> int:
+    """The objectives on pools (``planner/objectives_pools.py``): the front over every pool
+    alone and the pools together; a winner on one pool's devices is written to ``--output``
+    (a plan ``autoplan run`` takes), one over several pools beside it as .hetero.json."""
+    import json
+    from pathlib import Path
+    from autoplan.planner.explain import explain_plan
+    from autoplan.planner.objectives_pools import plan_pools
+    from autoplan.planner.objectives_report import table
+    got = plan_pools(graph, cluster, **kw)
+    if got.hetero is None:
+        got.best.plan.save(args.output)
+        print(explain_plan(got.best.plan))
+        wrote = f"{args.output} (the plan on {got.best.devices})"
+    else:
+        print(table(got.objectives))
+        print()
+        print("\n".join(got.hetero.summary_lines()))
+        out = Path(args.output)
+        out = out.with_name(out.stem + ".hetero.json")
+        out.write_text(json.dumps({"cluster": cluster.name, **got.hetero.to_dict(),
+                                   "objectives": got.objectives,
+                                   "slowest_gpu_plan": got.hetero.baseline.to_dict()},
+                                  indent=1, sort_keys=True) + "\n")
+        wrote = (f"{out} (the heterogeneous plan's figures, the objectives and the "
+                 "slowest-GPU plan)")
+    _print_objectives(got, args)
+    print(f"\nwrote {wrote}; total {time.perf_counter() - t0:.1f} s")
     return 0
 
 

@@ -131,6 +131,13 @@ def plan_hetero(model: Any, cluster: Any, *, global_batch_size: int,
     if not getattr(cluster, "pools", ()):
         raise ConfigError("plan_hetero() plans heterogeneous clusters (pools, e.g. "
                           "dgx-a100-80gb:4+dgx-h100:4); use autoplan.plan() for this one")
+    if plan_options.get("objective", "time") != "time" or any(
+            plan_options.get(k) is not None for k in ("max_gpus", "tokens", "deadline_days",
+                                                      "budget_usd")):
+        raise ConfigError("plan_hetero() plans all the pools for step time; for --objective "
+                          "cost or energy, --max-gpus, --tokens, --deadline or --budget-usd "
+                          "use autoplan.planner.objectives_pools.plan_pools(), which also "
+                          "chooses the pools and nodes to use")
     say = progress or (lambda _msg: None)
     graph = as_graph(model, example_inputs, loss_fn=loss_fn, targets=targets, who="plan_hetero()",
                      error=ConfigError)
