@@ -25,6 +25,13 @@ The search, in order:
 4. The fastest balanced candidate wins; the even split of the baseline's config is always among
    them, so the result is never slower than running the baseline's config on the pools as is.
 
+Not searched: uneven shares with pp > 1 (dp replicas each a whole pipeline in one pool). The
+runtime's mesh puts pp outermost, so a replica holds one rank of every stage's block of ranks,
+and pools are contiguous rank ranges: a pipelined replica lies in one pool only where every
+stage does, i.e. on one pool. Planning it needs the runtime to lay dp outside pp (or renumber
+ranks); until then only what runs is planned. Objectives (cost, energy, which pools and nodes
+to use): ``objectives_pools.plan_pools``.
+
 Pure and deterministic: the same inputs give the same plan.
 """
 

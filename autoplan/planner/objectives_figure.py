@@ -14,6 +14,7 @@ from autoplan.planner.figures_draw import WIDTH_IN, pyplot, save_figure
 from autoplan.planner.objectives_report import JOULES_PER_KWH, gpus_text, is_chosen
 
 FRONT, BEATEN, EXCLUDED, CHOSEN = "#2E4A7D", "#8C8C8C", "#C44E52", "#F28E2B"
+MAX_LABELLED = 8
 
 
 def _time_unit(seconds: list[float]) -> tuple[float, str]:
@@ -28,6 +29,7 @@ def _time_unit(seconds: list[float]) -> tuple[float, str]:
 def _panel(ax: Any, sec: Mapping[str, Any], key: str, scale: float, ylabel: str,
            tdiv: float, tname: str) -> None:
     pts = [p for p in sec["points"] if key in p]
+    shown = 0
     for p in pts:
         x, y = p["run_time_s"] / tdiv, p[key] / scale
         if p["excluded"]:
@@ -40,7 +42,12 @@ def _panel(ax: Any, sec: Mapping[str, Any], key: str, scale: float, ylabel: str,
             ax.scatter([x], [y], s=320, facecolors="none", edgecolors=CHOSEN, linewidths=2.5,
                        zorder=2)
         label = p.get("devices") or f"{p['gpus']} GPU{'s' if p['gpus'] > 1 else ''}"
-        ax.annotate(label, (x, y), textcoords="offset points", xytext=(8, 6), fontsize=10)
+        # many points (pools: each pool's counts and the pools together): names on the front
+        # and the plan only, the table lists the rest
+        if len(pts) <= MAX_LABELLED or is_chosen(sec, p) or (p["pareto"] and not p["excluded"]):
+            shown += 1            # alternately above and below: neighbours on a flat front
+            ax.annotate(label, (x, y), textcoords="offset points",
+                        xytext=(8, 6 if shown % 2 else -16), fontsize=10)
     front = sorted((p for p in pts if p["pareto"] and not p["excluded"]),
                    key=lambda p: p["run_time_s"])
     if len(front) > 1:
