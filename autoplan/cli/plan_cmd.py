@@ -71,7 +71,8 @@ def _add_objective_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group(
         "objectives", "with --objective cost or energy, or any of --max-gpus, --tokens, "
         "--deadline, --budget-usd, the search also chooses how many of the cluster's devices "
-        "to use (whole nodes, and powers of two inside one) and prints the Pareto front over "
+        "to use (whole nodes, and powers of two inside one; on a heterogeneous cluster also "
+        "which pools: each alone, and the pools together) and prints the Pareto front over "
         "time, cost and energy (also in the plan file, and drawn to --pareto-png)")
     g.add_argument("--objective", default="time", choices=("time", "cost", "energy"),
                    help="what the plan is best at: the fastest step or run (time, the "
@@ -168,15 +169,10 @@ def _run_hetero(graph, cluster, args: argparse.Namespace, kw: dict, t0: float) -
     from autoplan.planner.explain import explain_plan
     from autoplan.planner.hetero import plan_hetero
     from autoplan.planner.hetero_planfile import hetero_plan
-    from autoplan.errors import ConfigError
-    if kw.get("objective") not in (None, "time") or any(
-            kw.get(k) is not None for k in ("max_gpus", "tokens", "budget_usd")):
-        raise ConfigError("--objective, --max-gpus, --tokens and --budget-usd are not yet "
-                          "searched on a heterogeneous cluster; plan it for step time")
-    if kw.get("seq_lengths") is not None:
-        raise ConfigError("--seq-lengths is not yet priced on a heterogeneous cluster (its "
-                          "candidates are re-priced per pool at one fixed length): drop it, or "
-                          "plan one pool's cluster with it")
+    from autoplan.planner import objectives_pools
+    if objectives_pools.wanted(kw):        # which pools and nodes to use, by the objective
+        return _run_pools(graph, cluster, args, kw, t0)
+    kw = {k: v for k, v in kw.items() if k not in ("economics", "objective")}
     result = plan_hetero(graph, cluster, **kw)
     print(f"The cluster as its slowest GPU ({cluster.slowest().device.name} on all "
           f"{cluster.world_size} ranks):")
@@ -188,6 +184,37 @@ def _run_hetero(graph, cluster, args: argparse.Namespace, kw: dict, t0: float) -
     print(f"\nwrote {args.output} (the heterogeneous plan: `autoplan inspect {args.output}` "
           f"explains it, `autoplan run {args.output} --model ...` runs it; total "
           f"{time.perf_counter() - t0:.1f} s)")
+    return 0
+
+
+def _run_pools(graph, cluster, args: argparse.Namespace, kw: dict, t0: float) -> int:
+    """The objectives on pools (``planner/objectives_pools.py``): the front over every pool
+    alone and the pools together; the winner, on one pool's devices or over several pools, is
+    written to ``--output`` with its objectives section (a plan ``autoplan run`` takes)."""
+    from autoplan.planner.explain import explain_plan
+    from autoplan.planner.objectives_pools import plan_pools
+    from autoplan.planner.objectives_report import table
+    got = plan_pools(graph, cluster, **kw)
+    if got.hetero is None:
+        written = got.best.plan
+        print(explain_plan(written))
+    else:                                  # several pools: their runnable plan, objectives set
+        from dataclasses import replace
+        from autoplan.planner.hetero_planfile import hetero_plan
+        from autoplan.planner.objectives_pools import subsets, OBJECTIVE_KEYS
+        sub = next(s for s in subsets(cluster, kw.get("max_gpus"))
+                   if s.label == got.best.devices)
+        print(table(got.objectives))
+        print()
+        print("\n".join(got.hetero.summary_lines()))
+        inner = {k: v for k, v in kw.items() if k not in OBJECTIVE_KEYS}
+        written = replace(hetero_plan(got.hetero, graph, sub.cluster, **inner),
+                          objectives=got.objectives)
+    written.save(args.output)
+    wrote = (f"{args.output} (the plan on {got.best.devices}: `autoplan inspect "
+             f"{args.output}` explains it, `autoplan run {args.output} --model ...` runs it)")
+    _print_objectives(got, args)
+    print(f"\nwrote {wrote}; total {time.perf_counter() - t0:.1f} s")
     return 0
 
 

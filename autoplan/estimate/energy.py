@@ -15,12 +15,18 @@ time per micro-batch against the slowest stage's, and waits for the rest of its 
 (idle). Every stage holds the same number of devices (world / pp). The fractions and the TDP
 come from ``cluster/economics.py`` (``cost_models/economics.yaml``: datasheet TDPs, assumed
 fractions). Energy counts the devices' boards only.
+
+On pools (``estimate/hetero.py``), each device draws its own type's power
+(:func:`hetero_step_energy`): with stages on pools, each stage's devices at their pool's TDP,
+busy as above; with replicas on pools, each replica's devices busy for its own share's
+compute and communication (its own estimate) and idle for the rest of the step, the slowest
+replica's.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, fields
 from typing import Any
 
 STATES = ("compute", "communication", "idle")
@@ -58,8 +64,9 @@ def _stage_shares(stages: Any) -> list[float]:
 def step_energy(predicted: Mapping[str, Any], devices: int, economics: Any) -> StepEnergy:
     """The energy of one step on ``devices`` devices, from an estimate's figures
     (``Estimate.to_dict()``, or a plan's ``predicted``: ``step_time_s``, ``time`` and
-    ``stages``), under ``economics`` (``cluster.economics.Economics``). ConfigError where the
-    device has no power figure."""
+    ``stages``), under ``economics`` (``cluster.economics.Economics``; a sequence of them: one
+    per pipeline stage, each stage's devices' own). ConfigError where a device has no power
+    figure."""
     t = predicted["time"]
     step_s = float(predicted["step_time_s"])
     fwd_bwd_s = float(t["compute_s"]) + float(t["recompute_s"])
@@ -71,16 +78,45 @@ def step_energy(predicted: Mapping[str, Any], devices: int, economics: Any) -> S
     scale = step_s / (busy_s + comm_s) if busy_s + comm_s > step_s > 0 else 1.0
     shares = _stage_shares(predicted["stages"])
     per_stage = devices / len(shares)
+    econs = (tuple(economics) if isinstance(economics, Sequence)
+             else (economics,) * len(shares))
     device_s = {"compute": 0.0, "communication": 0.0, "idle": 0.0}
-    for share in shares:
+    joules = {"compute": 0.0, "communication": 0.0, "idle": 0.0}
+    for share, econ in zip(shares, econs, strict=True):
         # the optimizer step runs on every stage alike; forward and backward shrink with share
         work = (fwd_bwd_s * share + optimizer_s) * scale
-        device_s["compute"] += per_stage * work
-        device_s["communication"] += per_stage * comm_s * scale
-        device_s["idle"] += per_stage * max(step_s - work - comm_s * scale, 0.0)
-    joules = {k: v * economics.watt(k) for k, v in device_s.items()}
+        stage_s = {"compute": per_stage * work,
+                   "communication": per_stage * comm_s * scale,
+                   "idle": per_stage * max(step_s - work - comm_s * scale, 0.0)}
+        for k, v in stage_s.items():
+            device_s[k] += v
+            joules[k] += v * econ.watt(k)
     return StepEnergy(compute_joules=joules["compute"],
                       communication_joules=joules["communication"],
                       idle_joules=joules["idle"], compute_device_s=device_s["compute"],
                       communication_device_s=device_s["communication"],
                       idle_device_s=device_s["idle"])
+
+
+def add(parts: Sequence[StepEnergy]) -> StepEnergy:
+    """The energy of several groups of devices over one step, summed part by part."""
+    return StepEnergy(**{f.name: sum(getattr(p, f.name) for p in parts)
+                         for f in fields(StepEnergy)})
+
+
+def hetero_step_energy(het: Any, economics_of_pool: Sequence[Any]) -> StepEnergy:
+    """The energy of one step of a config priced on pools (``estimate/hetero.HeteroEstimate``),
+    each device at its own pool's power (``economics_of_pool[i]``: pool ``i``'s Economics):
+    stages on pools, every stage's devices at their pool's; replicas on pools, each replica's
+    devices busy for its own share (its ``unit_estimates`` entry) and idle until the slowest
+    replica's step ends."""
+    est = het.estimate
+    world = est.config.world_size
+    if not het.unit_estimates:            # stages on pools
+        return step_energy(est.to_dict(), world, [economics_of_pool[p]
+                                                  for p in het.pool_of_unit])
+    step_s = est.step_time_s
+    per_replica = world // len(het.unit_estimates)
+    return add([step_energy({**unit.to_dict(), "step_time_s": step_s}, per_replica,
+                            economics_of_pool[pool])
+                for unit, pool in zip(het.unit_estimates, het.pool_of_unit, strict=True)])

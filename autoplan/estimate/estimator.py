@@ -310,11 +310,16 @@ def _simulated_timing(ci: CostInputs, costs: Sequence[RangeCost], m: int,
 
 def time_breakdown(ci: CostInputs, costs: Sequence[RangeCost], chunks: Sequence[Any],
                    timing: PipelineTiming, m: int, profile: Any,
-                   state_config: ParallelConfig) -> TimeBreakdown:
+                   state_config: ParallelConfig,
+                   stage_devices: Sequence[tuple[Any, Any]] | None = None) -> TimeBreakdown:
     """Seconds per step on the bottleneck stage, by cause: its compute, recompute and exposed
     tp/ep/cp collectives over ``m`` micro-batches, the schedule's bubble and sends, the worst
-    stage's data-parallel, optimizer and offload terms, and the framework's overhead."""
+    stage's data-parallel, optimizer and offload terms, and the framework's overhead.
+    ``stage_devices`` (pools, ``estimate/hetero.py``): per stage, the (ComputeModel, profile)
+    of its own device, which prices its optimizer step and its framework overhead; None: ``ci``'s
+    and ``profile`` for every stage."""
     config = ci.config
+    stage_devices = stage_devices or ((ci.compute, profile),) * config.pp
     bc = [costs[c] for c in timing.stage_chunks[timing.bottleneck]]
     compute_s = m * sum(c.fwd_s + c.bwd_s for c in bc)
     recompute_s = m * sum(c.recompute_s for c in bc)
@@ -322,17 +327,18 @@ def time_breakdown(ci: CostInputs, costs: Sequence[RangeCost], chunks: Sequence[
     ep_s = m * sum(c.ep_fwd_s + c.ep_bwd_s for c in bc)
     cp_s = m * sum(c.cp_s for c in bc)
     dp_sync, zero_gather, opt_s, offload_s = _worst_stage_dp_terms(ci, costs, timing, m,
-                                                                   profile, state_config)
+                                                                   stage_devices, state_config)
     if timing.simulated_comm is not None:
         dp_sync += timing.simulated_comm[0]
         zero_gather += timing.simulated_comm[1]
-    cal = getattr(profile, "calibration", None)
+    bottleneck_compute, bottleneck_profile = stage_devices[timing.bottleneck]
+    cal = getattr(bottleneck_profile, "calibration", None)
     overhead_s = getattr(cal, "step_overhead_s", 0.0) or 0.0
     # eager framework time outside the kernels: per op, forward and backward, every micro-batch
     ops_bottleneck = sum(chunks[c].stop - chunks[c].start
                          for c in timing.stage_chunks[timing.bottleneck])
     overhead_s += (getattr(cal, "framework_s_per_op", 0.0) * 2 * ops_bottleneck * m
-                   * ci.compute.slowdown)
+                   * bottleneck_compute.slowdown)
     comm_exposed = {"tp": max(0.0, tp_s - cp_s), "dp_grad_sync": dp_sync,
                     "zero_param_gather": zero_gather,
                     "pp_p2p": timing.p2p_s, "offload": offload_s}
@@ -349,18 +355,18 @@ def time_breakdown(ci: CostInputs, costs: Sequence[RangeCost], chunks: Sequence[
 
 
 def _worst_stage_dp_terms(ci: CostInputs, costs: Sequence[RangeCost], timing: PipelineTiming,
-                          m: int, profile: Any, state_config: ParallelConfig
-                          ) -> tuple[float, float, float, float]:
+                          m: int, stage_devices: Sequence[tuple[Any, Any]],
+                          state_config: ParallelConfig) -> tuple[float, float, float, float]:
     """(gradient sync, ZeRO gathers, optimizer, offload) seconds of the stage where they add
-    up to most: data parallel, ZeRO and the optimizer step, hidden behind backward compute
-    only as far as that compute lasts."""
+    up to most: data parallel, ZeRO and the optimizer step (on the stage's own device,
+    ``stage_devices[s]``), hidden behind backward compute only as far as that compute lasts."""
     config, cluster = ci.config, ci.cluster
     interference = overlap_interference(cluster)
     dp_sync = zero_gather = opt_s = offload_s = 0.0
     for s in range(config.pp):
         terms = stage_terms(state_config, cluster,
                             stage_params(costs, timing.stage_chunks[s], config), m, s,
-                            ci.compute, profile, simulated=timing.simulated_comm is not None)
+                            *stage_devices[s], simulated=timing.simulated_comm is not None)
         x = price(terms, timing.stage_f[s], timing.stage_b[s], interference)
         # the tp-axis all-reduce of replicated weights' partial gradients runs after backward,
         # in one flattened call (runtime/optim.py TensorParallelGrads): exposed

@@ -15,9 +15,11 @@ config places its work on the pools in one of two ways, and any other way is ref
   gradient sync of the whole dp group (crossing pools: on the slower NIC); the step is the
   slowest replica's (they meet at the gradient sync).
 
-What is not priced per stage's pool with stages on pools (the optimizer step, the framework's
-overhead per op): the first stage's device prices them for every stage (replicas on pools: each
-replica's own device).
+Each stage's optimizer step is priced on its own device, and the framework's overhead per op
+on the bottleneck stage's (replicas on pools: each replica's own device). With
+``seq_lengths`` (the data's document lengths, ``sharding/seq_lengths.py``), every pool prices
+attention at the packed documents' expected masked work (``sharding/doc_work.py``), as
+``estimate()`` does on one device type.
 Memory: each stage (or replica) is held against its own device's memory (under ``dp_shares``
 with FSDP, a replica of two micro-batches or more holds its gradients, under ZeRO-3 its
 weights too, unsharded for the step, as the runtime does); the Estimate's
@@ -40,6 +42,7 @@ from autoplan.estimate.estimator import (assemble_estimate, chunk_offload_flags,
 from autoplan.estimate.layout import chunks_for
 from autoplan.estimate.result import Estimate
 from autoplan.graph.trace import as_graph
+from autoplan.sharding.doc_work import packed_work
 from autoplan.sharding.parallel_config import ParallelConfig
 
 STAGES, REPLICAS = "stages", "replicas"
@@ -57,6 +60,9 @@ class HeteroEstimate:
     pool_of_unit: tuple[int, ...]
     dp_shares: tuple[int, ...] | None
     pool_step_s: tuple[float, ...]
+    # replicas on pools: each replica's own Estimate (its pool's device, its share), whose
+    # step is its own busy time within the step (``estimate/energy.py`` reads it); stages: ()
+    unit_estimates: tuple[Estimate, ...] = ()
 
     @property
     def step_time_s(self) -> float:
@@ -109,10 +115,12 @@ def estimate_hetero(model: Any, cluster: Any, *, config: ParallelConfig, global_
                     loss_fn: Any = None, targets: Any = None,
                     profile: Any = "auto", memory_margin_bytes: float | None = None,
                     sharding: Any = None, simulate_pipeline: bool = True,
-                    expert_capacity_factor: float = 1.0) -> HeteroEstimate:
+                    expert_capacity_factor: float = 1.0, seq_lengths: Any = None
+                    ) -> HeteroEstimate:
     """Price ``config`` on a heterogeneous ``cluster`` (see the module docstring); ``dp_shares``
     (pp = 1): micro-batches per dp replica, in dp-rank order, where the config has none of its
-    own (``ParallelConfig.dp_shares``); the Estimate's config carries them."""
+    own (``ParallelConfig.dp_shares``); the Estimate's config carries them. ``seq_lengths``: a
+    file path, a ``LengthHistogram`` or a ``PackedWork``, as ``estimate()`` takes it."""
     cluster = cluster_arg(cluster, "estimate_hetero()")
     if not cluster.pools:
         raise ConfigError("estimate_hetero() prices heterogeneous clusters (pools); use "
@@ -131,11 +139,12 @@ def estimate_hetero(model: Any, cluster: Any, *, config: ParallelConfig, global_
                           f"with pp={config.pp} every stage lies in one pool: drop dp_shares or "
                           "use pp=1")
     views = {i: cluster.pool_view(i) for i in sorted(set(pool_of_unit))}
-    inputs = {i: cost_inputs(graph, v, config, profile_arg(profile, v, "estimate_hetero()"),
-                             sharding, expert_capacity_factor) for i, v in views.items()}
-    main_profile = profile_arg(profile, cluster, "estimate_hetero()")
+    documents = packed_work(graph, seq_lengths)
+    profiles = {i: profile_arg(profile, v, "estimate_hetero()") for i, v in views.items()}
+    inputs = {i: cost_inputs(graph, v, config, profiles[i], sharding, expert_capacity_factor,
+                             documents) for i, v in views.items()}
     kw = dict(graph=graph, cluster=cluster, views=views, inputs=inputs,
-              profile=main_profile, margin=memory_margin_bytes, simulate=simulate_pipeline)
+              profiles=profiles, margin=memory_margin_bytes, simulate=simulate_pipeline)
     if where == STAGES:
         for v in views.values():
             validate(graph, v, config, global_batch_size)
@@ -174,16 +183,18 @@ def estimate_hetero(model: Any, cluster: Any, *, config: ParallelConfig, global_
     est = replace(est, mfu=_mfu(est, cluster, config, pool_of_unit),
                   config=config if dp_shares is None else replace(config, dp_shares=shares))
     return HeteroEstimate(estimate=est, placement=REPLICAS, pool_of_unit=pool_of_unit,
-                          dp_shares=None if dp_shares is None else shares, pool_step_s=per_pool)
+                          dp_shares=None if dp_shares is None else shares, pool_step_s=per_pool,
+                          unit_estimates=tuple(runs[u] for u in zip(pool_of_unit, shares)))
 
 
 def _stages_on_pools(*, graph: Any, cluster: Any, views: dict, inputs: dict, main: Any,
-                     profile: Any, margin: Any, simulate: bool, config: ParallelConfig,
+                     profiles: dict, margin: Any, simulate: bool, config: ParallelConfig,
                      global_batch_size: int, pool_of_stage: tuple[int, ...],
                      chunk_pool: int | None = None) -> tuple[Estimate, tuple[float, ...]]:
     """The estimator's steps (``estimator.estimate``) with each chunk priced on the device of
     the stage running it (``chunk_pool``: every chunk on that pool) and the schedule, the
-    collectives between stages and the dp terms on the cluster's own links."""
+    collectives between stages and the dp terms on the cluster's own links; each stage's
+    optimizer step on its own device."""
     m = config.microbatches(global_batch_size)
     chunks = chunks_for(main)
     costs = []
@@ -193,10 +204,13 @@ def _stages_on_pools(*, graph: Any, cluster: Any, views: dict, inputs: dict, mai
                                 chunk_offload_flags(config, chunks, c)))
     state_config = config.grad_view()
     timing = pipeline_timing(main, costs, m, state_config, simulate=simulate)
-    time = time_breakdown(main, costs, chunks, timing, m, profile, state_config)
+    stage_pool = [chunk_pool if chunk_pool is not None else pool_of_stage[s]
+                  for s in range(config.pp)]
+    time = time_breakdown(main, costs, chunks, timing, m, profiles[stage_pool[0]], state_config,
+                          stage_devices=[(inputs[p].compute, profiles[p]) for p in stage_pool])
     stages = []
     for s in range(config.pp):
-        pool = chunk_pool if chunk_pool is not None else pool_of_stage[s]
+        pool = stage_pool[s]
         stages.append(stage_estimate(main, costs, chunks, timing, m, s,
                                      reserved_bytes(views[pool], margin), state_config))
     est = assemble_estimate(main, chunks, tuple(stages), time, global_batch_size, m)

@@ -25,6 +25,13 @@ The search, in order:
 4. The fastest balanced candidate wins; the even split of the baseline's config is always among
    them, so the result is never slower than running the baseline's config on the pools as is.
 
+Not searched: uneven shares with pp > 1 (dp replicas each a whole pipeline in one pool). The
+runtime's mesh puts pp outermost, so a replica holds one rank of every stage's block of ranks,
+and pools are contiguous rank ranges: a pipelined replica lies in one pool only where every
+stage does, i.e. on one pool. Planning it needs the runtime to lay dp outside pp (or renumber
+ranks); until then only what runs is planned. Objectives (cost, energy, which pools and nodes
+to use): ``objectives_pools.plan_pools``.
+
 Pure and deterministic: the same inputs give the same plan.
 """
 
@@ -41,6 +48,7 @@ from autoplan.estimate.partition import pipeline_units
 from autoplan.graph.trace import as_graph
 from autoplan.planner.hetero_planfile import hetero_plan
 from autoplan.planner.search import plan
+from autoplan.sharding.doc_work import packed_work
 from autoplan.sharding.parallel_config import ParallelConfig
 
 MAX_MOVES = 64            # local-search steps per candidate (each one estimate per neighbour)
@@ -143,9 +151,20 @@ def plan_hetero(model: Any, cluster: Any, *, global_batch_size: int,
     if not getattr(cluster, "pools", ()):
         raise ConfigError("plan_hetero() plans heterogeneous clusters (pools, e.g. "
                           "dgx-a100-80gb:4+dgx-h100:4); use autoplan.plan() for this one")
+    if plan_options.get("objective", "time") != "time" or any(
+            plan_options.get(k) is not None for k in ("max_gpus", "tokens", "deadline_days",
+                                                      "budget_usd")):
+        raise ConfigError("plan_hetero() plans all the pools for step time; for --objective "
+                          "cost or energy, --max-gpus, --tokens, --deadline or --budget-usd "
+                          "use autoplan.planner.objectives_pools.plan_pools(), which also "
+                          "chooses the pools and nodes to use")
     say = progress or (lambda _msg: None)
     graph = as_graph(model, example_inputs, loss_fn=loss_fn, targets=targets, who="plan_hetero()",
                      error=ConfigError)
+    # the data's lengths, read once: the slowest-GPU search and every pool price them
+    documents = packed_work(graph, plan_options.pop("seq_lengths", None))
+    if documents is not None:
+        plan_options["seq_lengths"] = documents
     say(f"planning {cluster.name} as its slowest GPU ({cluster.slowest().device.name})")
     baseline = plan_fn(graph, cluster.slowest(), global_batch_size=global_batch_size,
                        profile=profile, **plan_options)
@@ -170,7 +189,8 @@ def plan_hetero(model: Any, cluster: Any, *, global_batch_size: int,
             continue          # a stage or replica would straddle pools
         say(f"balancing {_label(config)} on the pools")
         try:
-            found.append(balance(graph, cluster, config, global_batch_size, profile=profile))
+            found.append(balance(graph, cluster, config, global_batch_size, profile=profile,
+                                 seq_lengths=documents))
         except ConfigError:
             continue
     if not found:
@@ -184,11 +204,12 @@ def plan_hetero(model: Any, cluster: Any, *, global_batch_size: int,
 
 
 def balance(graph: Any, cluster: Any, config: ParallelConfig, global_batch_size: int, *,
-            profile: Any = "auto") -> HeteroCandidate:
-    """``config`` with its work split in proportion to each pool's speed (module docstring)."""
+            profile: Any = "auto", seq_lengths: Any = None) -> HeteroCandidate:
+    """``config`` with its work split in proportion to each pool's speed (module docstring);
+    ``seq_lengths``: the data's document lengths, priced per pool (``estimate_hetero``)."""
     def price(cfg: ParallelConfig, shares: Sequence[int] | None = None) -> HeteroEstimate:
         return estimate_hetero(graph, cluster, config=cfg, global_batch_size=global_batch_size,
-                               dp_shares=shares, profile=profile)
+                               dp_shares=shares, profile=profile, seq_lengths=seq_lengths)
 
     config = replace(config, dp_shares=None)
     even = price(replace(config, chunk_layers=None) if config.pp > 1 else config)

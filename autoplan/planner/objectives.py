@@ -21,7 +21,7 @@ it uses), and the plan file records every count's figures (``objectives``).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -104,7 +104,10 @@ def sub_cluster(cluster: Any, n: int) -> Any:
 
 @dataclass(frozen=True, kw_only=True)
 class Point:
-    """One device count's fastest plan, scored."""
+    """One device count's fastest plan, scored. On pools (``objectives_pools.py``), ``devices``
+    names which devices (``dgx-h100:4``, ``dgx-a100-80gb:4+dgx-h100:4``) and ``plan`` may be a
+    HeteroPlan, whose config ``config`` writes; "" on one device type (the cluster's first
+    ``gpus``; the plan's config)."""
 
     gpus: int
     plan: Any
@@ -115,6 +118,12 @@ class Point:
     energy: StepEnergy | None          # of the whole run
     excluded: str = ""                 # why it may not be chosen ("" where it may)
     pareto: bool = False
+    devices: str = ""
+    config: str = ""
+
+    @property
+    def config_text(self) -> str:
+        return self.config or self.plan.config.short()
 
     @property
     def energy_joules(self) -> float | None:
@@ -125,7 +134,7 @@ class Point:
                 "energy": self.energy_joules}[objective]
 
 
-def _scaled(e: StepEnergy, k: float) -> StepEnergy:
+def scaled(e: StepEnergy, k: float) -> StepEnergy:
     return StepEnergy(**{f: getattr(e, f) * k for f in e.__dataclass_fields__})
 
 
@@ -134,27 +143,37 @@ def score(plan: Any, gpus: int, econ: Economics, opts: Any) -> Point:
     pred = plan.predicted
     step_s = float(pred["step_time_s"])
     tps = pred.get("tokens_per_s")
-    if opts.tokens is not None:
-        if not tps:
-            raise ConfigError("plan(): tokens measures the run in tokens, but this model's "
-                              "batch has no sequence (no tokens per step); leave tokens out "
-                              "to compare plans per step")
-        run_s = opts.tokens / float(tps)
-    else:
-        run_s = step_s
+    run_s = run_seconds(step_s, tps, opts)
     cost = (None if econ.usd_per_gpu_hour is None
             else gpus * econ.usd_per_gpu_hour * run_s / 3600.0)
     energy = None
     if econ.tdp_watt is not None:
-        energy = _scaled(step_energy(pred, gpus, econ), run_s / step_s if step_s > 0 else 0.0)
+        energy = scaled(step_energy(pred, gpus, econ), run_s / step_s if step_s > 0 else 0.0)
+    return bounded(Point(gpus=gpus, plan=plan, step_time_s=step_s,
+                         tokens_per_s=float(tps) if tps else None, run_time_s=run_s,
+                         cost_usd=cost, energy=energy), opts)
+
+
+def run_seconds(step_s: float, tokens_per_s: float | None, opts: Any) -> float:
+    """A run of ``opts.tokens`` at ``tokens_per_s``, or one step without tokens."""
+    if opts.tokens is None:
+        return step_s
+    if not tokens_per_s:
+        raise ConfigError("plan(): tokens measures the run in tokens, but this model's "
+                          "batch has no sequence (no tokens per step); leave tokens out "
+                          "to compare plans per step")
+    return opts.tokens / float(tokens_per_s)
+
+
+def bounded(p: Point, opts: Any) -> Point:
+    """``p`` marked excluded where it misses the deadline or exceeds the budget."""
+    run_s, cost = p.run_time_s, p.cost_usd
     why = []
     if opts.deadline_days is not None and run_s > opts.deadline_days * SECONDS_PER_DAY:
         why.append(f"misses the deadline ({run_s / SECONDS_PER_DAY:,.2f} days)")
     if opts.budget_usd is not None and cost is not None and cost > opts.budget_usd:
         why.append(f"over the budget (${cost:,.2f})")
-    return Point(gpus=gpus, plan=plan, step_time_s=step_s,
-                 tokens_per_s=float(tps) if tps else None, run_time_s=run_s, cost_usd=cost,
-                 energy=energy, excluded="; ".join(why))
+    return replace(p, excluded="; ".join(why))
 
 
 def pareto(points: list[Point]) -> list[Point]:
@@ -187,6 +206,9 @@ def winners(points: list[Point]) -> dict[str, Point]:
 def _none_meets(points: list[Point], opts: Any) -> str:
     """What to change when every point is excluded."""
     fastest = min(points, key=lambda p: p.run_time_s)
+
+    def on(p: Point) -> str:
+        return f"{p.gpus} devices" + (f" ({p.devices})" if p.devices else "")
     parts = [f"no plan on up to {max(p.gpus for p in points)} devices meets "
              + " and ".join(x for x in (
                  f"the {opts.deadline_days:g}-day deadline" if opts.deadline_days else "",
@@ -195,7 +217,7 @@ def _none_meets(points: list[Point], opts: Any) -> str:
     if opts.deadline_days is not None:
         days = fastest.run_time_s / SECONDS_PER_DAY
         if days > opts.deadline_days:
-            parts.append(f"The fastest, on {fastest.gpus} devices, takes {days:,.2f} days: "
+            parts.append(f"The fastest, on {on(fastest)}, takes {days:,.2f} days: "
                          f"give --deadline {math.ceil(days * 100) / 100:g} or more, fewer "
                          f"tokens, or more devices (--max-gpus, a larger cluster).")
     priced = [p for p in points if p.cost_usd is not None and (
@@ -203,22 +225,24 @@ def _none_meets(points: list[Point], opts: Any) -> str:
     if opts.budget_usd is not None and priced:
         cheap = min(priced, key=lambda p: p.cost_usd)
         if cheap.cost_usd > opts.budget_usd:
-            parts.append(f"The cheapest that meets the deadline, on {cheap.gpus} devices, costs "
+            parts.append(f"The cheapest that meets the deadline, on {on(cheap)}, costs "
                          f"${cheap.cost_usd:,.2f}: give --budget-usd "
                          f"{math.ceil(cheap.cost_usd * 100) / 100:.2f} or more, fewer tokens, "
                          "or a lower price (--usd-per-gpu-hour).")
     return " ".join(parts)
 
 
-def choose(points: list[Point], opts: Any, econ: Economics) -> Point:
+def choose(points: list[Point], opts: Any, econ: Economics | Sequence[Economics]) -> Point:
     """The point the objective picks among those not excluded; ConfigError saying what to
-    change where none is left or the objective's figure is unknown."""
-    if opts.objective == "cost" and econ.usd_per_gpu_hour is None:
-        raise ConfigError(no_price(econ.device))
-    if opts.objective == "energy" and econ.tdp_watt is None:
-        raise ConfigError(no_power(econ.device))
-    if opts.budget_usd is not None and econ.usd_per_gpu_hour is None:
-        raise ConfigError(no_price(econ.device) + " (a budget needs a price)")
+    change where none is left or the objective's figure is unknown (``econ``: the devices'
+    Economics, one per pool on pools)."""
+    for e in (econ if isinstance(econ, Sequence) else (econ,)):
+        if opts.objective == "cost" and e.usd_per_gpu_hour is None:
+            raise ConfigError(no_price(e.device))
+        if opts.objective == "energy" and e.tdp_watt is None:
+            raise ConfigError(no_power(e.device))
+        if opts.budget_usd is not None and e.usd_per_gpu_hour is None:
+            raise ConfigError(no_price(e.device) + " (a budget needs a price)")
     best = winners(points).get(opts.objective)
     if best is None:
         raise ConfigError(_none_meets(points, opts))

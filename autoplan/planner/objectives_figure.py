@@ -11,9 +11,10 @@ from collections.abc import Mapping
 from typing import Any
 
 from autoplan.planner.figures_draw import WIDTH_IN, pyplot, save_figure
-from autoplan.planner.objectives_report import JOULES_PER_KWH, gpus_text
+from autoplan.planner.objectives_report import JOULES_PER_KWH, gpus_text, is_chosen
 
 FRONT, BEATEN, EXCLUDED, CHOSEN = "#2E4A7D", "#8C8C8C", "#C44E52", "#F28E2B"
+MAX_LABELLED = 8
 
 
 def _time_unit(seconds: list[float]) -> tuple[float, str]:
@@ -28,6 +29,7 @@ def _time_unit(seconds: list[float]) -> tuple[float, str]:
 def _panel(ax: Any, sec: Mapping[str, Any], key: str, scale: float, ylabel: str,
            tdiv: float, tname: str) -> None:
     pts = [p for p in sec["points"] if key in p]
+    shown = 0
     for p in pts:
         x, y = p["run_time_s"] / tdiv, p[key] / scale
         if p["excluded"]:
@@ -36,11 +38,16 @@ def _panel(ax: Any, sec: Mapping[str, Any], key: str, scale: float, ylabel: str,
             ax.scatter([x], [y], s=70, color=FRONT, zorder=3)
         else:
             ax.scatter([x], [y], s=70, facecolors="white", edgecolors=BEATEN, zorder=3)
-        if p["gpus"] == sec["chosen_gpus"]:
+        if is_chosen(sec, p):
             ax.scatter([x], [y], s=320, facecolors="none", edgecolors=CHOSEN, linewidths=2.5,
                        zorder=2)
-        ax.annotate(f"{p['gpus']} GPU{'s' if p['gpus'] > 1 else ''}", (x, y),
-                    textcoords="offset points", xytext=(8, 6), fontsize=10)
+        label = p.get("devices") or f"{p['gpus']} GPU{'s' if p['gpus'] > 1 else ''}"
+        # many points (pools: each pool's counts and the pools together): names on the front
+        # and the plan only, the table lists the rest
+        if len(pts) <= MAX_LABELLED or is_chosen(sec, p) or (p["pareto"] and not p["excluded"]):
+            shown += 1            # alternately above and below: neighbours on a flat front
+            ax.annotate(label, (x, y), textcoords="offset points",
+                        xytext=(8, 6 if shown % 2 else -16), fontsize=10)
     front = sorted((p for p in pts if p["pareto"] and not p["excluded"]),
                    key=lambda p: p["run_time_s"])
     if len(front) > 1:
@@ -70,7 +77,9 @@ def draw_front(sec: Mapping[str, Any], path: str) -> None:
     e = sec["economics"]
     tdiv, tname = _time_unit([p["run_time_s"] for p in sec["points"]])
     panels = [(k, s, lab) for k, s, lab in (
-        ("cost_usd", 1.0, f"cost (USD at ${e['usd_per_gpu_hour']:g}/GPU-hour)"
+        ("cost_usd", 1.0, "cost (USD at each pool's price per GPU-hour)"
+         if len(sec.get("pool_economics", ())) > 1 else
+         f"cost (USD at ${e['usd_per_gpu_hour']:g}/GPU-hour)"
          if e.get("usd_per_gpu_hour") is not None else "cost"),
         ("energy_joules", JOULES_PER_KWH, "energy (kWh, GPU boards)"))
         if any(k in p for p in sec["points"])]
@@ -79,9 +88,12 @@ def draw_front(sec: Mapping[str, Any], path: str) -> None:
         _panel(ax, sec, key, scale, label, tdiv, tname)
     per = f"{sec['tokens']:,} tokens" if "tokens" in sec else "one step"
     won = sec.get("winners", {})
-    wins = ", ".join(f"{k}: {gpus_text(won[k])}" for k in ("time", "cost", "energy") if k in won)
+    where = sec.get("winner_devices", {})
+    wins = ", ".join(f"{k}: {where.get(k) or gpus_text(won[k])}"
+                     for k in ("time", "cost", "energy") if k in won)
     fig.suptitle(f"Device counts for {per}: objective {sec['objective']}, plan on "
-                 f"{gpus_text(sec['chosen_gpus'])} (ringed)\nbest by {wins}", fontsize=12)
+                 f"{sec.get('chosen_devices') or gpus_text(sec['chosen_gpus'])} (ringed)\n"
+                 f"best by {wins}", fontsize=12)
     handles = [Line2D([], [], marker="o", linestyle="", color=FRONT, label="Pareto front"),
                Line2D([], [], marker="o", linestyle="", markerfacecolor="white",
                       markeredgecolor=BEATEN, label="beaten on time, cost and energy"),
@@ -99,7 +111,11 @@ def draw_front(sec: Mapping[str, Any], path: str) -> None:
              "(assumed)" if e.get("tdp_watt") is not None else "no power figure")
     fig.text(0.01, 0.005, f"{e['device']}; {power}; "
              + (f"{e['price_kind']} list price {e['price_date']}"
-                if e.get("usd_per_gpu_hour") is not None else "no price"),
+                if e.get("usd_per_gpu_hour") is not None else "no price")
+             + ("; " + ", ".join(f"{x['device']} ${x['usd_per_gpu_hour']:g}/GPU-hour"
+                                 for x in sec["pool_economics"][1:]
+                                 if x.get("usd_per_gpu_hour") is not None)
+                if len(sec.get("pool_economics", ())) > 1 else ""),
              fontsize=8, color="#555555")
     fig.tight_layout(rect=(0, 0.08, 1, 0.98))
     save_figure(fig, path)
