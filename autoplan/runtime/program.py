@@ -41,7 +41,7 @@ from torch import fx, nn
 
 from autoplan.errors import PlanError
 from autoplan.graph.opgraph import Op, OpGraph
-from autoplan.graph.trace import TRANSPARENT
+from autoplan.graph.export_reader import TRANSPARENT
 from autoplan.graph.experts import GROUPED_MM, find_experts
 from autoplan.runtime.causal_mask import as_causal, causal_attention_nodes, drop_unused
 from autoplan.runtime.kernels import get_arg
