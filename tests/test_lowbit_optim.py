@@ -74,7 +74,7 @@ def _plan(world, force, **kw):
 
 
 def _train(rank, world, plan_json, ckpt, steps, save_at, resume):
-    from autoplan.runtime.checkpoint import optimizer_slots
+    from autoplan.runtime.checkpoint_held import optimizer_slots
     from autoplan.runtime.trainer import compile
     ex, small = _example(GLOBAL_BATCH), _example(1)
     trainer = compile(ex.model, "local", example_inputs=small.example_inputs,
