@@ -16,7 +16,7 @@ from autoplan.graph import trace
 from autoplan.models import build_example
 from autoplan.planner.search import plan as make_plan
 from tests.distributed import run_ranks
-from tests.test_runtime import GLOBAL_BATCH, STEPS, _optimizer, _reference
+from tests.test_runtime import GLOBAL_BATCH, STEPS, _optimizer, _reference, train_one_device
 
 SHRUNK = dict(num_layers=2, hidden_size=64, num_heads=4, vocab_size=128, seq_len=32,
               max_positions=32, dropout=0.0)
@@ -63,15 +63,8 @@ def _rank(rank, world, plan_json):
 
 def _autocast_reference():
     ex = build_example("gpt3-175b", batch_size=GLOBAL_BATCH, seed=0, **SHRUNK)
-    opt = _optimizer(ex.model.parameters())
-    losses = []
-    for _ in range(STEPS):
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            loss = ex.loss_fn(ex.model(*ex.example_inputs), ex.targets)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
+    losses, _ = train_one_device(ex, _optimizer(ex.model.parameters()), STEPS,
+                                 autocast=torch.bfloat16)
     return losses
 
 

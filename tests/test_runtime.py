@@ -7,6 +7,8 @@ within 1e-5 relative, each parameter tensor within 1e-5 relative (Frobenius norm
 difference over the norm of the reference).
 """
 
+import contextlib
+
 import pytest
 import torch
 
@@ -35,11 +37,17 @@ def _reference(name, optimizer=None, **overrides):
     return train_one_device(ex, opt)
 
 
-def train_one_device(ex, opt, steps=STEPS):
-    """``steps`` plain steps of ``ex`` on one device: the losses and the final state dict."""
+def train_one_device(ex, opt, steps=STEPS, *, loss_fn=None, targets=None, autocast=None):
+    """``steps`` plain steps of ``ex`` on one device: the losses and the final state dict.
+    ``loss_fn`` and ``targets`` stand in for the example's; ``autocast`` (a dtype): the
+    forward and the loss run under CPU autocast of it, as eager mixed precision does."""
+    loss_fn = loss_fn or ex.loss_fn
+    targets = ex.targets if targets is None else targets
     losses = []
     for _ in range(steps):
-        loss = ex.loss_fn(ex.model(*ex.example_inputs), ex.targets)
+        with (torch.autocast("cpu", dtype=autocast) if autocast is not None
+              else contextlib.nullcontext()):
+            loss = loss_fn(ex.model(*ex.example_inputs), targets)
         loss.backward()
         opt.step()
         opt.zero_grad()
