@@ -55,12 +55,12 @@ def train_one_device(ex, opt, steps=STEPS, *, loss_fn=None, targets=None, autoca
     return losses, {k: v.detach().clone() for k, v in ex.model.state_dict().items()}
 
 
-def _compiled(name, plan_json, traced_batch=1):
-    """(trainer, global batch) for ``name`` under the plan (traced at ``traced_batch``
-    samples), on this rank."""
+def _compiled(name, plan_json, traced_batch=1, **overrides):
+    """(trainer, global batch) for ``name`` (built with ``overrides``) under the plan (traced
+    at ``traced_batch`` samples), on this rank."""
     from autoplan.runtime.trainer import compile
-    ex = build_example(name, batch_size=GLOBAL_BATCH, seed=0)
-    small = build_example(name, batch_size=traced_batch, seed=0)
+    ex = build_example(name, batch_size=GLOBAL_BATCH, seed=0, **overrides)
+    small = build_example(name, batch_size=traced_batch, seed=0, **overrides)
     trainer = compile(ex.model, "local", example_inputs=small.example_inputs,
                       example_targets=small.targets, loss_fn=ex.loss_fn, optimizer=_optimizer,
                       global_batch_size=GLOBAL_BATCH, plan=Plan.from_json(plan_json))
