@@ -19,6 +19,7 @@ from autoplan.graph import trace
 from autoplan.models import build_example
 from autoplan.planner.planfile import Plan
 from tests.distributed import run_ranks
+from tests.test_token_mean_loss import _padded
 
 STEPS = 3
 CLIP = 0.05                       # below the first steps' gradient norms: clipping bites
@@ -47,13 +48,7 @@ def _loss_fn(ex, loss):
 def _targets(ex, padded):
     """The example's targets, or with 0-6 trailing tokens of each sample ignored (a token
     mean then weighs each micro-batch by its counted targets)."""
-    y = ex.targets.clone()
-    if padded:
-        for i in range(y.shape[0]):
-            pad = (3 * i) % 7
-            if pad:
-                y[i, -pad:] = -100
-    return y
+    return _padded(ex) if padded else ex.targets.clone()
 
 
 def with_shares(plan: Plan, shares: tuple[int, ...]) -> Plan:

@@ -232,7 +232,7 @@ def test_the_planner_chooses_ep_for_mixtral_and_writes_its_axes(mixtral8x7b, tmp
 def test_rows_stay_with_their_experts_between_grouped_products():
     """One dispatch and one combine per MoE layer, not a pair per grouped product (Mixtral's
     gate_up and down; the top-k MoE's w1, w3 and w2 read one dispatch)."""
-    from autoplan.runtime import program as P
+    from autoplan.runtime import program_calls as P
     from autoplan.runtime.emit import emit
     for name in ("hf-mixtral-tiny", "titan-moe-tiny"):
         p = _plan(name, 2, dict(tp=1, zero_stage=0, ep=2))
@@ -249,7 +249,7 @@ def test_rows_stay_with_their_experts_between_grouped_products():
 def test_stacked_rows_are_exchanged_once_per_moe_layer():
     """Expert-choice routing's w1, w3 and w2 products read one even exchange per layer and
     bring their rows home once; each rank holds half of every stacked weight."""
-    from autoplan.runtime import program as P
+    from autoplan.runtime import program_calls as P
     from autoplan.runtime.emit import emit
     name = "titan-ecmoe-tiny"
     p = _plan(name, 2, dict(tp=1, zero_stage=0, ep=2))

@@ -21,9 +21,9 @@ from autoplan.models import build_example
 from autoplan.planner.planfile import Plan
 from autoplan.sharding.parallel_config import ParallelConfig
 from tests.distributed import run_ranks
+from tests.test_runtime import train_one_device
 
 torchao = pytest.importorskip("torchao.optim")
-
 
 
 @pytest.fixture(autouse=True)
@@ -55,15 +55,7 @@ def _adamw(params):
 def _by_hand(cls):
     """Losses and weights of ``cls`` (torchao's optimizer) on one device, STEPS steps."""
     ex = _example(GLOBAL_BATCH)
-    opt = cls(ex.model.parameters(), lr=LR, eps=1e-6)
-    losses = []
-    for _ in range(STEPS):
-        loss = ex.loss_fn(ex.model(*ex.example_inputs), ex.targets)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses, {k: v.detach().clone() for k, v in ex.model.state_dict().items()}
+    return train_one_device(ex, cls(ex.model.parameters(), lr=LR, eps=1e-6), steps=STEPS)
 
 
 def _plan(world, force, **kw):
@@ -74,7 +66,7 @@ def _plan(world, force, **kw):
 
 
 def _train(rank, world, plan_json, ckpt, steps, save_at, resume):
-    from autoplan.runtime.checkpoint import optimizer_slots
+    from autoplan.runtime.checkpoint_held import optimizer_slots
     from autoplan.runtime.trainer import compile
     ex, small = _example(GLOBAL_BATCH), _example(1)
     trainer = compile(ex.model, "local", example_inputs=small.example_inputs,

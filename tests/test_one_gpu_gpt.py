@@ -16,7 +16,8 @@ from autoplan.graph import trace
 from autoplan.models import build_example
 from autoplan.planner.search import plan as make_plan
 from tests.distributed import run_ranks
-from tests.test_runtime import GLOBAL_BATCH, STEPS, _optimizer, _reference
+from tests.test_runtime import (GLOBAL_BATCH, STEPS, _compiled, _optimizer, _reference,
+                                train_one_device)
 
 SHRUNK = dict(num_layers=2, hidden_size=64, num_heads=4, vocab_size=128, seq_len=32,
               max_positions=32, dropout=0.0)
@@ -48,30 +49,16 @@ def _shrunk_force(big) -> dict:
 
 
 def _rank(rank, world, plan_json):
-    from autoplan.planner.planfile import Plan
-    from autoplan.runtime.trainer import compile
     from torch.distributed.fsdp import FSDPModule
-    ex = build_example("gpt3-175b", batch_size=GLOBAL_BATCH, seed=0, **SHRUNK)
-    small = build_example("gpt3-175b", batch_size=1, seed=0, **SHRUNK)
-    trainer = compile(ex.model, "local", example_inputs=small.example_inputs,
-                      example_targets=small.targets, loss_fn=ex.loss_fn, optimizer=_optimizer,
-                      global_batch_size=GLOBAL_BATCH, plan=Plan.from_json(plan_json))
+    trainer, batch = _compiled("gpt3-175b", plan_json, **SHRUNK)
     units = sum(isinstance(m, FSDPModule) for m in trainer.model.modules())
-    batch = tuple(ex.example_inputs) + (ex.targets,)
     return [trainer.step(batch) for _ in range(STEPS)], units
 
 
 def _autocast_reference():
     ex = build_example("gpt3-175b", batch_size=GLOBAL_BATCH, seed=0, **SHRUNK)
-    opt = _optimizer(ex.model.parameters())
-    losses = []
-    for _ in range(STEPS):
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            loss = ex.loss_fn(ex.model(*ex.example_inputs), ex.targets)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
+    losses, _ = train_one_device(ex, _optimizer(ex.model.parameters()), STEPS,
+                                 autocast=torch.bfloat16)
     return losses
 
 

@@ -7,6 +7,8 @@ within 1e-5 relative, each parameter tensor within 1e-5 relative (Frobenius norm
 difference over the norm of the reference).
 """
 
+import contextlib
+
 import pytest
 import torch
 
@@ -35,11 +37,17 @@ def _reference(name, optimizer=None, **overrides):
     return train_one_device(ex, opt)
 
 
-def train_one_device(ex, opt, steps=STEPS):
-    """``steps`` plain steps of ``ex`` on one device: the losses and the final state dict."""
+def train_one_device(ex, opt, steps=STEPS, *, loss_fn=None, targets=None, autocast=None):
+    """``steps`` plain steps of ``ex`` on one device: the losses and the final state dict.
+    ``loss_fn`` and ``targets`` stand in for the example's; ``autocast`` (a dtype): the
+    forward and the loss run under CPU autocast of it, as eager mixed precision does."""
+    loss_fn = loss_fn or ex.loss_fn
+    targets = ex.targets if targets is None else targets
     losses = []
     for _ in range(steps):
-        loss = ex.loss_fn(ex.model(*ex.example_inputs), ex.targets)
+        with (torch.autocast("cpu", dtype=autocast) if autocast is not None
+              else contextlib.nullcontext()):
+            loss = loss_fn(ex.model(*ex.example_inputs), targets)
         loss.backward()
         opt.step()
         opt.zero_grad()
@@ -47,12 +55,12 @@ def train_one_device(ex, opt, steps=STEPS):
     return losses, {k: v.detach().clone() for k, v in ex.model.state_dict().items()}
 
 
-def _compiled(name, plan_json, traced_batch=1):
-    """(trainer, global batch) for ``name`` under the plan (traced at ``traced_batch``
-    samples), on this rank."""
+def _compiled(name, plan_json, traced_batch=1, **overrides):
+    """(trainer, global batch) for ``name`` (built with ``overrides``) under the plan (traced
+    at ``traced_batch`` samples), on this rank."""
     from autoplan.runtime.trainer import compile
-    ex = build_example(name, batch_size=GLOBAL_BATCH, seed=0)
-    small = build_example(name, batch_size=traced_batch, seed=0)
+    ex = build_example(name, batch_size=GLOBAL_BATCH, seed=0, **overrides)
+    small = build_example(name, batch_size=traced_batch, seed=0, **overrides)
     trainer = compile(ex.model, "local", example_inputs=small.example_inputs,
                       example_targets=small.targets, loss_fn=ex.loss_fn, optimizer=_optimizer,
                       global_batch_size=GLOBAL_BATCH, plan=Plan.from_json(plan_json))

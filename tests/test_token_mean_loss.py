@@ -14,6 +14,7 @@ from autoplan.graph.loss import TokenMeanLoss, step_weights, token_mean_loss
 from autoplan.models import build_example
 from autoplan.planner.planfile import Plan
 from tests.distributed import run_ranks
+from tests.test_runtime import train_one_device
 
 GLOBAL_BATCH, STEPS = 8, 3
 
@@ -96,13 +97,8 @@ def _rank(rank, world, plan_json, shifted=False):
 def _reference(shifted=False):
     ex = build_example("gpt-tiny", batch_size=GLOBAL_BATCH, seed=0)
     opt = torch.optim.AdamW(ex.model.parameters(), lr=1e-3, eps=1e-6)
-    y, losses = _padded(ex), []
-    for _ in range(STEPS):
-        loss = _loss_fn(ex, shifted)(ex.model(*ex.example_inputs), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
+    losses, _ = train_one_device(ex, opt, STEPS, loss_fn=_loss_fn(ex, shifted),
+                                 targets=_padded(ex))
     return losses
 
 

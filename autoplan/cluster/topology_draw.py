@@ -199,13 +199,7 @@ def _outline_groups(ax: Any, cluster: Any, node: int, xy: Any,
     per = cluster.devices_per_node
     devices = cluster.node_model.devices
     for k, (axis, ranks) in enumerate(members.items()):
-        local = sorted(r - node * per for r in ranks if r // per == node)
-        runs: list[list[int]] = []
-        for i in local:
-            if runs and i == runs[-1][-1] + 1:
-                runs[-1].append(i)
-            else:
-                runs.append([i])
+        runs = _runs(sorted(r - node * per for r in ranks if r // per == node))
         pad = 0.05 + 0.055 * k
         for run in runs:
             (xa, y), (xb, _) = xy(devices[run[0]]), xy(devices[run[-1]])
@@ -258,13 +252,20 @@ def _summary(ax: Any, cluster: Any, shown: Sequence[int], x: float, bottom: floa
             va="center", fontsize=7, zorder=4)
 
 
-def _node_ranges(nodes: Sequence[int]) -> str:
+def _runs(values: Sequence[int]) -> list[list[int]]:
+    """``values`` (ascending) cut into runs of consecutive numbers: [0, 1, 2, 5] -> [[0, 1, 2],
+    [5]]."""
     runs: list[list[int]] = []
-    for n in nodes:
-        if runs and n == runs[-1][-1] + 1:
-            runs[-1].append(n)
+    for v in values:
+        if runs and v == runs[-1][-1] + 1:
+            runs[-1].append(v)
         else:
-            runs.append([n])
+            runs.append([v])
+    return runs
+
+
+def _node_ranges(nodes: Sequence[int]) -> str:
+    runs = _runs(nodes)
     text = ", ".join(f"n{r[0]}" if len(r) == 1 else f"n{r[0]}-n{r[-1]}" for r in runs[:3])
     return text + (", ..." if len(runs) > 3 else "")
 

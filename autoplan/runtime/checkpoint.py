@@ -23,7 +23,8 @@ metadata is down does rank 0 rename it to ``step-N/`` and then replace ``latest`
 ``os.replace``), so a crash mid-save leaves the previous checkpoint the latest (and a crash
 between the rename and ``latest`` leaves the new one complete, which resuming takes: the
 newest complete step). Pruning (``keep_last``) never deletes the step just written. The root
-must be on a file system every rank sees (as DCP's ``FileSystemWriter`` requires). Finding,
+must be on a file system every rank sees (as DCP's ``FileSystemWriter`` requires). This module
+saves; loading is ``checkpoint_load.py``, what a rank holds ``checkpoint_held.py``. Finding,
 reading, checking and exporting checkpoint directories is ``checkpoint_files.py``; which job
 and which run may write into a root, ``checkpoint_dir.py``.
 """
@@ -34,85 +35,32 @@ import json
 import os
 import shutil
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch import nn
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.tensor import DTensor
 
 from autoplan.errors import CheckpointError
-from autoplan.sharding.mesh_axes import MeshAxis
-from autoplan.runtime.checkpoint_files import (DTYPES, FORMAT, LATEST, META_FILE, VERSION,
-                                               model_mismatch, prune, read_meta, remove_step,
-                                               resolve, step_dir, write_atomic)
-from autoplan.runtime.checkpoint_pieces import Layout, Pieces, layout_of
-from autoplan.runtime.lowbit_optim import plain_state, requantize
-from autoplan.runtime.optim import (wait_gathers, HostOffloadOptimizer, TensorShardedOptimizer,
-                                    local_tensor as _local)
-from autoplan.runtime.master_weights import MasterWeightsOptimizer
-from autoplan.runtime.checkpoint_masters import SIXTEEN_BIT, weights_to_load, weights_to_save
+from autoplan.runtime.checkpoint_files import (FORMAT, LATEST, META_FILE, VERSION, prune,
+                                               remove_step, resolve, step_dir, write_atomic)
+from autoplan.runtime.checkpoint_held import (barrier, expert_place, gather_objects, held_state,
+                                              optimizer_slots, rank_world, tp_place)
+from autoplan.runtime.checkpoint_load import load
+from autoplan.runtime.checkpoint_pieces import Pieces, layout_of
+from autoplan.runtime.lowbit_optim import plain_state
+from autoplan.runtime.optim import wait_gathers
+from autoplan.runtime.checkpoint_masters import weights_to_save
 from autoplan.runtime.checkpoint_dir import claim
 
+__all__ = ["Checkpointer", "Checkpointing", "load", "resolve", "state_to_save"]
 
 
-# ---- what a rank holds -------------------------------------------------------------------------
-
-@dataclass
-class Held:
-    """One state tensor this rank holds, under its checkpoint name."""
-
-    fqn: str
-    tensor: torch.Tensor          # the live tensor (a Parameter, buffer, or FSDP2 DTensor)
-    placement: Any                # its tensor-parallel placement (None: replicated)
-
-
-def program_modules(trainer: Any) -> list[nn.Module]:
-    """The modules holding this rank's parameters (DDP unwrapped; pipeline chunks)."""
-    return list(trainer.stage_modules)
-
-
-def canonical_name(name: str, aliases: dict[str, tuple[str, ...]]) -> str:
-    return min(aliases.get(name, (name,)))
-
-
-def held_state(trainer: Any) -> dict[str, Held]:
-    """Parameters and persistent buffers of this rank by checkpoint name (tied weights once)."""
-    out: dict[str, Held] = {}
-    for module in program_modules(trainer):
-        for name, t in module.state_dict(keep_vars=True).items():
-            name = name.replace("_checkpoint_wrapped_module.", "")
-            if not isinstance(t, torch.Tensor) or t.is_meta:
-                continue
-            fqn = canonical_name(name, trainer.aliases)
-            p = trainer.placements.get(name)
-            if p is None:
-                p = next((trainer.placements[a] for a in trainer.aliases.get(name, ())
-                          if a in trainer.placements), None)
-            out.setdefault(fqn, Held(fqn, t, p))
-    return out
-
-
-def optimizer_slots(opt: Any) -> list[tuple[torch.optim.Optimizer, dict[int, torch.Tensor]]]:
-    """Each torch optimizer inside ``opt`` with, per tensor it steps (by id), the model
-    parameter that tensor stands for (itself, or the one a host-offloaded copy mirrors)."""
-    if isinstance(opt, TensorShardedOptimizer):
-        return optimizer_slots(opt.inner) if opt.inner is not None else []
-    if isinstance(opt, (HostOffloadOptimizer, MasterWeightsOptimizer)):
-        inner = optimizer_slots(opt.inner)
-        copies = opt.host if isinstance(opt, HostOffloadOptimizer) else opt.masters
-        mirror = {id(h): p for h, p in zip(copies, opt.params)}
-        return [(o, {k: mirror.get(id(v), v) for k, v in m.items()}) for o, m in inner]
-    if isinstance(opt, torch.optim.Optimizer):
-        return [(opt, {id(p): p for g in opt.param_groups for p in g["params"]})]
-    raise CheckpointError(f"cannot checkpoint an optimizer of type {type(opt).__name__}: "
-                          "compile() takes a factory returning a torch.optim.Optimizer")
-
+# ---- save ---------------------------------------------------------------------------------------
 
 def _local_shape(t: torch.Tensor) -> tuple[int, ...]:
     return tuple(t.to_local().shape if isinstance(t, DTensor) else t.shape)
@@ -138,8 +86,6 @@ def _state_kind(value: Any, key_tensor: torch.Tensor, fqn: str, key: str,
             "on_param_device": value.device == key_tensor.device}
 
 
-# ---- save ---------------------------------------------------------------------------------------
-
 class _SavePlanner(DefaultSavePlanner):
     """DCP's planner, finding a piece of a ``Pieces`` (our state dicts are flat already)."""
 
@@ -153,67 +99,14 @@ class _SavePlanner(DefaultSavePlanner):
         return super().lookup_object(index)
 
 
-class _LoadPlanner(DefaultLoadPlanner):
-    """DCP's planner, reading into the pieces of a ``Pieces``; nothing to initialize (the
-    default's meta-tensor initialization would drop objects it does not know)."""
-
-    def __init__(self) -> None:
-        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
-
-    def set_up_planner(self, state_dict, metadata=None, is_coordinator=False) -> None:
-        self.original_state_dict = state_dict
-        self.state_dict = state_dict
-        self.metadata = metadata
-        self.is_coordinator = is_coordinator
-
-    def lookup_tensor(self, index):
-        obj = self.state_dict[index.fqn]
-        if isinstance(obj, Pieces):
-            return obj.__get_tensor_shard__(index)
-        return super().lookup_tensor(index)
-
-
-def _tp(trainer: Any) -> tuple[int, int]:
-    t = trainer.config.tp
-    return t, trainer.config.dims.index(trainer.rank, MeshAxis.TP)
-
-
-def _expert(trainer: Any, fqn: str) -> tuple[int, int] | None:
-    """(ep, this rank's index in its expert-parallel group) for an expert weight, else None."""
-    ep = trainer.config.ep
-    if ep == 1 or fqn not in trainer.experts:
-        return None
-    return ep, trainer.dp_index % ep
-
-
-def _world() -> tuple[int, int]:
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
-
-
-def _gather_objects(obj: Any) -> list[Any]:
-    _, world = _world()
-    if world == 1:
-        return [obj]
-    out: list[Any] = [None] * world
-    dist.all_gather_object(out, obj)
-    return out
-
-
-def _barrier() -> None:
-    if _world()[1] > 1:
-        dist.barrier()
-
-
 def state_to_save(trainer: Any, *, copy: bool) -> tuple[dict[str, Any], dict[str, Any]]:
     """(the DCP state dict of this rank, this rank's part of the description). ``copy``:
     pieces are copied to host memory (an async save writes them while training goes on)."""
-    t, tp_rank = _tp(trainer)
+    t, tp_rank = tp_place(trainer)
     held = held_state(trainer)
     sd: dict[str, Any] = {}
 
-    layouts = {fqn: layout_of(h.tensor, h.placement, t, tp_rank, _expert(trainer, fqn))
+    layouts = {fqn: layout_of(h.tensor, h.placement, t, tp_rank, expert_place(trainer, fqn))
                for fqn, h in held.items()}
 
     def pieces(tensor: torch.Tensor, fqn: str) -> Pieces:
@@ -251,7 +144,7 @@ def state_to_save(trainer: Any, *, copy: bool) -> tuple[dict[str, Any], dict[str
                     else:
                         sd[name] = value.detach().to("cpu", copy=True)
                 opt_desc[h.fqn] = kinds
-    rank, _ = _world()
+    rank, _ = rank_world()
     sd[f"rng.rank{rank}"] = torch.get_rng_state()
     scheds = getattr(trainer, "lr_schedulers", None) or []
     desc = {"model": model_desc, "state": opt_desc, "hparams": hparams,
@@ -316,23 +209,23 @@ class Checkpointer:
         written in the background (``wait()`` or the next save waits for it)."""
         self.wait()
         wait_gathers(trainer.optimizer)      # ZeRO-1's weights may still be on their way
-        rank, world = _world()
+        rank, world = rank_world()
         step = trainer.steps_done
         final = step_dir(self.root, step)
         partial = self.root / f".{final.name}.partial"
         if rank == 0:
             self.root.mkdir(parents=True, exist_ok=True)
             shutil.rmtree(partial, ignore_errors=True)
-        _barrier()
+        barrier()
         sd, desc = state_to_save(trainer, copy=async_save)
-        descs = _gather_objects(desc)
+        descs = gather_objects(desc)
         meta = _describe(trainer, _merge(descs), world)
         if not async_save:
             dcp.save(sd, storage_writer=FileSystemWriter(partial), planner=_SavePlanner())
-            _barrier()
+            barrier()
             if rank == 0:
                 self._commit(partial, final, meta)
-            _barrier()
+            barrier()
             return final
         if self._group is None and world > 1:
             self._group = dist.new_group(backend="gloo")    # not the training collectives'
@@ -390,171 +283,7 @@ def _describe(trainer: Any, merged: dict[str, Any], world: int) -> dict[str, Any
                             if getattr(trainer, "loss_scaler", None) is not None else None)}
 
 
-# ---- load --------------------------------------------------------------------------------------
-
-
-
-def load(trainer: Any, path: str | os.PathLike[str], *,
-         lr_schedulers: list[Any] | None = None) -> Path:
-    """Load the checkpoint at ``path`` into ``trainer``, whatever plan saved it (a collective:
-    every rank calls it). Refuses a checkpoint of another model or optimizer, saying what
-    differs.
-
-    In order: nothing in flight may overwrite what is loaded (pending gathers waited for); the
-    checks, each an all-gather so every rank refuses alike; the state dict to fill (this rank's
-    pieces of each tensor, its optimizer state made empty in the saved kinds and dtypes, its
-    RNG); DCP's load, which reshards from whatever plan saved it; then what DCP does not hold
-    in tensors (hyper-parameters, host copies, RNG, step, schedulers, loss scaler)."""
-    step = resolve(path)
-    meta = read_meta(step)
-    wait_gathers(trainer.optimizer)
-    t, tp_rank = _tp(trainer)
-    held = held_state(trainer)
-    layouts = {fqn: layout_of(h.tensor, h.placement, t, tp_rank, _expert(trainer, fqn))
-               for fqn, h in held.items()}
-    _check_same_model(step, meta, held, layouts)
-    slots = optimizer_slots(trainer.optimizer)
-    _check_same_optimizer(step, meta, slots)
-    into, rounded = weights_to_load(trainer, held)
-    sd: dict[str, Any] = {f"model.{fqn}": layouts[fqn].pieces(t) for fqn, t in into.items()}
-    hparams = _empty_optimizer_state(step, meta, slots, held, layouts, sd)
-    rank, _ = _world()
-    src = rank if rank < meta["world_size"] else 0
-    rng = torch.empty_like(torch.get_rng_state())
-    sd[f"rng.rank{src}"] = rng
-    dcp.load(sd, storage_reader=FileSystemReader(step), planner=_LoadPlanner())
-    _set_hparams(hparams)
-    with torch.no_grad():
-        for weight, value in rounded:       # 16-bit weights from their fp32 values
-            weight.copy_(value.to(weight.device))
-    for opt, _ in slots:                 # fp32 values back into 8-bit moments
-        requantize(opt)
-    _refresh_host_copies(trainer.optimizer)
-    torch.set_rng_state(rng)
-    _restore_counters(trainer, step, meta, lr_schedulers)
-    return step
-
-
-def _check_same_model(step: Path, meta: dict[str, Any], held: dict[str, Held],
-                      layouts: dict[str, Layout]) -> None:
-    """CheckpointError unless the checkpoint holds the model every rank holds (names, global
-    shapes, dtypes; gathered, so each rank sees the whole model)."""
-    live = {fqn: {"shape": list(layouts[fqn].global_shape),
-                  "dtype": str(h.tensor.dtype).removeprefix("torch.")}
-            for fqn, h in held.items()}
-    everything: dict[str, Any] = {}
-    for part in _gather_objects(live):
-        everything.update(part)
-    what = model_mismatch(meta["model"], everything)
-    if what:
-        raise CheckpointError(f"checkpoint {step} is of another model: {what}")
-
-
-def _check_same_optimizer(step: Path, meta: dict[str, Any], slots: list[Any]) -> None:
-    """CheckpointError when the checkpoint holds optimizer state of other optimizer classes
-    than this run's (over all ranks)."""
-    saved_opt = meta["optimizer"]
-    classes = sorted({type(o).__name__ for o, _ in slots})
-    all_classes = sorted({c for part in _gather_objects(classes) for c in part})
-    saved_classes = saved_opt.get("classes") or []
-    saved_state = saved_opt.get("state") or {}
-    if any(saved_state.values()) and all_classes != saved_classes:
-        raise CheckpointError(f"checkpoint {step} holds {'/'.join(saved_classes)} state; this "
-                              f"run's optimizer is {'/'.join(all_classes) or 'none'}. Resume with "
-                              "the optimizer that saved it")
-
-
-def _empty_optimizer_state(step: Path, meta: dict[str, Any], slots: list[Any],
-                           held: dict[str, Held], layouts: dict[str, Layout],
-                           sd: dict[str, Any]) -> list[tuple[dict, dict]]:
-    """Each held parameter's optimizer state as the checkpoint describes it, made empty in
-    ``opt.state`` and entered in ``sd`` for DCP to fill (elementwise state as this rank's
-    pieces, scalars whole). Returns the (param group, saved hyper-parameters) pairs to set
-    once loaded."""
-    saved_opt = meta["optimizer"]
-    saved_state = saved_opt.get("state") or {}
-    by_id = {id(h.tensor): h for h in held.values()}
-    hparams: list[tuple[dict, dict]] = []
-    for opt, mirror in slots:
-        for group in opt.param_groups:
-            for key_tensor in group["params"]:
-                h = by_id.get(id(mirror[id(key_tensor)]))
-                if h is None:
-                    continue
-                kinds = saved_state.get(h.fqn) or {}
-                if not isinstance(kinds, dict):
-                    raise CheckpointError(f"{step / META_FILE}: optimizer state of {h.fqn} is "
-                                          "malformed")
-                state = _empty_state_of(step, h.fqn, kinds, key_tensor, layouts[h.fqn], sd)
-                if state:
-                    opt.state[key_tensor] = state
-                hp = (saved_opt.get("hparams") or {}).get(h.fqn)
-                if isinstance(hp, dict):
-                    hparams.append((group, hp))
-    return hparams
-
-
-def _empty_state_of(step: Path, fqn: str, kinds: dict[str, Any], key_tensor: torch.Tensor,
-                    layout: Layout, sd: dict[str, Any]) -> dict[str, torch.Tensor]:
-    """One parameter's optimizer state tensors, empty, in the saved dtypes (entered in ``sd``)."""
-    state: dict[str, torch.Tensor] = {}
-    for key, k in sorted(kinds.items()):
-        dtype = DTYPES.get(k.get("dtype"))
-        if dtype is None:
-            raise CheckpointError(f"{step / META_FILE}: {fqn}.{key} has dtype "
-                                  f"{k.get('dtype')!r}")
-        if k.get("kind") == "elementwise":
-            state[key] = torch.zeros_like(key_tensor, dtype=dtype)
-            sd[f"optim.{fqn}.{key}"] = layout.pieces(state[key])
-        else:
-            device = key_tensor.device if k.get("on_param_device") else "cpu"
-            state[key] = torch.zeros(k.get("shape") or [], dtype=dtype, device=device)
-            sd[f"optim.{fqn}.{key}"] = state[key]
-    return state
-
-
-def _set_hparams(hparams: list[tuple[dict, dict]]) -> None:
-    """The saved hyper-parameters (learning rate, betas, ...) into their param groups; a
-    tensor-valued one in place."""
-    for group, hp in hparams:
-        for k, v in hp.items():
-            if k in group and not isinstance(group[k], torch.Tensor):
-                group[k] = tuple(v) if isinstance(group[k], tuple) else v
-            elif k in group:
-                group[k].fill_(v)
-
-
-def _restore_counters(trainer: Any, step: Path, meta: dict[str, Any],
-                      lr_schedulers: list[Any] | None) -> None:
-    """The step count, the LR schedulers' and the loss scaler's state, from the description."""
-    trainer.steps_done = meta["step"]
-    seen = meta.get("samples_seen")       # older checkpoints: every step at this batch
-    trainer.samples_seen = (int(seen) if isinstance(seen, int) else
-                            meta["step"] * trainer.plan.training.global_batch_size)
-    sched = meta.get("lr_scheduler")
-    if lr_schedulers and isinstance(sched, dict):
-        for s in lr_schedulers:
-            s.load_state_dict(dict(sched))
-    scaler = getattr(trainer, "loss_scaler", None)
-    if scaler is not None and isinstance(meta.get("loss_scaler"), dict):
-        try:
-            scaler.load_state_dict(meta["loss_scaler"])
-        except (KeyError, TypeError, ValueError) as e:
-            raise CheckpointError(f"{step / META_FILE}: loss_scaler is malformed ({e})") from None
-
-
-def _refresh_host_copies(opt: Any) -> None:
-    """Host-offloaded master weights take the loaded fp32 parameters' values (a 16-bit
-    weight's host copy is its master, read from the checkpoint itself)."""
-    if isinstance(opt, TensorShardedOptimizer):
-        if opt.inner is not None:
-            _refresh_host_copies(opt.inner)
-        return
-    if isinstance(opt, HostOffloadOptimizer):
-        with torch.no_grad():
-            for p, h in zip(opt.params, opt.host):
-                if _local(p).dtype not in SIXTEEN_BIT:
-                    h.copy_(_local(p).to(h.device, h.dtype))
+# ---- the trainers' save and load ---------------------------------------------------------------
 
 
 class Checkpointing:
@@ -587,13 +316,13 @@ class Checkpointing:
         if key in claimed:
             return
         refusal = None
-        if _world()[0] == 0:
+        if rank_world()[0] == 0:
             try:
                 claim(root, resumed_from=self.__dict__.get("_resumed_from"),
                       overwrite=overwrite)
             except CheckpointError as e:
                 refusal = str(e)
-        refusal = _gather_objects(refusal)[0]
+        refusal = gather_objects(refusal)[0]
         if refusal is not None:
             raise CheckpointError(refusal)
         claimed.add(key)

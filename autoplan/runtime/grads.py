@@ -22,7 +22,7 @@ from torch.distributed.tensor import DTensor
 
 from autoplan.errors import PlanError
 from autoplan.sharding.mesh_axes import MeshAxis
-from autoplan.runtime.checkpoint import held_state
+from autoplan.runtime.checkpoint_held import held_state
 from autoplan.runtime.master_weights import grad_of
 
 

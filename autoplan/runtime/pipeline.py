@@ -36,7 +36,7 @@ from autoplan.runtime.optim import local_tensor
 from autoplan.runtime.master_weights import MAIN_GRAD, grad_of
 from autoplan.sharding.mesh_axes import MeshAxis
 from autoplan.runtime.program_modules import layer_ranges
-from autoplan.runtime.checkpoint import canonical_name
+from autoplan.runtime.checkpoint_held import canonical_name
 from autoplan.runtime.program import VAL
 
 SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B",

@@ -41,22 +41,21 @@ from torch import fx, nn
 
 from autoplan.errors import PlanError
 from autoplan.graph.opgraph import Op, OpGraph
-from autoplan.graph.trace import TRANSPARENT
-from autoplan.graph.experts import GROUPED_MM, find_experts
+from autoplan.graph.export_reader import TRANSPARENT
+from autoplan.graph.experts import GROUPED_MM
 from autoplan.runtime.causal_mask import as_causal, causal_attention_nodes, drop_unused
 from autoplan.runtime.kernels import get_arg
 from autoplan.runtime.local_args import (has_many_outputs, local_shape_args, map_devices,
                                         map_tensors, output_index)
+from autoplan.runtime.program_experts import ExpertRows, ExpertSite
 from autoplan.runtime.program_calls import (KERNEL_CALLS, call_gather, call_gather_sp, call_reduce,
                                             call_reduce_grad, call_reduce_scatter,
-                                            kernel_add_bias, kernel_combine, kernel_composed, kernel_dispatch,
-                                            kernel_dispatch_stacked, kernel_dp_batch_norm,
+                                            kernel_add_bias, kernel_composed, kernel_dp_batch_norm,
                                             kernel_float8_linear,
                                             kernel_grad_scale,
                                             kernel_grouped_product, kernel_local_experts, kernel_norm,
                                             kernel_split_random, kernel_split_random_axes, transition)
 from autoplan.sharding.context_axis import ContextAxis
-from autoplan.sharding.expert_regions import expert_regions
 from autoplan.sharding.placement import REPLICATE, Placement, local_shape
 from autoplan.sharding.sharding import Sharding, mutates_input
 from autoplan.sharding.strategy import OpStrategy, input_action, opname, output_action
@@ -112,15 +111,6 @@ class _OpSite:
     c: OpStrategy | None        # on the context-parallel axis (None: no cp axis)
 
 
-@dataclass(frozen=True)
-class _ExpertSite:
-    """An op inside an expert region (values held as the rows dispatched to the experts)."""
-
-    expert_op: bool             # the experts' product itself
-    stacked: bool               # rows held stacked: (experts / ep, ep * rows, ...)
-    to_dispatch: frozenset[str]  # its inputs dispatched at this op
-
-
 # ---- the builder ---------------------------------------------------------------------------------
 
 class _Builder:
@@ -136,18 +126,6 @@ class _Builder:
             raise PlanError("a plan with both context (cp) and expert (ep) parallelism cannot "
                             "run; re-plan with one of them")
         self.ep_size = ep_size
-        self.experts = find_experts(graph) if ep_size > 1 else None
-        if ep_size > 1 and self.experts is None:
-            raise PlanError(f"the plan splits experts over ep={ep_size} ranks, but the model "
-                            "has no product of stacked expert weights (grouped_mm, or bmm / "
-                            "einsum over an experts dim) to split; re-plan with ep=1")
-        # expert parallelism: values held as dispatched rows, their exchanges' states, and
-        # the dispatches made (one per value and placement)
-        self.regions = expert_regions(graph, sh) if self.experts is not None else None
-        self.held: dict[str, fx.Node] = {}
-        self.held_state: dict[str, fx.Node] = {}
-        self.dispatched: dict[tuple[str, str], tuple[fx.Node, fx.Node]] = {}
-        self.stacked_held: set[str] = set()
         self.device = device
         # attention whose mask is proven causal: run with is_causal=True, no mask (flash)
         self.causal = causal_attention_nodes(ep.graph, device)
@@ -162,6 +140,9 @@ class _Builder:
         self.slot = CommSlot(comm=None, ep_size=ep_size)
         self.attrs[COMM_SLOTS[0]] = self.slot
         self.slot_node = self.g.get_attr(COMM_SLOTS[0])
+        # expert parallelism: values held as dispatched rows (``program_experts.py``)
+        self.xp = (ExpertRows(graph, sh, ep_size, self.emit, self.slot_node)
+                   if ep_size > 1 else None)
         self.cp_slot = self.cp_node = None
         if cp is not None:
             self.cp_slot = CommSlot(comm=None, size=cp.c, zigzag=cp.layout == "zigzag")
@@ -238,10 +219,11 @@ class _Builder:
         site = self._site(node)
         if site is None:
             return
-        experts = self._expert_site(site) if self.regions is not None else None
-        swapped = self._read_held(site, experts) if experts is not None else {}
+        experts = self.xp.site(site.i, site.op) if self.xp is not None else None
+        swapped = self.xp.read_held(site.op, experts, self.env) if experts is not None else {}
         inputs = self._inputs(node, site.op, site.s, site.i)
-        state = self._expert_state(site, experts, inputs) if experts is not None else None
+        state = (self.xp.state(site.i, site.op, site.s, experts, inputs)
+                 if experts is not None else None)
         args, kwargs = self._local_args(site, inputs)
         if node.name in self.causal:
             mask = get_arg(node.target, args, kwargs, "attn_mask")
@@ -272,63 +254,6 @@ class _Builder:
                                 f"({why}); re-plan")
         return _OpSite(node=node, i=i, op=op, s=s, c=c)
 
-    def _expert_site(self, site: _OpSite) -> _ExpertSite | None:
-        """Where op ``site`` stands in expert parallelism (None: outside the regions where
-        values are held as dispatched rows)."""
-        i, op = site.i, site.op
-        if i not in self.regions.members:
-            return None
-        expert_op = i in self.experts.ops
-        # stacked rows are held as (experts / ep, ep * rows, ...): every peer's rows of this
-        # rank's experts
-        stacked = (i in self.experts.stacked if expert_op else
-                   any(vn in self.stacked_held for vn in op.inputs))
-        return _ExpertSite(expert_op=expert_op, stacked=stacked,
-                           to_dispatch=frozenset(x for j, x in self.regions.dispatch if j == i))
-
-    def _read_held(self, site: _OpSite, experts: _ExpertSite | None) -> dict[str, fx.Node]:
-        """Inside an expert region, inputs are read as the rows the experts hold (all but the
-        expert product's own input still to dispatch); returns the nodes to put back."""
-        swapped: dict[str, fx.Node] = {}
-        if experts is None:
-            return swapped
-        for k, vn in enumerate(site.op.inputs):
-            if vn in self.held and not (experts.expert_op and k == 0
-                                        and vn in experts.to_dispatch):
-                swapped[vn] = self.env[vn]
-                self.env[vn] = self.held[vn]
-        return swapped
-
-    def _expert_state(self, site: _OpSite, experts: _ExpertSite | None,
-                      inputs: list[fx.Node]) -> fx.Node | None:
-        """The exchange state the held rows of this op go with (what ``kernel_combine`` needs
-        to bring them home). An expert product's input to dispatch is dispatched here, once
-        per value and placement, and ``inputs[0]`` becomes its rows."""
-        if experts is None:
-            return None
-        op, s = site.op, site.s
-        if not experts.expert_op:
-            return next(self.held_state[vn] for vn in op.inputs if vn in self.held_state)
-        x = op.inputs[0]
-        if x not in experts.to_dispatch:
-            return self.held_state[x]
-        key = (x, str(s.inputs[0]))
-        if key not in self.dispatched:
-            self.dispatched[key] = self._dispatch(site, inputs)
-        inputs[0], state = self.dispatched[key]
-        return state
-
-    def _dispatch(self, site: _OpSite, inputs: list[fx.Node]) -> tuple[fx.Node, fx.Node]:
-        """(rows, state): the expert product's input sent to the ranks of its experts."""
-        i = site.i
-        if i in self.experts.stacked:
-            pair = self.emit(kernel_dispatch_stacked, (inputs[0], self.slot_node), i)
-        else:
-            pair = self.emit(kernel_dispatch, (inputs[0], inputs[2], self.experts.num_experts
-                                               // self.ep_size, self.slot_node), i)
-        return (self.emit(operator.getitem, (pair, 0), i),
-                self.emit(operator.getitem, (pair, 1), i))
-
     def _local_args(self, site: _OpSite, inputs: list[fx.Node]) -> tuple[Any, dict]:
         """The node's arguments with its tensor inputs replaced by their local nodes (in the
         order ``_inputs`` made them) and devices by this rank's."""
@@ -351,14 +276,10 @@ class _Builder:
         if any(shape is None for shape in local_outs):
             raise PlanError(f"op {op.name} ({op.target}): strategy {s.name} splits an output "
                             "unevenly; re-plan")
-        if self.experts is not None:        # expert weights' views: this rank's experts only
-            local_outs = [(shape[0] // self.ep_size,) + tuple(shape[1:])
-                          if n in self.experts.chain else shape
-                          for shape, n in zip(local_outs, op.outputs)]
-        return local_outs
+        return self.xp.local_outs(op, local_outs) if self.xp is not None else local_outs
 
     def _emit_op(self, site: _OpSite, args: list, kwargs: dict,
-                 experts: _ExpertSite | None, state: fx.Node | None
+                 experts: ExpertSite | None, state: fx.Node | None
                  ) -> tuple[fx.Node, fx.Node | None]:
         """(output, bias or None) of the op itself: a strategy's kernel (the cp axis's around
         tp's), a local kernel the op needs whatever its strategy, or the op as traced. A kernel
@@ -403,7 +324,7 @@ class _Builder:
         out.meta[OP] = i
         return out, None
 
-    def _local_kernel(self, site: _OpSite, experts: _ExpertSite | None,
+    def _local_kernel(self, site: _OpSite, experts: ExpertSite | None,
                       state: fx.Node | None) -> tuple[Callable, tuple] | None:
         """(kernel, its arguments after the op's) for an op that needs one whatever its
         strategy: this rank's experts, a grouped product, random ops on split tensors, batch
@@ -437,7 +358,7 @@ class _Builder:
         return None
 
     def _emit_outputs(self, site: _OpSite, out: fx.Node, bias: fx.Node | None,
-                      local_outs: list[tuple[int, ...]], experts: _ExpertSite | None,
+                      local_outs: list[tuple[int, ...]], experts: ExpertSite | None,
                       state: fx.Node | None) -> None:
         """Each output taken from the op's result with its local shape, its tp collective,
         the bias, then its cp collective; inside an expert region held as dispatched rows and
@@ -459,11 +380,7 @@ class _Builder:
                                         self.cp_node, i)
             self.env[vn] = y
             if experts is not None:     # held dispatched; brought home where read from outside
-                self.held[vn], self.held_state[vn] = y, state
-                if stacked:
-                    self.stacked_held.add(vn)
-                if vn in self.regions.combine:
-                    self.env[vn] = self.emit(kernel_combine, (y, state), i)
+                self.env[vn] = self.xp.hold(i, vn, y, state, experts)
 
     def _local_out(self, n: str, k: int, s: OpStrategy, c: OpStrategy | None
                    ) -> tuple[int, ...] | None:

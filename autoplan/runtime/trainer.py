@@ -26,7 +26,7 @@ from autoplan.planner.loading import load_plan
 from autoplan.planner.plan_vs_model import check_plan_against
 from autoplan.planner.planfile import Plan, plan_mismatch, stale_prediction
 from autoplan.runtime.batch_check import BatchSpec
-from autoplan.runtime.checkpoint import optimizer_slots
+from autoplan.runtime.checkpoint_held import optimizer_slots
 from autoplan.runtime.float8 import float8_refusal
 from autoplan.runtime.grads import LossScaler
 from autoplan.runtime.lowbit_optim import require_library
