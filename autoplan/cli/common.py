@@ -187,9 +187,22 @@ def graph_from_args(args: argparse.Namespace):
         from autoplan.graph.check import GRAPH_LIMITS
         return OpGraph.from_json(safe_io.read_text(args.model, what="OpGraph file",
                                                    error=TraceError, limits=GRAPH_LIMITS))
-    ex = build_model_arg(args)
+    ex = packed_for_documents(build_model_arg(args), seq_lengths_arg(args))
     return trace(ex.model, ex.example_inputs, loss_fn=ex.loss_fn, targets=ex.targets,
                  name=getattr(ex, "name", args.model))
+
+
+def packed_for_documents(ex: Any, documents: Any) -> Any:
+    """``ex`` as a plan for the data's documents (``--seq-lengths``) traces it: where its
+    forward takes position ids (``models/packing.PACKED_FAMILIES``), with its rows packed as
+    documents and their position ids as an input (the graph `autoplan run` then trains on
+    packed data, ``runtime/packed_data.py``); other models as they are, priced as if a
+    document-masking kernel ran (`autoplan run` refuses to run them on packed documents)."""
+    from autoplan.models.packing import PACKED_FAMILIES, packed_documents_example
+    if documents is None or getattr(ex, "family", None) not in PACKED_FAMILIES \
+            or len(ex.example_inputs) != 1:
+        return ex
+    return packed_documents_example(ex, documents)
 
 
 def eprint(*a: Any) -> None:

@@ -72,30 +72,7 @@ class PackedWork:
     def sequences(self) -> tuple[tuple[int, ...], ...]:
         """The simulated packed sequences, each as its documents' lengths in order (they sum to
         ``seq_len``)."""
-        h = self.histogram
-        p = np.asarray(h.counts, dtype=np.float64)
-        rng = np.random.default_rng(self.seed)
-        need = self.samples * self.seq_len
-        lengths: list[int] = []
-        total = 0
-        while total < need:
-            draw = rng.choice(np.asarray(h.lengths), size=max(16, int(
-                (need - total) / h.mean_length * 1.2) + 1), p=p / p.sum())
-            lengths.extend(int(x) for x in draw)
-            total += int(draw.sum())
-        out, cur, room = [], [], self.seq_len
-        for d in lengths:
-            while d > 0 and len(out) < self.samples:
-                take = min(d, room)
-                cur.append(take)
-                d -= take
-                room -= take
-                if room == 0:
-                    out.append(tuple(cur))
-                    cur, room = [], self.seq_len
-            if len(out) == self.samples:
-                break
-        return tuple(out)
+        return pack_documents(self.histogram, self.seq_len, self.samples, self.seed)
 
     @cached_property
     def documents_per_sequence(self) -> float:
@@ -126,6 +103,44 @@ class PackedWork:
         return (f"documents packed into {self.seq_len:,}-token sequences "
                 f"({self.documents_per_sequence:.3g} per sequence on average): attention "
                 f"{self.dense_share():.3g} of an unmasked sequence's")
+
+
+def pack_documents(histogram: LengthHistogram, seq_len: int, count: int, seed: int = 0
+                   ) -> tuple[tuple[int, ...], ...]:
+    """``count`` packed sequences of ``seq_len`` tokens, each as its documents' lengths in
+    order (summing to ``seq_len``): documents drawn from ``histogram`` (independently, in
+    proportion to its counts, with numpy's generator seeded ``seed``), laid end to end and cut
+    every ``seq_len`` tokens, a document cut at a sequence's end continuing as its own at the
+    start of the next (module doc). The planner prices these sequences (``PackedWork``) and
+    ``autoplan run`` trains on them (``runtime/packed_data.py``)."""
+    if count < 1 or seq_len < 1:
+        raise ConfigError(f"pack_documents: count and seq_len must be >= 1, got {count}, "
+                          f"{seq_len}")
+    p = np.asarray(histogram.counts, dtype=np.float64)
+    rng = np.random.default_rng(seed)
+    need = count * seq_len
+    lengths: list[int] = []
+    total = 0
+    while total < need:
+        draw = rng.choice(np.asarray(histogram.lengths), size=max(16, int(
+            (need - total) / histogram.mean_length * 1.2) + 1), p=p / p.sum())
+        lengths.extend(int(x) for x in draw)
+        total += int(draw.sum())
+    out: list[tuple[int, ...]] = []
+    cur: list[int] = []
+    room = seq_len
+    for d in lengths:
+        while d > 0 and len(out) < count:
+            take = min(d, room)
+            cur.append(take)
+            d -= take
+            room -= take
+            if room == 0:
+                out.append(tuple(cur))
+                cur, room = [], seq_len
+        if len(out) == count:
+            break
+    return tuple(out)
 
 
 def rank_chunks(s: int, c: int, layout: str) -> list[list[tuple[int, int]]]:
@@ -219,5 +234,5 @@ def attention_share(graph: OpGraph, i: int, documents: PackedWork | None, cp: in
     return documents.dense_share(causal)
 
 
-__all__ = ["PackedWork", "attention_share", "packed_work", "rank_chunks",
+__all__ = ["PackedWork", "attention_share", "pack_documents", "packed_work", "rank_chunks",
            "ring_critical_pairs"]
