@@ -101,3 +101,29 @@ def test_end_of_document_tokens_split_documents():
     tokens = torch.tensor([[5, 1, 2, 0, 3, 4, 0, 7], [0, 0, 1, 2, 3, 0, 5, 6]])
     assert eod_position_ids(tokens, 0).tolist() == [[0, 1, 2, 3, 0, 1, 2, 0],
                                                     [0, 0, 0, 1, 2, 3, 0, 1]]
+
+
+def test_a_graph_given_position_ids_is_priced_as_document_masked_causal():
+    """The packed trace reads its mask from the position ids (ring_work.causal_at: not
+    causal); its mask ands a causal comparison in, so under --seq-lengths its attention is
+    priced as each document's causal attention, as the unpacked causal trace is."""
+    from autoplan.graph import trace
+    from autoplan.graph.oprules import is_attention
+    from autoplan.sharding.doc_work import attention_share, document_causal_at, packed_work
+    from autoplan.sharding.ring_work import causal_at
+    h = histogram_of([(5, 3), (16, 2), (32, 1)])
+    plain = build_example("llama-tiny", batch_size=1, seq_len=32)
+    packed = packed_documents_example(plain, h)
+    shares = []
+    for ex in (plain, packed):
+        g = trace(ex.model, ex.example_inputs, loss_fn=ex.loss_fn, targets=ex.targets)
+        i = next(i for i, op in enumerate(g.ops) if is_attention(op))
+        docs = packed_work(g, h)
+        shares.append((attention_share(g, i, docs, 1, "", 1),
+                       attention_share(g, i, docs, 2, "zigzag", 1)))
+        if ex is packed:
+            assert not causal_at(g, i) and document_causal_at(g, i)
+    assert shares[0] == shares[1]
+    assert shares[0][0] == pytest.approx(PackedWork(h, 32).dense_share(causal=True))
+    assert shares[0][1] == pytest.approx(PackedWork(h, 32).ring_share(2, "zigzag", True))
+    assert shares[0][1] != pytest.approx(PackedWork(h, 32).ring_share(2, "zigzag", False))

@@ -226,7 +226,7 @@ def attention_share(graph: OpGraph, i: int, documents: PackedWork | None, cp: in
     documents, or not attention)."""
     if documents is None or not is_attention(graph.ops[i]):
         return None
-    causal = causal_at(graph, i)
+    causal = causal_at(graph, i) or document_causal_at(graph, i)
     if cp > 1:
         return documents.ring_share(cp, layout, causal)
     if tp_ring > 1:
@@ -234,5 +234,84 @@ def attention_share(graph: OpGraph, i: int, documents: PackedWork | None, cp: in
     return documents.dense_share(causal)
 
 
-__all__ = ["PackedWork", "attention_share", "pack_documents", "packed_work", "rank_chunks",
+# ops a mask passes through unchanged in structure (one tensor in, the same pairs out)
+_MASK_PASSES = frozenset({"aten.unsqueeze.default", "aten.expand.default", "aten.view.default",
+                          "aten.reshape.default", "aten._to_copy.default", "aten.clone.default",
+                          "aten.to.dtype", "aten.to.dtype_layout", "aten.to.device",
+                          "aten.alias.default", "aten.contiguous.default"})
+_MASK_ANDS = frozenset({"aten.__and__.Tensor", "aten.bitwise_and.Tensor",
+                        "aten.logical_and.default"})
+_ORDERS = frozenset(f"aten.{c}.Tensor" for c in ("le", "lt", "ge", "gt"))
+_SEEDED = ("rand", "bernoulli", "dropout", "multinomial", "normal")
+
+
+def document_causal_at(graph: OpGraph, i: int) -> bool:
+    """Whether attention op ``i`` reads a mask that is causal within what else it masks: the
+    mask is an AND (``&``) of conjuncts, one of which compares two position tensors
+    (``k <= q``: ``aten.le/lt/ge/gt.Tensor``) built from the traced shapes and the graph's
+    user inputs only (no weight, buffer, constant or random draw). A document mask is so
+    built from position ids: autoplan's Llama ands the same-document test with
+    ``arange(s)[k] <= arange(s)[q]``, Hugging Face's with ``position_ids[k] <=
+    position_ids[q]`` (positions rise within a document), so under packed documents its work
+    is each document's causal attention (``ring_work.causal_at`` answers False for them: the
+    mask reads an input, and the runtime does not skip its blocks on a ring)."""
+    op = graph.ops[i]
+    if len(op.inputs) < 4:
+        return False
+    found = graph.__dict__.setdefault("_autoplan_document_causal", {})
+    if i not in found:
+        found[i] = any(_orders(graph, c) for c in _conjuncts(graph, op.inputs[3]))
+    return found[i]
+
+
+def _producer(graph: OpGraph, name: str):
+    cache = graph.__dict__.get("_autoplan_doc_producers")
+    if cache is None:
+        cache = {n: op for op in graph.ops for n in op.outputs}
+        graph.__dict__["_autoplan_doc_producers"] = cache
+    return cache.get(name)
+
+
+def _conjuncts(graph: OpGraph, name: str) -> list[str]:
+    """The values ``name`` is the AND of (through ops that keep its structure)."""
+    out, todo, seen = [], [name], set()
+    while todo:
+        n = todo.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        op = _producer(graph, n)
+        if op is not None and op.target in _MASK_ANDS:
+            todo.extend(op.inputs)
+        elif op is not None and op.target in _MASK_PASSES and len(op.inputs) == 1:
+            todo.append(op.inputs[0])
+        else:
+            out.append(n)
+    return out
+
+
+def _orders(graph: OpGraph, name: str) -> bool:
+    """``name`` compares two position tensors, each built from shapes and user inputs."""
+    op = _producer(graph, name)
+    if op is None or op.target not in _ORDERS or len(op.inputs) != 2:
+        return False
+    users = set(graph.inputs)
+    todo, seen = list(op.inputs), set()
+    while todo:
+        n = todo.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        p = _producer(graph, n)
+        if p is None:
+            if n not in users:           # a weight, buffer or constant
+                return False
+            continue
+        if p.params or any(w in p.target for w in _SEEDED):
+            return False
+        todo.extend(p.inputs)
+    return True
+
+
+__all__ = ["PackedWork", "attention_share", "document_causal_at", "pack_documents", "packed_work", "rank_chunks",
            "ring_critical_pairs"]
