@@ -170,8 +170,9 @@ def _meta_llama(seq_len=2048):
 
 def test_estimates_price_attention_at_the_documents_work():
     """One document per sequence prices as no --seq-lengths (data parallel, and on a zigzag
-    ring); short documents make the step cheaper, by attention's work only, and MFU counts the
-    masked FLOPs."""
+    ring); short documents make the step cheaper, by attention's work only, where the kernel
+    that runs skips masked blocks (flex attention, on a GPU off a ring), and not on a ring,
+    which computes every block whole; MFU counts the masked FLOPs either way."""
     from autoplan import Cluster, ParallelConfig, estimate
     g = _meta_llama()
     cluster = Cluster.from_spec("dgx-h100/2")
@@ -185,11 +186,32 @@ def test_estimates_price_attention_at_the_documents_work():
         cheap = estimate(g, cluster, config=c, global_batch_size=8, profile=None,
                          seq_lengths=short)
         assert same.step_time_s == pytest.approx(base.step_time_s, rel=1e-3)
-        assert cheap.step_time_s < base.step_time_s
+        if cfg.cp == 1:
+            assert cheap.step_time_s < base.step_time_s
+        else:
+            assert cheap.step_time_s == pytest.approx(base.step_time_s, rel=1e-9)
         attention = sum(op.fwd_flops + op.bwd_flops for op in g.ops
                         if op.kind == "attention") * 8
         assert base.model_flops_per_step - cheap.model_flops_per_step == pytest.approx(
             attention * (1 - 16 * 128 * 129 / (2048 * 2049)), rel=1e-6)
+
+
+def test_a_cpu_cluster_prices_the_dense_mask_it_runs():
+    """On a CPU the runtime runs SDPA with the dense document mask (flex attention has no
+    backward there): the whole square is priced, the documents change no step time."""
+    from autoplan import Cluster, ParallelConfig, estimate
+    from autoplan.sharding.doc_work import packed_work
+    g = _meta_llama(256)
+    cluster = Cluster.local(2)
+    c = replace_world(ParallelConfig(), cluster)
+    short = histogram_of([(16, 1)])
+    base = estimate(g, cluster, config=c, global_batch_size=4, profile=None)
+    packed = estimate(g, cluster, config=c, global_batch_size=4, profile=None,
+                      seq_lengths=short)
+    assert packed.step_time_s == pytest.approx(base.step_time_s, rel=1e-9)
+    assert packed.model_flops_per_step < base.model_flops_per_step
+    assert packed_work(g, short, "cpu").kernel == "dense"
+    assert packed_work(g, short, "gpu").kernel == "block_sparse"
 
 
 def replace_world(cfg, cluster):

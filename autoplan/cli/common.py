@@ -82,19 +82,20 @@ def seq_lengths_arg(args: argparse.Namespace) -> Any:
     return read_seq_lengths(args.seq_lengths)
 
 
-def documents_note(graph: Any, seq_lengths: Any, config: Any) -> str:
-    """What ``--seq-lengths`` priced: the data, its packing, and attention's share per rank."""
+def documents_note(graph: Any, seq_lengths: Any, config: Any, device_kind: str = "gpu") -> str:
+    """What ``--seq-lengths`` priced: the data, its packing, the kernel that runs, and on a
+    ring what a ring skipping masked pairs would do beside what this runtime's does."""
     from autoplan.sharding.doc_work import packed_work
-    work = packed_work(graph, seq_lengths)
+    work = packed_work(graph, seq_lengths, device_kind)
     lines = [f"\ndata     {seq_lengths.describe()}", f"packing  {work.describe()}"]
     if config.cp > 1:
         ring = work.ring_share(config.cp, config.cp_layout)
-        lines.append(f"ring     cp{config.cp} {config.cp_layout}: the slowest rank's expected "
-                     f"share {ring:.4g} of an unmasked sequence's attention, "
+        lines.append(f"ring     cp{config.cp} {config.cp_layout}: priced at the balanced "
+                     f"{1 / config.cp:.4g} of the square (this runtime's ring computes a masked "
+                     "attention's blocks whole); a ring skipping masked pairs would do "
+                     f"{ring:.4g} on its slowest rank, "
                      f"{ring * config.cp / work.dense_share():.3g}x the balanced "
                      f"{work.dense_share() / config.cp:.4g} (where document boundaries fall)")
-    lines.append("         (priced for a kernel that skips masked-out work: flash-attention "
-                 "varlen or flex attention with a block mask)")
     return "\n".join(lines)
 
 
@@ -187,9 +188,22 @@ def graph_from_args(args: argparse.Namespace):
         from autoplan.graph.check import GRAPH_LIMITS
         return OpGraph.from_json(safe_io.read_text(args.model, what="OpGraph file",
                                                    error=TraceError, limits=GRAPH_LIMITS))
-    ex = build_model_arg(args)
+    ex = packed_for_documents(build_model_arg(args), seq_lengths_arg(args))
     return trace(ex.model, ex.example_inputs, loss_fn=ex.loss_fn, targets=ex.targets,
                  name=getattr(ex, "name", args.model))
+
+
+def packed_for_documents(ex: Any, documents: Any) -> Any:
+    """``ex`` as a plan for the data's documents (``--seq-lengths``) traces it: where its
+    forward takes position ids (``models/packing.PACKED_FAMILIES``), with its rows packed as
+    documents and their position ids as an input (the graph `autoplan run` then trains on
+    packed data, ``runtime/packed_data.py``); other models as they are, priced as if a
+    document-masking kernel ran (`autoplan run` refuses to run them on packed documents)."""
+    from autoplan.models.packing import PACKED_FAMILIES, packed_documents_example
+    if documents is None or getattr(ex, "family", None) not in PACKED_FAMILIES \
+            or len(ex.example_inputs) != 1:
+        return ex
+    return packed_documents_example(ex, documents)
 
 
 def eprint(*a: Any) -> None:

@@ -35,7 +35,8 @@ def run(args: argparse.Namespace) -> int:
     plan = plan_from_file(args.plan)
     built = build_run_model(args.model, batch=plan.training.global_batch_size,
                             layers=args.layers, seq_len=args.seq_len,
-                            meta=":" not in args.model, traced_only=True)
+                            meta=":" not in args.model, traced_only=True,
+                            documents=plan.training.length_histogram())
     ex = built.small
     result = emulate(plan, ex.model, example_inputs=ex.example_inputs,
                      example_targets=ex.targets, loss_fn=ex.loss_fn, rank=args.rank,

@@ -138,7 +138,8 @@ def run(args: argparse.Namespace) -> int:
               f"{cluster.device.name}")
         print(est.report())
         if seq_lengths is not None:
-            print(documents_note(graph, seq_lengths, config))
+            print(documents_note(graph, seq_lengths, config,
+                                 cluster.device.kind))
     return 0
 
 

@@ -309,7 +309,8 @@ def run(args: argparse.Namespace) -> int:
     result.save(args.output)
     print(explain_plan(result))
     if seq_lengths is not None:
-        print(documents_note(graph, seq_lengths, result.config))
+        print(documents_note(graph, seq_lengths, result.config,
+                             cluster.device.kind))
     if result.objectives is not None:
         _print_objectives(result, args)
     if args.precision == "auto" and "fp8" not in cluster.device.peak_flops:

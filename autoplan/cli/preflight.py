@@ -129,9 +129,12 @@ def _check_cluster(plan: Any, nproc: int, args: argparse.Namespace) -> None:
 
 def _trace(args: argparse.Namespace, plan: Any, layers: int | None) -> Any:
     from autoplan.graph.trace import trace
+    from autoplan.runtime.packed_data import run_histogram
     from autoplan.runtime.worker import build_run_model
     small = build_run_model(args.model, batch=plan.training.global_batch_size, layers=layers,
-                            seq_len=args.seq_len, meta=args.meta, traced_only=True).small
+                            seq_len=args.seq_len, meta=args.meta, traced_only=True,
+                            documents=run_histogram(plan, getattr(args, "seq_lengths", None))
+                            ).small
     return trace(small.model, small.example_inputs,
                  loss_fn=small.loss_fn if small.targets is not None else None,
                  targets=small.targets, name=args.model)

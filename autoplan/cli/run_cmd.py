@@ -87,9 +87,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--warmup-steps", type=int, default=0,
                    help="the learning rate rises linearly to --lr over this many steps "
                         "(default 0: constant); checkpoints keep the schedule's position")
+    p.add_argument("--seq-lengths", default=None, metavar="FILE",
+                   help="train on packed documents whose lengths are drawn from FILE (a "
+                        "histogram or a sample, as `plan --seq-lengths` reads) instead of the "
+                        "plan's training.seq_lengths; the plan must be one made with "
+                        "--seq-lengths (a plan with training.seq_lengths trains on packed "
+                        "documents without this option)")
     p.add_argument("--json", default=None, metavar="FILE",
-                   help="rank 0 writes each step's loss and wall time, and the measured and "
-                        "predicted step time, to FILE (JSON)")
+                   help="rank 0 writes the losses, step times and the measured and predicted "
+                        "step time here as JSON")
     p.add_argument("--print-command", action="store_true",
                    help="print the torchrun command instead of running it")
     p.set_defaults(func=run)
@@ -175,7 +181,7 @@ def run(args: argparse.Namespace) -> int:
                            elastic_batch=args.elastic_batch, extra=[
                                *(["--layers", str(args.layers)] if args.layers else []),
                                *(["--seq-len", str(args.seq_len)] if args.seq_len else []),
-                               *(["--json", os.path.abspath(args.json)] if args.json else [])])
+                               *data_options(args)])
     env = {**RANK_ENV_DEFAULTS, **(ELASTIC_ENV_DEFAULTS if args.elastic else {})}
     if args.print_command:       # with the environment launch_torchrun gives the ranks
         env = {k: os.environ.get(k) or v for k, v in env.items()}
@@ -183,6 +189,16 @@ def run(args: argparse.Namespace) -> int:
         return 0
     return launch_torchrun(cmd, run_id=run_id, checkpoint_dir=args.checkpoint_dir,
                            defaults=env)
+
+
+def data_options(args: argparse.Namespace) -> list[str]:
+    """The worker's data options of this `autoplan run` (``--seq-lengths``, ``--json``),
+    their files as absolute paths (every rank opens them)."""
+    out: list[str] = []
+    for flag, value in (("--seq-lengths", args.seq_lengths), ("--json", args.json)):
+        if value:
+            out += [flag, os.path.abspath(value)]
+    return out
 
 
 def node_range(text: str, *, elastic: bool) -> tuple[int, int]:

@@ -44,7 +44,7 @@ from autoplan.estimate.result import Estimate, MemoryBreakdown, StageEstimate, T
 from autoplan.graph.opgraph import OpGraph
 from autoplan.graph.trace import as_graph
 from autoplan.sharding.context_axis import context_axis
-from autoplan.sharding.doc_work import PackedWork, attention_share, packed_work
+from autoplan.sharding.doc_work import PackedWork, packed_work, useful_share
 from autoplan.sharding.mesh_axes import STAGE_AXES, MeshAxis
 from autoplan.sharding.parallel_config import SPLIT_BACKWARD, ParallelConfig
 from autoplan.sharding.sharding import Sharding
@@ -120,8 +120,10 @@ def estimate(model: Any, cluster: Any, *, config: ParallelConfig, global_batch_s
     routed rows the busiest expert-parallel rank may get (its expert compute, activations and
     all-to-all grow by it); 1 prices perfectly balanced routing. ``seq_lengths`` (a file
     path or a ``LengthHistogram``, ``sharding/seq_lengths``): the data's document lengths,
-    packed into the traced sequence behind a document mask; attention is priced at its
-    expected masked work, on a ring at its expected slowest rank's (``sharding/doc_work``).
+    packed into the traced sequence behind a document mask; attention is priced at what the
+    kernel that runs computes: its expected masked work on a GPU (flex attention's block
+    mask), the whole square on a CPU (SDPA's dense mask) and on a ring (every block whole);
+    MFU counts the masked work (``sharding/doc_work``).
     """
     if not isinstance(config, ParallelConfig):
         raise ConfigError(f"config must be an autoplan.ParallelConfig, got {type(config).__name__}")
@@ -140,7 +142,7 @@ def estimate(model: Any, cluster: Any, *, config: ParallelConfig, global_batch_s
     m = validate(graph, cluster, config, global_batch_size)
     profile = profile_arg(profile, cluster, "estimate()")
     ci = cost_inputs(graph, cluster, config, profile, sharding, expert_capacity_factor,
-                     packed_work(graph, seq_lengths))
+                     packed_work(graph, seq_lengths, cluster.device.kind))
     chunks = chunks_for(ci)
     costs = [chunk_cost(ci, ch, chunk_policy(config, chunks, c), chunk_offload_flags(
         config, chunks, c)) for c, ch in enumerate(chunks)]
@@ -463,7 +465,7 @@ def _model_flops(ci: CostInputs) -> float:
     if docs is None:
         return total
     for i, op in enumerate(graph.ops):
-        share = attention_share(graph, i, docs, 1, "", 1)
+        share = useful_share(graph, i, docs)
         if share is not None:
             total -= (1.0 - share) * (op.fwd_flops + op.bwd_flops)
     return total

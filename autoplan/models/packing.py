@@ -52,10 +52,7 @@ def document_mask(position_ids: torch.Tensor) -> torch.Tensor:
 def packed_example(example, rows: Sequence[Sequence[int]]):
     """``example`` with its tokens packed as documents ``rows`` (one list of lengths per
     row of the batch): example inputs ``(tokens, position_ids)``."""
-    family = example.family
-    if family not in PACKED_FAMILIES:
-        raise ConfigError(f"{example.name!r} ({family}) takes no position ids: packed documents "
-                          f"run on the families {sorted(PACKED_FAMILIES)}")
+    refuse_unpackable(example)
     tokens = example.example_inputs[0]
     if len(rows) != tokens.shape[0]:
         raise ConfigError(f"{len(rows)} packed rows for a batch of {tokens.shape[0]}")
@@ -63,5 +60,46 @@ def packed_example(example, rows: Sequence[Sequence[int]]):
     return replace(example, example_inputs=(tokens, pos))
 
 
+def refuse_unpackable(example, where: str = "packed documents") -> None:
+    """ConfigError, saying what to do, where ``example``'s forward takes no position ids: its
+    attention cannot be given a document mask, and training it on packed documents would let
+    every token attend across documents (never done silently)."""
+    family = example.family
+    if family in PACKED_FAMILIES and len(example.example_inputs) == 1:
+        return
+    raise ConfigError(
+        f"{where}: {example.name!r} ({family}) takes no position ids, so its attention cannot "
+        "be given a document mask, and running it on packed documents would attend across "
+        f"documents. Packed documents run on the families {sorted(PACKED_FAMILIES)} "
+        "(position ids restarting per document); for this model re-plan without "
+        "--seq-lengths (one document per sequence), or, with your own model, pass position "
+        "ids (or a mask) as an input and train through the Python API (autoplan.compile)")
+
+
+def packed_documents_example(example, histogram, seed: int = 0):
+    """``example`` with its rows packed as documents drawn from ``histogram`` (a
+    ``LengthHistogram``) with ``seed`` (``sharding.doc_work.pack_documents``: the packing the
+    planner prices): example inputs ``(tokens, position_ids)``."""
+    from autoplan.sharding.doc_work import pack_documents
+    refuse_unpackable(example)
+    batch, seq_len = example.example_inputs[0].shape[:2]
+    return packed_example(example, pack_documents(histogram, int(seq_len), int(batch), seed))
+
+
+def eod_position_ids(tokens: torch.Tensor, eod_token: int) -> torch.Tensor:
+    """Position ids of ``tokens`` (b, s) split into documents at ``eod_token``: each end-of-
+    document token is its document's last, the next token starts a new one at position 0."""
+    ends = (tokens == eod_token).to(torch.int64)
+    starts = torch.zeros_like(ends)
+    starts[:, 1:] = ends[:, :-1]
+    starts[:, 0] = 1
+    doc = starts.cumsum(-1)
+    idx = torch.arange(tokens.shape[-1], device=tokens.device).expand_as(tokens)
+    first = torch.zeros_like(doc).scatter_reduce(
+        1, doc - 1, idx, reduce="amin", include_self=False)
+    return idx - first.gather(1, doc - 1)
+
+
 __all__ = ["PACKED_FAMILIES", "document_ids", "document_mask", "document_position_ids",
-           "packed_example"]
+           "eod_position_ids", "packed_documents_example", "packed_example",
+           "refuse_unpackable"]

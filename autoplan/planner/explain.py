@@ -78,7 +78,9 @@ def _documents(plan: Plan) -> list[str]:
         return []
     return [f"data     priced for packed documents behind a document mask: "
             f"{h.describe().split(' (')[0]} in {len(h.lengths)} bins (training.seq_lengths); "
-            f"attention at its expected masked work, a ring at its expected slowest rank's"]
+            "attention at what the kernel that runs computes: the expected masked work on a "
+            "GPU (flex attention's block mask), the whole square on a CPU (SDPA's dense mask) "
+            "and on a ring (every block whole, 1/c a rank)"]
 
 
 def _held_weights(plan: Plan) -> list[str]:

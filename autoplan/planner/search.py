@@ -153,7 +153,8 @@ def plan(model: Any, cluster: Any, *, global_batch_size: int, example_inputs: An
     opts = _checked_options(opts)
     graph = as_graph(model, example_inputs, loss_fn=loss_fn, targets=targets, who="plan()",
                      error=ConfigError)
-    opts = replace(opts, seq_lengths=packed_work(graph, opts.seq_lengths))
+    opts = replace(opts, seq_lengths=packed_work(graph, opts.seq_lengths,
+                                                 cluster.device.kind))
 
     def plan_on(where: Any, o: SearchOptions) -> Plan:
         return _plan_on(graph, where, o, global_batch_size=global_batch_size,

@@ -44,6 +44,8 @@ from autoplan.graph.opgraph import Op, OpGraph
 from autoplan.graph.export_reader import TRANSPARENT
 from autoplan.graph.experts import GROUPED_MM
 from autoplan.runtime.causal_mask import as_causal, causal_attention_nodes, drop_unused
+from autoplan.runtime.document_attention import (document_attention_nodes,
+                                                 kernel_document_attention, without_mask)
 from autoplan.runtime.kernels import get_arg
 from autoplan.runtime.local_args import (has_many_outputs, local_shape_args, map_devices,
                                         map_tensors, output_index)
@@ -129,6 +131,8 @@ class _Builder:
         self.device = device
         # attention whose mask is proven causal: run with is_causal=True, no mask (flash)
         self.causal = causal_attention_nodes(ep.graph, device)
+        # attention within packed documents: flex attention's block mask on CUDA
+        self.documents = document_attention_nodes(ep.graph, device)
         self.dropped_masks: list[fx.Node] = []
         self.state_tensor = state_tensor
         self.g = fx.Graph()
@@ -229,11 +233,20 @@ class _Builder:
             mask = get_arg(node.target, args, kwargs, "attn_mask")
             self.dropped_masks += [mask] if isinstance(mask, fx.Node) else []
             args, kwargs = as_causal(args, kwargs)
+        elif self._document_input(site) is not None:
+            self.dropped_masks.append(get_arg(node.target, args, kwargs, "attn_mask"))
+            args, kwargs = without_mask(args, kwargs)
         local_outs = self._local_outs(site)
         args = local_shape_args(site.op, self.eg, args, local_outs)
         out, bias = self._emit_op(site, args, kwargs, experts, state)
         self._emit_outputs(site, out, bias, local_outs, experts, state)
         self.env.update(swapped)
+
+    def _document_input(self, site: _OpSite) -> str | None:
+        """The position-ids value attention ``site`` runs flex attention within the documents
+        of (``document_attention.py``); None off CUDA, on a ring, or for other ops."""
+        pos = self.documents.get(site.node.name)
+        return None if pos is None or site.s.kernel or site.c is not None else pos
 
     def _site(self, node: fx.Node) -> _OpSite | None:
         """The op of ``node`` with its strategies (None: a shape assert, not for local tensors).
@@ -330,6 +343,8 @@ class _Builder:
         strategy: this rank's experts, a grouped product, random ops on split tensors, batch
         and other norms. None: the op runs as traced."""
         node, op, s, c = site.node, site.op, site.s, site.c
+        if self._document_input(site) is not None:
+            return kernel_document_attention, (self.env[self._document_input(site)],)
         name = opname(op)
         seeded = _SEEDED in getattr(node.target, "tags", ())
         if experts is not None and experts.expert_op:

@@ -2,7 +2,9 @@
 
 Builds the example model (seeded, so every rank starts from the same weights; on the meta device
 for models too big for host memory, then materialized shard by shard), compiles the plan and
-trains up to step ``--steps`` on one fixed synthetic batch (so the loss visibly falls). Rank 0
+trains up to step ``--steps`` on one fixed synthetic batch (so the loss visibly falls): for a
+plan made for the data's document lengths (``training.seq_lengths``, or ``--seq-lengths``), its
+rows packed as documents with position ids restarting per document (``packed_data.py``). Rank 0
 prints the loss per step, then the measured median step time next to the plan's prediction.
 
 With ``--checkpoint-dir`` it saves every ``--checkpoint-every`` steps and after the last one;
@@ -42,6 +44,8 @@ from autoplan.planner.planfile import plan_from_file
 from autoplan.runtime.trainer import ELASTIC_ENV, compile, init_distributed
 from autoplan.runtime.checkpoint_dir import RUN_ID_ENV, release, run_id, claim, plan_start
 from autoplan.runtime.step_trace import record_steps
+from autoplan.runtime.packed_data import describe as describe_packing
+from autoplan.runtime.packed_data import packed_run_examples, run_histogram
 from autoplan.runtime.checkpoint_files import resolve
 from autoplan.runtime.elastic import (POOL_BATCHES, ElasticPlan, SampleStream, check_agreement,
                                       last_run, plan_for_world)
@@ -99,10 +103,21 @@ class RunModel:
 
 def build_run_model(spec: str, *, batch: int, layers: int | None = None,
                     seq_len: int | None = None, meta: bool = False,
-                    traced_only: bool = False) -> RunModel:
+                    traced_only: bool = False, documents: Any = None) -> RunModel:
     """Build ``spec`` (an example name or ``package.module:function``) as a rank does: seeded,
     so every rank starts from the same weights; ``small`` is what ``compile`` traces.
-    ``traced_only``: just ``small`` (the pre-flight check of ``autoplan run``)."""
+    ``traced_only``: just ``small`` (the pre-flight check of ``autoplan run``). ``documents``
+    (a LengthHistogram): the rows packed as its documents (``packed_data.py``)."""
+    built = _build_run_model(spec, batch=batch, layers=layers, seq_len=seq_len, meta=meta,
+                             traced_only=traced_only)
+    if documents is None:
+        return built
+    data, small = packed_run_examples(built.data, built.small, documents)
+    return RunModel(data=data, model=built.model, small=small)
+
+
+def _build_run_model(spec: str, *, batch: int, layers: int | None, seq_len: int | None,
+                     meta: bool, traced_only: bool) -> RunModel:
     if ":" in spec:                  # a user's package.module:function
         if meta or seq_len:
             raise AutoplanError(f"--meta and --seq-len take example names; {spec} builds its "
@@ -140,14 +155,19 @@ def _main(argv: list[str] | None = None) -> int:
     plan = plan_from_file(args.plan)
     gbs = plan.training.global_batch_size
     resume = _start(args)           # before the model: a refusal costs nothing
+    documents = run_histogram(plan, args.seq_lengths)      # packed documents, or None
     built = build_run_model(args.model, batch=gbs * POOL_BATCHES if args.elastic else gbs,
-                            layers=args.layers, seq_len=args.seq_len, meta=args.meta)
+                            layers=args.layers, seq_len=args.seq_len, meta=args.meta,
+                            documents=documents)
     data, model, small = built.data, built.model, built.small
     report: tuple[str, ...] = ()
+    if documents is not None:       # packed documents: (tokens, position_ids) rows
+        report = (describe_packing(documents, data),)
     if args.elastic:                # the plan for the world this attempt has
         os.environ[ELASTIC_ENV] = "1"
         chosen = _elastic_plan(plan, resume, small, args)
-        plan, report, gbs = chosen.plan, chosen.report, chosen.plan.training.global_batch_size
+        plan, gbs = chosen.plan, chosen.plan.training.global_batch_size
+        report += chosen.report
     trainer = compile(model, args.cluster or "local", example_inputs=small.example_inputs,
                       example_targets=small.targets, loss_fn=data.loss_fn,
                       optimizer=lambda ps: torch.optim.AdamW(ps, lr=args.lr),
@@ -186,6 +206,9 @@ def _arguments() -> argparse.ArgumentParser:
                     help="an example name or a user's package.module:function")
     ap.add_argument("--layers", type=int, default=None, help="the example's layer count")
     ap.add_argument("--seq-len", type=int, default=None, help="the example's sequence length")
+    ap.add_argument("--seq-lengths", default=None,
+                    help="draw the packed documents from this file's lengths (default: the "
+                         "plan's training.seq_lengths; runtime/packed_data.py)")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--meta", action="store_true", help="build on meta, materialize shards")

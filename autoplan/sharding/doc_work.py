@@ -19,21 +19,30 @@ chunks of the sequence, and at ring step ``s`` computes its queries against the 
 ``(r - s) mod c`` holds (``runtime/ring_attention``). The ranks wait for each other every step,
 so a sequence's ring time is the sum over steps of the slowest rank's pairs at that step;
 ``ring_share`` is its expectation over the packed sequences against one device's causal
-square, the price of ring attention under the document mask. Where documents are short, every
+square: what a ring that skipped masked pairs would do (this runtime's ring does not, see
+Kernels: it is priced at ``1 / c``; ``plan`` prints both). Where documents are short, every
 step but the first (each rank's own block) has little work, and which rank is the slowest
 depends on where boundaries fall: zigzag still halves the contiguous ring's worst step on long
 documents; on short ones both are near the balanced ``dense_share / c``.
 
-What the price assumes: a kernel that skips masked-out work at fine grain (flash attention's
-variable-length kernels, or flex attention with a block mask of 128-token blocks, whose
-partly-masked blocks this count leaves out). A dense-mask kernel (SDPA with a materialised
-boolean mask, the CPU runtime's) computes the whole square: the price is then optimistic.
+Kernels: the price follows the kernel the runtime runs (``runtime/document_attention.py``).
+On a GPU, attention whose mask is proven a document mask runs as flex attention with a block
+mask built from the document ids, which skips fully masked 128 x 128 blocks: priced as
+skipping masked-out work at fine grain (``kernel="block_sparse"``: ``dense_share``; the
+partly masked blocks it still computes are left out, so the price is optimistic by up to one
+block row per document boundary). On a CPU (flex attention has no backward there, torch 2.13)
+it runs SDPA with the dense boolean mask, which computes the whole square: priced at the
+traced attention's full work (``kernel="dense"``: share 1). A ring (``cp`` or a tp-axis ring)
+computes every block of a masked attention whole with its mask's columns
+(``runtime/ring_attention.py``) on either device: priced at the balanced ``1 / c`` of the
+square, whatever the layout; ``ring_share`` is what a ring skipping masked pairs would do,
+the figure the plan's notes print beside it.
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 from typing import Any
 
@@ -47,6 +56,14 @@ from autoplan.sharding.ring_work import causal_at
 from autoplan.sharding.seq_lengths import LengthHistogram, read_seq_lengths
 
 _MAX_SAMPLES = 4096
+KERNELS = ("block_sparse", "dense")
+
+
+def runtime_kernel(device_kind: str) -> str:
+    """The kernel the runtime runs a document-masked attention with off a ring on a device of
+    ``device_kind`` (module doc): flex attention's block mask on a GPU, SDPA's dense mask on a
+    CPU."""
+    return "block_sparse" if device_kind == "gpu" else "dense"
 
 
 @dataclass(frozen=True)
@@ -57,6 +74,7 @@ class PackedWork:
     seq_len: int
     samples: int = 256               # packed sequences simulated
     seed: int = 0
+    kernel: str = "block_sparse"     # what runs off a ring: "block_sparse" or "dense" (doc)
     _cache: dict = field(default_factory=dict, compare=False, repr=False, hash=False)
 
     def __post_init__(self) -> None:
@@ -64,6 +82,9 @@ class PackedWork:
                 or self.seq_len < 1:
             raise ConfigError(f"PackedWork: seq_len must be a positive int (tokens per packed "
                               f"sequence), got {self.seq_len!r}")
+        if self.kernel not in KERNELS:
+            raise ConfigError(f"PackedWork: kernel must be one of {list(KERNELS)}, got "
+                              f"{self.kernel!r}")
         if not 1 <= self.samples <= _MAX_SAMPLES:
             raise ConfigError(f"PackedWork: samples must be 1..{_MAX_SAMPLES}, got "
                               f"{self.samples!r}")
@@ -72,30 +93,7 @@ class PackedWork:
     def sequences(self) -> tuple[tuple[int, ...], ...]:
         """The simulated packed sequences, each as its documents' lengths in order (they sum to
         ``seq_len``)."""
-        h = self.histogram
-        p = np.asarray(h.counts, dtype=np.float64)
-        rng = np.random.default_rng(self.seed)
-        need = self.samples * self.seq_len
-        lengths: list[int] = []
-        total = 0
-        while total < need:
-            draw = rng.choice(np.asarray(h.lengths), size=max(16, int(
-                (need - total) / h.mean_length * 1.2) + 1), p=p / p.sum())
-            lengths.extend(int(x) for x in draw)
-            total += int(draw.sum())
-        out, cur, room = [], [], self.seq_len
-        for d in lengths:
-            while d > 0 and len(out) < self.samples:
-                take = min(d, room)
-                cur.append(take)
-                d -= take
-                room -= take
-                if room == 0:
-                    out.append(tuple(cur))
-                    cur, room = [], self.seq_len
-            if len(out) == self.samples:
-                break
-        return tuple(out)
+        return pack_documents(self.histogram, self.seq_len, self.samples, self.seed)
 
     @cached_property
     def documents_per_sequence(self) -> float:
@@ -122,10 +120,56 @@ class PackedWork:
                                                                else s * s)
         return self._cache[key]
 
+    def attention_share(self, causal: bool = True) -> float:
+        """Off a ring, the share of one unmasked sequence's attention the kernel that runs
+        computes: the masked pairs' (block-sparse) or the whole square (dense)."""
+        return self.dense_share(causal) if self.kernel == "block_sparse" else 1.0
+
     def describe(self) -> str:
+        run = ("computed by a kernel that skips masked blocks (flex attention, GPU)"
+               if self.kernel == "block_sparse" else
+               "but computed whole by SDPA's dense mask (CPU): priced at 1")
         return (f"documents packed into {self.seq_len:,}-token sequences "
                 f"({self.documents_per_sequence:.3g} per sequence on average): attention "
-                f"{self.dense_share():.3g} of an unmasked sequence's")
+                f"{self.dense_share():.3g} of an unmasked sequence's, {run}")
+
+
+def pack_documents(histogram: LengthHistogram, seq_len: int, count: int, seed: int = 0
+                   ) -> tuple[tuple[int, ...], ...]:
+    """``count`` packed sequences of ``seq_len`` tokens, each as its documents' lengths in
+    order (summing to ``seq_len``): documents drawn from ``histogram`` (independently, in
+    proportion to its counts, with numpy's generator seeded ``seed``), laid end to end and cut
+    every ``seq_len`` tokens, a document cut at a sequence's end continuing as its own at the
+    start of the next (module doc). The planner prices these sequences (``PackedWork``) and
+    ``autoplan run`` trains on them (``runtime/packed_data.py``)."""
+    if count < 1 or seq_len < 1:
+        raise ConfigError(f"pack_documents: count and seq_len must be >= 1, got {count}, "
+                          f"{seq_len}")
+    p = np.asarray(histogram.counts, dtype=np.float64)
+    rng = np.random.default_rng(seed)
+    need = count * seq_len
+    lengths: list[int] = []
+    total = 0
+    while total < need:
+        draw = rng.choice(np.asarray(histogram.lengths), size=max(16, int(
+            (need - total) / histogram.mean_length * 1.2) + 1), p=p / p.sum())
+        lengths.extend(int(x) for x in draw)
+        total += int(draw.sum())
+    out: list[tuple[int, ...]] = []
+    cur: list[int] = []
+    room = seq_len
+    for d in lengths:
+        while d > 0 and len(out) < count:
+            take = min(d, room)
+            cur.append(take)
+            d -= take
+            room -= take
+            if room == 0:
+                out.append(tuple(cur))
+                cur, room = [], seq_len
+        if len(out) == count:
+            break
+    return tuple(out)
 
 
 def rank_chunks(s: int, c: int, layout: str) -> list[list[tuple[int, int]]]:
@@ -182,12 +226,16 @@ def _below(x: np.ndarray, k0: np.ndarray, k1: np.ndarray) -> np.ndarray:
 
 
 
-def packed_work(graph: OpGraph, seq_lengths: Any) -> PackedWork | None:
+def packed_work(graph: OpGraph, seq_lengths: Any, device_kind: str = "gpu"
+                ) -> PackedWork | None:
     """``seq_lengths`` (a file path, a ``LengthHistogram`` or a ``PackedWork``; None: none) as
     the packing of ``graph``'s sequences: their length is its attention's query length; a
-    histogram of many lengths in ``MAX_BINS`` bins (``LengthHistogram.binned``)."""
-    if seq_lengths is None or isinstance(seq_lengths, PackedWork):
-        return seq_lengths
+    histogram of many lengths in ``MAX_BINS`` bins (``LengthHistogram.binned``), priced for
+    the kernel the runtime runs on ``device_kind`` (``runtime_kernel``)."""
+    if seq_lengths is None:
+        return None
+    if isinstance(seq_lengths, PackedWork):
+        return replace(seq_lengths, kernel=runtime_kernel(device_kind))
     if isinstance(seq_lengths, (str, os.PathLike)):
         seq_lengths = read_seq_lengths(seq_lengths)
     if not isinstance(seq_lengths, LengthHistogram):
@@ -200,24 +248,111 @@ def packed_work(graph: OpGraph, seq_lengths: Any) -> PackedWork | None:
                           f"{graph.name!r} has " + ("no attention" if not lengths else
                                                     f"attention over lengths {sorted(lengths)}")
                           + "; plan it without --seq-lengths")
-    return PackedWork(seq_lengths.binned(), lengths.pop())
+    return PackedWork(seq_lengths.binned(), lengths.pop(), kernel=runtime_kernel(device_kind))
 
 
 def attention_share(graph: OpGraph, i: int, documents: PackedWork | None, cp: int,
                     layout: str, tp_ring: int) -> float | None:
     """Under packed ``documents``, the share of attention op ``i``'s traced work its slowest
-    rank does: on a ``cp``-way ring in ``layout``, or a ``tp_ring``-way contiguous ring on the
-    tp axis (1: none), else the masked share of one device's. None: not priced so (no
-    documents, or not attention)."""
+    rank does: on a ``cp``-way ring, or a ``tp_ring``-way ring on the tp axis (1: none), the
+    balanced ``1 / c`` (the runtime's ring computes a masked attention's blocks whole, in
+    either ``layout``), else what the kernel that runs computes (``PackedWork.kernel``). None:
+    not priced so (no documents, or not attention)."""
     if documents is None or not is_attention(graph.ops[i]):
         return None
-    causal = causal_at(graph, i)
-    if cp > 1:
-        return documents.ring_share(cp, layout, causal)
-    if tp_ring > 1:
-        return documents.ring_share(tp_ring, "contiguous", causal)
-    return documents.dense_share(causal)
+    if cp > 1 or tp_ring > 1:
+        return 1.0 / (cp if cp > 1 else tp_ring)
+    return documents.attention_share(causal_at(graph, i) or document_causal_at(graph, i))
 
 
-__all__ = ["PackedWork", "attention_share", "packed_work", "rank_chunks",
-           "ring_critical_pairs"]
+def useful_share(graph: OpGraph, i: int, documents: PackedWork | None) -> float | None:
+    """Under packed ``documents``, the share of attention op ``i``'s traced work that is
+    useful (the masked pairs, whatever kernel runs: what MFU counts). None: as
+    ``attention_share``."""
+    if documents is None or not is_attention(graph.ops[i]):
+        return None
+    return documents.dense_share(causal_at(graph, i) or document_causal_at(graph, i))
+
+
+# ops a mask passes through unchanged in structure (one tensor in, the same pairs out)
+_MASK_PASSES = frozenset({"aten.unsqueeze.default", "aten.expand.default", "aten.view.default",
+                          "aten.reshape.default", "aten._to_copy.default", "aten.clone.default",
+                          "aten.to.dtype", "aten.to.dtype_layout", "aten.to.device",
+                          "aten.alias.default", "aten.contiguous.default"})
+_MASK_ANDS = frozenset({"aten.__and__.Tensor", "aten.bitwise_and.Tensor",
+                        "aten.logical_and.default"})
+_ORDERS = frozenset(f"aten.{c}.Tensor" for c in ("le", "lt", "ge", "gt"))
+_SEEDED = ("rand", "bernoulli", "dropout", "multinomial", "normal")
+
+
+def document_causal_at(graph: OpGraph, i: int) -> bool:
+    """Whether attention op ``i`` reads a mask that is causal within what else it masks: the
+    mask is an AND (``&``) of conjuncts, one of which compares two position tensors
+    (``k <= q``: ``aten.le/lt/ge/gt.Tensor``) built from the traced shapes and the graph's
+    user inputs only (no weight, buffer, constant or random draw). A document mask is so
+    built from position ids: autoplan's Llama ands the same-document test with
+    ``arange(s)[k] <= arange(s)[q]``, Hugging Face's with ``position_ids[k] <=
+    position_ids[q]`` (positions rise within a document), so under packed documents its work
+    is each document's causal attention (``ring_work.causal_at`` answers False for them: the
+    mask reads an input, and the runtime does not skip its blocks on a ring)."""
+    op = graph.ops[i]
+    if len(op.inputs) < 4:
+        return False
+    found = graph.__dict__.setdefault("_autoplan_document_causal", {})
+    if i not in found:
+        found[i] = any(_orders(graph, c) for c in _conjuncts(graph, op.inputs[3]))
+    return found[i]
+
+
+def _producer(graph: OpGraph, name: str):
+    cache = graph.__dict__.get("_autoplan_doc_producers")
+    if cache is None:
+        cache = {n: op for op in graph.ops for n in op.outputs}
+        graph.__dict__["_autoplan_doc_producers"] = cache
+    return cache.get(name)
+
+
+def _conjuncts(graph: OpGraph, name: str) -> list[str]:
+    """The values ``name`` is the AND of (through ops that keep its structure)."""
+    out, todo, seen = [], [name], set()
+    while todo:
+        n = todo.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        op = _producer(graph, n)
+        if op is not None and op.target in _MASK_ANDS:
+            todo.extend(op.inputs)
+        elif op is not None and op.target in _MASK_PASSES and len(op.inputs) == 1:
+            todo.append(op.inputs[0])
+        else:
+            out.append(n)
+    return out
+
+
+def _orders(graph: OpGraph, name: str) -> bool:
+    """``name`` compares two position tensors, each built from shapes and user inputs."""
+    op = _producer(graph, name)
+    if op is None or op.target not in _ORDERS or len(op.inputs) != 2:
+        return False
+    users = set(graph.inputs)
+    todo, seen = list(op.inputs), set()
+    while todo:
+        n = todo.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        p = _producer(graph, n)
+        if p is None:
+            if n not in users:           # a weight, buffer or constant
+                return False
+            continue
+        if p.params or any(w in p.target for w in _SEEDED):
+            return False
+        todo.extend(p.inputs)
+    return True
+
+
+__all__ = ["KERNELS", "PackedWork", "attention_share", "document_causal_at", "pack_documents",
+           "packed_work", "rank_chunks", "ring_critical_pairs", "runtime_kernel",
+           "useful_share"]
