@@ -383,9 +383,12 @@ def stage_estimate(ci: CostInputs, costs: Sequence[RangeCost], chunks: Sequence[
     whole = _whole(config, cs)
     states = _stage_states(config, cs, params, whole, state_config.shard_degree)
     step_whole = holds_step_whole(state_config, m)
-    if step_whole:       # (experts never run under dp_shares; ``whole`` is not FSDP's)
-        states = step_whole_states(states, params - whole, config,
+    if step_whole:       # FSDP's shards held whole (``whole`` is not FSDP's)
+        experts = sum(c.expert_params for c in cs)
+        states = step_whole_states(states, params - whole - experts, config,
                                    state_config.shard_degree)
+        if experts and config.dp // config.ep > 1:     # sharded over the ranks holding them
+            states = step_whole_states(states, experts, config, config.dp // config.ep)
     act_mb = sum(c.activation_bytes for c in cs)
     if timing.sim is not None and act_mb > 0:   # the simulated peak of the schedule
         flight = timing.sim.peak_activation_bytes[s] / act_mb
