@@ -61,15 +61,9 @@ def validate(graph: OpGraph, cluster: Any, config: ParallelConfig,
             f"{cluster.world_size} devices; choose degrees whose product is "
             f"{cluster.world_size}")
     m = microbatches_arg(config.microbatches(global_batch_size), config)
-    if (config.pp > 1 and m % config.pp and (config.schedule == "interleaved_1f1b" or (
-            config.schedule == "zero_bubble" and config.virtual_stages > 1))):
-        raise ConfigError(f"{config.schedule} over {config.virtual_stages} chunks per rank needs "
-                          f"the micro-batch count ({m}) to be a multiple of pp ({config.pp}); "
-                          "change the batch or micro_batch_size")
-    if config.pp > 1 and config.schedule == "dualpipev" and m < 2 * config.pp:
-        raise ConfigError(f"dualpipev needs at least as many micro-batches as chunks "
-                          f"(2 x pp = {2 * config.pp}), got {m}; raise the batch or lower "
-                          "micro_batch_size")
+    why = schedule_refusal(config, m)
+    if why:
+        raise ConfigError(why)
     if config.micro_batch_size > global_batch_size:
         raise ConfigError(f"micro_batch_size {config.micro_batch_size} exceeds the global batch "
                           f"{global_batch_size}")
@@ -97,6 +91,28 @@ def validate(graph: OpGraph, cluster: Any, config: ParallelConfig,
                           "nvme_read_bytes_per_s and nvme_write_bytes_per_s in a cluster file, "
                           "or drop offload_nvme")
     return m
+
+
+def schedule_refusal(config: ParallelConfig, m: int) -> str | None:
+    """Why ``config``'s pipeline schedule cannot run ``m`` micro-batches a step (torch's
+    schedules refuse them), with the change that lets it; None where it can."""
+    if config.pp == 1:
+        return None
+    if m % config.pp and (config.schedule == "interleaved_1f1b" or (
+            config.schedule == "zero_bubble" and config.virtual_stages > 1)):
+        return (f"{config.schedule} over {config.virtual_stages} chunks per rank needs the "
+                f"micro-batch count ({m}) to be a multiple of pp ({config.pp}); change the "
+                "batch or micro_batch_size")
+    if config.schedule == "dualpipev" and m < 2 * config.pp:
+        return (f"dualpipev needs at least as many micro-batches as chunks (2 x pp = "
+                f"{2 * config.pp}), got {m}; raise the batch or lower micro_batch_size")
+    if config.schedule == "1f1b" and m < config.pp:
+        return (f"1f1b needs at least as many micro-batches as pipeline stages (pp = "
+                f"{config.pp}), got {m} (global batch / dp {config.dp} / micro_batch_size "
+                f"{config.micro_batch_size}): raise the global batch to at least "
+                f"{config.pp * config.dp * config.micro_batch_size}, lower micro_batch_size or "
+                "pp, or use schedule 'gpipe'")
+    return None
 
 
 def estimate(model: Any, cluster: Any, *, config: ParallelConfig, global_batch_size: int,
