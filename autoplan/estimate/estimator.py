@@ -33,9 +33,11 @@ from autoplan.cost.powersgd import powersgd_buffer_bytes
 from autoplan.errors import ConfigError
 from autoplan.estimate.arguments import (batch_arg, capacity_arg, cluster_arg,
                                         estimate_options_arg, microbatches_arg, profile_arg)
-from autoplan.estimate.chunk_cost import CostInputs, RangeCost, chunk_cost, range_cost
+from autoplan.estimate.chunk_cost import (CostInputs, RangeCost, chunk_cost, chunk_parts,
+                                          range_cost)
 from autoplan.estimate.dp_terms import StageParams, dp_collectives, price, stage_terms
 from autoplan.estimate.float8_choice import fp8_choices
+from autoplan.estimate.held_params import rank_repeated
 from autoplan.estimate.layout import chunks_for, in_flight
 from autoplan.estimate.overlap import overlap_interference
 from autoplan.estimate.partition import pipeline_units
@@ -337,7 +339,7 @@ def time_breakdown(ci: CostInputs, costs: Sequence[RangeCost], chunks: Sequence[
     tp_s = m * sum(c.tp_fwd_s + c.tp_bwd_s for c in bc)
     ep_s = m * sum(c.ep_fwd_s + c.ep_bwd_s for c in bc)
     cp_s = m * sum(c.cp_s for c in bc)
-    dp_sync, zero_gather, opt_s, offload_s = _worst_stage_dp_terms(ci, costs, timing, m,
+    dp_sync, zero_gather, opt_s, offload_s = _worst_stage_dp_terms(ci, costs, chunks, timing, m,
                                                                    profile, state_config)
     if timing.simulated_comm is not None:
         dp_sync += timing.simulated_comm[0]
@@ -364,8 +366,9 @@ def time_breakdown(ci: CostInputs, costs: Sequence[RangeCost], chunks: Sequence[
                          optimizer_s=opt_s, overhead_s=overhead_s)
 
 
-def _worst_stage_dp_terms(ci: CostInputs, costs: Sequence[RangeCost], timing: PipelineTiming,
-                          m: int, profile: Any, state_config: ParallelConfig
+def _worst_stage_dp_terms(ci: CostInputs, costs: Sequence[RangeCost], chunks: Sequence[Any],
+                          timing: PipelineTiming, m: int, profile: Any,
+                          state_config: ParallelConfig
                           ) -> tuple[float, float, float, float]:
     """(gradient sync, ZeRO gathers, optimizer, offload) seconds of the stage where they add
     up to most: data parallel, ZeRO and the optimizer step, hidden behind backward compute
@@ -375,7 +378,8 @@ def _worst_stage_dp_terms(ci: CostInputs, costs: Sequence[RangeCost], timing: Pi
     dp_sync = zero_gather = opt_s = offload_s = 0.0
     for s in range(config.pp):
         terms = stage_terms(state_config, cluster,
-                            stage_params(costs, timing.stage_chunks[s], config), m, s,
+                            stage_params(costs, timing.stage_chunks[s], config, ci,
+                                         chunks), m, s,
                             ci.compute, profile, simulated=timing.simulated_comm is not None)
         x = price(terms, timing.stage_f[s], timing.stage_b[s], interference)
         # the tp-axis all-reduce of replicated weights' partial gradients runs after backward,
@@ -395,12 +399,12 @@ def stage_estimate(ci: CostInputs, costs: Sequence[RangeCost], chunks: Sequence[
     ``margin``)."""
     config = ci.config
     cs = [costs[c] for c in timing.stage_chunks[s]]
-    params = sum(c.params for c in cs)
-    whole = _whole(config, cs)
-    states = _stage_states(config, cs, params, whole, state_config.shard_degree)
+    held = stage_params(costs, timing.stage_chunks[s], config, ci, chunks)
+    params, whole = held.params, held.whole
+    states = _stage_states(config, held, state_config.shard_degree)
     step_whole = holds_step_whole(state_config, m)
     if step_whole:       # FSDP's shards held whole (``whole`` is not FSDP's)
-        experts = sum(c.expert_params for c in cs)
+        experts = held.experts
         states = step_whole_states(states, params - whole - experts, config,
                                    state_config.shard_degree)
         if experts and config.dp // config.ep > 1:     # sharded over the ranks holding them
@@ -439,12 +443,11 @@ def stage_estimate(ci: CostInputs, costs: Sequence[RangeCost], chunks: Sequence[
         offloaded_activation_bytes_per_microbatch=offloaded)
 
 
-def _stage_states(config: ParallelConfig, cs: Sequence[RangeCost], params: float,
-                  whole: float, shard_degree: int) -> Any:
+def _stage_states(config: ParallelConfig, held: StageParams, shard_degree: int) -> Any:
     """The model-state bytes of one rank of a stage: ZeRO-sharded over the dp x cp ranks,
     except weights ZeRO-3 keeps whole (whole on every rank) and expert weights (sharded over
     the ranks holding them)."""
-    experts = sum(c.expert_params for c in cs)
+    params, whole, experts = held.params, held.whole, held.experts
     states = _states(config, params - experts - whole, shard_degree)
     if whole:            # weights ZeRO-3 keeps whole: whole states on every rank
         w = model_state_bytes(whole, dp=1, zero_stage=0, precision=config.precision,
@@ -552,15 +555,17 @@ def _states(config: ParallelConfig, params: float, shard: int) -> Any:
                              optimizer_state=config.optimizer_state)
 
 
-def stage_params(costs: Sequence[RangeCost], chunks: Sequence[int],
-                 config: ParallelConfig) -> StageParams:
-    """What one rank of the stage running ``chunks`` holds, for its dp terms."""
-    return StageParams(params=sum(costs[c].params for c in chunks),
-                       experts=sum(costs[c].expert_params for c in chunks),
-                       layer_params=sum(costs[c].layer_params for c in chunks),
-                       tensors=sum(costs[c].param_tensors for c in chunks),
-                       layers=max(1, sum(costs[c].num_layers for c in chunks)),
-                       whole=_whole(config, [costs[c] for c in chunks]))
+def stage_params(costs: Sequence[RangeCost], mine: Sequence[int], config: ParallelConfig,
+                 ci: CostInputs, chunks: Sequence[Any]) -> StageParams:
+    """What one rank of the stage running chunks ``mine`` holds: each weight once, though two
+    of its chunks read it (``held_params``: a V schedule's tied embedding and LM head)."""
+    again = rank_repeated(ci, [[(a, b) for a, b, _ in chunk_parts(chunks[c])] for c in mine])
+    return StageParams(params=sum(costs[c].params for c in mine) - again.elements,
+                       experts=sum(costs[c].expert_params for c in mine) - again.experts,
+                       layer_params=sum(costs[c].layer_params for c in mine),
+                       tensors=sum(costs[c].param_tensors for c in mine) - again.tensors,
+                       layers=max(1, sum(costs[c].num_layers for c in mine)),
+                       whole=_whole(config, [costs[c] for c in mine]))
 
 
 def _whole(config: ParallelConfig, costs: Sequence[RangeCost]) -> float:
