@@ -4,8 +4,6 @@ that both hold it (a pipeline's first and last stage each keep a copy)."""
 
 import functools
 
-import pytest
-
 from autoplan import Cluster, ParallelConfig
 from autoplan.estimate.estimator import estimate
 from autoplan.graph.trace import trace

@@ -7,9 +7,9 @@ Order of the computation (each step uses only what the previous ones produced):
    of every op (profile or roofline, scaled to the micro-batch and the TP shard), its stage's
    recomputation, the tensor-parallel collectives (exposed: each one blocks the op after it),
    and the activations kept for backward;
-3. combine chunks into pipeline stages and simulate the schedule (``pipeline_sim``): the
-   makespan, the bubble (fill and drain) and the waits on point-to-point sends, and the
-   activations each rank holds at its peak;
+3. combine chunks into pipeline stages and simulate the schedule (``pipeline_timing`` over
+   ``pipeline_sim``): the makespan, the bubble (fill and drain) and the waits on
+   point-to-point sends, and the activations each rank holds at its peak;
 4. data-parallel gradient sync and ZeRO gathers, hidden behind backward compute only as far as
    that compute lasts; then the optimizer step (on the device, or on the host when offloaded);
 5. memory per stage: model states (ZeRO), activations times the micro-batches in flight under
@@ -19,7 +19,7 @@ Order of the computation (each step uses only what the previous ones produced):
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from itertools import chain, repeat
 from typing import Any
 
@@ -35,20 +35,20 @@ from autoplan.estimate.arguments import (batch_arg, capacity_arg, cluster_arg,
                                         estimate_options_arg, microbatches_arg, profile_arg)
 from autoplan.estimate.chunk_cost import (CostInputs, RangeCost, chunk_cost, chunk_parts,
                                           range_cost)
-from autoplan.estimate.dp_terms import StageParams, dp_collectives, price, stage_terms
+from autoplan.estimate.dp_terms import StageParams, price, stage_terms
 from autoplan.estimate.float8_choice import fp8_choices
 from autoplan.estimate.held_params import rank_repeated
 from autoplan.estimate.layout import chunks_for, in_flight
 from autoplan.estimate.overlap import overlap_interference
 from autoplan.estimate.partition import pipeline_units
-from autoplan.estimate.pipeline_sim import W_FRACTION, PipelineTotals, pipeline_totals
+from autoplan.estimate.pipeline_timing import PipelineTiming, pipeline_timing
 from autoplan.estimate.result import Estimate, MemoryBreakdown, StageEstimate, TimeBreakdown
 from autoplan.graph.opgraph import OpGraph
 from autoplan.graph.trace import as_graph
 from autoplan.sharding.context_axis import context_axis
 from autoplan.sharding.doc_work import PackedWork, attention_share, packed_work
-from autoplan.sharding.mesh_axes import STAGE_AXES, MeshAxis
-from autoplan.sharding.parallel_config import SPLIT_BACKWARD, ParallelConfig
+from autoplan.sharding.mesh_axes import STAGE_AXES
+from autoplan.sharding.parallel_config import ParallelConfig
 from autoplan.sharding.sharding import Sharding
 
 def validate(graph: OpGraph, cluster: Any, config: ParallelConfig,
@@ -247,83 +247,6 @@ def cost_inputs(graph: OpGraph, cluster: Any, config: ParallelConfig, profile: A
                           + "; plan with autoplan.plan(..., force={'cp': ...}) for a tp "
                           "sharding that composes with it")
     return ci
-
-
-@dataclass(frozen=True)
-class PipelineTiming:
-    """The pipeline schedule's share of a step: which chunks each stage runs, their forward
-    and backward seconds per micro-batch, the bottleneck stage, the fill-and-drain bubble and
-    the waits on point-to-point sends; ``sim`` (None: closed form, or no pipeline) is the
-    simulation, ``simulated_comm`` the (gradient syncs, gathers) it exposed."""
-
-    stage_chunks: tuple[tuple[int, ...], ...]
-    stage_f: tuple[float, ...]
-    stage_b: tuple[float, ...]
-    bottleneck: int
-    bubble_s: float = 0.0
-    p2p_s: float = 0.0
-    sim: PipelineTotals | None = None
-    simulated_comm: tuple[float, float] | None = None
-
-
-def pipeline_timing(ci: CostInputs, costs: Sequence[RangeCost], m: int,
-                    state_config: ParallelConfig, *, simulate: bool) -> PipelineTiming:
-    """Stage times and the schedule's bubble and send waits: simulated (``pipeline_sim``), or
-    the closed form when ``simulate`` is off (the planner's screening). ``state_config``: the
-    config as its model state's ranks see it (``ParallelConfig.grad_view``)."""
-    config, cluster = ci.config, ci.cluster
-    p = config.pp
-    stage_chunks = tuple(tuple(config.rank_chunks(s)) for s in range(p))
-    stage_f = tuple(sum(costs[c].fwd_total_s for c in cs) for cs in stage_chunks)
-    stage_b = tuple(sum(costs[c].bwd_total_s for c in cs) for cs in stage_chunks)
-    bottleneck = max(range(p), key=lambda s: stage_f[s] + stage_b[s])
-    timing = PipelineTiming(stage_chunks=stage_chunks, stage_f=stage_f, stage_b=stage_b,
-                            bottleneck=bottleneck)
-    if p == 1:
-        return timing
-    if not simulate:
-        return replace(timing, bubble_s=_closed_form_bubble_s(config, stage_f, stage_b,
-                                                              bottleneck),
-                       p2p_s=2.0 * sum(_sends(config, cluster, costs)))
-    return _simulated_timing(ci, costs, m, timing, state_config)
-
-
-def _closed_form_bubble_s(config: ParallelConfig, stage_f: Sequence[float],
-                          stage_b: Sequence[float], bottleneck: int) -> float:
-    p, v = config.pp, config.virtual_stages
-    if config.schedule in SPLIT_BACKWARD:   # W's fill all but F + B - W of a stage time
-        t_mb = stage_f[bottleneck] + stage_b[bottleneck] * max(0.0, 1 - 2 * W_FRACTION)
-        return (p - 1) / v * t_mb
-    # fill and drain: one micro-batch through every other rank, forward and backward
-    # ((p - 1) bottleneck stage-times on even stages; on uneven ones, what the
-    # simulator finds where the bottleneck is the last rank, and above it elsewhere)
-    return sum(stage_f[r] + stage_b[r] for r in range(p) if r != bottleneck) / v
-
-
-def _simulated_timing(ci: CostInputs, costs: Sequence[RangeCost], m: int,
-                      timing: PipelineTiming, state_config: ParallelConfig) -> PipelineTiming:
-    """The schedule simulated three ways: with free sends (the bubble), with the sends (their
-    waits) and with the data-parallel collectives on their own stream (what they expose)."""
-    config, cluster = ci.config, ci.cluster
-    fwd = [c.fwd_total_s for c in costs]
-    bwd = [c.bwd_total_s for c in costs]
-    sends = _sends(config, cluster, costs)
-    kw = dict(schedule=config.schedule, p=config.pp, v=config.virtual_stages, m=m, fwd_s=fwd,
-              bwd_s=bwd, activation_bytes=[c.activation_bytes for c in costs])
-    no_collectives = pipeline_totals(send_s=sends, **kw)
-    free_sends = pipeline_totals(**kw).makespan_s
-    sync_s, fsdp_s = _chunk_collectives(state_config, cluster, costs)
-    sim = no_collectives
-    if any(sync_s) or any(map(any, fsdp_s)):
-        sim = pipeline_totals(send_s=sends, sync_s=sync_s, fsdp_s=fsdp_s,
-                              layers=[max(1, c.num_layers) for c in costs], **kw)
-    bottleneck = max(range(config.pp), key=lambda r: sim.busy_s[r])
-    return replace(
-        timing, bottleneck=bottleneck,
-        bubble_s=max(0.0, free_sends - sim.busy_s[bottleneck]),      # fill and drain
-        p2p_s=max(0.0, no_collectives.makespan_s - free_sends),      # waiting on the sends
-        sim=sim, simulated_comm=_exposed_collectives(sim, no_collectives.makespan_s,
-                                                     overlap_interference(cluster)))
 
 
 def time_breakdown(ci: CostInputs, costs: Sequence[RangeCost], chunks: Sequence[Any],
@@ -573,47 +496,6 @@ def _whole(config: ParallelConfig, costs: Sequence[RangeCost]) -> float:
     if not config.dp_whole:
         return 0.0
     return sum(c.elements_of(config.keeps_whole) for c in costs)
-
-
-def _sends(config: ParallelConfig, cluster: Any, costs: Sequence[RangeCost]) -> list[float]:
-    """Per chunk boundary, the point-to-point time of one micro-batch's activations (free
-    between two chunks on one rank: the V schedules' turn)."""
-    out = []
-    for c in range(len(costs) - 1):
-        a, b = config.chunk_rank(c), config.chunk_rank(c + 1)
-        out.append(0.0 if a == b else cluster.p2p_time_s(
-            costs[c].boundary_bytes, config.dims.rank_at({MeshAxis.PP: a}),
-            config.dims.rank_at({MeshAxis.PP: b})))
-    return out
-
-
-def _chunk_collectives(config: ParallelConfig, cluster: Any, costs: Sequence[RangeCost]
-                       ) -> tuple[list[float], list[tuple[float, float, float]]]:
-    """Per chunk, for the simulator: the per-step gradient sync of the dp group and, under
-    FSDP, the per-micro-batch (gather before forward, gather before backward, reduce-scatter
-    after)."""
-    sync, fsdp = [], []
-    for c, cost in enumerate(costs):
-        layers = max(1, cost.num_layers)
-        grad_sync, ag, rs = dp_collectives(config, cluster, cost.params, layers,
-                                            config.chunk_rank(c), cost.expert_params)
-        sync.append(grad_sync)          # the tp step all-reduce is priced exposed, per stage
-        fsdp.append((layers * ag, layers * ag, layers * rs))
-    return sync, fsdp
-
-
-def _exposed_collectives(sim: PipelineTotals, without_s: float, interference: float
-                         ) -> tuple[float, float]:
-    """(gradient syncs, gathers): what the simulated collectives added to the step, plus the
-    interference of the overlapped rest, split by their time on the busiest stream."""
-    if not any(sim.comm_busy_s):
-        return 0.0, 0.0
-    exposed = max(0.0, sim.makespan_s - without_s)
-    busiest = max(range(len(sim.comm_busy_s)), key=lambda r: sim.comm_busy_s[r])
-    total = sim.comm_busy_s[busiest]
-    added = exposed + interference * max(0.0, total - exposed)
-    share = sim.gather_s[busiest] / total if total > 0 else 0.0
-    return added * (1 - share), added * share
 
 
 def reserved_bytes(cluster: Any, margin: float | None) -> float:
