@@ -78,3 +78,30 @@ def test_pipelined_fsdp_holds_whole_gradients_for_the_step():
         assert est.num_microbatches >= 2
         for s in est.stages:
             assert s.memory.grads_bytes == 4 * s.params_per_device
+
+
+def _pp_count_rank(rank, world, plan_json):
+    from autoplan.runtime.comm_counter import CommCounter
+    trainer, batch = _compiled(plan_json)
+    trainer.step(batch)
+    with CommCounter() as counter:
+        trainer.step(batch)
+    chunks = trainer.runner.chunks.values()
+    params = sum(p.numel() for ch in chunks for p in ch.parameters())
+    units = sum(1 for ch in chunks for m in ch.modules() if type(m).__name__.startswith("FSDP"))
+    return {k: list(v) for k, v in counter.counts.items()}, params, units
+
+
+def test_pipelined_zero3_gathers_and_reduces_as_priced():
+    """pp2 x dp2 ZeRO-3, 4 micro-batches: torch's schedule gathers a unit's weights for every
+    forward and for the first backward only, and reduce-scatters once after the last: what
+    the simulator and the closed form price (``pipeline_timing.fsdp_step_counts``)."""
+    from autoplan.estimate.pipeline_timing import fsdp_step_counts
+    plan = _plan(4, dict(pp=2, dp=2, zero_stage=3, schedule="1f1b", micro_batch_size=1),
+                 max_pp=2)
+    m = GLOBAL_BATCH // 2
+    gathers = sum(fsdp_step_counts(m))
+    assert gathers == m + 1
+    for counts, params, units in run_ranks(_pp_count_rank, 4, plan.to_json()):
+        assert counts["all_gather"] == [gathers * units, gathers * 4 * params]
+        assert counts["reduce_scatter"] == [units, 4 * params]

@@ -117,9 +117,12 @@ def stage_terms(config: ParallelConfig, cluster: Any, stage: StageParams, m: int
                             reduce_scatters_per_step(config, m),
                             shares=(("dp_grad_sync", 1.0),)))
         if ag + rs > 0:              # FSDP, each phase's traffic behind its compute
+            # (under a pipeline: a gather for every forward, for the first backward only and
+            # one reduce-scatter, as torch's schedule runs them: ``pipeline_timing``)
+            bwd_times = 1 if config.pp > 1 else fsdp_times
             out.append(Term(layers * ag, "fwd", ag, fsdp_times, (("zero_param_gather", 1.0),)))
             share = ag / (ag + rs)
-            out.append(Term(layers * (ag + rs), "bwd", ag + rs, fsdp_times,
+            out.append(Term(layers * (ag + rs), "bwd", ag + rs, bwd_times,
                             (("zero_param_gather", share), ("dp_grad_sync", 1.0 - share))))
     if whole:
         # weights ZeRO-3 keeps whole: their gradients all-reduced over dp once a step in

@@ -82,7 +82,7 @@ def _simulated_timing(ci: CostInputs, costs: Sequence[RangeCost], m: int,
               bwd_s=bwd, activation_bytes=[c.activation_bytes for c in costs])
     no_collectives = pipeline_totals(send_s=sends, **kw)
     free_sends = pipeline_totals(**kw).makespan_s
-    sync_s, fsdp_s = _chunk_collectives(state_config, cluster, costs)
+    sync_s, fsdp_s = _chunk_collectives(state_config, cluster, costs, m)
     sim = no_collectives
     if any(sync_s) or any(map(any, fsdp_s)):
         sim = pipeline_totals(send_s=sends, sync_s=sync_s, fsdp_s=fsdp_s,
@@ -108,19 +108,32 @@ def _sends(config: ParallelConfig, cluster: Any, costs: Sequence[RangeCost]) -> 
     return out
 
 
-def _chunk_collectives(config: ParallelConfig, cluster: Any, costs: Sequence[RangeCost]
-                       ) -> tuple[list[float], list[tuple[float, float, float]]]:
+def _chunk_collectives(config: ParallelConfig, cluster: Any, costs: Sequence[RangeCost],
+                       m: int) -> tuple[list[float], list[tuple[float, float, float]]]:
     """Per chunk, for the simulator: the per-step gradient sync of the dp group and, under
-    FSDP, the per-micro-batch (gather before forward, gather before backward, reduce-scatter
-    after)."""
+    FSDP (ZeRO-3), the per-micro-batch (gather before forward, gather before backward,
+    reduce-scatter after), as torch's schedule runs them (``fsdp_step_counts``)."""
     sync, fsdp = [], []
     for c, cost in enumerate(costs):
         layers = max(1, cost.num_layers)
         grad_sync, ag, rs = dp_collectives(config, cluster, cost.params, layers,
                                             config.chunk_rank(c), cost.expert_params)
-        sync.append(grad_sync)          # the tp step all-reduce is priced exposed, per stage
-        fsdp.append((layers * ag, layers * ag, layers * rs))
+        fwd_gathers, bwd_gathers = fsdp_step_counts(m)
+        # the tp step all-reduce is priced exposed, per stage; FSDP's reduce-scatter once a
+        # step, after the last backward
+        sync.append(grad_sync + layers * rs)
+        fsdp.append((layers * ag * fwd_gathers / m, layers * ag * bwd_gathers / m, 0.0))
     return sync, fsdp
+
+
+def fsdp_step_counts(m: int) -> tuple[int, int]:
+    """(forward gathers, backward gathers) of a ZeRO-3 (FSDP2) chunk's weights in a pipelined
+    step of ``m`` micro-batches: torch's schedule runs every backward without gradient sync
+    or reshard (``PipelineStage.backward_maybe_with_nosync``) and reduce-scatters once after
+    the last (``perform_reduce_grad``), so each forward gathers (and reshards after), but only
+    the first backward does; counted on gloo (``tests/test_fsdp_step_pricing.py``: m + 1
+    gathers, one reduce-scatter per unit a step)."""
+    return m, 1
 
 
 def _exposed_collectives(sim: PipelineTotals, without_s: float, interference: float
