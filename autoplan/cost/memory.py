@@ -136,7 +136,7 @@ def autocast_copy_bytes(num_params: float, *, precision: str, mixed_precision: s
 def unsharded_step_bytes(num_params: float, *, precision: str, zero_stage: int,
                          offload_params: bool = False) -> tuple[float, float]:
     """(weights, gradients) bytes FSDP2 holds unsharded through a whole step where it meets
-    its dp peers once a step (``dp_shares``: ``runtime/steps.fsdp_once_a_step``), on a rank
+    its dp peers once a step (``holds_step_whole``: ``dp_shares``, pipelines), on a rank
     running two micro-batches or more, for the ``num_params`` parameters it shards. The
     gradients are accumulated unsharded in fp32 (its reduce dtype, ``GRAD_BYTES``) from the
     first backward to the last one's reduce-scatter, on the device even under parameter
@@ -151,11 +151,15 @@ def unsharded_step_bytes(num_params: float, *, precision: str, zero_stage: int,
 
 def holds_step_whole(state_config: Any, m: int) -> bool:
     """Whether FSDP2 holds a stage's state unsharded for the whole step on its busiest rank
-    (``unsharded_step_bytes``): under ``dp_shares`` it meets its peers once a step
-    (``runtime/steps.fsdp_once_a_step``; with pipelines torch's schedule does so), so a rank
-    of ``m`` >= 2 micro-batches keeps it from its first micro-batch to its last backward; with
-    one it runs as an even config does. ``state_config``: ``ParallelConfig.grad_view()``."""
-    return state_config.dp_shares is not None and state_config.uses_fsdp and m >= 2
+    (``unsharded_step_bytes``): where it meets its peers once a step, a rank of ``m`` >= 2
+    micro-batches keeps it from its first micro-batch to its last backward (with one it runs
+    as an even config without a pipeline does). FSDP2 meets them once a step under
+    ``dp_shares`` (``runtime/steps.fsdp_once_a_step``) and under a pipeline: torch's schedule
+    runs every backward without gradient sync or reshard and reduces after the last
+    (``PipelineStage.backward_maybe_with_nosync``, ``perform_reduce_grad``).
+    ``state_config``: ``ParallelConfig.grad_view()``."""
+    once = state_config.dp_shares is not None or state_config.pp > 1
+    return once and state_config.uses_fsdp and m >= 2
 
 
 def step_whole_states(states: ModelStateBytes, params: float, config: Any,

@@ -23,6 +23,7 @@ from autoplan.cost.float8 import backward_buffer_bytes
 from autoplan.cost.memory import (GRAD_BYTES, PRECISION_BYTES, activation_parts, held_meta_bytes,
                                   meta_bytes, shared_inputs, working_set_bytes)
 from autoplan.estimate.activation_offload import ChunkOffload, chunk_offload
+from autoplan.estimate.held_params import experts_of, held_elements, repeated_params
 from autoplan.estimate.overlap import overlap_exposed_s, overlap_interference
 from autoplan.estimate.partition import Chunk
 from autoplan.graph.experts import find_experts
@@ -385,18 +386,15 @@ def _range_cost(ci: CostInputs, start: int, stop: int, policy: str) -> RangeCost
     # both, as Megatron-LM does with the embedding and the LM head)
     params = expert = 0.0
     seen: set[str] = set()
-    found = find_experts(graph) if config.ep > 1 else None
+    found = experts_of(ci)
     elements = []
     for i in range(start, stop):
         for n in graph.ops[i].inputs:
             v = graph.value(n)
             if v.kind == "param" and v.base not in seen:
                 seen.add(v.base)
-                split = sh.input_placement(graph, i, n).kind == "S"
-                held = v.meta.numel / (sh.t if split else 1)
-                if found is not None and v.base in found.param_values:
-                    held /= config.ep              # this rank's experts only
-                    expert += held
+                held, is_expert = held_elements(ci, i, n, found)
+                expert += held if is_expert else 0.0
                 params += held
                 elements.append((graph.value(v.base).fqn, held))
     ep_fwd, ep_bwd = ep_comm_s(ci, start, stop)
@@ -484,6 +482,8 @@ def _chunk_cost(ci: CostInputs, chunk: Chunk, policy: str | tuple[str, ...],
     off = chunk_offload(ci.cluster, offload, chunk.layers, parts,
                         [is_layer for _, _, is_layer in spans], policies=layer_policies,
                         received=chunk.start > 0)
+    # a weight two parts read (a tied embedding and LM head) is held once
+    again = repeated_params(ci, [(s, e) for s, e, _ in spans])
     return RangeCost(
         fwd_s=sum(p.fwd_s for p in parts), bwd_s=sum(p.bwd_s for p in parts),
         recompute_s=sum(p.recompute_s for p in parts), tp_fwd_s=sum(p.tp_fwd_s for p in parts),
@@ -491,12 +491,27 @@ def _chunk_cost(ci: CostInputs, chunk: Chunk, policy: str | tuple[str, ...],
         activation_bytes=sum(p.activation_bytes for p in parts) - twice - off.moved_bytes,
         working_set_bytes=max((p.working_set_bytes for p in parts), default=0.0)
         + off.in_flight_bytes,
-        params=sum(p.params for p in parts), param_tensors=sum(p.param_tensors for p in parts),
+        params=sum(p.params for p in parts) - again.elements,
+        param_tensors=sum(p.param_tensors for p in parts) - again.tensors,
         num_layers=len(chunk.layers), boundary_bytes=boundary_bytes(ci, chunk.stop),
         layer_params=sum(p.params for p, (_, _, is_layer) in zip(parts, spans) if is_layer),
         ep_fwd_s=sum(p.ep_fwd_s for p in parts), ep_bwd_s=sum(p.ep_bwd_s for p in parts),
-        expert_params=sum(p.expert_params for p in parts), cp_s=sum(p.cp_s for p in parts),
-        param_elements=tuple(e for p in parts for e in p.param_elements), offload=off)
+        expert_params=sum(p.expert_params for p in parts) - again.experts,
+        cp_s=sum(p.cp_s for p in parts), param_elements=_once(parts, again.fqns), offload=off)
+
+
+def _once(parts: Sequence[RangeCost], fqns: frozenset[str]) -> tuple[tuple[str, float], ...]:
+    """The parts' (FQN, elements held) per parameter storage, those of ``fqns`` (read by two
+    parts) once."""
+    seen: set[str] = set()
+    out = []
+    for p in parts:
+        for fqn, held in p.param_elements:
+            if fqn in fqns and fqn in seen:
+                continue
+            seen.add(fqn)
+            out.append((fqn, held))
+    return tuple(out)
 
 
 def boundary_bytes(ci: CostInputs, cut: int) -> float:

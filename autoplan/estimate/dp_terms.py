@@ -112,13 +112,17 @@ def stage_terms(config: ParallelConfig, cluster: Any, stage: StageParams, m: int
     if not simulated:                # else the simulator runs the syncs and FSDP's traffic
         if grad_sync > 0:
             # the dp group's gradient sync (DDP's buckets) hidden behind the last
-            # micro-batch's backward as far as it lasts
+            # micro-batch's backward as far as it lasts; ZeRO-2's behind every backward
             out.append(Term(grad_sync, "bwd", grad_sync / layers,
+                            reduce_scatters_per_step(config, m),
                             shares=(("dp_grad_sync", 1.0),)))
         if ag + rs > 0:              # FSDP, each phase's traffic behind its compute
+            # (under a pipeline: a gather for every forward, for the first backward only and
+            # one reduce-scatter, as torch's schedule runs them: ``pipeline_timing``)
+            bwd_times = 1 if config.pp > 1 else fsdp_times
             out.append(Term(layers * ag, "fwd", ag, fsdp_times, (("zero_param_gather", 1.0),)))
             share = ag / (ag + rs)
-            out.append(Term(layers * (ag + rs), "bwd", ag + rs, fsdp_times,
+            out.append(Term(layers * (ag + rs), "bwd", ag + rs, bwd_times,
                             (("zero_param_gather", share), ("dp_grad_sync", 1.0 - share))))
     if whole:
         # weights ZeRO-3 keeps whole: their gradients all-reduced over dp once a step in
@@ -138,6 +142,20 @@ def stage_terms(config: ParallelConfig, cluster: Any, stage: StageParams, m: int
         out.append(Term(optimizer_step_s(owned, stage.tensors, config, compute, profile),
                         shares=(("optimizer", 1.0),)))
     return out
+
+
+def reduce_scatters_per_step(config: ParallelConfig, m: int) -> int:
+    """How many times a step reduces a stage's gradients over dp: once (DDP and ZeRO-1 hold
+    them back to the last micro-batch; FSDP2 under a pipeline, where torch's schedule reduces
+    them after its last backward, and under ``dp_shares``, ``runtime/steps.fsdp_once_a_step``),
+    but ZeRO-2 without either reduce-scatters each of the ``m`` micro-batches' gradients into
+    their shards in its backward: sharded gradients are what ZeRO-2 is for (DeepSpeed's stage 2
+    reduces after every backward for that reason, deepspeedai/DeepSpeed#2252), where
+    accumulating them whole would hold ZeRO-1's gradient memory (``runtime/parallelize.keep_gathered``: the weights are still gathered once)."""
+    if (config.zero_stage == 2 and config.pp == 1 and config.dp_shares is None
+            and config.uses_fsdp):
+        return m
+    return 1
 
 
 def host_terms(config: ParallelConfig, cluster: Any, owned: float, times: int, layers: int
@@ -233,9 +251,10 @@ def dp_collectives(config: ParallelConfig, cluster: Any, params: float, layers: 
     (ZeRO-3) gathers each layer before its forward and again before its backward, then
     reduce-scatters its gradients, every micro-batch (the runtime does not skip gradient sync
     between micro-batches, but under ``dp_shares``: ``stage_terms`` counts them once); ZeRO-0
-    all-reduces the gradients once a step, ZeRO-1/2
-    reduce-scatter them. Under HSDP the gathers and reduce-scatters span a shard group and each
-    reduced shard is then all-reduced over the replicas holding it (FSDP2 on a 2-D mesh).
+    all-reduces the gradients once a step, ZeRO-1 reduce-scatters them once a step, ZeRO-2
+    ``reduce_scatters_per_step`` times. Under HSDP the gathers and reduce-scatters span a
+    shard group and each reduced shard is then all-reduced over the replicas holding it (FSDP2
+    on a 2-D mesh).
     Under expert parallelism the ``expert_params`` of ``params`` go over the ranks holding the
     same experts (dp / ep of them): all-reduced once a step under ZeRO-0/1, gathered and
     reduce-scattered like the rest under FSDP (ZeRO-2/3), which shards them there."""

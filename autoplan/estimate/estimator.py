@@ -7,9 +7,9 @@ Order of the computation (each step uses only what the previous ones produced):
    of every op (profile or roofline, scaled to the micro-batch and the TP shard), its stage's
    recomputation, the tensor-parallel collectives (exposed: each one blocks the op after it),
    and the activations kept for backward;
-3. combine chunks into pipeline stages and simulate the schedule (``pipeline_sim``): the
-   makespan, the bubble (fill and drain) and the waits on point-to-point sends, and the
-   activations each rank holds at its peak;
+3. combine chunks into pipeline stages and simulate the schedule (``pipeline_timing`` over
+   ``pipeline_sim``): the makespan, the bubble (fill and drain) and the waits on
+   point-to-point sends, and the activations each rank holds at its peak;
 4. data-parallel gradient sync and ZeRO gathers, hidden behind backward compute only as far as
    that compute lasts; then the optimizer step (on the device, or on the host when offloaded);
 5. memory per stage: model states (ZeRO), activations times the micro-batches in flight under
@@ -19,7 +19,7 @@ Order of the computation (each step uses only what the previous ones produced):
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from itertools import chain, repeat
 from typing import Any
 
@@ -33,20 +33,22 @@ from autoplan.cost.powersgd import powersgd_buffer_bytes
 from autoplan.errors import ConfigError
 from autoplan.estimate.arguments import (batch_arg, capacity_arg, cluster_arg,
                                         estimate_options_arg, microbatches_arg, profile_arg)
-from autoplan.estimate.chunk_cost import CostInputs, RangeCost, chunk_cost, range_cost
-from autoplan.estimate.dp_terms import StageParams, dp_collectives, price, stage_terms
+from autoplan.estimate.chunk_cost import (CostInputs, RangeCost, chunk_cost, chunk_parts,
+                                          range_cost)
+from autoplan.estimate.dp_terms import StageParams, price, stage_terms
 from autoplan.estimate.float8_choice import fp8_choices
+from autoplan.estimate.held_params import rank_repeated
 from autoplan.estimate.layout import chunks_for, in_flight
 from autoplan.estimate.overlap import overlap_interference
 from autoplan.estimate.partition import pipeline_units
-from autoplan.estimate.pipeline_sim import W_FRACTION, PipelineTotals, pipeline_totals
+from autoplan.estimate.pipeline_timing import PipelineTiming, pipeline_timing
 from autoplan.estimate.result import Estimate, MemoryBreakdown, StageEstimate, TimeBreakdown
 from autoplan.graph.opgraph import OpGraph
 from autoplan.graph.trace import as_graph
 from autoplan.sharding.context_axis import context_axis
 from autoplan.sharding.doc_work import PackedWork, packed_work, useful_share
-from autoplan.sharding.mesh_axes import STAGE_AXES, MeshAxis
-from autoplan.sharding.parallel_config import SPLIT_BACKWARD, ParallelConfig
+from autoplan.sharding.mesh_axes import STAGE_AXES
+from autoplan.sharding.parallel_config import ParallelConfig
 from autoplan.sharding.sharding import Sharding
 
 def validate(graph: OpGraph, cluster: Any, config: ParallelConfig,
@@ -61,15 +63,9 @@ def validate(graph: OpGraph, cluster: Any, config: ParallelConfig,
             f"{cluster.world_size} devices; choose degrees whose product is "
             f"{cluster.world_size}")
     m = microbatches_arg(config.microbatches(global_batch_size), config)
-    if (config.pp > 1 and m % config.pp and (config.schedule == "interleaved_1f1b" or (
-            config.schedule == "zero_bubble" and config.virtual_stages > 1))):
-        raise ConfigError(f"{config.schedule} over {config.virtual_stages} chunks per rank needs "
-                          f"the micro-batch count ({m}) to be a multiple of pp ({config.pp}); "
-                          "change the batch or micro_batch_size")
-    if config.pp > 1 and config.schedule == "dualpipev" and m < 2 * config.pp:
-        raise ConfigError(f"dualpipev needs at least as many micro-batches as chunks "
-                          f"(2 x pp = {2 * config.pp}), got {m}; raise the batch or lower "
-                          "micro_batch_size")
+    why = schedule_refusal(config, m)
+    if why:
+        raise ConfigError(why)
     if config.micro_batch_size > global_batch_size:
         raise ConfigError(f"micro_batch_size {config.micro_batch_size} exceeds the global batch "
                           f"{global_batch_size}")
@@ -97,6 +93,28 @@ def validate(graph: OpGraph, cluster: Any, config: ParallelConfig,
                           "nvme_read_bytes_per_s and nvme_write_bytes_per_s in a cluster file, "
                           "or drop offload_nvme")
     return m
+
+
+def schedule_refusal(config: ParallelConfig, m: int) -> str | None:
+    """Why ``config``'s pipeline schedule cannot run ``m`` micro-batches a step (torch's
+    schedules refuse them), with the change that lets it; None where it can."""
+    if config.pp == 1:
+        return None
+    if m % config.pp and (config.schedule == "interleaved_1f1b" or (
+            config.schedule == "zero_bubble" and config.virtual_stages > 1)):
+        return (f"{config.schedule} over {config.virtual_stages} chunks per rank needs the "
+                f"micro-batch count ({m}) to be a multiple of pp ({config.pp}); change the "
+                "batch or micro_batch_size")
+    if config.schedule == "dualpipev" and m < 2 * config.pp:
+        return (f"dualpipev needs at least as many micro-batches as chunks (2 x pp = "
+                f"{2 * config.pp}), got {m}; raise the batch or lower micro_batch_size")
+    if config.schedule == "1f1b" and m < config.pp:
+        return (f"1f1b needs at least as many micro-batches as pipeline stages (pp = "
+                f"{config.pp}), got {m} (global batch / dp {config.dp} / micro_batch_size "
+                f"{config.micro_batch_size}): raise the global batch to at least "
+                f"{config.pp * config.dp * config.micro_batch_size}, lower micro_batch_size or "
+                "pp, or use schedule 'gpipe'")
+    return None
 
 
 def estimate(model: Any, cluster: Any, *, config: ParallelConfig, global_batch_size: int,
@@ -233,83 +251,6 @@ def cost_inputs(graph: OpGraph, cluster: Any, config: ParallelConfig, profile: A
     return ci
 
 
-@dataclass(frozen=True)
-class PipelineTiming:
-    """The pipeline schedule's share of a step: which chunks each stage runs, their forward
-    and backward seconds per micro-batch, the bottleneck stage, the fill-and-drain bubble and
-    the waits on point-to-point sends; ``sim`` (None: closed form, or no pipeline) is the
-    simulation, ``simulated_comm`` the (gradient syncs, gathers) it exposed."""
-
-    stage_chunks: tuple[tuple[int, ...], ...]
-    stage_f: tuple[float, ...]
-    stage_b: tuple[float, ...]
-    bottleneck: int
-    bubble_s: float = 0.0
-    p2p_s: float = 0.0
-    sim: PipelineTotals | None = None
-    simulated_comm: tuple[float, float] | None = None
-
-
-def pipeline_timing(ci: CostInputs, costs: Sequence[RangeCost], m: int,
-                    state_config: ParallelConfig, *, simulate: bool) -> PipelineTiming:
-    """Stage times and the schedule's bubble and send waits: simulated (``pipeline_sim``), or
-    the closed form when ``simulate`` is off (the planner's screening). ``state_config``: the
-    config as its model state's ranks see it (``ParallelConfig.grad_view``)."""
-    config, cluster = ci.config, ci.cluster
-    p = config.pp
-    stage_chunks = tuple(tuple(config.rank_chunks(s)) for s in range(p))
-    stage_f = tuple(sum(costs[c].fwd_total_s for c in cs) for cs in stage_chunks)
-    stage_b = tuple(sum(costs[c].bwd_total_s for c in cs) for cs in stage_chunks)
-    bottleneck = max(range(p), key=lambda s: stage_f[s] + stage_b[s])
-    timing = PipelineTiming(stage_chunks=stage_chunks, stage_f=stage_f, stage_b=stage_b,
-                            bottleneck=bottleneck)
-    if p == 1:
-        return timing
-    if not simulate:
-        return replace(timing, bubble_s=_closed_form_bubble_s(config, stage_f, stage_b,
-                                                              bottleneck),
-                       p2p_s=2.0 * sum(_sends(config, cluster, costs)))
-    return _simulated_timing(ci, costs, m, timing, state_config)
-
-
-def _closed_form_bubble_s(config: ParallelConfig, stage_f: Sequence[float],
-                          stage_b: Sequence[float], bottleneck: int) -> float:
-    p, v = config.pp, config.virtual_stages
-    if config.schedule in SPLIT_BACKWARD:   # W's fill all but F + B - W of a stage time
-        t_mb = stage_f[bottleneck] + stage_b[bottleneck] * max(0.0, 1 - 2 * W_FRACTION)
-        return (p - 1) / v * t_mb
-    # fill and drain: one micro-batch through every other rank, forward and backward
-    # ((p - 1) bottleneck stage-times on even stages; on uneven ones, what the
-    # simulator finds where the bottleneck is the last rank, and above it elsewhere)
-    return sum(stage_f[r] + stage_b[r] for r in range(p) if r != bottleneck) / v
-
-
-def _simulated_timing(ci: CostInputs, costs: Sequence[RangeCost], m: int,
-                      timing: PipelineTiming, state_config: ParallelConfig) -> PipelineTiming:
-    """The schedule simulated three ways: with free sends (the bubble), with the sends (their
-    waits) and with the data-parallel collectives on their own stream (what they expose)."""
-    config, cluster = ci.config, ci.cluster
-    fwd = [c.fwd_total_s for c in costs]
-    bwd = [c.bwd_total_s for c in costs]
-    sends = _sends(config, cluster, costs)
-    kw = dict(schedule=config.schedule, p=config.pp, v=config.virtual_stages, m=m, fwd_s=fwd,
-              bwd_s=bwd, activation_bytes=[c.activation_bytes for c in costs])
-    no_collectives = pipeline_totals(send_s=sends, **kw)
-    free_sends = pipeline_totals(**kw).makespan_s
-    sync_s, fsdp_s = _chunk_collectives(state_config, cluster, costs)
-    sim = no_collectives
-    if any(sync_s) or any(map(any, fsdp_s)):
-        sim = pipeline_totals(send_s=sends, sync_s=sync_s, fsdp_s=fsdp_s,
-                              layers=[max(1, c.num_layers) for c in costs], **kw)
-    bottleneck = max(range(config.pp), key=lambda r: sim.busy_s[r])
-    return replace(
-        timing, bottleneck=bottleneck,
-        bubble_s=max(0.0, free_sends - sim.busy_s[bottleneck]),      # fill and drain
-        p2p_s=max(0.0, no_collectives.makespan_s - free_sends),      # waiting on the sends
-        sim=sim, simulated_comm=_exposed_collectives(sim, no_collectives.makespan_s,
-                                                     overlap_interference(cluster)))
-
-
 def time_breakdown(ci: CostInputs, costs: Sequence[RangeCost], chunks: Sequence[Any],
                    timing: PipelineTiming, m: int, profile: Any,
                    state_config: ParallelConfig,
@@ -328,7 +269,7 @@ def time_breakdown(ci: CostInputs, costs: Sequence[RangeCost], chunks: Sequence[
     tp_s = m * sum(c.tp_fwd_s + c.tp_bwd_s for c in bc)
     ep_s = m * sum(c.ep_fwd_s + c.ep_bwd_s for c in bc)
     cp_s = m * sum(c.cp_s for c in bc)
-    dp_sync, zero_gather, opt_s, offload_s = _worst_stage_dp_terms(ci, costs, timing, m,
+    dp_sync, zero_gather, opt_s, offload_s = _worst_stage_dp_terms(ci, costs, chunks, timing, m,
                                                                    stage_devices, state_config)
     if timing.simulated_comm is not None:
         dp_sync += timing.simulated_comm[0]
@@ -356,8 +297,9 @@ def time_breakdown(ci: CostInputs, costs: Sequence[RangeCost], chunks: Sequence[
                          optimizer_s=opt_s, overhead_s=overhead_s)
 
 
-def _worst_stage_dp_terms(ci: CostInputs, costs: Sequence[RangeCost], timing: PipelineTiming,
-                          m: int, stage_devices: Sequence[tuple[Any, Any]],
+def _worst_stage_dp_terms(ci: CostInputs, costs: Sequence[RangeCost], chunks: Sequence[Any],
+                          timing: PipelineTiming, m: int,
+                          stage_devices: Sequence[tuple[Any, Any]],
                           state_config: ParallelConfig) -> tuple[float, float, float, float]:
     """(gradient sync, ZeRO gathers, optimizer, offload) seconds of the stage where they add
     up to most: data parallel, ZeRO and the optimizer step (on the stage's own device,
@@ -367,7 +309,8 @@ def _worst_stage_dp_terms(ci: CostInputs, costs: Sequence[RangeCost], timing: Pi
     dp_sync = zero_gather = opt_s = offload_s = 0.0
     for s in range(config.pp):
         terms = stage_terms(state_config, cluster,
-                            stage_params(costs, timing.stage_chunks[s], config), m, s,
+                            stage_params(costs, timing.stage_chunks[s], config, ci,
+                                         chunks), m, s,
                             *stage_devices[s], simulated=timing.simulated_comm is not None)
         x = price(terms, timing.stage_f[s], timing.stage_b[s], interference)
         # the tp-axis all-reduce of replicated weights' partial gradients runs after backward,
@@ -387,13 +330,16 @@ def stage_estimate(ci: CostInputs, costs: Sequence[RangeCost], chunks: Sequence[
     ``margin``)."""
     config = ci.config
     cs = [costs[c] for c in timing.stage_chunks[s]]
-    params = sum(c.params for c in cs)
-    whole = _whole(config, cs)
-    states = _stage_states(config, cs, params, whole, state_config.shard_degree)
+    held = stage_params(costs, timing.stage_chunks[s], config, ci, chunks)
+    params, whole = held.params, held.whole
+    states = _stage_states(config, held, state_config.shard_degree)
     step_whole = holds_step_whole(state_config, m)
-    if step_whole:       # (experts never run under dp_shares; ``whole`` is not FSDP's)
-        states = step_whole_states(states, params - whole, config,
+    if step_whole:       # FSDP's shards held whole (``whole`` is not FSDP's)
+        experts = held.experts
+        states = step_whole_states(states, params - whole - experts, config,
                                    state_config.shard_degree)
+        if experts and config.dp // config.ep > 1:     # sharded over the ranks holding them
+            states = step_whole_states(states, experts, config, config.dp // config.ep)
     act_mb = sum(c.activation_bytes for c in cs)
     if timing.sim is not None and act_mb > 0:   # the simulated peak of the schedule
         flight = timing.sim.peak_activation_bytes[s] / act_mb
@@ -428,12 +374,11 @@ def stage_estimate(ci: CostInputs, costs: Sequence[RangeCost], chunks: Sequence[
         offloaded_activation_bytes_per_microbatch=offloaded)
 
 
-def _stage_states(config: ParallelConfig, cs: Sequence[RangeCost], params: float,
-                  whole: float, shard_degree: int) -> Any:
+def _stage_states(config: ParallelConfig, held: StageParams, shard_degree: int) -> Any:
     """The model-state bytes of one rank of a stage: ZeRO-sharded over the dp x cp ranks,
     except weights ZeRO-3 keeps whole (whole on every rank) and expert weights (sharded over
     the ranks holding them)."""
-    experts = sum(c.expert_params for c in cs)
+    params, whole, experts = held.params, held.whole, held.experts
     states = _states(config, params - experts - whole, shard_degree)
     if whole:            # weights ZeRO-3 keeps whole: whole states on every rank
         w = model_state_bytes(whole, dp=1, zero_stage=0, precision=config.precision,
@@ -541,15 +486,17 @@ def _states(config: ParallelConfig, params: float, shard: int) -> Any:
                              optimizer_state=config.optimizer_state)
 
 
-def stage_params(costs: Sequence[RangeCost], chunks: Sequence[int],
-                 config: ParallelConfig) -> StageParams:
-    """What one rank of the stage running ``chunks`` holds, for its dp terms."""
-    return StageParams(params=sum(costs[c].params for c in chunks),
-                       experts=sum(costs[c].expert_params for c in chunks),
-                       layer_params=sum(costs[c].layer_params for c in chunks),
-                       tensors=sum(costs[c].param_tensors for c in chunks),
-                       layers=max(1, sum(costs[c].num_layers for c in chunks)),
-                       whole=_whole(config, [costs[c] for c in chunks]))
+def stage_params(costs: Sequence[RangeCost], mine: Sequence[int], config: ParallelConfig,
+                 ci: CostInputs, chunks: Sequence[Any]) -> StageParams:
+    """What one rank of the stage running chunks ``mine`` holds: each weight once, though two
+    of its chunks read it (``held_params``: a V schedule's tied embedding and LM head)."""
+    again = rank_repeated(ci, [[(a, b) for a, b, _ in chunk_parts(chunks[c])] for c in mine])
+    return StageParams(params=sum(costs[c].params for c in mine) - again.elements,
+                       experts=sum(costs[c].expert_params for c in mine) - again.experts,
+                       layer_params=sum(costs[c].layer_params for c in mine),
+                       tensors=sum(costs[c].param_tensors for c in mine) - again.tensors,
+                       layers=max(1, sum(costs[c].num_layers for c in mine)),
+                       whole=_whole(config, [costs[c] for c in mine]))
 
 
 def _whole(config: ParallelConfig, costs: Sequence[RangeCost]) -> float:
@@ -557,47 +504,6 @@ def _whole(config: ParallelConfig, costs: Sequence[RangeCost]) -> float:
     if not config.dp_whole:
         return 0.0
     return sum(c.elements_of(config.keeps_whole) for c in costs)
-
-
-def _sends(config: ParallelConfig, cluster: Any, costs: Sequence[RangeCost]) -> list[float]:
-    """Per chunk boundary, the point-to-point time of one micro-batch's activations (free
-    between two chunks on one rank: the V schedules' turn)."""
-    out = []
-    for c in range(len(costs) - 1):
-        a, b = config.chunk_rank(c), config.chunk_rank(c + 1)
-        out.append(0.0 if a == b else cluster.p2p_time_s(
-            costs[c].boundary_bytes, config.dims.rank_at({MeshAxis.PP: a}),
-            config.dims.rank_at({MeshAxis.PP: b})))
-    return out
-
-
-def _chunk_collectives(config: ParallelConfig, cluster: Any, costs: Sequence[RangeCost]
-                       ) -> tuple[list[float], list[tuple[float, float, float]]]:
-    """Per chunk, for the simulator: the per-step gradient sync of the dp group and, under
-    FSDP, the per-micro-batch (gather before forward, gather before backward, reduce-scatter
-    after)."""
-    sync, fsdp = [], []
-    for c, cost in enumerate(costs):
-        layers = max(1, cost.num_layers)
-        grad_sync, ag, rs = dp_collectives(config, cluster, cost.params, layers,
-                                            config.chunk_rank(c), cost.expert_params)
-        sync.append(grad_sync)          # the tp step all-reduce is priced exposed, per stage
-        fsdp.append((layers * ag, layers * ag, layers * rs))
-    return sync, fsdp
-
-
-def _exposed_collectives(sim: PipelineTotals, without_s: float, interference: float
-                         ) -> tuple[float, float]:
-    """(gradient syncs, gathers): what the simulated collectives added to the step, plus the
-    interference of the overlapped rest, split by their time on the busiest stream."""
-    if not any(sim.comm_busy_s):
-        return 0.0, 0.0
-    exposed = max(0.0, sim.makespan_s - without_s)
-    busiest = max(range(len(sim.comm_busy_s)), key=lambda r: sim.comm_busy_s[r])
-    total = sim.comm_busy_s[busiest]
-    added = exposed + interference * max(0.0, total - exposed)
-    share = sim.gather_s[busiest] / total if total > 0 else 0.0
-    return added * (1 - share), added * share
 
 
 def reserved_bytes(cluster: Any, margin: float | None) -> float:

@@ -23,7 +23,7 @@ takes each rank's terms from ``dp_pieces``.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, replace
 from fnmatch import fnmatchcase
 from typing import Any
@@ -70,26 +70,33 @@ class Held:
                      for x in (self.dense, self.experts, self.in_layers, self.whole))
 
 
-def held_params(graph: OpGraph, red: Reduction, t: int, ep: int) -> Held:
-    """What each choice holds (as ``chunk_cost`` counts a rank's parameters: each storage once
-    per node, split over tp where the strategy reads it split, expert slabs over ep)."""
+def held_params(graph: OpGraph, red: Reduction, t: int, ep: int, *,
+                among: Collection[int] | None = None) -> Held:
+    """What each choice holds (as ``chunk_cost`` counts a rank's parameters: each storage once,
+    in the first node reading it, split over tp where the strategy reads it split, expert slabs
+    over ep). ``among``: the nodes of one pipeline rank, which hold once what they share (a V
+    schedule's tied embedding and LM head on rank 0); the other nodes count all they read,
+    as the ranks they run on each hold a copy."""
     experts_of = set()
     if ep > 1:
         found = find_experts(graph)
         experts_of = set(found.param_values) if found is not None else set()
     (chunk,) = partition(graph, 1)
     in_layer: set[int] = set()
-    tensors = 0
     for start, stop, is_layer in chunk_parts(chunk):
         if is_layer:
             in_layer.update(range(start, stop))
-        tensors += len({graph.value(n).base for i in range(start, stop)
-                        for n in graph.ops[i].inputs if graph.value(n).kind == "param"})
+    tensors = len({graph.value(n).base for op in graph.ops for n in op.inputs
+                   if graph.value(n).kind == "param"})
     dense, expert, layer = [], [], []
-    for node in red.nodes:
+    claimed: set[str] = set()      # a weight two nodes read (tied): the first one holds it
+    for u, node in enumerate(red.nodes):
+        shares = among is None or u in among
         d_row, e_row, l_row = [], [], []
+        mine = {graph.value(n).base for i in node.ops for n in graph.ops[i].inputs
+                if graph.value(n).kind == "param"}
         for chosen in node.choices:
-            seen: set[str] = set()
+            seen: set[str] = set(claimed) if shares else set()
             d = e = lay = 0.0
             for i, s in zip(node.ops, chosen):
                 for k, n in enumerate(graph.ops[i].inputs):
@@ -109,6 +116,8 @@ def held_params(graph: OpGraph, red: Reduction, t: int, ep: int) -> Held:
             d_row.append(node.mult * d)
             e_row.append(node.mult * e)
             l_row.append(node.mult * lay)
+        if shares:
+            claimed |= mine
         dense.append(tuple(d_row))
         expert.append(tuple(e_row))
         layer.append(tuple(l_row))

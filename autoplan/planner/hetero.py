@@ -7,7 +7,8 @@ The search, in order:
    the gain is reported against.
 2. **Candidates**: the baseline's config and its alternatives that fit, and those of the
    slowest-GPU search forced to pp = the number of pools (pipelines rarely rank among the
-   slowest GPU's best, but on pools their stages take work in proportion to speed), each
+   slowest GPU's best, but on pools their stages take work in proportion to speed; and with
+   one chunk per rank where that search's best are all V schedules), each
    re-priced on the
    pools (``estimate/hetero.py``) where its stages (pp > 1) or replicas (pp = 1) each lie in
    one pool; a config that would straddle pools is left out (tp never crosses device types).
@@ -173,14 +174,21 @@ def plan_hetero(model: Any, cluster: Any, *, global_batch_size: int,
     if pipelines and "pp" not in force and cluster.world_size % len(cluster.pools) == 0:
         # a pipeline with whole stages on each pool: the slowest-GPU search rarely ranks one
         # among its best, but on pools its stages take layers in proportion to speed
-        say(f"planning {cluster.name} as its slowest GPU with pp={len(cluster.pools)}")
-        try:
-            piped = plan_fn(graph, cluster.slowest(), global_batch_size=global_batch_size,
-                            profile=profile, force={**force, "pp": len(cluster.pools)},
-                            **plan_options)
-            configs += [piped.config] + [a.config for a in piped.alternatives if a.fits]
-        except ConfigError:
-            pass              # no pipeline of that depth fits this model and batch
+        # (and with one chunk per rank where the V schedules, whose rank 0 holds a tied
+        # embedding and LM head once, crowd those out of the first search's best)
+        for extra in ({"pp": len(cluster.pools)},
+                      {"pp": len(cluster.pools), "virtual_stages": 1}):
+            if "virtual_stages" in extra and ("virtual_stages" in force or any(
+                    c.pp > 1 and c.virtual_stages == 1 for c in configs)):
+                continue
+            say(f"planning {cluster.name} as its slowest GPU with "
+                + ", ".join(f"{k}={v}" for k, v in extra.items()))
+            try:
+                piped = plan_fn(graph, cluster.slowest(), global_batch_size=global_batch_size,
+                                profile=profile, force={**force, **extra}, **plan_options)
+                configs += [piped.config] + [a.config for a in piped.alternatives if a.fits]
+            except ConfigError:
+                pass          # no pipeline of that depth fits this model and batch
     found = []
     for config in dict.fromkeys(configs):
         try:

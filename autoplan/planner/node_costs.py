@@ -11,6 +11,7 @@ itself where a follower cannot carry the leader's sharding.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from autoplan.cost.compute import OpCost
@@ -237,6 +238,33 @@ def _add_params(ctx: CostContext, tally: _Tally, i: int, s: OpStrategy,
             split = k < len(s.inputs) and s.inputs[k].kind == "S"
             tally.param_bytes += v.meta.numel * ctx.state_bytes_per_param / (ctx.t if split
                                                                              else 1)
+
+
+def tied_state_bytes(ctx: CostContext, nodes: Sequence[Node]) -> list[list[float]]:
+    """Per node and strategy, the state bytes ``node_cost`` counts for weights an earlier node
+    reads too (a tied embedding and LM head): one tensor, which the problem's memory row (one
+    rank's whole model) holds once, as ``chunk_cost`` does (``estimate/held_params``)."""
+    graph = ctx.graph
+    claimed: set[str] = set()
+    out = []
+    for node in nodes:
+        first: dict[str, tuple[int, int, float]] = {}
+        for pos, i in enumerate(node.ops):
+            for k, n in enumerate(graph.ops[i].inputs):
+                v = graph.value(n)
+                if v.kind == "param" and v.base not in first:
+                    first[v.base] = (pos, k, v.meta.numel)
+        row = []
+        for chosen in node.choices:
+            b = 0.0
+            for base, (pos, k, numel) in first.items():
+                if base in claimed:
+                    split = k < len(chosen[pos].inputs) and chosen[pos].inputs[k].kind == "S"
+                    b += numel * ctx.state_bytes_per_param / (ctx.t if split else 1)
+            row.append(node.mult * b)
+        claimed.update(first)
+        out.append(row)
+    return out
 
 
 def _add_saved_values(choice: _Choice, tally: _Tally, i: int, s: OpStrategy) -> None:

@@ -175,7 +175,6 @@ def terms(graph: OpGraph, cluster: Any, config: ParallelConfig, chunks: Sequence
     policies = [config.chunk_policy(c) for c in range(len(chunks))]
     reds = {pol: reduce_graph(context_for(pol), stages=ranges) for pol in sorted(set(policies))}
     red = next(iter(reds.values()))
-    held = held_params(graph, red, config.tp, config.ep)
     of = [reds[pol] for pol in policies]
     chunk_fwd = tuple(x.stage_fwd[c] for c, x in enumerate(of))
     chunk_bwd = tuple(x.stage_bwd[c] for c, x in enumerate(of))
@@ -186,9 +185,14 @@ def terms(graph: OpGraph, cluster: Any, config: ParallelConfig, chunks: Sequence
     ranks_held = []
     for r in range(p):
         cs = [chunks[c] for c in config.rank_chunks(r)]
-        tensors = sum(len({graph.value(n).base for i in range(start, stop)
-                           for n in graph.ops[i].inputs if graph.value(n).kind == "param"})
-                      for ch in cs for start, stop, _ in chunk_parts(ch))
+        # each weight once on a rank (a V schedule's tied ends on rank 0), once on each rank
+        # holding a copy
+        tensors = len({graph.value(n).base for ch in cs for start, stop, _ in chunk_parts(ch)
+                       for i in range(start, stop) for n in graph.ops[i].inputs
+                       if graph.value(n).kind == "param"})
+        mine = {v for v in range(len(red.nodes))
+                if any(red.stage_share[v][k] for k in config.rank_chunks(r))}
+        held = held_params(graph, red, config.tp, config.ep, among=mine)
         ranks_held.append(_stage_held(held, red, config.rank_chunks(r), tensors,
                                       max(1, sum(len(ch.layers) for ch in cs))))
     return PipeTerms(red, chunk_fwd, chunk_bwd, per_rank(chunk_fwd), per_rank(chunk_bwd),

@@ -31,7 +31,7 @@ from autoplan.planner.folding import Node, group, representatives
 from autoplan.planner.ilp import ILPProblem, Linear
 from autoplan.planner.kept_activations import activation_owners, layer_inputs
 from autoplan.planner.node_costs import (INFEASIBLE_S, collective_bytes, node_cost,
-                                         recomputes_comms, reshard_s)
+                                         recomputes_comms, reshard_s, tied_state_bytes)
 from autoplan.sharding.context_axis import ContextAxis, tp_allowed
 from autoplan.sharding.placement import REPLICATE, Placement
 from autoplan.sharding.sharding import Sharding, built_once, mutates_input
@@ -242,8 +242,10 @@ def _node_terms(ctx: CostContext, nodes: list[Node]) -> _Terms:
                                         ctx.held.copies if ctx.held is not None else None)
     per = [[node_cost(ctx, node, j, savers, part_of) for j in range(len(node.choices))]
            for node in nodes]
+    again = tied_state_bytes(ctx, nodes)       # a tied weight: held once
     return _Terms(costs=[[c.time_s for c in row] for row in per],
-                  mems=[[c.memory_bytes for c in row] for row in per],
+                  mems=[[c.memory_bytes - b for c, b in zip(row, bs)]
+                        for row, bs in zip(per, again)],
                   fwds=[[c.fwd_s for c in row] for row in per],
                   bwds=[[c.bwd_s for c in row] for row in per],
                   acts=[[c.act_bytes for c in row] for row in per],

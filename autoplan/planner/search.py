@@ -311,14 +311,18 @@ def _search_meshes(sc: SearchContext, shapes: list[Any], base: dict[str, Any],
             cfg = ParallelConfig(pp=shape.pp, dp=shape.dp, tp=shape.tp, cp=shape.cp,
                                  cp_layout=search_space.context_layout(graph, shape.cp, opts),
                                  micro_batch_size=mbs, dp_shares=shares, **base)
+            m = cfg.microbatches(gbs)
+            if shape.pp > 1 and "micro_batch_size" not in opts.force and (
+                    m < shape.pp or mbs > 4):
+                # few micro-batches per stage: mostly bubble (and 1F1B needs one per stage)
+                say(f"{where} mbs {mbs}: "
+                    f"{few_microbatches(m, shape.pp, shape.dp, mbs)}, skipped")
+                break
             try:
                 m = validate(graph, sc.cluster, cfg, gbs)
             except ConfigError as e:
                 say(f"{where} mbs {mbs}: {e}")
                 break
-            if shape.pp > 1 and "micro_batch_size" not in opts.force and (
-                    m < shape.pp or mbs > 4):
-                break                 # few micro-batches per stage: mostly bubble
             if _sharding_of(sc, shape, cfg, m, shared, f"{where} mbs {mbs}") is None:
                 continue
             skipped = stats.below_floor
@@ -342,6 +346,17 @@ def _search_meshes(sc: SearchContext, shapes: list[Any], base: dict[str, Any],
             if best is None and not skipped:
                 break       # larger micro-batches only need more memory
     return cands
+
+
+def few_microbatches(m: int, pp: int, dp: int, mbs: int) -> str:
+    """Why the search leaves a pipelined mesh's (larger) micro-batches out: fewer micro-batches
+    than stages (a step mostly bubble, and 1F1B cannot run them), or micro-batches over 4
+    samples (a smaller one shrinks the bubble), and what would let them in."""
+    if m < pp:
+        return (f"{m} micro-batch{'es' if m != 1 else ''} per step for {pp} pipeline stages "
+                f"(mostly bubble; 1F1B needs one per stage): a global batch of at least "
+                f"pp x dp x micro_batch_size = {pp * dp * mbs} would let it in")
+    return f"micro-batches of {mbs} samples over pp={pp}: smaller ones shrink the bubble"
 
 
 def _sharding_of(sc: SearchContext, shape: Any, cfg: ParallelConfig, m: int,

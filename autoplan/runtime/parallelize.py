@@ -201,6 +201,19 @@ def apply_fsdp(model: nn.Module, layer_paths: list[str], dp_mesh, *, reshard: bo
     return [p for p in scalars if p.requires_grad]
 
 
+def keep_gathered(module: nn.Module, *, last: bool) -> None:
+    """ZeRO-2 over several micro-batches (no pipeline, even shares): FSDP2 keeps the weights it
+    gathered in the first forward whole until the last micro-batch's backward (no reshard after
+    the earlier ones), so a step gathers them once, as the estimate prices; each backward still
+    reduce-scatters its gradients into their shards (ZeRO-2's sharded gradients, as DeepSpeed's
+    stage 2 reduces every micro-step; ``estimate/dp_terms.reduce_scatters_per_step``). ZeRO-2
+    holds the whole weights from each forward to its backward anyway, so keeping them between
+    micro-batches raises no peak. Nothing for a module FSDP does not shard."""
+    from torch.distributed.fsdp import FSDPModule
+    if isinstance(module, FSDPModule):
+        module.set_reshard_after_backward(last)
+
+
 def whole_parameters(module: nn.Module, keep: Any) -> list[nn.Parameter]:
     """The parameters of ``module`` whose FQN (checkpoint wrappers dropped) ``keep`` accepts."""
     out: dict[int, nn.Parameter] = {}

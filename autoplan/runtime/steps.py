@@ -36,7 +36,7 @@ from autoplan.runtime.grads import GradientStep, LossScaler, finish_step
 from autoplan.runtime.optim import local_tensor, wait_gathers
 from autoplan.runtime.master_weights import grad_of
 from autoplan.runtime.experts import gather_slabs
-from autoplan.runtime.parallelize import full_state_dict
+from autoplan.runtime.parallelize import full_state_dict, keep_gathered
 from autoplan.runtime.state import gather_tensor_parallel
 
 
@@ -74,6 +74,8 @@ class LocalSteps:
             if cfg.dp_shares is not None:
                 fsdp_once_a_step(self.module, first=k == 0, last=last,
                                  zero3=cfg.zero_stage == 3 or cfg.offload_params)
+            elif cfg.zero_stage == 2 and not cfg.offload_params:
+                keep_gathered(self.module, last=last)
             ctx = no_sync() if (no_sync is not None and not last) else contextlib.nullcontext()
             f = trainer.loss_scale * weights[k] if weights else trainer.loss_scale
             # context parallelism: each cp rank's gradient is its tokens' part, and the dp x cp

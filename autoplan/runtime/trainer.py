@@ -22,6 +22,7 @@ from torch import nn
 
 from autoplan.cost.host_allocator import keep_freed_host_memory
 from autoplan.errors import PlanError
+from autoplan.estimate.estimator import schedule_refusal
 from autoplan.planner.loading import load_plan
 from autoplan.planner.plan_vs_model import check_plan_against
 from autoplan.planner.planfile import Plan, plan_mismatch, stale_prediction
@@ -241,6 +242,9 @@ def _refuse_unrunnable(plan: Plan, *, has_loss: bool,
     if why:
         raise PlanError(why)
     require_library(cfg.optimizer_state)      # torchao, for 8-bit or bf16 Adam states
+    why = schedule_refusal(cfg, cfg.microbatches(plan.training.global_batch_size))
+    if why:                   # (torch's schedule would raise, on every rank, mid-build)
+        raise PlanError(f"this plan cannot run: {why}, and re-plan")
     if cfg.pp > 1 and not has_loss:
         raise PlanError("a pipelined plan needs loss_fn and example_targets: the last stage "
                         "computes the loss")
