@@ -112,10 +112,21 @@ def partition(graph: OpGraph, num_chunks: int,
         return chunks_from_counts(graph, [n] if units else [1] * num_chunks)
     if unit_s is None:
         return chunks_from_counts(graph, even_split(n, num_chunks))
-    costs = [{"-": UnitChoice(time_s=t)} for t in unit_s]
-    split = min_max_split(costs, num_chunks, first=UnitChoice(time_s=before_s),
-                          last=UnitChoice(time_s=after_s))
-    return chunks_from_counts(graph, split.counts if split else even_split(n, num_chunks))
+    # the split is a function of these numbers alone: kept on the graph (the search costs a
+    # pipelined config on the time-balanced split wherever no layout fits, and configs that
+    # differ in ZeRO stage, schedule or offload share their unit times)
+    cache = graph.__dict__.setdefault("_autoplan_time_splits", {})
+    key = (num_chunks, tuple(unit_s), before_s, after_s)
+    counts = cache.get(key)
+    if counts is None:
+        costs = [{"-": UnitChoice(time_s=t)} for t in unit_s]
+        split = min_max_split(costs, num_chunks, first=UnitChoice(time_s=before_s),
+                              last=UnitChoice(time_s=after_s))
+        counts = split.counts if split else tuple(even_split(n, num_chunks))
+        if len(cache) > 4096:
+            cache.clear()
+        cache[key] = counts
+    return chunks_from_counts(graph, counts)
 
 
 # ------------------------------------------------------------------ the min-max split
