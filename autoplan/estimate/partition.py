@@ -300,11 +300,16 @@ class _SplitProblem:
                 if mem <= cap and alone < change[0]:
                     change[0] = alone
                 continue
-            i = min(bisect_left(t, tj - bound, lo_limit, j), k)
+            i = bisect_left(t, tj - bound, lo_limit, j)
+            if i > k:
+                i = k
             if not (tj - t[i] <= bound and sj - s[i] + f * (aj - a[i]) <= cap):
-                i = max(i, bisect_left(range(self.n + 1), sj + f * aj - cap,
-                                       lo_limit, j, key=lambda q: s[q] + f * a[q]))
-                i = min(i, k)
+                q = bisect_left(range(self.n + 1), sj + f * aj - cap,
+                                lo_limit, j, key=lambda q: s[q] + f * a[q])
+                if q > i:
+                    i = q
+                if i > k:
+                    i = k
             while i > lo_limit and (tj - t[i - 1] <= bound
                                     and sj - s[i - 1] + f * (aj - a[i - 1]) <= cap):
                 i -= 1
