@@ -187,19 +187,23 @@ class Cluster:
         """Seconds for one collective over ``ranks`` (``nbytes``: the full buffer on each rank);
         kept per (kind, bytes, group profile): the planner asks the same again and again."""
         profile = self.group_profile(ranks)
-        key = (kind, type(nbytes), nbytes, id(profile))
+        return self._kept((kind, type(nbytes), nbytes, id(profile)), profile, lambda: estimate_time_s(
+            kind, nbytes, profile, step_overhead_s=STEP_OVERHEAD_S[self.backend]))
+
+    def _kept(self, key: tuple, owner: Any, make: Any) -> float:
+        """``make()``, kept under ``key`` with ``owner`` (checked by identity where the key holds
+        its id); arguments that cannot be a key (not numbers) are not kept: ``make`` says why."""
         try:
             hit = self._time_cache.get(key)
-        except TypeError:       # not a number: estimate_time_s says what is wrong
-            return estimate_time_s(kind, nbytes, profile,
-                                   step_overhead_s=STEP_OVERHEAD_S[self.backend])
-        if hit is not None and hit[0] is profile:
+        except TypeError:
+            return make()
+        if hit is not None and hit[0] is owner:
             return hit[1]
-        t = estimate_time_s(kind, nbytes, profile, step_overhead_s=STEP_OVERHEAD_S[self.backend])
+        value = make()
         if len(self._time_cache) >= 65536:
             self._time_cache.clear()
-        self._time_cache[key] = (profile, t)
-        return t
+        self._time_cache[key] = (owner, value)
+        return value
 
     def collective_estimate(self, kind: str, nbytes: float, ranks: Sequence[int]) -> CollectiveEstimate:
         """Like :meth:`collective_time_s` but with the algorithm chosen and the alternatives."""
@@ -212,19 +216,9 @@ class Cluster:
 
     def p2p_time_s(self, nbytes: float, src_rank: int, dst_rank: int) -> float:
         """Seconds to send ``nbytes`` from one rank to another (path bandwidth + path latency);
-        kept per (bytes, ranks), the arguments' types included (only valid ones are kept)."""
-        key = ("p2p", type(nbytes), nbytes, type(src_rank), src_rank, type(dst_rank), dst_rank)
-        try:
-            hit = self._time_cache.get(key)
-        except TypeError:       # not numbers: _p2p_time_s says what is wrong
-            return self._p2p_time_s(nbytes, src_rank, dst_rank)
-        if hit is not None:
-            return hit
-        t = self._p2p_time_s(nbytes, src_rank, dst_rank)
-        if len(self._time_cache) >= 65536:
-            self._time_cache.clear()
-        self._time_cache[key] = t
-        return t
+        kept per (bytes, ranks), the arguments' types included."""
+        return self._kept(("p2p", type(nbytes), nbytes, type(src_rank), src_rank, type(dst_rank),
+                           dst_rank), None, lambda: self._p2p_time_s(nbytes, src_rank, dst_rank))
 
     def _p2p_time_s(self, nbytes: float, src_rank: int, dst_rank: int) -> float:
         src_rank, dst_rank = self._check_rank(src_rank), self._check_rank(dst_rank)
