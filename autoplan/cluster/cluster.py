@@ -76,7 +76,7 @@ class Cluster:
     __slots__ = ("name", "num_nodes", "devices_per_node", "device", "host", "backend", "graph", "links",
                  "node_topology", "fabric", "description", "source", "unseen", "_node", "_leaves", "_names",
                  "_group_cache", "_profile", "_fingerprint", "_device_names", "economics", "pools",
-                 "_views")
+                 "_views", "_time_cache")
 
     def __init__(self, *, name: str, num_nodes: int, devices_per_node: int, device: DeviceSpec, host: HostSpec,
                  backend: str, node: NodeTopology, links: Mapping[str, LinkSpec], fabric: FabricSpec | None = None,
@@ -122,6 +122,7 @@ class Cluster:
         set_("graph", graph)
         set_("_leaves", leaves)
         set_("_group_cache", {})
+        set_("_time_cache", {})
         set_("_profile", functools.lru_cache(maxsize=4096)(self._compute_profile))
         set_("_fingerprint", None)
         set_("_device_names", tuple(f"n{n}.{d}" for n in range(self.num_nodes) for d in self._names))
@@ -183,9 +184,26 @@ class Cluster:
         return _bytes_per_rank(kind, nbytes, n)
 
     def collective_time_s(self, kind: str, nbytes: float, ranks: Sequence[int]) -> float:
-        """Seconds for one collective over ``ranks`` (``nbytes``: the full buffer on each rank)."""
-        return estimate_time_s(kind, nbytes, self.group_profile(ranks),
-                               step_overhead_s=STEP_OVERHEAD_S[self.backend])
+        """Seconds for one collective over ``ranks`` (``nbytes``: the full buffer on each rank);
+        kept per (kind, bytes, group profile): the planner asks the same again and again."""
+        profile = self.group_profile(ranks)
+        return self._kept((kind, type(nbytes), nbytes, id(profile)), profile, lambda: estimate_time_s(
+            kind, nbytes, profile, step_overhead_s=STEP_OVERHEAD_S[self.backend]))
+
+    def _kept(self, key: tuple, owner: Any, make: Any) -> float:
+        """``make()``, kept under ``key`` with ``owner`` (checked by identity where the key holds
+        its id); arguments that cannot be a key (not numbers) are not kept: ``make`` says why."""
+        try:
+            hit = self._time_cache.get(key)
+        except TypeError:
+            return make()
+        if hit is not None and hit[0] is owner:
+            return hit[1]
+        value = make()
+        if len(self._time_cache) >= 65536:
+            self._time_cache.clear()
+        self._time_cache[key] = (owner, value)
+        return value
 
     def collective_estimate(self, kind: str, nbytes: float, ranks: Sequence[int]) -> CollectiveEstimate:
         """Like :meth:`collective_time_s` but with the algorithm chosen and the alternatives."""
@@ -197,7 +215,12 @@ class Cluster:
         return self.group_profile(ranks).ring_bandwidth_bytes_per_s
 
     def p2p_time_s(self, nbytes: float, src_rank: int, dst_rank: int) -> float:
-        """Seconds to send ``nbytes`` from one rank to another (path bandwidth + path latency)."""
+        """Seconds to send ``nbytes`` from one rank to another (path bandwidth + path latency);
+        kept per (bytes, ranks), the arguments' types included."""
+        return self._kept(("p2p", type(nbytes), nbytes, type(src_rank), src_rank, type(dst_rank),
+                           dst_rank), None, lambda: self._p2p_time_s(nbytes, src_rank, dst_rank))
+
+    def _p2p_time_s(self, nbytes: float, src_rank: int, dst_rank: int) -> float:
         src_rank, dst_rank = self._check_rank(src_rank), self._check_rank(dst_rank)
         if isinstance(nbytes, bool) or not isinstance(nbytes, numbers.Real) or not 0 <= nbytes < math.inf:
             raise ClusterError(f"nbytes must be a number >= 0, got {nbytes!r}")

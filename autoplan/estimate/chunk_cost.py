@@ -285,12 +285,7 @@ def cached_on_graph(ci: CostInputs, what: str, where: tuple, make: Any) -> Any:
     sharding, device model, cluster and packed-documents objects, and the config fields used
     (ZeRO-2/3 shard the tp step's gradient over dp; autocast's dtypes set what is kept)."""
     cache = ci.graph.__dict__.setdefault(what, {})
-    cfg = ci.config
-    key = (id(ci.sharding), id(ci.compute), id(ci.cluster), where, cfg.micro_batch_size,
-           cfg.precision, cfg.mixed_precision, cfg.tp, cfg.tp_comm_overlap,
-           cfg.shard_degree if cfg.zero_stage >= 2 else 1, cfg.ep, ci.expert_load, cfg.cp,
-           cfg.cp_layout,
-           cfg.offload_activations, cfg.layer_offload, id(ci.documents))
+    key = (_inputs_key(ci), where)
     hit = cache.get(key)
     if (hit is not None and hit[0] is ci.sharding and hit[1] is ci.compute
             and hit[2] is ci.cluster and hit[3] is ci.documents):
@@ -300,6 +295,20 @@ def cached_on_graph(ci: CostInputs, what: str, where: tuple, make: Any) -> Any:
         cache.clear()
     cache[key] = (ci.sharding, ci.compute, ci.cluster, ci.documents, cost)
     return cost
+
+
+def _inputs_key(ci: CostInputs) -> tuple:
+    """The part of ``cached_on_graph``'s key that ``ci`` sets, worked out once per ``ci``
+    (kept on it beside its fields: a range's cost is looked up for every layer)."""
+    key = ci.__dict__.get("_autoplan_inputs_key")
+    if key is None:
+        cfg = ci.config
+        key = (id(ci.sharding), id(ci.compute), id(ci.cluster), cfg.micro_batch_size,
+               cfg.precision, cfg.mixed_precision, cfg.tp, cfg.tp_comm_overlap,
+               cfg.shard_degree if cfg.zero_stage >= 2 else 1, cfg.ep, ci.expert_load, cfg.cp,
+               cfg.cp_layout, cfg.offload_activations, cfg.layer_offload, id(ci.documents))
+        object.__setattr__(ci, "_autoplan_inputs_key", key)
+    return key
 
 
 def range_cost(ci: CostInputs, start: int, stop: int, policy: str) -> RangeCost:

@@ -33,8 +33,8 @@ from autoplan.cost.powersgd import powersgd_buffer_bytes
 from autoplan.errors import ConfigError
 from autoplan.estimate.arguments import (batch_arg, capacity_arg, cluster_arg,
                                         estimate_options_arg, microbatches_arg, profile_arg)
-from autoplan.estimate.chunk_cost import (CostInputs, RangeCost, chunk_cost, chunk_parts,
-                                          range_cost)
+from autoplan.estimate.chunk_cost import (CostInputs, RangeCost, cached_on_graph, chunk_cost,
+                                          chunk_parts, range_cost)
 from autoplan.estimate.dp_terms import StageParams, price, stage_terms
 from autoplan.estimate.float8_choice import fp8_choices
 from autoplan.estimate.held_params import rank_repeated
@@ -433,10 +433,12 @@ def assemble_estimate(ci: CostInputs, chunks: Sequence[Any], stages: tuple[Stage
     layer_acts = 0.0
     if chunks[0].layer_ranges:
         s0, e0 = chunks[0].layer_ranges[0]
-        layer_acts = activation_bytes(graph, s0, e0, micro_batch_size=config.micro_batch_size,
-                                      sharding=ci.sharding, recompute=config.stage_policy(0),
-                                      precision=config.precision, context=ci.context,
-                                      held=ci.held)
+        policy = config.stage_policy(0)
+        # kept on the graph with the range costs (its inputs are among their key's)
+        layer_acts = cached_on_graph(ci, "_autoplan_layer_acts", (s0, e0, policy), lambda: (
+            activation_bytes(graph, s0, e0, micro_batch_size=config.micro_batch_size,
+                             sharding=ci.sharding, recompute=policy,
+                             precision=config.precision, context=ci.context, held=ci.held)))
     return Estimate(
         config=config, global_batch_size=global_batch_size, num_microbatches=m,
         step_time_s=step_s, time=time, peak_memory_bytes=peak,

@@ -21,7 +21,8 @@ from autoplan.cost.memory import PRECISION_BYTES, model_state_bytes
 from autoplan.estimate.chunk_cost import (CostInputs, RangeCost, cached_on_graph, range_cost,
                                           unit_costs, chunk_parts)
 from autoplan.sharding.parallel_config import (MULTI_CHUNK_SCHEDULES, RECOMPUTE, V_SCHEDULES,
-                                               ParallelConfig, strongest_recompute, SPLIT_BACKWARD)
+                                               ParallelConfig, chunk_ranks, strongest_recompute,
+                                               SPLIT_BACKWARD)
 from autoplan.estimate.partition import (Chunk, Split, UnitChoice, chunks_from_counts,
                                          min_max_split, partition, pipeline_units)
 from autoplan.estimate.schedule_orders import W_KEEPS, order_peak_chunks
@@ -86,9 +87,13 @@ def _state_bytes_per_param(config: ParallelConfig, *, expert: bool = False) -> f
                              optimizer_state=config.optimizer_state).total_bytes
 
 
-def _state_bytes(rc: RangeCost, config: ParallelConfig) -> float:
-    return ((rc.params - rc.expert_params) * _state_bytes_per_param(config)
-            + rc.expert_params * _state_bytes_per_param(config, expert=True))
+def _state_bytes(rc: RangeCost, config: ParallelConfig,
+                 per_param: tuple[float, float] | None = None) -> float:
+    """``rc``'s model-state bytes on one device; ``per_param``: ``_state_bytes_per_param``
+    of ``config`` (plain, expert) where already worked out."""
+    plain, expert = per_param or (_state_bytes_per_param(config),
+                                  _state_bytes_per_param(config, expert=True))
+    return (rc.params - rc.expert_params) * plain + rc.expert_params * expert
 
 
 def search_layout(ci: CostInputs, m: int, policies: Sequence[str],
@@ -106,13 +111,15 @@ def search_layout(ci: CostInputs, m: int, policies: Sequence[str],
     by_policy = {r: unit_costs(ci, units, r) for r in order}
     # units of one block share their range costs: one choice table per distinct cost
     tables: dict[tuple[int, ...], dict[str, UnitChoice]] = {}
+    per_param = (_state_bytes_per_param(config), _state_bytes_per_param(config, expert=True))
     costs = []
     for k in range(len(units)):
-        key = tuple(id(by_policy[r][k]) for r in order)
+        key = tuple([id(by_policy[r][k]) for r in order])
         if key not in tables:
             tables[key] = {r: UnitChoice(time_s=by_policy[r][k].time_s,
                                          activation_bytes=by_policy[r][k].activation_bytes,
-                                         state_bytes=_state_bytes(by_policy[r][k], config))
+                                         state_bytes=_state_bytes(by_policy[r][k], config,
+                                                                  per_param))
                            for r in order}
         costs.append(tables[key])
     transient = max(c.working_set_bytes for r in order for c in by_policy[r])
@@ -120,15 +127,17 @@ def search_layout(ci: CostInputs, m: int, policies: Sequence[str],
         widest = max(c.params for c in by_policy[order[0]])
         transient += 4 * widest * PRECISION_BYTES[config.precision]
     first, last = _outside(ci)
-    rank_of = [config.chunk_rank(c) for c in range(n)]
-    flight = [in_flight(config, m, rank_of[c]) for c in range(n)]
+    rank_of = chunk_ranks(config.schedule, p, v)
+    per_rank = [in_flight(config, m, r) for r in range(p)]
+    flight = [per_rank[rank_of[c]] for c in range(n)]
     # a rank's chunks share its memory: each gets an equal share of what the embeddings (first
     # chunk) and the head (last chunk) leave on that rank, plus its own fixed part
     fixed = [0.0] * n
     for c, extra in ((0, first), (n - 1, last)):
         fixed[c] += extra.state_bytes + flight[c] * extra.activation_bytes
-    budget = [(budget_bytes - transient - sum(fixed[k] for k in config.rank_chunks(rank_of[c])))
-              / v + fixed[c] for c in range(n)]
+    left = [(budget_bytes - transient - sum(fixed[k] for k in config.rank_chunks(r))) / v
+            for r in range(p)]
+    budget = [left[rank_of[c]] + fixed[c] for c in range(n)]
     split = min_max_split(costs, n, first=first, last=last, in_flight=flight,
                           budget_bytes=budget)
     if split is None:

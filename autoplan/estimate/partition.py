@@ -20,9 +20,11 @@ keeps ``pp`` micro-batches of activations in flight, the last one.
 
 from __future__ import annotations
 
+import math
 from bisect import bisect_left
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from itertools import accumulate
 
 from autoplan.errors import ConfigError
 from autoplan.graph.opgraph import OpGraph
@@ -110,10 +112,21 @@ def partition(graph: OpGraph, num_chunks: int,
         return chunks_from_counts(graph, [n] if units else [1] * num_chunks)
     if unit_s is None:
         return chunks_from_counts(graph, even_split(n, num_chunks))
-    costs = [{"-": UnitChoice(time_s=t)} for t in unit_s]
-    split = min_max_split(costs, num_chunks, first=UnitChoice(time_s=before_s),
-                          last=UnitChoice(time_s=after_s))
-    return chunks_from_counts(graph, split.counts if split else even_split(n, num_chunks))
+    # the split is a function of these numbers alone: kept on the graph (the search costs a
+    # pipelined config on the time-balanced split wherever no layout fits, and configs that
+    # differ in ZeRO stage, schedule or offload share their unit times)
+    cache = graph.__dict__.setdefault("_autoplan_time_splits", {})
+    key = (num_chunks, tuple(unit_s), before_s, after_s)
+    counts = cache.get(key)
+    if counts is None:
+        costs = [{"-": UnitChoice(time_s=t)} for t in unit_s]
+        split = min_max_split(costs, num_chunks, first=UnitChoice(time_s=before_s),
+                              last=UnitChoice(time_s=after_s))
+        counts = split.counts if split else tuple(even_split(n, num_chunks))
+        if len(cache) > 4096:
+            cache.clear()
+        cache[key] = counts
+    return chunks_from_counts(graph, counts)
 
 
 # ------------------------------------------------------------------ the min-max split
@@ -188,13 +201,10 @@ class _SplitProblem:
         policies = tuple(costs[0])
         pre: dict[str, tuple[list[float], list[float], list[float]]] = {}
         for p in policies:
-            t, a, s = [0.0], [0.0], [0.0]
-            for u in costs:
-                c = u[p]
-                t.append(t[-1] + c.time_s)
-                a.append(a[-1] + c.activation_bytes)
-                s.append(s[-1] + c.state_bytes)
-            pre[p] = (t, a, s)
+            col = [u[p] for u in costs]     # running sums, left to right
+            pre[p] = (list(accumulate([c.time_s for c in col], initial=0.0)),
+                      list(accumulate([c.activation_bytes for c in col], initial=0.0)),
+                      list(accumulate([c.state_bytes for c in col], initial=0.0)))
         # what the first and last chunk add (for the bisection in longest())
         extra = [(0.0, 0.0, 0.0) for _ in range(parts)]
         for e, c in ((first, 0), (last, parts - 1)):
@@ -208,7 +218,7 @@ class _SplitProblem:
             options=(tuple(tuple(p for p in policies if p in set(a)) for a in allowed)
                      if allowed is not None else (policies,) * parts),
             first=first, last=last,
-            mean_fastest_s=(sum(min(u[p].time_s for p in policies) for u in costs)
+            mean_fastest_s=(sum([min([u[p].time_s for p in policies]) for u in costs])
                             + first.time_s + last.time_s) / parts)
 
     def cost(self, c: int, i: int, j: int, p: str) -> tuple[float, float]:
@@ -237,6 +247,8 @@ class _SplitProblem:
                 change: list[float]) -> tuple[int, str] | None:
         """Chunk c ending at unit j: the smallest start (most units) any policy allows.
         Lowers ``change[0]`` to the least bound above ``bound`` at which that would change."""
+        if 0 < c < self.parts - 1:
+            return self._longest_middle(c, j, bound, change)
         lo_limit = c            # leave one unit for each earlier chunk
         best: tuple[int, str] | None = None
         secs, acts, state = self.extra[c]
@@ -272,6 +284,47 @@ class _SplitProblem:
                     break
         return best
 
+    def _longest_middle(self, c: int, j: int, bound: float,
+                        change: list[float]) -> tuple[int, str] | None:
+        """``longest`` for a chunk with neither end's extras, ``fits`` and ``cost`` written
+        out (the same arithmetic in the same order: the planner's hottest loop)."""
+        lo_limit = c
+        best: tuple[int, str] | None = None
+        f, cap = self.flight[c], self.budget[c]
+        for p in self.options[c]:
+            t, a, s = self.pre[p]
+            tj, aj, sj = t[j], a[j], s[j]
+            k = j - 1
+            alone, mem = tj - t[k], sj - s[k] + f * (aj - a[k])
+            if not (alone <= bound and mem <= cap):
+                if mem <= cap and alone < change[0]:
+                    change[0] = alone
+                continue
+            i = bisect_left(t, tj - bound, lo_limit, j)
+            if i > k:
+                i = k
+            if not (tj - t[i] <= bound and sj - s[i] + f * (aj - a[i]) <= cap):
+                q = bisect_left(range(self.n + 1), sj + f * aj - cap,
+                                lo_limit, j, key=lambda q: s[q] + f * a[q])
+                if q > i:
+                    i = q
+                if i > k:
+                    i = k
+            while i > lo_limit and (tj - t[i - 1] <= bound
+                                    and sj - s[i - 1] + f * (aj - a[i - 1]) <= cap):
+                i -= 1
+            while not (tj - t[i] <= bound and sj - s[i] + f * (aj - a[i]) <= cap):
+                i += 1
+            if i > lo_limit:
+                longer, mem = tj - t[i - 1], sj - s[i - 1] + f * (aj - a[i - 1])
+                if mem <= cap and longer < change[0]:
+                    change[0] = longer
+            if best is None or i < best[0]:
+                best = (i, p)
+                if i == lo_limit:
+                    break
+        return best
+
     def greedy(self, bound: float) -> tuple[list[Run] | None, float]:
         """The split within ``bound`` (None: none fits), each chunk from the last backwards
         taking the longest run it can hold; and the smallest bound above this one at which
@@ -293,7 +346,19 @@ class _SplitProblem:
         return out[::-1], change[0]
 
     def slowest(self, runs: Sequence[Run]) -> float:
-        return max(self.cost(c, i, j, p)[0] for c, (i, j, p) in enumerate(runs))
+        """The seconds of the slowest chunk of ``runs`` (``cost``'s, written out)."""
+        pre, last = self.pre, self.parts - 1
+        worst = -math.inf
+        for c, (i, j, p) in enumerate(runs):
+            t = pre[p][0]
+            secs = t[j] - t[i]
+            if c == 0:
+                secs += self.first.time_s
+            if c == last:
+                secs += self.last.time_s
+            if secs > worst:
+                worst = secs
+        return worst
 
     def least_bound(self, runs: list[Run], rel_tol: float) -> tuple[list[Run], float]:
         """The split at the least feasible bound (within ``rel_tol``) and that bound: bisect

@@ -323,13 +323,22 @@ def host_short(c: ParallelConfig, cluster: Any, graph: OpGraph) -> bool:
     node with NVMe to take it instead."""
     if not (cluster.host.has_nvme and (c.offload_optimizer or c.offload_params)):
         return False
-    states = model_state_bytes(graph.num_params / (c.tp * c.pp), dp=c.shard_degree,
+    states = model_state_bytes(_num_params(graph) / (c.tp * c.pp), dp=c.shard_degree,
                                zero_stage=c.zero_stage, precision=c.precision,
                                optimizer=c.optimizer, offload_optimizer=c.offload_optimizer,
                                offload_params=c.offload_params,
                                mixed_precision=c.mixed_precision,
                                optimizer_state=c.optimizer_state)
     return states.offloaded_bytes > cluster.host.memory_bytes / cluster.devices_per_node
+
+
+def _num_params(graph: OpGraph) -> int:
+    """``graph.num_params`` (a sum over every parameter), kept on the graph: asked per
+    offloading config."""
+    n = graph.__dict__.get("_autoplan_num_params")
+    if n is None:
+        n = graph.__dict__["_autoplan_num_params"] = graph.num_params
+    return n
 
 
 def compression_runs(c: ParallelConfig) -> bool:
