@@ -12,8 +12,8 @@ import torch
 
 from autoplan.errors import ConfigError
 from autoplan.models import build_example
-from autoplan.models.packing import (document_position_ids, eod_position_ids,
-                                     packed_documents_example)
+from autoplan.models.packing import document_position_ids, eod_position_ids
+from autoplan.runtime.packed_data import packed_documents_example
 from autoplan.sharding.doc_work import PackedWork, pack_documents
 from autoplan.sharding.seq_lengths import histogram_of, read_seq_lengths
 

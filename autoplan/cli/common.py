@@ -199,7 +199,8 @@ def packed_for_documents(ex: Any, documents: Any) -> Any:
     documents and their position ids as an input (the graph `autoplan run` then trains on
     packed data, ``runtime/packed_data.py``); other models as they are, priced as if a
     document-masking kernel ran (`autoplan run` refuses to run them on packed documents)."""
-    from autoplan.models.packing import PACKED_FAMILIES, packed_documents_example
+    from autoplan.models.packing import PACKED_FAMILIES
+    from autoplan.runtime.packed_data import packed_documents_example
     if documents is None or getattr(ex, "family", None) not in PACKED_FAMILIES \
             or len(ex.example_inputs) != 1:
         return ex

@@ -39,10 +39,11 @@ from autoplan.cluster.collectives import (
 )
 from autoplan.cluster.collectives import collective_bytes_per_rank as _bytes_per_rank
 from autoplan.cluster.economics import check_overrides
-from autoplan.cluster.pools import (describe_pools, from_pools_dict, join, place, pool_of_rank,
+from autoplan.cluster.pools import (from_pools_dict, join, place, pool_of_rank,
                                     slowest_dict, split_spec, worst_profile)
 from autoplan.cluster.local import job_shape, local_cluster_dict
 from autoplan.cluster.specs import DeviceSpec, HostSpec, LinkSpec
+from autoplan.cluster.summary import describe
 from autoplan.cluster.values import check_keys, integer, text
 from autoplan.cluster.topology import (
     FabricSpec,
@@ -62,7 +63,6 @@ TOP_KEYS = ("schema_version", "name", "description", "preset", "num_nodes", "dev
 # left out of the fingerprint: words, and the prices and power the cost and energy objectives
 # read (cluster/economics.py), which change no step time
 _DESCRIPTIVE_KEYS = ("description", "source", "notes", "economics")
-_GIB = 1 << 30
 
 
 # a cluster file is a few kilobytes: a large one is a mistake (or an attack), refused early
@@ -529,75 +529,8 @@ class Cluster:
 
     # ------------------------------------------------------------------ summary
     def describe(self) -> str:
-        """A multi-line human summary (for ``autoplan cluster show``)."""
-        if self.pools:
-            return "\n".join([f"Cluster {self.name}: {self.world_size} ranks in "
-                              f"{len(self.pools)} pools", *describe_pools(self),
-                              *self._describe_homogeneous().splitlines()[1:]])
-        return self._describe_homogeneous()
-
-    def _describe_homogeneous(self) -> str:
-        d, h, n = self.device, self.host, self.devices_per_node
-        rates = ", ".join(f"{k} {v / 1e12:g}" for k, v in sorted(d.peak_flops.items(), key=lambda kv: -kv[1]))
-        lines = [
-            f"Cluster {self.name}: {self.num_nodes} node(s) x {n} {d.name} = {self.world_size} ranks, "
-            f"backend {self.backend}",
-        ]
-        if self.description:
-            lines.append(f"  {self.description}")
-        if self.unseen:
-            lines.append(f"  not discovered (assumed): {', '.join(self.unseen)}; describe them with a "
-                         "cluster file where it matters")
-        lines += [
-            f"Device {d.name} ({d.kind}): {d.memory_bytes / _GIB:.1f} GiB, "
-            f"{d.memory_bandwidth_bytes_per_s / 1e9:,.0f} GB/s memory, "
-            f"peak TFLOP/s {rates}; efficiency matmul {d.matmul_efficiency:.2f}, memory {d.memory_efficiency:.2f}; "
-            f"launch {d.kernel_launch_s * 1e6:.1f} us" + (
-                "" if d.matmul_shape_efficiency is None else
-                f"; layer products at the rate of their shape (measured M, N, K "
-                f"{d.matmul_shape_efficiency.sides[0]:,.0f} to "
-                f"{d.matmul_shape_efficiency.sides[-1]:,.0f})"),
-            f"Host per node: {h.memory_bytes / _GIB:,.0f} GiB DRAM; "
-            f"per device {h.device_to_host_bandwidth_bytes_per_s / 1e9:.1f} GB/s "
-            f"to host, CPU Adam {h.cpu_adam_params_per_s:.2g} params/s",
-            "Node: " + ", ".join(f"{c} {k}" for k, c in Counter(k for _, k in self.node_topology.components).items()),
-            "Links (per direction, per lane; effective = x efficiency):",
-        ]
-        lanes = Counter()
-        for li in self.node_topology.links:
-            lanes[li.link] += li.lanes
-        nics = sum(1 for _, kind in self.node_topology.components if kind == "nic")
-        for name, link in self.links.items():
-            use = f"{lanes[name]} lanes per node" if name in lanes else f"fabric, {nics} NIC ports per node"
-            lines.append(f"  {name:<10} {link.bandwidth_bytes_per_s / 1e9:8.2f} GB/s  eff {link.efficiency:.2f}  "
-                         f"latency {link.latency_s * 1e6:5.2f} us  ({use})")
-        if self.fabric is not None:
-            f = self.fabric
-            leaves = math.ceil(self.num_nodes * nics / f.leaf_ports)
-            lines.append(f"Fabric: {f.link} two-level fat tree, {f.leaf_ports} NIC ports per leaf, {leaves} leaves, "
-                         f"{f.num_spines if leaves > 1 else 0} spines, oversubscription {f.oversubscription:g}")
-        lines.append(f"Graph: {self.graph.number_of_nodes()} vertices, {self.graph.number_of_edges()} edges")
-        groups = self._describe_groups()
-        lines.append("Per-rank ring bandwidth (effective):")
-        for label, ranks in groups:
-            lines.append(f"  {label:<34} {self.group_bandwidth_bytes_per_s(ranks) / 1e9:9.2f} GB/s")
-        lines.append("Collective times for 1 GiB (ms):")
-        lines.append(f"  {'group':<34}" + "".join(f"{k:>15}" for k in COLLECTIVE_KINDS))
-        for label, ranks in groups:
-            times = [self.collective_time_s(k, float(_GIB), ranks) * 1e3 for k in COLLECTIVE_KINDS]
-            lines.append(f"  {label:<34}" + "".join(f"{t:15.3f}" for t in times))
-        if self.world_size > 1:
-            last = self.world_size - 1
-            lines.append(f"p2p 1 GiB, rank 0 -> {last}: {self.p2p_time_s(float(_GIB), 0, last) * 1e3:.3f} ms")
-        return "\n".join(lines)
-
-    def _describe_groups(self) -> list[tuple[str, list[int]]]:
-        n = self.devices_per_node
-        groups = [(f"intra-node ({n} ranks)", list(range(n)))] if n > 1 else []
-        if self.num_nodes > 1:
-            groups.append((f"one rank per node ({self.num_nodes} ranks)", [i * n for i in range(self.num_nodes)]))
-            groups.append((f"whole cluster ({self.world_size} ranks)", list(range(self.world_size))))
-        return groups or [("single rank", [0])]
+        """A multi-line human summary (for ``autoplan cluster show``; ``cluster/summary.py``)."""
+        return describe(self)
 
 
 def _strip_descriptive(value: Any) -> Any:

@@ -76,16 +76,6 @@ def refuse_unpackable(example, where: str = "packed documents") -> None:
         "ids (or a mask) as an input and train through the Python API (autoplan.compile)")
 
 
-def packed_documents_example(example, histogram, seed: int = 0):
-    """``example`` with its rows packed as documents drawn from ``histogram`` (a
-    ``LengthHistogram``) with ``seed`` (``sharding.doc_work.pack_documents``: the packing the
-    planner prices): example inputs ``(tokens, position_ids)``."""
-    from autoplan.sharding.doc_work import pack_documents
-    refuse_unpackable(example)
-    batch, seq_len = example.example_inputs[0].shape[:2]
-    return packed_example(example, pack_documents(histogram, int(seq_len), int(batch), seed))
-
-
 def eod_position_ids(tokens: torch.Tensor, eod_token: int) -> torch.Tensor:
     """Position ids of ``tokens`` (b, s) split into documents at ``eod_token``: each end-of-
     document token is its document's last, the next token starts a new one at position 0."""
@@ -101,5 +91,5 @@ def eod_position_ids(tokens: torch.Tensor, eod_token: int) -> torch.Tensor:
 
 
 __all__ = ["PACKED_FAMILIES", "document_ids", "document_mask", "document_position_ids",
-           "eod_position_ids", "packed_documents_example", "packed_example",
+           "eod_position_ids", "packed_example",
            "refuse_unpackable"]

@@ -21,6 +21,9 @@ from __future__ import annotations
 from typing import Any
 
 from autoplan.errors import ConfigError
+from autoplan.models.packing import document_ids, packed_example, refuse_unpackable
+from autoplan.sharding.doc_work import pack_documents
+from autoplan.sharding.seq_lengths import read_seq_lengths
 
 DATA_SEED = 0          # the documents' draw: one seed, so every rank and every run packs alike
 
@@ -37,14 +40,12 @@ def run_histogram(plan: Any, seq_lengths_file: str | None) -> Any:
             "has no training.seq_lengths), so its graph takes no position ids and cannot be "
             "given a document mask. Re-plan for the data with `autoplan plan MODEL "
             f"--seq-lengths {seq_lengths_file} ...`, or run without --seq-lengths")
-    from autoplan.sharding.seq_lengths import read_seq_lengths
     return read_seq_lengths(seq_lengths_file)
 
 
 def packed_run_examples(data: Any, small: Any, histogram: Any) -> tuple[Any, Any]:
     """(data, small) with their token rows packed as documents of ``histogram``: ``data``
     (the run's rows; None where the run builds none) and ``small`` (the traced example)."""
-    from autoplan.models.packing import packed_documents_example, refuse_unpackable
     where = "a plan for packed documents (training.seq_lengths)"
     refuse_unpackable(small, where)
     small = packed_documents_example(small, histogram, DATA_SEED)
@@ -54,9 +55,17 @@ def packed_run_examples(data: Any, small: Any, histogram: Any) -> tuple[Any, Any
     return data, small
 
 
+def packed_documents_example(example, histogram, seed: int = 0):
+    """``example`` with its rows packed as documents drawn from ``histogram`` (a
+    ``LengthHistogram``) with ``seed`` (``sharding.doc_work.pack_documents``: the packing the
+    planner prices): example inputs ``(tokens, position_ids)``."""
+    refuse_unpackable(example)
+    batch, seq_len = example.example_inputs[0].shape[:2]
+    return packed_example(example, pack_documents(histogram, int(seq_len), int(batch), seed))
+
+
 def describe(histogram: Any, data: Any) -> str:
     """One line for rank 0: what the run trains on."""
-    from autoplan.models.packing import document_ids
     pos = data.example_inputs[1]
     docs = int((document_ids(pos)[:, -1] + 1).sum())
     rows, seq_len = pos.shape
