@@ -294,7 +294,8 @@ def _simulated_timing(ci: CostInputs, costs: Sequence[RangeCost], m: int,
               bwd_s=bwd, activation_bytes=[c.activation_bytes for c in costs])
     no_collectives = pipeline_totals(send_s=sends, **kw)
     free_sends = pipeline_totals(**kw).makespan_s
-    sync_s, fsdp_s = _chunk_collectives(state_config, cluster, costs)
+    sync_s, fsdp_s = _chunk_collectives(state_config, cluster, costs,
+                                        frozenset(ci.compute.fp8_gathered.values()))
     sim = no_collectives
     if any(sync_s) or any(map(any, fsdp_s)):
         sim = pipeline_totals(send_s=sends, sync_s=sync_s, fsdp_s=fsdp_s,
@@ -359,7 +360,8 @@ def _worst_stage_dp_terms(ci: CostInputs, costs: Sequence[RangeCost], timing: Pi
     dp_sync = zero_gather = opt_s = offload_s = 0.0
     for s in range(config.pp):
         terms = stage_terms(state_config, cluster,
-                            stage_params(costs, timing.stage_chunks[s], config), m, s,
+                            stage_params(costs, timing.stage_chunks[s], config,
+                                         frozenset(ci.compute.fp8_gathered.values())), m, s,
                             ci.compute, profile, simulated=timing.simulated_comm is not None)
         x = price(terms, timing.stage_f[s], timing.stage_b[s], interference)
         # the tp-axis all-reduce of replicated weights' partial gradients runs after backward,
@@ -534,9 +536,13 @@ def _states(config: ParallelConfig, params: float, shard: int) -> Any:
 
 
 def stage_params(costs: Sequence[RangeCost], chunks: Sequence[int],
-                 config: ParallelConfig) -> StageParams:
-    """What one rank of the stage running ``chunks`` holds, for its dp terms."""
-    return StageParams(params=sum(costs[c].params for c in chunks),
+                 config: ParallelConfig, fp8_gathered: frozenset[str] = frozenset()
+                 ) -> StageParams:
+    """What one rank of the stage running ``chunks`` holds, for its dp terms; ``fp8_gathered``:
+    the FQNs of the weights FSDP gathers in fp8 (``ComputeModel.fp8_gathered``)."""
+    fp8 = [(f, n) for c in chunks for f, n in costs[c].param_elements if f in fp8_gathered]
+    return StageParams(fp8=sum(n for _, n in fp8), fp8_tensors=len({f for f, _ in fp8}),
+                       params=sum(costs[c].params for c in chunks),
                        experts=sum(costs[c].expert_params for c in chunks),
                        layer_params=sum(costs[c].layer_params for c in chunks),
                        tensors=sum(costs[c].param_tensors for c in chunks),
@@ -563,7 +569,8 @@ def _sends(config: ParallelConfig, cluster: Any, costs: Sequence[RangeCost]) -> 
     return out
 
 
-def _chunk_collectives(config: ParallelConfig, cluster: Any, costs: Sequence[RangeCost]
+def _chunk_collectives(config: ParallelConfig, cluster: Any, costs: Sequence[RangeCost],
+                       fp8_gathered: frozenset[str] = frozenset()
                        ) -> tuple[list[float], list[tuple[float, float, float]]]:
     """Per chunk, for the simulator: the per-step gradient sync of the dp group and, under
     FSDP, the per-micro-batch (gather before forward, gather before backward, reduce-scatter
@@ -572,7 +579,9 @@ def _chunk_collectives(config: ParallelConfig, cluster: Any, costs: Sequence[Ran
     for c, cost in enumerate(costs):
         layers = max(1, cost.num_layers)
         grad_sync, ag, rs = dp_collectives(config, cluster, cost.params, layers,
-                                            config.chunk_rank(c), cost.expert_params)
+                                            config.chunk_rank(c), cost.expert_params,
+                                            fp8_params=cost.elements_of(
+                                                lambda f: f in fp8_gathered))
         sync.append(grad_sync)          # the tp step all-reduce is priced exposed, per stage
         fsdp.append((layers * ag, layers * ag, layers * rs))
     return sync, fsdp
