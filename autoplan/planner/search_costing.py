@@ -329,7 +329,14 @@ def evaluate(sc: SearchContext, configs: list[ParallelConfig], sh: Sharding,
     # offload alone (Llama-3-8B on one H100, mbs 8: 97 s against 150 s; test_search_prune)
     fitting: dict[ParallelConfig, list[tuple[int, int]]] = {}
     sp = sh.t > 1 and any(s.style in SP_STYLES for s in sh.op_strategy)
+    # pipelined configs whose optimizer-offloaded twin cannot be faster (offload is offered
+    # beside pipelines: ``search_space.optimizer_offloads``); each costed before its twin
+    needless: set[ParallelConfig] = set()
     for c in configs:
+        if (c.pp > 1 and c.offload_optimizer and "offload_optimizer" not in opts.force
+                and replace(c, offload_optimizer=False, offload_nvme=False) in needless):
+            continue
+        given = c
         rest = (replace(c, recompute="none", offload_activations=0)
                 if prune_dominated and c.pp == 1 and c.layer_recompute is None
                 and c.layer_offload is None else None)
@@ -364,6 +371,9 @@ def evaluate(sc: SearchContext, configs: list[ParallelConfig], sh: Sharding,
             continue
         stats.evaluated += 1
         out.append(Candidate(est, sh, sol, label))
+        if (c.pp > 1 and not c.offload_optimizer
+                and search_space.offload_twin_needless(est, graph, cluster)):
+            needless.add(given)
         if rest is not None and est.fits:
             fitting.setdefault(rest, []).append(rank)
     return out
