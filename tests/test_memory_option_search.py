@@ -8,16 +8,17 @@ planned dp128 ZeRO-3 at 182.4 s while ``--force offload_optimizer=true`` found d
 import pytest
 
 from autoplan import Cluster, ParallelConfig
-from autoplan.errors import AutoplanError
 from autoplan.graph import trace
 from autoplan.models import build_example
 from autoplan.planner import search_space
+from autoplan.planner.candidates import NoFeasiblePlanError
 from autoplan.planner.options import SearchOptions
 from autoplan.planner.search import plan
 
 # the memory options a default (lossless) search may choose, each forced alone
 FORCED = [{"offload_optimizer": True}, {"offload_optimizer": False}, {"recompute": "none"},
-          {"recompute": "selective"}, {"recompute": "full"}, {"offload_params": True}]
+          {"recompute": "selective"}, {"recompute": "full"}, {"offload_params": True},
+          {"offload_activations": 40}]
 
 
 @pytest.fixture(scope="module")
@@ -37,12 +38,12 @@ def test_default_search_is_no_slower_than_any_forced_memory_option(gpt13b):
         try:
             return plan(gpt13b, cluster, global_batch_size=512, precision="bf16",
                         profile=None, top_k=0, force={"dp": 1, **force})
-        except AutoplanError:       # nothing fits with that option (parameter offload here)
+        except NoFeasiblePlanError:   # nothing fits with that option (parameter offload here)
             return None
     default = best({})
     forced = {str(f): p.predicted["step_time_s"] for f in FORCED
               if (p := best(f)) is not None}
-    assert len(forced) >= 5
+    assert len(forced) == len(FORCED) - 1
     assert default.predicted["step_time_s"] <= min(forced.values()) * (1 + 1e-9), forced
     # the plan the default search used to miss: pipelined, its optimizer state offloaded
     assert default.config.pp > 1 and default.config.offload_optimizer
