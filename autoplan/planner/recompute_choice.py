@@ -105,8 +105,8 @@ def per_layer_config(ci: CostInputs, est: Any, *, offload: bool = False
     offloads: dict[int, bool] = {}
     first = [sum(len(ch.layer_ranges) for ch in chunks[:k]) for k in range(len(chunks))]
     allowed = compiled_policies(config)
-    if config.offload_activations:     # a count per chunk offloads with none or full only
-        allowed = tuple(p for p in allowed if p in ("none", "full"))
+    if config.offload_activations:     # a count per chunk does not offload selective layers
+        allowed = tuple(p for p in allowed if p != "selective")
     for s, stage in enumerate(est.stages):
         layers, index = stage_chain(ci, chunks, config.rank_chunks(s), stage, first,
                                     offload=offload, policies=allowed)
