@@ -43,7 +43,7 @@ from typing import Any
 from autoplan.cluster.gemm_table import GemmShapeTable
 from autoplan.cost.dtypes import LOWER_PRECISION_OPS, autocast_on, value_itemsizes
 from autoplan.cost.float8 import (Float8Setting, cast_passes, convertible, float8_times,
-                                  fp8_flops_per_s, gemm_speedup)
+                                  fp8_flops_per_s, fp8_gathered_weights, gemm_speedup)
 from autoplan.cost.fused import FUSIBLE_KINDS, fused_traffic, identity_dropout
 from autoplan.cost.memory import PRECISION_BYTES
 from autoplan.graph.opgraph import Op, OpGraph, opname
@@ -310,6 +310,9 @@ class ComputeModel:
         self.fp8_linears = fp8_linear_ops(graph) if fp8 is not None and fp8_flops_per_s(
             device) else frozenset()
         self.fp8_ops = fp8_converted_ops(graph, fp8.skip) if self.fp8_linears else frozenset()
+        # of those, the ones whose weight FSDP gathers in fp8 (op index -> weight FQN)
+        self.fp8_gathered = (fp8_gathered_weights(graph, self.fp8_ops, fp8.whole)
+                             if self.fp8_ops and fp8.weight_gathered_fp8 else {})
 
     def _byte_scale(self, op: Op) -> float:
         """Traced float tensors become training-precision tensors; under autocast each takes
@@ -435,7 +438,8 @@ class ComputeModel:
         sides = self.product_sides(index, work_scale, split)
         if self.fp8 is None or sides is None:
             return c
-        passes = cast_passes(sides, self.fp8, compiled=bool(self.fused))
+        passes = cast_passes(sides, self.fp8, compiled=bool(self.fused),
+                             weight_cast=index not in self.fp8_gathered)
         fwd, bwd = float8_times(
             c.fwd_s, c.bwd_s, speedup=gemm_speedup(self.device, self.precision,
                                                     self.fp8.recipe),

@@ -24,12 +24,20 @@ the cast to fp8 (read h, write h; read h, write 1): 6h + 1 bytes per element in 
 The GEMMs run at the device's fp8 tensor-core rate (``peak_flops["fp8"]`` in
 ``cost_models/devices.yaml``; none on A100 or V100: fp8 is never priced there), shaped as
 the 16-bit product (the same GEMM-shape table), times ``ROWWISE_GEMM_FRACTION`` for rowwise
-scales. Under FSDP with tensorwise scaling, torchao's ``enable_fsdp_float8_all_gather`` would
-cast each weight shard to fp8 before the all-gather (the gather moving one byte per element
-instead of two, the linear casting no weight); autoplan's runtime does not set it (its FSDP2
-gathers the 16-bit weights and each fp8 linear casts its weight, ``runtime/float8.py``), so
-it is priced as not enabled: ``Float8Setting.weight_gathered_fp8`` is False, and the dp terms
-price FSDP's gathers at 16 bits (``estimate/dp_terms.py``), as the runtime moves them.
+scales.
+
+Under FSDP (ZeRO-2/3, parameter offload) with tensorwise scaling, the runtime sets torchao's
+``enable_fsdp_float8_all_gather`` (``runtime/float8.py``): each fp8 linear's weight shard is
+cast to fp8 before FSDP's all-gather (``WeightWithDynamicFloat8CastTensor.fsdp_pre_all_gather``,
+torchao 0.18), so the gather moves one byte per element instead of two and the linear casts no
+weight, forward or backward (the gathered weight arrives as a ``Float8TrainingTensor``). The
+scale is the whole weight's amax, computed once a step after the optimizer step
+(``precompute_float8_dynamic_scale_for_fsdp``'s way: one pass over each rank's shards and one
+all-reduce of the stacked amaxes over the shard group). ``fp8_gathered_weights`` names the
+linears it applies to (a weight read by that linear alone, not kept whole by ``dp_whole``:
+those are not FSDP's to gather); ``gather_scale_work`` prices the casts and the scales; the dp
+terms price those gathers at one byte per element (``estimate/dp_terms.py``). Rowwise scaling
+gathers 16-bit weights (torchao refuses fp8 all-gather for it) and every linear casts its own.
 """
 
 from __future__ import annotations
@@ -63,6 +71,8 @@ class Float8Setting:
     weight_bytes: int
     weight_gathered_fp8: bool
 
+    whole: tuple[str, ...] = ()      # ``dp_whole``'s patterns: weights FSDP does not gather
+
     @staticmethod
     def of(config: Any) -> Float8Setting | None:
         """The setting of ``config`` (a ParallelConfig); None where fp8 is off."""
@@ -71,12 +81,75 @@ class Float8Setting:
         fsdp = config.uses_fsdp
         return Float8Setting(recipe=config.fp8, skip=tuple(config.fp8_skip),
                              weight_bytes=2 if fsdp else 4,
-                             # FSDP's fp8 all-gather: not run (module doc)
-                             weight_gathered_fp8=False)
+                             weight_gathered_fp8=gathers_fp8(config),
+                             whole=tuple(config.dp_whole))
 
     def weight_cast(self) -> bool:
-        """Whether the linear itself casts its weight (not done before FSDP's gather)."""
+        """Whether a linear casts its own weight where FSDP does not gather it in fp8 (or
+        gathers nothing): the linears ``fp8_gathered_weights`` leaves out."""
         return not self.weight_gathered_fp8
+
+
+def gathers_fp8(config: Any) -> bool:
+    """Whether ``config``'s FSDP gathers its fp8 linears' weights in fp8 (torchao's
+    ``enable_fsdp_float8_all_gather``): fp8 with tensorwise scaling (torchao refuses it for
+    rowwise) on FSDP2 (``ParallelConfig.uses_fsdp``)."""
+    return getattr(config, "fp8", "none") == "tensorwise" and bool(config.uses_fsdp)
+
+
+def fp8_gathered_weights(graph: Any, fp8_ops: Any, whole: tuple[str, ...] = ()
+                         ) -> dict[int, str]:
+    """Of the linears ``fp8_ops`` (op indices), those whose weight FSDP gathers in fp8, with the
+    weight's FQN: a parameter that op alone reads (a weight tied to an embedding is read in 16
+    bits there too) and that no ``whole`` pattern (``dp_whole``) keeps out of FSDP."""
+    from fnmatch import fnmatchcase      # lazily, as cost.compute.fp8_converted_ops
+    readers: dict[str, set[int]] = {}
+    for i, op in enumerate(graph.ops):
+        for n in op.inputs:
+            v = graph.value(n)
+            if v.kind == "param":
+                readers.setdefault(v.base, set()).add(i)
+    out = {}
+    for i in sorted(fp8_ops):
+        inputs = graph.ops[i].inputs
+        w = graph.value(inputs[1]) if len(inputs) > 1 else None
+        if w is None or w.kind != "param" or readers.get(w.base) != {i}:
+            continue
+        fqn = graph.value(w.base).fqn
+        if fqn and not any(fnmatchcase(fqn, p) for p in whole):
+            out[i] = fqn
+    return out
+
+
+# FSDP's pre-all-gather cast of a weight shard to fp8 (``hp_tensor_and_scale_to_float8`` with
+# the precomputed scale): read the fp32 shard, write one byte per element, in one kernel
+SHARD_CAST_BYTES = 4 + 1
+
+
+@dataclass(frozen=True)
+class GatherScaleWork:
+    """What FSDP's fp8 all-gather adds on a rank, beside the gather itself: seconds of device
+    work per gather of a layer's shards (the casts to fp8), and once a step (the amax of every
+    owned fp8 shard, after the optimizer step) with the all-reduce of the amaxes."""
+
+    per_gather_s: float
+    per_step_s: float
+
+
+def gather_scale_work(owned_fp8: float, weights: int, layers: int, *,
+                      memory_bytes_per_s: float, launch_s: float,
+                      amax_all_reduce_s: float) -> GatherScaleWork:
+    """``GatherScaleWork`` for ``owned_fp8`` weight elements (this rank's shards, fp32) of
+    ``weights`` fp8-gathered weights in ``layers`` FSDP units: each gather casts one unit's
+    shards (``SHARD_CAST_BYTES`` per element, a kernel per weight); each step reads every
+    shard once for its amax (``torch._foreach_norm(ord=inf)``: 4 bytes per element) and
+    all-reduces the stacked amaxes (``amax_all_reduce_s``), then a few kernels for the
+    scales."""
+    layers = max(layers, 1)
+    per_gather = (owned_fp8 / layers * SHARD_CAST_BYTES / memory_bytes_per_s
+                  + weights / layers * launch_s)
+    per_step = owned_fp8 * 4.0 / memory_bytes_per_s + 4 * launch_s + amax_all_reduce_s
+    return GatherScaleWork(per_gather_s=per_gather, per_step_s=per_step)
 
 
 def fp8_flops_per_s(device: Any) -> float | None:
@@ -104,8 +177,11 @@ class CastPasses:
 
 
 def cast_passes(sides: tuple[float, float, float], setting: Float8Setting, *,
-                compiled: bool, activation_bytes: int = 2) -> CastPasses:
-    """The casts torchao makes for one linear of ``sides`` (module doc)."""
+                compiled: bool, activation_bytes: int = 2, weight_cast: bool | None = None
+                ) -> CastPasses:
+    """The casts torchao makes for one linear of ``sides`` (module doc). ``weight_cast``:
+    whether the linear casts its weight (False where FSDP gathers it in fp8:
+    ``fp8_gathered_weights``); None: as ``setting`` says for every linear."""
     m, n, k = sides
     a, w = activation_bytes, setting.weight_bytes
     rowwise = setting.recipe == "rowwise"
@@ -115,7 +191,9 @@ def cast_passes(sides: tuple[float, float, float], setting: Float8Setting, *,
         scales = 4.0 * rows if rowwise else 4.0
         return elements * per + scales, (2 if compiled else 4)
 
-    weight = [cast(n * k, w, n)] if setting.weight_cast() else []
+    if weight_cast is None:
+        weight_cast = setting.weight_cast()
+    weight = [cast(n * k, w, n)] if weight_cast else []
     fwd = [cast(m * k, a, m)] + weight
     bwd = [cast(m * n, a, m), cast(m * n, a, n), cast(m * k, a, k)] + weight
     return CastPasses(fwd_bytes=sum(b for b, _ in fwd), bwd_bytes=sum(b for b, _ in bwd),

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from autoplan.cost.compute import ComputeModel
+from autoplan.cost.float8 import gather_scale_work
 from autoplan.cost.memory import GRAD_BYTES, MOMENT_BYTES, PRECISION_BYTES, bytes_per_param
 from autoplan.cost.powersgd import ERROR_FEEDBACK_PASSES, powersgd_cost
 from autoplan.estimate.overlap import overlap_exposed_s
@@ -43,6 +44,10 @@ class StageParams:
     tensors: int = 0         # parameter tensors (the optimizer's per-tensor cost)
     layers: int = 1          # the stage's layers (FSDP's units, DDP's buckets)
     whole: float = 0.0       # of ``params``, weights ZeRO-3 keeps whole (``dp_whole``)
+    # of ``params``, the fp8 linears' weights FSDP gathers in fp8 (``cost/float8.py``:
+    # ``fp8_gathered_weights``), and how many tensors they are
+    fp8: float = 0.0
+    fp8_tensors: int = 0
 
 
 @dataclass(frozen=True)
@@ -80,7 +85,7 @@ def stage_terms(config: ParallelConfig, cluster: Any, stage: StageParams, m: int
     # (runtime/steps.fsdp_once_a_step), whatever the rank's share
     fsdp_times = 1 if config.dp_shares is not None else m
     grad_sync, ag, rs = dp_collectives(config, cluster, params - whole, layers, pp_index,
-                                       experts)
+                                       experts, fp8_params=stage.fp8)
     if config.grad_compression == "powersgd" and grad_sync > 0:
         # DDP's PowerSGD hook: the factors all-reduced instead, behind the backward as the
         # buckets are; its products run on the compute stream, exposed
@@ -95,7 +100,8 @@ def stage_terms(config: ParallelConfig, cluster: Any, stage: StageParams, m: int
         gathered = (PRECISION_BYTES["fp32"]
                     if config.zero_stage == 1 and config.mixed_precision == "autocast"
                     else w_bytes)
-        gather = cluster.collective_time_s("all_gather", (params - experts) * gathered,
+        gather = cluster.collective_time_s("all_gather", (params - experts - stage.fp8)
+                                           * gathered + stage.fp8 * FP8_GATHER_BYTES,
                                            config.dp_shard_group(pp_index=pp_index))
         if experts:
             gather += cluster.collective_time_s("all_gather", experts * gathered,
@@ -124,6 +130,8 @@ def stage_terms(config: ParallelConfig, cluster: Any, stage: StageParams, m: int
             share = ag / (ag + rs)
             out.append(Term(layers * (ag + rs), "bwd", ag + rs, bwd_times,
                             (("zero_param_gather", share), ("dp_grad_sync", 1.0 - share))))
+    if stage.fp8:
+        out.append(fp8_gather_term(config, cluster, stage, pp_index, compute, fsdp_times))
     if whole:
         # weights ZeRO-3 keeps whole: their gradients all-reduced over dp once a step in
         # buckets behind the last micro-batch's backward, as DDP's (runtime/optim.py
@@ -156,6 +164,27 @@ def reduce_scatters_per_step(config: ParallelConfig, m: int) -> int:
             and config.uses_fsdp):
         return m
     return 1
+
+
+# bytes per element of a weight FSDP gathers in fp8 (torchao's enable_fsdp_float8_all_gather)
+FP8_GATHER_BYTES = 1
+
+
+def fp8_gather_term(config: ParallelConfig, cluster: Any, stage: StageParams, pp_index: int,
+                    compute: ComputeModel, times: int) -> Term:
+    """The device work FSDP's fp8 all-gather adds (``cost/float8.gather_scale_work``): each
+    gather's casts of the shards to fp8 (ZeRO-3 gathers every layer for its forward and again
+    for its backward, ZeRO-2 once, ``times`` a step) and, once a step, the amaxes of this
+    rank's shards and their all-reduce over the shard group. On the compute stream: exposed."""
+    owned = stage.fp8 / config.shard_degree
+    amax_s = cluster.collective_time_s("all_reduce", 4.0 * stage.fp8_tensors,
+                                       config.dp_shard_group(pp_index=pp_index))
+    work = gather_scale_work(owned, stage.fp8_tensors, stage.layers,
+                             memory_bytes_per_s=compute.tput.memory_bytes_per_s,
+                             launch_s=compute.tput.launch_s, amax_all_reduce_s=amax_s)
+    gathers = stage.layers * (2 if config.zero_stage == 3 else 1) * times
+    return Term(gathers * work.per_gather_s + work.per_step_s,
+                shares=(("zero_param_gather", 1.0),))
 
 
 def host_terms(config: ParallelConfig, cluster: Any, owned: float, times: int, layers: int
@@ -245,16 +274,18 @@ def price(terms: list[Term], fwd_s: float, bwd_s: float, interference: float
 
 
 def dp_collectives(config: ParallelConfig, cluster: Any, params: float, layers: int,
-                   pp_index: int, expert_params: float = 0.0) -> tuple[float, float, float]:
+                   pp_index: int, expert_params: float = 0.0, *, fp8_params: float = 0.0
+                   ) -> tuple[float, float, float]:
     """Seconds of stage ``pp_index``'s dp collectives for ``params`` parameters in ``layers``
     layers: (per-step gradient reduction, per-layer gather, per-layer reduce-scatter). FSDP
     (ZeRO-3) gathers each layer before its forward and again before its backward, then
     reduce-scatters its gradients, every micro-batch (the runtime does not skip gradient sync
     between micro-batches, but under ``dp_shares``: ``stage_terms`` counts them once); ZeRO-0
     all-reduces the gradients once a step, ZeRO-1 reduce-scatters them once a step, ZeRO-2
-    ``reduce_scatters_per_step`` times. Under HSDP the gathers and reduce-scatters span a
-    shard group and each reduced shard is then all-reduced over the replicas holding it (FSDP2
-    on a 2-D mesh).
+    ``reduce_scatters_per_step`` times. ``fp8_params`` of ``params`` are gathered in fp8 (one
+    byte per element: ``cost/float8.py``), their gradients reduced as the rest. Under HSDP the
+    gathers and reduce-scatters span a shard group and each reduced shard is then all-reduced
+    over the replicas holding it (FSDP2 on a 2-D mesh).
     Under expert parallelism the ``expert_params`` of ``params`` go over the ranks holding the
     same experts (dp / ep of them): all-reduced once a step under ZeRO-0/1, gathered and
     reduce-scattered like the rest under FSDP (ZeRO-2/3), which shards them there."""
@@ -274,12 +305,13 @@ def dp_collectives(config: ParallelConfig, cluster: Any, params: float, layers: 
             t += cluster.collective_time_s("reduce_scatter", experts_bytes, edp)
         return t
     if config.zero_stage == 3:
-        layer_bytes, expert_bytes = params * w_bytes / layers, experts * w_bytes / layers
+        layer_bytes = ((params - fp8_params) * w_bytes + fp8_params * FP8_GATHER_BYTES) / layers
+        expert_bytes = experts * w_bytes / layers
         gather = cluster.collective_time_s("all_gather", layer_bytes, shard)
         if expert_bytes:
             gather += cluster.collective_time_s("all_gather", expert_bytes, edp)
-        return (0.0, gather, reduce(layer_bytes * GRAD_BYTES / w_bytes,
-                                    expert_bytes * GRAD_BYTES / w_bytes))
+        return (0.0, gather, reduce(params * GRAD_BYTES / layers,
+                                    experts * GRAD_BYTES / layers))
     if config.zero_stage == 2:
         return reduce(params * GRAD_BYTES, experts * GRAD_BYTES), 0.0, 0.0
     experts_s = (cluster.collective_time_s("all_reduce", experts * GRAD_BYTES, edp)

@@ -491,9 +491,13 @@ def _states(config: ParallelConfig, params: float, shard: int) -> Any:
 def stage_params(costs: Sequence[RangeCost], mine: Sequence[int], config: ParallelConfig,
                  ci: CostInputs, chunks: Sequence[Any]) -> StageParams:
     """What one rank of the stage running chunks ``mine`` holds: each weight once, though two
-    of its chunks read it (``held_params``: a V schedule's tied embedding and LM head)."""
+    of its chunks read it (``held_params``: a V schedule's tied embedding and LM head); of
+    them, the weights FSDP gathers in fp8 (``ComputeModel.fp8_gathered``)."""
     again = rank_repeated(ci, [[(a, b) for a, b, _ in chunk_parts(chunks[c])] for c in mine])
-    return StageParams(params=sum(costs[c].params for c in mine) - again.elements,
+    fp8_gathered = frozenset(ci.compute.fp8_gathered.values())
+    fp8 = [(f, n) for c in mine for f, n in costs[c].param_elements if f in fp8_gathered]
+    return StageParams(fp8=sum(n for _, n in fp8), fp8_tensors=len({f for f, _ in fp8}),
+                       params=sum(costs[c].params for c in mine) - again.elements,
                        experts=sum(costs[c].expert_params for c in mine) - again.experts,
                        layer_params=sum(costs[c].layer_params for c in mine),
                        tensors=sum(costs[c].param_tensors for c in mine) - again.tensors,

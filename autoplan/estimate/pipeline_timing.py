@@ -82,7 +82,8 @@ def _simulated_timing(ci: CostInputs, costs: Sequence[RangeCost], m: int,
               bwd_s=bwd, activation_bytes=[c.activation_bytes for c in costs])
     no_collectives = pipeline_totals(send_s=sends, **kw)
     free_sends = pipeline_totals(**kw).makespan_s
-    sync_s, fsdp_s = _chunk_collectives(state_config, cluster, costs, m)
+    sync_s, fsdp_s = _chunk_collectives(state_config, cluster, costs, m,
+                                        frozenset(ci.compute.fp8_gathered.values()))
     sim = no_collectives
     if any(sync_s) or any(map(any, fsdp_s)):
         sim = pipeline_totals(send_s=sends, sync_s=sync_s, fsdp_s=fsdp_s,
@@ -109,15 +110,19 @@ def _sends(config: ParallelConfig, cluster: Any, costs: Sequence[RangeCost]) -> 
 
 
 def _chunk_collectives(config: ParallelConfig, cluster: Any, costs: Sequence[RangeCost],
-                       m: int) -> tuple[list[float], list[tuple[float, float, float]]]:
+                       m: int, fp8_gathered: frozenset[str] = frozenset()
+                       ) -> tuple[list[float], list[tuple[float, float, float]]]:
     """Per chunk, for the simulator: the per-step gradient sync of the dp group and, under
     FSDP (ZeRO-3), the per-micro-batch (gather before forward, gather before backward,
-    reduce-scatter after), as torch's schedule runs them (``fsdp_step_counts``)."""
+    reduce-scatter after), as torch's schedule runs them (``fsdp_step_counts``);
+    ``fp8_gathered``: the FQNs of the weights FSDP gathers in fp8."""
     sync, fsdp = [], []
     for c, cost in enumerate(costs):
         layers = max(1, cost.num_layers)
         grad_sync, ag, rs = dp_collectives(config, cluster, cost.params, layers,
-                                            config.chunk_rank(c), cost.expert_params)
+                                            config.chunk_rank(c), cost.expert_params,
+                                            fp8_params=cost.elements_of(
+                                                lambda f: f in fp8_gathered))
         fwd_gathers, bwd_gathers = fsdp_step_counts(m)
         # the tp step all-reduce is priced exposed, per stage; FSDP's reduce-scatter once a
         # step, after the last backward

@@ -104,9 +104,12 @@ def per_layer_config(ci: CostInputs, est: Any, *, offload: bool = False
     policies: dict[int, str] = {}
     offloads: dict[int, bool] = {}
     first = [sum(len(ch.layer_ranges) for ch in chunks[:k]) for k in range(len(chunks))]
+    allowed = compiled_policies(config)
+    if config.offload_activations:     # a count per chunk does not offload selective layers
+        allowed = tuple(p for p in allowed if p != "selective")
     for s, stage in enumerate(est.stages):
         layers, index = stage_chain(ci, chunks, config.rank_chunks(s), stage, first,
-                                    offload=offload, policies=compiled_policies(config))
+                                    offload=offload, policies=allowed)
         if not layers:
             continue
         budget = stage_budget(ci, chunks, config.rank_chunks(s), stage)

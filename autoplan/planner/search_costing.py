@@ -316,7 +316,9 @@ def evaluate(sc: SearchContext, configs: list[ParallelConfig], sh: Sharding,
              ) -> list[Candidate]:
     """``configs`` costed on ``sh``. ``prune_dominated``: a config is skipped where one costed
     before it differs only in a weaker recomputation policy and fits: it would be no faster
-    (``configs`` in the order ``search_space.policies`` makes, weaker policies first). ``behind_s``:
+    (``configs`` in the order ``search_space.policies`` makes, weaker policies first), and a
+    pipelined config's optimizer-offloaded twin where ``search_space.offload_twin_needless``
+    says of the config costed before it that the twin cannot be faster. ``behind_s``:
     a pipelined config is skipped where even its floor (``layout.step_floor_s``, a lower bound
     on any stage layout's closed form) is beyond it; counted in ``stats.below_floor``."""
     graph, cluster, opts, stats = sc.graph, sc.cluster, sc.opts, sc.stats
@@ -329,7 +331,15 @@ def evaluate(sc: SearchContext, configs: list[ParallelConfig], sh: Sharding,
     # offload alone (Llama-3-8B on one H100, mbs 8: 97 s against 150 s; test_search_prune)
     fitting: dict[ParallelConfig, list[tuple[int, int]]] = {}
     sp = sh.t > 1 and any(s.style in SP_STYLES for s in sh.op_strategy)
+    # pipelined configs whose optimizer-offloaded twin cannot be faster (offload is offered
+    # beside pipelines: ``search_space.optimizer_offloads``); each costed before its twin
+    needless: set[ParallelConfig] = set()
     for c in configs:
+        if (prune_dominated and c.pp > 1 and c.offload_optimizer
+                and "offload_optimizer" not in opts.force
+                and replace(c, offload_optimizer=False, offload_nvme=False) in needless):
+            continue
+        given = c
         rest = (replace(c, recompute="none", offload_activations=0)
                 if prune_dominated and c.pp == 1 and c.layer_recompute is None
                 and c.layer_offload is None else None)
@@ -364,6 +374,9 @@ def evaluate(sc: SearchContext, configs: list[ParallelConfig], sh: Sharding,
             continue
         stats.evaluated += 1
         out.append(Candidate(est, sh, sol, label))
+        if (c.pp > 1 and not c.offload_optimizer
+                and search_space.offload_twin_needless(est, graph, cluster)):
+            needless.add(given)
         if rest is not None and est.fits:
             fitting.setdefault(rest, []).append(rank)
     return out

@@ -130,6 +130,61 @@ def schedules(config: ParallelConfig, m: int, layers: int,
     return out
 
 
+def optimizer_offloads(config: ParallelConfig, opts: SearchOptions, cluster: Any
+                       ) -> tuple[bool, ...]:
+    """Whether the optimizer state may go to host memory (``offload_optimizer``): the options'
+    choices on GPUs, with pipelines too; not on CPU ranks, whose state is in host memory
+    already. Pipeline stages split the model state, but a stage of a deep pipeline at small dp
+    still holds 12 bytes of fp32 state per weight that ZeRO-1 cannot shard: offloading it can
+    spare the stages their recomputation (GPT-3 175B on 128 A100: dp1 tp8 pp16 with the
+    optimizer offloaded, 176.3 s, beats the dp128 ZeRO-3 plan's 182.4 s, which recomputes
+    nearly every layer; ``benchmarks/memory_options.py``)."""
+    return (False,) if cluster.device.kind == "cpu" else tuple(opts.offload_optimizer)
+
+
+# a pipelined config's optimizer state is offered for offload where it takes at least this share
+# of the device's memory: less cannot spare a stage much recomputation (the search prices the
+# twins it offers, the host's step and copies included)
+OFFLOAD_MIN_MEMORY_SHARE = 0.05
+
+
+def offload_frees_enough(config: ParallelConfig, zero_stage: int, cluster: Any,
+                         graph: OpGraph, opts: SearchOptions) -> bool:
+    """Whether offloading ``config``'s optimizer state at ``zero_stage`` may pay: without
+    pipelines always (``estimate`` weighs it), with them where the state a rank would move to
+    the host, its share of the model's optimizer bytes under ZeRO (an average stage's), is at
+    least ``OFFLOAD_MIN_MEMORY_SHARE`` of the device's memory, and not at ZeRO-0 over dp > 1
+    where ZeRO-1 is offered: its offloaded twin holds the same device memory (the whole state on
+    the host either way) and steps 1/dp of it there, its updated weights gathered over dp
+    where ZeRO-0 all-reduces the gradients (the same bytes); always where forced."""
+    if config.pp == 1 or "offload_optimizer" in opts.force:
+        return True
+    if (zero_stage == 0 and config.grad_degree > 1 and 1 in opts.zero_stages
+            and "zero_stage" not in opts.force):
+        return False
+    share = graph.num_params / (config.tp * config.pp)
+    kept = model_state_bytes(share, dp=config.shard_degree, zero_stage=zero_stage,
+                             precision=config.precision, optimizer=config.optimizer,
+                             mixed_precision=config.mixed_precision,
+                             optimizer_state=config.optimizer_state)
+    return kept.optimizer_bytes >= OFFLOAD_MIN_MEMORY_SHARE * cluster.device.memory_bytes
+
+
+def offload_twin_needless(est: Any, graph: OpGraph, cluster: Any) -> bool:
+    """Whether the optimizer-offloaded twin of pipelined config ``est.config`` (costed, not
+    offloaded) cannot be faster: ``est`` fits recomputing nothing in any stage, so the twin's
+    freed memory buys nothing, and its device optimizer step (``est.time.optimizer_s``) takes
+    no longer than the host's step would on an average stage's share of the weights (a lower
+    bound on the twin's host terms: ``estimate/dp_terms.host_terms``, exposed whole)."""
+    c = est.config
+    if not est.fits or c.offload_optimizer or any(
+            c.stage_policy(s) != "none" for s in range(c.pp)) or (
+            c.layer_recompute and any(p != "none" for p in c.layer_recompute)):
+        return False
+    share = graph.num_params / (c.tp * c.pp * (c.shard_degree if c.zero_stage >= 1 else 1))
+    return est.time.optimizer_s <= share / cluster.host.cpu_adam_params_per_s
+
+
 def dp1_zero_stages(zero_options: Sequence[int], offloads: Sequence[bool]) -> tuple[int, ...]:
     """ZeRO stages to try without data parallelism: 0, and 3 where offload is offered, for
     FSDP2's parameter offload, which runs at dp = 1 too (weights and gradients in host memory,
@@ -232,16 +287,16 @@ def policies(config: ParallelConfig, opts: SearchOptions, cluster: Any,
     # with pipeline stages, ZeRO-2/3 would reduce-scatter and gather every micro-batch
     zero_options = opts.zero_stages if config.pp == 1 else tuple(
         z for z in opts.zero_stages if z <= 1)
-    # CPU ranks already keep their optimizer state in host memory: nothing to offload; pipeline
-    # stages already split the model state, so offload is searched without them
-    offloads = (False,) if cluster.device.kind == "cpu" or config.pp > 1 \
-        else opts.offload_optimizer
+    # CPU ranks already keep their optimizer state in host memory: nothing to offload
+    offloads = optimizer_offloads(config, opts, cluster)
     zeros = forced(opts, "zero_stage", zero_options if config.grad_degree > 1
                    else dp1_zero_stages(zero_options, offloads))
     for z in zeros:
         for r, acts in ((r, k) for r in recompute
                         for k in activation_offloads(config, opts, cluster, graph, r)):
             for off in forced(opts, "offload_optimizer", offloads):
+                if off and not offload_frees_enough(config, z, cluster, graph, opts):
+                    continue
                 params_off = forced(opts, "offload_params",
                                      (False, True) if z == 3 and True in offloads else (False,))
                 for off_p in params_off:

@@ -51,6 +51,7 @@ from autoplan.runtime.emit import (Exported, autocast_dtype, compute_dtype, conn
 from autoplan.runtime.master_weights import MasterWeightsOptimizer, keep_main_grads
 from autoplan.runtime.activation_offload import apply_activation_offload
 from autoplan.runtime.experts import expert_parameters
+from autoplan.runtime.float8 import Float8Scales, fsdp_float8_weights, fsdp_gathered_fqns
 from autoplan.runtime.rank_failure import for_job
 from autoplan.runtime.lowbit_optim import state_factory
 from autoplan.runtime.optim import (DataParallelGrads, HostOffloadOptimizer,
@@ -417,6 +418,10 @@ def build_rank(b: BuildInputs) -> Trainer:
         offloader = apply_activation_offload(
             st.module, [p for p in b.plan.offload.get("activations", ()) if p in st.layers],
             b.device, offloader)
+    # FSDP's fp8 all-gather: the fp8 linears' weights wrapped before compilation and FSDP
+    # (``float8.py``), their scales computed after each optimizer step
+    gathered = fsdp_gathered_fqns(b.graph, cfg)
+    fp8_weights = [w for st in stages for w in fsdp_float8_weights(st.module, gathered)]
     if cfg.compiled:                                                           # 5
         for st in stages:
             par.apply_compile(st.module, st.layers, b.plan.recompute, outside=st.outside)
@@ -437,6 +442,8 @@ def build_rank(b: BuildInputs) -> Trainer:
                             token_loss=token, weights_dtype=weights_dtype(b.plan))
     opt = make_optimizer(b, stages, modules, groups, experts)                  # 8
     return Trainer(runner=runner, optimizer=opt, plan=b.plan, rank=b.rank,
+                   after_weights_update=(Float8Scales([s.module for s in stages]),)
+                   if fp8_weights else (),
                    activation_offload=offloader.counter if offloader is not None else None,
                    dp_index=place.dp, cp_index=place.cp,
                    dp_group=groups.dp if cfg.grad_degree > 1 else None,

@@ -83,6 +83,8 @@ def load(trainer: Any, path: str | os.PathLike[str], *,
     for opt, _ in slots:                 # fp32 values back into 8-bit moments
         requantize(opt)
     _refresh_host_copies(trainer.optimizer)
+    for update in trainer.after_weights_update:    # (FSDP's fp8 all-gather scales)
+        update()
     torch.set_rng_state(rng)
     _restore_counters(trainer, step, meta, lr_schedulers)
     return step

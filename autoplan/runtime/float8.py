@@ -13,6 +13,18 @@ and the ``LinearMMConfig`` ``Float8Linear.__init__`` builds from it, then the bi
 output's dtype. The weight is the program's own (the parameter the optimizer steps, gathered by
 FSDP2 where the plan shards it), so the product is torchao's on the same weight.
 
+Under FSDP2 with tensorwise scaling (``cost.float8.gathers_fp8``) the weights go over the wire
+in fp8, as torchao's ``enable_fsdp_float8_all_gather`` does it (``Float8Linear.from_float``):
+``fsdp_float8_weights`` wraps each gathered linear's weight (``cost.float8.fp8_gathered_weights``:
+read by that linear alone, not kept whole) as torchao's ``WeightWithDynamicFloat8CastTensor``
+before compilation and ``fully_shard``; FSDP2 then casts each shard to fp8 before its all-gather
+(``fsdp_pre_all_gather``) and hands the linear a ``Float8TrainingTensor``, which
+``matmul_with_hp_or_float8_args`` takes as cast. ``Float8Scales`` computes the scales once a
+step after the optimizer step, as ``precompute_float8_dynamic_scale_for_fsdp`` does for
+torchao's own ``Float8Linear`` modules (which the traced program has none of): the amax of every
+gathered weight in one all-reduce. Rowwise scaling gathers 16-bit weights (torchao refuses fp8
+all-gather for it).
+
 Where it runs: fp8 pays only on GPUs with fp8 tensor cores (compute capability 8.9 or later:
 L4, H100, H200, B200), the devices the planner prices it for. ``float8_refusal`` says why a
 plan is not run elsewhere: on a CPU (torch 2.13's ``torch._scaled_mm`` runs fp8 products on
@@ -30,6 +42,7 @@ from typing import Any
 import torch
 
 from autoplan.cost.compute import fp8_converted_ops
+from autoplan.cost.float8 import fp8_gathered_weights, gathers_fp8
 from autoplan.graph.opgraph import OpGraph
 from autoplan.runtime.torchao_quiet import quiet_torchao_import
 
@@ -70,13 +83,85 @@ def fp8_program_ops(graph: OpGraph, config: Any) -> frozenset[int]:
     return fp8_converted_ops(graph, tuple(config.fp8_skip))
 
 
+def fsdp_gathered_fqns(graph: OpGraph, config: Any) -> frozenset[str]:
+    """The FQNs of the weights FSDP2 gathers in fp8 under ``config`` (none where it does not:
+    ``cost.float8.gathers_fp8``), as the planner priced them."""
+    if not gathers_fp8(config):
+        return frozenset()
+    return frozenset(fp8_gathered_weights(graph, fp8_program_ops(graph, config),
+                                          tuple(config.dp_whole)).values())
+
+
+def fsdp_float8_weights(module: torch.nn.Module, fqns: frozenset[str]
+                        ) -> list[torch.nn.Parameter]:
+    """Each parameter of ``module`` named in ``fqns`` (checkpoint wrappers dropped) replaced by
+    the same tensor wrapped as torchao's ``WeightWithDynamicFloat8CastTensor`` (tensorwise, fp8
+    all-gather on), as ``Float8Linear.from_float`` wraps its weight; before ``fully_shard``,
+    which then gathers it in fp8. Returns the new parameters."""
+    if not fqns:
+        return []
+    with quiet_torchao_import():
+        from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
+    config, mm_config = _configs("tensorwise", fsdp_all_gather=True)
+    dtype = config.cast_config_weight.target_dtype
+    out = []
+    for name, owner in list(module.named_modules()):
+        for attr, p in list(owner.named_parameters(recurse=False)):
+            fqn = f"{name}.{attr}" if name else attr
+            if fqn.replace("_checkpoint_wrapped_module.", "") not in fqns or isinstance(
+                    p, WeightWithDynamicFloat8CastTensor):
+                continue
+            new = torch.nn.Parameter(WeightWithDynamicFloat8CastTensor(p, mm_config, dtype),
+                                     requires_grad=p.requires_grad)
+            setattr(owner, attr, new)
+            out.append(new)
+    return out
+
+
+class Float8Scales:
+    """The scales FSDP's fp8 all-gather casts with, computed once a step after the optimizer
+    step: ``precompute_float8_dynamic_scale_for_fsdp`` (torchao 0.18, ``fsdp_utils.py``) over
+    the wrapped weights of this rank's modules (found again each time: ``fully_shard`` holds
+    them as DTensors). Each weight's amax (``torch._foreach_norm(ord=inf)`` on its shard, then
+    one all-reduce of the stacked amaxes through DTensor), clamped to torchao's EPS, its scale
+    ``finfo(fp8).max / amax`` in float64 then float32, as ``amax_to_scale``. Without it (the
+    first step, or after a load) FSDP computes each scale in its gather (an all-reduce per
+    weight)."""
+
+    def __init__(self, modules: list[torch.nn.Module]):
+        self.modules = modules
+
+    def __call__(self) -> None:
+        import math
+
+        from torch.distributed.tensor import DTensor
+        from torchao.float8.float8_utils import EPS
+        from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
+        weights = list({id(p): p for m in self.modules for p in m.parameters()
+                        if isinstance(p, DTensor) and isinstance(
+                            p._local_tensor, WeightWithDynamicFloat8CastTensor)}.values())
+        if not weights:
+            return
+        dtype = weights[0]._local_tensor._dtype
+        with torch.no_grad():
+            amax = torch.clamp(torch.stack(torch._foreach_norm(weights, ord=math.inf)), EPS)
+            scale = (torch.finfo(dtype).max / amax.to(torch.float64)).to_local()
+            scale = scale.to(torch.float32)
+        for i, w in enumerate(weights):
+            w._local_tensor._precomputed_scale = scale[i]
+
+
 @functools.lru_cache(maxsize=None)
-def _configs(recipe: str) -> tuple[Any, Any]:
-    """(Float8LinearConfig, LinearMMConfig) of ``recipe``, the pair ``Float8Linear`` keeps."""
+def _configs(recipe: str, fsdp_all_gather: bool = False) -> tuple[Any, Any]:
+    """(Float8LinearConfig, LinearMMConfig) of ``recipe``, the pair ``Float8Linear`` keeps;
+    ``fsdp_all_gather``: with ``enable_fsdp_float8_all_gather`` (tensorwise only)."""
+    import dataclasses
     with quiet_torchao_import():
         from torchao.float8.config import Float8LinearConfig  # lazily: it loads its kernels
         from torchao.float8.float8_training_tensor import LinearMMConfig, ScaledMMConfig
     config = Float8LinearConfig.from_recipe_name(recipe)
+    if fsdp_all_gather:
+        config = dataclasses.replace(config, enable_fsdp_float8_all_gather=True)
     gemms = (config.gemm_config_output, config.gemm_config_grad_input,
              config.gemm_config_grad_weight)
     return config, LinearMMConfig(*(ScaledMMConfig(config.emulate, g.use_fast_accum, False,

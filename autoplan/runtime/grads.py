@@ -163,6 +163,8 @@ def finish_step(trainer: Any) -> bool:
         trainer.last_grad_norm = clip_grad_norm(grads, trainer.max_grad_norm)
     if stepped:
         trainer.optimizer.step()
+        for update in getattr(trainer, "after_weights_update", ()):
+            update()
     trainer.optimizer.zero_grad(set_to_none=True)
     if scaler is not None:
         scaler.update(stepped)

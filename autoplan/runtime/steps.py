@@ -197,6 +197,9 @@ class Trainer(Checkpointing, GradientStep):
     # activation offload: the bytes this rank's hooks copied to the host and back
     # (``runtime/activation_offload.OffloadCounter``), None when the plan offloads none
     activation_offload: Any = None
+    # called after each optimizer step and checkpoint load (the weights changed): FSDP's fp8
+    # all-gather scales (``float8.Float8Scales``)
+    after_weights_update: tuple[Callable[[], None], ...] = ()
 
     @property
     def config(self):
