@@ -34,7 +34,7 @@ from autoplan.errors import ConfigError
 from autoplan.estimate.arguments import (batch_arg, capacity_arg, cluster_arg,
                                         estimate_options_arg, microbatches_arg, profile_arg)
 from autoplan.estimate.chunk_cost import (CostInputs, RangeCost, cached_on_graph, chunk_cost,
-                                          chunk_parts, range_cost)
+                                          chunk_parts, range_cost, tied_grad_buffer_bytes)
 from autoplan.estimate.dp_terms import StageParams, price, stage_terms
 from autoplan.estimate.float8_choice import fp8_choices
 from autoplan.estimate.held_params import rank_repeated
@@ -345,7 +345,9 @@ def stage_estimate(ci: CostInputs, costs: Sequence[RangeCost], chunks: Sequence[
         flight = timing.sim.peak_activation_bytes[s] / act_mb
     else:
         flight = in_flight(config, m, s)
-    transient = max(c.working_set_bytes for c in cs)
+    # a weight two chunks of this rank read (a V schedule's tied ends): its backward buffer
+    transient = max(c.working_set_bytes for c in cs) + tied_grad_buffer_bytes(
+        config, sum(c.params for c in cs) - held.params)
     layers = max(1, sum(c.num_layers for c in cs))
     if config.zero_stage == 3 and config.grad_degree > 1 and not step_whole:
         # two layers' weights gathered at once (prefetch) plus their unsharded gradients
