@@ -26,7 +26,7 @@ import time
 
 import torch
 
-from autoplan.runtime.torchao_quiet import quiet_torchao_import
+from autoplan.torchao_quiet import quiet_torchao_import
 
 
 def _classes() -> dict[str, tuple[type, dict]]:

@@ -30,7 +30,7 @@ import sys
 
 ROOT = pathlib.Path(__file__).resolve().parents[1] / "autoplan"
 LAYER = {"version": 0, "errors": 0, "safe_io": 0.5, "gc_pause": 0.5, "plotting": 0.5,
-         "process_exit": 0.5, "models": 1, "graph": 1,
+         "process_exit": 0.5, "torchao_quiet": 0.5, "models": 1, "graph": 1,
          "sharding": 2, "cluster": 3, "cost": 4, "cost_models": 4, "profiles": 4, "machine": 5,
          "estimate": 6, "planner": 7, "runtime": 8, "cli": 9, "__init__": 10}
 # (importing file, imported package): each with its reason

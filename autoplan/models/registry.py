@@ -29,6 +29,7 @@ from autoplan.models.mlp import MLP, MLP_CONFIGS, MLPConfig
 from autoplan.models.resnet import RESNET_CONFIGS, ResNet, ResNetConfig
 from autoplan.models.zoo import ZOO_CONFIGS, ZooConfig, build_zoo, inputs_kind
 from autoplan.errors import AutoplanError, ConfigError
+from autoplan.torchao_quiet import quiet_torchao_import
 
 LossFn = Callable[[Any, Any], torch.Tensor]
 
@@ -330,7 +331,7 @@ def build_example(name: str, *, device: str | torch.device = "cpu", batch_size: 
 
     if device.type != "meta":
         torch.manual_seed(seed)
-    with torch.device(device):
+    with torch.device(device), quiet_torchao_import():     # (transformers imports torchao)
         model = entry.build(config)
     if device.type != "meta" and hasattr(model, "init_weights"):
         # Re-draw from a fresh seed so that materialize() of a meta build gives these exact

@@ -44,7 +44,7 @@ import torch
 from autoplan.cost.compute import fp8_converted_ops
 from autoplan.cost.float8 import fp8_gathered_weights, gathers_fp8
 from autoplan.graph.opgraph import OpGraph
-from autoplan.runtime.torchao_quiet import quiet_torchao_import
+from autoplan.torchao_quiet import quiet_torchao_import
 
 # fp8 tensor cores: Ada (8.9) and Hopper (9.0) and later; torch._scaled_mm needs them on CUDA
 MIN_CUDA_CAPABILITY = (8, 9)

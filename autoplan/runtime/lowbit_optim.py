@@ -36,7 +36,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from autoplan.errors import PlanError
-from autoplan.runtime.torchao_quiet import quiet_torchao_import
+from autoplan.torchao_quiet import quiet_torchao_import
 
 # what one asks pip for when torchao is missing
 INSTALL = "pip install 'autoplan[lowbit]'"
