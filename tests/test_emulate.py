@@ -125,3 +125,22 @@ def test_vocab_parallel_cross_entropy_holds_one_fp32_copy_of_the_logits():
     ref.backward()
     assert float(loss) == pytest.approx(float(ref), rel=1e-5)
     assert torch.allclose(logits.grad.float(), ref_logits.grad, atol=1e-2, rtol=0)
+
+
+def test_a_cpu_clusters_plan_of_llama_emulates_from_the_cli(tmp_path):
+    """`autoplan plan` traces a CPU cluster's model on the CPU, where Llama's attention output
+    is a view of the kernel's result (a copy on the meta device): emulate builds the model
+    where plan traced it, so the fingerprints agree (it refused the plan before)."""
+    from autoplan.cli.main import main
+    path = tmp_path / "p.json"
+    assert main(["plan", "llama-tiny", "--cluster", "local:2", "--global-batch", "4",
+                 "-o", str(path)]) == 0
+    out = subprocess.run([sys.executable, "-m", "autoplan.cli.main", "emulate", str(path),
+                          "--model", "llama-tiny", "--steps", "2"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "rank 0 of 2" in out.stdout and "median of 1" in out.stdout
+    on_meta = subprocess.run([sys.executable, "-m", "autoplan.cli.main", "emulate", str(path),
+                              "--model", "llama-tiny", "--steps", "2", "--device", "meta"],
+                             capture_output=True, text=True, timeout=300)
+    assert on_meta.returncode != 0 and "fingerprint" in on_meta.stderr   # the check stands

@@ -11,7 +11,8 @@ import pytest
 
 from autoplan import Cluster, plan
 from autoplan.planner import figures
-from autoplan.planner.explain import _stage_total, explain_plan
+from autoplan.planner.explain import explain_plan
+from autoplan.planner.explain_memory import stage_total as _stage_total
 
 
 @pytest.fixture(scope="module")

@@ -60,11 +60,11 @@ def _one_device():
     return losses
 
 
-def _run(plan_path, tmp_path, name):
+def _run(plan_path, tmp_path, name, model=("gpt-tiny", "--layers", str(LAYERS))):
     """`autoplan run` as a user types it (torchrun, 4 CPU ranks, gloo); rank 0's losses."""
     losses = tmp_path / f"{name}.losses.json"
     out = subprocess.run([sys.executable, "-m", "autoplan.cli.main", "run", str(plan_path),
-                          "--model", "gpt-tiny", "--layers", str(LAYERS), "--cluster", MIXED,
+                          "--model", *model, "--cluster", MIXED,
                           "--steps", str(STEPS), "--lr", str(LR), "--master-port",
                           str(free_port()), "--json", str(losses)],
                          capture_output=True, text=True, timeout=300)
@@ -166,3 +166,35 @@ def test_pictures_draw_every_pool(tmp_path, capsys):
     assert "pp      2 ranks x 2 groups" in capsys.readouterr().out
     text = topo.read_text()
     assert "pool 0: cpu-slow" in text and "pool 1: cpu-fast" in text
+
+
+def test_hf_llama_in_bf16_on_uneven_replicas_runs_as_one_autocast_process(tmp_path, capsys):
+    """A foreign model (HF Llama from a tiny config, use_cache off: the zoo's hf-llama-tiny) on
+    the mixed cluster's dp4 plan with uneven micro-batches per replica, in bf16 (CPU autocast),
+    trains to the losses of one process running it under torch.autocast("cpu", bfloat16) on
+    the same samples. Tolerance rel 1e-3, a quarter of bf16's unit roundoff (2**-8): the
+    replicas run 16-bit GEMMs on other row counts and sum their gradients in another order, so
+    the bf16 roundings differ from the one process's; the loss itself is fp32 under autocast."""
+    out = tmp_path / "llama.json"
+    assert main(["plan", "hf-llama-tiny", "--cluster", MIXED, "--global-batch", str(GBS),
+                 "--precision", "bf16", "--no-profile", "-q", "--force", "pp=1",
+                 "-o", str(out)]) == 0
+    capsys.readouterr()
+    plan = Plan.from_json(out.read_text())
+    assert plan.config.precision == "bf16" and plan.hetero["placement"] == "replicas"
+    shares = plan.config.dp_shares
+    assert plan.config.dp == 4 and shares[0] == shares[1] < shares[2] == shares[3]
+    ex = build_example("hf-llama-tiny", batch_size=GBS, seed=0, device="cpu")
+    assert ex.model.model.config.use_cache is False
+    opt = torch.optim.AdamW(ex.model.parameters(), lr=LR)
+    want = []
+    for _ in range(STEPS):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = ex.loss_fn(ex.model(*ex.example_inputs), ex.targets)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        want.append(loss.item())
+    got, text = _run(out, tmp_path, "llama", model=("hf-llama-tiny",))
+    assert got == pytest.approx(want, rel=1e-3)
+    assert "on pools: " in text

@@ -109,7 +109,7 @@ def test_inspect_draws_timeline_and_memory(tmp_path, schedule):
         assert f.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and f.stat().st_size > 5000
     # the pictures say what the text report says: the step time, each stage's peak memory
     from autoplan.planner import figures_draw
-    from autoplan.planner.explain import _stage_total
+    from autoplan.planner.explain_memory import stage_total as _stage_total
     assert figures_draw.draw_timeline(p, str(t)) == pytest.approx(p.predicted["step_time_s"])
     peaks = figures_draw.draw_memory(p, str(m))
     assert peaks == pytest.approx([_stage_total(st) for st in p.predicted["stages"]])

@@ -4,8 +4,12 @@ Rank R's program (its shards, FSDP units, pipeline chunks) runs on this machine'
 plan where CUDA is present), else its CPU, in a process group of the ``fake`` backend: every
 collective returns at once and moves nothing. It measures the rank's compute time per step and
 its peak memory, and prints them beside what the plan priced for that rank, communication left
-out. So the memory and compute of a 64-GPU plan are checked on one GPU. The model is built on
-the meta device, and only rank R's shards are ever allocated.
+out. So the memory and compute of a 64-GPU plan are checked on one GPU. The model is built
+where ``autoplan plan`` traced it, since the plan holds that trace's fingerprint and some
+models trace differently per device (Llama's attention output is a view of the CPU kernel's
+result and a copy of the meta kernel's): on the meta device for a GPU plan (only rank R's
+shards are ever allocated), on the CPU for a CPU cluster's plan; ``--device`` says otherwise,
+as it did to ``plan``.
 """
 
 from __future__ import annotations
@@ -25,17 +29,23 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--cluster", default=None,
                    help="the plan's cluster file, where it came from one (a preset's is "
                         "rebuilt from the plan)")
+    p.add_argument("--device", default=None, choices=("meta", "cpu"),
+                   help="where to build the model: where `autoplan plan` traced it (default: "
+                        "the CPU for a CPU cluster's plan, else the meta device); pass what "
+                        "`plan --device` was given")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     from autoplan.planner.planfile import plan_from_file
-    from autoplan.runtime.emulate import emulate
+    from autoplan.runtime.emulate import emulate, plan_cluster
     from autoplan.runtime.worker import build_run_model
     plan = plan_from_file(args.plan)
     built = build_run_model(args.model, batch=plan.training.global_batch_size,
                             layers=args.layers, seq_len=args.seq_len,
-                            meta=":" not in args.model, traced_only=True,
+                            meta=":" not in args.model and traced_on_meta(
+                                plan_cluster(plan, args.cluster).device.kind, args.device),
+                            traced_only=True,
                             documents=plan.training.length_histogram())
     ex = built.small
     result = emulate(plan, ex.model, example_inputs=ex.example_inputs,
@@ -43,3 +53,9 @@ def run(args: argparse.Namespace) -> int:
                      steps=args.steps, cluster=args.cluster)
     print(result.report())
     return 0
+
+
+def traced_on_meta(device_kind: str, device: str | None) -> bool:
+    """Whether ``autoplan plan`` traced the model on the meta device: it does unless the plan's
+    cluster is of CPUs (``plan_cmd._trace_for``) or ``--device`` said otherwise."""
+    return device == "meta" if device is not None else device_kind != "cpu"

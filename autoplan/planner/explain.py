@@ -14,6 +14,7 @@ from typing import Any
 
 from autoplan.cost.memory import bytes_per_param
 from autoplan.estimate.dp_terms import HOST_STEP_SLOWDOWN, step_bytes_per_param
+from autoplan.planner.explain_memory import memory_text, stage_total, time_text
 from autoplan.planner.hetero_explain import hetero_text
 from autoplan.planner.objectives_report import table as objectives_table
 from autoplan.planner.planfile import Plan
@@ -43,7 +44,7 @@ _DEVICE = re.compile(r"^n(\d+)\.(.+)$")
 def explain_plan(plan: Plan) -> str:
     """The text of ``autoplan inspect``: what the plan is, where it runs, what it costs, why."""
     sections = (_header(plan), hetero_text(plan), _mesh_grid(plan), _chosen(plan), _blocks(plan),
-                _placements(plan), _stages(plan), _memory(plan), _time(plan), _fp8(plan),
+                _placements(plan), _stages(plan), memory_text(plan), time_text(plan), _fp8(plan),
                 _alternatives(plan), _solver(plan), _objectives(plan))
     return "\n\n".join(s for s in sections if s) + "\n"
 
@@ -426,90 +427,12 @@ def _stages(plan: Plan) -> str:
                        key=lambda n: (len(n), n))
         where = (nodes[0] if len(nodes) == 1 else f"{nodes[0]}..{nodes[-1]} ({len(nodes)} nodes)"
                  if nodes else "")
-        mem = fmt_bytes(_stage_total(est)) if est else ""
+        mem = fmt_bytes(stage_total(est)) if est else ""
         policy = cfg.stage_policy(st["index"])
         rows.append(f"  {st['index']:<6} {fmt_ranges(st['ranks']):<12} {where:<20} "
                     f"{fmt_s(est.get('fwd_s', 0.0)):>10} {fmt_s(est.get('bwd_s', 0.0)):>10} "
                     f"{mem:>11}  {policy:<10} {layers}")
     return "\n".join(lines + elide_rows(rows))
-
-
-# ---- memory, time -------------------------------------------------------------------------------
-_MEMORY_ITEMS = ("params_bytes", "grads_bytes", "optimizer_bytes", "activations_bytes",
-                 "transient_bytes", "margin_bytes")
-
-
-def _stage_total(st: Mapping[str, Any]) -> float:
-    return sum(st["memory"][k] for k in _MEMORY_ITEMS)
-
-
-def _memory(plan: Plan) -> str:
-    p = plan.predicted
-    stages = p.get("stages", ())
-    if not stages:
-        return f"memory   peak {fmt_bytes(p['peak_memory_bytes'])} of {fmt_bytes(p['device_memory_bytes'])}"
-    worst = max(stages, key=_stage_total)
-    mem = worst["memory"]
-    device = p["device_memory_bytes"]
-    which = f" (stage {worst['index']}, the fullest of {len(stages)})" if len(stages) > 1 else ""
-    lines = [f"memory per device{which}"]
-    for key in _MEMORY_ITEMS:
-        mbs = worst["microbatches_in_flight"]
-        count = f"{mbs:g}" if float(mbs).is_integer() else f"about {mbs:.1f}"
-        extra = (f"   ({count} micro-batch{'es' * (mbs != 1)} in flight)"
-                 if key == "activations_bytes" else "")
-        lines.append(f"  {key[:-6]:<12} {fmt_bytes(mem[key]):>12}{extra}")
-    total = _stage_total(worst)
-    lines.append(f"  {'= total':<12} {fmt_bytes(total):>12}   of {fmt_bytes(device)} "
-                 f"({fmt_pct(total / device if device else 0.0)}): "
-                 + ("fits" if total <= device else "DOES NOT FIT"))
-    if mem.get("offloaded_bytes"):
-        lines.append(f"  offloaded to host memory: {fmt_bytes(mem['offloaded_bytes'])}"
-                     + ("   (buffers streaming to NVMe)" if mem.get("nvme_bytes") else ""))
-    if mem.get("nvme_bytes"):
-        lines.append(f"  offloaded to NVMe:        {fmt_bytes(mem['nvme_bytes'])}   of "
-                     f"{fmt_bytes(p.get('nvme_per_device_bytes', 0.0))} (a device's share of "
-                     f"its node's drives)")
-    lines += _activation_offload(plan)
-    if len(stages) > 1:
-        lines.append("  per stage: " + ", ".join(f"{st['index']}: {fmt_bytes(_stage_total(st))}"
-                                               for st in stages[:8])
-                     + (" ..." if len(stages) > 8 else ""))
-    return "\n".join(lines)
-
-
-def _activation_offload(plan: Plan) -> list[str]:
-    """Which layers send their saved activations to host memory, the bytes per micro-batch
-    each way per stage, the host memory they hold and the seconds the copies expose."""
-    layers = plan.offload.get("activations")
-    if not layers:
-        return []
-    p = plan.predicted
-    per_stage = [st.get("offloaded_activation_bytes_per_microbatch", 0.0) for st in p["stages"]]
-    held = max(b * st["microbatches_in_flight"] for b, st in zip(per_stage, p["stages"]))
-    exposed = p["time"]["comm_exposed_s"].get("activation_offload", 0.0)
-    shown = ", ".join(layers[:6]) + (f" ... ({len(layers)} layers)" if len(layers) > 6 else "")
-    rule = (f"{plan.config.offload_activations} per chunk" if plan.config.offload_activations
-            else f"chosen per layer: {len(layers)} of {len(plan.config.layer_offload or ())}")
-    return [f"  activation offload ({rule}): {shown}",
-            "    per micro-batch each way: " + ", ".join(
-                f"stage {i}: {fmt_bytes(b)}" for i, b in enumerate(per_stage[:8])),
-            f"    host memory held: {fmt_bytes(held)}; copies exposed {fmt_s(exposed)} per step"]
-
-
-def _time(plan: Plan) -> str:
-    t = plan.predicted["time"]
-    step = plan.predicted["step_time_s"]
-    items = [("compute", t["compute_s"]), ("recompute", t["recompute_s"])]
-    items += [(f"comm {k}", v) for k, v in sorted(t["comm_exposed_s"].items()) if v > 0]
-    items += [("bubble", t["bubble_s"]), ("optimizer", t["optimizer_s"]),
-              ("overhead", t["overhead_s"])]
-    lines = ["time per step (slowest stage; comm = exposed communication, not hidden by compute)"]
-    for name, v in items:
-        share = f"{v / step * 100:5.1f}%" if step > 0 else ""
-        lines.append(f"  {name:<22} {fmt_s(v):>10}  {share}")
-    lines.append(f"  {'= step time':<22} {fmt_s(step):>10}")
-    return "\n".join(lines)
 
 
 def _fp8(plan: Plan) -> str:
