@@ -15,12 +15,13 @@ from autoplan.planner.loading import load_plan
 from autoplan.planner.planfile import Plan
 from autoplan.planner.search import plan
 from autoplan.planner.hetero import HeteroPlan, plan_hetero
+from autoplan.planner.objectives_pools import PoolsPlan, plan_pools
 from autoplan.planner.candidates import NoFeasiblePlanError
 from autoplan.sharding.parallel_config import ParallelConfig
 
 __all__ = ["AutoplanError", "Cluster", "ClusterError", "ConfigError", "Estimate", "Example", "HeteroEstimate", "HeteroPlan",
-           "NoFeasiblePlanError", "OpGraph", "ParallelConfig", "Plan", "PlanError", "ProfileError",
-           "TraceError", "Trainer", "compile", "estimate", "estimate_hetero", "load_plan", "plan", "plan_hetero", "trace",
+           "NoFeasiblePlanError", "OpGraph", "ParallelConfig", "Plan", "PlanError", "PoolsPlan", "ProfileError",
+           "TraceError", "Trainer", "compile", "estimate", "estimate_hetero", "load_plan", "plan", "plan_hetero", "plan_pools", "trace",
            "__version__"]
 
 

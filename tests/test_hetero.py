@@ -272,3 +272,22 @@ def test_shares_on_pools_hold_fsdp_state_whole(graph):
     assert uneven.estimate.peak_memory_bytes - even.estimate.peak_memory_bytes == \
         pytest.approx(held)
     assert uneven.estimate.config.dp_shares == (2, 2, 4, 4)
+
+
+def test_climb_prices_each_split_once_and_finds_the_least():
+    """The hill-climb over splits on a toy pure price (the largest bin's n x t): the least of
+    every split of 9 over 3, each split priced at most once (a round revisits its last move's
+    reverse)."""
+    from types import SimpleNamespace
+    from autoplan.planner.hetero import _climb
+    t = (3.0, 1.0, 2.0)
+    calls: list[tuple[int, ...]] = []
+
+    def price(split):
+        calls.append(split)
+        return SimpleNamespace(step_time_s=max(n * s for n, s in zip(split, t)),
+                               estimate=SimpleNamespace(fits=True))
+    got = _climb((7, 1, 1), price, minimum=1)
+    least = min(max(n * s for n, s in zip(split, t)) for split in _compositions(9, 3))
+    assert got.step_time_s == least
+    assert len(calls) == len(set(calls)) and len(calls) > 3

@@ -22,8 +22,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="preset[:nodes] (e.g. dgx-h100:4; dgx-h100/1: one GPU of the node), "
                         "'local[:N]', or a cluster file; pools of different nodes joined by "
                         "'+' (dgx-a100-80gb:4+dgx-h100:4), or a file with pools: a "
-                        "heterogeneous cluster, its work balanced on the pools against the "
-                        "plan of its slowest GPU; the plan file runs on those pools")
+                        "heterogeneous cluster: its stages or replicas placed on the pools, each "
+                        "given work in proportion to its GPU's speed (the cluster as its "
+                        "slowest GPU is the baseline reported beside); the plan file runs on "
+                        "those pools")
     p.add_argument("--global-batch", type=int, required=True, help="global batch size (samples)")
     p.add_argument("--precision", default="bf16", choices=("bf16", "fp16", "fp32", "auto"),
                    help="training precision (bf16); auto: the search also tries fp32 where "

@@ -310,8 +310,16 @@ def _climb(start: tuple[int, ...], price: Callable[[tuple[int, ...]], HeteroEsti
            ) -> HeteroEstimate:
     """Hill-climb over splits: move one unit from bin a to bin b (the ``moves`` of a split;
     every ordered pair by default) while the step improves, taking the best move of each
-    round (deterministic order)."""
-    best_split, best = start, price(start)
+    round (deterministic order). Each split is priced once: ``price`` is pure, and a round
+    revisits the split the last move left (its reverse move)."""
+    priced: dict[tuple[int, ...], HeteroEstimate] = {}
+
+    def once(split: tuple[int, ...]) -> HeteroEstimate:
+        if split not in priced:
+            priced[split] = price(split)
+        return priced[split]
+
+    best_split, best = start, once(start)
     for _ in range(MAX_MOVES):
         improved = None
         for a, b in moves(best_split):
@@ -319,7 +327,7 @@ def _climb(start: tuple[int, ...], price: Callable[[tuple[int, ...]], HeteroEsti
                 split = list(best_split)
                 split[a] -= 1
                 split[b] += 1
-                est = price(tuple(split))
+                est = once(tuple(split))
                 if _better(est, improved or best):
                     improved, improved_split = est, tuple(split)
         if improved is None:
