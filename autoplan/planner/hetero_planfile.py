@@ -39,7 +39,8 @@ from autoplan.planner.search import plan
 from autoplan.sharding.parallel_config import ParallelConfig
 
 # plan() options that would narrow the forced search below the chosen config
-_NOT_PASSED = ("force", "top_k", "max_tp", "max_pp", "meshes")
+# (progress: the forced search that shapes the file is not the search the user watched)
+_NOT_PASSED = ("force", "top_k", "max_tp", "max_pp", "meshes", "progress")
 
 
 def hetero_plan(result: Any, graph: Any, cluster: Any, *, global_batch_size: int,
