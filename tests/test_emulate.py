@@ -32,7 +32,8 @@ def _plan(force, world, tmp_path):
 @pytest.mark.parametrize("force,world,rank", [
     (dict(dp=2, tp=2, pp=2, zero_stage=1), 8, 7),
     (dict(dp=4, tp=2, zero_stage=3), 8, 5),
-], ids=["dp2-tp2-pp2-rank7", "zero3-dp4-tp2-rank5"])
+    (dict(dp=8, tp=1, zero_stage=1), 8, 3),          # DDP: its reducer under the fake group
+], ids=["dp2-tp2-pp2-rank7", "zero3-dp4-tp2-rank5", "ddp-dp8-rank3"])
 def test_one_rank_of_an_8_rank_plan_runs_alone(force, world, rank, tmp_path):
     p, path = _plan(force, world, tmp_path)
     out = subprocess.run([sys.executable, "-m", "autoplan.cli.main", "emulate", str(path),
@@ -130,7 +131,8 @@ def test_vocab_parallel_cross_entropy_holds_one_fp32_copy_of_the_logits():
 def test_a_cpu_clusters_plan_of_llama_emulates_from_the_cli(tmp_path):
     """`autoplan plan` traces a CPU cluster's model on the CPU, where Llama's attention output
     is a view of the kernel's result (a copy on the meta device): emulate builds the model
-    where plan traced it, so the fingerprints agree (it refused the plan before)."""
+    where plan traced it, and the fingerprint leaves the view out, so either device agrees
+    (emulate refused the plan before both)."""
     from autoplan.cli.main import main
     path = tmp_path / "p.json"
     assert main(["plan", "llama-tiny", "--cluster", "local:2", "--global-batch", "4",
@@ -143,4 +145,4 @@ def test_a_cpu_clusters_plan_of_llama_emulates_from_the_cli(tmp_path):
     on_meta = subprocess.run([sys.executable, "-m", "autoplan.cli.main", "emulate", str(path),
                               "--model", "llama-tiny", "--steps", "2", "--device", "meta"],
                              capture_output=True, text=True, timeout=300)
-    assert on_meta.returncode != 0 and "fingerprint" in on_meta.stderr   # the check stands
+    assert on_meta.returncode == 0, on_meta.stderr[-3000:]

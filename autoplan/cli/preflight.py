@@ -159,6 +159,7 @@ def _check_model(plan: Any, args: argparse.Namespace) -> None:
 def _model_advice(plan: Any, args: argparse.Namespace, graph: Any, what: str) -> str:
     """What to do when the model differs: the plan's model name, the plan's layer count (when
     building it gives the plan's model), or the options given to `autoplan plan`."""
+    from autoplan.planner.planfile import model_fingerprint
     m = plan.model
     given = f"{graph.num_params:,} parameters, {len(graph.ops):,} ops"
     planned = f"{m.num_params:,} parameters, {m.num_ops:,} ops"
@@ -169,7 +170,7 @@ def _model_advice(plan: Any, args: argparse.Namespace, graph: Any, what: str) ->
     want, have = len(plan.recompute), _layers(graph)
     if want and have and want != have and want != args.layers:
         try:
-            fits = _trace(args, plan, want).fingerprint() == m.fingerprint
+            fits = model_fingerprint(plan, _trace(args, plan, want)) == m.fingerprint
         except AutoplanError:
             fits = False
         if fits:
@@ -178,8 +179,25 @@ def _model_advice(plan: Any, args: argparse.Namespace, graph: Any, what: str) ->
                     f"{have}{default}. Run with --layers {want}, as the plan was made")
         return (f"the plan's model has {want} layers, this {args.model} {have}: pass the "
                 f"--layers (and --seq-len) given to `autoplan plan` ({what})")
+    if not args.meta and ":" not in args.model and _fits_on_meta(plan, args):
+        return (f"{args.model} traces differently on the meta device, where `autoplan plan` "
+                "traced it (the default for a GPU cluster), than on the CPU, where the ranks "
+                "build and trace it: its forward branches on its tensors' device (as Hugging "
+                "Face's MoE routers count experts in floats on the CPU). Re-plan it traced on "
+                f"the CPU: autoplan plan {args.model} --device cpu ... (or run with --meta)")
     return (f"{what}. Pass `autoplan run` the --layers, --seq-len and --meta the plan was made "
             f"with (the plan's model: {m.name}, {planned}), or re-plan this model")
+
+
+def _fits_on_meta(plan: Any, args: argparse.Namespace) -> bool:
+    """The model built on the meta device, as ``autoplan plan`` traces it for a GPU cluster,
+    is the plan's."""
+    from autoplan.planner.planfile import model_fingerprint
+    try:
+        graph = _trace(argparse.Namespace(**{**vars(args), "meta": True}), plan, args.layers)
+    except AutoplanError:
+        return False
+    return model_fingerprint(plan, graph) == plan.model.fingerprint
 
 
 def _buildable(name: str) -> bool:

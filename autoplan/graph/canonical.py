@@ -10,7 +10,12 @@ therefore reads no op or value name and no position:
   constant by its shape and dtype;
 - an op by a hash of what it computes: target, kind, arguments (each tensor argument by the
   label of its value), module path and type, FLOPs and bytes, output shapes and dtypes, and
-  what autograd saves; an op's output by the op's hash and the output's index. The hashes are
+  what autograd saves; an op's output by the op's hash and the output's index. Whether an
+  output aliases its input (a reshape that is a view or a copy) is left out: it follows the
+  strides the device's kernels chose (SDPA's output is laid out (B, S, H, D) on the CPU and
+  CUDA, (B, H, S, D) on the meta device, so the reshape after it is a view on one and a copy on
+  the other), not what the model computes. Plans written before that (autoplan 0.1, plan
+  schemas 6 to 9) hashed it: ``aliasing=True`` gives that form, to match them. The hashes are
   computed in one pass in the graph's topological order (Merkle style: an op's hash covers all
   its ancestors);
 - the graph by the sorted multiset of its op hashes, its outputs' labels in order, its leaves,
@@ -74,9 +79,10 @@ def _leaf_labels(graph: Any) -> tuple[dict[str, str], list[Any]]:
     return labels, leaves
 
 
-def _upward(graph: Any) -> tuple[dict[str, str], list[Any], list[str]]:
+def _upward(graph: Any, aliasing: bool) -> tuple[dict[str, str], list[Any], list[str]]:
     """One pass in topological order: the labels of every value, the canonical leaves, and each
-    op's hash (what it computes from which values, Merkle style), in the graph's op order."""
+    op's hash (what it computes from which values, Merkle style), in the graph's op order;
+    ``aliasing``: with what each output is a view of (the older form)."""
     labels, leaves = _leaf_labels(graph)
     values = graph._values_by_name
     op_hashes: dict[str, str] = {}
@@ -93,15 +99,19 @@ def _upward(graph: Any) -> tuple[dict[str, str], list[Any], list[str]]:
         op_hashes[op.name] = core
         for k, name in enumerate(op.outputs):
             labels[name] = f"{core}:{k}"
-        bases = [labels.get(v.base, "?") if v is not None and v.base != v.name else ""
-                 for v in outs]
-        hashes.append(_digest((core, bases, [labels.get(n, "?") for n in op.saved])))
+        saved = [labels.get(n, "?") for n in op.saved]
+        if aliasing:
+            bases = [labels.get(v.base, "?") if v is not None and v.base != v.name else ""
+                     for v in outs]
+            hashes.append(_digest((core, bases, saved)))
+        else:
+            hashes.append(_digest((core, saved)))
     return labels, leaves, hashes
 
 
-def canonical_fingerprint(graph: Any) -> str:
+def canonical_fingerprint(graph: Any, aliasing: bool = False) -> str:
     """sha256 of the canonical form of ``graph`` (an OpGraph); see the module docstring."""
-    labels, leaves, hashes = _upward(graph)
+    labels, leaves, hashes = _upward(graph, aliasing)
     blocks = sorted([b.name, b.module_type, sorted([i.path, i.stop - i.start] for i in b.instances)]
                     for b in graph.blocks)
     return _digest((("schema_version", graph.schema_version), ("batch_size", graph.batch_size),
@@ -113,11 +123,11 @@ def canonical_fingerprint(graph: Any) -> str:
 KEY_CHARS = 20            # hex characters of an op key (80 bits: no collision in any graph)
 
 
-def canonical_op_keys(graph: Any) -> dict[str, str]:
+def canonical_op_keys(graph: Any, aliasing: bool = False) -> dict[str, str]:
     """Op name -> a key that names the op alike in every trace of the model, whatever names fx
     gave the ops and whatever order independent ops were traced in (module docstring): 20 hex
     characters, with ``.1``, ``.2``, ... on the second, third, ... of interchangeable ops."""
-    _, _, hashes = _upward(graph)
+    _, _, hashes = _upward(graph, aliasing)
     ops = graph.ops
     producer = {n: (i, k) for i, op in enumerate(ops) for k, n in enumerate(op.outputs)}
     index = {op.name: i for i, op in enumerate(ops)}

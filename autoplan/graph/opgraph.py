@@ -260,20 +260,28 @@ class OpGraph:
         """sha256 of the graph's canonical form: the same for two traces of one model whatever
         order its independent ops were traced in and whatever their names (``canonical.py``).
         The graph's name and provenance metadata are left out."""
-        found = self.__dict__.get("_fingerprint")
-        if found is None:
-            found = canonical_fingerprint(self)
-            self.__dict__["_fingerprint"] = found     # frozen: cached beside the fields
-        return found
+        return self._cached("_fingerprint", lambda: canonical_fingerprint(self))
 
-    def op_keys(self) -> Mapping[str, str]:
+    def aliasing_fingerprint(self) -> str:
+        """The fingerprint plans of autoplan 0.1 recorded (schemas 6 to 9): the canonical form
+        with whether each op's output is a view of its input, which follows the device's kernel
+        layouts (``canonical.py``). Kept to match plans written then."""
+        return self._cached("_aliasing_fingerprint",
+                            lambda: canonical_fingerprint(self, aliasing=True))
+
+    def op_keys(self, aliasing: bool = False) -> Mapping[str, str]:
         """Op name -> the op's canonical key: the same op gets the same key in every trace of
         the model, whatever names and order the trace gave it (``canonical.py``). A plan
-        records them, so another process finds the plan's ops among its own."""
-        found = self.__dict__.get("_op_keys")
+        records them, so another process finds the plan's ops among its own. ``aliasing``:
+        the keys of plans whose fingerprint is ``aliasing_fingerprint``."""
+        return self._cached("_aliasing_op_keys" if aliasing else "_op_keys",
+                            lambda: MappingProxyType(canonical_op_keys(self, aliasing)))
+
+    def _cached(self, attr: str, compute: Any) -> Any:
+        found = self.__dict__.get(attr)
         if found is None:
-            found = MappingProxyType(canonical_op_keys(self))
-            self.__dict__["_op_keys"] = found
+            found = compute()
+            self.__dict__[attr] = found     # frozen: cached beside the fields
         return found
 
     def positional_fingerprint(self) -> str:

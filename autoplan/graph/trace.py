@@ -128,10 +128,20 @@ def _trace_error(exc: BaseException, model_name: str, stack: list[str]) -> Trace
         f"  module: {module}\n"
         f"  source: {where}\n"
         f"  error:  {type(exc).__name__}: {original}\n"
-        "  what to try: remove data-dependent Python control flow and .item()/.tolist() calls "
-        "from forward (use torch.where / torch.cond), avoid Python-side shape asserts on "
-        "tensor values, pass use_cache=False to Hugging Face models, and check that the "
-        "example inputs have the shapes the model expects.")
+        f"  what to try: {_advice(exc, where)}")
+
+
+def _advice(exc: BaseException, where: str) -> str:
+    if "autocast" in where and "scalarType" in str(exc):
+        return ("the model opens torch.autocast on its tensors' device, and the meta device "
+                "(where autoplan traces a model for a GPU cluster, allocating nothing) has no "
+                "autocast: trace it on the CPU (`autoplan plan ... --device cpu`, or build the "
+                "model on the CPU for autoplan.plan), or skip the region on meta as Hugging "
+                "Face's maybe_autocast does (when x.device.type == \"meta\").")
+    return ("remove data-dependent Python control flow and .item()/.tolist() calls "
+            "from forward (use torch.where / torch.cond), avoid Python-side shape asserts on "
+            "tensor values, pass use_cache=False to Hugging Face models, and check that the "
+            "example inputs have the shapes the model expects.")
 
 
 # ---- the tracer -------------------------------------------------------------------------------

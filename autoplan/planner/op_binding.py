@@ -19,6 +19,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from autoplan.planner.planfile import plan_op_keys
+
 
 @dataclass(frozen=True)
 class Bound:
@@ -34,7 +36,7 @@ def bind_strategies(plan: Any, graph: Any) -> Bound:
     the plan is for, traced in any process), matched by canonical key where the plan records
     keys, by name otherwise."""
     strategies = plan.op_strategies
-    keys = graph.op_keys() if plan.op_keys else {}
+    keys = plan_op_keys(plan, graph) if plan.op_keys else {}
     planned = {k: n for n, k in plan.op_keys.items()}
     out: dict[str, str] = {}
     used: set[str] = set()

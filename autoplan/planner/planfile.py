@@ -54,7 +54,7 @@ from autoplan.planner.planfile_check import (
 
 __all__ = ["OBJECTIVES_SCHEMA", "PLAN_SCHEMA_VERSION", "SOLVER_STATUSES", "TP_DOMAINS", "Alternative", "ClusterInfo",
            "MeshInfo", "ModelInfo", "ParamPlacement", "Plan", "SolverReport", "TrainingInfo",
-           "cluster_differences", "model_fingerprint", "plan_from_file", "plan_mismatch",
+           "cluster_differences", "model_fingerprint", "plan_from_file", "plan_op_keys", "plan_mismatch",
            "predicted_from_estimate", "stale_prediction"]
 
 SIG_DIGITS = 6                    # floats are rounded so re-planning gives identical text
@@ -445,9 +445,25 @@ def plan_mismatch(plan: Plan, *, graph: Any = None, cluster: Any = None,
 
 
 def model_fingerprint(plan: Plan, graph: Any) -> str:
-    """``graph``'s fingerprint as ``plan`` records one: the canonical form from schema 6 on, the
-    positional hash of the trace (``OpGraph.positional_fingerprint``) in older plans."""
-    return graph.fingerprint() if plan.schema_version >= 6 else graph.positional_fingerprint()
+    """``graph``'s fingerprint as ``plan`` records one: the canonical form from schema 6 on
+    (without the views' aliasing, which follows the device's kernel layouts, or with it as
+    autoplan 0.1 wrote it: ``OpGraph.aliasing_fingerprint``), the positional hash of the trace
+    (``OpGraph.positional_fingerprint``) in older plans."""
+    if plan.schema_version < 6:
+        return graph.positional_fingerprint()
+    if _aliasing_form(plan, graph):
+        return graph.aliasing_fingerprint()
+    return graph.fingerprint()
+
+
+def plan_op_keys(plan: Plan, graph: Any) -> Any:
+    """``graph``'s canonical op keys in the form ``plan`` recorded its own in."""
+    return graph.op_keys(aliasing=_aliasing_form(plan, graph))
+
+
+def _aliasing_form(plan: Plan, graph: Any) -> bool:
+    return (plan.schema_version >= 6 and graph.fingerprint() != plan.model.fingerprint
+            and graph.aliasing_fingerprint() == plan.model.fingerprint)
 
 
 def cluster_differences(plan: Plan, cluster: Any) -> tuple[Difference, ...]:

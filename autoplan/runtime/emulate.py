@@ -31,6 +31,7 @@ from autoplan.errors import PlanError, ClusterError
 from autoplan.sharding.mesh_axes import MeshAxis
 from autoplan.runtime.optim import local_tensor
 from autoplan.runtime.trainer import compile
+from autoplan.runtime.meta_init import values_unneeded
 from autoplan.cluster import Cluster
 from autoplan.cost.memory import autocast_copy_bytes
 from autoplan.estimate.arguments import cluster_arg
@@ -212,6 +213,28 @@ def _zero_received(module: Any, args: tuple) -> None:
                 a.zero_()
 
 
+def _ddp_moves_nothing(trainer: Any) -> None:
+    """DDP's buckets reduced by a hook that moves nothing: torch's fake process group answers
+    an all-reduce with an empty future, which DDP's reducer refuses (torch 2.13); the
+    communication is left out as priced anyway."""
+    runner = trainer.runner
+    found = [getattr(runner, "module", None), *getattr(runner, "chunks", {}).values()]
+    for m in found:
+        if isinstance(m, torch.nn.parallel.DistributedDataParallel):
+            m.register_comm_hook(None, _kept_as_is)
+
+
+def _kept_as_is(_state: object, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    done: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+    done.set_result(bucket.buffer())
+    return done
+
+
+# DDP checks the hook's annotations as objects (this module's are strings: __future__)
+_kept_as_is.__annotations__ = {"_state": object, "bucket": dist.GradBucket,
+                               "return": torch.futures.Future[torch.Tensor]}
+
+
 def emulate(plan: Any, model: torch.nn.Module, *, example_inputs: Sequence[Any],
             example_targets: Any, loss_fn: Any, rank: int = 0, steps: int = 3,
             cluster: Any = None) -> Emulation:
@@ -238,12 +261,14 @@ def emulate(plan: Any, model: torch.nn.Module, *, example_inputs: Sequence[Any],
     flushing = torch.set_flush_denormal(True)
     try:
         # the plan's hardware is not this machine's: its prediction is what is compared
-        trainer = compile(model, plan_cluster(plan, cluster), example_inputs=example_inputs,
-                          example_targets=example_targets, loss_fn=loss_fn,
-                          optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-4),
-                          global_batch_size=plan.training.global_batch_size, plan=plan,
-                          allow_cluster_mismatch=True)
+        with values_unneeded():       # (a buffer built in __init__ is zero-filled on meta)
+            trainer = compile(model, plan_cluster(plan, cluster), example_inputs=example_inputs,
+                              example_targets=example_targets, loss_fn=loss_fn,
+                              optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-4),
+                              global_batch_size=plan.training.global_batch_size, plan=plan,
+                              allow_cluster_mismatch=True)
         _pipeline_as_declared(trainer)
+        _ddp_moves_nothing(trainer)
         use_cuda = trainer.device.type == "cuda"      # a GPU plan where CUDA is present
         batch = [_filled(x, plan.training.global_batch_size) for x in
                  list(example_inputs) + ([example_targets] if example_targets is not None

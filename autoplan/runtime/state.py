@@ -2,7 +2,7 @@
 user's modules.
 
 A model built on the meta device is materialized one module at a time (``to_empty`` on the
-module alone, then its own ``reset_parameters``), each rank drawing the same values in the same
+module alone, then filled as ``meta_init.py`` says), each rank drawing the same values in the same
 order, and sliced at once: a rank never holds more than one module's whole weights. Tied
 weights (several names, one tensor) stay one tensor.
 """
@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from autoplan.errors import PlanError
+from autoplan.runtime.meta_init import hf_owners, initialize
 from autoplan.runtime.tp_comm import local_piece, no_grad_gather
 from autoplan.sharding.placement import Placement, local_shape
 
@@ -38,6 +39,8 @@ class LocalState:
         for name, b in model.named_buffers(remove_duplicate=False):
             self.aliases.setdefault(id(b), []).append(name)
         self.materialized: set[int] = set()
+        self.hf_owners: dict[int, nn.Module] | None = None     # (meta_init.py), at first use
+        self.paths: dict[int, str] = {}
         torch.manual_seed(seed)          # the same replicated weights on every rank
 
     def __call__(self, fqn: str, kind: str, p: Placement) -> Any:
@@ -100,14 +103,10 @@ class LocalState:
             return
         self.materialized.add(id(module))
         module.to_empty(device=self.device, recurse=False)
-        reset = getattr(module, "reset_parameters", None)
-        with torch.no_grad():
-            if callable(reset):
-                reset()
-            else:
-                for t in list(module._parameters.values()) + list(module._buffers.values()):
-                    if t is not None and t.is_floating_point():
-                        t.normal_(0.0, 0.02)
+        if self.hf_owners is None:
+            self.hf_owners = hf_owners(self.model)
+            self.paths = {id(m): n for n, m in self.model.named_modules(remove_duplicate=False)}
+        initialize(module, self.paths.get(id(module), ""), self.hf_owners.get(id(module)))
 
 
 def tied_names(model: nn.Module) -> dict[str, tuple[str, ...]]:
