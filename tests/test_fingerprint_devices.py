@@ -1,7 +1,7 @@
 """A plan made where `autoplan plan` traces (the meta device, for a GPU cluster) matches the
-model traced where the ranks trace it (the CPU): the fingerprint and op keys leave out whether a
-reshape is a view or a copy, which follows the device's kernel layouts (SDPA's output is
-(B, S, H, D)-strided on the CPU and CUDA, contiguous on meta). Plans written with the older form
+model traced where the ranks trace it (the CPU): a meta model is traced as fake CPU tensors, so
+its graph is the CPU's; and the fingerprint and op keys leave out whether a reshape is a view
+or a copy, which follows the device's kernel layouts. Plans written with the older form
 (autoplan 0.1) still match and bind."""
 
 import dataclasses
@@ -17,14 +17,36 @@ def _graph(name, device):
     return trace(ex.model, ex.example_inputs, loss_fn=ex.loss_fn, targets=ex.targets, name=name)
 
 
-@pytest.mark.parametrize("name", ["llama-tiny", "torch-encoder-tiny"])
-def test_meta_and_cpu_traces_get_one_fingerprint_and_one_set_of_op_keys(name):
+@pytest.mark.parametrize("name", ["llama-tiny", "torch-encoder-tiny", "hf-mixtral-tiny",
+                                  "region-llama-tiny"])
+def test_a_model_built_on_meta_traces_as_on_the_cpu(name):
+    """The meta device lays SDPA's output out otherwise (llama-tiny, torch's encoder), HF
+    Mixtral's router counts experts in floats on the CPU only, a region keyed on the tensors'
+    device has no autocast on meta (it failed to trace): the meta model is traced as fake CPU
+    tensors, so its graph is the CPU's, value for value."""
+    if name.startswith("hf-"):
+        pytest.importorskip("transformers")
     meta, cpu = _graph(name, "meta"), _graph(name, "cpu")
-    # the traces do differ: a reshape after attention is a copy on meta, a view on the CPU
-    assert [v.base for v in meta.values] != [v.base for v in cpu.values]
-    assert meta.aliasing_fingerprint() != cpu.aliasing_fingerprint()
+    assert meta.values == cpu.values and meta.ops == cpu.ops
     assert meta.fingerprint() == cpu.fingerprint()
-    assert sorted(meta.op_keys().values()) == sorted(cpu.op_keys().values())
+
+
+def test_the_fingerprint_leaves_out_whether_a_reshape_is_a_view():
+    """A trace whose reshape after attention is a copy (as the meta device's or another
+    device's kernel layout makes it) has the fingerprint and op keys of one where it is a
+    view; the older form (autoplan 0.1's plans) tells them apart."""
+    from autoplan.graph.opgraph import OpGraph
+    cpu = _graph("llama-tiny", "cpu")
+    d = cpu.to_dict()
+    views = [v for v in d["values"] if v["kind"] == "activation" and v["base"] != v["name"]
+             and v["base"].startswith("scaled_dot_product_attention")]
+    assert views
+    for v in views:
+        v["base"] = v["name"]                    # a copy, not a view of the kernel's output
+    copied = OpGraph.from_dict(d)
+    assert copied.aliasing_fingerprint() != cpu.aliasing_fingerprint()
+    assert copied.fingerprint() == cpu.fingerprint()
+    assert dict(copied.op_keys()) == dict(cpu.op_keys())
 
 
 def test_a_gpu_plan_traced_on_meta_binds_every_op_of_the_cpu_trace():

@@ -59,3 +59,50 @@ def test_ilp_holds_the_tied_weight_once():
     first = tuple(0 for _ in red.nodes)
     assert held_params(graph, red, 1, 1).dense.value(red.problem, first) == unique
     assert red.problem.memory(first) == 16.0 * unique
+
+
+def _walked(ci, spans):
+    """The plain walk over every op's inputs that ``held_params.repeated_params`` replaces by
+    bisecting the graph's parameter reads: the oracle it must agree with."""
+    from autoplan.estimate.held_params import Repeated, experts_of, held_elements
+    graph, found = ci.graph, experts_of(ci)
+    counted, fqns = set(), set()
+    elements = experts = 0.0
+    tensors = 0
+    for start, stop in spans:
+        mine = {}
+        for i in range(start, stop):
+            for n in graph.ops[i].inputs:
+                v = graph.value(n)
+                if v.kind == "param" and v.base not in mine:
+                    mine[v.base] = held_elements(ci, i, n, found)
+        for base, (held, expert) in mine.items():
+            if base in counted:
+                elements += held
+                experts += held if expert else 0.0
+                tensors += 1
+                fqns.add(graph.value(base).fqn)
+        counted.update(mine)
+    return Repeated(elements, experts, tensors, frozenset(fqns))
+
+
+def test_repeated_weights_agree_with_walking_every_op():
+    import random
+
+    from autoplan.estimate.estimator import cost_inputs
+    from autoplan.estimate.held_params import repeated_params
+    tiny, *_ = _model()
+    moe = build_example("titan-moe-tiny", batch_size=1)
+    moe_graph = trace(moe.model, moe.example_inputs, loss_fn=moe.loss_fn, targets=moe.targets)
+    rng = random.Random(0)
+    for graph, kw in ((tiny, dict(tp=2)), (tiny, {}), (moe_graph, dict(ep=2, dp=2))):
+        config = ParallelConfig(micro_batch_size=1, precision="fp32", **kw)
+        ci = cost_inputs(graph, Cluster.local(config.world_size), config, None, None, 1.0)
+        n = len(graph.ops)
+        for _ in range(40):
+            cuts = sorted(rng.sample(range(n + 1), rng.randint(2, 6)))
+            spans = [(a, b) for a, b in zip(cuts, cuts[1:])]
+            rng.shuffle(spans)
+            assert repeated_params(ci, spans) == _walked(ci, spans), spans
+        assert repeated_params(ci, [(0, n), (0, n)]).tensors == len(
+            {graph.value(b).name for _, b in graph.param_reads[1]})

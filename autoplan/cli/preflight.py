@@ -179,25 +179,8 @@ def _model_advice(plan: Any, args: argparse.Namespace, graph: Any, what: str) ->
                     f"{have}{default}. Run with --layers {want}, as the plan was made")
         return (f"the plan's model has {want} layers, this {args.model} {have}: pass the "
                 f"--layers (and --seq-len) given to `autoplan plan` ({what})")
-    if not args.meta and ":" not in args.model and _fits_on_meta(plan, args):
-        return (f"{args.model} traces differently on the meta device, where `autoplan plan` "
-                "traced it (the default for a GPU cluster), than on the CPU, where the ranks "
-                "build and trace it: its forward branches on its tensors' device (as Hugging "
-                "Face's MoE routers count experts in floats on the CPU). Re-plan it traced on "
-                f"the CPU: autoplan plan {args.model} --device cpu ... (or run with --meta)")
     return (f"{what}. Pass `autoplan run` the --layers, --seq-len and --meta the plan was made "
             f"with (the plan's model: {m.name}, {planned}), or re-plan this model")
-
-
-def _fits_on_meta(plan: Any, args: argparse.Namespace) -> bool:
-    """The model built on the meta device, as ``autoplan plan`` traces it for a GPU cluster,
-    is the plan's."""
-    from autoplan.planner.planfile import model_fingerprint
-    try:
-        graph = _trace(argparse.Namespace(**{**vars(args), "meta": True}), plan, args.layers)
-    except AutoplanError:
-        return False
-    return model_fingerprint(plan, graph) == plan.model.fingerprint
 
 
 def _buildable(name: str) -> bool:

@@ -10,6 +10,7 @@ last stage, their gradients all-reduced between them): counted on both.
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -52,17 +53,17 @@ def repeated_params(ci: Any, spans: Iterable[tuple[int, int]]) -> Repeated:
     """Of the parameter storages the ops of ``spans`` ((start, stop) ranges, each counting
     every storage it reads once) read, those a later span reads again, as that span holds them."""
     graph, found = ci.graph, experts_of(ci)
+    index, reads = graph.param_reads
     counted: set[str] = set()
     elements = experts = 0.0
     tensors = 0
     fqns: set[str] = set()
     for start, stop in spans:
-        mine: dict[str, tuple[float, bool]] = {}
-        for i in range(start, stop):
-            for n in graph.ops[i].inputs:
-                v = graph.value(n)
-                if v.kind == "param" and v.base not in mine:
-                    mine[v.base] = held_elements(ci, i, n, found)
+        mine: dict[str, tuple[float, bool]] = {}      # each storage as its first reader reads it
+        for k in range(bisect_left(index, start), bisect_left(index, stop)):
+            n, base = reads[k]
+            if base not in mine:
+                mine[base] = held_elements(ci, index[k], n, found)
         for base, (held, expert) in mine.items():
             if base in counted:
                 elements += held

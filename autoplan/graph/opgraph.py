@@ -188,6 +188,22 @@ class OpGraph:
         return tuple(v for v in self.values if v.kind == "param")
 
     @cached_property
+    def param_reads(self) -> tuple[tuple[int, ...], tuple[tuple[str, str], ...]]:
+        """Every parameter an op reads, in op and argument order: the ops' indices (ascending)
+        and, beside each, the value read and the storage it is (``base``). For what op ranges
+        read (bisect the indices) without walking every op's inputs."""
+        index: list[int] = []
+        reads: list[tuple[str, str]] = []
+        values = self._values_by_name
+        for i, op in enumerate(self.ops):
+            for n in op.inputs:
+                v = values[n]
+                if v.kind == "param":
+                    index.append(i)
+                    reads.append((n, v.base))
+        return tuple(index), tuple(reads)
+
+    @cached_property
     def buffers(self) -> tuple[Value, ...]:
         return tuple(v for v in self.values if v.kind == "buffer")
 

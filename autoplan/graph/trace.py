@@ -128,20 +128,10 @@ def _trace_error(exc: BaseException, model_name: str, stack: list[str]) -> Trace
         f"  module: {module}\n"
         f"  source: {where}\n"
         f"  error:  {type(exc).__name__}: {original}\n"
-        f"  what to try: {_advice(exc, where)}")
-
-
-def _advice(exc: BaseException, where: str) -> str:
-    if "autocast" in where and "scalarType" in str(exc):
-        return ("the model opens torch.autocast on its tensors' device, and the meta device "
-                "(where autoplan traces a model for a GPU cluster, allocating nothing) has no "
-                "autocast: trace it on the CPU (`autoplan plan ... --device cpu`, or build the "
-                "model on the CPU for autoplan.plan), or skip the region on meta as Hugging "
-                "Face's maybe_autocast does (when x.device.type == \"meta\").")
-    return ("remove data-dependent Python control flow and .item()/.tolist() calls "
-            "from forward (use torch.where / torch.cond), avoid Python-side shape asserts on "
-            "tensor values, pass use_cache=False to Hugging Face models, and check that the "
-            "example inputs have the shapes the model expects.")
+        "  what to try: remove data-dependent Python control flow and .item()/.tolist() calls "
+        "from forward (use torch.where / torch.cond), avoid Python-side shape asserts on "
+        "tensor values, pass use_cache=False to Hugging Face models, and check that the "
+        "example inputs have the shapes the model expects.")
 
 
 # ---- the tracer -------------------------------------------------------------------------------
@@ -205,9 +195,16 @@ def export_program(model: nn.Module, example_inputs: Sequence[Any], *,
     step runs: the dtypes the model reads at run time (``x.to(q.dtype)``, HF's RMSNorm casting
     back to its input's dtype), the autocast-disabled regions it opens only when autocast is on
     (HF's rotary embeddings), and dtype-keyed branches are what eager ``torch.autocast`` would
-    meet, not what an fp32 trace baked in. Torch keeps no autocast for meta tensors: a model
-    on the meta device is exported as fake tensors on ``device`` (the device the step runs on;
-    nothing is allocated), so its graph is that device's 16-bit program too.
+    meet, not what an fp32 trace baked in.
+
+    A model on the meta device is exported as fake tensors (shapes and strides, no memory) on
+    ``device`` (the device the step runs on), the CPU by default, never on meta: the meta
+    device's kernels lay out outputs otherwise (SDPA's, so the reshape after it is a copy
+    there and a view on the CPU and CUDA), models branch on their tensors' device (Hugging
+    Face's MoE routers count experts in floats on the CPU; autocast regions are keyed on it,
+    and meta has no autocast), so a meta trace would not be the graph the ranks trace from the
+    model built on the CPU, nor run. Views among the inputs stay views (targets that are the
+    shifted tokens).
 
     ``weights_dtype`` (16-bit weights, ``mixed_precision="params"``): the model is exported as
     ``model.to(weights_dtype)`` would run (its floating parameters and buffers in that dtype,
@@ -235,9 +232,8 @@ def export_program(model: nn.Module, example_inputs: Sequence[Any], *,
     fakes = contextlib.nullcontext()
     if _on_meta(model):
         inputs = _to_meta_inputs(inputs)
-        if autocast_dtype not in (None, torch.float32) and device is not None \
-                and device.type != "meta":
-            fakes = _fakes_on(model, device)
+        fakes = _fakes_on(model, device if device is not None and device.type != "meta"
+                          else torch.device("cpu"))
     was_training = model.training
     model.train(train)
     t0 = time.perf_counter()
@@ -307,8 +303,13 @@ def _fakes_on(model: nn.Module, device: torch.device):
         if not isinstance(t, torch.Tensor) or not t.is_meta:
             return t
         if id(t) not in made:
-            with mode:
-                f = torch.empty(t.shape, dtype=t.dtype, device=device)
+            if t._base is not None:      # a view stays a view of its base (targets that are
+                base = fake(t._base)     # the shifted tokens: the CPU trace sees the alias)
+                with mode:
+                    f = base.as_strided(t.shape, t.stride(), t.storage_offset())
+            else:
+                with mode:
+                    f = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device)
             made[id(t)] = (nn.Parameter(f, requires_grad=t.requires_grad)
                            if isinstance(t, nn.Parameter) else f)
         return made[id(t)]
