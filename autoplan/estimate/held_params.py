@@ -52,26 +52,59 @@ def experts_of(ci: Any) -> Any:
 def repeated_params(ci: Any, spans: Iterable[tuple[int, int]]) -> Repeated:
     """Of the parameter storages the ops of ``spans`` ((start, stop) ranges, each counting
     every storage it reads once) read, those a later span reads again, as that span holds them."""
-    graph, found = ci.graph, experts_of(ci)
-    index, reads = graph.param_reads
+    graph = ci.graph
+    spans_read = _held_table(ci).spans
     counted: set[str] = set()
     elements = experts = 0.0
     tensors = 0
     fqns: set[str] = set()
-    for start, stop in spans:
-        mine: dict[str, tuple[float, bool]] = {}      # each storage as its first reader reads it
-        for k in range(bisect_left(index, start), bisect_left(index, stop)):
-            n, base = reads[k]
-            if base not in mine:
-                mine[base] = held_elements(ci, index[k], n, found)
-        for base, (held, expert) in mine.items():
+    for span in spans:
+        mine = spans_read(span)
+        for base, (elems, expert) in mine.items():
             if base in counted:
-                elements += held
-                experts += held if expert else 0.0
+                elements += elems
+                experts += elems if expert else 0.0
                 tensors += 1
                 fqns.add(graph.value(base).fqn)
         counted.update(mine)
     return Repeated(elements, experts, tensors, frozenset(fqns))
+
+
+class _HeldReads:
+    """``held_elements`` of every read in ``graph.param_reads`` for one sharding and expert
+    parallelism (all it depends on), and each span's storages as their first readers read them
+    (the search prices the same layer ranges in many stages)."""
+
+    def __init__(self, ci: Any):
+        self.graph, self.sharding = ci.graph, ci.sharding   # (their ids key the cache)
+        experts = experts_of(ci)
+        self.index, reads = ci.graph.param_reads
+        self.bases = [base for _, base in reads]
+        self.held = [held_elements(ci, i, n, experts) for i, (n, _) in zip(self.index, reads)]
+        self._spans: dict[tuple[int, int], dict[str, tuple[float, bool]]] = {}
+
+    def spans(self, span: tuple[int, int]) -> dict[str, tuple[float, bool]]:
+        found = self._spans.get(span)
+        if found is None:
+            found = {}
+            for k in range(bisect_left(self.index, span[0]), bisect_left(self.index, span[1])):
+                found.setdefault(self.bases[k], self.held[k])
+            self._spans[span] = found
+        return found
+
+
+_HELD: dict[tuple[int, int, int], _HeldReads] = {}
+_HELD_ENTRIES = 32
+
+
+def _held_table(ci: Any) -> _HeldReads:
+    key = (id(ci.graph), id(ci.sharding), ci.config.ep)
+    found = _HELD.get(key)
+    if found is None:
+        if len(_HELD) >= _HELD_ENTRIES:
+            _HELD.pop(next(iter(_HELD)))
+        found = _HELD[key] = _HeldReads(ci)
+    return found
 
 
 def rank_repeated(ci: Any, chunk_spans: Sequence[Sequence[tuple[int, int]]]) -> Repeated:
