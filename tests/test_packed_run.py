@@ -128,3 +128,19 @@ def test_a_graph_given_position_ids_is_priced_as_document_masked_causal():
     assert shares[0][0] == pytest.approx(PackedWork(h, 32).dense_share(causal=True))
     assert shares[0][0] != pytest.approx(PackedWork(h, 32).dense_share(causal=False))
     assert shares[0][1] == 0.5          # a ring computes every block whole: half the square
+
+
+def test_verify_checks_a_packed_plan_on_packed_documents(tmp_path, capsys):
+    """`autoplan verify` of a plan for packed documents runs the shrunk plan and one device
+    on the same packed rows (it refused the plan as another model's: its graph takes
+    position ids)."""
+    from autoplan.cli.main import main
+    lengths = tmp_path / "lengths.csv"
+    lengths.write_text(LENGTHS)
+    plan = str(tmp_path / "p.json")
+    assert main(["plan", "llama-tiny", "--cluster", "local:2", "--global-batch", "4",
+                 "--seq-lengths", str(lengths), "-q", "-o", plan]) == 0
+    capsys.readouterr()
+    assert main(["verify", plan, "--model", "llama-tiny", "--ranks", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "packed with documents" in out and "PASS" in out

@@ -4,8 +4,10 @@ The plan's family (its parallel axes at degree 2, ZeRO stage, sequence paralleli
 recomputation, schedule, offload) and its per-op strategies run on a shrunk copy of the model
 (fewer layers, same widths: every split the plan makes still divides) on the ranks at hand:
 CPU processes on gloo where there is no GPU. After a few AdamW steps in fp32 every parameter is
-compared with the same training on one device. Prints the worst relative error per parameter
-group and a verdict; exits 0 when all are within --tolerance, 1 when not, 2 when the run failed.
+compared with the same training on one device. A plan for packed documents (`plan
+--seq-lengths`) runs both on rows packed as its documents, as `autoplan run` trains. Prints the
+worst relative error per parameter group and a verdict; exits 0 when all are within
+--tolerance, 1 when not, 2 when the run failed.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ def run(args: argparse.Namespace) -> int:
     from autoplan.planner.planfile import plan_from_file
     from autoplan.planner.search import plan as make_plan
     from autoplan.planner.shrink import layers_needed, shrunk_force, transfer_sharding
+    from autoplan.runtime.packed_data import packed_run_examples
     from autoplan.runtime.verify import build
     from autoplan.sharding.mesh_axes import BASE_AXES, ParallelDims
 
@@ -66,6 +69,9 @@ def run(args: argparse.Namespace) -> int:
             raise PlanError(str(e)) from e
         seq = None
         small = build(args.model, layers=layers, batch=1, seq_len=None)
+    documents = plan.training.length_histogram()    # packed documents, as `run` trains them
+    if documents is not None:
+        _, small = packed_run_examples(None, small, documents)
     graph = trace(small.model, small.example_inputs, loss_fn=small.loss_fn,
                   targets=small.targets, name=plan.model.name)
     full_layers = len(plan.recompute)
@@ -74,12 +80,14 @@ def run(args: argparse.Namespace) -> int:
     gbs = force["dp"] * per_replica
     shrunk = make_plan(graph, Cluster.local(world), global_batch_size=gbs, precision="fp32",
                        profile=None, force=force, fixed_sharding=sh, max_pp=force["pp"],
-                       name=plan.model.name)
+                       name=plan.model.name, seq_lengths=documents)
     cfg = shrunk.config
     print(f"verify {args.plan} ({plan.model.name}, {plan.config.short()}) on this machine:")
     print(f"  family {cfg.short()} on {world} CPU rank(s) (gloo), the plan's per-op "
           f"strategies on {layers} of its {full_layers} layers"
-          + (f", sequence {seq}" if seq else "") + f", global batch {gbs}, "
+          + (f", sequence {seq}" if seq else "")
+          + (f" packed with documents of {documents.describe()}" if documents else "")
+          + f", global batch {gbs}, "
           f"{args.steps} AdamW steps in fp32 with dropout off (low precision and random masks "
           "would hide sharding errors)")
     if adapted:

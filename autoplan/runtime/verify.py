@@ -22,6 +22,7 @@ from autoplan.process_exit import exit_now
 from autoplan.models import load_user_example, build_example, get_config
 from autoplan.models.registry import layer_overrides
 from autoplan.planner.planfile import plan_from_file
+from autoplan.runtime.packed_data import packed_run_examples
 from autoplan.runtime.trainer import compile
 
 
@@ -161,8 +162,16 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     plan = plan_from_file(args.plan)
     gbs = plan.training.global_batch_size
-    ex = build(args.model, layers=args.layers, batch=gbs, seq_len=args.seq_len)
-    small = build(args.model, layers=args.layers, batch=1, seq_len=args.seq_len)
+    documents = plan.training.length_histogram()     # a plan for packed documents, or None
+
+    def examples(batch: int) -> tuple[Any, Any]:
+        """(the rows, the traced example): packed as the plan's documents where it has them,
+        as `autoplan run` packs them (``packed_data.py``)."""
+        data = build(args.model, layers=args.layers, batch=batch, seq_len=args.seq_len)
+        small = build(args.model, layers=args.layers, batch=1, seq_len=args.seq_len)
+        return (data, small) if documents is None else packed_run_examples(data, small,
+                                                                            documents)
+    ex, small = examples(gbs)
     trainer = compile(ex.model, "local", example_inputs=small.example_inputs,
                       example_targets=small.targets, loss_fn=ex.loss_fn, optimizer=_optimizer,
                       global_batch_size=gbs, plan=plan)
@@ -175,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
         for part in parts:
             state.update(part)
     if trainer.rank == 0:
-        ref = build(args.model, layers=args.layers, batch=gbs, seq_len=args.seq_len)
+        ref, _ = examples(gbs)
         opt = _optimizer(ref.model.parameters())
         ref_losses = []
         for _ in range(args.steps):
