@@ -163,15 +163,15 @@ def main(argv: list[str] | None = None) -> int:
     plan = plan_from_file(args.plan)
     gbs = plan.training.global_batch_size
     documents = plan.training.length_histogram()     # a plan for packed documents, or None
+    unpacked = build(args.model, layers=args.layers, batch=1, seq_len=args.seq_len)
 
-    def examples(batch: int) -> tuple[Any, Any]:
-        """(the rows, the traced example): packed as the plan's documents where it has them,
-        as `autoplan run` packs them (``packed_data.py``)."""
-        data = build(args.model, layers=args.layers, batch=batch, seq_len=args.seq_len)
-        small = build(args.model, layers=args.layers, batch=1, seq_len=args.seq_len)
-        return (data, small) if documents is None else packed_run_examples(data, small,
-                                                                            documents)
-    ex, small = examples(gbs)
+    def rows() -> tuple[Any, Any]:
+        """(the global batch's rows, the traced example): packed as the plan's documents where
+        it has them, as `autoplan run` packs them (``packed_data.py``)."""
+        data = build(args.model, layers=args.layers, batch=gbs, seq_len=args.seq_len)
+        return ((data, unpacked) if documents is None
+                else packed_run_examples(data, unpacked, documents))
+    ex, small = rows()
     trainer = compile(ex.model, "local", example_inputs=small.example_inputs,
                       example_targets=small.targets, loss_fn=ex.loss_fn, optimizer=_optimizer,
                       global_batch_size=gbs, plan=plan)
@@ -184,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
         for part in parts:
             state.update(part)
     if trainer.rank == 0:
-        ref, _ = examples(gbs)
+        ref, _ = rows()
         opt = _optimizer(ref.model.parameters())
         ref_losses = []
         for _ in range(args.steps):
