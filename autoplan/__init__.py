@@ -21,7 +21,7 @@ from autoplan.sharding.parallel_config import ParallelConfig
 
 __all__ = ["AutoplanError", "Cluster", "ClusterError", "ConfigError", "Estimate", "Example", "HeteroEstimate", "HeteroPlan",
            "NoFeasiblePlanError", "OpGraph", "ParallelConfig", "Plan", "PlanError", "PoolsPlan", "ProfileError",
-           "TraceError", "Trainer", "compile", "estimate", "estimate_hetero", "load_plan", "plan", "plan_hetero", "plan_pools", "trace",
+           "TraceError", "Trainer", "compile", "empty_weights", "estimate", "estimate_hetero", "load_plan", "plan", "plan_hetero", "plan_pools", "trace",
            "__version__"]
 
 
@@ -29,6 +29,9 @@ def __getattr__(name: str):
     if name in ("compile", "Trainer"):
         from autoplan.runtime import trainer    # lazily: planning never loads the runtime
         return getattr(trainer, name)
+    if name == "empty_weights":
+        from autoplan.models.empty_weights import empty_weights   # lazily: needs torch.nn
+        return empty_weights
     if name == "Example":
         from autoplan.models.registry import Example    # lazily: the models need torch.nn
         return Example

@@ -97,3 +97,58 @@ def test_a_gpu_presets_plan_runs_on_the_model_built_on_the_cpu(name, tmp_path):
               "--master-port", str(free_port()))
     assert out.returncode == 0, out.stderr[-3000:]
     assert "step   1  loss" in out.stdout
+
+
+class _PicksByDevice(nn.Module if (nn := __import__("torch").nn) else object):
+    """A model that computes otherwise on a GPU, as HF's MoE routers and autocast regions do."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.register_buffer("scale", __import__("torch").full((8,), 2.0))
+
+    def forward(self, x):
+        y = self.lin(x) * self.scale
+        return y.float().cumsum(-1) if y.device.type == "cuda" else y.relu()
+
+
+@pytest.mark.parametrize("name", ["hf-mixtral-tiny", "picks-by-device"])
+def test_a_model_on_a_gpu_is_planned_from_the_cpu_graph(name):
+    """`compile()` of a model the user moved to a GPU: its planning trace is the CPU's graph
+    (fakes), as a meta model's is, so a plan `autoplan plan` made for a GPU cluster binds. The
+    GPU here is fake CUDA tensors (no CUDA on this machine): weights, buffers and inputs."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    if name.startswith("hf-"):
+        pytest.importorskip("transformers")
+        ex = build_example(name, device="cpu", batch_size=1, seed=0)
+        model, inputs, kw = ex.model, ex.example_inputs, dict(loss_fn=ex.loss_fn,
+                                                              targets=ex.targets)
+    else:
+        model, inputs, kw = _PicksByDevice(), (torch.randn(2, 8),), {}
+    cpu = trace(model, inputs, **kw)
+    mode = FakeTensorMode()
+
+    made = {}
+
+    def on_gpu(t):               # (targets that are a view of the tokens stay one)
+        if id(t) not in made:
+            base = on_gpu(t._base) if t._base is not None else None
+            with mode:
+                made[id(t)] = (base.as_strided(t.shape, t.stride(), t.storage_offset())
+                               if base is not None else torch.empty_strided(
+                                   t.shape, t.stride(), dtype=t.dtype, device="cuda"))
+        return made[id(t)]
+    for module in model.modules():
+        for table in (module._parameters, module._buffers):
+            for attr, t in list(table.items()):
+                if t is not None:
+                    g = on_gpu(t)
+                    table[attr] = nn.Parameter(g, t.requires_grad) if isinstance(
+                        t, nn.Parameter) else g
+    gpu_inputs = tuple(on_gpu(x) for x in inputs)
+    gpu_kw = {k: (on_gpu(v) if isinstance(v, torch.Tensor) else v) for k, v in kw.items()}
+    assert next(model.parameters()).device.type == "cuda"
+    gpu = trace(model, gpu_inputs, **gpu_kw)
+    assert gpu.values == cpu.values and gpu.ops == cpu.ops
+    assert gpu.fingerprint() == cpu.fingerprint()

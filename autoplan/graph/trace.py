@@ -76,12 +76,12 @@ def sixteen_bit_inputs(inputs: Sequence[Any], dtype: torch.dtype) -> tuple:
     return tuple(_cast_floating(x, dtype) for x in inputs)
 
 
-def _to_meta_inputs(inputs: Sequence[Any]) -> tuple:
-    return tuple(x.to("meta") if isinstance(x, torch.Tensor) else x for x in inputs)
-
-
 def _on_meta(model: nn.Module) -> bool:
     return any(p.is_meta for p in model.parameters()) or any(b.is_meta for b in model.buffers())
+
+
+def _off_cpu(model: nn.Module) -> bool:
+    return any(t.device.type != "cpu" for t in (*model.parameters(), *model.buffers()))
 
 
 # ---- errors that help -----------------------------------------------------------------------
@@ -204,22 +204,14 @@ def export_program(model: nn.Module, example_inputs: Sequence[Any], *,
     Face's MoE routers count experts in floats on the CPU; autocast regions are keyed on it,
     and meta has no autocast), so a meta trace would not be the graph the ranks trace from the
     model built on the CPU, nor run. Views among the inputs stay views (targets that are the
-    shifted tokens).
+    shifted tokens). Without ``device`` (the planning trace) a model on a GPU is traced so too:
+    a plan is made from the CPU's graph wherever the model sits.
 
     ``weights_dtype`` (16-bit weights, ``mixed_precision="params"``): the model is exported as
     ``model.to(weights_dtype)`` would run (its floating parameters and buffers in that dtype,
     swapped in for the export only), its floating inputs cast to it and, with a loss, its
     outputs cast to fp32 before the loss, as Megatron-LM's ``Float16Module`` runs a model."""
-    if not isinstance(model, nn.Module):
-        raise TraceError(f"trace() needs an nn.Module, got {type(model).__name__}")
-    if example_inputs is None:
-        raise TraceError("trace() needs example inputs: a tensor (or a tuple of them) shaped "
-                         "like one batch the model takes; meta tensors are fine")
-    inputs = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
-    if not inputs:
-        raise TraceError("trace() needs at least one example input (a tensor of the batch)")
-    if (loss_fn is None) != (targets is None):
-        raise TraceError("pass loss_fn and targets together (or neither)")
+    inputs = _checked_inputs(model, example_inputs, loss_fn, targets)
     model_name = name or type(model).__name__
     root: nn.Module = model
     prefix = ""
@@ -231,9 +223,10 @@ def export_program(model: nn.Module, example_inputs: Sequence[Any], *,
         prefix = "model."
     fakes = contextlib.nullcontext()
     if _on_meta(model):
-        inputs = _to_meta_inputs(inputs)
         fakes = _fakes_on(model, device if device is not None and device.type != "meta"
                           else torch.device("cpu"))
+    elif device is None and _off_cpu(model):      # planning a model that sits on a GPU
+        fakes = _fakes_on(model, torch.device("cpu"))
     was_training = model.training
     model.train(train)
     t0 = time.perf_counter()
@@ -259,6 +252,22 @@ def export_program(model: nn.Module, example_inputs: Sequence[Any], *,
                     outputs=graph.outputs, blocks=graph.blocks, batch_size=graph.batch_size,
                     meta=meta)
     return ep, graph, prefix
+
+
+def _checked_inputs(model: Any, example_inputs: Any, loss_fn: Any, targets: Any) -> tuple:
+    """The example inputs as a tuple, or a TraceError that says what trace() needs."""
+    if not isinstance(model, nn.Module):
+        raise TraceError(f"trace() needs an nn.Module, got {type(model).__name__}")
+    if example_inputs is None:
+        raise TraceError("trace() needs example inputs: a tensor (or a tuple of them) shaped "
+                         "like one batch the model takes; meta tensors are fine")
+    inputs = (tuple(example_inputs) if isinstance(example_inputs, (tuple, list))
+              else (example_inputs,))
+    if not inputs:
+        raise TraceError("trace() needs at least one example input (a tensor of the batch)")
+    if (loss_fn is None) != (targets is None):
+        raise TraceError("pass loss_fn and targets together (or neither)")
+    return inputs
 
 
 @contextmanager
@@ -291,16 +300,17 @@ def _weights_in(model: nn.Module, dtype: torch.dtype | None):
 
 @contextmanager
 def _fakes_on(model: nn.Module, device: torch.device):
-    """``model``'s meta parameters and buffers swapped for fake tensors on ``device`` (shapes,
-    dtypes and a device, no memory) while the block runs, tied ones staying tied; yields the
-    function that makes a meta input such a fake."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
+    """``model``'s parameters and buffers swapped for fake tensors on ``device`` (shapes,
+    dtypes and a device, no memory; also those that hold values: a GPU model's, a buffer
+    computed on the CPU beside meta weights) while the block runs, tied ones staying tied;
+    yields the function that makes an input such a fake."""
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
     mode = FakeTensorMode()
     made: dict[int, torch.Tensor] = {}
     swapped: list[tuple[dict, str, torch.Tensor]] = []
 
     def fake(t: Any) -> Any:
-        if not isinstance(t, torch.Tensor) or not t.is_meta:
+        if not isinstance(t, torch.Tensor) or (isinstance(t, FakeTensor) and t.fake_mode is mode):
             return t
         if id(t) not in made:
             if t._base is not None:      # a view stays a view of its base (targets that are
@@ -316,7 +326,7 @@ def _fakes_on(model: nn.Module, device: torch.device):
     for module in model.modules():
         for table in (module._parameters, module._buffers):
             for attr, t in list(table.items()):
-                if t is not None and t.is_meta:
+                if t is not None:
                     table[attr] = fake(t)
                     swapped.append((table, attr, t))
     try:

@@ -22,6 +22,7 @@ from torch import nn
 
 from autoplan.gc_pause import with_fewer_collections
 from autoplan.models.dlrm import DLRM, DLRM_CONFIGS, DLRMConfig
+from autoplan.models.empty_weights import empty_weights
 from autoplan.models.gpt import GPT, GPT_CONFIGS
 from autoplan.models.hf import HF_CONFIGS, HFModelConfig, build_hf_model
 from autoplan.models.llama import LLAMA_CONFIGS, Llama
@@ -189,6 +190,9 @@ class _Entry:
     # None: not a sequence model (seq_len must not be given). Otherwise the longest sequence
     # the config accepts, or 0 for no limit (rotary positions).
     max_seq_len: Callable[[Any], int | None]
+    # built for the meta device under empty_weights() (the buffers its __init__ computes kept
+    # on the CPU), not torch.device("meta"): models without an init_weights() that refills them
+    meta_keeps_buffers: bool = False
 
 
 def _no_seq(config: Any) -> None:
@@ -224,7 +228,8 @@ def _entries() -> dict[str, _Entry]:
         entries[name] = _Entry(family=f"zoo-{cfg.architecture}", config=cfg, build=build_zoo,
                                make_inputs=_zoo_inputs, loss_fn=_ZOO_LOSS[kind],
                                max_seq_len=(_no_seq if kind == "image"
-                                            else lambda c: c.max_positions))
+                                            else lambda c: c.max_positions),
+                               meta_keeps_buffers=True)
     return entries
 
 
@@ -303,7 +308,8 @@ def build_example(name: str, *, device: str | torch.device = "cpu", batch_size: 
                   seq_len: int | None = None, seed: int = 0, **overrides: Any) -> Example:
     """Build the named model with inputs, targets and loss.
 
-    ``device="meta"`` builds shapes only (parameters and inputs on meta). ``seq_len`` (sequence
+    ``device="meta"`` builds shapes only (parameters and inputs on meta; the buffers a zoo
+    model computes when built, such as torchtitan's rotary table, on the CPU). ``seq_len`` (sequence
     models only) defaults to the config's. ``overrides`` replace config fields, e.g.
     ``num_layers=2, attention="sdpa", dropout=0.0``. The model is returned in train mode.
     """
@@ -331,7 +337,9 @@ def build_example(name: str, *, device: str | torch.device = "cpu", batch_size: 
 
     if device.type != "meta":
         torch.manual_seed(seed)
-    with torch.device(device), quiet_torchao_import():     # (transformers imports torchao)
+    building = (empty_weights() if device.type == "meta" and entry.meta_keeps_buffers
+                else torch.device(device))
+    with building, quiet_torchao_import():     # (transformers imports torchao)
         model = entry.build(config)
     if device.type != "meta" and hasattr(model, "init_weights"):
         # Re-draw from a fresh seed so that materialize() of a meta build gives these exact

@@ -10,9 +10,11 @@ way the model's authors would, in this order:
 3. otherwise the usual defaults: a norm's 1-D ``weight`` one, a ``bias`` zero, other parameters
    N(0, 0.02).
 
-A floating-point buffer that none of these fills (rotary frequencies or a mask computed in the
-module's ``__init__``) cannot be recovered from the meta device: it is refused with what to do,
-never filled with noise (random rotary frequencies train, silently, another model). Where only
+Tensors that already hold values are kept: buffers computed under ``autoplan.empty_weights()``
+(weights on meta, buffers on the CPU). A floating-point buffer on meta that none of these fills
+(rotary frequencies or a mask computed in the module's ``__init__`` under
+``torch.device("meta")``) cannot be recovered: it is refused with what to do, never filled with
+noise (random rotary frequencies train, silently, another model). Where only
 the bytes and the time count (``emulate``, under :func:`values_unneeded`), it is zero-filled.
 """
 
@@ -58,9 +60,11 @@ def hf_owners(model: nn.Module) -> dict[int, nn.Module]:
     return owners
 
 
-def initialize(module: nn.Module, name: str, hf_owner: nn.Module | None) -> None:
+def initialize(module: nn.Module, name: str, hf_owner: nn.Module | None,
+               held: frozenset[str] = frozenset()) -> None:
     """Fill ``module``'s own tensors (just allocated, not its children's); ``name`` is its path
-    in the model, for the refusal."""
+    in the model, for the refusal; ``held``: the attributes that held values before (buffers
+    computed under ``autoplan.empty_weights()``), put back by the caller, never refused."""
     reset = getattr(module, "reset_parameters", None)
     with torch.no_grad():
         if callable(reset):
@@ -80,7 +84,7 @@ def initialize(module: nn.Module, name: str, hf_owner: nn.Module | None) -> None
             else:
                 p.normal_(0.0, 0.02)
     for attr, b in module._buffers.items():
-        if b is None or not (b.is_floating_point() or b.is_complex()):
+        if b is None or attr in held or not (b.is_floating_point() or b.is_complex()):
             continue
         if _VALUES_UNNEEDED.get():
             with torch.no_grad():
@@ -89,9 +93,10 @@ def initialize(module: nn.Module, name: str, hf_owner: nn.Module | None) -> None
             raise PlanError(
                 f"buffer {name + '.' if name else ''}{attr} of {type(module).__name__} is "
                 "computed when the module is built, and a model built on the meta device holds "
-                "no values for it: give the module a reset_parameters() that fills its tensors "
-                "(as torch's layers have), or build the model on the CPU (drop --meta; "
-                "compile() the model built on the CPU)")
+                "no values for it: build the model under autoplan.empty_weights() instead of "
+                "torch.device('meta') (weights on meta, buffers computed), give the module a "
+                "reset_parameters() that fills its tensors (as torch's layers have), or build "
+                "the model on the CPU (drop --meta)")
 
 
 __all__ = ["hf_owners", "initialize", "values_unneeded"]
