@@ -3,11 +3,14 @@
     torchrun --nproc-per-node 2 examples/hf_architectures.py gemma2
     torchrun --nproc-per-node 4 examples/hf_architectures.py falcon '{"tp": 2, "dp": 2, "zero_stage": 3}'
     torchrun --nproc-per-node 2 examples/hf_architectures.py bloom '{"pp": 2}'
+    torchrun --nproc-per-node 2 examples/hf_architectures.py qwen3_moe '{"tp": 2}' bf16
 
 Builds a small model from its config (2 layers, hidden size 512: no weights are downloaded),
 wraps it as a user would (forward returns logits), lets autoplan plan it with the given fields
-forced (default tp=2), trains 3 AdamW steps in fp32 and compares the losses with the same
-training in one process. Rank 0 prints the plan, how many weights it splits (over tp, and over
+forced (default tp=2), trains 3 AdamW steps in fp32 (or bf16 / fp16: the third argument) and
+compares with the same training in one process: the losses in fp32; in 16 bits, how far the
+plan's weights and losses end from fp32 training, against how far one process under
+``torch.autocast`` ends (within 1.5 times as far, as tests/test_zoo_16bit.py asks). Rank 0 prints the plan, how many weights it splits (over tp, and over
 dp under ZeRO-3) and its most frequent per-op strategies, then one verdict:
 
 - OK: the losses match and the plan splits weights (or pipelines the model), so sharded
@@ -15,7 +18,7 @@ dp under ZeRO-3) and its most frequent per-op strategies, then one verdict:
 - REPLICATED (exit 3; torchrun then reports the rank as failed): the losses match but the plan
   keeps every weight whole on every rank (splitting did not pay for this architecture at this
   size on this machine), so no sharded weight was checked;
-- FAIL (exit 1): the losses differ.
+- FAIL (exit 1): the numbers differ.
 """
 
 from __future__ import annotations
@@ -89,6 +92,22 @@ def configs() -> dict:
         "distilbert": lambda: T.DistilBertForMaskedLM(T.DistilBertConfig(
             vocab_size=VOCAB, dim=HIDDEN, hidden_dim=FFN, n_layers=2, n_heads=HEADS,
             max_position_embeddings=SEQ, dropout=0.0, attention_dropout=0.0)),
+        # later decoders (transformers 5), dense and mixture-of-experts
+        "mistral": lambda: T.MistralForCausalLM(T.MistralConfig(**gqa, head_dim=HEAD_DIM)),
+        "gemma3": lambda: T.Gemma3ForCausalLM(T.Gemma3TextConfig(**gqa, head_dim=HEAD_DIM)),
+        "cohere": lambda: T.CohereForCausalLM(T.CohereConfig(**gqa)),
+        "glm": lambda: T.GlmForCausalLM(T.GlmConfig(**gqa, head_dim=HEAD_DIM)),
+        "smollm3": lambda: T.SmolLM3ForCausalLM(T.SmolLM3Config(**gqa)),
+        "olmo": lambda: T.OlmoForCausalLM(T.OlmoConfig(**gqa)),
+        "helium": lambda: T.HeliumForCausalLM(T.HeliumConfig(**gqa, head_dim=HEAD_DIM)),
+        "qwen2_moe": lambda: T.Qwen2MoeForCausalLM(T.Qwen2MoeConfig(
+            **gqa, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=FFN // 4,
+            shared_expert_intermediate_size=FFN // 2)),
+        "qwen3_moe": lambda: T.Qwen3MoeForCausalLM(T.Qwen3MoeConfig(
+            **gqa, head_dim=HEAD_DIM, num_experts=4, num_experts_per_tok=2,
+            moe_intermediate_size=FFN // 4)),
+        "granitemoe": lambda: T.GraniteMoeForCausalLM(T.GraniteMoeConfig(
+            **gqa, num_local_experts=4, num_experts_per_tok=2)),
     }
 
 
@@ -114,45 +133,89 @@ def loss_fn(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 
 def main() -> int:
     torch.set_num_threads(1)
-    if len(sys.argv) < 2 or sys.argv[1] not in configs():
-        raise SystemExit(f"usage: hf_architectures.py {{{','.join(configs())}}} [FORCE_JSON]")
+    if len(sys.argv) < 2 or sys.argv[1] not in configs() or (
+            len(sys.argv) > 3 and sys.argv[3] not in ("fp32", "bf16", "fp16")):
+        raise SystemExit(f"usage: hf_architectures.py {{{','.join(configs())}}} [FORCE_JSON] "
+                         "[fp32|bf16|fp16]")
     name = sys.argv[1]
     force = json.loads(sys.argv[2]) if len(sys.argv) > 2 else {"tp": 2}
+    precision = sys.argv[3] if len(sys.argv) > 3 else "fp32"
     rank = int(os.environ.get("RANK", "0"))
     g = torch.Generator().manual_seed(1)
     x = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
     y = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
     trainer = autoplan.compile(build(name), "local", example_inputs=(x,), loss_fn=loss_fn,
-                               example_targets=y, global_batch_size=BATCH, precision="fp32",
+                               example_targets=y, global_batch_size=BATCH, precision=precision,
                                optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3),
                                force=force)
-    got = [float(trainer.step((x, y))) for _ in range(3)]
+    got = [float(trainer.step((x, y))) for _ in range(STEPS)]
+    weights = trainer.full_state_dict()          # (every rank gathers)
     if rank != 0:
         return 0
-    model = build(name)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    ref = []
-    for _ in range(3):
-        opt.zero_grad()
-        loss = loss_fn(model(x), y)
-        loss.backward()
-        opt.step()
-        ref.append(loss.item())
-    worst = max(abs(a - b) / abs(b) for a, b in zip(got, ref))
     plan = trainer.plan
+    fp32_losses, w0, fp32 = one_process(name, x, y, "fp32")
+    if precision == "fp32":
+        worst = loss_error(got, fp32_losses)
+        failed, figures = worst > 1e-5, f"worst relative loss difference {worst:.1e}"
+    else:       # against the same training in one process under torch.autocast
+        ref_losses, _, ref = one_process(name, x, y, precision)
+        update = distance(fp32, w0, weights)        # the size of fp32's updates
+        e_ref, e_plan = distance(ref, fp32, weights) / update, distance(weights, fp32) / update
+        l_ref, l_plan = loss_error(ref_losses, fp32_losses), loss_error(got, fp32_losses)
+        failed = (e_plan > 1.5 * e_ref + 1e-3 or l_plan > 1.5 * l_ref + 2.0 ** -10
+                  or min(e_plan, e_ref) <= 1e-4)
+        figures = (f"distance from fp32 training, plan / one process under autocast: "
+                   f"weights {e_plan:.1e} / {e_ref:.1e} of the update, losses {l_plan:.1e} / "
+                   f"{l_ref:.1e}")
     top = Counter(plan.op_strategies.values()).most_common(5)
     split = sharded(plan)
-    verdict = ("FAIL" if worst > 1e-5 else "OK" if split or plan.config.pp > 1
-               else "REPLICATED")
-    print(f"{verdict} {name} {plan.config.short()}: worst relative loss difference "
-          f"{worst:.1e}; {split} of {len(plan.param_placements)} weights split"
-          + _over(plan) + f"; strategies {top}")
+    verdict = ("FAIL" if failed else "OK" if split or plan.config.pp > 1 else "REPLICATED")
+    print(f"{verdict} {name} {plan.config.short()}: {figures}; {split} of "
+          f"{len(plan.param_placements)} weights split" + _over(plan) + f"; strategies {top}")
     if verdict == "REPLICATED":
         ops = sum(s != "replicate" for s in plan.op_strategies.values())
         print(f"  no weight is split: every rank holds every weight whole (the plan splits the "
               f"work of {ops} ops), so this run checked no sharded weights; the planner found "
               "splitting them not worth it here (try a larger HIDDEN)")
     return {"OK": 0, "FAIL": 1, "REPLICATED": 3}[verdict]
+
+
+STEPS = 3
+
+
+def one_process(name: str, x: torch.Tensor, y: torch.Tensor, precision: str):
+    """(losses, first weights, last weights) of the same training in one process: plain fp32,
+    or under ``torch.autocast`` (fp16 with torch's GradScaler)."""
+    model = build(name)
+    w0 = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 16) if precision == "fp16" else None
+    losses = []
+    for _ in range(STEPS):
+        opt.zero_grad()
+        with torch.autocast("cpu", dtype=dtype, enabled=dtype is not None):
+            loss = loss_fn(model(x), y)
+        if scaler is not None:
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+        else:
+            loss.backward()
+            opt.step()
+        losses.append(loss.item())
+    return losses, w0, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def distance(a: dict, b: dict, keys: dict | None = None) -> float:
+    """||a - b|| over the floating-point tensors of two state dicts (those in ``keys``: what
+    rank 0 holds, one pipeline stage's under pp)."""
+    return sum(float((a[k].float() - v.float()).norm()) ** 2 for k, v in b.items()
+               if v.is_floating_point() and k in (keys if keys is not None else a)) ** 0.5
+
+
+def loss_error(losses: list[float], ref: list[float]) -> float:
+    return max(abs(a - b) / abs(b) for a, b in zip(losses, ref))
 
 
 def sharded(plan) -> int:

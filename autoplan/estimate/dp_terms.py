@@ -17,6 +17,7 @@ from typing import Any
 
 from autoplan.cost.compute import ComputeModel
 from autoplan.cost.float8 import gather_scale_work
+from autoplan.cost.dtypes import autocast_on
 from autoplan.cost.memory import GRAD_BYTES, MOMENT_BYTES, PRECISION_BYTES, bytes_per_param
 from autoplan.cost.powersgd import ERROR_FEEDBACK_PASSES, powersgd_cost
 from autoplan.estimate.overlap import overlap_exposed_s
@@ -84,37 +85,16 @@ def stage_terms(config: ParallelConfig, cluster: Any, stage: StageParams, m: int
     # reduce-scattered (ZeRO-3: the weights gathered again) in the last backward
     # (runtime/steps.fsdp_once_a_step), whatever the rank's share
     fsdp_times = 1 if config.dp_shares is not None else m
+    outside32 = fp32_gathered(config, params - whole, stage.layer_params)
     grad_sync, ag, rs = dp_collectives(config, cluster, params - whole, layers, pp_index,
-                                       experts, fp8_params=stage.fp8)
+                                       experts, fp8_params=stage.fp8, fp32_params=outside32)
     if config.grad_compression == "powersgd" and grad_sync > 0:
         # DDP's PowerSGD hook: the factors all-reduced instead, behind the backward as the
         # buckets are; its products run on the compute stream, exposed
         grad_sync, compress_s = powersgd_s(config, cluster, compute, params - whole, pp_index)
         out.append(Term(compress_s, shares=(("dp_grad_sync", 1.0),)))
-    w_bytes = PRECISION_BYTES[config.precision]
     if config.dp > 1 and config.zero_stage in (1, 2):   # updated shards, after the step
-        # ZeRO-1 broadcasts the weights as the model holds them: fp32 under autocast (the
-        # runtime's), 16-bit where they are held in the training precision (Megatron-LM's
-        # distributed optimizer gathers its bf16 weights); FSDP2 (ZeRO-2) gathers them in
-        # the training precision
-        gathered = (PRECISION_BYTES["fp32"]
-                    if config.zero_stage == 1 and config.mixed_precision == "autocast"
-                    else w_bytes)
-        gather = cluster.collective_time_s("all_gather", (params - experts - stage.fp8)
-                                           * gathered + stage.fp8 * FP8_GATHER_BYTES,
-                                           config.dp_shard_group(pp_index=pp_index))
-        if experts:
-            gather += cluster.collective_time_s("all_gather", experts * gathered,
-                                                config.expert_dp_group(pp_index=pp_index))
-        if config.zero_stage == 1:
-            # the runtime issues them after the step and waits for each before the module that
-            # reads it (Megatron-LM's --overlap-param-gather): hidden behind the next forward
-            # but for what the first modules need (the weights outside layers, one layer)
-            lp = stage.layer_params
-            first = gather * (params - lp + lp / layers) / max(params, 1.0)
-            out.append(Term(gather, "fwd", first, shares=(("zero_param_gather", 1.0),)))
-        else:
-            out.append(Term(gather, shares=(("zero_param_gather", 1.0),)))
+        out.append(_updated_shards_term(config, cluster, stage, pp_index, outside32))
     if not simulated:                # else the simulator runs the syncs and FSDP's traffic
         if grad_sync > 0:
             # the dp group's gradient sync (DDP's buckets) hidden behind the last
@@ -273,9 +253,49 @@ def price(terms: list[Term], fwd_s: float, bwd_s: float, interference: float
     return out
 
 
+def _updated_shards_term(config: ParallelConfig, cluster: Any, stage: StageParams,
+                         pp_index: int, outside32: float) -> Term:
+    """ZeRO-1/2's gather of the updated weight shards after the step (``outside32``: of the
+    stage's weights, those FSDP gathers in fp32, ``fp32_gathered``)."""
+    params, experts, layers = stage.params, stage.experts, stage.layers
+    w_bytes = PRECISION_BYTES[config.precision]
+    # ZeRO-1 broadcasts the weights as the model holds them: fp32 under autocast (the
+    # runtime's), 16-bit where they are held in the training precision (Megatron-LM's
+    # distributed optimizer gathers its bf16 weights); FSDP2 (ZeRO-2) gathers them in
+    # the training precision
+    gathered = (PRECISION_BYTES["fp32"]
+                if config.zero_stage == 1 and config.mixed_precision == "autocast"
+                else w_bytes)
+    fp32 = outside32 if config.zero_stage == 2 else 0.0
+    gather = cluster.collective_time_s("all_gather", (params - experts - stage.fp8 - fp32)
+                                       * gathered + fp32 * PRECISION_BYTES["fp32"]
+                                       + stage.fp8 * FP8_GATHER_BYTES,
+                                       config.dp_shard_group(pp_index=pp_index))
+    if experts:
+        gather += cluster.collective_time_s("all_gather", experts * gathered,
+                                            config.expert_dp_group(pp_index=pp_index))
+    if config.zero_stage == 1:
+        # the runtime issues them after the step and waits for each before the module that
+        # reads it (Megatron-LM's --overlap-param-gather): hidden behind the next forward
+        # but for what the first modules need (the weights outside layers, one layer)
+        lp = stage.layer_params
+        first = gather * (params - lp + lp / layers) / max(params, 1.0)
+        return Term(gather, "fwd", first, shares=(("zero_param_gather", 1.0),))
+    return Term(gather, shares=(("zero_param_gather", 1.0),))
+
+
+def fp32_gathered(config: ParallelConfig, params: float, layer_params: float) -> float:
+    """Of ``params``, those FSDP gathers in fp32 though the training is 16-bit: under autocast
+    the weights outside the layers (the embedding table's unit: ``runtime/autocast_weights``),
+    priced so wherever they are (a model without a table gathers them in 16 bits)."""
+    if not (config.uses_fsdp and autocast_on(config.precision, config.mixed_precision)):
+        return 0.0
+    return max(0.0, params - layer_params)
+
+
 def dp_collectives(config: ParallelConfig, cluster: Any, params: float, layers: int,
-                   pp_index: int, expert_params: float = 0.0, *, fp8_params: float = 0.0
-                   ) -> tuple[float, float, float]:
+                   pp_index: int, expert_params: float = 0.0, *, fp8_params: float = 0.0,
+                   fp32_params: float = 0.0) -> tuple[float, float, float]:
     """Seconds of stage ``pp_index``'s dp collectives for ``params`` parameters in ``layers``
     layers: (per-step gradient reduction, per-layer gather, per-layer reduce-scatter). FSDP
     (ZeRO-3) gathers each layer before its forward and again before its backward, then
@@ -283,7 +303,8 @@ def dp_collectives(config: ParallelConfig, cluster: Any, params: float, layers: 
     between micro-batches, but under ``dp_shares``: ``stage_terms`` counts them once); ZeRO-0
     all-reduces the gradients once a step, ZeRO-1 reduce-scatters them once a step, ZeRO-2
     ``reduce_scatters_per_step`` times. ``fp8_params`` of ``params`` are gathered in fp8 (one
-    byte per element: ``cost/float8.py``), their gradients reduced as the rest. Under HSDP the
+    byte per element: ``cost/float8.py``), ``fp32_params`` in fp32 (``fp32_gathered``), their
+    gradients reduced as the rest. Under HSDP the
     gathers and reduce-scatters span a shard group and each reduced shard is then all-reduced
     over the replicas holding it (FSDP2 on a 2-D mesh).
     Under expert parallelism the ``expert_params`` of ``params`` go over the ranks holding the
@@ -305,7 +326,9 @@ def dp_collectives(config: ParallelConfig, cluster: Any, params: float, layers: 
             t += cluster.collective_time_s("reduce_scatter", experts_bytes, edp)
         return t
     if config.zero_stage == 3:
-        layer_bytes = ((params - fp8_params) * w_bytes + fp8_params * FP8_GATHER_BYTES) / layers
+        layer_bytes = ((params - fp8_params - fp32_params) * w_bytes
+                       + fp32_params * PRECISION_BYTES["fp32"]
+                       + fp8_params * FP8_GATHER_BYTES) / layers
         expert_bytes = experts * w_bytes / layers
         gather = cluster.collective_time_s("all_gather", layer_bytes, shard)
         if expert_bytes:

@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from autoplan.estimate.chunk_cost import CostInputs, RangeCost
-from autoplan.estimate.dp_terms import dp_collectives
+from autoplan.estimate.dp_terms import dp_collectives, fp32_gathered
 from autoplan.estimate.overlap import overlap_interference
 from autoplan.estimate.pipeline_sim import W_FRACTION, PipelineTotals, pipeline_totals
 from autoplan.sharding.mesh_axes import MeshAxis
@@ -122,7 +122,9 @@ def _chunk_collectives(config: ParallelConfig, cluster: Any, costs: Sequence[Ran
         grad_sync, ag, rs = dp_collectives(config, cluster, cost.params, layers,
                                             config.chunk_rank(c), cost.expert_params,
                                             fp8_params=cost.elements_of(
-                                                lambda f: f in fp8_gathered))
+                                                lambda f: f in fp8_gathered),
+                                            fp32_params=fp32_gathered(config, cost.params,
+                                                                      cost.layer_params))
         fwd_gathers, bwd_gathers = fsdp_step_counts(m)
         # the tp step all-reduce is priced exposed, per stage; FSDP's reduce-scatter once a
         # step, after the last backward

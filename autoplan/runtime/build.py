@@ -50,6 +50,7 @@ from autoplan.runtime.emit import (Exported, autocast_dtype, compute_dtype, conn
                                    export_for_plan, lower, weights_dtype)
 from autoplan.runtime.master_weights import MasterWeightsOptimizer, keep_main_grads
 from autoplan.runtime.activation_offload import apply_activation_offload
+from autoplan.runtime.autocast_weights import read_as_autocast, reads_tables
 from autoplan.runtime.experts import expert_parameters
 from autoplan.runtime.float8 import Float8Scales, fsdp_float8_weights, fsdp_gathered_fqns
 from autoplan.runtime.rank_failure import for_job
@@ -187,6 +188,8 @@ def rank_program(b: BuildInputs, place: Place, groups: Groups
         keep = used.__contains__          # other ranks' weights stay unallocated
     program = lower(b.model, ex, t=cfg.tp, tp_rank=place.tp, device=b.device, seed=b.seed,
                     keep=keep, ep=(cfg.ep, place.ep), cp=cfg.cp, cp_layout=cfg.cp_layout)
+    if cfg.uses_fsdp and ex.autocast_dtype is not None:    # (16-bit gathers under autocast)
+        read_as_autocast(program.graph_module, ex.graph, b.device)
     dims = cfg.dims
     connect(program.comm_slot, tp=(groups.tp, cfg.tp, place.tp),
             dp=(groups.dp, cfg.grad_degree, dims.index(place.rank, dims.data_axes())),
@@ -303,9 +306,20 @@ def data_parallel(b: BuildInputs, stages: list[Stage], ex: Exported, groups: Gro
         precision = compute_dtype(b.plan)
         if sixteen is not None:       # FSDP's sharded fp32 parameters are the master copy
             _cast_params([s.module for s in stages], torch.float32)
+        root_mp = None
         if precision is not None:
             from torch.distributed.fsdp import MixedPrecisionPolicy
             mp = MixedPrecisionPolicy(param_dtype=precision, reduce_dtype=torch.float32)
+            if ex.autocast_dtype is not None:
+                # under autocast (``autocast_weights.py``): the layers' inputs as they come
+                # (autocast casts what it runs in 16 bits; the residual stream stays fp32),
+                # and the weights outside the layers gathered in fp32 where an embedding
+                # table is among them (its rows are the residual stream's start)
+                mp = MixedPrecisionPolicy(param_dtype=precision, reduce_dtype=torch.float32,
+                                          cast_forward_inputs=False)
+                root_mp = MixedPrecisionPolicy(
+                    param_dtype=None if reads_tables(ex.graph) else precision,
+                    reduce_dtype=torch.float32, cast_forward_inputs=False)
         for st in stages:
             # ZeRO-3 gathers the weights again for every micro-batch, as the estimate prices;
             # the weights the plan keeps whole (dp_whole) stay out of FSDP like scalars
@@ -313,6 +327,7 @@ def data_parallel(b: BuildInputs, stages: list[Stage], ex: Exported, groups: Gro
                     if any(p is q for q in st.module.parameters())}
             whole = par.apply_fsdp(st.module, st.layers, groups.fsdp_mesh,
                                    reshard=cfg.zero_stage == 3, mp_policy=mp,
+                                   root_mp_policy=root_mp,
                                    offload=cfg.offload_params, experts=mine.values(),
                                    expert_mesh=groups.mesh[A.EDP.value] if mine else None,
                                    whole=par.whole_parameters(st.module, cfg.keeps_whole))

@@ -164,7 +164,8 @@ def axis_mesh(mesh: Any, dims: Any, axes: tuple[Any, ...]) -> Any:
 
 def apply_fsdp(model: nn.Module, layer_paths: list[str], dp_mesh, *, reshard: bool,
                mp_policy: Any = None, offload: bool = False, experts: Any = (),
-               expert_mesh: Any = None, whole: Any = ()) -> list[nn.Parameter]:
+               expert_mesh: Any = None, whole: Any = (), root_mp_policy: Any = None
+               ) -> list[nn.Parameter]:
     """FSDP2: one unit per layer, then the root (ZeRO-3 reshards after forward, ZeRO-2 not);
     on a 2-D ``dp_mesh`` (replicate, shard) that is HSDP. ``experts``: the expert weights (this
     rank's slabs, already split over ep), sharded over ``expert_mesh`` (the ranks holding the
@@ -193,7 +194,10 @@ def apply_fsdp(model: nn.Module, layer_paths: list[str], dp_mesh, *, reshard: bo
         kw["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
     units = layer_modules(model, layer_paths) + [model]
     for module in units:
-        fully_shard(module, **kw)
+        if module is model and root_mp_policy is not None:     # the root unit's own policy
+            fully_shard(module, **{**kw, "mp_policy": root_mp_policy})
+        else:
+            fully_shard(module, **kw)
         if experts:
             module.set_gradient_divide_factor(float(dp_mesh.size()))
             if torch.distributed.get_backend() != "nccl":     # gloo has no pre-scaled sum
