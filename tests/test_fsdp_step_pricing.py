@@ -105,3 +105,30 @@ def test_pipelined_zero3_gathers_and_reduces_as_priced():
     for counts, params, units in run_ranks(_pp_count_rank, 4, plan.to_json()):
         assert counts["all_gather"] == [gathers * units, gathers * 4 * params]
         assert counts["reduce_scatter"] == [units, 4 * params]
+
+
+def test_the_root_units_gathers_are_priced_in_the_dtype_the_runtime_gathers_them():
+    """Under 16-bit autocast FSDP gathers the weights outside the layers (the embedding
+    table's unit) in fp32 (runtime/autocast_weights.py): ZeRO-3 holds them gathered through
+    the root's forward and backward, at 4 bytes; under 16-bit weights ("params") at 2; ZeRO-2
+    and weights held whole for the step count 2 already and add the other 2; ZeRO-1 (DDP)
+    gathers nothing. The gathers' time follows: more bytes under autocast."""
+    import dataclasses
+
+    from autoplan.estimate.dp_terms import dp_collectives, fp32_gathered
+    from autoplan.estimate.estimator import root_unit_bytes
+    from autoplan.sharding.parallel_config import ParallelConfig
+    c = ParallelConfig(dp=2, zero_stage=3, precision="bf16")
+    held = StageParams(params=100.0, layer_params=60.0, layers=2)
+    assert c.mixed_precision == "autocast" and fp32_gathered(c, 100.0, 60.0) == 40.0
+    assert root_unit_bytes(c, held, step_whole=False) == 40 * 4
+    params = dataclasses.replace(c, mixed_precision="params")
+    assert fp32_gathered(params, 100.0, 60.0) == 0.0
+    assert root_unit_bytes(params, held, step_whole=False) == 40 * 2
+    assert root_unit_bytes(dataclasses.replace(c, zero_stage=2), held, False) == 40 * 2
+    assert root_unit_bytes(c, held, step_whole=True) == 40 * 2
+    assert root_unit_bytes(dataclasses.replace(c, zero_stage=1), held, False) == 0.0
+    cluster = Cluster.from_spec("dgx-h100/2")
+    _, ag32, _ = dp_collectives(c, cluster, 4e9, 2, 0, fp32_params=2e9)
+    _, ag16, _ = dp_collectives(c, cluster, 4e9, 2, 0)
+    assert ag32 > ag16 > 0

@@ -13,7 +13,7 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 # The error today. Lower these when the model improves; a change that raises them must be
 # justified (and the page regenerated): `python benchmarks/validate.py --markdown docs/validation.md`
-MAPE_CEILING = 0.0583     # 5.7 % on 2026-11-27: the cross entropy priced as torch's fp32 passes
+MAPE_CEILING = 0.0587     # 5.7 % on 2026-11-27: the cross entropy priced as torch's fp32 passes
 #                           over the logits (7.5 -> 7.0 %), overlap interference measured
 #                           (Lee et al. 2025, 18.9 %; 7.0 -> 6.5 %), ZeRO-1's gather in the
 #                           dtype the weights are held in (bf16 for Megatron-LM; 6.5 -> 7.7 %:
@@ -26,7 +26,13 @@ MAPE_CEILING = 0.0583     # 5.7 % on 2026-11-27: the cross entropy priced as tor
 #                           had been counted twice: every GPT row at pp 1 a little faster, the
 #                           H100 rows' under-prediction a little larger); 5.820 % on
 #                           2026-11-28: a meta model traced as fake CPU tensors (the reshape
-#                           after attention is a view, as on the CPU and CUDA, not a copy)
+#                           after attention is a view, as on the CPU and CUDA, not a copy);
+#                           5.863 % on 2026-11-28: FSDP's root unit held gathered through its
+#                           forward and backward under ZeRO-3 (the weights outside the layers,
+#                           not counted before): with the ZeRO-3 candidates' memory the
+#                           search simulated other finalists, and the 177B @96 row found a
+#                           faster plan (interleaved, per-op recompute: 104.4 -> 103.1 s
+#                           predicted against 116.5 s published)
 WORST_CEILING = 0.141     # 1.7B, -14.0 % (-13.4 % with its tied embedding counted twice; -21.9 %
 #                           with its 128K-vocabulary loss priced as one bf16 read)
 MEMORY_HEADROOM = 1.0       # every run's predicted peak fits its GPU

@@ -35,7 +35,7 @@ from autoplan.estimate.arguments import (batch_arg, capacity_arg, cluster_arg,
                                         estimate_options_arg, microbatches_arg, profile_arg)
 from autoplan.estimate.chunk_cost import (CostInputs, RangeCost, cached_on_graph, chunk_cost,
                                           chunk_parts, range_cost, tied_grad_buffer_bytes)
-from autoplan.estimate.dp_terms import StageParams, price, stage_terms
+from autoplan.estimate.dp_terms import StageParams, fp32_gathered, price, stage_terms
 from autoplan.estimate.float8_choice import fp8_choices
 from autoplan.estimate.held_params import rank_repeated
 from autoplan.estimate.layout import chunks_for, in_flight
@@ -354,6 +354,7 @@ def stage_estimate(ci: CostInputs, costs: Sequence[RangeCost], chunks: Sequence[
         # (held whole for the step, the weights and gradients are counted whole instead: the
         # last backward's gathers run with the weights of the last forward freed)
         transient += 2 * ((params - whole) / layers) * PRECISION_BYTES[config.precision] * 2
+    transient += root_unit_bytes(config, held, step_whole)
     # offloaded activations: each micro-batch in flight holds its layers' copies in host memory
     offloaded = sum(c.offload.moved_bytes for c in cs)
     host_acts = offloaded * flight
@@ -374,6 +375,23 @@ def stage_estimate(ci: CostInputs, costs: Sequence[RangeCost], chunks: Sequence[
         activation_bytes_per_microbatch=act_mb, microbatches_in_flight=flight,
         memory=mem, chunks=tuple(chunks[c].layers for c in mine),
         offloaded_activation_bytes_per_microbatch=offloaded)
+
+
+def root_unit_bytes(config: ParallelConfig, held: StageParams, step_whole: bool) -> float:
+    """FSDP's root unit: the weights outside the stage's layers (embedding, final norm, head).
+    Under ZeRO-3 they are gathered through the whole forward, the root's, and again through
+    the whole backward (the runtime reshards the root after its forward too); under autocast
+    in fp32 where they hold a table (``dp_terms.fp32_gathered``). Where the gathered weights
+    are counted already in the training precision (ZeRO-2's kept copies, weights held whole
+    for the step), the fp32 gathers add their other half."""
+    if not config.uses_fsdp or config.grad_degree <= 1:
+        return 0.0
+    w = PRECISION_BYTES[config.precision]
+    in32 = fp32_gathered(config, held.params - held.whole, held.layer_params)
+    if config.zero_stage == 3 and not step_whole:
+        outside = max(0.0, held.params - held.whole - held.layer_params)
+        return (outside - in32) * w + in32 * PRECISION_BYTES["fp32"]
+    return in32 * (PRECISION_BYTES["fp32"] - w)
 
 
 def _stage_states(config: ParallelConfig, held: StageParams, shard_degree: int) -> Any:

@@ -34,10 +34,17 @@ class LocalState:
         self.t, self.rank, self.device, self.seed = t, rank, device, seed
         self.done: dict[str, Any] = {}                      # FQN (every alias) -> local
         self.aliases: dict[int, list[str]] = {}
+        # the meta tensors these ids are of, kept alive (they hold no memory): materializing a
+        # module replaces all its tensors at once, and a freed one's id, given to a new
+        # tensor, named a norm's bias as the tied LM head (one run in three of a meta ZeRO-3
+        # plan). Other tensors are looked up only while they are the model's own
+        self.originals: list[torch.Tensor] = []
         for name, p in model.named_parameters(remove_duplicate=False):
             self.aliases.setdefault(id(p), []).append(name)
+            self.originals += [p] if p.is_meta else []
         for name, b in model.named_buffers(remove_duplicate=False):
             self.aliases.setdefault(id(b), []).append(name)
+            self.originals += [b] if b.is_meta else []
         self.materialized: set[int] = set()
         self.hf_owners: dict[int, nn.Module] | None = None     # (meta_init.py), at first use
         self.paths: dict[int, str] = {}
