@@ -28,7 +28,7 @@ import operator
 from typing import Any
 
 import torch
-from torch import fx, nn
+from torch import fx
 
 from autoplan.graph.opgraph import OpGraph
 from autoplan.runtime.program import OP
@@ -59,9 +59,13 @@ def _kind(node: fx.Node, graph: OpGraph) -> str:
         return t._schema.name.split("::")[-1]
     i = node.meta.get(OP)
     if i is not None and node.op == "call_function":
-        target = graph.ops[i].target
-        return target.split(".")[1] if target.startswith("aten.") else target
+        return _aten_name(graph.ops[i].target)
     return ""
+
+
+def _aten_name(target: str) -> str:
+    """"linear" of an OpGraph op's "aten.linear.default"; another namespace's target whole."""
+    return target.split(".")[1] if target.startswith("aten.") else target
 
 
 def _reads_16bit(node: fx.Node, graph: OpGraph, products: frozenset[str]) -> bool:
@@ -104,16 +108,14 @@ def read_as_autocast(gm: fx.GraphModule, graph: OpGraph, device: torch.device) -
 def reads_tables(graph: OpGraph) -> bool:
     """Whether the program reads rows of a weight (an embedding table): FSDP gathers the
     weights outside the layers, where the tables are, in fp32 then (``build.data_parallel``)."""
-    return any(op.params and op.target.split(".")[1:2] == ["embedding"] for op in graph.ops)
+    return any(op.params and _aten_name(op.target) in _GATHERS for op in graph.ops)
 
 
 def _is_floating_weight(gm: fx.GraphModule, target: Any) -> bool:
-    obj: Any = gm
-    for part in str(target).split("."):
-        obj = getattr(obj, part, None)
-        if obj is None:
-            return False
-    return isinstance(obj, nn.Parameter) and obj.is_floating_point()
+    try:
+        return gm.get_parameter(str(target)).is_floating_point()
+    except AttributeError:          # a buffer, a constant, a process-group slot
+        return False
 
 
 __all__ = ["read_as_autocast", "reads_tables"]

@@ -309,14 +309,14 @@ def data_parallel(b: BuildInputs, stages: list[Stage], ex: Exported, groups: Gro
         root_mp = None
         if precision is not None:
             from torch.distributed.fsdp import MixedPrecisionPolicy
-            mp = MixedPrecisionPolicy(param_dtype=precision, reduce_dtype=torch.float32)
-            if ex.autocast_dtype is not None:
-                # under autocast (``autocast_weights.py``): the layers' inputs as they come
-                # (autocast casts what it runs in 16 bits; the residual stream stays fp32),
-                # and the weights outside the layers gathered in fp32 where an embedding
-                # table is among them (its rows are the residual stream's start)
-                mp = MixedPrecisionPolicy(param_dtype=precision, reduce_dtype=torch.float32,
-                                          cast_forward_inputs=False)
+            # under autocast (``autocast_weights.py``): the layers' inputs as they come
+            # (autocast casts what it runs in 16 bits; the residual stream stays fp32), and
+            # the weights outside the layers gathered in fp32 where an embedding table is
+            # among them (its rows are the residual stream's start)
+            autocast = ex.autocast_dtype is not None
+            mp = MixedPrecisionPolicy(param_dtype=precision, reduce_dtype=torch.float32,
+                                      cast_forward_inputs=not autocast)
+            if autocast:
                 root_mp = MixedPrecisionPolicy(
                     param_dtype=None if reads_tables(ex.graph) else precision,
                     reduce_dtype=torch.float32, cast_forward_inputs=False)

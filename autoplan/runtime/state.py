@@ -110,17 +110,16 @@ class LocalState:
             return
         self.materialized.add(id(module))
         # tensors that hold values (buffers computed under autoplan.empty_weights()) keep them
-        held = {(table is module._parameters, attr): t
-                for table in (module._parameters, module._buffers)
-                for attr, t in table.items() if t is not None and not t.is_meta}
+        held = [(table, attr, t) for table in (module._parameters, module._buffers)
+                for attr, t in table.items() if t is not None and not t.is_meta]
         module.to_empty(device=self.device, recurse=False)
         if self.hf_owners is None:
             self.hf_owners = hf_owners(self.model)
             self.paths = {id(m): n for n, m in self.model.named_modules(remove_duplicate=False)}
         initialize(module, self.paths.get(id(module), ""), self.hf_owners.get(id(module)),
-                   held=frozenset(attr for _, attr in held))
-        for (is_param, attr), t in held.items():
-            (module._parameters if is_param else module._buffers)[attr] = t
+                   held=frozenset(attr for _, attr, _ in held))
+        for table, attr, t in held:        # (``to_empty`` fills the module's own tables)
+            table[attr] = t
 
 
 def tied_names(model: nn.Module) -> dict[str, tuple[str, ...]]:
