@@ -127,6 +127,34 @@ def test_under_autocast_ops_move_the_bytes_of_their_dtypes(gpt):
     assert auto.op_cost(qkv).fwd_s == pytest.approx(pure.op_cost(qkv).fwd_s + fwd)
 
 
+def test_a_grouped_product_autocast_cannot_reach_is_priced_in_its_inputs_dtype():
+    """Autocast has no kernel for a grouped product: HF Mixtral's experts (rows cast to the
+    fp32 weight's dtype) multiply in fp32, priced at the device's fp32 rate with no cast;
+    torchtitan's (rows and weights cast to bf16 by the model, casts the trace keeps) in bf16."""
+    from autoplan import Cluster
+    from autoplan.cost.compute import compute_model
+    from tests.conftest import has_transformers
+    device = Cluster.preset("dgx-h100", nodes=1).device
+    names = ["titan-moe-tiny"] + (["hf-mixtral-tiny"] if has_transformers() else [])
+    for name in names:
+        ex = build_example(name, device="meta", batch_size=2)
+        g = trace(ex.model, ex.example_inputs, loss_fn=ex.loss_fn, targets=ex.targets)
+        size = value_itemsizes(g, 2, "gpu")
+        auto = compute_model(g, device, "bf16", None, "autocast")
+        fp32 = compute_model(g, device, "fp32", None, "autocast")
+        grouped = [op for op in g.ops if "grouped_mm" in opname(op)]
+        assert grouped, name
+        for op in grouped:
+            floats = {size[n] for n in op.inputs if g.value(n).meta.is_float}
+            out = size[op.outputs[0]]
+            assert floats == {out} == ({4} if name.startswith("hf-") else {2}), (name, op.name)
+            assert auto._cast_s(op) == (0.0, 0.0)
+            assert auto._uncast_fp32(op) == name.startswith("hf-")
+        rate = auto.tput.fp32_matmul_flops_per_s
+        assert rate == pytest.approx(fp32.tput.matmul_flops_per_s)
+        assert rate < auto.tput.matmul_flops_per_s / 10
+
+
 def test_the_h100_runtime_step_is_predicted_within_a_tenth():
     """The one measured step of the runtime on an H100 (0.948 s), an eager autocast program:
     priced with autocast's dtypes 0.760 s (with every tensor in bf16 it was 0.587 s), then

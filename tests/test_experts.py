@@ -197,10 +197,10 @@ def test_a_capacity_factor_prices_the_busiest_expert_rank(mixtral8x7b, tmp_path)
 
 def test_the_planner_chooses_ep_for_mixtral_and_writes_its_axes(mixtral8x7b, tmp_path):
     """On 2 x 8 H100, among eager programs, the free search picks expert parallelism (over
-    pipelines only) and the plan file records its axes. (Compiled, a pipeline of 16 stages
-    wins there, 15.7 s against ep's 18.6 s: compilation shrinks the compute the experts'
-    all-to-all hides behind, and a compiled layer that exchanges tokens cannot recompute
-    selectively.)"""
+    pipelines only) and the plan file records its axes. (HF's experts multiply in fp32 under
+    autocast, as one device runs them: autocast does not reach their grouped product, and HF
+    casts the rows to the fp32 weight's dtype; so the step is 117 s, nearly all of it the
+    experts at the fp32 rate.)"""
     cluster = Cluster.preset("dgx-h100", nodes=2)
     eager = {"compiled": False}
     p = plan(mixtral8x7b, cluster, global_batch_size=256, profile=None, force=eager)

@@ -198,6 +198,26 @@ def test_fsdp_16_bit_gathers_compute_what_eager_autocast_computes():
     assert apart <= 0.5 * own, (label, apart, own)
 
 
+@pytest.mark.skipif(not has_transformers(), reason="transformers not installed")
+def test_a_grouped_expert_product_runs_in_the_dtype_one_device_runs_it():
+    """HF's experts multiply with a grouped product that autocast does not reach (on the CPU,
+    ``torch._grouped_mm`` eagerly; the ``grouped_mm_fallback`` custom op in the trace): HF
+    casts the rows to the fp32 weight's dtype, so one device multiplies its experts in fp32.
+    The rank program runs every op in the dtype the export under autocast recorded for it. It
+    ran the grouped products in the autocast dtype instead: HF Mixtral's first loss was 5.6e-6
+    (relative) from eager autocast's, and HF Qwen3-MoE under tp 2 ended 0.12 of an update from
+    fp32 training where eager autocast ends 0.069. With the same products in the same dtypes,
+    a data-parallel plan's first step computes eager autocast's loss but for the fp32 order of
+    its sums: 5e-8."""
+    name, precision = "hf-mixtral-tiny", "bf16"
+    plan = plan_16bit(name, 2, dict(tp=1, dp=2, zero_stage=1), "ilp", precision)
+    assert any(k.startswith("grouped_mm") for k in plan.op_strategies), plan.op_strategies
+    results = run_ranks(_rank, 2, name, plan.to_json(), timeout_s=240.0)
+    eager_losses, _, _ = eager(name, precision)
+    first = abs(results[0][0][0] - eager_losses[0]) / abs(eager_losses[0])
+    assert first <= 1e-6, (plan.config.short(), results[0][0], eager_losses)
+
+
 def test_a_meta_model_is_traced_as_the_16_bit_program_of_the_device_it_runs_on():
     """Torch keeps no autocast for meta tensors, so a model built on the meta device (how large
     models are built) is exported as fake tensors on the step's device, the CPU where none is

@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from autoplan.cluster.gemm_table import GemmShapeTable
-from autoplan.cost.dtypes import LOWER_PRECISION_OPS, autocast_on, value_itemsizes
+from autoplan.cost.dtypes import autocast_casts, autocast_on, value_itemsizes
 from autoplan.cost.float8 import (Float8Setting, cast_passes, convertible, float8_times,
                                   fp8_flops_per_s, fp8_gathered_weights, gemm_speedup)
 from autoplan.cost.fused import FUSIBLE_KINDS, fused_traffic, identity_dropout
@@ -107,11 +107,15 @@ class Throughput:
     # the device's GEMM rate by shape (a datasheet device's ``matmul_shape_efficiency``; a
     # calibration measures its own size curve instead)
     matmul_shape: GemmShapeTable | None = None
+    # the rate of a product autocast leaves in fp32 (``_fp32_rate``); None: matmul_flops_per_s
+    fp32_matmul_flops_per_s: float | None = None
 
     @staticmethod
     def from_device(device: Any, precision: str, calibration: Any = None) -> Throughput:
         if calibration is not None:
             return Throughput(matmul_flops_per_s=calibration.matmul_flops_per_s,
+                              fp32_matmul_flops_per_s=_fp32_rate(
+                                  device, precision, calibration.matmul_flops_per_s),
                               memory_bytes_per_s=calibration.memory_bandwidth_bytes_per_s,
                               launch_s=calibration.launch_s, device_kind=device.kind,
                               matmul_size_efficiency=tuple(
@@ -119,13 +123,24 @@ class Throughput:
                               elementwise_s_per_element={
                                   k: (f, b) for k, f, b in
                                   getattr(calibration, "elementwise_s_per_element", ()) or ()})
+        rate = device.peak_flops_for(precision) * device.matmul_efficiency
         return Throughput(
-            matmul_flops_per_s=device.peak_flops_for(precision) * device.matmul_efficiency,
+            matmul_flops_per_s=rate, fp32_matmul_flops_per_s=_fp32_rate(device, precision, rate),
             memory_bytes_per_s=device.memory_bandwidth_bytes_per_s * device.memory_efficiency,
             launch_s=device.kernel_launch_s, device_kind=device.kind,
             # the table measures 16-bit tensor-core products; fp32 runs on the vector units
             matmul_shape=(getattr(device, "matmul_shape_efficiency", None)
                           if PRECISION_BYTES[precision] == 2 else None))
+
+
+def _fp32_rate(device: Any, precision: str, rate: float) -> float:
+    """The rate of a product autocast cannot reach with fp32 inputs (HF's grouped experts):
+    ``rate`` (the training precision's) times the datasheet's fp32-to-precision ratio; ``rate``
+    itself where the device lists no such pair."""
+    peaks = getattr(device, "peak_flops", None) or {}
+    if precision == "fp32" or "fp32" not in peaks or not peaks.get(precision):
+        return rate
+    return rate * peaks["fp32"] / peaks[precision]
 
 
 def elementwise_key(graph: OpGraph, op: Op) -> tuple[str, int] | None:
@@ -334,6 +349,15 @@ class ComputeModel:
                                       else self.sizes.get(n, meta.itemsize))
         return held / traced if traced else 1.0
 
+    def _uncast_fp32(self, op: Op) -> bool:
+        """A product autocast does not reach (``dtypes.UNCAST_PRODUCTS``) on fp32 inputs: it
+        runs in fp32 under a 16-bit plan, at fp32's rate (HF's experts with fp32 weights)."""
+        if self.sizes is None or op.kind not in _PRODUCT_KINDS or _casts_inputs(op):
+            return False
+        floats = [self.sizes.get(n, self.graph.value(n).meta.itemsize) for n in op.inputs
+                  if self.graph.value(n).meta.is_float]
+        return bool(floats) and min(floats) >= 4
+
     def _cast_s(self, op: Op) -> tuple[float, float]:
         """(forward, backward) seconds of the casts autocast makes before a product: each fp32
         activation it reads copied to 16 bits (read 4 bytes, write 2), and in backward the
@@ -368,8 +392,13 @@ class ComputeModel:
             t = tp.launch_s * 0.25 if tp.device_kind == "cpu" else 0.0
             return OpCost(fwd_s=t, bwd_s=0.0)
         bwd_flops_per_s = None
-        sides = gemm_sides(self.graph, op) if tp.matmul_shape is not None else None
-        if sides is not None:
+        in_fp32 = self._uncast_fp32(op)
+        sides = (gemm_sides(self.graph, op) if tp.matmul_shape is not None and not in_fp32
+                 else None)
+        if in_fp32:       # a product autocast leaves in fp32: the vector units' rate
+            flops_per_s = (tp.fp32_matmul_flops_per_s or tp.matmul_flops_per_s) * (
+                size_efficiency(tp.matmul_size_efficiency, product_size(self.graph, op)))
+        elif sides is not None:
             fwd_frac, bwd_frac = _gemm_fractions(tp.matmul_shape, sides, _bwd_parts(op))
             flops_per_s = tp.matmul_flops_per_s * fwd_frac
             bwd_flops_per_s = tp.matmul_flops_per_s * bwd_frac
@@ -535,9 +564,7 @@ class ComputeModel:
         return fwd / table.fraction(m / fwd_chunks, n, k), bwd / bwd_cut
 
 
-def _casts_inputs(op: Op) -> bool:
-    """Whether autocast runs ``op`` in 16 bits on 16-bit copies of its float inputs."""
-    return op.kind in _PRODUCT_KINDS or opname(op) in LOWER_PRECISION_OPS
+_casts_inputs = autocast_casts
 
 
 def _cross_entropy_bytes(graph: OpGraph, op: Op, precision: str) -> tuple[float, float] | None:

@@ -40,6 +40,26 @@ LOWER_PRECISION_OPS = frozenset({
     "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
     "_scaled_dot_product_flash_attention_for_cpu", "_native_multi_head_attention", "einsum"})
 _PRODUCT_KINDS = frozenset({"matmul", "conv", "attention"})
+# products autocast has no kernel for, on any device (torch 2.13's dispatcher registers none
+# for ``aten::_grouped_mm``; a custom op is outside its lists): they compute in their inputs'
+# dtype. HF's experts cast their rows to the weight's dtype before one, so under autocast with
+# fp32 weights HF's experts multiply in fp32 (on the CPU and on CUDA alike)
+UNCAST_PRODUCTS = frozenset({"_grouped_mm", "grouped_mm", "grouped_mm_fallback"})
+
+
+# casts: one to fp32 in the trace may be HF's ``x.to(input_dtype)`` (16 bits at run time), one
+# to 16 bits is the model's own (torchtitan's experts cast their rows and weights to bf16)
+_CASTS = frozenset({"to", "_to_copy"})
+
+
+def autocast_casts(op: Any) -> bool:
+    """Whether autocast runs ``op`` in 16 bits on 16-bit copies of its float inputs: the
+    products (by kind, or on its lower-precision list) but those it cannot reach."""
+    name = opname(op)
+    return (op.kind in _PRODUCT_KINDS or name in LOWER_PRECISION_OPS) and (
+        name not in UNCAST_PRODUCTS)
+
+
 # ops CUDA autocast runs in fp32 (their outputs are fp32)
 _FP32_CUDA = frozenset({
     "pow", "acos", "asin", "cosh", "erfinv", "exp", "expm1", "log", "log10", "log1p", "log2",
@@ -83,7 +103,7 @@ def value_itemsizes(graph: OpGraph, lower_bytes: int, device_kind: str) -> Mappi
         name = opname(op)
         floats = [size.get(n, graph.value(n).meta.itemsize) for n in op.inputs
                   if graph.value(n).meta.is_float]
-        if op.kind in _PRODUCT_KINDS or name in LOWER_PRECISION_OPS:
+        if autocast_casts(op):
             out = lower_bytes
         elif name in fp32_ops:
             out = 4
@@ -91,9 +111,11 @@ def value_itemsizes(graph: OpGraph, lower_bytes: int, device_kind: str) -> Mappi
             out = floats[0]
         else:
             out = max(floats, default=4)
+        cast_16 = name in _CASTS      # a cast to 16 bits in the fp32 trace is the model's own
         for n in op.outputs:
             meta = graph.value(n).meta
-            size[n] = out if meta.is_float else meta.itemsize
+            size[n] = (meta.itemsize if not meta.is_float or cast_16 and meta.itemsize < 4
+                       else out)
     result = MappingProxyType(size)
     cache[key] = result
     return result
@@ -128,7 +150,7 @@ def _kept_and_copies(graph: OpGraph, lower_bytes: int, device_kind: str) -> tupl
     kept: dict[str, int] = {}
     copies: dict[int, set[str]] = {}
     for i, op in enumerate(graph.ops):
-        product = op.kind in _PRODUCT_KINDS or opname(op) in LOWER_PRECISION_OPS
+        product = autocast_casts(op)
         for n in op.saved:
             base = graph.value(n).base
             if not graph.value(base).meta.is_float:

@@ -199,9 +199,8 @@ def powersgd_s(config: ParallelConfig, cluster: Any, compute: ComputeModel, para
     group = config.dp_group(pp_index=pp_index)
     sync = sum(cluster.collective_time_s("all_reduce", e * share * GRAD_BYTES, group)
                for e in (c.whole_elements, c.p_elements, c.q_elements) if e > 0)
-    tput, device = compute.tput, cluster.device
-    fp32_rate = tput.matmul_flops_per_s * (device.peak_flops_for("fp32")
-                                           / device.peak_flops_for(config.precision))
+    tput = compute.tput
+    fp32_rate = tput.fp32_matmul_flops_per_s or tput.matmul_flops_per_s
     work_s = share * (c.flops / fp32_rate + c.compressed_elements * ERROR_FEEDBACK_PASSES
                       * GRAD_BYTES / tput.memory_bytes_per_s)
     # per compressed gradient: three products, the copies, r Gram-Schmidt steps

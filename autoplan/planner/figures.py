@@ -58,13 +58,19 @@ PARTS = {
     "comm dp_grad_sync": ("gradient sync not hidden by backward", "grad sync", "#17BECF"),
     "comm zero_param_gather": ("ZeRO weight gathers not hidden", "ZeRO gathers", "#8C564B"),
     "comm offload": ("offload transfers", "offload", "#C49C94"),
+    "comm activation_offload": ("activation copies to the host and back, not hidden (inside "
+                                "blocks)", "activation offload", "#B07AA1"),
     "optimizer": ("optimizer step", "optimizer", "#EDC948"),
     "overhead": ("framework overhead per op", "overhead", "#7F7F7F"),
 }
-IN_BLOCK = ("compute", "recompute", "comm tp", "comm cp_ring", "comm ep_all_to_all")
+IN_BLOCK = ("compute", "recompute", "comm tp", "comm cp_ring", "comm ep_all_to_all",
+            "comm activation_offload")
 IDLE = ("bubble", "comm pp_p2p")
 # communication inside the compute blocks, drawn as strips: comm_exposed_s key -> PARTS key
-IN_BLOCK_COMM = {"tp": "comm tp", "cp_ring": "comm cp_ring", "ep_all_to_all": "comm ep_all_to_all"}
+# (an activation's copies wait in the blocks of the layer that saved it: estimator.py adds
+# them to each chunk's forward and backward)
+IN_BLOCK_COMM = {"tp": "comm tp", "cp_ring": "comm cp_ring", "ep_all_to_all": "comm ep_all_to_all",
+                 "activation_offload": "comm activation_offload"}
 BLOCK_COLORS = {"F": "#4C72B0", "B": "#DD8452", "W": "#55A868"}
 BLOCK_NAMES = {"F": "forward", "B": "backward", "W": "weight gradients"}
 

@@ -37,8 +37,8 @@ from autoplan.runtime.program import OP
 _PRODUCTS = frozenset({
     "linear", "matmul", "mm", "bmm", "addmm", "addbmm", "baddbmm", "conv1d", "conv2d", "conv3d",
     "convolution", "_convolution", "conv_tbc", "conv_transpose1d", "conv_transpose2d",
-    "conv_transpose3d", "prelu", "scaled_dot_product_attention", "linalg_vecdot",
-    "_grouped_mm"})
+    "conv_transpose3d", "prelu", "scaled_dot_product_attention", "linalg_vecdot"})
+# (not grouped products: autocast has no kernel for them, cost/dtypes.UNCAST_PRODUCTS)
 _CUDA_PRODUCTS = frozenset({"einsum", "mv", "addmv", "addr", "chain_matmul",
                             "linalg_multi_dot"})
 # ops that move a weight's values without computing on them: what reads their output counts

@@ -96,14 +96,16 @@ def dispatch_stacked(x: torch.Tensor, comm: Any) -> tuple[torch.Tensor, Dispatch
     return y, Dispatched([], [], None, None, group, stacked=e)
 
 
-def local_experts(op: Any, args: list, kwargs: dict, d: Dispatched) -> torch.Tensor:
+def local_experts(op: Any, args: list, kwargs: dict, d: Dispatched,
+                  dtype: torch.dtype | None = None) -> torch.Tensor:
     """``op(rows, w, offs)`` on dispatched rows, ``w`` holding this rank's experts (a stacked
-    product: ``op`` on the stacked rows and weights)."""
+    product: ``op`` on the stacked rows and weights), in the traced ``dtype``
+    (``_one_dtype``)."""
     if d.stacked:
-        return stacked_product(op, args, kwargs)
+        return stacked_product(op, args, kwargs, dtype)
     if d.local_offs is None:                     # shape check: rows keep their count
         return args[0] @ args[1][0]
-    args, kwargs = _one_dtype(list(args)), dict(kwargs)
+    args, kwargs = _one_dtype(list(args), dtype), dict(kwargs)
     if len(args) > 2:
         args[2] = d.local_offs
     else:
@@ -111,29 +113,36 @@ def local_experts(op: Any, args: list, kwargs: dict, d: Dispatched) -> torch.Ten
     return op(*args, **kwargs)
 
 
-def grouped_product(op: Any, args: list, kwargs: dict) -> torch.Tensor:
-    """A grouped product on all experts (no expert parallelism), its operands in one dtype."""
-    return op(*_one_dtype(list(args)), **kwargs)
+def grouped_product(op: Any, args: list, kwargs: dict,
+                    dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A grouped product on all experts (no expert parallelism), its operands in the traced
+    ``dtype``."""
+    return op(*_one_dtype(list(args), dtype), **kwargs)
 
 
-def stacked_product(op: Any, args: list, kwargs: dict) -> torch.Tensor:
-    """A stacked experts' product (``bmm(x, w)``, ``einsum(eq, [x, w])``), its factors in one
-    dtype."""
+def stacked_product(op: Any, args: list, kwargs: dict,
+                    dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A stacked experts' product (``bmm(x, w)``, ``einsum(eq, [x, w])``), its factors in the
+    traced ``dtype``."""
     args = list(args)
     if len(args) == 2 and isinstance(args[1], (list, tuple)):           # einsum(eq, operands)
-        args[1] = _one_dtype(list(args[1]))
+        args[1] = _one_dtype(list(args[1]), dtype)
         return op(*args, **kwargs)
-    return op(*_one_dtype(args), **kwargs)
+    return op(*_one_dtype(args, dtype), **kwargs)
 
 
-def _one_dtype(args: list) -> list:
-    """Rows and weight of a grouped product in one dtype, as autocast makes a plain product's:
-    the autocast dtype where it is on, else the rows'. Autocast does not reach a grouped
-    product (HF's is a custom op), and under mixed precision its operands differ: a traced
-    cast keeps rows in fp32 while FSDP gathers the weight in bf16, or ZeRO-1's fp32 weight
-    meets bf16 rows."""
+def _one_dtype(args: list, dtype: torch.dtype | None) -> list:
+    """Rows and weight of an experts' product in ``dtype``: the dtype of the product's output
+    in the program exported under the step's autocast, which is what one device computes it
+    in. Under mixed precision the operands can differ from the trace's: FSDP gathers the
+    weight in bf16 where a traced cast keeps the rows in fp32, or ZeRO-1's fp32 weight meets
+    bf16 rows. The autocast dtype is not the rule: autocast does not reach HF's grouped product
+    (a custom op) nor ``torch._grouped_mm`` on the CPU, so one device multiplies its experts in
+    fp32 there (HF casts the rows to the fp32 weight's dtype); run in bf16, HF Qwen3-MoE under
+    tp 2 ended 1.7 times as far from fp32 training as eager autocast. ``dtype`` None (no traced
+    dtype): the autocast dtype where autocast is on, else the rows'."""
     x, w = args[0], args[1]
-    dtype = tp_comm.autocast_dtype(x) or x.dtype
+    dtype = dtype or tp_comm.autocast_dtype(x) or x.dtype
     if x.dtype != dtype or w.dtype != dtype:
         args[0], args[1] = x.to(dtype), w.to(dtype)
     return args

@@ -337,6 +337,12 @@ class _Builder:
         out.meta[OP] = i
         return out, None
 
+    def _traced_dtype(self, op: Any) -> torch.dtype | None:
+        """The dtype of ``op``'s (first) output in the graph exported under the step's
+        autocast: what one device computes it in."""
+        dtype = self.eg.value(op.outputs[0]).meta.dtype if op.outputs else None
+        return getattr(torch, dtype, None) if dtype else None
+
     def _local_kernel(self, site: _OpSite, experts: ExpertSite | None,
                       state: fx.Node | None) -> tuple[Callable, tuple] | None:
         """(kernel, its arguments after the op's) for an op that needs one whatever its
@@ -348,9 +354,9 @@ class _Builder:
         name = opname(op)
         seeded = _SEEDED in getattr(node.target, "tags", ())
         if experts is not None and experts.expert_op:
-            return kernel_local_experts, (state,)
+            return kernel_local_experts, (state, self._traced_dtype(op))
         if name in GROUPED_MM:
-            return kernel_grouped_product, ()
+            return kernel_grouped_product, (self._traced_dtype(op),)
         if site.i in self.fp8_ops:
             if node.target is not torch.ops.aten.linear.default:
                 raise PlanError(f"op {op.name} ({op.target}) of linear {op.module_path}: "

@@ -150,12 +150,12 @@ def kernel_dispatch_stacked(x, slot):
     return experts.dispatch_stacked(x, slot.ep)
 
 
-def kernel_local_experts(target, args, kwargs, d):
-    return experts.local_experts(target, args, kwargs, d)
+def kernel_local_experts(target, args, kwargs, d, dtype=None):
+    return experts.local_experts(target, args, kwargs, d, dtype)
 
 
-def kernel_grouped_product(target, args, kwargs):
-    return experts.grouped_product(target, args, kwargs)
+def kernel_grouped_product(target, args, kwargs, dtype=None):
+    return experts.grouped_product(target, args, kwargs, dtype)
 
 
 def kernel_norm(target, args, kwargs):
