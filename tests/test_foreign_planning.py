@@ -30,6 +30,9 @@ pytestmark = pytest.mark.skipif(not has_transformers(), reason="transformers not
 
 REAL_SIZE = {"hf-llama3-8b": 256, "titan-llama3-8b": 256, "hf-mixtral-8x7b": 256,
              "hf-t5-large": 512, "hf-bert-large": 512, "hf-gpt2-xl": 512, "hf-vit-l": 2048}
+# HF's experts multiply in fp32 under autocast (fp32 weights; autocast does not reach their
+# grouped product), at 1/15 of the H100's bf16 rate that MFU counts against: 4.8 %
+MFU_FLOOR = {"hf-mixtral-8x7b": 0.02}
 
 
 @functools.lru_cache(maxsize=8)      # T5-large and Mixtral are traced for two tests each
@@ -46,7 +49,8 @@ def test_real_size_zoo_models_plan_on_two_h100_nodes(name):
     assert g.blocks, f"{name}: no repeated blocks found"
     p = make_plan(g, Cluster.preset("dgx-h100", nodes=2), global_batch_size=REAL_SIZE[name],
                   precision="bf16", max_pp=2)      # deeper pipelines: test_stage_partition
-    assert p.predicted["fits"] and 0.05 < p.predicted["mfu"] < 0.8, p.config.short()
+    assert p.predicted["fits"] and MFU_FLOOR.get(name, 0.05) < p.predicted["mfu"] < 0.8, (
+        p.config.short(), p.predicted["mfu"])
 
 
 def test_encoder_decoder_blocks_are_found_in_both_stacks():
