@@ -21,7 +21,7 @@ import sys
 sys.path[:0] = [os.path.dirname(os.path.dirname(os.path.abspath(__file__)))]
 
 from autoplan import estimate                                              # noqa: E402
-from autoplan.estimate.chunk_cost import CostInputs                        # noqa: E402
+from autoplan.estimate.cost_inputs import CostInputs                       # noqa: E402
 from autoplan.estimate.layout import chunks_for                            # noqa: E402
 from autoplan.estimate.overlap import overlap_interference                 # noqa: E402
 from autoplan.graph.analysis import analyze                                # noqa: E402

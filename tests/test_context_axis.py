@@ -14,7 +14,8 @@ from autoplan import Cluster, ParallelConfig, estimate
 from autoplan.sharding.mesh_axes import MeshAxis
 from autoplan.cost.compute import compute_model
 from autoplan.errors import ConfigError
-from autoplan.estimate.chunk_cost import CostInputs, chunk_cost
+from autoplan.estimate.chunk_cost import chunk_cost
+from autoplan.estimate.cost_inputs import CostInputs
 from autoplan.estimate.layout import chunks_for
 from autoplan.graph import trace
 from autoplan.graph.analysis import analyze

@@ -10,7 +10,7 @@ from autoplan.cluster.cluster import Cluster
 from autoplan.cost.compute import compute_model
 from autoplan.cost.float8 import Float8Setting
 from autoplan.errors import ConfigError, PlanError
-from autoplan.estimate.chunk_cost import CostInputs
+from autoplan.estimate.cost_inputs import CostInputs
 from autoplan.estimate.float8_choice import fp8_choices, fp8_skip
 from autoplan.graph import trace
 from autoplan.graph.analysis import analyze

@@ -22,7 +22,8 @@ import pytest
 from autoplan import Cluster
 from autoplan.cost.compute import compute_model
 from autoplan.cost.dtypes import held_bytes
-from autoplan.estimate.chunk_cost import CostInputs, chunk_cost
+from autoplan.estimate.chunk_cost import chunk_cost
+from autoplan.estimate.cost_inputs import CostInputs
 from autoplan.estimate.layout import chunks_for
 from autoplan.graph import trace
 from autoplan.graph.analysis import analyze

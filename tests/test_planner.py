@@ -529,7 +529,7 @@ def test_pipelined_ilp_equals_brute_force_on_a_model_graph(schedule, recompute):
     time (the schedule simulated) within 2 %."""
     from autoplan.cost.compute import compute_model
     from autoplan.cost.dtypes import held_bytes
-    from autoplan.estimate.chunk_cost import CostInputs
+    from autoplan.estimate.cost_inputs import CostInputs
     from autoplan.estimate.layout import chunks_for, with_layout
     from autoplan.graph.analysis import analyze
     from autoplan.planner.dp_problem import DpPricing

@@ -12,272 +12,25 @@ from __future__ import annotations
 
 import bisect
 
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import Any
 
-from autoplan.graph.analysis import GraphAnalysis
-from autoplan.cost.compute import ComputeModel
-from autoplan.cost.dtypes import HeldBytes, held_bytes, own_sizes
+from autoplan.cost.dtypes import own_sizes
 from autoplan.cost.float8 import backward_buffer_bytes
 from autoplan.cost.memory import (GRAD_BYTES, PRECISION_BYTES, activation_parts, held_meta_bytes,
-                                  meta_bytes, shared_inputs, working_set_bytes)
-from autoplan.estimate.activation_offload import ChunkOffload, chunk_offload
+                                  shared_inputs, working_set_bytes)
+from autoplan.estimate.activation_offload import chunk_offload
+from autoplan.estimate.cost_inputs import CostInputs, RangeCost, op_work, work_scale
 from autoplan.estimate.held_params import experts_of, held_elements, repeated_params
 from autoplan.estimate.overlap import overlap_exposed_s, overlap_interference
 from autoplan.estimate.partition import Chunk
-from autoplan.graph.experts import find_experts
+from autoplan.estimate.range_comm import ep_comm_s, tp_comm_s
 from autoplan.graph.opgraph import OpGraph
 from autoplan.graph.oprules import OPS_POLICY_SAVES
 from autoplan.sharding.expert_regions import expert_regions
-from autoplan.sharding.parallel_config import ParallelConfig
 from autoplan.sharding.placement import REPLICATE
-from autoplan.sharding.ring_work import tp_work_share
-from autoplan.sharding.context_axis import ContextAxis, share_at
-from autoplan.sharding.doc_work import PackedWork, attention_share
 from autoplan.sharding.sharding import Sharding
-from autoplan.sharding.strategy import OpStrategy, divided_split
-
-
-@dataclass(frozen=True)
-class CostInputs:
-    """What every range cost reads: one model, sharding, device model and configuration."""
-
-    graph: OpGraph
-    analysis: GraphAnalysis
-    sharding: Sharding
-    compute: ComputeModel
-    cluster: Any
-    config: ParallelConfig
-    # expert parallelism: the busiest rank's routed rows over the balanced share (a router
-    # with capacity factor c sends an expert at most c times its share, Fedus et al. 2021)
-    expert_load: float = 1.0
-    # context parallelism on an axis of its own (config.cp > 1): the sequence split over it
-    context: ContextAxis | None = None
-    # packed documents behind a document mask (``--seq-lengths``): attention's work is theirs
-    documents: PackedWork | None = None
-
-    @property
-    def batch_scale(self) -> float:
-        return self.config.micro_batch_size / self.graph.batch_size
-
-    @property
-    def held(self) -> HeldBytes | None:
-        """The dtypes the runtime holds activations in (autocast), None for ``precision``."""
-        return held_bytes(self.graph, self.config.precision, self.config.mixed_precision,
-                          self.cluster.device.kind)
-
-
-@dataclass(frozen=True)
-class RangeCost:
-    """Costs of one contiguous op range for one micro-batch (a layer, a chunk, ...)."""
-
-    fwd_s: float
-    bwd_s: float
-    recompute_s: float
-    tp_fwd_s: float
-    tp_bwd_s: float
-    tp_step_s: float              # once per step: tp-axis gradient all-reduces (replicated weights)
-    activation_bytes: float
-    working_set_bytes: float
-    params: float                 # parameters per device (after TP sharding)
-    param_tensors: int            # parameter tensors (an optimizer's per-tensor costs)
-    num_layers: int = 0
-    boundary_bytes: float = 0.0   # chunks: activation sent to the next chunk per micro-batch
-    layer_params: float = 0.0     # chunks: of ``params``, those inside its layers
-    ep_fwd_s: float = 0.0         # expert parallelism: the routed rows' all-to-all exchanges
-    ep_bwd_s: float = 0.0
-    expert_params: float = 0.0    # of ``params``, expert weights' slabs (their grads: over edp)
-    cp_s: float = 0.0             # of ``tp_fwd_s + tp_bwd_s``, ring attention's exposed passes
-    # of ``activation_bytes``, tensors made outside the layers and kept by several (a mask):
-    # a chunk holds each once (``_chunk_cost``)
-    shared_acts: tuple[tuple[str, float], ...] = ()
-    # of ``activation_bytes``, the range's inputs it keeps (made before it; shared ones aside):
-    # a chunk's received input, which the pipeline schedule holds anyway (``activation_offload``)
-    input_acts: tuple[tuple[str, float], ...] = ()
-    # of ``params``: (FQN, elements held) per parameter storage (``ParallelConfig.dp_whole``
-    # picks some by name)
-    param_elements: tuple[tuple[str, float], ...] = ()
-    # chunks: the layers whose saved activations go to host memory (``activation_offload``):
-    # ``activation_bytes`` is net of them, ``*_total_s`` include their exposed copies
-    offload: ChunkOffload = ChunkOffload()
-
-    def elements_of(self, keep: Any) -> float:
-        """Of ``params``, the elements of the parameters whose FQN ``keep`` accepts."""
-        return sum(n for fqn, n in self.param_elements if keep(fqn))
-
-    @property
-    def fwd_total_s(self) -> float:
-        return self.fwd_s + self.tp_fwd_s + self.ep_fwd_s + self.offload.fwd_exposed_s
-
-    @property
-    def bwd_total_s(self) -> float:
-        return (self.bwd_s + self.tp_bwd_s + self.recompute_s + self.ep_bwd_s
-                + self.offload.bwd_exposed_s)
-
-    @property
-    def time_s(self) -> float:
-        return self.fwd_total_s + self.bwd_total_s
-
-
-def _work_scale(a: GraphAnalysis, graph: OpGraph, sh: Sharding, i: int,
-                batch_scale: float, context: ContextAxis | None = None,
-                documents: PackedWork | None = None) -> float:
-    """Work of op ``i`` relative to its traced work: the micro-batch, then its tp shard (and
-    its cp shard), attention under packed ``documents`` at its slowest rank's masked share."""
-    batch_dep = any(o in a.batch_dependent for o in graph.ops[i].outputs)
-    return (batch_scale if batch_dep else 1.0) * shard_share(graph, sh.op_strategy[i], i,
-                                                             context, documents)
-
-
-def shard_share(graph: OpGraph, s: OpStrategy, i: int, context: ContextAxis | None,
-                documents: PackedWork | None) -> float:
-    """The share of op ``i``'s traced work (one micro-batch) its slowest rank does under tp
-    strategy ``s`` and the cp axis ``context``: attention under packed ``documents`` at its
-    ring's expected slowest share (``doc_work``), divided by the heads tp splits."""
-    ring = s.work_divisor if s.kernel == "ring_attention" else 1
-    docs = attention_share(graph, i, documents, context.c if context is not None else 1,
-                           context.layout if context is not None else "", ring)
-    if docs is not None:
-        return docs / (s.work_divisor // ring)
-    cp = context.op_scale(i) if context is not None else 1.0
-    return cp * tp_work_share(graph, i, s.kernel, s.work_divisor)
-
-
-def op_work(ci: CostInputs, i: int) -> tuple[float, tuple[str, int]]:
-    """Op ``i``'s work on one rank relative to its traced work, and the product side its tp
-    strategy divides (``ComputeModel.op_cost``'s arguments; expert load left out)."""
-    return (_work_scale(ci.analysis, ci.graph, ci.sharding, i, ci.batch_scale, ci.context,
-                        ci.documents),
-            divided_split(ci.graph, ci.graph.ops[i], ci.sharding.op_strategy[i]))
-
-
-def comm_bytes(graph: OpGraph, a: GraphAnalysis, precision: str, value: str, scale: float,
-               t: int, batch_scale: float, phase: str = "fwd", grad_shard: int = 1,
-               kind: str = "", held: float = 1.0, sizes: Mapping[str, int] | None = None
-               ) -> float:
-    """Bytes of one tp-axis collective ``kind`` on ``value`` (``scale`` < 0: one tp shard of
-    it), as the estimate, the sharding ILP and the runtime's collective count all take them: an
-    activation at its micro-batch share, in the dtype autocast computes it in (``sizes``: bytes
-    per element by value, ``HeldBytes.own``; its gradient has its dtype), else the precision's;
-    a weight's gradient in fp32, as the runtime reduces gradients, and once per step (``phase``
-    "step") of ZeRO-2/3's ``grad_shard``-way shard; a weight gathered again in backward
-    (``all_gather``) in the training precision. ``held``: the share of the value the other axis
-    leaves this rank (a cp axis's sequence piece)."""
-    v = graph.value(value)
-    nbytes = (meta_bytes(v.meta, precision) if v.kind == "param"
-              else held_meta_bytes(value, v.meta, precision, sizes)) * held
-    if value in a.batch_dependent:
-        nbytes *= batch_scale
-    nbytes *= 1.0 / t if scale < 0 else scale
-    if phase == "step" or phase == "bwd" and v.kind == "param" and kind != "all_gather":
-        nbytes *= GRAD_BYTES / PRECISION_BYTES[precision]
-    if phase == "step":
-        nbytes /= grad_shard
-    return nbytes
-
-
-def tp_comm_s(ci: CostInputs, start: int, stop: int) -> tuple[float, float, float, float]:
-    """(forward, backward, per-step, ring) seconds of tp-axis collectives issued by
-    ops[start:stop]: the strategies' own collectives and the reshards between producers and
-    consumers, and those of a cp axis (``ci.context``); ``ring``: of forward + backward, what
-    ring attention's passes leave exposed, and the cp axis's other traffic."""
-    sh, graph, a, config, cx = ci.sharding, ci.graph, ci.analysis, ci.config, ci.context
-    if sh.t == 1 and cx is None:
-        return 0.0, 0.0, 0.0, 0.0
-    t = {"fwd": 0.0, "bwd": 0.0, "step": 0.0}
-    # ZeRO-2/3: the gradient is already sharded over dp when the tp step all-reduces it
-    shard = config.shard_degree if config.zero_stage >= 2 else 1
-    ring: dict[int, dict[str, float]] = {}
-    own = own_sizes(ci.held)      # activations' autocast dtypes
-
-    def held(i: int, name: str) -> float:
-        return cx.held_scale(i, name) if cx is not None else 1.0
-    # (axis, its sharding, group, the share of each value the other axis leaves a rank)
-    axes = []
-    if sh.t > 1:
-        axes.append((sh, config.tp_group(), held))
-    if cx is not None:
-        # the cp axis: its ring passes and any reshard, at the tp piece of each value;
-        # weights' gradients go with the dp x cp average (``dp_terms``), not here
-        axes.append((cx.sharding, config.cp_group(),
-                     lambda i, name: share_at(graph.ops[i], sh.op_strategy[i], name, sh.t)
-                     or 1.0))
-    ring_s = 0.0                  # ring passes and the rest of the cp axis's traffic
-    for ax, group, share in axes:
-        on_cp = ax is not sh
-        for i, c in ax.comms(start, stop):
-            if on_cp and c.phase == "step":
-                continue
-            nbytes = comm_bytes(graph, a, config.precision, c.value, c.scale, ax.t,
-                                ci.batch_scale, c.phase, shard, c.kind, share(i, c.value), own)
-            s = ci.cluster.collective_time_s(c.kind, nbytes, group)
-            if ax.op_strategy[i].kernel == "ring_attention":
-                ring.setdefault(i, {"fwd": 0.0, "bwd": 0.0})[c.phase] += s
-            else:
-                t[c.phase] += s
-                ring_s += s if on_cp and c.phase != "step" else 0.0
-        for r in ax.reshards_in(start, stop):
-            nbytes = comm_bytes(graph, a, config.precision, r.value, r.scale, ax.t,
-                                ci.batch_scale, r.phase, held=share(r.op_index, r.value),
-                                sizes=own)
-            s = ci.cluster.collective_time_s(r.kind, nbytes, group)
-            t[r.phase] += s
-            ring_s += s if on_cp else 0.0
-    for i, parts in ring.items():
-        # ring attention passes each block on while the previous one computes: only what
-        # the attention's own compute does not cover is exposed
-        c = ci.compute.op_cost(i, _work_scale(a, graph, sh, i, ci.batch_scale, cx,
-                                              ci.documents),
-                               divided_split(graph, graph.ops[i], sh.op_strategy[i]))
-        x = overlap_interference(ci.cluster)
-        exposed = (overlap_exposed_s(parts["fwd"], c.fwd_s, 0.0, x),
-                   overlap_exposed_s(parts["bwd"], c.bwd_s, 0.0, x))
-        t["fwd"] += exposed[0]
-        t["bwd"] += exposed[1]
-        ring_s += sum(exposed)
-    return t["fwd"], t["bwd"], t["step"], ring_s
-
-
-def ep_comm_s(ci: CostInputs, start: int, stop: int) -> tuple[float, float]:
-    """(forward, backward) seconds of the expert-parallel exchanges of ops[start:stop], where
-    ``sharding/expert_regions.py`` puts them (as the runtime runs them): each dispatch sends a
-    value's rows all-to-all to their experts' ranks (after an all-gather of the per-expert row
-    counts), each combine brings a dispatched value's rows home; the backward sends the rows'
-    gradients the same ways. Rows move at their tp-local size, and the busiest rank's at
-    ``expert_load`` times the balanced share (1: every rank receives as many rows as it
-    sends)."""
-    config = ci.config
-    regions = expert_regions(ci.graph, ci.sharding) if config.ep > 1 else None
-    if regions is None:
-        return 0.0, 0.0
-    graph, sh, a = ci.graph, ci.sharding, ci.analysis
-    group = config.ep_group()
-    experts = find_experts(graph).num_experts
-    own = own_sizes(ci.held)      # rows in autocast's dtype
-
-    def a2a(value: str, p: Any) -> float:
-        b = held_meta_bytes(value, graph.value(value).meta, config.precision, own)
-        if value in a.batch_dependent:
-            b *= ci.batch_scale
-        return ci.cluster.collective_time_s(
-            "all_to_all", ci.expert_load * b / (sh.t if p.kind == "S" else 1), group)
-    fwd = bwd = 0.0
-    seen = set()
-    for i, x in regions.dispatch:
-        p = sh.op_strategy[i].inputs[0]
-        if start <= i < stop and (x, str(p)) not in seen:
-            seen.add((x, str(p)))
-            t = a2a(x, p)
-            fwd += t + ci.cluster.collective_time_s("all_gather", 8.0 * experts * config.ep,
-                                                    group)
-            bwd += t
-    for v in regions.combine:
-        if start <= a.producer[v] < stop:
-            t = a2a(v, sh.placement_of(graph, v))
-            fwd += t
-            bwd += t
-    return fwd, bwd
+from autoplan.sharding.strategy import divided_split
 
 
 def cached_on_graph(ci: CostInputs, what: str, where: tuple, make: Any) -> Any:
@@ -341,7 +94,7 @@ def _range_cost(ci: CostInputs, start: int, stop: int, policy: str) -> RangeCost
     loaded = _loaded(ci)
     for i in range(start, stop):
         load = ci.expert_load if loaded is not None and i in loaded.members else 1.0
-        scale = load * _work_scale(a, graph, sh, i, ci.batch_scale, ci.context, ci.documents)
+        scale = load * work_scale(a, graph, sh, i, ci.batch_scale, ci.context, ci.documents)
         split = divided_split(graph, graph.ops[i], sh.op_strategy[i])
         c = ci.compute.op_cost(i, scale, split)
         op_fwd, op_bwd = c.fwd_s, c.bwd_s

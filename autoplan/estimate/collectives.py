@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from autoplan.graph.analysis import analyze
-from autoplan.estimate.chunk_cost import comm_bytes
+from autoplan.estimate.range_comm import comm_bytes
 from autoplan.graph.opgraph import OpGraph
 from autoplan.sharding.parallel_config import ParallelConfig
 from autoplan.sharding.sharding import Sharding

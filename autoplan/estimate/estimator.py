@@ -33,8 +33,9 @@ from autoplan.cost.powersgd import powersgd_buffer_bytes
 from autoplan.errors import ConfigError
 from autoplan.estimate.arguments import (batch_arg, capacity_arg, cluster_arg,
                                         estimate_options_arg, microbatches_arg, profile_arg)
-from autoplan.estimate.chunk_cost import (CostInputs, RangeCost, cached_on_graph, chunk_cost,
-                                          chunk_parts, range_cost, tied_grad_buffer_bytes)
+from autoplan.estimate.chunk_cost import (cached_on_graph, chunk_cost, chunk_parts, range_cost,
+                                          tied_grad_buffer_bytes)
+from autoplan.estimate.cost_inputs import CostInputs, RangeCost
 from autoplan.estimate.dp_terms import StageParams, fp32_gathered, price, stage_terms
 from autoplan.estimate.float8_choice import fp8_choices
 from autoplan.estimate.held_params import rank_repeated

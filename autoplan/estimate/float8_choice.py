@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from autoplan.estimate.chunk_cost import CostInputs, op_work
+from autoplan.estimate.cost_inputs import CostInputs, op_work
 
 
 @dataclass(frozen=True)

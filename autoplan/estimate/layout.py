@@ -18,8 +18,8 @@ from collections.abc import Sequence
 from dataclasses import replace
 
 from autoplan.cost.memory import PRECISION_BYTES, model_state_bytes
-from autoplan.estimate.chunk_cost import (CostInputs, RangeCost, cached_on_graph, range_cost,
-                                          unit_costs, chunk_parts)
+from autoplan.estimate.chunk_cost import cached_on_graph, chunk_parts, range_cost, unit_costs
+from autoplan.estimate.cost_inputs import CostInputs, RangeCost
 from autoplan.sharding.parallel_config import (MULTI_CHUNK_SCHEDULES, RECOMPUTE, V_SCHEDULES,
                                                ParallelConfig, chunk_ranks, strongest_recompute,
                                                SPLIT_BACKWARD)

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from autoplan.estimate.chunk_cost import CostInputs, RangeCost
+from autoplan.estimate.cost_inputs import CostInputs, RangeCost
 from autoplan.estimate.dp_terms import dp_collectives, fp32_gathered
 from autoplan.estimate.overlap import overlap_interference
 from autoplan.estimate.pipeline_sim import W_FRACTION, PipelineTotals, pipeline_totals

@@ -1,6 +1,6 @@
 """What the axes beside tp add to the sharding ILP's price of a strategy, on the estimate's
-terms: expert parallelism's all-to-all exchanges (``chunk_cost.ep_comm_s``) and the traffic of
-a context-parallel axis of its own (``chunk_cost.tp_comm_s``: ring attention's passes at the tp
+terms: expert parallelism's all-to-all exchanges (``range_comm.ep_comm_s``) and the traffic of
+a context-parallel axis of its own (``range_comm.tp_comm_s``: ring attention's passes at the tp
 piece a strategy leaves, the cp axis's other collectives and reshards). ``problem.py`` builds
 the ILP with them."""
 
@@ -10,7 +10,7 @@ from collections.abc import Callable, Mapping
 
 from autoplan.cost.dtypes import own_sizes
 from autoplan.cost.memory import held_meta_bytes
-from autoplan.estimate.chunk_cost import comm_bytes
+from autoplan.estimate.range_comm import comm_bytes
 from autoplan.graph.analysis import analyze
 from autoplan.graph.opgraph import OpGraph
 from autoplan.planner.cost_context import CostContext, ExpertExchanges
@@ -122,7 +122,7 @@ def cp_held(ctx: CostContext, i: int, name: str) -> float:
 
 def cp_comms_s(ctx: CostContext, i: int, s: OpStrategy) -> tuple[float, float, float, float]:
     """(forward, backward, ring forward, ring backward) seconds of the cp axis's traffic at op
-    ``i`` under tp strategy ``s`` (``chunk_cost.tp_comm_s`` prices the same): its collectives
+    ``i`` under tp strategy ``s`` (``range_comm.tp_comm_s`` prices the same): its collectives
     but the weights' gradients (they go with the dp x cp average) and the reshards into it, at
     the tp piece ``s`` leaves of each value."""
     cx = ctx.context

@@ -20,7 +20,7 @@ from autoplan.sharding.doc_work import PackedWork
 @dataclass(frozen=True)
 class ExpertExchanges:
     """Expert parallelism's exchanges as the ILP prices them, on the estimate's terms
-    (``chunk_cost.ep_comm_s``): the rows each dispatch sends and each combine brings home,
+    (``range_comm.ep_comm_s``): the rows each dispatch sends and each combine brings home,
     forward and backward, at the tp-local size the strategy gives them. Where they happen is
     taken from the widest regions (``expert_regions`` of the replicated sharding: the rows stay
     with their experts through every row-wise op between an MoE block's grouped products);

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
-from autoplan.estimate.chunk_cost import CostInputs
+from autoplan.estimate.cost_inputs import CostInputs
 from autoplan.estimate.layout import chunks_for
 from autoplan.estimate.result import Estimate
 from autoplan.graph.analysis import analyze

@@ -17,7 +17,9 @@ from dataclasses import dataclass, field
 from autoplan.cost.compute import OpCost
 from autoplan.cost.dtypes import own_sizes
 from autoplan.cost.memory import internal_anchor, meta_bytes
-from autoplan.estimate.chunk_cost import comm_bytes, replays, shard_share
+from autoplan.estimate.chunk_cost import replays
+from autoplan.estimate.cost_inputs import shard_share
+from autoplan.estimate.range_comm import comm_bytes
 from autoplan.estimate.overlap import overlap_exposed_s
 from autoplan.estimate.partition import priced_ops
 from autoplan.graph.analysis import GraphAnalysis, analyze
@@ -85,7 +87,7 @@ class _Choice:
 
 def collective_bytes(ctx: CostContext, name: str, scale: float, phase: str, kind: str = "",
                      held: float = 1.0) -> float:
-    """Bytes of one collective, as the estimate takes them (``chunk_cost.comm_bytes``)."""
+    """Bytes of one collective, as the estimate takes them (``range_comm.comm_bytes``)."""
     return comm_bytes(ctx.graph, analyze(ctx.graph), ctx.precision, name, scale, ctx.t,
                       ctx.batch_scale, phase, ctx.step_shard if phase == "step" else 1, kind,
                       held, own_sizes(ctx.held))

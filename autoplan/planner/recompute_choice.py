@@ -28,7 +28,8 @@ from dataclasses import replace
 from typing import Any
 
 from autoplan.estimate.activation_offload import layer_offload
-from autoplan.estimate.chunk_cost import CostInputs, chunk_cost, chunk_parts, range_cost
+from autoplan.estimate.chunk_cost import chunk_cost, chunk_parts, range_cost
+from autoplan.estimate.cost_inputs import CostInputs
 from autoplan.estimate.estimator import chunk_offload_flags, chunk_policy
 from autoplan.estimate.layout import chunks_for
 from autoplan.planner.candidates import Candidate

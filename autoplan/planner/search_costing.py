@@ -18,7 +18,7 @@ from autoplan.cost.dtypes import held_bytes
 from autoplan.cost.float8 import Float8Setting
 from autoplan.cost.memory import model_state_bytes
 from autoplan.errors import ConfigError
-from autoplan.estimate.chunk_cost import CostInputs
+from autoplan.estimate.cost_inputs import CostInputs
 from autoplan.estimate.estimator import estimate, reserved_bytes
 from autoplan.estimate.float8_choice import fp8_choices, fp8_skip
 from autoplan.estimate.layout import chunks_for, in_flight, search_layout, step_floor_s, with_layout
@@ -383,7 +383,7 @@ def evaluate(sc: SearchContext, configs: list[ParallelConfig], sh: Sharding,
 
 
 def cost_inputs(sc: SearchContext, config: ParallelConfig, sh: Sharding) -> CostInputs:
-    """What a range's cost reads (``chunk_cost.CostInputs``) for ``config`` on ``sh``."""
+    """What a range's cost reads (``cost_inputs.CostInputs``) for ``config`` on ``sh``."""
     graph, cluster = sc.graph, sc.cluster
     return CostInputs(graph=graph, analysis=analyze(graph), sharding=sh,
                       compute=compute_model(graph, cluster.device, config.precision,
