@@ -19,6 +19,7 @@ from autoplan.errors import ConfigError
 from autoplan.graph.opgraph import opname
 from autoplan.models import build_example
 from autoplan.sharding.parallel_config import ParallelConfig
+from tests.conftest import has_transformers
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -133,7 +134,6 @@ def test_a_grouped_product_autocast_cannot_reach_is_priced_in_its_inputs_dtype()
     torchtitan's (rows and weights cast to bf16 by the model, casts the trace keeps) in bf16."""
     from autoplan import Cluster
     from autoplan.cost.compute import compute_model
-    from tests.conftest import has_transformers
     device = Cluster.preset("dgx-h100", nodes=1).device
     names = ["titan-moe-tiny"] + (["hf-mixtral-tiny"] if has_transformers() else [])
     for name in names:
@@ -153,6 +153,27 @@ def test_a_grouped_product_autocast_cannot_reach_is_priced_in_its_inputs_dtype()
         rate = auto.tput.fp32_matmul_flops_per_s
         assert rate == pytest.approx(fp32.tput.matmul_flops_per_s)
         assert rate < auto.tput.matmul_flops_per_s / 10
+        paths, share = auto.fp32_products()
+        assert (len(paths) == 2 and 0.3 < share < 0.8) if name.startswith("hf-") else (
+            paths == () and share == 0.0), (name, paths, share)
+        # on a CPU fp32 multiplies as fast: nothing to say
+        cpu = compute_model(g, Cluster.local(1).device, "bf16", None, "autocast")
+        assert cpu.fp32_products() == ((), 0.0)
+
+
+@pytest.mark.skipif(not has_transformers(), reason="transformers not installed")
+def test_a_plan_says_which_products_run_in_fp32_and_how_to_run_them_in_16_bits():
+    from autoplan import Cluster, plan
+    ex = build_example("hf-mixtral-tiny", device="meta", batch_size=2)
+    g = trace(ex.model, ex.example_inputs, loss_fn=ex.loss_fn, targets=ex.targets)
+    cluster = Cluster.preset("dgx-h100", nodes=1)
+    auto = plan(g, cluster, global_batch_size=16, profile=None, force={"dp": 8})
+    said = [w for w in auto.predicted["warnings"] if "run in fp32" in w]
+    assert len(said) == 1 and "mlp.experts" in said[0] and "mixed_precision='params'" in said[0]
+    params = plan(g, cluster, global_batch_size=16, profile=None,
+                  force={"dp": 8, "mixed_precision": "params"})
+    assert not [w for w in params.predicted["warnings"] if "run in fp32" in w]
+    assert params.predicted["step_time_s"] < auto.predicted["step_time_s"]
 
 
 def test_the_h100_runtime_step_is_predicted_within_a_tenth():

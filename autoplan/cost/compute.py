@@ -349,6 +349,20 @@ class ComputeModel:
                                       else self.sizes.get(n, meta.itemsize))
         return held / traced if traced else 1.0
 
+    def fp32_products(self) -> tuple[tuple[str, ...], float]:
+        """The module paths of the products this 16-bit plan runs in fp32 because autocast
+        cannot reach them (``_uncast_fp32``), and their share of the graph's FLOPs; nothing
+        where the device multiplies fp32 as fast (a CPU). Computed once."""
+        if "_fp32_products" not in self.__dict__:
+            tp, ops = self.tput, self.graph.ops
+            slow = (tp.fp32_matmul_flops_per_s or tp.matmul_flops_per_s) < tp.matmul_flops_per_s
+            uncast = [op for op in ops if slow and self._uncast_fp32(op)]
+            total = sum(op.fwd_flops + op.bwd_flops for op in ops)
+            share = sum(op.fwd_flops + op.bwd_flops for op in uncast) / total if total else 0.0
+            paths = tuple(sorted({op.module_path for op in uncast}))
+            self.__dict__["_fp32_products"] = (paths, share)
+        return self.__dict__["_fp32_products"]
+
     def _uncast_fp32(self, op: Op) -> bool:
         """A product autocast does not reach (``dtypes.UNCAST_PRODUCTS``) on fp32 inputs: it
         runs in fp32 under a 16-bit plan, at fp32's rate (HF's experts with fp32 weights)."""

@@ -470,8 +470,20 @@ def assemble_estimate(ci: CostInputs, chunks: Sequence[Any], stages: tuple[Stage
         model_flops_per_step=model_flops, mfu=mfu, samples_per_s=global_batch_size / step_s,
         tokens_per_s=global_batch_size * tokens / step_s if tokens else None,
         activation_bytes_per_layer=layer_acts,
-        warnings=_warnings(cluster, config, stages, peak),
+        warnings=_warnings(cluster, config, stages, peak) + _fp32_products(ci),
         fp8_linears=tuple(c.to_dict() for c in fp8_choices(ci)))
+
+
+def _fp32_products(ci: CostInputs) -> tuple[str, ...]:
+    """A 16-bit plan whose products autocast cannot reach run in fp32 (HF's experts): say so,
+    and how to run them in 16 bits."""
+    paths, share = ci.compute.fp32_products()
+    if not paths:
+        return ()
+    where = ", ".join(paths[:2]) + (f" and {len(paths) - 2} more" if len(paths) > 2 else "")
+    return (f"{share:.0%} of the model's FLOPs (grouped products in {where}) run in fp32: "
+            "autocast does not reach a grouped product, and the model feeds it fp32 weights; "
+            "to run them in 16 bits, hold the weights in 16 bits (mixed_precision='params')",)
 
 
 def _warnings(cluster: Any, config: ParallelConfig, stages: Sequence[StageEstimate],
