@@ -3,6 +3,7 @@ takes it. The README's own flow (plan, run on 2 ranks, resume under another plan
 in tests/test_docs.py; here, the helper's answers and its typed refusals, and a
 ``package.module:function`` returning it planned and pre-flight checked by ``autoplan run``."""
 
+import math
 import textwrap
 
 import pytest
@@ -84,3 +85,54 @@ def test_a_function_returning_from_model_is_planned_and_checked_by_run(tmp_path,
     from autoplan.models import load_user_example
     with pytest.raises(AutoplanError, match=r"Example\.from_model\(model, inputs, targets"):
         load_user_example("mine:wrong")
+
+
+_COMPUTED_BUFFER = textwrap.dedent("""
+    import torch
+    from torch import nn
+    import autoplan
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleList(nn.Linear(64, 64) for _ in range(2))
+            self.head = nn.Linear(64, 4)
+            # computed in __init__: torch.device("meta") would lose it
+            self.register_buffer("scale", torch.linspace(0.5, 1.5, 64))
+
+        def forward(self, x):
+            for layer in self.layers:
+                x = torch.relu(layer(x)) * self.scale
+            return self.head(x)
+
+    def make():
+        g = torch.Generator().manual_seed(1)
+        x, y = torch.randn(4, 64, generator=g), torch.randint(0, 4, (4,), generator=g)
+        return autoplan.Example.from_model(Net(), x, y, nn.functional.cross_entropy)
+""")
+
+
+def test_a_users_model_runs_under_meta_each_rank_allocating_its_shards(tmp_path, monkeypatch):
+    """`autoplan run PLAN --model mine:make --meta`: every rank builds the user's model under
+    autoplan.empty_weights() (weights on meta, the buffer __init__ computes kept), the plan
+    materializes its shards, and it trains (2 gloo ranks, tp 2: each weight split)."""
+    import json
+
+    from autoplan.cli.main import main
+    from autoplan.runtime.worker import build_run_model
+    from tests.distributed import free_port
+    (tmp_path / "mine_meta.py").write_text(_COMPUTED_BUFFER)
+    monkeypatch.chdir(tmp_path)
+    built = build_run_model("mine_meta:make", batch=8, meta=True)
+    assert all(p.is_meta for p in built.model.parameters())
+    assert all(p.is_meta for p in built.small.model.parameters())
+    assert torch.equal(built.model.scale, torch.linspace(0.5, 1.5, 64))
+    assert built.data.example_inputs[0].shape == (8, 64) and not built.data.targets.is_meta
+    with pytest.raises(AutoplanError, match="--seq-len takes example names"):
+        build_run_model("mine_meta:make", batch=8, meta=True, seq_len=16)
+    assert main(["plan", "mine_meta:make", "--cluster", "local:2", "--global-batch", "8",
+                 "--precision", "fp32", "--force", "tp=2", "-q", "-o", "p.json"]) == 0
+    assert main(["run", "p.json", "--model", "mine_meta:make", "--meta", "--steps", "4",
+                 "--json", "out.json", "--master-port", str(free_port())]) == 0
+    losses = json.loads((tmp_path / "out.json").read_text())["losses"]
+    assert len(losses) == 4 and all(map(math.isfinite, losses)), losses

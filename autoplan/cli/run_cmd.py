@@ -44,7 +44,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--lr", type=float, default=3e-3,
                    help="AdamW's learning rate (default 3e-3)")
     p.add_argument("--meta", action="store_true",
-                   help="build the model on the meta device; each rank allocates its shards")
+                   help="build the model on the meta device (a package.module:function under "
+                        "autoplan.empty_weights()); each rank allocates its shards")
     p.add_argument("--cluster", default=None,
                    help="the cluster the ranks run on, where discovery cannot see it (the "
                         "network between nodes): PRESET:NODES or a cluster file (default: "

@@ -22,6 +22,7 @@ prints its error in one line.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -37,6 +38,7 @@ import torch
 from autoplan.errors import AutoplanError, CheckpointError
 from autoplan.process_exit import exit_now
 from autoplan.models import build_example
+from autoplan.models.empty_weights import empty_weights
 from autoplan.models.registry import layer_overrides
 from autoplan.runtime.verify import user_example
 from autoplan.planner import hetero_explain
@@ -119,11 +121,14 @@ def build_run_model(spec: str, *, batch: int, layers: int | None = None,
 def _build_run_model(spec: str, *, batch: int, layers: int | None, seq_len: int | None,
                      meta: bool, traced_only: bool) -> RunModel:
     if ":" in spec:                  # a user's package.module:function
-        if meta or seq_len:
-            raise AutoplanError(f"--meta and --seq-len take example names; {spec} builds its "
-                                "own model and inputs: drop them")
-        small = user_example(spec, batch=None, layers=layers)          # as traced
-        data = None if traced_only else user_example(spec, batch=batch, layers=layers)
+        if seq_len:
+            raise AutoplanError(f"--seq-len takes example names; {spec} builds its own "
+                                "inputs: drop it")
+        # --meta: its weights on the meta device, as autoplan.empty_weights() builds a model
+        # (buffers its __init__ computes kept), so each rank allocates only its shards
+        with empty_weights() if meta else contextlib.nullcontext():
+            small = user_example(spec, batch=None, layers=layers)          # as traced
+            data = None if traced_only else user_example(spec, batch=batch, layers=layers)
         return RunModel(data=data, model=small.model if data is None else data.model,
                         small=small)
     try:
