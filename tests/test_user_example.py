@@ -4,6 +4,8 @@ in tests/test_docs.py; here, the helper's answers and its typed refusals, and a
 ``package.module:function`` returning it planned and pre-flight checked by ``autoplan run``."""
 
 import math
+import subprocess
+import sys
 import textwrap
 
 import pytest
@@ -136,3 +138,11 @@ def test_a_users_model_runs_under_meta_each_rank_allocating_its_shards(tmp_path,
                  "--json", "out.json", "--master-port", str(free_port())]) == 0
     losses = json.loads((tmp_path / "out.json").read_text())["losses"]
     assert len(losses) == 4 and all(map(math.isfinite, losses)), losses
+    # one rank of a GPU preset's plan of it, emulated from meta on this CPU
+    assert main(["plan", "mine_meta:make", "--cluster", "dgx-h100:1", "--global-batch", "64",
+                 "--force", "tp=2", "-q", "-o", "gpu.json"]) == 0
+    out = subprocess.run([sys.executable, "-m", "autoplan.cli.main", "emulate", "gpu.json",
+                          "--model", "mine_meta:make", "--rank", "3", "--steps", "2"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "rank 3 of 8" in out.stdout, out.stdout

@@ -43,8 +43,9 @@ def run(args: argparse.Namespace) -> int:
     plan = plan_from_file(args.plan)
     built = build_run_model(args.model, batch=plan.training.global_batch_size,
                             layers=args.layers, seq_len=args.seq_len,
-                            meta=":" not in args.model and traced_on_meta(
-                                plan_cluster(plan, args.cluster).device.kind, args.device),
+                            # a user's function too: under autoplan.empty_weights()
+                            meta=traced_on_meta(plan_cluster(plan, args.cluster).device.kind,
+                                                args.device),
                             traced_only=True,
                             documents=plan.training.length_histogram())
     ex = built.small
