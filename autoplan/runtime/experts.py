@@ -136,11 +136,12 @@ def _one_dtype(args: list, dtype: torch.dtype | None) -> list:
     in the program exported under the step's autocast, which is what one device computes it
     in. Under mixed precision the operands can differ from the trace's: FSDP gathers the
     weight in bf16 where a traced cast keeps the rows in fp32, or ZeRO-1's fp32 weight meets
-    bf16 rows. The autocast dtype is not the rule: autocast does not reach HF's grouped product
-    (a custom op) nor ``torch._grouped_mm`` on the CPU, so one device multiplies its experts in
-    fp32 there (HF casts the rows to the fp32 weight's dtype); run in bf16, HF Qwen3-MoE under
-    tp 2 ended 1.7 times as far from fp32 training as eager autocast. ``dtype`` None (no traced
-    dtype): the autocast dtype where autocast is on, else the rows'."""
+    bf16 rows. The autocast dtype is not the rule: autocast reaches neither HF's grouped product
+    (a custom op) nor ``torch._grouped_mm`` (no autocast kernel on any device), so one device
+    multiplies HF's experts in fp32 (HF casts the rows to the fp32 weight's dtype); run in
+    bf16, HF Qwen3-MoE under tp 2 ended 1.7 times as far from fp32 training as eager autocast.
+    ``dtype`` None (no traced dtype): the autocast dtype where autocast is on, else the
+    rows'."""
     x, w = args[0], args[1]
     dtype = dtype or tp_comm.autocast_dtype(x) or x.dtype
     if x.dtype != dtype or w.dtype != dtype:
