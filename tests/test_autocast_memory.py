@@ -193,3 +193,21 @@ def test_the_h100_runtime_step_is_predicted_within_a_tenth():
     e = estimate(graph, part_of_a_node("dgx-h100", 1), config=ParallelConfig(
         micro_batch_size=2), global_batch_size=run["global_batch"], profile=None)
     assert 0.9 <= measured / e.step_time_s <= 1.1, measured / e.step_time_s
+
+
+def test_fsdp_gathers_the_root_in_fp32_only_where_the_model_reads_a_table(gpt):
+    """Under autocast the runtime gathers the weights outside the layers in fp32 where the model
+    reads an embedding table (runtime/autocast_weights.py), else in 16 bits: a CNN's root unit
+    (its stem and head) is priced so, in time and memory."""
+    from autoplan import Cluster, estimate
+    from autoplan.graph.analysis import reads_tables
+    ex = build_example("cnn-tiny", batch_size=2, device="meta")
+    cnn = trace(ex.model, ex.example_inputs, loss_fn=ex.loss_fn, targets=ex.targets)
+    assert reads_tables(gpt) and not reads_tables(cnn)
+    cluster = Cluster.preset("dgx-h100", nodes=1)
+    config = ParallelConfig(dp=8, zero_stage=3, precision="bf16")
+    as_16 = estimate(cnn, cluster, config=config, global_batch_size=16, profile=None)
+    cnn.__dict__["_autoplan_reads_tables"] = True       # as if it read a table
+    as_32 = estimate(cnn, cluster, config=config, global_batch_size=16, profile=None)
+    assert as_16.step_time_s < as_32.step_time_s
+    assert as_16.peak_memory_bytes < as_32.peak_memory_bytes

@@ -49,6 +49,9 @@ class StageParams:
     # ``fp8_gathered_weights``), and how many tensors they are
     fp8: float = 0.0
     fp8_tensors: int = 0
+    # the model reads an embedding table: under autocast FSDP gathers the weights outside the
+    # layers in fp32 (``fp32_gathered``)
+    tables: bool = True
 
 
 @dataclass(frozen=True)
@@ -85,7 +88,7 @@ def stage_terms(config: ParallelConfig, cluster: Any, stage: StageParams, m: int
     # reduce-scattered (ZeRO-3: the weights gathered again) in the last backward
     # (runtime/steps.fsdp_once_a_step), whatever the rank's share
     fsdp_times = 1 if config.dp_shares is not None else m
-    outside32 = fp32_gathered(config, params - whole, stage.layer_params)
+    outside32 = fp32_gathered(config, params - whole, stage.layer_params, stage.tables)
     grad_sync, ag, rs = dp_collectives(config, cluster, params - whole, layers, pp_index,
                                        experts, fp8_params=stage.fp8, fp32_params=outside32)
     if config.grad_compression == "powersgd" and grad_sync > 0:
@@ -283,11 +286,14 @@ def _updated_shards_term(config: ParallelConfig, cluster: Any, stage: StageParam
     return Term(gather, shares=(("zero_param_gather", 1.0),))
 
 
-def fp32_gathered(config: ParallelConfig, params: float, layer_params: float) -> float:
+def fp32_gathered(config: ParallelConfig, params: float, layer_params: float,
+                  tables: bool = True) -> float:
     """Of ``params``, those FSDP gathers in fp32 though the training is 16-bit: under autocast
-    the weights outside the layers (the embedding table's unit: ``runtime/autocast_weights``),
-    priced so wherever they are (a model without a table gathers them in 16 bits)."""
-    if not (config.uses_fsdp and autocast_on(config.precision, config.mixed_precision)):
+    the weights outside the layers where the model reads a table (``tables``: an embedding's,
+    ``graph.analysis.reads_tables``; ``runtime/autocast_weights``), wherever they are; none
+    where it reads none (its root unit is gathered in 16 bits)."""
+    if not (tables and config.uses_fsdp
+            and autocast_on(config.precision, config.mixed_precision)):
         return 0.0
     return max(0.0, params - layer_params)
 

@@ -23,7 +23,7 @@ from dataclasses import replace
 from itertools import chain, repeat
 from typing import Any
 
-from autoplan.graph.analysis import analyze
+from autoplan.graph.analysis import analyze, reads_tables
 from autoplan.cost.compute import compute_model
 from autoplan.cost.float8 import Float8Setting, fp8_flops_per_s
 from autoplan.cost.memory import (PRECISION_BYTES, activation_bytes, nvme_host_buffer_bytes,
@@ -388,7 +388,7 @@ def root_unit_bytes(config: ParallelConfig, held: StageParams, step_whole: bool)
     if not config.uses_fsdp or config.grad_degree <= 1:
         return 0.0
     w = PRECISION_BYTES[config.precision]
-    in32 = fp32_gathered(config, held.params - held.whole, held.layer_params)
+    in32 = fp32_gathered(config, held.params - held.whole, held.layer_params, held.tables)
     if config.zero_stage == 3 and not step_whole:
         outside = max(0.0, held.params - held.whole - held.layer_params)
         return (outside - in32) * w + in32 * PRECISION_BYTES["fp32"]
@@ -535,7 +535,8 @@ def stage_params(costs: Sequence[RangeCost], mine: Sequence[int], config: Parall
                        layer_params=sum(costs[c].layer_params for c in mine),
                        tensors=sum(costs[c].param_tensors for c in mine) - again.tensors,
                        layers=max(1, sum(costs[c].num_layers for c in mine)),
-                       whole=_whole(config, [costs[c] for c in mine]))
+                       whole=_whole(config, [costs[c] for c in mine]),
+                       tables=reads_tables(ci.graph))
 
 
 def _whole(config: ParallelConfig, costs: Sequence[RangeCost]) -> float:

@@ -14,6 +14,7 @@ from typing import Any
 from autoplan.estimate.cost_inputs import CostInputs, RangeCost
 from autoplan.estimate.dp_terms import dp_collectives, fp32_gathered
 from autoplan.estimate.overlap import overlap_interference
+from autoplan.graph.analysis import reads_tables
 from autoplan.estimate.pipeline_sim import W_FRACTION, PipelineTotals, pipeline_totals
 from autoplan.sharding.mesh_axes import MeshAxis
 from autoplan.sharding.parallel_config import SPLIT_BACKWARD, ParallelConfig
@@ -83,7 +84,8 @@ def _simulated_timing(ci: CostInputs, costs: Sequence[RangeCost], m: int,
     no_collectives = pipeline_totals(send_s=sends, **kw)
     free_sends = pipeline_totals(**kw).makespan_s
     sync_s, fsdp_s = _chunk_collectives(state_config, cluster, costs, m,
-                                        frozenset(ci.compute.fp8_gathered.values()))
+                                        frozenset(ci.compute.fp8_gathered.values()),
+                                        reads_tables(ci.graph))
     sim = no_collectives
     if any(sync_s) or any(map(any, fsdp_s)):
         sim = pipeline_totals(send_s=sends, sync_s=sync_s, fsdp_s=fsdp_s,
@@ -110,7 +112,7 @@ def _sends(config: ParallelConfig, cluster: Any, costs: Sequence[RangeCost]) -> 
 
 
 def _chunk_collectives(config: ParallelConfig, cluster: Any, costs: Sequence[RangeCost],
-                       m: int, fp8_gathered: frozenset[str] = frozenset()
+                       m: int, fp8_gathered: frozenset[str] = frozenset(), tables: bool = True
                        ) -> tuple[list[float], list[tuple[float, float, float]]]:
     """Per chunk, for the simulator: the per-step gradient sync of the dp group and, under
     FSDP (ZeRO-3), the per-micro-batch (gather before forward, gather before backward,
@@ -124,7 +126,7 @@ def _chunk_collectives(config: ParallelConfig, cluster: Any, costs: Sequence[Ran
                                             fp8_params=cost.elements_of(
                                                 lambda f: f in fp8_gathered),
                                             fp32_params=fp32_gathered(config, cost.params,
-                                                                      cost.layer_params))
+                                                                      cost.layer_params, tables))
         fwd_gathers, bwd_gathers = fsdp_step_counts(m)
         # the tp step all-reduce is priced exposed, per stage; FSDP's reduce-scatter once a
         # step, after the last backward

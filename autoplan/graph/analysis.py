@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from autoplan.graph.opgraph import OpGraph
+from autoplan.graph.opgraph import OpGraph, opname
 
 
 @dataclass(frozen=True)
@@ -90,3 +90,15 @@ def _score_regions(graph: OpGraph, producer: dict[str, int]) -> tuple[set[str], 
             region_vals.update(nxt.outputs)
             frontier.update(nxt.outputs)
     return region_vals, region_ops
+
+
+def reads_tables(graph: OpGraph) -> bool:
+    """Whether the model reads rows of a weight (an embedding table). Under autocast FSDP
+    gathers the weights outside the layers in fp32 then, as a 16-bit table would round the
+    residual stream's start (``runtime/autocast_weights``); the estimate prices it so.
+    Kept on the (immutable) graph."""
+    cached = graph.__dict__.get("_autoplan_reads_tables")
+    if cached is None:
+        cached = any(op.params and opname(op) == "embedding" for op in graph.ops)
+        graph.__dict__["_autoplan_reads_tables"] = cached
+    return cached

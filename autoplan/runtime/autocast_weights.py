@@ -30,6 +30,7 @@ from typing import Any
 import torch
 from torch import fx
 
+from autoplan.graph.analysis import reads_tables
 from autoplan.graph.opgraph import OpGraph
 from autoplan.runtime.program import OP
 
@@ -103,12 +104,6 @@ def read_as_autocast(gm: fx.GraphModule, graph: OpGraph, device: torch.device) -
     if cast:
         gm.recompile()
     return cast
-
-
-def reads_tables(graph: OpGraph) -> bool:
-    """Whether the program reads rows of a weight (an embedding table): FSDP gathers the
-    weights outside the layers, where the tables are, in fp32 then (``build.data_parallel``)."""
-    return any(op.params and _aten_name(op.target) in _GATHERS for op in graph.ops)
 
 
 def _is_floating_weight(gm: fx.GraphModule, target: Any) -> bool:
