@@ -153,12 +153,12 @@ def test_a_grouped_product_autocast_cannot_reach_is_priced_in_its_inputs_dtype()
         rate = auto.tput.fp32_matmul_flops_per_s
         assert rate == pytest.approx(fp32.tput.matmul_flops_per_s)
         assert rate < auto.tput.matmul_flops_per_s / 10
-        paths, share = auto.fp32_products()
+        paths, share = auto.fp32_products
         assert (len(paths) == 2 and 0.3 < share < 0.8) if name.startswith("hf-") else (
             paths == () and share == 0.0), (name, paths, share)
         # on a CPU fp32 multiplies as fast: nothing to say
         cpu = compute_model(g, Cluster.local(1).device, "bf16", None, "autocast")
-        assert cpu.fp32_products() == ((), 0.0)
+        assert cpu.fp32_products == ((), 0.0)
 
 
 @pytest.mark.skipif(not has_transformers(), reason="transformers not installed")

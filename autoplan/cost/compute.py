@@ -34,6 +34,7 @@ launch overhead scales linearly with the work.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from collections.abc import Mapping, Sequence
@@ -339,7 +340,7 @@ class ComputeModel:
         if self.sizes is None:
             return PRECISION_BYTES[self.precision] / floats[0].itemsize
         lower = PRECISION_BYTES[self.precision]
-        product = _casts_inputs(op)
+        product = autocast_casts(op)
         traced = held = 0.0
         for k, n in enumerate(op.inputs + op.outputs):
             meta = self.graph.value(n).meta
@@ -349,24 +350,23 @@ class ComputeModel:
                                       else self.sizes.get(n, meta.itemsize))
         return held / traced if traced else 1.0
 
+    @functools.cached_property
     def fp32_products(self) -> tuple[tuple[str, ...], float]:
         """The module paths of the products this 16-bit plan runs in fp32 because autocast
         cannot reach them (``_uncast_fp32``), and their share of the graph's FLOPs; nothing
-        where the device multiplies fp32 as fast (a CPU). Computed once."""
-        if "_fp32_products" not in self.__dict__:
-            tp, ops = self.tput, self.graph.ops
-            slow = (tp.fp32_matmul_flops_per_s or tp.matmul_flops_per_s) < tp.matmul_flops_per_s
-            uncast = [op for op in ops if slow and self._uncast_fp32(op)]
-            total = sum(op.fwd_flops + op.bwd_flops for op in ops)
-            share = sum(op.fwd_flops + op.bwd_flops for op in uncast) / total if total else 0.0
-            paths = tuple(sorted({op.module_path for op in uncast}))
-            self.__dict__["_fp32_products"] = (paths, share)
-        return self.__dict__["_fp32_products"]
+        where the device multiplies fp32 as fast (a CPU)."""
+        tp, ops = self.tput, self.graph.ops
+        if (tp.fp32_matmul_flops_per_s or tp.matmul_flops_per_s) >= tp.matmul_flops_per_s:
+            return (), 0.0
+        uncast = [op for op in ops if self._uncast_fp32(op)]
+        total = sum(op.fwd_flops + op.bwd_flops for op in ops)
+        share = sum(op.fwd_flops + op.bwd_flops for op in uncast) / total if total else 0.0
+        return tuple(sorted({op.module_path for op in uncast})), share
 
     def _uncast_fp32(self, op: Op) -> bool:
         """A product autocast does not reach (``dtypes.UNCAST_PRODUCTS``) on fp32 inputs: it
         runs in fp32 under a 16-bit plan, at fp32's rate (HF's experts with fp32 weights)."""
-        if self.sizes is None or op.kind not in _PRODUCT_KINDS or _casts_inputs(op):
+        if self.sizes is None or op.kind not in _PRODUCT_KINDS or autocast_casts(op):
             return False
         floats = [self.sizes.get(n, self.graph.value(n).meta.itemsize) for n in op.inputs
                   if self.graph.value(n).meta.is_float]
@@ -378,7 +378,7 @@ class ComputeModel:
         copy's gradient cast back (read 2, write 4); one kernel each. Weights' casts are left
         out (FSDP hands the products 16-bit weights; under ZeRO 0/1 it is a copy per weight and
         micro-batch)."""
-        if self.sizes is None or not _casts_inputs(op):
+        if self.sizes is None or not autocast_casts(op):
             return 0.0, 0.0
         lower = PRECISION_BYTES[self.precision]
         fwd = bwd = 0.0
@@ -576,9 +576,6 @@ class ComputeModel:
         fwd, bwd = _gemm_fractions(table, sides, parts)
         bwd_cut = _gemm_fractions(table, sides, parts, dgrad_chunks)[1]
         return fwd / table.fraction(m / fwd_chunks, n, k), bwd / bwd_cut
-
-
-_casts_inputs = autocast_casts
 
 
 def _cross_entropy_bytes(graph: OpGraph, op: Op, precision: str) -> tuple[float, float] | None:

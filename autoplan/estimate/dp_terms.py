@@ -21,6 +21,7 @@ from autoplan.cost.dtypes import autocast_on
 from autoplan.cost.memory import GRAD_BYTES, MOMENT_BYTES, PRECISION_BYTES, bytes_per_param
 from autoplan.cost.powersgd import ERROR_FEEDBACK_PASSES, powersgd_cost
 from autoplan.estimate.overlap import overlap_exposed_s
+from autoplan.graph.analysis import reads_tables
 from autoplan.sharding.parallel_config import ParallelConfig
 
 # Bytes an optimizer step reads and writes per parameter (grad, weights, states; Adam keeps
@@ -49,9 +50,6 @@ class StageParams:
     # ``fp8_gathered_weights``), and how many tensors they are
     fp8: float = 0.0
     fp8_tensors: int = 0
-    # the model reads an embedding table: under autocast FSDP gathers the weights outside the
-    # layers in fp32 (``fp32_gathered``)
-    tables: bool = True
 
 
 @dataclass(frozen=True)
@@ -88,7 +86,8 @@ def stage_terms(config: ParallelConfig, cluster: Any, stage: StageParams, m: int
     # reduce-scattered (ZeRO-3: the weights gathered again) in the last backward
     # (runtime/steps.fsdp_once_a_step), whatever the rank's share
     fsdp_times = 1 if config.dp_shares is not None else m
-    outside32 = fp32_gathered(config, params - whole, stage.layer_params, stage.tables)
+    outside32 = fp32_gathered(config, params - whole, stage.layer_params,
+                              reads_tables(compute.graph))
     grad_sync, ag, rs = dp_collectives(config, cluster, params - whole, layers, pp_index,
                                        experts, fp8_params=stage.fp8, fp32_params=outside32)
     if config.grad_compression == "powersgd" and grad_sync > 0:

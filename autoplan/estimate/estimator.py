@@ -355,7 +355,7 @@ def stage_estimate(ci: CostInputs, costs: Sequence[RangeCost], chunks: Sequence[
         # (held whole for the step, the weights and gradients are counted whole instead: the
         # last backward's gathers run with the weights of the last forward freed)
         transient += 2 * ((params - whole) / layers) * PRECISION_BYTES[config.precision] * 2
-    transient += root_unit_bytes(config, held, step_whole)
+    transient += root_unit_bytes(config, held, step_whole, reads_tables(ci.graph))
     # offloaded activations: each micro-batch in flight holds its layers' copies in host memory
     offloaded = sum(c.offload.moved_bytes for c in cs)
     host_acts = offloaded * flight
@@ -378,17 +378,18 @@ def stage_estimate(ci: CostInputs, costs: Sequence[RangeCost], chunks: Sequence[
         offloaded_activation_bytes_per_microbatch=offloaded)
 
 
-def root_unit_bytes(config: ParallelConfig, held: StageParams, step_whole: bool) -> float:
+def root_unit_bytes(config: ParallelConfig, held: StageParams, step_whole: bool,
+                    tables: bool = True) -> float:
     """FSDP's root unit: the weights outside the stage's layers (embedding, final norm, head).
     Under ZeRO-3 they are gathered through the whole forward, the root's, and again through
     the whole backward (the runtime reshards the root after its forward too); under autocast
-    in fp32 where they hold a table (``dp_terms.fp32_gathered``). Where the gathered weights
+    in fp32 where the model reads a table (``tables``, ``dp_terms.fp32_gathered``). Where the gathered weights
     are counted already in the training precision (ZeRO-2's kept copies, weights held whole
     for the step), the fp32 gathers add their other half."""
     if not config.uses_fsdp or config.grad_degree <= 1:
         return 0.0
     w = PRECISION_BYTES[config.precision]
-    in32 = fp32_gathered(config, held.params - held.whole, held.layer_params, held.tables)
+    in32 = fp32_gathered(config, held.params - held.whole, held.layer_params, tables)
     if config.zero_stage == 3 and not step_whole:
         outside = max(0.0, held.params - held.whole - held.layer_params)
         return (outside - in32) * w + in32 * PRECISION_BYTES["fp32"]
@@ -477,7 +478,7 @@ def assemble_estimate(ci: CostInputs, chunks: Sequence[Any], stages: tuple[Stage
 def _fp32_products(ci: CostInputs) -> tuple[str, ...]:
     """A 16-bit plan whose products autocast cannot reach run in fp32 (HF's experts): say so,
     and how to run them in 16 bits."""
-    paths, share = ci.compute.fp32_products()
+    paths, share = ci.compute.fp32_products
     if not paths:
         return ()
     where = ", ".join(paths[:2]) + (f" and {len(paths) - 2} more" if len(paths) > 2 else "")
@@ -535,8 +536,7 @@ def stage_params(costs: Sequence[RangeCost], mine: Sequence[int], config: Parall
                        layer_params=sum(costs[c].layer_params for c in mine),
                        tensors=sum(costs[c].param_tensors for c in mine) - again.tensors,
                        layers=max(1, sum(costs[c].num_layers for c in mine)),
-                       whole=_whole(config, [costs[c] for c in mine]),
-                       tables=reads_tables(ci.graph))
+                       whole=_whole(config, [costs[c] for c in mine]))
 
 
 def _whole(config: ParallelConfig, costs: Sequence[RangeCost]) -> float:

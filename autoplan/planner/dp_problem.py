@@ -31,7 +31,6 @@ from typing import Any
 from autoplan.estimate.chunk_cost import chunk_parts
 from autoplan.estimate.dp_terms import StageParams, Term, stage_terms
 from autoplan.estimate.partition import partition
-from autoplan.graph.analysis import reads_tables
 from autoplan.graph.experts import find_experts
 from autoplan.graph.opgraph import OpGraph
 from autoplan.planner.ilp import ILPProblem, Linear, Overlap
@@ -218,7 +217,7 @@ def dp_pieces(problem: ILPProblem, held: Held, options: Any, pricing: DpPricing,
     def terms_at(dense: float, experts: float, in_layers: float, whole: float) -> list[Term]:
         stage = StageParams(params=dense + experts + whole, experts=experts,
                             layer_params=in_layers, tensors=held.tensors, layers=held.layers,
-                            whole=whole, tables=reads_tables(pricing.compute.graph))
+                            whole=whole)
         return stage_terms(pricing.config.grad_view(), pricing.cluster, stage,
                            pricing.microbatches, pp_index, pricing.compute, pricing.profile)
     at = held.at(problem, start)

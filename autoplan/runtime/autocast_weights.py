@@ -14,8 +14,8 @@ twice as far from fp32 training as one process under autocast.
 So, under autocast, FSDP's layer units leave their inputs as they come
 (``cast_forward_inputs=False``: the residual stream stays fp32, autocast casts what runs in 16
 bits), the weights outside the layers are gathered in fp32 where an embedding table is among
-them (``reads_tables``: a 16-bit table rounds the residual stream's start, which alone took
-Qwen3-MoE twice as far), and ``read_as_autocast`` puts the layers' other fp32 reads back in
+them (``graph.analysis.reads_tables``: a 16-bit table rounds the residual stream's start,
+which alone took Qwen3-MoE twice as far), and ``read_as_autocast`` puts the layers' other fp32 reads back in
 fp32: the weight cast to fp32 before an op that reads it so (norm scales, biases: small; a
 Gemma norm's ``1 + weight`` is not rounded to 16 bits), and after an embedding its output (the
 rows it read, never the table). What remains from eager autocast is the 16-bit rounding of the
@@ -30,7 +30,6 @@ from typing import Any
 import torch
 from torch import fx
 
-from autoplan.graph.analysis import reads_tables
 from autoplan.graph.opgraph import OpGraph
 from autoplan.runtime.program import OP
 
@@ -113,4 +112,4 @@ def _is_floating_weight(gm: fx.GraphModule, target: Any) -> bool:
         return False
 
 
-__all__ = ["read_as_autocast", "reads_tables"]
+__all__ = ["read_as_autocast"]

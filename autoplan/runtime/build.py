@@ -42,6 +42,7 @@ import torch.distributed as dist
 from torch import nn
 
 from autoplan.errors import PlanError
+from autoplan.graph.analysis import reads_tables
 from autoplan.graph.loss import token_mean_loss
 from autoplan.graph.opgraph import OpGraph
 from autoplan.graph.oprules import uses_batch_statistics
@@ -50,7 +51,7 @@ from autoplan.runtime.emit import (Exported, autocast_dtype, compute_dtype, conn
                                    export_for_plan, lower, weights_dtype)
 from autoplan.runtime.master_weights import MasterWeightsOptimizer, keep_main_grads
 from autoplan.runtime.activation_offload import apply_activation_offload
-from autoplan.runtime.autocast_weights import read_as_autocast, reads_tables
+from autoplan.runtime.autocast_weights import read_as_autocast
 from autoplan.runtime.experts import expert_parameters
 from autoplan.runtime.float8 import Float8Scales, fsdp_float8_weights, fsdp_gathered_fqns
 from autoplan.runtime.rank_failure import for_job
